@@ -1,0 +1,3 @@
+from jobspec.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,59 @@
+"""jobspec command line: a small dispatcher over one module per subcommand.
+
+Each module in `jobspec.commands` defines `HELP` (one line), `add_arguments(parser)` and
+`run(args) -> int`; its docstring becomes the subcommand's `--help` description. Modules are
+imported only for the subcommand that runs, so `jobspec validate` never pays for torch.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from jobspec import __version__
+from jobspec.errors import EXIT_INVALID, SpecError
+
+# name -> module under jobspec.commands; the one-line help lives here so `jobspec --help`
+# does not have to import every command.
+COMMANDS: dict[str, str] = {
+    "validate": "Check a job spec; report every problem with file:line:col.",
+    "compile": "Write the exact DeepSpeed config, patches and command a job will run.",
+    "schema": "Print the job spec's JSON Schema (for editors) or its Markdown reference.",
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jobspec", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"jobspec {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, help_line in COMMANDS.items():
+        if name == command:
+            module = importlib.import_module(f"jobspec.commands.{name}")
+            p = sub.add_parser(name, help=help_line, description=module.__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+            module.add_arguments(p)
+            p.set_defaults(_module=module)
+        else:
+            sub.add_parser(name, help=help_line, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command if command in COMMANDS else None)
+    args = parser.parse_args(argv)
+    if getattr(args, "_module", None) is None:
+        parser.print_help()
+        return 0 if not argv else EXIT_INVALID
+    try:
+        return int(args._module.run(args) or 0)
+    except SpecError as err:
+        print(err.render(fmt=getattr(args, "format", "text")), file=sys.stderr)
+        return EXIT_INVALID
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,76 @@
+"""Spec problems: each one knows where it is (file:line:col, dotted path), what is wrong and how to fix it.
+
+Validation collects every `SpecIssue` and raises one `SpecError`, so a user sees all problems at once.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+EXIT_INVALID = 2  # bad input: a spec error, a bad flag, a refused launch
+
+
+@dataclass(frozen=True)
+class SpecIssue:
+    path: tuple = ()            # JSON path into the spec, e.g. ("memory", "zero_stage")
+    message: str = ""           # what is wrong
+    hint: str | None = None     # how to fix it ("did you mean ...", "set ...")
+    file: str | None = None     # where: the file (or "<--set>") the offending node came from
+    line: int | None = None     # 1-based
+    column: int | None = None   # 1-based
+
+    @property
+    def dotted_path(self) -> str:
+        out = ""
+        for part in self.path:
+            out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+        return out or "<root>"
+
+    def location(self) -> str:
+        if self.file is None:
+            return "<spec>"
+        if self.line is None:
+            return self.file
+        return f"{self.file}:{self.line}:{self.column or 1}"
+
+    def render(self) -> str:
+        text = f"{self.location()}: {self.dotted_path}: {self.message}"
+        return f"{text} ({self.hint})" if self.hint else text
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["path"] = list(self.path)
+        d["dotted_path"] = self.dotted_path
+        return d
+
+
+@dataclass
+class SpecError(Exception):
+    """One or more spec problems, raised once after collecting them all."""
+
+    issues: list[SpecIssue] = field(default_factory=list)
+
+    def __post_init__(self):
+        super().__init__(self.render())
+
+    def __str__(self) -> str:
+        return self.render()
+
+    def render(self, fmt: str = "text") -> str:
+        ordered = sorted(self.issues, key=_sort_key)
+        if fmt == "json":
+            return json.dumps({"valid": False, "errors": [i.as_dict() for i in ordered]}, indent=2)
+        lines = [i.render() for i in ordered]
+        n = len(ordered)
+        lines.append(f"{n} problem{'s' if n != 1 else ''} found")
+        return "\n".join(lines)
+
+
+def _sort_key(issue: SpecIssue):
+    return (issue.file or "", issue.line or 0, issue.column or 0, issue.dotted_path)
+
+
+def spec_error(message: str, *, path: tuple = (), hint: str | None = None, file: str | None = None,
+               line: int | None = None, column: int | None = None) -> SpecError:
+    """A SpecError with a single issue, for problems found outside schema validation."""
+    return SpecError([SpecIssue(path=path, message=message, hint=hint, file=file, line=line, column=column)])

@@ -1,0 +1,93 @@
+"""The job spec's JSON Schema: loading it, filling its defaults, looking up a field's sub-schema.
+
+`schemas/jobspec.schema.json` is the single source of every field's description and default;
+this module only reads it.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+_CANDIDATES = (
+    Path(__file__).resolve().parent.parent / "schemas" / "jobspec.schema.json",  # source checkout
+    Path(__file__).resolve().parent / "_schemas" / "jobspec.schema.json",         # installed wheel
+)
+
+
+def schema_path() -> Path:
+    for candidate in _CANDIDATES:
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError("jobspec.schema.json not found next to the jobspec package")
+
+
+@lru_cache(maxsize=1)
+def _schema_cached() -> dict:
+    return json.loads(schema_path().read_text(encoding="utf-8"))
+
+
+def load_schema() -> dict:
+    """The schema as a fresh dict (callers may mutate it)."""
+    return copy.deepcopy(_schema_cached())
+
+
+def object_branch(node: dict) -> dict | None:
+    """The object-typed schema of `node`, looking inside oneOf/anyOf (e.g. `null | {..}`)."""
+    if "properties" in node:
+        return node
+    for alt in node.get("oneOf", []) + node.get("anyOf", []):
+        if "properties" in alt:
+            return alt
+    return None
+
+
+def subschema_at(path: tuple | list, schema: dict | None = None) -> dict | None:
+    """The schema describing the value at `path` (keys only), or None if no field is there."""
+    node = _schema_cached() if schema is None else schema
+    for key in path:
+        branch = object_branch(node)
+        if branch is None:
+            return None
+        props = branch.get("properties", {})
+        if key in props:
+            node = props[key]
+        elif isinstance(branch.get("additionalProperties"), dict):
+            node = branch["additionalProperties"]
+        elif branch.get("additionalProperties") is True:
+            return {}
+        else:
+            return None
+    return node
+
+
+def fill_defaults(spec: dict, schema: dict | None = None) -> dict:
+    """A copy of `spec` with every missing field set to its schema default, recursively.
+
+    Objects that are present (or default to `{}`) get their own fields' defaults filled;
+    a field whose value is null or a non-object (e.g. `activation_checkpointing: true`) is left as is.
+    """
+    node = _schema_cached() if schema is None else schema
+    return _fill(copy.deepcopy(spec), node)
+
+
+def _fill(value: Any, node: dict) -> Any:
+    branch = object_branch(node)
+    if branch is None or not isinstance(value, dict):
+        return value
+    for key, prop in branch.get("properties", {}).items():
+        if key not in value and "default" in prop:
+            value[key] = copy.deepcopy(prop["default"])
+        if key in value:
+            value[key] = _fill(value[key], prop)
+    return value
+
+
+def enum_values(path: tuple | list) -> list:
+    """The allowed values of an enum field (used by registries' consistency tests)."""
+    node = subschema_at(path)
+    if node is None or "enum" not in node:
+        raise KeyError(f"no enum field at {'.'.join(map(str, path))}")
+    return list(node["enum"])
