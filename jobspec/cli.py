@@ -19,6 +19,7 @@ COMMANDS: dict[str, str] = {
     "validate": "Check a job spec; report every problem with file:line:col.",
     "compile": "Write the exact DeepSpeed config, patches and command a job will run.",
     "schema": "Print the job spec's JSON Schema (for editors) or its Markdown reference.",
+    "launch": "Validate, compile and run a job through DeepSpeed, logging it to MLflow.",
 }
 
 

@@ -1,0 +1,126 @@
+"""Compile a job spec into the exact DeepSpeed config, model patches and command it will run.
+
+Without --out, prints the DeepSpeed config (JSON on stdout; notes on stderr). With --out DIR,
+writes the run-directory files a launch would use:
+
+  spec.yaml        the spec exactly as written
+  resolved.yaml    every default filled, paths absolute
+  ds_config.json   the complete DeepSpeed config (no "auto")
+  patches.json     model changes the worker applies (checkpointing, attention, ...)
+  command.txt      the `deepspeed` command line
+  launch.json      world size, batch arithmetic, total steps, notes
+
+Notes list every value a `deepspeed:` override replaced. Exit code 2 on an invalid spec.
+
+examples:
+  jobspec compile jobs/quickstart.yaml
+  jobspec compile jobs/xlmr-large.yaml --set training.micro_batch_size=4 --out /tmp/xlmr
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import yaml
+
+from jobspec.errors import spec_error
+
+COMPILE_FILES = ("spec.yaml", "resolved.yaml", "ds_config.json", "patches.json", "command.txt", "launch.json")
+_EXTENSION_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet", ".pq": "parquet"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("job", metavar="JOB", help="job spec file (YAML)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a field, e.g. --set training.max_steps=10 (repeatable)")
+    parser.add_argument("--out", metavar="DIR", type=Path,
+                        help="write the run-directory files here instead of printing the DeepSpeed config")
+    parser.add_argument("--format", choices=("text", "json"), default="text",
+                        help="text: the config and notes; json: one object (also used for errors)")
+
+
+def run(args: argparse.Namespace) -> int:
+    # Imported here so `jobspec compile --help` stays instant.
+    from jobspec.compiler import compile_spec
+    from jobspec.modelinfo import model_dims, read_local_config
+    from jobspec.validation import load_and_validate
+
+    resolved = load_and_validate(args.job, overrides=args.overrides)
+    spec = resolved.spec
+    dims = model_dims(spec, read_local_config(spec["model"]["name_or_path"]))
+    num_train_samples = None
+    if spec["training"]["epochs"] is not None and spec["data"]["train"]:
+        num_train_samples = count_rows(spec["data"]["train"], spec["data"]["format"])
+    run_dir = str(args.out.resolve()) if args.out else "RUN_DIR"
+    compiled = compile_spec(spec, model_dims=dims, num_train_samples=num_train_samples, run_dir=run_dir)
+
+    if args.out:
+        write_run_files(args.out, resolved, compiled)
+        if args.format == "json":
+            print(json.dumps({"out": run_dir, "files": list(COMPILE_FILES), "notes": compiled.notes}, indent=2))
+        else:
+            print(f"wrote {', '.join(COMPILE_FILES)} to {run_dir}")
+            print(f"command: {shlex.join(compiled.launch['argv'])}")
+            for note in compiled.notes:
+                print(f"note: {note}")
+        return 0
+    if args.format == "json":
+        print(json.dumps({"ds_config": compiled.ds_config, "patches": compiled.patches, "launch": compiled.launch,
+                          "derived": compiled.derived, "notes": compiled.notes}, indent=2))
+    else:
+        print(json.dumps(compiled.ds_config, indent=2))
+        # Notes go to stderr so stdout stays a valid ds_config.json.
+        for note in compiled.notes:
+            print(f"note: {note}", file=sys.stderr)
+    return 0
+
+
+def write_run_files(out: Path, resolved, compiled) -> None:
+    """Write the compile outputs into `out`; refuse a non-empty directory holding anything else."""
+    if out.exists() and not out.is_dir():
+        raise spec_error(f"--out {out} exists and is not a directory", hint="choose a directory path")
+    if out.is_dir():
+        foreign = sorted(p.name for p in out.iterdir() if p.name not in COMPILE_FILES)
+        if foreign:
+            shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+            raise spec_error(f"--out {out} is not empty and is not a previous compile output (has {shown})",
+                             hint="choose a new or empty directory; compile only overwrites its own files")
+    out.mkdir(parents=True, exist_ok=True)
+    launch = {**compiled.launch, "derived": compiled.derived, "notes": compiled.notes,
+              "source": str(resolved.source.resolve())}
+    contents = {
+        "spec.yaml": resolved.text,
+        "resolved.yaml": yaml.safe_dump(resolved.spec, sort_keys=False),
+        "ds_config.json": json.dumps(compiled.ds_config, indent=2) + "\n",
+        "patches.json": json.dumps(compiled.patches, indent=2) + "\n",
+        "command.txt": shlex.join(compiled.launch["argv"]) + "\n",
+        "launch.json": json.dumps(launch, indent=2) + "\n",
+    }
+    for name, text in contents.items():
+        (out / name).write_text(text, encoding="utf-8")
+
+
+def count_rows(path: str | Path, fmt: str = "auto") -> int:
+    """Training samples in a jsonl/csv/parquet file (rows; blank jsonl lines and the csv header excluded)."""
+    path = Path(path)
+    if fmt == "auto":
+        fmt = _EXTENSION_FORMATS.get(path.suffix.lower())
+        if fmt is None:
+            raise spec_error(f"cannot tell the format of {path.name} from its extension", path=("data", "format"),
+                             hint="set data.format to jsonl, csv or parquet")
+    try:
+        if fmt == "jsonl":
+            with path.open("rb") as f:
+                return sum(1 for line in f if line.strip())
+        if fmt == "csv":
+            with path.open(newline="", encoding="utf-8") as f:
+                return max(0, sum(1 for _ in csv.reader(f)) - 1)  # csv.reader: quoted newlines stay one row
+        import pyarrow.parquet as pq  # only for parquet data; metadata holds the row count
+        return pq.ParquetFile(path).metadata.num_rows
+    except (OSError, UnicodeDecodeError, csv.Error, ValueError, ImportError) as err:
+        raise spec_error(f"cannot count the rows of {path}: {err}", path=("data", "train"),
+                         hint="check the file and data.format") from None

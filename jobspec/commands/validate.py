@@ -1,0 +1,55 @@
+"""Check one or more job specs without running anything.
+
+Every problem is reported at once, sorted by position, as
+`file:line:col: dotted.path: what is wrong (how to fix it)`; the exit status is 2 if any file
+has a problem, 0 if all are valid. `--set` overrides are checked exactly as `jobspec launch`
+would apply them; their problems are reported at `<--set>:1:N` (N: the override's position
+among the --set flags).
+
+examples:
+  jobspec validate jobs/xlmr-large.yaml
+  jobspec validate jobs/*.yaml --set training.max_steps=10 --format json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from jobspec.errors import EXIT_INVALID, SpecError
+
+HELP = "Check a job spec; report every problem with file:line:col."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("jobs", nargs="+", metavar="JOB", help="job spec YAML file(s)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+                        help="override a field, e.g. --set training.max_steps=100 (repeatable)")
+    parser.add_argument("--format", choices=("text", "json"), default="text",
+                        help="text (default) or machine-readable JSON on stdout")
+
+
+def run(args: argparse.Namespace) -> int:
+    from jobspec.validation import load_and_validate
+
+    reports, failed = [], False
+    for job in args.jobs:
+        try:
+            resolved = load_and_validate(job, args.overrides)
+        except SpecError as err:
+            failed = True
+            if args.format == "json":
+                reports.append({"file": job, **json.loads(err.render("json"))})
+            else:
+                print(err.render(), file=sys.stderr)
+            continue
+        spec = resolved.spec
+        world = spec["resources"]["nodes"] * spec["resources"]["gpus_per_node"]
+        if args.format == "json":
+            reports.append({"valid": True, "file": job, "name": spec["name"], "world_size": world,
+                            "spec": spec})
+        else:
+            print(f"{job}: ok (name {spec['name']}, world size {world})")
+    if args.format == "json":
+        print(json.dumps(reports[0] if len(reports) == 1 else reports, indent=2))
+    return EXIT_INVALID if failed else 0

@@ -1,0 +1,286 @@
+"""Training and evaluation data: local jsonl/csv/parquet through HF `datasets`, or synthetic tokens.
+
+Every dataset is map-style and yields dicts of LongTensors `input_ids`, `attention_mask`, `labels`:
+- sequence-classification: `labels` is the class id (a 0-d tensor, stacked to (batch,));
+- token-classification: one label per token, -100 on special tokens, padding and non-first sub-words;
+- masked-lm: 15% of the tokens chosen (BERT's 80/10/10 mask/random/keep), -100 elsewhere, fixed per seed;
+- causal-lm: `labels` are the input ids (the model shifts them), -100 on padding.
+`make_loader` shards a dataset over ranks deterministically and can resume mid-epoch.
+"""
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from jobspec.errors import spec_error
+
+IGNORE_INDEX = -100  # the label value transformers' losses skip
+MLM_PROBABILITY = 0.15
+FORMAT_BY_SUFFIX = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".pq": "parquet"}
+FORMAT_BY_NAME = {"jsonl": "json", "csv": "csv", "parquet": "parquet"}
+LEARNABLE_PREFIX = 8  # synthetic `learnable` class labels look at this many leading tokens
+
+
+class TensorDictDataset(Dataset):
+    """Rows of named tensors (a 2-D tensor per column, or a list of 1-D tensors of varying length)."""
+
+    def __init__(self, columns: dict, pad_token_id: int = 0):
+        self.columns = columns
+        self.pad_token_id = pad_token_id  # used by the collate function for `padding: longest`
+        self._length = len(next(iter(columns.values())))
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index: int) -> dict:
+        return {name: column[index] for name, column in self.columns.items()}
+
+
+class PadCollator:
+    """Stacks samples, padding to the longest in the batch (ids with pad, mask with 0, labels with -100)."""
+
+    def __init__(self, pad_token_id: int = 0):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, samples: list[dict]) -> dict:
+        pad_values = {"input_ids": self.pad_token_id, "attention_mask": 0, "labels": IGNORE_INDEX}
+        batch = {}
+        for key in samples[0]:
+            values = [s[key] for s in samples]
+            if values[0].dim() == 0:
+                batch[key] = torch.stack(values)
+            else:
+                batch[key] = torch.nn.utils.rnn.pad_sequence(values, batch_first=True,
+                                                             padding_value=pad_values.get(key, 0))
+        return batch
+
+
+def build_datasets(spec: dict, tokenizer):
+    """(train, eval or None) for the spec's data section and model task."""
+    data = spec["data"]
+    if data.get("synthetic") is not None:
+        return _synthetic_datasets(spec)
+    if not data.get("train"):
+        raise spec_error("no training data", path=("data", "train"),
+                         hint="set data.train to a jsonl/csv/parquet file, or data.synthetic: {}")
+    label_names: dict = {}  # string labels -> ids, shared by train and eval
+    train = _file_dataset(spec, tokenizer, "train", label_names)
+    evaluation = _file_dataset(spec, tokenizer, "eval", label_names) if data.get("eval") else None
+    return train, evaluation
+
+
+def make_loader(dataset, *, micro_batch_size: int, rank: int, world_size: int, seed: int, epoch: int,
+                shuffle: bool, num_workers: int, pin_memory: bool, skip_batches: int = 0) -> DataLoader:
+    """A DataLoader over this rank's shard of `dataset` for one epoch.
+
+    The order depends only on (seed, epoch), so every rank agrees on it; the tail that does not
+    fill a batch on every rank is dropped, so all ranks take the same number of steps.
+    `skip_batches` starts the epoch that many batches in (resuming at the exact data position).
+    """
+    sampler = _ResumableSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed,
+                                drop_last=True, skip=skip_batches * micro_batch_size)
+    sampler.set_epoch(epoch)
+    return DataLoader(dataset, batch_size=micro_batch_size, sampler=sampler, drop_last=True,
+                      num_workers=num_workers, pin_memory=pin_memory and torch.cuda.is_available(),
+                      collate_fn=PadCollator(getattr(dataset, "pad_token_id", 0) or 0))
+
+
+class _ResumableSampler(DistributedSampler):
+    """DistributedSampler that can start `skip` samples into its shard."""
+
+    def __init__(self, *args, skip: int = 0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.skip = skip
+
+    def __iter__(self):
+        return itertools.islice(super().__iter__(), self.skip, None)
+
+    def __len__(self) -> int:
+        return max(0, self.num_samples - self.skip)
+
+
+# ---- synthetic data ---------------------------------------------------------------------------
+
+def _synthetic_datasets(spec: dict):
+    synthetic = spec["data"]["synthetic"]
+    seed = spec.get("training", {}).get("seed", 42)
+    train = synthetic_dataset(spec, synthetic.get("num_samples", 512), seed)
+    eval_samples = synthetic.get("eval_samples", 0)
+    # a different seed stream, so the eval samples are not a copy of the first training samples
+    evaluation = synthetic_dataset(spec, eval_samples, seed + 1_000_003) if eval_samples else None
+    return train, evaluation
+
+
+def synthetic_dataset(spec: dict, num_samples: int, seed: int) -> TensorDictDataset:
+    """Random token ids in `vocab_range`; `labels: learnable` derives the labels from the tokens."""
+    synthetic = spec["data"]["synthetic"]
+    task = spec["model"].get("task", "sequence-classification")
+    num_labels = spec["model"].get("num_labels", 2)
+    low, high = synthetic.get("vocab_range", [100, 30000])
+    if high <= low:
+        raise spec_error(f"vocab_range [{low}, {high}) is empty", path=("data", "synthetic", "vocab_range"),
+                         hint="the second id must be larger than the first")
+    seq_len, learnable = synthetic.get("seq_len", 512), synthetic.get("labels", "random") == "learnable"
+    generator = torch.Generator().manual_seed(seed)
+    if learnable and task in ("masked-lm", "causal-lm"):
+        # counting sequences (start, start+1, ...) wrapped in the range: the next token is predictable
+        start = torch.randint(low, high, (num_samples, 1), generator=generator)
+        ids = low + (start - low + torch.arange(seq_len)) % (high - low)
+    else:
+        ids = torch.randint(low, high, (num_samples, seq_len), generator=generator)
+    mask = torch.ones_like(ids)
+    columns = {"input_ids": ids, "attention_mask": mask}
+    if task == "sequence-classification":
+        if learnable:
+            above = (ids[:, :LEARNABLE_PREFIX] >= (low + high) / 2).sum(dim=1)
+            # the count of high ids among the first 8 tokens, in num_labels buckets
+            # (2 labels: "more than 4 of the first 8 are in the upper half")
+            columns["labels"] = above * num_labels // (LEARNABLE_PREFIX + 1)
+        else:
+            columns["labels"] = torch.randint(0, num_labels, (num_samples,), generator=generator)
+    elif task == "token-classification":
+        if learnable:
+            columns["labels"] = (ids - low) * num_labels // (high - low)  # which slice of the range
+        else:
+            columns["labels"] = torch.randint(0, num_labels, ids.shape, generator=generator)
+    elif task == "masked-lm":
+        # no tokenizer: the id just below the range is the mask token (inside the range when it starts at 0)
+        mask_id = low - 1 if low > 0 else high - 1
+        columns["input_ids"], columns["labels"] = _mask_tokens(ids, mask, torch.zeros_like(ids, dtype=torch.bool),
+                                                               mask_id, (low, high), generator)
+    else:
+        columns["labels"] = ids.clone()
+    return TensorDictDataset(columns, pad_token_id=0)
+
+
+def _mask_tokens(ids, attention_mask, special, mask_id: int, vocab: tuple[int, int], generator):
+    """BERT masking: 15% of real tokens are targets; of those 80% -> mask, 10% -> random id, 10% kept."""
+    draw = torch.rand(ids.shape, generator=generator)
+    targets = (draw < MLM_PROBABILITY) & attention_mask.bool() & ~special
+    labels = torch.where(targets, ids, torch.full_like(ids, IGNORE_INDEX))
+    action = torch.rand(ids.shape, generator=generator)
+    masked = ids.clone()
+    masked[targets & (action < 0.8)] = mask_id
+    randomised = targets & (action >= 0.8) & (action < 0.9)
+    masked[randomised] = torch.randint(vocab[0], vocab[1], ids.shape, generator=generator)[randomised]
+    return masked, labels
+
+
+# ---- file data --------------------------------------------------------------------------------
+
+def _file_dataset(spec: dict, tokenizer, split: str, label_names: dict) -> TensorDictDataset:
+    import datasets
+
+    data, task = spec["data"], spec["model"].get("task", "sequence-classification")
+    path = data[split]
+    if tokenizer is None:
+        raise spec_error("file data needs a tokenizer", path=("data", "tokenizer"),
+                         hint="set data.tokenizer (or use model.name_or_path)")
+    fmt = _file_format(path, data.get("format", "auto"))
+    if not Path(path).is_file():
+        raise spec_error(f"{split} file not found: {path}", path=("data", split), hint="check the path")
+    try:
+        table = datasets.load_dataset(fmt, data_files=str(path), split="train")
+    except Exception as err:  # datasets raises many types for unreadable files
+        raise spec_error(f"cannot read {path} as {fmt}: {str(err).splitlines()[0] if str(err) else err}",
+                         path=("data", split), hint="check the file and data.format") from None
+    needed = list(data.get("text_fields", ["text"]))
+    if task in ("sequence-classification", "token-classification"):
+        needed.append(data.get("label_field", "label"))
+    for column in needed:
+        if column not in table.column_names:
+            field = "label_field" if column == data.get("label_field", "label") and column not in data.get(
+                "text_fields", ["text"]) else "text_fields"
+            raise spec_error(f"column {column!r} not in {Path(path).name} (columns: {', '.join(table.column_names)})",
+                             path=("data", field), hint="name one of the file's columns")
+    return _tokenize(spec, tokenizer, table, split, label_names)
+
+
+def _file_format(path: str, fmt: str) -> str:
+    if fmt != "auto":
+        return FORMAT_BY_NAME[fmt]
+    suffix = Path(path).suffix.lower()
+    if suffix not in FORMAT_BY_SUFFIX:
+        raise spec_error(f"cannot tell the format of {Path(path).name} from its extension",
+                         path=("data", "format"), hint="set data.format to jsonl, csv or parquet")
+    return FORMAT_BY_SUFFIX[suffix]
+
+
+def _tokenize(spec: dict, tokenizer, table, split: str, label_names: dict) -> TensorDictDataset:
+    data, model = spec["data"], spec["model"]
+    task, fields = model.get("task", "sequence-classification"), data.get("text_fields", ["text"])
+    fixed = data.get("padding", "max_length") == "max_length"
+    texts = [list(table[field]) for field in fields]  # datasets returns lazy Column objects
+    word_split = task == "token-classification"
+    if word_split and not all(isinstance(t, list) for t in texts[0][:1]):
+        raise spec_error(f"token-classification needs column {fields[0]!r} to hold lists of words",
+                         path=("data", "text_fields"), hint="store words and per-word labels as lists")
+    encoded = tokenizer(*texts, truncation=True, max_length=data.get("max_length", 512),
+                        padding="max_length" if fixed else False, is_split_into_words=word_split)
+    ids = [torch.tensor(x, dtype=torch.long) for x in encoded["input_ids"]]
+    mask = [torch.tensor(x, dtype=torch.long) for x in encoded["attention_mask"]]
+    label_field = data.get("label_field", "label")
+    if task == "sequence-classification":
+        classes = _class_ids(list(table[label_field]), label_names, model.get("num_labels", 2), split)
+        labels = list(torch.tensor(classes, dtype=torch.long))
+    elif task == "token-classification":
+        labels = _word_labels(encoded, list(table[label_field]), label_names, model.get("num_labels", 2), split)
+    elif task == "masked-lm":
+        labels, ids = _mask_file_tokens(ids, mask, tokenizer, spec.get("training", {}).get("seed", 42), split)
+    else:
+        labels = [torch.where(m.bool(), i, torch.full_like(i, IGNORE_INDEX)) for i, m in zip(ids, mask)]
+    columns = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    if fixed:
+        columns = {name: torch.stack(rows) for name, rows in columns.items()}
+    return TensorDictDataset(columns, pad_token_id=tokenizer.pad_token_id or 0)
+
+
+def _class_ids(values: list, label_names: dict, num_labels: int, split: str) -> list[int]:
+    """Integer labels as they are; string labels numbered in sorted order of the training file."""
+    if values and isinstance(values[0], str):
+        if not label_names:
+            label_names.update({name: i for i, name in enumerate(sorted(set(values)))})
+        unknown = sorted(set(values) - set(label_names))
+        if unknown:
+            raise spec_error(f"{split} labels {unknown[:5]} do not occur in the training data",
+                             path=("data", "label_field"), hint="use the same label names in both files")
+        values = [label_names[v] for v in values]
+    bad = [v for v in values if not isinstance(v, (int, np.integer)) or not 0 <= v < num_labels]
+    if bad:
+        raise spec_error(f"{split} label {bad[0]!r} is not a class id in [0, {num_labels})",
+                         path=("model", "num_labels"), hint="set model.num_labels to the number of classes")
+    return [int(v) for v in values]
+
+
+def _word_labels(encoded, word_labels: list, label_names: dict, num_labels: int, split: str) -> list:
+    """Per-token labels: each word's label on its first sub-word token, -100 elsewhere."""
+    flat = _class_ids([label for row in word_labels for label in row], label_names, num_labels, split)
+    out, start = [], 0
+    for row_index, row in enumerate(word_labels):
+        row_ids, start = flat[start:start + len(row)], start + len(row)
+        token_labels, previous = [], None
+        for word in encoded.word_ids(row_index):
+            token_labels.append(IGNORE_INDEX if word is None or word == previous else row_ids[word])
+            previous = word
+        out.append(torch.tensor(token_labels, dtype=torch.long))
+    return out
+
+
+def _mask_file_tokens(ids: list, mask: list, tokenizer, seed: int, split: str):
+    if tokenizer.mask_token_id is None:
+        raise spec_error("masked-lm needs a tokenizer with a mask token", path=("data", "tokenizer"),
+                         hint="use a tokenizer that defines mask_token (e.g. [MASK] or <mask>)")
+    special_ids = torch.tensor(sorted(set(tokenizer.all_special_ids)))
+    generator = torch.Generator().manual_seed(seed if split == "train" else seed + 1_000_003)
+    labels, masked = [], []
+    for row_ids, row_mask in zip(ids, mask):
+        special = torch.isin(row_ids, special_ids)
+        row_masked, row_labels = _mask_tokens(row_ids, row_mask, special, tokenizer.mask_token_id,
+                                              (0, len(tokenizer)), generator)
+        masked.append(row_masked)
+        labels.append(row_labels)
+    return labels, masked

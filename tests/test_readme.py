@@ -1,0 +1,30 @@
+"""The README's two set-up commands stay real: CI runs exactly the README's test command."""
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _setup_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text.split("## Set up and run", 1)[1].split("\n## ", 1)[0]
+    return [block.strip() for block in re.findall(r"```\n(.*?)```", section, flags=re.S)]
+
+
+def test_readme_has_exactly_two_setup_commands():
+    commands = _setup_commands()
+    assert len(commands) == 2, commands
+    assert "jobspec launch jobs/quickstart.yaml" in commands[0]
+    assert "pytest" in commands[1]
+
+
+def test_ci_runs_the_readme_test_command():
+    test_command = _setup_commands()[1]
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert test_command in ci.splitlines(), f".ci/run must run the README's test command: {test_command}"
+
+
+def test_setup_never_pulls_unpinned_torch():
+    # An unpinned torch would pull several GB of CUDA wheels on a CPU machine.
+    for command in _setup_commands():
+        assert "torch==2.13.0" in command
