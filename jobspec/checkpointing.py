@@ -137,12 +137,21 @@ def resume_target(resume: str, ckpt_dir: str | os.PathLike) -> tuple[str, str] |
 
 
 def load(engine, load_dir: str, tag: str) -> dict:
-    """Load weights, optimizer and scheduler into `engine`, restore this rank's RNG; the client state."""
+    """Load weights, optimizer and scheduler into `engine`; returns the client state.
+
+    The RNG is not restored here: see `rng_state_of_this_rank` for when to do it.
+    """
     load_path, client_state = engine.load_checkpoint(load_dir, tag=tag)
     if load_path is None or client_state is None:
         raise spec_error(f"could not load checkpoint {tag!r} from {load_dir}", path=("checkpoint", "resume"),
                          hint="the checkpoint may be incomplete; point `checkpoint.resume` at an older one")
-    rng = client_state.get("rng")
-    if rng:
-        restore_rng_state(rng[dist.get_rank()] if dist.get_rank() < len(rng) else rng[0])
     return client_state
+
+
+def rng_state_of_this_rank(client_state: dict) -> dict | None:
+    """This rank's saved RNG states, to restore with `restore_rng_state` right AFTER creating the
+    resumed epoch's DataLoader iterator: `iter()` draws a base seed from the global torch RNG,
+    which the uninterrupted run did at the start of the epoch, before the state was saved."""
+    states = client_state.get("rng") or []
+    rank = dist.get_rank()
+    return states[rank] if rank < len(states) else None

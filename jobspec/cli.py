@@ -20,6 +20,8 @@ COMMANDS: dict[str, str] = {
     "compile": "Write the exact DeepSpeed config, patches and command a job will run.",
     "schema": "Print the job spec's JSON Schema (for editors) or its Markdown reference.",
     "launch": "Validate, compile and run a job through DeepSpeed, logging it to MLflow.",
+    "plan": "Predict per-GPU memory of a job; --fit finds the fastest settings that fit a budget.",
+    "sbatch": "Render a Slurm batch script for a job (launch.sh + #SBATCH lines); --submit to sbatch it.",
 }
 
 

@@ -409,9 +409,13 @@ def schema_types(node: dict) -> list[str]:
     return out
 
 
+def has_type(value: Any, types: list[str]) -> bool:
+    return any(_TYPE_CHECKS[t](value) for t in types)
+
+
 def _typed(value: Any, raw: str, node: dict, keys: tuple, fail) -> Any:
     types = schema_types(node)
-    if not types or any(_TYPE_CHECKS[t](value) for t in types):
+    if not types or has_type(value, types):
         return value
     if "string" in types:
         return raw.strip()   # `--set name=007` means the string "007"

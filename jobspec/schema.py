@@ -50,7 +50,14 @@ def subschema_at(path: tuple | list, schema: dict | None = None) -> dict | None:
     for key in path:
         branch = object_branch(node)
         if branch is None:
-            return None
+            # free-form mappings (model.config, deepspeed, tags) accept any key below them
+            if node.get("type") != "object":
+                return None
+            extra = node.get("additionalProperties", True)
+            if isinstance(extra, dict):
+                node = extra
+                continue
+            return {} if extra is True else None
         props = branch.get("properties", {})
         if key in props:
             node = props[key]

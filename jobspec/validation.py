@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from jobspec.errors import SpecError, SpecIssue
-from jobspec.loader import SET_FILE, LoadedSpec, Position, _type_name, load_spec, schema_types, types_text
+from jobspec.loader import SET_FILE, LoadedSpec, Position, _type_name, has_type, load_spec, schema_types, types_text
 from jobspec.schema import _schema_cached, fill_defaults, object_branch, subschema_at
 
 PATH_FIELDS = (("data", "train"), ("data", "eval"), ("data", "tokenizer"), ("model", "name_or_path"),
@@ -149,24 +149,12 @@ def _explain_one_of(error, resolved: ResolvedSpec) -> list[SpecIssue]:
     # the branch whose type the value has (e.g. the mapping branch for a mapping).
     path, value = tuple(error.absolute_path), error.instance
     for index, branch in enumerate(error.validator_value):
-        if _has_type(value, schema_types(branch)):
-            nested = [e for e in error.context if e.relative_schema_path[0] == index]
+        nested = [e for e in error.context if e.relative_schema_path[0] == index]
+        if has_type(value, schema_types(branch)) and nested:
             return [issue for sub in nested for issue in _explain(sub, resolved)]
     expected = [t for branch in error.validator_value for t in schema_types(branch)]
     return [resolved.issue(path, f"expected {types_text(expected)}, got {_describe(value)}",
                            _first_sentence(error.schema))]
-
-
-def _has_type(value: Any, types: list[str]) -> bool:
-    checks = {"string": str, "boolean": bool, "object": dict, "array": list}
-    for t in types:
-        if t == "null" and value is None:
-            return True
-        if t in ("integer", "number") and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return t == "number" or isinstance(value, int)
-        if t in checks and isinstance(value, checks[t]):
-            return True
-    return False
 
 
 def _describe(value: Any) -> str:

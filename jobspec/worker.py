@@ -136,6 +136,7 @@ def train(run_dir: Path, local_rank: int, state: RunState, started: float) -> in
 
     deepspeed.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
+    _share_cpu_threads()
     training = spec["training"]
     set_seed(training["seed"])  # python, numpy, torch (+cuda): same initial weights on every rank
 
@@ -153,8 +154,10 @@ def train(run_dir: Path, local_rank: int, state: RunState, started: float) -> in
 
     ckpt = spec["checkpoint"]
     target = checkpointing.resume_target(ckpt["resume"], ckpt["dir"])
+    pending_rng = None
     if target is not None:
         client_state = checkpointing.load(engine, *target)
+        pending_rng = checkpointing.rng_state_of_this_rank(client_state)
         state.step = client_state["step"]
         state.epoch = client_state["epoch"]
         state.batches_in_epoch = client_state["batches_in_epoch"]
@@ -194,7 +197,11 @@ def train(run_dir: Path, local_rank: int, state: RunState, started: float) -> in
         loader = make_loader(train_ds, epoch=state.epoch, shuffle=data["shuffle"],
                              skip_batches=state.batches_in_epoch, **loader_args)
         yielded = False
-        for batch in loader:
+        batches = iter(loader)
+        if pending_rng is not None:  # after iter(): see checkpointing.rng_state_of_this_rank
+            checkpointing.restore_rng_state(pending_rng)
+            pending_rng = None
+        for batch in batches:
             yielded = True
             window.tokens += telemetry.count_tokens(batch)
             window.samples += int(batch["input_ids"].shape[0])
@@ -372,6 +379,17 @@ def _any_rank(flag: bool, device) -> bool:
     t = torch.tensor([1.0 if flag else 0.0], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
+
+
+def _share_cpu_threads() -> None:
+    """On CPU ranks, split the cores between the ranks of this node: every rank taking all of
+    them makes the ranks' OpenMP threads fight for cores (steps become many times slower)."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+    if get_accelerator().device_name() != "cpu" or "OMP_NUM_THREADS" in os.environ:
+        return
+    local_ranks = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
 
 
 def _loss_of(outputs):

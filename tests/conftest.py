@@ -32,17 +32,18 @@ def deep_merge(base: dict, over: dict) -> dict:
 
 
 # A model small enough that 2 CPU ranks train it in seconds; dropout stays on so that
-# resume tests also check the RNG restore.
+# resume tests also check the RNG restore. Token classification over 64 ids (label: which half
+# of the range) is learnable within a dozen steps.
 TINY_SPEC = {
     "name": "tiny",
-    "model": {"architecture": "bert", "task": "sequence-classification", "num_labels": 2,
+    "model": {"architecture": "bert", "task": "token-classification", "num_labels": 2,
               "config": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
                          "intermediate_size": 64, "vocab_size": 512, "max_position_embeddings": 64}},
-    "data": {"synthetic": {"num_samples": 128, "eval_samples": 16, "seq_len": 16, "vocab_range": [5, 500],
+    "data": {"synthetic": {"num_samples": 128, "eval_samples": 16, "seq_len": 16, "vocab_range": [5, 69],
                            "labels": "learnable"},
              "num_workers": 0, "pin_memory": False},
     "training": {"max_steps": 8, "micro_batch_size": 4, "seed": 7,
-                 "optimizer": {"lr": 1e-3}, "scheduler": {"name": "linear", "warmup_steps": 2}},
+                 "optimizer": {"lr": 2e-3}, "scheduler": {"name": "linear", "warmup_steps": 2}},
     "logging": {"every_n_steps": 1, "mlflow": {"enabled": False}, "progress": "lines"},
     "resources": {"gpus_per_node": 2},
 }

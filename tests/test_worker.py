@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,7 @@ from conftest import make_run_dir, read_metrics, run_worker
 from jobspec import checkpointing
 from jobspec.errors import SpecError
 from jobspec.progress import Progress, format_eta, format_line, progress_mode
-from jobspec.worker import RunState, read_run_dir, summarize
+from jobspec.worker import RunState, StopFlag, read_run_dir, summarize
 
 GPU_ONLY_METRICS = ("mem/peak_allocated_mib_max", "mem/peak_allocated_mib_rank0", "mem/peak_reserved_mib_max",
                     "mem/peak_reserved_mib_rank0", "mem/nvml_used_mib_max", "perf/mfu", "perf/tflops_per_device")
@@ -119,6 +121,20 @@ def test_summary_leaves_the_warmup_window_out_of_throughput():
     summary = summarize(state, "finished", 3, started=0.0)
     assert summary["samples_per_s"] == 15.0
     assert summary["status"] == "finished" and summary["steps"] == 3 and summary["final_loss"] == 0.5
+
+
+@pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGTERM])
+def test_stop_flag_is_set_by_slurms_warning_and_by_preemption(signum):
+    before = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGTERM)}
+    try:
+        flag = StopFlag()
+        flag.install()
+        assert not flag.requested
+        os.kill(os.getpid(), signum)
+        assert flag.requested
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
 
 
 def test_worker_without_run_files_exits_2_with_a_clear_message(tmp_path, capsys):

@@ -4,9 +4,11 @@ Run under the deepspeed runner:
     deepspeed --num_gpus 2 tests/assets/engine_memory.py --run-dir DIR
 DIR holds `resolved.yaml` and `ds_config.json` (as `jobspec compile --out` writes them). The script
 builds the spec's model from its config, `deepspeed.initialize`s it, runs one full step (so the
-optimizer creates its lazily allocated state) and the forward/backward of a second one, and then,
-just before the second `engine.step()` (the moment parameters, gradients, master weights and
-optimizer states all coexist), writes `memory-rank<R>.json`: bytes per category.
+optimizer creates its lazily allocated state) and the forward/backward of a second one. It takes
+snapshots just before the second `engine.step()` (parameters, gradients, master weights and optimizer
+states all coexist) and, where the ZeRO optimizer reduces gradients at the boundary (stage 1), just
+before that reduce (the full gradients are still there), and writes the larger one to
+`memory-rank<R>.json`: bytes per category.
 
 Tensors are found through the engine's and the optimizer's attributes (recursively: lists, dicts,
 the ZeRO optimizer's buckets) and deduplicated by storage, so a flat buffer and the parameter views
@@ -24,7 +26,8 @@ import deepspeed
 import torch
 import torch.distributed as dist
 import yaml
-from transformers import AutoConfig, AutoModelForSequenceClassification
+import transformers
+from transformers import AutoConfig
 
 # Attribute names (substrings, first match wins) -> planner category.
 CATEGORIES = (
@@ -34,6 +37,9 @@ CATEGORIES = (
     ("state", "optimizer_states"),
     ("bit16", "parameters"), ("fp16", "parameters"), ("lp_param", "parameters"),
 )
+AUTO_MODELS = {"sequence-classification": "AutoModelForSequenceClassification",
+               "token-classification": "AutoModelForTokenClassification",
+               "masked-lm": "AutoModelForMaskedLM", "causal-lm": "AutoModelForCausalLM"}
 _SKIP_ATTRS = {"module", "_modules", "dp_process_group", "real_dp_process_group", "timers", "loss_scaler",
                "param_names", "param_dict", "params_in_ipg_bucket", "extra_large_param_to_reduce"}
 
@@ -127,25 +133,36 @@ def main() -> None:
     config = AutoConfig.for_model(model_spec["architecture"], num_labels=model_spec["num_labels"],
                                   **model_spec["config"])
     config.hidden_dropout_prob = config.attention_probs_dropout_prob = 0.0
-    model = AutoModelForSequenceClassification.from_config(config)
+    model = getattr(transformers, AUTO_MODELS[model_spec["task"]]).from_config(config)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     micro, seq = ds_config["train_micro_batch_size_per_gpu"], spec["data"]["synthetic"]["seq_len"]
     generator = torch.Generator().manual_seed(dist.get_rank())
 
     def forward_backward():
         ids = torch.randint(5, config.vocab_size, (micro, seq), generator=generator).to(engine.device)
-        labels = torch.randint(0, model_spec["num_labels"], (micro,), generator=generator).to(engine.device)
+        classes = config.vocab_size if model_spec["task"] in ("masked-lm", "causal-lm") else model_spec["num_labels"]
+        shape = (micro,) if model_spec["task"] == "sequence-classification" else (micro, seq)
+        labels = torch.randint(0, classes, shape, generator=generator).to(engine.device)
         loss = engine(input_ids=ids, labels=labels).loss
         engine.backward(loss)
 
     for _ in range(engine.gradient_accumulation_steps()):
         forward_backward()
         engine.step()
+    snapshots = []
+    reduce = getattr(engine.optimizer, "reduce_gradients", None)
+    if reduce is not None:
+        # ZeRO-1 holds the full gradients until this boundary reduce: its model-state peak
+        def snapshot_then_reduce(*args, **kwargs):
+            snapshots.append(collect(engine))
+            return reduce(*args, **kwargs)
+        engine.optimizer.reduce_gradients = snapshot_then_reduce
     for _ in range(engine.gradient_accumulation_steps()):
         forward_backward()
         if not engine.is_gradient_accumulation_boundary():
             engine.step()
-    found = collect(engine)
+    snapshots.append(collect(engine))
+    found = max(snapshots, key=lambda c: sum(v for k, v in c.bytes.items() if k != "buffers"))
     engine.step()
     rank = dist.get_rank()
     out = {"rank": rank, "world_size": dist.get_world_size(), "bytes": found.bytes,

@@ -1,0 +1,159 @@
+"""Planner accuracy on a CUDA GPU: predicted vs measured `torch.cuda.max_memory_allocated`.
+
+    python bench/planner_accuracy.py            # on a CUDA machine: runs every row (1 GPU)
+    python bench/planner_accuracy.py --dry-run  # predictions only (any machine)
+    python bench/planner_accuracy.py --guide    # planner next to the HF single-GPU guide's 7 bert-large rows
+
+Each row builds the model from its config (no downloads), wraps it with `deepspeed.initialize` using the
+config `jobspec.compiler` writes, runs a few steps on random tokens and reads the allocator's peak.
+Prints a markdown table with the error of each row and the median absolute error.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from jobspec.compiler import compile_spec  # noqa: E402
+from jobspec.modelinfo import model_dims  # noqa: E402
+from jobspec.planner import CUDA_CONTEXT_BYTES, MiB, plan_memory  # noqa: E402
+from jobspec.schema import fill_defaults  # noqa: E402
+
+MODELS = {
+    "bert-large": {"architecture": "bert", "config": {"hidden_size": 1024, "num_hidden_layers": 24,
+                                                      "num_attention_heads": 16, "intermediate_size": 4096}},
+    "xlmr-large": {"architecture": "xlm-roberta", "config": {
+        "hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16, "intermediate_size": 4096,
+        "vocab_size": 250002, "max_position_embeddings": 514, "type_vocab_size": 1}},
+}
+# (model, seq, micro, precision, checkpointing, optimizer, zero stage, optimizer offload)
+ROWS = [
+    ("bert-large", 128, 8, "fp32", False, "adamw", 0, "none"),
+    ("bert-large", 512, 4, "fp32", False, "adamw", 0, "none"),
+    ("bert-large", 512, 4, "bf16", False, "adamw", 0, "none"),
+    ("bert-large", 512, 4, "fp16", True, "adamw", 0, "none"),
+    ("bert-large", 512, 8, "bf16", {"every_n_layers": 2}, "adamw", 0, "none"),
+    ("bert-large", 512, 1, "fp32", True, "adamw", 0, "none"),
+    ("bert-large", 512, 4, "fp32", False, "adamw_8bit", 0, "none"),
+    ("bert-large", 512, 4, "bf16", False, "adamw", 1, "none"),
+    ("bert-large", 512, 4, "bf16", False, "adamw", 2, "none"),
+    ("bert-large", 512, 4, "bf16", False, "adamw", 3, "none"),
+    ("bert-large", 512, 4, "bf16", True, "adamw", 2, "cpu"),
+    ("xlmr-large", 512, 8, "bf16", True, "adamw", 0, "none"),
+    ("xlmr-large", 128, 8, "bf16", False, "adamw_8bit", 0, "none"),
+    ("xlmr-large", 512, 2, "fp32", {"every_n_layers": 2}, "adamw", 0, "none"),
+    ("xlmr-large", 512, 4, "bf16", True, "adamw", 3, "cpu"),
+]
+# HF "Efficient training on a single GPU" (V100 16 GB, HF Trainer, no DeepSpeed, eager attention):
+# bert-large-uncased, seq 512; the measured MB include ~1.3 GB of CUDA context.
+GUIDE_CONTEXT = 1300 * 10**6
+GUIDE = [
+    ("vanilla, batch 4", 4, 1, "fp32", False, "adamw", 14949),
+    ("batch 1 x accumulation 4", 1, 4, "fp32", False, "adamw", 8681),
+    ("+ gradient checkpointing", 1, 4, "fp32", True, "adamw", 6775),
+    ("fp16, batch 4", 4, 1, "fp16", False, "adamw", 13939),
+    ("batch 1 x 4 + ckpt + fp16", 1, 4, "fp16", True, "adamw", 7275),
+    ("8-bit AdamW, batch 4", 4, 1, "fp32", False, "adamw_8bit", 13085),
+    ("everything", 1, 4, "fp16", True, "adamw_8bit", 5363),
+]
+
+
+def row_spec(model, seq, micro, precision, ckpt, optimizer, stage, offload, accumulation=1, attention="sdpa"):
+    return fill_defaults({
+        "name": "bench", "model": {**MODELS[model], "task": "sequence-classification", "attention": attention},
+        "data": {"synthetic": {"seq_len": seq, "num_samples": 64}},
+        "training": {"max_steps": 4, "micro_batch_size": micro, "global_batch_size": micro * accumulation,
+                     "optimizer": {"name": optimizer}},
+        "memory": {"precision": precision, "activation_checkpointing": ckpt, "zero_stage": stage,
+                   "offload": {"optimizer": offload}},
+        "logging": {"mlflow": {"enabled": False}},
+    })
+
+
+def measure(spec: dict, steps: int = 3) -> int:
+    """Peak allocated bytes of a few real steps on cuda:0 (single rank, DeepSpeed engine)."""
+    import deepspeed
+    import torch
+    from jobspec.model import build_model
+    from jobspec.patches import apply_patches, build_client_optimizer
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    compiled = compile_spec(spec, model_dims=model_dims(spec))
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    model = build_model(spec)
+    client = next((p for p in compiled.patches if p["name"] == "client_optimizer"), None)
+    apply_patches(model, [p for p in compiled.patches if p["name"] != "client_optimizer"])
+    optimizer = build_client_optimizer(model, client["args"]) if client else None
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, model_parameters=model.parameters(),
+                                      config=compiled.ds_config)
+    micro, seq = spec["training"]["micro_batch_size"], spec["data"]["synthetic"]["seq_len"]
+    vocab = model.config.vocab_size
+    for _ in range(steps * engine.gradient_accumulation_steps()):
+        ids = torch.randint(5, vocab - 1, (micro, seq), device=engine.device)
+        labels = torch.randint(0, 2, (micro,), device=engine.device)
+        engine.backward(engine(input_ids=ids, labels=labels).loss)
+        engine.step()
+    peak = torch.cuda.max_memory_allocated()
+    engine.destroy() if hasattr(engine, "destroy") else None
+    del engine, model, optimizer
+    torch.cuda.empty_cache()
+    return peak
+
+
+def table(rows, header):
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for row in rows:
+        print("| " + " | ".join(str(c) for c in row) + " |")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="predictions only, no GPU needed")
+    parser.add_argument("--guide", action="store_true", help="compare with the HF guide's bert-large rows")
+    args = parser.parse_args()
+    if args.guide:
+        out, errors = [], []
+        for label, micro, accumulation, precision, ckpt, optimizer, measured_mb in GUIDE:
+            spec = row_spec("bert-large", 512, micro, precision, ckpt, optimizer, 0, "none", accumulation,
+                            attention="eager")   # the guide predates SDPA in BERT
+            plan = plan_memory(spec, model_dims(spec))
+            predicted_mb = (plan.peak_reserved + GUIDE_CONTEXT) / 10**6
+            errors.append(abs(predicted_mb / measured_mb - 1))
+            out.append((label, f"{predicted_mb:.0f}", measured_mb, f"{100 * (predicted_mb / measured_mb - 1):+.1f}%"))
+        table(out, ["guide row", "planner MB (reserved + 1.3 GB ctx)", "guide MB", "error"])
+        print(f"\nmedian |error|: {100 * statistics.median(errors):.1f}%  (guide: HF Trainer with "
+              "torch AdamW in fp32/amp, not DeepSpeed: its fp16 rows keep fp32 weights and no master copy)")
+        return 0
+    import importlib.util
+    has_cuda = importlib.util.find_spec("torch") is not None and __import__("torch").cuda.is_available()
+    if not args.dry_run and not has_cuda:
+        print("no CUDA device: use --dry-run for predictions only", file=sys.stderr)
+        return 2
+    out, errors = [], []
+    for row in ROWS:
+        spec = row_spec(*row)
+        plan = plan_memory(spec, model_dims(spec))
+        predicted = plan.peak_allocated
+        label = " ".join(str(c if not isinstance(c, dict) else f"every{c['every_n_layers']}") for c in row)
+        if args.dry_run:
+            out.append((label, f"{predicted / MiB:.0f}", "-", "-"))
+            continue
+        measured = measure(spec)
+        errors.append(abs(predicted / measured - 1))
+        out.append((label, f"{predicted / MiB:.0f}", f"{measured / MiB:.0f}", f"{100 * (predicted / measured - 1):+.1f}%"))
+    table(out, ["model seq micro precision ckpt optimizer zero offload", "predicted MiB", "measured MiB", "error"])
+    if errors:
+        print(f"\nmedian |error|: {100 * statistics.median(errors):.1f}% over {len(errors)} rows "
+              f"(CUDA context not included: +{CUDA_CONTEXT_BYTES / MiB:.0f} MiB in the NVML total)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

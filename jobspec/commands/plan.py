@@ -1,0 +1,81 @@
+"""Predict a job's per-GPU memory, and with --fit find the fastest settings that fit a budget.
+
+Prints a per-rank breakdown (parameters, gradients, fp32 master weights, optimizer states,
+activations, logits, ZeRO buffers), the predicted peak allocated / reserved memory, the NVML-style
+total including the CUDA context, host RAM, and whether it fits the budget (--gpu-mem, else
+`memory.gpu_memory`). With --fit it searches micro-batch / accumulation, bf16, checkpointing one
+layer in k, 8-bit AdamW, ZeRO stage and offload, keeping the global batch, and prints the cheapest
+configuration that fits as --set overrides with its estimated step-time cost. The cost model is in
+docs/memory-planner.md. Exit code 2 on bad input, 1 when --fit finds nothing that fits.
+
+examples:
+  jobspec plan jobs/xlmr-large.yaml --gpu-mem 24GiB
+  jobspec plan jobs/gpt2-xl-12gb.yaml --fit --gpu-mem 12GiB
+  jobspec plan jobs/quickstart.yaml --format json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+from jobspec.errors import spec_error
+
+EXIT_NOTHING_FITS = 1
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("job", metavar="JOB", help="job spec file (YAML)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a field, e.g. --set training.micro_batch_size=4 (repeatable)")
+    parser.add_argument("--gpu-mem", metavar="SIZE",
+                        help="memory budget per GPU, e.g. 24GiB or 11GB (default: memory.gpu_memory)")
+    parser.add_argument("--fit", action="store_true",
+                        help="search for the fastest settings that fit the budget (global batch unchanged)")
+    parser.add_argument("--no-bf16", action="store_true",
+                        help="with --fit: the GPU lacks bf16 (pre-Ampere), so try fp16 instead")
+    parser.add_argument("--format", choices=("text", "json"), default="text",
+                        help="text: aligned table; json: one object (also used for errors)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from jobspec.fit import fit
+    from jobspec.modelinfo import model_dims, read_local_config
+    from jobspec.planner import parse_bytes, plan_memory, render_plan
+    from jobspec.validation import load_and_validate
+
+    resolved = load_and_validate(args.job, overrides=args.overrides)
+    spec = resolved.spec
+    if args.gpu_mem is not None:
+        budget = parse_bytes(args.gpu_mem, path=("--gpu-mem",))
+    elif spec["memory"]["gpu_memory"]:
+        budget = parse_bytes(spec["memory"]["gpu_memory"])
+    else:
+        budget = None
+    if args.fit and budget is None:
+        raise spec_error("--fit needs a memory budget", path=("memory", "gpu_memory"),
+                         hint="pass --gpu-mem 24GiB or set memory.gpu_memory in the spec")
+    dims = model_dims(spec, read_local_config(spec["model"]["name_or_path"]))
+    plan = plan_memory(spec, dims, budget=budget)
+    result = fit(spec, dims, budget, bf16_supported=not args.no_bf16) if args.fit else None
+
+    if args.format == "json":
+        out = {"job": str(resolved.source), "plan": plan.as_dict()}
+        if result is not None:
+            out["fit"] = result.as_dict()
+        print(json.dumps(out, indent=2))
+    else:
+        print(render_plan(plan, title=f"{spec['name']}: predicted memory per rank (as written)"))
+        if result is not None:
+            print()
+            if result.fits:
+                print(f"fit: {result.reason}")
+                if result.changes:
+                    print("  " + " ".join(f"--set {o}" for o in result.overrides))
+                    print()
+                    print(render_plan(result.plan, title="with these settings:"))
+            else:
+                print(f"fit: {result.reason}")
+            for note in result.notes:
+                print(f"note: {note}")
+            print(f"({result.considered} configurations considered)")
+    return EXIT_NOTHING_FITS if result is not None and not result.fits else 0

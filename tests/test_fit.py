@@ -1,0 +1,80 @@
+"""`--fit`: the fastest settings predicted to fit a budget; the result must validate and compile."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from jobspec.cli import main
+from jobspec.compiler import compile_spec
+from jobspec.fit import fit, step_time
+from jobspec.modelinfo import model_dims
+from jobspec.planner import GiB, parse_bytes, plan_memory
+from jobspec.validation import load_and_validate
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def fitted(job: str, budget: str, **kwargs):
+    spec = load_and_validate(REPO / "jobs" / job).spec
+    dims = model_dims(spec)
+    return spec, dims, fit(spec, dims, parse_bytes(budget), **kwargs)
+
+
+@pytest.mark.parametrize("job,budget", [("gpt2-xl-12gb.yaml", "12GiB"), ("xlmr-large.yaml", "11GiB"),
+                                        ("bert-large-1-vanilla.yaml", "8GiB"), ("gpt2-xl-12gb.yaml", "6GiB")])
+def test_fit_finds_a_config_that_fits_validates_and_compiles(job, budget):
+    spec, dims, result = fitted(job, budget)
+    assert result.fits, result.reason
+    assert result.plan.nvml_total <= parse_bytes(budget)
+    # the overrides are real `--set` arguments: the spec they produce validates, compiles and
+    # plans to the same numbers, with the global batch unchanged
+    changed = load_and_validate(REPO / "jobs" / job, overrides=result.overrides).spec
+    compiled = compile_spec(changed, model_dims=dims, num_train_samples=changed["data"]["synthetic"]["num_samples"])
+    original = compile_spec(spec, model_dims=dims, num_train_samples=spec["data"]["synthetic"]["num_samples"])
+    assert compiled.derived["global_batch_size"] == original.derived["global_batch_size"]
+    assert plan_memory(changed, dims, budget=parse_bytes(budget)).nvml_total == result.plan.nvml_total
+    assert f"of {budget[:-3]}" in result.reason and "x step time" in result.reason
+
+
+def test_fit_prefers_the_written_spec_when_it_is_already_fastest_and_fits():
+    spec, dims, result = fitted("bert-large-4-fp16.yaml", "80GiB")
+    assert result.fits and result.changes == {} and result.slowdown == pytest.approx(1.0)
+
+
+def test_fit_returns_the_cheapest_fitting_candidate():
+    spec, dims, result = fitted("xlmr-large.yaml", "11GiB")
+    from jobspec.fit import apply_changes, candidate_changes
+    budget = parse_bytes("11GiB")
+    baseline = step_time(spec, dims, 1)
+    for changes in candidate_changes(spec, 1, True):
+        candidate = apply_changes(spec, changes)
+        if plan_memory(candidate, dims, budget=budget).fits:
+            assert step_time(candidate, dims, 1) / baseline >= result.slowdown - 1e-9
+
+
+def test_tighter_budgets_cost_more_time():
+    slowdowns = [fitted("gpt2-xl-12gb.yaml", b)[2].slowdown for b in ("24GiB", "10GiB", "6GiB")]
+    assert slowdowns == sorted(slowdowns) and slowdowns[0] < slowdowns[-1]
+
+
+def test_fp16_instead_of_bf16_when_bf16_is_unsupported():
+    _, _, result = fitted("bert-large-1-vanilla.yaml", "8GiB", bf16_supported=False)
+    assert result.changes.get("memory.precision") in (None, "fp16")
+    _, _, with_bf16 = fitted("bert-large-1-vanilla.yaml", "8GiB")
+    assert with_bf16.changes.get("memory.precision") in (None, "bf16")
+
+
+def test_nothing_fits_is_explained():
+    _, _, result = fitted("gpt2-xl-12gb.yaml", "1GiB")
+    assert not result.fits
+    assert "nothing fits in 1.00 GiB" in result.reason and "more GPUs" in result.reason
+    assert result.plan.nvml_total > GiB
+
+
+def test_plan_fit_command(capsys):
+    assert main(["plan", str(REPO / "jobs" / "gpt2-xl-12gb.yaml"), "--fit", "--gpu-mem", "12GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "fit: " in out and "x step time" in out
+    assert main(["plan", str(REPO / "jobs" / "gpt2-xl-12gb.yaml"), "--fit", "--gpu-mem", "1GiB"]) == 1
+    assert "nothing fits" in capsys.readouterr().out
