@@ -22,6 +22,7 @@ COMMANDS: dict[str, str] = {
     "launch": "Validate, compile and run a job through DeepSpeed, logging it to MLflow.",
     "plan": "Predict per-GPU memory of a job; --fit finds the fastest settings that fit a budget.",
     "sbatch": "Render a Slurm batch script for a job (launch.sh + #SBATCH lines); --submit to sbatch it.",
+    "report": "Tabulate and plot an MLflow experiment's runs: settings, throughput, memory vs prediction.",
 }
 
 

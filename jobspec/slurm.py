@@ -13,7 +13,6 @@ Nothing here imports torch; `detect_allocation` and `launch_argv` only run `scon
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
@@ -41,7 +40,8 @@ class Allocation:
 def expand_hostlist(nodelist: str, run=None) -> list[str]:
     """`n[1-3],gpu7` -> ["n1", "n2", "n3", "gpu7"], by Slurm's own parser (`scontrol show hostnames`)."""
     try:
-        result = (run or subprocess.run)(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
+        result = (run or subprocess.run)(["scontrol", "show", "hostnames", nodelist],
+                                         capture_output=True, text=True, check=True)
     except (OSError, subprocess.CalledProcessError) as err:
         detail = getattr(err, "stderr", None) or err
         raise spec_error(f"cannot expand the Slurm node list {nodelist!r}: {detail}", path=("resources", "nodes"),
@@ -63,7 +63,8 @@ def detect_allocation(env=None, run=None) -> Allocation | None:
 
 def node_address(host: str, run=None) -> str:
     """Where `host` is reachable: its Slurm NodeAddr (often the host name itself), else the name."""
-    result = (run or subprocess.run)(["scontrol", "show", "node", "--oneliner", host], capture_output=True, text=True, check=False)
+    result = (run or subprocess.run)(["scontrol", "show", "node", "--oneliner", host],
+                                     capture_output=True, text=True, check=False)
     match = re.search(r"(?:^|\s)NodeAddr=(\S+)", result.stdout if result.returncode == 0 else "")
     return match.group(1) if match else host
 
@@ -196,7 +197,8 @@ def render_sbatch(resolved, spec_path, overrides=(), *, launch_sh=LAUNCH_SH, gpu
 def submit(script: str, run=None) -> str:
     """`sbatch --parsable` with the script on stdin; the job id."""
     try:
-        result = (run or subprocess.run)(["sbatch", "--parsable"], input=script, capture_output=True, text=True, check=False)
+        result = (run or subprocess.run)(["sbatch", "--parsable"], input=script,
+                                         capture_output=True, text=True, check=False)
     except OSError as err:
         raise spec_error(f"cannot run sbatch ({err})", hint="run on a Slurm login node, or drop --submit and "
                                                             "submit the script with sbatch yourself")
@@ -225,27 +227,11 @@ def _node_runner(argv: list[str]) -> int:
     os.execvp(full[0], full)
 
 
-def _launch_with_allocation(argv: list[str]) -> int:
-    """Interim: `jobspec launch ARGS` with the in-allocation argv, until the launcher calls launch_argv."""
-    from jobspec import cli, launcher
-    original = launcher.supervise
-
-    def supervise(run_argv, env, run_dir, **kwargs):
-        launch = json.loads((Path(run_dir) / "launch.json").read_text(encoding="utf-8"))
-        launch["argv"] = run_argv
-        return original(launch_argv(launch, run_dir), env, run_dir, **kwargs)
-
-    launcher.supervise = supervise
-    return cli.main(["launch", *argv])
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["node-runner"]:
         return _node_runner(argv[1:])
-    if argv[:1] == ["launch"]:
-        return _launch_with_allocation(argv[1:])
-    print("usage: python -m jobspec.slurm node-runner RUNNER_ARGV... | launch JOB [jobspec launch args]",
+    print("usage: python -m jobspec.slurm node-runner RUNNER_ARGV...",
           file=sys.stderr)
     return 2
 

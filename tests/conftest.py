@@ -102,14 +102,22 @@ def make_run_dir(root: Path, overrides: dict | None = None, name: str = "run") -
     return run_dir
 
 
+def worker_argv(run_dir: Path, num_ranks: int = 2) -> list[str]:
+    """The command `jobspec launch` runs: the real deepspeed runner starting jobspec.worker ranks."""
+    deepspeed = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
+    return [deepspeed, "--num_gpus", str(num_ranks), "--master_port", str(free_port()),
+            "--module", "jobspec.worker", "--run-dir", str(run_dir)]
+
+
+def worker_env(env: dict | None = None) -> dict:
+    return {**os.environ, "JOBSPEC_PROGRESS": "lines", **(env or {})}
+
+
 def run_worker(run_dir: Path, *, num_ranks: int = 2, env: dict | None = None,
                timeout: int = 600) -> subprocess.CompletedProcess:
-    """Start the worker through the real deepspeed runner, as `jobspec launch` does."""
-    deepspeed = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
-    argv = [deepspeed, "--num_gpus", str(num_ranks), "--master_port", str(free_port()),
-            "--module", "jobspec.worker", "--run-dir", str(run_dir)]
-    full_env = {**os.environ, "JOBSPEC_PROGRESS": "lines", **(env or {})}
-    return subprocess.run(argv, cwd=run_dir, env=full_env, capture_output=True, text=True, timeout=timeout)
+    """Run the worker ranks to the end through the real deepspeed runner."""
+    return subprocess.run(worker_argv(run_dir, num_ranks), cwd=run_dir, env=worker_env(env),
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -67,7 +67,7 @@ SlurmctldPort={ctld_port}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket={munge_socket}
+AuthInfo=socket={munge_socket},cred_expire=5
 CredType=cred/munge
 MpiDefault=none
 ProctrackType=proctrack/linuxproc
@@ -75,6 +75,7 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=2,bf_interval=2
 ReturnToService=2
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
@@ -118,7 +119,7 @@ class SlurmCluster:
 
     # --- lifecycle ----------------------------------------------------------------------------
 
-    def start(self, timeout: float = 60) -> "SlurmCluster":
+    def start(self, timeout: float = 60) -> SlurmCluster:
         for sub in ("munge", "state", "spool", "log", *(f"spool/{n}" for n in NODES)):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         munge_dir = self.root / "munge"
@@ -143,10 +144,9 @@ class SlurmCluster:
         return self
 
     def _spawn(self, name: str, argv: list[str]) -> None:
-        log = open(self.root / "log" / f"{name}.stdout", "wb")
-        proc = subprocess.Popen(argv, env=self.env(), stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-        log.close()
+        with open(self.root / "log" / f"{name}.stdout", "wb") as log:  # the child keeps its own copy
+            proc = subprocess.Popen(argv, env=self.env(), stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
         self.processes.append((name, proc))
 
     def _wait(self, ready, timeout: float, what: str) -> None:

@@ -91,7 +91,7 @@ def test_body_passes_spec_and_overrides_verbatim_and_runs_nothing_else(tmp_path)
     script = render(HOSTILE, overrides, launch_sh=_fake_launch_sh(tmp_path))
     (tmp_path / "job.sbatch").write_text(script)
     result = subprocess.run(["bash", str(tmp_path / "job.sbatch")], cwd=tmp_path, capture_output=True,
-                            text=True, timeout=30)
+                            text=True, timeout=30, check=False)
     assert result.returncode == 0, result.stderr
     argv = json.loads(result.stdout)
     assert argv == [str(HOSTILE), *[x for o in overrides for x in ("--set", o)]]

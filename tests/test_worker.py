@@ -8,15 +8,17 @@ import io
 import json
 import os
 import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
-from conftest import make_run_dir, read_metrics, run_worker
+from conftest import make_run_dir, read_metrics, run_worker, worker_argv, worker_env
 from jobspec import checkpointing
 from jobspec.errors import SpecError
-from jobspec.progress import Progress, format_eta, format_line, progress_mode
-from jobspec.worker import RunState, StopFlag, read_run_dir, summarize
+from jobspec.progress import Progress, RunState, format_eta, format_line, progress_mode, summarize
+from jobspec.worker import StopFlag, read_run_dir
 
 GPU_ONLY_METRICS = ("mem/peak_allocated_mib_max", "mem/peak_allocated_mib_rank0", "mem/peak_reserved_mib_max",
                     "mem/peak_reserved_mib_rank0", "mem/nvml_used_mib_max", "perf/mfu", "perf/tflops_per_device")
@@ -132,14 +134,17 @@ def test_stop_flag_is_set_by_slurms_warning_and_by_preemption(signum):
         assert not flag.requested
         os.kill(os.getpid(), signum)
         assert flag.requested
+        os.kill(os.getpid(), signum)  # a repeat (group signal + launch.py's) must not kill the rank
+        assert flag.requested
     finally:
         for s, handler in before.items():
             signal.signal(s, handler)
 
 
-def test_worker_without_run_files_exits_2_with_a_clear_message(tmp_path, capsys):
+@pytest.mark.parametrize("rank_flag", [["--local_rank=1"], ["--local_rank", "1"]])
+def test_worker_without_run_files_exits_2_with_a_clear_message(tmp_path, capsys, rank_flag):
     from jobspec.worker import main
-    assert main(["--run-dir", str(tmp_path)]) == 2
+    assert main([*rank_flag, "--run-dir", str(tmp_path)]) == 2
     assert "lacks resolved.yaml" in capsys.readouterr().err
     assert json.loads((tmp_path / "summary.json").read_text())["status"] == "failed"
 
@@ -172,10 +177,14 @@ def test_trains_logs_evaluates_and_checkpoints(tmp_path):
 
 
 @pytest.mark.slow
-def test_gradient_accumulation_honours_the_global_batch(tmp_path):
-    run_dir = make_run_dir(tmp_path, {"training": {"max_steps": 3, "global_batch_size": 32}})
+def test_gradient_accumulation_honours_the_global_batch_under_zero2(tmp_path):
+    run_dir = make_run_dir(tmp_path, {"training": {"max_steps": 3, "global_batch_size": 32},
+                                      "memory": {"zero_stage": 2}})
     summary = _launch(run_dir)
     assert (summary["status"], summary["steps"], summary["samples"]) == ("finished", 3, 3 * 32)
+    rows = [r for r in read_metrics(run_dir) if "train/loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["train/grad_norm"] > 0 for r in rows)  # ZeRO's optimizer reports the norm
     state = _client_state(tmp_path / "out" / "checkpoints", "step3")
     # 4 micro-batches of 4 per rank per step: 12 consumed from this epoch on each rank
     assert (state["step"], state["batches_in_epoch"], state["global_steps"]) == (3, 12, 3)
@@ -201,3 +210,38 @@ def test_stop_and_resume_gives_the_same_loss_as_an_uninterrupted_run(tmp_path):
     assert sorted(got) == list(range(7, 21))
     for step in got:
         assert got[step] == pytest.approx(expected[step], abs=1e-5), step
+
+
+@pytest.mark.slow
+def test_a_bad_run_fails_with_a_clear_error_and_a_failed_summary(tmp_path):
+    run_dir = make_run_dir(tmp_path)
+    (run_dir / "patches.json").write_text(json.dumps([{"name": "warp_drive", "args": {}}]))
+    result = run_worker(run_dir)
+    assert result.returncode != 0
+    assert "unknown patch 'warp_drive'" in result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr  # a spec problem, not a crash
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and "warp_drive" in summary["error"]
+
+
+@pytest.mark.slow
+def test_sigusr1_to_the_job_checkpoints_and_exits_preempted(tmp_path):
+    run_dir = make_run_dir(tmp_path, {"training": {"max_steps": 100_000}})
+    # as the launcher does: the job is one process group, and the runner processes ignore SIGUSR1
+    job = subprocess.Popen(worker_argv(run_dir), cwd=run_dir, env=worker_env(), start_new_session=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           preexec_fn=lambda: signal.signal(signal.SIGUSR1, signal.SIG_IGN))
+    try:
+        deadline = time.monotonic() + 400
+        while not ((run_dir / "metrics.jsonl").is_file() and read_metrics(run_dir)):
+            assert job.poll() is None and time.monotonic() < deadline, "the job never logged a step"
+            time.sleep(0.5)
+        os.killpg(job.pid, signal.SIGUSR1)
+        assert job.wait(timeout=300) == 0
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "preempted" and 0 < summary["steps"] < 100_000
+    ckpt_dir = tmp_path / "out" / "checkpoints"
+    assert checkpointing.read_latest(ckpt_dir) == summary["checkpoint"] == f"step{summary['steps']}"

@@ -19,7 +19,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from jobspec import launcher, telemetry
+from jobspec import launcher, slurm, telemetry
 from jobspec.errors import spec_error
 
 HELP = "Validate, compile and run a job through DeepSpeed, logging it to MLflow."
@@ -111,6 +111,8 @@ def run(args) -> int:
         for problem in problems:
             log.warning("preflight (ignored): %s", problem)
         compiled.launch["argv"] = launcher.resolve_runner(compiled.launch["argv"])  # command.txt stays true
+        # inside a multi-node Slurm allocation: one runner per node through srun (docs/slurm.md)
+        compiled.launch["argv"] = slurm.launch_argv(compiled.launch, run_dir)
         write_run_dir(resolved, compiled, run_dir)
         tracked = start_tracking(resolved, compiled, run_dir, resume_run_id)
     except BaseException:

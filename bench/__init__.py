@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m bench` (jobspec vs the HF Trainer), planner accuracy, spec speed."""

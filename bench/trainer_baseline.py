@@ -1,0 +1,187 @@
+"""The HF Trainer doing what a jobspec job does: the baseline `python -m bench` compares against.
+
+    python -m bench.trainer_baseline --run-dir DIR --out result.json
+    deepspeed --num_gpus N --module bench.trainer_baseline --run-dir DIR --out result.json   # ZeRO >= 1
+
+DIR is a `jobspec compile --out` directory. The baseline builds the same model from the same config
+and seed (`jobspec.model.build_model`), the same synthetic samples (`jobspec.data.synthetic_dataset`:
+same seed, same token ids), and `TrainingArguments` with the job's micro/global batch, accumulation,
+precision, gradient checkpointing, optimizer, schedule, clipping and max_steps; with ZeRO >= 1 it
+passes the compiled `ds_config.json` as `deepspeed=`, so both sides run the same DeepSpeed config.
+
+Throughput is steady state, measured like the worker's: windows of `logging.every_n_steps` optimizer
+steps timed by a callback, the first window (warm-up) left out, the median of the rest. Rank 0
+writes the result JSON (the shared metric names).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import yaml
+
+# jobspec optimizer name -> TrainingArguments.optim
+OPTIMIZERS = {"adamw": "adamw_torch", "adamw_8bit": "adamw_bnb_8bit", "adafactor": "adafactor", "sgd": "sgd"}
+# jobspec scheduler name -> TrainingArguments.lr_scheduler_type (warmup then ...)
+SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
+
+
+def uses_deepspeed(spec: dict) -> bool:
+    return spec["memory"]["zero_stage"] >= 1
+
+
+def training_arguments_kwargs(spec: dict, derived: dict, ds_config: dict, output_dir: str | Path,
+                              *, use_cpu: bool = True) -> dict:
+    """TrainingArguments keyword arguments equivalent to a compiled job (pure: tested without training)."""
+    training, memory, data = spec["training"], spec["memory"], spec["data"]
+    optimizer = training["optimizer"]
+    checkpointing = memory["activation_checkpointing"]
+    deepspeed = uses_deepspeed(spec)
+    # With a DeepSpeed config the Trainer checks that its warmup equals the config's, and the
+    # compiler writes DeepSpeed's minimum of 1 warmup step.
+    warmup = ds_config["scheduler"]["params"]["warmup_num_steps"] if deepspeed else derived["warmup_steps"]
+    kwargs = {
+        "output_dir": str(output_dir),
+        "per_device_train_batch_size": derived["micro_batch_size"],
+        "gradient_accumulation_steps": derived["gradient_accumulation_steps"],
+        "max_steps": derived["total_steps"],
+        "learning_rate": optimizer["lr"],
+        "weight_decay": optimizer["weight_decay"],
+        "adam_beta1": optimizer["betas"][0],
+        "adam_beta2": optimizer["betas"][1],
+        "adam_epsilon": optimizer["eps"],
+        "optim": OPTIMIZERS[optimizer["name"]],
+        "max_grad_norm": training["gradient_clipping"],
+        "lr_scheduler_type": SCHEDULES[training["scheduler"]["name"]],
+        "warmup_steps": warmup,
+        "fp16": memory["precision"] == "fp16",
+        "bf16": memory["precision"] == "bf16",
+        "gradient_checkpointing": bool(checkpointing),
+        "seed": training["seed"],
+        "data_seed": training["seed"],
+        "dataloader_num_workers": data["num_workers"],
+        "dataloader_pin_memory": data["pin_memory"] and not use_cpu,
+        "dataloader_drop_last": True,           # like jobspec's loader: every step a full micro-batch
+        "logging_steps": spec["logging"]["every_n_steps"],
+        "report_to": "none",
+        "save_strategy": "no",
+        "eval_strategy": "no",
+        "disable_tqdm": True,
+        "use_cpu": use_cpu,
+    }
+    if checkpointing:
+        settings = checkpointing if isinstance(checkpointing, dict) else {}
+        # the Trainer checkpoints every layer; jobspec's `every_n_layers > 1` has no Trainer equivalent
+        kwargs["gradient_checkpointing_kwargs"] = {"use_reentrant": settings.get("use_reentrant", False)}
+    if optimizer["name"] == "sgd":
+        kwargs["optim_args"] = f"momentum={optimizer['momentum']}"
+    if deepspeed:
+        kwargs["deepspeed"] = ds_config
+    return kwargs
+
+
+def read_run_dir(run_dir: Path) -> tuple[dict, dict, dict]:
+    """(resolved spec, ds_config, derived) of a `jobspec compile --out` directory."""
+    spec = yaml.safe_load((run_dir / "resolved.yaml").read_text(encoding="utf-8"))
+    ds_config = json.loads((run_dir / "ds_config.json").read_text(encoding="utf-8"))
+    derived = json.loads((run_dir / "launch.json").read_text(encoding="utf-8"))["derived"]
+    return spec, ds_config, derived
+
+
+def steady_windows(step_ends: list[float], start: float, window: int) -> list[float]:
+    """Seconds per window of `window` steps from step-end timestamps; the first window is warm-up."""
+    marks = [start] + step_ends
+    durations = [marks[i + window] - marks[i] for i in range(0, len(marks) - window, window)]
+    return durations[1:] or durations
+
+
+def make_callback(window: int, device):
+    """A TrainerCallback timing optimizer steps and reading memory at window ends (like the worker)."""
+    from transformers import TrainerCallback
+
+    from jobspec import metrics
+
+    class SteadyState(TrainerCallback):
+        def __init__(self):
+            self.started = None
+            self.step_ends: list[float] = []
+            self.memory: dict[str, float] = {}
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.started = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if device.type == "cuda":
+                import torch
+                torch.cuda.synchronize(device)  # the worker's window ends in a collective: a sync too
+            self.step_ends.append(time.perf_counter())
+            if len(self.step_ends) % window == 0:
+                for name, value in metrics.reduce_max(metrics.memory_snapshot(device)).items():
+                    self.memory[name] = max(value, self.memory.get(name, value))
+
+    return SteadyState()
+
+
+def run(run_dir: Path, out: Path) -> dict:
+    import torch
+    import torch.distributed as dist
+    from transformers import Trainer, TrainingArguments, set_seed
+
+    from jobspec import metrics
+    from jobspec.data import synthetic_dataset
+    from jobspec.model import build_model
+
+    spec, ds_config, derived = read_run_dir(run_dir)
+    if spec["data"].get("synthetic") is None:
+        raise SystemExit("the baseline needs a job with data.synthetic (same token ids on both sides)")
+    use_cpu = not torch.cuda.is_available()
+    args = TrainingArguments(**training_arguments_kwargs(spec, derived, ds_config, run_dir / "trainer",
+                                                         use_cpu=use_cpu))
+    set_seed(spec["training"]["seed"])  # the same initial weights as the worker
+    model = build_model(spec)
+    synthetic = spec["data"]["synthetic"]
+    train_ds = synthetic_dataset(spec, synthetic["num_samples"], spec["training"]["seed"])
+    window = spec["logging"]["every_n_steps"]
+    callback = make_callback(window, args.device)
+    trainer = Trainer(model=model, args=args, train_dataset=train_ds, callbacks=[callback])
+    trainer.train()
+
+    world = args.world_size
+    per_window = steady_windows(callback.step_ends, callback.started, window)
+    samples_per_s = statistics.median(derived["global_batch_size"] * window / d for d in per_window)
+    # every synthetic sample is seq_len real tokens (no padding): the worker's attention-mask count
+    tokens_per_sample = float(train_ds.columns["attention_mask"].sum()) / len(train_ds)
+    result = {"perf/samples_per_s": samples_per_s, "perf/tokens_per_s": samples_per_s * tokens_per_sample,
+              **{f"mem/{k}_max": v for k, v in callback.memory.items()},
+              "windows": len(per_window), "world_size": world}
+    flops = metrics.flops_per_token(model, synthetic["seq_len"],
+                                    checkpoint_every_n_layers=1 if args.gradient_checkpointing else None)
+    device_name = torch.cuda.get_device_name() if not use_cpu else "cpu"
+    peak = metrics.peak_flops(device_name, spec["memory"]["precision"])
+    if peak:  # absent on CPU, as in the worker
+        per_device = flops * result["perf/tokens_per_s"] / world
+        result.update({"perf/tflops_per_device": per_device / 1e12, "perf/mfu": per_device / peak})
+    if int(os.environ.get("RANK", "0")) == 0:
+        out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.trainer_baseline", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run-dir", type=Path, required=True, help="a `jobspec compile --out` directory")
+    parser.add_argument("--out", type=Path, required=True, help="result JSON (written by rank 0)")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=0, help="set by the deepspeed runner")
+    args = parser.parse_args(argv)
+    run(args.run_dir.resolve(), args.out.resolve())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
