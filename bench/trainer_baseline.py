@@ -30,6 +30,17 @@ OPTIMIZERS = {"adamw": "adamw_torch", "adamw_8bit": "adamw_bnb_8bit", "adafactor
 SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
 
 
+def checkpointing_arg_names() -> tuple[str, str]:
+    """transformers 5 renamed gradient_checkpointing(_kwargs) to activation_checkpointing(_kwargs)."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+    names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    if "activation_checkpointing" in names:
+        return "activation_checkpointing", "activation_checkpointing_kwargs"
+    return "gradient_checkpointing", "gradient_checkpointing_kwargs"
+
+
 def uses_deepspeed(spec: dict) -> bool:
     return spec["memory"]["zero_stage"] >= 1
 
@@ -41,6 +52,7 @@ def training_arguments_kwargs(spec: dict, derived: dict, ds_config: dict, output
     optimizer = training["optimizer"]
     checkpointing = memory["activation_checkpointing"]
     deepspeed = uses_deepspeed(spec)
+    checkpointing_name, checkpointing_kwargs_name = checkpointing_arg_names()
     # With a DeepSpeed config the Trainer checks that its warmup equals the config's, and the
     # compiler writes DeepSpeed's minimum of 1 warmup step.
     warmup = ds_config["scheduler"]["params"]["warmup_num_steps"] if deepspeed else derived["warmup_steps"]
@@ -60,7 +72,7 @@ def training_arguments_kwargs(spec: dict, derived: dict, ds_config: dict, output
         "warmup_steps": warmup,
         "fp16": memory["precision"] == "fp16",
         "bf16": memory["precision"] == "bf16",
-        "gradient_checkpointing": bool(checkpointing),
+        checkpointing_name: bool(checkpointing),
         "seed": training["seed"],
         "data_seed": training["seed"],
         "dataloader_num_workers": data["num_workers"],
@@ -76,7 +88,7 @@ def training_arguments_kwargs(spec: dict, derived: dict, ds_config: dict, output
     if checkpointing:
         settings = checkpointing if isinstance(checkpointing, dict) else {}
         # the Trainer checkpoints every layer; jobspec's `every_n_layers > 1` has no Trainer equivalent
-        kwargs["gradient_checkpointing_kwargs"] = {"use_reentrant": settings.get("use_reentrant", False)}
+        kwargs[checkpointing_kwargs_name] = {"use_reentrant": settings.get("use_reentrant", False)}
     if optimizer["name"] == "sgd":
         kwargs["optim_args"] = f"momentum={optimizer['momentum']}"
     if deepspeed:

@@ -4,10 +4,13 @@ A checkpoint is DeepSpeed's own directory `<ckpt_dir>/step<N>/` plus our client 
 optimizer step, the position in the data (epoch, micro-batches consumed in it), every rank's RNG
 states and the job name. `<ckpt_dir>/latest` names the newest COMPLETE checkpoint: DeepSpeed
 writes it from rank 0 before the other ranks have finished (and with a plain open/write), so we
-save with `save_latest=False` and publish it ourselves after a barrier, with a rename.
+save with `save_latest=False` and publish it ourselves after a barrier, with a rename. Before
+publishing, rank 0 writes `<tag>/jobspec_manifest.json` (every file's size): resuming checks it
+and, with `resume: auto`, falls back to the previous complete checkpoint when a file is truncated.
 """
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -70,6 +73,7 @@ def save(engine, ckpt_dir: str | os.PathLike, *, step: int, epoch: int, batches_
     engine.save_checkpoint(ckpt_dir, tag=tag, client_state=client_state, save_latest=False)
     dist.barrier()  # every rank has finished writing its shards
     if dist.get_rank() == 0:
+        write_manifest(ckpt_dir, tag)
         publish_latest(ckpt_dir, tag)
         prune(ckpt_dir, keep_last)
     dist.barrier()
@@ -134,6 +138,84 @@ def resume_target(resume: str, ckpt_dir: str | os.PathLike) -> tuple[str, str] |
         return str(path.parent), path.name
     raise spec_error(f"checkpoint to resume from not found: {resume}", path=("checkpoint", "resume"),
                      hint="use `auto`, `never`, or the path of a checkpoint directory (e.g. .../checkpoints/step100)")
+
+
+# --- integrity: a manifest of file sizes, written once every rank has finished its shards ----------
+
+MANIFEST = "jobspec_manifest.json"
+
+
+def write_manifest(ckpt_dir: str | os.PathLike, tag: str) -> None:
+    """`<tag>/jobspec_manifest.json`: every file's size; its presence means the save completed."""
+    root = Path(ckpt_dir) / tag
+    sizes = {str(f.relative_to(root)): f.stat().st_size for f in sorted(root.rglob("*"))
+             if f.is_file() and f.name != MANIFEST}
+    tmp = root / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps({"tag": tag, "files": sizes}, indent=1), encoding="utf-8")
+    os.replace(tmp, root / MANIFEST)
+
+
+def verify(load_dir: str | os.PathLike, tag: str) -> str | None:
+    """Why the checkpoint `tag` cannot be trusted (missing, truncated or extra-short files), or None."""
+    root = Path(load_dir) / tag
+    try:
+        files = json.loads((root / MANIFEST).read_text(encoding="utf-8"))["files"]
+    except FileNotFoundError:
+        return f"{root} has no {MANIFEST} (the save did not complete)"
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"{root / MANIFEST} is unreadable ({err})"
+    for name, size in files.items():
+        try:
+            actual = (root / name).stat().st_size
+        except OSError:
+            return f"{root / name} is missing"
+        if actual != size:
+            return f"{root / name} is {actual} bytes, {size} were written"
+    return None
+
+
+def resume_candidates(resume: str, ckpt_dir: str | os.PathLike) -> list[tuple[str, str]]:
+    """Checkpoints to try, best first: for `auto`, the one `latest` names, then older complete ones."""
+    target = resume_target(resume, ckpt_dir)
+    if target is None:
+        return []
+    if resume != "auto":
+        return [target]
+    match = _TAG.match(target[1])
+    newest = int(match.group(1)) if match else None
+    older = [s for s in reversed(completed_steps(ckpt_dir)) if newest is None or s < newest]
+    return [target] + [(str(ckpt_dir), tag_for(s)) for s in older]
+
+
+def load_with_fallback(engine, resume: str, ckpt_dir: str | os.PathLike, any_rank) -> tuple:
+    """(client_state, (load_dir, tag), [why each newer candidate was passed over]), or (None, None, [...]).
+
+    With `auto`, a checkpoint that fails verification or loading on any rank (`any_rank`: a vote
+    across ranks) is passed over for the next older one. An explicit path is never replaced.
+    """
+    passed_over = []
+    for load_dir, tag in resume_candidates(resume, ckpt_dir):
+        has_manifest = (Path(load_dir) / tag / MANIFEST).is_file()
+        problem = verify(load_dir, tag) if (resume == "auto" or has_manifest) else None
+        if any_rank(problem is not None):
+            passed_over.append(problem or f"{tag}: failed verification on another rank")
+            continue
+        try:
+            client_state, error = load(engine, load_dir, tag), None
+        except Exception as err:  # a corrupt shard: torch.load / DeepSpeed raise all sorts
+            client_state, error = None, f"{Path(load_dir) / tag} could not be loaded ({type(err).__name__}: " \
+                                        f"{str(err).splitlines()[0][:200] if str(err) else ''})"
+        if any_rank(error is not None):
+            passed_over.append(error or f"{tag}: failed to load on another rank")
+            if resume != "auto":
+                break
+            continue
+        return client_state, (load_dir, tag), passed_over
+    if passed_over:
+        raise spec_error(f"no usable checkpoint to resume from: {'; '.join(passed_over)}",
+                         path=("checkpoint", "resume"),
+                         hint="set checkpoint.resume to `never` with a new checkpoint.dir to start over")
+    return None, None, passed_over
 
 
 def load(engine, load_dir: str, tag: str) -> dict:

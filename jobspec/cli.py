@@ -23,6 +23,7 @@ COMMANDS: dict[str, str] = {
     "plan": "Predict per-GPU memory of a job; --fit finds the fastest settings that fit a budget.",
     "sbatch": "Render a Slurm batch script for a job (launch.sh + #SBATCH lines); --submit to sbatch it.",
     "report": "Tabulate and plot an MLflow experiment's runs: settings, throughput, memory vs prediction.",
+    "sync": "Upload metrics.jsonl points that MLflow lacks into the run's MLflow run (idempotent).",
 }
 
 

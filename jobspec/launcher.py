@@ -121,7 +121,48 @@ def preflight_problems(spec: dict, launch: dict) -> list[str]:
         if res["gpus_per_node"] > available:
             problems.append(f"resources.gpus_per_node is {res['gpus_per_node']} but this host has "
                             f"{available} {kind}")
+    space_problem = checkpoint_space_problem(spec)
+    if space_problem:
+        problems.append(space_problem)
     return problems
+
+
+def checkpoint_bytes(spec: dict) -> int | None:
+    """Size of one checkpoint, all ranks' files together: weights, fp32 master copy, optimizer state.
+
+    About params x 16 bytes for mixed-precision Adam. None when the model's size is unknown.
+    """
+    from jobspec.modelinfo import model_dims, read_local_config
+    from jobspec.planner import OPTIMIZER_STATE_BYTES, PRECISION_BYTES
+    model = spec["model"]
+    dims = model_dims(spec, read_local_config(model["name_or_path"]))
+    params = dims.num_parameters(model["task"], model["num_labels"]) if dims else None
+    if not params:
+        return None
+    precision = spec["memory"]["precision"]
+    weights = PRECISION_BYTES[precision] + (4 if precision != "fp32" else 0)
+    state = OPTIMIZER_STATE_BYTES.get(spec["training"]["optimizer"]["name"], 8)  # adafactor: at most Adam's
+    return params * (weights + state)
+
+
+def checkpoint_space_problem(spec: dict) -> str | None:
+    """Refuse before training when the checkpoint directory's disk cannot hold even one checkpoint."""
+    ckpt = spec["checkpoint"]
+    if not (ckpt["save_final"] or ckpt["every_n_steps"]):
+        return None
+    needed = checkpoint_bytes(spec)
+    directory = Path(ckpt["dir"])
+    while not directory.exists() and directory != directory.parent:
+        directory = directory.parent
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        return None
+    if needed is None or free >= needed:
+        return None
+    return (f"checkpoint.dir {ckpt['dir']} has {free / 2**30:.1f} GiB free but one checkpoint needs about "
+            f"{needed / 2**30:.1f} GiB (parameters x weights + fp32 master + optimizer state); free space "
+            "or point checkpoint.dir at a larger disk")
 
 
 # --- the supervised process -------------------------------------------------------------------

@@ -25,6 +25,7 @@ from jobspec.schema import object_branch, subschema_at
 
 MAX_NODES = 100_000   # nodes visited while building, aliases counted each time they expand
 MAX_DEPTH = 64        # nested mappings/sequences; a job spec needs about 5
+MAX_FILE_BYTES = 1_000_000  # a job spec is a few KiB; refuse before reading a huge (hostile) file
 SET_FILE = "<--set>"
 
 _CORE = "tag:yaml.org,2002:"
@@ -66,6 +67,10 @@ def read_text(display: str) -> str:
     """The file's text; a clean SpecError for missing, unreadable or non-UTF-8 files."""
     p = Path(display)
     try:
+        size = p.stat().st_size
+        if size > MAX_FILE_BYTES:
+            raise spec_error(f"file is {size:,} bytes; a job spec may be at most {MAX_FILE_BYTES:,}", file=display,
+                             line=1, column=1, hint="is this the right file? a spec is a few KiB of YAML")
         raw = p.read_bytes()
     except FileNotFoundError:
         raise spec_error("file not found", file=display, hint="check the path") from None
@@ -105,8 +110,13 @@ def parse_yaml(text: str, display: str) -> tuple[Any, dict, dict]:
             "check indentation, quotes and the `key: value` form on this line"
         raise spec_error(f"YAML syntax error: {problem}", file=display, hint=hint,
                          line=mark.line + 1 if mark else None, column=mark.column + 1 if mark else None) from None
+    except yaml.reader.ReaderError as err:  # a control character: positioned by offset, not by mark
+        line = text.count("\n", 0, err.position) + 1
+        column = err.position - (text.rfind("\n", 0, err.position) + 1) + 1
+        raise spec_error(f"character #x{err.character:04x} is not allowed in YAML (control character)",
+                         file=display, line=line, column=column, hint="delete it; save the file as plain text") from None
     except yaml.YAMLError as err:
-        raise spec_error(f"YAML error: {err}", file=display) from None
+        raise spec_error(f"YAML error: {str(err).splitlines()[0]}", file=display) from None
     if root is None:
         return None, {}, {}
     builder = _Builder(display)

@@ -28,7 +28,8 @@ log = logging.getLogger("jobspec.telemetry")
 MAX_PARAMS_PER_BATCH = 100       # MLflow's log_batch limit for params
 MAX_PARAM_VALUE_CHARS = 6000     # MLflow's param value limit (6000 since 2.x)
 MAX_METRICS_PER_BATCH = 1000     # MLflow's log_batch limit for metrics
-SEND_ATTEMPTS = 3                # MetricSink: bounded retries of one batch, then the batch is dropped
+RETRY_FIRST_S, RETRY_MAX_S = 0.5, 10.0  # MetricSink: backoff between attempts of a batch (no attempt limit)
+MAX_PENDING_POINTS = 200_000     # MetricSink: queued in memory while MLflow is down; beyond, metrics.jsonl only
 FAILURE_REASON_CHARS = 4000
 
 # The client's defaults (120 s timeout, 7 retries with exponential backoff) block ~4 minutes per call
@@ -269,14 +270,25 @@ def end_run(tracked: TrackedRun, run_dir: Path, *, status: str, exit_code: int,
 # --- the worker's metric sink ------------------------------------------------------------------
 
 class MetricSink:
-    """Non-blocking metrics for rank 0: `log` appends to metrics.jsonl and queues an MLflow batch."""
+    """Non-blocking metrics for rank 0: `log` appends to metrics.jsonl and queues the points for MLflow.
+
+    A background thread sends them, retrying each batch with backoff for as long as the job runs
+    (a tracking server restarted mid-run gets every point). Memory stays bounded: past
+    MAX_PENDING_POINTS queued points, new ones are only in metrics.jsonl and `close` uploads them
+    from there when the server is back (`jobspec sync RUN_DIR` does it later if it never is).
+    """
 
     def __init__(self, run_dir: Path, client=None, run_id: str | None = None):
         self.run_dir = Path(run_dir)
         self.client, self.run_id = client, run_id
-        self.dropped = 0  # points MLflow never got (they are still in metrics.jsonl)
+        self.sent = 0      # points MLflow acknowledged
+        self.spilled = 0   # points kept only in metrics.jsonl (queue full)
+        self.dropped = 0   # points still unsent when `close` gave up (all in metrics.jsonl)
+        self._pending = 0
         self._jsonl = open(self.run_dir / METRICS_FILE, "a", encoding="utf-8")
         self._queue: queue.Queue = queue.Queue()
+        self._give_up_at: float | None = None
+        self._wake = threading.Event()
         self._thread = None
         if client is not None:
             self._thread = threading.Thread(target=self._send_loop, name="jobspec-metric-sink", daemon=True)
@@ -296,24 +308,43 @@ class MetricSink:
         clean = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
         self._jsonl.write(json.dumps({"step": int(step), "timestamp": timestamp, **clean}) + "\n")
         self._jsonl.flush()
-        if self._thread is not None:
-            self._queue.put(("metrics", clean, int(step), timestamp))
+        if self._thread is None:
+            return
+        if self._pending + len(clean) > MAX_PENDING_POINTS:
+            self.spilled += len(clean)
+            return
+        self._pending += len(clean)
+        self._queue.put(("metrics", clean, int(step), timestamp))
 
     def log_params(self, params: dict) -> None:
         if self._thread is not None:
             self._queue.put(("params", flatten(params), None, None))
 
-    def close(self, timeout: float = 30) -> None:
-        """Flush what is queued (at most `timeout` seconds), then stop the sender."""
+    def set_tags(self, tags: dict) -> None:
         if self._thread is not None:
+            self._queue.put(("tags", {k: mask_secrets(str(v))[:MAX_PARAM_VALUE_CHARS] for k, v in tags.items()},
+                             None, None))
+
+    def close(self, timeout: float = 30) -> None:
+        """Flush what is queued (retrying for at most `timeout` seconds), then stop the sender."""
+        if self._thread is not None:
+            self._give_up_at = time.monotonic() + timeout
             self._queue.put(None)
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                log.warning("MLflow sink: gave up flushing after %.0f s; metrics.jsonl has every point", timeout)
+            self._wake.set()  # cut a long backoff short: try now, then until the deadline
+            self._thread.join(timeout + 15)  # + one HTTP request's timeout and retries
+            if self.spilled and not self.dropped and time.monotonic() < self._give_up_at:
+                try:
+                    self.spilled -= upload_missing(self.client, self.run_id, self.run_dir / METRICS_FILE)
+                except Exception as err:
+                    log.warning("MLflow sink: could not upload spilled points: %s", _first_line(err))
+            unsent = self.dropped + max(0, self.spilled)
+            if unsent:
+                log.warning("MLflow sink: %d metric points are only in %s; upload them with "
+                            "`jobspec sync %s`", unsent, self.run_dir / METRICS_FILE, self.run_dir)
         self._jsonl.close()
 
     def _send_loop(self) -> None:
-        from mlflow.entities import Metric, Param
+        from mlflow.entities import Metric, Param, RunTag
         while True:
             item = self._queue.get()
             if item is None:
@@ -323,19 +354,81 @@ class MetricSink:
                 for batch in param_batches(payload):
                     self._send(params=[Param(k, v) for k, v in batch.items()])
                 continue
+            if kind == "tags":
+                self._send(tags=[RunTag(k, v) for k, v in payload.items()])
+                continue
             metrics = [Metric(k, v, timestamp, step) for k, v in payload.items()]
+            # after an outage the queue holds a backlog: send it in full batches, not one step at a time
+            while len(metrics) < MAX_METRICS_PER_BATCH and self._queue.qsize() and \
+                    self._queue.queue[0] is not None and self._queue.queue[0][0] == "metrics":
+                _, more, step, timestamp = self._queue.get()
+                metrics += [Metric(k, v, timestamp, step) for k, v in more.items()]
             for i in range(0, len(metrics), MAX_METRICS_PER_BATCH):
-                self._send(metrics=metrics[i:i + MAX_METRICS_PER_BATCH])
+                chunk = metrics[i:i + MAX_METRICS_PER_BATCH]
+                if self._send(metrics=chunk):
+                    self.sent += len(chunk)
+                else:
+                    self.dropped += len(chunk)
+                self._pending -= len(chunk)
 
-    def _send(self, **batch) -> None:
-        for attempt in range(SEND_ATTEMPTS):
+    def _send(self, **batch) -> bool:
+        """Retry one batch with backoff until it is sent (True) or `close`'s deadline passes (False)."""
+        delay, attempts = RETRY_FIRST_S, 0
+        while True:
             try:
                 self.client.log_batch(self.run_id, synchronous=True, **batch)
-                return
+                if attempts:
+                    log.warning("MLflow sink: tracking server reachable again after %d failed attempts", attempts)
+                return True
             except Exception as err:
-                if attempt + 1 == SEND_ATTEMPTS:
-                    self.dropped += len(batch.get("metrics", []))
-                    log.warning("MLflow sink: dropped a batch after %d attempts: %s", SEND_ATTEMPTS,
-                                mask_secrets(str(err)).splitlines()[0][:300])
-                else:
-                    time.sleep(0.5 * 2 ** attempt)
+                attempts += 1
+                if attempts == 1 or attempts % 20 == 0:
+                    log.warning("MLflow sink: sending failed (attempt %d, retrying; metrics.jsonl has every "
+                                "point): %s", attempts, _first_line(err))
+            if self._give_up_at is not None and time.monotonic() >= self._give_up_at:
+                return False
+            if self._wake.wait(delay):
+                self._wake.clear()
+                delay = RETRY_FIRST_S
+            else:
+                delay = min(delay * 2, RETRY_MAX_S)
+            if self._give_up_at is not None:
+                delay = min(delay, max(0.05, self._give_up_at - time.monotonic()))
+
+
+def _first_line(err: Exception) -> str:
+    return (mask_secrets(str(err)).splitlines() or [type(err).__name__])[0][:300]
+
+
+# --- metrics.jsonl -> MLflow, for points the sink could not send ----------------------------------
+
+def read_points(metrics_path: Path) -> list[tuple[str, float, int, int]]:
+    """(key, value, timestamp, step) of every point in metrics.jsonl; a torn last line is skipped."""
+    points = []
+    for line in Path(metrics_path).read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a line cut short when the job died
+        if not isinstance(row, dict) or "step" not in row:
+            continue
+        for key, value in row.items():
+            if key not in ("step", "timestamp") and isinstance(value, (int, float)):
+                points.append((key, float(value), int(row.get("timestamp", 0)), int(row["step"])))
+    return points
+
+
+def upload_missing(client, run_id: str, metrics_path: Path) -> int:
+    """Send the points of metrics.jsonl that the run lacks (same key, step and timestamp); returns how many.
+
+    Idempotent: a second call finds nothing missing.
+    """
+    from mlflow.entities import Metric
+    points = read_points(metrics_path)
+    known = {}
+    for key in sorted({p[0] for p in points}):
+        known[key] = {(m.step, m.timestamp) for m in client.get_metric_history(run_id, key)}
+    missing = [Metric(k, v, ts, step) for k, v, ts, step in points if (step, ts) not in known[k]]
+    for i in range(0, len(missing), MAX_METRICS_PER_BATCH):
+        client.log_batch(run_id, metrics=missing[i:i + MAX_METRICS_PER_BATCH], synchronous=True)
+    return len(missing)

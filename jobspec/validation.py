@@ -82,6 +82,9 @@ def validate_spec(loaded: LoadedSpec) -> ResolvedSpec:
     if issues:
         raise SpecError(issues)
     resolve_paths(resolved)
+    issues = system_location_issues(resolved)
+    if issues:
+        raise SpecError(issues)
     return resolved
 
 
@@ -355,6 +358,29 @@ def resolve_paths(r: ResolvedSpec) -> None:
         s["output_dir"] = str(Path.cwd() / "runs" / s["name"])
     if s["checkpoint"]["dir"] is None:
         s["checkpoint"]["dir"] = str(Path(s["output_dir"]) / "checkpoints")
+
+
+# Writing checkpoints or runs here would damage the system (or, as root, succeed at it).
+SYSTEM_TREES = ("/etc", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/boot", "/proc", "/sys", "/dev")
+SYSTEM_DIRS = ("/", "/var", "/home", "/root", "/opt", "/run", "/mnt", "/media", "/srv")  # not below them
+WRITTEN_DIRS = (("output_dir",), ("checkpoint", "dir"), ("memory", "offload", "nvme_path"))
+
+
+def system_location_issues(r: ResolvedSpec) -> list[SpecIssue]:
+    """Directories jobspec writes into must not be, or lie in, a system location (symlinks followed)."""
+    issues = []
+    for path in WRITTEN_DIRS:
+        value = _get(r.spec, path)
+        if value is None:
+            continue
+        for candidate in {os.path.normpath(value), os.path.realpath(value)}:
+            tree = next((t for t in SYSTEM_TREES if candidate == t or candidate.startswith(t + "/")), None)
+            if tree is not None or candidate in SYSTEM_DIRS:
+                where = f"is inside {tree}" if tree and candidate != tree else "is a system directory"
+                issues.append(r.issue(path, f"{candidate} {where}; jobspec will not write there",
+                                      "use a directory of your own, e.g. under your home or a project directory"))
+                break
+    return issues
 
 
 def _get(spec: dict, path: tuple):

@@ -7,7 +7,8 @@ the environment the runner sets; builds tokenizer, model, patches and data; trai
 `derived.total_steps` optimizer steps through `deepspeed.initialize`; logs metrics (rank 0, via
 MetricSink), saves checkpoints, resumes from them, and stops cleanly on SIGUSR1/SIGTERM.
 Rank 0 writes `summary.json`. Env: JOBSPEC_PROGRESS=bar|lines|none, JOBSPEC_STOP_AFTER_STEPS=K
-(behave as if signalled after K steps: for tests and debugging).
+(behave as if signalled after K steps: for tests and debugging), JOBSPEC_INJECT_NAN_AT_STEP=K
+(a NaN loss in step K, to test `training.on_nan`: see jobspec/faults.py).
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ from pathlib import Path
 import yaml
 
 from jobspec.errors import EXIT_INVALID, SpecError, spec_error
+from jobspec.faults import NanGuard, NonFiniteLoss
+from jobspec.oom import OomGuard
 from jobspec.progress import RunState, StepReporter, Window, summarize, write_summary
 
 RUN_FILES = ("resolved.yaml", "ds_config.json", "patches.json", "launch.json")
@@ -87,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         _write_failure(run_dir, state, started, err.render())
         print(err.render(), file=sys.stderr)
         return EXIT_INVALID
+    except NonFiniteLoss as err:  # training.on_nan: stop -- a clear failure, not a traceback
+        _write_failure(run_dir, state, started, str(err))
+        print(f"ERROR: {err}", file=sys.stderr, flush=True)
+        return 1
     except BaseException as err:
         _write_failure(run_dir, state, started, f"{type(err).__name__}: {err}\n{traceback.format_exc()}")
         raise
@@ -109,7 +116,8 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
     # Stop votes go over gloo on the host: an NCCL vote would sync the GPU at every step.
     control = dist.new_group(backend="gloo")
     engine, train_ds, eval_ds, patch_notes = build_engine(files)
-    pending_rng = resume(engine, files.spec["checkpoint"], state)
+    passed_over: list[str] = []  # corrupt checkpoints skipped on resume (reported below and as a tag)
+    pending_rng = resume(engine, files.spec["checkpoint"], state, lambda flag: _any_rank(flag, control), passed_over)
     rank, total_steps = dist.get_rank(), files.derived["total_steps"]
     progress = Progress(total_steps, state.step) if rank == 0 else NullProgress()
     sink = _open_sink(run_dir) if rank == 0 else None
@@ -118,10 +126,18 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
             progress.message(note)
         if state.resumed_from:
             progress.message(f"resumed from {state.resumed_from} at step {state.step}")
+        if passed_over and sink is not None:
+            sink.set_tags({"jobspec.resume_fallback": f"resumed from {state.resumed_from}; passed over: "
+                                                      + " | ".join(passed_over)})
+        nan_guard = NanGuard(files.spec["training"].get("on_nan", "stop"), lambda flag: _any_rank(flag, control),
+                             sink, rank)
         telemetry = StepReporter(engine, files.spec, files.derived, files.patches, sink, progress, rank, state)
-        status = train_loop(engine, files, train_ds, eval_ds, state, telemetry, progress,
+        oom_guard = OomGuard(files, run_dir=run_dir, rank=rank, control_group=control, build_engine=build_engine,
+                             progress=progress, sink=sink, telemetry=telemetry)
+        del engine  # train_loop holds the only reference: an OOM recovery (jobspec.oom) must free it
+        status = train_loop(telemetry.engine, files, train_ds, eval_ds, state, telemetry, progress,
                             stop=lambda: _any_rank(stop.requested or _stop_after_reached(state.step), control),
-                            pending_rng=pending_rng)
+                            pending_rng=pending_rng, nan_guard=nan_guard, oom_guard=oom_guard)
         if rank == 0:
             write_summary(run_dir, summarize(state, status, total_steps, started))
     finally:
@@ -156,13 +172,21 @@ def build_engine(files: RunFiles):
     return engine, train_ds, eval_ds, patch_notes
 
 
-def resume(engine, ckpt: dict, state: RunState) -> dict | None:
-    """Load the checkpoint `checkpoint.resume` names into the engine and `state`; this rank's RNG state."""
+def resume(engine, ckpt: dict, state: RunState, any_rank=lambda flag: flag,
+           passed_over: list | None = None) -> dict | None:
+    """Load the checkpoint `checkpoint.resume` names into the engine and `state`; this rank's RNG state.
+
+    A corrupt newest checkpoint is passed over for the previous one, loudly (`passed_over` gets why).
+    """
     from jobspec import checkpointing
-    target = checkpointing.resume_target(ckpt["resume"], ckpt["dir"])
+    client_state, target, skipped = checkpointing.load_with_fallback(engine, ckpt["resume"], ckpt["dir"], any_rank)
+    for problem in skipped:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"WARNING: checkpoint passed over on resume: {problem}", file=sys.stderr, flush=True)
+        if passed_over is not None:
+            passed_over.append(problem)
     if target is None:
         return None
-    client_state = checkpointing.load(engine, *target)
     state.step = client_state["step"]
     state.epoch = client_state["epoch"]
     state.batches_in_epoch = client_state["batches_in_epoch"]
@@ -171,7 +195,8 @@ def resume(engine, ckpt: dict, state: RunState) -> dict | None:
 
 
 def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, telemetry: "StepReporter", progress,
-               *, stop, pending_rng: dict | None) -> str:
+               *, stop, pending_rng: dict | None, nan_guard: NanGuard | None = None,
+               oom_guard: OomGuard | None = None) -> str:
     """Optimizer steps until `derived.total_steps` ("finished") or an agreed stop ("preempted")."""
     import torch.distributed as dist
 
@@ -187,7 +212,9 @@ def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, tele
 
     def save_checkpoint():
         state.last_checkpoint = checkpointing.save(
-            engine, ckpt["dir"], step=state.step, epoch=state.epoch, batches_in_epoch=state.batches_in_epoch,
+            engine, ckpt["dir"], step=state.step, epoch=state.epoch,
+            batches_in_epoch=oom_guard.batches_in_compiled_units(state.batches_in_epoch) if oom_guard
+            else state.batches_in_epoch,
             job_name=spec["name"], keep_last=ckpt["keep_last"])
         progress.message(f"checkpoint {state.last_checkpoint} saved to {ckpt['dir']}")
 
@@ -209,22 +236,31 @@ def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, tele
         yielded = False
         for batch in batches:
             yielded = True
+            if oom_guard:
+                oom_guard.mark(state, window)  # where this optimizer step began, to redo it after an OOM
             window.tokens += telemetry.count_tokens(batch)  # on the host batch: no device sync
             window.samples += int(batch["input_ids"].shape[0])
             batch = {k: v.to(engine.device, non_blocking=True) for k, v in batch.items()}
             boundary = engine.is_gradient_accumulation_boundary()  # ask before step() advances it
-            loss = _loss_of(engine(**batch))
-            engine.backward(loss)
-            engine.step()
+            loss = oom_guard.forward(engine, batch, state.step + 1, _loss_of) if oom_guard else _loss_of(engine(**batch))
+            if loss is None:
+                break  # out of memory on some rank: redone below with half the micro-batch
+            loss, nonfinite = nan_guard.check(loss, state.step + 1) if nan_guard else (loss, False)
+            if oom_guard and not oom_guard.backward(engine, loss, state.step + 1):
+                break
+            if not oom_guard:
+                engine.backward(loss)
+            nan_guard.step(engine, boundary, state.step + 1) if nan_guard else engine.step()
             state.batches_in_epoch += 1
-            window.add_loss(loss)
+            if not nonfinite:  # a skipped micro-batch has no loss to report
+                window.add_loss(loss)
             if not boundary:
                 continue
             state.step += 1
             window.steps += 1
             progress.update(state.step)
             last = state.step >= total_steps
-            if state.step % every_log == 0 or last:
+            if (state.step % every_log == 0 or last) and window.micro_batches:
                 window = telemetry.log_window(state.step, window)
             if (training["eval_every"] and state.step % training["eval_every"] == 0) or last:
                 run_eval()
@@ -233,12 +269,17 @@ def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, tele
                     save_checkpoint()
                 return "finished"
             if stop():
-                if window.steps:
+                if window.steps and window.micro_batches:
                     window = telemetry.log_window(state.step, window)
                 save_checkpoint()
                 return "preempted"
             if every_ckpt and state.step % every_ckpt == 0:
                 save_checkpoint()
+        if oom_guard and oom_guard.pending:  # every rank agreed on an OOM in this optimizer step
+            saved = oom_guard.save_and_release(engine, state)
+            engine = batch = loss = None  # the old engine's last references: free its memory first
+            engine, window = oom_guard.rebuild(saved, state, loader_args)
+            continue
         # the epoch is used up: the next one, reshuffled
         empty_epochs = 0 if yielded else empty_epochs + 1
         if empty_epochs > 1:

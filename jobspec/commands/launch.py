@@ -19,7 +19,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from jobspec import launcher, slurm, telemetry
+from jobspec import launch_memory, launcher, slurm, telemetry
 from jobspec.errors import spec_error
 
 HELP = "Validate, compile and run a job through DeepSpeed, logging it to MLflow."
@@ -88,6 +88,10 @@ def run(args) -> int:
     if args.stop_after_steps is not None and args.stop_after_steps < 1:
         raise spec_error("--stop-after-steps must be >= 1", hint="e.g. --stop-after-steps 5")
     resolved = resolve(args.job, args.overrides)
+    # memory.fit: auto rewrites the spec here, so everything below (and resolved.yaml) sees what runs
+    resolved, memory = launch_memory.prepare(resolved)
+    for line in memory.lines:
+        print(f"jobspec: {line}", flush=True)
     spec = resolved.spec
     port = spec["resources"]["master_port"] or launcher.free_port()
 
@@ -105,7 +109,8 @@ def run(args) -> int:
     run_dir = launcher.create_run_dir(spec["output_dir"])
     try:
         compiled = compile_job(resolved, run_dir, port)
-        problems = launcher.preflight_problems(spec, compiled.launch)
+        problems = launcher.preflight_problems(spec, compiled.launch) + launch_memory.preflight_problems(memory, spec)
+        compiled.launch.update(launch_memory.plan_record(memory))  # launch.json: `plan` (MiB), `fit`
         if problems and not args.ignore_preflight:
             raise spec_error("; ".join(problems), hint="fix the spec, or pass --ignore-preflight")
         for problem in problems:
@@ -115,6 +120,8 @@ def run(args) -> int:
         compiled.launch["argv"] = slurm.launch_argv(compiled.launch, run_dir)
         write_run_dir(resolved, compiled, run_dir)
         tracked = start_tracking(resolved, compiled, run_dir, resume_run_id)
+        if tracked is not None:  # next to the ranks' measured mem/* series: prediction error per run
+            launch_memory.log_params(tracked, launch_memory.mlflow_params(memory, spec["memory"]["fit"]))
     except BaseException:
         shutil.rmtree(run_dir, ignore_errors=True)  # nothing ran: leave no half-made run behind
         raise

@@ -1,0 +1,350 @@
+"""Launch and telemetry overhead: `jobspec launch` against a minimal hand-written DeepSpeed loop.
+
+    python -m bench.launch_overhead                        # quickstart model, 1 CPU rank, 3 repeats
+    python -m bench.launch_overhead --repeats 5 --steps 80 --ranks 2 --out /tmp/overhead.md
+
+Both sides run the same job (default `jobs/quickstart.yaml` with the `--set`s below): A is
+`jobspec launch JOB`, B is `jobspec compile JOB --out DIR` then `deepspeed bench/hand_loop.py
+--run-dir DIR` (the same model, synthetic samples and compiled ds_config.json, a plain loop). They
+run interleaved A, B, A, B ... after one untimed warm-up launch (import caches, DeepSpeed op
+builds, the MLflow database), so drift of a shared machine hits both sides. Measured:
+
+1. launch to first step: from starting the command to the end of optimizer step 1, read from the
+   timestamps both sides write (the worker's metrics.jsonl, logging every step; hand_loop's lines).
+   The hand loop's `jobspec compile` is not counted (someone writing the loop writes the config).
+2. steady-state step time: the median of step-to-step timestamp gaps after --warmup steps, both
+   truncated to milliseconds as metrics.jsonl is; ratio = median over repeats, jobspec / hand loop.
+   jobspec logs every step here, so its steps carry the full telemetry cost (the worst case).
+3. telemetry per step: an in-process probe (`--probe RUN_DIR`, started by this script) runs the
+   worker's own engine, StepReporter and MetricSink (MLflow on) on a synthetic loop, times
+   `StepReporter.log_window` (collectives, memory readings, metrics.jsonl, the MLflow queue) and the
+   per-step accounting (token count, loss) with time.perf_counter, and also compares blocks of steps
+   logging every step with blocks logging none (which also catches the MLflow sender thread).
+
+Threads: every rank gets --threads OpenMP threads (OMP_NUM_THREADS, default 1), on both sides:
+on a small shared machine an oversubscribed OpenMP pool makes step times swing by 10x.
+Work files go to --work (default: a temp directory).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_JOB = REPO / "jobs" / "quickstart.yaml"
+EXPERIMENT = "launch-overhead"
+HAND_STEP = re.compile(r"^hand_loop step (\d+) t=([0-9.]+)", re.MULTILINE)
+# DeepSpeed's own log lines (local time, ms) mark the phases of a start on both sides alike
+DS_LOG_TIME = r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\] \[INFO\] \[%s"
+PHASES = {"runner_s": DS_LOG_TIME % r"runner\.py:\d+:main\] cmd = ",
+          "rank_s": DS_LOG_TIME % r"launch\.py:\d+:main\] process \d+ spawned"}
+DEFAULT_LOG_EVERY = 10  # logging.every_n_steps's schema default: the telemetry share of a usual job
+
+
+def job_overrides(work: Path, tag: str, args) -> list[str]:
+    """`--set`s making both sides the same short job: own output dir, every step logged, no eval or checkpoint."""
+    samples = max(960, (args.steps + 1) * 16 * args.ranks)  # no epoch boundary inside the timed steps
+    return [f"output_dir={work / tag}", f"logging.mlflow.tracking_uri=sqlite:///{work / 'mlflow.db'}",
+            f"logging.mlflow.experiment={EXPERIMENT}", f"logging.mlflow.run_name={tag}",
+            f"training.max_steps={args.steps}", "training.micro_batch_size=16", "training.eval_every=null",
+            f"data.synthetic.num_samples={samples}", "data.synthetic.eval_samples=0",
+            f"resources.gpus_per_node={args.ranks}", "logging.every_n_steps=1", "logging.progress=lines",
+            "checkpoint.resume=never", "checkpoint.save_final=false", "checkpoint.every_n_steps=null"]
+
+
+def _sets(values: list[str]) -> list[str]:
+    return [x for v in values for x in ("--set", v)]
+
+
+def child_env(threads: int) -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+
+
+def steady_step_s(stamps_ms: list[tuple[int, int]], warmup: int) -> float:
+    """Median gap between consecutive optimizer steps (seconds), steps after `warmup` only."""
+    stamps = sorted(stamps_ms)
+    gaps = [(b[1] - a[1]) / 1000 for a, b in zip(stamps, stamps[1:]) if a[0] > warmup and b[0] == a[0] + 1]
+    if not gaps:
+        raise SystemExit(f"no step gaps after warm-up step {warmup}: raise --steps")
+    return statistics.median(gaps)
+
+
+def phase_times(output: str, started: float) -> dict:
+    """Seconds from `started` to the runner's first command line and to the rank's spawn (first rank)."""
+    out = {}
+    for name, pattern in PHASES.items():
+        found = re.search(pattern, output, re.MULTILINE)
+        if found:
+            stamp = datetime.datetime.strptime(found.group(1), "%Y-%m-%d %H:%M:%S,%f")  # local time
+            out[name] = stamp.timestamp() - started
+    return out
+
+
+def run_jobspec(job: Path, work: Path, tag: str, args, log) -> dict:
+    cmd = [sys.executable, "-m", "jobspec", "launch", str(job), *_sets(job_overrides(work, tag, args))]
+    started = time.time()
+    subprocess.run(cmd, cwd=REPO, env=child_env(args.threads), stdout=log, stderr=subprocess.STDOUT, check=True)
+    run_dir = max((work / tag).glob("run-*"), key=lambda p: p.stat().st_mtime)
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    stamps = [(r["step"], r["timestamp"]) for r in lines if "train/loss" in r]
+    first = min(stamps)[1] / 1000
+    return {"first_step_s": first - started, "step_s": steady_step_s(stamps, args.warmup),
+            **phase_times((run_dir / "launcher.log").read_text(errors="replace"), started),
+            "ds_config": json.loads((run_dir / "ds_config.json").read_text())}
+
+
+def compile_run_dir(job: Path, work: Path, tag: str, args, log) -> tuple[Path, float]:
+    run_dir = work / tag / "compiled"
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "jobspec", "compile", str(job), "--out", str(run_dir),
+                    *_sets(job_overrides(work, tag, args))], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                   check=True)
+    return run_dir, time.perf_counter() - started
+
+
+def run_hand_loop(job: Path, work: Path, tag: str, args, log) -> dict:
+    from jobspec.launcher import free_port, runner_prefix
+    run_dir, compile_s = compile_run_dir(job, work, tag, args, log)
+    cmd = runner_prefix() + ["--num_gpus", str(args.ranks), "--master_port", str(free_port()),
+                             str(REPO / "bench" / "hand_loop.py"), "--run-dir", str(run_dir)]
+    started = time.time()
+    out = subprocess.run(cmd, cwd=REPO, env=child_env(args.threads), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, check=False, text=True)
+    log.write(out.stdout)
+    if out.returncode != 0:
+        raise SystemExit(f"hand loop failed (exit {out.returncode}); see {log.name}")
+    # truncated to ms like MetricSink's timestamps, so both sides are measured at the same resolution
+    stamps = [(int(step), int(float(t) * 1000)) for step, t in HAND_STEP.findall(out.stdout)]
+    return {"first_step_s": min(stamps)[1] / 1000 - started, "step_s": steady_step_s(stamps, args.warmup),
+            "compile_s": compile_s, **phase_times(out.stdout, started), "ds_config": json.loads((run_dir / "ds_config.json").read_text())}
+
+
+# --- the telemetry probe (a child process: one rank, the worker's own pieces) ------------------
+
+def probe(run_dir: Path, steps: int, block: int, warmup: int) -> dict:
+    """Steps of the worker's engine with StepReporter logging in alternating blocks (on, off, on, ...)."""
+    import itertools
+
+    import deepspeed
+
+    from jobspec import worker
+    from jobspec.data import make_loader
+    from jobspec.progress import Progress, RunState, StepReporter, Window
+    from jobspec.telemetry import MetricSink
+
+    files = worker.read_run_dir(run_dir)
+    deepspeed.init_distributed()
+    engine, train_ds, _, _ = worker.build_engine(files)
+    sink = MetricSink.open(run_dir)  # MLflow on: mlflow_run.json names a live run
+    devnull = open(os.devnull, "w")  # the console line rank 0 prints per log step: formatted, not shown
+    progress = Progress(steps, mode="lines", stream=devnull)
+    reporter = StepReporter(engine, files.spec, files.derived, files.patches, sink, progress, 0, RunState())
+    mb = files.derived["micro_batch_size"]
+    batches = itertools.chain.from_iterable(
+        make_loader(train_ds, micro_batch_size=mb, rank=0, world_size=1, seed=0, epoch=e, shuffle=True,
+                    num_workers=0, pin_memory=False) for e in itertools.count())
+    records = []
+    window = Window()
+    engine.train()
+    previous_end, previous_cpu = time.perf_counter(), time.process_time()
+    for i in range(steps):
+        logging_on = (i // block) % 2 == 0
+        batch = next(batches)
+        t0 = time.perf_counter()
+        window.tokens += reporter.count_tokens(batch)
+        window.samples += int(batch["input_ids"].shape[0])
+        t1 = time.perf_counter()
+        loss = worker._loss_of(engine(**{k: v.to(engine.device) for k, v in batch.items()}))
+        engine.backward(loss)
+        engine.step()
+        t2 = time.perf_counter()
+        window.add_loss(loss)
+        window.steps += 1
+        t3 = time.perf_counter()
+        if logging_on:
+            window = reporter.log_window(i + 1, window)
+        t4, cpu = time.perf_counter(), time.process_time()  # process CPU: includes the MLflow sender thread
+        if i >= warmup:
+            records.append({"on": logging_on, "cycle": t4 - previous_end, "cpu": cpu - previous_cpu,
+                            "accounting": (t1 - t0) + (t3 - t2), "log": t4 - t3})
+        previous_end, previous_cpu = t4, cpu
+    deadline = time.monotonic() + 60
+    while not sink._queue.empty() and time.monotonic() < deadline:  # let the sender drain the queue
+        time.sleep(0.05)
+    time.sleep(0.5)  # the last batch in flight
+    sender_cpu_s = _thread_cpu_s(sink._thread)  # while it still lives: a finished thread's time is gone
+    sink.close(timeout=60)
+    on = [r for r in records if r["on"]]
+    off = [r for r in records if not r["on"]]
+    step_s = statistics.median(r["cycle"] for r in off)  # a step without any logging
+    return {"step_s": step_s,
+            "log_s_median": statistics.median(r["log"] for r in on),
+            "log_s_mean": statistics.fmean(r["log"] for r in on),
+            "accounting_s": statistics.median(r["accounting"] for r in records),
+            "cycle_on_s": statistics.median(r["cycle"] for r in on),
+            "cycle_off_s": step_s, "cpu_on_s": statistics.fmean(r["cpu"] for r in on),
+            "cpu_off_s": statistics.fmean(r["cpu"] for r in off), "steps_on": len(on), "steps_off": len(off), "dropped": sink.dropped,
+            "sender_cpu_per_log_s": sender_cpu_s / max(1, sum(1 for i in range(steps) if (i // block) % 2 == 0))}
+
+
+def _thread_cpu_s(thread) -> float:
+    """CPU seconds a (finished or running) thread used, from the OS's per-thread accounting."""
+    import psutil
+    if thread is None:
+        return 0.0
+    ids = {t.id: t.user_time + t.system_time for t in psutil.Process().threads()}
+    return ids.get(thread.native_id, float("nan"))
+
+
+def run_probe(job: Path, work: Path, args, log) -> dict:
+    from jobspec import telemetry
+    from jobspec.launcher import free_port
+    # the schedule spans the probe's steps (the learning rate does not change the work, but stay valid)
+    run_dir, _ = compile_run_dir(job, work, "probe", argparse.Namespace(**{**vars(args), "steps": args.probe_steps}),
+                                 log)
+    spec = __import__("yaml").safe_load((run_dir / "resolved.yaml").read_text())
+    launch = json.loads((run_dir / "launch.json").read_text())
+    tracked = telemetry.start_run(spec, launch, launch["derived"], (run_dir / "spec.yaml").read_text(), run_dir)
+    env = {**child_env(args.threads), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    out_file = run_dir / "probe.json"
+    cmd = [sys.executable, "-m", "bench.launch_overhead", "--probe", str(run_dir), "--probe-out", str(out_file),
+           "--probe-steps", str(args.probe_steps), "--warmup", str(args.warmup)]
+    result = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, check=False)
+    telemetry.end_run(tracked, run_dir, status="FINISHED" if result.returncode == 0 else "FAILED",
+                      exit_code=result.returncode)
+    if result.returncode != 0:
+        raise SystemExit(f"telemetry probe failed (exit {result.returncode}); see {log.name}")
+    return json.loads(out_file.read_text())
+
+
+# --- report -----------------------------------------------------------------------------------
+
+def _spread(values: list[float], scale: float, fmt: str) -> str:
+    text = format(statistics.median(values) * scale, fmt)
+    if len(values) > 1:
+        text += f" ({format(min(values) * scale, fmt)}-{format(max(values) * scale, fmt)})"
+    return text
+
+
+PHASE_LABELS = (("runner_s", "start to DeepSpeed runner up, s"),
+                ("rank_s", "start to rank process spawned, s"))
+
+
+def _phase(results: list[dict], key: str) -> str:
+    values = [r[key] for r in results if key in r]
+    return _spread(values, 1, ".1f") if values else "?"
+
+
+def render(a: list[dict], b: list[dict], p: dict) -> str:
+    """Markdown: launch and steady state (medians over repeats, min-max), then the telemetry probe."""
+    first_a, first_b = [r["first_step_s"] for r in a], [r["first_step_s"] for r in b]
+    step_a, step_b = [r["step_s"] for r in a], [r["step_s"] for r in b]
+    ratio = statistics.median(step_a) / statistics.median(step_b)
+    pair_ratios = [x / y for x, y in zip(step_a, step_b)]
+    log_share = p["log_s_mean"] / p["step_s"]
+    acc_share = p["accounting_s"] / p["step_s"]
+    ab_share = p["cycle_on_s"] / p["cycle_off_s"] - 1
+    rows = [
+        "| measure | jobspec launch | hand loop | jobspec - / hand loop | goal | met |",
+        "|---|---:|---:|---:|---:|---|",
+        f"| launch to first step, s | {_spread(first_a, 1, '.1f')} | {_spread(first_b, 1, '.1f')} | "
+        f"+{statistics.median(first_a) - statistics.median(first_b):.1f} s | - | - |",
+        *(f"| - of which: {label} | {_phase(a, key)} | {_phase(b, key)} | | | |" for key, label in PHASE_LABELS),
+        f"| steady step time, ms (median) | {_spread(step_a, 1000, '.1f')} | {_spread(step_b, 1000, '.1f')} | "
+        f"x{ratio:.3f} (pairs {min(pair_ratios):.3f}-{max(pair_ratios):.3f}) | <= 1.02 | "
+        f"{'yes' if ratio <= 1.02 else 'no'} |",
+        f"| telemetry per step, logging every step | {log_share + acc_share:.2%} of a step | - | - | <= 1% | "
+        f"{'yes' if log_share + acc_share <= 0.01 else 'no'} |",
+        "",
+        "| telemetry probe (in-process, worker's StepReporter + MetricSink, MLflow on) | value |",
+        "|---|---:|",
+        f"| step without logging, ms (median) | {p['step_s'] * 1000:.1f} |",
+        f"| `log_window` per call, ms (mean / median) | {p['log_s_mean'] * 1000:.2f} / {p['log_s_median'] * 1000:.2f} |",
+        f"| per-step accounting (token count, loss), ms (median) | {p['accounting_s'] * 1000:.3f} |",
+        f"| telemetry share, logging every step | {log_share + acc_share:.2%} |",
+        f"| telemetry share, logging every {DEFAULT_LOG_EVERY} steps (schema default) | "
+        f"{log_share / DEFAULT_LOG_EVERY + acc_share:.2%} |",
+        f"| blocks logging every step vs none: median step time change | {ab_share:+.2%} |",
+        f"| blocks logging every step vs none: process CPU time per step change (incl. MLflow sender) | "
+        f"{p['cpu_on_s'] / p['cpu_off_s'] - 1:+.2%} |",
+        f"| MLflow sender thread (sqlite store) CPU per logged step, ms | {p['sender_cpu_per_log_s'] * 1000:.2f} |",
+        f"| steps on / off (after warm-up); MLflow points dropped | {p['steps_on']} / {p['steps_off']}; {p['dropped']} |",
+    ]
+    compile_s = [r["compile_s"] for r in b]
+    rows.append(f"\n(the hand loop's `jobspec compile --out`, not counted above: {_spread(compile_s, 1, '.1f')} s)")
+    return "\n".join(rows)
+
+
+def environment(args) -> str:
+    versions = ", ".join(f"{n} {metadata.version(n)}" for n in ("torch", "deepspeed", "transformers", "mlflow"))
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return (f"{datetime.date.today().isoformat()}, CPU only ({os.cpu_count()} cores), {args.ranks} rank(s) x "
+            f"{args.threads} thread(s), {args.repeats} repeat(s) of {args.steps} steps (first {args.warmup} "
+            f"left out), Python {platform.python_version()}, {versions}; load average at the end {load:.1f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.launch_overhead", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--job", type=Path, default=DEFAULT_JOB, help="job spec (default jobs/quickstart.yaml)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per side, interleaved (default 3)")
+    parser.add_argument("--steps", type=int, default=60, help="optimizer steps per run (default 60)")
+    parser.add_argument("--warmup", type=int, default=5, help="steps left out of the steady state (default 5)")
+    parser.add_argument("--ranks", type=int, default=1, help="CPU ranks (default 1)")
+    parser.add_argument("--threads", type=int, default=1, help="OpenMP threads per rank (default 1)")
+    parser.add_argument("--probe-steps", type=int, default=200, help="telemetry probe steps (default 200)")
+    parser.add_argument("--work", type=Path, default=None, help="run dirs, mlflow.db, bench.log (default: temp)")
+    parser.add_argument("--out", type=Path, default=None, help="write the markdown here too")
+    parser.add_argument("--probe", type=Path, default=None, help=argparse.SUPPRESS)  # the probe child
+    parser.add_argument("--probe-out", type=Path, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.probe is not None:
+        result = probe(args.probe, args.probe_steps, block=10, warmup=args.warmup)
+        args.probe_out.write_text(json.dumps(result, indent=2) + "\n")
+        import torch.distributed as dist
+        dist.destroy_process_group()
+        return 0
+    if min(args.repeats, args.ranks, args.threads) < 1 or args.steps < args.warmup + 3:
+        parser.error("--repeats, --ranks, --threads must be >= 1 and --steps >= --warmup + 3")
+    work = (args.work or Path(tempfile.mkdtemp(prefix="jobspec-launch-overhead-"))).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    job = args.job.resolve()
+    a, b = [], []
+    with open(work / "bench.log", "a", encoding="utf-8") as log:
+        print(f"launch_overhead: work dir {work}; warm-up launch (untimed)", file=sys.stderr, flush=True)
+        run_jobspec(job, work, "warmup", argparse.Namespace(**{**vars(args), "steps": args.warmup + 3}), log)
+        for i in range(args.repeats):  # interleaved: A, B, A, B
+            print(f"launch_overhead: repeat {i + 1}/{args.repeats}", file=sys.stderr, flush=True)
+            a.append(run_jobspec(job, work, f"jobspec-r{i + 1}", args, log))
+            log.flush()
+            b.append(run_hand_loop(job, work, f"hand-r{i + 1}", args, log))
+            if a[-1]["ds_config"] != b[-1]["ds_config"]:
+                raise SystemExit("the two sides got different DeepSpeed configs: not a fair comparison")
+        print("launch_overhead: telemetry probe", file=sys.stderr, flush=True)
+        probe_result = run_probe(job, work, args, log)
+    text = f"{render(a, b, probe_result)}\n\n{environment(args)}\n"
+    print(text)
+    (work / "results.json").write_text(json.dumps({"jobspec": a, "hand_loop": b, "probe": probe_result},
+                                                  indent=2, default=str) + "\n")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text, encoding="utf-8")
+    shutil.rmtree(work / "warmup", ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,102 @@
+"""The bench driver's pieces: the HF Trainer baseline's TrainingArguments match the compiled job
+(batch, accumulation, precision, optimizer, checkpointing, DeepSpeed config), the job lists, the
+steady-state windows and the markdown table. No training here."""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+
+from bench import __main__ as driver
+from bench import trainer_baseline as baseline
+from jobspec.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH_JOBS = sorted((REPO / "bench" / "jobs").glob("cpu-*.yaml"))
+
+
+def compiled(tmp_path: Path, job: Path, *sets: str):
+    out = tmp_path / "run"
+    assert main(["compile", str(job), "--out", str(out), *[x for s in sets for x in ("--set", s)]]) == 0
+    return baseline.read_run_dir(out)
+
+
+def training_arguments(kwargs: dict):
+    from transformers import TrainingArguments
+    return TrainingArguments(**kwargs)
+
+
+def test_bench_jobs_are_listed_without_bases_and_compile(tmp_path):
+    listed = driver.job_files([driver.CPU_JOBS])
+    assert [p.name for p in listed] == [p.name for p in BENCH_JOBS] and len(listed) >= 3
+    assert all(not p.name.startswith("_") for p in listed)
+    full = driver.job_files(driver.FULL_JOBS)
+    assert {p.name for p in full} >= {"xlmr-base-1-bs8-fp32.yaml", "xlmr-large-3-bs8-fp16-ckpt.yaml"}
+    assert not any("common" in p.name for p in full)
+    for job in listed:
+        spec, _, _ = compiled(tmp_path / job.stem, job)
+        assert spec["resources"]["gpus_per_node"] == 1 and spec["data"]["synthetic"]["seq_len"] == 128
+
+
+@pytest.mark.parametrize("sets, optim, fp16, bf16", [
+    ((), "adamw_torch", False, False),
+    (("training.optimizer.name=adamw_8bit", "memory.precision=fp16"), "adamw_bnb_8bit", True, False),
+    (("training.optimizer.name=adafactor", "memory.precision=bf16"), "adafactor", False, True),
+])
+def test_arguments_match_the_job(tmp_path, sets, optim, fp16, bf16):
+    job = REPO / "bench" / "jobs" / "cpu-2-accum-ckpt.yaml"
+    spec, ds_config, derived = compiled(tmp_path, job, "training.max_steps=17", *sets)
+    kwargs = baseline.training_arguments_kwargs(spec, derived, ds_config, tmp_path / "trainer")
+    assert "deepspeed" not in kwargs  # ZeRO 0: the Trainer's own loop, as the guide measures it
+    args = training_arguments(kwargs)
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps, args.max_steps) == \
+        (derived["micro_batch_size"], derived["gradient_accumulation_steps"], 17) == (8, 2, 17)
+    assert args.optim.value == optim and (args.fp16, args.bf16) == (fp16, bf16)
+    assert args.gradient_checkpointing is True  # set through the new or the old name: both read it
+    assert args.learning_rate == spec["training"]["optimizer"]["lr"] and args.max_grad_norm == 1.0
+    assert args.seed == spec["training"]["seed"] and args.dataloader_drop_last
+
+
+def test_zero_jobs_pass_the_compiled_config_and_agree_with_it(tmp_path):
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+    spec, ds_config, derived = compiled(tmp_path, REPO / "bench" / "jobs" / "cpu-3-zero2.yaml",
+                                        "training.global_batch_size=32", "training.scheduler.warmup_steps=0")
+    kwargs = baseline.training_arguments_kwargs(spec, derived, ds_config, tmp_path / "trainer")
+    assert kwargs["deepspeed"] == ds_config and kwargs["gradient_accumulation_steps"] == 2
+    assert kwargs["warmup_steps"] == ds_config["scheduler"]["params"]["warmup_num_steps"] == 1
+    assert baseline.checkpointing_arg_names()[0] in kwargs and not any(
+        v is True for k, v in kwargs.items() if "checkpointing" in k)
+    # the Trainer's own consistency check of a DeepSpeed config against its arguments
+    # (run here without the distributed setup TrainingArguments(deepspeed=...) would start)
+    args = training_arguments({k: v for k, v in kwargs.items() if k != "deepspeed"})
+    hf_config = HfTrainerDeepSpeedConfig(copy.deepcopy(ds_config))
+    hf_config.trainer_config_process(args)
+    assert hf_config.mismatches == []
+    assert args.get_warmup_steps(derived["total_steps"]) == ds_config["scheduler"]["params"]["warmup_num_steps"]
+    # a mismatch is caught (the check can fail)
+    wrong = HfTrainerDeepSpeedConfig(copy.deepcopy(ds_config))
+    wrong.trainer_config_process(training_arguments({**kwargs, "deepspeed": None, "learning_rate": 1.0}))
+    assert any("learning_rate" in m for m in wrong.mismatches)
+
+
+def test_steady_windows_leave_out_warm_up():
+    ends = [10.0, 11.0, 12.0, 13.0, 14.0, 15.5]   # started at 0: the first 2-step window took 11 s
+    assert baseline.steady_windows(ends, 0.0, 2) == [2.0, 2.5]
+    assert baseline.steady_windows([3.0], 0.0, 1) == [3.0]   # one window: it is all there is
+
+
+def test_table_has_medians_and_ratios():
+    rows = {"job-a": {
+        "jobspec": [{"perf/samples_per_s": 90.0, "mem/host_rss_mib_max": 500.0, "predicted_mib": 50.0},
+                    {"perf/samples_per_s": 110.0, "mem/host_rss_mib_max": 520.0, "predicted_mib": 50.0}],
+        "trainer": [{"perf/samples_per_s": 50.0, "mem/host_rss_mib_max": 400.0},
+                    {"perf/samples_per_s": 50.0, "mem/host_rss_mib_max": 400.0}]}}
+    table = driver.render(rows, 2).splitlines()
+    assert len(table) == 4 and all(line.count("|") == table[0].count("|") for line in table)
+    jobspec_row = [c.strip() for c in table[2].split("|")[1:-1]]
+    trainer_row = [c.strip() for c in table[3].split("|")[1:-1]]
+    assert jobspec_row[:3] == ["job-a", "jobspec", "100.0 (90.0-110.0)"]
+    assert jobspec_row[-2:] == ["2.00", "1.27 (RSS)"]       # 100/50; 510/400 (no GPU memory: RSS)
+    assert jobspec_row[6] == "-" and jobspec_row[9] == "50"  # peak allocated absent on CPU; prediction
+    assert trainer_row[1] == "HF Trainer" and trainer_row[-2:] == ["", ""]

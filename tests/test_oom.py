@@ -1,0 +1,157 @@
+"""`training.on_oom`: the worker's OOM policy (jobspec/oom.py).
+
+Fast tests drive `OomGuard` with stand-in engines; `slow` ones inject an OOM
+(`JOBSPEC_INJECT_OOM_AT_STEP`) into 2 CPU ranks started by the real deepspeed runner.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_run_dir, read_metrics, run_worker
+from jobspec.errors import SpecError
+from jobspec.oom import INJECT_AT_STEP_ENV, INJECT_RANK_ENV, OomGuard, halved_run_files
+from jobspec.progress import RunState, Window
+from jobspec.worker import read_run_dir
+
+# No dropout: a step redone with half the micro-batch then computes the same gradients (up to
+# float rounding), so the run after the OOM must follow the uninterrupted one closely.
+NO_DROPOUT = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+OOM_SPEC = {"model": {"config": NO_DROPOUT},
+            "training": {"max_steps": 8, "global_batch_size": 16, "on_oom": "halve_micro_batch"}}
+
+
+class OomEngine:
+    """Stands in for a DeepSpeed engine whose forward runs out of memory."""
+
+    def is_gradient_accumulation_boundary(self):
+        return True
+
+    def __call__(self, **batch):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+class TinyEngine(OomEngine):
+    def __call__(self, **batch):
+        return {"loss": torch.tensor(0.5)}
+
+
+def guard_for(tmp_path, overrides=None, environ=None) -> OomGuard:
+    files = read_run_dir(make_run_dir(tmp_path, overrides))
+    return OomGuard(files, run_dir=tmp_path, rank=0, control_group=None, build_engine=None, progress=None,
+                    sink=None, telemetry=None, environ=environ or {})
+
+
+def loss_of(outputs):
+    return outputs["loss"]
+
+
+# ----------------------------------------------------------------------------- fast
+
+def test_halved_run_files_keep_the_global_batch(tmp_path):
+    files = read_run_dir(make_run_dir(tmp_path, {"training": {"global_batch_size": 16}}))
+    halved = halved_run_files(files, 2, 4)
+    assert halved.ds_config["train_micro_batch_size_per_gpu"] == 2
+    assert halved.ds_config["gradient_accumulation_steps"] == 4
+    assert halved.ds_config["train_batch_size"] == files.ds_config["train_batch_size"] == 16
+    assert halved.derived["micro_batch_size"] == 2 and halved.derived["gradient_accumulation_steps"] == 4
+    assert halved.spec["training"]["micro_batch_size"] == 2
+    assert files.ds_config["train_micro_batch_size_per_gpu"] == 4  # the original is left alone
+
+
+def test_fail_policy_turns_an_oom_into_a_clear_error(tmp_path):
+    guard = guard_for(tmp_path)  # on_oom defaults to fail
+    with pytest.raises(SpecError) as err:
+        guard.forward(OomEngine(), {}, step=3, loss_of=loss_of)
+    text = err.value.render()
+    assert "out of memory in optimizer step 3 (forward" in text and "Tried to allocate 2.00 GiB" in text
+    assert "training.on_oom" in text and "jobspec plan" in text
+
+
+def test_injection_fires_once_at_its_step_and_only_on_its_rank(tmp_path):
+    env = {INJECT_AT_STEP_ENV: "2"}
+    guard = guard_for(tmp_path, environ=env)
+    assert guard.forward(TinyEngine(), {}, step=1, loss_of=loss_of).item() == 0.5
+    with pytest.raises(SpecError, match="injected by JOBSPEC_INJECT_OOM_AT_STEP=2"):
+        guard.forward(TinyEngine(), {}, step=2, loss_of=loss_of)
+    assert guard.forward(TinyEngine(), {}, step=2, loss_of=loss_of).item() == 0.5  # the retry is not hit again
+    other_rank = guard_for(tmp_path / "b", environ={**env, INJECT_RANK_ENV: "1"})
+    assert other_rank.forward(TinyEngine(), {}, step=2, loss_of=loss_of).item() == 0.5
+
+
+def test_micro_batch_one_cannot_be_halved(tmp_path):
+    guard = guard_for(tmp_path, {"training": {"micro_batch_size": 1, "on_oom": "halve_micro_batch"}})
+    guard.pending = "forward: CUDA out of memory"
+    with pytest.raises(SpecError, match="micro-batch is already 1 and cannot be halved"):
+        guard.save_and_release(OomEngine(), RunState(step=4))
+
+
+def test_checkpoints_count_micro_batches_of_the_compiled_size(tmp_path):
+    guard = guard_for(tmp_path, {"training": {"on_oom": "halve_micro_batch"}})
+    guard.micro = 1  # after two halvings of 4
+    assert guard.batches_in_compiled_units(12) == 3
+
+
+def test_mark_remembers_the_start_of_each_optimizer_step(tmp_path):
+    guard = guard_for(tmp_path, {"training": {"on_oom": "halve_micro_batch"}})
+    state, window = RunState(step=2, epoch=1, batches_in_epoch=6), Window(samples=8, tokens=100)
+    guard.mark(state, window)
+    window.samples, state.batches_in_epoch = 12, 7  # the step's first micro-batch is counted
+    guard.mark(state, window)                       # second micro-batch of the same step: no new mark
+    epoch, batches, start_window = guard._step_start
+    assert (epoch, batches, start_window.samples, start_window.tokens) == (1, 6, 8, 100)
+
+
+# ----------------------------------------------------------------------------- real ranks
+
+def _losses(run_dir: Path) -> dict:
+    return {r["step"]: r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r}
+
+
+@pytest.mark.slow
+def test_an_oom_on_one_rank_halves_the_micro_batch_and_redoes_the_step(tmp_path):
+    straight = make_run_dir(tmp_path / "a", OOM_SPEC)
+    assert run_worker(straight).returncode == 0
+    run_dir = make_run_dir(tmp_path / "b", OOM_SPEC)
+    # only rank 1 runs out of memory, in step 3's second (last) micro-batch: rank 0 must agree
+    result = run_worker(run_dir, env={INJECT_AT_STEP_ENV: "3", INJECT_RANK_ENV: "1"})
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["status"], summary["steps"]) == ("finished", 8)
+    assert summary["samples"] == 8 * 16  # the interrupted step's micro-batches are not counted twice
+    assert "out of memory in step 3" in output and "micro-batch 4 -> 2" in output
+
+    oom_rows = [r for r in read_metrics(run_dir) if "oom/events" in r]
+    assert [(r["step"], r["oom/micro_batch_size"], r["oom/gradient_accumulation_steps"], r["oom/events"])
+            for r in oom_rows] == [(3, 2, 4, 1)]
+    expected, got = _losses(straight), _losses(run_dir)
+    assert sorted(got) == list(range(1, 9))
+    for step in (1, 2):
+        assert got[step] == pytest.approx(expected[step], abs=1e-6), step
+    for step in range(3, 9):  # same samples, same global batch, weights and Adam state carried over
+        assert got[step] == pytest.approx(expected[step], abs=2e-3), (step, got, expected)
+
+    # the engine really ran with the halved split to the end; the data position is in compiled units
+    state = torch.load(tmp_path / "b" / "out" / "checkpoints" / "step8" / "mp_rank_00_model_states.pt",
+                       map_location="cpu", weights_only=False)
+    assert state["ds_config"]["train_micro_batch_size_per_gpu"] == 2
+    assert state["ds_config"]["gradient_accumulation_steps"] == 4
+    assert (state["global_steps"], state["global_samples"]) == (8, 8 * 16)
+    assert state["batches_in_epoch"] == 8 * 16 // 2 // 4  # 8 steps of 16 samples over 2 ranks, micro 4
+    assert not (run_dir / ".oom-recovery").exists()
+
+
+@pytest.mark.slow
+def test_with_on_oom_fail_an_oom_fails_the_run_with_a_clear_reason(tmp_path):
+    run_dir = make_run_dir(tmp_path, {"training": {"max_steps": 4}})
+    result = run_worker(run_dir, env={INJECT_AT_STEP_ENV: "2"})
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "out of memory in optimizer step 2" in output and "Traceback" not in output
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and "training.on_oom" in summary["error"]
+    assert summary["steps"] == 1

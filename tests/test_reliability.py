@@ -1,0 +1,197 @@
+"""Faults during training, injected for real: kill -9 of a rank, NaN losses (stop / skip), a full
+checkpoint disk, a crash between DeepSpeed's write and `latest`, a truncated checkpoint file."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from mlflow_server import ENV, launch_argv, only_run_dir, write_job
+
+from jobspec import checkpointing, launcher, telemetry
+from jobspec.cli import main
+from jobspec.errors import SpecError
+from jobspec.faults import INJECT_ENV, SKIPPED_METRIC
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    """A file-store tracking URI: no sqlite schema creation (7-28 s) per test."""
+    for key, value in ENV.items():
+        monkeypatch.setenv(key, value)
+    return str(tmp_path / "mlruns")
+
+
+def run_of(run_dir: Path):
+    info = json.loads((run_dir / "mlflow_run.json").read_text())
+    client = telemetry._client(info["tracking_uri"])
+    return client, client.get_run(info["run_id"])
+
+
+def survivors(run_dir: Path) -> list[int]:
+    return [p.pid for p in psutil.process_iter(["cmdline", "status"])
+            if p.info["status"] != psutil.STATUS_ZOMBIE and str(run_dir) in " ".join(p.info["cmdline"] or [])]
+
+
+def launch(job: Path, *args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(launch_argv(job, *args), cwd=job.parent, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **ENV, **(env or {})})
+
+
+# --- cheap: pre-flight and atomic publication --------------------------------------------------------
+
+def test_a_disk_too_small_for_one_checkpoint_is_refused_before_anything_starts(tmp_path, store, monkeypatch,
+                                                                                  capsys):
+    huge = {"model": {"architecture": "bert", "task": "token-classification",
+                      "config": {"hidden_size": 65536, "num_hidden_layers": 200, "num_attention_heads": 64,
+                                 "intermediate_size": 262144, "vocab_size": 512}},
+            "checkpoint": {"save_final": True}}
+    job = write_job(tmp_path, "huge", store, extra=huge)
+    monkeypatch.setattr(launcher, "supervise", lambda *a, **k: pytest.fail("a job started"))
+    assert main(["launch", str(job)]) == 2
+    err = capsys.readouterr().err
+    assert "GiB free but one checkpoint needs about" in err and "checkpoint.dir" in err
+    assert not list((tmp_path / "out-huge").glob("run-*"))
+    # the estimate follows the model: the tiny one fits easily
+    from jobspec.validation import load_and_validate
+    tiny = load_and_validate(write_job(tmp_path, "tiny", store))
+    assert 0 < launcher.checkpoint_bytes(tiny.spec) < 10 * 2**20
+    assert launcher.checkpoint_space_problem(tiny.spec) is None
+
+
+class FakeEngine:
+    """Writes a DeepSpeed-like tag directory, as engine.save_checkpoint does."""
+
+    def save_checkpoint(self, ckpt_dir, tag, client_state, save_latest):
+        assert save_latest is False  # DeepSpeed's own `latest` would be written before all ranks finish
+        (Path(ckpt_dir) / tag).mkdir(parents=True)
+        (Path(ckpt_dir) / tag / "mp_rank_00_model_states.pt").write_bytes(b"w" * 1000)
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def save(ckpt: Path, step: int) -> str:
+    return checkpointing.save(FakeEngine(), ckpt, step=step, epoch=0, batches_in_epoch=step, job_name="j",
+                              keep_last=5)
+
+
+def test_a_crash_after_deepspeed_wrote_the_tag_leaves_latest_on_the_previous_checkpoint(
+        tmp_path, one_rank_group, monkeypatch):
+    ckpt = tmp_path / "ckpt"
+    assert save(ckpt, 2) == "step2" and checkpointing.read_latest(ckpt) == "step2"
+
+    def crash(*args):
+        raise OSError("No space left on device")
+    monkeypatch.setattr(checkpointing, "write_manifest", crash)
+    with pytest.raises(OSError):
+        save(ckpt, 4)
+    assert (ckpt / "step4" / "mp_rank_00_model_states.pt").exists()  # DeepSpeed's part was written
+    assert checkpointing.read_latest(ckpt) == "step2"
+    assert checkpointing.resume_candidates("auto", ckpt) == [(str(ckpt), "step2")]
+    assert "did not complete" in checkpointing.verify(ckpt, "step4")
+    assert not list(ckpt.glob(".latest.tmp*"))
+
+
+def test_a_truncated_file_makes_verification_fail(tmp_path, one_rank_group):
+    ckpt = tmp_path / "ckpt"
+    save(ckpt, 2), save(ckpt, 4)
+    assert checkpointing.verify(ckpt, "step4") is None
+    with open(ckpt / "step4" / "mp_rank_00_model_states.pt", "r+b") as fh:
+        fh.truncate(10)
+    assert "10 bytes, 1000 were written" in checkpointing.verify(ckpt, "step4")
+    assert checkpointing.resume_candidates("auto", ckpt) == [(str(ckpt), "step4"), (str(ckpt), "step2")]
+
+
+# --- real 2-rank launches --------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_kill_9_of_a_real_rank_fails_the_run_fast_and_leaves_no_orphans(tmp_path, store):
+    job = write_job(tmp_path, "killed", store, ranks=2, max_steps=100_000)
+    proc = subprocess.Popen(launch_argv(job), cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, **ENV})
+    deadline = time.monotonic() + 300
+    while not list((tmp_path / "out-killed").glob("run-*/metrics.jsonl")) or \
+            len(next((tmp_path / "out-killed").glob("run-*/metrics.jsonl")).read_text().splitlines()) < 3:
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.3)
+    run_dir = only_run_dir(tmp_path, "killed")
+    rank1 = [p for p in psutil.process_iter(["cmdline"]) if "--local_rank=1" in (p.info["cmdline"] or [])
+             and str(run_dir) in p.info["cmdline"]]
+    assert len(rank1) == 1
+    killed_at = time.monotonic()
+    os.kill(rank1[0].pid, signal.SIGKILL)
+    code = proc.wait(timeout=120)
+    assert time.monotonic() - killed_at < 30 and code != 0
+    assert survivors(run_dir) == []
+    _, run = run_of(run_dir)
+    assert run.info.status == "FAILED" and run.data.tags["jobspec.exit_code"] == str(code)
+    assert run.data.tags["jobspec.failure_reason"]
+
+
+@pytest.mark.slow
+def test_nan_stop_keeps_the_last_good_checkpoint_and_a_corrupt_one_is_passed_over_on_resume(tmp_path, store):
+    job = write_job(tmp_path, "nan-stop", store, ranks=2, max_steps=8,
+                    extra={"checkpoint": {"every_n_steps": 2, "keep_last": 3, "save_final": True}})
+    first = launch(job, env={INJECT_ENV: "5"})
+    assert first.returncode != 0
+    assert "training loss is not finite at optimizer step 5" in first.stderr + first.stdout
+    assert "Traceback" not in first.stderr + first.stdout
+    ckpt = tmp_path / "out-nan-stop" / "checkpoints"
+    assert checkpointing.read_latest(ckpt) == "step4" and checkpointing.completed_steps(ckpt) == [2, 4]
+    run_dir = only_run_dir(tmp_path, "nan-stop")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and "on_nan: stop" in summary["error"] and summary["steps"] == 4
+    _, run = run_of(run_dir)
+    assert run.info.status == "FAILED" and "not finite" in run.data.tags["jobspec.failure_reason"]
+
+    # a torn write in the newest checkpoint: resume falls back to step2, loudly
+    shard = next((ckpt / "step4").glob("*model_states.pt"))
+    with open(shard, "r+b") as fh:
+        fh.truncate(shard.stat().st_size // 2)
+    second = launch(job)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "WARNING: checkpoint passed over on resume" in second.stdout + second.stderr
+    run_dir2 = [d for d in (tmp_path / "out-nan-stop").glob("run-*") if d != run_dir][0]
+    summary2 = json.loads((run_dir2 / "summary.json").read_text())
+    assert summary2["resumed_from"].endswith("step2") and summary2["status"] == "finished"
+    _, run2 = run_of(run_dir2)
+    assert run2.info.run_id == run.info.run_id  # the same MLflow run continues
+    assert "step4" in run2.data.tags["jobspec.resume_fallback"]
+
+
+@pytest.mark.slow
+def test_nan_skip_drops_the_update_and_counts_it(tmp_path, store):
+    import torch
+    job = write_job(tmp_path, "nan-skip", store, ranks=2, max_steps=5,
+                    extra={"training": {"on_nan": "skip"},
+                           "checkpoint": {"every_n_steps": 1, "keep_last": 10, "save_final": True}})
+    done = launch(job, env={INJECT_ENV: "3"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "update skipped" in done.stdout + done.stderr
+    run_dir = only_run_dir(tmp_path, "nan-skip")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if SKIPPED_METRIC in r] == [3]
+    assert all(r["train/loss"] == r["train/loss"] for r in rows if "train/loss" in r)  # no NaN reported
+    client, run = run_of(run_dir)
+    assert [m.value for m in client.get_metric_history(run.info.run_id, SKIPPED_METRIC)] == [1.0]
+
+    def weights(step):
+        state = torch.load(next((tmp_path / "out-nan-skip" / "checkpoints" / f"step{step}").glob("mp_rank_00*")),
+                           map_location="cpu", weights_only=False)["module"]
+        return {k: v.float() for k, v in state.items()}
+    before, skipped, after = weights(2), weights(3), weights(4)
+    assert all(torch.equal(before[k], skipped[k]) for k in before)          # step 3 changed nothing
+    assert not all(torch.equal(skipped[k], after[k]) for k in skipped)      # step 4 trained again
+    assert all(torch.isfinite(v).all() for v in after.values())
