@@ -129,11 +129,11 @@ def preflight_problems(memory: LaunchMemory, spec: dict, environ=os.environ) -> 
     plan = memory.plan
     if free is None or plan is None or plan.nvml_total <= free:
         return []
-    return [f"the plan predicts {fmt_bytes(plan.nvml_total)} per GPU (peak allocated "
-            f"{fmt_bytes(plan.peak_allocated)}, reserved {fmt_bytes(plan.peak_reserved)}, plus the CUDA "
-            f"context) but this host's GPU has {fmt_bytes(free)} free: "
-            f"run `jobspec plan JOB --fit --gpu-mem {free // MiB}MiB` for settings that fit, "
-            "or set memory.fit: auto"]
+    return [(f"the plan predicts {fmt_bytes(plan.nvml_total)} per GPU (peak allocated "
+             f"{fmt_bytes(plan.peak_allocated)}, reserved {fmt_bytes(plan.peak_reserved)}, plus the CUDA "
+             f"context) but this host's GPU has {fmt_bytes(free)} free: "
+             f"run `jobspec plan JOB --fit --gpu-mem {free // MiB}MiB` for settings that fit, "
+             "or set memory.fit: auto")]
 
 
 def plan_record(memory: LaunchMemory) -> dict:
@@ -189,5 +189,5 @@ def log_params(tracked, params: dict[str, str]) -> None:
         log.warning("could not log plan/fit params to MLflow: %s", str(err).splitlines()[0][:300])
 
 
-def _mib(n: int | float) -> float:
+def _mib(n: float) -> float:
     return round(n / MiB, 1)

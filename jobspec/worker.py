@@ -242,14 +242,15 @@ def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, tele
             window.samples += int(batch["input_ids"].shape[0])
             batch = {k: v.to(engine.device, non_blocking=True) for k, v in batch.items()}
             boundary = engine.is_gradient_accumulation_boundary()  # ask before step() advances it
-            loss = oom_guard.forward(engine, batch, state.step + 1, _loss_of) if oom_guard else _loss_of(engine(**batch))
-            if loss is None:
-                break  # out of memory on some rank: redone below with half the micro-batch
+            if oom_guard is None:
+                loss = _loss_of(engine(**batch))
+            elif (loss := oom_guard.forward(engine, batch, state.step + 1, _loss_of)) is None:
+                break  # out of memory on some rank: every rank redoes the step below, micro-batch halved
             loss, nonfinite = nan_guard.check(loss, state.step + 1) if nan_guard else (loss, False)
-            if oom_guard and not oom_guard.backward(engine, loss, state.step + 1):
-                break
-            if not oom_guard:
+            if oom_guard is None:
                 engine.backward(loss)
+            elif not oom_guard.backward(engine, loss, state.step + 1):
+                break  # as above
             nan_guard.step(engine, boundary, state.step + 1) if nan_guard else engine.step()
             state.batches_in_epoch += 1
             if not nonfinite:  # a skipped micro-batch has no loss to report

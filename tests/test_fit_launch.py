@@ -15,7 +15,7 @@ from jobspec import launch_memory, launcher, telemetry
 from jobspec.cli import main
 from jobspec.modelinfo import model_dims
 from jobspec.planner import MiB, parse_bytes, plan_memory
-from test_launch import fake_runner, mlflow_run_of, only_run_dir, use_fake_runner  # noqa: F401 (fixture)
+from test_launch import fake_runner, mlflow_run_of, only_run_dir, use_fake_runner  # noqa: F401, F811 (a fixture)
 
 # Activations matter for this model (seq 256, micro 16), so a budget a little under its plan
 # needs a smaller micro-batch, not only bf16.

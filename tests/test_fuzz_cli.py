@@ -35,11 +35,11 @@ def run_cli(capsys, argv) -> tuple[int, str, str]:
     return code, out, err
 
 
-def check_outcome(code: int, out: str, err: str) -> None:
+def check_outcome(code: int, out: str, err: str, path: Path) -> None:
     assert code in (0, 2), (code, err[-2000:])
     assert "Traceback" not in out + err
-    if code == 2:  # positioned: `file:line:col: path: message`, `<--set>:1:N: ...`, or at least `file: path: ...`
-        assert re.match(r"^\S+?(:\d+:\d+)?: \S+: ", err) and re.search(r"^\d+ problems? found$", err, re.M), err
+    if code == 2:  # positioned: `file:line:col: path: message`, `<--set>:1:N: ...`, or at least `file: ...`
+        assert err.startswith((f"{path}:", "<--set>:1:")) and re.search(r"^\d+ problems? found$", err, re.M), err
 
 
 def validate_text(capsys, data: bytes, *overrides: str) -> tuple[int, str, str]:
@@ -48,7 +48,7 @@ def validate_text(capsys, data: bytes, *overrides: str) -> tuple[int, str, str]:
         path.write_bytes(data)
         argv = ["validate", str(path)] + [a for o in overrides for a in ("--set", o)]
         result = run_cli(capsys, argv)
-    check_outcome(*result)
+    check_outcome(*result, path)
     return result
 
 
@@ -109,7 +109,7 @@ def test_a_50_mb_file_is_refused_quickly_without_reading_it(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("data,phrase", [
-    (b"model:\n  architecture: bert\n\xff\xfe: 1\n", "is not valid UTF-8"),
+    (b"model:\n  architecture: bert\n\xff\xfe: 1\n", "is not valid utf-8"),
     (b"model:\n\tarchitecture: bert\n", "tab"),
     (b"model: {architecture: bert}\nmodel: {architecture: gpt2}\n", "duplicate"),
     (b"model: !!python/object/apply:os.system ['touch /tmp/jobspec-pwned']\n", "not allowed"),

@@ -193,3 +193,39 @@ def test_a_server_outage_mid_run_loses_nothing_and_does_not_slow_training(tmp_pa
         "outage_s": (up_at - down_at) / 1000, "points": len(expected), "lost": len(expected - stored),
         "median_step_s_before": statistics.median(before), "median_step_s_during": statistics.median(during)}))
     print("outage numbers:", (tmp_path / "outage-numbers.json").read_text())
+
+
+# --- load: launches back to back and at once against one server ------------------------------------
+
+def launch_tiny(tmp_path: Path, name: str, uri: str) -> tuple[int, Path]:
+    job = write_job(tmp_path, name, uri, max_steps=2)
+    proc = subprocess.run(launch_argv(job), cwd=tmp_path, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, **ENV})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc.returncode, only_run_dir(tmp_path, name)
+
+
+def assert_every_point_recorded(run_dir: Path) -> None:
+    info = json.loads((run_dir / "mlflow_run.json").read_text())
+    client = telemetry._client(info["tracking_uri"])
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    expected = {(k, r["step"]) for r in rows for k in r if k not in ("step", "timestamp")}
+    stored = {(k, m.step) for k in {k for k, _ in expected} for m in client.get_metric_history(info["run_id"], k)}
+    assert expected and expected <= stored
+    assert client.get_run(info["run_id"]).info.status == "FINISHED"
+
+
+BACK_TO_BACK = int(os.environ.get("JOBSPEC_LOAD_RUNS", 3))  # bench/load.py runs 20
+
+
+@pytest.mark.slow
+def test_back_to_back_and_concurrent_launches_record_every_metric(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+    server = shared()
+    run_dirs = [launch_tiny(tmp_path, f"seq{i}", server.uri)[1] for i in range(BACK_TO_BACK)]
+    with ThreadPoolExecutor(4) as pool:  # master_port null: each picks its own free port
+        run_dirs += [rd for _, rd in pool.map(lambda i: launch_tiny(tmp_path, f"par{i}", server.uri), range(4))]
+    ports = {json.loads((rd / "launch.json").read_text())["master_port"] for rd in run_dirs[BACK_TO_BACK:]}
+    assert len(ports) == 4
+    for run_dir in run_dirs:
+        assert_every_point_recorded(run_dir)

@@ -8,6 +8,11 @@ checkpoint and stop (Slurm preemption). Exit status: the runner's (128+N when st
 Checkpoints are owned by one job (checkpoint.dir/jobspec_job.json): another job's checkpoints, or
 existing ones with `checkpoint.resume: never`, make the launch refuse (exit 2); `resume: auto`
 continues them and the same MLflow run.
+
+Memory (docs/memory-planner.md): `memory.fit: auto` replaces batch split, precision, checkpointing,
+optimizer and ZeRO/offload settings by the fastest ones predicted to fit `memory.gpu_memory` (else
+the GPUs' free memory) and prints the choice; on a GPU host a plan larger than the free memory
+refuses to launch (exit 2). The plan is logged as `plan.*` MLflow params and in launch.json.
 """
 from __future__ import annotations
 
@@ -35,7 +40,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--stop-after-steps", type=int, default=None, metavar="K",
                         help="stop gracefully (checkpoint, status preempted) after K optimizer steps")
     parser.add_argument("--ignore-preflight", action="store_true",
-                        help="warn instead of refusing when host checks fail (GPU count, port in use)")
+                        help="warn instead of refusing when host checks fail (GPU count, free GPU memory, port in use)")
     parser.add_argument("--kill-grace", type=float, default=launcher.KILL_GRACE_S, metavar="SECONDS",
                         help="after Ctrl-C/SIGTERM, wait this long for a checkpoint before killing the job "
                              f"(default {launcher.KILL_GRACE_S:.0f})")

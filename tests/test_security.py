@@ -1,0 +1,130 @@
+"""Security: no shell strings, trust_remote_code off and loud, credentials never recorded, paths
+relative to the spec file, and no writing into system directories."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow_server import ENV, launch_argv, only_run_dir, shared, write_job
+
+from jobspec import telemetry
+from jobspec.cli import main
+from jobspec.schema import fill_defaults
+
+PACKAGE = Path(__file__).resolve().parent.parent / "jobspec"
+VALID = Path(__file__).parent / "assets" / "valid" / "tiny-bert.yaml"
+
+
+def test_no_shell_strings_anywhere_in_the_package():
+    pattern = re.compile(r"shell\s*=\s*True|os\.system\s*\(|os\.popen\s*\(|subprocess\.getoutput|commands\.getoutput")
+    offenders = [f"{path.relative_to(PACKAGE)}:{n}" for path in PACKAGE.rglob("*.py")
+                 for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    assert offenders == []
+
+
+def test_trust_remote_code_is_off_by_default_and_loud_when_on(capsys):
+    from jobspec.model import _warn_remote_code
+    assert fill_defaults({"model": {"architecture": "bert"}})["model"]["trust_remote_code"] is False
+    _warn_remote_code({"name_or_path": "someone/model", "trust_remote_code": False})
+    assert capsys.readouterr().err == ""
+    _warn_remote_code({"name_or_path": "someone/model", "trust_remote_code": True})
+    err = capsys.readouterr().err
+    assert "WARNING" in err and "trust_remote_code" in err and "someone/model" in err
+
+
+@pytest.mark.parametrize("field,value", [
+    ("output_dir", "/etc/jobspec"), ("output_dir", "/"), ("checkpoint.dir", "/usr/lib/ckpt"),
+    ("checkpoint.dir", "/proc/self"), ("checkpoint.dir", "/sys"), ("checkpoint.dir", "/dev/shm/x"),
+    ("checkpoint.dir", "/boot"), ("output_dir", "/bin/../etc"), ("checkpoint.dir", "../../../../../../../../etc"),
+])
+def test_system_directories_are_refused_with_a_position(tmp_path, capsys, field, value):
+    text = VALID.read_text()
+    text = text + f"output_dir: {value}\n" if field == "output_dir" else text.replace("dir: ckpt", f"dir: {value}")
+    job = tmp_path / "job.yaml"
+    job.write_text(text)
+    assert main(["validate", str(job)]) == 2
+    err = capsys.readouterr().err
+    assert re.search(rf"^{re.escape(str(job))}:\d+:\d+: {re.escape(field)}: .*jobspec will not write there", err, re.M), err
+
+
+def test_a_symlink_into_a_system_directory_is_refused(tmp_path, capsys):
+    (tmp_path / "innocent").symlink_to("/etc")
+    job = tmp_path / "job.yaml"
+    job.write_text(VALID.read_text().replace("dir: ckpt", "dir: innocent/ckpt"))
+    assert main(["validate", str(job)]) == 2
+    assert "/etc/ckpt is inside /etc" in capsys.readouterr().err
+
+
+def test_spec_paths_resolve_against_the_spec_file_not_the_cwd(tmp_path, monkeypatch):
+    (tmp_path / "specs").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    job = tmp_path / "specs" / "job.yaml"
+    job.write_text(VALID.read_text() + "output_dir: ../runs\n")
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert main(["compile", "../specs/job.yaml", "--out", "c"]) == 0
+    resolved = yaml.safe_load((tmp_path / "elsewhere" / "c" / "resolved.yaml").read_text())
+    assert resolved["output_dir"] == str(tmp_path / "runs")
+    assert resolved["checkpoint"]["dir"] == str(tmp_path / "specs" / "ckpt")
+
+
+# --- credentials planted in a real launch ------------------------------------------------------------
+
+TOKEN, HF, PASSWORD = "mlflow-tok-5f3a9c1e", "hf_planted_77d2e1b0", "pw-8c1d4e7f2a"
+
+
+def everything_recorded(tmp_path: Path, run_dir: Path, stdout: str) -> dict[str, str]:
+    """name -> text of everything the launch left: MLflow params/tags/artifacts/metrics, files, output."""
+    info = json.loads((run_dir / "mlflow_run.json").read_text())
+    client = telemetry._client(info["tracking_uri"])
+    run = client.get_run(info["run_id"])
+    texts = {"stdout+stderr": stdout, "params": json.dumps(run.data.params), "tags": json.dumps(run.data.tags),
+             "metrics": json.dumps(run.data.metrics)}
+    downloaded = Path(client.download_artifacts(info["run_id"], "", str(tmp_path / "artifacts")))
+    for path in downloaded.rglob("*"):
+        if path.is_file():
+            texts[f"artifact {path.name}"] = path.read_text(errors="replace")
+    for path in run_dir.rglob("*"):
+        if path.is_file():
+            texts[f"run dir {path.name}"] = path.read_text(errors="replace")
+    return texts
+
+
+@pytest.fixture(scope="module")
+def planted_launch(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("secrets")
+    server = shared()
+    uri = server.uri.replace("http://", f"http://alice:{PASSWORD}@")
+    job = write_job(tmp_path, "secrets", uri, max_steps=2,
+                    extra={"description": f"planted {TOKEN}", "logging": {
+                        "every_n_steps": 1, "progress": "lines",
+                        "mlflow": {"tracking_uri": uri, "experiment": "security", "tags": {"note": f"tok {HF}"}}}})
+    env = {**os.environ, **ENV, "MLFLOW_TRACKING_TOKEN": TOKEN, "HF_TOKEN": HF}
+    proc = subprocess.run(launch_argv(job), cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_dir = only_run_dir(tmp_path, "secrets")
+    return everything_recorded(tmp_path, run_dir, proc.stdout + proc.stderr)
+
+
+SPEC_COPIES = ("run dir spec.yaml", "run dir resolved.yaml")  # verbatim copies of the user's own spec
+
+
+@pytest.mark.slow
+def test_credentials_never_reach_mlflow_logs_or_run_files(planted_launch):
+    assert "artifact spec.yaml" in planted_launch and "run dir launcher.log" in planted_launch
+    assert "run dir metrics.jsonl" in planted_launch and "params" in planted_launch
+    leaks = [(name, secret) for name, text in planted_launch.items() if name not in SPEC_COPIES
+             for secret in (TOKEN, HF, PASSWORD) if secret in text]
+    assert leaks == []
+    assert "alice:***" not in planted_launch["params"] and "***@127.0.0.1" in planted_launch["params"]
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="commands/compile.write_run_files copies the spec verbatim into the run "
+                                       "dir: needs telemetry.mask_secrets there (owner: compile)")
+def test_run_dir_copies_of_the_spec_hide_uri_passwords(planted_launch):
+    assert all(PASSWORD not in planted_launch[name] for name in SPEC_COPIES)
