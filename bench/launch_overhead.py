@@ -14,7 +14,8 @@ builds, the MLflow database), so drift of a shared machine hits both sides. Meas
    The hand loop's `jobspec compile` is not counted (someone writing the loop writes the config).
 2. steady-state step time: the median of step-to-step timestamp gaps after --warmup steps, both
    truncated to milliseconds as metrics.jsonl is; ratio = median over repeats, jobspec / hand loop.
-   jobspec logs every step here, so its steps carry the full telemetry cost (the worst case).
+   By default jobspec logs every step (its per-step stamps), so its steps carry the full telemetry
+   cost, the worst case; `--log-every 10` measures it at the schema's default interval instead.
 3. telemetry per step: an in-process probe (`--probe RUN_DIR`, started by this script) runs the
    worker's own engine, StepReporter and MetricSink (MLflow on) on a synthetic loop, times
    `StepReporter.log_window` (collectives, memory readings, metrics.jsonl, the MLflow queue) and the
@@ -93,15 +94,72 @@ def phase_times(output: str, started: float) -> dict:
     return out
 
 
+class RankCpuSampler:
+    """Polls the CPU time (user + system, all threads) of the rank-0 process below a command.
+
+    Wall time on a shared machine swings with other people's load; the CPU seconds a rank spends
+    per step swing far less, so the steady state is also reported as CPU time per step."""
+
+    def __init__(self, root_pid: int, period_s: float = 0.1):
+        import threading
+        self.root_pid, self.period_s = root_pid, period_s
+        self.samples: list[tuple[float, float]] = []  # (unix time, CPU seconds of rank 0)
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        import psutil
+        rank = None
+        while not self._done.is_set():
+            try:
+                if rank is None:
+                    rank = next((p for p in psutil.Process(self.root_pid).children(recursive=True)
+                                 if "--local_rank=0" in p.cmdline()), None)
+                if rank is not None:
+                    cpu = rank.cpu_times()
+                    self.samples.append((time.time(), cpu.user + cpu.system))
+            except psutil.Error:
+                if rank is not None:
+                    return  # rank 0 has exited
+            self._done.wait(self.period_s)
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join(timeout=5)
+
+    def cpu_per_step_s(self, stamps_ms: list[tuple[int, int]], warmup: int) -> float | None:
+        """CPU seconds per optimizer step between the first stamp after `warmup` and the last stamp."""
+        stamps = sorted(s for s in stamps_ms if s[0] > warmup)
+        if len(stamps) < 2 or len(self.samples) < 2:
+            return None
+        (step_a, t_a), (step_b, t_b) = stamps[0], stamps[-1]
+        return (self._cpu_at(t_b / 1000) - self._cpu_at(t_a / 1000)) / (step_b - step_a)
+
+    def _cpu_at(self, t: float) -> float:
+        """Linear interpolation of the sampled CPU time at unix time t."""
+        before = max((s for s in self.samples if s[0] <= t), default=self.samples[0])
+        after = min((s for s in self.samples if s[0] >= t), default=self.samples[-1])
+        if after[0] == before[0]:
+            return before[1]
+        return before[1] + (after[1] - before[1]) * (t - before[0]) / (after[0] - before[0])
+
+
 def run_jobspec(job: Path, work: Path, tag: str, args, log) -> dict:
     cmd = [sys.executable, "-m", "jobspec", "launch", str(job), *_sets(job_overrides(work, tag, args))]
     started = time.time()
-    subprocess.run(cmd, cwd=REPO, env=child_env(args.threads), stdout=log, stderr=subprocess.STDOUT, check=True)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(args.threads), stdout=log, stderr=subprocess.STDOUT)
+    sampler = RankCpuSampler(proc.pid)
+    returncode = proc.wait()
+    sampler.stop()
+    if returncode != 0:
+        raise SystemExit(f"jobspec launch failed (exit {returncode}); see {log.name}")
     run_dir = max((work / tag).glob("run-*"), key=lambda p: p.stat().st_mtime)
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     stamps = [(r["step"], r["timestamp"]) for r in lines if "train/loss" in r]
     first = min(stamps)  # step 1 only when every step is logged
     return {"first_step_s": first[1] / 1000 - started if first[0] == 1 else None, "step_s": steady_step_s(stamps, args.warmup),
+            "cpu_step_s": sampler.cpu_per_step_s(stamps, args.warmup),
             **phase_times((run_dir / "launcher.log").read_text(errors="replace"), started),
             "ds_config": json.loads((run_dir / "ds_config.json").read_text())}
 
@@ -121,15 +179,19 @@ def run_hand_loop(job: Path, work: Path, tag: str, args, log) -> dict:
     cmd = runner_prefix() + ["--num_gpus", str(args.ranks), "--master_port", str(free_port()),
                              str(REPO / "bench" / "hand_loop.py"), "--run-dir", str(run_dir)]
     started = time.time()
-    out = subprocess.run(cmd, cwd=REPO, env=child_env(args.threads), stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, check=False, text=True)
-    log.write(out.stdout)
-    if out.returncode != 0:
-        raise SystemExit(f"hand loop failed (exit {out.returncode}); see {log.name}")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(args.threads), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    sampler = RankCpuSampler(proc.pid)
+    output, _ = proc.communicate()
+    sampler.stop()
+    log.write(output)
+    if proc.returncode != 0:
+        raise SystemExit(f"hand loop failed (exit {proc.returncode}); see {log.name}")
     # truncated to ms like MetricSink's timestamps, so both sides are measured at the same resolution
-    stamps = [(int(step), int(float(t) * 1000)) for step, t in HAND_STEP.findall(out.stdout)]
+    stamps = [(int(step), int(float(t) * 1000)) for step, t in HAND_STEP.findall(output)]
     return {"first_step_s": min(stamps)[1] / 1000 - started, "step_s": steady_step_s(stamps, args.warmup),
-            "compile_s": compile_s, **phase_times(out.stdout, started), "ds_config": json.loads((run_dir / "ds_config.json").read_text())}
+            "compile_s": compile_s, "cpu_step_s": sampler.cpu_per_step_s(stamps, args.warmup),
+            **phase_times(output, started), "ds_config": json.loads((run_dir / "ds_config.json").read_text())}
 
 
 # --- the telemetry probe (a child process: one rank, the worker's own pieces) ------------------
@@ -249,9 +311,21 @@ def _phase(results: list[dict], key: str) -> str:
     return _spread(values, 1, ".1f") if values else "?"
 
 
+def _cpu_row(a: list[dict], b: list[dict]) -> str:
+    cpu_a = [r["cpu_step_s"] for r in a if r.get("cpu_step_s")]
+    cpu_b = [r["cpu_step_s"] for r in b if r.get("cpu_step_s")]
+    if not (cpu_a and cpu_b):
+        return "| steady CPU time per step, ms (rank 0) | ? | ? | | | |"
+    ratio = statistics.median(cpu_a) / statistics.median(cpu_b)
+    return (f"| steady CPU time per step, ms (rank 0, all threads) | {_spread(cpu_a, 1000, '.1f')} | "
+            f"{_spread(cpu_b, 1000, '.1f')} | x{ratio:.3f} | <= 1.02 | {'yes' if ratio <= 1.02 else 'no'} |")
+
+
 def render(a: list[dict], b: list[dict], p: dict) -> str:
     """Markdown: launch and steady state (medians over repeats, min-max), then the telemetry probe."""
-    first_a, first_b = [r["first_step_s"] or float("nan") for r in a], [r["first_step_s"] for r in b]
+    first_a, first_b = [r["first_step_s"] for r in a if r["first_step_s"] is not None], [r["first_step_s"] for r in b]
+    first_a_text = _spread(first_a, 1, ".1f") if first_a else "- (step 1 not logged)"
+    first_diff = f"+{statistics.median(first_a) - statistics.median(first_b):.1f} s" if first_a else "-"
     step_a, step_b = [r["step_s"] for r in a], [r["step_s"] for r in b]
     ratio = statistics.median(step_a) / statistics.median(step_b)
     pair_ratios = [x / y for x, y in zip(step_a, step_b)]
@@ -261,12 +335,12 @@ def render(a: list[dict], b: list[dict], p: dict) -> str:
     rows = [
         "| measure | jobspec launch | hand loop | jobspec - / hand loop | goal | met |",
         "|---|---:|---:|---:|---:|---|",
-        f"| launch to first step, s | {_spread(first_a, 1, '.1f')} | {_spread(first_b, 1, '.1f')} | "
-        f"+{statistics.median(first_a) - statistics.median(first_b):.1f} s | - | - |",
+        f"| launch to first step, s | {first_a_text} | {_spread(first_b, 1, '.1f')} | {first_diff} | - | - |",
         *(f"| - of which: {label} | {_phase(a, key)} | {_phase(b, key)} | | | |" for key, label in PHASE_LABELS),
         f"| steady step time, ms (median) | {_spread(step_a, 1000, '.1f')} | {_spread(step_b, 1000, '.1f')} | "
         f"x{ratio:.3f} (pairs {min(pair_ratios):.3f}-{max(pair_ratios):.3f}) | <= 1.02 | "
         f"{'yes' if ratio <= 1.02 else 'no'} |",
+        _cpu_row(a, b),
         f"| telemetry per step, logging every step | {log_share + acc_share:.2%} of a step | - | - | <= 1% | "
         f"{'yes' if log_share + acc_share <= 0.01 else 'no'} |",
         "",
@@ -329,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     a, b = [], []
     with open(work / "bench.log", "a", encoding="utf-8") as log:
         print(f"launch_overhead: work dir {work}; warm-up launch (untimed)", file=sys.stderr, flush=True)
-        run_jobspec(job, work, "warmup", argparse.Namespace(**{**vars(args), "steps": args.warmup + 3}), log)
+        run_jobspec(job, work, "warmup", argparse.Namespace(**{**vars(args), "steps": args.warmup + 3, "log_every": 1}), log)
         for i in range(args.repeats):  # interleaved: A, B, A, B
             print(f"launch_overhead: repeat {i + 1}/{args.repeats}", file=sys.stderr, flush=True)
             a.append(run_jobspec(job, work, f"jobspec-r{i + 1}", args, log))

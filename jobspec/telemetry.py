@@ -358,11 +358,6 @@ class MetricSink:
                 self._send(tags=[RunTag(k, v) for k, v in payload.items()])
                 continue
             metrics = [Metric(k, v, timestamp, step) for k, v in payload.items()]
-            # after an outage the queue holds a backlog: send it in full batches, not one step at a time
-            while len(metrics) < MAX_METRICS_PER_BATCH and self._queue.qsize() and \
-                    self._queue.queue[0] is not None and self._queue.queue[0][0] == "metrics":
-                _, more, step, timestamp = self._queue.get()
-                metrics += [Metric(k, v, timestamp, step) for k, v in more.items()]
             for i in range(0, len(metrics), MAX_METRICS_PER_BATCH):
                 chunk = metrics[i:i + MAX_METRICS_PER_BATCH]
                 if self._send(metrics=chunk):
