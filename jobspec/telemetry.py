@@ -13,7 +13,6 @@ import logging
 import math
 import os
 import queue
-import re
 import socket
 import tempfile
 import threading
@@ -21,7 +20,9 @@ import time
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
+
+from jobspec.secrets import mask_secrets, split_credentials
 
 log = logging.getLogger("jobspec.telemetry")
 
@@ -40,7 +41,6 @@ HTTP_ENV_DEFAULTS = {
     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
     "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0.5",
 }
-SECRET_ENV_VARS = ("MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_PASSWORD", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 VERSIONED_PACKAGES = ("jobspec", "deepspeed", "torch", "transformers", "mlflow")
 RUN_FILE = "mlflow_run.json"
 METRICS_FILE = "metrics.jsonl"
@@ -51,31 +51,6 @@ def apply_http_env(environ: dict | os._Environ = os.environ) -> None:
     """Short MLflow HTTP timeouts/retries, unless the user set their own."""
     for key, value in HTTP_ENV_DEFAULTS.items():
         environ.setdefault(key, value)
-
-
-# --- credentials -------------------------------------------------------------------------------
-
-_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<userinfo>[^/@\s]+)@")
-
-
-def mask_secrets(text: str) -> str:
-    """`text` with `user:pass@` in URIs replaced by `***@` and secret env values replaced by `***`."""
-    text = _USERINFO.sub(r"\g<scheme>***@", text)
-    for var in SECRET_ENV_VARS:
-        secret = os.environ.get(var)
-        if secret and len(secret) >= 4:
-            text = text.replace(secret, "***")
-    return text
-
-
-def split_credentials(uri: str) -> tuple[str, str | None, str | None]:
-    """(uri without userinfo, username, password): MLflow takes credentials from the environment."""
-    parts = urlsplit(uri)
-    if parts.scheme not in ("http", "https") or "@" not in parts.netloc:
-        return uri, None, None
-    userinfo, host = parts.netloc.rsplit("@", 1)
-    user, _, password = userinfo.partition(":")
-    return urlunsplit(parts._replace(netloc=host)), user or None, password or None
 
 
 # --- params and tags ---------------------------------------------------------------------------

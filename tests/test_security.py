@@ -124,7 +124,5 @@ def test_credentials_never_reach_mlflow_logs_or_run_files(planted_launch):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="commands/compile.write_run_files copies the spec verbatim into the run "
-                                       "dir: needs telemetry.mask_secrets there (owner: compile)")
 def test_run_dir_copies_of_the_spec_hide_uri_passwords(planted_launch):
     assert all(PASSWORD not in planted_launch[name] for name in SPEC_COPIES)

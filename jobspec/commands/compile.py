@@ -28,6 +28,7 @@ from pathlib import Path
 import yaml
 
 from jobspec.errors import spec_error
+from jobspec.secrets import mask_secrets
 
 COMPILE_FILES = ("spec.yaml", "resolved.yaml", "ds_config.json", "patches.json", "command.txt", "launch.json")
 _EXTENSION_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet", ".pq": "parquet"}
@@ -93,8 +94,9 @@ def write_run_files(out: Path, resolved, compiled) -> None:
     launch = {**compiled.launch, "derived": compiled.derived, "notes": compiled.notes,
               "source": str(resolved.source.resolve())}
     contents = {
-        "spec.yaml": resolved.text,
-        "resolved.yaml": yaml.safe_dump(resolved.spec, sort_keys=False),
+        # a password in a tracking URI or a planted token must not reach files that become artifacts
+        "spec.yaml": mask_secrets(resolved.text),
+        "resolved.yaml": mask_secrets(yaml.safe_dump(resolved.spec, sort_keys=False)),
         "ds_config.json": json.dumps(compiled.ds_config, indent=2) + "\n",
         "patches.json": json.dumps(compiled.patches, indent=2) + "\n",
         "command.txt": shlex.join(compiled.launch["argv"]) + "\n",
