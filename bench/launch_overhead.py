@@ -16,6 +16,8 @@ builds, the MLflow database), so drift of a shared machine hits both sides. Meas
    truncated to milliseconds as metrics.jsonl is; ratio = median over repeats, jobspec / hand loop.
    By default jobspec logs every step (its per-step stamps), so its steps carry the full telemetry
    cost, the worst case; `--log-every 10` measures it at the schema's default interval instead.
+   Also the CPU seconds rank 0 spends per step (psutil, all threads): a shared machine's load
+   disturbs them far less than wall time.
 3. telemetry per step: an in-process probe (`--probe RUN_DIR`, started by this script) runs the
    worker's own engine, StepReporter and MetricSink (MLflow on) on a synthetic loop, times
    `StepReporter.log_window` (collectives, memory readings, metrics.jsonl, the MLflow queue) and the
@@ -55,7 +57,7 @@ DEFAULT_LOG_EVERY = 10  # logging.every_n_steps's schema default: the telemetry 
 
 
 def job_overrides(work: Path, tag: str, args) -> list[str]:
-    """`--set`s making both sides the same short job: own output dir, every step logged, no eval or checkpoint."""
+    """`--set`s making both sides the same short job: own output dir and run name, no eval or checkpoint."""
     samples = max(960, (args.steps + 1) * 16 * args.ranks)  # no epoch boundary inside the timed steps
     return [f"output_dir={work / tag}", f"logging.mlflow.tracking_uri=sqlite:///{work / 'mlflow.db'}",
             f"logging.mlflow.experiment={EXPERIMENT}", f"logging.mlflow.run_name={tag}",
@@ -277,7 +279,8 @@ def run_probe(job: Path, work: Path, args, log) -> dict:
     # the schedule spans the probe's steps (the learning rate does not change the work, but stay valid)
     run_dir, _ = compile_run_dir(job, work, "probe", argparse.Namespace(**{**vars(args), "steps": args.probe_steps}),
                                  log)
-    spec = __import__("yaml").safe_load((run_dir / "resolved.yaml").read_text())
+    import yaml
+    spec = yaml.safe_load((run_dir / "resolved.yaml").read_text())
     launch = json.loads((run_dir / "launch.json").read_text())
     tracked = telemetry.start_run(spec, launch, launch["derived"], (run_dir / "spec.yaml").read_text(), run_dir)
     env = {**child_env(args.threads), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1",
@@ -374,7 +377,7 @@ def environment(args) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.launch_overhead", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--job", type=Path, default=DEFAULT_JOB, help="job spec (default jobs/quickstart.yaml)")
+    parser.add_argument("--job", type=Path, default=DEFAULT_JOB, help="a sequence-classification job with data.synthetic (default jobs/quickstart.yaml)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per side, interleaved (default 3)")
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps per run (default 60)")
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the steady state (default 5)")

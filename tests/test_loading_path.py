@@ -13,14 +13,13 @@ import csv
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from jobspec.cli import main
+from test_matrix import launch
 
 TEXT_DIR = Path(__file__).parent / "assets" / "text"
 NUM_EVAL = 8
@@ -162,16 +161,15 @@ def test_launch_trains_a_local_checkpoint_on_parquet_with_jsonl_eval(project, tm
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}  # everything is local: a hub lookup would be a bug
-    proc = subprocess.run([sys.executable, "-m", "jobspec", "launch", str(project["job"])], cwd=elsewhere,
-                          env=env, capture_output=True, text=True, timeout=900)
+    proc = launch(project["job"], elsewhere, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     runs = list((project["job_dir"] / "out").glob("run-*"))  # output_dir is relative to the spec
     assert len(runs) == 1, runs
     run_dir = runs[0]
 
     total = expected_steps(len(project["train_rows"]))
-    launch = json.loads((run_dir / "launch.json").read_text())
-    assert launch["derived"]["total_steps"] == total
+    derived = json.loads((run_dir / "launch.json").read_text())["derived"]
+    assert derived["total_steps"] == total
     summary = json.loads((run_dir / "summary.json").read_text())
     assert (summary["status"], summary["steps"], summary["samples"]) == ("finished", total, total * MICRO * WORLD)
     assert summary["eval_loss"] is not None and math.isfinite(summary["eval_loss"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -87,9 +88,19 @@ def write_job(tmp_path: Path, case: dict, tracking_uri: str, name: str) -> tuple
     return path, {"micro": micro, "global_batch": global_batch}
 
 
-def launch(job: Path, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "jobspec", "launch", str(job)], cwd=cwd,
-                          capture_output=True, text=True, timeout=900)
+def launch(job: Path, cwd: Path, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
+    """`jobspec launch JOB`. On a timeout it gets Ctrl-C, as from a user, so that it takes the
+    runner and the ranks (their own process group) down with it instead of leaving them behind.
+    The first launch on a fresh machine JIT-builds DeepSpeed's ops (cpu_adam, async_io): minutes."""
+    argv = [sys.executable, "-m", "jobspec", "launch", str(job)]
+    with subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=120)
+            pytest.fail(f"jobspec launch ran over {timeout:.0f} s:\n{out[-4000:]}\n{err[-4000:]}")
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 def only_run_dir(tmp_path: Path) -> Path:
