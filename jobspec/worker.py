@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         print(err.render(), file=sys.stderr)
         return EXIT_INVALID
     except NonFiniteLoss as err:  # training.on_nan: stop -- a clear failure, not a traceback
+        if err.step:  # found at a log/checkpoint boundary: the good steps end before the bad one
+            state.step = min(state.step, err.step - 1)
         _write_failure(run_dir, state, started, str(err))
         print(f"ERROR: {err}", file=sys.stderr, flush=True)
         return 1
@@ -211,6 +213,8 @@ def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, tele
                        pin_memory=data["pin_memory"])
 
     def save_checkpoint():
+        if nan_guard:
+            nan_guard.confirm()  # never save a state that followed a non-finite loss
         state.last_checkpoint = checkpointing.save(
             engine, ckpt["dir"], step=state.step, epoch=state.epoch,
             batches_in_epoch=oom_guard.batches_in_compiled_units(state.batches_in_epoch) if oom_guard
@@ -261,6 +265,8 @@ def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, tele
             window.steps += 1
             progress.update(state.step)
             last = state.step >= total_steps
+            if nan_guard and (state.step % every_log == 0 or last):
+                nan_guard.confirm()
             if (state.step % every_log == 0 or last) and window.micro_batches:
                 window = telemetry.log_window(state.step, window)
             if (training["eval_every"] and state.step % training["eval_every"] == 0) or last:
