@@ -116,7 +116,17 @@ def _total_steps(spec: dict, global_batch: int, num_train_samples: int | None, n
             "training.epochs needs the number of training samples, which is unknown here",
             path=("training", "epochs"),
             hint="compile through `jobspec compile` (it counts the rows of data.train), or set training.max_steps")
-    return max(1, math.ceil(epochs * math.ceil(samples / global_batch)))
+    # Count as the loader runs: each rank gets floor(samples / world) samples and drops its last
+    # incomplete micro-batch, so an epoch is that many micro-batches over the accumulation.
+    world = spec["resources"]["nodes"] * spec["resources"]["gpus_per_node"]
+    micro = spec["training"]["micro_batch_size"]
+    micro_batches_per_rank = (samples // world) // micro
+    if micro_batches_per_rank == 0:
+        raise spec_error(f"{samples} training samples give no micro-batch of {micro} on each of {world} ranks",
+                         path=("training", "micro_batch_size"),
+                         hint="use more data, a smaller training.micro_batch_size, or fewer ranks")
+    steps_per_epoch = micro_batches_per_rank / (global_batch // (micro * world))
+    return max(1, math.ceil(epochs * steps_per_epoch))
 
 
 def _warmup_steps(scheduler: dict, total_steps: int) -> int:

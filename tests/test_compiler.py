@@ -89,12 +89,27 @@ def test_global_batch_not_a_multiple_is_a_spec_error():
     assert "9 or 12" in err.value.issues[0].hint
 
 
+def test_epochs_with_too_few_samples_for_one_micro_batch_is_an_error():
+    spec = make_spec(data={"synthetic": {"num_samples": 5}},
+                     training={"max_steps": None, "epochs": 3, "micro_batch_size": 8})
+    with pytest.raises(SpecError) as err:
+        compile_(spec)
+    assert err.value.issues[0].path == ("training", "micro_batch_size")
+
+
+def test_epochs_count_steps_per_rank_with_accumulation():
+    # 2 ranks x micro 4 x accumulation 2: 100 samples -> 50 per rank -> 12 micro-batches -> 6 steps
+    spec = make_spec(data={"synthetic": {"num_samples": 100}}, resources={"gpus_per_node": 2},
+                     training={"max_steps": None, "epochs": 1, "micro_batch_size": 4, "global_batch_size": 16})
+    assert compile_(spec).derived["total_steps"] == 6
+
+
 @pytest.mark.parametrize("epochs, samples, global_batch, expected", [
     (1, 512, 4, 128),
-    (1, 100, 8, 13),      # a partial last batch is a step
-    (2, 100, 8, 26),
-    (0.5, 100, 8, 7),     # ceil(0.5 * 13)
-    (3, 5, 8, 3),
+    (1, 100, 8, 12),      # the loader drops the incomplete last micro-batch: 12 steps, not 13
+    (2, 100, 8, 24),
+    (0.5, 100, 8, 6),
+    (1.1, 100, 8, 14),    # ceil(1.1 * 12)
 ])
 def test_epochs_to_total_steps(epochs, samples, global_batch, expected):
     synthetic = make_spec(data={"synthetic": {"num_samples": samples}},

@@ -161,7 +161,7 @@ def test_compile_counts_rows_for_epochs(tmp_path, capsys):
     job.write_text("model: {architecture: bert}\ndata: {train: train.jsonl, tokenizer: bert-base-uncased}\n"
                    "training: {epochs: 2, micro_batch_size: 8}\n")
     assert main(["compile", str(job), "--format", "json"]) == 0
-    assert json.loads(capsys.readouterr().out)["derived"]["total_steps"] == 2 * 5  # ceil(37 / 8) per epoch
+    assert json.loads(capsys.readouterr().out)["derived"]["total_steps"] == 2 * 4  # 37 // 8 full micro-batches per epoch
 
 
 def test_count_rows(tmp_path):

@@ -98,7 +98,11 @@ def launch(job: Path, cwd: Path, env: dict | None = None, timeout: float = 900) 
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             proc.send_signal(signal.SIGINT)
-            out, err = proc.communicate(timeout=120)
+            try:
+                out, err = proc.communicate(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
             pytest.fail(f"jobspec launch ran over {timeout:.0f} s:\n{out[-4000:]}\n{err[-4000:]}")
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
