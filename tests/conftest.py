@@ -134,3 +134,30 @@ def read_metrics(run_dir: Path) -> list[dict]:
 @pytest.fixture
 def worker_run_dir(tmp_path):
     return lambda overrides=None, name="run": make_run_dir(tmp_path, overrides, name)
+
+
+# --- DeepSpeed's JIT ops: build them in the background while the fast tests run -----------------
+
+_PREBUILD = None
+
+
+def pytest_sessionstart(session):
+    global _PREBUILD
+    if os.environ.get("JOBSPEC_NO_PREBUILD"):
+        return
+    log = open(Path(session.config.rootpath) / ".pytest-prebuild-ops.log", "w")  # noqa: SIM115 (lives for the session)
+    _PREBUILD = subprocess.Popen([sys.executable, str(REPO_ROOT / "tests" / "prebuild_ops.py")],
+                                 stdout=log, stderr=subprocess.STDOUT)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _PREBUILD is not None and _PREBUILD.poll() is None:
+        _PREBUILD.kill()
+        _PREBUILD.wait()
+
+
+@pytest.fixture(autouse=True)
+def _ops_built_before_slow_tests(request):
+    # a slow test's launch has its own timeout: let it start once the ops exist
+    if _PREBUILD is not None and request.node.get_closest_marker("slow") is not None:
+        _PREBUILD.wait()
