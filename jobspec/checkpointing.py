@@ -7,6 +7,8 @@ writes it from rank 0 before the other ranks have finished (and with a plain ope
 save with `save_latest=False` and publish it ourselves after a barrier, with a rename. Before
 publishing, rank 0 writes `<tag>/jobspec_manifest.json` (every file's size): resuming checks it
 and, with `resume: auto`, falls back to the previous complete checkpoint when a file is truncated.
+The client state and the manifest also record the world size, ZeRO stage and micro-batch size, so
+that a resume on another world size can be detected before the engine exists (jobspec/reshard.py).
 """
 from __future__ import annotations
 
@@ -59,11 +61,16 @@ def _all_ranks_rng_states() -> list[dict]:
 
 
 def save(engine, ckpt_dir: str | os.PathLike, *, step: int, epoch: int, batches_in_epoch: int,
-         job_name: str, keep_last: int) -> str:
-    """Save on every rank (collective); returns the tag. Older checkpoints beyond `keep_last` go."""
+         job_name: str, keep_last: int, zero_stage: int | None = None,
+         micro_batch_size: int | None = None) -> str:
+    """Save on every rank (collective); returns the tag. Older checkpoints beyond `keep_last` go.
+
+    `micro_batch_size` is the unit `batches_in_epoch` counts in."""
     ckpt_dir = str(ckpt_dir)
     tag = tag_for(step)
+    layout = {"world_size": dist.get_world_size(), "zero_stage": zero_stage, "micro_batch_size": micro_batch_size}
     client_state = {
+        **layout,
         "step": step,
         "epoch": epoch,
         "batches_in_epoch": batches_in_epoch,
@@ -73,7 +80,7 @@ def save(engine, ckpt_dir: str | os.PathLike, *, step: int, epoch: int, batches_
     engine.save_checkpoint(ckpt_dir, tag=tag, client_state=client_state, save_latest=False)
     dist.barrier()  # every rank has finished writing its shards
     if dist.get_rank() == 0:
-        write_manifest(ckpt_dir, tag)
+        write_manifest(ckpt_dir, tag, layout)
         publish_latest(ckpt_dir, tag)
         prune(ckpt_dir, keep_last)
     dist.barrier()
@@ -108,6 +115,7 @@ def prune(ckpt_dir: str | os.PathLike, keep_last: int) -> list[str]:
         if tag_for(step) == latest:
             continue
         shutil.rmtree(root / tag_for(step), ignore_errors=True)
+        shutil.rmtree(root / f"{tag_for(step)}_universal", ignore_errors=True)  # its conversion (reshard.py)
         removed.append(tag_for(step))
     return removed
 
@@ -145,13 +153,14 @@ def resume_target(resume: str, ckpt_dir: str | os.PathLike) -> tuple[str, str] |
 MANIFEST = "jobspec_manifest.json"
 
 
-def write_manifest(ckpt_dir: str | os.PathLike, tag: str) -> None:
-    """`<tag>/jobspec_manifest.json`: every file's size; its presence means the save completed."""
+def write_manifest(ckpt_dir: str | os.PathLike, tag: str, layout: dict | None = None) -> None:
+    """`<tag>/jobspec_manifest.json`: every file's size (and the `layout` it was saved with);
+    its presence means the save completed."""
     root = Path(ckpt_dir) / tag
     sizes = {str(f.relative_to(root)): f.stat().st_size for f in sorted(root.rglob("*"))
              if f.is_file() and f.name != MANIFEST}
     tmp = root / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps({"tag": tag, "files": sizes}, indent=1), encoding="utf-8")
+    tmp.write_text(json.dumps({"tag": tag, "files": sizes, "layout": layout}, indent=1), encoding="utf-8")
     os.replace(tmp, root / MANIFEST)
 
 

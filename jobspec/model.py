@@ -58,7 +58,14 @@ def build_model(spec: dict, tokenizer=None):
     Random initialisation is seeded by `training.seed`, so every rank builds the same weights.
     Pass the tokenizer when there is one: its pad token becomes the model's (GPT-2 needs one to
     classify batches) and its size is checked against the model's vocabulary.
+    `architecture: mlp` is jobspec's own deep MLP (jobspec/mlp.py), not a transformers model.
     """
+    if spec["model"].get("architecture") == "mlp" and not spec["model"].get("name_or_path"):
+        from jobspec.mlp import build_mlp
+
+        model = build_mlp(spec)
+        _check_vocab(spec, model, tokenizer)
+        return model
     import torch
     import transformers
 

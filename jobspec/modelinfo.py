@@ -41,12 +41,15 @@ ARCHITECTURE_DEFAULTS: dict[str, dict] = {
     "deberta-v2": dict(hidden_size=1536, num_hidden_layers=24, num_attention_heads=24, intermediate_size=6144,
                        vocab_size=128100, max_position_embeddings=512, type_vocab_size=0,
                        tie_word_embeddings=True, relative_attention=False, position_biased_input=True),
+    # jobspec's own deep MLP (jobspec/mlp.py: MLPConfig's defaults); no attention, no positions.
+    "mlp": dict(hidden_size=1024, num_hidden_layers=16, vocab_size=30522, max_position_embeddings=0,
+                tie_word_embeddings=False),
 }
 
 # Family-specific config keys -> the canonical names above (transformers' `attribute_map`s).
 _ALIASES: dict[str, str] = {
     "n_embd": "hidden_size", "dim": "hidden_size", "d_model": "hidden_size",
-    "n_layer": "num_hidden_layers", "n_layers": "num_hidden_layers",
+    "n_layer": "num_hidden_layers", "n_layers": "num_hidden_layers", "num_layers": "num_hidden_layers",
     "n_head": "num_attention_heads", "n_heads": "num_attention_heads",
     "n_inner": "intermediate_size", "hidden_dim": "intermediate_size", "ffn_dim": "intermediate_size",
     "n_positions": "max_position_embeddings",
@@ -76,12 +79,14 @@ class ModelDims:
     def num_parameters(self, task: str = "sequence-classification", num_labels: int = 2) -> int | None:
         """Trainable parameters of `AutoModelFor<task>.from_config(...)`, tied weights counted once.
 
-        Exact for bert, roberta, xlm-roberta, gpt2, llama, mistral and distilbert; deberta-v2 counts
+        Exact for bert, roberta, xlm-roberta, gpt2, llama, mistral, distilbert and mlp; deberta-v2 counts
         everything but its relative-position tables. None when the family or a dimension is unknown.
         """
         if None in (self.num_layers, self.vocab_size, self.max_position_embeddings) or \
                 self.model_type not in ARCHITECTURE_DEFAULTS:
             return None
+        if self.model_type == "mlp":
+            return _mlp(self, task, num_labels)
         ffn = self.intermediate_size or 4 * self.hidden_size
         if self.model_type == "gpt2":
             return _gpt2(self, ffn, task, num_labels)
@@ -94,6 +99,13 @@ class ModelDims:
 
 def _linear(n_in: int, n_out: int, bias: bool = True) -> int:
     return n_in * n_out + (n_out if bias else 0)
+
+
+def _mlp(d: ModelDims, task: str, num_labels: int) -> int | None:
+    if task != "sequence-classification":
+        return None   # jobspec.mlp has only a classification head
+    h = d.hidden_size
+    return d.vocab_size * h + d.num_layers * _linear(h, h) + _linear(h, num_labels)
 
 
 def _encoder(d: ModelDims, ffn: int, task: str, num_labels: int) -> int:

@@ -31,6 +31,8 @@ LAYER_STACK_PATHS = ("encoder.layer", "h", "layers", "decoder.layers", "encoder.
 
 def attention_implementation(model, implementation: str = "sdpa") -> str:
     """Check (and if needed switch) the attention kernel; build_model normally already asked for it."""
+    if getattr(model, "has_attention", True) is False:   # jobspec's mlp: nothing to check or switch
+        return f"attention: none in {type(model).__name__} ({implementation!r} not applicable)"
     current = getattr(model.config, "_attn_implementation", None)
     if current != implementation and hasattr(model, "set_attn_implementation"):
         try:

@@ -98,8 +98,11 @@ def parameter_tensors(dims: ModelDims, task: str, num_labels: int) -> Tensors:
     if total is None or not dims.num_layers:
         raise spec_error(f"the planner cannot count the parameters of model type {dims.model_type!r}",
                          path=("model",), hint="use a known architecture (bert, roberta, xlm-roberta, gpt2, "
-                         "llama, mistral, distilbert, deberta-v2) or name its dimensions in model.config")
+                         "llama, mistral, distilbert, deberta-v2, mlp) or name its dimensions in model.config")
     h, ffn, vocab = dims.hidden_size, dims.intermediate_size or 4 * dims.hidden_size, dims.vocab_size
+    if dims.model_type == "mlp":   # jobspec.mlp: embedding, num_layers x Linear(h, h), classifier
+        matrices = ((vocab, h),) + ((h, h),) * dims.num_layers + ((h, num_labels),)
+        return Tensors(total=total, matrices=matrices, layer_params=h * h + h)
     heads = dims.num_heads or 1
     kv = (dims.num_key_value_heads or heads) * (h // heads)
     gated = dims.model_type in ("llama", "mistral")
@@ -161,6 +164,8 @@ def activation_bytes(spec: dict, dims: ModelDims, micro: int, seq: int, act: int
     Per layer (Korthikanti et al. 2022, ffn = 4h, 16-bit): 34·s·b·h + 5·a·s²·b bytes, of which
     2·s·b·h + a·s²·b are 1-byte dropout masks and the rest 2-byte tensors; see the doc for the split.
     """
+    if dims.model_type == "mlp":
+        return mlp_activation_bytes(spec, dims, micro, seq, act)
     s, b, h, a = seq, micro, dims.hidden_size, dims.num_heads or 1
     ffn = dims.intermediate_size or 4 * h
     gated = dims.model_type in ("llama", "mistral")
@@ -195,6 +200,27 @@ def activation_bytes(spec: dict, dims: ModelDims, micro: int, seq: int, act: int
     else:
         logits = b * (s if task == "token-classification" else 1) * spec["model"]["num_labels"] * 4 * 3
     return {"activations": kept + recompute, "embeddings_activations": embeddings, "logits_and_loss": logits}
+
+
+def mlp_activation_bytes(spec: dict, dims: ModelDims, micro: int, seq: int, act: int) -> dict:
+    """Activations of jobspec's deep MLP (jobspec/mlp.py), measured exactly by bench/checkpoint_segments.py.
+
+    After the mean-pool every activation is a (b, h) matrix. A layer's Linear saves its input and its
+    ReLU saves its output, but that output *is* the next Linear's input (one storage), and the
+    pre-ReLU matrix is not kept (ReLU's backward reads its result): num_layers + 1 matrices in all
+    (the pooled input, each ReLU output; the last is the classifier's input). A checkpointed layer
+    keeps exactly its input, which the layer before keeps anyway, so every_n_layers saves nothing
+    here; it only adds the recomputed layer's output (one matrix) during backward.
+    Embedding/pooling: the ids (int64) and the pooling weights (b, s) are kept; the (b, s, h)
+    embedding output lives only until the pooling, and its gradient only at the end of backward.
+    """
+    b, h = micro, dims.hidden_size
+    matrix = act * b * h
+    recompute = matrix if checkpointed_layers(spec, dims.num_layers) else 0
+    embeddings = 8 * b * seq + act * b * seq
+    logits = b * spec["model"]["num_labels"] * 4 * 3
+    return {"activations": (dims.num_layers + 1) * matrix + recompute, "embeddings_activations": embeddings,
+            "logits_and_loss": logits}
 
 
 def plan_memory(spec: dict, dims: ModelDims | None, *, world_size: int | None = None,

@@ -28,6 +28,7 @@ from jobspec.errors import EXIT_INVALID, SpecError, spec_error
 from jobspec.faults import NanGuard, NonFiniteLoss
 from jobspec.oom import OomGuard
 from jobspec.progress import RunState, StepReporter, Window, summarize, write_summary
+from jobspec.reshard import replace_ds_config
 
 RUN_FILES = ("resolved.yaml", "ds_config.json", "patches.json", "launch.json")
 
@@ -117,15 +118,22 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
     _share_cpu_threads()
     # Stop votes go over gloo on the host: an NCCL vote would sync the GPU at every step.
     control = dist.new_group(backend="gloo")
-    engine, train_ds, eval_ds, patch_notes = build_engine(files)
+    # a checkpoint of another world size: converted (rank 0) and loaded via DeepSpeed's universal format
+    reshard = reshard_plan(files.spec["checkpoint"], dist.get_world_size(), control)
+    engine, train_ds, eval_ds, patch_notes = build_engine(replace_ds_config(files, reshard))
     passed_over: list[str] = []  # corrupt checkpoints skipped on resume (reported below and as a tag)
-    pending_rng = resume(engine, files.spec["checkpoint"], state, lambda flag: _any_rank(flag, control), passed_over)
+    pending_rng = resume(engine, reshard.checkpoint_section if reshard else files.spec["checkpoint"], state,
+                         lambda flag: _any_rank(flag, control), passed_over)
     rank, total_steps = dist.get_rank(), files.derived["total_steps"]
+    if reshard is not None:
+        pending_rng = reshard.adjust(state, files.derived["micro_batch_size"], files.spec["training"]["seed"], rank)
     progress = Progress(total_steps, state.step) if rank == 0 else NullProgress()
     sink = _open_sink(run_dir) if rank == 0 else None
     try:
         for note in patch_notes:
             progress.message(note)
+        if reshard is not None:
+            progress.message(reshard.message(state.step))
         if state.resumed_from:
             progress.message(f"resumed from {state.resumed_from} at step {state.step}")
         if passed_over and sink is not None:
@@ -219,7 +227,9 @@ def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, tele
             engine, ckpt["dir"], step=state.step, epoch=state.epoch,
             batches_in_epoch=oom_guard.batches_in_compiled_units(state.batches_in_epoch) if oom_guard
             else state.batches_in_epoch,
-            job_name=spec["name"], keep_last=ckpt["keep_last"])
+            job_name=spec["name"], keep_last=ckpt["keep_last"],
+            zero_stage=files.ds_config.get("zero_optimization", {}).get("stage", 0),
+            micro_batch_size=derived["micro_batch_size"])
         progress.message(f"checkpoint {state.last_checkpoint} saved to {ckpt['dir']}")
 
     def run_eval():
@@ -320,6 +330,19 @@ def _write_failure(run_dir: Path, state: RunState, started: float, error: str) -
         write_summary(run_dir, summarize(state, "failed", None, started, error=error))
     except OSError:
         pass  # the original error matters more than a summary we cannot write
+
+
+def reshard_plan(ckpt: dict, world_size: int, group):
+    """jobspec.reshard.plan with rank 0's conversion result shared over the gloo `group`."""
+    import torch.distributed as dist
+
+    from jobspec import reshard
+
+    def broadcast(obj):
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=group)
+        return box[0]
+    return reshard.plan(ckpt, world_size, broadcast)
 
 
 def _any_rank(flag: bool, group) -> bool:
