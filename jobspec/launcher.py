@@ -314,6 +314,26 @@ def supervise(argv: list[str], env: dict, run_dir: Path, *, echo=None, kill_grac
     return Outcome(exit_code, user_signal, reason, list(tail))
 
 
+def remove_shared_memory_buffers(master_port: int | None, shm_dir: Path = Path("/dev/shm")) -> int:
+    """Delete the CPU accelerator's all-reduce buffers of a finished job; returns how many.
+
+    DeepSpeed's shm communication op leaves a `deepspeed_allreduce_buffer_*_<addr>_<port>_<rank>` file
+    of ~66 MB per rank in /dev/shm after every job (it never unlinks them), so a machine that runs
+    many jobs fills its RAM-backed /dev/shm until the OOM killer steps in. Once the runner and all
+    ranks are gone nothing maps them; the master port names this job's files.
+    """
+    if not master_port or not shm_dir.is_dir():
+        return 0
+    removed = 0
+    for path in shm_dir.glob(f"deepspeed_allreduce_buffer_*_{int(master_port)}_*"):
+        try:
+            path.unlink()
+            removed += 1
+        except OSError:
+            pass
+    return removed
+
+
 # --- checkpoint ownership ---------------------------------------------------------------------
 
 OWNER_FILE = "jobspec_job.json"

@@ -135,6 +135,7 @@ def run(args) -> int:
     print(f"jobspec: run directory {run_dir}", flush=True)
     outcome = launcher.supervise(compiled.launch["argv"], child_env(spec, args.stop_after_steps), run_dir,
                                  kill_grace_s=args.kill_grace)
+    launcher.remove_shared_memory_buffers(compiled.launch.get("master_port"))  # every rank is gone now
     status = "FINISHED" if outcome.exit_code == 0 else ("KILLED" if outcome.user_signal else "FAILED")
     if tracked is not None:
         telemetry.end_run(tracked, run_dir, status=status, exit_code=outcome.exit_code,
