@@ -141,18 +141,20 @@ def worker_run_dir(tmp_path):
 _PREBUILD = None
 
 
-def pytest_sessionstart(session):
+def pytest_collection_finish(session):
     global _PREBUILD
-    if os.environ.get("JOBSPEC_NO_PREBUILD"):
-        return
+    if os.environ.get("JOBSPEC_NO_PREBUILD") or not any(
+            item.get_closest_marker("slow") for item in session.items):
+        return  # only a session that will launch ranks needs the ops
     log = open(Path(session.config.rootpath) / ".pytest-prebuild-ops.log", "w")  # noqa: SIM115 (lives for the session)
     _PREBUILD = subprocess.Popen([sys.executable, str(REPO_ROOT / "tests" / "prebuild_ops.py")],
                                  stdout=log, stderr=subprocess.STDOUT)
 
 
 def pytest_sessionfinish(session, exitstatus):
-    if _PREBUILD is not None and _PREBUILD.poll() is None:
-        _PREBUILD.kill()
+    # Never kill it: a build killed mid-way leaves torch's extension lock behind, and every later
+    # build (so every later launch) would wait on that lock forever.
+    if _PREBUILD is not None:
         _PREBUILD.wait()
 
 
