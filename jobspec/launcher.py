@@ -314,7 +314,8 @@ def supervise(argv: list[str], env: dict, run_dir: Path, *, echo=None, kill_grac
     return Outcome(exit_code, user_signal, reason, list(tail))
 
 
-def remove_shared_memory_buffers(master_port: int | None, shm_dir: Path = Path("/dev/shm")) -> int:
+def remove_shared_memory_buffers(master_port: int | None, shm_dir: Path = Path("/dev/shm"),
+                                 local_rank: int | None = None) -> int:
     """Delete the CPU accelerator's all-reduce buffers of a finished job; returns how many.
 
     DeepSpeed's shm communication op leaves a `deepspeed_allreduce_buffer_*_<addr>_<port>_<rank>` file
@@ -325,7 +326,8 @@ def remove_shared_memory_buffers(master_port: int | None, shm_dir: Path = Path("
     if not master_port or not shm_dir.is_dir():
         return 0
     removed = 0
-    for path in shm_dir.glob(f"deepspeed_allreduce_buffer_*_{int(master_port)}_*"):
+    rank = "*" if local_rank is None else int(local_rank)
+    for path in shm_dir.glob(f"deepspeed_allreduce_buffer_*_{int(master_port)}_{rank}"):
         try:
             path.unlink()
             removed += 1

@@ -16,3 +16,10 @@ def test_only_the_finished_jobs_buffers_are_removed(tmp_path):
 def test_no_port_or_no_shm_dir_removes_nothing(tmp_path):
     assert remove_shared_memory_buffers(None, shm_dir=tmp_path) == 0
     assert remove_shared_memory_buffers(29611, shm_dir=tmp_path / "absent") == 0
+
+
+def test_a_rank_removes_only_its_own_buffer(tmp_path):
+    for rank in (0, 1):
+        (tmp_path / f"deepspeed_allreduce_buffer_0_127.0.0.1_29611_{rank}").write_bytes(b"x")
+    assert remove_shared_memory_buffers("29611", shm_dir=tmp_path, local_rank="1") == 1
+    assert [p.name[-1] for p in tmp_path.iterdir()] == ["0"]
