@@ -48,9 +48,9 @@ MATRIX = [
                  id="zero3-bf16-offload_opt_cpu-offload_params_cpu-acc1-actckpt_every2-save_every2"),
     pytest.param(combo(zero=3, offload_optimizer="nvme", offload_params="nvme", accumulation=4),
                  id="zero3-fp32-offload_opt_nvme-offload_params_nvme-acc4-actckpt_off"),
-    pytest.param(combo(zero=3, optimizer="adamw_8bit", accumulation=1, activation_checkpointing=True),
-                 id="zero3-fp32-adamw8bit-acc1-actckpt_full"),
 ]
+# Every value of every dimension appears above at least once; the full cross product would cost
+# CI an hour (a launch is ~30 s here).
 
 
 @pytest.fixture(scope="module")

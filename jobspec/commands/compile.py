@@ -85,7 +85,8 @@ def write_run_files(out: Path, resolved, compiled) -> None:
     if out.exists() and not out.is_dir():
         raise spec_error(f"--out {out} exists and is not a directory", hint="choose a directory path")
     if out.is_dir():
-        foreign = sorted(p.name for p in out.iterdir() if p.name not in COMPILE_FILES)
+        # a multi-node launch writes its hostfile into the run directory before these files
+        foreign = sorted(p.name for p in out.iterdir() if p.name not in (*COMPILE_FILES, "hostfile"))
         if foreign:
             shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
             raise spec_error(f"--out {out} is not empty and is not a previous compile output (has {shown})",
