@@ -2,7 +2,7 @@
 
     python -m bench                                   # CPU-size jobs (bench/jobs/*.yaml), 2 repeats
     python -m bench --repeats 3 --out bench/results/cpu.md
-    python -m bench --full --out bench/results/gpu.md # XLM-R rows of jobs/ (needs a CUDA GPU)
+    python -m bench --full --out bench/results/gpu.md # bert-large guide + XLM-R rows (CUDA GPU)
 
 For each job and repeat, in the order A, B, A, B ... (so drift of a shared machine hits both sides):
 A = `jobspec launch JOB` (numbers from its MLflow run: median of `perf/samples_per_s` windows after
@@ -27,7 +27,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 CPU_JOBS = "bench/jobs/*.yaml"
-FULL_JOBS = ("jobs/xlmr-base-[1-9]*.yaml", "jobs/xlmr-large-[1-9]*.yaml")
+# GPU-size rows: the HF single-GPU guide's 7 bert-large rows and the seed's XLM-R rows
+FULL_JOBS = ("jobs/bert-large-[1-9]-*.yaml", "jobs/xlmr-base-[1-9]*.yaml", "jobs/xlmr-large-[1-9]*.yaml")
 EXPERIMENT = "bench"
 METRICS = ("perf/samples_per_s", "perf/tokens_per_s", "perf/tflops_per_device", "perf/mfu",
            "mem/peak_allocated_mib_max", "mem/nvml_used_mib_max", "mem/host_rss_mib_max")
