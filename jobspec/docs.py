@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from jobspec.loader import schema_types
+from jobspec.schema import schema_types
 from jobspec.schema import object_branch
 
 REGENERATE = "jobspec schema --format markdown > docs/spec.md"

@@ -10,7 +10,6 @@ among the `--set` flags.
 """
 from __future__ import annotations
 
-import difflib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,8 +19,8 @@ import yaml
 from yaml.constructor import SafeConstructor
 from yaml.nodes import MappingNode, ScalarNode, SequenceNode
 
-from jobspec.errors import SpecError, SpecIssue, spec_error
-from jobspec.schema import object_branch, subschema_at
+from jobspec.errors import SpecError, spec_error
+from jobspec.schema import type_name
 
 MAX_NODES = 100_000   # nodes visited while building, aliases counted each time they expand
 MAX_DEPTH = 64        # nested mappings/sequences; a job spec needs about 5
@@ -57,6 +56,7 @@ def load_spec(path: str | os.PathLike, overrides=()) -> LoadedSpec:
     loaded = _load_with_bases(display, chain=())
     loaded.spec["extends"] = None
     if overrides:
+        from jobspec.overrides import apply_overrides  # imports this module: kept out of its top level
         apply_overrides(loaded, list(overrides))
     return loaded
 
@@ -282,7 +282,7 @@ def _load_with_bases(display: str, chain: tuple) -> LoadedSpec:
     text = read_text(display)
     value, positions, key_positions = parse_yaml(text, display)
     if not isinstance(value, dict):
-        kind = "empty" if value is None else f"a {_type_name(value)}"
+        kind = "empty" if value is None else f"a {type_name(value)}"
         raise spec_error(f"the top level of a job spec must be a mapping, but this file is {kind}",
                          file=display, line=1, column=1, hint="start with `model:` and the other sections")
     loaded = LoadedSpec(value, Path(display), text, positions, key_positions)
@@ -339,136 +339,3 @@ def iter_paths(value: Any, path: tuple = ()):
     elif isinstance(value, list):
         for i, sub in enumerate(value):
             yield from iter_paths(sub, path + (i,))
-
-
-# ---------------------------------------------------------------- --set overrides
-
-def apply_overrides(loaded: LoadedSpec, overrides: list[str]) -> None:
-    """Apply `a.b.c=VALUE` overrides in order; every bad one is reported, together."""
-    issues: list[SpecIssue] = []
-    for index, override in enumerate(overrides, start=1):
-        where = Position(SET_FILE, 1, index)
-        try:
-            path, value = parse_override(override, where)
-            _set_value(loaded, path, value, where)
-        except SpecError as err:
-            issues.extend(err.issues)
-    if issues:
-        raise SpecError(issues)
-
-
-def parse_override(override: str, where: Position) -> tuple[tuple, Any]:
-    """`a.b.c=VALUE` -> (("a","b","c"), VALUE typed by the schema at that path)."""
-    def fail(message, hint, path=()):
-        return spec_error(f"{message} (from --set {override})", path=path, hint=hint,
-                          file=where.file, line=where.line, column=where.col)
-
-    dotted, sep, raw = override.partition("=")
-    keys = tuple(k.strip() for k in dotted.split("."))
-    if not sep or not all(keys):
-        raise fail("expected KEY.PATH=VALUE", "e.g. --set training.max_steps=100")
-    node = _schema_for_override(keys, fail)
-    try:
-        value, _, _ = parse_yaml(raw, SET_FILE) if raw.strip() else ("", {}, {})
-    except SpecError as err:
-        raise fail(f"cannot read the value: {err.issues[0].message}", "quote the value", keys) from None
-    return keys, _typed(value, raw, node, keys, fail)
-
-
-def _schema_for_override(keys: tuple, fail) -> dict:
-    node = subschema_at(())
-    for depth, key in enumerate(keys):
-        branch = object_branch(node) or node
-        props = branch.get("properties", {})
-        extra = branch.get("additionalProperties", True)
-        if key in props:
-            node = props[key]
-        elif branch.get("type") in ("object", None) and "properties" not in branch and extra is not False:
-            node = extra if isinstance(extra, dict) else {}   # free-form: model.config, deepspeed, tags
-        else:
-            here = ".".join(keys[:depth]) or "the top level"
-            if not props:
-                raise fail(f"`{'.'.join(keys[:depth])}` is not a mapping", "set the whole value instead",
-                           keys[:depth + 1])
-            close = difflib.get_close_matches(key, list(props), n=1, cutoff=0.6)
-            hint = f"did you mean `{'.'.join(keys[:depth] + (close[0],))}`?" if close else \
-                f"keys under {here}: {', '.join(props)}"
-            raise fail(f"unknown key `{key}` under {here}", hint, keys[:depth + 1])
-    return node
-
-
-_TYPE_CHECKS = {
-    "string": lambda v: isinstance(v, str),
-    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
-    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-    "boolean": lambda v: isinstance(v, bool),
-    "null": lambda v: v is None,
-    "object": lambda v: isinstance(v, dict),
-    "array": lambda v: isinstance(v, list),
-}
-
-
-def schema_types(node: dict) -> list[str]:
-    """The JSON types a sub-schema accepts (looking inside oneOf/anyOf); [] means anything."""
-    declared = node.get("type")
-    if declared:
-        return [declared] if isinstance(declared, str) else list(declared)
-    out: list[str] = []
-    for alt in node.get("oneOf", []) + node.get("anyOf", []):
-        out += [t for t in schema_types(alt) if t not in out]
-    return out
-
-
-def has_type(value: Any, types: list[str]) -> bool:
-    return any(_TYPE_CHECKS[t](value) for t in types)
-
-
-def _typed(value: Any, raw: str, node: dict, keys: tuple, fail) -> Any:
-    types = schema_types(node)
-    if not types or has_type(value, types):
-        return value
-    if "string" in types:
-        return raw.strip()   # `--set name=007` means the string "007"
-    raise fail(f"expected {types_text(types)}, got {_type_name(value)} `{raw.strip()}`",
-               "pass a value of that type", keys)
-
-
-_TYPE_WORDS = {"object": "a mapping", "array": "a list", "string": "a string", "integer": "an integer",
-               "number": "a number", "boolean": "true or false", "null": "null"}
-
-
-def types_text(types: list[str]) -> str:
-    return " or ".join(_TYPE_WORDS.get(t, t) for t in types)
-
-
-def _set_value(loaded: LoadedSpec, keys: tuple, value: Any, where: Position) -> None:
-    target = loaded.spec
-    for depth, key in enumerate(keys[:-1]):
-        prefix = keys[:depth + 1]
-        existing = target.get(key)
-        # --set memory.activation_checkpointing.every_n_layers=2 turns an absent, null or `true`
-        # value into a mapping when the schema allows one there.
-        if existing is None or (not isinstance(existing, dict) and object_branch(subschema_at(prefix) or {})):
-            target[key] = {}
-            for table in (loaded.positions, loaded.key_positions):
-                table[prefix] = where
-        target = target[key]
-        if not isinstance(target, dict):
-            raise spec_error(f"cannot set `{'.'.join(keys)}`: `{'.'.join(keys[:depth + 1])}` is a "
-                             f"{_type_name(target)}, not a mapping", path=keys, file=where.file,
-                             line=where.line, column=where.col, hint="set the whole value instead")
-    target[keys[-1]] = value
-    for table in (loaded.positions, loaded.key_positions):
-        for stale in [p for p in table if p[:len(keys)] == keys]:
-            del table[stale]
-    for path in iter_paths(value, keys):
-        loaded.positions[path] = where
-    loaded.key_positions[keys] = where
-
-
-def _type_name(value: Any) -> str:
-    if value is None:
-        return "null"
-    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "list",
-            dict: "mapping"}.get(type(value), type(value).__name__)
-

@@ -98,3 +98,47 @@ def enum_values(path: tuple | list) -> list:
     if node is None or "enum" not in node:
         raise KeyError(f"no enum field at {'.'.join(map(str, path))}")
     return list(node["enum"])
+
+
+# ---- JSON types of schema nodes and values (for --set typing and messages) ----
+
+_TYPE_CHECKS = {
+    "string": lambda v: isinstance(v, str),
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "boolean": lambda v: isinstance(v, bool),
+    "null": lambda v: v is None,
+    "object": lambda v: isinstance(v, dict),
+    "array": lambda v: isinstance(v, list),
+}
+
+
+def schema_types(node: dict) -> list[str]:
+    """The JSON types a sub-schema accepts (looking inside oneOf/anyOf); [] means anything."""
+    declared = node.get("type")
+    if declared:
+        return [declared] if isinstance(declared, str) else list(declared)
+    out: list[str] = []
+    for alt in node.get("oneOf", []) + node.get("anyOf", []):
+        out += [t for t in schema_types(alt) if t not in out]
+    return out
+
+
+def has_type(value: Any, types: list[str]) -> bool:
+    return any(_TYPE_CHECKS[t](value) for t in types)
+
+
+_TYPE_WORDS = {"object": "a mapping", "array": "a list", "string": "a string", "integer": "an integer",
+               "number": "a number", "boolean": "true or false", "null": "null"}
+
+
+def types_text(types: list[str]) -> str:
+    return " or ".join(_TYPE_WORDS.get(t, t) for t in types)
+
+
+def type_name(value: Any) -> str:
+    """The JSON-ish name of a Python value's type, for messages."""
+    if value is None:
+        return "null"
+    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "list",
+            dict: "mapping"}.get(type(value), type(value).__name__)

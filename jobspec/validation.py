@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from jobspec.errors import SpecError, SpecIssue
-from jobspec.loader import SET_FILE, LoadedSpec, Position, _type_name, has_type, load_spec, schema_types, types_text
-from jobspec.schema import _schema_cached, fill_defaults, object_branch, subschema_at
+from jobspec.loader import SET_FILE, LoadedSpec, Position, load_spec
+from jobspec.schema import (_schema_cached, fill_defaults, has_type, schema_types, subschema_at,
+                            type_name, types_text)
 
 PATH_FIELDS = (("data", "train"), ("data", "eval"), ("data", "tokenizer"), ("model", "name_or_path"),
                ("output_dir",), ("checkpoint", "dir"), ("checkpoint", "resume"), ("memory", "offload", "nvme_path"))
@@ -164,7 +165,7 @@ def _describe(value: Any) -> str:
     text = repr(value) if not isinstance(value, (dict, list, type(None))) else ""
     if isinstance(value, bool):
         text = str(value).lower()
-    return f"{_type_name(value)} {text[:40]}".rstrip() if text else _type_name(value)
+    return f"{type_name(value)} {text[:40]}".rstrip() if text else type_name(value)
 
 
 def _type_hint(value: Any, expected: list[str], field_schema: dict) -> str:
