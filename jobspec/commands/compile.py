@@ -46,18 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here so `jobspec compile --help` stays instant.
-    from jobspec.compiler import compile_spec
-    from jobspec.modelinfo import model_dims, read_local_config
     from jobspec.validation import load_and_validate
 
     resolved = load_and_validate(args.job, overrides=args.overrides)
-    spec = resolved.spec
-    dims = model_dims(spec, read_local_config(spec["model"]["name_or_path"]))
-    num_train_samples = None
-    if spec["training"]["epochs"] is not None and spec["data"]["train"]:
-        num_train_samples = count_rows(spec["data"]["train"], spec["data"]["format"])
     run_dir = str(args.out.resolve()) if args.out else "RUN_DIR"
-    compiled = compile_spec(spec, model_dims=dims, num_train_samples=num_train_samples, run_dir=run_dir)
+    compiled = compile_resolved(resolved, run_dir=run_dir)
 
     if args.out:
         write_run_files(args.out, resolved, compiled)
@@ -78,6 +71,22 @@ def run(args: argparse.Namespace) -> int:
         for note in compiled.notes:
             print(f"note: {note}", file=sys.stderr)
     return 0
+
+
+def compile_resolved(resolved, *, run_dir: str = "RUN_DIR", master_port: int | None = None):
+    """`compile_spec` with the inputs read at this edge: a local checkpoint's config.json (model
+    dimensions) and, for `training.epochs` with file data, the row count. `jobspec launch` compiles
+    through here too, so it runs exactly what `jobspec compile` shows."""
+    from jobspec.compiler import compile_spec
+    from jobspec.modelinfo import model_dims, read_local_config
+
+    spec = resolved.spec
+    dims = model_dims(spec, read_local_config(spec["model"]["name_or_path"]))
+    num_train_samples = None
+    if spec["training"]["epochs"] is not None and spec["data"]["train"]:
+        num_train_samples = count_rows(spec["data"]["train"], spec["data"]["format"])
+    return compile_spec(spec, model_dims=dims, num_train_samples=num_train_samples, run_dir=run_dir,
+                        master_port=master_port)
 
 
 def write_run_files(out: Path, resolved, compiled) -> None:

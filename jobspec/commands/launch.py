@@ -53,16 +53,8 @@ def resolve(job: str, overrides: list[str]):
 
 def compile_job(resolved, run_dir: Path, master_port: int):
     """Compiled with the same inputs `jobspec compile` uses, so launch runs what compile shows."""
-    from jobspec.commands.compile import count_rows
-    from jobspec.compiler import compile_spec
-    from jobspec.modelinfo import model_dims, read_local_config
-    spec = resolved.spec
-    dims = model_dims(spec, read_local_config(spec["model"]["name_or_path"]))
-    num_train_samples = None
-    if spec["training"]["epochs"] is not None and spec["data"]["train"]:
-        num_train_samples = count_rows(spec["data"]["train"], spec["data"]["format"])
-    return compile_spec(spec, model_dims=dims, num_train_samples=num_train_samples, run_dir=str(run_dir),
-                        master_port=master_port)
+    from jobspec.commands.compile import compile_resolved
+    return compile_resolved(resolved, run_dir=str(run_dir), master_port=master_port)
 
 
 def write_run_dir(resolved, compiled, run_dir: Path) -> None:
