@@ -5,7 +5,7 @@
     python bench/planner_accuracy.py --guide    # planner next to the HF single-GPU guide's 7 bert-large rows
 
 Each row builds the model from its config (no downloads), wraps it with `deepspeed.initialize` using the
-config `jobspec.compiler` writes, runs a few steps on random tokens and reads the allocator's peak.
+config `jobspec.compile.compiler` writes, runs a few steps on random tokens and reads the allocator's peak.
 Prints a markdown table with the error of each row and the median absolute error.
 """
 from __future__ import annotations
@@ -18,10 +18,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from jobspec.compiler import compile_spec  # noqa: E402
-from jobspec.modelinfo import model_dims  # noqa: E402
-from jobspec.planner import CUDA_CONTEXT_BYTES, MiB, plan_memory  # noqa: E402
-from jobspec.schema import fill_defaults  # noqa: E402
+from jobspec.compile.compiler import compile_spec  # noqa: E402
+from jobspec.spec.model_dims import model_dims  # noqa: E402
+from jobspec.memory.planner import CUDA_CONTEXT_BYTES, MiB, plan_memory  # noqa: E402
+from jobspec.spec.schema import fill_defaults  # noqa: E402
 
 MODELS = {
     "bert-large": {"architecture": "bert", "config": {"hidden_size": 1024, "num_hidden_layers": 24,
@@ -78,8 +78,8 @@ def measure(spec: dict, steps: int = 3) -> int:
     """Peak allocated bytes of a few real steps on cuda:0 (single rank, DeepSpeed engine)."""
     import deepspeed
     import torch
-    from jobspec.model import build_model
-    from jobspec.patches import apply_patches, build_client_optimizer
+    from jobspec.train.model import build_model
+    from jobspec.train.patches import apply_patches, build_client_optimizer
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")

@@ -4,7 +4,7 @@
     deepspeed --num_gpus N --module bench.trainer_baseline --run-dir DIR --out result.json   # ZeRO >= 1
 
 DIR is a `jobspec compile --out` directory. The baseline builds the same model from the same config
-and seed (`jobspec.model.build_model`), the same synthetic samples (`jobspec.data.synthetic_dataset`:
+and seed (`jobspec.train.model.build_model`), the same synthetic samples (`jobspec.train.data.synthetic_dataset`:
 same seed, same token ids), and `TrainingArguments` with the job's micro/global batch, accumulation,
 precision, gradient checkpointing, optimizer, schedule, clipping and max_steps; with ZeRO >= 1 it
 passes the compiled `ds_config.json` as `deepspeed=`, so both sides run the same DeepSpeed config.
@@ -115,7 +115,7 @@ def make_callback(window: int, device):
     """A TrainerCallback timing optimizer steps and reading memory at window ends (like the worker)."""
     from transformers import TrainerCallback
 
-    from jobspec import metrics
+    from jobspec.train import metrics
 
     class SteadyState(TrainerCallback):
         def __init__(self):
@@ -143,9 +143,9 @@ def run(run_dir: Path, out: Path) -> dict:
     import torch.distributed as dist
     from transformers import Trainer, TrainingArguments, set_seed
 
-    from jobspec import metrics
-    from jobspec.data import synthetic_dataset
-    from jobspec.model import build_model
+    from jobspec.train import metrics
+    from jobspec.train.data import synthetic_dataset
+    from jobspec.train.model import build_model
 
     spec, ds_config, derived = read_run_dir(run_dir)
     if spec["data"].get("synthetic") is None:

@@ -7,10 +7,10 @@ import math
 
 import pytest
 
-from jobspec.compiler import compile_spec, find_auto
+from jobspec.compile.compiler import compile_spec, find_auto
 from jobspec.errors import SpecError
-from jobspec.modelinfo import model_dims
-from jobspec.schema import fill_defaults
+from jobspec.spec.model_dims import model_dims
+from jobspec.spec.schema import fill_defaults
 
 TINY_MODEL = {"architecture": "bert", "config": {"hidden_size": 64, "num_hidden_layers": 2,
                                                  "num_attention_heads": 4, "vocab_size": 1000}}
@@ -334,7 +334,7 @@ def test_patches_in_order():
 
 def test_launch_argv_single_and_multi_node():
     one = compile_(make_spec(resources={"gpus_per_node": 2}), run_dir="/runs/x").launch
-    assert one["argv"] == ["deepspeed", "--num_gpus", "2", "--master_port", "29500", "--module", "jobspec.worker",
+    assert one["argv"] == ["deepspeed", "--num_gpus", "2", "--master_port", "29500", "--module", "jobspec.train.worker",
                            "--run-dir", "/runs/x"]
     fixed = compile_(make_spec(resources={"master_port": 31000}), master_port=None).launch
     assert fixed["master_port"] == 31000 and "31000" in fixed["argv"]
@@ -379,10 +379,10 @@ def test_find_auto_finds_nested():
     assert find_auto({"a": {"b": ["x", "auto"]}, "c": 1}) == [("a", "b", 1)]
 
 
-# ----------------------------------------------------------------- model dimensions (jobspec.modelinfo)
+# ----------------------------------------------------------------- model dimensions (jobspec.spec.model_dims)
 
 def test_model_dims_precedence_and_aliases(tmp_path):
-    from jobspec.modelinfo import read_local_config
+    from jobspec.spec.model_dims import read_local_config
     (tmp_path / "config.json").write_text('{"model_type": "gpt2", "n_embd": 256, "n_layer": 4, "n_head": 8}')
     config_json = read_local_config(str(tmp_path))
     spec = {"model": {"name_or_path": str(tmp_path), "architecture": None, "config": {"n_layer": 2}}}

@@ -6,11 +6,11 @@ from pathlib import Path
 import pytest
 
 from jobspec.cli import main
-from jobspec.compiler import compile_spec
-from jobspec.fit import fit, step_time
-from jobspec.modelinfo import model_dims
-from jobspec.planner import GiB, parse_bytes, plan_memory
-from jobspec.validation import load_and_validate
+from jobspec.compile.compiler import compile_spec
+from jobspec.memory.fit import fit, step_time
+from jobspec.spec.model_dims import model_dims
+from jobspec.memory.planner import GiB, parse_bytes, plan_memory
+from jobspec.spec.validation import load_and_validate
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -44,7 +44,7 @@ def test_fit_prefers_the_written_spec_when_it_is_already_fastest_and_fits():
 
 def test_fit_returns_the_cheapest_fitting_candidate():
     spec, dims, result = fitted("xlmr-large.yaml", "11GiB")
-    from jobspec.fit import apply_changes, candidate_changes
+    from jobspec.memory.fit import apply_changes, candidate_changes
     budget = parse_bytes("11GiB")
     baseline = step_time(spec, dims, 1)
     for changes in candidate_changes(spec, 1, True):

@@ -11,10 +11,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from jobspec import launch_memory, launcher, telemetry
+from jobspec.memory import at_launch as launch_memory
+
+from jobspec.launch import launcher
+
+from jobspec.tracking import telemetry
 from jobspec.cli import main
-from jobspec.modelinfo import model_dims
-from jobspec.planner import MiB, parse_bytes, plan_memory
+from jobspec.spec.model_dims import model_dims
+from jobspec.memory.planner import MiB, parse_bytes, plan_memory
 from test_launch import fake_runner, mlflow_run_of, only_run_dir, use_fake_runner  # noqa: F401, F811 (a fixture)
 
 # Activations matter for this model (seq 256, micro 16), so a budget a little under its plan
@@ -42,7 +46,7 @@ def write_fit_job(tmp_path: Path, memory: dict | None = None) -> Path:
 
 
 def written_spec(job: Path) -> dict:
-    from jobspec.validation import load_and_validate
+    from jobspec.spec.validation import load_and_validate
     return load_and_validate(job).spec
 
 

@@ -14,8 +14,8 @@ import pytest
 
 from jobspec.cli import main
 from jobspec.commands.compile import COMPILE_FILES, count_rows
-from jobspec.compiler import compile_spec, find_auto
-from jobspec.modelinfo import model_dims
+from jobspec.compile.compiler import compile_spec, find_auto
+from jobspec.spec.model_dims import model_dims
 from test_compiler import check_scheduler_constructs, deepspeed_config  # noqa: F401 (fixture)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -24,7 +24,7 @@ SCHEMA_LINE = "# yaml-language-server: $schema=../schemas/jobspec.schema.json"
 
 
 def load(job: Path):
-    from jobspec.validation import load_and_validate
+    from jobspec.spec.validation import load_and_validate
     return load_and_validate(job)
 
 

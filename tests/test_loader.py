@@ -6,7 +6,7 @@ import textwrap
 import pytest
 
 from jobspec.errors import SpecError
-from jobspec.loader import MAX_NODES, SET_FILE, Position, load_spec
+from jobspec.spec.loader import MAX_NODES, SET_FILE, Position, load_spec
 
 
 def write(tmp_path, name: str, text: str):
@@ -182,7 +182,7 @@ def test_every_bad_set_is_reported(tmp_path):
 
 @pytest.mark.parametrize("text", ["a: {é: 1, bb: [x, y]}\nc: &q {d: 2}\ne: *q\n", "x: " + "[" * 70 + "]" * 70 + "\n"])
 def test_pure_python_yaml_gives_the_same_result_as_libyaml(monkeypatch, text):
-    import jobspec.loader as loader
+    import jobspec.spec.loader as loader
 
     def outcome():
         try:

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from jobspec.metrics import (count_tokens, device_row, flops_per_token, memory_snapshot, peak_flops,
+from jobspec.train.metrics import (count_tokens, device_row, flops_per_token, memory_snapshot, peak_flops,
                              reduce_max, reset_peaks)
 
 DIMS = {"num_parameters": 1000, "num_layers": 2, "hidden_size": 4, "vocab_size": 10}

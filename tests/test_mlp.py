@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from bench import checkpoint_segments as bench
-from jobspec.compiler import compile_spec
+from jobspec.compile.compiler import compile_spec
 from jobspec.errors import SpecError
-from jobspec.mlp import MLPClassifier, MLPConfig, build_mlp
-from jobspec.model import build_model
-from jobspec.modelinfo import model_dims
-from jobspec.patches import apply_patches, checkpoint_every_nth_layer, find_layer_stack
-from jobspec.planner import activation_bytes, parameter_tensors
-from jobspec.validation import load_and_validate
+from jobspec.train.mlp import MLPClassifier, MLPConfig, build_mlp
+from jobspec.train.model import build_model
+from jobspec.spec.model_dims import model_dims
+from jobspec.train.patches import apply_patches, checkpoint_every_nth_layer, find_layer_stack
+from jobspec.memory.planner import activation_bytes, parameter_tensors
+from jobspec.spec.validation import load_and_validate
 from test_patches import _recomputed_layers
 
 REPO = Path(__file__).resolve().parent.parent

@@ -8,9 +8,9 @@ import pytest
 
 from jobspec.cli import main
 from jobspec.errors import SpecError
-from jobspec.modelinfo import model_dims
-from jobspec.planner import GiB, parameter_tensors, parse_bytes, plan_memory
-from jobspec.validation import load_and_validate
+from jobspec.spec.model_dims import model_dims
+from jobspec.memory.planner import GiB, parameter_tensors, parse_bytes, plan_memory
+from jobspec.spec.validation import load_and_validate
 
 REPO = Path(__file__).resolve().parent.parent
 JOBS = sorted((REPO / "jobs").glob("*.yaml"))

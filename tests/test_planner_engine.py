@@ -17,10 +17,10 @@ import pytest
 import yaml
 
 from conftest import free_port
-from jobspec.compiler import compile_spec
-from jobspec.modelinfo import model_dims
-from jobspec.planner import plan_memory
-from jobspec.schema import fill_defaults
+from jobspec.compile.compiler import compile_spec
+from jobspec.spec.model_dims import model_dims
+from jobspec.memory.planner import plan_memory
+from jobspec.spec.schema import fill_defaults
 
 SCRIPT = Path(__file__).parent / "assets" / "engine_memory.py"
 STAGES = (0, 1, 2, 3)

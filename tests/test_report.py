@@ -1,5 +1,5 @@
 """`jobspec report`: rows from MLflow runs shaped like real ones (params/artifacts through
-jobspec.telemetry, metrics with the shared names), CSV/markdown/table output, plots logged as
+jobspec.tracking.telemetry, metrics with the shared names), CSV/markdown/table output, plots logged as
 artifacts, clean errors; and one real quickstart launch reported end to end (slow)."""
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from jobspec import report, telemetry
+from jobspec.report import table as report
+
+from jobspec.tracking import telemetry
 from jobspec.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -138,7 +140,7 @@ def test_plots_are_pngs_logged_once_per_run(experiment, capsys, tmp_path):
         assert Path(local).read_bytes()[:8] == PNG_MAGIC
     assert client.list_artifacts(experiment["ids"]["broken"], "plots") == []  # nothing to draw
     # a second report leaves the logged plots alone
-    from jobspec import plots
+    from jobspec.report import plots
     assert plots.log_run_plots(client, experiment["ids"]["cpu-run"], {"perf/samples_per_s": [(1, 1.0)]}) == []
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from jobspec.errors import SpecError
-from jobspec.validation import job_name, load_and_validate
+from jobspec.spec.validation import job_name, load_and_validate
 
 ASSETS = Path(__file__).parent / "assets"
 BROKEN = ASSETS / "broken"
@@ -109,7 +109,7 @@ def test_a_valid_override_can_still_break_a_cross_field_rule():
 
 
 def test_validation_does_not_import_heavy_libraries():
-    code = ("import sys; from jobspec.validation import load_and_validate; "
+    code = ("import sys; from jobspec.spec.validation import load_and_validate; "
             f"load_and_validate({str(VALID / 'tiny-bert.yaml')!r}); "
             "print(sorted(m for m in ('torch','deepspeed','transformers','mlflow','datasets') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -159,7 +159,7 @@ def test_cli_unreadable_input_is_a_clean_error(target, tmp_path):
 
 
 def test_cli_schema_json_is_the_schema():
-    from jobspec.schema import load_schema
+    from jobspec.spec.schema import load_schema
 
     out = jobspec("schema")
     assert out.returncode == 0 and json.loads(out.stdout) == load_schema()

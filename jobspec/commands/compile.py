@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here so `jobspec compile --help` stays instant.
-    from jobspec.validation import load_and_validate
+    from jobspec.spec.validation import load_and_validate
 
     resolved = load_and_validate(args.job, overrides=args.overrides)
     run_dir = str(args.out.resolve()) if args.out else "RUN_DIR"
@@ -77,8 +77,8 @@ def compile_resolved(resolved, *, run_dir: str = "RUN_DIR", master_port: int | N
     """`compile_spec` with the inputs read at this edge: a local checkpoint's config.json (model
     dimensions) and, for `training.epochs` with file data, the row count. `jobspec launch` compiles
     through here too, so it runs exactly what `jobspec compile` shows."""
-    from jobspec.compiler import compile_spec
-    from jobspec.modelinfo import model_dims, read_local_config
+    from jobspec.compile.compiler import compile_spec
+    from jobspec.spec.model_dims import model_dims, read_local_config
 
     spec = resolved.spec
     dims = model_dims(spec, read_local_config(spec["model"]["name_or_path"]))

@@ -24,7 +24,13 @@ import shutil
 import sys
 from pathlib import Path
 
-from jobspec import launch_memory, launcher, slurm, telemetry
+from jobspec.memory import at_launch as launch_memory
+
+from jobspec.launch import launcher
+
+from jobspec.launch import slurm
+
+from jobspec.tracking import telemetry
 from jobspec.errors import spec_error
 
 HELP = "Validate, compile and run a job through DeepSpeed, logging it to MLflow."
@@ -47,7 +53,7 @@ def add_arguments(parser) -> None:
 
 
 def resolve(job: str, overrides: list[str]):
-    from jobspec.validation import load_and_validate
+    from jobspec.spec.validation import load_and_validate
     return load_and_validate(job, overrides)
 
 

@@ -38,10 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jobspec.fit import fit
-    from jobspec.modelinfo import model_dims, read_local_config
-    from jobspec.planner import parse_bytes, plan_memory, render_plan
-    from jobspec.validation import load_and_validate
+    from jobspec.memory.fit import fit
+    from jobspec.spec.model_dims import model_dims, read_local_config
+    from jobspec.memory.planner import parse_bytes, plan_memory, render_plan
+    from jobspec.spec.validation import load_and_validate
 
     resolved = load_and_validate(args.job, overrides=args.overrides)
     spec = resolved.spec

@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jobspec.validation import load_and_validate
+    from jobspec.spec.validation import load_and_validate
 
     reports, failed = [], False
     for job in args.jobs:
