@@ -170,8 +170,7 @@ def run(run_dir: Path, out: Path) -> dict:
     result = {"perf/samples_per_s": samples_per_s, "perf/tokens_per_s": samples_per_s * tokens_per_sample,
               **{f"mem/{k}_max": v for k, v in callback.memory.items()},
               "windows": len(per_window), "world_size": world}
-    flops = metrics.flops_per_token(model, synthetic["seq_len"],
-                                    checkpoint_every_n_layers=1 if args.gradient_checkpointing else None)
+    flops = derived["model_flops_per_token"]   # the worker's MFU numerator, from the same launch.json
     device_name = torch.cuda.get_device_name() if not use_cpu else "cpu"
     peak = metrics.peak_flops(device_name, spec["memory"]["precision"])
     if peak:  # absent on CPU, as in the worker

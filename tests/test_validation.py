@@ -186,9 +186,11 @@ def test_zero_bounds_match_deepspeeds(field, value, ok):
     overrides = ["memory.zero_stage=3", f"memory.zero.{field}={value}"]
     if ok:
         spec = load_and_validate(job, overrides).spec
-        from jobspec.compile.compiler import compile_spec
         from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-        DeepSpeedZeroConfig(**compile_spec(spec).ds_config["zero_optimization"])  # DeepSpeed agrees
+
+        from jobspec.compile.compiler import compile_spec
+        from jobspec.spec.derived import derive
+        DeepSpeedZeroConfig(**compile_spec(spec, derive(spec)).ds_config["zero_optimization"])  # DeepSpeed agrees
     else:
         with pytest.raises(SpecError, match=field):
             load_and_validate(job, overrides)

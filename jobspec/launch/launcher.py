@@ -107,50 +107,33 @@ def resolve_runner(argv: list) -> list[str]:
     return runner_prefix() + argv[1:] if argv and argv[0] == "deepspeed" else argv
 
 
-def preflight_problems(spec: dict, launch: dict) -> list[str]:
+def preflight_problems(spec: dict, job) -> list[str]:
     """Host checks that `--ignore-preflight` turns into warnings (they can be wrong, e.g. under Slurm)."""
     problems = []
     res = spec["resources"]
-    if res["master_port"] is not None and launch.get("nodes", 1) == 1 and port_in_use(res["master_port"]):
+    if res["master_port"] is not None and job.nodes == 1 and port_in_use(res["master_port"]):
         problems.append(f"resources.master_port {res['master_port']} is already in use on this host "
                         "(set it to null to pick a free port)")
-    if launch.get("nodes", 1) == 1:
+    if job.nodes == 1:
         from jobspec.tracking.telemetry import gpu_names
         gpus = [g for g in gpu_names() if g != "cpu"]
         available, kind = (len(gpus), "GPUs") if gpus else (os.cpu_count() or 1, "CPU cores")
-        if res["gpus_per_node"] > available:
-            problems.append(f"resources.gpus_per_node is {res['gpus_per_node']} but this host has "
+        if job.gpus_per_node > available:
+            problems.append(f"resources.gpus_per_node is {job.gpus_per_node} but this host has "
                             f"{available} {kind}")
-    space_problem = checkpoint_space_problem(spec)
+    space_problem = checkpoint_space_problem(spec, job)
     if space_problem:
         problems.append(space_problem)
     return problems
 
 
-def checkpoint_bytes(spec: dict) -> int | None:
-    """Size of one checkpoint, all ranks' files together: weights, fp32 master copy, optimizer state.
-
-    About params x 16 bytes for mixed-precision Adam. None when the model's size is unknown.
-    """
-    from jobspec.spec.model_dims import model_dims, read_local_config
-    from jobspec.memory.planner import OPTIMIZER_STATE_BYTES, PRECISION_BYTES
-    model = spec["model"]
-    dims = model_dims(spec, read_local_config(model["name_or_path"]))
-    params = dims.num_parameters(model["task"], model["num_labels"]) if dims else None
-    if not params:
-        return None
-    precision = spec["memory"]["precision"]
-    weights = PRECISION_BYTES[precision] + (4 if precision != "fp32" else 0)
-    state = OPTIMIZER_STATE_BYTES.get(spec["training"]["optimizer"]["name"], 8)  # adafactor: at most Adam's
-    return params * (weights + state)
-
-
-def checkpoint_space_problem(spec: dict) -> str | None:
+def checkpoint_space_problem(spec: dict, job) -> str | None:
     """Refuse before training when the checkpoint directory's disk cannot hold even one checkpoint."""
     ckpt = spec["checkpoint"]
     if not (ckpt["save_final"] or ckpt["every_n_steps"]):
         return None
-    needed = checkpoint_bytes(spec)
+    from jobspec.memory.planner import checkpoint_bytes
+    needed = checkpoint_bytes(spec, job)
     directory = Path(ckpt["dir"])
     while not directory.exists() and directory != directory.parent:
         directory = directory.parent

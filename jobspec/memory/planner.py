@@ -14,6 +14,7 @@ import re
 from dataclasses import asdict, dataclass, field
 
 from jobspec.errors import spec_error
+from jobspec.spec.derived import DerivedJob
 from jobspec.spec.model_dims import ModelDims
 
 GiB, MiB = 2**30, 2**20
@@ -24,7 +25,6 @@ HF_LOGITS_UPCAST = True          # transformers' loss functions call logits.floa
 
 # Optimizer state bytes per trainable parameter (fp32 states, whatever the training precision).
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adamw_8bit": 2, "sgd": 4}   # adafactor: factored, see below
-PRECISION_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(i?)B\s*$")
 
 
@@ -55,6 +55,7 @@ class MemoryPlan:
     budget: int | None = None
     settings: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
+    compute: dict = field(default_factory=dict)   # FLOPs per trained token, from the derived job
 
     @property
     def fits(self) -> bool | None:
@@ -137,19 +138,6 @@ def optimizer_state_bytes(name: str, momentum: float, tensors: Tensors) -> int:
     return OPTIMIZER_STATE_BYTES[name] * tensors.total
 
 
-def sequence_length(spec: dict) -> int:
-    synthetic = spec["data"].get("synthetic")
-    return synthetic["seq_len"] if synthetic else spec["data"]["max_length"]
-
-
-def checkpointed_layers(spec: dict, num_layers: int) -> int:
-    setting = spec["memory"]["activation_checkpointing"]
-    if not setting:
-        return 0
-    every = setting.get("every_n_layers", 1) if isinstance(setting, dict) else 1
-    return math.ceil(num_layers / every)          # the patch wraps layers i % k == 0
-
-
 def dropout_probability(spec: dict) -> float:
     config = spec["model"]["config"]
     for key in ("hidden_dropout_prob", "resid_pdrop", "dropout", "attention_dropout"):
@@ -158,15 +146,16 @@ def dropout_probability(spec: dict) -> float:
     return 0.0 if spec["model"]["architecture"] in ("llama", "mistral") else 0.1
 
 
-def activation_bytes(spec: dict, dims: ModelDims, micro: int, seq: int, act: int) -> dict:
+def activation_bytes(spec: dict, job: DerivedJob, act: int) -> dict:
     """Activations kept for backward: per layer, layers kept whole vs checkpointed, embeddings, logits.
 
     Per layer (Korthikanti et al. 2022, ffn = 4h, 16-bit): 34·s·b·h + 5·a·s²·b bytes, of which
     2·s·b·h + a·s²·b are 1-byte dropout masks and the rest 2-byte tensors; see the doc for the split.
     """
+    dims = job.dims
     if dims.model_type == "mlp":
-        return mlp_activation_bytes(spec, dims, micro, seq, act)
-    s, b, h, a = seq, micro, dims.hidden_size, dims.num_heads or 1
+        return mlp_activation_bytes(spec, job, act)
+    s, b, h, a = job.seq_len, job.micro_batch_size, dims.hidden_size, dims.num_heads or 1
     ffn = dims.intermediate_size or 4 * h
     gated = dims.model_type in ("llama", "mistral")
     dropout = dropout_probability(spec) > 0
@@ -182,7 +171,7 @@ def activation_bytes(spec: dict, dims: ModelDims, micro: int, seq: int, act: int
         elements += 2 * a * s * b   # SDPA/flash keep the output and a fp32 log-sum-exp, no s² scores
     per_layer = act * elements + masks
     layers = dims.num_layers
-    ckpt = checkpointed_layers(spec, layers)
+    ckpt = job.checkpointed_layers
     layer_input = act * s * b * h
     kept = (layers - ckpt) * per_layer + ckpt * layer_input
     recompute = per_layer if ckpt else 0          # one checkpointed layer re-run in backward
@@ -202,7 +191,7 @@ def activation_bytes(spec: dict, dims: ModelDims, micro: int, seq: int, act: int
     return {"activations": kept + recompute, "embeddings_activations": embeddings, "logits_and_loss": logits}
 
 
-def mlp_activation_bytes(spec: dict, dims: ModelDims, micro: int, seq: int, act: int) -> dict:
+def mlp_activation_bytes(spec: dict, job: DerivedJob, act: int) -> dict:
     """Activations of jobspec's deep MLP (jobspec/train/mlp.py), measured exactly by bench/checkpoint_segments.py.
 
     After the mean-pool every activation is a (b, h) matrix. A layer's Linear saves its input and its
@@ -214,28 +203,27 @@ def mlp_activation_bytes(spec: dict, dims: ModelDims, micro: int, seq: int, act:
     Embedding/pooling: the ids (int64) and the pooling weights (b, s) are kept; the (b, s, h)
     embedding output lives only until the pooling, and its gradient only at the end of backward.
     """
-    b, h = micro, dims.hidden_size
+    dims, b, h, seq = job.dims, job.micro_batch_size, job.dims.hidden_size, job.seq_len
     matrix = act * b * h
-    recompute = matrix if checkpointed_layers(spec, dims.num_layers) else 0
+    recompute = matrix if job.checkpointed_layers else 0
     embeddings = 8 * b * seq + act * b * seq
     logits = b * spec["model"]["num_labels"] * 4 * 3
     return {"activations": (dims.num_layers + 1) * matrix + recompute, "embeddings_activations": embeddings,
             "logits_and_loss": logits}
 
 
-def plan_memory(spec: dict, dims: ModelDims | None, *, world_size: int | None = None,
-                budget: int | None = None) -> MemoryPlan:
-    """Predicted per-rank peak memory of `spec` (a resolved spec with defaults filled)."""
+def plan_memory(spec: dict, job: DerivedJob, *, budget: int | None = None) -> MemoryPlan:
+    """Predicted per-rank peak memory of `spec` (a resolved spec with defaults filled) and its derived job."""
+    dims = job.dims
     if dims is None:
         raise spec_error("the planner needs the model's dimensions (hidden size, layers, vocabulary)",
                          path=("model", "config"),
                          hint="set model.architecture to a known family or give model.config.hidden_size etc.")
     memory, training, model = spec["memory"], spec["training"], spec["model"]
-    world = world_size or spec["resources"]["nodes"] * spec["resources"]["gpus_per_node"]
+    world = job.world_size
     tensors = parameter_tensors(dims, model["task"], model["num_labels"])
     psi, stage = tensors.total, memory["zero_stage"]
-    precision = memory["precision"]
-    lp = PRECISION_BYTES[precision]
+    precision, lp = job.precision, job.precision_bytes
     offload_opt, offload_params = memory["offload"]["optimizer"], memory["offload"]["params"]
     optimizer = training["optimizer"]
     notes: list[str] = []
@@ -295,8 +283,8 @@ def plan_memory(spec: dict, dims: ModelDims | None, *, world_size: int | None = 
                 buffers = memory["offload"]["buffer_count"] * memory["offload"]["buffer_size"]
                 host["offloaded_parameters"] = lp * buffers
 
-    micro, seq = training["micro_batch_size"], sequence_length(spec)
-    gpu.update(activation_bytes(spec, dims, micro, seq, lp))
+    micro, seq = job.micro_batch_size, job.seq_len
+    gpu.update(activation_bytes(spec, job, lp))
     # The step-time fp32 gradient copy exists only while the activations are already freed.
     forward_backward = sum(gpu[k] for k in ("activations", "embeddings_activations", "logits_and_loss"))
     static = sum(gpu[k] for k in ("parameters", "gradients", "master_weights", "optimizer_states", "zero_buffers",
@@ -306,12 +294,26 @@ def plan_memory(spec: dict, dims: ModelDims | None, *, world_size: int | None = 
     host_total = max(host["model_init"], sum(v for k, v in host.items() if k != "model_init"))
     settings = {"world_size": world, "zero_stage": stage, "precision": precision, "micro_batch_size": micro,
                 "seq_len": seq, "parameters": psi, "optimizer": optimizer["name"],
-                "checkpointed_layers": checkpointed_layers(spec, dims.num_layers), "layers": dims.num_layers,
+                "checkpointed_layers": job.checkpointed_layers, "layers": dims.num_layers,
                 "offload_optimizer": offload_opt, "offload_params": offload_params,
                 "attention": model["attention"]}
     return MemoryPlan(breakdown=gpu, host=host, peak_allocated=allocated, peak_reserved=reserved,
                       nvml_total=reserved + CUDA_CONTEXT_BYTES, host_total=host_total, nvme_total=nvme,
-                      budget=budget, settings=settings, notes=notes)
+                      budget=budget, settings=settings, notes=notes,
+                      compute={"model_flops_per_token": job.model_flops_per_token,
+                               "hardware_flops_per_token": job.hardware_flops_per_token})
+
+
+def checkpoint_bytes(spec: dict, job: DerivedJob) -> int | None:
+    """Size of one checkpoint, all ranks' files together: weights, fp32 master copy, optimizer state.
+
+    About params x 16 bytes for mixed-precision Adam. None when the model's size is unknown.
+    """
+    if not job.num_parameters:
+        return None
+    master = 4 if job.precision_bytes < 4 else 0
+    state = OPTIMIZER_STATE_BYTES.get(spec["training"]["optimizer"]["name"], 8)  # adafactor: at most Adam's
+    return job.num_parameters * (job.precision_bytes + master + state)
 
 
 def _persistent_params(tensors: Tensors, zero: dict, hidden: int) -> int:

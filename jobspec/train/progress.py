@@ -145,10 +145,8 @@ class StepReporter:
         self.metrics = metrics
         self.world = derived["world_size"]
         self.count_tokens = metrics.count_tokens
-        checkpointed = next((p["args"].get("every_n_layers", 1) for p in patches
-                             if p["name"] == "gradient_checkpointing"), None)
-        self.flops_per_token = metrics.flops_per_token(engine.module, _seq_len(spec),
-                                                       checkpoint_every_n_layers=checkpointed)
+        # model FLOPs (no checkpoint recompute): MFU's numerator, from the derived job in launch.json
+        self.flops_per_token = derived.get("model_flops_per_token")
         device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         self.peak_flops = metrics.peak_flops(device_name, spec["memory"]["precision"])
 
@@ -227,8 +225,3 @@ def write_summary(run_dir: Path, summary: dict) -> None:
     tmp = run_dir / ".summary.json.tmp"
     tmp.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     os.replace(tmp, run_dir / "summary.json")
-
-
-def _seq_len(spec: dict) -> int:
-    synthetic = spec["data"].get("synthetic")
-    return synthetic["seq_len"] if synthetic else spec["data"]["max_length"]
