@@ -170,13 +170,16 @@ def run(run_dir: Path, out: Path) -> dict:
     result = {"perf/samples_per_s": samples_per_s, "perf/tokens_per_s": samples_per_s * tokens_per_sample,
               **{f"mem/{k}_max": v for k, v in callback.memory.items()},
               "windows": len(per_window), "world_size": world}
-    flops = metrics.flops_per_token(model, synthetic["seq_len"],
-                                    checkpoint_every_n_layers=1 if args.gradient_checkpointing else None)
+    name, kwargs_name = checkpointing_arg_names()   # the Trainer checkpoints every layer
+    checkpointing = getattr(args, name) and {"every_n_layers": 1, **(getattr(args, kwargs_name) or {})}
+    flops = metrics.flops_per_token(model, synthetic["seq_len"], task=spec["model"]["task"],
+                                    num_labels=spec["model"]["num_labels"], activation_checkpointing=checkpointing)
     device_name = torch.cuda.get_device_name() if not use_cpu else "cpu"
     peak = metrics.peak_flops(device_name, spec["memory"]["precision"])
-    if peak:  # absent on CPU, as in the worker
-        per_device = flops * result["perf/tokens_per_s"] / world
-        result.update({"perf/tflops_per_device": per_device / 1e12, "perf/mfu": per_device / peak})
+    if peak and flops:  # absent on CPU, as in the worker
+        tokens_per_s = result["perf/tokens_per_s"] / world
+        result.update({"perf/tflops_per_device": flops.hardware_flops_per_token * tokens_per_s / 1e12,
+                       "perf/mfu": flops.model_flops_per_token * tokens_per_s / peak})
     if int(os.environ.get("RANK", "0")) == 0:
         out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     if dist.is_available() and dist.is_initialized():

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from jobspec.modelinfo import ModelDims
 from jobspec.planner import MemoryPlan, fmt_bytes, plan_memory, sequence_length
+from jobspec.spec.flops import training_flops
 
 # Reference device for the slowdown model: only ratios between candidates are reported.
 EFFECTIVE_FLOPS = {"fp32": 15e12, "bf16": 40e12, "fp16": 40e12}   # achieved, not peak (A100-class)
@@ -179,13 +180,14 @@ def step_time(spec: dict, dims: ModelDims, world: int) -> float:
     """Estimated seconds per optimizer step on the reference device (docs: "Slowdown model")."""
     training, memory = spec["training"], spec["memory"]
     plan = plan_memory(spec, dims, world_size=world)
-    psi, layers = plan.settings["parameters"], plan.settings["layers"]
+    psi = plan.settings["parameters"]
     micro, seq = training["micro_batch_size"], sequence_length(spec)
     global_batch = training["global_batch_size"] or micro * world
     accumulation = global_batch // (micro * world)
     tokens = micro * seq
-    recompute = plan.settings["checkpointed_layers"] / layers
-    flops = 6 * psi * tokens * (1 + recompute / 3)
+    flops = tokens * training_flops(dims, task=spec["model"]["task"], num_labels=spec["model"]["num_labels"],
+                                    seq_len=seq, activation_checkpointing=memory["activation_checkpointing"]
+                                    ).hardware_flops_per_token
     efficiency = tokens / (tokens + HALF_SATURATION_TOKENS)
     compute = flops / (EFFECTIVE_FLOPS[memory["precision"]] * efficiency)
     lp = 4 if memory["precision"] == "fp32" else 2

@@ -1,23 +1,15 @@
 """Throughput and memory measurements: tokens, FLOPs per token, peak FLOP/s per device, memory readings.
 
-torch is imported inside the functions that need it, so the FLOPs formula and the peak table can be
-used (and tested) without it.
-
-FLOPs per trained token (`flops_per_token`), after Kaplan et al. 2020 and Narayanan et al. 2021:
-
-    6 N                      weights: 2 FLOPs per parameter per token forward, twice that backward
-  + 12 L h s                 attention scores Q·Kᵀ and scores·V: 2·2·h·s per layer forward, ×3 with backward
-  + f (2 (N - V h) + 4 L h s)  recomputing the checkpointed layers' forward once more in backward
-
-N parameters, L layers, h hidden size, s sequence length, V vocabulary (the input embedding, V·h
-parameters, is a lookup and is not recomputed), f the share of layers checkpointed
-(ceil(L/k)/L for one layer in k, 0 without checkpointing). With f = 0 this is the "model FLOPs" of MFU;
-with f > 0 it counts the work the hardware really does (Korthikanti et al.'s "hardware FLOPs").
+torch is imported inside the functions that need it, so the peak table can be used (and tested)
+without it. FLOPs per token come from the one FLOPs model, jobspec.spec.flops (matrix products only;
+embedding lookups cost nothing; checkpoint recompute only in hardware FLOPs).
 """
 from __future__ import annotations
 
-import math
 import re
+
+from jobspec.modelinfo import ModelDims, model_dims
+from jobspec.spec.flops import TrainingFlops, training_flops
 
 MIB = 1024 * 1024
 
@@ -78,44 +70,30 @@ def count_tokens(batch: dict) -> int:
     return int(batch["input_ids"].numel())
 
 
-def flops_per_token(model_dims_or_model, seq_len: int, *, checkpoint_every_n_layers: int | None = None) -> float:
-    """Training FLOPs per token (forward + backward, + recompute when checkpointing); formula above.
+def flops_per_token(model_or_dims, seq_len: int, *, task: str, num_labels: int = 2,
+                    activation_checkpointing: bool | dict | None = False) -> TrainingFlops | None:
+    """Model and hardware FLOPs per trained token of a live model (or a ModelDims), by
+    `jobspec.spec.flops.training_flops`; None for a model family that has no formula there.
 
-    Accepts a model (nn.Module with a transformers `config`; ZeRO-3 partitioned parameters are
-    counted whole), a `jobspec.modelinfo.ModelDims`, or a dict with hidden_size, num_layers,
-    vocab_size and num_parameters.
+    `activation_checkpointing` is the spec's `memory.activation_checkpointing`.
     """
-    params, layers, hidden, vocab = _dimensions(model_dims_or_model)
-    flops = 6 * params + 12 * layers * hidden * seq_len
-    if checkpoint_every_n_layers:
-        recomputed = math.ceil(layers / checkpoint_every_n_layers) / layers if layers else 0.0
-        flops += recomputed * (2 * (params - vocab * hidden) + 4 * layers * hidden * seq_len)
-    return float(flops)
+    dims = model_or_dims if isinstance(model_or_dims, ModelDims) else dims_of_model(model_or_dims)
+    if dims is None:
+        return None
+    try:
+        return training_flops(dims, task=task, num_labels=num_labels, seq_len=seq_len,
+                              activation_checkpointing=activation_checkpointing)
+    except ValueError:
+        return None
 
 
-def _dimensions(source) -> tuple[int, int, int, int]:
-    """(parameters, layers, hidden size, vocabulary) of a model, ModelDims or dict."""
-    model = getattr(source, "_orig_mod", source)  # torch.compile wrapper
-    if hasattr(model, "named_parameters") and hasattr(model, "config"):
-        config = model.config
-        params = sum(getattr(p, "ds_numel", 0) or p.numel() for p in model.parameters())
-        return (params, _first(config, "num_hidden_layers", "n_layer", "num_layers"),
-                _first(config, "hidden_size", "n_embd", "d_model"), _first(config, "vocab_size"))
-    get = source.get if isinstance(source, dict) else (lambda key, default=None: getattr(source, key, default))
-    params = get("num_parameters")
-    params = params() if callable(params) else params
-    layers = get("num_layers") or get("num_hidden_layers")
-    if params is None or layers is None or get("hidden_size") is None:
-        raise ValueError(f"cannot read num_parameters, num_layers and hidden_size from {type(source).__name__}")
-    return int(params), int(layers), int(get("hidden_size")), int(get("vocab_size") or 0)
-
-
-def _first(config, *names: str) -> int:
-    for name in names:
-        value = getattr(config, name, None)
-        if value is not None:
-            return int(value)
-    return 0
+def dims_of_model(model) -> ModelDims | None:
+    """The dimensions of a transformers model (or jobspec's mlp) from its config; None without one."""
+    config = getattr(getattr(model, "_orig_mod", model), "config", None)   # _orig_mod: torch.compile wrapper
+    if config is None:
+        return None
+    values = config.to_dict()
+    return model_dims({"model": {"architecture": values.get("model_type")}}, values)
 
 
 def peak_flops(device_name: str, precision: str) -> float | None:

@@ -145,10 +145,9 @@ class StepReporter:
         self.metrics = metrics
         self.world = derived["world_size"]
         self.count_tokens = metrics.count_tokens
-        checkpointed = next((p["args"].get("every_n_layers", 1) for p in patches
-                             if p["name"] == "gradient_checkpointing"), None)
-        self.flops_per_token = metrics.flops_per_token(engine.module, _seq_len(spec),
-                                                       checkpoint_every_n_layers=checkpointed)
+        self.flops_per_token = metrics.flops_per_token(  # model and hardware FLOPs; None: no formula
+            engine.module, _seq_len(spec), task=spec["model"]["task"], num_labels=spec["model"]["num_labels"],
+            activation_checkpointing=spec["memory"]["activation_checkpointing"])
         device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         self.peak_flops = metrics.peak_flops(device_name, spec["memory"]["precision"])
 
@@ -173,9 +172,10 @@ class StepReporter:
         if grad_norm is not None:
             out["train/grad_norm"] = float(grad_norm)
         if self.flops_per_token and self.peak_flops:  # both absent where the peak is unknown (CPU)
-            flops_per_s = self.flops_per_token * tokens / elapsed / self.world
-            out["perf/tflops_per_device"] = flops_per_s / 1e12
-            out["perf/mfu"] = flops_per_s / self.peak_flops
+            tokens_per_s = tokens / elapsed / self.world
+            # TFLOP/s: what the GPU did (recompute included); MFU: the model's FLOPs only (PaLM's definition)
+            out["perf/tflops_per_device"] = self.flops_per_token.hardware_flops_per_token * tokens_per_s / 1e12
+            out["perf/mfu"] = self.flops_per_token.model_flops_per_token * tokens_per_s / self.peak_flops
         out.update(self.memory())
         self.state.last_loss = out["train/loss"]
         self.state.samples += int(samples)

@@ -1,7 +1,6 @@
-"""FLOPs formula, peak FLOP/s table, memory readings and the cross-rank max."""
+"""FLOPs of a live model, peak FLOP/s table, memory readings and the cross-rank max."""
 from __future__ import annotations
 
-import math
 import os
 
 import pytest
@@ -9,42 +8,48 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from jobspec.metrics import (count_tokens, device_row, flops_per_token, memory_snapshot, peak_flops,
-                             reduce_max, reset_peaks)
-
-DIMS = {"num_parameters": 1000, "num_layers": 2, "hidden_size": 4, "vocab_size": 10}
-
-
-def test_flops_per_token_matches_hand_computation():
-    # 6N + 12 L h s = 6*1000 + 12*2*4*8
-    assert flops_per_token(DIMS, 8) == 6768
-    # every layer recomputed: + 2 (N - V h) + 4 L h s = 2*960 + 256
-    assert flops_per_token(DIMS, 8, checkpoint_every_n_layers=1) == 6768 + 2176
-    # one layer in 2 of 2 layers: half of that
-    assert flops_per_token(DIMS, 8, checkpoint_every_n_layers=2) == 6768 + 1088
-
+from jobspec.metrics import (count_tokens, device_row, dims_of_model, flops_per_token, memory_snapshot,
+                             peak_flops, reduce_max, reset_peaks)
+from jobspec.modelinfo import model_dims
+from jobspec.spec.flops import TrainingFlops, training_flops
 
 def test_flops_per_token_reads_a_transformers_model():
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model("gpt2", n_embd=16, n_layer=3, n_head=2, vocab_size=50, n_positions=32)
     model = AutoModelForCausalLM.from_config(config)
-    n = sum(p.numel() for p in model.parameters())
-    assert flops_per_token(model, 32) == 6 * n + 12 * 3 * 16 * 32
-    recompute = math.ceil(3 / 2) / 3 * (2 * (n - 50 * 16) + 4 * 3 * 16 * 32)
-    assert flops_per_token(model, 32, checkpoint_every_n_layers=2) == pytest.approx(6 * n + 12 * 3 * 16 * 32 + recompute)
+    dims = model_dims({"model": {"architecture": "gpt2", "config": {"n_embd": 16, "n_layer": 3, "n_head": 2,
+                                                                    "vocab_size": 50, "n_positions": 32}}})
+    assert dims_of_model(model) == dims
+    every_2 = {"every_n_layers": 2, "use_reentrant": False}
+    for setting in (False, every_2):
+        assert flops_per_token(model, 32, task="causal-lm", activation_checkpointing=setting) == \
+            training_flops(dims, task="causal-lm", num_labels=2, seq_len=32, activation_checkpointing=setting)
+    plain = flops_per_token(model, 32, task="causal-lm")
+    # 3 x (3 layers x (24 h^2 + 4 s h) + 2 h V); layers 0 and 2 recomputed in hardware FLOPs only
+    layer = 24 * 16 * 16 + 4 * 32 * 16
+    assert plain.model_flops_per_token == 3 * (3 * layer + 2 * 16 * 50)
+    assert flops_per_token(model, 32, task="causal-lm", activation_checkpointing=every_2) == \
+        TrainingFlops(plain.model_flops_per_token, plain.model_flops_per_token + 2 * layer)
 
 
-def test_flops_per_token_reads_objects_with_a_num_parameters_method():
-    class Dims:
-        hidden_size, num_layers, vocab_size = 4, 2, 10
+def test_flops_per_token_reads_jobspec_mlp_and_unknown_models_give_none():
+    from jobspec.mlp import MLPClassifier, MLPConfig
 
-        def num_parameters(self):
-            return 1000
+    mlp = MLPClassifier(MLPConfig(hidden_size=8, num_layers=3, vocab_size=20, num_labels=4))
+    # 3 layers x 2 h^2 / s + classifier 2 h C / s, x 3; the masked mean 2h forward + 2h backward
+    assert flops_per_token(mlp, 4, task="sequence-classification", num_labels=4).model_flops_per_token == \
+        3 * (3 * 2 * 64 / 4 + 2 * 8 * 4 / 4) + 2 * 2 * 8
 
-    assert flops_per_token(Dims(), 8) == flops_per_token(DIMS, 8)
-    with pytest.raises(ValueError):
-        flops_per_token({"hidden_size": 4}, 8)
+    class Config:
+        def to_dict(self):
+            return {"model_type": "t5", "d_model": 8, "num_layers": 2, "vocab_size": 20}
+
+    class Unknown:
+        config = Config()
+
+    assert flops_per_token(Unknown(), 4, task="masked-lm") is None
+    assert flops_per_token(object(), 4, task="masked-lm") is None
 
 
 @pytest.mark.parametrize("name, row", [

@@ -56,15 +56,18 @@ def run(args: argparse.Namespace) -> int:
                          hint="pass --gpu-mem 24GiB or set memory.gpu_memory in the spec")
     dims = model_dims(spec, read_local_config(spec["model"]["name_or_path"]))
     plan = plan_memory(spec, dims, budget=budget)
+    compute = compute_block(spec, dims)
     result = fit(spec, dims, budget, bf16_supported=not args.no_bf16) if args.fit else None
 
     if args.format == "json":
-        out = {"job": str(resolved.source), "plan": plan.as_dict()}
+        out = {"job": str(resolved.source), "plan": {**plan.as_dict(), "compute": compute}}
         if result is not None:
             out["fit"] = result.as_dict()
         print(json.dumps(out, indent=2))
     else:
         print(render_plan(plan, title=f"{spec['name']}: predicted memory per rank (as written)"))
+        print(f"compute: {compute['model_flops_per_token'] / 1e9:.3f} GFLOP per trained token "
+              f"(forward + backward), {compute['hardware_flops_per_token'] / 1e9:.3f} with checkpoint recompute")
         if result is not None:
             print()
             if result.fits:
@@ -79,3 +82,19 @@ def run(args: argparse.Namespace) -> int:
                 print(f"note: {note}")
             print(f"({result.considered} configurations considered)")
     return EXIT_NOTHING_FITS if result is not None and not result.fits else 0
+
+
+def compute_block(spec: dict, dims) -> dict:
+    """`plan.compute`: model and hardware FLOPs per trained token (jobspec.spec.flops)."""
+    from jobspec.planner import sequence_length
+    from jobspec.spec.flops import training_flops
+
+    try:
+        flops = training_flops(dims, task=spec["model"]["task"], num_labels=spec["model"]["num_labels"],
+                               seq_len=sequence_length(spec),
+                               activation_checkpointing=spec["memory"]["activation_checkpointing"])
+    except ValueError as err:
+        raise spec_error(f"cannot count the FLOPs of this model: {err}", path=("model",),
+                         hint="use a known architecture or name its dimensions in model.config") from None
+    return {"model_flops_per_token": flops.model_flops_per_token,
+            "hardware_flops_per_token": flops.hardware_flops_per_token}
