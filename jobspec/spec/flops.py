@@ -26,8 +26,9 @@ size, s the sequence length, f the FFN size, kv = kv_heads * h / heads, V the vo
 c is the number of checkpointed layers (L with `activation_checkpointing: true`, ceil(L/k) with
 `every_n_layers: k`, since the patch wraps layers i % k == 0): each is run forward once more in
 backward. Following Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
-Models", section 6) the recompute counts only in hardware FLOPs; MFU divides model FLOPs by the peak
-(as PaLM, Chowdhery et al. 2022, appendix B), TFLOP/s reports the hardware FLOPs the GPUs really did.
+Models": model vs hardware FLOPs utilization) the recompute counts only in hardware FLOPs; MFU divides
+model FLOPs by the peak (PaLM's definition, Chowdhery et al. 2022), TFLOP/s reports the hardware
+FLOPs the GPUs really did.
 
 d is what the recompute leaves out. torch's non-reentrant checkpoint (jobspec's default,
 `use_reentrant: false`) stops recomputing as soon as the last tensor saved for backward is back
@@ -36,14 +37,16 @@ layer ends in the down projection, whose output only meets the residual add (whi
 so it is never recomputed: d = 2hf. Layers ending in a LayerNorm (the post-LN encoders) or a dropout
 (gpt2's resid_pdrop, 0.1 by default) recompute every product: d = 0, as with the reentrant checkpoint.
 
-jobspec's `mlp` (jobspec/mlp.py) runs its layers on one mean-pooled vector per sequence: each layer
+jobspec's `mlp` (jobspec/train/mlp.py) runs its layers on one mean-pooled vector per sequence: each layer
 is 2h^2/s per token, the classifier 2hC/s, and the masked mean a (1 x s).(s x h) product, 2h per
 token forward and 2h backward (the mask gets no gradient).
 
 Known gaps: gpt2 with resid_pdrop 0 also skips its last projection (d = 2hf; ModelDims carries no
-dropout, so it is counted as recomputed). deberta-v2's disentangled (relative-position) attention terms are not counted, because
-ModelDims does not carry pos_att_type / position_buckets; with `relative_attention: false` it is a
-BERT-shaped encoder and exact. Frozen parameters (`model.freeze`) are counted as trained.
+dropout, so it is counted as recomputed). deberta-v2's disentangled (relative-position) attention
+terms are not counted: ModelDims does not carry pos_att_type / position_buckets; with
+`relative_attention: false` it is a BERT-shaped encoder and exact. Causal SDPA / flash kernels may
+skip the masked half of the attention products; they are counted whole (the model-FLOPs convention).
+Frozen parameters (`model.freeze`) are counted as trained.
 The numbers match torch.utils.flop_counter.FlopCounterMode (tests/spec/test_flops.py,
 bench/flops_check.py). Pure: no torch, no I/O.
 """

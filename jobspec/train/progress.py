@@ -145,8 +145,10 @@ class StepReporter:
         self.metrics = metrics
         self.world = derived["world_size"]
         self.count_tokens = metrics.count_tokens
-        # model FLOPs (no checkpoint recompute): MFU's numerator, from the derived job in launch.json
-        self.flops_per_token = derived.get("model_flops_per_token")
+        # From the derived job in launch.json: TFLOP/s counts the work the device did (checkpoint
+        # recompute included); MFU counts the model's FLOPs only (PaLM's definition)
+        self.model_flops_per_token = derived.get("model_flops_per_token")
+        self.hardware_flops_per_token = derived.get("hardware_flops_per_token")
         device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         self.peak_flops = metrics.peak_flops(device_name, spec["memory"]["precision"])
 
@@ -170,10 +172,10 @@ class StepReporter:
         grad_norm = self.engine.get_global_grad_norm()
         if grad_norm is not None:
             out["train/grad_norm"] = float(grad_norm)
-        if self.flops_per_token and self.peak_flops:  # both absent where the peak is unknown (CPU)
-            flops_per_s = self.flops_per_token * tokens / elapsed / self.world
-            out["perf/tflops_per_device"] = flops_per_s / 1e12
-            out["perf/mfu"] = flops_per_s / self.peak_flops
+        if self.model_flops_per_token and self.peak_flops:  # both absent where the peak is unknown (CPU)
+            tokens_per_s_device = tokens / elapsed / self.world
+            out["perf/tflops_per_device"] = self.hardware_flops_per_token * tokens_per_s_device / 1e12
+            out["perf/mfu"] = self.model_flops_per_token * tokens_per_s_device / self.peak_flops
         out.update(self.memory())
         self.state.last_loss = out["train/loss"]
         self.state.samples += int(samples)
