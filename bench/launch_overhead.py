@@ -204,12 +204,13 @@ def probe(run_dir: Path, steps: int, block: int, warmup: int) -> dict:
 
     import deepspeed
 
+    from jobspec import rundir
     from jobspec.train import worker
     from jobspec.train.data import make_loader
     from jobspec.train.progress import Progress, RunState, StepReporter, Window
     from jobspec.tracking.telemetry import MetricSink
 
-    files = worker.read_run_dir(run_dir)
+    files = rundir.read_run_files(run_dir)
     deepspeed.init_distributed()
     engine, train_ds, _, _ = worker.build_engine(files)
     sink = MetricSink.open(run_dir)  # MLflow on: mlflow_run.json names a live run

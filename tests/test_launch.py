@@ -18,6 +18,7 @@ import psutil
 import pytest
 import yaml
 
+from jobspec import rundir
 from jobspec.launch import launcher
 
 from jobspec.tracking import telemetry
@@ -105,7 +106,7 @@ def test_output_is_streamed_to_stdout_and_the_log(tmp_path, fake_runner):
     outcome, echoed = supervise(fake_runner(tmp_path, "quick"), tmp_path)
     assert outcome.exit_code == 0 and outcome.reason is None
     assert "runner up lines 4" in echoed and "rank 0 ready" in echoed and "rank 1 ready" in echoed
-    assert (tmp_path / launcher.LOG_FILE).read_text() == echoed
+    assert (tmp_path / rundir.LAUNCHER_LOG).read_text() == echoed
     assert survivors(tmp_path) == []
 
 
@@ -151,7 +152,7 @@ def test_a_dead_rank_brings_the_job_down(tmp_path, fake_runner):
 
 
 def test_run_dirs_are_new_and_named_by_utc_time(tmp_path):
-    first, second = launcher.create_run_dir(tmp_path), launcher.create_run_dir(tmp_path)
+    first, second = rundir.create_run_dir(tmp_path), rundir.create_run_dir(tmp_path)
     assert first != second and first.is_dir() and second.is_dir()
     assert re.fullmatch(r"run-\d{8}-\d{6}-[0-9a-f]{4}", first.name)
 
@@ -165,7 +166,7 @@ def test_unwritable_directories_are_refused(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
     with pytest.raises(SpecError) as err:
-        launcher.ensure_writable(blocker / "runs", ("output_dir",))
+        rundir.ensure_writable(blocker / "runs", ("output_dir",))
     assert "output_dir" in err.value.render() and "writable" in err.value.render()
 
 
@@ -267,7 +268,7 @@ def test_launch_success_is_finished_and_passes_the_stop_flag(tmp_path, fake_runn
     use_fake_runner(monkeypatch, fake_runner, "quick")
     assert main(["launch", str(job), "--stop-after-steps", "3"]) == 0
     run_dir = only_run_dir(tmp_path)
-    assert "runner up lines 3" in (run_dir / launcher.LOG_FILE).read_text()
+    assert "runner up lines 3" in (run_dir / rundir.LAUNCHER_LOG).read_text()
     _, run = mlflow_run_of(run_dir)
     assert run.info.status == "FINISHED" and "jobspec.failure_reason" not in run.data.tags
     command = (run_dir / "command.txt").read_text()  # what really ran (here: the fake runner)
@@ -329,7 +330,7 @@ def test_real_two_rank_launch_logs_a_finished_mlflow_run(tmp_path):
     client, run = mlflow_run_of(run_dir)
     assert run.info.status == "FINISHED"
     assert run.data.params["training.max_steps"] == "6" and run.data.params["derived.world_size"] == "2"
-    assert set(telemetry.ARTIFACT_FILES) | {"summary.json"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert set(rundir.START_ARTIFACTS) | {"summary.json"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
     samples = client.get_metric_history(run.info.run_id, "perf/samples_per_s")
     rss = client.get_metric_history(run.info.run_id, "mem/host_rss_mib_max")
     assert samples and all(m.value > 0 for m in samples)

@@ -25,12 +25,9 @@ import shlex
 import sys
 from pathlib import Path
 
-import yaml
-
+from jobspec import rundir
 from jobspec.errors import spec_error
-from jobspec.secrets import mask_secrets
 
-COMPILE_FILES = ("spec.yaml", "resolved.yaml", "ds_config.json", "patches.json", "command.txt", "launch.json")
 _EXTENSION_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet", ".pq": "parquet"}
 
 
@@ -53,11 +50,11 @@ def run(args: argparse.Namespace) -> int:
     compiled = compile_resolved(resolved, run_dir=run_dir)
 
     if args.out:
-        write_run_files(args.out, resolved, compiled)
+        rundir.write_compiled(args.out, resolved, compiled)
         if args.format == "json":
-            print(json.dumps({"out": run_dir, "files": list(COMPILE_FILES), "notes": compiled.notes}, indent=2))
+            print(json.dumps({"out": run_dir, "files": list(rundir.COMPILE_FILES), "notes": compiled.notes}, indent=2))
         else:
-            print(f"wrote {', '.join(COMPILE_FILES)} to {run_dir}")
+            print(f"wrote {', '.join(rundir.COMPILE_FILES)} to {run_dir}")
             print(f"command: {shlex.join(compiled.launch['argv'])}")
             for note in compiled.notes:
                 print(f"note: {note}")
@@ -87,33 +84,6 @@ def compile_resolved(resolved, *, run_dir: str = "RUN_DIR", master_port: int | N
         num_train_samples = count_rows(spec["data"]["train"], spec["data"]["format"])
     return compile_spec(spec, model_dims=dims, num_train_samples=num_train_samples, run_dir=run_dir,
                         master_port=master_port)
-
-
-def write_run_files(out: Path, resolved, compiled) -> None:
-    """Write the compile outputs into `out`; refuse a non-empty directory holding anything else."""
-    if out.exists() and not out.is_dir():
-        raise spec_error(f"--out {out} exists and is not a directory", hint="choose a directory path")
-    if out.is_dir():
-        # a multi-node launch writes its hostfile into the run directory before these files
-        foreign = sorted(p.name for p in out.iterdir() if p.name not in (*COMPILE_FILES, "hostfile"))
-        if foreign:
-            shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
-            raise spec_error(f"--out {out} is not empty and is not a previous compile output (has {shown})",
-                             hint="choose a new or empty directory; compile only overwrites its own files")
-    out.mkdir(parents=True, exist_ok=True)
-    launch = {**compiled.launch, "derived": compiled.derived, "notes": compiled.notes,
-              "source": str(resolved.source.resolve())}
-    contents = {
-        # a password in a tracking URI or a planted token must not reach files that become artifacts
-        "spec.yaml": mask_secrets(resolved.text),
-        "resolved.yaml": mask_secrets(yaml.safe_dump(resolved.spec, sort_keys=False)),
-        "ds_config.json": json.dumps(compiled.ds_config, indent=2) + "\n",
-        "patches.json": json.dumps(compiled.patches, indent=2) + "\n",
-        "command.txt": shlex.join(compiled.launch["argv"]) + "\n",
-        "launch.json": json.dumps(launch, indent=2) + "\n",
-    }
-    for name, text in contents.items():
-        (out / name).write_text(text, encoding="utf-8")
 
 
 def count_rows(path: str | Path, fmt: str = "auto") -> int:

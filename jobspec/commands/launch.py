@@ -24,14 +24,11 @@ import shutil
 import sys
 from pathlib import Path
 
-from jobspec.memory import at_launch as launch_memory
-
-from jobspec.launch import launcher
-
-from jobspec.launch import slurm
-
-from jobspec.tracking import telemetry
+from jobspec import rundir
 from jobspec.errors import spec_error
+from jobspec.launch import launcher, slurm
+from jobspec.memory import at_launch as launch_memory
+from jobspec.tracking import telemetry
 
 HELP = "Validate, compile and run a job through DeepSpeed, logging it to MLflow."
 log = logging.getLogger("jobspec.launch")
@@ -61,11 +58,6 @@ def compile_job(resolved, run_dir: Path, master_port: int):
     """Compiled with the same inputs `jobspec compile` uses, so launch runs what compile shows."""
     from jobspec.commands.compile import compile_resolved
     return compile_resolved(resolved, run_dir=str(run_dir), master_port=master_port)
-
-
-def write_run_dir(resolved, compiled, run_dir: Path) -> None:
-    from jobspec.commands.compile import write_run_files
-    write_run_files(run_dir, resolved, compiled)
 
 
 def progress_mode(setting: str, stdout=sys.stdout) -> str:
@@ -99,7 +91,7 @@ def run(args) -> int:
     port = spec["resources"]["master_port"] or launcher.free_port()
 
     if args.dry_run:  # nothing is created: the run dir in the command is the name it would get
-        run_dir = launcher.new_run_dir_path(spec["output_dir"])
+        run_dir = rundir.new_run_dir_path(spec["output_dir"])
         compiled = compile_job(resolved, run_dir, port)
         argv = launcher.resolve_runner(compiled.launch["argv"])
         print(json.dumps(compiled.ds_config, indent=2))
@@ -109,7 +101,7 @@ def run(args) -> int:
         return 0
 
     resume_run_id = launcher.claim_checkpoints(spec)
-    run_dir = launcher.create_run_dir(spec["output_dir"])
+    run_dir = rundir.create_run_dir(spec["output_dir"])
     try:
         compiled = compile_job(resolved, run_dir, port)
         problems = launcher.preflight_problems(spec, compiled.launch) + launch_memory.preflight_problems(memory, spec)
@@ -121,7 +113,7 @@ def run(args) -> int:
         compiled.launch["argv"] = launcher.resolve_runner(compiled.launch["argv"])  # command.txt stays true
         # inside a multi-node Slurm allocation: one runner per node through srun (docs/slurm.md)
         compiled.launch["argv"] = slurm.launch_argv(compiled.launch, run_dir)
-        write_run_dir(resolved, compiled, run_dir)
+        rundir.write_compiled(run_dir, resolved, compiled)
         tracked = start_tracking(resolved, compiled, run_dir, resume_run_id)
         if tracked is not None:  # next to the ranks' measured mem/* series: prediction error per run
             launch_memory.log_params(tracked, launch_memory.mlflow_params(memory, spec["memory"]["fit"]))
@@ -135,12 +127,10 @@ def run(args) -> int:
                                  kill_grace_s=args.kill_grace)
     launcher.remove_shared_memory_buffers(compiled.launch.get("master_port"))  # every rank is gone now
     status = "FINISHED" if outcome.exit_code == 0 else ("KILLED" if outcome.user_signal else "FAILED")
+    rundir.write_fallback_summary(run_dir, status, outcome.exit_code)
     if tracked is not None:
         telemetry.end_run(tracked, run_dir, status=status, exit_code=outcome.exit_code,
                           failure_reason=outcome.reason)
-    elif not (run_dir / "summary.json").exists():
-        (run_dir / "summary.json").write_text(json.dumps(
-            {"status": status.lower(), "exit_code": outcome.exit_code, "written_by": "launcher"}) + "\n")
     print(f"jobspec: {status.lower()} (exit {outcome.exit_code}); run directory {run_dir}", flush=True)
     return outcome.exit_code
 
@@ -162,5 +152,5 @@ def start_tracking(resolved, compiled, run_dir: Path, resume_run_id: str | None)
                              hint="start the server, fix the URI, or set logging.mlflow.required: false "
                                   "to run with metrics kept in metrics.jsonl")
         log.warning("MLflow tracking at %s is unavailable (%s); continuing, metrics go to %s", uri, err,
-                    run_dir / telemetry.METRICS_FILE)
+                    run_dir / rundir.METRICS)
         return None

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 import os
-import secrets
 import shutil
 import signal
 import socket
@@ -32,12 +31,12 @@ from pathlib import Path
 
 import psutil
 
+from jobspec import rundir
 from jobspec.errors import spec_error
 
 KILL_GRACE_S = 45.0       # after SIGINT/SIGTERM: DeepSpeed's launch.py waits 30 s for ranks, plus margin
 RANK_EXIT_GRACE_S = 20.0  # a rank is gone, others still run, no finished summary: tear down after this
 LEFTOVER_GRACE_S = 5.0    # runner exited: group members still alive get this long, then SIGKILL
-LOG_FILE = "launcher.log"
 TAIL_LINES = 30
 
 
@@ -55,38 +54,6 @@ def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
         except OSError:
             return True
     return False
-
-
-def new_run_dir_path(output_dir: str | Path, now: datetime | None = None) -> Path:
-    """`<output_dir>/run-<UTC %Y%m%d-%H%M%S>-<4 hex>` (not created)."""
-    stamp = (now or datetime.now(timezone.utc)).strftime("%Y%m%d-%H%M%S")
-    return Path(output_dir) / f"run-{stamp}-{secrets.token_hex(2)}"
-
-
-def create_run_dir(output_dir: str | Path) -> Path:
-    """A new, empty run directory; never an existing one (exclusive mkdir, new name on collision)."""
-    ensure_writable(output_dir, ("output_dir",))
-    for _ in range(100):
-        path = new_run_dir_path(output_dir)
-        try:
-            path.mkdir()
-            return path
-        except FileExistsError:
-            continue
-    raise spec_error(f"could not create a new run directory under {output_dir}", path=("output_dir",))
-
-
-def ensure_writable(directory: str | Path, field: tuple) -> None:
-    """Create `directory` if needed and prove we can write there, before anything starts."""
-    directory = Path(directory)
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / f".jobspec-write-test-{os.getpid()}"
-        probe.write_text("ok", encoding="utf-8")
-        probe.unlink()
-    except OSError as err:
-        raise spec_error(f"{directory} is not a writable directory ({err.strerror or err})", path=field,
-                         hint=f"set {'.'.join(field)} to a directory you can write, or fix its permissions")
 
 
 def runner_prefix() -> list[str]:
@@ -210,9 +177,9 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
-def _relay(fd: int, log_path: Path, tail: collections.deque, echo) -> None:
+def _relay(fd: int, run_dir: Path, tail: collections.deque, echo) -> None:
     partial = b""
-    with open(log_path, "ab") as log_file:
+    with rundir.open_launcher_log(run_dir) as log_file:
         while True:
             try:
                 chunk = os.read(fd, 65536)
@@ -233,15 +200,6 @@ def _relay(fd: int, log_path: Path, tail: collections.deque, echo) -> None:
     os.close(fd)
 
 
-def summary_says_done(run_dir: Path) -> bool:
-    import json
-    try:
-        status = json.loads((run_dir / "summary.json").read_text(encoding="utf-8")).get("status")
-    except (OSError, ValueError, AttributeError):
-        return False
-    return status in ("finished", "preempted")
-
-
 def supervise(argv: list[str], env: dict, run_dir: Path, *, echo=None, kill_grace_s: float = KILL_GRACE_S,
               rank_exit_grace_s: float | None = None, leftover_grace_s: float = LEFTOVER_GRACE_S,
               poll_s: float = 0.2) -> Outcome:
@@ -259,7 +217,7 @@ def supervise(argv: list[str], env: dict, run_dir: Path, *, echo=None, kill_grac
         signal.signal(signal.SIGUSR1, previous_usr1)
         os.close(write_fd)
     tail: collections.deque = collections.deque(maxlen=TAIL_LINES)
-    relay = threading.Thread(target=_relay, args=(read_fd, run_dir / LOG_FILE, tail, echo), daemon=True)
+    relay = threading.Thread(target=_relay, args=(read_fd, run_dir, tail, echo), daemon=True)
     relay.start()
 
     state = {"user_signal": None, "kill_at": None}
@@ -290,7 +248,7 @@ def supervise(argv: list[str], env: dict, run_dir: Path, *, echo=None, kill_grac
                 seen_ranks |= alive
                 if alive and len(alive) < len(seen_ranks):
                     partial_since = partial_since or now
-                    if now - partial_since >= rank_exit_grace_s and not summary_says_done(run_dir):
+                    if now - partial_since >= rank_exit_grace_s and not rundir.summary_says_done(run_dir):
                         reason = (f"a rank exited while {len(alive)} other(s) kept running for "
                                   f"{rank_exit_grace_s:.0f} s (likely blocked in a collective); killed the job")
                         _signal_group(proc.pid, signal.SIGKILL)
@@ -359,7 +317,7 @@ def claim_checkpoints(spec: dict) -> str | None:
     """
     ckpt_dir = Path(spec["checkpoint"]["dir"])
     resume = spec["checkpoint"]["resume"]
-    ensure_writable(ckpt_dir, ("checkpoint", "dir"))
+    rundir.ensure_writable(ckpt_dir, ("checkpoint", "dir"))
     owner = read_owner(ckpt_dir)
     has_checkpoints = any(p.name != OWNER_FILE and not p.name.startswith(".jobspec-write-test")
                           for p in ckpt_dir.iterdir())

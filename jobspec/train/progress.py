@@ -1,5 +1,5 @@
 """What a training run reports: step metrics (the shared metric names), the console progress
-(rank 0: a tqdm bar, plain lines, or nothing), and `summary.json`.
+(rank 0: a tqdm bar, plain lines, or nothing), and the content of `summary.json`.
 
 The launcher picks the console mode from `logging.progress` and whether its own stdout is a
 terminal, and passes it as `JOBSPEC_PROGRESS` (bar | lines | none); ranks cannot see the terminal
@@ -8,12 +8,10 @@ themselves because the deepspeed runner pipes their output.
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 MODES = ("bar", "lines", "none")
 
@@ -221,12 +219,6 @@ def summarize(state: RunState, status: str, total_steps: int, started: float, er
     if error is not None:
         summary["error"] = error
     return summary
-
-
-def write_summary(run_dir: Path, summary: dict) -> None:
-    tmp = run_dir / ".summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, run_dir / "summary.json")
 
 
 def _seq_len(spec: dict) -> int:

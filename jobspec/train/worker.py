@@ -13,51 +13,20 @@ Rank 0 writes `summary.json`. Env: JOBSPEC_PROGRESS=bar|lines|none, JOBSPEC_STOP
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
 import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
+from jobspec import rundir
 from jobspec.errors import EXIT_INVALID, SpecError, spec_error
+from jobspec.rundir import RunFiles
 from jobspec.train.faults import NanGuard, NonFiniteLoss
 from jobspec.train.oom import OomGuard
-from jobspec.train.progress import RunState, StepReporter, Window, summarize, write_summary
+from jobspec.train.progress import RunState, StepReporter, Window, summarize
 from jobspec.train.reshard import replace_ds_config
-
-RUN_FILES = ("resolved.yaml", "ds_config.json", "patches.json", "launch.json")
-
-
-@dataclass
-class RunFiles:
-    spec: dict
-    ds_config: dict
-    patches: list
-    launch: dict
-
-    @property
-    def derived(self) -> dict:
-        return self.launch["derived"]
-
-
-def read_run_dir(run_dir: Path) -> RunFiles:
-    missing = [name for name in RUN_FILES if not (run_dir / name).is_file()]
-    if missing:
-        raise spec_error(f"run directory {run_dir} lacks {', '.join(missing)}",
-                         hint="create it with `jobspec compile --out DIR` or `jobspec launch`")
-    spec = yaml.safe_load((run_dir / "resolved.yaml").read_text(encoding="utf-8"))
-    loaded = [json.loads((run_dir / name).read_text(encoding="utf-8")) for name in RUN_FILES[1:]]
-    files = RunFiles(spec, *loaded)
-    if "total_steps" not in files.launch.get("derived", {}):
-        raise spec_error(f"{run_dir / 'launch.json'} has no derived.total_steps",
-                         hint="recompile the job with this version of jobspec")
-    return files
-
 
 class StopFlag:
     """Set by SIGUSR1/SIGTERM (Slurm's warning, a preemption); acted on at a step boundary."""
@@ -105,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def train(run_dir: Path, state: RunState, started: float) -> int:
-    files = read_run_dir(run_dir)
+    files = rundir.read_run_files(run_dir)
     stop = StopFlag()
     stop.install()
 
@@ -149,7 +118,7 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
                             stop=lambda: _any_rank(stop.requested or _stop_after_reached(state.step), control),
                             pending_rng=pending_rng, nan_guard=nan_guard, oom_guard=oom_guard)
         if rank == 0:
-            write_summary(run_dir, summarize(state, status, total_steps, started))
+            rundir.write_summary(run_dir, summarize(state, status, total_steps, started))
     finally:
         progress.close()
         if sink is not None:
@@ -327,7 +296,7 @@ def _write_failure(run_dir: Path, state: RunState, started: float, error: str) -
     if int(os.environ.get("RANK", "0")) != 0 or not run_dir.is_dir():
         return
     try:
-        write_summary(run_dir, summarize(state, "failed", None, started, error=error))
+        rundir.write_summary(run_dir, summarize(state, "failed", None, started, error=error))
     except OSError:
         pass  # the original error matters more than a summary we cannot write
 
