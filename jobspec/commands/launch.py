@@ -24,7 +24,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from jobspec import rundir
+from jobspec import hardware, rundir
 from jobspec.errors import spec_error
 from jobspec.launch import launcher, slurm
 from jobspec.memory import at_launch as launch_memory
@@ -84,7 +84,8 @@ def run(args) -> int:
         raise spec_error("--stop-after-steps must be >= 1", hint="e.g. --stop-after-steps 5")
     resolved = resolve(args.job, args.overrides)
     # memory.fit: auto rewrites the spec here, so everything below (and resolved.yaml) sees what runs
-    resolved, memory = launch_memory.prepare(resolved)
+    gpu_free = hardware.gpu_free_bytes(resolved.spec["resources"]["gpus_per_node"])
+    resolved, memory = launch_memory.prepare(resolved, gpu_free, bf16_supported=hardware.bf16_supported())
     for line in memory.lines:
         print(f"jobspec: {line}", flush=True)
     spec = resolved.spec
@@ -104,7 +105,7 @@ def run(args) -> int:
     run_dir = rundir.create_run_dir(spec["output_dir"])
     try:
         compiled = compile_job(resolved, run_dir, port)
-        problems = launcher.preflight_problems(spec, compiled.launch) + launch_memory.preflight_problems(memory, spec)
+        problems = launcher.preflight_problems(spec, compiled.launch) + launch_memory.preflight_problems(memory, gpu_free)
         compiled.launch.update(launch_memory.plan_record(memory))  # launch.json: `plan` (MiB), `fit`
         if problems and not args.ignore_preflight:
             raise spec_error("; ".join(problems), hint="fix the spec, or pass --ignore-preflight")

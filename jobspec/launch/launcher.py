@@ -31,7 +31,7 @@ from pathlib import Path
 
 import psutil
 
-from jobspec import rundir
+from jobspec import hardware, rundir
 from jobspec.errors import spec_error
 
 KILL_GRACE_S = 45.0       # after SIGINT/SIGTERM: DeepSpeed's launch.py waits 30 s for ranks, plus margin
@@ -82,9 +82,8 @@ def preflight_problems(spec: dict, launch: dict) -> list[str]:
         problems.append(f"resources.master_port {res['master_port']} is already in use on this host "
                         "(set it to null to pick a free port)")
     if launch.get("nodes", 1) == 1:
-        from jobspec.tracking.telemetry import gpu_names
-        gpus = [g for g in gpu_names() if g != "cpu"]
-        available, kind = (len(gpus), "GPUs") if gpus else (os.cpu_count() or 1, "CPU cores")
+        gpus = hardware.gpu_count()
+        available, kind = (gpus, "GPUs") if gpus else (os.cpu_count() or 1, "CPU cores")
         if res["gpus_per_node"] > available:
             problems.append(f"resources.gpus_per_node is {res['gpus_per_node']} but this host has "
                             f"{available} {kind}")

@@ -22,7 +22,7 @@ from importlib import metadata
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from jobspec import rundir
+from jobspec import hardware, rundir
 from jobspec.secrets import mask_secrets, split_credentials
 
 log = logging.getLogger("jobspec.tracking.telemetry")
@@ -80,23 +80,6 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
-def gpu_names() -> list[str]:
-    """GPU names from NVML, or ["cpu"] on a machine without NVIDIA GPUs."""
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-        try:
-            names = []
-            for i in range(pynvml.nvmlDeviceGetCount()):
-                name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i))
-                names.append(name.decode() if isinstance(name, bytes) else name)
-        finally:
-            pynvml.nvmlShutdown()
-        return names or ["cpu"]
-    except Exception:  # no driver, no library, no GPU: all mean "cpu" here
-        return ["cpu"]
-
-
 def run_tags(spec: dict, launch: dict, spec_text: str) -> dict[str, str]:
     tags = {f"jobspec.version.{name}": v for name, v in package_versions().items()}
     tags.update({
@@ -104,7 +87,7 @@ def run_tags(spec: dict, launch: dict, spec_text: str) -> dict[str, str]:
         "jobspec.world_size": str(launch.get("world_size", "")),
         "jobspec.nodes": str(launch.get("nodes", "")),
         "jobspec.hosts": socket.gethostname(),
-        "jobspec.gpus": ",".join(sorted(set(gpu_names()))),
+        "jobspec.gpus": ",".join(sorted(set(hardware.gpu_names()))),
         "jobspec.spec_sha256": hashlib.sha256(spec_text.encode("utf-8")).hexdigest(),
     })
     if spec.get("description"):

@@ -136,8 +136,7 @@ class StepReporter:
     """Turns windows of steps into the shared metric names; collectives run on every rank."""
 
     def __init__(self, engine, spec, derived, patches, sink, progress, rank, state: RunState):
-        import torch
-
+        from jobspec import hardware
         from jobspec.train import metrics
         self.engine, self.sink, self.progress, self.rank, self.state = engine, sink, progress, rank, state
         self.metrics = metrics
@@ -147,8 +146,7 @@ class StepReporter:
                              if p["name"] == "gradient_checkpointing"), None)
         self.flops_per_token = metrics.flops_per_token(engine.module, _seq_len(spec),
                                                        checkpoint_every_n_layers=checkpointed)
-        device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-        self.peak_flops = metrics.peak_flops(device_name, spec["memory"]["precision"])
+        self.peak_flops = metrics.peak_flops(hardware.cuda_device_name(), spec["memory"]["precision"])
 
     def log_window(self, step: int, window: Window) -> Window:
         """Log the window's metrics (rank 0); returns the next, empty window."""
