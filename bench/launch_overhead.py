@@ -176,7 +176,7 @@ def compile_run_dir(job: Path, work: Path, tag: str, args, log) -> tuple[Path, f
 
 
 def run_hand_loop(job: Path, work: Path, tag: str, args, log) -> dict:
-    from jobspec.launch.launcher import free_port, runner_prefix
+    from jobspec.launch.runner import free_port, runner_prefix
     run_dir, compile_s = compile_run_dir(job, work, tag, args, log)
     cmd = runner_prefix() + ["--num_gpus", str(args.ranks), "--master_port", str(free_port()),
                              str(REPO / "bench" / "hand_loop.py"), "--run-dir", str(run_dir)]
@@ -276,7 +276,7 @@ def _thread_cpu_s(thread) -> float:
 
 def run_probe(job: Path, work: Path, args, log) -> dict:
     from jobspec.tracking import telemetry
-    from jobspec.launch.launcher import free_port
+    from jobspec.launch.runner import free_port
     # the schedule spans the probe's steps (the learning rate does not change the work, but stay valid)
     run_dir, _ = compile_run_dir(job, work, "probe", argparse.Namespace(**{**vars(args), "steps": args.probe_steps}),
                                  log)

@@ -13,7 +13,7 @@ import yaml
 
 from jobspec import hardware
 
-from jobspec.launch import launcher
+from jobspec.launch import supervise as supervision
 
 from jobspec.cli import main
 from jobspec.spec.model_dims import model_dims
@@ -101,7 +101,7 @@ def test_fit_auto_rewrites_the_spec_that_runs_and_records_why(tmp_path, fake_run
 
 def test_fit_auto_dry_run_shows_the_fitted_config_and_creates_nothing(tmp_path, monkeypatch, capsys):
     job = write_fit_job(tmp_path, {"fit": "auto", "gpu_memory": FIT_BUDGET})
-    monkeypatch.setattr(launcher, "supervise", lambda *a, **k: pytest.fail("dry run started the runner"))
+    monkeypatch.setattr(supervision, "run", lambda *a, **k: pytest.fail("dry run started the runner"))
     assert main(["launch", str(job), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "jobspec: fit: micro-batch" in out

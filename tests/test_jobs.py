@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from jobspec.cli import main
-from jobspec.commands.compile import count_rows
+from jobspec.compile.inputs import count_rows
 from jobspec.rundir import COMPILE_FILES
 from jobspec.compile.compiler import compile_spec, find_auto
 from jobspec.spec.model_dims import model_dims

@@ -19,11 +19,9 @@ import pytest
 import yaml
 
 from jobspec import rundir
-from jobspec.launch import launcher
-
+from jobspec.launch import ownership, runner, supervise as supervision
 from jobspec.tracking import telemetry
 from jobspec.cli import main
-from jobspec.commands import launch as launch_cmd
 from jobspec.errors import SpecError
 
 # A stand-in for DeepSpeed's runner: starts two "ranks" (LOCAL_RANK in their env, the run dir in
@@ -99,7 +97,7 @@ def send_when_ready(run_dir: Path, sig: int, *, times: int = 1):
 def supervise(argv, run_dir, **kw):
     echo = BytesIO()
     env = {**os.environ, "JOBSPEC_PROGRESS": "lines", "JOBSPEC_STOP_AFTER_STEPS": "4"}
-    return launcher.supervise(argv, env, run_dir, echo=echo, **kw), echo.getvalue().decode()
+    return supervision.run(argv, env, run_dir, echo=echo, **kw), echo.getvalue().decode()
 
 
 def test_output_is_streamed_to_stdout_and_the_log(tmp_path, fake_runner):
@@ -158,8 +156,8 @@ def test_run_dirs_are_new_and_named_by_utc_time(tmp_path):
 
 
 def test_free_port_is_bindable():
-    port = launcher.free_port()
-    assert 1024 <= port <= 65535 and not launcher.port_in_use(port)
+    port = runner.free_port()
+    assert 1024 <= port <= 65535 and not runner.port_in_use(port)
 
 
 def test_unwritable_directories_are_refused(tmp_path):
@@ -176,24 +174,24 @@ def ckpt_spec(tmp_path, name="job-a", resume="auto") -> dict:
 
 def test_checkpoint_ownership(tmp_path):
     spec = ckpt_spec(tmp_path)
-    assert launcher.claim_checkpoints(spec) is None  # empty: nothing to resume
-    launcher.write_owner(spec, tmp_path / "a.yaml", "run-123")
-    owner = json.loads((tmp_path / "ckpt" / launcher.OWNER_FILE).read_text())
+    assert ownership.claim_checkpoints(spec) is None  # empty: nothing to resume
+    ownership.write_owner(spec, tmp_path / "a.yaml", "run-123")
+    owner = json.loads((tmp_path / "ckpt" / ownership.OWNER_FILE).read_text())
     assert owner["job"] == "job-a" and owner["mlflow_run_id"] == "run-123" and owner["spec"].endswith("a.yaml")
-    assert launcher.claim_checkpoints(spec) is None  # still no checkpoints
+    assert ownership.claim_checkpoints(spec) is None  # still no checkpoints
     (tmp_path / "ckpt" / "step4").mkdir()
-    assert launcher.claim_checkpoints(spec) == "run-123"  # resume auto: same MLflow run
+    assert ownership.claim_checkpoints(spec) == "run-123"  # resume auto: same MLflow run
     with pytest.raises(SpecError, match="resume is 'never'"):
-        launcher.claim_checkpoints(ckpt_spec(tmp_path, resume="never"))
+        ownership.claim_checkpoints(ckpt_spec(tmp_path, resume="never"))
     with pytest.raises(SpecError, match="belongs to job 'job-a'"):
-        launcher.claim_checkpoints(ckpt_spec(tmp_path, name="job-b"))
+        ownership.claim_checkpoints(ckpt_spec(tmp_path, name="job-b"))
 
 
 def test_unclaimed_checkpoints_are_refused(tmp_path):
     (tmp_path / "ckpt" / "latest").parent.mkdir()
     (tmp_path / "ckpt" / "latest").write_text("step2")
     with pytest.raises(SpecError, match="no jobspec job claims"):
-        launcher.claim_checkpoints(ckpt_spec(tmp_path))
+        ownership.claim_checkpoints(ckpt_spec(tmp_path))
 
 
 # --- through the CLI, with the real validation/compiler and a fake runner ----------------------
@@ -225,7 +223,7 @@ def only_run_dir(tmp_path: Path, name: str = "tiny-launch") -> Path:
 
 
 def use_fake_runner(monkeypatch, fake_runner, mode):
-    monkeypatch.setattr(launcher, "resolve_runner", lambda argv: fake_runner(argv[argv.index("--run-dir") + 1], mode))
+    monkeypatch.setattr(runner, "resolve_runner", lambda argv: fake_runner(argv[argv.index("--run-dir") + 1], mode))
 
 
 def mlflow_run_of(run_dir: Path):
@@ -246,7 +244,7 @@ def test_launch_kill_9_of_a_rank_ends_in_a_failed_run(tmp_path, fake_runner, mon
                  and str(run_dir) in p.info["cmdline"]]
         ranks[0].kill()
     threading.Thread(target=kill_a_rank, daemon=True).start()
-    monkeypatch.setattr(launcher, "RANK_EXIT_GRACE_S", 2.0)
+    monkeypatch.setattr(supervision, "RANK_EXIT_GRACE_S", 2.0)
     started = time.monotonic()
     code = main(["launch", str(job), "--set", "checkpoint.resume=never"])
     assert time.monotonic() - started < 60
@@ -258,7 +256,7 @@ def test_launch_kill_9_of_a_rank_ends_in_a_failed_run(tmp_path, fake_runner, mon
     assert json.loads((run_dir / "summary.json").read_text())["exit_code"] == code
     assert {"spec.yaml", "resolved.yaml", "ds_config.json", "command.txt", "summary.json"} <= \
         {a.path for a in client.list_artifacts(run.info.run_id)}
-    owner = json.loads((tmp_path / "out" / "checkpoints" / launcher.OWNER_FILE).read_text())
+    owner = json.loads((tmp_path / "out" / "checkpoints" / ownership.OWNER_FILE).read_text())
     assert owner["mlflow_run_id"] == run.info.run_id and owner["job"] == "tiny-launch"
     assert survivors(run_dir) == []
 
@@ -297,7 +295,7 @@ def test_unreachable_optional_mlflow_warns_and_keeps_going(tmp_path, fake_runner
 
 def test_dry_run_starts_nothing(tmp_path, monkeypatch, capsys):
     job = write_job(tmp_path)
-    monkeypatch.setattr(launcher, "supervise", lambda *a, **k: pytest.fail("dry run started the runner"))
+    monkeypatch.setattr(supervision, "run", lambda *a, **k: pytest.fail("dry run started the runner"))
     assert main(["launch", str(job), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert '"train_micro_batch_size_per_gpu": 4' in out
@@ -311,7 +309,7 @@ def test_resume_never_over_existing_checkpoints_refuses(tmp_path, fake_runner, m
     use_fake_runner(monkeypatch, fake_runner, "quick")
     ckpt = tmp_path / "out" / "checkpoints"
     ckpt.mkdir(parents=True)
-    (ckpt / launcher.OWNER_FILE).write_text(json.dumps({"job": "tiny-launch", "mlflow_run_id": None}))
+    (ckpt / ownership.OWNER_FILE).write_text(json.dumps({"job": "tiny-launch", "mlflow_run_id": None}))
     (ckpt / "latest").write_text("step6")
     assert main(["launch", str(job), "--set", "checkpoint.resume=never"]) == 2
     assert "checkpoint.resume=auto" in capsys.readouterr().err

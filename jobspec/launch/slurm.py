@@ -85,7 +85,7 @@ def allocation_argv(compiled_launch: dict, allocation: Allocation, run_dir, host
     nodes = compiled_launch["nodes"]
     hosts = allocation.hosts[:nodes]
     if runner is None:
-        from jobspec.launch.launcher import resolve_runner
+        from jobspec.launch.runner import resolve_runner
         runner = resolve_runner(["deepspeed"])
     return ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1",
             "--kill-on-bad-exit=1",  # one node's runner failing ends the step instead of a hang

@@ -13,7 +13,7 @@ import math
 import re
 from dataclasses import asdict, dataclass, field
 
-from jobspec.errors import spec_error
+from jobspec.errors import SpecError, spec_error
 from jobspec.spec.model_dims import ModelDims
 
 GiB, MiB = 2**30, 2**20
@@ -135,6 +135,22 @@ def optimizer_state_bytes(name: str, momentum: float, tensors: Tensors) -> int:
     if name == "sgd":
         return 4 * tensors.total if momentum > 0 else 0
     return OPTIMIZER_STATE_BYTES[name] * tensors.total
+
+
+def checkpoint_bytes(spec: dict, dims: ModelDims | None) -> int | None:
+    """One checkpoint, all ranks' files together: the working weights, the fp32 master copy (mixed
+    precision) and the optimizer state, by the planner's bytes per parameter; None when the model's
+    parameters cannot be counted."""
+    model, optimizer = spec["model"], spec["training"]["optimizer"]
+    if dims is None:
+        return None
+    try:
+        tensors = parameter_tensors(dims, model["task"], model["num_labels"])
+    except SpecError:
+        return None
+    precision = spec["memory"]["precision"]
+    weights = PRECISION_BYTES[precision] + (4 if precision != "fp32" else 0)
+    return tensors.total * weights + optimizer_state_bytes(optimizer["name"], optimizer["momentum"], tensors)
 
 
 def sequence_length(spec: dict) -> int:

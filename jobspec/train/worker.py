@@ -357,7 +357,7 @@ def _destroy_process_group() -> None:
         dist.destroy_process_group()
         # this rank's /dev/shm all-reduce buffer (CPU accelerator): DeepSpeed never unlinks it, and
         # unlinking is safe while a peer still maps it
-        from jobspec.launch.launcher import remove_shared_memory_buffers
+        from jobspec.shm import remove_shared_memory_buffers
         remove_shared_memory_buffers(os.environ.get("MASTER_PORT"), local_rank=os.environ.get("LOCAL_RANK", 0))
 
 
