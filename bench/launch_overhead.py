@@ -205,14 +205,14 @@ def probe(run_dir: Path, steps: int, block: int, warmup: int) -> dict:
     import deepspeed
 
     from jobspec import rundir
-    from jobspec.train import worker
+    from jobspec.train import engine as rank_engine
     from jobspec.train.data import make_loader
     from jobspec.train.progress import Progress, RunState, StepReporter, Window
     from jobspec.tracking.telemetry import MetricSink
 
     files = rundir.read_run_files(run_dir)
     deepspeed.init_distributed()
-    engine, train_ds, _, _ = worker.build_engine(files)
+    engine, train_ds, _, _ = rank_engine.build_engine(files)
     sink = MetricSink.open(run_dir)  # MLflow on: mlflow_run.json names a live run
     devnull = open(os.devnull, "w")  # the console line rank 0 prints per log step: formatted, not shown
     progress = Progress(steps, mode="lines", stream=devnull)
@@ -232,7 +232,7 @@ def probe(run_dir: Path, steps: int, block: int, warmup: int) -> dict:
         window.tokens += reporter.count_tokens(batch)
         window.samples += int(batch["input_ids"].shape[0])
         t1 = time.perf_counter()
-        loss = worker._loss_of(engine(**{k: v.to(engine.device) for k, v in batch.items()}))
+        loss = rank_engine.loss_of(engine(**{k: v.to(engine.device) for k, v in batch.items()}))
         engine.backward(loss)
         engine.step()
         t2 = time.perf_counter()

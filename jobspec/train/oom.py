@@ -53,7 +53,7 @@ class OomGuard:
         self.policy = files.spec["training"]["on_oom"]
         self.run_dir = Path(run_dir)
         self.rank, self.control = rank, control_group
-        self.build_engine = build_engine        # worker.build_engine: same model, patches and seed path
+        self.build_engine = build_engine        # engine.build_engine: same model, patches and seed path
         self.progress, self.sink, self.telemetry = progress, sink, telemetry
         self.compiled_micro = files.derived["micro_batch_size"]
         self.micro = self.compiled_micro

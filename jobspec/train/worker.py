@@ -3,7 +3,7 @@
     deepspeed --num_gpus N --master_port P --module jobspec.train.worker --run-dir DIR
 
 It reads only the run directory (resolved.yaml, ds_config.json, patches.json, launch.json) and
-the environment the runner sets; builds tokenizer, model, patches and data; trains for
+the environment the runner sets; builds tokenizer, model, patches and data (jobspec.train.engine); trains for
 `derived.total_steps` optimizer steps through `deepspeed.initialize`; logs metrics (rank 0, via
 MetricSink), saves checkpoints, resumes from them, and stops cleanly on SIGUSR1/SIGTERM.
 Rank 0 writes `summary.json`. Env: JOBSPEC_PROGRESS=bar|lines|none, JOBSPEC_STOP_AFTER_STEPS=K
@@ -25,8 +25,10 @@ from jobspec.errors import EXIT_INVALID, SpecError, spec_error
 from jobspec.rundir import RunFiles
 from jobspec.train.faults import NanGuard, NonFiniteLoss
 from jobspec.train.oom import OomGuard
+from jobspec.train.engine import build_engine, loss_of, reshard_plan, resume, share_cpu_threads
 from jobspec.train.progress import RunState, StepReporter, Window, summarize
 from jobspec.train.reshard import replace_ds_config
+
 
 class StopFlag:
     """Set by SIGUSR1/SIGTERM (Slurm's warning, a preemption); acted on at a step boundary."""
@@ -84,7 +86,7 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
     from jobspec.train.progress import NullProgress, Progress
 
     deepspeed.init_distributed()
-    _share_cpu_threads()
+    share_cpu_threads()
     # Stop votes go over gloo on the host: an NCCL vote would sync the GPU at every step.
     control = dist.new_group(backend="gloo")
     # a checkpoint of another world size: converted (rank 0) and loaded via DeepSpeed's universal format
@@ -124,53 +126,6 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
         if sink is not None:
             sink.close(timeout=30)
     return 0
-
-
-def build_engine(files: RunFiles):
-    """Seeded model with its patches, the datasets, and the DeepSpeed engine from the compiled config."""
-    import deepspeed
-    from transformers import set_seed
-
-    from jobspec.train.data import build_datasets
-    from jobspec.train.model import build_model, build_tokenizer
-    from jobspec.train.patches import apply_patches, build_client_optimizer
-
-    spec = files.spec
-    set_seed(spec["training"]["seed"])  # python, numpy, torch (+cuda): same initial weights on every rank
-    tokenizer = build_tokenizer(spec)
-    model = build_model(spec, tokenizer)
-    model, patch_notes = apply_patches(model, files.patches)
-    client_optimizer = None
-    for patch in files.patches:
-        if patch["name"] == "client_optimizer":
-            client_optimizer = build_client_optimizer(model, patch["args"])
-    train_ds, eval_ds = build_datasets(spec, tokenizer)
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-        optimizer=client_optimizer, config=files.ds_config)
-    return engine, train_ds, eval_ds, patch_notes
-
-
-def resume(engine, ckpt: dict, state: RunState, any_rank=lambda flag: flag,
-           passed_over: list | None = None) -> dict | None:
-    """Load the checkpoint `checkpoint.resume` names into the engine and `state`; this rank's RNG state.
-
-    A corrupt newest checkpoint is passed over for the previous one, loudly (`passed_over` gets why).
-    """
-    from jobspec.train import checkpointing
-    client_state, target, skipped = checkpointing.load_with_fallback(engine, ckpt["resume"], ckpt["dir"], any_rank)
-    for problem in skipped:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"WARNING: checkpoint passed over on resume: {problem}", file=sys.stderr, flush=True)
-        if passed_over is not None:
-            passed_over.append(problem)
-    if target is None:
-        return None
-    state.step = client_state["step"]
-    state.epoch = client_state["epoch"]
-    state.batches_in_epoch = client_state["batches_in_epoch"]
-    state.resumed_from = str(Path(target[0]) / target[1])
-    return checkpointing.rng_state_of_this_rank(client_state)
 
 
 def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, telemetry: "StepReporter", progress,
@@ -226,8 +181,8 @@ def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, tele
             batch = {k: v.to(engine.device, non_blocking=True) for k, v in batch.items()}
             boundary = engine.is_gradient_accumulation_boundary()  # ask before step() advances it
             if oom_guard is None:
-                loss = _loss_of(engine(**batch))
-            elif (loss := oom_guard.forward(engine, batch, state.step + 1, _loss_of)) is None:
+                loss = loss_of(engine(**batch))
+            elif (loss := oom_guard.forward(engine, batch, state.step + 1, loss_of)) is None:
                 break  # out of memory on some rank: every rank redoes the step below, micro-batch halved
             loss, nonfinite = nan_guard.check(loss, state.step + 1) if nan_guard else (loss, False)
             if oom_guard is None:
@@ -286,7 +241,7 @@ def evaluate(engine, loader) -> float:
         for batch in loader:
             n = batch["input_ids"].shape[0]
             batch = {k: v.to(engine.device, non_blocking=True) for k, v in batch.items()}
-            totals += torch.stack([_loss_of(engine(**batch)).float() * n, torch.tensor(float(n), device=engine.device)])
+            totals += torch.stack([loss_of(engine(**batch)).float() * n, torch.tensor(float(n), device=engine.device)])
     engine.train()
     dist.all_reduce(totals)
     return float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")
@@ -301,19 +256,6 @@ def _write_failure(run_dir: Path, state: RunState, started: float, error: str) -
         pass  # the original error matters more than a summary we cannot write
 
 
-def reshard_plan(ckpt: dict, world_size: int, group):
-    """jobspec.train.reshard.plan with rank 0's conversion result shared over the gloo `group`."""
-    import torch.distributed as dist
-
-    from jobspec.train import reshard
-
-    def broadcast(obj):
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=group)
-        return box[0]
-    return reshard.plan(ckpt, world_size, broadcast)
-
-
 def _any_rank(flag: bool, group) -> bool:
     """True on every rank if it is true on one: all ranks must stop at the same step."""
     import torch
@@ -326,21 +268,6 @@ def _any_rank(flag: bool, group) -> bool:
 def _stop_after_reached(step: int) -> bool:
     limit = int(os.environ.get("JOBSPEC_STOP_AFTER_STEPS") or 0)
     return bool(limit) and step >= limit
-
-
-def _share_cpu_threads() -> None:
-    """On CPU ranks, split the cores between the ranks of this node: every rank taking all of
-    them makes the ranks' OpenMP threads fight for cores (steps become many times slower)."""
-    import torch
-    from deepspeed.accelerator import get_accelerator
-    if get_accelerator().device_name() != "cpu" or "OMP_NUM_THREADS" in os.environ:
-        return
-    local_ranks = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
-
-
-def _loss_of(outputs):
-    return outputs["loss"] if isinstance(outputs, dict) else getattr(outputs, "loss", outputs[0])
 
 
 def _open_sink(run_dir: Path):
