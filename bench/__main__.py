@@ -81,7 +81,7 @@ def run_baseline(job: Path, work: Path, tag: str, log) -> dict:
     module = ["--module", "bench.trainer_baseline", "--run-dir", str(run_dir), "--out", str(out)]
     world = spec["resources"]["gpus_per_node"]
     if uses_deepspeed(spec) or world > 1:  # the runner sets up the ranks' distributed environment
-        from jobspec.launch.launcher import free_port, runner_prefix
+        from jobspec.launch.runner import free_port, runner_prefix
         cmd = runner_prefix() + ["--num_gpus", str(world), "--master_port", str(free_port()), *module]
     else:
         cmd = [sys.executable, "-m", *module[1:]]

@@ -176,7 +176,7 @@ def compile_run_dir(job: Path, work: Path, tag: str, args, log) -> tuple[Path, f
 
 
 def run_hand_loop(job: Path, work: Path, tag: str, args, log) -> dict:
-    from jobspec.launch.launcher import free_port, runner_prefix
+    from jobspec.launch.runner import free_port, runner_prefix
     run_dir, compile_s = compile_run_dir(job, work, tag, args, log)
     cmd = runner_prefix() + ["--num_gpus", str(args.ranks), "--master_port", str(free_port()),
                              str(REPO / "bench" / "hand_loop.py"), "--run-dir", str(run_dir)]
@@ -204,14 +204,15 @@ def probe(run_dir: Path, steps: int, block: int, warmup: int) -> dict:
 
     import deepspeed
 
-    from jobspec.train import worker
+    from jobspec import rundir
+    from jobspec.train import engine as rank_engine
     from jobspec.train.data import make_loader
     from jobspec.train.progress import Progress, RunState, StepReporter, Window
     from jobspec.tracking.telemetry import MetricSink
 
-    files = worker.read_run_dir(run_dir)
+    files = rundir.read_run_files(run_dir)
     deepspeed.init_distributed()
-    engine, train_ds, _, _ = worker.build_engine(files)
+    engine, train_ds, _, _ = rank_engine.build_engine(files)
     sink = MetricSink.open(run_dir)  # MLflow on: mlflow_run.json names a live run
     devnull = open(os.devnull, "w")  # the console line rank 0 prints per log step: formatted, not shown
     progress = Progress(steps, mode="lines", stream=devnull)
@@ -231,7 +232,7 @@ def probe(run_dir: Path, steps: int, block: int, warmup: int) -> dict:
         window.tokens += reporter.count_tokens(batch)
         window.samples += int(batch["input_ids"].shape[0])
         t1 = time.perf_counter()
-        loss = worker._loss_of(engine(**{k: v.to(engine.device) for k, v in batch.items()}))
+        loss = rank_engine.loss_of(engine(**{k: v.to(engine.device) for k, v in batch.items()}))
         engine.backward(loss)
         engine.step()
         t2 = time.perf_counter()
@@ -275,7 +276,7 @@ def _thread_cpu_s(thread) -> float:
 
 def run_probe(job: Path, work: Path, args, log) -> dict:
     from jobspec.tracking import telemetry
-    from jobspec.launch.launcher import free_port
+    from jobspec.launch.runner import free_port
     # the schedule spans the probe's steps (the learning rate does not change the work, but stay valid)
     run_dir, _ = compile_run_dir(job, work, "probe", argparse.Namespace(**{**vars(args), "steps": args.probe_steps}),
                                  log)

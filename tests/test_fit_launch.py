@@ -11,11 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from jobspec.memory import at_launch as launch_memory
+from jobspec import hardware
 
-from jobspec.launch import launcher
+from jobspec.launch import supervise as supervision
 
-from jobspec.tracking import telemetry
 from jobspec.cli import main
 from jobspec.spec.derived import derive
 from jobspec.memory.planner import MiB, parse_bytes, plan_memory
@@ -52,13 +51,13 @@ def written_spec(job: Path) -> dict:
 
 @pytest.fixture(autouse=True)
 def no_fake_gpu(monkeypatch):
-    monkeypatch.delenv(launch_memory.FAKE_FREE_ENV, raising=False)
+    monkeypatch.delenv(hardware.FAKE_FREE_ENV, raising=False)
 
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
     """This host's GPUs have SIZE free (the documented test hook)."""
-    return lambda size: monkeypatch.setenv(launch_memory.FAKE_FREE_ENV, str(parse_bytes(size)))
+    return lambda size: monkeypatch.setenv(hardware.FAKE_FREE_ENV, str(parse_bytes(size)))
 
 
 # ----------------------------------------------------------------------------- memory.fit: auto
@@ -101,7 +100,7 @@ def test_fit_auto_rewrites_the_spec_that_runs_and_records_why(tmp_path, fake_run
 
 def test_fit_auto_dry_run_shows_the_fitted_config_and_creates_nothing(tmp_path, monkeypatch, capsys):
     job = write_fit_job(tmp_path, {"fit": "auto", "gpu_memory": FIT_BUDGET})
-    monkeypatch.setattr(launcher, "supervise", lambda *a, **k: pytest.fail("dry run started the runner"))
+    monkeypatch.setattr(supervision, "run", lambda *a, **k: pytest.fail("dry run started the runner"))
     assert main(["launch", str(job), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "jobspec: fit: micro-batch" in out
@@ -188,6 +187,6 @@ def test_plain_launch_records_the_plan_in_launch_json_and_mlflow(tmp_path, fake_
 
 
 def test_gpu_free_bytes_hook_and_cpu_hosts():
-    assert launch_memory.gpu_free_bytes(2, {launch_memory.FAKE_FREE_ENV: "1234"}) == 1234
-    if telemetry.gpu_names() == ["cpu"]:
-        assert launch_memory.gpu_free_bytes(2, {}) is None
+    assert hardware.gpu_free_bytes(2, {hardware.FAKE_FREE_ENV: "1234"}) == 1234
+    if hardware.gpu_names() == ["cpu"]:
+        assert hardware.gpu_free_bytes(2, {}) is None and hardware.gpu_count() == 0

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from jobspec.cli import main
-from jobspec.commands.compile import COMPILE_FILES
+from jobspec.rundir import COMPILE_FILES
 from jobspec.spec.derived import derive
 from jobspec.spec.inputs import count_rows
 from jobspec.compile.compiler import compile_spec, find_auto

@@ -18,11 +18,10 @@ import psutil
 import pytest
 import yaml
 
-from jobspec.launch import launcher
-
+from jobspec import rundir
+from jobspec.launch import ownership, runner, supervise as supervision
 from jobspec.tracking import telemetry
 from jobspec.cli import main
-from jobspec.commands import launch as launch_cmd
 from jobspec.errors import SpecError
 
 # A stand-in for DeepSpeed's runner: starts two "ranks" (LOCAL_RANK in their env, the run dir in
@@ -98,14 +97,14 @@ def send_when_ready(run_dir: Path, sig: int, *, times: int = 1):
 def supervise(argv, run_dir, **kw):
     echo = BytesIO()
     env = {**os.environ, "JOBSPEC_PROGRESS": "lines", "JOBSPEC_STOP_AFTER_STEPS": "4"}
-    return launcher.supervise(argv, env, run_dir, echo=echo, **kw), echo.getvalue().decode()
+    return supervision.run(argv, env, run_dir, echo=echo, **kw), echo.getvalue().decode()
 
 
 def test_output_is_streamed_to_stdout_and_the_log(tmp_path, fake_runner):
     outcome, echoed = supervise(fake_runner(tmp_path, "quick"), tmp_path)
     assert outcome.exit_code == 0 and outcome.reason is None
     assert "runner up lines 4" in echoed and "rank 0 ready" in echoed and "rank 1 ready" in echoed
-    assert (tmp_path / launcher.LOG_FILE).read_text() == echoed
+    assert (tmp_path / rundir.LAUNCHER_LOG).read_text() == echoed
     assert survivors(tmp_path) == []
 
 
@@ -151,21 +150,21 @@ def test_a_dead_rank_brings_the_job_down(tmp_path, fake_runner):
 
 
 def test_run_dirs_are_new_and_named_by_utc_time(tmp_path):
-    first, second = launcher.create_run_dir(tmp_path), launcher.create_run_dir(tmp_path)
+    first, second = rundir.create_run_dir(tmp_path), rundir.create_run_dir(tmp_path)
     assert first != second and first.is_dir() and second.is_dir()
     assert re.fullmatch(r"run-\d{8}-\d{6}-[0-9a-f]{4}", first.name)
 
 
 def test_free_port_is_bindable():
-    port = launcher.free_port()
-    assert 1024 <= port <= 65535 and not launcher.port_in_use(port)
+    port = runner.free_port()
+    assert 1024 <= port <= 65535 and not runner.port_in_use(port)
 
 
 def test_unwritable_directories_are_refused(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
     with pytest.raises(SpecError) as err:
-        launcher.ensure_writable(blocker / "runs", ("output_dir",))
+        rundir.ensure_writable(blocker / "runs", ("output_dir",))
     assert "output_dir" in err.value.render() and "writable" in err.value.render()
 
 
@@ -175,24 +174,24 @@ def ckpt_spec(tmp_path, name="job-a", resume="auto") -> dict:
 
 def test_checkpoint_ownership(tmp_path):
     spec = ckpt_spec(tmp_path)
-    assert launcher.claim_checkpoints(spec) is None  # empty: nothing to resume
-    launcher.write_owner(spec, tmp_path / "a.yaml", "run-123")
-    owner = json.loads((tmp_path / "ckpt" / launcher.OWNER_FILE).read_text())
+    assert ownership.claim_checkpoints(spec) is None  # empty: nothing to resume
+    ownership.write_owner(spec, tmp_path / "a.yaml", "run-123")
+    owner = json.loads((tmp_path / "ckpt" / ownership.OWNER_FILE).read_text())
     assert owner["job"] == "job-a" and owner["mlflow_run_id"] == "run-123" and owner["spec"].endswith("a.yaml")
-    assert launcher.claim_checkpoints(spec) is None  # still no checkpoints
+    assert ownership.claim_checkpoints(spec) is None  # still no checkpoints
     (tmp_path / "ckpt" / "step4").mkdir()
-    assert launcher.claim_checkpoints(spec) == "run-123"  # resume auto: same MLflow run
+    assert ownership.claim_checkpoints(spec) == "run-123"  # resume auto: same MLflow run
     with pytest.raises(SpecError, match="resume is 'never'"):
-        launcher.claim_checkpoints(ckpt_spec(tmp_path, resume="never"))
+        ownership.claim_checkpoints(ckpt_spec(tmp_path, resume="never"))
     with pytest.raises(SpecError, match="belongs to job 'job-a'"):
-        launcher.claim_checkpoints(ckpt_spec(tmp_path, name="job-b"))
+        ownership.claim_checkpoints(ckpt_spec(tmp_path, name="job-b"))
 
 
 def test_unclaimed_checkpoints_are_refused(tmp_path):
     (tmp_path / "ckpt" / "latest").parent.mkdir()
     (tmp_path / "ckpt" / "latest").write_text("step2")
     with pytest.raises(SpecError, match="no jobspec job claims"):
-        launcher.claim_checkpoints(ckpt_spec(tmp_path))
+        ownership.claim_checkpoints(ckpt_spec(tmp_path))
 
 
 # --- through the CLI, with the real validation/compiler and a fake runner ----------------------
@@ -224,7 +223,7 @@ def only_run_dir(tmp_path: Path, name: str = "tiny-launch") -> Path:
 
 
 def use_fake_runner(monkeypatch, fake_runner, mode):
-    monkeypatch.setattr(launcher, "resolve_runner", lambda argv: fake_runner(argv[argv.index("--run-dir") + 1], mode))
+    monkeypatch.setattr(runner, "resolve_runner", lambda argv: fake_runner(argv[argv.index("--run-dir") + 1], mode))
 
 
 def mlflow_run_of(run_dir: Path):
@@ -245,7 +244,7 @@ def test_launch_kill_9_of_a_rank_ends_in_a_failed_run(tmp_path, fake_runner, mon
                  and str(run_dir) in p.info["cmdline"]]
         ranks[0].kill()
     threading.Thread(target=kill_a_rank, daemon=True).start()
-    monkeypatch.setattr(launcher, "RANK_EXIT_GRACE_S", 2.0)
+    monkeypatch.setattr(supervision, "RANK_EXIT_GRACE_S", 2.0)
     started = time.monotonic()
     code = main(["launch", str(job), "--set", "checkpoint.resume=never"])
     assert time.monotonic() - started < 60
@@ -257,7 +256,7 @@ def test_launch_kill_9_of_a_rank_ends_in_a_failed_run(tmp_path, fake_runner, mon
     assert json.loads((run_dir / "summary.json").read_text())["exit_code"] == code
     assert {"spec.yaml", "resolved.yaml", "ds_config.json", "command.txt", "summary.json"} <= \
         {a.path for a in client.list_artifacts(run.info.run_id)}
-    owner = json.loads((tmp_path / "out" / "checkpoints" / launcher.OWNER_FILE).read_text())
+    owner = json.loads((tmp_path / "out" / "checkpoints" / ownership.OWNER_FILE).read_text())
     assert owner["mlflow_run_id"] == run.info.run_id and owner["job"] == "tiny-launch"
     assert survivors(run_dir) == []
 
@@ -267,7 +266,7 @@ def test_launch_success_is_finished_and_passes_the_stop_flag(tmp_path, fake_runn
     use_fake_runner(monkeypatch, fake_runner, "quick")
     assert main(["launch", str(job), "--stop-after-steps", "3"]) == 0
     run_dir = only_run_dir(tmp_path)
-    assert "runner up lines 3" in (run_dir / launcher.LOG_FILE).read_text()
+    assert "runner up lines 3" in (run_dir / rundir.LAUNCHER_LOG).read_text()
     _, run = mlflow_run_of(run_dir)
     assert run.info.status == "FINISHED" and "jobspec.failure_reason" not in run.data.tags
     command = (run_dir / "command.txt").read_text()  # what really ran (here: the fake runner)
@@ -296,7 +295,7 @@ def test_unreachable_optional_mlflow_warns_and_keeps_going(tmp_path, fake_runner
 
 def test_dry_run_starts_nothing(tmp_path, monkeypatch, capsys):
     job = write_job(tmp_path)
-    monkeypatch.setattr(launcher, "supervise", lambda *a, **k: pytest.fail("dry run started the runner"))
+    monkeypatch.setattr(supervision, "run", lambda *a, **k: pytest.fail("dry run started the runner"))
     assert main(["launch", str(job), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert '"train_micro_batch_size_per_gpu": 4' in out
@@ -310,7 +309,7 @@ def test_resume_never_over_existing_checkpoints_refuses(tmp_path, fake_runner, m
     use_fake_runner(monkeypatch, fake_runner, "quick")
     ckpt = tmp_path / "out" / "checkpoints"
     ckpt.mkdir(parents=True)
-    (ckpt / launcher.OWNER_FILE).write_text(json.dumps({"job": "tiny-launch", "mlflow_run_id": None}))
+    (ckpt / ownership.OWNER_FILE).write_text(json.dumps({"job": "tiny-launch", "mlflow_run_id": None}))
     (ckpt / "latest").write_text("step6")
     assert main(["launch", str(job), "--set", "checkpoint.resume=never"]) == 2
     assert "checkpoint.resume=auto" in capsys.readouterr().err
@@ -329,7 +328,7 @@ def test_real_two_rank_launch_logs_a_finished_mlflow_run(tmp_path):
     client, run = mlflow_run_of(run_dir)
     assert run.info.status == "FINISHED"
     assert run.data.params["training.max_steps"] == "6" and run.data.params["derived.world_size"] == "2"
-    assert set(telemetry.ARTIFACT_FILES) | {"summary.json"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert set(rundir.START_ARTIFACTS) | {"summary.json"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
     samples = client.get_metric_history(run.info.run_id, "perf/samples_per_s")
     rss = client.get_metric_history(run.info.run_id, "mem/host_rss_mib_max")
     assert samples and all(m.value > 0 for m in samples)

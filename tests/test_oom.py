@@ -15,7 +15,7 @@ from conftest import make_run_dir, read_metrics, run_worker
 from jobspec.errors import SpecError
 from jobspec.train.oom import INJECT_AT_STEP_ENV, INJECT_RANK_ENV, OomGuard, halved_run_files
 from jobspec.train.progress import RunState, Window
-from jobspec.train.worker import read_run_dir
+from jobspec.rundir import read_run_files
 
 # No dropout: a step redone with half the micro-batch then computes the same gradients (up to
 # float rounding), so the run after the OOM must follow the uninterrupted one closely.
@@ -40,7 +40,7 @@ class TinyEngine(OomEngine):
 
 
 def guard_for(tmp_path, overrides=None, environ=None) -> OomGuard:
-    files = read_run_dir(make_run_dir(tmp_path, overrides))
+    files = read_run_files(make_run_dir(tmp_path, overrides))
     return OomGuard(files, run_dir=tmp_path, rank=0, control_group=None, build_engine=None, progress=None,
                     sink=None, telemetry=None, environ=environ or {})
 
@@ -52,7 +52,7 @@ def loss_of(outputs):
 # ----------------------------------------------------------------------------- fast
 
 def test_halved_run_files_keep_the_global_batch(tmp_path):
-    files = read_run_dir(make_run_dir(tmp_path, {"training": {"global_batch_size": 16}}))
+    files = read_run_files(make_run_dir(tmp_path, {"training": {"global_batch_size": 16}}))
     halved = halved_run_files(files, 2, 4)
     assert halved.ds_config["train_micro_batch_size_per_gpu"] == 2
     assert halved.ds_config["gradient_accumulation_steps"] == 4

@@ -18,7 +18,7 @@ from jobspec.memory.planner import checkpoint_bytes
 from jobspec.spec.derived import derive
 from jobspec.train import checkpointing
 
-from jobspec.launch import launcher
+from jobspec.launch import preflight, supervise as supervision
 
 from jobspec.tracking import telemetry
 from jobspec.cli import main
@@ -59,7 +59,7 @@ def test_a_disk_too_small_for_one_checkpoint_is_refused_before_anything_starts(t
                                  "intermediate_size": 262144, "vocab_size": 512}},
             "checkpoint": {"save_final": True}}
     job = write_job(tmp_path, "huge", store, extra=huge)
-    monkeypatch.setattr(launcher, "supervise", lambda *a, **k: pytest.fail("a job started"))
+    monkeypatch.setattr(supervision, "run", lambda *a, **k: pytest.fail("a job started"))
     assert main(["launch", str(job)]) == 2
     err = capsys.readouterr().err
     assert "GiB free but one checkpoint needs about" in err and "checkpoint.dir" in err
@@ -68,7 +68,7 @@ def test_a_disk_too_small_for_one_checkpoint_is_refused_before_anything_starts(t
     from jobspec.spec.validation import load_and_validate
     tiny = load_and_validate(write_job(tmp_path, "tiny", store))
     assert 0 < checkpoint_bytes(tiny.spec, derive(tiny.spec)) < 10 * 2**20
-    assert launcher.checkpoint_space_problem(tiny.spec, derive(tiny.spec)) is None
+    assert preflight.checkpoint_space_problem(tiny.spec, derive(tiny.spec)) is None
 
 
 class FakeEngine:

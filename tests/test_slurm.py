@@ -56,7 +56,8 @@ def _launch(nodes=2, gpus=4, port=29123):
 
 def test_allocation_argv_runs_one_runner_per_node_without_a_shell(tmp_path):
     alloc = slurm.Allocation("9", ("n1", "n2", "n3"), 0, 3)
-    hostfile = slurm.write_hostfile(alloc, 2, 4, tmp_path / "hostfile")
+    hostfile = slurm.write_hostfile(alloc, 2, 4, tmp_path)
+    assert hostfile == tmp_path / "hostfile"
     assert hostfile.read_text() == "n1 slots=4\nn2 slots=4\n"
     argv = slurm.allocation_argv(_launch(), alloc, "/runs/r 1", hostfile, master_addr="10.0.0.1",
                                  runner=["deepspeed"])

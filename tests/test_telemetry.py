@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from jobspec import rundir
 from jobspec.tracking import telemetry
 from jobspec.spec.schema import fill_defaults
 
@@ -106,7 +107,7 @@ def test_start_run_logs_params_tags_artifacts(sqlite_run):
     import mlflow
     assert tags["jobspec.version.mlflow"] == mlflow.__version__
     assert {"jobspec.version.torch", "jobspec.version.deepspeed", "jobspec.version.transformers"} <= set(tags)
-    assert artifact_names(tracked) == set(telemetry.ARTIFACT_FILES)
+    assert artifact_names(tracked) == set(rundir.START_ARTIFACTS)
     assert json.loads((run_dir / "mlflow_run.json").read_text()) == tracked.as_json()
     assert run.info.status == "RUNNING"
     assert tracked.client.get_experiment(run.info.experiment_id).name == "tele-exp"
@@ -270,7 +271,7 @@ def test_real_mlflow_server_run_without_leaking_credentials(tmp_path, mlflow_ser
     run = tracked.client.get_run(tracked.run_id)
     assert run.info.status == "FINISHED"
     assert [m.value for m in tracked.client.get_metric_history(run.info.run_id, "perf/samples_per_s")] == [12.5]
-    assert artifact_names(tracked) == set(telemetry.ARTIFACT_FILES) | {"summary.json"}
+    assert artifact_names(tracked) == set(rundir.START_ARTIFACTS) | {"summary.json"}
     assert params_and_tags_free_of(run, SECRET)
     downloaded = Path(tracked.client.download_artifacts(run.info.run_id, "", str(tmp_path / "dl")))
     for path in downloaded.rglob("*"):

@@ -18,7 +18,8 @@ from conftest import make_run_dir, read_metrics, run_worker, worker_argv, worker
 from jobspec.train import checkpointing
 from jobspec.errors import SpecError
 from jobspec.train.progress import Progress, RunState, format_eta, format_line, progress_mode, summarize
-from jobspec.train.worker import StopFlag, read_run_dir
+from jobspec.rundir import read_run_files
+from jobspec.train.worker import StopFlag
 
 GPU_ONLY_METRICS = ("mem/peak_allocated_mib_max", "mem/peak_allocated_mib_rank0", "mem/peak_reserved_mib_max",
                     "mem/peak_reserved_mib_rank0", "mem/nvml_used_mib_max", "perf/mfu", "perf/tflops_per_device")
@@ -115,7 +116,7 @@ def test_rng_state_round_trip():
 def test_read_run_dir_names_the_missing_files(tmp_path):
     with pytest.raises(SpecError, match="ds_config.json, patches.json, launch.json"):
         (tmp_path / "resolved.yaml").write_text("name: x\n")
-        read_run_dir(tmp_path)
+        read_run_files(tmp_path)
 
 
 def test_summary_leaves_the_warmup_window_out_of_throughput():

@@ -24,13 +24,6 @@ import shlex
 import sys
 from pathlib import Path
 
-import yaml
-
-from jobspec.errors import spec_error
-from jobspec.secrets import mask_secrets
-
-COMPILE_FILES = ("spec.yaml", "resolved.yaml", "ds_config.json", "patches.json", "command.txt", "launch.json")
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("job", metavar="JOB", help="job spec file (YAML)")
@@ -44,6 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here so `jobspec compile --help` stays instant.
+    from jobspec import rundir
     from jobspec.compile.compiler import compile_spec
     from jobspec.spec.inputs import derive_job
     from jobspec.spec.validation import load_and_validate
@@ -53,11 +47,11 @@ def run(args: argparse.Namespace) -> int:
     compiled = compile_spec(resolved.spec, derive_job(resolved.spec), run_dir=run_dir)
 
     if args.out:
-        write_run_files(args.out, resolved, compiled)
+        rundir.write_compiled(args.out, resolved, compiled)
         if args.format == "json":
-            print(json.dumps({"out": run_dir, "files": list(COMPILE_FILES), "notes": compiled.notes}, indent=2))
+            print(json.dumps({"out": run_dir, "files": list(rundir.COMPILE_FILES), "notes": compiled.notes}, indent=2))
         else:
-            print(f"wrote {', '.join(COMPILE_FILES)} to {run_dir}")
+            print(f"wrote {', '.join(rundir.COMPILE_FILES)} to {run_dir}")
             print(f"command: {shlex.join(compiled.launch['argv'])}")
             for note in compiled.notes:
                 print(f"note: {note}")
@@ -71,30 +65,3 @@ def run(args: argparse.Namespace) -> int:
         for note in compiled.notes:
             print(f"note: {note}", file=sys.stderr)
     return 0
-
-
-def write_run_files(out: Path, resolved, compiled) -> None:
-    """Write the compile outputs into `out`; refuse a non-empty directory holding anything else."""
-    if out.exists() and not out.is_dir():
-        raise spec_error(f"--out {out} exists and is not a directory", hint="choose a directory path")
-    if out.is_dir():
-        # a multi-node launch writes its hostfile into the run directory before these files
-        foreign = sorted(p.name for p in out.iterdir() if p.name not in (*COMPILE_FILES, "hostfile"))
-        if foreign:
-            shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
-            raise spec_error(f"--out {out} is not empty and is not a previous compile output (has {shown})",
-                             hint="choose a new or empty directory; compile only overwrites its own files")
-    out.mkdir(parents=True, exist_ok=True)
-    launch = {**compiled.launch, "derived": compiled.derived.as_dict(), "notes": compiled.notes,
-              "source": str(resolved.source.resolve())}
-    contents = {
-        # a password in a tracking URI or a planted token must not reach files that become artifacts
-        "spec.yaml": mask_secrets(resolved.text),
-        "resolved.yaml": mask_secrets(yaml.safe_dump(resolved.spec, sort_keys=False)),
-        "ds_config.json": json.dumps(compiled.ds_config, indent=2) + "\n",
-        "patches.json": json.dumps(compiled.patches, indent=2) + "\n",
-        "command.txt": shlex.join(compiled.launch["argv"]) + "\n",
-        "launch.json": json.dumps(launch, indent=2) + "\n",
-    }
-    for name, text in contents.items():
-        (out / name).write_text(text, encoding="utf-8")

@@ -17,13 +17,11 @@ examples:
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-import yaml
-
-from jobspec.tracking import telemetry
+from jobspec import rundir
 from jobspec.errors import spec_error
+from jobspec.tracking import telemetry
 
 HELP = "Upload metrics.jsonl points that MLflow lacks into the run's MLflow run (idempotent)."
 
@@ -39,13 +37,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     run_dir = args.run_dir.resolve()
-    metrics_path = run_dir / telemetry.METRICS_FILE
+    metrics_path = run_dir / rundir.METRICS
     if not metrics_path.is_file():
         raise spec_error(f"{metrics_path} not found", file=str(run_dir),
                          hint="pass a run directory of `jobspec launch` whose job logged metrics")
     try:
         tracked = open_or_create_run(run_dir, args.tracking_uri)
-        sent = telemetry.upload_missing(tracked.client, tracked.run_id, metrics_path)
+        sent = telemetry.upload_missing(tracked.client, tracked.run_id, run_dir)
         closed = close_if_ended(tracked, run_dir)
     except telemetry.TrackingUnavailable as err:
         raise spec_error(f"MLflow tracking is unavailable: {err}", file=str(run_dir),
@@ -53,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     except Exception as err:  # MlflowException, connection errors: the store cannot be used right now
         raise spec_error(f"MLflow tracking is unavailable: {telemetry.mask_secrets(str(err)).splitlines()[0][:300]}",
                          file=str(run_dir), hint="run `jobspec sync` again when the server is back") from None
-    total = len(telemetry.read_points(metrics_path))
+    total = len(rundir.read_metric_points(run_dir))
     print(f"jobspec: {sent} of {total} metric points uploaded to run {tracked.run_id} "
           f"({total - sent} were already there){'; run closed as ' + closed if closed else ''}")
     return 0
@@ -61,33 +59,30 @@ def run(args: argparse.Namespace) -> int:
 
 def open_or_create_run(run_dir: Path, tracking_uri: str | None) -> telemetry.TrackedRun:
     """The run named in mlflow_run.json, or a new one made from the run directory's files."""
-    run_file = run_dir / telemetry.RUN_FILE
-    if run_file.is_file():
-        info = json.loads(run_file.read_text(encoding="utf-8"))
+    info = rundir.read_mlflow_run(run_dir)
+    if info is not None:
         uri = tracking_uri or info["tracking_uri"]
         telemetry.probe(uri)
         client = telemetry._client(uri)
         client.get_run(info["run_id"])  # fails clearly if this store does not hold the run
         return telemetry.TrackedRun(uri, info["experiment_id"], info["run_id"], client)
-    needed = ("resolved.yaml", "launch.json", "spec.yaml")
+    needed = (rundir.RESOLVED, rundir.LAUNCH, rundir.SPEC)
     missing = [name for name in needed if not (run_dir / name).is_file()]
     if missing:
-        raise spec_error(f"{run_dir} has no {telemetry.RUN_FILE} and lacks {', '.join(missing)} to create one",
+        raise spec_error(f"{run_dir} has no {rundir.MLFLOW_RUN} and lacks {', '.join(missing)} to create one",
                          file=str(run_dir), hint="pass a run directory written by `jobspec launch`")
-    spec = yaml.safe_load((run_dir / "resolved.yaml").read_text(encoding="utf-8"))
-    launch = json.loads((run_dir / "launch.json").read_text(encoding="utf-8"))
+    spec = rundir.read_resolved(run_dir)
+    launch = rundir.read_launch(run_dir)
     if tracking_uri:
         spec["logging"]["mlflow"]["tracking_uri"] = tracking_uri
     telemetry.probe(spec["logging"]["mlflow"]["tracking_uri"])
-    return telemetry.start_run(spec, launch, launch.get("derived", {}),
-                               (run_dir / "spec.yaml").read_text(encoding="utf-8"), run_dir)
+    return telemetry.start_run(spec, launch, launch.get("derived", {}), rundir.read_spec_text(run_dir), run_dir)
 
 
 def close_if_ended(tracked: telemetry.TrackedRun, run_dir: Path) -> str | None:
     """End a RUNNING run whose job has ended (summary.json says how); the status set, or None."""
-    try:
-        summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    summary = rundir.read_summary(run_dir)
+    if summary is None:
         return None
     status = FINAL_STATUS.get(summary.get("status"))
     if status is None or tracked.client.get_run(tracked.run_id).info.status != "RUNNING":

@@ -21,9 +21,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from jobspec import rundir
 from jobspec.errors import SpecError, SpecIssue, spec_error
 
-HOSTFILE_NAME = "hostfile"
 LAUNCH_SH = Path(__file__).resolve().parents[2] / "launch.sh"
 
 
@@ -85,7 +85,7 @@ def allocation_argv(compiled_launch: dict, allocation: Allocation, run_dir, host
     nodes = compiled_launch["nodes"]
     hosts = allocation.hosts[:nodes]
     if runner is None:
-        from jobspec.launch.launcher import resolve_runner
+        from jobspec.launch.runner import resolve_runner
         runner = resolve_runner(["deepspeed"])
     return ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1",
             "--kill-on-bad-exit=1",  # one node's runner failing ends the step instead of a hang
@@ -97,10 +97,9 @@ def allocation_argv(compiled_launch: dict, allocation: Allocation, run_dir, host
             "--module", "jobspec.train.worker", "--run-dir", str(run_dir)]
 
 
-def write_hostfile(allocation: Allocation, nodes: int, slots: int, path) -> Path:
-    path = Path(path)
-    path.write_text(hostfile_text(allocation.hosts[:nodes], slots), encoding="utf-8")
-    return path
+def write_hostfile(allocation: Allocation, nodes: int, slots: int, run_dir) -> Path:
+    """`<run_dir>/hostfile` listing the first `nodes` hosts of the allocation."""
+    return rundir.write_hostfile(run_dir, hostfile_text(allocation.hosts[:nodes], slots))
 
 
 def launch_argv(compiled_launch: dict, run_dir, env=None, *, master_addr: str | None = None) -> list[str]:
@@ -116,7 +115,7 @@ def launch_argv(compiled_launch: dict, run_dir, env=None, *, master_addr: str | 
         raise spec_error(f"resources.nodes is {nodes} but Slurm job {allocation.job_id} has "
                          f"{allocation.num_nodes} node(s)", path=("resources", "nodes"),
                          hint=f"submit with --nodes={nodes} (jobspec sbatch does), or lower resources.nodes")
-    hostfile = write_hostfile(allocation, nodes, compiled_launch["gpus_per_node"], Path(run_dir) / HOSTFILE_NAME)
+    hostfile = write_hostfile(allocation, nodes, compiled_launch["gpus_per_node"], run_dir)
     return allocation_argv(compiled_launch, allocation, run_dir, hostfile, master_addr=master_addr)
 
 

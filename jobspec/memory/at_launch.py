@@ -1,8 +1,8 @@
 """Memory decisions `jobspec launch` makes before starting anything: `memory.fit: auto`, the GPU
 free-memory pre-flight, and the plan recorded next to the measured memory.
 
-- fit: the budget is `memory.gpu_memory`, else the free memory of this host's GPUs (NVML, read in
-  this process); without either (a CPU-only host) fitting is skipped with a note. The chosen
+- fit: the budget is `memory.gpu_memory`, else the free memory of this host's GPUs (probed by the
+  caller through jobspec.hardware); without either (a CPU-only host) fitting is skipped with a note. The chosen
   changes are applied to the resolved spec, so resolved.yaml and ds_config.json show what ran.
 - pre-flight: on a GPU host, a plan whose per-rank NVML-style total exceeds the GPUs' free memory
   stops the launch (exit 2) unless `--ignore-preflight`.
@@ -10,20 +10,17 @@ free-memory pre-flight, and the plan recorded next to the measured memory.
   to the MLflow run as `plan.*` / `fit.*` params, logged by the launcher right after it creates the
   run, so they exist even when the ranks die at start-up (an OOM is when the prediction matters).
 
-Test hook: JOBSPEC_FAKE_GPU_FREE_BYTES=N makes this host look like one whose GPUs each have N bytes
-free (fit budget and pre-flight, on a CPU-only machine). Pure apart from NVML: no torch.
+Pure: the host's free GPU memory and bf16 support come in as arguments; no torch, no NVML.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import logging
-import os
 from dataclasses import dataclass, field
 
 from jobspec.errors import SpecError, spec_error
 
-FAKE_FREE_ENV = "JOBSPEC_FAKE_GPU_FREE_BYTES"
 MiB = 2**20
 log = logging.getLogger("jobspec.launch")
 
@@ -39,48 +36,11 @@ class LaunchMemory:
     lines: list = field(default_factory=list)
 
 
-def gpu_free_bytes(num_devices: int, environ=os.environ) -> int | None:
-    """The least free memory among the first `num_devices` GPUs this host's ranks use, or None
-    without GPUs. NVML indices follow CUDA_VISIBLE_DEVICES when it lists integers."""
-    fake = environ.get(FAKE_FREE_ENV)
-    if fake:
-        return int(fake)
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-    except Exception:  # no library, no driver: a CPU-only host
-        return None
-    try:
-        count = pynvml.nvmlDeviceGetCount()
-        visible = [v.strip() for v in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-        indices = [int(v) for v in visible] if visible and all(v.isdigit() for v in visible) else range(count)
-        indices = [i for i in indices if i < count][:max(1, num_devices)]
-        free = [pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).free for i in indices]
-        return min(free) if free else None
-    except Exception:
-        return None
-    finally:
-        pynvml.nvmlShutdown()
+def prepare(resolved, job, gpu_free: int | None, *, bf16_supported: bool = True):
+    """(resolved spec to run, its derived job, LaunchMemory): `memory.fit: auto` applied, the plan of the result.
 
-
-def bf16_supported(environ=os.environ) -> bool:
-    """Compute capability >= 8.0 (Ampere) on GPU 0; True without an NVIDIA GPU (CPU ranks do bf16)."""
-    if environ.get(FAKE_FREE_ENV):
-        return True
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-        try:
-            major, _ = pynvml.nvmlDeviceGetCudaComputeCapability(pynvml.nvmlDeviceGetHandleByIndex(0))
-            return major >= 8
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:
-        return True
-
-
-def prepare(resolved, job, environ=os.environ):
-    """(resolved spec to run, LaunchMemory): `memory.fit: auto` applied, the plan of the result.
+    `gpu_free`: the least free memory of this host's GPUs (None without GPUs), the budget when
+    `memory.gpu_memory` is not set; `bf16_supported`: whether fitting may switch to bf16.
 
     Nothing fits the budget -> SpecError (exit 2) with the smallest configuration's numbers.
     """
@@ -92,15 +52,14 @@ def prepare(resolved, job, environ=os.environ):
     if spec["memory"]["gpu_memory"]:
         memory.budget, memory.budget_source = parse_bytes(spec["memory"]["gpu_memory"]), "memory.gpu_memory"
     else:
-        free = gpu_free_bytes(spec["resources"]["gpus_per_node"], environ)
-        if free is not None:
-            memory.budget, memory.budget_source = free, "free GPU memory"
+        if gpu_free is not None:
+            memory.budget, memory.budget_source = gpu_free, "free GPU memory"
     if spec["memory"]["fit"] == "auto":
         if memory.budget is None:
             memory.lines.append("fit: skipped (memory.fit is auto, but this host has no GPU and "
                                 "memory.gpu_memory is not set): running the spec as written")
         else:
-            result = fit(spec, job, memory.budget, bf16_supported=bf16_supported(environ))
+            result = fit(spec, job, memory.budget, bf16_supported=bf16_supported)
             if not result.fits:
                 raise spec_error(f"memory.fit is auto and {result.reason}", path=("memory", "fit"),
                                  hint=f"budget from {memory.budget_source}; see `jobspec plan JOB --fit` "
@@ -121,10 +80,10 @@ def prepare(resolved, job, environ=os.environ):
     return resolved, job, memory
 
 
-def preflight_problems(memory: LaunchMemory, spec: dict, environ=os.environ) -> list[str]:
-    """The GPU memory check `--ignore-preflight` turns into a warning; none on a CPU-only host."""
+def preflight_problems(memory: LaunchMemory, free: int | None) -> list[str]:
+    """The GPU memory check `--ignore-preflight` turns into a warning; none on a CPU-only host
+    (`free` is None: the least free memory of this host's GPUs)."""
     from jobspec.memory.planner import fmt_bytes
-    free = gpu_free_bytes(spec["resources"]["gpus_per_node"], environ)
     plan = memory.plan
     if free is None or plan is None or plan.nvml_total <= free:
         return []

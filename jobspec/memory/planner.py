@@ -13,7 +13,7 @@ import math
 import re
 from dataclasses import asdict, dataclass, field
 
-from jobspec.errors import spec_error
+from jobspec.errors import SpecError, spec_error
 from jobspec.spec.derived import DerivedJob
 from jobspec.spec.model_dims import ModelDims
 
@@ -136,6 +136,22 @@ def optimizer_state_bytes(name: str, momentum: float, tensors: Tensors) -> int:
     if name == "sgd":
         return 4 * tensors.total if momentum > 0 else 0
     return OPTIMIZER_STATE_BYTES[name] * tensors.total
+
+
+def checkpoint_bytes(spec: dict, job: DerivedJob) -> int | None:
+    """One checkpoint, all ranks' files together: the working weights, the fp32 master copy (mixed
+    precision) and the optimizer state, by the planner's bytes per parameter; None when the model's
+    parameters cannot be counted."""
+    model, optimizer = spec["model"], spec["training"]["optimizer"]
+    if job.dims is None:
+        return None
+    try:
+        tensors = parameter_tensors(job.dims, model["task"], model["num_labels"])
+    except SpecError:
+        return None
+    master = 4 if job.precision_bytes < 4 else 0
+    return tensors.total * (job.precision_bytes + master) + \
+        optimizer_state_bytes(optimizer["name"], optimizer["momentum"], tensors)
 
 
 def dropout_probability(spec: dict) -> float:
@@ -302,18 +318,6 @@ def plan_memory(spec: dict, job: DerivedJob, *, budget: int | None = None) -> Me
                       budget=budget, settings=settings, notes=notes,
                       compute={"model_flops_per_token": job.model_flops_per_token,
                                "hardware_flops_per_token": job.hardware_flops_per_token})
-
-
-def checkpoint_bytes(spec: dict, job: DerivedJob) -> int | None:
-    """Size of one checkpoint, all ranks' files together: weights, fp32 master copy, optimizer state.
-
-    About params x 16 bytes for mixed-precision Adam. None when the model's size is unknown.
-    """
-    if not job.num_parameters:
-        return None
-    master = 4 if job.precision_bytes < 4 else 0
-    state = OPTIMIZER_STATE_BYTES.get(spec["training"]["optimizer"]["name"], 8)  # adafactor: at most Adam's
-    return job.num_parameters * (job.precision_bytes + master + state)
 
 
 def _persistent_params(tensors: Tensors, zero: dict, hidden: int) -> int:

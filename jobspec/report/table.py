@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from jobspec import rundir
 from jobspec.errors import spec_error
 
 MIB = 2**20
@@ -146,7 +147,7 @@ def _prediction_of_run(client, run) -> float | None:
     try:
         import yaml
         with tempfile.TemporaryDirectory(prefix="jobspec-report-") as tmp:
-            local = client.download_artifacts(run.info.run_id, "resolved.yaml", tmp)
+            local = client.download_artifacts(run.info.run_id, rundir.RESOLVED, tmp)
             spec = yaml.safe_load(Path(local).read_text(encoding="utf-8"))
     except Exception:  # no such artifact, unreadable store: the prediction is optional
         return None

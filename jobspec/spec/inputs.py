@@ -9,11 +9,9 @@ import csv
 from pathlib import Path
 
 from jobspec.errors import spec_error
+from jobspec.spec.data_format import data_format
 from jobspec.spec.derived import DerivedJob, derive
 from jobspec.spec.model_dims import read_local_config
-
-# File suffix -> data.format when data.format is auto (the rank-side loader uses the same map).
-EXTENSION_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet", ".pq": "parquet"}
 
 
 def derive_job(spec: dict) -> DerivedJob:
@@ -28,11 +26,7 @@ def derive_job(spec: dict) -> DerivedJob:
 def count_rows(path: str | Path, fmt: str = "auto") -> int:
     """Training samples in a jsonl/csv/parquet file (rows; blank jsonl lines and the csv header excluded)."""
     path = Path(path)
-    if fmt == "auto":
-        fmt = EXTENSION_FORMATS.get(path.suffix.lower())
-        if fmt is None:
-            raise spec_error(f"cannot tell the format of {path.name} from its extension", path=("data", "format"),
-                             hint="set data.format to jsonl, csv or parquet")
+    fmt = data_format(path, fmt)
     try:
         if fmt == "jsonl":
             with path.open("rb") as f:

@@ -22,6 +22,7 @@ from importlib import metadata
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from jobspec import hardware, rundir
 from jobspec.secrets import mask_secrets, split_credentials
 
 log = logging.getLogger("jobspec.tracking.telemetry")
@@ -42,9 +43,6 @@ HTTP_ENV_DEFAULTS = {
     "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0.5",
 }
 VERSIONED_PACKAGES = ("jobspec", "deepspeed", "torch", "transformers", "mlflow")
-RUN_FILE = "mlflow_run.json"
-METRICS_FILE = "metrics.jsonl"
-ARTIFACT_FILES = ("spec.yaml", "resolved.yaml", "ds_config.json", "command.txt")
 
 
 def apply_http_env(environ: dict | os._Environ = os.environ) -> None:
@@ -82,23 +80,6 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
-def gpu_names() -> list[str]:
-    """GPU names from NVML, or ["cpu"] on a machine without NVIDIA GPUs."""
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-        try:
-            names = []
-            for i in range(pynvml.nvmlDeviceGetCount()):
-                name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i))
-                names.append(name.decode() if isinstance(name, bytes) else name)
-        finally:
-            pynvml.nvmlShutdown()
-        return names or ["cpu"]
-    except Exception:  # no driver, no library, no GPU: all mean "cpu" here
-        return ["cpu"]
-
-
 def run_tags(spec: dict, launch: dict, spec_text: str) -> dict[str, str]:
     tags = {f"jobspec.version.{name}": v for name, v in package_versions().items()}
     tags.update({
@@ -106,7 +87,7 @@ def run_tags(spec: dict, launch: dict, spec_text: str) -> dict[str, str]:
         "jobspec.world_size": str(launch.get("world_size", "")),
         "jobspec.nodes": str(launch.get("nodes", "")),
         "jobspec.hosts": socket.gethostname(),
-        "jobspec.gpus": ",".join(sorted(set(gpu_names()))),
+        "jobspec.gpus": ",".join(sorted(set(hardware.gpu_names()))),
         "jobspec.spec_sha256": hashlib.sha256(spec_text.encode("utf-8")).hexdigest(),
     })
     if spec.get("description"):
@@ -180,7 +161,7 @@ def start_run(spec: dict, launch: dict, derived: dict, spec_text: str, run_dir: 
         raise
     except Exception as err:  # MlflowException, requests errors, sqlite errors: all "unusable store"
         raise TrackingUnavailable(mask_secrets(f"{type(err).__name__}: {err}").splitlines()[0][:500]) from err
-    (run_dir / RUN_FILE).write_text(json.dumps(tracked.as_json(), indent=2) + "\n", encoding="utf-8")
+    rundir.write_mlflow_run(run_dir, tracked.as_json())
     return tracked
 
 
@@ -209,7 +190,7 @@ def _log_start(tracked: TrackedRun, spec: dict, launch: dict, derived: dict, spe
                     len(changed), ", ".join(changed[:5]))
     tags = run_tags(spec, launch, spec_text)
     client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()], synchronous=True)
-    log_artifacts(tracked, run_dir, ARTIFACT_FILES)
+    log_artifacts(tracked, run_dir, rundir.START_ARTIFACTS)
 
 
 def log_artifacts(tracked: TrackedRun, run_dir: Path, names) -> None:
@@ -227,13 +208,10 @@ def log_artifacts(tracked: TrackedRun, run_dir: Path, names) -> None:
 def end_run(tracked: TrackedRun, run_dir: Path, *, status: str, exit_code: int,
             failure_reason: str | None = None) -> None:
     """Upload summary.json (a minimal one when the worker wrote none), set the reason and the final status."""
-    summary_path = run_dir / "summary.json"
-    if not summary_path.is_file():
-        summary = {"status": status.lower(), "exit_code": exit_code, "written_by": "launcher"}
-        summary_path.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    rundir.write_fallback_summary(run_dir, status, exit_code)
     client, run_id = tracked.client, tracked.run_id
     try:
-        log_artifacts(tracked, run_dir, ("summary.json", "launcher.log"))
+        log_artifacts(tracked, run_dir, rundir.END_ARTIFACTS)
         client.set_tag(run_id, "jobspec.exit_code", str(exit_code))
         if failure_reason:
             client.set_tag(run_id, "jobspec.failure_reason", mask_secrets(failure_reason)[-FAILURE_REASON_CHARS:])
@@ -260,7 +238,7 @@ class MetricSink:
         self.spilled = 0   # points kept only in metrics.jsonl (queue full)
         self.dropped = 0   # points still unsent when `close` gave up (all in metrics.jsonl)
         self._pending = 0
-        self._jsonl = open(self.run_dir / METRICS_FILE, "a", encoding="utf-8")
+        self._jsonl = rundir.open_metrics(self.run_dir)
         self._queue: queue.Queue = queue.Queue()
         self._give_up_at: float | None = None
         self._wake = threading.Event()
@@ -272,16 +250,15 @@ class MetricSink:
     @classmethod
     def open(cls, run_dir) -> "MetricSink":
         """A sink for the run in `run_dir/mlflow_run.json`; without that file, metrics.jsonl only."""
-        run_file = Path(run_dir) / RUN_FILE
-        if not run_file.is_file():
+        info = rundir.read_mlflow_run(run_dir)
+        if info is None:
             return cls(run_dir)
-        info = json.loads(run_file.read_text(encoding="utf-8"))
         return cls(run_dir, client=_client(info["tracking_uri"]), run_id=info["run_id"])
 
     def log(self, metrics: dict, step: int) -> None:
         timestamp = int(time.time() * 1000)
         clean = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
-        self._jsonl.write(json.dumps({"step": int(step), "timestamp": timestamp, **clean}) + "\n")
+        self._jsonl.write(rundir.metric_line(clean, step, timestamp))
         self._jsonl.flush()
         if self._thread is None:
             return
@@ -309,13 +286,13 @@ class MetricSink:
             self._thread.join(timeout + 15)  # + one HTTP request's timeout and retries
             if self.spilled and not self.dropped and time.monotonic() < self._give_up_at:
                 try:
-                    self.spilled -= upload_missing(self.client, self.run_id, self.run_dir / METRICS_FILE)
+                    self.spilled -= upload_missing(self.client, self.run_id, self.run_dir)
                 except Exception as err:
                     log.warning("MLflow sink: could not upload spilled points: %s", _first_line(err))
             unsent = self.dropped + max(0, self.spilled)
             if unsent:
                 log.warning("MLflow sink: %d metric points are only in %s; upload them with "
-                            "`jobspec sync %s`", unsent, self.run_dir / METRICS_FILE, self.run_dir)
+                            "`jobspec sync %s`", unsent, self.run_dir / rundir.METRICS, self.run_dir)
         self._jsonl.close()
 
     def _send_loop(self) -> None:
@@ -372,29 +349,13 @@ def _first_line(err: Exception) -> str:
 
 # --- metrics.jsonl -> MLflow, for points the sink could not send ----------------------------------
 
-def read_points(metrics_path: Path) -> list[tuple[str, float, int, int]]:
-    """(key, value, timestamp, step) of every point in metrics.jsonl; a torn last line is skipped."""
-    points = []
-    for line in Path(metrics_path).read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue  # a line cut short when the job died
-        if not isinstance(row, dict) or "step" not in row:
-            continue
-        for key, value in row.items():
-            if key not in ("step", "timestamp") and isinstance(value, (int, float)):
-                points.append((key, float(value), int(row.get("timestamp", 0)), int(row["step"])))
-    return points
-
-
-def upload_missing(client, run_id: str, metrics_path: Path) -> int:
+def upload_missing(client, run_id: str, run_dir: Path) -> int:
     """Send the points of metrics.jsonl that the run lacks (same key, step and timestamp); returns how many.
 
     Idempotent: a second call finds nothing missing.
     """
     from mlflow.entities import Metric
-    points = read_points(metrics_path)
+    points = rundir.read_metric_points(run_dir)
     known = {}
     for key in sorted({p[0] for p in points}):
         known[key] = {(m.step, m.timestamp) for m in client.get_metric_history(run_id, key)}

@@ -17,11 +17,11 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from jobspec.errors import spec_error
+from jobspec.spec.data_format import data_format
 
 IGNORE_INDEX = -100  # the label value transformers' losses skip
 MLM_PROBABILITY = 0.15
-FORMAT_BY_SUFFIX = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".pq": "parquet"}
-FORMAT_BY_NAME = {"jsonl": "json", "csv": "csv", "parquet": "parquet"}
+DATASETS_BUILDER = {"jsonl": "json", "csv": "csv", "parquet": "parquet"}  # data.format -> datasets.load_dataset's
 LEARNABLE_PREFIX = 8  # synthetic `learnable` class labels look at this many leading tokens
 
 
@@ -201,13 +201,7 @@ def _file_dataset(spec: dict, tokenizer, split: str, label_names: dict) -> Tenso
 
 
 def _file_format(path: str, fmt: str) -> str:
-    if fmt != "auto":
-        return FORMAT_BY_NAME[fmt]
-    suffix = Path(path).suffix.lower()
-    if suffix not in FORMAT_BY_SUFFIX:
-        raise spec_error(f"cannot tell the format of {Path(path).name} from its extension",
-                         path=("data", "format"), hint="set data.format to jsonl, csv or parquet")
-    return FORMAT_BY_SUFFIX[suffix]
+    return DATASETS_BUILDER[data_format(path, fmt)]
 
 
 def _tokenize(spec: dict, tokenizer, table, split: str, label_names: dict) -> TensorDictDataset:

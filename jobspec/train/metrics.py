@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import re
 
+from jobspec import hardware
+
 MIB = 1024 * 1024
 
 # Dense peak FLOP/s (no 2:4 sparsity) from NVIDIA's datasheets, per training precision. "fp32" is the
@@ -98,25 +100,10 @@ def memory_snapshot(device) -> dict[str, float]:
         return snapshot
     snapshot["peak_allocated_mib"] = torch.cuda.max_memory_allocated(device) / MIB
     snapshot["peak_reserved_mib"] = torch.cuda.max_memory_reserved(device) / MIB
-    used = _nvml_used_bytes(device)
+    used = hardware.nvml_used_bytes(device)
     if used is not None:
         snapshot["nvml_used_mib"] = used / MIB
     return snapshot
-
-
-def _nvml_used_bytes(device) -> int | None:
-    """Used memory of the physical GPU behind `device`, found by UUID (CUDA_VISIBLE_DEVICES renumbers)."""
-    import torch
-
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        uuid = str(torch.cuda.get_device_properties(device).uuid)
-        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
-        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
-    except Exception:  # NVML missing or refusing (containers, MIG): the reading is optional
-        return None
 
 
 def reset_peaks(device) -> None:

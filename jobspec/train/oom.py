@@ -35,11 +35,11 @@ import os
 import shutil
 from pathlib import Path
 
+from jobspec import rundir
 from jobspec.errors import spec_error
 
 INJECT_AT_STEP_ENV = "JOBSPEC_INJECT_OOM_AT_STEP"
 INJECT_RANK_ENV = "JOBSPEC_INJECT_OOM_RANK"
-RECOVERY_DIR = ".oom-recovery"
 RECOVERY_TAG = "last-completed-step"
 POLICIES = ("fail", "halve_micro_batch")
 
@@ -53,7 +53,7 @@ class OomGuard:
         self.policy = files.spec["training"]["on_oom"]
         self.run_dir = Path(run_dir)
         self.rank, self.control = rank, control_group
-        self.build_engine = build_engine        # worker.build_engine: same model, patches and seed path
+        self.build_engine = build_engine        # engine.build_engine: same model, patches and seed path
         self.progress, self.sink, self.telemetry = progress, sink, telemetry
         self.compiled_micro = files.derived["micro_batch_size"]
         self.micro = self.compiled_micro
@@ -120,7 +120,7 @@ class OomGuard:
             raise self._failure(step, self.pending, None, "the micro-batch is already 1 and cannot be halved")
         from jobspec.train import checkpointing
         rng = checkpointing.capture_rng_state()
-        save_dir = self.run_dir / RECOVERY_DIR
+        save_dir = self.run_dir / rundir.OOM_RECOVERY
         engine.zero_grad()   # the interrupted step's partial gradients are not part of the state
         engine.save_checkpoint(str(save_dir), tag=RECOVERY_TAG, client_state={}, save_latest=False)
         _barrier()

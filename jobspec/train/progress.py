@@ -1,5 +1,5 @@
 """What a training run reports: step metrics (the shared metric names), the console progress
-(rank 0: a tqdm bar, plain lines, or nothing), and `summary.json`.
+(rank 0: a tqdm bar, plain lines, or nothing), and the content of `summary.json`.
 
 The launcher picks the console mode from `logging.progress` and whether its own stdout is a
 terminal, and passes it as `JOBSPEC_PROGRESS` (bar | lines | none); ranks cannot see the terminal
@@ -8,12 +8,10 @@ themselves because the deepspeed runner pipes their output.
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 MODES = ("bar", "lines", "none")
 
@@ -138,8 +136,7 @@ class StepReporter:
     """Turns windows of steps into the shared metric names; collectives run on every rank."""
 
     def __init__(self, engine, spec, derived, patches, sink, progress, rank, state: RunState):
-        import torch
-
+        from jobspec import hardware
         from jobspec.train import metrics
         self.engine, self.sink, self.progress, self.rank, self.state = engine, sink, progress, rank, state
         self.metrics = metrics
@@ -149,8 +146,7 @@ class StepReporter:
         # recompute included); MFU counts the model's FLOPs only (PaLM's definition)
         self.model_flops_per_token = derived.get("model_flops_per_token")
         self.hardware_flops_per_token = derived.get("hardware_flops_per_token")
-        device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-        self.peak_flops = metrics.peak_flops(device_name, spec["memory"]["precision"])
+        self.peak_flops = metrics.peak_flops(hardware.cuda_device_name(), spec["memory"]["precision"])
 
     def log_window(self, step: int, window: Window) -> Window:
         """Log the window's metrics (rank 0); returns the next, empty window."""
@@ -223,7 +219,3 @@ def summarize(state: RunState, status: str, total_steps: int, started: float, er
     return summary
 
 
-def write_summary(run_dir: Path, summary: dict) -> None:
-    tmp = run_dir / ".summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, run_dir / "summary.json")

@@ -3,7 +3,7 @@
     deepspeed --num_gpus N --master_port P --module jobspec.train.worker --run-dir DIR
 
 It reads only the run directory (resolved.yaml, ds_config.json, patches.json, launch.json) and
-the environment the runner sets; builds tokenizer, model, patches and data; trains for
+the environment the runner sets; builds tokenizer, model, patches and data (jobspec.train.engine); trains for
 `derived.total_steps` optimizer steps through `deepspeed.initialize`; logs metrics (rank 0, via
 MetricSink), saves checkpoints, resumes from them, and stops cleanly on SIGUSR1/SIGTERM.
 Rank 0 writes `summary.json`. Env: JOBSPEC_PROGRESS=bar|lines|none, JOBSPEC_STOP_AFTER_STEPS=K
@@ -13,50 +13,21 @@ Rank 0 writes `summary.json`. Env: JOBSPEC_PROGRESS=bar|lines|none, JOBSPEC_STOP
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
 import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
+from jobspec import rundir
 from jobspec.errors import EXIT_INVALID, SpecError, spec_error
+from jobspec.rundir import RunFiles
 from jobspec.train.faults import NanGuard, NonFiniteLoss
 from jobspec.train.oom import OomGuard
-from jobspec.train.progress import RunState, StepReporter, Window, summarize, write_summary
+from jobspec.train.engine import build_engine, loss_of, reshard_plan, resume, share_cpu_threads
+from jobspec.train.progress import RunState, StepReporter, Window, summarize
 from jobspec.train.reshard import replace_ds_config
-
-RUN_FILES = ("resolved.yaml", "ds_config.json", "patches.json", "launch.json")
-
-
-@dataclass
-class RunFiles:
-    spec: dict
-    ds_config: dict
-    patches: list
-    launch: dict
-
-    @property
-    def derived(self) -> dict:
-        return self.launch["derived"]
-
-
-def read_run_dir(run_dir: Path) -> RunFiles:
-    missing = [name for name in RUN_FILES if not (run_dir / name).is_file()]
-    if missing:
-        raise spec_error(f"run directory {run_dir} lacks {', '.join(missing)}",
-                         hint="create it with `jobspec compile --out DIR` or `jobspec launch`")
-    spec = yaml.safe_load((run_dir / "resolved.yaml").read_text(encoding="utf-8"))
-    loaded = [json.loads((run_dir / name).read_text(encoding="utf-8")) for name in RUN_FILES[1:]]
-    files = RunFiles(spec, *loaded)
-    if "total_steps" not in files.launch.get("derived", {}):
-        raise spec_error(f"{run_dir / 'launch.json'} has no derived.total_steps",
-                         hint="recompile the job with this version of jobspec")
-    return files
 
 
 class StopFlag:
@@ -105,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def train(run_dir: Path, state: RunState, started: float) -> int:
-    files = read_run_dir(run_dir)
+    files = rundir.read_run_files(run_dir)
     stop = StopFlag()
     stop.install()
 
@@ -115,7 +86,7 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
     from jobspec.train.progress import NullProgress, Progress
 
     deepspeed.init_distributed()
-    _share_cpu_threads()
+    share_cpu_threads()
     # Stop votes go over gloo on the host: an NCCL vote would sync the GPU at every step.
     control = dist.new_group(backend="gloo")
     # a checkpoint of another world size: converted (rank 0) and loaded via DeepSpeed's universal format
@@ -149,59 +120,12 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
                             stop=lambda: _any_rank(stop.requested or _stop_after_reached(state.step), control),
                             pending_rng=pending_rng, nan_guard=nan_guard, oom_guard=oom_guard)
         if rank == 0:
-            write_summary(run_dir, summarize(state, status, total_steps, started))
+            rundir.write_summary(run_dir, summarize(state, status, total_steps, started))
     finally:
         progress.close()
         if sink is not None:
             sink.close(timeout=30)
     return 0
-
-
-def build_engine(files: RunFiles):
-    """Seeded model with its patches, the datasets, and the DeepSpeed engine from the compiled config."""
-    import deepspeed
-    from transformers import set_seed
-
-    from jobspec.train.data import build_datasets
-    from jobspec.train.model import build_model, build_tokenizer
-    from jobspec.train.patches import apply_patches, build_client_optimizer
-
-    spec = files.spec
-    set_seed(spec["training"]["seed"])  # python, numpy, torch (+cuda): same initial weights on every rank
-    tokenizer = build_tokenizer(spec)
-    model = build_model(spec, tokenizer)
-    model, patch_notes = apply_patches(model, files.patches)
-    client_optimizer = None
-    for patch in files.patches:
-        if patch["name"] == "client_optimizer":
-            client_optimizer = build_client_optimizer(model, patch["args"])
-    train_ds, eval_ds = build_datasets(spec, tokenizer)
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-        optimizer=client_optimizer, config=files.ds_config)
-    return engine, train_ds, eval_ds, patch_notes
-
-
-def resume(engine, ckpt: dict, state: RunState, any_rank=lambda flag: flag,
-           passed_over: list | None = None) -> dict | None:
-    """Load the checkpoint `checkpoint.resume` names into the engine and `state`; this rank's RNG state.
-
-    A corrupt newest checkpoint is passed over for the previous one, loudly (`passed_over` gets why).
-    """
-    from jobspec.train import checkpointing
-    client_state, target, skipped = checkpointing.load_with_fallback(engine, ckpt["resume"], ckpt["dir"], any_rank)
-    for problem in skipped:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"WARNING: checkpoint passed over on resume: {problem}", file=sys.stderr, flush=True)
-        if passed_over is not None:
-            passed_over.append(problem)
-    if target is None:
-        return None
-    state.step = client_state["step"]
-    state.epoch = client_state["epoch"]
-    state.batches_in_epoch = client_state["batches_in_epoch"]
-    state.resumed_from = str(Path(target[0]) / target[1])
-    return checkpointing.rng_state_of_this_rank(client_state)
 
 
 def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, telemetry: "StepReporter", progress,
@@ -257,8 +181,8 @@ def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, tele
             batch = {k: v.to(engine.device, non_blocking=True) for k, v in batch.items()}
             boundary = engine.is_gradient_accumulation_boundary()  # ask before step() advances it
             if oom_guard is None:
-                loss = _loss_of(engine(**batch))
-            elif (loss := oom_guard.forward(engine, batch, state.step + 1, _loss_of)) is None:
+                loss = loss_of(engine(**batch))
+            elif (loss := oom_guard.forward(engine, batch, state.step + 1, loss_of)) is None:
                 break  # out of memory on some rank: every rank redoes the step below, micro-batch halved
             loss, nonfinite = nan_guard.check(loss, state.step + 1) if nan_guard else (loss, False)
             if oom_guard is None:
@@ -317,7 +241,7 @@ def evaluate(engine, loader) -> float:
         for batch in loader:
             n = batch["input_ids"].shape[0]
             batch = {k: v.to(engine.device, non_blocking=True) for k, v in batch.items()}
-            totals += torch.stack([_loss_of(engine(**batch)).float() * n, torch.tensor(float(n), device=engine.device)])
+            totals += torch.stack([loss_of(engine(**batch)).float() * n, torch.tensor(float(n), device=engine.device)])
     engine.train()
     dist.all_reduce(totals)
     return float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")
@@ -327,22 +251,9 @@ def _write_failure(run_dir: Path, state: RunState, started: float, error: str) -
     if int(os.environ.get("RANK", "0")) != 0 or not run_dir.is_dir():
         return
     try:
-        write_summary(run_dir, summarize(state, "failed", None, started, error=error))
+        rundir.write_summary(run_dir, summarize(state, "failed", None, started, error=error))
     except OSError:
         pass  # the original error matters more than a summary we cannot write
-
-
-def reshard_plan(ckpt: dict, world_size: int, group):
-    """jobspec.train.reshard.plan with rank 0's conversion result shared over the gloo `group`."""
-    import torch.distributed as dist
-
-    from jobspec.train import reshard
-
-    def broadcast(obj):
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=group)
-        return box[0]
-    return reshard.plan(ckpt, world_size, broadcast)
 
 
 def _any_rank(flag: bool, group) -> bool:
@@ -359,21 +270,6 @@ def _stop_after_reached(step: int) -> bool:
     return bool(limit) and step >= limit
 
 
-def _share_cpu_threads() -> None:
-    """On CPU ranks, split the cores between the ranks of this node: every rank taking all of
-    them makes the ranks' OpenMP threads fight for cores (steps become many times slower)."""
-    import torch
-    from deepspeed.accelerator import get_accelerator
-    if get_accelerator().device_name() != "cpu" or "OMP_NUM_THREADS" in os.environ:
-        return
-    local_ranks = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
-
-
-def _loss_of(outputs):
-    return outputs["loss"] if isinstance(outputs, dict) else getattr(outputs, "loss", outputs[0])
-
-
 def _open_sink(run_dir: Path):
     from jobspec.tracking.telemetry import MetricSink
     return MetricSink.open(run_dir)
@@ -388,7 +284,7 @@ def _destroy_process_group() -> None:
         dist.destroy_process_group()
         # this rank's /dev/shm all-reduce buffer (CPU accelerator): DeepSpeed never unlinks it, and
         # unlinking is safe while a peer still maps it
-        from jobspec.launch.launcher import remove_shared_memory_buffers
+        from jobspec.shm import remove_shared_memory_buffers
         remove_shared_memory_buffers(os.environ.get("MASTER_PORT"), local_rank=os.environ.get("LOCAL_RANK", 0))
 
 

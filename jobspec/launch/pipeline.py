@@ -1,0 +1,142 @@
+"""`jobspec launch`, start to end: spec -> memory decisions -> compile -> pre-flight -> run directory
+-> MLflow run -> supervised DeepSpeed runner -> final status.
+
+    resolve        spec/validation.load_and_validate (exit 2 on any problem)
+    prepare        memory/at_launch.prepare: `memory.fit: auto` rewrites the spec; the plan
+    claim          launch/ownership.claim_checkpoints: refuse another job's checkpoints; resume id
+    derive         spec/inputs.derive_job: every derived number, once (config.json, row count read here)
+    run dir        rundir.create_run_dir, then compile/compiler.compile_spec into it
+    pre-flight     launch/preflight + memory/at_launch.preflight_problems (--ignore-preflight: warn)
+    argv           launch/runner.resolve_runner, launch/slurm.launch_argv (srun per node in Slurm)
+    write          rundir.write_compiled (spec.yaml ... launch.json, `plan`/`fit` included)
+    track          tracking/run.start_run (+ plan.*/fit.* params), or None
+    own            launch/ownership.write_owner (with the MLflow run id, for a resume)
+    supervise      launch/supervise.run: ranks run, output to launcher.log
+    end            shm buffers removed, fallback summary.json, tracking end_run with the status
+
+Anything failing before the runner starts removes the new run directory: no half-made run is left.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import shutil
+import sys
+from pathlib import Path
+
+from jobspec import hardware, rundir, shm
+from jobspec.errors import spec_error
+from jobspec.launch import ownership, preflight, runner, slurm, supervise
+from jobspec.memory import at_launch as launch_memory
+from jobspec.tracking import telemetry
+
+log = logging.getLogger("jobspec.launch")
+
+
+def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_steps: int | None = None,
+           ignore_preflight: bool = False, kill_grace_s: float = supervise.KILL_GRACE_S) -> int:
+    """Run the job; the runner's exit status (128+N when stopped by signal N)."""
+    from jobspec.spec.inputs import derive_job
+    from jobspec.spec.validation import load_and_validate
+
+    resolved = load_and_validate(job, overrides)
+    # memory.fit: auto rewrites the spec (and its derived job) here, so everything below sees what runs
+    gpu_free = hardware.gpu_free_bytes(resolved.spec["resources"]["gpus_per_node"])
+    resolved, derived, memory = launch_memory.prepare(resolved, derive_job(resolved.spec), gpu_free,
+                                                      bf16_supported=hardware.bf16_supported())
+    for line in memory.lines:
+        print(f"jobspec: {line}", flush=True)
+    spec = resolved.spec
+    port = spec["resources"]["master_port"] or runner.free_port()
+
+    if dry_run:  # nothing is created: the run dir in the command is the name it would get
+        run_dir = rundir.new_run_dir_path(spec["output_dir"])
+        compiled = compile_job(resolved, derived, run_dir, port)
+        argv = runner.resolve_runner(compiled.launch["argv"])
+        print(json.dumps(compiled.ds_config, indent=2))
+        for note in compiled.notes:
+            print(f"note: {note}")
+        print(shlex.join(argv))
+        return 0
+
+    resume_run_id = ownership.claim_checkpoints(spec)
+    run_dir = rundir.create_run_dir(spec["output_dir"])
+    try:
+        compiled = compile_job(resolved, derived, run_dir, port)
+        problems = preflight.preflight_problems(spec, derived) + \
+            launch_memory.preflight_problems(memory, gpu_free)
+        compiled.launch.update(launch_memory.plan_record(memory))  # launch.json: `plan` (MiB), `fit`
+        if problems and not ignore_preflight:
+            raise spec_error("; ".join(problems), hint="fix the spec, or pass --ignore-preflight")
+        for problem in problems:
+            log.warning("preflight (ignored): %s", problem)
+        compiled.launch["argv"] = runner.resolve_runner(compiled.launch["argv"])  # command.txt stays true
+        # inside a multi-node Slurm allocation: one runner per node through srun (docs/slurm.md)
+        compiled.launch["argv"] = slurm.launch_argv(compiled.launch, run_dir)
+        rundir.write_compiled(run_dir, resolved, compiled)
+        tracked = start_tracking(resolved, compiled, run_dir, resume_run_id)
+        if tracked is not None:  # next to the ranks' measured mem/* series: prediction error per run
+            launch_memory.log_params(tracked, launch_memory.mlflow_params(memory, spec["memory"]["fit"]))
+    except BaseException:
+        shutil.rmtree(run_dir, ignore_errors=True)  # nothing ran: leave no half-made run behind
+        raise
+    ownership.write_owner(spec, resolved.source, tracked.run_id if tracked else None)
+
+    print(f"jobspec: run directory {run_dir}", flush=True)
+    outcome = supervise.run(compiled.launch["argv"], child_env(spec, stop_after_steps), run_dir,
+                            kill_grace_s=kill_grace_s)
+    shm.remove_shared_memory_buffers(compiled.launch.get("master_port"))  # every rank is gone now
+    status = "FINISHED" if outcome.exit_code == 0 else ("KILLED" if outcome.user_signal else "FAILED")
+    rundir.write_fallback_summary(run_dir, status, outcome.exit_code)
+    if tracked is not None:
+        telemetry.end_run(tracked, run_dir, status=status, exit_code=outcome.exit_code,
+                          failure_reason=outcome.reason)
+    print(f"jobspec: {status.lower()} (exit {outcome.exit_code}); run directory {run_dir}", flush=True)
+    return outcome.exit_code
+
+
+def compile_job(resolved, derived, run_dir: Path, master_port: int):
+    """Compiled from the same derived job `jobspec compile` uses, so launch runs what compile shows."""
+    from jobspec.compile.compiler import compile_spec
+    return compile_spec(resolved.spec, derived, run_dir=str(run_dir), master_port=master_port)
+
+
+def progress_mode(setting: str, stdout=sys.stdout) -> str:
+    if setting != "auto":
+        return setting
+    return "bar" if stdout.isatty() else "lines"
+
+
+def child_env(spec: dict, stop_after_steps: int | None) -> dict:
+    env = dict(os.environ)
+    telemetry.apply_http_env(env)
+    env["JOBSPEC_PROGRESS"] = progress_mode(spec["logging"]["progress"])
+    env["PYTHONUNBUFFERED"] = "1"  # ranks' output must reach the relay (and launcher.log) as it happens
+    if sys.stdout.isatty():  # the bar writes into a pipe: tell it the terminal's width
+        env.setdefault("COLUMNS", str(shutil.get_terminal_size().columns))
+    if stop_after_steps is not None:
+        env["JOBSPEC_STOP_AFTER_STEPS"] = str(stop_after_steps)
+    return env
+
+
+def start_tracking(resolved, compiled, run_dir: Path, resume_run_id: str | None):
+    """The MLflow run, or None when MLflow is off or (with `required: false`) unreachable."""
+    settings = resolved.spec["logging"]["mlflow"]
+    if not settings["enabled"]:
+        return None
+    try:
+        telemetry.probe(settings["tracking_uri"])
+        return telemetry.start_run(resolved.spec, compiled.launch, compiled.derived.as_dict(), resolved.text, run_dir,
+                                   resume_run_id=resume_run_id)
+    except telemetry.TrackingUnavailable as err:
+        uri = telemetry.mask_secrets(settings["tracking_uri"])
+        if settings["required"]:
+            raise spec_error(f"MLflow tracking at {uri} is unavailable: {err}",
+                             path=("logging", "mlflow", "tracking_uri"),
+                             hint="start the server, fix the URI, or set logging.mlflow.required: false "
+                                  "to run with metrics kept in metrics.jsonl")
+        log.warning("MLflow tracking at %s is unavailable (%s); continuing, metrics go to %s", uri, err,
+                    run_dir / rundir.METRICS)
+        return None

@@ -1,0 +1,247 @@
+"""The run directory: every file a job's run directory holds, and the one place each is written and read.
+
+`jobspec compile --out DIR` writes the compile files; `jobspec launch` creates
+`<output_dir>/run-<UTC %Y%m%d-%H%M%S>-<4 hex>/` and writes them there, then the other files appear:
+
+  spec.yaml        the spec as written (secrets masked)                compile      -> MLflow artifact, sync
+  resolved.yaml    every default filled, what runs (secrets masked)    compile      -> worker, sync, report
+  ds_config.json   the complete DeepSpeed config                       compile      -> worker (DeepSpeed)
+  patches.json     model changes the worker applies                    compile      -> worker
+  command.txt      the runner command line                             compile      -> the user
+  launch.json      world size, batch arithmetic (`derived`), notes,    compile      -> worker, sync
+                   `plan`/`fit` (launch), `source`
+  hostfile         one `host slots=N` line per node (multi-node Slurm) launch/slurm -> DeepSpeed runner
+  mlflow_run.json  tracking URI, experiment and run id                 tracking     -> rank 0's sink, sync
+  launcher.log     everything the runner and ranks printed             supervise    -> MLflow artifact
+  metrics.jsonl    every metric point, one JSON object per log step    rank 0       -> sync, bench
+  summary.json     status, steps, loss, throughput, peak memory        rank 0 (else the fallback below)
+  .oom-recovery/   the state an OOM retry reloads (removed after)      rank side
+
+No heavy imports: `jobspec compile` writes through here.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shlex
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import yaml
+
+from jobspec.errors import spec_error
+from jobspec.secrets import mask_secrets
+
+SPEC = "spec.yaml"
+RESOLVED = "resolved.yaml"
+DS_CONFIG = "ds_config.json"
+PATCHES = "patches.json"
+COMMAND = "command.txt"
+LAUNCH = "launch.json"
+HOSTFILE = "hostfile"
+MLFLOW_RUN = "mlflow_run.json"
+LAUNCHER_LOG = "launcher.log"
+METRICS = "metrics.jsonl"
+SUMMARY = "summary.json"
+OOM_RECOVERY = ".oom-recovery"
+
+COMPILE_FILES = (SPEC, RESOLVED, DS_CONFIG, PATCHES, COMMAND, LAUNCH)
+WORKER_INPUTS = (RESOLVED, DS_CONFIG, PATCHES, LAUNCH)
+START_ARTIFACTS = (SPEC, RESOLVED, DS_CONFIG, COMMAND)   # logged to MLflow when the run starts
+END_ARTIFACTS = (SUMMARY, LAUNCHER_LOG)                  # logged when it ends
+DONE_STATUSES = ("finished", "preempted")                # summary.json statuses of a job that ended well
+
+
+# --- the directory itself ---------------------------------------------------------------------
+
+def new_run_dir_path(output_dir: str | Path, now: datetime | None = None) -> Path:
+    """`<output_dir>/run-<UTC %Y%m%d-%H%M%S>-<4 hex>` (not created)."""
+    stamp = (now or datetime.now(timezone.utc)).strftime("%Y%m%d-%H%M%S")
+    return Path(output_dir) / f"run-{stamp}-{secrets.token_hex(2)}"
+
+
+def create_run_dir(output_dir: str | Path) -> Path:
+    """A new, empty run directory; never an existing one (exclusive mkdir, new name on collision)."""
+    ensure_writable(output_dir, ("output_dir",))
+    for _ in range(100):
+        path = new_run_dir_path(output_dir)
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise spec_error(f"could not create a new run directory under {output_dir}", path=("output_dir",))
+
+
+def ensure_writable(directory: str | Path, field: tuple) -> None:
+    """Create `directory` if needed and prove we can write there, before anything starts."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".jobspec-write-test-{os.getpid()}"
+        probe.write_text("ok", encoding="utf-8")
+        probe.unlink()
+    except OSError as err:
+        raise spec_error(f"{directory} is not a writable directory ({err.strerror or err})", path=field,
+                         hint=f"set {'.'.join(field)} to a directory you can write, or fix its permissions")
+
+
+# --- compile outputs --------------------------------------------------------------------------
+
+def launch_record(resolved, compiled) -> dict:
+    """What launch.json holds: the compiled launch section, the derived numbers, notes and the source."""
+    return {**compiled.launch, "derived": compiled.derived.as_dict(), "notes": compiled.notes,
+            "source": str(resolved.source.resolve())}
+
+
+def write_compiled(out: Path, resolved, compiled) -> None:
+    """Write the compile files into `out`; refuse a non-empty directory holding anything else."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise spec_error(f"--out {out} exists and is not a directory", hint="choose a directory path")
+    if out.is_dir():
+        # a multi-node launch writes its hostfile into the run directory before these files
+        foreign = sorted(p.name for p in out.iterdir() if p.name not in (*COMPILE_FILES, HOSTFILE))
+        if foreign:
+            shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+            raise spec_error(f"--out {out} is not empty and is not a previous compile output (has {shown})",
+                             hint="choose a new or empty directory; compile only overwrites its own files")
+    out.mkdir(parents=True, exist_ok=True)
+    contents = {
+        # a password in a tracking URI or a planted token must not reach files that become artifacts
+        SPEC: mask_secrets(resolved.text),
+        RESOLVED: mask_secrets(yaml.safe_dump(resolved.spec, sort_keys=False)),
+        DS_CONFIG: _json_text(compiled.ds_config),
+        PATCHES: _json_text(compiled.patches),
+        COMMAND: shlex.join(compiled.launch["argv"]) + "\n",
+    }
+    for name, text in contents.items():
+        (out / name).write_text(text, encoding="utf-8")
+    write_launch(out, launch_record(resolved, compiled))
+
+
+def write_launch(run_dir: Path, launch: dict) -> None:
+    (Path(run_dir) / LAUNCH).write_text(_json_text(launch), encoding="utf-8")
+
+
+def read_launch(run_dir: Path) -> dict:
+    return json.loads((Path(run_dir) / LAUNCH).read_text(encoding="utf-8"))
+
+
+def read_resolved(run_dir: Path) -> dict:
+    return yaml.safe_load((Path(run_dir) / RESOLVED).read_text(encoding="utf-8"))
+
+
+def read_spec_text(run_dir: Path) -> str:
+    return (Path(run_dir) / SPEC).read_text(encoding="utf-8")
+
+
+@dataclass
+class RunFiles:
+    """What a rank reads from the run directory."""
+
+    spec: dict        # resolved.yaml
+    ds_config: dict
+    patches: list
+    launch: dict
+
+    @property
+    def derived(self) -> dict:
+        return self.launch["derived"]
+
+
+def read_run_files(run_dir: Path) -> RunFiles:
+    """The worker's inputs; a SpecError naming what is missing or stale."""
+    run_dir = Path(run_dir)
+    missing = [name for name in WORKER_INPUTS if not (run_dir / name).is_file()]
+    if missing:
+        raise spec_error(f"run directory {run_dir} lacks {', '.join(missing)}",
+                         hint="create it with `jobspec compile --out DIR` or `jobspec launch`")
+    files = RunFiles(read_resolved(run_dir), *(json.loads((run_dir / name).read_text(encoding="utf-8"))
+                                               for name in (DS_CONFIG, PATCHES)), read_launch(run_dir))
+    if "total_steps" not in files.launch.get("derived", {}):
+        raise spec_error(f"{run_dir / LAUNCH} has no derived.total_steps",
+                         hint="recompile the job with this version of jobspec")
+    return files
+
+
+# --- files of the running job -----------------------------------------------------------------
+
+def write_hostfile(run_dir: Path, text: str) -> Path:
+    path = Path(run_dir) / HOSTFILE
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def write_mlflow_run(run_dir: Path, info: dict) -> None:
+    (Path(run_dir) / MLFLOW_RUN).write_text(_json_text(info), encoding="utf-8")
+
+
+def read_mlflow_run(run_dir: Path) -> dict | None:
+    """tracking_uri, experiment_id, run_id of the job's MLflow run; None when it has none."""
+    path = Path(run_dir) / MLFLOW_RUN
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def open_launcher_log(run_dir: Path):
+    """launcher.log for appending raw bytes (the runner's output as it comes)."""
+    return open(Path(run_dir) / LAUNCHER_LOG, "ab")
+
+
+def open_metrics(run_dir: Path):
+    """metrics.jsonl for appending one JSON line per logged step."""
+    return open(Path(run_dir) / METRICS, "a", encoding="utf-8")
+
+
+def metric_line(metrics: dict, step: int, timestamp: int) -> str:
+    return json.dumps({"step": int(step), "timestamp": timestamp, **metrics}) + "\n"
+
+
+def read_metric_points(run_dir: Path) -> list[tuple[str, float, int, int]]:
+    """(key, value, timestamp, step) of every point in metrics.jsonl; a torn last line is skipped."""
+    points = []
+    for line in (Path(run_dir) / METRICS).read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a line cut short when the job died
+        if not isinstance(row, dict) or "step" not in row:
+            continue
+        for key, value in row.items():
+            if key not in ("step", "timestamp") and isinstance(value, (int, float)):
+                points.append((key, float(value), int(row.get("timestamp", 0)), int(row["step"])))
+    return points
+
+
+def write_summary(run_dir: Path, summary: dict) -> None:
+    """summary.json, replaced atomically (the launcher's watchdog may read it at any moment)."""
+    run_dir = Path(run_dir)
+    tmp = run_dir / f".{SUMMARY}.tmp"
+    tmp.write_text(_json_text(summary), encoding="utf-8")
+    os.replace(tmp, run_dir / SUMMARY)
+
+
+def write_fallback_summary(run_dir: Path, status: str, exit_code: int) -> None:
+    """The launcher's minimal summary.json, for a job whose rank 0 wrote none (it died first)."""
+    if not (Path(run_dir) / SUMMARY).is_file():
+        write_summary(run_dir, {"status": status.lower(), "exit_code": exit_code, "written_by": "launcher"})
+
+
+def read_summary(run_dir: Path) -> dict | None:
+    """summary.json, or None when it is missing or unreadable (a job that died before writing it)."""
+    try:
+        summary = json.loads((Path(run_dir) / SUMMARY).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) else None
+
+
+def summary_says_done(run_dir: Path) -> bool:
+    summary = read_summary(run_dir)
+    return summary is not None and summary.get("status") in DONE_STATUSES
+
+
+def _json_text(value) -> str:
+    return json.dumps(value, indent=2) + "\n"

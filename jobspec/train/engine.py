@@ -1,0 +1,87 @@
+"""Building what a rank trains: the seeded model with its patches, the datasets and the DeepSpeed
+engine from the compiled config; loading the checkpoint a run resumes from (and resharding one of
+another world size). jobspec.train.oom rebuilds the engine through `build_engine` too.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from jobspec.rundir import RunFiles
+from jobspec.train.progress import RunState
+
+
+def build_engine(files: RunFiles):
+    """Seeded model with its patches, the datasets, and the DeepSpeed engine from the compiled config."""
+    import deepspeed
+    from transformers import set_seed
+
+    from jobspec.train.data import build_datasets
+    from jobspec.train.model import build_model, build_tokenizer
+    from jobspec.train.patches import apply_patches, build_client_optimizer
+
+    spec = files.spec
+    set_seed(spec["training"]["seed"])  # python, numpy, torch (+cuda): same initial weights on every rank
+    tokenizer = build_tokenizer(spec)
+    model = build_model(spec, tokenizer)
+    model, patch_notes = apply_patches(model, files.patches)
+    client_optimizer = None
+    for patch in files.patches:
+        if patch["name"] == "client_optimizer":
+            client_optimizer = build_client_optimizer(model, patch["args"])
+    train_ds, eval_ds = build_datasets(spec, tokenizer)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+        optimizer=client_optimizer, config=files.ds_config)
+    return engine, train_ds, eval_ds, patch_notes
+
+
+def resume(engine, ckpt: dict, state: RunState, any_rank=lambda flag: flag,
+           passed_over: list | None = None) -> dict | None:
+    """Load the checkpoint `checkpoint.resume` names into the engine and `state`; this rank's RNG state.
+
+    A corrupt newest checkpoint is passed over for the previous one, loudly (`passed_over` gets why).
+    """
+    from jobspec.train import checkpointing
+    client_state, target, skipped = checkpointing.load_with_fallback(engine, ckpt["resume"], ckpt["dir"], any_rank)
+    for problem in skipped:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"WARNING: checkpoint passed over on resume: {problem}", file=sys.stderr, flush=True)
+        if passed_over is not None:
+            passed_over.append(problem)
+    if target is None:
+        return None
+    state.step = client_state["step"]
+    state.epoch = client_state["epoch"]
+    state.batches_in_epoch = client_state["batches_in_epoch"]
+    state.resumed_from = str(Path(target[0]) / target[1])
+    return checkpointing.rng_state_of_this_rank(client_state)
+
+
+def reshard_plan(ckpt: dict, world_size: int, group):
+    """jobspec.train.reshard.plan with rank 0's conversion result shared over the gloo `group`."""
+    import torch.distributed as dist
+
+    from jobspec.train import reshard
+
+    def broadcast(obj):
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=group)
+        return box[0]
+    return reshard.plan(ckpt, world_size, broadcast)
+
+
+def share_cpu_threads() -> None:
+    """On CPU ranks, split the cores between the ranks of this node: every rank taking all of
+    them makes the ranks' OpenMP threads fight for cores (steps become many times slower)."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+    if get_accelerator().device_name() != "cpu" or "OMP_NUM_THREADS" in os.environ:
+        return
+    local_ranks = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
+
+
+def loss_of(outputs):
+    return outputs["loss"] if isinstance(outputs, dict) else getattr(outputs, "loss", outputs[0])
