@@ -8,6 +8,7 @@ import json
 from dataclasses import asdict, dataclass, field
 
 EXIT_INVALID = 2  # bad input: a spec error, a bad flag, a refused launch
+EXIT_RUN_FAILED = 1  # the input was fine but the run failed: OOM after the retries, no batches, tracking down
 
 
 @dataclass(frozen=True)
@@ -74,3 +75,18 @@ def spec_error(message: str, *, path: tuple = (), hint: str | None = None, file:
                line: int | None = None, column: int | None = None) -> SpecError:
     """A SpecError with a single issue, for problems found outside schema validation."""
     return SpecError([SpecIssue(path=path, message=message, hint=hint, file=file, line=line, column=column)])
+
+
+class RunFailure(Exception):
+    """A run that failed at runtime through no fault of the spec: exit 1 with a one-line reason.
+
+    Bad input (spec, data, model files) is a SpecError (exit 2); this is everything else a user
+    can act on without editing the spec: memory, disk, an unreachable tracking server.
+    """
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason.splitlines()[0] if reason else "run failed"
+
+    def __str__(self) -> str:
+        return self.reason

@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 from jobspec import hardware, rundir, shm
-from jobspec.errors import spec_error
+from jobspec.errors import RunFailure, spec_error
 from jobspec.launch import ownership, preflight, runner, slurm, supervise
 from jobspec.memory import at_launch as launch_memory
 from jobspec.tracking import telemetry
@@ -133,10 +133,9 @@ def start_tracking(resolved, compiled, run_dir: Path, resume_run_id: str | None)
     except telemetry.TrackingUnavailable as err:
         uri = telemetry.mask_secrets(settings["tracking_uri"])
         if settings["required"]:
-            raise spec_error(f"MLflow tracking at {uri} is unavailable: {err}",
-                             path=("logging", "mlflow", "tracking_uri"),
-                             hint="start the server, fix the URI, or set logging.mlflow.required: false "
-                                  "to run with metrics kept in metrics.jsonl")
+            raise RunFailure(f"MLflow tracking at {uri} is unavailable: {err}; start the server, fix "
+                             "logging.mlflow.tracking_uri, or set logging.mlflow.required: false to run with "
+                             "metrics kept in metrics.jsonl")
         log.warning("MLflow tracking at %s is unavailable (%s); continuing, metrics go to %s", uri, err,
                     run_dir / rundir.METRICS)
         return None

@@ -36,7 +36,7 @@ import shutil
 from pathlib import Path
 
 from jobspec import rundir
-from jobspec.errors import spec_error
+from jobspec.errors import RunFailure
 
 INJECT_AT_STEP_ENV = "JOBSPEC_INJECT_OOM_AT_STEP"
 INJECT_RANK_ENV = "JOBSPEC_INJECT_OOM_RANK"
@@ -181,11 +181,10 @@ class OomGuard:
 
     def _failure(self, step: int, where: str | None, err, why: str):
         detail = f": {_first_line(err)}" if err is not None else ""
-        return spec_error(
-            f"out of memory in optimizer step {step} ({where}{detail}) with micro-batch {self.micro}; {why}",
-            path=("training", "on_oom"),
-            hint="run `jobspec plan JOB --fit` for settings that fit (checkpointing, ZeRO stage, offload), "
-                 "or set training.on_oom: halve_micro_batch")
+        return RunFailure(
+            f"out of memory in optimizer step {step} ({where}{detail}) with micro-batch {self.micro}; {why}; "
+            "run `jobspec plan JOB --fit` for settings that fit (checkpointing, ZeRO stage, offload), "
+            "or set training.on_oom: halve_micro_batch")
 
 
 def halved_run_files(files, micro: int, accumulation: int):
