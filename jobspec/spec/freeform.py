@@ -106,7 +106,7 @@ def model_config_issues(spec: dict, issue: IssueFn, checkpoint_config: dict | No
     table = load_table(TRANSFORMERS_TABLE)
     entry = table["architectures"].get(model_type)
     if entry is None:
-        return []   # not in the table: checked at launch, when transformers is imported
+        return []   # not in the table: left to launch, where transformers builds the config
     fields = {**(table["common"] if entry["common"] else {}), **entry["fields"]}
     aliases = entry["aliases"]
     owner = entry["class"].rsplit(".", 1)[-1]
@@ -125,26 +125,10 @@ def model_config_issues(spec: dict, issue: IssueFn, checkpoint_config: dict | No
             issues.append(issue(path, f"unknown key `{key}` for {owner} ({model_type})",
                                 _did_you_mean(str(key), choices, f"{owner}'s keys", TRANSFORMERS_TABLE), key=True))
             continue
-        problem = _type_problem(value, expected)
-        if problem:
-            issues.append(issue(path, *problem))
+        walker = _Walker(auto_is_wrong=False)
+        walker.walk(value, expected, path)
+        issues += [issue(*problem[:3], key=problem[3]) for problem in walker.problems]
     return issues
-
-
-def _type_problem(value: Any, expected: dict) -> tuple[str, str] | None:
-    """(message, hint) when `value` does not fit a table entry ({"type": [...], "enum": [...], "items": {...}})."""
-    types = expected.get("type")
-    if types and not any(_is(value, t) for t in types):
-        return f"expected {_types_text(types)}, got {_describe(value)}", _type_hint(value, types)
-    if "enum" in expected and value not in expected["enum"]:
-        allowed = [v for v in expected["enum"] if v is not None]
-        return f"`{value}` is not an allowed value", _did_you_mean(str(value), [str(v) for v in allowed], "allowed")
-    if isinstance(value, list) and expected.get("items"):
-        for index, item in enumerate(value):
-            problem = _type_problem(item, expected["items"])
-            if problem:
-                return f"item {index}: {problem[0]}", problem[1]
-    return None
 
 
 # ---------------------------------------------------------------- deepspeed
@@ -161,9 +145,9 @@ def deepspeed_issues(spec: dict, issue: IssueFn) -> list[SpecIssue]:
 def deepspeed_problems(config: dict, owned: bool = True) -> list[Problem]:
     """Problems of a DeepSpeed config (the spec's section, or a whole compiled one with `owned=False`)."""
     problems, refused = (_owned_problems(config) if owned else ([], set()))
-    schema = load_table(DEEPSPEED_SCHEMA)
-    _walk(config, schema, (), problems, refused, _key_index())
-    return problems
+    walker = _Walker(auto_is_wrong=True, skip=refused)
+    walker.walk(config, load_table(DEEPSPEED_SCHEMA), ())
+    return problems + walker.problems
 
 
 def _owned_problems(section: dict) -> tuple[list[Problem], set]:
@@ -192,35 +176,44 @@ def _owned_problems(section: dict) -> tuple[list[Problem], set]:
     return problems, refused
 
 
-def _walk(value: Any, node: dict, path: tuple, problems: list, refused: set, index: dict) -> None:
-    if any(path[:n] in refused for n in range(1, len(path) + 1)):
-        return
-    if isinstance(value, str) and value.strip().lower() == "auto" and path:
-        problems.append((path, '"auto" is resolved only by the HF Trainer; plain DeepSpeed would silently '
-                               "fall back to its own default", "write the value itself, or remove the key", False))
-        return
-    branch = _branch(value, node)
-    if branch is None:
-        types = _node_types(node)
-        problems.append((path, f"expected {_types_text(types)}, got {_describe(value)}",
-                         _type_hint(value, types), False))
-        return
-    problem = _value_problem(value, branch)
-    if problem:
-        problems.append((path, *problem, False))
-    if isinstance(value, dict):
-        properties = branch.get("properties")
-        extra = branch.get("additionalProperties", True)
-        for key, child in value.items():
-            if properties and key in properties:
-                _walk(child, properties[key], path + (key,), problems, refused, index)
-            elif isinstance(extra, dict):
-                _walk(child, extra, path + (key,), problems, refused, index)
-            elif extra is False:
-                problems.append(_unknown_key(path + (key,), branch, index))
-    elif isinstance(value, list) and isinstance(branch.get("items"), dict):
-        for i, item in enumerate(value):
-            _walk(item, branch["items"], path + (i,), problems, refused, index)
+class _Walker:
+    """Checks a value against a JSON Schema node (the subset the generated tables use), collecting Problems."""
+
+    def __init__(self, auto_is_wrong: bool, skip: set = frozenset()):
+        self.auto_is_wrong = auto_is_wrong   # DeepSpeed takes "auto" as text and falls back to its default
+        self.skip = skip                      # paths already reported (owned keys): nothing below them
+        self.problems: list[Problem] = []
+
+    def walk(self, value: Any, node: dict, path: tuple) -> None:
+        if any(path[:n] in self.skip for n in range(1, len(path) + 1)):
+            return
+        if self.auto_is_wrong and path and isinstance(value, str) and value.strip().lower() == "auto":
+            self.problems.append((path, '"auto" is resolved only by the HF Trainer; plain DeepSpeed would '
+                                        "silently fall back to its own default",
+                                  "write the value itself, or remove the key", False))
+            return
+        branch = _branch(value, node)
+        if branch is None:
+            types = _node_types(node)
+            self.problems.append((path, f"expected {_types_text(types)}, got {_describe(value)}",
+                                  _type_hint(value, types), False))
+            return
+        problem = _value_problem(value, branch)
+        if problem:
+            self.problems.append((path, *problem, False))
+        if isinstance(value, dict):
+            properties = branch.get("properties") or {}
+            extra = branch.get("additionalProperties", True)
+            for key, child in value.items():
+                if key in properties:
+                    self.walk(child, properties[key], path + (key,))
+                elif isinstance(extra, dict):
+                    self.walk(child, extra, path + (key,))
+                elif extra is False:
+                    self.problems.append(_unknown_key(path + (key,), branch))
+        elif isinstance(value, list) and isinstance(branch.get("items"), dict):
+            for index, item in enumerate(value):
+                self.walk(item, branch["items"], path + (index,))
 
 
 def _branch(value: Any, node: dict) -> dict | None:
@@ -253,18 +246,18 @@ def _value_problem(value: Any, node: dict) -> tuple[str, str] | None:
                   ("maximum", "<=", lambda v, b: v <= b), ("exclusiveMaximum", "<", lambda v, b: v < b))
         for keyword, sign, ok in bounds:
             if keyword in node and not ok(value, node[keyword]):
-                return f"must be {sign} {node[keyword]}, got {value}", "DeepSpeed refuses this value"
+                return f"must be {sign} {node[keyword]}, got {value}", "the library refuses this value"
     return None
 
 
-def _unknown_key(path: tuple, node: dict, index: dict) -> Problem:
+def _unknown_key(path: tuple, node: dict) -> Problem:
     key = path[-1]
     removed = node.get("x-removed", {})
     if key in removed:
         return path, f"`{key}` was removed from DeepSpeed", removed[key].split(". ")[0].rstrip("."), True
     here = sorted(node.get("properties", {}))
     close = difflib.get_close_matches(str(key), here, n=1, cutoff=0.75)
-    elsewhere = [p for p in index.get(key, ()) if p[:-1] != path[:-1]]
+    elsewhere = [p for p in _key_index().get(key, ()) if p[:-1] != path[:-1]]
     if not close and elsewhere:
         where = " or ".join(f"`deepspeed.{'.'.join(p)}`" for p in elsewhere[:2])
         return path, f"unknown key `{key}` here", f"it belongs under {where}", True

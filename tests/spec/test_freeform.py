@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from jobspec.commands.compile import compile_resolved
 from jobspec.compiler import compile_spec
@@ -228,6 +230,27 @@ def test_other_keys_of_owned_sections_compile_and_are_noted(tmp_path):
     assert "deepspeed.zero_optimization.overlap_comm overrides compiled True -> False" in notes
     assert "deepspeed.fp16.loss_scale_window overrides compiled 1000 -> 100" in notes
     assert "deepspeed.flops_profiler adds {'enabled': True, 'top_modules': 3}" in notes
+
+
+KEYS = st.sampled_from(["zero_optimization", "offload_optimizer", "device", "stage", "fp16", "enabled", "optimizer",
+                         "tensor_parallel", "tp", "zenflow", "select_interval", "hidden_size", "auto", "x"]) | st.text(max_size=6)
+VALUES = st.recursive(st.none() | st.booleans() | st.integers(-3, 10**9) | st.floats(allow_nan=False) |
+                      st.sampled_from(["auto", "cpu", "", "5e8"]),
+                      lambda inner: st.lists(inner, max_size=3) | st.dictionaries(KEYS, inner, max_size=4),
+                      max_leaves=12)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.dictionaries(KEYS, VALUES, max_size=5), st.dictionaries(KEYS, VALUES, max_size=5),
+       st.sampled_from(["bert", "gpt2", "mlp", "llama", None]))
+def test_any_block_gives_problems_never_an_exception(deepspeed_section, config, architecture):
+    spec = {"model": {"architecture": architecture, "config": config}, "deepspeed": deepspeed_section}
+
+    def issue(path, message, hint=None, key=False):
+        assert message and isinstance(path, tuple)
+        return (path, message, hint)
+    freeform.model_config_issues(spec, issue, {"model_type": "bert", "x": 1})
+    freeform.deepspeed_issues(spec, issue)
 
 
 # ---------------------------------------------------------------- the owned-keys table is honest
