@@ -304,7 +304,8 @@ def build() -> dict:
                    and p not in sections and "default" not in keys[p] and p not in TYPES]
     if unexplained:
         raise SystemExit("DeepSpeed reads top-level keys this script has no rule for: "
-                         + ", ".join(p[0] for p in unexplained) + " (add them to PYDANTIC_SECTIONS, FREE_FORM or TYPES)")
+                         + ", ".join(p[0] for p in unexplained)
+                         + " (add them to PYDANTIC_SECTIONS, FREE_FORM or TYPES)")
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "title": "DeepSpeed config",

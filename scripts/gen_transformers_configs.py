@@ -148,6 +148,8 @@ def transformers_entry(model_type: str, common: dict) -> dict:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[model_type]
+    if not dataclasses.is_dataclass(cls):
+        raise SystemExit(f"{cls.__name__} is not a dataclass: this script reads transformers 5 config classes")
     fields = _fields(cls)
     if "rope_parameters" in fields:
         fields.update(ROPE_KEYWORDS)

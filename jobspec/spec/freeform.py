@@ -33,9 +33,12 @@ TRANSFORMERS_TABLE = "transformers-configs.json"
 DEEPSPEED_SCHEMA = "deepspeed-config.schema.json"
 
 # DeepSpeed keys a spec field decides, and that field. The planner, --fit, the GPU pre-flight,
-# the report and the worker read the spec, so a `deepspeed:` value here would make them describe
-# another run than the one that happens. Other keys of the same sections (bucket sizes, loss-scale
-# window, pin_memory, ...) stay overridable: nothing else reads them, and compile notes each one.
+# the report and the worker read the spec, so a `deepspeed:` value for one of these would make them
+# describe another run than the one that happens. That covers the sizes the memory planner reads
+# (ZeRO buckets, stage-3 prefetch and persistence, NVMe parameter buffers: jobspec/planner.py).
+# Every other key stays overridable, those of the same sections included (overlap_comm,
+# allgather_bucket_size, the fp16 loss-scale window, pin_memory, ...): nothing else reads them,
+# and compile notes each one.
 OWNED_DEEPSPEED_KEYS: dict[tuple[str, ...], str] = {
     ("train_batch_size",): "training.global_batch_size",
     ("train_micro_batch_size_per_gpu",): "training.micro_batch_size",
@@ -46,13 +49,22 @@ OWNED_DEEPSPEED_KEYS: dict[tuple[str, ...], str] = {
     ("zero_optimization", "stage"): "memory.zero_stage",
     ("zero_optimization", "offload_optimizer", "device"): "memory.offload.optimizer",
     ("zero_optimization", "offload_param", "device"): "memory.offload.params",
-    # DeepSpeed's deprecated switches that set those devices to cpu
-    ("zero_optimization", "cpu_offload"): "memory.offload.optimizer",
-    ("zero_optimization", "cpu_offload_param"): "memory.offload.params",
+    ("zero_optimization", "reduce_bucket_size"): "memory.zero.reduce_bucket_size",
+    ("zero_optimization", "stage3_prefetch_bucket_size"): "memory.zero.stage3_prefetch_bucket_size",
+    ("zero_optimization", "stage3_param_persistence_threshold"): "memory.zero.stage3_param_persistence_threshold",
+    ("zero_optimization", "offload_param", "buffer_count"): "memory.offload.buffer_count",
+    ("zero_optimization", "offload_param", "buffer_size"): "memory.offload.buffer_size",
     ("fp16", "enabled"): "memory.precision",
     ("bf16", "enabled"): "memory.precision",
-    ("bfloat16", "enabled"): "memory.precision",          # bf16's older name
-    ("torch_autocast", "enabled"): "memory.precision",    # autocast changes the compute dtype too
+    # other names DeepSpeed accepts for the keys above: deprecated switches that set an offload
+    # device to cpu, pydantic field names of stage3_* aliases, bf16's older name, and autocast,
+    # which changes the compute dtype
+    ("zero_optimization", "cpu_offload"): "memory.offload.optimizer",
+    ("zero_optimization", "cpu_offload_param"): "memory.offload.params",
+    ("zero_optimization", "prefetch_bucket_size"): "memory.zero.stage3_prefetch_bucket_size",
+    ("zero_optimization", "param_persistence_threshold"): "memory.zero.stage3_param_persistence_threshold",
+    ("bfloat16", "enabled"): "memory.precision",
+    ("torch_autocast", "enabled"): "memory.precision",
 }
 _OWNED_HINTS = {
     ("gradient_accumulation_steps",): "jobspec derives it as global_batch_size / (micro_batch_size x world size): "
@@ -164,7 +176,10 @@ def _owned_problems(section: dict) -> tuple[list[Problem], set]:
             if path not in refused:
                 refused.add(path)
                 why = "plan, --fit, the GPU pre-flight and the report read the spec"
-                if depth == len(owned):
+                if depth == len(owned) and _is_auto(node[key]):   # an HF Trainer config: jobspec does it
+                    message = f'jobspec sets this from `{field}`, as the HF Trainer does for "auto"'
+                    hint = f"remove the key; set `{field}` to change the value"
+                elif depth == len(owned):
                     message = f"jobspec sets this from `{field}`"
                     hint = _OWNED_HINTS.get(owned, f"set `{field}` instead: {why}")
                 else:   # a null or scalar would replace the whole compiled mapping, the owned key with it
@@ -187,7 +202,7 @@ class _Walker:
     def walk(self, value: Any, node: dict, path: tuple) -> None:
         if any(path[:n] in self.skip for n in range(1, len(path) + 1)):
             return
-        if self.auto_is_wrong and path and isinstance(value, str) and value.strip().lower() == "auto":
+        if self.auto_is_wrong and path and _is_auto(value):
             self.problems.append((path, '"auto" is resolved only by the HF Trainer; plain DeepSpeed would '
                                         "silently fall back to its own default",
                                   "write the value itself, or remove the key", False))
@@ -260,9 +275,15 @@ def _unknown_key(path: tuple, node: dict) -> Problem:
     elsewhere = [p for p in _key_index().get(key, ()) if p[:-1] != path[:-1]]
     if not close and elsewhere:
         where = " or ".join(f"`deepspeed.{'.'.join(p)}`" for p in elsewhere[:2])
-        return path, f"unknown key `{key}` here", f"it belongs under {where}", True
+        owner = OWNED_DEEPSPEED_KEYS.get(elsewhere[0])
+        tail = f", which jobspec sets from `{owner}`: set that instead" if owner else ""
+        return path, f"unknown key `{key}` here", f"it belongs at {where}{tail}", True
     label = "keys here" if path[:-1] else "DeepSpeed's top-level keys"
-    return path, f"unknown key `{key}`", _did_you_mean(str(key), here, label, DEEPSPEED_SCHEMA), True
+    hint = _did_you_mean(str(key), here, label, DEEPSPEED_SCHEMA)
+    owner = OWNED_DEEPSPEED_KEYS.get(path[:-1] + tuple(close)) if hint.startswith("did you mean") else None
+    if owner:
+        hint += f" jobspec sets it from `{owner}`: set that instead"
+    return path, f"unknown key `{key}`", hint, True
 
 
 @lru_cache(maxsize=1)
@@ -311,6 +332,10 @@ def local_checkpoint_config(resolved) -> dict | None:
 
 
 # ---------------------------------------------------------------- words
+
+def _is_auto(value: Any) -> bool:
+    return isinstance(value, str) and value.strip().lower() == "auto"
+
 
 def _is(value: Any, type_name: str) -> bool:
     return {

@@ -154,7 +154,8 @@ def test_unknown_top_level_key(tmp_path):
     (issue,) = issues_of(job)
     assert (issue.line, issue.column) == line_col(job.read_text(), "gradient_clippping")
     assert issue.dotted_path == "deepspeed.gradient_clippping"
-    assert issue.hint == "did you mean `gradient_clipping`?"
+    assert issue.hint == ("did you mean `gradient_clipping`? "
+                          "jobspec sets it from `training.gradient_clipping`: set that instead")
 
 
 def test_unknown_nested_key(tmp_path):
@@ -162,7 +163,8 @@ def test_unknown_nested_key(tmp_path):
     (issue,) = issues_of(job)
     assert (issue.line, issue.column) == line_col(job.read_text(), "reduce_bucket_sise")
     assert issue.dotted_path == "deepspeed.zero_optimization.reduce_bucket_sise"
-    assert issue.hint == "did you mean `reduce_bucket_size`?"
+    assert issue.hint == ("did you mean `reduce_bucket_size`? jobspec sets it from `memory.zero.reduce_bucket_size`: "
+                          "set that instead")
 
 
 def test_key_at_the_wrong_depth_says_where_it_belongs(tmp_path):
@@ -174,8 +176,8 @@ def test_key_at_the_wrong_depth_says_where_it_belongs(tmp_path):
     ({"zero_optimization": {"overlap_comm": "yes"}}, "deepspeed.zero_optimization.overlap_comm",
      "expected true or false or null, got string 'yes'"),
     ({"flops_profiler": {"top_modules": [3]}}, "deepspeed.flops_profiler.top_modules", "expected an integer, got list"),
-    ({"zero_optimization": {"reduce_bucket_size": 0}}, "deepspeed.zero_optimization.reduce_bucket_size",
-     "must be > 0, got 0"),
+    ({"zero_optimization": {"stage3_max_live_parameters": -1}},
+     "deepspeed.zero_optimization.stage3_max_live_parameters", "must be >= 0, got -1"),
     ({"zero_optimization": {"offload_optimizer": {"pin_memory": 1}}},
      "deepspeed.zero_optimization.offload_optimizer.pin_memory", "expected true or false, got integer 1"),
     ({"steps_per_print": "auto"}, "deepspeed.steps_per_print", '"auto" is resolved only by the HF Trainer'),
@@ -203,6 +205,19 @@ def test_owned_keys_are_refused_with_the_field_to_use(tmp_path, owned):
     assert issue.hint
 
 
+def test_hf_trainer_auto_values_name_the_field_that_replaces_them(tmp_path):
+    job = with_deepspeed(tmp_path, {"train_batch_size": "auto", "zero_optimization": {
+        "stage3_prefetch_bucket_size": "auto", "allgather_bucket_size": "auto"}}, zero_stage=3)
+    issues = {i.dotted_path: i for i in issues_of(job)}
+    assert set(issues) == {"deepspeed.train_batch_size", "deepspeed.zero_optimization.stage3_prefetch_bucket_size",
+                           "deepspeed.zero_optimization.allgather_bucket_size"}
+    assert "`training.global_batch_size`, as the HF Trainer does for \"auto\"" in \
+        issues["deepspeed.train_batch_size"].message
+    assert "memory.zero.stage3_prefetch_bucket_size" in issues[
+        "deepspeed.zero_optimization.stage3_prefetch_bucket_size"].message
+    assert "silently fall back" in issues["deepspeed.zero_optimization.allgather_bucket_size"].message
+
+
 def test_zero_stage_override_names_memory_zero_stage(tmp_path):
     job = write(tmp_path, TINY)
     (issue,) = issues_of(job, ["deepspeed.zero_optimization.stage=3"])
@@ -218,7 +233,7 @@ def test_replacing_an_owned_section_is_refused(tmp_path):
 
 
 def test_other_keys_of_owned_sections_compile_and_are_noted(tmp_path):
-    section = {"zero_optimization": {"overlap_comm": False, "reduce_bucket_size": 1000,
+    section = {"zero_optimization": {"overlap_comm": False, "allgather_bucket_size": 1000,
                                      "stage3_gather_16bit_weights_on_model_save": True},
                "fp16": {"loss_scale_window": 100}, "flops_profiler": {"enabled": True, "top_modules": 3}}
     resolved = load_and_validate(with_deepspeed(tmp_path, section, zero_stage=2, precision="fp16"))
@@ -228,12 +243,14 @@ def test_other_keys_of_owned_sections_compile_and_are_noted(tmp_path):
     assert compiled.ds_config["flops_profiler"] == {"enabled": True, "top_modules": 3}
     notes = "\n".join(compiled.notes)
     assert "deepspeed.zero_optimization.overlap_comm overrides compiled True -> False" in notes
+    assert "deepspeed.zero_optimization.allgather_bucket_size overrides compiled 500000000 -> 1000" in notes
     assert "deepspeed.fp16.loss_scale_window overrides compiled 1000 -> 100" in notes
     assert "deepspeed.flops_profiler adds {'enabled': True, 'top_modules': 3}" in notes
 
 
 KEYS = st.sampled_from(["zero_optimization", "offload_optimizer", "device", "stage", "fp16", "enabled", "optimizer",
-                         "tensor_parallel", "tp", "zenflow", "select_interval", "hidden_size", "auto", "x"]) | st.text(max_size=6)
+                        "tensor_parallel", "tp", "zenflow", "select_interval", "hidden_size", "auto", "x"]) \
+    | st.text(max_size=6)
 VALUES = st.recursive(st.none() | st.booleans() | st.integers(-3, 10**9) | st.floats(allow_nan=False) |
                       st.sampled_from(["auto", "cpu", "", "5e8"]),
                       lambda inner: st.lists(inner, max_size=3) | st.dictionaries(KEYS, inner, max_size=4),
@@ -273,13 +290,14 @@ def test_owned_keys_exist_in_deepspeed_and_their_fields_in_the_spec():
 
 def test_spec_reference_lists_exactly_the_owned_keys():
     description = load_schema()["properties"]["deepspeed"]["description"]
-    listed = description.split("Keys a spec field sets are refused with that field:")[1]
+    listed = description.split("Keys a spec field sets are refused with that field:")[1].split("Other keys")[0]
     assert set(re.findall(r"`([a-z0-9_.]+)`", listed)) == {".".join(p) for p in OWNED_DEEPSPEED_KEYS}
 
 
 def test_compiler_writes_every_owned_key_but_deepspeeds_aliases():
     """The compiler writes each owned key DeepSpeed reads directly, for the right spec."""
-    sweep = [{"zero_stage": 3, "precision": "fp16", "offload": {"optimizer": "cpu", "params": "cpu"}},
+    sweep = [{"zero_stage": 3, "precision": "fp16", "offload": {"optimizer": "cpu", "params": "nvme",
+                                                                "nvme_path": "/tmp"}},
              {"zero_stage": 2, "precision": "bf16"}]
     written = set()
     for memory in sweep:
@@ -287,6 +305,7 @@ def test_compiler_writes_every_owned_key_but_deepspeeds_aliases():
         config = compile_spec(spec).ds_config
         written |= {path for path in OWNED_DEEPSPEED_KEYS if _get(config, path) is not None}
     aliases = {("zero_optimization", "cpu_offload"), ("zero_optimization", "cpu_offload_param"),
+               ("zero_optimization", "prefetch_bucket_size"), ("zero_optimization", "param_persistence_threshold"),
                ("bfloat16", "enabled"), ("torch_autocast", "enabled")}
     assert written == set(OWNED_DEEPSPEED_KEYS) - aliases
 
@@ -301,6 +320,9 @@ def test_owned_aliases_do_what_the_table_says(monkeypatch):
     base = {"train_micro_batch_size_per_gpu": 1}
     zero = DeepSpeedConfig({**base, "zero_optimization": {"stage": 3, "cpu_offload": True, "cpu_offload_param": True}})
     assert (zero.zero_config.offload_optimizer.device, zero.zero_config.offload_param.device) == ("cpu", "cpu")
+    by_name = DeepSpeedConfig({**base, "zero_optimization": {"stage": 3, "prefetch_bucket_size": 7,
+                                                             "param_persistence_threshold": 9}}).zero_config
+    assert (by_name.prefetch_bucket_size, by_name.param_persistence_threshold) == (7, 9)
     assert DeepSpeedConfig({**base, "bfloat16": {"enabled": True}}).bfloat16_config.enabled
     assert DeepSpeedConfig({**base, "torch_autocast": {"enabled": True}}).torch_autocast_enabled
 
