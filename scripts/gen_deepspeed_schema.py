@@ -257,7 +257,8 @@ def pydantic_schema(model) -> dict:
                     out["properties"][name] = {**out["properties"][field.alias], "x-alias-of": field.alias}
         return out
 
-    return inline(raw, model)
+    # which model parses the section: it coerces as pydantic's lax mode does (5e8 -> 500000000)
+    return {**inline(raw, model), "x-pydantic": f"{model.__module__}.{model.__qualname__}"}
 
 
 # ---------------------------------------------------------------- assembly
@@ -311,7 +312,8 @@ def build() -> dict:
         "title": "DeepSpeed config",
         "description": "Every key DeepSpeed reads from its config, generated from the installed DeepSpeed by "
                        "scripts/gen_deepspeed_schema.py. x-removed: keys DeepSpeed refuses, with its reason; "
-                       "x-alias-of: the key's other accepted name.",
+                       "x-alias-of: the key's other accepted name; x-pydantic: the model that parses a "
+                       "section (in lax mode: an integral number is an integer there).",
         "x-deepspeed-version": deepspeed.__version__,
         **root,
     }

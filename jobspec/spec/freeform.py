@@ -199,15 +199,17 @@ class _Walker:
         self.skip = skip                      # paths already reported (owned keys): nothing below them
         self.problems: list[Problem] = []
 
-    def walk(self, value: Any, node: dict, path: tuple) -> None:
+    def walk(self, value: Any, node: dict, path: tuple, lax: bool = False) -> None:
+        """`lax`: inside a section DeepSpeed parses with pydantic, which takes 5e8 (a float) as an integer."""
         if any(path[:n] in self.skip for n in range(1, len(path) + 1)):
             return
+        lax = lax or "x-pydantic" in node
         if self.auto_is_wrong and path and _is_auto(value):
             self.problems.append((path, '"auto" is resolved only by the HF Trainer; plain DeepSpeed would '
                                         "silently fall back to its own default",
                                   "write the value itself, or remove the key", False))
             return
-        branch = _branch(value, node)
+        branch = _branch(value, node, lax)
         if branch is None:
             types = _node_types(node)
             self.problems.append((path, f"expected {_types_text(types)}, got {_describe(value)}",
@@ -221,28 +223,28 @@ class _Walker:
             extra = branch.get("additionalProperties", True)
             for key, child in value.items():
                 if key in properties:
-                    self.walk(child, properties[key], path + (key,))
+                    self.walk(child, properties[key], path + (key,), lax)
                 elif isinstance(extra, dict):
-                    self.walk(child, extra, path + (key,))
+                    self.walk(child, extra, path + (key,), lax)
                 elif extra is False:
                     self.problems.append(_unknown_key(path + (key,), branch))
         elif isinstance(value, list) and isinstance(branch.get("items"), dict):
             for index, item in enumerate(value):
-                self.walk(item, branch["items"], path + (index,))
+                self.walk(item, branch["items"], path + (index,), lax)
 
 
-def _branch(value: Any, node: dict) -> dict | None:
+def _branch(value: Any, node: dict, lax: bool = False) -> dict | None:
     """The part of `node` that describes `value` (the matching anyOf/oneOf branch), None on a type mismatch."""
     alternatives = node.get("anyOf") or node.get("oneOf")
     if alternatives:
         for alternative in alternatives:
-            branch = _branch(value, alternative)
+            branch = _branch(value, alternative, lax)
             if branch is not None:
                 return {**{k: v for k, v in node.items() if k not in ("anyOf", "oneOf")}, **branch}
         return None
     types = node.get("type")
     types = [types] if isinstance(types, str) else types
-    return node if not types or any(_is(value, t) for t in types) else None
+    return node if not types or any(_is(value, t, lax) for t in types) else None
 
 
 def _node_types(node: dict) -> list[str]:
@@ -337,7 +339,9 @@ def _is_auto(value: Any) -> bool:
     return isinstance(value, str) and value.strip().lower() == "auto"
 
 
-def _is(value: Any, type_name: str) -> bool:
+def _is(value: Any, type_name: str, lax: bool = False) -> bool:
+    if lax and type_name == "integer" and isinstance(value, float) and value.is_integer():
+        return True
     return {
         "object": lambda: isinstance(value, dict), "array": lambda: isinstance(value, list),
         "string": lambda: isinstance(value, str), "boolean": lambda: isinstance(value, bool),

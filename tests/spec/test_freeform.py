@@ -190,6 +190,20 @@ def test_wrong_values_are_positioned(tmp_path, section, path, words):
     assert issue.file == str(job) and issue.line > 1
 
 
+def test_an_integral_number_is_an_integer_only_where_pydantic_parses(tmp_path):
+    """DeepSpeed's pydantic sections coerce 5e8 to 500000000; keys it reads with dict.get take it as it is."""
+    assert load_and_validate(with_deepspeed(tmp_path, {"zero_optimization": {"allgather_bucket_size": 5e8}},
+                                            zero_stage=2))
+    (issue,) = issues_of(with_deepspeed(tmp_path, {"aio": {"block_size": 1.048576e6}}))
+    assert issue.message == "expected an integer, got number 1048576.0"
+    assert issue.hint == "write 1048576 without a decimal point"
+    if importlib.util.find_spec("deepspeed"):
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+        assert DeepSpeedZeroConfig(allgather_bucket_size=5e8).allgather_bucket_size == 500_000_000
+        with pytest.raises(ValueError):   # pydantic's ValidationError: what the ranks would hit
+            DeepSpeedZeroConfig(reduce_bucket_sise=5)
+
+
 @pytest.mark.parametrize("owned", sorted(OWNED_DEEPSPEED_KEYS), ids=".".join)
 def test_owned_keys_are_refused_with_the_field_to_use(tmp_path, owned):
     section: dict = {}
