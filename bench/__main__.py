@@ -59,7 +59,8 @@ def run_jobspec(job: Path, work: Path, tag: str, log) -> dict:
     subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True)
     run_dir = max((work / job.stem / tag).glob("run-*"), key=lambda p: p.stat().st_mtime)
     info = json.loads((run_dir / "mlflow_run.json").read_text())
-    from jobspec import report, telemetry
+    from jobspec.report import table as report
+    from jobspec.tracking import telemetry
     client = telemetry._client(info["tracking_uri"])
     series = report.metric_series(client, info["run_id"], METRICS)
     reduce = {name: (report.series_max if name.startswith("mem/") else report.steady_state) for name in METRICS}
@@ -80,7 +81,7 @@ def run_baseline(job: Path, work: Path, tag: str, log) -> dict:
     module = ["--module", "bench.trainer_baseline", "--run-dir", str(run_dir), "--out", str(out)]
     world = spec["resources"]["gpus_per_node"]
     if uses_deepspeed(spec) or world > 1:  # the runner sets up the ranks' distributed environment
-        from jobspec.launcher import free_port, runner_prefix
+        from jobspec.launch.launcher import free_port, runner_prefix
         cmd = runner_prefix() + ["--num_gpus", str(world), "--master_port", str(free_port()), *module]
     else:
         cmd = [sys.executable, "-m", *module[1:]]

@@ -20,7 +20,7 @@ Per row, one training step (forward + backward), measured on any device:
   the CPU stand-in for `torch.cuda.max_memory_allocated` minus what existed before the step;
 - recomputed: layer forwards run again in backward, as a fraction of one forward;
 - step time relative to no checkpointing (fastest of --repeats, after a warm-up step);
-- planner: `jobspec.planner` activations (layers + embeddings + logits) for the every-k rows;
+- planner: `jobspec.memory.planner` activations (layers + embeddings + logits) for the every-k rows;
 - on CUDA also `torch.cuda.max_memory_allocated` minus the memory allocated before the step.
 """
 from __future__ import annotations
@@ -38,8 +38,8 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 from torch.utils.weak import WeakIdKeyDictionary  # noqa: E402
 
-from jobspec.mlp import MLPClassifier, MLPConfig  # noqa: E402
-from jobspec.patches import checkpoint_every_nth_layer  # noqa: E402
+from jobspec.train.mlp import MLPClassifier, MLPConfig  # noqa: E402
+from jobspec.train.patches import checkpoint_every_nth_layer  # noqa: E402
 
 MiB = 2**20
 VOCAB, LABELS = 1024, 2
@@ -188,14 +188,15 @@ def measure(model, batch, repeats: int) -> dict:
 
 def planner_activations(hidden: int, layers: int, batch: int, seq: int, every: int | None) -> int:
     """What jobspec's planner predicts for the same model and batch (activation rows only)."""
-    from jobspec.modelinfo import model_dims
-    from jobspec.planner import activation_bytes
-    from jobspec.schema import fill_defaults
+    from jobspec.memory.planner import activation_bytes
+    from jobspec.spec.derived import derive
+    from jobspec.spec.schema import fill_defaults
 
     spec = fill_defaults({"model": {"architecture": "mlp", "num_labels": LABELS,
                                     "config": {"hidden_size": hidden, "num_layers": layers, "vocab_size": VOCAB}},
+                          "data": {"synthetic": {"seq_len": seq}}, "training": {"micro_batch_size": batch},
                           "memory": {"activation_checkpointing": {"every_n_layers": every} if every else False}})
-    parts = activation_bytes(spec, model_dims(spec), batch, seq, 4)
+    parts = activation_bytes(spec, derive(spec), 4)
     return sum(parts.values())
 
 

@@ -176,7 +176,7 @@ def compile_run_dir(job: Path, work: Path, tag: str, args, log) -> tuple[Path, f
 
 
 def run_hand_loop(job: Path, work: Path, tag: str, args, log) -> dict:
-    from jobspec.launcher import free_port, runner_prefix
+    from jobspec.launch.launcher import free_port, runner_prefix
     run_dir, compile_s = compile_run_dir(job, work, tag, args, log)
     cmd = runner_prefix() + ["--num_gpus", str(args.ranks), "--master_port", str(free_port()),
                              str(REPO / "bench" / "hand_loop.py"), "--run-dir", str(run_dir)]
@@ -204,10 +204,10 @@ def probe(run_dir: Path, steps: int, block: int, warmup: int) -> dict:
 
     import deepspeed
 
-    from jobspec import worker
-    from jobspec.data import make_loader
-    from jobspec.progress import Progress, RunState, StepReporter, Window
-    from jobspec.telemetry import MetricSink
+    from jobspec.train import worker
+    from jobspec.train.data import make_loader
+    from jobspec.train.progress import Progress, RunState, StepReporter, Window
+    from jobspec.tracking.telemetry import MetricSink
 
     files = worker.read_run_dir(run_dir)
     deepspeed.init_distributed()
@@ -274,8 +274,8 @@ def _thread_cpu_s(thread) -> float:
 
 
 def run_probe(job: Path, work: Path, args, log) -> dict:
-    from jobspec import telemetry
-    from jobspec.launcher import free_port
+    from jobspec.tracking import telemetry
+    from jobspec.launch.launcher import free_port
     # the schedule spans the probe's steps (the learning rate does not change the work, but stay valid)
     run_dir, _ = compile_run_dir(job, work, "probe", argparse.Namespace(**{**vars(args), "steps": args.probe_steps}),
                                  log)

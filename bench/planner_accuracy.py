@@ -5,7 +5,7 @@
     python bench/planner_accuracy.py --guide    # planner next to the HF single-GPU guide's 7 bert-large rows
 
 Each row builds the model from its config (no downloads), wraps it with `deepspeed.initialize` using the
-config `jobspec.compiler` writes, runs a few steps on random tokens and reads the allocator's peak.
+config `jobspec.compile.compiler` writes, runs a few steps on random tokens and reads the allocator's peak.
 Prints a markdown table with the error of each row and the median absolute error.
 """
 from __future__ import annotations
@@ -18,10 +18,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from jobspec.compiler import compile_spec  # noqa: E402
-from jobspec.modelinfo import model_dims  # noqa: E402
-from jobspec.planner import CUDA_CONTEXT_BYTES, MiB, plan_memory  # noqa: E402
-from jobspec.schema import fill_defaults  # noqa: E402
+from jobspec.compile.compiler import compile_spec  # noqa: E402
+from jobspec.spec.derived import derive  # noqa: E402
+from jobspec.memory.planner import CUDA_CONTEXT_BYTES, MiB, plan_memory  # noqa: E402
+from jobspec.spec.schema import fill_defaults  # noqa: E402
 
 MODELS = {
     "bert-large": {"architecture": "bert", "config": {"hidden_size": 1024, "num_hidden_layers": 24,
@@ -78,12 +78,12 @@ def measure(spec: dict, steps: int = 3) -> int:
     """Peak allocated bytes of a few real steps on cuda:0 (single rank, DeepSpeed engine)."""
     import deepspeed
     import torch
-    from jobspec.model import build_model
-    from jobspec.patches import apply_patches, build_client_optimizer
+    from jobspec.train.model import build_model
+    from jobspec.train.patches import apply_patches, build_client_optimizer
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-    compiled = compile_spec(spec, model_dims=model_dims(spec))
+    compiled = compile_spec(spec, derive(spec))
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     model = build_model(spec)
@@ -123,7 +123,7 @@ def main() -> int:
         for label, micro, accumulation, precision, ckpt, optimizer, measured_mb in GUIDE:
             spec = row_spec("bert-large", 512, micro, precision, ckpt, optimizer, 0, "none", accumulation,
                             attention="eager")   # the guide predates SDPA in BERT
-            plan = plan_memory(spec, model_dims(spec))
+            plan = plan_memory(spec, derive(spec))
             predicted_mb = (plan.peak_reserved + GUIDE_CONTEXT) / 10**6
             errors.append(abs(predicted_mb / measured_mb - 1))
             out.append((label, f"{predicted_mb:.0f}", measured_mb, f"{100 * (predicted_mb / measured_mb - 1):+.1f}%"))
@@ -139,7 +139,7 @@ def main() -> int:
     out, errors = [], []
     for row in ROWS:
         spec = row_spec(*row)
-        plan = plan_memory(spec, model_dims(spec))
+        plan = plan_memory(spec, derive(spec))
         predicted = plan.peak_allocated
         label = " ".join(str(c if not isinstance(c, dict) else f"every{c['every_n_layers']}") for c in row)
         if args.dry_run:

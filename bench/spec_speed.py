@@ -80,16 +80,17 @@ def main() -> None:
     print(f"{'load average (1 min)':<34} {os.getloadavg()[0]:7.2f} on {os.cpu_count()} cores")
 
     start = time.perf_counter()
-    from jobspec.validation import load_and_validate
+    from jobspec.spec.validation import load_and_validate
     resolved = load_and_validate(args.job)
     print(f"{'first in-process validate':<34} {(time.perf_counter() - start) * 1000:7.1f} ms (imports included)")
     report("load_and_validate (warm)", time_call(lambda: load_and_validate(args.job), args.runs))
     try:
-        from jobspec.compiler import compile_spec
+        from jobspec.compile.compiler import compile_spec
+        from jobspec.spec.derived import derive
     except ImportError:
-        print("jobspec.compiler not available: compile_spec not timed")
+        print("jobspec.compile.compiler not available: compile_spec not timed")
         return
-    report("compile_spec (warm)", time_call(lambda: compile_spec(resolved.spec), args.runs))
+    report("compile_spec (warm)", time_call(lambda: compile_spec(resolved.spec, derive(resolved.spec)), args.runs))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
     deepspeed --num_gpus N --module bench.trainer_baseline --run-dir DIR --out result.json   # ZeRO >= 1
 
 DIR is a `jobspec compile --out` directory. The baseline builds the same model from the same config
-and seed (`jobspec.model.build_model`), the same synthetic samples (`jobspec.data.synthetic_dataset`:
+and seed (`jobspec.train.model.build_model`), the same synthetic samples (`jobspec.train.data.synthetic_dataset`:
 same seed, same token ids), and `TrainingArguments` with the job's micro/global batch, accumulation,
 precision, gradient checkpointing, optimizer, schedule, clipping and max_steps; with ZeRO >= 1 it
 passes the compiled `ds_config.json` as `deepspeed=`, so both sides run the same DeepSpeed config.
@@ -115,7 +115,7 @@ def make_callback(window: int, device):
     """A TrainerCallback timing optimizer steps and reading memory at window ends (like the worker)."""
     from transformers import TrainerCallback
 
-    from jobspec import metrics
+    from jobspec.train import metrics
 
     class SteadyState(TrainerCallback):
         def __init__(self):
@@ -143,9 +143,9 @@ def run(run_dir: Path, out: Path) -> dict:
     import torch.distributed as dist
     from transformers import Trainer, TrainingArguments, set_seed
 
-    from jobspec import metrics
-    from jobspec.data import synthetic_dataset
-    from jobspec.model import build_model
+    from jobspec.train import metrics
+    from jobspec.train.data import synthetic_dataset
+    from jobspec.train.model import build_model
 
     spec, ds_config, derived = read_run_dir(run_dir)
     if spec["data"].get("synthetic") is None:
@@ -170,13 +170,13 @@ def run(run_dir: Path, out: Path) -> dict:
     result = {"perf/samples_per_s": samples_per_s, "perf/tokens_per_s": samples_per_s * tokens_per_sample,
               **{f"mem/{k}_max": v for k, v in callback.memory.items()},
               "windows": len(per_window), "world_size": world}
-    flops = metrics.flops_per_token(model, synthetic["seq_len"],
-                                    checkpoint_every_n_layers=1 if args.gradient_checkpointing else None)
     device_name = torch.cuda.get_device_name() if not use_cpu else "cpu"
     peak = metrics.peak_flops(device_name, spec["memory"]["precision"])
     if peak:  # absent on CPU, as in the worker
-        per_device = flops * result["perf/tokens_per_s"] / world
-        result.update({"perf/tflops_per_device": per_device / 1e12, "perf/mfu": per_device / peak})
+        # the worker's numbers, from the same launch.json: TFLOP/s with recompute, MFU without
+        tokens_per_s_device = result["perf/tokens_per_s"] / world
+        result.update({"perf/tflops_per_device": derived["hardware_flops_per_token"] * tokens_per_s_device / 1e12,
+                       "perf/mfu": derived["model_flops_per_token"] * tokens_per_s_device / peak})
     if int(os.environ.get("RANK", "0")) == 0:
         out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     if dist.is_available() and dist.is_initialized():

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from jobspec.schema import fill_defaults
+from jobspec.spec.schema import fill_defaults
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -78,12 +78,13 @@ def make_run_dir(root: Path, overrides: dict | None = None, name: str = "run") -
     world = spec["resources"]["nodes"] * spec["resources"]["gpus_per_node"]
     num_samples = spec["data"]["synthetic"]["num_samples"]
     try:
-        from jobspec.compiler import compile_spec
+        from jobspec.compile.compiler import compile_spec
     except ImportError:
         compile_spec = None
     if compile_spec is not None:
-        compiled = compile_spec(spec, num_train_samples=num_samples, run_dir=str(run_dir))
-        ds_config, patches, derived = compiled.ds_config, compiled.patches, compiled.derived
+        from jobspec.spec.derived import derive
+        compiled = compile_spec(spec, derive(spec, num_train_samples=num_samples), run_dir=str(run_dir))
+        ds_config, patches, derived = compiled.ds_config, compiled.patches, compiled.derived.as_dict()
         launch = dict(compiled.launch)
     else:
         training = spec["training"]
@@ -103,10 +104,10 @@ def make_run_dir(root: Path, overrides: dict | None = None, name: str = "run") -
 
 
 def worker_argv(run_dir: Path, num_ranks: int = 2) -> list[str]:
-    """The command `jobspec launch` runs: the real deepspeed runner starting jobspec.worker ranks."""
+    """The command `jobspec launch` runs: the real deepspeed runner starting jobspec.train.worker ranks."""
     deepspeed = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
     return [deepspeed, "--num_gpus", str(num_ranks), "--master_port", str(free_port()),
-            "--module", "jobspec.worker", "--run-dir", str(run_dir)]
+            "--module", "jobspec.train.worker", "--run-dir", str(run_dir)]
 
 
 def worker_env(env: dict | None = None) -> dict:

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jobspec.cli import main
-from jobspec.loader import MAX_FILE_BYTES
+from jobspec.spec.loader import MAX_FILE_BYTES
 
 VALID_TEXT = (Path(__file__).parent / "assets" / "valid" / "tiny-bert.yaml").read_text()
 VALID_SPEC = yaml.safe_load(VALID_TEXT)

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jobspec.errors import SpecError
-from jobspec.validation import load_and_validate
+from jobspec.spec.validation import load_and_validate
 
 VALID_FILE = Path(__file__).parent / "assets" / "valid" / "tiny-bert.yaml"
 VALID_TEXT = VALID_FILE.read_text()

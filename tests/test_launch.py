@@ -18,7 +18,9 @@ import psutil
 import pytest
 import yaml
 
-from jobspec import launcher, telemetry
+from jobspec.launch import launcher
+
+from jobspec.tracking import telemetry
 from jobspec.cli import main
 from jobspec.commands import launch as launch_cmd
 from jobspec.errors import SpecError
@@ -299,7 +301,7 @@ def test_dry_run_starts_nothing(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert '"train_micro_batch_size_per_gpu": 4' in out
     command = out.strip().splitlines()[-1]
-    assert "--module jobspec.worker --run-dir" in command and "--num_gpus 2" in command
+    assert "--module jobspec.train.worker --run-dir" in command and "--num_gpus 2" in command
     assert not (tmp_path / "out").exists() and not (tmp_path / "mlflow.db").exists()
 
 

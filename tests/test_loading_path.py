@@ -129,9 +129,9 @@ def test_compile_counts_csv_rows_and_resolves_paths_against_the_spec(project, tm
 def test_jsonl_csv_and_parquet_give_the_same_tensors(project):
     import torch
 
-    from jobspec.data import build_datasets
-    from jobspec.model import build_tokenizer
-    from jobspec.validation import load_and_validate
+    from jobspec.train.data import build_datasets
+    from jobspec.train.model import build_tokenizer
+    from jobspec.spec.validation import load_and_validate
 
     built = {}
     for fmt in ("jsonl", "csv", "parquet"):
@@ -174,7 +174,7 @@ def test_launch_trains_a_local_checkpoint_on_parquet_with_jsonl_eval(project, tm
     assert (summary["status"], summary["steps"], summary["samples"]) == ("finished", total, total * MICRO * WORLD)
     assert summary["eval_loss"] is not None and math.isfinite(summary["eval_loss"])
 
-    from jobspec import telemetry
+    from jobspec.tracking import telemetry
     info = json.loads((run_dir / "mlflow_run.json").read_text())
     client = telemetry._client(info["tracking_uri"])
     assert client.get_run(info["run_id"]).info.status == "FINISHED"

@@ -154,7 +154,7 @@ def test_matrix_launch_trains_and_logs(tmp_path, tracking_uri, case, request):
     assert (summary["steps"], summary["samples"]) == (STEPS, STEPS * batch["global_batch"])
     assert summary["final_loss"] is not None and math.isfinite(summary["final_loss"])
 
-    from jobspec import telemetry
+    from jobspec.tracking import telemetry
     info = json.loads((run_dir / "mlflow_run.json").read_text())
     client = telemetry._client(info["tracking_uri"])
     run = client.get_run(info["run_id"])

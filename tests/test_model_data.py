@@ -6,10 +6,10 @@ import json
 import pytest
 import torch
 
-from jobspec.data import IGNORE_INDEX, build_datasets, make_loader
+from jobspec.train.data import IGNORE_INDEX, build_datasets, make_loader
 from jobspec.errors import SpecError
-from jobspec.model import build_model, build_tokenizer
-from jobspec.schema import fill_defaults
+from jobspec.train.model import build_model, build_tokenizer
+from jobspec.spec.schema import fill_defaults
 
 BERT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, vocab_size=300,
             max_position_embeddings=64)
@@ -233,7 +233,7 @@ def _order(dataset, **kwargs) -> list[int]:
 
 
 def test_loader_shards_ranks_evenly_and_deterministically():
-    from jobspec.data import TensorDictDataset
+    from jobspec.train.data import TensorDictDataset
 
     dataset = TensorDictDataset({"input_ids": torch.zeros(20, 2, dtype=torch.long),
                                  "labels": torch.arange(20)})

@@ -1,4 +1,4 @@
-"""`training.on_oom`: the worker's OOM policy (jobspec/oom.py).
+"""`training.on_oom`: the worker's OOM policy (jobspec/train/oom.py).
 
 Fast tests drive `OomGuard` with stand-in engines; `slow` ones inject an OOM
 (`JOBSPEC_INJECT_OOM_AT_STEP`) into 2 CPU ranks started by the real deepspeed runner.
@@ -13,9 +13,9 @@ import torch
 
 from conftest import make_run_dir, read_metrics, run_worker
 from jobspec.errors import SpecError
-from jobspec.oom import INJECT_AT_STEP_ENV, INJECT_RANK_ENV, OomGuard, halved_run_files
-from jobspec.progress import RunState, Window
-from jobspec.worker import read_run_dir
+from jobspec.train.oom import INJECT_AT_STEP_ENV, INJECT_RANK_ENV, OomGuard, halved_run_files
+from jobspec.train.progress import RunState, Window
+from jobspec.train.worker import read_run_dir
 
 # No dropout: a step redone with half the micro-batch then computes the same gradients (up to
 # float rounding), so the run after the OOM must follow the uninterrupted one closely.

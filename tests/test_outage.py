@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from mlflow_server import ENV, launch_argv, only_run_dir, shared, write_job
 
-from jobspec import telemetry
+from jobspec.tracking import telemetry
 from jobspec.cli import main
 
 

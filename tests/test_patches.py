@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from jobspec.errors import SpecError
-from jobspec.patches import (DEEPSPEED_OPTIMIZERS, PATCHES, apply_patches, build_client_optimizer,
+from jobspec.train.patches import (DEEPSPEED_OPTIMIZERS, PATCHES, apply_patches, build_client_optimizer,
                              checkpoint_every_nth_layer, find_layer_stack)
-from jobspec.schema import enum_values
+from jobspec.spec.schema import enum_values
 
 NUM_LAYERS = 4
 TINY = {

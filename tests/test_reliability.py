@@ -14,10 +14,16 @@ import psutil
 import pytest
 from mlflow_server import ENV, launch_argv, only_run_dir, write_job
 
-from jobspec import checkpointing, launcher, telemetry
+from jobspec.memory.planner import checkpoint_bytes
+from jobspec.spec.derived import derive
+from jobspec.train import checkpointing
+
+from jobspec.launch import launcher
+
+from jobspec.tracking import telemetry
 from jobspec.cli import main
 from jobspec.errors import SpecError
-from jobspec.faults import INJECT_ENV, SKIPPED_METRIC
+from jobspec.train.faults import INJECT_ENV, SKIPPED_METRIC
 
 
 @pytest.fixture
@@ -59,10 +65,10 @@ def test_a_disk_too_small_for_one_checkpoint_is_refused_before_anything_starts(t
     assert "GiB free but one checkpoint needs about" in err and "checkpoint.dir" in err
     assert not list((tmp_path / "out-huge").glob("run-*"))
     # the estimate follows the model: the tiny one fits easily
-    from jobspec.validation import load_and_validate
+    from jobspec.spec.validation import load_and_validate
     tiny = load_and_validate(write_job(tmp_path, "tiny", store))
-    assert 0 < launcher.checkpoint_bytes(tiny.spec) < 10 * 2**20
-    assert launcher.checkpoint_space_problem(tiny.spec) is None
+    assert 0 < checkpoint_bytes(tiny.spec, derive(tiny.spec)) < 10 * 2**20
+    assert launcher.checkpoint_space_problem(tiny.spec, derive(tiny.spec)) is None
 
 
 class FakeEngine:

@@ -1,5 +1,5 @@
 """`jobspec report`: rows from MLflow runs shaped like real ones (params/artifacts through
-jobspec.telemetry, metrics with the shared names), CSV/markdown/table output, plots logged as
+jobspec.tracking.telemetry, metrics with the shared names), CSV/markdown/table output, plots logged as
 artifacts, clean errors; and one real quickstart launch reported end to end (slow)."""
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from jobspec import report, telemetry
+from jobspec.report import table as report
+
+from jobspec.tracking import telemetry
 from jobspec.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -91,7 +93,7 @@ def test_csv_rows_hold_the_settings_steady_throughput_and_peaks(experiment, caps
     assert float(cpu["host_rss_mib"]) == 350.0           # max of the series
     assert cpu["mfu"] == cpu["peak_allocated_mib"] == cpu["nvml_used_mib"] == ""  # absent on CPU, not 0
     spec = yaml.safe_load((experiment["tmp"] / "cpu-run" / "resolved.yaml").read_text())
-    assert float(cpu["predicted_mib"]) == pytest.approx(report.predicted_peak_mib(spec, 2))
+    assert float(cpu["predicted_mib"]) == pytest.approx(report.predicted_peak_mib(spec))
 
     gpu = rows["gpu-ckpt"]
     assert (gpu["zero"], gpu["micro"], gpu["global"], gpu["accum"], gpu["checkpointing"]) == ("2", "4", "16", "2", "all")
@@ -138,7 +140,7 @@ def test_plots_are_pngs_logged_once_per_run(experiment, capsys, tmp_path):
         assert Path(local).read_bytes()[:8] == PNG_MAGIC
     assert client.list_artifacts(experiment["ids"]["broken"], "plots") == []  # nothing to draw
     # a second report leaves the logged plots alone
-    from jobspec import plots
+    from jobspec.report import plots
     assert plots.log_run_plots(client, experiment["ids"]["cpu-run"], {"perf/samples_per_s": [(1, 1.0)]}) == []
 
 

@@ -1,4 +1,4 @@
-"""Resuming a checkpoint on another world size (jobspec/reshard.py): decisions, data position, the
+"""Resuming a checkpoint on another world size (jobspec/train/reshard.py): decisions, data position, the
 universal-checkpoint path through the real deepspeed runner."""
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import pytest
 import torch
 from conftest import make_run_dir, read_metrics, run_worker
 
-from jobspec import checkpointing, reshard
-from jobspec.data import TensorDictDataset, make_loader
+from jobspec.train import checkpointing
+
+from jobspec.train import reshard
+from jobspec.train.data import TensorDictDataset, make_loader
 from jobspec.errors import SpecError
 
 # ----------------------------------------------------------------------------- fast, no ranks

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from jobspec import slurm
+from jobspec.launch import slurm
 from jobspec.cli import main
 from jobspec.errors import SpecError
-from jobspec.validation import load_and_validate
+from jobspec.spec.validation import load_and_validate
 
 REPO = Path(__file__).resolve().parent.parent
 ASSETS = REPO / "tests" / "assets" / "slurm"

@@ -12,9 +12,9 @@ import pytest
 import yaml
 from mlflow_server import ENV, launch_argv, only_run_dir, shared, write_job
 
-from jobspec import telemetry
+from jobspec.tracking import telemetry
 from jobspec.cli import main
-from jobspec.schema import fill_defaults
+from jobspec.spec.schema import fill_defaults
 
 PACKAGE = Path(__file__).resolve().parent.parent / "jobspec"
 VALID = Path(__file__).parent / "assets" / "valid" / "tiny-bert.yaml"
@@ -28,7 +28,7 @@ def test_no_shell_strings_anywhere_in_the_package():
 
 
 def test_trust_remote_code_is_off_by_default_and_loud_when_on(capsys):
-    from jobspec.model import _warn_remote_code
+    from jobspec.train.model import _warn_remote_code
     assert fill_defaults({"model": {"architecture": "bert"}})["model"]["trust_remote_code"] is False
     _warn_remote_code({"name_or_path": "someone/model", "trust_remote_code": False})
     assert capsys.readouterr().err == ""

@@ -1,5 +1,5 @@
 """DeepSpeed's CPU all-reduce buffers in /dev/shm are removed after a job, and only that job's."""
-from jobspec.launcher import remove_shared_memory_buffers
+from jobspec.launch.launcher import remove_shared_memory_buffers
 
 
 def test_only_the_finished_jobs_buffers_are_removed(tmp_path):

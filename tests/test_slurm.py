@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from jobspec import slurm
+from jobspec.launch import slurm
 from jobspec.errors import SpecError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -50,7 +50,7 @@ def test_allocation_from_environment():
 
 def _launch(nodes=2, gpus=4, port=29123):
     return {"argv": ["deepspeed", "--num_nodes", str(nodes), "--num_gpus", str(gpus), "--master_port", str(port),
-                     "--module", "jobspec.worker", "--run-dir", "/r"],
+                     "--module", "jobspec.train.worker", "--run-dir", "/r"],
             "nodes": nodes, "gpus_per_node": gpus, "master_port": port, "world_size": nodes * gpus}
 
 
@@ -63,15 +63,15 @@ def test_allocation_argv_runs_one_runner_per_node_without_a_shell(tmp_path):
     assert argv[:5] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
     tail = argv[argv.index("node-runner") + 1:]
     assert tail == ["deepspeed", "--no_ssh", "--hostfile", str(hostfile), "--num_nodes", "2", "--num_gpus", "4",
-                    "--master_addr", "10.0.0.1", "--master_port", "29123", "--module", "jobspec.worker",
+                    "--master_addr", "10.0.0.1", "--master_port", "29123", "--module", "jobspec.train.worker",
                     "--run-dir", "/runs/r 1"]
     assert not any(a in ("bash", "sh", "-c") for a in argv)
 
 
 def test_node_runner_takes_the_node_rank_from_its_own_task():
-    runner = ["deepspeed", "--no_ssh", "--hostfile", "h", "--module", "jobspec.worker"]
+    runner = ["deepspeed", "--no_ssh", "--hostfile", "h", "--module", "jobspec.train.worker"]
     assert slurm.node_runner_argv(runner, {"SLURM_NODEID": "1"}) == [
-        "deepspeed", "--node_rank", "1", "--no_ssh", "--hostfile", "h", "--module", "jobspec.worker"]
+        "deepspeed", "--node_rank", "1", "--no_ssh", "--hostfile", "h", "--module", "jobspec.train.worker"]
     with pytest.raises(SystemExit):
         slurm.node_runner_argv(runner, {})
 

@@ -6,8 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from jobspec.docs import REGENERATE, render_markdown
-from jobspec.schema import load_schema, object_branch
+from jobspec.spec.docs import REGENERATE, render_markdown
+from jobspec.spec.schema import load_schema, object_branch
 
 SPEC_MD = Path(__file__).parent.parent / "docs" / "spec.md"
 

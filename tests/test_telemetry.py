@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from jobspec import telemetry
-from jobspec.schema import fill_defaults
+from jobspec.tracking import telemetry
+from jobspec.spec.schema import fill_defaults
 
 SECRET = "s3cr3t-pa55"
 
@@ -46,7 +46,7 @@ def make_run_dir(tmp_path: Path, spec: dict, text: str) -> Path:
     (run_dir / "spec.yaml").write_text(text)
     (run_dir / "resolved.yaml").write_text(yaml.safe_dump(spec))
     (run_dir / "ds_config.json").write_text(json.dumps({"train_batch_size": 16}))
-    (run_dir / "command.txt").write_text("deepspeed --num_gpus 2 --module jobspec.worker\n")
+    (run_dir / "command.txt").write_text("deepspeed --num_gpus 2 --module jobspec.train.worker\n")
     return run_dir
 
 

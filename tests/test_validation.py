@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from jobspec.errors import SpecError
-from jobspec.validation import job_name, load_and_validate
+from jobspec.spec.validation import job_name, load_and_validate
 
 ASSETS = Path(__file__).parent / "assets"
 BROKEN = ASSETS / "broken"
@@ -109,7 +109,7 @@ def test_a_valid_override_can_still_break_a_cross_field_rule():
 
 
 def test_validation_does_not_import_heavy_libraries():
-    code = ("import sys; from jobspec.validation import load_and_validate; "
+    code = ("import sys; from jobspec.spec.validation import load_and_validate; "
             f"load_and_validate({str(VALID / 'tiny-bert.yaml')!r}); "
             "print(sorted(m for m in ('torch','deepspeed','transformers','mlflow','datasets') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -159,7 +159,7 @@ def test_cli_unreadable_input_is_a_clean_error(target, tmp_path):
 
 
 def test_cli_schema_json_is_the_schema():
-    from jobspec.schema import load_schema
+    from jobspec.spec.schema import load_schema
 
     out = jobspec("schema")
     assert out.returncode == 0 and json.loads(out.stdout) == load_schema()
@@ -172,3 +172,25 @@ def test_locate_gives_unpositioned_issues_a_position():
     located = resolved.locate(spec_error("too big", path=("memory", "zero_stage"), hint="smaller"))
     (issue,) = located.issues
     assert (Path(issue.file).name, issue.line, issue.column, issue.hint) == ("tiny-bert.yaml", 26, 15, "smaller")
+
+
+@pytest.mark.parametrize("field, value, ok", [
+    ("sub_group_size", 0, True),            # DeepSpeed accepts 0 (peer configs use it)
+    ("reduce_bucket_size", 0, False),       # DeepSpeedZeroConfig: gt=0
+    ("allgather_bucket_size", 0, False),    # ZeRO 1/2 divide by it
+    ("reduce_bucket_size", 1, True),
+    ("stage3_prefetch_bucket_size", 0, True),
+])
+def test_zero_bounds_match_deepspeeds(field, value, ok):
+    job = str(Path(__file__).resolve().parent.parent / "jobs" / "quickstart.yaml")
+    overrides = ["memory.zero_stage=3", f"memory.zero.{field}={value}"]
+    if ok:
+        spec = load_and_validate(job, overrides).spec
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+        from jobspec.compile.compiler import compile_spec
+        from jobspec.spec.derived import derive
+        DeepSpeedZeroConfig(**compile_spec(spec, derive(spec)).ds_config["zero_optimization"])  # DeepSpeed agrees
+    else:
+        with pytest.raises(SpecError, match=field):
+            load_and_validate(job, overrides)

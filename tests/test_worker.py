@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from conftest import make_run_dir, read_metrics, run_worker, worker_argv, worker_env
-from jobspec import checkpointing
+from jobspec.train import checkpointing
 from jobspec.errors import SpecError
-from jobspec.progress import Progress, RunState, format_eta, format_line, progress_mode, summarize
-from jobspec.worker import StopFlag, read_run_dir
+from jobspec.train.progress import Progress, RunState, format_eta, format_line, progress_mode, summarize
+from jobspec.train.worker import StopFlag, read_run_dir
 
 GPU_ONLY_METRICS = ("mem/peak_allocated_mib_max", "mem/peak_allocated_mib_rank0", "mem/peak_reserved_mib_max",
                     "mem/peak_reserved_mib_rank0", "mem/nvml_used_mib_max", "perf/mfu", "perf/tflops_per_device")
@@ -143,7 +143,7 @@ def test_stop_flag_is_set_by_slurms_warning_and_by_preemption(signum):
 
 @pytest.mark.parametrize("rank_flag", [["--local_rank=1"], ["--local_rank", "1"]])
 def test_worker_without_run_files_exits_2_with_a_clear_message(tmp_path, capsys, rank_flag):
-    from jobspec.worker import main
+    from jobspec.train.worker import main
     assert main([*rank_flag, "--run-dir", str(tmp_path)]) == 2
     assert "lacks resolved.yaml" in capsys.readouterr().err
     assert json.loads((tmp_path / "summary.json").read_text())["status"] == "failed"

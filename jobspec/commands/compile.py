@@ -19,7 +19,6 @@ examples:
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import shlex
 import sys
@@ -31,7 +30,6 @@ from jobspec.errors import spec_error
 from jobspec.secrets import mask_secrets
 
 COMPILE_FILES = ("spec.yaml", "resolved.yaml", "ds_config.json", "patches.json", "command.txt", "launch.json")
-_EXTENSION_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet", ".pq": "parquet"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,11 +44,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here so `jobspec compile --help` stays instant.
-    from jobspec.validation import load_and_validate
+    from jobspec.compile.compiler import compile_spec
+    from jobspec.spec.inputs import derive_job
+    from jobspec.spec.validation import load_and_validate
 
     resolved = load_and_validate(args.job, overrides=args.overrides)
     run_dir = str(args.out.resolve()) if args.out else "RUN_DIR"
-    compiled = compile_resolved(resolved, run_dir=run_dir)
+    compiled = compile_spec(resolved.spec, derive_job(resolved.spec), run_dir=run_dir)
 
     if args.out:
         write_run_files(args.out, resolved, compiled)
@@ -64,29 +64,13 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.format == "json":
         print(json.dumps({"ds_config": compiled.ds_config, "patches": compiled.patches, "launch": compiled.launch,
-                          "derived": compiled.derived, "notes": compiled.notes}, indent=2))
+                          "derived": compiled.derived.as_dict(), "notes": compiled.notes}, indent=2))
     else:
         print(json.dumps(compiled.ds_config, indent=2))
         # Notes go to stderr so stdout stays a valid ds_config.json.
         for note in compiled.notes:
             print(f"note: {note}", file=sys.stderr)
     return 0
-
-
-def compile_resolved(resolved, *, run_dir: str = "RUN_DIR", master_port: int | None = None):
-    """`compile_spec` with the inputs read at this edge: a local checkpoint's config.json (model
-    dimensions) and, for `training.epochs` with file data, the row count. `jobspec launch` compiles
-    through here too, so it runs exactly what `jobspec compile` shows."""
-    from jobspec.compiler import compile_spec
-    from jobspec.modelinfo import model_dims, read_local_config
-
-    spec = resolved.spec
-    dims = model_dims(spec, read_local_config(spec["model"]["name_or_path"]))
-    num_train_samples = None
-    if spec["training"]["epochs"] is not None and spec["data"]["train"]:
-        num_train_samples = count_rows(spec["data"]["train"], spec["data"]["format"])
-    return compile_spec(spec, model_dims=dims, num_train_samples=num_train_samples, run_dir=run_dir,
-                        master_port=master_port)
 
 
 def write_run_files(out: Path, resolved, compiled) -> None:
@@ -101,7 +85,7 @@ def write_run_files(out: Path, resolved, compiled) -> None:
             raise spec_error(f"--out {out} is not empty and is not a previous compile output (has {shown})",
                              hint="choose a new or empty directory; compile only overwrites its own files")
     out.mkdir(parents=True, exist_ok=True)
-    launch = {**compiled.launch, "derived": compiled.derived, "notes": compiled.notes,
+    launch = {**compiled.launch, "derived": compiled.derived.as_dict(), "notes": compiled.notes,
               "source": str(resolved.source.resolve())}
     contents = {
         # a password in a tracking URI or a planted token must not reach files that become artifacts
@@ -114,25 +98,3 @@ def write_run_files(out: Path, resolved, compiled) -> None:
     }
     for name, text in contents.items():
         (out / name).write_text(text, encoding="utf-8")
-
-
-def count_rows(path: str | Path, fmt: str = "auto") -> int:
-    """Training samples in a jsonl/csv/parquet file (rows; blank jsonl lines and the csv header excluded)."""
-    path = Path(path)
-    if fmt == "auto":
-        fmt = _EXTENSION_FORMATS.get(path.suffix.lower())
-        if fmt is None:
-            raise spec_error(f"cannot tell the format of {path.name} from its extension", path=("data", "format"),
-                             hint="set data.format to jsonl, csv or parquet")
-    try:
-        if fmt == "jsonl":
-            with path.open("rb") as f:
-                return sum(1 for line in f if line.strip())
-        if fmt == "csv":
-            with path.open(newline="", encoding="utf-8") as f:
-                return max(0, sum(1 for _ in csv.reader(f)) - 1)  # csv.reader: quoted newlines stay one row
-        import pyarrow.parquet as pq  # only for parquet data; metadata holds the row count
-        return pq.ParquetFile(path).metadata.num_rows
-    except (OSError, UnicodeDecodeError, csv.Error, ValueError, ImportError) as err:
-        raise spec_error(f"cannot count the rows of {path}: {err}", path=("data", "train"),
-                         hint="check the file and data.format") from None

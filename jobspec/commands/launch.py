@@ -24,7 +24,13 @@ import shutil
 import sys
 from pathlib import Path
 
-from jobspec import launch_memory, launcher, slurm, telemetry
+from jobspec.memory import at_launch as launch_memory
+
+from jobspec.launch import launcher
+
+from jobspec.launch import slurm
+
+from jobspec.tracking import telemetry
 from jobspec.errors import spec_error
 
 HELP = "Validate, compile and run a job through DeepSpeed, logging it to MLflow."
@@ -47,14 +53,14 @@ def add_arguments(parser) -> None:
 
 
 def resolve(job: str, overrides: list[str]):
-    from jobspec.validation import load_and_validate
+    from jobspec.spec.validation import load_and_validate
     return load_and_validate(job, overrides)
 
 
-def compile_job(resolved, run_dir: Path, master_port: int):
-    """Compiled with the same inputs `jobspec compile` uses, so launch runs what compile shows."""
-    from jobspec.commands.compile import compile_resolved
-    return compile_resolved(resolved, run_dir=str(run_dir), master_port=master_port)
+def compile_job(resolved, job, run_dir: Path, master_port: int):
+    """Compiled from the same derived job `jobspec compile` uses, so launch runs what compile shows."""
+    from jobspec.compile.compiler import compile_spec
+    return compile_spec(resolved.spec, job, run_dir=str(run_dir), master_port=master_port)
 
 
 def write_run_dir(resolved, compiled, run_dir: Path) -> None:
@@ -84,9 +90,10 @@ def run(args) -> int:
     logging.basicConfig(level=logging.INFO, format="jobspec: %(message)s")
     if args.stop_after_steps is not None and args.stop_after_steps < 1:
         raise spec_error("--stop-after-steps must be >= 1", hint="e.g. --stop-after-steps 5")
+    from jobspec.spec.inputs import derive_job
     resolved = resolve(args.job, args.overrides)
-    # memory.fit: auto rewrites the spec here, so everything below (and resolved.yaml) sees what runs
-    resolved, memory = launch_memory.prepare(resolved)
+    # memory.fit: auto rewrites the spec (and its derived job) here, so everything below sees what runs
+    resolved, job, memory = launch_memory.prepare(resolved, derive_job(resolved.spec))
     for line in memory.lines:
         print(f"jobspec: {line}", flush=True)
     spec = resolved.spec
@@ -94,7 +101,7 @@ def run(args) -> int:
 
     if args.dry_run:  # nothing is created: the run dir in the command is the name it would get
         run_dir = launcher.new_run_dir_path(spec["output_dir"])
-        compiled = compile_job(resolved, run_dir, port)
+        compiled = compile_job(resolved, job, run_dir, port)
         argv = launcher.resolve_runner(compiled.launch["argv"])
         print(json.dumps(compiled.ds_config, indent=2))
         for note in compiled.notes:
@@ -105,8 +112,8 @@ def run(args) -> int:
     resume_run_id = launcher.claim_checkpoints(spec)
     run_dir = launcher.create_run_dir(spec["output_dir"])
     try:
-        compiled = compile_job(resolved, run_dir, port)
-        problems = launcher.preflight_problems(spec, compiled.launch) + launch_memory.preflight_problems(memory, spec)
+        compiled = compile_job(resolved, job, run_dir, port)
+        problems = launcher.preflight_problems(spec, job) + launch_memory.preflight_problems(memory, spec)
         compiled.launch.update(launch_memory.plan_record(memory))  # launch.json: `plan` (MiB), `fit`
         if problems and not args.ignore_preflight:
             raise spec_error("; ".join(problems), hint="fix the spec, or pass --ignore-preflight")
@@ -146,7 +153,7 @@ def start_tracking(resolved, compiled, run_dir: Path, resume_run_id: str | None)
         return None
     try:
         telemetry.probe(settings["tracking_uri"])
-        return telemetry.start_run(resolved.spec, compiled.launch, compiled.derived, resolved.text, run_dir,
+        return telemetry.start_run(resolved.spec, compiled.launch, compiled.derived.as_dict(), resolved.text, run_dir,
                                    resume_run_id=resume_run_id)
     except telemetry.TrackingUnavailable as err:
         uri = telemetry.mask_secrets(settings["tracking_uri"])

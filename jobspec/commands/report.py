@@ -27,7 +27,7 @@ HELP = "Tabulate and plot an MLflow experiment's runs: settings, throughput, mem
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from jobspec.report import DEFAULT_TRACKING_URI
+    from jobspec.report.table import DEFAULT_TRACKING_URI
     parser.add_argument("experiment", metavar="EXPERIMENT", help="MLflow experiment name (logging.mlflow.experiment)")
     parser.add_argument("--tracking-uri", default=DEFAULT_TRACKING_URI, metavar="URI",
                         help=f"MLflow tracking URI (default: {DEFAULT_TRACKING_URI}, the launch default)")
@@ -45,7 +45,7 @@ def safe_dir_name(name: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jobspec import report
+    from jobspec.report import table as report
 
     client, reports = report.collect(args.tracking_uri, args.experiment)
     rows = [r.row for r in reports]
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         _write(out_dir / f"report.{report.SUFFIXES[args.format]}", text)
     if args.no_plots:
         return 0
-    from jobspec import plots
+    from jobspec.report import plots
     logged = 0
     for item in reports:
         try:

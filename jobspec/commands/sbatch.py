@@ -37,8 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jobspec import slurm
-    from jobspec.validation import load_and_validate
+    from jobspec.launch import slurm
+    from jobspec.spec.validation import load_and_validate
 
     resolved = load_and_validate(args.job, args.overrides)
     script = slurm.render_sbatch(resolved, args.job, args.overrides, gpus=not args.cpu_ranks)

@@ -20,10 +20,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jobspec.schema import load_schema
+    from jobspec.spec.schema import load_schema
 
     if args.format == "markdown":
-        from jobspec.docs import render_markdown
+        from jobspec.spec.docs import render_markdown
 
         print(render_markdown(load_schema()), end="")
     else:

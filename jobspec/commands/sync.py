@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from jobspec import telemetry
+from jobspec.tracking import telemetry
 from jobspec.errors import spec_error
 
 HELP = "Upload metrics.jsonl points that MLflow lacks into the run's MLflow run (idempotent)."

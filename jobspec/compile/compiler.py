@@ -1,0 +1,307 @@
+"""Resolved spec -> the complete DeepSpeed config, the model patches and the launch command.
+
+Pure: no I/O, no torch. Every value DeepSpeed reads is written out explicitly (never "auto"), so
+`ds_config.json` is the whole truth about a run. DeepSpeed knobs whose defaults are worth knowing:
+ZeRO buckets default to 5e8 elements (`deepspeed/runtime/zero/config.py`), stage-3 prefetch to 5e7
+and persistence to 1e5; schedulers warm up logarithmically unless told `warmup_type: linear`
+(`deepspeed/runtime/lr_schedules.py`).
+"""
+from __future__ import annotations
+
+import copy
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from jobspec.errors import spec_error
+from jobspec.spec.derived import DerivedJob
+from jobspec.spec.model_dims import ModelDims
+
+DEFAULT_MASTER_PORT = 29500  # placeholder: the launcher passes a free port when the spec names none
+STEPS_PER_PRINT = 1_000_000_000  # jobspec logs progress itself; keep DeepSpeed's own prints quiet
+
+# DeepSpeed's defaults (deepspeed/runtime/zero/config.py), used when the hidden size is unknown.
+DS_REDUCE_BUCKET_SIZE = 500_000_000
+DS_ALLGATHER_BUCKET_SIZE = 500_000_000
+DS_STAGE3_PREFETCH_BUCKET_SIZE = 50_000_000
+DS_STAGE3_PARAM_PERSISTENCE_THRESHOLD = 100_000
+
+# Optimizers DeepSpeed builds from the config block; the others become a `client_optimizer` patch.
+CONFIG_OPTIMIZERS = {"adamw", "sgd"}
+SCHEDULERS = {"constant": "WarmupLR", "linear": "WarmupDecayLR", "cosine": "WarmupCosineLR"}
+# Batch fields are derived from `training`; overriding them would desynchronise `derived`.
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+@dataclass
+class Compiled:
+    ds_config: dict
+    patches: list[dict]
+    launch: dict
+    derived: DerivedJob
+    notes: list[str] = field(default_factory=list)
+
+
+def compile_spec(spec: dict, job: DerivedJob, *, run_dir: str = "RUN_DIR",
+                 master_port: int | None = None) -> Compiled:
+    """Compile a resolved spec (all defaults filled) and its derived job into a DeepSpeed config,
+    patches and launch argv."""
+    notes: list[str] = list(job.notes)
+    training, memory, resources = spec["training"], spec["memory"], spec["resources"]
+    if job.total_steps is None:
+        raise spec_error(
+            "training.epochs needs the number of training samples, which is unknown here",
+            path=("training", "epochs"),
+            hint="derive the job with its data (jobspec.spec.inputs.derive_job counts the rows of data.train), "
+                 "or set training.max_steps")
+
+    ds_config: dict[str, Any] = {
+        "train_batch_size": job.global_batch_size,
+        "train_micro_batch_size_per_gpu": job.micro_batch_size,
+        "gradient_accumulation_steps": job.gradient_accumulation_steps,
+        "gradient_clipping": training["gradient_clipping"],
+        "steps_per_print": STEPS_PER_PRINT,
+        "wall_clock_breakdown": False,
+    }
+    optimizer = training["optimizer"]
+    if optimizer["name"] in CONFIG_OPTIMIZERS:
+        ds_config["optimizer"] = optimizer_block(optimizer)
+    ds_config["scheduler"] = scheduler_block(training["scheduler"], optimizer["lr"], job, notes)
+    ds_config.update(precision_blocks(memory))
+    ds_config["zero_optimization"] = zero_block(memory, job.dims)
+    if "nvme" in (memory["offload"]["optimizer"], memory["offload"]["params"]):
+        ds_config["aio"] = aio_block(memory["offload"]["aio"])
+    if memory["zero_stage"] >= 1 and optimizer["name"] != "adamw":
+        # DeepSpeed refuses optimizers outside its tested list under ZeRO unless told otherwise.
+        ds_config["zero_allow_untested_optimizer"] = True
+    if memory["offload"]["optimizer"] != "none" and optimizer["name"] != "adamw":
+        ds_config["zero_force_ds_cpu_optimizer"] = False
+        notes.append(f"optimizer {optimizer['name']} runs its step on the CPU with offload (no DeepSpeedCPUAdam): slow")
+
+    ds_config = apply_overrides(ds_config, spec.get("deepspeed") or {}, notes)
+    assert_no_auto(ds_config)
+    return Compiled(
+        ds_config=ds_config,
+        patches=compile_patches(spec),
+        launch=launch_command(resources, job, run_dir, master_port),
+        derived=job,
+        notes=notes,
+    )
+
+
+def optimizer_block(optimizer: dict) -> dict:
+    if optimizer["name"] == "sgd":
+        # Not a DeepSpeed optimizer: DeepSpeed builds torch.optim.SGD from this name.
+        return {"type": "SGD", "params": {"lr": optimizer["lr"], "momentum": optimizer["momentum"],
+                                          "weight_decay": optimizer["weight_decay"]}}
+    return {"type": "AdamW", "params": {
+        "lr": optimizer["lr"], "betas": list(optimizer["betas"]), "eps": optimizer["eps"],
+        "weight_decay": optimizer["weight_decay"],
+        "torch_adam": False,   # DeepSpeed's FusedAdam / DeepSpeedCPUAdam, not torch.optim
+        "adam_w_mode": True,   # decoupled weight decay
+    }}
+
+
+def client_optimizer_args(optimizer: dict) -> dict:
+    """Every hyper-parameter of the optimizer the worker builds itself (not in DeepSpeed's config)."""
+    if optimizer["name"] == "adafactor":
+        # transformers.optimization.Adafactor with an explicit lr: relative steps and parameter
+        # scaling off (they would ignore `lr`); its eps pair is Adafactor's own, not Adam's eps.
+        return {"name": "adafactor", "lr": optimizer["lr"], "eps": [1e-30, 1e-3], "clip_threshold": 1.0,
+                "decay_rate": -0.8, "beta1": None, "weight_decay": optimizer["weight_decay"],
+                "scale_parameter": False, "relative_step": False, "warmup_init": False}
+    return {"name": optimizer["name"], "lr": optimizer["lr"], "betas": list(optimizer["betas"]),
+            "eps": optimizer["eps"], "weight_decay": optimizer["weight_decay"]}
+
+
+def scheduler_block(scheduler: dict, lr: float, job: DerivedJob, notes: list[str]) -> dict:
+    name = scheduler["name"]
+    warmup = job.warmup_steps
+    total = job.total_steps
+    # DeepSpeed rejects warmup_num_steps 0 and warms up over at least 2 steps.
+    warmup_num_steps = max(1, warmup)
+    if name == "constant":
+        # No warmup: start at lr, or DeepSpeed's minimum 2-step warmup would begin at 0.
+        return {"type": "WarmupLR", "params": {
+            "warmup_min_lr": 0.0 if warmup else lr, "warmup_max_lr": lr,
+            "warmup_num_steps": warmup_num_steps, "warmup_type": "linear"}}
+    if name == "cosine":
+        return {"type": "WarmupCosineLR", "params": {
+            "total_num_steps": total, "warmup_num_steps": warmup_num_steps,
+            "warmup_min_ratio": 0.0 if warmup else 1.0, "cos_min_ratio": scheduler["min_lr_ratio"],
+            "warmup_type": "linear"}}
+    # WarmupDecayLR decays to the same floor its warmup starts from.
+    min_lr = scheduler["min_lr_ratio"] * lr
+    if min_lr and warmup:
+        notes.append(f"linear schedule: warmup starts at min_lr {min_lr:g} (DeepSpeed's WarmupDecayLR "
+                     "uses one floor for warmup start and decay end)")
+    if not warmup:
+        notes.append("linear schedule without warmup: DeepSpeed's WarmupDecayLR still ramps over its "
+                     "first 2 steps")
+    return {"type": "WarmupDecayLR", "params": {
+        "total_num_steps": total, "warmup_min_lr": min_lr, "warmup_max_lr": lr,
+        "warmup_num_steps": warmup_num_steps, "warmup_type": "linear"}}
+
+
+def precision_blocks(memory: dict) -> dict:
+    precision = memory["precision"]
+    fp16: dict[str, Any] = {"enabled": precision == "fp16"}
+    if precision == "fp16":
+        fp16.update({k: memory["fp16"][k] for k in
+                     ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale")})
+    return {"fp16": fp16, "bf16": {"enabled": precision == "bf16"}}
+
+
+def zero_block(memory: dict, dims: ModelDims | None) -> dict:
+    stage = memory["zero_stage"]
+    offload = memory["offload"]
+    if offload["optimizer"] != "none" and stage < 1:
+        raise spec_error("optimizer offload needs ZeRO stage 1 or higher", path=("memory", "offload", "optimizer"),
+                         hint="set memory.zero_stage: 2 (or 3)")
+    if offload["params"] != "none" and stage != 3:
+        raise spec_error("parameter offload needs ZeRO stage 3", path=("memory", "offload", "params"),
+                         hint="set memory.zero_stage: 3")
+    if stage == 0:
+        return {"stage": 0}
+    zero = memory["zero"]
+    h = dims.hidden_size if dims else None
+
+    def sized(key: str, from_hidden, ds_default: int) -> int:
+        if zero[key] is not None:
+            return zero[key]
+        return int(from_hidden(h)) if h else ds_default
+
+    block: dict[str, Any] = {
+        "stage": stage,
+        "overlap_comm": zero["overlap_comm"] if zero["overlap_comm"] is not None else stage >= 2,
+        "contiguous_gradients": zero["contiguous_gradients"],
+        "reduce_bucket_size": sized("reduce_bucket_size", lambda h: h * h, DS_REDUCE_BUCKET_SIZE),
+    }
+    if stage in (1, 2):
+        block["reduce_scatter"] = zero["reduce_scatter"]
+        # HF derives no allgather size from h, so a null one is DeepSpeed's default.
+        block["allgather_bucket_size"] = zero["allgather_bucket_size"] if zero["allgather_bucket_size"] is not None \
+            else DS_ALLGATHER_BUCKET_SIZE
+        block["round_robin_gradients"] = zero["round_robin_gradients"]
+    else:
+        block["stage3_prefetch_bucket_size"] = sized(
+            "stage3_prefetch_bucket_size", lambda h: 0.9 * h * h, DS_STAGE3_PREFETCH_BUCKET_SIZE)
+        block["stage3_param_persistence_threshold"] = sized(
+            "stage3_param_persistence_threshold", lambda h: 10 * h, DS_STAGE3_PARAM_PERSISTENCE_THRESHOLD)
+        block["stage3_max_live_parameters"] = zero["stage3_max_live_parameters"]
+        block["stage3_max_reuse_distance"] = zero["stage3_max_reuse_distance"]
+        block["sub_group_size"] = zero["sub_group_size"]
+    if offload["optimizer"] != "none":
+        block["offload_optimizer"] = _offload_block(offload, offload["optimizer"], "optimizer", params=False)
+    if offload["params"] != "none":
+        block["offload_param"] = _offload_block(offload, offload["params"], "params", params=True)
+    return block
+
+
+def _offload_block(offload: dict, device: str, field_name: str, *, params: bool) -> dict:
+    block: dict[str, Any] = {"device": device, "pin_memory": offload["pin_memory"]}
+    if device == "nvme":
+        if not offload["nvme_path"]:
+            raise spec_error(f"offload.{field_name}: nvme needs a directory on an NVMe drive",
+                             path=("memory", "offload", "nvme_path"), hint="set memory.offload.nvme_path")
+        block["nvme_path"] = offload["nvme_path"]
+        if params:
+            block["buffer_count"] = offload["buffer_count"]
+            block["buffer_size"] = offload["buffer_size"]
+    return block
+
+
+def aio_block(aio: dict) -> dict:
+    # DeepSpeed 0.19 calls the thread count `intra_op_parallelism`; `thread_count` would be ignored.
+    return {"block_size": aio["block_size"], "queue_depth": aio["queue_depth"],
+            "intra_op_parallelism": aio["thread_count"], "single_submit": aio["single_submit"],
+            "overlap_events": aio["overlap_events"]}
+
+
+def compile_patches(spec: dict) -> list[dict]:
+    """Model changes the worker applies in order (DeepSpeed's config cannot express them for HF models)."""
+    model, memory, optimizer = spec["model"], spec["memory"], spec["training"]["optimizer"]
+    patches = [{"name": "attention_implementation", "args": {"implementation": model["attention"]}}]
+    if memory["tf32"]:
+        patches.append({"name": "tf32", "args": {"enabled": True}})
+    if model["freeze"]:
+        patches.append({"name": "freeze", "args": {"patterns": list(model["freeze"])}})
+    checkpointing = memory["activation_checkpointing"]
+    if checkpointing:
+        settings = checkpointing if isinstance(checkpointing, dict) else {}
+        # HF's gradient_checkpointing_enable, not DeepSpeed's activation_checkpointing block,
+        # which only affects models that call deepspeed.checkpointing themselves.
+        patches.append({"name": "gradient_checkpointing", "args": {
+            "every_n_layers": settings.get("every_n_layers", 1),
+            "use_reentrant": settings.get("use_reentrant", False)}})
+    if optimizer["name"] not in CONFIG_OPTIMIZERS:
+        patches.append({"name": "client_optimizer", "args": client_optimizer_args(optimizer)})
+    if model["compile"]:
+        patches.append({"name": "torch_compile", "args": {}})
+    return patches
+
+
+def launch_command(resources: dict, job: DerivedJob, run_dir: str, master_port: int | None) -> dict:
+    """The `deepspeed` runner argv. Multi-node: the runner reads its hostfile; we only pass counts."""
+    port = master_port or resources["master_port"] or DEFAULT_MASTER_PORT
+    argv = ["deepspeed"]
+    if job.nodes > 1:
+        argv += ["--num_nodes", str(job.nodes)]
+        if resources["master_addr"]:
+            argv += ["--master_addr", resources["master_addr"]]
+    argv += ["--num_gpus", str(job.gpus_per_node), "--master_port", str(port),
+             "--module", "jobspec.train.worker", "--run-dir", str(run_dir)]
+    return {"argv": argv, "world_size": job.world_size, "nodes": job.nodes,
+            "gpus_per_node": job.gpus_per_node, "master_port": port}
+
+
+_NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
+
+
+def apply_overrides(compiled: dict, overrides: dict, notes: list[str], _path: tuple = ("deepspeed",)) -> dict:
+    """`compiled` with `overrides` deep-merged over it; a note for each compiled value replaced."""
+    merged = copy.deepcopy(compiled)
+    for key, value in overrides.items():
+        path = _path + (key,)
+        dotted = ".".join(map(str, path))
+        if len(path) == 2 and key in _BATCH_KEYS:
+            raise spec_error(f"{dotted} cannot be overridden: jobspec derives the batch sizes",
+                             path=path, hint="set training.micro_batch_size / training.global_batch_size")
+        if key in merged and isinstance(merged[key], dict) and isinstance(value, dict):
+            merged[key] = apply_overrides(merged[key], value, notes, path)
+            continue
+        if key in merged:
+            old = merged[key]
+            # PyYAML reads `5e8` (no dot) as a string; DeepSpeed wants the number.
+            if isinstance(value, str) and _NUMBER.match(value) and isinstance(old, (int, float)) \
+                    and not isinstance(old, bool):
+                number = float(value)
+                value = int(number) if number.is_integer() else number
+            if value != old:
+                notes.append(f"{dotted} overrides compiled {old!r} -> {value!r}")
+        else:
+            notes.append(f"{dotted} adds {value!r} (not compiled by jobspec)")
+        merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def find_auto(value: Any, path: tuple = ()) -> list[tuple]:
+    """Paths of every "auto" string in a config (DeepSpeed resolves none of them outside HF Trainer)."""
+    if isinstance(value, str):
+        return [path] if value.strip().lower() == "auto" else []
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in find_auto(v, path + (k,))]
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in find_auto(v, path + (i,))]
+    return []
+
+
+def assert_no_auto(ds_config: dict) -> None:
+    found = find_auto(ds_config)
+    if found:
+        where = ", ".join(".".join(map(str, p)) for p in found)
+        raise spec_error(
+            f'"auto" in the DeepSpeed config at {where}: only the HF Trainer resolves "auto"; plain '
+            "DeepSpeed would silently fall back to its own defaults",
+            path=("deepspeed",) + found[0], hint="write the value itself, or remove the override")

@@ -1,0 +1,202 @@
+"""`--fit`: the fastest settings the memory planner predicts to fit a per-GPU budget.
+
+The global batch (and so the training trajectory) never changes. The search plans every combination
+of the knobs below, prices each with a step-time model (docs/memory-planner.md, "Slowdown model")
+and returns the cheapest one that fits, as `--set` overrides plus a one-line reason:
+
+  micro-batch down / accumulation up, bf16 (fp16 where bf16 is unsupported), checkpointing one layer
+  in k (k down to 1), 8-bit AdamW, a higher ZeRO stage, CPU optimizer offload, CPU parameter
+  offload, NVMe offload (only when `memory.offload.nvme_path` is set).
+Pure: no torch, no I/O.
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+from dataclasses import dataclass, field
+
+from jobspec.spec.derived import DerivedJob
+from jobspec.memory.planner import MemoryPlan, fmt_bytes, plan_memory
+
+# Reference device for the slowdown model: only ratios between candidates are reported.
+EFFECTIVE_FLOPS = {"fp32": 15e12, "bf16": 40e12, "fp16": 40e12}   # achieved, not peak (A100-class)
+HALF_SATURATION_TOKENS = 1024   # tokens per micro-batch at which the GPU runs at half its best rate
+PCIE_BYTES_PER_S = 12e9         # host <-> GPU, pinned
+INTERCONNECT_BYTES_PER_S = 50e9  # GPU <-> GPU all-gathers of ZeRO-3
+NVME_BYTES_PER_S = 3e9
+CPU_ADAM_PARAMS_PER_S = 0.5e9   # DeepSpeedCPUAdam on a typical host
+EIGHT_BIT_OVERHEAD = 0.01       # (de)quantising optimizer states: prefer plain AdamW on ties
+CHECKPOINT_EVERY = (8, 6, 4, 3, 2, 1)
+
+
+@dataclass
+class FitResult:
+    fits: bool
+    overrides: list          # `--set` arguments turning the spec into the chosen configuration
+    changes: dict            # dotted path -> new value
+    plan: MemoryPlan         # the chosen configuration's plan (the smallest one when nothing fits)
+    slowdown: float          # estimated step time relative to the spec as written
+    reason: str
+    considered: int = 0
+    notes: list = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {"fits": self.fits, "overrides": self.overrides, "changes": self.changes,
+                "slowdown": round(self.slowdown, 3), "reason": self.reason, "considered": self.considered,
+                "notes": self.notes, "plan": self.plan.as_dict()}
+
+
+def fit(spec: dict, job: DerivedJob, budget_bytes: int, *, bf16_supported: bool = True) -> FitResult:
+    """The fastest configuration of `spec` predicted to fit `budget_bytes` per GPU (NVML-style total)."""
+    baseline = step_time(spec, job)
+    best, smallest, considered = None, None, 0
+    for changes in candidate_changes(spec, job, bf16_supported):
+        candidate = apply_changes(spec, changes)
+        candidate_job = job.with_spec(candidate)
+        plan = plan_memory(candidate, candidate_job, budget=budget_bytes)
+        considered += 1
+        cost = step_time(candidate, candidate_job) / baseline
+        if smallest is None or plan.nvml_total < smallest[1].nvml_total:
+            smallest = (changes, plan, cost)
+        if plan.fits and (best is None or (cost, len(changes)) < (best[2], len(best[0]))):
+            best = (changes, plan, cost)
+    notes = []
+    if not spec["memory"]["offload"]["nvme_path"]:
+        notes.append("NVMe offload not tried: set memory.offload.nvme_path to include it")
+    if best is None:
+        changes, plan, cost = smallest
+        reason = (f"nothing fits in {fmt_bytes(budget_bytes)}: the smallest configuration ({describe(changes)}) "
+                  f"needs {fmt_bytes(plan.nvml_total)}. Try more GPUs (ZeRO-3 divides the model states by "
+                  "the world size), a shorter sequence, NVMe offload, or a smaller model")
+        return FitResult(False, to_overrides(changes), changes, plan, cost, reason, considered, notes)
+    changes, plan, cost = best
+    reason = (f"{describe(changes)}: {fmt_bytes(plan.nvml_total)} of {fmt_bytes(budget_bytes)}, "
+              f"est. {cost:.2f}x step time")
+    return FitResult(True, to_overrides(changes), changes, plan, cost, reason, considered, notes)
+
+
+def candidate_changes(spec: dict, job: DerivedJob, bf16_supported: bool):
+    """Every combination of knob settings, as {dotted path: value} relative to `spec`."""
+    training, memory = spec["training"], spec["memory"]
+    micro, global_batch, world = job.micro_batch_size, job.global_batch_size, job.world_size
+    micros = [m for m in range(micro, 0, -1) if micro % m == 0 and global_batch % (m * world) == 0]
+    half = "bf16" if bf16_supported else "fp16"
+    precisions = [memory["precision"]] + ([half] if memory["precision"] == "fp32" else [])
+    checkpointing = [False] + [{"every_n_layers": k} for k in CHECKPOINT_EVERY if k > 1] + [True]
+    optimizers = [training["optimizer"]["name"]]
+    if optimizers[0] == "adamw":
+        optimizers.append("adamw_8bit")
+    nvme = bool(memory["offload"]["nvme_path"])
+    layouts = [(stage, "none", "none") for stage in range(memory["zero_stage"], 4)]
+    for stage in range(max(1, memory["zero_stage"]), 4):
+        layouts.append((stage, "cpu", "none"))
+        if nvme:
+            layouts.append((stage, "nvme", "none"))
+    layouts += [(3, "cpu", "cpu")] + ([(3, "nvme", "nvme"), (3, "nvme", "cpu")] if nvme else [])
+    current_layout = (memory["zero_stage"], memory["offload"]["optimizer"], memory["offload"]["params"])
+    if current_layout not in layouts:
+        layouts.insert(0, current_layout)
+    for m, precision, ckpt, optimizer, layout in itertools.product(
+            micros, precisions, checkpointing, optimizers, layouts):
+        stage, off_opt, off_params = layout
+        if optimizer != "adamw" and off_opt != "none":
+            continue   # DeepSpeed's optimizer offload runs its own CPU Adam
+        if spec["model"]["attention"] == "flash_attention_2" and precision == "fp32":
+            continue
+        wanted = {"training.micro_batch_size": m, "memory.precision": precision,
+                  "memory.activation_checkpointing": _normal_ckpt(ckpt), "training.optimizer.name": optimizer,
+                  "memory.zero_stage": stage, "memory.offload.optimizer": off_opt,
+                  "memory.offload.params": off_params}
+        changes = {k: v for k, v in wanted.items() if _normal_ckpt(_get(spec, k)) != v}
+        if "training.micro_batch_size" in changes and training["global_batch_size"] is None:
+            changes["training.global_batch_size"] = global_batch
+        yield changes
+
+
+def _normal_ckpt(value):
+    """Checkpointing settings compared by meaning: `{every_n_layers: 1}` is `true`."""
+    if isinstance(value, dict):
+        return True if value.get("every_n_layers", 1) == 1 else {"every_n_layers": value["every_n_layers"]}
+    return value
+
+
+def _get(spec: dict, dotted: str):
+    node = spec
+    for key in dotted.split("."):
+        node = node[key]
+    return node
+
+
+def apply_changes(spec: dict, changes: dict) -> dict:
+    out = copy.deepcopy(spec)
+    for dotted, value in changes.items():
+        *parents, last = dotted.split(".")
+        node = out
+        for key in parents:
+            node = node[key]
+        node[last] = copy.deepcopy(value)
+    return out
+
+
+def to_overrides(changes: dict) -> list:
+    """`--set` arguments: YAML values (`{every_n_layers: 2}`, `true`, `bf16`)."""
+    def text(value):
+        if isinstance(value, dict):
+            return "{" + ", ".join(f"{k}: {json.dumps(v)}" for k, v in value.items()) + "}"
+        return json.dumps(value) if not isinstance(value, str) else value
+    return [f"{dotted}={text(value)}" for dotted, value in changes.items()]
+
+
+def describe(changes: dict) -> str:
+    if not changes:
+        return "as written"
+    words = []
+    for dotted, value in changes.items():
+        if dotted == "training.global_batch_size":
+            continue
+        if dotted == "training.micro_batch_size":
+            words.append(f"micro-batch {value}")
+        elif dotted == "memory.precision":
+            words.append(value)
+        elif dotted == "memory.activation_checkpointing":
+            words.append("no checkpointing" if value is False else "checkpoint every layer" if value is True
+                         else f"checkpoint every {value['every_n_layers']} layers")
+        elif dotted == "training.optimizer.name":
+            words.append({"adamw_8bit": "8-bit AdamW"}.get(value, value))
+        elif dotted == "memory.zero_stage":
+            words.append(f"ZeRO-{value}")
+        elif dotted == "memory.offload.optimizer":
+            words.append(f"optimizer offload {value}")
+        elif dotted == "memory.offload.params":
+            words.append(f"parameter offload {value}")
+    return " + ".join(words)
+
+
+def step_time(spec: dict, job: DerivedJob) -> float:
+    """Estimated seconds per optimizer step on the reference device (docs: "Slowdown model")."""
+    memory = spec["memory"]
+    plan = plan_memory(spec, job)
+    psi, world = plan.settings["parameters"], job.world_size
+    tokens = job.tokens_per_micro_batch
+    flops = job.hardware_flops_per_token * tokens   # checkpoint recompute included (jobspec.spec.flops)
+    efficiency = tokens / (tokens + HALF_SATURATION_TOKENS)
+    compute = flops / (EFFECTIVE_FLOPS[memory["precision"]] * efficiency)
+    lp = job.precision_bytes
+    shard = psi / world
+    per_micro = compute
+    if memory["zero_stage"] == 3 and world > 1:
+        per_micro += 2 * lp * psi * (world - 1) / world / INTERCONNECT_BYTES_PER_S * 0.5  # half overlapped
+    offload_params = memory["offload"]["params"]
+    if offload_params != "none":
+        speed = PCIE_BYTES_PER_S if offload_params == "cpu" else NVME_BYTES_PER_S
+        per_micro += 2 * lp * shard / speed
+    step = per_micro * job.gradient_accumulation_steps
+    offload_opt = memory["offload"]["optimizer"]
+    if offload_opt != "none":
+        step += 2 * lp * shard / PCIE_BYTES_PER_S + shard / CPU_ADAM_PARAMS_PER_S
+        if offload_opt == "nvme":
+            step += 2 * 16 * shard / NVME_BYTES_PER_S
+    if spec["training"]["optimizer"]["name"] == "adamw_8bit":
+        step *= 1 + EIGHT_BIT_OVERHEAD
+    return step

@@ -1,0 +1,273 @@
+"""One row per MLflow run of an experiment: the settings that explain it, steady-state throughput,
+measured peak memory and the planner's prediction; rendered as an aligned table, markdown or CSV.
+
+Reads what the launcher and worker log (see jobspec.tracking.telemetry): params are the flattened resolved
+spec plus `derived.*`, metrics use the shared names (`perf/samples_per_s`, `mem/...`), artifacts
+include `resolved.yaml`. Missing values (a GPU metric on a CPU run, a failed run) are None here
+and '-' in the text formats: absent, never zero.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import statistics
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from jobspec.errors import spec_error
+
+MIB = 2**20
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"  # the schema's logging.mlflow.tracking_uri default
+
+THROUGHPUT_METRICS = ("perf/samples_per_s", "perf/tokens_per_s", "perf/tflops_per_device", "perf/mfu")
+MEMORY_METRICS = ("mem/peak_allocated_mib_max", "mem/peak_allocated_mib_rank0", "mem/peak_reserved_mib_max",
+                  "mem/peak_reserved_mib_rank0", "mem/nvml_used_mib_max", "mem/host_rss_mib_max")
+# A launcher may log the planner's prediction itself; it wins over recomputing it from resolved.yaml.
+PREDICTION_PARAMS = ("plan.peak_allocated_mib",)
+
+# (key, header, how the text formats show it)
+COLUMNS = (
+    ("run", "run", str),
+    ("status", "status", str),
+    ("precision", "precision", str),
+    ("zero", "zero", str),
+    ("micro", "micro", str),
+    ("global", "global", str),
+    ("accum", "accum", str),
+    ("checkpointing", "ckpt", str),
+    ("optimizer", "optimizer", str),
+    ("world", "world", str),
+    ("samples_per_s", "samples/s", "{:.2f}".format),
+    ("tokens_per_s", "tokens/s", "{:.0f}".format),
+    ("tflops", "TFLOP/s", "{:.2f}".format),
+    ("mfu", "MFU", "{:.1%}".format),
+    ("peak_allocated_mib", "peak alloc MiB", "{:.0f}".format),
+    ("nvml_used_mib", "NVML MiB", "{:.0f}".format),
+    ("host_rss_mib", "host RSS MiB", "{:.0f}".format),
+    ("predicted_mib", "predicted MiB", "{:.0f}".format),
+)
+NUMERIC_ALIGN = {"zero", "micro", "global", "accum", "world", "samples_per_s", "tokens_per_s", "tflops", "mfu",
+                 "peak_allocated_mib", "nvml_used_mib", "host_rss_mib", "predicted_mib"}
+
+
+@dataclass
+class RunReport:
+    """One run: its table row and the metric series the plots draw."""
+
+    run_id: str
+    row: dict
+    series: dict = field(default_factory=dict)   # metric name -> [(step, value), ...] sorted by step
+
+
+# --- reducing metric series ------------------------------------------------------------------------
+
+def steady_state(points: list) -> float | None:
+    """Median of a logged series after its first point (which pays for warm-up: allocation, JIT)."""
+    values = [v for _, v in sorted(points)]
+    if not values:
+        return None
+    return statistics.median(values[1:] or values)
+
+
+def series_max(points: list) -> float | None:
+    return max((v for _, v in points), default=None)
+
+
+def settings_from_params(params: dict) -> dict:
+    """The key settings of a run from its params (JSON text for non-strings, see telemetry.flatten)."""
+    def get(*keys):
+        for key in keys:
+            if key in params:
+                return params[key]
+        return None
+    return {
+        "precision": get("memory.precision"),
+        "zero": get("memory.zero_stage"),
+        "micro": get("derived.micro_batch_size", "training.micro_batch_size"),
+        "global": get("derived.global_batch_size", "training.global_batch_size"),
+        "accum": get("derived.gradient_accumulation_steps"),
+        "checkpointing": _checkpointing(params),
+        "optimizer": get("training.optimizer.name"),
+        "world": get("derived.world_size"),
+    }
+
+
+def _checkpointing(params: dict) -> str | None:
+    every = params.get("memory.activation_checkpointing.every_n_layers")
+    if every is not None:
+        return "all" if every == "1" else f"1/{every}"
+    value = params.get("memory.activation_checkpointing")
+    if value is None:
+        return None
+    return {"true": "all", "false": "off", "{}": "all"}.get(value, value)
+
+
+def build_row(run_name: str, status: str, params: dict, series: dict, predicted_mib: float | None) -> dict:
+    """A table row from a run's params and metric series (pure: the unit the tests pin down)."""
+    row = {"run": run_name, "status": status, **settings_from_params(params)}
+    row.update({
+        "samples_per_s": steady_state(series.get("perf/samples_per_s", [])),
+        "tokens_per_s": steady_state(series.get("perf/tokens_per_s", [])),
+        "tflops": steady_state(series.get("perf/tflops_per_device", [])),
+        "mfu": steady_state(series.get("perf/mfu", [])),
+        "peak_allocated_mib": series_max(series.get("mem/peak_allocated_mib_max", [])),
+        "nvml_used_mib": series_max(series.get("mem/nvml_used_mib_max", [])),
+        "host_rss_mib": series_max(series.get("mem/host_rss_mib_max", [])),
+        "predicted_mib": predicted_mib,
+    })
+    return row
+
+
+# --- the planner's prediction --------------------------------------------------------------------
+
+def predicted_peak_mib(spec: dict) -> float | None:
+    """`plan_memory`'s peak allocated MiB of a resolved spec; None when the planner cannot tell."""
+    from jobspec.memory.planner import plan_memory
+    from jobspec.spec.inputs import derive_job
+    from jobspec.spec.schema import fill_defaults
+    try:
+        spec = fill_defaults(spec)
+        return plan_memory(spec, derive_job(spec)).peak_allocated / MIB
+    except Exception:  # an unknown architecture, an old resolved.yaml: a '-' in the table, not a crash
+        return None
+
+
+def _prediction_of_run(client, run) -> float | None:
+    params = run.data.params
+    for key in PREDICTION_PARAMS:
+        if key in params:
+            try:
+                return float(params[key])
+            except ValueError:
+                pass
+    try:
+        import yaml
+        with tempfile.TemporaryDirectory(prefix="jobspec-report-") as tmp:
+            local = client.download_artifacts(run.info.run_id, "resolved.yaml", tmp)
+            spec = yaml.safe_load(Path(local).read_text(encoding="utf-8"))
+    except Exception:  # no such artifact, unreadable store: the prediction is optional
+        return None
+    return predicted_peak_mib(spec)
+
+
+# --- reading MLflow ------------------------------------------------------------------------------
+
+def open_experiment(tracking_uri: str, experiment: str):
+    """(client, experiment) or a SpecError saying why not: unreachable store, unknown experiment."""
+    from jobspec.tracking import telemetry
+    uri, user, password = telemetry.split_credentials(tracking_uri)
+    shown = telemetry.mask_secrets(tracking_uri)
+    parts = urlsplit(uri)
+    if parts.scheme == "sqlite":
+        # MLflow would silently create an empty database at a mistyped path
+        db = Path(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else None
+        if db is not None and str(db) not in ("", ":memory:") and not db.is_file():
+            raise spec_error(f"no MLflow database at {db.resolve()} (tracking URI {shown})",
+                             path=("--tracking-uri",),
+                             hint="run from the directory you launched in, or pass --tracking-uri sqlite:///PATH")
+    try:
+        telemetry.probe(uri)
+        if user:
+            import os
+            os.environ["MLFLOW_TRACKING_USERNAME"] = user
+            os.environ["MLFLOW_TRACKING_PASSWORD"] = password or ""
+        client = telemetry._client(uri)
+        found = client.get_experiment_by_name(experiment)
+        names = [] if found else sorted(e.name for e in client.search_experiments())
+    except Exception as err:  # TrackingUnavailable, MlflowException, requests/sqlite errors
+        reason = telemetry.mask_secrets(str(err)).splitlines()[0][:300] if str(err) else type(err).__name__
+        raise spec_error(f"MLflow tracking at {shown} is unavailable: {reason}", path=("--tracking-uri",),
+                         hint="start the server or fix the URI") from None
+    if found is None:
+        raise spec_error(f"no experiment named {experiment!r} at {shown}", path=("EXPERIMENT",),
+                         hint=f"known experiments: {', '.join(names)}" if names else "launch a job first")
+    return client, found
+
+
+def metric_series(client, run_id: str, names=THROUGHPUT_METRICS + MEMORY_METRICS) -> dict:
+    series = {}
+    for name in names:
+        history = client.get_metric_history(run_id, name)
+        if history:
+            series[name] = sorted((m.step, m.value) for m in history)
+    return series
+
+
+def collect(tracking_uri: str, experiment: str) -> tuple[object, list[RunReport]]:
+    """(client, one RunReport per run of the experiment, oldest first)."""
+    client, found = open_experiment(tracking_uri, experiment)
+    from mlflow.entities import ViewType
+    runs = client.search_runs([found.experiment_id], run_view_type=ViewType.ACTIVE_ONLY,
+                              order_by=["attributes.start_time ASC"], max_results=10_000)
+    reports = []
+    for run in runs:
+        series = metric_series(client, run.info.run_id)
+        row = build_row(run.info.run_name or run.info.run_id[:8], run.info.status, run.data.params, series,
+                        _prediction_of_run(client, run))
+        reports.append(RunReport(run.info.run_id, row, series))
+    _disambiguate([r.row for r in reports], [r.run_id for r in reports])
+    return client, reports
+
+
+def _disambiguate(rows: list[dict], run_ids: list[str]) -> None:
+    """Repeated runs of one job share a name; add the run id's head so rows and bars stay apart."""
+    counts: dict = {}
+    for row in rows:
+        counts[row["run"]] = counts.get(row["run"], 0) + 1
+    for row, run_id in zip(rows, run_ids):
+        if counts[row["run"]] > 1:
+            row["run"] = f"{row['run']} ({run_id[:6]})"
+
+
+# --- rendering -----------------------------------------------------------------------------------
+
+def _cell(key: str, value, fmt) -> str:
+    if value is None or value == "":
+        return "-"
+    return fmt(value) if not isinstance(value, str) else value
+
+
+def _text_cells(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+    headers = [header for _, header, _ in COLUMNS]
+    body = [[_cell(key, row.get(key), fmt) for key, _, fmt in COLUMNS] for row in rows]
+    return headers, body
+
+
+def render_table(rows: list[dict]) -> str:
+    """Aligned plain-text table (numbers right-aligned)."""
+    headers, body = _text_cells(rows)
+    widths = [max(len(x) for x in column) for column in zip(headers, *body)]
+    keys = [key for key, _, _ in COLUMNS]
+
+    def line(cells):
+        return "  ".join(c.rjust(w) if k in NUMERIC_ALIGN else c.ljust(w)
+                         for c, w, k in zip(cells, widths, keys)).rstrip()
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, body)])
+
+
+def render_markdown(rows: list[dict]) -> str:
+    headers, body = _text_cells(rows)
+    align = ["---:" if key in NUMERIC_ALIGN else "---" for key, _, _ in COLUMNS]
+    lines = ["| " + " | ".join(cells) + " |" for cells in (headers, align, *body)]
+    return "\n".join(lines)
+
+
+def render_csv(rows: list[dict]) -> str:
+    """Machine-readable: column keys as headers, raw numbers, empty cells for missing values."""
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=[key for key, _, _ in COLUMNS], lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({key: "" if row.get(key) is None else row[key] for key, _, _ in COLUMNS})
+    return out.getvalue()
+
+
+RENDERERS = {"table": render_table, "markdown": render_markdown, "csv": render_csv}
+SUFFIXES = {"table": "txt", "markdown": "md", "csv": "csv"}
+
+
+def as_json(reports: list[RunReport]) -> str:
+    return json.dumps([{"run_id": r.run_id, **r.row} for r in reports], indent=2)

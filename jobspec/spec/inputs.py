@@ -1,0 +1,47 @@
+"""What a derivation reads from disk: a local checkpoint's config.json and the training file's rows.
+
+The one I/O edge of the spec layer (besides reading the spec itself): `jobspec compile`, `plan`,
+`launch` and `report` all derive their job through `derive_job`, so they see the same numbers.
+"""
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+from jobspec.errors import spec_error
+from jobspec.spec.derived import DerivedJob, derive
+from jobspec.spec.model_dims import read_local_config
+
+# File suffix -> data.format when data.format is auto (the rank-side loader uses the same map).
+EXTENSION_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet", ".pq": "parquet"}
+
+
+def derive_job(spec: dict) -> DerivedJob:
+    """The derived job of a resolved spec, with the model's config.json and the row count read here."""
+    config_json = read_local_config(spec["model"]["name_or_path"])
+    num_train_samples = None
+    if spec["training"]["max_steps"] is None and spec["data"]["train"]:
+        num_train_samples = count_rows(spec["data"]["train"], spec["data"]["format"])
+    return derive(spec, config_json=config_json, num_train_samples=num_train_samples)
+
+
+def count_rows(path: str | Path, fmt: str = "auto") -> int:
+    """Training samples in a jsonl/csv/parquet file (rows; blank jsonl lines and the csv header excluded)."""
+    path = Path(path)
+    if fmt == "auto":
+        fmt = EXTENSION_FORMATS.get(path.suffix.lower())
+        if fmt is None:
+            raise spec_error(f"cannot tell the format of {path.name} from its extension", path=("data", "format"),
+                             hint="set data.format to jsonl, csv or parquet")
+    try:
+        if fmt == "jsonl":
+            with path.open("rb") as f:
+                return sum(1 for line in f if line.strip())
+        if fmt == "csv":
+            with path.open(newline="", encoding="utf-8") as f:
+                return max(0, sum(1 for _ in csv.reader(f)) - 1)  # csv.reader: quoted newlines stay one row
+        import pyarrow.parquet as pq  # only for parquet data; metadata holds the row count
+        return pq.ParquetFile(path).metadata.num_rows
+    except (OSError, UnicodeDecodeError, csv.Error, ValueError, ImportError) as err:
+        raise spec_error(f"cannot count the rows of {path}: {err}", path=("data", "train"),
+                         hint="check the file and data.format") from None

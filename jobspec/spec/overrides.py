@@ -1,0 +1,111 @@
+"""`--set a.b.c=VALUE` overrides, typed by the schema at that path, positioned as `<--set>:1:N`.
+
+VALUE is read as YAML, then checked against the field's JSON types: a string field keeps `007` as
+the string "007"; a number field given `abc` is an error; an unknown key gets "did you mean".
+"""
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+from jobspec.errors import SpecError, SpecIssue, spec_error
+from jobspec.spec.loader import SET_FILE, LoadedSpec, Position, iter_paths, parse_yaml
+from jobspec.spec.schema import has_type, object_branch, schema_types, subschema_at, type_name, types_text
+
+
+def apply_overrides(loaded: LoadedSpec, overrides: list[str]) -> None:
+    """Apply `a.b.c=VALUE` overrides in order; every bad one is reported, together."""
+    issues: list[SpecIssue] = []
+    for index, override in enumerate(overrides, start=1):
+        where = Position(SET_FILE, 1, index)
+        try:
+            path, value = parse_override(override, where)
+            _set_value(loaded, path, value, where)
+        except SpecError as err:
+            issues.extend(err.issues)
+    if issues:
+        raise SpecError(issues)
+
+
+def parse_override(override: str, where: Position) -> tuple[tuple, Any]:
+    """`a.b.c=VALUE` -> (("a","b","c"), VALUE typed by the schema at that path)."""
+    def fail(message, hint, path=()):
+        return spec_error(f"{message} (from --set {override})", path=path, hint=hint,
+                          file=where.file, line=where.line, column=where.col)
+
+    dotted, sep, raw = override.partition("=")
+    keys = tuple(k.strip() for k in dotted.split("."))
+    if not sep or not all(keys):
+        raise fail("expected KEY.PATH=VALUE", "e.g. --set training.max_steps=100")
+    node = _schema_for_override(keys, fail)
+    try:
+        value, _, _ = parse_yaml(raw, SET_FILE) if raw.strip() else ("", {}, {})
+    except SpecError as err:
+        raise fail(f"cannot read the value: {err.issues[0].message}", "quote the value", keys) from None
+    return keys, _typed(value, raw, node, keys, fail)
+
+
+def _schema_for_override(keys: tuple, fail) -> dict:
+    node = subschema_at(())
+    for depth, key in enumerate(keys):
+        branch = object_branch(node) or node
+        props = branch.get("properties", {})
+        extra = branch.get("additionalProperties", True)
+        if key in props:
+            node = props[key]
+        elif branch.get("type") in ("object", None) and "properties" not in branch and extra is not False:
+            node = extra if isinstance(extra, dict) else {}   # free-form: model.config, deepspeed, tags
+        else:
+            here = ".".join(keys[:depth]) or "the top level"
+            if not props:
+                raise fail(f"`{'.'.join(keys[:depth])}` is not a mapping", "set the whole value instead",
+                           keys[:depth + 1])
+            close = difflib.get_close_matches(key, list(props), n=1, cutoff=0.6)
+            hint = f"did you mean `{'.'.join(keys[:depth] + (close[0],))}`?" if close else \
+                f"keys under {here}: {', '.join(props)}"
+            raise fail(f"unknown key `{key}` under {here}", hint, keys[:depth + 1])
+    return node
+
+
+def _typed(value: Any, raw: str, node: dict, keys: tuple, fail) -> Any:
+    types = schema_types(node)
+    if not types or has_type(value, types):
+        return value
+    if "string" in types:
+        return raw.strip()   # `--set name=007` means the string "007"
+    numeric = isinstance(value, str) and ("number" in types or "integer" in types) and _is_number(value)
+    raise fail(f"expected {types_text(types)}, got {type_name(value)} `{raw.strip()}`",
+               "write the number without quotes" if numeric else "pass a value of that type", keys)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _set_value(loaded: LoadedSpec, keys: tuple, value: Any, where: Position) -> None:
+    target = loaded.spec
+    for depth, key in enumerate(keys[:-1]):
+        prefix = keys[:depth + 1]
+        existing = target.get(key)
+        # --set memory.activation_checkpointing.every_n_layers=2 turns an absent, null or `true`
+        # value into a mapping when the schema allows one there.
+        if existing is None or (not isinstance(existing, dict) and object_branch(subschema_at(prefix) or {})):
+            target[key] = {}
+            for table in (loaded.positions, loaded.key_positions):
+                table[prefix] = where
+        target = target[key]
+        if not isinstance(target, dict):
+            raise spec_error(f"cannot set `{'.'.join(keys)}`: `{'.'.join(keys[:depth + 1])}` is a "
+                             f"{type_name(target)}, not a mapping", path=keys, file=where.file,
+                             line=where.line, column=where.col, hint="set the whole value instead")
+    target[keys[-1]] = value
+    for table in (loaded.positions, loaded.key_positions):
+        for stale in [p for p in table if p[:len(keys)] == keys]:
+            del table[stale]
+    for path in iter_paths(value, keys):
+        loaded.positions[path] = where
+    loaded.key_positions[keys] = where

@@ -1,0 +1,178 @@
+"""The spec's model and tokenizer: a hub id / local checkpoint, or an architecture with random weights.
+
+`build_model` picks the `AutoModelFor<task>` head from `model.task`, asks transformers for the attention
+implementation in `model.attention`, and turns the usual loading failures (unknown architecture, no
+network for a hub id, flash-attn missing) into `SpecError`s that say which field to change.
+"""
+from __future__ import annotations
+
+import difflib
+import sys
+
+from jobspec.errors import SpecError, spec_error
+
+# model.task -> the transformers auto class that puts the right head (and loss) on the model
+TASK_MODEL_CLASSES: dict[str, str] = {
+    "sequence-classification": "AutoModelForSequenceClassification",
+    "token-classification": "AutoModelForTokenClassification",
+    "masked-lm": "AutoModelForMaskedLM",
+    "causal-lm": "AutoModelForCausalLM",
+}
+CLASSIFICATION_TASKS = ("sequence-classification", "token-classification")
+
+
+def build_tokenizer(spec: dict):
+    """The tokenizer named by `data.tokenizer` (or `model.name_or_path`); None for synthetic data."""
+    data, model = spec["data"], spec["model"]
+    if data.get("synthetic") is not None:
+        return None
+    name = data.get("tokenizer") or model.get("name_or_path")
+    if not name:
+        raise spec_error("file data needs a tokenizer, and the model is built from an architecture",
+                         path=("data", "tokenizer"),
+                         hint="set data.tokenizer to a local tokenizer directory or a hub id")
+    from transformers import AutoTokenizer
+
+    same_as_model = name == model.get("name_or_path")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            name, revision=model.get("revision") if same_as_model else None,
+            trust_remote_code=bool(model.get("trust_remote_code")))
+    except (OSError, ValueError) as err:
+        raise spec_error(f"cannot load tokenizer {name!r}: {_first_line(err)}",
+                         path=("data", "tokenizer") if data.get("tokenizer") else ("model", "name_or_path"),
+                         hint="give a local directory with tokenizer files, or a hub id reachable from here")
+    if tokenizer.pad_token is None:
+        # GPT-style tokenizers ship without a pad token; padding with EOS is the usual choice and
+        # the attention mask (and -100 labels) keep the padding out of the loss.
+        if tokenizer.eos_token is None:
+            raise spec_error(f"tokenizer {name!r} has neither a pad nor an eos token to pad with",
+                             path=("data", "tokenizer"), hint="use a tokenizer with a pad token")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def build_model(spec: dict, tokenizer=None):
+    """`AutoModelFor<task>` from `model.name_or_path` (weights loaded) or `model.architecture` (random init).
+
+    Random initialisation is seeded by `training.seed`, so every rank builds the same weights.
+    Pass the tokenizer when there is one: its pad token becomes the model's (GPT-2 needs one to
+    classify batches) and its size is checked against the model's vocabulary.
+    `architecture: mlp` is jobspec's own deep MLP (jobspec/train/mlp.py), not a transformers model.
+    """
+    if spec["model"].get("architecture") == "mlp" and not spec["model"].get("name_or_path"):
+        from jobspec.train.mlp import build_mlp
+
+        model = build_mlp(spec)
+        _check_vocab(spec, model, tokenizer)
+        return model
+    import torch
+    import transformers
+
+    model_spec = spec["model"]
+    task = model_spec.get("task", "sequence-classification")
+    auto_class = getattr(transformers, TASK_MODEL_CLASSES[task])
+    overrides = dict(model_spec.get("config") or {})
+    if task in CLASSIFICATION_TASKS:
+        overrides.setdefault("num_labels", model_spec.get("num_labels", 2))
+    attention = model_spec.get("attention", "sdpa")
+    trust = bool(model_spec.get("trust_remote_code"))
+    _warn_remote_code(model_spec)
+
+    try:
+        if model_spec.get("name_or_path"):
+            name, revision = model_spec["name_or_path"], model_spec.get("revision")
+            config = transformers.AutoConfig.from_pretrained(name, revision=revision, trust_remote_code=trust,
+                                                             **overrides)
+            _set_pad_token(config, tokenizer)
+            model = auto_class.from_pretrained(name, config=config, revision=revision, trust_remote_code=trust,
+                                               attn_implementation=attention)
+        else:
+            config = _config_for_architecture(model_spec.get("architecture"), overrides)
+            _set_pad_token(config, tokenizer)
+            torch.manual_seed(spec.get("training", {}).get("seed", 42))
+            model = auto_class.from_config(config, attn_implementation=attention, trust_remote_code=trust)
+    except SpecError:
+        raise
+    except ImportError as err:
+        raise spec_error(f"attention {attention!r} cannot be used here: {_first_line(err)}",
+                         path=("model", "attention"),
+                         hint="install the package it names (flash-attn needs a CUDA GPU) or use sdpa") from None
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise _loading_error(model_spec, task, attention, err) from None
+
+    _check_vocab(spec, model, tokenizer)
+    return model
+
+
+def _config_for_architecture(architecture: str | None, overrides: dict):
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if not architecture:
+        raise spec_error("the model needs `name_or_path` or `architecture`", path=("model",),
+                         hint="set model.architecture (e.g. bert) or model.name_or_path")
+    if architecture not in CONFIG_MAPPING:
+        close = difflib.get_close_matches(architecture, list(CONFIG_MAPPING.keys()), n=3)
+        raise spec_error(f"unknown architecture {architecture!r} for transformers' AutoConfig",
+                         path=("model", "architecture"),
+                         hint=f"did you mean {', '.join(close)}?" if close else "use a model_type such as bert, gpt2")
+    try:
+        return AutoConfig.for_model(architecture, **overrides)
+    except (TypeError, ValueError) as err:
+        raise spec_error(f"invalid config for {architecture}: {_first_line(err)}", path=("model", "config"),
+                         hint="check the field names against the architecture's transformers config") from None
+
+
+def _set_pad_token(config, tokenizer) -> None:
+    if getattr(config, "pad_token_id", None) is not None:
+        return
+    if tokenizer is not None and tokenizer.pad_token_id is not None:
+        config.pad_token_id = tokenizer.pad_token_id
+    elif getattr(config, "eos_token_id", None) is not None:
+        # Decoder-only classifiers find each sample's last token by looking for the pad id;
+        # synthetic data has no padding, so any id outside the data works and EOS is conventional.
+        eos = config.eos_token_id
+        config.pad_token_id = eos[0] if isinstance(eos, (list, tuple)) else eos
+
+
+def _check_vocab(spec: dict, model, tokenizer) -> None:
+    vocab_size = getattr(model.config, "vocab_size", None)
+    if not vocab_size:
+        return
+    synthetic = spec.get("data", {}).get("synthetic")
+    if synthetic is not None:
+        high = synthetic.get("vocab_range", [100, 30000])[1]
+        if high > vocab_size:
+            raise spec_error(f"synthetic token ids go up to {high - 1} but the model's vocabulary has "
+                             f"{vocab_size} entries", path=("data", "synthetic", "vocab_range"),
+                             hint=f"set vocab_range to end at most at {vocab_size}, or raise model.config.vocab_size")
+    elif tokenizer is not None and len(tokenizer) > vocab_size:
+        raise spec_error(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary only "
+                         f"{vocab_size}", path=("model", "config", "vocab_size"),
+                         hint=f"set model.config.vocab_size to at least {len(tokenizer)}")
+
+
+def _loading_error(model_spec: dict, task: str, attention: str, err: Exception) -> SpecError:
+    text = _first_line(err)
+    if "attn" in text.lower() or "attention" in text.lower():
+        return spec_error(f"attention {attention!r} is not supported by this model: {text}",
+                          path=("model", "attention"), hint="use sdpa or eager")
+    if model_spec.get("name_or_path"):
+        return spec_error(f"cannot load {model_spec['name_or_path']!r} for {task}: {text}",
+                          path=("model", "name_or_path"),
+                          hint="give a local checkpoint directory, or a hub id reachable from here")
+    return spec_error(f"cannot build {model_spec.get('architecture')!r} for {task}: {text}",
+                      path=("model", "task"), hint="pick a task this architecture has a head for")
+
+
+def _warn_remote_code(model_spec: dict) -> None:
+    if model_spec.get("trust_remote_code"):
+        print(f"WARNING: model.trust_remote_code is true: Python code from {model_spec.get('name_or_path')!r} "
+              "will run on this machine with your permissions. Only do this for repositories you trust.",
+              file=sys.stderr, flush=True)
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip() or type(err).__name__
+    return text.splitlines()[0]

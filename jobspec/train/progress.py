@@ -1,0 +1,229 @@
+"""What a training run reports: step metrics (the shared metric names), the console progress
+(rank 0: a tqdm bar, plain lines, or nothing), and `summary.json`.
+
+The launcher picks the console mode from `logging.progress` and whether its own stdout is a
+terminal, and passes it as `JOBSPEC_PROGRESS` (bar | lines | none); ranks cannot see the terminal
+themselves because the deepspeed runner pipes their output.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MODES = ("bar", "lines", "none")
+
+
+def progress_mode(environ=os.environ) -> str:
+    mode = environ.get("JOBSPEC_PROGRESS", "lines").strip().lower()
+    return mode if mode in MODES else "lines"
+
+
+def format_eta(seconds: float | None) -> str:
+    if seconds is None or seconds != seconds or seconds < 0:  # unknown, NaN, negative
+        return "?"
+    return str(datetime.timedelta(seconds=int(round(seconds))))
+
+
+def format_line(step: int, total: int, metrics: dict, eta_s: float | None) -> str:
+    """`step 20/100 loss 0.6931 lr 4.0e-05 12.3 samples/s eta 0:01:05` (missing values are skipped)."""
+    parts = [f"step {step}/{total}"]
+    if "train/loss" in metrics:
+        parts.append(f"loss {metrics['train/loss']:.4f}")
+    if "train/lr" in metrics:
+        parts.append(f"lr {metrics['train/lr']:.1e}")
+    if "perf/samples_per_s" in metrics:
+        parts.append(f"{metrics['perf/samples_per_s']:.1f} samples/s")
+    parts.append(f"eta {format_eta(eta_s)}")
+    return " ".join(parts)
+
+
+class Progress:
+    """Reports optimizer steps; `update` is called at every step, `log` at every logging step."""
+
+    def __init__(self, total_steps: int, start_step: int = 0, mode: str | None = None, stream=None):
+        self.mode = mode or progress_mode()
+        self.total = total_steps
+        self.start_step = start_step
+        self.stream = stream or sys.stdout
+        self._t0 = time.monotonic()
+        self._bar = None
+        if self.mode == "bar":
+            from tqdm.auto import tqdm
+            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
+                             file=self.stream)
+
+    def eta_s(self, step: int) -> float | None:
+        done = step - self.start_step  # steps restored from a checkpoint took no time in this run
+        if done <= 0:
+            return None
+        return (time.monotonic() - self._t0) / done * (self.total - step)
+
+    def update(self, step: int) -> None:
+        if self._bar is not None:
+            self._bar.update(step - self._bar.n)
+
+    def log(self, step: int, metrics: dict) -> None:
+        if self.mode == "lines":
+            print(format_line(step, self.total, metrics, self.eta_s(step)), file=self.stream, flush=True)
+        elif self._bar is not None:
+            postfix = {}
+            if "train/loss" in metrics:
+                postfix["loss"] = f"{metrics['train/loss']:.4f}"
+            if "perf/samples_per_s" in metrics:
+                postfix["samples/s"] = f"{metrics['perf/samples_per_s']:.1f}"
+            self._bar.set_postfix(postfix, refresh=False)
+            self.update(step)
+
+    def message(self, text: str) -> None:
+        """A one-off line (eval, checkpoint) that does not break the bar."""
+        if self.mode == "none":
+            return
+        if self._bar is not None:
+            self._bar.write(text, file=self.stream)
+        else:
+            print(text, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+class NullProgress(Progress):
+    """What ranks other than 0 get: every call does nothing."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(0, mode="none")
+
+
+@dataclass
+class Window:
+    """What happened since the last log step, kept on device so no step waits for a sync."""
+
+    loss_sum: object = None
+    micro_batches: int = 0
+    samples: int = 0
+    tokens: int = 0
+    steps: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+    def add_loss(self, loss) -> None:
+        self.micro_batches += 1
+        detached = loss.detach().float()
+        self.loss_sum = detached if self.loss_sum is None else self.loss_sum + detached
+
+
+@dataclass
+class RunState:
+    """Where the run is (checkpointed) and what it has measured so far (for summary.json)."""
+
+    step: int = 0
+    epoch: int = 0
+    batches_in_epoch: int = 0
+    samples: int = 0                 # global samples trained in this run (not before a resume)
+    last_loss: float | None = None
+    eval_loss: float | None = None
+    samples_per_s: list = field(default_factory=list)
+    peak_memory: dict = field(default_factory=dict)
+    resumed_from: str | None = None
+    last_checkpoint: str | None = None
+
+
+class StepReporter:
+    """Turns windows of steps into the shared metric names; collectives run on every rank."""
+
+    def __init__(self, engine, spec, derived, patches, sink, progress, rank, state: RunState):
+        import torch
+
+        from jobspec.train import metrics
+        self.engine, self.sink, self.progress, self.rank, self.state = engine, sink, progress, rank, state
+        self.metrics = metrics
+        self.world = derived["world_size"]
+        self.count_tokens = metrics.count_tokens
+        # From the derived job in launch.json: TFLOP/s counts the work the device did (checkpoint
+        # recompute included); MFU counts the model's FLOPs only (PaLM's definition)
+        self.model_flops_per_token = derived.get("model_flops_per_token")
+        self.hardware_flops_per_token = derived.get("hardware_flops_per_token")
+        device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        self.peak_flops = metrics.peak_flops(device_name, spec["memory"]["precision"])
+
+    def log_window(self, step: int, window: Window) -> Window:
+        """Log the window's metrics (rank 0); returns the next, empty window."""
+        import torch
+        import torch.distributed as dist
+        device = self.engine.device
+        totals = torch.stack([window.loss_sum.to(device), *(torch.tensor(float(x), device=device) for x in
+                              (window.micro_batches, window.samples, window.tokens))])
+        dist.all_reduce(totals)  # SUM: also the one sync point that makes the window's time honest
+        loss_sum, micro_batches, samples, tokens = totals.tolist()
+        elapsed = max(time.perf_counter() - window.started, 1e-9)
+        out = {
+            "train/loss": loss_sum / micro_batches,
+            "train/lr": float(self.engine.get_lr()[0]),
+            "perf/step_time_s": elapsed / window.steps,
+            "perf/samples_per_s": samples / elapsed,
+            "perf/tokens_per_s": tokens / elapsed,
+        }
+        grad_norm = self.engine.get_global_grad_norm()
+        if grad_norm is not None:
+            out["train/grad_norm"] = float(grad_norm)
+        if self.model_flops_per_token and self.peak_flops:  # both absent where the peak is unknown (CPU)
+            tokens_per_s_device = tokens / elapsed / self.world
+            out["perf/tflops_per_device"] = self.hardware_flops_per_token * tokens_per_s_device / 1e12
+            out["perf/mfu"] = self.model_flops_per_token * tokens_per_s_device / self.peak_flops
+        out.update(self.memory())
+        self.state.last_loss = out["train/loss"]
+        self.state.samples += int(samples)
+        self.state.samples_per_s.append(out["perf/samples_per_s"])
+        if self.rank == 0:
+            self.sink.log(out, step=step)
+            self.progress.log(step, out)
+        return Window()
+
+    def memory(self) -> dict:
+        snapshot = self.metrics.memory_snapshot(self.engine.device)
+        highest = self.metrics.reduce_max(snapshot)  # collective: same keys on every rank
+        self.metrics.reset_peaks(self.engine.device)  # the next window reports its own peak
+        out = {f"mem/{k}_max": float(v) for k, v in highest.items()}
+        out.update({f"mem/{k}_rank0": float(snapshot[k]) for k in ("peak_allocated_mib", "peak_reserved_mib")
+                    if k in snapshot})
+        for name, value in out.items():
+            self.state.peak_memory[name] = max(value, self.state.peak_memory.get(name, value))
+        return out
+
+    def log_eval(self, step: int, loss: float) -> None:
+        if self.rank == 0:
+            self.sink.log({"eval/loss": loss}, step=step)
+            self.progress.message(f"step {step} eval/loss {loss:.4f}")
+
+
+def summarize(state: RunState, status: str, total_steps: int, started: float, error: str | None = None) -> dict:
+    # the first window pays for warm-up (allocation, JIT); leave it out when there are others
+    steady = state.samples_per_s[1:] or state.samples_per_s
+    summary = {
+        "status": status,
+        "steps": state.step,
+        "total_steps": total_steps,
+        "samples": state.samples,
+        "final_loss": state.last_loss,
+        "eval_loss": state.eval_loss,
+        "samples_per_s": sum(steady) / len(steady) if steady else None,
+        "peak_memory": state.peak_memory,
+        "elapsed_s": round(time.time() - started, 3),
+        "resumed_from": state.resumed_from,
+        "checkpoint": state.last_checkpoint,
+    }
+    if error is not None:
+        summary["error"] = error
+    return summary
+
+
+def write_summary(run_dir: Path, summary: dict) -> None:
+    tmp = run_dir / ".summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, run_dir / "summary.json")

@@ -1,0 +1,396 @@
+"""The training worker: one process per rank, started by the deepspeed runner.
+
+    deepspeed --num_gpus N --master_port P --module jobspec.train.worker --run-dir DIR
+
+It reads only the run directory (resolved.yaml, ds_config.json, patches.json, launch.json) and
+the environment the runner sets; builds tokenizer, model, patches and data; trains for
+`derived.total_steps` optimizer steps through `deepspeed.initialize`; logs metrics (rank 0, via
+MetricSink), saves checkpoints, resumes from them, and stops cleanly on SIGUSR1/SIGTERM.
+Rank 0 writes `summary.json`. Env: JOBSPEC_PROGRESS=bar|lines|none, JOBSPEC_STOP_AFTER_STEPS=K
+(behave as if signalled after K steps: for tests and debugging), JOBSPEC_INJECT_NAN_AT_STEP=K
+(a NaN loss in step K, to test `training.on_nan`: see jobspec/train/faults.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from jobspec.errors import EXIT_INVALID, SpecError, spec_error
+from jobspec.train.faults import NanGuard, NonFiniteLoss
+from jobspec.train.oom import OomGuard
+from jobspec.train.progress import RunState, StepReporter, Window, summarize, write_summary
+from jobspec.train.reshard import replace_ds_config
+
+RUN_FILES = ("resolved.yaml", "ds_config.json", "patches.json", "launch.json")
+
+
+@dataclass
+class RunFiles:
+    spec: dict
+    ds_config: dict
+    patches: list
+    launch: dict
+
+    @property
+    def derived(self) -> dict:
+        return self.launch["derived"]
+
+
+def read_run_dir(run_dir: Path) -> RunFiles:
+    missing = [name for name in RUN_FILES if not (run_dir / name).is_file()]
+    if missing:
+        raise spec_error(f"run directory {run_dir} lacks {', '.join(missing)}",
+                         hint="create it with `jobspec compile --out DIR` or `jobspec launch`")
+    spec = yaml.safe_load((run_dir / "resolved.yaml").read_text(encoding="utf-8"))
+    loaded = [json.loads((run_dir / name).read_text(encoding="utf-8")) for name in RUN_FILES[1:]]
+    files = RunFiles(spec, *loaded)
+    if "total_steps" not in files.launch.get("derived", {}):
+        raise spec_error(f"{run_dir / 'launch.json'} has no derived.total_steps",
+                         hint="recompile the job with this version of jobspec")
+    return files
+
+
+class StopFlag:
+    """Set by SIGUSR1/SIGTERM (Slurm's warning, a preemption); acted on at a step boundary."""
+
+    def __init__(self):
+        self.requested = False
+
+    def install(self) -> None:
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        # Only a flag, also on repeats: a SIGTERM to the job's process group reaches a rank twice
+        # (directly and from DeepSpeed's launch.py); the launcher escalates to SIGKILL itself.
+        self.requested = True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jobspec.train.worker", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run-dir", required=True, type=Path, help="run directory written by compile/launch")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
+                        help="set by the deepspeed runner")
+    args = parser.parse_args(argv)
+    run_dir = args.run_dir.resolve()
+    started = time.time()
+    state = RunState()
+    try:
+        return train(run_dir, state, started)  # the engine picks its device from LOCAL_RANK
+    except SpecError as err:
+        _write_failure(run_dir, state, started, err.render())
+        print(err.render(), file=sys.stderr)
+        return EXIT_INVALID
+    except NonFiniteLoss as err:  # training.on_nan: stop -- a clear failure, not a traceback
+        if err.step:  # found at a log/checkpoint boundary: the good steps end before the bad one
+            state.step = min(state.step, err.step - 1)
+        _write_failure(run_dir, state, started, str(err))
+        print(f"ERROR: {err}", file=sys.stderr, flush=True)
+        return 1
+    except BaseException as err:
+        _write_failure(run_dir, state, started, f"{type(err).__name__}: {err}\n{traceback.format_exc()}")
+        raise
+    finally:
+        _destroy_process_group()
+
+
+def train(run_dir: Path, state: RunState, started: float) -> int:
+    files = read_run_dir(run_dir)
+    stop = StopFlag()
+    stop.install()
+
+    import deepspeed
+    import torch.distributed as dist
+
+    from jobspec.train.progress import NullProgress, Progress
+
+    deepspeed.init_distributed()
+    _share_cpu_threads()
+    # Stop votes go over gloo on the host: an NCCL vote would sync the GPU at every step.
+    control = dist.new_group(backend="gloo")
+    # a checkpoint of another world size: converted (rank 0) and loaded via DeepSpeed's universal format
+    reshard = reshard_plan(files.spec["checkpoint"], dist.get_world_size(), control)
+    engine, train_ds, eval_ds, patch_notes = build_engine(replace_ds_config(files, reshard))
+    passed_over: list[str] = []  # corrupt checkpoints skipped on resume (reported below and as a tag)
+    pending_rng = resume(engine, reshard.checkpoint_section if reshard else files.spec["checkpoint"], state,
+                         lambda flag: _any_rank(flag, control), passed_over)
+    rank, total_steps = dist.get_rank(), files.derived["total_steps"]
+    if reshard is not None:
+        pending_rng = reshard.adjust(state, files.derived["micro_batch_size"], files.spec["training"]["seed"], rank)
+    progress = Progress(total_steps, state.step) if rank == 0 else NullProgress()
+    sink = _open_sink(run_dir) if rank == 0 else None
+    try:
+        for note in patch_notes:
+            progress.message(note)
+        if reshard is not None:
+            progress.message(reshard.message(state.step))
+        if state.resumed_from:
+            progress.message(f"resumed from {state.resumed_from} at step {state.step}")
+        if passed_over and sink is not None:
+            sink.set_tags({"jobspec.resume_fallback": f"resumed from {state.resumed_from}; passed over: "
+                                                      + " | ".join(passed_over)})
+        nan_guard = NanGuard(files.spec["training"].get("on_nan", "stop"), lambda flag: _any_rank(flag, control),
+                             sink, rank)
+        telemetry = StepReporter(engine, files.spec, files.derived, files.patches, sink, progress, rank, state)
+        oom_guard = OomGuard(files, run_dir=run_dir, rank=rank, control_group=control, build_engine=build_engine,
+                             progress=progress, sink=sink, telemetry=telemetry)
+        del engine  # train_loop holds the only reference: an OOM recovery (jobspec.train.oom) must free it
+        status = train_loop(telemetry.engine, files, train_ds, eval_ds, state, telemetry, progress,
+                            stop=lambda: _any_rank(stop.requested or _stop_after_reached(state.step), control),
+                            pending_rng=pending_rng, nan_guard=nan_guard, oom_guard=oom_guard)
+        if rank == 0:
+            write_summary(run_dir, summarize(state, status, total_steps, started))
+    finally:
+        progress.close()
+        if sink is not None:
+            sink.close(timeout=30)
+    return 0
+
+
+def build_engine(files: RunFiles):
+    """Seeded model with its patches, the datasets, and the DeepSpeed engine from the compiled config."""
+    import deepspeed
+    from transformers import set_seed
+
+    from jobspec.train.data import build_datasets
+    from jobspec.train.model import build_model, build_tokenizer
+    from jobspec.train.patches import apply_patches, build_client_optimizer
+
+    spec = files.spec
+    set_seed(spec["training"]["seed"])  # python, numpy, torch (+cuda): same initial weights on every rank
+    tokenizer = build_tokenizer(spec)
+    model = build_model(spec, tokenizer)
+    model, patch_notes = apply_patches(model, files.patches)
+    client_optimizer = None
+    for patch in files.patches:
+        if patch["name"] == "client_optimizer":
+            client_optimizer = build_client_optimizer(model, patch["args"])
+    train_ds, eval_ds = build_datasets(spec, tokenizer)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+        optimizer=client_optimizer, config=files.ds_config)
+    return engine, train_ds, eval_ds, patch_notes
+
+
+def resume(engine, ckpt: dict, state: RunState, any_rank=lambda flag: flag,
+           passed_over: list | None = None) -> dict | None:
+    """Load the checkpoint `checkpoint.resume` names into the engine and `state`; this rank's RNG state.
+
+    A corrupt newest checkpoint is passed over for the previous one, loudly (`passed_over` gets why).
+    """
+    from jobspec.train import checkpointing
+    client_state, target, skipped = checkpointing.load_with_fallback(engine, ckpt["resume"], ckpt["dir"], any_rank)
+    for problem in skipped:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"WARNING: checkpoint passed over on resume: {problem}", file=sys.stderr, flush=True)
+        if passed_over is not None:
+            passed_over.append(problem)
+    if target is None:
+        return None
+    state.step = client_state["step"]
+    state.epoch = client_state["epoch"]
+    state.batches_in_epoch = client_state["batches_in_epoch"]
+    state.resumed_from = str(Path(target[0]) / target[1])
+    return checkpointing.rng_state_of_this_rank(client_state)
+
+
+def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, telemetry: "StepReporter", progress,
+               *, stop, pending_rng: dict | None, nan_guard: NanGuard | None = None,
+               oom_guard: OomGuard | None = None) -> str:
+    """Optimizer steps until `derived.total_steps` ("finished") or an agreed stop ("preempted")."""
+    import torch.distributed as dist
+
+    from jobspec.train import checkpointing
+    from jobspec.train.data import make_loader
+
+    spec, derived = files.spec, files.derived
+    training, data, ckpt = spec["training"], spec["data"], spec["checkpoint"]
+    total_steps, every_log, every_ckpt = derived["total_steps"], spec["logging"]["every_n_steps"], ckpt["every_n_steps"]
+    loader_args = dict(micro_batch_size=derived["micro_batch_size"], rank=dist.get_rank(),
+                       world_size=dist.get_world_size(), seed=training["seed"], num_workers=data["num_workers"],
+                       pin_memory=data["pin_memory"])
+
+    def save_checkpoint():
+        if nan_guard:
+            nan_guard.confirm()  # never save a state that followed a non-finite loss
+        state.last_checkpoint = checkpointing.save(
+            engine, ckpt["dir"], step=state.step, epoch=state.epoch,
+            batches_in_epoch=oom_guard.batches_in_compiled_units(state.batches_in_epoch) if oom_guard
+            else state.batches_in_epoch,
+            job_name=spec["name"], keep_last=ckpt["keep_last"],
+            zero_stage=files.ds_config.get("zero_optimization", {}).get("stage", 0),
+            micro_batch_size=derived["micro_batch_size"])
+        progress.message(f"checkpoint {state.last_checkpoint} saved to {ckpt['dir']}")
+
+    def run_eval():
+        if eval_ds is not None:
+            loader = make_loader(eval_ds, epoch=0, shuffle=False, skip_batches=0, **loader_args)
+            state.eval_loss = evaluate(engine, loader)
+            telemetry.log_eval(state.step, state.eval_loss)
+
+    engine.train()
+    window = Window()
+    empty_epochs = 0
+    while state.step < total_steps:
+        batches = iter(make_loader(train_ds, epoch=state.epoch, shuffle=data["shuffle"],
+                                   skip_batches=state.batches_in_epoch, **loader_args))
+        if pending_rng is not None:  # after iter(): see checkpointing.rng_state_of_this_rank
+            checkpointing.restore_rng_state(pending_rng)
+            pending_rng = None
+        yielded = False
+        for batch in batches:
+            yielded = True
+            if oom_guard:
+                oom_guard.mark(state, window)  # where this optimizer step began, to redo it after an OOM
+            window.tokens += telemetry.count_tokens(batch)  # on the host batch: no device sync
+            window.samples += int(batch["input_ids"].shape[0])
+            batch = {k: v.to(engine.device, non_blocking=True) for k, v in batch.items()}
+            boundary = engine.is_gradient_accumulation_boundary()  # ask before step() advances it
+            if oom_guard is None:
+                loss = _loss_of(engine(**batch))
+            elif (loss := oom_guard.forward(engine, batch, state.step + 1, _loss_of)) is None:
+                break  # out of memory on some rank: every rank redoes the step below, micro-batch halved
+            loss, nonfinite = nan_guard.check(loss, state.step + 1) if nan_guard else (loss, False)
+            if oom_guard is None:
+                engine.backward(loss)
+            elif not oom_guard.backward(engine, loss, state.step + 1):
+                break  # as above
+            nan_guard.step(engine, boundary, state.step + 1) if nan_guard else engine.step()
+            state.batches_in_epoch += 1
+            if not nonfinite:  # a skipped micro-batch has no loss to report
+                window.add_loss(loss)
+            if not boundary:
+                continue
+            state.step += 1
+            window.steps += 1
+            progress.update(state.step)
+            last = state.step >= total_steps
+            if nan_guard and (state.step % every_log == 0 or last):
+                nan_guard.confirm()
+            if (state.step % every_log == 0 or last) and window.micro_batches:
+                window = telemetry.log_window(state.step, window)
+            if (training["eval_every"] and state.step % training["eval_every"] == 0) or last:
+                run_eval()
+            if last:
+                if ckpt["save_final"] or (every_ckpt and state.step % every_ckpt == 0):
+                    save_checkpoint()
+                return "finished"
+            if stop():
+                if window.steps and window.micro_batches:
+                    window = telemetry.log_window(state.step, window)
+                save_checkpoint()
+                return "preempted"
+            if every_ckpt and state.step % every_ckpt == 0:
+                save_checkpoint()
+        if oom_guard and oom_guard.pending:  # every rank agreed on an OOM in this optimizer step
+            saved = oom_guard.save_and_release(engine, state)
+            engine = batch = loss = None  # the old engine's last references: free its memory first
+            engine, window = oom_guard.rebuild(saved, state, loader_args)
+            continue
+        # the epoch is used up: the next one, reshuffled
+        empty_epochs = 0 if yielded else empty_epochs + 1
+        if empty_epochs > 1:
+            raise spec_error("the training data yields no batches", path=("data",),
+                             hint="check the data files and training.micro_batch_size")
+        state.epoch += 1
+        state.batches_in_epoch = 0
+    return "finished"  # resumed from a checkpoint of the last step: nothing left to do
+
+
+def evaluate(engine, loader) -> float:
+    """Mean eval loss over every rank's samples."""
+    import torch
+    import torch.distributed as dist
+    totals = torch.zeros(2, device=engine.device)
+    engine.eval()
+    with torch.no_grad():
+        for batch in loader:
+            n = batch["input_ids"].shape[0]
+            batch = {k: v.to(engine.device, non_blocking=True) for k, v in batch.items()}
+            totals += torch.stack([_loss_of(engine(**batch)).float() * n, torch.tensor(float(n), device=engine.device)])
+    engine.train()
+    dist.all_reduce(totals)
+    return float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")
+
+
+def _write_failure(run_dir: Path, state: RunState, started: float, error: str) -> None:
+    if int(os.environ.get("RANK", "0")) != 0 or not run_dir.is_dir():
+        return
+    try:
+        write_summary(run_dir, summarize(state, "failed", None, started, error=error))
+    except OSError:
+        pass  # the original error matters more than a summary we cannot write
+
+
+def reshard_plan(ckpt: dict, world_size: int, group):
+    """jobspec.train.reshard.plan with rank 0's conversion result shared over the gloo `group`."""
+    import torch.distributed as dist
+
+    from jobspec.train import reshard
+
+    def broadcast(obj):
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=group)
+        return box[0]
+    return reshard.plan(ckpt, world_size, broadcast)
+
+
+def _any_rank(flag: bool, group) -> bool:
+    """True on every rank if it is true on one: all ranks must stop at the same step."""
+    import torch
+    import torch.distributed as dist
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item())
+
+
+def _stop_after_reached(step: int) -> bool:
+    limit = int(os.environ.get("JOBSPEC_STOP_AFTER_STEPS") or 0)
+    return bool(limit) and step >= limit
+
+
+def _share_cpu_threads() -> None:
+    """On CPU ranks, split the cores between the ranks of this node: every rank taking all of
+    them makes the ranks' OpenMP threads fight for cores (steps become many times slower)."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+    if get_accelerator().device_name() != "cpu" or "OMP_NUM_THREADS" in os.environ:
+        return
+    local_ranks = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
+
+
+def _loss_of(outputs):
+    return outputs["loss"] if isinstance(outputs, dict) else getattr(outputs, "loss", outputs[0])
+
+
+def _open_sink(run_dir: Path):
+    from jobspec.tracking.telemetry import MetricSink
+    return MetricSink.open(run_dir)
+
+
+def _destroy_process_group() -> None:
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        # this rank's /dev/shm all-reduce buffer (CPU accelerator): DeepSpeed never unlinks it, and
+        # unlinking is safe while a peer still maps it
+        from jobspec.launch.launcher import remove_shared_memory_buffers
+        remove_shared_memory_buffers(os.environ.get("MASTER_PORT"), local_rank=os.environ.get("LOCAL_RANK", 0))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
