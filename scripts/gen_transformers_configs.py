@@ -49,7 +49,7 @@ TYPE_ORDER = ("boolean", "integer", "float", "number", "string", "array", "objec
 
 
 def architectures() -> list[str]:
-    from jobspec.modelinfo import ARCHITECTURE_DEFAULTS
+    from jobspec.spec.model_dims import ARCHITECTURE_DEFAULTS
     return sorted(ARCHITECTURE_DEFAULTS)
 
 
@@ -159,10 +159,10 @@ def transformers_entry(model_type: str, common: dict) -> dict:
 
 
 def mlp_entry() -> dict:
-    from jobspec.mlp import CONFIG_KEYS, MLPConfig
+    from jobspec.train.mlp import CONFIG_KEYS, MLPConfig
 
     fields = _fields(MLPConfig)
-    return {"class": "jobspec.mlp.MLPConfig", "common": False,
+    return {"class": "jobspec.train.mlp.MLPConfig", "common": False,
             "fields": {name: fields[name] for name in CONFIG_KEYS}, "aliases": {}}
 
 
@@ -180,7 +180,7 @@ def build() -> dict:
         elif model_type in CONFIG_MAPPING:
             table[model_type] = transformers_entry(model_type, common)
         else:
-            raise SystemExit(f"{model_type} (jobspec/modelinfo.py) is not a transformers model_type")
+            raise SystemExit(f"{model_type} (jobspec/spec/model_dims.py) is not a transformers model_type")
     return {
         "generated_by": "scripts/gen_transformers_configs.py",
         "transformers_version": transformers.__version__,

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from jobspec.errors import SpecIssue
-from jobspec.loader import SET_FILE
+from jobspec.spec.loader import SET_FILE
 
 IssueFn = Callable[..., SpecIssue]
 Problem = tuple   # (path inside the block, message, hint, whether to point at the key)
@@ -35,7 +35,7 @@ DEEPSPEED_SCHEMA = "deepspeed-config.schema.json"
 # DeepSpeed keys a spec field decides, and that field. The planner, --fit, the GPU pre-flight,
 # the report and the worker read the spec, so a `deepspeed:` value for one of these would make them
 # describe another run than the one that happens. That covers the sizes the memory planner reads
-# (ZeRO buckets, stage-3 prefetch and persistence, NVMe parameter buffers: jobspec/planner.py).
+# (ZeRO buckets, stage-3 prefetch and persistence, NVMe parameter buffers: jobspec/memory/planner.py).
 # Every other key stays overridable, those of the same sections included (overlap_comm,
 # allgather_bucket_size, the fp16 loss-scale window, pin_memory, ...): nothing else reads them,
 # and compile notes each one.

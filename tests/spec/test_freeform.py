@@ -14,14 +14,14 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jobspec.commands.compile import compile_resolved
-from jobspec.compiler import compile_spec
+from jobspec.compile.compiler import compile_spec
 from jobspec.errors import SpecError
-from jobspec.modelinfo import ARCHITECTURE_DEFAULTS
-from jobspec.schema import load_schema, subschema_at
+from jobspec.spec.inputs import derive_job
+from jobspec.spec.model_dims import ARCHITECTURE_DEFAULTS
+from jobspec.spec.schema import load_schema, subschema_at
 from jobspec.spec import freeform
 from jobspec.spec.freeform import OWNED_DEEPSPEED_KEYS, deepspeed_problems
-from jobspec.validation import load_and_validate
+from jobspec.spec.validation import load_and_validate
 
 REPO = Path(__file__).resolve().parents[2]
 XLMR = REPO / "jobs" / "xlmr-large.yaml"
@@ -251,7 +251,7 @@ def test_other_keys_of_owned_sections_compile_and_are_noted(tmp_path):
                                      "stage3_gather_16bit_weights_on_model_save": True},
                "fp16": {"loss_scale_window": 100}, "flops_profiler": {"enabled": True, "top_modules": 3}}
     resolved = load_and_validate(with_deepspeed(tmp_path, section, zero_stage=2, precision="fp16"))
-    compiled = compile_resolved(resolved)
+    compiled = compile_spec(resolved.spec, derive_job(resolved.spec))
     assert compiled.ds_config["zero_optimization"]["overlap_comm"] is False
     assert compiled.ds_config["fp16"]["enabled"] is True and compiled.ds_config["fp16"]["loss_scale_window"] == 100
     assert compiled.ds_config["flops_profiler"] == {"enabled": True, "top_modules": 3}
@@ -316,7 +316,7 @@ def test_compiler_writes_every_owned_key_but_deepspeeds_aliases():
     written = set()
     for memory in sweep:
         spec = load_and_validate_dict({**TINY, "memory": memory})
-        config = compile_spec(spec).ds_config
+        config = compile_spec(spec, derive_job(spec)).ds_config
         written |= {path for path in OWNED_DEEPSPEED_KEYS if _get(config, path) is not None}
     aliases = {("zero_optimization", "cpu_offload"), ("zero_optimization", "cpu_offload_param"),
                ("zero_optimization", "prefetch_bucket_size"), ("zero_optimization", "param_persistence_threshold"),
@@ -344,7 +344,7 @@ def test_owned_aliases_do_what_the_table_says(monkeypatch):
 @pytest.mark.parametrize("job", SHIPPED_JOBS, ids=lambda p: p.name)
 def test_shipped_jobs_validate_and_their_compiled_config_fits_the_schema(job):
     resolved = load_and_validate(job)
-    config = compile_resolved(resolved).ds_config
+    config = compile_spec(resolved.spec, derive_job(resolved.spec)).ds_config
     assert deepspeed_problems(config, owned=False) == []
 
 
@@ -356,7 +356,8 @@ def test_every_compiled_variant_fits_the_schema():
         for optimizer in ("adamw", "sgd") + (("adafactor",) if client_ok else ()):
             spec = load_and_validate_dict({**TINY, "memory": memory, "training": {
                 "max_steps": 2, "optimizer": {"name": optimizer}}})
-            assert deepspeed_problems(compile_spec(spec).ds_config, owned=False) == [], (memory, optimizer)
+            config = compile_spec(spec, derive_job(spec)).ds_config
+            assert deepspeed_problems(config, owned=False) == [], (memory, optimizer)
 
 
 def load_and_validate_dict(spec: dict) -> dict:
