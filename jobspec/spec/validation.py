@@ -20,6 +20,7 @@ from jobspec.spec.derived import derive
 from jobspec.spec.loader import SET_FILE, LoadedSpec, Position, load_spec
 from jobspec.spec.schema import (_schema_cached, fill_defaults, has_type, schema_types, subschema_at,
                             type_name, types_text)
+from jobspec.spec.freeform import freeform_issues
 
 PATH_FIELDS = (("data", "train"), ("data", "eval"), ("data", "tokenizer"), ("model", "name_or_path"),
                ("output_dir",), ("checkpoint", "dir"), ("checkpoint", "resume"), ("memory", "offload", "nvme_path"))
@@ -76,7 +77,7 @@ def load_and_validate(path: str | os.PathLike, overrides=()) -> ResolvedSpec:
 def validate_spec(loaded: LoadedSpec) -> ResolvedSpec:
     """Schema errors first (all of them); cross-field rules only on a schema-valid spec."""
     resolved = ResolvedSpec(loaded.spec, loaded.source, loaded.text, loaded.positions, loaded.key_positions)
-    issues = schema_issues(resolved)
+    issues = schema_issues(resolved) + freeform_issues(resolved)
     if issues:
         raise SpecError(issues)
     resolved.spec = fill_defaults(loaded.spec)
