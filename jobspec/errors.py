@@ -74,3 +74,12 @@ def spec_error(message: str, *, path: tuple = (), hint: str | None = None, file:
                line: int | None = None, column: int | None = None) -> SpecError:
     """A SpecError with a single issue, for problems found outside schema validation."""
     return SpecError([SpecIssue(path=path, message=message, hint=hint, file=file, line=line, column=column)])
+
+
+def first_line(err: BaseException, *, limit: int | None = None) -> str:
+    """The first line of an exception's message (its type's name when it has none), secrets masked:
+    what a one-line error or warning shows of an error raised by a library."""
+    from jobspec.secrets import mask_secrets
+    text = mask_secrets(str(err)).strip()
+    line = text.splitlines()[0] if text else type(err).__name__
+    return line[:limit] if limit else line

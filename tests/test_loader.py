@@ -7,6 +7,7 @@ import pytest
 
 from jobspec.errors import SpecError
 from jobspec.spec.loader import MAX_NODES, SET_FILE, Position, load_spec
+from jobspec.spec.overrides import apply_overrides
 
 
 def write(tmp_path, name: str, text: str):
@@ -135,7 +136,7 @@ def test_self_extension_is_a_cycle(tmp_path):
 
 def test_set_types_values_by_the_schema(tmp_path):
     path = write(tmp_path, "job.yaml", "model: {architecture: bert}\n")
-    loaded = load_spec(path, ["logging.mlflow.experiment=3", "training.epochs=2", "name=null",
+    loaded = apply_overrides(load_spec(path), ["logging.mlflow.experiment=3", "training.epochs=2", "name=null",
                               "memory.activation_checkpointing.every_n_layers=2", "deepspeed.zero_optimization.stage=3",
                               "training.optimizer.betas=[0.9, 0.95]"])
     spec = loaded.spec
@@ -150,7 +151,7 @@ def test_set_types_values_by_the_schema(tmp_path):
 
 def test_set_replaces_a_value_and_its_positions(tmp_path):
     path = write(tmp_path, "job.yaml", "model: {architecture: bert, freeze: [a, b, c]}\n")
-    loaded = load_spec(path, ["model.freeze=[x]"])
+    loaded = apply_overrides(load_spec(path), ["model.freeze=[x]"])
     assert loaded.spec["model"]["freeze"] == ["x"]
     assert ("model", "freeze", 2) not in loaded.positions
     assert loaded.positions[("model", "freeze", 0)].file == SET_FILE
@@ -167,7 +168,7 @@ def test_set_replaces_a_value_and_its_positions(tmp_path):
 def test_bad_set_is_a_positioned_error(tmp_path, override, phrase, hint):
     path = write(tmp_path, "job.yaml", "model: {architecture: bert}\n")
     with pytest.raises(SpecError) as caught:
-        load_spec(path, ["training.max_steps=3", override])
+        apply_overrides(load_spec(path), ["training.max_steps=3", override])
     issue = only_issue(caught)
     assert (issue.file, issue.line, issue.column) == (SET_FILE, 1, 2)
     assert phrase in issue.message and hint in issue.hint
@@ -176,7 +177,7 @@ def test_bad_set_is_a_positioned_error(tmp_path, override, phrase, hint):
 def test_every_bad_set_is_reported(tmp_path):
     path = write(tmp_path, "job.yaml", "model: {architecture: bert}\n")
     with pytest.raises(SpecError) as caught:
-        load_spec(path, ["a=1", "b=2"])
+        apply_overrides(load_spec(path), ["a=1", "b=2"])
     assert [i.column for i in caught.value.issues] == [1, 2]
 
 
