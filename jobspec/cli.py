@@ -1,8 +1,8 @@
 """jobspec command line: a small dispatcher over one module per subcommand.
 
-Each module in `jobspec.commands` defines `HELP` (one line), `add_arguments(parser)` and
-`run(args) -> int`; its docstring becomes the subcommand's `--help` description. Modules are
-imported only for the subcommand that runs, so `jobspec validate` never pays for torch.
+Each module in `jobspec.commands` defines `add_arguments(parser)` and `run(args) -> int`; its
+docstring is the subcommand's `--help` text, and its one-line summary is in COMMANDS below. Modules
+are imported only for the subcommand that runs, so `jobspec validate` never pays for torch.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import importlib
 import sys
 
 from jobspec import __version__
-from jobspec.errors import EXIT_INVALID, SpecError
+from jobspec.errors import EXIT_FAILED, EXIT_INVALID, RunFailure, SpecError
 
 # name -> module under jobspec.commands; the one-line help lives here so `jobspec --help`
 # does not have to import every command.
@@ -56,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     except SpecError as err:
         print(err.render(fmt=getattr(args, "format", "text")), file=sys.stderr)
         return EXIT_INVALID
+    except RunFailure as err:
+        print(f"jobspec: failed: {err.render()}", file=sys.stderr)
+        return EXIT_FAILED
     except KeyboardInterrupt:
         return 130
 

@@ -1,12 +1,17 @@
-"""Spec problems: each one knows where it is (file:line:col, dotted path), what is wrong and how to fix it.
+"""What can go wrong, by whose fault, and the exit code it gives.
 
-Validation collects every `SpecIssue` and raises one `SpecError`, so a user sees all problems at once.
+- Bad input (a spec, a flag, a refused launch): each problem knows where it is (file:line:col, dotted
+  path), what is wrong and how to fix it. Validation collects every `SpecIssue` and raises one
+  `SpecError`, so a user sees all problems at once. Exit code 2.
+- A valid job that failed while running (out of memory after `training.on_oom`, data that yields no
+  batches, the tracking server unreachable at start): `RunFailure`, one line saying why. Exit code 1.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
 
+EXIT_FAILED = 1   # a valid job that failed while running
 EXIT_INVALID = 2  # bad input: a spec error, a bad flag, a refused launch
 
 
@@ -64,6 +69,18 @@ class SpecError(Exception):
         n = len(ordered)
         lines.append(f"{n} problem{'s' if n != 1 else ''} found")
         return "\n".join(lines)
+
+
+class RunFailure(Exception):
+    """A valid job that could not run to its end; `render()` is one line: why, and what to do."""
+
+    def __init__(self, reason: str, hint: str | None = None):
+        self.reason, self.hint = reason, hint
+        super().__init__(self.render())
+
+    def render(self) -> str:
+        text = " ".join(self.reason.split())   # one line, whatever the message it wraps held
+        return f"{text} ({self.hint})" if self.hint else text
 
 
 def _sort_key(issue: SpecIssue):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import make_run_dir, read_metrics, run_worker
-from jobspec.errors import SpecError
+from jobspec.errors import RunFailure
 from jobspec.train.oom import INJECT_AT_STEP_ENV, INJECT_RANK_ENV, OomGuard, halved_run_files
 from jobspec.train.progress import RunState, Window
 from jobspec.rundir import read_run_files
@@ -64,7 +64,7 @@ def test_halved_run_files_keep_the_global_batch(tmp_path):
 
 def test_fail_policy_turns_an_oom_into_a_clear_error(tmp_path):
     guard = guard_for(tmp_path)  # on_oom defaults to fail
-    with pytest.raises(SpecError) as err:
+    with pytest.raises(RunFailure) as err:
         guard.forward(OomEngine(), {}, step=3, loss_of=loss_of)
     text = err.value.render()
     assert "out of memory in optimizer step 3 (forward" in text and "Tried to allocate 2.00 GiB" in text
@@ -75,7 +75,7 @@ def test_injection_fires_once_at_its_step_and_only_on_its_rank(tmp_path):
     env = {INJECT_AT_STEP_ENV: "2"}
     guard = guard_for(tmp_path, environ=env)
     assert guard.forward(TinyEngine(), {}, step=1, loss_of=loss_of).item() == 0.5
-    with pytest.raises(SpecError, match="injected by JOBSPEC_INJECT_OOM_AT_STEP=2"):
+    with pytest.raises(RunFailure, match="injected by JOBSPEC_INJECT_OOM_AT_STEP=2"):
         guard.forward(TinyEngine(), {}, step=2, loss_of=loss_of)
     assert guard.forward(TinyEngine(), {}, step=2, loss_of=loss_of).item() == 0.5  # the retry is not hit again
     other_rank = guard_for(tmp_path / "b", environ={**env, INJECT_RANK_ENV: "1"})
@@ -85,7 +85,7 @@ def test_injection_fires_once_at_its_step_and_only_on_its_rank(tmp_path):
 def test_micro_batch_one_cannot_be_halved(tmp_path):
     guard = guard_for(tmp_path, {"training": {"micro_batch_size": 1, "on_oom": "halve_micro_batch"}})
     guard.pending = "forward: CUDA out of memory"
-    with pytest.raises(SpecError, match="micro-batch is already 1 and cannot be halved"):
+    with pytest.raises(RunFailure, match="micro-batch is already 1 and cannot be halved"):
         guard.save_and_release(OomEngine(), RunState(step=4))
 
 

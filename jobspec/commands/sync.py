@@ -19,9 +19,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-HELP = "Upload metrics.jsonl points that MLflow lacks into the run's MLflow run (idempotent)."
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", metavar="RUN_DIR", type=Path, help="run directory written by `jobspec launch`")
     parser.add_argument("--tracking-uri", default=None, metavar="URI",

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 from jobspec import hardware, rundir, shm
-from jobspec.errors import spec_error
+from jobspec.errors import RunFailure, spec_error
 from jobspec.launch import ownership, preflight, runner, slurm, supervise
 from jobspec.memory import at_launch as launch_memory
 from jobspec.secrets import mask_secrets
@@ -131,8 +131,7 @@ def start_tracking(resolved, compiled, run_dir: Path, resume_run_id: str | None)
     except tracking.TrackingUnavailable as err:
         uri = mask_secrets(settings["tracking_uri"])
         if settings["required"]:
-            raise spec_error(f"MLflow tracking at {uri} is unavailable: {err}",
-                             path=("logging", "mlflow", "tracking_uri"),
+            raise RunFailure(f"MLflow tracking at {uri} (logging.mlflow.tracking_uri) is unavailable: {err}",
                              hint="start the server, fix the URI, or set logging.mlflow.required: false "
                                   "to run with metrics kept in metrics.jsonl")
         log.warning("MLflow tracking at %s is unavailable (%s); continuing, metrics go to %s", uri, err,

@@ -19,8 +19,7 @@ import json
 from dataclasses import dataclass, field
 
 from jobspec.errors import SpecError, spec_error
-
-MiB = 2**20
+from jobspec.memory.planner import MiB
 
 
 @dataclass

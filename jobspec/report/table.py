@@ -20,7 +20,6 @@ from urllib.parse import urlsplit
 from jobspec import rundir
 from jobspec.errors import first_line, spec_error
 
-MIB = 2**20
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"  # the schema's logging.mlflow.tracking_uri default
 
 THROUGHPUT_METRICS = ("perf/samples_per_s", "perf/tokens_per_s", "perf/tflops_per_device", "perf/mfu")
@@ -127,12 +126,12 @@ def build_row(run_name: str, status: str, params: dict, series: dict, predicted_
 def predicted_peak_mib(spec: dict, world_size: int | None = None) -> float | None:
     """`plan_memory`'s peak allocated MiB of a resolved spec; None when the planner cannot tell."""
     from jobspec.spec.model_dims import model_dims, read_local_config
-    from jobspec.memory.planner import plan_memory
+    from jobspec.memory.planner import MiB, plan_memory
     from jobspec.spec.schema import fill_defaults
     try:
         spec = fill_defaults(spec)
         dims = model_dims(spec, read_local_config(spec["model"].get("name_or_path")))
-        return plan_memory(spec, dims, world_size=world_size).peak_allocated / MIB
+        return plan_memory(spec, dims, world_size=world_size).peak_allocated / MiB
     except Exception:  # an unknown architecture, an old resolved.yaml: a '-' in the table, not a crash
         return None
 

@@ -17,13 +17,13 @@ from typing import Any
 
 from jobspec.errors import SpecError, SpecIssue
 from jobspec.spec.loader import SET_FILE, LoadedSpec, Position, load_spec
+from jobspec.spec.optimizers import CLIENT_OPTIMIZERS
 from jobspec.spec.overrides import apply_overrides
 from jobspec.spec.schema import (fill_defaults, has_type, schema_types, shared_schema, subschema_at,
                                  type_name, types_text)
 
 PATH_FIELDS = (("data", "train"), ("data", "eval"), ("data", "tokenizer"), ("model", "name_or_path"),
                ("output_dir",), ("checkpoint", "dir"), ("checkpoint", "resume"), ("memory", "offload", "nvme_path"))
-CLIENT_OPTIMIZERS = ("adamw_8bit", "adafactor")   # run outside DeepSpeed: no DeepSpeed CPU Adam
 _NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 _URI_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
 # MLflow tracking stores; the database ones are SQLAlchemy URIs like sqlite:///.
