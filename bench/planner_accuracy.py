@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from jobspec.compile.compiler import compile_spec  # noqa: E402
-from jobspec.spec.model_dims import model_dims  # noqa: E402
+from jobspec.spec.derived import derive  # noqa: E402
 from jobspec.memory.planner import CUDA_CONTEXT_BYTES, MiB, plan_memory  # noqa: E402
 from jobspec.spec.schema import fill_defaults  # noqa: E402
 
@@ -83,7 +83,7 @@ def measure(spec: dict, steps: int = 3) -> int:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-    compiled = compile_spec(spec, model_dims=model_dims(spec))
+    compiled = compile_spec(spec, derive(spec))
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     model = build_model(spec)
@@ -123,7 +123,7 @@ def main() -> int:
         for label, micro, accumulation, precision, ckpt, optimizer, measured_mb in GUIDE:
             spec = row_spec("bert-large", 512, micro, precision, ckpt, optimizer, 0, "none", accumulation,
                             attention="eager")   # the guide predates SDPA in BERT
-            plan = plan_memory(spec, model_dims(spec))
+            plan = plan_memory(spec, derive(spec))
             predicted_mb = (plan.peak_reserved + GUIDE_CONTEXT) / 10**6
             errors.append(abs(predicted_mb / measured_mb - 1))
             out.append((label, f"{predicted_mb:.0f}", measured_mb, f"{100 * (predicted_mb / measured_mb - 1):+.1f}%"))
@@ -139,7 +139,7 @@ def main() -> int:
     out, errors = [], []
     for row in ROWS:
         spec = row_spec(*row)
-        plan = plan_memory(spec, model_dims(spec))
+        plan = plan_memory(spec, derive(spec))
         predicted = plan.peak_allocated
         label = " ".join(str(c if not isinstance(c, dict) else f"every{c['every_n_layers']}") for c in row)
         if args.dry_run:

@@ -11,7 +11,7 @@ import importlib
 import sys
 
 from jobspec import __version__
-from jobspec.errors import EXIT_FAILED, EXIT_INVALID, RunFailure, SpecError
+from jobspec.errors import EXIT_INVALID, EXIT_RUN_FAILED, RunFailure, SpecError
 
 # name -> module under jobspec.commands; the one-line help lives here so `jobspec --help`
 # does not have to import every command.
@@ -57,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         print(err.render(fmt=getattr(args, "format", "text")), file=sys.stderr)
         return EXIT_INVALID
     except RunFailure as err:
-        print(f"jobspec: failed: {err.render()}", file=sys.stderr)
-        return EXIT_FAILED
+        print(f"jobspec: run failed: {err.reason}", file=sys.stderr)
+        return EXIT_RUN_FAILED
     except KeyboardInterrupt:
         return 130
 

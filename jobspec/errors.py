@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-EXIT_FAILED = 1   # a valid job that failed while running
 EXIT_INVALID = 2  # bad input: a spec error, a bad flag, a refused launch
+EXIT_RUN_FAILED = 1  # the input was fine but the run failed: OOM after the retries, no batches, tracking down
 
 
 @dataclass(frozen=True)
@@ -71,18 +71,6 @@ class SpecError(Exception):
         return "\n".join(lines)
 
 
-class RunFailure(Exception):
-    """A valid job that could not run to its end; `render()` is one line: why, and what to do."""
-
-    def __init__(self, reason: str, hint: str | None = None):
-        self.reason, self.hint = reason, hint
-        super().__init__(self.render())
-
-    def render(self) -> str:
-        text = " ".join(self.reason.split())   # one line, whatever the message it wraps held
-        return f"{text} ({self.hint})" if self.hint else text
-
-
 def _sort_key(issue: SpecIssue):
     return (issue.file or "", issue.line or 0, issue.column or 0, issue.dotted_path)
 
@@ -91,6 +79,21 @@ def spec_error(message: str, *, path: tuple = (), hint: str | None = None, file:
                line: int | None = None, column: int | None = None) -> SpecError:
     """A SpecError with a single issue, for problems found outside schema validation."""
     return SpecError([SpecIssue(path=path, message=message, hint=hint, file=file, line=line, column=column)])
+
+
+class RunFailure(Exception):
+    """A run that failed at runtime through no fault of the spec: exit 1 with a one-line reason.
+
+    Bad input (spec, data, model files) is a SpecError (exit 2); this is everything else a user
+    can act on without editing the spec: memory, disk, an unreachable tracking server.
+    """
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason.splitlines()[0] if reason else "run failed"
+
+    def __str__(self) -> str:
+        return self.reason
 
 
 def first_line(err: BaseException, *, limit: int | None = None) -> str:

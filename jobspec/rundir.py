@@ -92,7 +92,7 @@ def ensure_writable(directory: str | Path, field: tuple) -> None:
 
 def launch_record(resolved, compiled) -> dict:
     """What launch.json holds: the compiled launch section, the derived numbers, notes and the source."""
-    return {**compiled.launch, "derived": compiled.derived, "notes": compiled.notes,
+    return {**compiled.launch, "derived": compiled.derived.as_dict(), "notes": compiled.notes,
             "source": str(resolved.source.resolve())}
 
 

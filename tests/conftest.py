@@ -82,8 +82,9 @@ def make_run_dir(root: Path, overrides: dict | None = None, name: str = "run") -
     except ImportError:
         compile_spec = None
     if compile_spec is not None:
-        compiled = compile_spec(spec, num_train_samples=num_samples, run_dir=str(run_dir))
-        ds_config, patches, derived = compiled.ds_config, compiled.patches, compiled.derived
+        from jobspec.spec.derived import derive
+        compiled = compile_spec(spec, derive(spec, num_train_samples=num_samples), run_dir=str(run_dir))
+        ds_config, patches, derived = compiled.ds_config, compiled.patches, compiled.derived.as_dict()
         launch = dict(compiled.launch)
     else:
         training = spec["training"]

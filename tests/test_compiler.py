@@ -8,6 +8,7 @@ import math
 import pytest
 
 from jobspec.compile.compiler import compile_spec, find_auto
+from jobspec.spec.derived import derive
 from jobspec.errors import SpecError
 from jobspec.spec.model_dims import model_dims
 from jobspec.spec.schema import fill_defaults
@@ -23,9 +24,8 @@ def make_spec(**sections) -> dict:
     return fill_defaults(raw)
 
 
-def compile_(spec: dict, **kwargs):
-    kwargs.setdefault("model_dims", model_dims(spec))
-    return compile_spec(spec, **kwargs)
+def compile_(spec: dict, num_train_samples: int | None = None, **kwargs):
+    return compile_spec(spec, derive(spec, num_train_samples=num_train_samples), **kwargs)
 
 
 class FakeDataParallel:
@@ -77,7 +77,7 @@ def test_batch_fields_are_explicit(micro, global_batch, gpus, nodes, accumulatio
     assert c.ds_config["train_batch_size"] == expected_global
     assert c.ds_config["train_micro_batch_size_per_gpu"] == micro
     assert c.ds_config["gradient_accumulation_steps"] == accumulation
-    assert c.derived["world_size"] == gpus * nodes
+    assert c.derived.world_size == gpus * nodes
     assert c.launch["world_size"] == gpus * nodes
 
 
@@ -101,7 +101,7 @@ def test_epochs_count_steps_per_rank_with_accumulation():
     # 2 ranks x micro 4 x accumulation 2: 100 samples -> 50 per rank -> 12 micro-batches -> 6 steps
     spec = make_spec(data={"synthetic": {"num_samples": 100}}, resources={"gpus_per_node": 2},
                      training={"max_steps": None, "epochs": 1, "micro_batch_size": 4, "global_batch_size": 16})
-    assert compile_(spec).derived["total_steps"] == 6
+    assert compile_(spec).derived.total_steps == 6
 
 
 @pytest.mark.parametrize("epochs, samples, global_batch, expected", [
@@ -114,10 +114,10 @@ def test_epochs_count_steps_per_rank_with_accumulation():
 def test_epochs_to_total_steps(epochs, samples, global_batch, expected):
     synthetic = make_spec(data={"synthetic": {"num_samples": samples}},
                           training={"max_steps": None, "epochs": epochs, "micro_batch_size": global_batch})
-    assert compile_(synthetic).derived["total_steps"] == expected
+    assert compile_(synthetic).derived.total_steps == expected
     files = make_spec(data={"synthetic": None, "train": "/data/train.jsonl"},
                       training={"max_steps": None, "epochs": epochs, "micro_batch_size": global_batch})
-    assert compile_(files, num_train_samples=samples).derived["total_steps"] == expected
+    assert compile_(files, num_train_samples=samples).derived.total_steps == expected
 
 
 def test_epochs_with_files_and_no_sample_count_is_a_spec_error():
@@ -198,7 +198,7 @@ def test_scheduler_mapping(scheduler, total, expected):
     spec = make_spec(training={"max_steps": total, "optimizer": {"lr": 1e-3}, "scheduler": scheduler})
     c = compile_(spec)
     assert c.ds_config["scheduler"] == expected
-    assert c.derived["warmup_steps"] == (scheduler.get("warmup_steps")
+    assert c.derived.warmup_steps == (scheduler.get("warmup_steps")
                                          or math.ceil(scheduler.get("warmup_ratio", 0) * total))
     check_scheduler_constructs(c.ds_config)
 
@@ -265,7 +265,7 @@ def test_zero_block(memory, expected, deepspeed_config):
 def test_unknown_hidden_size_writes_deepspeeds_defaults():
     spec = make_spec(model={"architecture": "someformer", "config": {}}, memory={"zero_stage": 3})
     assert model_dims(spec) is None
-    zero = compile_spec(spec).ds_config["zero_optimization"]
+    zero = compile_(spec).ds_config["zero_optimization"]
     assert (zero["reduce_bucket_size"], zero["stage3_prefetch_bucket_size"],
             zero["stage3_param_persistence_threshold"]) == (500_000_000, 50_000_000, 100_000)
 

@@ -8,7 +8,7 @@ import pytest
 from jobspec.cli import main
 from jobspec.compile.compiler import compile_spec
 from jobspec.memory.fit import fit, step_time
-from jobspec.spec.model_dims import model_dims
+from jobspec.spec.derived import derive
 from jobspec.memory.planner import GiB, parse_bytes, plan_memory
 from jobspec.spec.validation import load_and_validate
 
@@ -17,23 +17,23 @@ REPO = Path(__file__).resolve().parent.parent
 
 def fitted(job: str, budget: str, **kwargs):
     spec = load_and_validate(REPO / "jobs" / job).spec
-    dims = model_dims(spec)
-    return spec, dims, fit(spec, dims, parse_bytes(budget), **kwargs)
+    derived = derive(spec)
+    return spec, derived, fit(spec, derived, parse_bytes(budget), **kwargs)
 
 
 @pytest.mark.parametrize("job,budget", [("gpt2-xl-12gb.yaml", "12GiB"), ("xlmr-large.yaml", "11GiB"),
                                         ("bert-large-1-vanilla.yaml", "8GiB"), ("gpt2-xl-12gb.yaml", "6GiB")])
 def test_fit_finds_a_config_that_fits_validates_and_compiles(job, budget):
-    spec, dims, result = fitted(job, budget)
+    spec, derived, result = fitted(job, budget)
     assert result.fits, result.reason
     assert result.plan.nvml_total <= parse_bytes(budget)
     # the overrides are real `--set` arguments: the spec they produce validates, compiles and
     # plans to the same numbers, with the global batch unchanged
     changed = load_and_validate(REPO / "jobs" / job, overrides=result.overrides).spec
-    compiled = compile_spec(changed, model_dims=dims, num_train_samples=changed["data"]["synthetic"]["num_samples"])
-    original = compile_spec(spec, model_dims=dims, num_train_samples=spec["data"]["synthetic"]["num_samples"])
-    assert compiled.derived["global_batch_size"] == original.derived["global_batch_size"]
-    assert plan_memory(changed, dims, budget=parse_bytes(budget)).nvml_total == result.plan.nvml_total
+    compiled = compile_spec(changed, derive(changed))
+    original = compile_spec(spec, derived)
+    assert compiled.derived.global_batch_size == original.derived.global_batch_size
+    assert plan_memory(changed, derive(changed), budget=parse_bytes(budget)).nvml_total == result.plan.nvml_total
     assert f"of {budget[:-3]}" in result.reason and "x step time" in result.reason
 
 
@@ -43,14 +43,14 @@ def test_fit_prefers_the_written_spec_when_it_is_already_fastest_and_fits():
 
 
 def test_fit_returns_the_cheapest_fitting_candidate():
-    spec, dims, result = fitted("xlmr-large.yaml", "11GiB")
+    spec, derived, result = fitted("xlmr-large.yaml", "11GiB")
     from jobspec.memory.fit import apply_changes, candidate_changes
     budget = parse_bytes("11GiB")
-    baseline = step_time(spec, dims, 1)
-    for changes in candidate_changes(spec, 1, True):
+    baseline = step_time(spec, derived)
+    for changes in candidate_changes(spec, derived, True):
         candidate = apply_changes(spec, changes)
-        if plan_memory(candidate, dims, budget=budget).fits:
-            assert step_time(candidate, dims, 1) / baseline >= result.slowdown - 1e-9
+        if plan_memory(candidate, derive(candidate), budget=budget).fits:
+            assert step_time(candidate, derive(candidate)) / baseline >= result.slowdown - 1e-9
 
 
 def test_tighter_budgets_cost_more_time():

@@ -16,7 +16,7 @@ from jobspec import hardware
 from jobspec.launch import supervise as supervision
 
 from jobspec.cli import main
-from jobspec.spec.model_dims import model_dims
+from jobspec.spec.derived import derive
 from jobspec.memory.planner import MiB, parse_bytes, plan_memory
 from test_launch import fake_runner, mlflow_run_of, only_run_dir, use_fake_runner  # noqa: F401, F811 (a fixture)
 
@@ -66,8 +66,7 @@ def test_fit_auto_rewrites_the_spec_that_runs_and_records_why(tmp_path, fake_run
     job = write_fit_job(tmp_path, {"fit": "auto", "gpu_memory": FIT_BUDGET})
     original = written_spec(job)
     budget = parse_bytes(FIT_BUDGET)
-    dims = model_dims(original)
-    assert not plan_memory(original, dims, budget=budget).fits  # as written it does not fit
+    assert not plan_memory(original, derive(original), budget=budget).fits  # as written it does not fit
     use_fake_runner(monkeypatch, fake_runner, "quick")
     assert main(["launch", str(job)]) == 0
     out = capsys.readouterr().out
@@ -84,7 +83,7 @@ def test_fit_auto_rewrites_the_spec_that_runs_and_records_why(tmp_path, fake_run
             node = node[key]
         assert node == value, dotted
     assert ran["training"]["micro_batch_size"] < original["training"]["micro_batch_size"]
-    assert plan_memory(ran, dims, budget=budget).fits
+    assert plan_memory(ran, derive(ran), budget=budget).fits
     # what DeepSpeed gets follows the fitted spec; the global batch (the trajectory) does not change
     assert ds_config["train_micro_batch_size_per_gpu"] == ran["training"]["micro_batch_size"]
     assert ds_config["train_batch_size"] == original["training"]["micro_batch_size"] * 2
@@ -151,7 +150,7 @@ def test_preflight_refuses_a_plan_larger_than_the_free_gpu_memory(tmp_path, fake
     use_fake_runner(monkeypatch, fake_runner, "quick")
     assert main(["launch", str(job)]) == 2
     err = capsys.readouterr().err
-    expected = plan_memory(written_spec(job), model_dims(written_spec(job)))
+    expected = plan_memory(written_spec(job), derive(written_spec(job)))
     assert f"{expected.nvml_total / MiB:.1f} MiB per GPU" in err and "300.0 MiB free" in err
     assert "jobspec plan JOB --fit --gpu-mem 300MiB" in err and "--ignore-preflight" in err
     assert not list((tmp_path / "out").glob("run-*"))
@@ -176,7 +175,7 @@ def test_plain_launch_records_the_plan_in_launch_json_and_mlflow(tmp_path, fake_
     assert main(["launch", str(job)]) == 0
     run_dir = only_run_dir(tmp_path)
     spec = written_spec(job)
-    expected = plan_memory(spec, model_dims(spec))
+    expected = plan_memory(spec, derive(spec))
     record = json.loads((run_dir / "launch.json").read_text())["plan"]
     assert record["peak_allocated_mib"] == round(expected.peak_allocated / MiB, 1)
     assert record["parameters_mib"] == round(expected.breakdown["parameters"] / MiB, 1)

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from jobspec.cli import main
-from jobspec.compile.inputs import count_rows
 from jobspec.rundir import COMPILE_FILES
+from jobspec.spec.derived import derive
+from jobspec.spec.inputs import count_rows
 from jobspec.compile.compiler import compile_spec, find_auto
 from jobspec.spec.model_dims import model_dims
 from test_compiler import check_scheduler_constructs, deepspeed_config  # noqa: F401 (fixture)
@@ -31,7 +32,7 @@ def load(job: Path):
 
 def compiled(job: Path):
     spec = load(job).spec
-    return spec, compile_spec(spec, model_dims=model_dims(spec))
+    return spec, compile_spec(spec, derive(spec))
 
 
 def test_there_are_jobs():
@@ -48,9 +49,9 @@ def test_job_validates_compiles_and_deepspeed_accepts_it(job, deepspeed_config):
     spec, c = compiled(job)
     assert spec["model"]["architecture"] and spec["data"]["synthetic"] is not None  # no hub, no files
     assert find_auto(c.ds_config) == []
-    config = deepspeed_config(c.ds_config, c.derived["world_size"])
-    assert config.train_batch_size == c.derived["global_batch_size"]
-    assert config.gradient_accumulation_steps == c.derived["gradient_accumulation_steps"]
+    config = deepspeed_config(c.ds_config, c.derived.world_size)
+    assert config.train_batch_size == c.derived.global_batch_size
+    assert config.gradient_accumulation_steps == c.derived.gradient_accumulation_steps
     check_scheduler_constructs(c.ds_config)
 
 
@@ -59,11 +60,11 @@ def _summary(job: str) -> dict:
     cfg = c.ds_config
     return {"micro": cfg["train_micro_batch_size_per_gpu"], "accumulation": cfg["gradient_accumulation_steps"],
             "global": cfg["train_batch_size"], "fp16": cfg["fp16"]["enabled"], "bf16": cfg["bf16"]["enabled"],
-            "stage": cfg["zero_optimization"]["stage"], "world": c.derived["world_size"],
+            "stage": cfg["zero_optimization"]["stage"], "world": c.derived.world_size,
             "checkpointing": any(p["name"] == "gradient_checkpointing" for p in c.patches),
             "optimizer": cfg["optimizer"]["type"] if "optimizer" in cfg else
             next(p["args"]["name"] for p in c.patches if p["name"] == "client_optimizer"),
-            "steps": c.derived["total_steps"], "seq": spec["data"]["synthetic"]["seq_len"]}
+            "steps": c.derived.total_steps, "seq": spec["data"]["synthetic"]["seq_len"]}
 
 
 # The 7 rows of the HF single-GPU guide (bert-large-uncased, seq 512, 512 samples: 128 steps at batch 4).

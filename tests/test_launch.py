@@ -273,15 +273,16 @@ def test_launch_success_is_finished_and_passes_the_stop_flag(tmp_path, fake_runn
     assert command.split() == fake_runner(run_dir, "quick")
 
 
-def test_unreachable_required_mlflow_is_a_run_failure_exit_1(tmp_path, fake_runner, monkeypatch, capsys):
+def test_unreachable_required_mlflow_is_a_clean_exit_1(tmp_path, fake_runner, monkeypatch, capsys):
     job = write_job(tmp_path, mlflow={"tracking_uri": "http://bob:pw123456@127.0.0.1:1", "required": True})
     use_fake_runner(monkeypatch, fake_runner, "quick")
     started = time.monotonic()
-    assert main(["launch", str(job)]) == 1  # the spec is fine: the server is not there
+    assert main(["launch", str(job)]) == 1   # the spec is fine; the server is down: a runtime failure
     assert time.monotonic() - started < 20
     err = capsys.readouterr().err
     assert err.startswith("jobspec: failed: MLflow tracking at") and len(err.strip().splitlines()) == 1
     assert "http://***@127.0.0.1:1" in err and "pw123456" not in err and "Traceback" not in err
+    assert err.startswith("jobspec: run failed: ") and len(err.strip().splitlines()) == 1
     assert list((tmp_path / "out").glob("run-*")) == []  # nothing half-made is left
 
 

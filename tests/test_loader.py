@@ -194,3 +194,31 @@ def test_pure_python_yaml_gives_the_same_result_as_libyaml(monkeypatch, text):
     fast = outcome()
     monkeypatch.setattr(loader, "_FAST_LOADER", None)
     assert outcome() == fast
+
+
+@pytest.mark.parametrize("written, value", [("1e-3", 1e-3), ("1E-3", 1e-3), ("2e5", 2e5), ("-1.5e-4", -1.5e-4),
+                                            ("+3e2", 300.0), (".5e1", 5.0), ("1.0e-3", 1e-3)])
+def test_numbers_in_yaml_1_2_and_json_syntax_are_numbers(tmp_path, written, value):
+    # PyYAML resolves by YAML 1.1, where `1e-3` is a string; people (and JSON) write it as a number
+    path = write(tmp_path, "job.yaml", f"training:\n  optimizer:\n    lr: {written}\n")
+    assert load_spec(path).spec["training"]["optimizer"]["lr"] == value
+    over = apply_overrides(load_spec(write(tmp_path, "base.yaml", "name: x\n")), [f"training.optimizer.lr={written}"])
+    assert over.spec["training"]["optimizer"]["lr"] == value
+
+
+@pytest.mark.parametrize("written", ['"1e-3"', "'1e-3'", "1e-3x", "e5", "1e"])
+def test_quoted_or_malformed_exponents_stay_strings(tmp_path, written):
+    path = write(tmp_path, "job.yaml", f"name: {written}\n")
+    assert isinstance(load_spec(path).spec["name"], str)
+
+
+def test_exponent_learning_rate_validates_from_file_and_set(tmp_path):
+    from jobspec.spec.validation import load_and_validate
+    from pathlib import Path
+    text = (Path(__file__).resolve().parent.parent / "jobs" / "quickstart.yaml").read_text()
+    path = write(tmp_path, "job.yaml", text.replace("lr: 1.0e-3", "lr: 1e-3"))
+    assert load_and_validate(path).spec["training"]["optimizer"]["lr"] == 1e-3
+    assert load_and_validate(path, ["training.optimizer.lr=2E-4"]).spec["training"]["optimizer"]["lr"] == 2e-4
+    with pytest.raises(SpecError) as caught:
+        load_and_validate(path, ['training.optimizer.lr="2e-4"'])
+    assert "without quotes" in str(caught.value)

@@ -13,6 +13,7 @@ from jobspec.compile.compiler import compile_spec
 from jobspec.errors import SpecError
 from jobspec.train.mlp import MLPClassifier, MLPConfig, build_mlp
 from jobspec.train.model import build_model
+from jobspec.spec.derived import derive
 from jobspec.spec.model_dims import model_dims
 from jobspec.train.patches import apply_patches, checkpoint_every_nth_layer, find_layer_stack
 from jobspec.memory.planner import activation_bytes, parameter_tensors
@@ -42,7 +43,7 @@ def test_job_spec_builds_the_mlp_and_it_trains_one_step():
     spec = load_and_validate(BASE, TINY_SETS).spec
     model = build_model(spec)
     assert isinstance(model, MLPClassifier) and len(model.layers) == 8 and model.config.hidden_size == 16
-    model, notes = apply_patches(model, compile_spec(spec, model_dims=model_dims(spec)).patches)
+    model, notes = apply_patches(model, compile_spec(spec, derive(spec)).patches)
     assert any("attention: none" in note for note in notes)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     data = batch(num_labels=2)
@@ -125,15 +126,16 @@ def test_one_layer_in_k_saves_nothing_on_an_mlp_but_segments_do():
 
 @pytest.mark.parametrize("k", [None, 1, 4])
 def test_planner_activations_match_the_saved_bytes(k):
-    spec = load_and_validate(BASE, TINY_SETS + ((f"memory.activation_checkpointing={{every_n_layers: {k}}}",)
-                                                if k else ())).spec
+    b, seq = 32, 4
+    sets = TINY_SETS + (f"training.micro_batch_size={b}", f"data.synthetic.seq_len={seq}")
+    spec = load_and_validate(BASE, sets + ((f"memory.activation_checkpointing={{every_n_layers: {k}}}",)
+                                           if k else ())).spec
     model = build_model(spec)
     if k:
         checkpoint_every_nth_layer(model, k)
-    b, seq = 32, 4
     data = batch(size=b, seq=seq, num_labels=2)
     measured = saved_bytes(model, data).total
-    planned = activation_bytes(spec, model_dims(spec), b, seq, 4)
+    planned = activation_bytes(spec, derive(spec), 4)
     recompute = 4 * b * 16 if k else 0         # one recomputed layer output, alive only in backward
     assert abs(sum(planned.values()) - recompute - measured) <= 0.03 * measured
 

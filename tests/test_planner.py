@@ -8,6 +8,7 @@ import pytest
 
 from jobspec.cli import main
 from jobspec.errors import SpecError
+from jobspec.spec.derived import derive
 from jobspec.spec.model_dims import model_dims
 from jobspec.memory.planner import GiB, parameter_tensors, parse_bytes, plan_memory
 from jobspec.spec.validation import load_and_validate
@@ -17,10 +18,11 @@ JOBS = sorted((REPO / "jobs").glob("*.yaml"))
 BERT_LARGE = REPO / "jobs" / "bert-large-base.yaml"
 
 
-def planned(job=BERT_LARGE, overrides=(), **kwargs):
-    spec = load_and_validate(job, overrides=list(overrides)).spec
-    dims = model_dims(spec)
-    return spec, dims, plan_memory(spec, dims, **kwargs)
+def planned(job=BERT_LARGE, overrides=(), world_size=None, **kwargs):
+    overrides = list(overrides) + ([f"resources.gpus_per_node={world_size}"] if world_size else [])
+    spec = load_and_validate(job, overrides=overrides).spec
+    job = derive(spec)
+    return spec, job.dims, plan_memory(spec, job, **kwargs)
 
 
 def test_parse_bytes_units():

@@ -18,7 +18,7 @@ import yaml
 
 from conftest import free_port
 from jobspec.compile.compiler import compile_spec
-from jobspec.spec.model_dims import model_dims
+from jobspec.spec.derived import derive
 from jobspec.memory.planner import plan_memory
 from jobspec.spec.schema import fill_defaults
 
@@ -41,7 +41,7 @@ def _run_stage(root: Path, stage: int) -> tuple[dict, list[dict]]:
     run_dir = root / f"zero{stage}"
     run_dir.mkdir()
     spec = fill_defaults({**ENGINE_SPEC, "memory": {"zero_stage": stage}})
-    compiled = compile_spec(spec, model_dims=model_dims(spec))
+    compiled = compile_spec(spec, derive(spec))
     (run_dir / "resolved.yaml").write_text(yaml.safe_dump(spec))
     (run_dir / "ds_config.json").write_text(json.dumps(compiled.ds_config))
     deepspeed = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
@@ -62,7 +62,7 @@ def engine_dumps(tmp_path_factory):
 @pytest.mark.parametrize("stage", STAGES)
 def test_model_states_match_the_engine(engine_dumps, stage):
     spec, ranks = engine_dumps[stage]
-    plan = plan_memory(spec, model_dims(spec))
+    plan = plan_memory(spec, derive(spec))
     assert ranks[0]["num_parameters"] == plan.settings["parameters"]   # same model on both sides
     measured = max(sum(v for k, v in r["bytes"].items() if k in plan.breakdown) for r in ranks)
     assert plan.model_states == pytest.approx(measured, rel=0.02), \

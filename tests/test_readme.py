@@ -28,3 +28,14 @@ def test_setup_never_pulls_unpinned_torch():
     # An unpinned torch would pull several GB of CUDA wheels on a CPU machine.
     for command in _setup_commands():
         assert "torch==2.13.0" in command
+
+
+def test_ci_installs_into_a_brand_new_virtualenv():
+    # A package installed by hand once hid an undeclared dependency: CI must start from nothing.
+    lines = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+    test_line = lines.index(_setup_commands()[1])
+    made = [i for i, line in enumerate(lines) if "-m venv" in line]
+    removed = [i for i, line in enumerate(lines) if line.startswith("rm -rf") and "venv" in line]
+    activated = [i for i, line in enumerate(lines) if "bin/activate" in line]
+    assert made and removed and activated, "CI must create (and first remove) a virtualenv and activate it"
+    assert removed[0] < made[0] < activated[0] < test_line

@@ -14,11 +14,11 @@ import psutil
 import pytest
 from mlflow_server import ENV, launch_argv, only_run_dir, write_job
 
+from jobspec.memory.planner import checkpoint_bytes
+from jobspec.spec.derived import derive
 from jobspec.train import checkpointing
 
 from jobspec.launch import preflight, supervise as supervision
-from jobspec.memory.planner import checkpoint_bytes
-from jobspec.spec.model_dims import model_dims
 
 from jobspec.tracking import run as tracking
 from jobspec.cli import main
@@ -67,8 +67,8 @@ def test_a_disk_too_small_for_one_checkpoint_is_refused_before_anything_starts(t
     # the estimate follows the model: the tiny one fits easily
     from jobspec.spec.validation import load_and_validate
     tiny = load_and_validate(write_job(tmp_path, "tiny", store))
-    assert 0 < checkpoint_bytes(tiny.spec, model_dims(tiny.spec)) < 10 * 2**20
-    assert preflight.checkpoint_space_problem(tiny.spec) is None
+    assert 0 < checkpoint_bytes(tiny.spec, derive(tiny.spec)) < 10 * 2**20
+    assert preflight.checkpoint_space_problem(tiny.spec, derive(tiny.spec)) is None
 
 
 class FakeEngine:

@@ -172,3 +172,25 @@ def test_locate_gives_unpositioned_issues_a_position():
     located = resolved.locate(spec_error("too big", path=("memory", "zero_stage"), hint="smaller"))
     (issue,) = located.issues
     assert (Path(issue.file).name, issue.line, issue.column, issue.hint) == ("tiny-bert.yaml", 26, 15, "smaller")
+
+
+@pytest.mark.parametrize("field, value, ok", [
+    ("sub_group_size", 0, True),            # DeepSpeed accepts 0 (peer configs use it)
+    ("reduce_bucket_size", 0, False),       # DeepSpeedZeroConfig: gt=0
+    ("allgather_bucket_size", 0, False),    # ZeRO 1/2 divide by it
+    ("reduce_bucket_size", 1, True),
+    ("stage3_prefetch_bucket_size", 0, True),
+])
+def test_zero_bounds_match_deepspeeds(field, value, ok):
+    job = str(Path(__file__).resolve().parent.parent / "jobs" / "quickstart.yaml")
+    overrides = ["memory.zero_stage=3", f"memory.zero.{field}={value}"]
+    if ok:
+        spec = load_and_validate(job, overrides).spec
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+        from jobspec.compile.compiler import compile_spec
+        from jobspec.spec.derived import derive
+        DeepSpeedZeroConfig(**compile_spec(spec, derive(spec)).ds_config["zero_optimization"])  # DeepSpeed agrees
+    else:
+        with pytest.raises(SpecError, match=field):
+            load_and_validate(job, overrides)

@@ -38,12 +38,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     # Imported here so `jobspec compile --help` stays instant.
     from jobspec import rundir
-    from jobspec.compile.inputs import compile_resolved
+    from jobspec.compile.compiler import compile_spec
+    from jobspec.spec.inputs import derive_job
     from jobspec.spec.validation import load_and_validate
 
     resolved = load_and_validate(args.job, overrides=args.overrides)
     run_dir = str(args.out.resolve()) if args.out else "RUN_DIR"
-    compiled = compile_resolved(resolved, run_dir=run_dir)
+    compiled = compile_spec(resolved.spec, derive_job(resolved.spec), run_dir=run_dir)
 
     if args.out:
         rundir.write_compiled(args.out, resolved, compiled)
@@ -57,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.format == "json":
         print(json.dumps({"ds_config": compiled.ds_config, "patches": compiled.patches, "launch": compiled.launch,
-                          "derived": compiled.derived, "notes": compiled.notes}, indent=2))
+                          "derived": compiled.derived.as_dict(), "notes": compiled.notes}, indent=2))
     else:
         print(json.dumps(compiled.ds_config, indent=2))
         # Notes go to stderr so stdout stays a valid ds_config.json.

@@ -27,6 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from jobspec.spec.derived import derive
     from jobspec.spec.validation import load_and_validate
 
     reports, failed = [], False
@@ -41,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
                 print(err.render(), file=sys.stderr)
             continue
         spec = resolved.spec
-        world = spec["resources"]["nodes"] * spec["resources"]["gpus_per_node"]
+        world = derive(spec).world_size
         if args.format == "json":
             reports.append({"valid": True, "file": job, "name": spec["name"], "world_size": world,
                             "spec": spec})

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jobspec.errors import spec_error
+from jobspec.spec.derived import DerivedJob
 from jobspec.spec.model_dims import ModelDims
 from jobspec.spec.optimizers import DEEPSPEED_OPTIMIZERS
 
@@ -37,23 +38,27 @@ class Compiled:
     ds_config: dict
     patches: list[dict]
     launch: dict
-    derived: dict
+    derived: DerivedJob
     notes: list[str] = field(default_factory=list)
 
 
-def compile_spec(spec: dict, *, model_dims: ModelDims | None = None, num_train_samples: int | None = None,
-                 run_dir: str = "RUN_DIR", master_port: int | None = None) -> Compiled:
-    """Compile a resolved spec (all defaults filled) into a DeepSpeed config, patches and launch argv."""
-    notes: list[str] = []
+def compile_spec(spec: dict, job: DerivedJob, *, run_dir: str = "RUN_DIR",
+                 master_port: int | None = None) -> Compiled:
+    """Compile a resolved spec (all defaults filled) and its derived job into a DeepSpeed config,
+    patches and launch argv."""
+    notes: list[str] = list(job.notes)
     training, memory, resources = spec["training"], spec["memory"], spec["resources"]
-    derived = _derive_batches(training, resources)
-    derived["total_steps"] = _total_steps(spec, derived["global_batch_size"], num_train_samples, notes)
-    derived["warmup_steps"] = _warmup_steps(training["scheduler"], derived["total_steps"])
+    if job.total_steps is None:
+        raise spec_error(
+            "training.epochs needs the number of training samples, which is unknown here",
+            path=("training", "epochs"),
+            hint="derive the job with its data (jobspec.spec.inputs.derive_job counts the rows of data.train), "
+                 "or set training.max_steps")
 
     ds_config: dict[str, Any] = {
-        "train_batch_size": derived["global_batch_size"],
-        "train_micro_batch_size_per_gpu": derived["micro_batch_size"],
-        "gradient_accumulation_steps": derived["gradient_accumulation_steps"],
+        "train_batch_size": job.global_batch_size,
+        "train_micro_batch_size_per_gpu": job.micro_batch_size,
+        "gradient_accumulation_steps": job.gradient_accumulation_steps,
         "gradient_clipping": training["gradient_clipping"],
         "steps_per_print": STEPS_PER_PRINT,
         "wall_clock_breakdown": False,
@@ -61,9 +66,9 @@ def compile_spec(spec: dict, *, model_dims: ModelDims | None = None, num_train_s
     optimizer = training["optimizer"]
     if optimizer["name"] in DEEPSPEED_OPTIMIZERS:
         ds_config["optimizer"] = optimizer_block(optimizer)
-    ds_config["scheduler"] = scheduler_block(training["scheduler"], optimizer["lr"], derived, notes)
+    ds_config["scheduler"] = scheduler_block(training["scheduler"], optimizer["lr"], job, notes)
     ds_config.update(precision_blocks(memory))
-    ds_config["zero_optimization"] = zero_block(memory, model_dims)
+    ds_config["zero_optimization"] = zero_block(memory, job.dims)
     if "nvme" in (memory["offload"]["optimizer"], memory["offload"]["params"]):
         ds_config["aio"] = aio_block(memory["offload"]["aio"])
     if memory["zero_stage"] >= 1 and optimizer["name"] != "adamw":
@@ -78,60 +83,10 @@ def compile_spec(spec: dict, *, model_dims: ModelDims | None = None, num_train_s
     return Compiled(
         ds_config=ds_config,
         patches=compile_patches(spec),
-        launch=launch_command(resources, derived["world_size"], run_dir, master_port),
-        derived=derived,
+        launch=launch_command(resources, job, run_dir, master_port),
+        derived=job,
         notes=notes,
     )
-
-
-def _derive_batches(training: dict, resources: dict) -> dict:
-    world = resources["nodes"] * resources["gpus_per_node"]
-    micro = training["micro_batch_size"]
-    per_pass = micro * world
-    global_batch = training["global_batch_size"] or per_pass
-    if global_batch % per_pass:
-        lower = max(per_pass, global_batch // per_pass * per_pass)
-        raise spec_error(
-            f"global_batch_size {global_batch} is not a multiple of micro_batch_size x world size "
-            f"({micro} x {world} = {per_pass})",
-            path=("training", "global_batch_size"),
-            hint=f"use {lower} or {lower + per_pass}, or change training.micro_batch_size")
-    return {"gradient_accumulation_steps": global_batch // per_pass, "micro_batch_size": micro,
-            "global_batch_size": global_batch, "world_size": world}
-
-
-def _total_steps(spec: dict, global_batch: int, num_train_samples: int | None, notes: list[str]) -> int:
-    training = spec["training"]
-    if training["max_steps"] is not None:
-        return training["max_steps"]
-    epochs = training["epochs"]
-    if epochs is None:
-        epochs = 1
-        notes.append("neither training.max_steps nor training.epochs is set: training for 1 epoch")
-    synthetic = spec["data"].get("synthetic")
-    samples = synthetic["num_samples"] if synthetic else num_train_samples
-    if samples is None:
-        raise spec_error(
-            "training.epochs needs the number of training samples, which is unknown here",
-            path=("training", "epochs"),
-            hint="compile through `jobspec compile` (it counts the rows of data.train), or set training.max_steps")
-    # Count as the loader runs: each rank gets floor(samples / world) samples and drops its last
-    # incomplete micro-batch, so an epoch is that many micro-batches over the accumulation.
-    world = spec["resources"]["nodes"] * spec["resources"]["gpus_per_node"]
-    micro = spec["training"]["micro_batch_size"]
-    micro_batches_per_rank = (samples // world) // micro
-    if micro_batches_per_rank == 0:
-        raise spec_error(f"{samples} training samples give no micro-batch of {micro} on each of {world} ranks",
-                         path=("training", "micro_batch_size"),
-                         hint="use more data, a smaller training.micro_batch_size, or fewer ranks")
-    steps_per_epoch = micro_batches_per_rank / (global_batch // (micro * world))
-    return max(1, math.ceil(epochs * steps_per_epoch))
-
-
-def _warmup_steps(scheduler: dict, total_steps: int) -> int:
-    if scheduler["warmup_steps"]:
-        return scheduler["warmup_steps"]
-    return math.ceil(scheduler["warmup_ratio"] * total_steps)
 
 
 def optimizer_block(optimizer: dict) -> dict:
@@ -159,10 +114,10 @@ def client_optimizer_args(optimizer: dict) -> dict:
             "eps": optimizer["eps"], "weight_decay": optimizer["weight_decay"]}
 
 
-def scheduler_block(scheduler: dict, lr: float, derived: dict, notes: list[str]) -> dict:
+def scheduler_block(scheduler: dict, lr: float, job: DerivedJob, notes: list[str]) -> dict:
     name = scheduler["name"]
-    warmup = derived["warmup_steps"]
-    total = derived["total_steps"]
+    warmup = job.warmup_steps
+    total = job.total_steps
     # DeepSpeed rejects warmup_num_steps 0 and warms up over at least 2 steps.
     warmup_num_steps = max(1, warmup)
     if name == "constant":
@@ -286,18 +241,18 @@ def compile_patches(spec: dict) -> list[dict]:
     return patches
 
 
-def launch_command(resources: dict, world_size: int, run_dir: str, master_port: int | None) -> dict:
+def launch_command(resources: dict, job: DerivedJob, run_dir: str, master_port: int | None) -> dict:
     """The `deepspeed` runner argv. Multi-node: the runner reads its hostfile; we only pass counts."""
     port = master_port or resources["master_port"] or DEFAULT_MASTER_PORT
     argv = ["deepspeed"]
-    if resources["nodes"] > 1:
-        argv += ["--num_nodes", str(resources["nodes"])]
+    if job.nodes > 1:
+        argv += ["--num_nodes", str(job.nodes)]
         if resources["master_addr"]:
             argv += ["--master_addr", resources["master_addr"]]
-    argv += ["--num_gpus", str(resources["gpus_per_node"]), "--master_port", str(port),
+    argv += ["--num_gpus", str(job.gpus_per_node), "--master_port", str(port),
              "--module", "jobspec.train.worker", "--run-dir", str(run_dir)]
-    return {"argv": argv, "world_size": world_size, "nodes": resources["nodes"],
-            "gpus_per_node": resources["gpus_per_node"], "master_port": port}
+    return {"argv": argv, "world_size": job.world_size, "nodes": job.nodes,
+            "gpus_per_node": job.gpus_per_node, "master_port": port}
 
 
 _NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")

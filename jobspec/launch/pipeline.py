@@ -4,7 +4,8 @@
     resolve        spec/validation.load_and_validate (exit 2 on any problem)
     prepare        memory/at_launch.prepare: `memory.fit: auto` rewrites the spec; the plan
     claim          launch/ownership.claim_checkpoints: refuse another job's checkpoints; resume id
-    run dir        rundir.create_run_dir, then compile/inputs.compile_resolved into it
+    derive         spec/inputs.derive_job: every derived number, once (config.json, row count read here)
+    run dir        rundir.create_run_dir, then compile/compiler.compile_spec into it
     pre-flight     launch/preflight + memory/at_launch.preflight_problems (--ignore-preflight: warn)
     argv           launch/runner.resolve_runner, launch/slurm.launch_argv (srun per node in Slurm)
     write          rundir.write_compiled (spec.yaml ... launch.json, `plan`/`fit` included)
@@ -38,12 +39,14 @@ log = logging.getLogger("jobspec.launch")
 def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_steps: int | None = None,
            ignore_preflight: bool = False, kill_grace_s: float = supervise.KILL_GRACE_S) -> int:
     """Run the job; the runner's exit status (128+N when stopped by signal N)."""
+    from jobspec.spec.inputs import derive_job
     from jobspec.spec.validation import load_and_validate
 
     resolved = load_and_validate(job, overrides)
-    # memory.fit: auto rewrites the spec here, so everything below (and resolved.yaml) sees what runs
+    # memory.fit: auto rewrites the spec (and its derived job) here, so everything below sees what runs
     gpu_free = hardware.gpu_free_bytes(resolved.spec["resources"]["gpus_per_node"])
-    resolved, memory = launch_memory.prepare(resolved, gpu_free, bf16_supported=hardware.bf16_supported())
+    resolved, derived, memory = launch_memory.prepare(resolved, derive_job(resolved.spec), gpu_free,
+                                                      bf16_supported=hardware.bf16_supported())
     for line in memory.lines:
         print(f"jobspec: {line}", flush=True)
     spec = resolved.spec
@@ -51,7 +54,7 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
 
     if dry_run:  # nothing is created: the run dir in the command is the name it would get
         run_dir = rundir.new_run_dir_path(spec["output_dir"])
-        compiled = compile_job(resolved, run_dir, port)
+        compiled = compile_job(resolved, derived, run_dir, port)
         argv = runner.resolve_runner(compiled.launch["argv"])
         print(json.dumps(compiled.ds_config, indent=2))
         for note in compiled.notes:
@@ -62,8 +65,8 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
     resume_run_id = ownership.claim_checkpoints(spec)
     run_dir = rundir.create_run_dir(spec["output_dir"])
     try:
-        compiled = compile_job(resolved, run_dir, port)
-        problems = preflight.preflight_problems(spec, compiled.launch) + \
+        compiled = compile_job(resolved, derived, run_dir, port)
+        problems = preflight.preflight_problems(spec, derived) + \
             launch_memory.preflight_problems(memory, gpu_free)
         compiled.launch.update(launch_memory.plan_record(memory))  # launch.json: `plan` (MiB), `fit`
         if problems and not ignore_preflight:
@@ -95,10 +98,10 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
     return outcome.exit_code
 
 
-def compile_job(resolved, run_dir: Path, master_port: int):
-    """Compiled with the same inputs `jobspec compile` uses, so launch runs what compile shows."""
-    from jobspec.compile.inputs import compile_resolved
-    return compile_resolved(resolved, run_dir=str(run_dir), master_port=master_port)
+def compile_job(resolved, derived, run_dir: Path, master_port: int):
+    """Compiled from the same derived job `jobspec compile` uses, so launch runs what compile shows."""
+    from jobspec.compile.compiler import compile_spec
+    return compile_spec(resolved.spec, derived, run_dir=str(run_dir), master_port=master_port)
 
 
 def progress_mode(setting: str, stdout=sys.stdout) -> str:
@@ -126,14 +129,14 @@ def start_tracking(resolved, compiled, run_dir: Path, resume_run_id: str | None)
         return None
     try:
         tracking.probe(settings["tracking_uri"])
-        return tracking.start_run(resolved.spec, compiled.launch, compiled.derived, resolved.text, run_dir,
+        return tracking.start_run(resolved.spec, compiled.launch, compiled.derived.as_dict(), resolved.text, run_dir,
                                   resume_run_id=resume_run_id)
     except tracking.TrackingUnavailable as err:
         uri = mask_secrets(settings["tracking_uri"])
         if settings["required"]:
-            raise RunFailure(f"MLflow tracking at {uri} (logging.mlflow.tracking_uri) is unavailable: {err}",
-                             hint="start the server, fix the URI, or set logging.mlflow.required: false "
-                                  "to run with metrics kept in metrics.jsonl")
+            raise RunFailure(f"MLflow tracking at {uri} is unavailable: {err}; start the server, fix "
+                             "logging.mlflow.tracking_uri, or set logging.mlflow.required: false to run with "
+                             "metrics kept in metrics.jsonl")
         log.warning("MLflow tracking at %s is unavailable (%s); continuing, metrics go to %s", uri, err,
                     run_dir / rundir.METRICS)
         return None

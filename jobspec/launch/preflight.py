@@ -12,34 +12,33 @@ from jobspec import hardware
 from jobspec.launch.runner import port_in_use
 
 
-def preflight_problems(spec: dict, launch: dict) -> list[str]:
+def preflight_problems(spec: dict, derived) -> list[str]:
     """Every failed host check, as one sentence each (empty when all pass)."""
     problems = []
     res = spec["resources"]
-    if res["master_port"] is not None and launch.get("nodes", 1) == 1 and port_in_use(res["master_port"]):
+    if res["master_port"] is not None and derived.nodes == 1 and port_in_use(res["master_port"]):
         problems.append(f"resources.master_port {res['master_port']} is already in use on this host "
                         "(set it to null to pick a free port)")
-    if launch.get("nodes", 1) == 1:
+    if derived.nodes == 1:
         gpus = hardware.gpu_count()
         available, kind = (gpus, "GPUs") if gpus else (os.cpu_count() or 1, "CPU cores")
-        if res["gpus_per_node"] > available:
-            problems.append(f"resources.gpus_per_node is {res['gpus_per_node']} but this host has "
+        if derived.gpus_per_node > available:
+            problems.append(f"resources.gpus_per_node is {derived.gpus_per_node} but this host has "
                             f"{available} {kind}")
-    space_problem = checkpoint_space_problem(spec)
+    space_problem = checkpoint_space_problem(spec, derived)
     if space_problem:
         problems.append(space_problem)
     return problems
 
 
-def checkpoint_space_problem(spec: dict) -> str | None:
+def checkpoint_space_problem(spec: dict, derived) -> str | None:
     """Refuse before training when the checkpoint directory's disk cannot hold even one checkpoint."""
     from jobspec.memory.planner import checkpoint_bytes
-    from jobspec.spec.model_dims import model_dims, read_local_config
 
     ckpt = spec["checkpoint"]
     if not (ckpt["save_final"] or ckpt["every_n_steps"]):
         return None
-    needed = checkpoint_bytes(spec, model_dims(spec, read_local_config(spec["model"]["name_or_path"])))
+    needed = checkpoint_bytes(spec, derived)
     directory = Path(ckpt["dir"])
     while not directory.exists() and directory != directory.parent:
         directory = directory.parent

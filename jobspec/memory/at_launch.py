@@ -33,8 +33,8 @@ class LaunchMemory:
     lines: list = field(default_factory=list)
 
 
-def prepare(resolved, gpu_free: int | None, *, bf16_supported: bool = True):
-    """(resolved spec to run, LaunchMemory): `memory.fit: auto` applied, the plan of the result.
+def prepare(resolved, job, gpu_free: int | None, *, bf16_supported: bool = True):
+    """(resolved spec to run, its derived job, LaunchMemory): `memory.fit: auto` applied, the plan of the result.
 
     `gpu_free`: the least free memory of this host's GPUs (None without GPUs), the budget when
     `memory.gpu_memory` is not set; `bf16_supported`: whether fitting may switch to bf16.
@@ -42,11 +42,9 @@ def prepare(resolved, gpu_free: int | None, *, bf16_supported: bool = True):
     Nothing fits the budget -> SpecError (exit 2) with the smallest configuration's numbers.
     """
     from jobspec.memory.fit import apply_changes, fit
-    from jobspec.spec.model_dims import model_dims, read_local_config
     from jobspec.memory.planner import fmt_bytes, parse_bytes, plan_memory
 
     spec = resolved.spec
-    dims = model_dims(spec, read_local_config(spec["model"]["name_or_path"]))
     memory = LaunchMemory()
     if spec["memory"]["gpu_memory"]:
         memory.budget, memory.budget_source = parse_bytes(spec["memory"]["gpu_memory"]), "memory.gpu_memory"
@@ -58,7 +56,7 @@ def prepare(resolved, gpu_free: int | None, *, bf16_supported: bool = True):
             memory.lines.append("fit: skipped (memory.fit is auto, but this host has no GPU and "
                                 "memory.gpu_memory is not set): running the spec as written")
         else:
-            result = fit(spec, dims, memory.budget, bf16_supported=bf16_supported)
+            result = fit(spec, job, memory.budget, bf16_supported=bf16_supported)
             if not result.fits:
                 raise spec_error(f"memory.fit is auto and {result.reason}", path=("memory", "fit"),
                                  hint=f"budget from {memory.budget_source}; see `jobspec plan JOB --fit` "
@@ -69,13 +67,14 @@ def prepare(resolved, gpu_free: int | None, *, bf16_supported: bool = True):
             if result.changes:
                 spec = apply_changes(spec, result.changes)
                 resolved = dataclasses.replace(resolved, spec=spec)
+                job = job.with_spec(spec)
                 memory.lines.append("fit: applied " + " ".join(f"--set {o}" for o in result.overrides))
     try:
-        memory.plan = plan_memory(spec, dims, budget=memory.budget)
+        memory.plan = plan_memory(spec, job, budget=memory.budget)
     except SpecError as err:  # an architecture the planner cannot count: launch anyway, unplanned
         memory.lines.append(f"memory plan unavailable ({err.issues[0].message}): no plan.* params, no "
                             "memory pre-flight")
-    return resolved, memory
+    return resolved, job, memory
 
 
 def preflight_problems(memory: LaunchMemory, free: int | None) -> list[str]:

@@ -16,8 +16,8 @@ import itertools
 import json
 from dataclasses import dataclass, field
 
-from jobspec.spec.model_dims import ModelDims
-from jobspec.memory.planner import MemoryPlan, fmt_bytes, plan_memory, sequence_length
+from jobspec.spec.derived import DerivedJob
+from jobspec.memory.planner import MemoryPlan, fmt_bytes, plan_memory
 
 # Reference device for the slowdown model: only ratios between candidates are reported.
 EFFECTIVE_FLOPS = {"fp32": 15e12, "bf16": 40e12, "fp16": 40e12}   # achieved, not peak (A100-class)
@@ -47,17 +47,16 @@ class FitResult:
                 "notes": self.notes, "plan": self.plan.as_dict()}
 
 
-def fit(spec: dict, dims: ModelDims, budget_bytes: int, *, bf16_supported: bool = True,
-        world_size: int | None = None) -> FitResult:
+def fit(spec: dict, job: DerivedJob, budget_bytes: int, *, bf16_supported: bool = True) -> FitResult:
     """The fastest configuration of `spec` predicted to fit `budget_bytes` per GPU (NVML-style total)."""
-    world = world_size or spec["resources"]["nodes"] * spec["resources"]["gpus_per_node"]
-    baseline = step_time(spec, dims, world)
+    baseline = step_time(spec, job)
     best, smallest, considered = None, None, 0
-    for changes in candidate_changes(spec, world, bf16_supported):
+    for changes in candidate_changes(spec, job, bf16_supported):
         candidate = apply_changes(spec, changes)
-        plan = plan_memory(candidate, dims, world_size=world, budget=budget_bytes)
+        candidate_job = job.with_spec(candidate)
+        plan = plan_memory(candidate, candidate_job, budget=budget_bytes)
         considered += 1
-        cost = step_time(candidate, dims, world) / baseline
+        cost = step_time(candidate, candidate_job) / baseline
         if smallest is None or plan.nvml_total < smallest[1].nvml_total:
             smallest = (changes, plan, cost)
         if plan.fits and (best is None or (cost, len(changes)) < (best[2], len(best[0]))):
@@ -77,11 +76,10 @@ def fit(spec: dict, dims: ModelDims, budget_bytes: int, *, bf16_supported: bool 
     return FitResult(True, to_overrides(changes), changes, plan, cost, reason, considered, notes)
 
 
-def candidate_changes(spec: dict, world: int, bf16_supported: bool):
+def candidate_changes(spec: dict, job: DerivedJob, bf16_supported: bool):
     """Every combination of knob settings, as {dotted path: value} relative to `spec`."""
     training, memory = spec["training"], spec["memory"]
-    micro = training["micro_batch_size"]
-    global_batch = training["global_batch_size"] or micro * world
+    micro, global_batch, world = job.micro_batch_size, job.global_batch_size, job.world_size
     micros = [m for m in range(micro, 0, -1) if micro % m == 0 and global_batch % (m * world) == 0]
     half = "bf16" if bf16_supported else "fp16"
     precisions = [memory["precision"]] + ([half] if memory["precision"] == "fp32" else [])
@@ -175,20 +173,16 @@ def describe(changes: dict) -> str:
     return " + ".join(words)
 
 
-def step_time(spec: dict, dims: ModelDims, world: int) -> float:
+def step_time(spec: dict, job: DerivedJob) -> float:
     """Estimated seconds per optimizer step on the reference device (docs: "Slowdown model")."""
-    training, memory = spec["training"], spec["memory"]
-    plan = plan_memory(spec, dims, world_size=world)
-    psi, layers = plan.settings["parameters"], plan.settings["layers"]
-    micro, seq = training["micro_batch_size"], sequence_length(spec)
-    global_batch = training["global_batch_size"] or micro * world
-    accumulation = global_batch // (micro * world)
-    tokens = micro * seq
-    recompute = plan.settings["checkpointed_layers"] / layers
-    flops = 6 * psi * tokens * (1 + recompute / 3)
+    memory = spec["memory"]
+    plan = plan_memory(spec, job)
+    psi, world = plan.settings["parameters"], job.world_size
+    tokens = job.tokens_per_micro_batch
+    flops = job.hardware_flops_per_token * tokens   # checkpoint recompute included (jobspec.spec.flops)
     efficiency = tokens / (tokens + HALF_SATURATION_TOKENS)
     compute = flops / (EFFECTIVE_FLOPS[memory["precision"]] * efficiency)
-    lp = 4 if memory["precision"] == "fp32" else 2
+    lp = job.precision_bytes
     shard = psi / world
     per_micro = compute
     if memory["zero_stage"] == 3 and world > 1:
@@ -197,12 +191,12 @@ def step_time(spec: dict, dims: ModelDims, world: int) -> float:
     if offload_params != "none":
         speed = PCIE_BYTES_PER_S if offload_params == "cpu" else NVME_BYTES_PER_S
         per_micro += 2 * lp * shard / speed
-    step = per_micro * accumulation
+    step = per_micro * job.gradient_accumulation_steps
     offload_opt = memory["offload"]["optimizer"]
     if offload_opt != "none":
         step += 2 * lp * shard / PCIE_BYTES_PER_S + shard / CPU_ADAM_PARAMS_PER_S
         if offload_opt == "nvme":
             step += 2 * 16 * shard / NVME_BYTES_PER_S
-    if training["optimizer"]["name"] == "adamw_8bit":
+    if spec["training"]["optimizer"]["name"] == "adamw_8bit":
         step *= 1 + EIGHT_BIT_OVERHEAD
     return step

@@ -14,6 +14,7 @@ import re
 from dataclasses import asdict, dataclass, field
 
 from jobspec.errors import SpecError, spec_error
+from jobspec.spec.derived import DerivedJob
 from jobspec.spec.model_dims import ModelDims
 
 GiB, MiB = 2**30, 2**20
@@ -24,7 +25,6 @@ HF_LOGITS_UPCAST = True          # transformers' loss functions call logits.floa
 
 # Optimizer state bytes per trainable parameter (fp32 states, whatever the training precision).
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adamw_8bit": 2, "sgd": 4}   # adafactor: factored, see below
-PRECISION_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(i?)B\s*$")
 
 
@@ -55,6 +55,7 @@ class MemoryPlan:
     budget: int | None = None
     settings: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
+    compute: dict = field(default_factory=dict)   # FLOPs per trained token, from the derived job
 
     @property
     def fits(self) -> bool | None:
@@ -137,33 +138,20 @@ def optimizer_state_bytes(name: str, momentum: float, tensors: Tensors) -> int:
     return OPTIMIZER_STATE_BYTES[name] * tensors.total
 
 
-def checkpoint_bytes(spec: dict, dims: ModelDims | None) -> int | None:
+def checkpoint_bytes(spec: dict, job: DerivedJob) -> int | None:
     """One checkpoint, all ranks' files together: the working weights, the fp32 master copy (mixed
     precision) and the optimizer state, by the planner's bytes per parameter; None when the model's
     parameters cannot be counted."""
     model, optimizer = spec["model"], spec["training"]["optimizer"]
-    if dims is None:
+    if job.dims is None:
         return None
     try:
-        tensors = parameter_tensors(dims, model["task"], model["num_labels"])
+        tensors = parameter_tensors(job.dims, model["task"], model["num_labels"])
     except SpecError:
         return None
-    precision = spec["memory"]["precision"]
-    weights = PRECISION_BYTES[precision] + (4 if precision != "fp32" else 0)
-    return tensors.total * weights + optimizer_state_bytes(optimizer["name"], optimizer["momentum"], tensors)
-
-
-def sequence_length(spec: dict) -> int:
-    synthetic = spec["data"].get("synthetic")
-    return synthetic["seq_len"] if synthetic else spec["data"]["max_length"]
-
-
-def checkpointed_layers(spec: dict, num_layers: int) -> int:
-    setting = spec["memory"]["activation_checkpointing"]
-    if not setting:
-        return 0
-    every = setting.get("every_n_layers", 1) if isinstance(setting, dict) else 1
-    return math.ceil(num_layers / every)          # the patch wraps layers i % k == 0
+    master = 4 if job.precision_bytes < 4 else 0
+    return tensors.total * (job.precision_bytes + master) + \
+        optimizer_state_bytes(optimizer["name"], optimizer["momentum"], tensors)
 
 
 def dropout_probability(spec: dict) -> float:
@@ -174,15 +162,16 @@ def dropout_probability(spec: dict) -> float:
     return 0.0 if spec["model"]["architecture"] in ("llama", "mistral") else 0.1
 
 
-def activation_bytes(spec: dict, dims: ModelDims, micro: int, seq: int, act: int) -> dict:
+def activation_bytes(spec: dict, job: DerivedJob, act: int) -> dict:
     """Activations kept for backward: per layer, layers kept whole vs checkpointed, embeddings, logits.
 
     Per layer (Korthikanti et al. 2022, ffn = 4h, 16-bit): 34·s·b·h + 5·a·s²·b bytes, of which
     2·s·b·h + a·s²·b are 1-byte dropout masks and the rest 2-byte tensors; see the doc for the split.
     """
+    dims = job.dims
     if dims.model_type == "mlp":
-        return mlp_activation_bytes(spec, dims, micro, seq, act)
-    s, b, h, a = seq, micro, dims.hidden_size, dims.num_heads or 1
+        return mlp_activation_bytes(spec, job, act)
+    s, b, h, a = job.seq_len, job.micro_batch_size, dims.hidden_size, dims.num_heads or 1
     ffn = dims.intermediate_size or 4 * h
     gated = dims.model_type in ("llama", "mistral")
     dropout = dropout_probability(spec) > 0
@@ -198,7 +187,7 @@ def activation_bytes(spec: dict, dims: ModelDims, micro: int, seq: int, act: int
         elements += 2 * a * s * b   # SDPA/flash keep the output and a fp32 log-sum-exp, no s² scores
     per_layer = act * elements + masks
     layers = dims.num_layers
-    ckpt = checkpointed_layers(spec, layers)
+    ckpt = job.checkpointed_layers
     layer_input = act * s * b * h
     kept = (layers - ckpt) * per_layer + ckpt * layer_input
     recompute = per_layer if ckpt else 0          # one checkpointed layer re-run in backward
@@ -218,7 +207,7 @@ def activation_bytes(spec: dict, dims: ModelDims, micro: int, seq: int, act: int
     return {"activations": kept + recompute, "embeddings_activations": embeddings, "logits_and_loss": logits}
 
 
-def mlp_activation_bytes(spec: dict, dims: ModelDims, micro: int, seq: int, act: int) -> dict:
+def mlp_activation_bytes(spec: dict, job: DerivedJob, act: int) -> dict:
     """Activations of jobspec's deep MLP (jobspec/train/mlp.py), measured exactly by bench/checkpoint_segments.py.
 
     After the mean-pool every activation is a (b, h) matrix. A layer's Linear saves its input and its
@@ -230,28 +219,27 @@ def mlp_activation_bytes(spec: dict, dims: ModelDims, micro: int, seq: int, act:
     Embedding/pooling: the ids (int64) and the pooling weights (b, s) are kept; the (b, s, h)
     embedding output lives only until the pooling, and its gradient only at the end of backward.
     """
-    b, h = micro, dims.hidden_size
+    dims, b, h, seq = job.dims, job.micro_batch_size, job.dims.hidden_size, job.seq_len
     matrix = act * b * h
-    recompute = matrix if checkpointed_layers(spec, dims.num_layers) else 0
+    recompute = matrix if job.checkpointed_layers else 0
     embeddings = 8 * b * seq + act * b * seq
     logits = b * spec["model"]["num_labels"] * 4 * 3
     return {"activations": (dims.num_layers + 1) * matrix + recompute, "embeddings_activations": embeddings,
             "logits_and_loss": logits}
 
 
-def plan_memory(spec: dict, dims: ModelDims | None, *, world_size: int | None = None,
-                budget: int | None = None) -> MemoryPlan:
-    """Predicted per-rank peak memory of `spec` (a resolved spec with defaults filled)."""
+def plan_memory(spec: dict, job: DerivedJob, *, budget: int | None = None) -> MemoryPlan:
+    """Predicted per-rank peak memory of `spec` (a resolved spec with defaults filled) and its derived job."""
+    dims = job.dims
     if dims is None:
         raise spec_error("the planner needs the model's dimensions (hidden size, layers, vocabulary)",
                          path=("model", "config"),
                          hint="set model.architecture to a known family or give model.config.hidden_size etc.")
     memory, training, model = spec["memory"], spec["training"], spec["model"]
-    world = world_size or spec["resources"]["nodes"] * spec["resources"]["gpus_per_node"]
+    world = job.world_size
     tensors = parameter_tensors(dims, model["task"], model["num_labels"])
     psi, stage = tensors.total, memory["zero_stage"]
-    precision = memory["precision"]
-    lp = PRECISION_BYTES[precision]
+    precision, lp = job.precision, job.precision_bytes
     offload_opt, offload_params = memory["offload"]["optimizer"], memory["offload"]["params"]
     optimizer = training["optimizer"]
     notes: list[str] = []
@@ -311,8 +299,8 @@ def plan_memory(spec: dict, dims: ModelDims | None, *, world_size: int | None = 
                 buffers = memory["offload"]["buffer_count"] * memory["offload"]["buffer_size"]
                 host["offloaded_parameters"] = lp * buffers
 
-    micro, seq = training["micro_batch_size"], sequence_length(spec)
-    gpu.update(activation_bytes(spec, dims, micro, seq, lp))
+    micro, seq = job.micro_batch_size, job.seq_len
+    gpu.update(activation_bytes(spec, job, lp))
     # The step-time fp32 gradient copy exists only while the activations are already freed.
     forward_backward = sum(gpu[k] for k in ("activations", "embeddings_activations", "logits_and_loss"))
     static = sum(gpu[k] for k in ("parameters", "gradients", "master_weights", "optimizer_states", "zero_buffers",
@@ -322,12 +310,14 @@ def plan_memory(spec: dict, dims: ModelDims | None, *, world_size: int | None = 
     host_total = max(host["model_init"], sum(v for k, v in host.items() if k != "model_init"))
     settings = {"world_size": world, "zero_stage": stage, "precision": precision, "micro_batch_size": micro,
                 "seq_len": seq, "parameters": psi, "optimizer": optimizer["name"],
-                "checkpointed_layers": checkpointed_layers(spec, dims.num_layers), "layers": dims.num_layers,
+                "checkpointed_layers": job.checkpointed_layers, "layers": dims.num_layers,
                 "offload_optimizer": offload_opt, "offload_params": offload_params,
                 "attention": model["attention"]}
     return MemoryPlan(breakdown=gpu, host=host, peak_allocated=allocated, peak_reserved=reserved,
                       nvml_total=reserved + CUDA_CONTEXT_BYTES, host_total=host_total, nvme_total=nvme,
-                      budget=budget, settings=settings, notes=notes)
+                      budget=budget, settings=settings, notes=notes,
+                      compute={"model_flops_per_token": job.model_flops_per_token,
+                               "hardware_flops_per_token": job.hardware_flops_per_token})
 
 
 def _persistent_params(tensors: Tensors, zero: dict, hidden: int) -> int:

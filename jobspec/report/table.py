@@ -123,15 +123,14 @@ def build_row(run_name: str, status: str, params: dict, series: dict, predicted_
 
 # --- the planner's prediction --------------------------------------------------------------------
 
-def predicted_peak_mib(spec: dict, world_size: int | None = None) -> float | None:
+def predicted_peak_mib(spec: dict) -> float | None:
     """`plan_memory`'s peak allocated MiB of a resolved spec; None when the planner cannot tell."""
-    from jobspec.spec.model_dims import model_dims, read_local_config
     from jobspec.memory.planner import MiB, plan_memory
+    from jobspec.spec.inputs import derive_job
     from jobspec.spec.schema import fill_defaults
     try:
         spec = fill_defaults(spec)
-        dims = model_dims(spec, read_local_config(spec["model"].get("name_or_path")))
-        return plan_memory(spec, dims, world_size=world_size).peak_allocated / MiB
+        return plan_memory(spec, derive_job(spec)).peak_allocated / MiB
     except Exception:  # an unknown architecture, an old resolved.yaml: a '-' in the table, not a crash
         return None
 
@@ -151,8 +150,7 @@ def _prediction_of_run(client, run) -> float | None:
             spec = yaml.safe_load(Path(local).read_text(encoding="utf-8"))
     except Exception:  # no such artifact, unreadable store: the prediction is optional
         return None
-    world = params.get("derived.world_size")
-    return predicted_peak_mib(spec, int(world) if world and world.isdigit() else None)
+    return predicted_peak_mib(spec)
 
 
 # --- reading MLflow ------------------------------------------------------------------------------

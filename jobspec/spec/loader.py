@@ -11,6 +11,7 @@ among the `--set` flags.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -31,6 +32,9 @@ _CORE = "tag:yaml.org,2002:"
 _SCALAR_TAGS = {_CORE + t for t in ("str", "int", "float", "bool", "null")}
 _TIMESTAMP = _CORE + "timestamp"   # an unquoted date stays the text it was written as
 _MERGE = _CORE + "merge"
+# YAML 1.2 (and JSON) floats that PyYAML's YAML 1.1 resolver leaves as strings: `1e-3`, `2E5`, `-1e4`
+# (1.1 wants a dot in the mantissa and a sign in the exponent). People write learning rates this way.
+_YAML12_FLOAT = re.compile(r"[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+")
 
 
 class Position(NamedTuple):
@@ -222,6 +226,8 @@ class _Builder:
     def scalar(self, node: ScalarNode, path: tuple):
         if node.tag == _TIMESTAMP:
             return node.value
+        if node.tag == _CORE + "str" and not node.style and _YAML12_FLOAT.fullmatch(node.value):
+            return float(node.value)   # plain (unquoted) only: a quoted "1e-3" stays the string it says
         if node.tag not in _SCALAR_TAGS:
             self.check_tag(node, _CORE + "str", path)
         try:

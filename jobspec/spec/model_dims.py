@@ -177,25 +177,30 @@ def model_dims(spec: dict, config_json: dict | None = None) -> ModelDims | None:
     values = dict(ARCHITECTURE_DEFAULTS.get(model_type, {}))
     values.update(_canonical(config_json))
     values.update(_canonical(model.get("config") or {}))
-    hidden = values.get("hidden_size")
-    if not isinstance(hidden, int) or isinstance(hidden, bool):
+    hidden = _count(values.get("hidden_size"))
+    if hidden is None:
         return None
     return ModelDims(
         model_type=model_type,
         hidden_size=hidden,
-        num_layers=values.get("num_hidden_layers"),
-        num_heads=values.get("num_attention_heads"),
-        intermediate_size=values.get("intermediate_size") or (4 * hidden if model_type == "gpt2" else None),
-        vocab_size=values.get("vocab_size"),
-        max_position_embeddings=values.get("max_position_embeddings"),
+        num_layers=_count(values.get("num_hidden_layers")),
+        num_heads=_count(values.get("num_attention_heads")),
+        intermediate_size=_count(values.get("intermediate_size")) or (4 * hidden if model_type == "gpt2" else None),
+        vocab_size=_count(values.get("vocab_size")),
+        max_position_embeddings=_count(values.get("max_position_embeddings"), minimum=0),
         tie_word_embeddings=bool(values.get("tie_word_embeddings", True)),
-        type_vocab_size=int(values.get("type_vocab_size") or 0),
-        num_key_value_heads=values.get("num_key_value_heads"),
+        type_vocab_size=_count(values.get("type_vocab_size"), minimum=0) or 0,
+        num_key_value_heads=_count(values.get("num_key_value_heads")),
         attention_bias=bool(values.get("attention_bias", False)),
         mlp_bias=bool(values.get("mlp_bias", False)),
         relative_attention=bool(values.get("relative_attention", False)),
         position_biased_input=bool(values.get("position_biased_input", True)),
     )
+
+
+def _count(value, minimum: int = 1) -> int | None:
+    """A dimension as an int; anything else (a list, a string: reported by the model.config check) is unknown."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= minimum else None
 
 
 def read_local_config(name_or_path: str | None) -> dict | None:

@@ -75,8 +75,17 @@ def _typed(value: Any, raw: str, node: dict, keys: tuple, fail) -> Any:
         return value
     if "string" in types:
         return raw.strip()   # `--set name=007` means the string "007"
+    numeric = isinstance(value, str) and ("number" in types or "integer" in types) and _is_number(value)
     raise fail(f"expected {types_text(types)}, got {type_name(value)} `{raw.strip()}`",
-               "pass a value of that type", keys)
+               "write the number without quotes" if numeric else "pass a value of that type", keys)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _set_value(loaded: LoadedSpec, keys: tuple, value: Any, where: Position) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from jobspec.errors import SpecError, SpecIssue
+from jobspec.spec.derived import derive
 from jobspec.spec.loader import SET_FILE, LoadedSpec, Position, load_spec
 from jobspec.spec.optimizers import CLIENT_OPTIMIZERS
 from jobspec.spec.overrides import apply_overrides
@@ -234,15 +235,13 @@ def cross_field_issues(r: ResolvedSpec) -> list[SpecIssue]:
                 add(r.issue(("data", key), f"data file not found: {file}",
                             "paths are relative to the spec file that sets them"))
 
-    world = s["resources"]["nodes"] * s["resources"]["gpus_per_node"]
-    micro, global_batch = training["micro_batch_size"], training["global_batch_size"]
-    step = micro * world
-    if global_batch is not None and global_batch % step:
-        lower, upper = (global_batch // step) * step, (global_batch // step + 1) * step
-        nearest = f"{lower} or {upper}" if lower else f"{upper}"
-        add(r.issue(("training", "global_batch_size"),
-                    f"{global_batch} is not a multiple of micro_batch_size x world size = {micro} x {world} = {step}",
-                    f"nearest valid global_batch_size: {nearest}"))
+    try:
+        derive(s)   # the batch split is derived in one place; its problems are reported here, positioned
+    except SpecError as err:
+        for problem in err.issues:
+            add(r.issue(problem.path, problem.message, problem.hint))
+    except (TypeError, ValueError, ZeroDivisionError):
+        pass   # model.config values of the wrong type: reported by the model.config check
 
     offload, stage = memory["offload"], memory["zero_stage"]
     if offload["params"] != "none" and stage != 3:

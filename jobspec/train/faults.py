@@ -14,13 +14,11 @@ import math
 import os
 import sys
 
-from jobspec.errors import RunFailure
-
 INJECT_ENV = "JOBSPEC_INJECT_NAN_AT_STEP"
 SKIPPED_METRIC = "train/nan_skipped"
 
 
-class NonFiniteLoss(RunFailure):
+class NonFiniteLoss(RuntimeError):
     """The loss is NaN/inf and `training.on_nan` is `stop`."""
 
     def __init__(self, message: str, step: int | None = None):

@@ -1,22 +1,12 @@
-"""Throughput and memory measurements: tokens, FLOPs per token, peak FLOP/s per device, memory readings.
+"""Throughput and memory measurements: tokens, peak FLOP/s per device, memory readings.
 
-torch is imported inside the functions that need it, so the FLOPs formula and the peak table can be
-used (and tested) without it.
-
-FLOPs per trained token (`flops_per_token`), after Kaplan et al. 2020 and Narayanan et al. 2021:
-
-    6 N                      weights: 2 FLOPs per parameter per token forward, twice that backward
-  + 12 L h s                 attention scores Q·Kᵀ and scores·V: 2·2·h·s per layer forward, ×3 with backward
-  + f (2 (N - V h) + 4 L h s)  recomputing the checkpointed layers' forward once more in backward
-
-N parameters, L layers, h hidden size, s sequence length, V vocabulary (the input embedding, V·h
-parameters, is a lookup and is not recomputed), f the share of layers checkpointed
-(ceil(L/k)/L for one layer in k, 0 without checkpointing). With f = 0 this is the "model FLOPs" of MFU;
-with f > 0 it counts the work the hardware really does (Korthikanti et al.'s "hardware FLOPs").
+FLOPs per trained token come from the derived job (jobspec.spec.flops, checked against torch's
+FLOP counter); this module holds what needs the running process: token counts, the device's
+datasheet peak for MFU, allocator/NVML/RSS memory readings and their cross-rank maximum. torch is
+imported inside the functions that need it, so the peak table can be used without it.
 """
 from __future__ import annotations
 
-import math
 import re
 
 from jobspec import hardware
@@ -77,46 +67,6 @@ def count_tokens(batch: dict) -> int:
     if "attention_mask" in batch:
         return int(batch["attention_mask"].sum())
     return int(batch["input_ids"].numel())
-
-
-def flops_per_token(model_dims_or_model, seq_len: int, *, checkpoint_every_n_layers: int | None = None) -> float:
-    """Training FLOPs per token (forward + backward, + recompute when checkpointing); formula above.
-
-    Accepts a model (nn.Module with a transformers `config`; ZeRO-3 partitioned parameters are
-    counted whole), a `jobspec.spec.model_dims.ModelDims`, or a dict with hidden_size, num_layers,
-    vocab_size and num_parameters.
-    """
-    params, layers, hidden, vocab = _dimensions(model_dims_or_model)
-    flops = 6 * params + 12 * layers * hidden * seq_len
-    if checkpoint_every_n_layers:
-        recomputed = math.ceil(layers / checkpoint_every_n_layers) / layers if layers else 0.0
-        flops += recomputed * (2 * (params - vocab * hidden) + 4 * layers * hidden * seq_len)
-    return float(flops)
-
-
-def _dimensions(source) -> tuple[int, int, int, int]:
-    """(parameters, layers, hidden size, vocabulary) of a model, ModelDims or dict."""
-    model = getattr(source, "_orig_mod", source)  # torch.compile wrapper
-    if hasattr(model, "named_parameters") and hasattr(model, "config"):
-        config = model.config
-        params = sum(getattr(p, "ds_numel", 0) or p.numel() for p in model.parameters())
-        return (params, _first(config, "num_hidden_layers", "n_layer", "num_layers"),
-                _first(config, "hidden_size", "n_embd", "d_model"), _first(config, "vocab_size"))
-    get = source.get if isinstance(source, dict) else (lambda key, default=None: getattr(source, key, default))
-    params = get("num_parameters")
-    params = params() if callable(params) else params
-    layers = get("num_layers") or get("num_hidden_layers")
-    if params is None or layers is None or get("hidden_size") is None:
-        raise ValueError(f"cannot read num_parameters, num_layers and hidden_size from {type(source).__name__}")
-    return int(params), int(layers), int(get("hidden_size")), int(get("vocab_size") or 0)
-
-
-def _first(config, *names: str) -> int:
-    for name in names:
-        value = getattr(config, name, None)
-        if value is not None:
-            return int(value)
-    return 0
 
 
 def peak_flops(device_name: str, precision: str) -> float | None:

@@ -182,9 +182,9 @@ class OomGuard:
     def _failure(self, step: int, where: str | None, err, why: str) -> RunFailure:
         detail = f": {first_line(err)}" if err is not None else ""
         return RunFailure(
-            f"out of memory in optimizer step {step} ({where}{detail}) with micro-batch {self.micro}; {why}",
-            hint="run `jobspec plan JOB --fit` for settings that fit (checkpointing, ZeRO stage, offload), "
-                 "or set training.on_oom: halve_micro_batch")
+            f"out of memory in optimizer step {step} ({where}{detail}) with micro-batch {self.micro}; {why}; "
+            "run `jobspec plan JOB --fit` for settings that fit (checkpointing, ZeRO stage, offload), "
+            "or set training.on_oom: halve_micro_batch")
 
 
 def halved_run_files(files, micro: int, accumulation: int):

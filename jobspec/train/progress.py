@@ -142,10 +142,10 @@ class StepReporter:
         self.metrics = metrics
         self.world = derived["world_size"]
         self.count_tokens = metrics.count_tokens
-        checkpointed = next((p["args"].get("every_n_layers", 1) for p in patches
-                             if p["name"] == "gradient_checkpointing"), None)
-        self.flops_per_token = metrics.flops_per_token(engine.module, _seq_len(spec),
-                                                       checkpoint_every_n_layers=checkpointed)
+        # From the derived job in launch.json: TFLOP/s counts the work the device did (checkpoint
+        # recompute included); MFU counts the model's FLOPs only (PaLM's definition)
+        self.model_flops_per_token = derived.get("model_flops_per_token")
+        self.hardware_flops_per_token = derived.get("hardware_flops_per_token")
         self.peak_flops = metrics.peak_flops(hardware.cuda_device_name(), spec["memory"]["precision"])
 
     def log_window(self, step: int, window: Window) -> Window:
@@ -168,10 +168,10 @@ class StepReporter:
         grad_norm = self.engine.get_global_grad_norm()
         if grad_norm is not None:
             out["train/grad_norm"] = float(grad_norm)
-        if self.flops_per_token and self.peak_flops:  # both absent where the peak is unknown (CPU)
-            flops_per_s = self.flops_per_token * tokens / elapsed / self.world
-            out["perf/tflops_per_device"] = flops_per_s / 1e12
-            out["perf/mfu"] = flops_per_s / self.peak_flops
+        if self.model_flops_per_token and self.peak_flops:  # both absent where the peak is unknown (CPU)
+            tokens_per_s_device = tokens / elapsed / self.world
+            out["perf/tflops_per_device"] = self.hardware_flops_per_token * tokens_per_s_device / 1e12
+            out["perf/mfu"] = self.model_flops_per_token * tokens_per_s_device / self.peak_flops
         out.update(self.memory())
         self.state.last_loss = out["train/loss"]
         self.state.samples += int(samples)
@@ -219,6 +219,3 @@ def summarize(state: RunState, status: str, total_steps: int, started: float, er
     return summary
 
 
-def _seq_len(spec: dict) -> int:
-    synthetic = spec["data"].get("synthetic")
-    return synthetic["seq_len"] if synthetic else spec["data"]["max_length"]

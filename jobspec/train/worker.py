@@ -21,7 +21,7 @@ import traceback
 from pathlib import Path
 
 from jobspec import rundir
-from jobspec.errors import EXIT_FAILED, EXIT_INVALID, RunFailure, SpecError
+from jobspec.errors import EXIT_INVALID, EXIT_RUN_FAILED, RunFailure, SpecError
 from jobspec.rundir import RunFiles
 from jobspec.train.faults import NanGuard, NonFiniteLoss
 from jobspec.train.oom import OomGuard
@@ -62,16 +62,16 @@ def main(argv: list[str] | None = None) -> int:
         _write_failure(run_dir, state, started, err.render())
         print(err.render(), file=sys.stderr)
         return EXIT_INVALID
+    except RunFailure as err:  # the spec was fine; the run was not: one line, exit 1
+        _write_failure(run_dir, state, started, err.reason)
+        print(f"ERROR: {err.reason}", file=sys.stderr, flush=True)
+        return EXIT_RUN_FAILED
     except NonFiniteLoss as err:  # training.on_nan: stop -- a clear failure, not a traceback
         if err.step:  # found at a log/checkpoint boundary: the good steps end before the bad one
             state.step = min(state.step, err.step - 1)
-        _write_failure(run_dir, state, started, err.render())
-        print(f"ERROR: {err.render()}", file=sys.stderr, flush=True)
-        return EXIT_FAILED
-    except RunFailure as err:  # out of memory after training.on_oom, no batches: one line, no traceback
-        _write_failure(run_dir, state, started, err.render())
-        print(f"ERROR: {err.render()}", file=sys.stderr, flush=True)
-        return EXIT_FAILED
+        _write_failure(run_dir, state, started, str(err))
+        print(f"ERROR: {err}", file=sys.stderr, flush=True)
+        return 1
     except BaseException as err:
         _write_failure(run_dir, state, started, f"{type(err).__name__}: {err}\n{traceback.format_exc()}")
         raise
@@ -228,8 +228,8 @@ def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, tele
         # the epoch is used up: the next one, reshuffled
         empty_epochs = 0 if yielded else empty_epochs + 1
         if empty_epochs > 1:
-            raise RunFailure("the training data yields no batches",
-                             hint="check the data files (data.*) and training.micro_batch_size")
+            raise RunFailure("the training data yields no batches on this rank: check the data files, "
+                             "training.micro_batch_size and the number of ranks")
         state.epoch += 1
         state.batches_in_epoch = 0
     return "finished"  # resumed from a checkpoint of the last step: nothing left to do

@@ -1,8 +1,7 @@
-"""Compiling a resolved spec with what it needs besides the spec: a local checkpoint's config.json
-(the model's dimensions) and, for `training.epochs` with file data, the training file's row count.
+"""What a derivation reads from disk: a local checkpoint's config.json and the training file's rows.
 
-`jobspec compile` and `jobspec launch` both compile through `compile_resolved`, so a launch runs
-exactly what compile shows.
+The one I/O edge of the spec layer (besides reading the spec itself): `jobspec compile`, `plan`,
+`launch` and `report` all derive their job through `derive_job`, so they see the same numbers.
 """
 from __future__ import annotations
 
@@ -11,20 +10,17 @@ from pathlib import Path
 
 from jobspec.errors import spec_error
 from jobspec.spec.data_format import data_format
+from jobspec.spec.derived import DerivedJob, derive
+from jobspec.spec.model_dims import read_local_config
 
 
-def compile_resolved(resolved, *, run_dir: str = "RUN_DIR", master_port: int | None = None):
-    """`compile_spec` of `resolved.spec` with the model dimensions and row count read here."""
-    from jobspec.compile.compiler import compile_spec
-    from jobspec.spec.model_dims import model_dims, read_local_config
-
-    spec = resolved.spec
-    dims = model_dims(spec, read_local_config(spec["model"]["name_or_path"]))
+def derive_job(spec: dict) -> DerivedJob:
+    """The derived job of a resolved spec, with the model's config.json and the row count read here."""
+    config_json = read_local_config(spec["model"]["name_or_path"])
     num_train_samples = None
-    if spec["training"]["epochs"] is not None and spec["data"]["train"]:
+    if spec["training"]["max_steps"] is None and spec["data"]["train"]:
         num_train_samples = count_rows(spec["data"]["train"], spec["data"]["format"])
-    return compile_spec(spec, model_dims=dims, num_train_samples=num_train_samples, run_dir=run_dir,
-                        master_port=master_port)
+    return derive(spec, config_json=config_json, num_train_samples=num_train_samples)
 
 
 def count_rows(path: str | Path, fmt: str = "auto") -> int:

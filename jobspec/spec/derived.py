@@ -1,0 +1,158 @@
+"""The derived job: every number computed from a resolved spec, computed once and passed on.
+
+World size, batch split, sequence length, bytes per precision, model dimensions and parameter count,
+total/warmup steps and FLOPs per token are derived here and nowhere else. The compiler, the memory
+planner and its fit search, the launcher, the pre-flight checks, the rank-side worker, the progress
+lines, the report and the commands all take a `DerivedJob`; the run directory carries it
+(`launch.json` -> "derived"), so the ranks read it instead of recomputing it.
+
+Pure: no torch, no I/O. What a derivation needs from disk (a local checkpoint's config.json, the
+training file's row count) is read at the edge by `jobspec.spec.inputs.read_inputs` and passed in.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from jobspec.errors import spec_error
+from jobspec.spec.flops import checkpointed_layers, training_flops
+from jobspec.spec.model_dims import ModelDims, model_dims
+
+# Bytes per element of the training precision: parameters, gradients and activations of a
+# mixed-precision run are 16-bit; fp32 master weights and optimizer states are counted separately.
+PRECISION_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+@dataclass(frozen=True)
+class DerivedJob:
+    world_size: int
+    nodes: int
+    gpus_per_node: int
+    micro_batch_size: int
+    global_batch_size: int
+    gradient_accumulation_steps: int
+    total_steps: int | None      # None: epochs over file data whose rows were not counted (validate)
+    warmup_steps: int | None
+    seq_len: int
+    precision: str
+    precision_bytes: int
+    dims: ModelDims | None
+    num_parameters: int | None
+    num_layers: int | None
+    checkpointed_layers: int
+    num_train_samples: int | None = None
+    model_flops_per_token: float | None = None
+    hardware_flops_per_token: float | None = None
+    notes: tuple = ()
+    # what the derivation read at the edge, kept so a changed spec (the fit search's candidates)
+    # is derived by this same function from the same inputs
+    config_json: dict | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        return self.micro_batch_size * self.seq_len
+
+    def with_spec(self, spec: dict) -> "DerivedJob":
+        """The derived job of another version of the same spec (same model files, same data)."""
+        return derive(spec, config_json=self.config_json, num_train_samples=self.num_train_samples)
+
+    def as_dict(self) -> dict:
+        """JSON for launch.json; `from_dict` reads it back on the rank side."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "config_json"}
+        out["dims"] = dataclasses.asdict(self.dims) if self.dims else None
+        out["notes"] = list(self.notes)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "DerivedJob":
+        known = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        values["dims"] = ModelDims(**data["dims"]) if data.get("dims") else None
+        values["notes"] = tuple(data.get("notes") or ())
+        return cls(**values)
+
+
+def derive(spec: dict, *, config_json: dict | None = None, num_train_samples: int | None = None) -> DerivedJob:
+    """Every derived number of a resolved spec (defaults filled); SpecError on inconsistent batches.
+
+    Without `num_train_samples`, a job that trains for epochs over file data gets total_steps None;
+    the compiler refuses that (it needs the step count for the schedule), validation does not.
+    """
+    training, memory, resources, model = spec["training"], spec["memory"], spec["resources"], spec["model"]
+    notes: list[str] = []
+    nodes, gpus_per_node = resources["nodes"], resources["gpus_per_node"]
+    world = nodes * gpus_per_node
+    micro = training["micro_batch_size"]
+    global_batch, accumulation = _batch_split(micro, training["global_batch_size"], world)
+    synthetic = spec["data"].get("synthetic")
+    if synthetic:
+        num_train_samples = synthetic["num_samples"]
+    total = _total_steps(training, micro, world, accumulation, num_train_samples, notes)
+    warmup = None if total is None else _warmup_steps(training["scheduler"], total)
+    dims = model_dims(spec, config_json)
+    num_layers = dims.num_layers if dims else None
+    seq_len = synthetic["seq_len"] if synthetic else spec["data"]["max_length"]
+    precision = memory["precision"]
+    flops = _flops(dims, model, seq_len, memory["activation_checkpointing"])
+    return DerivedJob(
+        world_size=world, nodes=nodes, gpus_per_node=gpus_per_node,
+        micro_batch_size=micro, global_batch_size=global_batch, gradient_accumulation_steps=accumulation,
+        total_steps=total, warmup_steps=warmup, seq_len=seq_len,
+        precision=precision, precision_bytes=PRECISION_BYTES[precision],
+        dims=dims, num_parameters=dims.num_parameters(model["task"], model["num_labels"]) if dims else None,
+        num_layers=num_layers,
+        checkpointed_layers=checkpointed_layers(num_layers or 0, memory["activation_checkpointing"]),
+        num_train_samples=num_train_samples,
+        model_flops_per_token=flops[0], hardware_flops_per_token=flops[1],
+        notes=tuple(notes), config_json=config_json,
+    )
+
+
+def _batch_split(micro: int, global_batch: int | None, world: int) -> tuple[int, int]:
+    per_pass = micro * world
+    global_batch = global_batch or per_pass
+    if global_batch % per_pass:
+        lower, upper = (global_batch // per_pass) * per_pass, (global_batch // per_pass + 1) * per_pass
+        raise spec_error(
+            f"{global_batch} is not a multiple of micro_batch_size x world size = {micro} x {world} = {per_pass}",
+            path=("training", "global_batch_size"),
+            hint=f"nearest valid global_batch_size: {f'{lower} or {upper}' if lower else upper}")
+    return global_batch, global_batch // per_pass
+
+
+def _total_steps(training: dict, micro: int, world: int, accumulation: int, samples: int | None,
+                 notes: list[str]) -> int | None:
+    if training["max_steps"] is not None:
+        return training["max_steps"]
+    epochs = training["epochs"]
+    if epochs is None:
+        epochs = 1
+        notes.append("neither training.max_steps nor training.epochs is set: training for 1 epoch")
+    if samples is None:
+        return None
+    # Count as the loader runs: each rank gets floor(samples / world) samples and drops its last
+    # incomplete micro-batch, so an epoch is that many micro-batches over the accumulation.
+    micro_batches_per_rank = (samples // world) // micro
+    if micro_batches_per_rank == 0:
+        raise spec_error(f"{samples} training samples give no micro-batch of {micro} on each of {world} ranks",
+                         path=("training", "micro_batch_size"),
+                         hint="use more data, a smaller training.micro_batch_size, or fewer ranks")
+    return max(1, math.ceil(epochs * micro_batches_per_rank / accumulation))
+
+
+def _warmup_steps(scheduler: dict, total_steps: int) -> int:
+    if scheduler["warmup_steps"]:
+        return scheduler["warmup_steps"]
+    return math.ceil(scheduler["warmup_ratio"] * total_steps)
+
+
+def _flops(dims: ModelDims | None, model: dict, seq_len: int, checkpointing) -> tuple[float | None, float | None]:
+    if dims is None:
+        return None, None
+    try:
+        result = training_flops(dims, task=model["task"], num_labels=model["num_labels"], seq_len=seq_len,
+                                activation_checkpointing=checkpointing)
+    except ValueError:   # a family without a FLOPs formula: no TFLOP/s or MFU rather than a wrong one
+        return None, None
+    return result.model_flops_per_token, result.hardware_flops_per_token
