@@ -5,6 +5,7 @@ import textwrap
 
 import pytest
 
+from conftest import REPO_ROOT
 from jobspec.errors import SpecError
 from jobspec.spec.loader import MAX_NODES, SET_FILE, Position, load_spec
 from jobspec.spec.overrides import apply_overrides
@@ -214,8 +215,7 @@ def test_quoted_or_malformed_exponents_stay_strings(tmp_path, written):
 
 def test_exponent_learning_rate_validates_from_file_and_set(tmp_path):
     from jobspec.spec.validation import load_and_validate
-    from pathlib import Path
-    text = (Path(__file__).resolve().parent.parent / "jobs" / "quickstart.yaml").read_text()
+    text = (REPO_ROOT / "jobs" / "quickstart.yaml").read_text()
     path = write(tmp_path, "job.yaml", text.replace("lr: 1.0e-3", "lr: 1e-3"))
     assert load_and_validate(path).spec["training"]["optimizer"]["lr"] == 1e-3
     assert load_and_validate(path, ["training.optimizer.lr=2E-4"]).spec["training"]["optimizer"]["lr"] == 2e-4

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import REPO_ROOT as REPO
 from jobspec.report import table as report
 
 from jobspec.tracking import run as tracking
 from jobspec.cli import main
 
-REPO = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 # step -> metrics; the first point is warm-up and must not count towards the steady state
