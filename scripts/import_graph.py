@@ -14,7 +14,9 @@ function (it runs only when the function is called). Rules:
    helpers in commands/__init__.py are shared);
 5. the validate/compile path (spec/, compile/, memory/, errors, cli, commands/) reaches none of
    torch, deepspeed, transformers, mlflow through module-level imports, followed transitively
-   (importing `a.b.c` also runs `a` and `a.b`), so `jobspec validate` stays light.
+   (importing `a.b.c` also runs `a` and `a.b`), so `jobspec validate` stays light;
+6. a module imports only from its own layer or the layers below it (LAYERS, bottom up; the
+   top-level modules not listed there, such as errors or rundir, are neutral ground below all).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from pathlib import Path
 
 HEAVY = ("torch", "deepspeed", "transformers", "mlflow")
 LIGHT_PATH = ("spec", "compile", "memory", "errors", "cli", "commands")
+LAYERS = ("spec", "compile", "memory", "tracking", "launch", "train", "report", "commands", "cli", "__main__")
 
 
 @dataclass
@@ -169,6 +172,15 @@ def heavy_reach(start: str, modules: dict[str, Module]) -> dict[str, list[str]]:
     return reached
 
 
+def layer(name: str, modules: dict[str, Module]) -> int:
+    """Position of a module's subpackage in LAYERS; -1 for neutral ground (the package's own
+    top-level modules that are no layer: errors, secrets, rundir, ...)."""
+    parts = name.split(".")
+    if len(parts) == 1:
+        return -1
+    return LAYERS.index(parts[1]) if parts[1] in LAYERS else -1
+
+
 def problems(modules: dict[str, Module], package: str) -> list[str]:
     found = []
     for component in cycles(modules):
@@ -181,6 +193,11 @@ def problems(modules: dict[str, Module], package: str) -> list[str]:
             for target in sorted(imports):
                 if target.startswith(f"{package}.launch"):
                     found.append(f"{module.name} (rank side) imports {target} (launch side)")
+        for target in sorted(imports):
+            if target in modules and layer(target, modules) > layer(module.name, modules):
+                below = "neutral ground" if layer(module.name, modules) < 0 else \
+                    f"layer {module.name.split('.')[1]}"
+                found.append(f"{module.name} ({below}) imports {target} from a layer above it")
         commands = f"{package}.commands"
         if module.name.startswith(commands + ".") and not module.is_package:
             for target in sorted(imports):
