@@ -1,8 +1,8 @@
 """jobspec command line: a small dispatcher over one module per subcommand.
 
-Each module in `jobspec.commands` defines `HELP` (one line), `add_arguments(parser)` and
-`run(args) -> int`; its docstring becomes the subcommand's `--help` description. Modules are
-imported only for the subcommand that runs, so `jobspec validate` never pays for torch.
+Each module in `jobspec.commands` defines `add_arguments(parser)` and `run(args) -> int`; its
+docstring is the subcommand's `--help` text, and its one-line summary is in COMMANDS below. Modules
+are imported only for the subcommand that runs, so `jobspec validate` never pays for torch.
 """
 from __future__ import annotations
 

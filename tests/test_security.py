@@ -12,7 +12,7 @@ import pytest
 import yaml
 from mlflow_server import ENV, launch_argv, only_run_dir, shared, write_job
 
-from jobspec.tracking import telemetry
+from jobspec.tracking import run as tracking
 from jobspec.cli import main
 from jobspec.spec.schema import fill_defaults
 
@@ -80,7 +80,7 @@ TOKEN, HF, PASSWORD = "mlflow-tok-5f3a9c1e", "hf_planted_77d2e1b0", "pw-8c1d4e7f
 def everything_recorded(tmp_path: Path, run_dir: Path, stdout: str) -> dict[str, str]:
     """name -> text of everything the launch left: MLflow params/tags/artifacts/metrics, files, output."""
     info = json.loads((run_dir / "mlflow_run.json").read_text())
-    client = telemetry._client(info["tracking_uri"])
+    client = tracking.client_for(info["tracking_uri"])
     run = client.get_run(info["run_id"])
     texts = {"stdout+stderr": stdout, "params": json.dumps(run.data.params), "tags": json.dumps(run.data.tags),
              "metrics": json.dumps(run.data.metrics)}

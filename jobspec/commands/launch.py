@@ -16,16 +16,13 @@ refuses to launch (exit 2). The plan is logged as `plan.*` MLflow params and in 
 """
 from __future__ import annotations
 
+from jobspec.commands import add_set_argument
 from jobspec.errors import spec_error
 from jobspec.launch.supervise import KILL_GRACE_S
 
-HELP = "Validate, compile and run a job through DeepSpeed, logging it to MLflow."
-
-
 def add_arguments(parser) -> None:
     parser.add_argument("job", metavar="JOB", help="job spec (YAML)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a spec field, e.g. --set training.max_steps=10 (repeatable)")
+    add_set_argument(parser)
     parser.add_argument("--dry-run", action="store_true",
                         help="print the DeepSpeed config, notes and exact command; start nothing")
     parser.add_argument("--stop-after-steps", type=int, default=None, metavar="K",

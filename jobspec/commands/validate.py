@@ -16,17 +16,14 @@ import argparse
 import json
 import sys
 
+from jobspec.commands import add_format_argument, add_set_argument
 from jobspec.errors import EXIT_INVALID, SpecError
-
-HELP = "Check a job spec; report every problem with file:line:col."
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("jobs", nargs="+", metavar="JOB", help="job spec YAML file(s)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
-                        help="override a field, e.g. --set training.max_steps=100 (repeatable)")
-    parser.add_argument("--format", choices=("text", "json"), default="text",
-                        help="text (default) or machine-readable JSON on stdout")
+    add_set_argument(parser)
+    add_format_argument(parser, {"text": "one line per spec, problems on stderr",
+                                 "json": "machine-readable, on stdout (errors too)"})
 
 
 def run(args: argparse.Namespace) -> int:

@@ -17,6 +17,7 @@ from typing import Any
 from jobspec.errors import spec_error
 from jobspec.spec.derived import DerivedJob
 from jobspec.spec.model_dims import ModelDims
+from jobspec.spec.optimizers import DEEPSPEED_OPTIMIZERS
 
 DEFAULT_MASTER_PORT = 29500  # placeholder: the launcher passes a free port when the spec names none
 STEPS_PER_PRINT = 1_000_000_000  # jobspec logs progress itself; keep DeepSpeed's own prints quiet
@@ -27,8 +28,6 @@ DS_ALLGATHER_BUCKET_SIZE = 500_000_000
 DS_STAGE3_PREFETCH_BUCKET_SIZE = 50_000_000
 DS_STAGE3_PARAM_PERSISTENCE_THRESHOLD = 100_000
 
-# Optimizers DeepSpeed builds from the config block; the others become a `client_optimizer` patch.
-CONFIG_OPTIMIZERS = {"adamw", "sgd"}
 SCHEDULERS = {"constant": "WarmupLR", "linear": "WarmupDecayLR", "cosine": "WarmupCosineLR"}
 # Batch fields are derived from `training`; overriding them would desynchronise `derived`.
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -65,7 +64,7 @@ def compile_spec(spec: dict, job: DerivedJob, *, run_dir: str = "RUN_DIR",
         "wall_clock_breakdown": False,
     }
     optimizer = training["optimizer"]
-    if optimizer["name"] in CONFIG_OPTIMIZERS:
+    if optimizer["name"] in DEEPSPEED_OPTIMIZERS:
         ds_config["optimizer"] = optimizer_block(optimizer)
     ds_config["scheduler"] = scheduler_block(training["scheduler"], optimizer["lr"], job, notes)
     ds_config.update(precision_blocks(memory))
@@ -236,7 +235,7 @@ def compile_patches(spec: dict) -> list[dict]:
         patches.append({"name": "gradient_checkpointing", "args": {
             "every_n_layers": settings.get("every_n_layers", 1),
             "use_reentrant": settings.get("use_reentrant", False)}})
-    if optimizer["name"] not in CONFIG_OPTIMIZERS:
+    if optimizer["name"] not in DEEPSPEED_OPTIMIZERS:  # a `client_optimizer` patch
         patches.append({"name": "client_optimizer", "args": client_optimizer_args(optimizer)})
     if model["compile"]:
         patches.append({"name": "torch_compile", "args": {}})

@@ -30,7 +30,8 @@ from jobspec import hardware, rundir, shm
 from jobspec.errors import RunFailure, SpecError, spec_error
 from jobspec.launch import ownership, preflight, runner, slurm, supervise
 from jobspec.memory import at_launch as launch_memory
-from jobspec.tracking import telemetry
+from jobspec.secrets import mask_secrets
+from jobspec.tracking import run as tracking
 
 log = logging.getLogger("jobspec.launch")
 
@@ -84,7 +85,7 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
         rundir.write_compiled(run_dir, resolved, compiled)
         tracked = start_tracking(resolved, compiled, run_dir, resume_run_id)
         if tracked is not None:  # next to the ranks' measured mem/* series: prediction error per run
-            launch_memory.log_params(tracked, launch_memory.mlflow_params(memory, spec["memory"]["fit"]))
+            tracking.log_params(tracked, launch_memory.mlflow_params(memory, spec["memory"]["fit"]))
     except BaseException:
         shutil.rmtree(run_dir, ignore_errors=True)  # nothing ran: leave no half-made run behind
         raise
@@ -97,8 +98,8 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
     status = "FINISHED" if outcome.exit_code == 0 else ("KILLED" if outcome.user_signal else "FAILED")
     rundir.write_fallback_summary(run_dir, status, outcome.exit_code)
     if tracked is not None:
-        telemetry.end_run(tracked, run_dir, status=status, exit_code=outcome.exit_code,
-                          failure_reason=outcome.reason)
+        tracking.end_run(tracked, run_dir, status=status, exit_code=outcome.exit_code,
+                         failure_reason=outcome.reason)
     print(f"jobspec: {status.lower()} (exit {outcome.exit_code}); run directory {run_dir}", flush=True)
     return outcome.exit_code
 
@@ -117,7 +118,7 @@ def progress_mode(setting: str, stdout=sys.stdout) -> str:
 
 def child_env(spec: dict, stop_after_steps: int | None) -> dict:
     env = dict(os.environ)
-    telemetry.apply_http_env(env)
+    tracking.apply_http_env(env)
     env["JOBSPEC_PROGRESS"] = progress_mode(spec["logging"]["progress"])
     env["PYTHONUNBUFFERED"] = "1"  # ranks' output must reach the relay (and launcher.log) as it happens
     if sys.stdout.isatty():  # the bar writes into a pipe: tell it the terminal's width
@@ -133,11 +134,11 @@ def start_tracking(resolved, compiled, run_dir: Path, resume_run_id: str | None)
     if not settings["enabled"]:
         return None
     try:
-        telemetry.probe(settings["tracking_uri"])
-        return telemetry.start_run(resolved.spec, compiled.launch, compiled.derived.as_dict(), resolved.text, run_dir,
-                                   resume_run_id=resume_run_id)
-    except telemetry.TrackingUnavailable as err:
-        uri = telemetry.mask_secrets(settings["tracking_uri"])
+        tracking.probe(settings["tracking_uri"])
+        return tracking.start_run(resolved.spec, compiled.launch, compiled.derived.as_dict(), resolved.text, run_dir,
+                                  resume_run_id=resume_run_id)
+    except tracking.TrackingUnavailable as err:
+        uri = mask_secrets(settings["tracking_uri"])
         if settings["required"]:
             raise RunFailure(f"MLflow tracking at {uri} is unavailable: {err}; start the server, fix "
                              "logging.mlflow.tracking_uri, or set logging.mlflow.required: false to run with "

@@ -18,13 +18,14 @@ from typing import Any
 from jobspec.errors import SpecError, SpecIssue
 from jobspec.spec.derived import derive
 from jobspec.spec.loader import SET_FILE, LoadedSpec, Position, load_spec
-from jobspec.spec.schema import (_schema_cached, fill_defaults, has_type, schema_types, subschema_at,
-                            type_name, types_text)
+from jobspec.spec.optimizers import CLIENT_OPTIMIZERS
+from jobspec.spec.overrides import apply_overrides
+from jobspec.spec.schema import (fill_defaults, has_type, schema_types, shared_schema, subschema_at,
+                                 type_name, types_text)
 from jobspec.spec.freeform import freeform_issues
 
 PATH_FIELDS = (("data", "train"), ("data", "eval"), ("data", "tokenizer"), ("model", "name_or_path"),
                ("output_dir",), ("checkpoint", "dir"), ("checkpoint", "resume"), ("memory", "offload", "nvme_path"))
-CLIENT_OPTIMIZERS = ("adamw_8bit", "adafactor")   # run outside DeepSpeed: no DeepSpeed CPU Adam
 _NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 _URI_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
 # MLflow tracking stores; the database ones are SQLAlchemy URIs like sqlite:///.
@@ -71,7 +72,7 @@ class ResolvedSpec:
 
 def load_and_validate(path: str | os.PathLike, overrides=()) -> ResolvedSpec:
     """Load, merge, override, validate and resolve one spec file."""
-    return validate_spec(load_spec(path, overrides))
+    return validate_spec(apply_overrides(load_spec(path), overrides))
 
 
 def validate_spec(loaded: LoadedSpec) -> ResolvedSpec:
@@ -101,7 +102,7 @@ def _validator():
     # JSON Schema counts 2.0 as an integer; a batch size of 2.0 would reach DeepSpeed as a float.
     strict_int = base.TYPE_CHECKER.redefine(
         "integer", lambda _checker, value: isinstance(value, int) and not isinstance(value, bool))
-    return jsonschema.validators.extend(base, type_checker=strict_int)(_schema_cached())
+    return jsonschema.validators.extend(base, type_checker=strict_int)(shared_schema())
 
 
 def schema_issues(resolved: ResolvedSpec) -> list[SpecIssue]:

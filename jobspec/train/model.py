@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 import sys
 
-from jobspec.errors import SpecError, spec_error
+from jobspec.errors import SpecError, first_line, spec_error
 
 # model.task -> the transformers auto class that puts the right head (and loss) on the model
 TASK_MODEL_CLASSES: dict[str, str] = {
@@ -39,7 +39,7 @@ def build_tokenizer(spec: dict):
             name, revision=model.get("revision") if same_as_model else None,
             trust_remote_code=bool(model.get("trust_remote_code")))
     except (OSError, ValueError) as err:
-        raise spec_error(f"cannot load tokenizer {name!r}: {_first_line(err)}",
+        raise spec_error(f"cannot load tokenizer {name!r}: {first_line(err)}",
                          path=("data", "tokenizer") if data.get("tokenizer") else ("model", "name_or_path"),
                          hint="give a local directory with tokenizer files, or a hub id reachable from here")
     if tokenizer.pad_token is None:
@@ -95,7 +95,7 @@ def build_model(spec: dict, tokenizer=None):
     except SpecError:
         raise
     except ImportError as err:
-        raise spec_error(f"attention {attention!r} cannot be used here: {_first_line(err)}",
+        raise spec_error(f"attention {attention!r} cannot be used here: {first_line(err)}",
                          path=("model", "attention"),
                          hint="install the package it names (flash-attn needs a CUDA GPU) or use sdpa") from None
     except (OSError, ValueError, KeyError, TypeError) as err:
@@ -120,7 +120,7 @@ def _config_for_architecture(architecture: str | None, overrides: dict):
     try:
         return AutoConfig.for_model(architecture, **overrides)
     except (TypeError, ValueError) as err:
-        raise spec_error(f"invalid config for {architecture}: {_first_line(err)}", path=("model", "config"),
+        raise spec_error(f"invalid config for {architecture}: {first_line(err)}", path=("model", "config"),
                          hint="check the field names against the architecture's transformers config") from None
 
 
@@ -154,7 +154,7 @@ def _check_vocab(spec: dict, model, tokenizer) -> None:
 
 
 def _loading_error(model_spec: dict, task: str, attention: str, err: Exception) -> SpecError:
-    text = _first_line(err)
+    text = first_line(err)
     if "attn" in text.lower() or "attention" in text.lower():
         return spec_error(f"attention {attention!r} is not supported by this model: {text}",
                           path=("model", "attention"), hint="use sdpa or eager")
@@ -171,8 +171,3 @@ def _warn_remote_code(model_spec: dict) -> None:
         print(f"WARNING: model.trust_remote_code is true: Python code from {model_spec.get('name_or_path')!r} "
               "will run on this machine with your permissions. Only do this for repositories you trust.",
               file=sys.stderr, flush=True)
-
-
-def _first_line(err: Exception) -> str:
-    text = str(err).strip() or type(err).__name__
-    return text.splitlines()[0]

@@ -275,7 +275,7 @@ def _stop_after_reached(step: int) -> bool:
 
 
 def _open_sink(run_dir: Path):
-    from jobspec.tracking.telemetry import MetricSink
+    from jobspec.tracking.sink import MetricSink
     return MetricSink.open(run_dir)
 
 

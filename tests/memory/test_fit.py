@@ -1,18 +1,15 @@
 """`--fit`: the fastest settings predicted to fit a budget; the result must validate and compile."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
+from conftest import REPO_ROOT as REPO
 from jobspec.cli import main
 from jobspec.compile.compiler import compile_spec
 from jobspec.memory.fit import fit, step_time
 from jobspec.spec.derived import derive
 from jobspec.memory.planner import GiB, parse_bytes, plan_memory
 from jobspec.spec.validation import load_and_validate
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def fitted(job: str, budget: str, **kwargs):

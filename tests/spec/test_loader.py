@@ -5,8 +5,10 @@ import textwrap
 
 import pytest
 
+from conftest import REPO_ROOT
 from jobspec.errors import SpecError
 from jobspec.spec.loader import MAX_NODES, SET_FILE, Position, load_spec
+from jobspec.spec.overrides import apply_overrides
 
 
 def write(tmp_path, name: str, text: str):
@@ -135,7 +137,7 @@ def test_self_extension_is_a_cycle(tmp_path):
 
 def test_set_types_values_by_the_schema(tmp_path):
     path = write(tmp_path, "job.yaml", "model: {architecture: bert}\n")
-    loaded = load_spec(path, ["logging.mlflow.experiment=3", "training.epochs=2", "name=null",
+    loaded = apply_overrides(load_spec(path), ["logging.mlflow.experiment=3", "training.epochs=2", "name=null",
                               "memory.activation_checkpointing.every_n_layers=2", "deepspeed.zero_optimization.stage=3",
                               "training.optimizer.betas=[0.9, 0.95]"])
     spec = loaded.spec
@@ -150,7 +152,7 @@ def test_set_types_values_by_the_schema(tmp_path):
 
 def test_set_replaces_a_value_and_its_positions(tmp_path):
     path = write(tmp_path, "job.yaml", "model: {architecture: bert, freeze: [a, b, c]}\n")
-    loaded = load_spec(path, ["model.freeze=[x]"])
+    loaded = apply_overrides(load_spec(path), ["model.freeze=[x]"])
     assert loaded.spec["model"]["freeze"] == ["x"]
     assert ("model", "freeze", 2) not in loaded.positions
     assert loaded.positions[("model", "freeze", 0)].file == SET_FILE
@@ -167,7 +169,7 @@ def test_set_replaces_a_value_and_its_positions(tmp_path):
 def test_bad_set_is_a_positioned_error(tmp_path, override, phrase, hint):
     path = write(tmp_path, "job.yaml", "model: {architecture: bert}\n")
     with pytest.raises(SpecError) as caught:
-        load_spec(path, ["training.max_steps=3", override])
+        apply_overrides(load_spec(path), ["training.max_steps=3", override])
     issue = only_issue(caught)
     assert (issue.file, issue.line, issue.column) == (SET_FILE, 1, 2)
     assert phrase in issue.message and hint in issue.hint
@@ -176,7 +178,7 @@ def test_bad_set_is_a_positioned_error(tmp_path, override, phrase, hint):
 def test_every_bad_set_is_reported(tmp_path):
     path = write(tmp_path, "job.yaml", "model: {architecture: bert}\n")
     with pytest.raises(SpecError) as caught:
-        load_spec(path, ["a=1", "b=2"])
+        apply_overrides(load_spec(path), ["a=1", "b=2"])
     assert [i.column for i in caught.value.issues] == [1, 2]
 
 
@@ -201,7 +203,7 @@ def test_numbers_in_yaml_1_2_and_json_syntax_are_numbers(tmp_path, written, valu
     # PyYAML resolves by YAML 1.1, where `1e-3` is a string; people (and JSON) write it as a number
     path = write(tmp_path, "job.yaml", f"training:\n  optimizer:\n    lr: {written}\n")
     assert load_spec(path).spec["training"]["optimizer"]["lr"] == value
-    over = load_spec(write(tmp_path, "base.yaml", "name: x\n"), [f"training.optimizer.lr={written}"])
+    over = apply_overrides(load_spec(write(tmp_path, "base.yaml", "name: x\n")), [f"training.optimizer.lr={written}"])
     assert over.spec["training"]["optimizer"]["lr"] == value
 
 
@@ -213,8 +215,7 @@ def test_quoted_or_malformed_exponents_stay_strings(tmp_path, written):
 
 def test_exponent_learning_rate_validates_from_file_and_set(tmp_path):
     from jobspec.spec.validation import load_and_validate
-    from pathlib import Path
-    text = (Path(__file__).resolve().parent.parent / "jobs" / "quickstart.yaml").read_text()
+    text = (REPO_ROOT / "jobs" / "quickstart.yaml").read_text()
     path = write(tmp_path, "job.yaml", text.replace("lr: 1.0e-3", "lr: 1e-3"))
     assert load_and_validate(path).spec["training"]["optimizer"]["lr"] == 1e-3
     assert load_and_validate(path, ["training.optimizer.lr=2E-4"]).spec["training"]["optimizer"]["lr"] == 2e-4

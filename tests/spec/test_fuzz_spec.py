@@ -12,10 +12,11 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import REPO_ROOT
 from jobspec.errors import SpecError
 from jobspec.spec.validation import load_and_validate
 
-VALID_FILE = Path(__file__).parent / "assets" / "valid" / "tiny-bert.yaml"
+VALID_FILE = REPO_ROOT / "tests" / "assets" / "valid" / "tiny-bert.yaml"
 VALID_TEXT = VALID_FILE.read_text()
 VALID_SPEC = yaml.safe_load(VALID_TEXT)
 # JOBSPEC_FUZZ_EXAMPLES=2000 for a longer hunt; the default keeps these tests under ~15 s.

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from conftest import REPO_ROOT as REPO
 from jobspec.launch import slurm
 from jobspec.cli import main
 from jobspec.errors import SpecError
 from jobspec.spec.validation import load_and_validate
 
-REPO = Path(__file__).resolve().parent.parent
 ASSETS = REPO / "tests" / "assets" / "slurm"
 QUICKSTART = REPO / "jobs" / "quickstart.yaml"
 HOSTILE = ASSETS / "hostile.yaml"

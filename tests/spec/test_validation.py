@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from conftest import REPO_ROOT
 from jobspec.errors import SpecError
 from jobspec.spec.validation import job_name, load_and_validate
 
-ASSETS = Path(__file__).parent / "assets"
+ASSETS = REPO_ROOT / "tests" / "assets"
 BROKEN = ASSETS / "broken"
 VALID = ASSETS / "valid"
 CASES = sorted(BROKEN.glob("*.yaml"))
@@ -182,7 +183,7 @@ def test_locate_gives_unpositioned_issues_a_position():
     ("stage3_prefetch_bucket_size", 0, True),
 ])
 def test_zero_bounds_match_deepspeeds(field, value, ok):
-    job = str(Path(__file__).resolve().parent.parent / "jobs" / "quickstart.yaml")
+    job = str(REPO_ROOT / "jobs" / "quickstart.yaml")
     overrides = ["memory.zero_stage=3", f"memory.zero.{field}={value}"]
     if ok:
         spec = load_and_validate(job, overrides).spec

@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import free_port
+from conftest import REPO_ROOT, free_port
 from jobspec.compile.compiler import compile_spec
 from jobspec.spec.derived import derive
 from jobspec.memory.planner import plan_memory
 from jobspec.spec.schema import fill_defaults
 
-SCRIPT = Path(__file__).parent / "assets" / "engine_memory.py"
+SCRIPT = REPO_ROOT / "tests" / "assets" / "engine_memory.py"
 STAGES = (0, 1, 2, 3)
 
 # Wide enough that buckets and the tensors straddling a ZeRO partition edge stay small next to Ψ/2.

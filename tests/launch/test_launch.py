@@ -20,7 +20,7 @@ import yaml
 
 from jobspec import rundir
 from jobspec.launch import ownership, runner, supervise as supervision
-from jobspec.tracking import telemetry
+from jobspec.tracking import run as tracking
 from jobspec.cli import main
 from jobspec.errors import SpecError
 
@@ -228,7 +228,7 @@ def use_fake_runner(monkeypatch, fake_runner, mode):
 
 def mlflow_run_of(run_dir: Path):
     info = json.loads((run_dir / "mlflow_run.json").read_text())
-    client = telemetry._client(info["tracking_uri"])
+    client = tracking.client_for(info["tracking_uri"])
     return client, client.get_run(info["run_id"])
 
 

@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
+from conftest import REPO_ROOT as REPO
 from jobspec.cli import main
 from jobspec.errors import SpecError
 from jobspec.spec.derived import derive
@@ -13,7 +13,6 @@ from jobspec.spec.model_dims import model_dims
 from jobspec.memory.planner import GiB, parameter_tensors, parse_bytes, plan_memory
 from jobspec.spec.validation import load_and_validate
 
-REPO = Path(__file__).resolve().parent.parent
 JOBS = sorted((REPO / "jobs").glob("*.yaml"))
 BERT_LARGE = REPO / "jobs" / "bert-large-base.yaml"
 

@@ -1,5 +1,5 @@
 """`jobspec report`: rows from MLflow runs shaped like real ones (params/artifacts through
-jobspec.tracking.telemetry, metrics with the shared names), CSV/markdown/table output, plots logged as
+jobspec.tracking.run, metrics with the shared names), CSV/markdown/table output, plots logged as
 artifacts, clean errors; and one real quickstart launch reported end to end (slow)."""
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import REPO_ROOT as REPO
 from jobspec.report import table as report
 
-from jobspec.tracking import telemetry
+from jobspec.tracking import run as tracking
 from jobspec.cli import main
 
-REPO = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 # step -> metrics; the first point is warm-up and must not count towards the steady state
@@ -48,12 +48,12 @@ def make_run(tmp: Path, name: str, uri: str, experiment: str, metrics: dict, ove
                  *[x for s in sets for x in ("--set", s)]]) == 0
     spec = yaml.safe_load((run_dir / "resolved.yaml").read_text())
     launch = json.loads((run_dir / "launch.json").read_text())
-    tracked = telemetry.start_run(spec, launch, launch["derived"], (run_dir / "spec.yaml").read_text(), run_dir)
+    tracked = tracking.start_run(spec, launch, launch["derived"], (run_dir / "spec.yaml").read_text(), run_dir)
     from mlflow.entities import Metric, Param
     points = [Metric(k, v, 1000 + step, step) for step, values in metrics.items() for k, v in values.items()]
     tracked.client.log_batch(tracked.run_id, metrics=points,
                              params=[Param(k, str(v)) for k, v in (extra_params or {}).items()], synchronous=True)
-    telemetry.end_run(tracked, run_dir, status=status, exit_code=0 if status == "FINISHED" else 1)
+    tracking.end_run(tracked, run_dir, status=status, exit_code=0 if status == "FINISHED" else 1)
     return tracked.run_id
 
 
@@ -131,7 +131,7 @@ def test_plots_are_pngs_logged_once_per_run(experiment, capsys, tmp_path):
     assert code == 0, err
     comparison = out_dir / "comparison.png"
     assert comparison.read_bytes()[:8] == PNG_MAGIC and comparison.stat().st_size > 5000
-    client = telemetry._client(experiment["uri"])
+    client = tracking.client_for(experiment["uri"])
     for name in ("cpu-run", "gpu-ckpt"):
         run_id = experiment["ids"][name]
         paths = {a.path for a in client.list_artifacts(run_id, "plots")}

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from conftest import REPO_ROOT as REPO
 from jobspec.launch import slurm
 from jobspec.errors import SpecError
 
-REPO = Path(__file__).resolve().parent.parent
 LAUNCH_SH = REPO / "launch.sh"
 QUICKSTART = REPO / "jobs" / "quickstart.yaml"
 JOB_TIMEOUT_S = 170

@@ -4,12 +4,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
+from conftest import REPO_ROOT
 from jobspec.spec.docs import REGENERATE, render_markdown
 from jobspec.spec.schema import load_schema, object_branch
 
-SPEC_MD = Path(__file__).parent.parent / "docs" / "spec.md"
+SPEC_MD = REPO_ROOT / "docs" / "spec.md"
 
 
 def dotted_fields(node: dict, prefix: str = ""):

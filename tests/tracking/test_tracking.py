@@ -15,7 +15,9 @@ import pytest
 import yaml
 
 from jobspec import rundir
-from jobspec.tracking import telemetry
+from jobspec.tracking import run as tracking
+from jobspec.tracking.sink import MetricSink
+from jobspec.secrets import mask_secrets, split_credentials
 from jobspec.spec.schema import fill_defaults
 
 SECRET = "s3cr3t-pa55"
@@ -61,7 +63,7 @@ def sqlite_run(tmp_path):
     spec = make_spec(tmp_path, uri)
     text = f"name: tele-job\nlogging: {{mlflow: {{tracking_uri: '{uri}'}}}}\n"
     run_dir = make_run_dir(tmp_path, spec, text)
-    tracked = telemetry.start_run(spec, LAUNCH, DERIVED, text, run_dir)
+    tracked = tracking.start_run(spec, LAUNCH, DERIVED, text, run_dir)
     return tracked, run_dir, spec, text
 
 
@@ -70,24 +72,24 @@ def artifact_names(tracked) -> set[str]:
 
 
 def test_flatten_dotted_keys_lists_and_truncation():
-    flat = telemetry.flatten({"model": {"config": {"hidden_size": 64}, "freeze": ["a.*"]}, "x": "y" * 7000,
+    flat = tracking.flatten({"model": {"config": {"hidden_size": 64}, "freeze": ["a.*"]}, "x": "y" * 7000,
                               "empty": {}})
     assert flat["model.config.hidden_size"] == "64"
     assert flat["model.freeze"] == '["a.*"]'
-    assert len(flat["x"]) == telemetry.MAX_PARAM_VALUE_CHARS
+    assert len(flat["x"]) == tracking.MAX_PARAM_VALUE_CHARS
     assert flat["empty"] == "{}"
 
 
 def test_param_batches_respect_the_limit():
-    batches = telemetry.param_batches({f"k{i}": str(i) for i in range(250)})
+    batches = tracking.param_batches({f"k{i}": str(i) for i in range(250)})
     assert [len(b) for b in batches] == [100, 100, 50]
 
 
 def test_mask_secrets_in_uris_and_env(monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_abcdef123456")
-    text = telemetry.mask_secrets(f"uri http://bob:{SECRET}@host:5000/x token hf_abcdef123456")
+    text = mask_secrets(f"uri http://bob:{SECRET}@host:5000/x token hf_abcdef123456")
     assert SECRET not in text and "hf_abcdef123456" not in text and "http://***@host:5000/x" in text
-    assert telemetry.split_credentials(f"https://bob:{SECRET}@h:1/p") == ("https://h:1/p", "bob", SECRET)
+    assert split_credentials(f"https://bob:{SECRET}@h:1/p") == ("https://h:1/p", "bob", SECRET)
 
 
 def test_start_run_logs_params_tags_artifacts(sqlite_run):
@@ -95,7 +97,7 @@ def test_start_run_logs_params_tags_artifacts(sqlite_run):
     run = tracked.client.get_run(tracked.run_id)
     params, tags = run.data.params, run.data.tags
     assert params["model.config.extra_149"] == "149"
-    assert len(params["model.config.long_value"]) == telemetry.MAX_PARAM_VALUE_CHARS
+    assert len(params["model.config.long_value"]) == tracking.MAX_PARAM_VALUE_CHARS
     assert params["training.max_steps"] == "3" and params["derived.gradient_accumulation_steps"] == "2"
     assert len(params) > 150  # more than one batch of 100 went through
     assert tags["mlflow.runName"] == "tele-job"
@@ -117,7 +119,7 @@ def test_start_run_logs_params_tags_artifacts(sqlite_run):
                                                 ("KILLED", 130, "stopped by SIGINT from the user")])
 def test_end_run_status_reason_and_minimal_summary(sqlite_run, status, code, reason):
     tracked, run_dir, _, _ = sqlite_run
-    telemetry.end_run(tracked, run_dir, status=status, exit_code=code, failure_reason=reason)
+    tracking.end_run(tracked, run_dir, status=status, exit_code=code, failure_reason=reason)
     run = tracked.client.get_run(tracked.run_id)
     assert run.info.status == status
     assert run.data.tags.get("jobspec.failure_reason") == reason
@@ -128,22 +130,22 @@ def test_end_run_status_reason_and_minimal_summary(sqlite_run, status, code, rea
 def test_end_run_keeps_the_workers_summary(sqlite_run):
     tracked, run_dir, _, _ = sqlite_run
     (run_dir / "summary.json").write_text(json.dumps({"status": "finished", "steps": 3}))
-    telemetry.end_run(tracked, run_dir, status="FINISHED", exit_code=0)
+    tracking.end_run(tracked, run_dir, status="FINISHED", exit_code=0)
     local = tracked.client.download_artifacts(tracked.run_id, "summary.json", str(run_dir / "dl"))
     assert json.loads(Path(local).read_text()) == {"status": "finished", "steps": 3}
 
 
 def test_resumed_run_is_the_same_run(sqlite_run, tmp_path):
     tracked, run_dir, spec, text = sqlite_run
-    telemetry.end_run(tracked, run_dir, status="KILLED", exit_code=143)
-    again = telemetry.start_run(spec, LAUNCH, DERIVED, text, tmp_path, resume_run_id=tracked.run_id)
+    tracking.end_run(tracked, run_dir, status="KILLED", exit_code=143)
+    again = tracking.start_run(spec, LAUNCH, DERIVED, text, tmp_path, resume_run_id=tracked.run_id)
     assert again.run_id == tracked.run_id
     assert tracked.client.get_run(tracked.run_id).info.status == "RUNNING"
 
 
 def test_metric_sink_sends_off_thread_and_flushes(sqlite_run):
     tracked, run_dir, _, _ = sqlite_run
-    sink = telemetry.MetricSink.open(run_dir)
+    sink = MetricSink.open(run_dir)
     for step in range(1, 6):
         sink.log({"train/loss": 1.0 / step, "perf/samples_per_s": 10.0 * step, "mem/nvml_used_mib_max": None},
                  step=step)
@@ -175,7 +177,7 @@ class SlowFlakyClient:
 
 def test_metric_sink_log_never_blocks_on_a_slow_server(tmp_path):
     client = SlowFlakyClient(delay=0.3)
-    sink = telemetry.MetricSink(tmp_path, client=client, run_id="r")
+    sink = MetricSink(tmp_path, client=client, run_id="r")
     started = time.perf_counter()
     for step in range(5):
         sink.log({"train/loss": 1.0}, step=step)
@@ -185,15 +187,15 @@ def test_metric_sink_log_never_blocks_on_a_slow_server(tmp_path):
 
 
 def test_metric_sink_retries_then_drops_and_close_is_bounded(tmp_path, monkeypatch):
-    monkeypatch.setattr(telemetry.time, "sleep", lambda s: None)
+    monkeypatch.setattr(time, "sleep", lambda s: None)
     client = SlowFlakyClient(failures=2)
-    sink = telemetry.MetricSink(tmp_path, client=client, run_id="r")
+    sink = MetricSink(tmp_path, client=client, run_id="r")
     sink.log({"train/loss": 2.0}, step=1)
     sink.close(timeout=30)
     assert [m.value for m in client.batches[0]] == [2.0] and sink.dropped == 0
 
     dead = SlowFlakyClient(failures=10**6)
-    sink = telemetry.MetricSink(tmp_path, client=dead, run_id="r")
+    sink = MetricSink(tmp_path, client=dead, run_id="r")
     sink.log({"train/loss": 3.0}, step=2)
     started = time.monotonic()
     sink.close(timeout=1)
@@ -203,7 +205,7 @@ def test_metric_sink_retries_then_drops_and_close_is_bounded(tmp_path, monkeypat
 
 
 def test_metric_sink_without_mlflow_run_writes_jsonl_only(tmp_path):
-    sink = telemetry.MetricSink.open(tmp_path)
+    sink = MetricSink.open(tmp_path)
     sink.log({"perf/samples_per_s": 5.0}, step=10)
     sink.close()
     row = json.loads((tmp_path / "metrics.jsonl").read_text())
@@ -211,16 +213,16 @@ def test_metric_sink_without_mlflow_run_writes_jsonl_only(tmp_path):
 
 
 def test_unreachable_server_fails_fast_with_a_clean_message(tmp_path, monkeypatch):
-    for key in telemetry.HTTP_ENV_DEFAULTS:
+    for key in tracking.HTTP_ENV_DEFAULTS:
         monkeypatch.delenv(key, raising=False)
     uri = "http://127.0.0.1:1"
     spec = make_spec(tmp_path, uri)
     run_dir = make_run_dir(tmp_path, spec, "name: x\n")
     started = time.monotonic()
-    with pytest.raises(telemetry.TrackingUnavailable) as probe_err:
-        telemetry.probe(uri)
-    with pytest.raises(telemetry.TrackingUnavailable) as start_err:  # the HTTP client itself, no probe
-        telemetry.start_run(spec, LAUNCH, DERIVED, "name: x\n", run_dir)
+    with pytest.raises(tracking.TrackingUnavailable) as probe_err:
+        tracking.probe(uri)
+    with pytest.raises(tracking.TrackingUnavailable) as start_err:  # the HTTP client itself, no probe
+        tracking.start_run(spec, LAUNCH, DERIVED, "name: x\n", run_dir)
     assert time.monotonic() - started < 20
     assert "127.0.0.1:1" in str(probe_err.value)
     assert "\n" not in str(start_err.value) and not (run_dir / "mlflow_run.json").exists()
@@ -260,13 +262,13 @@ def test_real_mlflow_server_run_without_leaking_credentials(tmp_path, mlflow_ser
     text = f"logging:\n  mlflow:\n    tracking_uri: {uri}\n"
     run_dir = make_run_dir(tmp_path, spec, text)
     (run_dir / "resolved.yaml").write_text(yaml.safe_dump(spec))
-    telemetry.probe(uri)
-    tracked = telemetry.start_run(spec, LAUNCH, DERIVED, text, run_dir)
+    tracking.probe(uri)
+    tracked = tracking.start_run(spec, LAUNCH, DERIVED, text, run_dir)
     assert tracked.tracking_uri == f"http://127.0.0.1:{mlflow_server}"
-    sink = telemetry.MetricSink.open(run_dir)
+    sink = MetricSink.open(run_dir)
     sink.log({"perf/samples_per_s": 12.5}, step=1)
     sink.close()
-    telemetry.end_run(tracked, run_dir, status="FINISHED", exit_code=0)
+    tracking.end_run(tracked, run_dir, status="FINISHED", exit_code=0)
 
     run = tracked.client.get_run(tracked.run_id)
     assert run.info.status == "FINISHED"

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from jobspec.errors import SpecError
-from jobspec.train.patches import (DEEPSPEED_OPTIMIZERS, PATCHES, apply_patches, build_client_optimizer,
+from jobspec.spec.optimizers import DEEPSPEED_OPTIMIZERS
+from jobspec.train.patches import (PATCHES, apply_patches, build_client_optimizer,
                              checkpoint_every_nth_layer, find_layer_stack)
 from jobspec.spec.schema import enum_values
 

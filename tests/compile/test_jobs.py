@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import REPO_ROOT as REPO
 from jobspec.cli import main
 from jobspec.rundir import COMPILE_FILES
 from jobspec.spec.derived import derive
@@ -20,7 +21,6 @@ from jobspec.compile.compiler import compile_spec, find_auto
 from jobspec.spec.model_dims import model_dims
 from test_compiler import check_scheduler_constructs, deepspeed_config  # noqa: F401 (fixture)
 
-REPO = Path(__file__).resolve().parent.parent
 JOBS = sorted((REPO / "jobs").glob("*.yaml"))
 SCHEMA_LINE = "# yaml-language-server: $schema=../schemas/jobspec.schema.json"
 

@@ -3,12 +3,11 @@ the every-k-th-layer checkpointing patch finds and recomputes its layers, and th
 model matches the bytes autograd really saves (including the surprise: one-layer-in-k saves nothing)."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from bench import checkpoint_segments as bench
+from conftest import REPO_ROOT as REPO
 from jobspec.compile.compiler import compile_spec
 from jobspec.errors import SpecError
 from jobspec.train.mlp import MLPClassifier, MLPConfig, build_mlp
@@ -20,7 +19,6 @@ from jobspec.memory.planner import activation_bytes, parameter_tensors
 from jobspec.spec.validation import load_and_validate
 from test_patches import _recomputed_layers
 
-REPO = Path(__file__).resolve().parent.parent
 BASE = REPO / "jobs" / "mlp-ckpt-base.yaml"
 TINY_SETS = ("model.config.hidden_size=16", "model.config.num_layers=8", "model.config.vocab_size=64",
              "data.synthetic.vocab_range=[0, 64]", "training.micro_batch_size=4")

@@ -1,37 +1,30 @@
-"""MLflow telemetry: the launcher's run (params, tags, artifacts, final status) and the worker's MetricSink.
-
-The launcher owns the run's lifecycle; rank 0 of the worker only sends metrics through `MetricSink`,
-which never blocks the training loop (a queue drained by a background thread) and always keeps a
-local copy in `run_dir/metrics.jsonl`, so nothing is lost when the tracking server is down.
-Credentials (`user:pass@` in a URI, tokens) never reach params, tags, artifacts or logs.
+"""The MLflow run of a job: created (or reopened on resume) by the launcher with params, tags and
+artifacts, and ended by it with the final status; rank 0 only sends metrics into it
+(jobspec.tracking.sink). Credentials (`user:pass@` in a URI, tokens) never reach params, tags,
+artifacts or logs.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
-import math
 import os
-import queue
 import socket
 import tempfile
-import threading
-import time
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from jobspec import hardware, rundir
+from jobspec.errors import first_line
 from jobspec.secrets import mask_secrets, split_credentials
 
-log = logging.getLogger("jobspec.tracking.telemetry")
+log = logging.getLogger("jobspec.tracking")
 
 MAX_PARAMS_PER_BATCH = 100       # MLflow's log_batch limit for params
 MAX_PARAM_VALUE_CHARS = 6000     # MLflow's param value limit (6000 since 2.x)
 MAX_METRICS_PER_BATCH = 1000     # MLflow's log_batch limit for metrics
-RETRY_FIRST_S, RETRY_MAX_S = 0.5, 10.0  # MetricSink: backoff between attempts of a batch (no attempt limit)
-MAX_PENDING_POINTS = 200_000     # MetricSink: queued in memory while MLflow is down; beyond, metrics.jsonl only
 FAILURE_REASON_CHARS = 4000
 
 # The client's defaults (120 s timeout, 7 retries with exponential backoff) block ~4 minutes per call
@@ -127,7 +120,8 @@ def probe(tracking_uri: str, timeout_s: float = 3.0) -> None:
         raise TrackingUnavailable(f"cannot connect to {parts.hostname}:{port} ({err.strerror or err})") from err
 
 
-def _client(tracking_uri: str):
+def client_for(tracking_uri: str):
+    """An MlflowClient for `tracking_uri` (credentials from the environment), with short HTTP timeouts."""
     apply_http_env()
     from mlflow import MlflowClient
     return MlflowClient(tracking_uri=tracking_uri)
@@ -145,7 +139,7 @@ def start_run(spec: dict, launch: dict, derived: dict, spec_text: str, run_dir: 
         os.environ["MLFLOW_TRACKING_USERNAME"] = user
         os.environ["MLFLOW_TRACKING_PASSWORD"] = password or ""
     try:
-        client = _client(uri)
+        client = client_for(uri)
         experiment = client.get_experiment_by_name(settings["experiment"])
         experiment_id = (experiment.experiment_id if experiment is not None
                          else client.create_experiment(settings["experiment"]))
@@ -217,149 +211,16 @@ def end_run(tracked: TrackedRun, run_dir: Path, *, status: str, exit_code: int,
             client.set_tag(run_id, "jobspec.failure_reason", mask_secrets(failure_reason)[-FAILURE_REASON_CHARS:])
         client.set_terminated(run_id, status=status)
     except Exception as err:
-        log.warning("could not finish MLflow run %s: %s", run_id, mask_secrets(str(err)).splitlines()[0])
+        log.warning("could not finish MLflow run %s: %s", run_id, first_line(err))
 
 
-# --- the worker's metric sink ------------------------------------------------------------------
-
-class MetricSink:
-    """Non-blocking metrics for rank 0: `log` appends to metrics.jsonl and queues the points for MLflow.
-
-    A background thread sends them, retrying each batch with backoff for as long as the job runs
-    (a tracking server restarted mid-run gets every point). Memory stays bounded: past
-    MAX_PENDING_POINTS queued points, new ones are only in metrics.jsonl and `close` uploads them
-    from there when the server is back (`jobspec sync RUN_DIR` does it later if it never is).
-    """
-
-    def __init__(self, run_dir: Path, client=None, run_id: str | None = None):
-        self.run_dir = Path(run_dir)
-        self.client, self.run_id = client, run_id
-        self.sent = 0      # points MLflow acknowledged
-        self.spilled = 0   # points kept only in metrics.jsonl (queue full)
-        self.dropped = 0   # points still unsent when `close` gave up (all in metrics.jsonl)
-        self._pending = 0
-        self._jsonl = rundir.open_metrics(self.run_dir)
-        self._queue: queue.Queue = queue.Queue()
-        self._give_up_at: float | None = None
-        self._wake = threading.Event()
-        self._thread = None
-        if client is not None:
-            self._thread = threading.Thread(target=self._send_loop, name="jobspec-metric-sink", daemon=True)
-            self._thread.start()
-
-    @classmethod
-    def open(cls, run_dir) -> "MetricSink":
-        """A sink for the run in `run_dir/mlflow_run.json`; without that file, metrics.jsonl only."""
-        info = rundir.read_mlflow_run(run_dir)
-        if info is None:
-            return cls(run_dir)
-        return cls(run_dir, client=_client(info["tracking_uri"]), run_id=info["run_id"])
-
-    def log(self, metrics: dict, step: int) -> None:
-        timestamp = int(time.time() * 1000)
-        clean = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
-        self._jsonl.write(rundir.metric_line(clean, step, timestamp))
-        self._jsonl.flush()
-        if self._thread is None:
-            return
-        if self._pending + len(clean) > MAX_PENDING_POINTS:
-            self.spilled += len(clean)
-            return
-        self._pending += len(clean)
-        self._queue.put(("metrics", clean, int(step), timestamp))
-
-    def log_params(self, params: dict) -> None:
-        if self._thread is not None:
-            self._queue.put(("params", flatten(params), None, None))
-
-    def set_tags(self, tags: dict) -> None:
-        if self._thread is not None:
-            self._queue.put(("tags", {k: mask_secrets(str(v))[:MAX_PARAM_VALUE_CHARS] for k, v in tags.items()},
-                             None, None))
-
-    def close(self, timeout: float = 30) -> None:
-        """Flush what is queued (retrying for at most `timeout` seconds), then stop the sender."""
-        if self._thread is not None:
-            self._give_up_at = time.monotonic() + timeout
-            self._queue.put(None)
-            self._wake.set()  # cut a long backoff short: try now, then until the deadline
-            self._thread.join(timeout + 15)  # + one HTTP request's timeout and retries
-            if self.spilled and not self.dropped and time.monotonic() < self._give_up_at:
-                try:
-                    self.spilled -= upload_missing(self.client, self.run_id, self.run_dir)
-                except Exception as err:
-                    log.warning("MLflow sink: could not upload spilled points: %s", _first_line(err))
-            unsent = self.dropped + max(0, self.spilled)
-            if unsent:
-                log.warning("MLflow sink: %d metric points are only in %s; upload them with "
-                            "`jobspec sync %s`", unsent, self.run_dir / rundir.METRICS, self.run_dir)
-        self._jsonl.close()
-
-    def _send_loop(self) -> None:
-        from mlflow.entities import Metric, Param, RunTag
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            kind, payload, step, timestamp = item
-            if kind == "params":
-                for batch in param_batches(payload):
-                    self._send(params=[Param(k, v) for k, v in batch.items()])
-                continue
-            if kind == "tags":
-                self._send(tags=[RunTag(k, v) for k, v in payload.items()])
-                continue
-            metrics = [Metric(k, v, timestamp, step) for k, v in payload.items()]
-            for i in range(0, len(metrics), MAX_METRICS_PER_BATCH):
-                chunk = metrics[i:i + MAX_METRICS_PER_BATCH]
-                if self._send(metrics=chunk):
-                    self.sent += len(chunk)
-                else:
-                    self.dropped += len(chunk)
-                self._pending -= len(chunk)
-
-    def _send(self, **batch) -> bool:
-        """Retry one batch with backoff until it is sent (True) or `close`'s deadline passes (False)."""
-        delay, attempts = RETRY_FIRST_S, 0
-        while True:
-            try:
-                self.client.log_batch(self.run_id, synchronous=True, **batch)
-                if attempts:
-                    log.warning("MLflow sink: tracking server reachable again after %d failed attempts", attempts)
-                return True
-            except Exception as err:
-                attempts += 1
-                if attempts == 1 or attempts % 20 == 0:
-                    log.warning("MLflow sink: sending failed (attempt %d, retrying; metrics.jsonl has every "
-                                "point): %s", attempts, _first_line(err))
-            if self._give_up_at is not None and time.monotonic() >= self._give_up_at:
-                return False
-            if self._wake.wait(delay):
-                self._wake.clear()
-                delay = RETRY_FIRST_S
-            else:
-                delay = min(delay * 2, RETRY_MAX_S)
-            if self._give_up_at is not None:
-                delay = min(delay, max(0.05, self._give_up_at - time.monotonic()))
-
-
-def _first_line(err: Exception) -> str:
-    return (mask_secrets(str(err)).splitlines() or [type(err).__name__])[0][:300]
-
-
-# --- metrics.jsonl -> MLflow, for points the sink could not send ----------------------------------
-
-def upload_missing(client, run_id: str, run_dir: Path) -> int:
-    """Send the points of metrics.jsonl that the run lacks (same key, step and timestamp); returns how many.
-
-    Idempotent: a second call finds nothing missing.
-    """
-    from mlflow.entities import Metric
-    points = rundir.read_metric_points(run_dir)
-    known = {}
-    for key in sorted({p[0] for p in points}):
-        known[key] = {(m.step, m.timestamp) for m in client.get_metric_history(run_id, key)}
-    missing = [Metric(k, v, ts, step) for k, v, ts, step in points if (step, ts) not in known[k]]
-    for i in range(0, len(missing), MAX_METRICS_PER_BATCH):
-        client.log_batch(run_id, metrics=missing[i:i + MAX_METRICS_PER_BATCH], synchronous=True)
-    return len(missing)
+def log_params(tracked, params: dict[str, str]) -> None:
+    """Add params to the launcher's MLflow run; a resumed run keeps its earlier values (immutable)."""
+    from mlflow.entities import Param
+    try:
+        existing = tracked.client.get_run(tracked.run_id).data.params
+        for batch in param_batches({k: v for k, v in params.items() if k not in existing}):
+            tracked.client.log_batch(tracked.run_id, params=[Param(k, v) for k, v in batch.items()],
+                                     synchronous=True)
+    except Exception as err:  # the run exists and training can go on: the params are a nicety
+        log.warning("could not log plan/fit params to MLflow: %s", first_line(err, limit=300))

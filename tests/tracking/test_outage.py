@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 from mlflow_server import ENV, launch_argv, only_run_dir, shared, write_job
 
-from jobspec.tracking import telemetry
+from jobspec.tracking import run as tracking
+from jobspec.tracking import sink as sink_module
+from jobspec.tracking.sink import MetricSink
 from jobspec.cli import main
 
 
@@ -36,13 +38,13 @@ class FlakyClient:
 
 @pytest.fixture
 def fast_backoff(monkeypatch):
-    monkeypatch.setattr(telemetry, "RETRY_FIRST_S", 0.01)
-    monkeypatch.setattr(telemetry, "RETRY_MAX_S", 0.05)
+    monkeypatch.setattr(sink_module, "RETRY_FIRST_S", 0.01)
+    monkeypatch.setattr(sink_module, "RETRY_MAX_S", 0.05)
 
 
 def test_sink_keeps_retrying_until_the_server_returns(tmp_path, fast_backoff):
     client = FlakyClient(down=True)
-    sink = telemetry.MetricSink(tmp_path, client=client, run_id="r")
+    sink = MetricSink(tmp_path, client=client, run_id="r")
     for step in range(1, 6):
         sink.log({"train/loss": 1.0 / step}, step=step)
     deadline = time.monotonic() + 60
@@ -57,9 +59,9 @@ def test_sink_keeps_retrying_until_the_server_returns(tmp_path, fast_backoff):
 
 
 def test_sink_memory_is_bounded_and_spilled_points_are_uploaded_at_close(tmp_path, fast_backoff, monkeypatch):
-    monkeypatch.setattr(telemetry, "MAX_PENDING_POINTS", 4)
+    monkeypatch.setattr(sink_module, "MAX_PENDING_POINTS", 4)
     client = FlakyClient(down=True)
-    sink = telemetry.MetricSink(tmp_path, client=client, run_id="r")
+    sink = MetricSink(tmp_path, client=client, run_id="r")
     for step in range(1, 11):
         sink.log({"train/loss": float(step), "train/lr": 0.1}, step=step)
     assert sink.spilled == 16  # 2 steps (4 points) queued, 8 steps only in metrics.jsonl
@@ -71,7 +73,7 @@ def test_sink_memory_is_bounded_and_spilled_points_are_uploaded_at_close(tmp_pat
 
 
 def test_sink_close_gives_up_at_its_deadline_and_says_how_to_sync(tmp_path, fast_backoff, caplog):
-    sink = telemetry.MetricSink(tmp_path, client=FlakyClient(down=True), run_id="r")
+    sink = MetricSink(tmp_path, client=FlakyClient(down=True), run_id="r")
     sink.log({"train/loss": 3.0}, step=2)
     started = time.monotonic()
     sink.close(timeout=0.5)
@@ -87,7 +89,7 @@ def file_store(tmp_path, monkeypatch):
     for key, value in ENV.items():
         monkeypatch.setenv(key, value)
     uri = str(tmp_path / "mlruns")
-    return uri, telemetry._client(uri)
+    return uri, tracking.client_for(uri)
 
 
 def write_metrics(run_dir: Path, steps) -> None:
@@ -183,7 +185,7 @@ def test_a_server_outage_mid_run_loses_nothing_and_does_not_slow_training(tmp_pa
 
     run_dir = only_run_dir(tmp_path, "outage")
     info = json.loads((run_dir / "mlflow_run.json").read_text())
-    client = telemetry._client(server.uri)
+    client = tracking.client_for(server.uri)
     expected = {(k, r["step"]) for r in logged for k in r if k not in ("step", "timestamp")}
     keys = {k for k, _ in expected}
     stored = {(k, m.step) for k in keys for m in client.get_metric_history(info["run_id"], k)}
@@ -207,7 +209,7 @@ def launch_tiny(tmp_path: Path, name: str, uri: str) -> tuple[int, Path]:
 
 def assert_every_point_recorded(run_dir: Path) -> None:
     info = json.loads((run_dir / "mlflow_run.json").read_text())
-    client = telemetry._client(info["tracking_uri"])
+    client = tracking.client_for(info["tracking_uri"])
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     expected = {(k, r["step"]) for r in rows for k in r if k not in ("step", "timestamp")}
     stored = {(k, m.step) for k in {k for k, _ in expected} for m in client.get_metric_history(info["run_id"], k)}
