@@ -13,6 +13,10 @@ Memory (docs/memory-planner.md): `memory.fit: auto` replaces batch split, precis
 optimizer and ZeRO/offload settings by the fastest ones predicted to fit `memory.gpu_memory` (else
 the GPUs' free memory) and prints the choice; on a GPU host a plan larger than the free memory
 refuses to launch (exit 2). The plan is logged as `plan.*` MLflow params and in launch.json.
+
+`--from-run RUN_ID` launches the spec an MLflow run logged (its resolved.yaml) again, compiled to
+the same DeepSpeed config; the new run is tagged `jobspec.parent_run_id` (jobspec/launch/from_run.py).
+Model directories the job exported (spec section `export`) are recorded in the MLflow run at the end.
 """
 from __future__ import annotations
 
@@ -38,7 +42,13 @@ log = logging.getLogger("jobspec.launch")
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("job", metavar="JOB", help="job spec (YAML)")
+    parser.add_argument("job", metavar="JOB", nargs="?", help="job spec (YAML); omitted with --from-run")
+    parser.add_argument("--from-run", metavar="RUN_ID", default=None,
+                        help="launch again the spec an MLflow run logged (its resolved.yaml); the new run is "
+                             "tagged jobspec.parent_run_id")
+    parser.add_argument("--tracking-uri", metavar="URI", default=None,
+                        help="tracking store holding --from-run's run (default: MLFLOW_TRACKING_URI, else "
+                             "sqlite:///mlflow.db); the new run logs there too")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a spec field, e.g. --set training.max_steps=10 (repeatable)")
     parser.add_argument("--dry-run", action="store_true",
@@ -90,7 +100,8 @@ def run(args) -> int:
     logging.basicConfig(level=logging.INFO, format="jobspec: %(message)s")
     if args.stop_after_steps is not None and args.stop_after_steps < 1:
         raise spec_error("--stop-after-steps must be >= 1", hint="e.g. --stop-after-steps 5")
-    resolved = resolve(args.job, args.overrides)
+    from jobspec.launch.from_run import job_argument
+    resolved = resolve(job_argument(args), args.overrides)
     # memory.fit: auto rewrites the spec here, so everything below (and resolved.yaml) sees what runs
     resolved, memory = launch_memory.prepare(resolved)
     for line in memory.lines:
@@ -136,6 +147,8 @@ def run(args) -> int:
     launcher.remove_shared_memory_buffers(compiled.launch.get("master_port"))  # every rank is gone now
     status = "FINISHED" if outcome.exit_code == 0 else ("KILLED" if outcome.user_signal else "FAILED")
     if tracked is not None:
+        from jobspec.tracking.model_artifacts import log_exported_models
+        log_exported_models(tracked, run_dir, spec)
         telemetry.end_run(tracked, run_dir, status=status, exit_code=outcome.exit_code,
                           failure_reason=outcome.reason)
     elif not (run_dir / "summary.json").exists():
