@@ -31,7 +31,9 @@ from jobspec.errors import spec_error
 
 EXPORT_RECORD = "jobspec_export.json"
 DTYPES = ("fp32", "bf16", "fp16")
-INJECT_ERROR_ENV = "JOBSPEC_INJECT_EXPORT_ERROR"   # test hook: an OSError with this errno name mid-write
+# test hook: `[NAME:]ERRNO` (e.g. final:ENOSPC) raises that OSError while the weights of export NAME
+# (of every export without NAME) are written, as a full disk would
+INJECT_ERROR_ENV = "JOBSPEC_INJECT_EXPORT_ERROR"
 _ORIG_MOD = "_orig_mod."                          # torch.compile's wrapper prefixes every key with it
 
 
@@ -94,6 +96,7 @@ def write_model_dir(out: str | os.PathLike, spec: dict, state_dict: dict, info: 
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         model = _filled_skeleton(spec, state_dict, info.dtype, tokenizer, show_progress)
+        _inject_error(tmp, info.name)
         _save_weights(model, tmp, spec)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
@@ -112,6 +115,9 @@ def write_model_dir(out: str | os.PathLike, spec: dict, state_dict: dict, info: 
 
 def describe_io_error(out: Path, err: BaseException) -> str:
     reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err).splitlines()[0]
+    culprit = getattr(err, "filename", None)
+    if isinstance(err, (FileExistsError, NotADirectoryError)) and culprit and not Path(culprit).is_dir():
+        reason = f"{culprit} is a file, not a directory"   # mkdir(parents=True) says only "File exists"
     return f"cannot write the model directory {out}: {reason}"
 
 
@@ -167,7 +173,6 @@ def _check_keys(spec: dict, expected: set, found: set) -> None:
 
 
 def _save_weights(model, directory: Path, spec: dict) -> None:
-    _inject_error(directory)
     shard = (spec.get("export") or {}).get("max_shard_size", "5GB")
     if hasattr(model, "save_pretrained"):
         model.save_pretrained(directory, max_shard_size=shard)
@@ -177,11 +182,12 @@ def _save_weights(model, directory: Path, spec: dict) -> None:
     save_model(model, str(directory / "model.safetensors"), metadata={"format": "pt"})
 
 
-def _inject_error(directory: Path) -> None:
+def _inject_error(directory: Path, export_name: str) -> None:
     import errno
-    name = os.environ.get(INJECT_ERROR_ENV)
-    if name:
-        code = getattr(errno, name, errno.EIO)
+    target, _, code_name = os.environ.get(INJECT_ERROR_ENV, "").rpartition(":")
+    if code_name and target in ("", export_name):
+        code = getattr(errno, code_name, errno.EIO)
+        (directory / "model.safetensors").write_bytes(b"\0" * 1024)   # the part a full disk took
         raise OSError(code, os.strerror(code), str(directory / "model.safetensors"))
 
 
@@ -249,10 +255,19 @@ def model_card(spec: dict, info: ExportInfo, model, tokenizer) -> str:
         lines += ["from safetensors.torch import load_model", "from jobspec.train.mlp import MLPClassifier, MLPConfig",
                   "", "import json", 'model = MLPClassifier(MLPConfig(**json.load(open("PATH/config.json"))))',
                   'load_model(model, "PATH/model.safetensors")']
-    spec_text = mask_secrets(yaml.safe_dump(spec, sort_keys=False))
+    spec_text = yaml.safe_dump(_masked(spec, mask_secrets), sort_keys=False)
     lines += ["```", "", "## Job spec", "", "The resolved spec (every default filled in; credentials masked):", "",
               "```yaml", spec_text.rstrip(), "```", ""]
     return "\n".join(lines)
+
+
+def _masked(value, mask):
+    """`value` with every string masked: the YAML stays valid (`'***'`, not an alias `***`)."""
+    if isinstance(value, dict):
+        return {k: _masked(v, mask) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_masked(v, mask) for v in value]
+    return mask(value) if isinstance(value, str) else value
 
 
 def _fmt(value) -> str:

@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INVALID
     except ExportFailed as err:  # a full or unwritable export directory: one line; checkpoints are saved
         _write_failure(run_dir, state, started, str(err))
-        print(f"ERROR: {err}", file=sys.stderr, flush=True)
+        if int(os.environ.get("RANK", "0")) == 0:  # every rank has the same (broadcast) error
+            print(f"ERROR: {err}", file=sys.stderr, flush=True)
         return 1
     except NonFiniteLoss as err:  # training.on_nan: stop -- a clear failure, not a traceback
         if err.step:  # found at a log/checkpoint boundary: the good steps end before the bad one
