@@ -18,6 +18,7 @@ examples:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -46,13 +47,15 @@ def run(args: argparse.Namespace) -> int:
     from jobspec.train.hf_dir import ExportFailed
 
     out = args.out.expanduser().resolve()
-    source = locate(args.source, args.spec)
-    check_out(out, source.path, args.force)
-    try:
-        record = export_checkpoint(source, out, args.dtype, show_progress=True)
-    except ExportFailed as err:
-        print(f"jobspec: error: {err}", file=sys.stderr)
-        return 1
+    # DeepSpeed and transformers log to stdout as they are imported and convert: stdout stays the result
+    with contextlib.redirect_stdout(sys.stderr):
+        source = locate(args.source, args.spec)
+        check_out(out, source.path, args.force)
+        try:
+            record = export_checkpoint(source, out, args.dtype, show_progress=True)
+        except ExportFailed as err:
+            print(f"jobspec: error: {err}", file=sys.stderr)
+            return 1
     if args.format == "json":
         print(json.dumps(record, indent=2))
     else:
