@@ -106,14 +106,46 @@ def consolidated_state_dict(tag_dir: Path, client: dict, precision: str, dtype: 
             notes.append(f"a ZeRO-0 checkpoint keeps the fp32 master weights only inside its optimizer state: "
                          f"saved from the {precision} weights")
         return module, notes
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-    with contextlib.redirect_stdout(sys.stderr):   # DeepSpeed prints its progress; stdout stays ours
-        state_dict = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name,
-                                                              lazy_mode=True)
+    from deepspeed.utils import zero_to_fp32
+    try:
+        with contextlib.redirect_stdout(sys.stderr):   # DeepSpeed prints its progress; stdout stays ours
+            if _bf16_optimizer_layout(tag_dir):
+                state_dict = _bf16_optimizer_state_dict(zero_to_fp32, tag_dir)
+            else:
+                state_dict = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(
+                    str(tag_dir.parent), tag=tag_dir.name, lazy_mode=True)
+    except (ValueError, KeyError, FileNotFoundError, RuntimeError) as err:
+        raise spec_error(f"DeepSpeed cannot merge the checkpoint {tag_dir}: {str(err).splitlines()[0][:300]}",
+                         hint="check that every rank's *_optim_states.pt file is there, or export another "
+                              "checkpoint") from None
     if stage <= 2:   # weights the optimizer does not own (frozen ones) are only in the module
         for name, tensor in client["module"].items():
             state_dict.setdefault(name, tensor)
     return state_dict, notes
+
+
+def _bf16_optimizer_layout(tag_dir: Path) -> bool:
+    """DeepSpeed's BF16_Optimizer (ZeRO-1, bf16, fp32 gradient accumulation) saves its fp32 partitions
+    without the `zero_stage` key that zero_to_fp32 looks for."""
+    import torch
+    from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT, ZERO_STAGE
+    files = sorted(glob.glob(str(tag_dir / "bf16_zero_pp_rank_*_optim_states.pt")))
+    if not files:
+        return False
+    optimizer = torch.load(files[0], map_location="cpu", mmap=True, weights_only=False)[OPTIMIZER_STATE_DICT]
+    return ZERO_STAGE not in optimizer
+
+
+def _bf16_optimizer_state_dict(zero_to_fp32, tag_dir: Path) -> dict:
+    """Its partitions are laid out as ZeRO-1/2's (parameters flattened in order, padded at the end to
+    2 x world size, split evenly): DeepSpeed's ZeRO-2 merge reads them once they are in hand."""
+    import torch
+    from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT, SINGLE_PARTITION_OF_FP32_GROUPS
+    model_states = zero_to_fp32.parse_model_states(zero_to_fp32.get_model_state_files(str(tag_dir)))
+    files = zero_to_fp32.get_optim_files(str(tag_dir))
+    groups = [torch.load(f, map_location="cpu", mmap=True, weights_only=False)[OPTIMIZER_STATE_DICT]
+              [SINGLE_PARTITION_OF_FP32_GROUPS] for f in files]
+    return zero_to_fp32._get_fp32_state_dict_from_zero2_checkpoint(len(files), groups, model_states, False)
 
 
 def _zero_stage(client: dict) -> int:

@@ -6,8 +6,9 @@
 
 Every export is collective: all ranks take part in gathering the weights, rank 0 writes
 (jobspec/train/hf_dir.py), and rank 0's outcome is broadcast so that a failed write stops every
-rank at the same point with the same one-line error (`ExportFailed`: the worker exits 1). The
-checkpoint of that step is always saved first, so a full disk loses no training.
+rank at the same point with the same one-line error (`ExportFailed`: the worker exits 1). When a
+checkpoint is due at the step of an export, it is saved first (a best-eval export waits for it), so a
+full disk loses no checkpoint; an export directory that cannot be written at all fails at start.
 
 Weights: under ZeRO-3 DeepSpeed's own consolidation (`engine._zero3_consolidated_16bit_state_dict`,
 what `save_16bit_model` runs with `stage3_gather_16bit_weights_on_model_save`: one layer at a time
@@ -49,6 +50,7 @@ class ModelExporter:
         self.base = Path(self.settings["dir"] or self.run_dir / MODEL_DIR)
         self.dtype = resolve_dtype(self.spec)
         self.best_loss: float | None = None
+        self._best_pending_at: int | None = None   # a best export waiting for this step's checkpoint
         self._tokenizer = None
         self._tokenizer_note: str | None = None
         self._tokenizer_loaded = False
@@ -79,6 +81,9 @@ class ModelExporter:
         if self.rank == 0 and tag:
             _copy_spec(self.run_dir, Path(ckpt_dir) / tag)
         _save_reference(engine, self.spec, f"step{state.step}", self.rank)
+        if self._best_pending_at == state.step:
+            self._best_pending_at = None
+            self._export(engine, state, "best", "best evaluation")
         last = state.step >= self.total_steps
         if self.settings["at_checkpoints"] and not (last and self.settings["final"]):
             self._export(engine, state, f"step{state.step}", "checkpoint")
@@ -91,7 +96,16 @@ class ModelExporter:
             return
         if self.best_loss is None or loss < self.best_loss:
             self.best_loss = loss
-            self._export(engine, state, "best", "best evaluation")
+            if self._checkpoint_follows(state.step):   # same weights: export right after that save
+                self._best_pending_at = state.step
+            else:
+                self._export(engine, state, "best", "best evaluation")
+
+    def _checkpoint_follows(self, step: int) -> bool:
+        """Whether the training loop saves a checkpoint at `step` after its evaluation (worker.train_loop)."""
+        ckpt = self.spec["checkpoint"]
+        periodic = bool(ckpt["every_n_steps"]) and step % ckpt["every_n_steps"] == 0
+        return periodic or (step >= self.total_steps and ckpt["save_final"])
 
     def final(self, engine, state) -> None:
         _save_reference(engine, self.spec, "final", self.rank)
