@@ -24,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "sbatch": "Render a Slurm batch script for a job (launch.sh + #SBATCH lines); --submit to sbatch it.",
     "report": "Tabulate and plot an MLflow experiment's runs: settings, throughput, memory vs prediction.",
     "sync": "Upload metrics.jsonl points that MLflow lacks into the run's MLflow run (idempotent).",
+    "export": "Convert a checkpoint (any ZeRO stage, any world size) into a Hugging Face model directory.",
 }
 
 

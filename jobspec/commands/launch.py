@@ -13,6 +13,10 @@ Memory (docs/memory-planner.md): `memory.fit: auto` replaces batch split, precis
 optimizer and ZeRO/offload settings by the fastest ones predicted to fit `memory.gpu_memory` (else
 the GPUs' free memory) and prints the choice; on a GPU host a plan larger than the free memory
 refuses to launch (exit 2). The plan is logged as `plan.*` MLflow params and in launch.json.
+
+`--from-run RUN_ID` launches the spec an MLflow run logged (its resolved.yaml) again, compiled to
+the same DeepSpeed config; the new run is tagged `jobspec.parent_run_id` (jobspec/launch/from_run.py).
+Model directories the job exported (spec section `export`) are recorded in the MLflow run at the end.
 """
 from __future__ import annotations
 
@@ -21,7 +25,13 @@ from jobspec.errors import spec_error
 from jobspec.launch.supervise import KILL_GRACE_S
 
 def add_arguments(parser) -> None:
-    parser.add_argument("job", metavar="JOB", help="job spec (YAML)")
+    parser.add_argument("job", metavar="JOB", nargs="?", help="job spec (YAML); omitted with --from-run")
+    parser.add_argument("--from-run", metavar="RUN_ID", default=None,
+                        help="launch again the spec an MLflow run logged (its resolved.yaml); the new run is "
+                             "tagged jobspec.parent_run_id")
+    parser.add_argument("--tracking-uri", metavar="URI", default=None,
+                        help="tracking store holding --from-run's run (default: MLFLOW_TRACKING_URI, else "
+                             "sqlite:///mlflow.db); the new run logs there too")
     add_set_argument(parser)
     parser.add_argument("--dry-run", action="store_true",
                         help="print the DeepSpeed config, notes and exact command; start nothing")
@@ -38,9 +48,10 @@ def run(args) -> int:
     import logging
 
     from jobspec.launch import pipeline
+    from jobspec.launch.from_run import job_argument
 
     logging.basicConfig(level=logging.INFO, format="jobspec: %(message)s")
     if args.stop_after_steps is not None and args.stop_after_steps < 1:
         raise spec_error("--stop-after-steps must be >= 1", hint="e.g. --stop-after-steps 5")
-    return pipeline.launch(args.job, args.overrides, dry_run=args.dry_run, stop_after_steps=args.stop_after_steps,
+    return pipeline.launch(job_argument(args), args.overrides, dry_run=args.dry_run, stop_after_steps=args.stop_after_steps,
                            ignore_preflight=args.ignore_preflight, kill_grace_s=args.kill_grace)

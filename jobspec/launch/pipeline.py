@@ -98,6 +98,8 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
     status = "FINISHED" if outcome.exit_code == 0 else ("KILLED" if outcome.user_signal else "FAILED")
     rundir.write_fallback_summary(run_dir, status, outcome.exit_code)
     if tracked is not None:
+        from jobspec.tracking.model_artifacts import log_exported_models
+        log_exported_models(tracked, run_dir, spec)
         tracking.end_run(tracked, run_dir, status=status, exit_code=outcome.exit_code,
                          failure_reason=outcome.reason)
     print(f"jobspec: {status.lower()} (exit {outcome.exit_code}); run directory {run_dir}", flush=True)

@@ -25,7 +25,8 @@ from jobspec.spec.schema import (fill_defaults, has_type, schema_types, shared_s
 from jobspec.spec.freeform import freeform_issues
 
 PATH_FIELDS = (("data", "train"), ("data", "eval"), ("data", "tokenizer"), ("model", "name_or_path"),
-               ("output_dir",), ("checkpoint", "dir"), ("checkpoint", "resume"), ("memory", "offload", "nvme_path"))
+               ("output_dir",), ("checkpoint", "dir"), ("checkpoint", "resume"), ("memory", "offload", "nvme_path"),
+               ("export", "dir"))
 _NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 _URI_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
 # MLflow tracking stores; the database ones are SQLAlchemy URIs like sqlite:///.
@@ -277,6 +278,8 @@ def cross_field_issues(r: ResolvedSpec) -> list[SpecIssue]:
         add(r.issue(("memory", "activation_checkpointing", "every_n_layers"),
                     f"every_n_layers = {checkpointing['every_n_layers']} but the model has {layers} layers",
                     f"use a value between 1 and {layers}"))
+    from jobspec.spec import export_rules
+    issues += export_rules.issues(r)
     uri_problem = _tracking_uri_problem(s["logging"]["mlflow"]["tracking_uri"])
     if uri_problem:
         add(r.issue(("logging", "mlflow", "tracking_uri"), *uri_problem))
@@ -348,7 +351,7 @@ def resolve_paths(r: ResolvedSpec) -> None:
         s["name"] = job_name(r.source)
     s["extends"] = None
     for path in (("data", "train"), ("data", "eval"), ("output_dir",), ("checkpoint", "dir"),
-                 ("memory", "offload", "nvme_path")):
+                 ("memory", "offload", "nvme_path"), ("export", "dir")):
         if _get(s, path) is not None:
             _put(s, path, str(_local_path(r, path)))
     # Hub ids and local directories look alike: only an existing local path is made absolute.
@@ -365,7 +368,7 @@ def resolve_paths(r: ResolvedSpec) -> None:
 # Writing checkpoints or runs here would damage the system (or, as root, succeed at it).
 SYSTEM_TREES = ("/etc", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/boot", "/proc", "/sys", "/dev")
 SYSTEM_DIRS = ("/", "/var", "/home", "/root", "/opt", "/run", "/mnt", "/media", "/srv")  # not below them
-WRITTEN_DIRS = (("output_dir",), ("checkpoint", "dir"), ("memory", "offload", "nvme_path"))
+WRITTEN_DIRS = (("output_dir",), ("checkpoint", "dir"), ("memory", "offload", "nvme_path"), ("export", "dir"))
 
 
 def system_location_issues(r: ResolvedSpec) -> list[SpecIssue]:

@@ -67,29 +67,20 @@ def build_model(spec: dict, tokenizer=None):
         _check_vocab(spec, model, tokenizer)
         return model
     import torch
-    import transformers
 
     model_spec = spec["model"]
     task = model_spec.get("task", "sequence-classification")
-    auto_class = getattr(transformers, TASK_MODEL_CLASSES[task])
-    overrides = dict(model_spec.get("config") or {})
-    if task in CLASSIFICATION_TASKS:
-        overrides.setdefault("num_labels", model_spec.get("num_labels", 2))
     attention = model_spec.get("attention", "sdpa")
     trust = bool(model_spec.get("trust_remote_code"))
     _warn_remote_code(model_spec)
 
     try:
+        auto_class, config = build_config(spec, tokenizer)
         if model_spec.get("name_or_path"):
             name, revision = model_spec["name_or_path"], model_spec.get("revision")
-            config = transformers.AutoConfig.from_pretrained(name, revision=revision, trust_remote_code=trust,
-                                                             **overrides)
-            _set_pad_token(config, tokenizer)
             model = auto_class.from_pretrained(name, config=config, revision=revision, trust_remote_code=trust,
                                                attn_implementation=attention)
         else:
-            config = _config_for_architecture(model_spec.get("architecture"), overrides)
-            _set_pad_token(config, tokenizer)
             torch.manual_seed(spec.get("training", {}).get("seed", 42))
             model = auto_class.from_config(config, attn_implementation=attention, trust_remote_code=trust)
     except SpecError:
@@ -103,6 +94,51 @@ def build_model(spec: dict, tokenizer=None):
 
     _check_vocab(spec, model, tokenizer)
     return model
+
+
+def build_config(spec: dict, tokenizer=None):
+    """(the `AutoModelFor<task>` class, the model's config) exactly as `build_model` makes them.
+
+    Loading errors propagate as transformers raises them; `build_model` turns them into SpecErrors.
+    """
+    import transformers
+
+    model_spec = spec["model"]
+    task = model_spec.get("task", "sequence-classification")
+    auto_class = getattr(transformers, TASK_MODEL_CLASSES[task])
+    overrides = dict(model_spec.get("config") or {})
+    if task in CLASSIFICATION_TASKS:
+        overrides.setdefault("num_labels", model_spec.get("num_labels", 2))
+    if model_spec.get("name_or_path"):
+        config = transformers.AutoConfig.from_pretrained(
+            model_spec["name_or_path"], revision=model_spec.get("revision"),
+            trust_remote_code=bool(model_spec.get("trust_remote_code")), **overrides)
+    else:
+        config = _config_for_architecture(model_spec.get("architecture"), overrides)
+    _set_pad_token(config, tokenizer)
+    return auto_class, config
+
+
+def build_skeleton(spec: dict, tokenizer=None):
+    """The spec's model on the meta device: its config, parameter names and shapes, no weights.
+
+    What an export fills with saved weights (`load_state_dict(assign=True)`): nothing is read from a
+    checkpoint's weight files and no memory is spent on a random initialisation.
+    """
+    import torch
+
+    with torch.device("meta"):
+        if spec["model"].get("architecture") == "mlp" and not spec["model"].get("name_or_path"):
+            from jobspec.train.mlp import build_mlp
+            return build_mlp(spec)
+        try:
+            auto_class, config = build_config(spec, tokenizer)
+            return auto_class.from_config(config, trust_remote_code=bool(spec["model"].get("trust_remote_code")))
+        except SpecError:
+            raise
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise _loading_error(spec["model"], spec["model"].get("task", "sequence-classification"),
+                                 spec["model"].get("attention", "sdpa"), err) from None
 
 
 def _config_for_architecture(architecture: str | None, overrides: dict):

@@ -130,6 +130,7 @@ class RunState:
     peak_memory: dict = field(default_factory=dict)
     resumed_from: str | None = None
     last_checkpoint: str | None = None
+    exports: dict = field(default_factory=dict)   # model directories written (jobspec/train/export.py)
 
 
 class StepReporter:
@@ -213,6 +214,7 @@ def summarize(state: RunState, status: str, total_steps: int, started: float, er
         "elapsed_s": round(time.time() - started, 3),
         "resumed_from": state.resumed_from,
         "checkpoint": state.last_checkpoint,
+        "exports": state.exports,
     }
     if error is not None:
         summary["error"] = error

@@ -23,6 +23,7 @@ from pathlib import Path
 from jobspec import rundir
 from jobspec.errors import EXIT_INVALID, EXIT_RUN_FAILED, RunFailure, SpecError
 from jobspec.rundir import RunFiles
+from jobspec.train.hf_dir import ExportFailed
 from jobspec.train.faults import NanGuard, NonFiniteLoss
 from jobspec.train.oom import OomGuard
 from jobspec.train.engine import build_engine, loss_of, reshard_plan, resume, share_cpu_threads
@@ -64,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INVALID
     except RunFailure as err:  # the spec was fine; the run was not: one line, exit 1
         _write_failure(run_dir, state, started, err.reason)
-        print(f"ERROR: {err.reason}", file=sys.stderr, flush=True)
+        # a failure every rank shares (an export's broadcast error) is printed once
+        if not isinstance(err, ExportFailed) or int(os.environ.get("RANK", "0")) == 0:
+            print(f"ERROR: {err.reason}", file=sys.stderr, flush=True)
         return EXIT_RUN_FAILED
     except NonFiniteLoss as err:  # training.on_nan: stop -- a clear failure, not a traceback
         if err.step:  # found at a log/checkpoint boundary: the good steps end before the bad one
@@ -87,6 +90,7 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
     import deepspeed
     import torch.distributed as dist
 
+    from jobspec.train.export import ModelExporter
     from jobspec.train.progress import NullProgress, Progress
 
     deepspeed.init_distributed()
@@ -119,10 +123,14 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
         telemetry = StepReporter(engine, files.spec, files.derived, files.patches, sink, progress, rank, state)
         oom_guard = OomGuard(files, run_dir=run_dir, rank=rank, control_group=control, build_engine=build_engine,
                              progress=progress, sink=sink, telemetry=telemetry)
+        exporter = ModelExporter(files, run_dir, rank, control, progress)
+        exporter.check_writable()
         del engine  # train_loop holds the only reference: an OOM recovery (jobspec.train.oom) must free it
         status = train_loop(telemetry.engine, files, train_ds, eval_ds, state, telemetry, progress,
                             stop=lambda: _any_rank(stop.requested or _stop_after_reached(state.step), control),
-                            pending_rng=pending_rng, nan_guard=nan_guard, oom_guard=oom_guard)
+                            pending_rng=pending_rng, nan_guard=nan_guard, oom_guard=oom_guard, exporter=exporter)
+        if status == "finished":  # after the final checkpoint: a failed export loses no training
+            exporter.final(telemetry.engine, state)
         if rank == 0:
             rundir.write_summary(run_dir, summarize(state, status, total_steps, started))
     finally:
@@ -134,7 +142,7 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
 
 def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, telemetry: "StepReporter", progress,
                *, stop, pending_rng: dict | None, nan_guard: NanGuard | None = None,
-               oom_guard: OomGuard | None = None) -> str:
+               oom_guard: OomGuard | None = None, exporter=None) -> str:
     """Optimizer steps until `derived.total_steps` ("finished") or an agreed stop ("preempted")."""
     import torch.distributed as dist
 
@@ -159,12 +167,16 @@ def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, tele
             zero_stage=files.ds_config.get("zero_optimization", {}).get("stage", 0),
             micro_batch_size=derived["micro_batch_size"])
         progress.message(f"checkpoint {state.last_checkpoint} saved to {ckpt['dir']}")
+        if exporter is not None:
+            exporter.after_checkpoint(engine, state, ckpt["dir"])
 
     def run_eval():
         if eval_ds is not None:
             loader = make_loader(eval_ds, epoch=0, shuffle=False, skip_batches=0, **loader_args)
             state.eval_loss = evaluate(engine, loader)
             telemetry.log_eval(state.step, state.eval_loss)
+            if exporter is not None:
+                exporter.after_eval(engine, state)
 
     engine.train()
     window = Window()

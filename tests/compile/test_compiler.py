@@ -136,12 +136,93 @@ def test_adamw_block():
                                                                "weight_decay": 0.1}})
     c = compile_(spec)
     assert c.ds_config["optimizer"] == {"type": "AdamW", "params": {
-        "lr": 3e-4, "betas": [0.8, 0.95], "eps": 1e-6, "weight_decay": 0.1, "torch_adam": False, "adam_w_mode": True}}
+        "lr": 3e-4, "betas": [0.8, 0.95], "eps": 1e-6, "weight_decay": 0.1, "torch_adam": False,
+        "bias_correction": True, "adam_w_mode": True}}
     assert not [p for p in c.patches if p["name"] == "client_optimizer"]
     from deepspeed.ops.adam import FusedAdam  # importing the class builds nothing
     accepted = inspect.signature(FusedAdam).parameters
     # DeepSpeed pops torch_adam before building FusedAdam
     assert set(c.ds_config["optimizer"]["params"]) - {"torch_adam"} <= set(accepted)
+
+
+def _adam_class_deepspeed_builds(config):
+    """The class DeepSpeed's engine builds from a compiled AdamW block, and the keywords it passes it
+    (deepspeed/runtime/engine.py: _configure_basic_optimizer / get_optimizer_configuration)."""
+    import torch
+    from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+    params = dict(config.optimizer_params)
+    params.pop("adam_w_mode")
+    if params.pop("torch_adam"):
+        return torch.optim.AdamW, {**params, "foreach": None}
+    return (DeepSpeedCPUAdam if config.zero_config.offload_optimizer else FusedAdam), params
+
+
+@pytest.mark.parametrize("implementation, memory, torch_adam, built", [
+    ("auto", {}, False, "FusedAdam"),
+    ("auto", {"zero_stage": 2, "offload": {"optimizer": "cpu"}}, False, "DeepSpeedCPUAdam"),
+    ("fused", {"zero_stage": 1}, False, "FusedAdam"),
+    ("cpu", {"zero_stage": 3, "offload": {"optimizer": "cpu"}}, False, "DeepSpeedCPUAdam"),
+    ("torch", {}, True, "AdamW"),
+    ("torch", {"zero_stage": 2, "offload": {"optimizer": "cpu"}}, True, "AdamW"),
+])
+def test_adam_implementation(implementation, memory, torch_adam, built, deepspeed_config):
+    spec = make_spec(training={"max_steps": 10, "optimizer": {"implementation": implementation}}, memory=memory)
+    c = compile_(spec)
+    params = c.ds_config["optimizer"]["params"]
+    assert params["torch_adam"] is torch_adam
+    # torch.optim.AdamW has no bias_correction keyword; DeepSpeed's Adams get it explicitly
+    assert ("bias_correction" in params) is (not torch_adam)
+    offloaded = memory.get("offload", {}).get("optimizer") == "cpu"
+    assert c.ds_config.get("zero_force_ds_cpu_optimizer", True) is not (torch_adam and offloaded)
+    config = deepspeed_config(c.ds_config, 1)
+    cls, kwargs = _adam_class_deepspeed_builds(config)
+    assert cls.__name__ == built
+    assert set(kwargs) <= set(inspect.signature(cls).parameters), kwargs
+    if cls.__name__ == "AdamW":   # constructs without building any op
+        cls([__import__("torch").nn.Parameter(__import__("torch").zeros(2))], **kwargs)
+
+
+def test_bias_correction_reaches_deepspeed(deepspeed_config):
+    spec = make_spec(training={"max_steps": 10, "optimizer": {"bias_correction": False}},
+                     memory={"zero_stage": 2, "offload": {"optimizer": "cpu"}})
+    c = compile_(spec)
+    assert c.ds_config["optimizer"]["params"]["bias_correction"] is False
+    config = deepspeed_config(c.ds_config, 1)
+    assert config.optimizer_params["bias_correction"] is False
+
+
+@pytest.mark.parametrize("implementation, offload, phrase", [
+    ("fused", "cpu", "cannot run with optimizer offload"),
+    ("cpu", "none", "needs optimizer offload"),
+])
+def test_adam_implementation_the_offload_cannot_run(implementation, offload, phrase):
+    # reached only by specs changed after validation (memory.fit): the compiler must not emit them
+    spec = make_spec(training={"max_steps": 10, "optimizer": {"implementation": implementation}},
+                     memory={"zero_stage": 2, "offload": {"optimizer": offload}})
+    with pytest.raises(SpecError) as caught:
+        compile_(spec)
+    assert phrase in str(caught.value.issues[0].message)
+    assert caught.value.issues[0].path == ("training", "optimizer", "implementation")
+
+
+def test_fp16_auto_cast(deepspeed_config):
+    c = compile_(make_spec(memory={"precision": "fp16", "fp16": {"auto_cast": True}}))
+    assert c.ds_config["fp16"]["auto_cast"] is True
+    assert deepspeed_config(c.ds_config, 1).float16_config.auto_cast is True
+    assert compile_(make_spec(memory={"precision": "fp16"})).ds_config["fp16"]["auto_cast"] is False
+    assert "auto_cast" not in compile_(make_spec(memory={"precision": "bf16"})).ds_config["fp16"]
+
+
+@pytest.mark.parametrize("export, gathered", [
+    ({}, True), ({"final": False}, False), ({"final": False, "best_eval": True}, True),
+    ({"final": False, "at_checkpoints": True}, True),
+])
+def test_zero3_gathers_16bit_weights_when_the_job_exports(export, gathered, deepspeed_config):
+    c = compile_(make_spec(memory={"zero_stage": 3}, export=export))
+    assert c.ds_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is gathered
+    assert deepspeed_config(c.ds_config, 1).zero_config.gather_16bit_weights_on_model_save is gathered
+    assert "stage3_gather_16bit_weights_on_model_save" not in \
+        compile_(make_spec(memory={"zero_stage": 2}, export=export)).ds_config["zero_optimization"]
 
 
 def test_sgd_block_builds_torch_sgd(deepspeed_config):
@@ -217,7 +298,8 @@ def test_fp16_block_has_every_loss_scale_setting():
     spec = make_spec(memory={"precision": "fp16", "fp16": {"initial_scale_power": 12, "hysteresis": 3}})
     c = compile_(spec)
     assert c.ds_config["fp16"] == {"enabled": True, "loss_scale": 0, "initial_scale_power": 12,
-                                   "loss_scale_window": 1000, "hysteresis": 3, "min_loss_scale": 1}
+                                   "loss_scale_window": 1000, "hysteresis": 3, "min_loss_scale": 1,
+                                   "auto_cast": False}
     assert c.ds_config["bf16"] == {"enabled": False}
 
 
@@ -238,12 +320,14 @@ ZERO_TABLE = [
      {"stage": 3, "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": H * H,
       "stage3_prefetch_bucket_size": int(0.9 * H * H), "stage3_param_persistence_threshold": 10 * H,
       "stage3_max_live_parameters": 10**9, "stage3_max_reuse_distance": 10**9, "sub_group_size": 10**9,
+      "stage3_gather_16bit_weights_on_model_save": True,
       "offload_optimizer": {"device": "cpu", "pin_memory": False},
       "offload_param": {"device": "cpu", "pin_memory": False}}),
     ({"zero_stage": 3, "offload": {"optimizer": "nvme", "params": "nvme", "nvme_path": "/nvme"}},
      {"stage": 3, "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": H * H,
       "stage3_prefetch_bucket_size": int(0.9 * H * H), "stage3_param_persistence_threshold": 10 * H,
       "stage3_max_live_parameters": 10**9, "stage3_max_reuse_distance": 10**9, "sub_group_size": 10**9,
+      "stage3_gather_16bit_weights_on_model_save": True,
       "offload_optimizer": {"device": "nvme", "pin_memory": True, "nvme_path": "/nvme"},
       "offload_param": {"device": "nvme", "pin_memory": True, "nvme_path": "/nvme", "buffer_count": 5,
                         "buffer_size": 100_000_000}}),
