@@ -39,6 +39,12 @@ def jobspec(*args: str, env: dict | None = None, timeout: int = 600) -> subproce
                           env={**os.environ, **(env or {})})
 
 
+def export(*args: str) -> None:
+    """`jobspec export ...` in this process (its imports are paid once for the module), exit 0 expected."""
+    from jobspec.cli import main
+    assert main(["export", *args]) == 0
+
+
 def run_dirs(output_dir: Path) -> list[Path]:
     return sorted(output_dir.glob("run-*"))
 
@@ -120,15 +126,16 @@ def test_zero2_exports_reproduce_the_engine(zero2):
     assert sorted(p.name for p in model.iterdir()) == ["best", "final", "step3"]   # step6 is `final`
     assert_fp32_match(model / "final", reference(zero2.ref, "final"))
     assert_fp32_match(model / "step3", reference(zero2.ref, "step3"))
+    best_step = json.loads((model / "best" / "jobspec_export.json").read_text())["step"]
+    assert_fp32_match(model / "best", reference(zero2.ref, "final" if best_step == 6 else f"step{best_step}"))
     # the weights changed between the two: the comparison can tell a stale export
     assert (reference(zero2.ref, "final")["logits"] - reference(zero2.ref, "step3")["logits"]).abs().max() > 1e-3
 
 
 def test_jobspec_export_from_a_mid_run_checkpoint_and_in_bf16(zero2, tmp_path):
-    proc = jobspec("export", str(zero2.ckpt / "step3"), "--out", str(tmp_path / "step3"))
-    finished(proc)
+    export(str(zero2.ckpt / "step3"), "--out", str(tmp_path / "step3"))
     assert_fp32_match(tmp_path / "step3", reference(zero2.ref, "step3"))
-    finished(jobspec("export", str(zero2.run_dir), "--out", str(tmp_path / "bf16"), "--dtype", "bf16"))
+    export(str(zero2.run_dir), "--out", str(tmp_path / "bf16"), "--dtype", "bf16")
     assert_bf16_match(tmp_path / "bf16", reference(zero2.ref, "final"))
     refused = jobspec("export", str(zero2.run_dir), "--out", str(tmp_path / "bf16"))
     assert refused.returncode == 2 and "is not empty" in refused.stderr and "Traceback" not in refused.stderr
@@ -191,7 +198,7 @@ def test_zero3_offload_exports_reproduce_the_engine(zero3_child, tmp_path):
     # the rank-side export at the step-3 checkpoint: DeepSpeed's gather of offloaded parameters
     assert_fp32_match(zero3_child.run_dir / "model" / "step3", reference(zero3_child.ref, "step3"))
     # the final model the full disk refused: converted from the checkpoint that was kept
-    finished(jobspec("export", str(zero3_child.run_dir), "--out", str(tmp_path / "final")))
+    export(str(zero3_child.run_dir), "--out", str(tmp_path / "final"))
     assert_fp32_match(tmp_path / "final", reference(zero3_child.ref, "final"))
 
 
@@ -203,7 +210,7 @@ def test_zero3_bf16_exports(zero3_bf16, tmp_path):
     assert_bf16_match(final, reference(zero3_bf16.ref, "final"))
     assert_bf16_match(zero3_bf16.run_dir / "model" / "step3", reference(zero3_bf16.ref, "step3"))
     # fp32 master weights of the mid-run checkpoint, merged by DeepSpeed's converter
-    finished(jobspec("export", str(zero3_bf16.ckpt / "step3"), "--out", str(tmp_path / "fp32"), "--dtype", "fp32"))
+    export(str(zero3_bf16.ckpt / "step3"), "--out", str(tmp_path / "fp32"), "--dtype", "fp32")
     assert_bf16_match(tmp_path / "fp32", reference(zero3_bf16.ref, "step3"), dtype=torch.float32)
     from safetensors.torch import load_file
     masters = load_file(tmp_path / "fp32" / "model.safetensors")
