@@ -32,7 +32,7 @@ from pathlib import Path
 import yaml
 
 from jobspec.errors import spec_error
-from jobspec.secrets import mask_secrets
+from jobspec.secrets import mask_secrets, mask_tree
 
 SPEC = "spec.yaml"
 RESOLVED = "resolved.yaml"
@@ -112,7 +112,7 @@ def write_compiled(out: Path, resolved, compiled) -> None:
     contents = {
         # a password in a tracking URI or a planted token must not reach files that become artifacts
         SPEC: mask_secrets(resolved.text),
-        RESOLVED: mask_secrets(yaml.safe_dump(resolved.spec, sort_keys=False)),
+        RESOLVED: yaml.safe_dump(mask_tree(resolved.spec), sort_keys=False),
         DS_CONFIG: _json_text(compiled.ds_config),
         PATCHES: _json_text(compiled.patches),
         COMMAND: shlex.join(compiled.launch["argv"]) + "\n",

@@ -126,3 +126,24 @@ def test_credentials_never_reach_mlflow_logs_or_run_files(planted_launch):
 @pytest.mark.slow
 def test_run_dir_copies_of_the_spec_hide_uri_passwords(planted_launch):
     assert all(PASSWORD not in planted_launch[name] for name in SPEC_COPIES)
+
+
+def test_a_secret_that_is_a_whole_value_leaves_resolved_yaml_loadable(tmp_path, monkeypatch):
+    # masking the dumped text would turn `note: <token>` into `note: ***`, a YAML alias the worker
+    # cannot load; the tree is masked before it is dumped
+    import yaml
+
+    from jobspec.compile.compiler import compile_spec
+    from jobspec.rundir import RESOLVED, write_compiled
+    from jobspec.spec.derived import derive
+    from jobspec.spec.validation import load_and_validate
+
+    secret = "hf_wholevalue_1234567"
+    monkeypatch.setenv("HF_TOKEN", secret)
+    job = Path(__file__).resolve().parent.parent / "jobs" / "quickstart.yaml"
+    resolved = load_and_validate(job, [f"description={secret}"])
+    compiled = compile_spec(resolved.spec, derive(resolved.spec), run_dir=str(tmp_path / "run"))
+    write_compiled(tmp_path / "run", resolved, compiled)
+    text = (tmp_path / "run" / RESOLVED).read_text()
+    assert secret not in text
+    assert yaml.safe_load(text)["description"] == "***"

@@ -75,3 +75,16 @@ def test_plan_fit_command(capsys):
     assert "fit: " in out and "x step time" in out
     assert main(["plan", str(REPO / "jobs" / "gpt2-xl-12gb.yaml"), "--fit", "--gpu-mem", "1GiB"]) == 1
     assert "nothing fits" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("implementation, offloaded", [("fused", False), ("cpu", True)])
+def test_fit_keeps_to_a_pinned_adam_implementation(implementation, offloaded):
+    overrides = [f"training.optimizer.implementation={implementation}",
+                 f"memory.offload.optimizer={'cpu' if offloaded else 'none'}"]
+    spec = load_and_validate(REPO / "jobs" / "gpt2-xl-12gb.yaml", overrides=overrides).spec
+    derived = derive(spec)
+    from jobspec.memory.fit import apply_changes, candidate_changes
+    for changes in candidate_changes(spec, derived, True):
+        candidate = apply_changes(spec, changes)
+        assert (candidate["memory"]["offload"]["optimizer"] != "none") == offloaded, changes
+        compile_spec(candidate, derive(candidate))   # never the compiler's "cannot run with" error
