@@ -28,6 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from jobspec.spec.derived import derive
+    from jobspec.spec.freeform import unchecked_model_config
     from jobspec.spec.validation import load_and_validate
 
     reports, failed = [], False
@@ -43,11 +44,14 @@ def run(args: argparse.Namespace) -> int:
             continue
         spec = resolved.spec
         world = derive(spec).world_size
+        notes = [note for note in (unchecked_model_config(resolved),) if note]
         if args.format == "json":
             reports.append({"valid": True, "file": job, "name": spec["name"], "world_size": world,
-                            "spec": spec})
+                            "notes": notes, "spec": spec})
         else:
             print(f"{job}: ok (name {spec['name']}, world size {world})")
+            for note in notes:
+                print(f"note: {note}")
     if args.format == "json":
         print(json.dumps(reports[0] if len(reports) == 1 else reports, indent=2))
     return EXIT_INVALID if failed else 0

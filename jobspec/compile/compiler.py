@@ -80,6 +80,7 @@ def compile_spec(spec: dict, job: DerivedJob, *, run_dir: str = "RUN_DIR",
 
     ds_config = apply_overrides(ds_config, spec.get("deepspeed") or {}, notes)
     assert_no_auto(ds_config)
+    assert_deepspeed_accepts(ds_config)
     return Compiled(
         ds_config=ds_config,
         patches=compile_patches(spec),
@@ -239,6 +240,19 @@ def compile_patches(spec: dict) -> list[dict]:
     if model["compile"]:
         patches.append({"name": "torch_compile", "args": {}})
     return patches
+
+
+def assert_deepspeed_accepts(ds_config: dict) -> None:
+    """The whole compiled config against DeepSpeed's own schema (schemas/deepspeed-config.schema.json):
+    a value the spec's schema lets through but DeepSpeed's config classes refuse fails here, at
+    compile time, not inside the ranks after launch."""
+    from jobspec.spec.freeform import deepspeed_problems
+    problems = deepspeed_problems(ds_config, owned=False)
+    if problems:
+        path, message, hint = problems[0][:3]
+        dotted = ".".join(str(p) for p in path)
+        raise spec_error(f"the compiled DeepSpeed config is refused at `{dotted}`: {message}", path=("deepspeed",),
+                         hint=hint or "change the spec field that sets it")
 
 
 def launch_command(resources: dict, job: DerivedJob, run_dir: str, master_port: int | None) -> dict:

@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 from jobspec import hardware, rundir, shm
-from jobspec.errors import RunFailure, spec_error
+from jobspec.errors import RunFailure, SpecError, spec_error
 from jobspec.launch import ownership, preflight, runner, slurm, supervise
 from jobspec.memory import at_launch as launch_memory
 from jobspec.secrets import mask_secrets
@@ -39,10 +39,16 @@ log = logging.getLogger("jobspec.launch")
 def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_steps: int | None = None,
            ignore_preflight: bool = False, kill_grace_s: float = supervise.KILL_GRACE_S) -> int:
     """Run the job; the runner's exit status (128+N when stopped by signal N)."""
+    from jobspec.launch.model_config import launch_model_config_issues
     from jobspec.spec.inputs import derive_job
     from jobspec.spec.validation import load_and_validate
 
     resolved = load_and_validate(job, overrides)
+    # `model.config` of an architecture outside the shipped table: checked against transformers now,
+    # before anything starts, with the same positioned errors validate gives for the others
+    model_config_problems = launch_model_config_issues(resolved)
+    if model_config_problems:
+        raise SpecError(model_config_problems)
     # memory.fit: auto rewrites the spec (and its derived job) here, so everything below sees what runs
     gpu_free = hardware.gpu_free_bytes(resolved.spec["resources"]["gpus_per_node"])
     resolved, derived, memory = launch_memory.prepare(resolved, derive_job(resolved.spec), gpu_free,

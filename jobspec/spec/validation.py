@@ -18,6 +18,7 @@ from typing import Any
 from jobspec.errors import SpecError, SpecIssue
 from jobspec.spec.derived import derive
 from jobspec.spec.loader import SET_FILE, LoadedSpec, Position, load_spec
+from jobspec.spec.freeform import freeform_issues
 from jobspec.spec.optimizers import CLIENT_OPTIMIZERS
 from jobspec.spec.overrides import apply_overrides
 from jobspec.spec.schema import (fill_defaults, has_type, schema_types, shared_schema, subschema_at,
@@ -77,7 +78,7 @@ def load_and_validate(path: str | os.PathLike, overrides=()) -> ResolvedSpec:
 def validate_spec(loaded: LoadedSpec) -> ResolvedSpec:
     """Schema errors first (all of them); cross-field rules only on a schema-valid spec."""
     resolved = ResolvedSpec(loaded.spec, loaded.source, loaded.text, loaded.positions, loaded.key_positions)
-    issues = schema_issues(resolved)
+    issues = schema_issues(resolved) + freeform_issues(resolved)
     if issues:
         raise SpecError(issues)
     resolved.spec = fill_defaults(loaded.spec)

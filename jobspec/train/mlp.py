@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from jobspec.errors import spec_error
 
 ARCHITECTURE = "mlp"
+CONFIG_KEYS = ("hidden_size", "num_layers", "vocab_size", "num_labels")   # what `model.config` may set
 
 
 @dataclass
@@ -89,7 +90,7 @@ def build_mlp(spec: dict) -> MLPClassifier:
                          path=("model", "task"), hint="set model.task: sequence-classification")
     values = dict(model_spec.get("config") or {})
     values.setdefault("num_labels", model_spec.get("num_labels", 2))
-    known = {"hidden_size", "num_layers", "vocab_size", "num_labels"}
+    known = set(CONFIG_KEYS)
     unknown = sorted(set(values) - known)
     if unknown:
         raise spec_error(f"unknown mlp config key(s): {', '.join(unknown)}", path=("model", "config", unknown[0]),

@@ -447,3 +447,16 @@ def test_num_parameters_real_sizes(architecture, config, task):
     task = LM_TASK[architecture] if task == "lm" else task
     dims = model_dims({"model": {"architecture": architecture, "config": config}})
     assert dims.num_parameters(task) == _transformers_count(architecture, config, task, 2)
+
+
+def test_a_compiled_config_deepspeed_refuses_fails_at_compile_time():
+    from jobspec.compile.compiler import assert_deepspeed_accepts
+    assert_deepspeed_accepts(compile_(make_spec()).ds_config)
+    with pytest.raises(SpecError, match="fp16.min_loss_scale"):   # DeepSpeedFP16Config: an int
+        assert_deepspeed_accepts({"fp16": {"enabled": True, "min_loss_scale": 0.5}})
+
+
+def test_min_loss_scale_must_be_an_integer_as_deepspeed_reads_it():
+    from jobspec.spec.schema import subschema_at
+    node = subschema_at(("memory", "fp16", "min_loss_scale"))
+    assert node["type"] == "integer" and node["minimum"] == 1
