@@ -18,11 +18,11 @@ from typing import Any
 from jobspec.errors import SpecError, SpecIssue
 from jobspec.spec.derived import derive
 from jobspec.spec.loader import SET_FILE, LoadedSpec, Position, load_spec
+from jobspec.spec.freeform import freeform_issues
 from jobspec.spec.optimizers import CLIENT_OPTIMIZERS
 from jobspec.spec.overrides import apply_overrides
 from jobspec.spec.schema import (fill_defaults, has_type, schema_types, shared_schema, subschema_at,
                                  type_name, types_text)
-from jobspec.spec.freeform import freeform_issues
 
 PATH_FIELDS = (("data", "train"), ("data", "eval"), ("data", "tokenizer"), ("model", "name_or_path"),
                ("output_dir",), ("checkpoint", "dir"), ("checkpoint", "resume"), ("memory", "offload", "nvme_path"),
