@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 from jobspec import hardware, rundir, shm
-from jobspec.errors import RunFailure, spec_error
+from jobspec.errors import RunFailure, SpecIssue
 from jobspec.launch import ownership, preflight, runner, slurm, supervise
 from jobspec.memory import at_launch as launch_memory
 from jobspec.tracking import telemetry
@@ -65,13 +65,13 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
     run_dir = rundir.create_run_dir(spec["output_dir"])
     try:
         compiled = compile_job(resolved, derived, run_dir, port)
-        problems = preflight.preflight_problems(spec, derived) + \
-            launch_memory.preflight_problems(memory, gpu_free)
+        problems = preflight.preflight_issues(spec, derived) + \
+            [SpecIssue(("memory",), text) for text in launch_memory.preflight_problems(memory, gpu_free)]
         compiled.launch.update(launch_memory.plan_record(memory))  # launch.json: `plan` (MiB), `fit`
         if problems and not ignore_preflight:
-            raise spec_error("; ".join(problems), hint="fix the spec, or pass --ignore-preflight")
+            raise preflight.refusal(resolved, problems)
         for problem in problems:
-            log.warning("preflight (ignored): %s", problem)
+            log.warning("preflight (ignored): %s", problem.render())
         compiled.launch["argv"] = runner.resolve_runner(compiled.launch["argv"])  # command.txt stays true
         # inside a multi-node Slurm allocation: one runner per node through srun (docs/slurm.md)
         compiled.launch["argv"] = slurm.launch_argv(compiled.launch, run_dir)

@@ -72,15 +72,21 @@ def reshard_plan(ckpt: dict, world_size: int, group):
     return reshard.plan(ckpt, world_size, broadcast)
 
 
-def share_cpu_threads() -> None:
-    """On CPU ranks, split the cores between the ranks of this node: every rank taking all of
-    them makes the ranks' OpenMP threads fight for cores (steps become many times slower)."""
+def share_cpu_threads() -> int | None:
+    """On CPU ranks, split the CPUs this process may use (affinity mask, cgroup quota: what Slurm's
+    --cpus-per-task gives) between the ranks of this node: every rank taking all of them makes the
+    ranks' OpenMP threads fight for cores (steps become many times slower). The count set, or None
+    (GPU ranks, or OMP_NUM_THREADS set by the user)."""
     import torch
     from deepspeed.accelerator import get_accelerator
+
+    from jobspec.hardware import available_cpus, threads_per_rank
     if get_accelerator().device_name() != "cpu" or "OMP_NUM_THREADS" in os.environ:
-        return
+        return None
     local_ranks = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
+    threads = threads_per_rank(available_cpus(), local_ranks)
+    torch.set_num_threads(threads)
+    return threads
 
 
 def loss_of(outputs):
