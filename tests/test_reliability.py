@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -62,13 +64,29 @@ def test_a_disk_too_small_for_one_checkpoint_is_refused_before_anything_starts(t
     monkeypatch.setattr(supervision, "run", lambda *a, **k: pytest.fail("a job started"))
     assert main(["launch", str(job)]) == 2
     err = capsys.readouterr().err
-    assert "GiB free but one checkpoint needs about" in err and "checkpoint.dir" in err
+    # positioned at the field it concerns (here the `checkpoint:` line: `dir` is defaulted), not the root
+    line = job.read_text().splitlines().index("checkpoint:") + 1
+    assert f"{job}:{line}:1: checkpoint.dir: " in err, err
+    assert re.search(r"has [\d.]+ (KiB|MiB|GiB|TiB) free but one checkpoint needs about [\d.]+ TiB", err), err
+    assert "--ignore-preflight" in err
     assert not list((tmp_path / "out-huge").glob("run-*"))
     # the estimate follows the model: the tiny one fits easily
     from jobspec.spec.validation import load_and_validate
     tiny = load_and_validate(write_job(tmp_path, "tiny", store))
     assert 0 < checkpoint_bytes(tiny.spec, derive(tiny.spec)) < 10 * 2**20
-    assert preflight.checkpoint_space_problem(tiny.spec, derive(tiny.spec)) is None
+    assert preflight.checkpoint_space_issue(tiny.spec, derive(tiny.spec)) is None
+    # a small disk is described in units that show the numbers (was "0.0 GiB free ... about 0.0 GiB")
+    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda d: shutil._ntuple_diskusage(10 * 2**20, 0, 3 * 2**10))
+    tiny.spec["checkpoint"]["save_final"] = True
+    issue = preflight.checkpoint_space_issue(tiny.spec, derive(tiny.spec))
+    assert issue.path == ("checkpoint", "dir")
+    assert re.search(r"has 3\.0 KiB free but one checkpoint needs about [1-9][\d.]* (KiB|MiB)", issue.message)
+
+
+@pytest.mark.parametrize("n, text", [(0, "0 bytes"), (1023, "1023 bytes"), (1536, "1.5 KiB"), (5 * 2**20, "5.0 MiB"),
+                                     (int(2.25 * 2**30), "2.2 GiB"), (3 * 2**40, "3.0 TiB")])
+def test_disk_sizes_take_the_unit_that_shows_them(n, text):
+    assert preflight.human_bytes(n) == text
 
 
 class FakeEngine:
