@@ -2,6 +2,7 @@
 -> MLflow run -> supervised DeepSpeed runner -> final status.
 
     resolve        spec/validation.load_and_validate (exit 2 on any problem)
+    data           datacheck.preflight_issues: the data files' first rows (exit 2, at data.train/eval)
     prepare        memory/at_launch.prepare: `memory.fit: auto` rewrites the spec; the plan
     claim          launch/ownership.claim_checkpoints: refuse another job's checkpoints; resume id
     derive         spec/inputs.derive_job: every derived number, once (config.json, row count read here)
@@ -26,8 +27,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from jobspec import hardware, rundir, shm
-from jobspec.errors import RunFailure, SpecIssue
+from jobspec import datacheck, hardware, rundir, shm
+from jobspec.errors import RunFailure, SpecError, SpecIssue
 from jobspec.launch import ownership, preflight, runner, slurm, supervise
 from jobspec.memory import at_launch as launch_memory
 from jobspec.tracking import telemetry
@@ -42,6 +43,9 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
     from jobspec.spec.validation import load_and_validate
 
     resolved = load_and_validate(job, overrides)
+    data_issues = datacheck.preflight_issues(resolved.spec)  # before any rank (or row count) reads them
+    if data_issues:
+        raise resolved.locate(SpecError(data_issues))
     # memory.fit: auto rewrites the spec (and its derived job) here, so everything below sees what runs
     gpu_free = hardware.gpu_free_bytes(resolved.spec["resources"]["gpus_per_node"])
     resolved, derived, memory = launch_memory.prepare(resolved, derive_job(resolved.spec), gpu_free,
