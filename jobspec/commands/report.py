@@ -45,8 +45,11 @@ def safe_dir_name(name: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from jobspec.launch import orphans
     from jobspec.report import table as report
 
+    client, found = report.open_experiment(args.tracking_uri, args.experiment)
+    orphans.close_orphans_of_experiment(client, found.experiment_id)  # RUNNING runs whose launcher is gone
     client, reports = report.collect(args.tracking_uri, args.experiment)
     rows = [r.row for r in reports]
     if not rows:

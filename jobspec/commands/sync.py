@@ -4,7 +4,8 @@ Every metric point a job logs is first appended to RUN_DIR/metrics.jsonl; the ML
 points when the tracking server was down for longer than the job waited for it. `sync` compares
 the file with the run's metric history (key, step and timestamp) and sends only what is missing,
 so running it twice adds nothing. A run left RUNNING because the server was down when the job
-ended is closed with the status of RUN_DIR/summary.json. When MLflow was unreachable at launch
+ended is closed with the status of RUN_DIR/summary.json; one whose launcher died without closing it
+(SIGKILL, a lost login node) is closed with summary.json's status, else FAILED. When MLflow was unreachable at launch
 (`logging.mlflow.required: false`), `sync` creates the run from the run directory first.
 
 Credentials come from the environment (MLFLOW_TRACKING_TOKEN, MLFLOW_TRACKING_USERNAME/PASSWORD),
@@ -21,13 +22,11 @@ from pathlib import Path
 
 from jobspec import rundir
 from jobspec.errors import spec_error
+from jobspec.launch import orphans
+from jobspec.launch import status as run_status
 from jobspec.tracking import telemetry
 
 HELP = "Upload metrics.jsonl points that MLflow lacks into the run's MLflow run (idempotent)."
-
-# summary.json status -> MLflow run status, for runs the launcher could not close
-FINAL_STATUS = {"finished": "FINISHED", "preempted": "FINISHED", "failed": "FAILED"}
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", metavar="RUN_DIR", type=Path, help="run directory written by `jobspec launch`")
@@ -42,9 +41,10 @@ def run(args: argparse.Namespace) -> int:
         raise spec_error(f"{metrics_path} not found", file=str(run_dir),
                          hint="pass a run directory of `jobspec launch` whose job logged metrics")
     try:
+        orphaned = orphans.close_if_orphaned(run_dir, "sync", args.tracking_uri)
         tracked = open_or_create_run(run_dir, args.tracking_uri)
         sent = telemetry.upload_missing(tracked.client, tracked.run_id, run_dir)
-        closed = close_if_ended(tracked, run_dir)
+        closed = orphaned.status if orphaned else close_if_ended(tracked, run_dir)
     except telemetry.TrackingUnavailable as err:
         raise spec_error(f"MLflow tracking is unavailable: {err}", file=str(run_dir),
                          hint="start the server (or pass --tracking-uri) and run `jobspec sync` again") from None
@@ -81,12 +81,8 @@ def open_or_create_run(run_dir: Path, tracking_uri: str | None) -> telemetry.Tra
 
 def close_if_ended(tracked: telemetry.TrackedRun, run_dir: Path) -> str | None:
     """End a RUNNING run whose job has ended (summary.json says how); the status set, or None."""
-    summary = rundir.read_summary(run_dir)
-    if summary is None:
+    end = run_status.from_summary(rundir.read_summary(run_dir))
+    if end is None or tracked.client.get_run(tracked.run_id).info.status != "RUNNING":
         return None
-    status = FINAL_STATUS.get(summary.get("status"))
-    if status is None or tracked.client.get_run(tracked.run_id).info.status != "RUNNING":
-        return None
-    exit_code = summary.get("exit_code", 0 if status == "FINISHED" else 1)
-    telemetry.end_run(tracked, run_dir, status=status, exit_code=exit_code, failure_reason=summary.get("error"))
-    return status
+    telemetry.end_run(tracked, run_dir, status=end.status, exit_code=end.exit_code, tags=end.tags())
+    return end.status

@@ -20,7 +20,7 @@ import time
 import traceback
 from pathlib import Path
 
-from jobspec import rundir
+from jobspec import lifeline, rundir
 from jobspec.errors import EXIT_INVALID, EXIT_RUN_FAILED, RunFailure, SpecError
 from jobspec.rundir import RunFiles
 from jobspec.train.faults import NanGuard, NonFiniteLoss
@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INVALID
     except RunFailure as err:  # the spec was fine; the run was not: one line, exit 1
         _write_failure(run_dir, state, started, err.reason)
-        print(f"ERROR: {err.reason}", file=sys.stderr, flush=True)
+        if not err.collective or int(os.environ.get("RANK", "0")) == 0:
+            print(f"ERROR: {err.reason}", file=sys.stderr, flush=True)
         return EXIT_RUN_FAILED
     except NonFiniteLoss as err:  # training.on_nan: stop -- a clear failure, not a traceback
         if err.step:  # found at a log/checkpoint boundary: the good steps end before the bad one
@@ -83,6 +84,8 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
     files = rundir.read_run_files(run_dir)
     stop = StopFlag()
     stop.install()
+    # a SIGKILLed launcher cannot end us: we end the job ourselves once it is gone
+    lifeline.watch_launcher(lambda record: lifeline.end_orphaned_job(record, os.environ.get("MASTER_PORT")))
 
     import deepspeed
     import torch.distributed as dist
