@@ -136,3 +136,12 @@ def test_cpu_ranks_take_their_share_of_the_affinity_mask_not_of_the_machine(monk
         assert engine.share_cpu_threads() is None
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_resume_keeps_the_checkpoints_thread_count_when_the_host_allows():
+    from jobspec.train.engine import resume_threads
+    assert resume_threads(4, 4) == (4, None)
+    threads, note = resume_threads(2, 8)   # requeued onto a bigger node: stay exact
+    assert threads == 2 and "bit-identical" in note and "OMP_NUM_THREADS" in note
+    threads, note = resume_threads(8, 2)   # onto a smaller one: no over-subscription, say what it costs
+    assert threads == 2 and "last bits" in note

@@ -56,7 +56,33 @@ def resume(engine, ckpt: dict, state: RunState, any_rank=lambda flag: flag,
     state.epoch = client_state["epoch"]
     state.batches_in_epoch = client_state["batches_in_epoch"]
     state.resumed_from = str(Path(target[0]) / target[1])
+    keep_checkpoint_threads(client_state.get("cpu_threads"))
     return checkpointing.rng_state_of_this_rank(client_state)
+
+
+def keep_checkpoint_threads(saved: int | None) -> None:
+    """On CPU ranks, continue with the intra-op thread count the checkpoint was trained with, when
+    this host allows it: CPU kernels split their reductions by the thread count, so another count
+    changes the last bits of every gradient (docs/reliability.md)."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+    if not saved or get_accelerator().device_name() != "cpu" or "OMP_NUM_THREADS" in os.environ:
+        return
+    threads, note = resume_threads(int(saved), torch.get_num_threads())
+    torch.set_num_threads(threads)
+    if note and int(os.environ.get("RANK", "0")) == 0:
+        print(f"note: {note}", file=sys.stderr, flush=True)
+
+
+def resume_threads(saved: int, share: int) -> tuple[int, str | None]:
+    """(threads to use, a note or None): the checkpoint's count unless this host's share is smaller."""
+    if saved == share:
+        return share, None
+    if saved < share:
+        return saved, (f"resumed with {saved} CPU threads per rank as the checkpoint was trained (this host offers "
+                       f"{share}), so the losses continue bit-identical; set OMP_NUM_THREADS to use all")
+    return share, (f"the checkpoint was trained with {saved} CPU threads per rank but this host offers {share}: "
+                   "the losses will differ from an uninterrupted run in the last bits")
 
 
 def reshard_plan(ckpt: dict, world_size: int, group):
