@@ -88,9 +88,10 @@ class RunFailure(Exception):
     can act on without editing the spec: memory, disk, an unreachable tracking server.
     """
 
-    def __init__(self, reason: str):
+    def __init__(self, reason: str, collective: bool = False):
         super().__init__(reason)
         self.reason = reason.splitlines()[0] if reason else "run failed"
+        self.collective = collective  # raised on every rank alike: rank 0 alone reports it
 
     def __str__(self) -> str:
         return self.reason

@@ -13,6 +13,8 @@
   hostfile         one `host slots=N` line per node (multi-node Slurm) launch/slurm -> DeepSpeed runner
   mlflow_run.json  tracking URI, experiment and run id                 tracking     -> rank 0's sink, sync
   launcher.log     everything the runner and ranks printed             supervise    -> MLflow artifact
+  launcher.json    the launcher's host, pid, start time; `ended` once  launch       -> launch/sync/report:
+                   it has closed the run                                              a run left RUNNING
   metrics.jsonl    every metric point, one JSON object per log step    rank 0       -> sync, bench
   summary.json     status, steps, loss, throughput, peak memory        rank 0 (else the fallback below)
   .oom-recovery/   the state an OOM retry reloads (removed after)      rank side
@@ -43,6 +45,7 @@ LAUNCH = "launch.json"
 HOSTFILE = "hostfile"
 MLFLOW_RUN = "mlflow_run.json"
 LAUNCHER_LOG = "launcher.log"
+LAUNCHER = "launcher.json"
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 OOM_RECOVERY = ".oom-recovery"
@@ -183,6 +186,30 @@ def read_mlflow_run(run_dir: Path) -> dict | None:
     """tracking_uri, experiment_id, run_id of the job's MLflow run; None when it has none."""
     path = Path(run_dir) / MLFLOW_RUN
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def write_launcher(run_dir: Path, record: dict) -> None:
+    """launcher.json: who runs this job (jobspec/lifeline.py identity), replaced atomically."""
+    run_dir = Path(run_dir)
+    tmp = run_dir / f".{LAUNCHER}.tmp"
+    tmp.write_text(_json_text(record), encoding="utf-8")
+    os.replace(tmp, run_dir / LAUNCHER)
+
+
+def read_launcher(run_dir: Path) -> dict | None:
+    try:
+        record = json.loads((Path(run_dir) / LAUNCHER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def mark_launcher_ended(run_dir: Path, status: str, exit_code: int, by: str = "launcher") -> None:
+    """The run was closed (by its launcher, or by whoever found the launcher gone): nothing left to check."""
+    record = read_launcher(run_dir) or {}
+    record["ended"] = {"status": status, "exit_code": exit_code, "by": by,
+                      "at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    write_launcher(run_dir, record)
 
 
 def open_launcher_log(run_dir: Path):

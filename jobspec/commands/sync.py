@@ -4,7 +4,8 @@ Every metric point a job logs is first appended to RUN_DIR/metrics.jsonl; the ML
 points when the tracking server was down for longer than the job waited for it. `sync` compares
 the file with the run's metric history (key, step and timestamp) and sends only what is missing,
 so running it twice adds nothing. A run left RUNNING because the server was down when the job
-ended is closed with the status of RUN_DIR/summary.json. When MLflow was unreachable at launch
+ended is closed with the status of RUN_DIR/summary.json; one whose launcher died without closing it
+(SIGKILL, a lost login node) is closed with summary.json's status, else FAILED. When MLflow was unreachable at launch
 (`logging.mlflow.required: false`), `sync` creates the run from the run directory first.
 
 Credentials come from the environment (MLFLOW_TRACKING_TOKEN, MLFLOW_TRACKING_USERNAME/PASSWORD),
@@ -26,10 +27,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from jobspec.launch.orphans import close_if_orphaned
     from jobspec.tracking.sync import sync_run
 
+    orphaned = close_if_orphaned(args.run_dir.resolve(), "sync", args.tracking_uri)  # its launcher is gone
     result = sync_run(args.run_dir, args.tracking_uri)
+    closed = orphaned.status if orphaned else result.closed
     print(f"jobspec: {result.sent} of {result.total} metric points uploaded to run {result.run_id} "
-          f"({result.total - result.sent} were already there)"
-          f"{'; run closed as ' + result.closed if result.closed else ''}")
+          f"({result.total - result.sent} were already there){'; run closed as ' + closed if closed else ''}")
     return 0

@@ -2,7 +2,10 @@
 -> MLflow run -> supervised DeepSpeed runner -> final status.
 
     resolve        spec/validation.load_and_validate (exit 2 on any problem)
+    model.config   launch/model_config: an architecture outside the shipped table, against transformers
+    data           datacheck.preflight_issues: the data files' first rows (exit 2, at data.train/eval)
     prepare        memory/at_launch.prepare: `memory.fit: auto` rewrites the spec; the plan
+    orphans        launch/orphans: close runs of output_dir whose launcher died without closing them
     claim          launch/ownership.claim_checkpoints: refuse another job's checkpoints; resume id
     derive         spec/inputs.derive_job: every derived number, once (config.json, row count read here)
     run dir        rundir.create_run_dir, then compile/compiler.compile_spec into it
@@ -11,8 +14,8 @@
     write          rundir.write_compiled (spec.yaml ... launch.json, `plan`/`fit` included)
     track          tracking/run.start_run (+ plan.*/fit.* params), or None
     own            launch/ownership.write_owner (with the MLflow run id, for a resume)
-    supervise      launch/supervise.run: ranks run, output to launcher.log
-    end            shm buffers removed, fallback summary.json, tracking end_run with the status
+    supervise      launch/supervise.run: ranks run, output to launcher.log (launcher.json: who runs it)
+    end            shm buffers removed, status.ending (exit code, MLflow status and tags, last line)
 
 Anything failing before the runner starts removes the new run directory: no half-made run is left.
 """
@@ -26,9 +29,11 @@ import shutil
 import sys
 from pathlib import Path
 
-from jobspec import hardware, rundir, shm
-from jobspec.errors import RunFailure, SpecError, spec_error
-from jobspec.launch import ownership, preflight, runner, slurm, supervise
+from jobspec import hardware, lifeline, rundir, shm
+from jobspec import status as run_status
+from jobspec.errors import RunFailure, SpecError, SpecIssue
+from jobspec.launch import orphans, ownership, preflight, runner, slurm, supervise
+from jobspec.spec import datacheck
 from jobspec.memory import at_launch as launch_memory
 from jobspec.secrets import mask_secrets
 from jobspec.tracking import run as tracking
@@ -38,7 +43,8 @@ log = logging.getLogger("jobspec.launch")
 
 def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_steps: int | None = None,
            ignore_preflight: bool = False, kill_grace_s: float = supervise.KILL_GRACE_S) -> int:
-    """Run the job; the runner's exit status (128+N when stopped by signal N)."""
+    """Run the job; its exit status (jobspec/status.py: 0 finished, 75 stopped with a checkpoint,
+    128+N stopped or killed by signal N, else the ranks')."""
     from jobspec.launch.model_config import launch_model_config_issues
     from jobspec.spec.inputs import derive_job
     from jobspec.spec.validation import load_and_validate
@@ -49,6 +55,9 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
     model_config_problems = launch_model_config_issues(resolved)
     if model_config_problems:
         raise SpecError(model_config_problems)
+    data_issues = datacheck.preflight_issues(resolved.spec)  # before any rank (or row count) reads them
+    if data_issues:
+        raise resolved.locate(SpecError(data_issues))
     # memory.fit: auto rewrites the spec (and its derived job) here, so everything below sees what runs
     gpu_free = hardware.gpu_free_bytes(resolved.spec["resources"]["gpus_per_node"])
     resolved, derived, memory = launch_memory.prepare(resolved, derive_job(resolved.spec), gpu_free,
@@ -68,23 +77,26 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
         print(shlex.join(argv))
         return 0
 
+    orphans.close_orphans_under(spec["output_dir"])  # runs a SIGKILLed launcher left RUNNING here
     resume_run_id = ownership.claim_checkpoints(spec)
     run_dir = rundir.create_run_dir(spec["output_dir"])
     try:
         compiled = compile_job(resolved, derived, run_dir, port)
-        problems = preflight.preflight_problems(spec, derived) + \
-            launch_memory.preflight_problems(memory, gpu_free)
+        problems = preflight.preflight_issues(spec, derived) + \
+            [SpecIssue(("memory",), text) for text in launch_memory.preflight_problems(memory, gpu_free)]
         compiled.launch.update(launch_memory.plan_record(memory))  # launch.json: `plan` (MiB), `fit`
         if problems and not ignore_preflight:
-            raise spec_error("; ".join(problems), hint="fix the spec, or pass --ignore-preflight")
+            raise preflight.refusal(resolved, problems)
         for problem in problems:
-            log.warning("preflight (ignored): %s", problem)
+            log.warning("preflight (ignored): %s (%s)", problem.message, problem.dotted_path)
         compiled.launch["argv"] = runner.resolve_runner(compiled.launch["argv"])  # command.txt stays true
         # inside a multi-node Slurm allocation: one runner per node through srun (docs/slurm.md)
         compiled.launch["argv"] = slurm.launch_argv(compiled.launch, run_dir)
         rundir.write_compiled(run_dir, resolved, compiled)
+        rundir.write_launcher(run_dir, lifeline.identity())  # who to ask whether this run still runs
         tracked = start_tracking(resolved, compiled, run_dir, resume_run_id)
         if tracked is not None:  # next to the ranks' measured mem/* series: prediction error per run
+            orphans.tag_run(tracked, run_dir)
             tracking.log_params(tracked, launch_memory.mlflow_params(memory, spec["memory"]["fit"]))
     except BaseException:
         shutil.rmtree(run_dir, ignore_errors=True)  # nothing ran: leave no half-made run behind
@@ -95,15 +107,17 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
     outcome = supervise.run(compiled.launch["argv"], child_env(spec, stop_after_steps), run_dir,
                             kill_grace_s=kill_grace_s)
     shm.remove_shared_memory_buffers(compiled.launch.get("master_port"))  # every rank is gone now
-    status = "FINISHED" if outcome.exit_code == 0 else ("KILLED" if outcome.user_signal else "FAILED")
-    rundir.write_fallback_summary(run_dir, status, outcome.exit_code)
+    end = run_status.ending(outcome.exit_code, outcome.user_signal, outcome.reason, rundir.read_summary(run_dir),
+                            stop_after_steps)
+    rundir.write_fallback_summary(run_dir, end.status, end.exit_code)
     if tracked is not None:
         from jobspec.tracking.model_artifacts import log_exported_models
         log_exported_models(tracked, run_dir, spec)
-        tracking.end_run(tracked, run_dir, status=status, exit_code=outcome.exit_code,
-                         failure_reason=outcome.reason)
-    print(f"jobspec: {status.lower()} (exit {outcome.exit_code}); run directory {run_dir}", flush=True)
-    return outcome.exit_code
+        tracking.end_run(tracked, run_dir, status=end.status, exit_code=end.exit_code, tags=end.tags())
+    rundir.mark_launcher_ended(run_dir, end.status, end.exit_code)
+    print(run_status.closing_line(end, run_dir, run_status.resume_command(job, overrides, spec["checkpoint"]["resume"])),
+          flush=True)
+    return end.exit_code
 
 
 def compile_job(resolved, derived, run_dir: Path, master_port: int):

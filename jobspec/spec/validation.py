@@ -233,7 +233,10 @@ def cross_field_issues(r: ResolvedSpec) -> list[SpecIssue]:
     for key in ("train", "eval"):
         if isinstance(data[key], str):
             file = _local_path(r, ("data", key))
-            if not _exists(file, file=True):
+            if _exists(file) and file.is_dir():
+                add(r.issue(("data", key), f"{file} is a directory, not a data file",
+                            f"point data.{key} at one jsonl, csv or parquet file"))
+            elif not _exists(file, file=True):
                 add(r.issue(("data", key), f"data file not found: {file}",
                             "paths are relative to the spec file that sets them"))
 

@@ -200,15 +200,23 @@ def log_artifacts(tracked: TrackedRun, run_dir: Path, names) -> None:
 
 
 def end_run(tracked: TrackedRun, run_dir: Path, *, status: str, exit_code: int,
-            failure_reason: str | None = None) -> None:
-    """Upload summary.json (a minimal one when the worker wrote none), set the reason and the final status."""
+            failure_reason: str | None = None, tags: tuple[dict, tuple] | None = None) -> None:
+    """Upload summary.json (a minimal one when the worker wrote none), set the reason and the final status.
+
+    `tags`: (tags to set, tags to delete) from jobspec.status.Ending.tags(), which replace the
+    `failure_reason` tag: a resumed run's end supersedes the reason of its earlier end."""
     rundir.write_fallback_summary(run_dir, status, exit_code)
     client, run_id = tracked.client, tracked.run_id
+    if tags is None:
+        tags = ({"jobspec.failure_reason": failure_reason} if failure_reason else {}, ())
     try:
         log_artifacts(tracked, run_dir, rundir.END_ARTIFACTS)
         client.set_tag(run_id, "jobspec.exit_code", str(exit_code))
-        if failure_reason:
-            client.set_tag(run_id, "jobspec.failure_reason", mask_secrets(failure_reason)[-FAILURE_REASON_CHARS:])
+        for key, value in tags[0].items():
+            client.set_tag(run_id, key, mask_secrets(value)[-FAILURE_REASON_CHARS:])
+        stale = [key for key in tags[1] if key in client.get_run(run_id).data.tags] if tags[1] else []
+        for key in stale:
+            client.delete_tag(run_id, key)
         client.set_terminated(run_id, status=status)
     except Exception as err:
         log.warning("could not finish MLflow run %s: %s", run_id, first_line(err))

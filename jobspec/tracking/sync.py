@@ -8,12 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jobspec import rundir
+from jobspec import status as run_status
 from jobspec.errors import first_line, spec_error
 from jobspec.tracking import run as tracking
 from jobspec.tracking.run import MAX_METRICS_PER_BATCH
 
-# summary.json status -> MLflow run status, for runs the launcher could not close
-FINAL_STATUS = {"finished": "FINISHED", "preempted": "FINISHED", "failed": "FAILED"}
 
 
 @dataclass
@@ -68,15 +67,11 @@ def open_or_create_run(run_dir: Path, tracking_uri: str | None) -> tracking.Trac
 
 def close_if_ended(tracked: tracking.TrackedRun, run_dir: Path) -> str | None:
     """End a RUNNING run whose job has ended (summary.json says how); the status set, or None."""
-    summary = rundir.read_summary(run_dir)
-    if summary is None:
+    end = run_status.from_summary(rundir.read_summary(run_dir))
+    if end is None or tracked.client.get_run(tracked.run_id).info.status != "RUNNING":
         return None
-    status = FINAL_STATUS.get(summary.get("status"))
-    if status is None or tracked.client.get_run(tracked.run_id).info.status != "RUNNING":
-        return None
-    exit_code = summary.get("exit_code", 0 if status == "FINISHED" else 1)
-    tracking.end_run(tracked, run_dir, status=status, exit_code=exit_code, failure_reason=summary.get("error"))
-    return status
+    tracking.end_run(tracked, run_dir, status=end.status, exit_code=end.exit_code, tags=end.tags())
+    return end.status
 
 
 def upload_missing(client, run_id: str, run_dir: Path) -> int:

@@ -20,7 +20,7 @@ import time
 import traceback
 from pathlib import Path
 
-from jobspec import rundir
+from jobspec import lifeline, rundir
 from jobspec.errors import EXIT_INVALID, EXIT_RUN_FAILED, RunFailure, SpecError
 from jobspec.rundir import RunFiles
 from jobspec.train.hf_dir import ExportFailed
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     except RunFailure as err:  # the spec was fine; the run was not: one line, exit 1
         _write_failure(run_dir, state, started, err.reason)
         # a failure every rank shares (an export's broadcast error) is printed once
-        if not isinstance(err, ExportFailed) or int(os.environ.get("RANK", "0")) == 0:
+        if not (err.collective or isinstance(err, ExportFailed)) or int(os.environ.get("RANK", "0")) == 0:
             print(f"ERROR: {err.reason}", file=sys.stderr, flush=True)
         return EXIT_RUN_FAILED
     except NonFiniteLoss as err:  # training.on_nan: stop -- a clear failure, not a traceback
@@ -86,6 +86,8 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
     files = rundir.read_run_files(run_dir)
     stop = StopFlag()
     stop.install()
+    # a SIGKILLed launcher cannot end us: we end the job ourselves once it is gone
+    lifeline.watch_launcher(lambda record: lifeline.end_orphaned_job(record, os.environ.get("MASTER_PORT")))
 
     import deepspeed
     import torch.distributed as dist

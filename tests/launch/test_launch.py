@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -18,8 +19,9 @@ import psutil
 import pytest
 import yaml
 
-from jobspec import rundir
-from jobspec.launch import ownership, runner, supervise as supervision
+from jobspec import lifeline, rundir
+from jobspec import status as run_status
+from jobspec.launch import orphans, ownership, runner, supervise as supervision
 from jobspec.tracking import run as tracking
 from jobspec.cli import main
 from jobspec.errors import SpecError
@@ -33,11 +35,17 @@ FAKE_RUNNER = textwrap.dedent('''
     if mode == "exit3":
         print("Traceback: something broke", flush=True)
         sys.exit(3)
+    if mode == "ds-sigkill":  # DeepSpeed's launch.py after a rank died of SIGKILL: sys.exit(-9), i.e. 247
+        print("[ERROR] [launch.py:329:sigkill_handler] ['python', '-u'] exits with return code = -9", flush=True)
+        sys.exit(247)
     ranks = [subprocess.Popen([sys.executable, __file__, run_dir, "rank:" + mode],
                               env={**os.environ, "LOCAL_RANK": str(i)}) for i in range(2)]
     sys.exit(max(abs(r.wait()) for r in ranks))
 ''')
-FAKE_RANK = textwrap.dedent('''
+DISK_FULL = ("checkpoint step4 could not be saved to /ckpt: No space left on device (writing /ckpt/step4/x.pt on "
+             "rank 1); the incomplete step4 was removed and `latest` still names step2: free space, or set "
+             "checkpoint.dir to a disk with room")
+FAKE_RANK = f"DISK_FULL = {DISK_FULL!r}\n" + textwrap.dedent('''
     import os, signal, sys, time
     from pathlib import Path
     run_dir, mode = Path(sys.argv[1]), sys.argv[2].split(":", 1)[1]
@@ -49,10 +57,28 @@ FAKE_RANK = textwrap.dedent('''
     signal.signal(signal.SIGTERM, signal.SIG_IGN if mode == "stubborn" else graceful)
     if mode == "stubborn":
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if mode == "watch":  # what jobspec.train.worker does: end the job once the launcher is gone
+        from jobspec import lifeline
+        lifeline.watch_launcher(lambda record: lifeline.end_orphaned_job(record), interval_s=0.2)
     (run_dir / f"ready-{rank}").write_text("x")
     print(f"rank {rank} ready", flush=True)
     if mode == "quick":
         sys.exit(0)
+    if mode in ("preempt", "finish", "diskfull"):  # rank 0 writes summary.json as the worker does
+        import json, yaml
+        ckpt = Path(yaml.safe_load((run_dir / "resolved.yaml").read_text())["checkpoint"]["dir"])
+        if rank == 0:
+            ckpt.mkdir(parents=True, exist_ok=True)
+            (ckpt / "latest").write_text("step3")
+            summary = {"preempt": {"status": "preempted", "steps": 3, "total_steps": 6, "checkpoint": "step3"},
+                       "finish": {"status": "finished", "steps": 6, "total_steps": 6, "checkpoint": "step6"},
+                       "diskfull": {"status": "failed", "steps": 4, "error": DISK_FULL}}[mode]
+            (run_dir / "summary.json").write_text(json.dumps(summary))
+        if mode == "diskfull":
+            print("ERROR: " + DISK_FULL, flush=True)
+            for i in range(40):  # what a failing job prints after the line that matters
+                print(f"rank {rank} traceback line {i}", flush=True)
+        sys.exit(1 if mode == "diskfull" else 0)
     if mode == "one-dies" and rank == 1:
         time.sleep(3)  # long enough to be seen alive, as real ranks are (model loading)
         os._exit(9)
@@ -271,6 +297,155 @@ def test_launch_success_is_finished_and_passes_the_stop_flag(tmp_path, fake_runn
     assert run.info.status == "FINISHED" and "jobspec.failure_reason" not in run.data.tags
     command = (run_dir / "command.txt").read_text()  # what really ran (here: the fake runner)
     assert command.split() == fake_runner(run_dir, "quick")
+
+
+def test_a_stop_with_a_checkpoint_is_exit_75_killed_preempted_and_the_resume_supersedes_it(
+        tmp_path, fake_runner, monkeypatch, capsys):
+    job = write_job(tmp_path)
+    use_fake_runner(monkeypatch, fake_runner, "preempt")
+    assert main(["launch", str(job), "--stop-after-steps", "3", "--set", "training.max_steps=6"]) == 75
+    out = capsys.readouterr().out
+    first = only_run_dir(tmp_path)
+    assert "jobspec: stopped, not finished (exit 75): stopped by --stop-after-steps 3 at step 3 of 6; " \
+           "checkpoint step3" in out
+    assert f"jobspec: resume with: jobspec launch {job} --set training.max_steps=6\n" in out
+    client, run = mlflow_run_of(first)
+    assert run.info.status == "KILLED"
+    assert run.data.tags["jobspec.status"] == "preempted" and "step 3 of 6" in run.data.tags["jobspec.stop_reason"]
+    assert run.data.tags["jobspec.exit_code"] == "75" and "jobspec.failure_reason" not in run.data.tags
+
+    # the printed command resumes (same checkpoints, same MLflow run) and the finish supersedes the stop
+    use_fake_runner(monkeypatch, fake_runner, "finish")
+    assert main(["launch", str(job), "--set", "training.max_steps=6"]) == 0
+    assert "jobspec: finished (exit 0)" in capsys.readouterr().out
+    _, run = mlflow_run_of(first)
+    assert run.info.status == "FINISHED" and run.data.tags["jobspec.status"] == "finished"
+    assert "jobspec.stop_reason" not in run.data.tags and run.data.tags["jobspec.exit_code"] == "0"
+
+
+def test_a_rank_failure_reason_is_rank_0s_line_and_a_later_finish_clears_it(tmp_path, fake_runner, monkeypatch,
+                                                                           capsys):
+    job = write_job(tmp_path)
+    use_fake_runner(monkeypatch, fake_runner, "diskfull")
+    assert main(["launch", str(job)]) == 1
+    out = capsys.readouterr().out
+    assert out.strip().endswith(f"jobspec: {DISK_FULL}")  # the line that matters, not the last rank output
+    run_dir = only_run_dir(tmp_path)
+    assert json.loads((run_dir / "summary.json").read_text())["error"] == DISK_FULL
+    _, run = mlflow_run_of(run_dir)
+    assert run.info.status == "FAILED" and run.data.tags["jobspec.failure_reason"] == DISK_FULL
+    assert run.data.tags["jobspec.status"] == "failed"
+    use_fake_runner(monkeypatch, fake_runner, "finish")
+    assert main(["launch", str(job)]) == 0
+    _, run = mlflow_run_of(run_dir)
+    assert run.info.status == "FINISHED" and "jobspec.failure_reason" not in run.data.tags
+
+
+def test_a_rank_killed_by_a_signal_is_128_plus_n_not_deepspeeds_247(tmp_path, fake_runner):
+    outcome, _ = supervise(fake_runner(tmp_path, "ds-sigkill"), tmp_path)
+    assert outcome.exit_code == 128 + signal.SIGKILL
+    assert supervision.exit_code_of(247) == 247  # a plain 247 without DeepSpeed's line stays what it is
+
+
+def test_the_resume_command_turns_resume_to_auto():
+    assert run_status.resume_command("job.yaml", ["a=1"], "auto") == "jobspec launch job.yaml --set a=1"
+    assert run_status.resume_command("j b.yaml", ["checkpoint.resume=never", "a=1"], "never") == \
+        "jobspec launch 'j b.yaml' --set a=1 --set checkpoint.resume=auto"
+
+
+# --- ranks never outlive the launcher; a run whose launcher is gone is closed by the next command ----
+
+LAUNCHER = textwrap.dedent('''
+    import os, sys
+    from io import BytesIO
+    from pathlib import Path
+    from jobspec.launch import supervise
+    argv, run_dir = sys.argv[1:-1], Path(sys.argv[-1])
+    supervise.run(argv, dict(os.environ), run_dir, echo=BytesIO())
+''')
+
+
+def test_sigkill_of_the_launcher_takes_the_runner_and_the_ranks_with_it(tmp_path, fake_runner):
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, *fake_runner(tmp_path, "watch"), str(tmp_path)])
+    try:
+        wait_for(lambda: (tmp_path / "ready-0").exists() and (tmp_path / "ready-1").exists())
+        job = survivors(tmp_path)
+        assert len(job) >= 3, job  # the runner and two ranks (plus the launcher's own cmdline)
+        launcher.kill()
+        launcher.wait()
+        killed = time.monotonic()
+        wait_for(lambda: survivors(tmp_path) == [], timeout=10)
+        assert time.monotonic() - killed < 5
+    finally:
+        for pid in survivors(tmp_path):
+            os.kill(pid, signal.SIGKILL)
+
+
+def dead_launcher() -> dict:
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    record = {"host": socket.gethostname(), "pid": proc.pid, "started": psutil.Process(proc.pid).create_time()}
+    proc.kill()
+    proc.wait()
+    return record
+
+
+def orphaned_run(tmp_path, name: str, record: dict, summary: dict | None = None) -> Path:
+    """A run directory whose MLflow run is RUNNING and whose launcher is `record`."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = tracking.client_for(uri)
+    experiment = client.get_experiment_by_name("launch-tests") or client.get_experiment(
+        client.create_experiment("launch-tests"))
+    run = client.create_run(experiment.experiment_id, run_name=name)
+    run_dir = tmp_path / "out" / f"run-{name}"
+    run_dir.mkdir(parents=True)
+    rundir.write_mlflow_run(run_dir, {"tracking_uri": uri, "experiment_id": experiment.experiment_id,
+                                      "run_id": run.info.run_id})
+    (run_dir / "metrics.jsonl").write_text("")
+    rundir.write_launcher(run_dir, record)
+    client.set_tag(run.info.run_id, orphans.RUN_DIR_TAG, str(run_dir))
+    if summary:
+        rundir.write_summary(run_dir, summary)
+    return run_dir
+
+
+def test_a_run_whose_launcher_is_gone_is_closed_by_the_next_sync_launch_or_report(tmp_path, fake_runner,
+                                                                               monkeypatch, capsys):
+    here = socket.gethostname()
+    by_sync = orphaned_run(tmp_path, "sync", dead_launcher())
+    alive = orphaned_run(tmp_path, "alive", lifeline.identity())
+    remote = orphaned_run(tmp_path, "remote", {"host": here + "-elsewhere", "pid": 1, "started": 0})
+    assert main(["sync", str(by_sync)]) == 0
+    assert "closed run run-sync as FAILED: its launcher" in capsys.readouterr().out
+    _, run = mlflow_run_of(by_sync)
+    assert run.info.status == "FAILED" and run.data.tags["jobspec.status"] == "failed"
+    assert "is gone and the run never ended; found by `jobspec sync`" in run.data.tags["jobspec.failure_reason"]
+    assert rundir.read_launcher(by_sync)["ended"]["by"] == "jobspec sync"
+    assert json.loads((by_sync / "summary.json").read_text())["status"] == "failed"
+
+    # rank 0 had written its summary (preempted) before the launcher died: closed as what it was
+    by_launch = orphaned_run(tmp_path, "launch", dead_launcher(),
+                             {"status": "preempted", "steps": 3, "total_steps": 6, "checkpoint": "step3"})
+    use_fake_runner(monkeypatch, fake_runner, "quick")
+    assert main(["launch", str(write_job(tmp_path)), "--set", "checkpoint.resume=never"]) == 0
+    _, run = mlflow_run_of(by_launch)
+    assert run.info.status == "KILLED" and run.data.tags["jobspec.status"] == "preempted"
+
+    by_report = orphaned_run(tmp_path, "report", dead_launcher())
+    assert main(["report", "launch-tests", "--tracking-uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
+                 "--no-plots"]) == 0
+    _, run = mlflow_run_of(by_report)
+    assert run.info.status == "FAILED" and "found by `jobspec report`" in run.data.tags["jobspec.failure_reason"]
+    for untouched in (alive, remote):  # a live launcher, or one on a host we cannot see, is left alone
+        assert mlflow_run_of(untouched)[1].info.status == "RUNNING"
+        assert "ended" not in rundir.read_launcher(untouched)
+
+
+def test_lifeline_knows_a_dead_launcher_from_a_live_or_remote_one():
+    assert lifeline.is_alive(lifeline.identity()) is True
+    assert lifeline.is_alive(dead_launcher()) is False
+    reused = {**lifeline.identity(), "started": lifeline.identity()["started"] - 100}  # the pid, reused
+    assert lifeline.is_alive(reused) is False
+    assert lifeline.is_alive({"host": "elsewhere", "pid": os.getpid(), "started": 0}) is None
 
 
 def test_unreachable_required_mlflow_is_a_clean_exit_1(tmp_path, fake_runner, monkeypatch, capsys):

@@ -18,6 +18,7 @@ import yaml
 
 from conftest import REPO_ROOT, free_port
 from jobspec.compile.compiler import compile_spec
+from jobspec.shm import remove_shared_memory_buffers
 from jobspec.spec.derived import derive
 from jobspec.memory.planner import plan_memory
 from jobspec.spec.schema import fill_defaults
@@ -45,8 +46,12 @@ def _run_stage(root: Path, stage: int) -> tuple[dict, list[dict]]:
     (run_dir / "resolved.yaml").write_text(yaml.safe_dump(spec))
     (run_dir / "ds_config.json").write_text(json.dumps(compiled.ds_config))
     deepspeed = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
-    proc = subprocess.run([deepspeed, "--num_gpus", "2", "--master_port", str(free_port()), str(SCRIPT),
-                           "--run-dir", str(run_dir)], cwd=run_dir, capture_output=True, text=True, timeout=900)
+    port = free_port()
+    try:
+        proc = subprocess.run([deepspeed, "--num_gpus", "2", "--master_port", str(port), str(SCRIPT),
+                               "--run-dir", str(run_dir)], cwd=run_dir, capture_output=True, text=True, timeout=900)
+    finally:  # DeepSpeed never unlinks its 2 x 66 MB all-reduce buffers; nothing maps them now
+        remove_shared_memory_buffers(port)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return spec, [json.loads((run_dir / f"memory-rank{r}.json").read_text()) for r in (0, 1)]
 
