@@ -87,8 +87,11 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
     import deepspeed
     import torch.distributed as dist
 
+    from jobspec import ops
     from jobspec.train.progress import NullProgress, Progress
 
+    # first-run op compiles happen here, announced, instead of in silence inside DeepSpeed
+    ops.ensure_built(ops.needed_ops(files.ds_config), announce=_node_leader_says)
     deepspeed.init_distributed()
     share_cpu_threads()
     # Stop votes go over gloo on the host: an NCCL vote would sync the GPU at every step.
@@ -267,6 +270,11 @@ def _any_rank(flag: bool, group) -> bool:
     t = torch.tensor([1 if flag else 0], dtype=torch.int32)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return bool(t.item())
+
+
+def _node_leader_says(text: str) -> None:
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # once per node, not once per rank
+        print(f"jobspec: {text}", flush=True)
 
 
 def _stop_after_reached(step: int) -> bool:
