@@ -12,6 +12,7 @@
                    `plan`/`fit` (launch), `source`
   hostfile         one `host slots=N` line per node (multi-node Slurm) launch/slurm -> DeepSpeed runner
   mlflow_run.json  tracking URI, experiment and run id                 tracking     -> rank 0's sink, sync
+  mlflow_off       the job runs without an MLflow run (off/unreachable) launch       -> rank 0 stops waiting
   launcher.log     everything the runner and ranks printed             supervise    -> MLflow artifact
   metrics.jsonl    every metric point, one JSON object per log step    rank 0       -> sync, bench
   summary.json     status, steps, loss, throughput, peak memory        rank 0 (else the fallback below)
@@ -42,6 +43,7 @@ COMMAND = "command.txt"
 LAUNCH = "launch.json"
 HOSTFILE = "hostfile"
 MLFLOW_RUN = "mlflow_run.json"
+TRACKING_OFF = "mlflow_off"
 LAUNCHER_LOG = "launcher.log"
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
@@ -176,13 +178,33 @@ def write_hostfile(run_dir: Path, text: str) -> Path:
 
 
 def write_mlflow_run(run_dir: Path, info: dict) -> None:
-    (Path(run_dir) / MLFLOW_RUN).write_text(_json_text(info), encoding="utf-8")
+    """Atomically: rank 0 may be polling for it (wait_for_tracking)."""
+    tmp = Path(run_dir) / f".{MLFLOW_RUN}.tmp"
+    tmp.write_text(_json_text(info), encoding="utf-8")
+    os.replace(tmp, Path(run_dir) / MLFLOW_RUN)
 
 
 def read_mlflow_run(run_dir: Path) -> dict | None:
     """tracking_uri, experiment_id, run_id of the job's MLflow run; None when it has none."""
     path = Path(run_dir) / MLFLOW_RUN
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def write_tracking_off(run_dir: Path) -> None:
+    (Path(run_dir) / TRACKING_OFF).write_text("", encoding="utf-8")
+
+
+def wait_for_tracking(run_dir: Path, timeout_s: float, poll_s: float = 0.1) -> dict | None:
+    """mlflow_run.json once the launcher has written it; None once it says there is no run
+    (`mlflow_off`), or after `timeout_s` (then the job keeps its metrics in metrics.jsonl)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = read_mlflow_run(run_dir)
+        if info is not None or (Path(run_dir) / TRACKING_OFF).exists() or time.monotonic() >= deadline:
+            return info
+        time.sleep(poll_s)
 
 
 def open_launcher_log(run_dir: Path):

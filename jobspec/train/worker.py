@@ -20,7 +20,7 @@ import time
 import traceback
 from pathlib import Path
 
-from jobspec import rundir
+from jobspec import rundir, trace
 from jobspec.errors import EXIT_INVALID, EXIT_RUN_FAILED, RunFailure, SpecError
 from jobspec.rundir import RunFiles
 from jobspec.train.faults import NanGuard, NonFiniteLoss
@@ -28,6 +28,9 @@ from jobspec.train.oom import OomGuard
 from jobspec.train.engine import build_engine, loss_of, reshard_plan, resume, share_cpu_threads
 from jobspec.train.progress import RunState, StepReporter, Window, summarize
 from jobspec.train.reshard import replace_ds_config
+
+
+TRACKING_WAIT_S = 120.0  # then metrics.jsonl only (`jobspec sync` uploads it later)
 
 
 class StopFlag:
@@ -83,6 +86,8 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
     files = rundir.read_run_files(run_dir)
     stop = StopFlag()
     stop.install()
+    _phase("start", _process_start())
+    _phase("worker", started)
 
     import deepspeed
     import torch.distributed as dist
@@ -91,8 +96,11 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
     from jobspec.train.progress import NullProgress, Progress
 
     # first-run op compiles happen here, announced, instead of in silence inside DeepSpeed
+    _phase("imported")
     ops.ensure_built(ops.needed_ops(files.ds_config), announce=_node_leader_says)
+    _phase("ops")
     deepspeed.init_distributed()
+    _phase("distributed")
     share_cpu_threads()
     # Stop votes go over gloo on the host: an NCCL vote would sync the GPU at every step.
     control = dist.new_group(backend="gloo")
@@ -106,10 +114,12 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
     if reshard is not None:
         pending_rng = reshard.adjust(state, files.derived["micro_batch_size"], files.spec["training"]["seed"], rank)
     progress = Progress(total_steps, state.step) if rank == 0 else NullProgress()
-    sink = _open_sink(run_dir) if rank == 0 else None
+    sink = _open_sink(run_dir, files.launch) if rank == 0 else None
+    _phase("resumed")
     try:
-        for note in patch_notes:
-            progress.message(note)
+        for note in patch_notes:  # the launch header lists the patches; the details go to launcher.log
+            if rank == 0:
+                trace.note(note)
         if reshard is not None:
             progress.message(reshard.message(state.step))
         if state.resumed_from:
@@ -122,6 +132,7 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
         telemetry = StepReporter(engine, files.spec, files.derived, files.patches, sink, progress, rank, state)
         oom_guard = OomGuard(files, run_dir=run_dir, rank=rank, control_group=control, build_engine=build_engine,
                              progress=progress, sink=sink, telemetry=telemetry)
+        _phase("loop")
         del engine  # train_loop holds the only reference: an OOM recovery (jobspec.train.oom) must free it
         status = train_loop(telemetry.engine, files, train_ds, eval_ds, state, telemetry, progress,
                             stop=lambda: _any_rank(stop.requested or _stop_after_reached(state.step), control),
@@ -272,6 +283,17 @@ def _any_rank(flag: bool, group) -> bool:
     return bool(t.item())
 
 
+def _phase(name: str, at: float | None = None) -> None:
+    """Start-up timestamps of rank 0, for launcher.log (bench/startup.py)."""
+    if os.environ.get("RANK", "0") == "0":
+        trace.phase("rank0", name, at)
+
+
+def _process_start() -> float:
+    import psutil
+    return psutil.Process().create_time()
+
+
 def _node_leader_says(text: str) -> None:
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # once per node, not once per rank
         print(f"jobspec: {text}", flush=True)
@@ -282,8 +304,10 @@ def _stop_after_reached(step: int) -> bool:
     return bool(limit) and step >= limit
 
 
-def _open_sink(run_dir: Path):
+def _open_sink(run_dir: Path, launch: dict):
     from jobspec.tracking.telemetry import MetricSink
+    if launch.get("mlflow_run") == "pending":  # the launcher creates the run while the ranks start
+        rundir.wait_for_tracking(run_dir, timeout_s=TRACKING_WAIT_S)
     return MetricSink.open(run_dir)
 
 

@@ -1,0 +1,18 @@
+"""Lines for launcher.log only: `jobspec launch` keeps them off the terminal unless --verbose
+(jobspec/launch/quiet.py). Start-up phase timestamps (`phase`, read by bench/startup.py) and notes
+the launch header already tells the user (the ranks' model patch notes)."""
+from __future__ import annotations
+
+import sys
+import time
+
+LOG_ONLY = "jobspec-log: "
+
+
+def note(text: str, stream=None) -> None:
+    print(f"{LOG_ONLY}{text}", file=stream or sys.stdout, flush=True)
+
+
+def phase(who: str, name: str, at: float | None = None, stream=None) -> None:
+    """`jobspec-log: phase <who> <name> <unix time>`."""
+    note(f"phase {who} {name} {time.time() if at is None else at:.3f}", stream)
