@@ -13,6 +13,8 @@ def note(text: str, stream=None) -> None:
     print(f"{LOG_ONLY}{text}", file=stream or sys.stdout, flush=True)
 
 
-def phase(who: str, name: str, at: float | None = None, stream=None) -> None:
-    """`jobspec-log: phase <who> <name> <unix time>`."""
-    note(f"phase {who} {name} {time.time() if at is None else at:.3f}", stream)
+def phase(who: str, name: str, at: float | None = None, cpu: float | None = None, stream=None) -> None:
+    """`jobspec-log: phase <who> <name> <unix time> <CPU seconds of this process so far>`."""
+    at = time.time() if at is None else at
+    cpu = time.process_time() if cpu is None else cpu
+    note(f"phase {who} {name} {at:.3f} {cpu:.3f}", stream)

@@ -52,7 +52,7 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
     from jobspec.spec.inputs import derive_job
     from jobspec.spec.validation import load_and_validate
 
-    phases = [("start", _process_start())]
+    phases = [("start", _process_start(), 0.0)]
     resolved = load_and_validate(job, overrides)
     # memory.fit: auto rewrites the spec (and its derived job) here, so everything below sees what runs
     gpu_free = hardware.gpu_free_bytes(resolved.spec["resources"]["gpus_per_node"])
@@ -65,7 +65,7 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
     found = host.probe(spec["resources"]["gpus_per_node"], gpu_free)
     style = progress_mode(spec["logging"]["progress"]) == "bar"
     what = intent.decide(spec, derived.total_steps)
-    phases.append(("planned", time.time()))
+    phases.append(("planned", time.time(), time.process_time()))
 
     if dry_run:  # nothing is created: the run dir in the command is the name it would get
         run_dir = rundir.new_run_dir_path(spec["output_dir"])
@@ -109,7 +109,7 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
     tracking = launch_tracking.BackgroundTracking(
         resolved, compiled, run_dir, resume_run_id, launch_memory.mlflow_params(memory, spec["memory"]["fit"]),
         verbose=verbose, announce=lambda info: _print_lines(console.tracking_lines(info, experiment, style=style)))
-    phases.append(("runner", time.time()))
+    phases.append(("runner", time.time(), time.process_time()))
     tracking.start()
     outcome = supervise.run(compiled.launch["argv"], child_env(spec, stop_after_steps), run_dir,
                             kill_grace_s=kill_grace_s, echo_filter=None if verbose else quiet.TerminalFilter(),
@@ -170,8 +170,8 @@ def _write_phases(run_dir: Path, phases: list) -> None:
     import io
 
     text = io.StringIO()
-    for name, at in phases:
-        trace.phase("launcher", name, at, stream=text)
+    for name, at, cpu in phases:
+        trace.phase("launcher", name, at, cpu, stream=text)
     with rundir.open_launcher_log(run_dir) as log_file:
         log_file.write(text.getvalue().encode())
 

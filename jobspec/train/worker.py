@@ -86,7 +86,7 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
     files = rundir.read_run_files(run_dir)
     stop = StopFlag()
     stop.install()
-    _phase("start", _process_start())
+    _phase("start", _process_start(), 0.0)
     _phase("worker", started)
 
     import deepspeed
@@ -183,6 +183,7 @@ def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, tele
     engine.train()
     window = Window()
     empty_epochs = 0
+    first_step = state.step + 1  # its end is the start-up's end (bench/startup.py)
     while state.step < total_steps:
         batches = iter(make_loader(train_ds, epoch=state.epoch, shuffle=data["shuffle"],
                                    skip_batches=state.batches_in_epoch, **loader_args))
@@ -215,6 +216,8 @@ def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, tele
                 continue
             state.step += 1
             window.steps += 1
+            if state.step == first_step:
+                _phase("first-step")
             progress.update(state.step)
             last = state.step >= total_steps
             if nan_guard and (state.step % every_log == 0 or last):
@@ -283,10 +286,10 @@ def _any_rank(flag: bool, group) -> bool:
     return bool(t.item())
 
 
-def _phase(name: str, at: float | None = None) -> None:
+def _phase(name: str, at: float | None = None, cpu: float | None = None) -> None:
     """Start-up timestamps of rank 0, for launcher.log (bench/startup.py)."""
     if os.environ.get("RANK", "0") == "0":
-        trace.phase("rank0", name, at)
+        trace.phase("rank0", name, at, cpu)
 
 
 def _process_start() -> float:
