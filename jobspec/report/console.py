@@ -165,7 +165,7 @@ def patch_text(patch: dict) -> str:
         patterns = args.get("patterns") or []
         return f"frozen: {', '.join(patterns)}"
     if name == "client_optimizer":
-        return f"optimizer {args.get('name')} (built by jobspec)"
+        return f"optimizer {args.get('name')}, built by jobspec"
     if name == "torch_compile":
         return "torch.compile"
     return str(name)
