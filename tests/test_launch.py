@@ -336,3 +336,15 @@ def test_real_two_rank_launch_logs_a_finished_mlflow_run(tmp_path):
     assert rss and all(m.value > 0 for m in rss)
     assert not client.get_metric_history(run.info.run_id, "mem/peak_allocated_mib_max")  # no GPU here
     assert survivors(run_dir) == []
+    # what the user saw: the header, no DeepSpeed INFO lines, the closing summary (also in summary.json)
+    out = proc.stdout
+    assert out.startswith("jobspec: tiny-launch: bert sequence-classification, ") and "no GPU: 2 CPU ranks" in out
+    assert "[INFO]" not in out and "Setting accelerator" not in out and "[INFO]" in (run_dir / "launcher.log").read_text()
+    assert "before it has started" not in (run_dir / "launcher.log").read_text()  # the scheduler starts at step 0
+    closing = out[out.index("jobspec: tiny-launch finished: 6/6 steps"):].strip()
+    assert json.loads((run_dir / "summary.json").read_text())["report"] == closing
+    assert closing in run.data.tags["mlflow.note.content"]
+    # launched again, the complete job starts nothing
+    again = subprocess.run([sys.executable, "-m", "jobspec", "launch", str(job)], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "is already complete" in again.stdout and only_run_dir(tmp_path) == run_dir

@@ -106,14 +106,16 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
     _print_lines(header(spec, derived, memory, found, compiled.patches, style) +
                  [console.label("run dir", style) + str(run_dir)])
     experiment = spec["logging"]["mlflow"]["experiment"]
+    terminal = quiet.HeldOutput(sys.stdout.buffer)  # the ranks' output waits for the header's MLflow lines
     tracking = launch_tracking.BackgroundTracking(
         resolved, compiled, run_dir, resume_run_id, launch_memory.mlflow_params(memory, spec["memory"]["fit"]),
-        verbose=verbose, announce=lambda info: _print_lines(console.tracking_lines(info, experiment, style=style)))
+        verbose=verbose, announce=lambda info: _print_lines(console.tracking_lines(info, experiment, style=style)),
+        done=terminal.release)
     phases.append(("runner", time.time(), time.process_time()))
     tracking.start()
     outcome = supervise.run(compiled.launch["argv"], child_env(spec, stop_after_steps), run_dir,
-                            kill_grace_s=kill_grace_s, echo_filter=None if verbose else quiet.TerminalFilter(),
-                            started=tracking.runner_started)
+                            kill_grace_s=kill_grace_s, echo=terminal,
+                            echo_filter=None if verbose else quiet.TerminalFilter(), started=tracking.runner_started)
     shm.remove_shared_memory_buffers(compiled.launch.get("master_port"))  # every rank is gone now
     try:
         tracked = tracking.wait()
@@ -182,10 +184,10 @@ def compile_job(resolved, derived, run_dir: Path, master_port: int):
     return compile_spec(resolved.spec, derived, run_dir=str(run_dir), master_port=master_port)
 
 
-def progress_mode(setting: str, stdout=sys.stdout) -> str:
+def progress_mode(setting: str, stdout=None) -> str:
     if setting != "auto":
         return setting
-    return "bar" if stdout.isatty() else "lines"
+    return "bar" if (stdout or sys.stdout).isatty() else "lines"
 
 
 def child_env(spec: dict, stop_after_steps: int | None) -> dict:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 
 from jobspec.trace import LOG_ONLY
 
@@ -95,3 +96,33 @@ def route_library_logs(log_path, verbose: bool, names=("mlflow", "alembic")) -> 
         logger.propagate = False
         if logger.level == logging.NOTSET:
             logger.setLevel(logging.INFO)
+
+
+class HeldOutput:
+    """The terminal (a binary stream) holding what the ranks print until `release()`, so that the
+    header's MLflow lines, printed once the run exists (it is created while the ranks start), come
+    before the ranks' first words. launcher.log gets everything as it comes."""
+
+    def __init__(self, out):
+        self._out, self._held, self._released = out, [], False
+        self._lock = threading.Lock()
+
+    def write(self, data: bytes) -> None:
+        with self._lock:
+            if self._released:
+                self._out.write(data)
+            else:
+                self._held.append(data)
+
+    def flush(self) -> None:
+        with self._lock:
+            if self._released:
+                self._out.flush()
+
+    def release(self) -> None:
+        with self._lock:
+            if not self._released:
+                self._released = True
+                self._out.write(b"".join(self._held))
+                self._held.clear()
+                self._out.flush()

@@ -50,10 +50,11 @@ class BackgroundTracking:
     """Creates the run (plan params, checkpoint owner record) in a thread; `wait` returns it."""
 
     def __init__(self, resolved, compiled, run_dir: Path, resume_run_id: str | None, plan_params: dict,
-                 *, verbose: bool = False, announce=None):
+                 *, verbose: bool = False, announce=None, done=None):
         self.resolved, self.compiled, self.run_dir = resolved, compiled, Path(run_dir)
         self.resume_run_id, self.plan_params, self.verbose = resume_run_id, plan_params, verbose
-        self.announce = announce or (lambda info: None)
+        self.announce = announce or (lambda info: None)   # called with mlflow_run.json's content
+        self.done = done or (lambda: None)                  # called last, whatever happened
         self.tracked = None
         self.failure: BaseException | None = None
         self._runner_pid: int | None = None
@@ -99,6 +100,7 @@ class BackgroundTracking:
         finally:
             if self.tracked is None:
                 rundir.write_tracking_off(self.run_dir)  # rank 0 stops waiting for mlflow_run.json
+            self.done()
 
     def _stop_runner(self) -> None:
         if self._runner_pid is not None:
