@@ -39,7 +39,8 @@ STEPS = [
     ("rank: data", "rank0/model", "rank0/data"),
     ("rank: deepspeed.initialize", "rank0/data", "rank0/engine"),
     ("rank: resume check", "rank0/engine", "rank0/resumed"),
-    ("rank: metric sink (waits for the MLflow run)", "rank0/resumed", "rank0/loop"),
+    ("rank: progress + metric sink (waits for the MLflow run)", "rank0/resumed", "rank0/sink"),
+    ("rank: guards, reporter", "rank0/sink", "rank0/loop"),
     ("rank: first optimizer step", "rank0/loop", "rank0/first-step"),
 ]
 

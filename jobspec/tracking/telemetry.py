@@ -253,7 +253,7 @@ class MetricSink:
         info = rundir.read_mlflow_run(run_dir)
         if info is None:
             return cls(run_dir)
-        return cls(run_dir, client=_client(info["tracking_uri"]), run_id=info["run_id"])
+        return cls(run_dir, client=_LazyClient(info["tracking_uri"]), run_id=info["run_id"])
 
     def log(self, metrics: dict, step: int) -> None:
         timestamp = int(time.time() * 1000)
@@ -341,6 +341,20 @@ class MetricSink:
                 delay = min(delay * 2, RETRY_MAX_S)
             if self._give_up_at is not None:
                 delay = min(delay, max(0.05, self._give_up_at - time.monotonic()))
+
+
+class _LazyClient:
+    """The MlflowClient, made at its first use, in the sink's thread: opening the store (for SQLite,
+    an engine and a schema check: most of a second) does not hold up rank 0's first step."""
+
+    def __init__(self, tracking_uri: str):
+        self._uri, self._made, self._lock = tracking_uri, None, threading.Lock()
+
+    def __getattr__(self, name: str):
+        with self._lock:
+            if self._made is None:
+                self._made = _client(self._uri)
+        return getattr(self._made, name)
 
 
 def _first_line(err: Exception) -> str:

@@ -113,9 +113,10 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
     rank, total_steps = dist.get_rank(), files.derived["total_steps"]
     if reshard is not None:
         pending_rng = reshard.adjust(state, files.derived["micro_batch_size"], files.spec["training"]["seed"], rank)
+    _phase("resumed")
     progress = Progress(total_steps, state.step) if rank == 0 else NullProgress()
     sink = _open_sink(run_dir, files.launch) if rank == 0 else None
-    _phase("resumed")
+    _phase("sink")
     try:
         for note in patch_notes:  # the launch header lists the patches; the details go to launcher.log
             if rank == 0:
