@@ -39,6 +39,8 @@ def add_arguments(parser) -> None:
                         help="stop gracefully (checkpoint, status preempted) after K optimizer steps")
     parser.add_argument("--ignore-preflight", action="store_true",
                         help="warn instead of refusing when host checks fail (GPU count, free GPU memory, port in use)")
+    parser.add_argument("--verbose", "-v", action="store_true",
+                        help="show DeepSpeed's, torch's and MLflow's own log lines too (launcher.log always has them)")
     parser.add_argument("--kill-grace", type=float, default=KILL_GRACE_S, metavar="SECONDS",
                         help="after Ctrl-C/SIGTERM, wait this long for a checkpoint before killing the job "
                              f"(default {KILL_GRACE_S:.0f})")
@@ -53,5 +55,6 @@ def run(args) -> int:
     logging.basicConfig(level=logging.INFO, format="jobspec: %(message)s")
     if args.stop_after_steps is not None and args.stop_after_steps < 1:
         raise spec_error("--stop-after-steps must be >= 1", hint="e.g. --stop-after-steps 5")
-    return pipeline.launch(job_argument(args), args.overrides, dry_run=args.dry_run, stop_after_steps=args.stop_after_steps,
-                           ignore_preflight=args.ignore_preflight, kill_grace_s=args.kill_grace)
+    return pipeline.launch(job_argument(args), args.overrides, dry_run=args.dry_run,
+                           stop_after_steps=args.stop_after_steps, ignore_preflight=args.ignore_preflight,
+                           kill_grace_s=args.kill_grace, verbose=args.verbose)

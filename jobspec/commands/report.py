@@ -10,9 +10,9 @@ Plots (unless --no-plots): `plots/memory.png` and `plots/throughput.png` logged 
 lacks them, and `comparison.png` (samples/s and peak memory per run) in --out.
 
 examples:
-  jobspec report jobspec
+  jobspec report quickstart
   jobspec report bench --format markdown --out reports/bench
-  jobspec report jobspec --tracking-uri http://mlflow:5000 --format csv > runs.csv
+  jobspec report xlmr-large --tracking-uri http://mlflow:5000 --format csv > runs.csv
 """
 from __future__ import annotations
 
@@ -23,7 +23,9 @@ from jobspec.commands import add_format_argument
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from jobspec.report.table import DEFAULT_TRACKING_URI
-    parser.add_argument("experiment", metavar="EXPERIMENT", help="MLflow experiment name (logging.mlflow.experiment)")
+    parser.add_argument("experiment", metavar="EXPERIMENT",
+                        help="MLflow experiment name (logging.mlflow.experiment, by default the job's name), "
+                             "or a job name: that job's runs in any experiment")
     parser.add_argument("--tracking-uri", default=DEFAULT_TRACKING_URI, metavar="URI",
                         help=f"MLflow tracking URI (default: {DEFAULT_TRACKING_URI}, the launch default)")
     add_format_argument(parser, {"table": "aligned text", "markdown": "a Markdown table",

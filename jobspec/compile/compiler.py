@@ -137,6 +137,15 @@ def client_optimizer_args(optimizer: dict) -> dict:
 
 
 def scheduler_block(scheduler: dict, lr: float, job: DerivedJob, notes: list[str]) -> dict:
+    """DeepSpeed's scheduler for the spec's schedule, started at iteration 0 (`last_batch_iteration`):
+    from its default -1 the constructor warns and the first two steps share the starting lr. The
+    worker sets the optimizer to the step-0 lr (jobspec/train/engine.start_schedule)."""
+    block = _scheduler_block(scheduler, lr, job, notes)
+    block["params"]["last_batch_iteration"] = 0
+    return block
+
+
+def _scheduler_block(scheduler: dict, lr: float, job: DerivedJob, notes: list[str]) -> dict:
     name = scheduler["name"]
     warmup = job.warmup_steps
     total = job.total_steps

@@ -17,8 +17,9 @@ def safe_dir_name(name: str) -> str:
 
 def report(experiment: str, tracking_uri: str, fmt: str, out: Path | None, *, plots: bool = True) -> None:
     from jobspec.launch import orphans
-    client, found = table.open_experiment(tracking_uri, experiment)
-    orphans.close_orphans_of_experiment(client, found.experiment_id)  # RUNNING runs whose launcher is gone
+    client, experiment_ids, _ = table.open_experiment(tracking_uri, experiment)
+    for experiment_id in experiment_ids:   # RUNNING runs whose launcher is gone
+        orphans.close_orphans_of_experiment(client, experiment_id)
     client, reports = table.collect(tracking_uri, experiment)
     rows = [r.row for r in reports]
     if not rows:

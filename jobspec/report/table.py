@@ -156,7 +156,9 @@ def _prediction_of_run(client, run) -> float | None:
 # --- reading MLflow ------------------------------------------------------------------------------
 
 def open_experiment(tracking_uri: str, experiment: str):
-    """(client, experiment) or a SpecError saying why not: unreachable store, unknown experiment."""
+    """(client, experiment ids, run filter) or a SpecError saying why not: unreachable store, unknown
+    experiment. A name that is no experiment's but a job's (the `jobspec.job` tag, for runs logged to
+    another experiment) selects that job's runs in every experiment."""
     from jobspec.secrets import mask_secrets, split_credentials
     from jobspec.tracking import run as tracking
     uri, user, password = split_credentials(tracking_uri)
@@ -177,14 +179,18 @@ def open_experiment(tracking_uri: str, experiment: str):
             os.environ["MLFLOW_TRACKING_PASSWORD"] = password or ""
         client = tracking.client_for(uri)
         found = client.get_experiment_by_name(experiment)
-        names = [] if found else sorted(e.name for e in client.search_experiments())
+        if found is not None:
+            return client, [found.experiment_id], ""
+        everything = client.search_experiments()
+        ids, names = [e.experiment_id for e in everything], sorted(e.name for e in everything)
+        job_filter = f"tags.`jobspec.job` = '{experiment}'"
+        if ids and "'" not in experiment and client.search_runs(ids, job_filter, max_results=1):
+            return client, ids, job_filter
     except Exception as err:  # TrackingUnavailable, MlflowException, requests/sqlite errors
         raise spec_error(f"MLflow tracking at {shown} is unavailable: {first_line(err, limit=300)}", path=("--tracking-uri",),
                          hint="start the server or fix the URI") from None
-    if found is None:
-        raise spec_error(f"no experiment named {experiment!r} at {shown}", path=("EXPERIMENT",),
-                         hint=f"known experiments: {', '.join(names)}" if names else "launch a job first")
-    return client, found
+    raise spec_error(f"no experiment or job named {experiment!r} at {shown}", path=("EXPERIMENT",),
+                     hint=f"known experiments: {', '.join(names)}" if names else "launch a job first")
 
 
 def metric_series(client, run_id: str, names=THROUGHPUT_METRICS + MEMORY_METRICS) -> dict:
@@ -198,9 +204,9 @@ def metric_series(client, run_id: str, names=THROUGHPUT_METRICS + MEMORY_METRICS
 
 def collect(tracking_uri: str, experiment: str) -> tuple[object, list[RunReport]]:
     """(client, one RunReport per run of the experiment, oldest first)."""
-    client, found = open_experiment(tracking_uri, experiment)
+    client, experiment_ids, run_filter = open_experiment(tracking_uri, experiment)
     from mlflow.entities import ViewType
-    runs = client.search_runs([found.experiment_id], run_view_type=ViewType.ACTIVE_ONLY,
+    runs = client.search_runs(experiment_ids, run_filter, run_view_type=ViewType.ACTIVE_ONLY,
                               order_by=["attributes.start_time ASC"], max_results=10_000)
     reports = []
     for run in runs:

@@ -362,6 +362,8 @@ def resolve_paths(r: ResolvedSpec) -> None:
         value = _get(s, path)
         if value is not None and value not in ("auto", "never") and _exists(_local_path(r, path)):
             _put(s, path, str(_local_path(r, path)))
+    if s["logging"]["mlflow"]["experiment"] is None:
+        s["logging"]["mlflow"]["experiment"] = s["name"]
     if s["output_dir"] is None:
         s["output_dir"] = str(Path.cwd() / "runs" / s["name"])
     if s["checkpoint"]["dir"] is None:

@@ -263,17 +263,19 @@ def test_adafactor_args_match_transformers_signature():
 @pytest.mark.parametrize("scheduler, total, expected", [
     ({"name": "constant", "warmup_steps": 5}, 100,
      {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 5,
-                                     "warmup_type": "linear"}}),
+                                     "warmup_type": "linear", "last_batch_iteration": 0}}),
     # no warmup: flat from the first step (DeepSpeed needs warmup_num_steps > 0)
     ({"name": "constant"}, 100,
      {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-3, "warmup_num_steps": 1,
-                                     "warmup_type": "linear"}}),
+                                     "warmup_type": "linear", "last_batch_iteration": 0}}),
     ({"name": "linear", "warmup_ratio": 0.1}, 95,
      {"type": "WarmupDecayLR", "params": {"total_num_steps": 95, "warmup_min_lr": 0.0, "warmup_max_lr": 1e-3,
-                                          "warmup_num_steps": 10, "warmup_type": "linear"}}),
+                                          "warmup_num_steps": 10, "warmup_type": "linear",
+                                          "last_batch_iteration": 0}}),
     ({"name": "cosine", "warmup_steps": 7, "min_lr_ratio": 0.1}, 50,
      {"type": "WarmupCosineLR", "params": {"total_num_steps": 50, "warmup_num_steps": 7, "warmup_min_ratio": 0.0,
-                                           "cos_min_ratio": 0.1, "warmup_type": "linear"}}),
+                                           "cos_min_ratio": 0.1, "warmup_type": "linear",
+                                           "last_batch_iteration": 0}}),
 ])
 def test_scheduler_mapping(scheduler, total, expected):
     spec = make_spec(training={"max_steps": total, "optimizer": {"lr": 1e-3}, "scheduler": scheduler})

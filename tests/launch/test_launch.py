@@ -317,7 +317,8 @@ def test_a_stop_with_a_checkpoint_is_exit_75_killed_preempted_and_the_resume_sup
     # the printed command resumes (same checkpoints, same MLflow run) and the finish supersedes the stop
     use_fake_runner(monkeypatch, fake_runner, "finish")
     assert main(["launch", str(job), "--set", "training.max_steps=6"]) == 0
-    assert "jobspec: finished (exit 0)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert " finished: " in out and "(exit 0)" in out and "stopped" not in out
     _, run = mlflow_run_of(first)
     assert run.info.status == "FINISHED" and run.data.tags["jobspec.status"] == "finished"
     assert "jobspec.stop_reason" not in run.data.tags and run.data.tags["jobspec.exit_code"] == "0"
@@ -511,3 +512,15 @@ def test_real_two_rank_launch_logs_a_finished_mlflow_run(tmp_path):
     assert rss and all(m.value > 0 for m in rss)
     assert not client.get_metric_history(run.info.run_id, "mem/peak_allocated_mib_max")  # no GPU here
     assert survivors(run_dir) == []
+    # what the user saw: the header, no DeepSpeed INFO lines, the closing summary (also in summary.json)
+    out = proc.stdout
+    assert out.startswith("jobspec: tiny-launch: bert sequence-classification, ") and "no GPU: 2 CPU ranks" in out
+    assert "[INFO]" not in out and "Setting accelerator" not in out and "[INFO]" in (run_dir / "launcher.log").read_text()
+    assert "before it has started" not in (run_dir / "launcher.log").read_text()  # the scheduler starts at step 0
+    closing = out[out.index("jobspec: tiny-launch finished: 6/6 steps"):].strip()
+    assert json.loads((run_dir / "summary.json").read_text())["report"] == closing
+    assert closing in run.data.tags["mlflow.note.content"]
+    # launched again, the complete job starts nothing
+    again = subprocess.run([sys.executable, "-m", "jobspec", "launch", str(job)], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "is already complete" in again.stdout and only_run_dir(tmp_path) == run_dir

@@ -147,7 +147,14 @@ def test_plots_are_pngs_logged_once_per_run(experiment, capsys, tmp_path):
 def test_unknown_experiment_is_a_clean_exit_2(experiment, capsys):
     code = main(["report", "nope", "--tracking-uri", experiment["uri"]])
     err = capsys.readouterr().err
-    assert code == 2 and "no experiment named 'nope'" in err and "exp" in err and "Traceback" not in err
+    assert code == 2 and "no experiment or job named 'nope'" in err and "exp" in err and "Traceback" not in err
+
+
+def test_a_job_name_finds_that_jobs_runs_in_any_experiment(experiment, capsys):
+    # the runs were logged to experiment "exp"; each is tagged with its job's name (jobspec.job)
+    assert main(["report", "gpu-ckpt", "--tracking-uri", experiment["uri"], "--format", "csv", "--no-plots"]) == 0
+    rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
+    assert [r["run"] for r in rows] == ["gpu-ckpt"] and rows[0]["zero"] == "2"
 
 
 def test_missing_database_and_unreachable_server_are_clean_exit_2(tmp_path, capsys):

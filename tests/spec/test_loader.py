@@ -1,6 +1,7 @@
 """Loader: positions, safety limits, extends, --set."""
 from __future__ import annotations
 
+import re
 import textwrap
 
 import pytest
@@ -216,7 +217,7 @@ def test_quoted_or_malformed_exponents_stay_strings(tmp_path, written):
 def test_exponent_learning_rate_validates_from_file_and_set(tmp_path):
     from jobspec.spec.validation import load_and_validate
     text = (REPO_ROOT / "jobs" / "quickstart.yaml").read_text()
-    path = write(tmp_path, "job.yaml", text.replace("lr: 1.0e-3", "lr: 1e-3"))
+    path = write(tmp_path, "job.yaml", re.sub(r"\blr: [0-9.eE+-]+", "lr: 1e-3", text))
     assert load_and_validate(path).spec["training"]["optimizer"]["lr"] == 1e-3
     assert load_and_validate(path, ["training.optimizer.lr=2E-4"]).spec["training"]["optimizer"]["lr"] == 2e-4
     with pytest.raises(SpecError) as caught:

@@ -131,12 +131,20 @@ def test_synthetic_data_is_deterministic_per_seed():
     assert ids.min() >= 10 and ids.max() < 110
 
 
-def test_learnable_class_labels_follow_the_first_tokens():
-    train, _ = build_datasets(synthetic_spec("sequence-classification", labels="learnable"), None)
-    for i in range(len(train)):
-        high = int((train[i]["input_ids"][:8] >= 60).sum())
-        assert int(train[i]["labels"]) == high * 3 // 9
-    assert len({int(train[i]["labels"]) for i in range(len(train))}) > 1
+def test_learnable_class_labels_are_balanced_topics_of_the_tokens():
+    spec = synthetic_spec("sequence-classification", labels="learnable", num_samples=600, seq_len=40)
+    train, _ = build_datasets(spec, None)
+    low, high = spec["data"]["synthetic"]["vocab_range"]
+    k = spec["model"]["num_labels"]
+    ids = torch.stack([train[i]["input_ids"] for i in range(len(train))])
+    labels = torch.stack([train[i]["labels"] for i in range(len(train))])
+    assert ids.min() >= low and ids.max() < high
+    assert all(abs(float((labels == c).float().mean()) - 1 / k) < 0.08 for c in range(k))  # chance = ln k
+    slices = (ids - low) * k // (high - low)   # which label's slice each token is in
+    share = (slices == labels[:, None]).float().mean(dim=1)
+    # half the tokens from the label's slice, the other half uniform: (1 + 1/k) / 2 on average
+    assert abs(float(share.mean()) - (1 + 1 / k) / 2) < 0.03
+    assert float((torch.mode(slices, dim=1).values == labels).float().mean()) > 0.95  # the majority says it
 
 
 def test_synthetic_lm_labels():
