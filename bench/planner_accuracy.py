@@ -165,9 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nmedian |error|: {100 * statistics.median(errors):.1f}%  (guide: HF Trainer with "
               "torch AdamW in fp32/amp, not DeepSpeed: its fp16 rows keep fp32 weights and no master copy)")
         return 0
-    import importlib.util
-    has_cuda = importlib.util.find_spec("torch") is not None and __import__("torch").cuda.is_available()
-    if not args.dry_run and not has_cuda:
+    if not args.dry_run and not _has_cuda():
         print("no CUDA device: use --dry-run for predictions only", file=sys.stderr)
         return 2
     out, errors, records = [], [], []
@@ -190,6 +188,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(records, indent=2) + "\n", encoding="utf-8")
     return 0
+
+
+def _has_cuda() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("torch") is not None and __import__("torch").cuda.is_available()
 
 
 HEADER = ["model seq micro precision ckpt optimizer zero offload", "predicted MiB", "measured MiB", "error",
