@@ -87,14 +87,20 @@ def device_row(device_name: str) -> str | None:
     return None
 
 
-def memory_snapshot(device) -> dict[str, float]:
+def this_process():
+    """psutil's handle of this process (making one reads /proc: keep it for repeated readings)."""
+    import psutil
+    return psutil.Process()
+
+
+def memory_snapshot(device, process=None) -> dict[str, float]:
     """Memory readings in MiB: peak_allocated_mib / peak_reserved_mib (CUDA caching allocator since
     the last reset_peaks), nvml_used_mib (the whole GPU as the driver sees it, every process), and
-    host_rss_mib (this process). The GPU keys are absent when `device` is not a CUDA device."""
-    import psutil
+    host_rss_mib (this process, or `process`: a `this_process()` handle). The GPU keys are absent
+    when `device` is not a CUDA device."""
     import torch
 
-    snapshot = {"host_rss_mib": psutil.Process().memory_info().rss / MIB}
+    snapshot = {"host_rss_mib": (process or this_process()).memory_info().rss / MIB}
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return snapshot
@@ -132,3 +138,19 @@ def reduce_max(values: dict[str, float]) -> dict[str, float]:
     tensor = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return dict(zip(keys, tensor.tolist()))
+
+
+def gather_rows(values) -> list[list[float]]:
+    """Every rank's 1-D tensor `values` (same length everywhere), as host lists, in rank order: one
+    all-gather, from which sums, maxima and minima are taken on the host (one collective instead of
+    one per reduction). One process, or torch.distributed not initialised: just this rank's row."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [values.tolist()]
+    if dist.get_backend() == "nccl" and values.device.type != "cuda":  # NCCL only moves GPU tensors
+        values = values.to(torch.device("cuda", torch.cuda.current_device()))
+    rows = [torch.empty_like(values) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, values)
+    return torch.stack(rows).tolist()
