@@ -76,12 +76,46 @@ def child(side: str, run_dir: Path, out: Path, warmup: int, profile: Path | None
         code = hand_loop.main(["--run-dir", str(run_dir)])
     else:
         from jobspec.train import worker
+        instrument_worker()
         code = worker.main(["--run-dir", str(run_dir)])
     if profiler is not None:
         profiler.disable()
         profiler.dump_stats(str(profile))
-    out.write_text(json.dumps({"code": code, "records": records}) + "\n")
+    out.write_text(json.dumps({"code": code, "records": records, "costs": COSTS}) + "\n")
     return code
+
+
+COSTS: dict = {}  # name -> [calls, CPU seconds of the calling thread] (worker side)
+
+
+def time_calls(owner, name: str, label: str) -> None:
+    """Wrap owner.name to add up the CPU time of the thread calling it (thread_time: own thread only)."""
+    original = getattr(owner, name)
+    COSTS[label] = [0, 0.0]
+
+    def timed(*args, **kwargs):
+        t = time.thread_time()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            COSTS[label][0] += 1
+            COSTS[label][1] += time.thread_time() - t
+    setattr(owner, name, timed)
+
+
+def instrument_worker() -> None:
+    """The worker's telemetry, timed in its own threads: the log step in the training thread and the
+    MLflow sender's log_batch calls in the sender thread."""
+    from jobspec.train.progress import StepReporter
+    from jobspec.tracking import telemetry
+    time_calls(StepReporter, "log_window", "log_window")
+    time_calls(telemetry.MetricSink, "_send", "sender_log_batch")
+    if os.environ.get("STEP_PROFILE_DETAIL"):  # the log step's parts
+        from jobspec.train import metrics, progress
+        time_calls(telemetry.MetricSink, "log", "sink_log")
+        time_calls(progress.Progress, "log", "progress_log")
+        time_calls(metrics, "memory_snapshot", "memory_snapshot")
+        time_calls(metrics, "gather_rows", "gather_rows")
 
 
 def steady(records: list, warmup: int) -> dict:
@@ -129,7 +163,9 @@ def run_side(side: str, job: Path, work: Path, tag: str, args, log) -> dict:
     records = json.loads(out.read_text())["records"]
     if len(records) != args.steps:
         raise SystemExit(f"{side}: {len(records)} optimizer steps recorded, expected {args.steps}")
-    return {**steady(records, args.warmup), "load": os.getloadavg()[0]}
+    costs = json.loads(out.read_text())["costs"]
+    per_step = {f"{k}_ms_per_step": 1e3 * v[1] / args.steps for k, v in costs.items()}  # over the whole run
+    return {**steady(records, args.warmup), **per_step, "load": os.getloadavg()[0]}
 
 
 def render(results: dict) -> str:
@@ -137,8 +173,8 @@ def render(results: dict) -> str:
         return statistics.median(r[key] for r in results[side])
 
     lines = ["| side | wall ms/step | CPU ms/step (process) | CPU ms/step (main thread) | CPU vs hand | "
-             "main-thread CPU vs hand | CPU vs worker-off (telemetry) | load avg (min-max) |",
-             "|---|---:|---:|---:|---:|---:|---:|---|"]
+             "main-thread CPU vs hand | CPU vs *-off (telemetry) | log_window / MLflow sender, CPU ms per step | "
+             "load avg (min-max) |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for side, runs in results.items():
         def ratio(key, base):
             return f"x{med(side, key) / med(base, key):.3f}" if base in results else "-"
@@ -149,9 +185,14 @@ def render(results: dict) -> str:
         telemetry = ("-" if side == "hand" or side == off or off not in results
                      else f"{100 * (med(side, 'cpu') / med(off, 'cpu') - 1):+.1f}%")
         loads = [r["load"] for r in runs]
+        costs = " / ".join(f"{med(side, k):.3f}" if k in runs[0] else "-"
+                           for k in ("log_window_ms_per_step", "sender_log_batch_ms_per_step"))
+        if "sink_log_ms_per_step" in runs[0]:
+            costs += " (" + ", ".join(f"{k[:-12]} {med(side, k):.3f}" for k in runs[0] if k.endswith("_ms_per_step")
+                                      and k[:-12] not in ("log_window", "sender_log_batch")) + ")"
         lines.append(f"| {side} | {1e3 * med(side, 'wall'):.2f} | {1e3 * med(side, 'cpu'):.2f} | "
                      f"{1e3 * med(side, 'main'):.2f} | {ratio('cpu', 'hand')}{pairs} | {ratio('main', 'hand')} | "
-                     f"{telemetry} | {min(loads):.1f}-{max(loads):.1f} |")
+                     f"{telemetry} | {costs} | {min(loads):.1f}-{max(loads):.1f} |")
     return "\n".join(lines)
 
 

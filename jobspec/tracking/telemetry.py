@@ -303,11 +303,14 @@ class MetricSink:
             items = [self._queue.get()]
             # Coalesce: what arrives until SEND_INTERVAL_S after the previous send goes out in one
             # log_batch. A call costs ~8 ms of CPU on a sqlite store before its first point; a job
-            # logging every step would pay it every step. `close` (None) ends the wait at once.
-            deadline = last_sent + SEND_INTERVAL_S
+            # logging every step would pay it every step. The wait is on `_wake` (set by `close`),
+            # not on the queue, so the points logged meanwhile do not wake this thread one by one.
+            wait = last_sent + SEND_INTERVAL_S - time.monotonic()
+            if items[0] is not None and wait > 0:
+                self._wake.wait(wait)
             while items[-1] is not None:
                 try:
-                    items.append(self._queue.get(timeout=max(0.0, deadline - time.monotonic())))
+                    items.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
             metrics = []

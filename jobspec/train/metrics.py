@@ -7,6 +7,7 @@ imported inside the functions that need it, so the peak table can be used withou
 """
 from __future__ import annotations
 
+import os
 import re
 
 from jobspec import hardware
@@ -87,20 +88,41 @@ def device_row(device_name: str) -> str | None:
     return None
 
 
-def this_process():
-    """psutil's handle of this process (making one reads /proc: keep it for repeated readings)."""
-    import psutil
-    return psutil.Process()
+class RssReader:
+    """This process's resident set size in bytes. On Linux one pread of /proc/self/statm, kept open:
+    ~10x cheaper than psutil's reading, which matters at a log step after every training step."""
+
+    def __init__(self):
+        self._fd, self._pid = None, None
+
+    def __call__(self) -> int:
+        if self._pid != os.getpid():  # first call, or a forked child: /proc/self was the parent
+            self._open()
+        if self._fd is not None:
+            return int(os.pread(self._fd, 128, 0).split()[1]) * self._page
+        import psutil
+        return psutil.Process().memory_info().rss
+
+    def _open(self) -> None:
+        self._pid = os.getpid()
+        try:
+            self._fd = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
+            self._page = os.sysconf("SC_PAGE_SIZE")
+        except (OSError, AttributeError, ValueError):  # not Linux
+            self._fd = None
 
 
-def memory_snapshot(device, process=None) -> dict[str, float]:
+_RSS = RssReader()
+
+
+def memory_snapshot(device, rss: RssReader | None = None) -> dict[str, float]:
     """Memory readings in MiB: peak_allocated_mib / peak_reserved_mib (CUDA caching allocator since
     the last reset_peaks), nvml_used_mib (the whole GPU as the driver sees it, every process), and
-    host_rss_mib (this process, or `process`: a `this_process()` handle). The GPU keys are absent
-    when `device` is not a CUDA device."""
+    host_rss_mib (this process; pass an RssReader when reading repeatedly). The GPU keys are
+    absent when `device` is not a CUDA device."""
     import torch
 
-    snapshot = {"host_rss_mib": (process or this_process()).memory_info().rss / MIB}
+    snapshot = {"host_rss_mib": (rss or _RSS)() / MIB}
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return snapshot

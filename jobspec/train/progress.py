@@ -8,6 +8,7 @@ themselves because the deepspeed runner pipes their output.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import sys
 import time
@@ -163,31 +164,28 @@ class StepReporter:
         self.model_flops_per_token = derived.get("model_flops_per_token")
         self.hardware_flops_per_token = derived.get("hardware_flops_per_token")
         self.peak_flops = metrics.peak_flops(hardware.cuda_device_name(), spec["memory"]["precision"])
-        self._process = metrics.this_process()  # psutil's handle, made once: the RSS reading is per log step
+        self._rss = metrics.RssReader()  # made once: the RSS reading is per log step
 
     def log_window(self, step: int, window: Window, nan_guard=None) -> Window:
         """Log the window's metrics (rank 0); returns the next, empty window. Every rank calls it:
-        one collective gathers every rank's loss sum, counts, first non-finite loss and memory
-        readings (the one sync point of the window). With `nan_guard` (policy `stop`), a non-finite
-        loss on any rank raises NonFiniteLoss here, before anything is logged."""
+        one collective gathers every rank's loss sum, counts and memory readings (the one sync point
+        of the window; none on one rank). With `nan_guard` (policy `stop`), a non-finite loss on any
+        rank (the sums are then non-finite) raises NonFiniteLoss here, before anything is logged."""
         import torch
         device = self.engine.device
-        losses = torch.stack(window.losses).float()
-        finite = torch.isfinite(losses)
-        # index of the first non-finite loss (inf if none): ranks run the same micro-batches
-        first_bad = torch.where(finite, float("inf"), torch.arange(len(losses), device=losses.device,
-                                                                   dtype=torch.float32)).min()
-        snapshot = self.metrics.memory_snapshot(device, self._process)
+        loss_sum = torch.stack(window.losses).float().sum()  # non-finite if any loss was
+        snapshot = self.metrics.memory_snapshot(device, self._rss)
         keys = sorted(snapshot)
         host = [window.micro_batches, window.samples, window.tokens, *(snapshot[k] for k in keys)]
-        local = torch.cat([torch.stack([losses.sum(), first_bad]).double(),
-                           torch.tensor(host, dtype=torch.float64, device=losses.device)])
-        ranks = self.metrics.gather_rows(local)  # [world][values] on the host
+        if self.world == 1:
+            ranks = [[float(loss_sum), *host]]
+        else:
+            ranks = self.metrics.gather_rows(torch.cat([loss_sum.double().reshape(1), torch.tensor(
+                host, dtype=torch.float64).to(loss_sum.device, non_blocking=True)]))
         self.metrics.reset_peaks(device)  # the next window reports its own peak
-        loss_sum, micro_batches, samples, tokens = (sum(r[i] for r in ranks) for i in (0, 2, 3, 4))
-        bad_index = min(r[1] for r in ranks)
-        if bad_index != float("inf") and nan_guard is not None and nan_guard.policy == "stop":
-            raise nan_guard.failure(window.loss_steps[int(bad_index)])
+        loss_sum, micro_batches, samples, tokens = (sum(r[i] for r in ranks) for i in range(4))
+        if not math.isfinite(loss_sum) and nan_guard is not None and nan_guard.policy == "stop":
+            raise nan_guard.failure(window.first_nonfinite_step())  # 0 where another rank had it
         elapsed = max(time.perf_counter() - window.started, 1e-9)
         out = {
             "train/loss": loss_sum / micro_batches,
@@ -203,7 +201,7 @@ class StepReporter:
             tokens_per_s_device = tokens / elapsed / self.world
             out["perf/tflops_per_device"] = self.hardware_flops_per_token * tokens_per_s_device / 1e12
             out["perf/mfu"] = self.model_flops_per_token * tokens_per_s_device / self.peak_flops
-        memory = {f"mem/{k}_max": max(r[5 + i] for r in ranks) for i, k in enumerate(keys)}
+        memory = {f"mem/{k}_max": max(r[4 + i] for r in ranks) for i, k in enumerate(keys)}
         memory.update({f"mem/{k}_rank0": float(snapshot[k]) for k in ("peak_allocated_mib", "peak_reserved_mib")
                        if k in snapshot})
         for name, value in memory.items():
