@@ -12,6 +12,7 @@
                    `plan`/`fit` (launch), `source`
   hostfile         one `host slots=N` line per node (multi-node Slurm) launch/slurm -> DeepSpeed runner
   mlflow_run.json  tracking URI, experiment and run id                 tracking     -> rank 0's sink, sync
+  tracking.json    whether the MLflow run exists (on/off/failed+why)   launch       -> the ranks (they wait)
   launcher.log     everything the runner and ranks printed             supervise    -> MLflow artifact
   metrics.jsonl    every metric point, one JSON object per log step    rank 0       -> sync, bench
   summary.json     status, steps, loss, throughput, peak memory        rank 0 (else the fallback below)
@@ -42,6 +43,8 @@ COMMAND = "command.txt"
 LAUNCH = "launch.json"
 HOSTFILE = "hostfile"
 MLFLOW_RUN = "mlflow_run.json"
+TRACKING = "tracking.json"
+TRACKING_PENDING_ENV = "JOBSPEC_TRACKING_PENDING"   # set by the launcher for its ranks: wait for TRACKING
 LAUNCHER_LOG = "launcher.log"
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
@@ -183,6 +186,40 @@ def read_mlflow_run(run_dir: Path) -> dict | None:
     """tracking_uri, experiment_id, run_id of the job's MLflow run; None when it has none."""
     path = Path(run_dir) / MLFLOW_RUN
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def write_tracking(run_dir: Path, status: str, reason: str | None = None) -> None:
+    """The launcher's decision on MLflow, made while the ranks start: "on" (mlflow_run.json is
+    written), "off" (metrics.jsonl only) or "failed" (required tracking unusable: the ranks stop)."""
+    tmp = Path(run_dir) / f".{TRACKING}.tmp"
+    tmp.write_text(_json_text({"status": status, "reason": reason}), encoding="utf-8")
+    tmp.replace(Path(run_dir) / TRACKING)  # atomic: a rank never reads half a file
+
+
+def read_tracking(run_dir: Path) -> dict | None:
+    path = Path(run_dir) / TRACKING
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def wait_for_tracking(run_dir: Path, environ=os.environ, timeout_s: float = 600.0, poll_s: float = 0.05):
+    """Rank side: with TRACKING_PENDING_ENV=1 (the launcher creates the MLflow run while the ranks
+    start: jobspec.launch.tracking_start), wait for tracking.json; RunFailure if it says "failed".
+    Returns the decision; None without the variable, or after `timeout_s` (metrics.jsonl only)."""
+    import time
+
+    from jobspec.errors import RunFailure
+    if environ.get(TRACKING_PENDING_ENV) != "1":
+        return None
+    deadline = time.monotonic() + timeout_s
+    while (decision := read_tracking(run_dir)) is None:
+        if time.monotonic() >= deadline:
+            print(f"WARNING: no MLflow decision from the launcher after {timeout_s:.0f} s; metrics go to "
+                  f"{Path(run_dir) / METRICS} only (`jobspec sync` uploads them)", flush=True)
+            return None
+        time.sleep(poll_s)
+    if decision["status"] == "failed":
+        raise RunFailure(decision["reason"] or "MLflow tracking could not be started")
+    return decision
 
 
 def open_launcher_log(run_dir: Path):

@@ -336,3 +336,52 @@ def test_real_two_rank_launch_logs_a_finished_mlflow_run(tmp_path):
     assert rss and all(m.value > 0 for m in rss)
     assert not client.get_metric_history(run.info.run_id, "mem/peak_allocated_mib_max")  # no GPU here
     assert survivors(run_dir) == []
+
+
+# --- the MLflow run is made while the runner starts (jobspec/launch/tracking_start.py) -----------
+
+def test_the_runner_starts_before_the_mlflow_run_is_made(tmp_path, fake_runner, monkeypatch):
+    job = write_job(tmp_path)
+    use_fake_runner(monkeypatch, fake_runner, "quick")
+    real_start_run, seen = telemetry.start_run, {}
+
+    def slow_start_run(spec, launch, derived, text, run_dir, **kwargs):
+        deadline = time.monotonic() + 30
+        while not (Path(run_dir) / "ready-1").exists():  # the ranks are up before the run exists
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        seen["ranks_env"] = rundir.read_tracking(run_dir)  # not decided yet while the ranks start
+        return real_start_run(spec, launch, derived, text, run_dir, **kwargs)
+    monkeypatch.setattr(telemetry, "start_run", slow_start_run)
+    assert main(["launch", str(job)]) == 0
+    run_dir = only_run_dir(tmp_path)
+    assert seen["ranks_env"] is None and rundir.read_tracking(run_dir) == {"status": "on", "reason": None}
+    _, run = mlflow_run_of(run_dir)
+    assert run.info.status == "FINISHED" and "plan.peak_allocated_mib" in run.data.params
+    owner = json.loads((tmp_path / "out" / "checkpoints" / ownership.OWNER_FILE).read_text())
+    assert owner["mlflow_run_id"] == run.info.run_id
+
+
+def test_a_required_run_that_cannot_be_made_fails_the_launch_and_tells_the_ranks(tmp_path, fake_runner,
+                                                                                 monkeypatch, capsys):
+    job = write_job(tmp_path, mlflow={"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "required": True})
+    use_fake_runner(monkeypatch, fake_runner, "quick")
+
+    def broken(*args, **kwargs):
+        raise telemetry.TrackingUnavailable("OperationalError: database is locked")
+    monkeypatch.setattr(telemetry, "start_run", broken)
+    assert main(["launch", str(job)]) == 1
+    err = capsys.readouterr().err
+    assert "database is locked" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    decision = rundir.read_tracking(only_run_dir(tmp_path))
+    assert decision["status"] == "failed" and "database is locked" in decision["reason"]
+    with pytest.raises(Exception, match="database is locked"):  # what every rank does with it
+        rundir.wait_for_tracking(only_run_dir(tmp_path), environ={rundir.TRACKING_PENDING_ENV: "1"})
+
+
+def test_ranks_wait_for_the_decision_only_when_told_to(tmp_path):
+    assert rundir.wait_for_tracking(tmp_path, environ={}) is None  # a worker started by hand
+    pending = {rundir.TRACKING_PENDING_ENV: "1"}
+    assert rundir.wait_for_tracking(tmp_path, environ=pending, timeout_s=0.1) is None  # gave up: jsonl only
+    threading.Timer(0.2, rundir.write_tracking, args=(tmp_path, "off")).start()
+    assert rundir.wait_for_tracking(tmp_path, environ=pending, timeout_s=10)["status"] == "off"

@@ -9,8 +9,9 @@
     pre-flight     launch/preflight + memory/at_launch.preflight_problems (--ignore-preflight: warn)
     argv           launch/runner.resolve_runner, launch/slurm.launch_argv (srun per node in Slurm)
     write          rundir.write_compiled (spec.yaml ... launch.json, `plan`/`fit` included)
-    track          tracking/run.start_run (+ plan.*/fit.* params), or None
-    own            launch/ownership.write_owner (with the MLflow run id, for a resume)
+    track          launch/tracking_start: the reachability probe now; the MLflow run (+ plan.*/fit.*
+                   params) and launch/ownership.write_owner (with its run id, for a resume) in a
+                   thread while the runner starts; the ranks wait for tracking.json
     supervise      launch/supervise.run: ranks run, output to launcher.log
     end            shm buffers removed, fallback summary.json, tracking end_run with the status
 
@@ -27,8 +28,8 @@ import sys
 from pathlib import Path
 
 from jobspec import hardware, rundir, shm
-from jobspec.errors import RunFailure, spec_error
-from jobspec.launch import ownership, preflight, runner, slurm, supervise
+from jobspec.errors import spec_error
+from jobspec.launch import ownership, preflight, runner, slurm, supervise, tracking_start
 from jobspec.memory import at_launch as launch_memory
 from jobspec.tracking import telemetry
 
@@ -76,20 +77,26 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
         # inside a multi-node Slurm allocation: one runner per node through srun (docs/slurm.md)
         compiled.launch["argv"] = slurm.launch_argv(compiled.launch, run_dir)
         rundir.write_compiled(run_dir, resolved, compiled)
-        tracked = start_tracking(resolved, compiled, run_dir, resume_run_id)
-        if tracked is not None:  # next to the ranks' measured mem/* series: prediction error per run
-            launch_memory.log_params(tracked, launch_memory.mlflow_params(memory, spec["memory"]["fit"]))
+        track = tracking_start.probe(spec, run_dir)  # quick: an unreachable required server fails here
     except BaseException:
         shutil.rmtree(run_dir, ignore_errors=True)  # nothing ran: leave no half-made run behind
         raise
-    ownership.write_owner(spec, resolved.source, tracked.run_id if tracked else None)
+    env = child_env(spec, stop_after_steps)
+    tracking = None
+    if track:  # the MLflow run is made while the runner and ranks start (jobspec/launch/tracking_start.py)
+        env[tracking_start.PENDING_ENV] = "1"
+        tracking = tracking_start.TrackingStart(  # + the plan's params: prediction error per run in MLflow
+            resolved, compiled, run_dir, resume_run_id, launch_memory.mlflow_params(memory, spec["memory"]["fit"]),
+            on_done=lambda run: ownership.write_owner(spec, resolved.source, run.run_id if run else None))
+    else:
+        ownership.write_owner(spec, resolved.source, None)
 
     print(f"jobspec: run directory {run_dir}", flush=True)
-    outcome = supervise.run(compiled.launch["argv"], child_env(spec, stop_after_steps), run_dir,
-                            kill_grace_s=kill_grace_s)
+    outcome = supervise.run(compiled.launch["argv"], env, run_dir, kill_grace_s=kill_grace_s)
     shm.remove_shared_memory_buffers(compiled.launch.get("master_port"))  # every rank is gone now
     status = "FINISHED" if outcome.exit_code == 0 else ("KILLED" if outcome.user_signal else "FAILED")
     rundir.write_fallback_summary(run_dir, status, outcome.exit_code)
+    tracked = tracking.result() if tracking else None  # RunFailure: required, not made (the ranks stopped)
     if tracked is not None:
         telemetry.end_run(tracked, run_dir, status=status, exit_code=outcome.exit_code,
                           failure_reason=outcome.reason)
@@ -119,23 +126,3 @@ def child_env(spec: dict, stop_after_steps: int | None) -> dict:
     if stop_after_steps is not None:
         env["JOBSPEC_STOP_AFTER_STEPS"] = str(stop_after_steps)
     return env
-
-
-def start_tracking(resolved, compiled, run_dir: Path, resume_run_id: str | None):
-    """The MLflow run, or None when MLflow is off or (with `required: false`) unreachable."""
-    settings = resolved.spec["logging"]["mlflow"]
-    if not settings["enabled"]:
-        return None
-    try:
-        telemetry.probe(settings["tracking_uri"])
-        return telemetry.start_run(resolved.spec, compiled.launch, compiled.derived.as_dict(), resolved.text, run_dir,
-                                   resume_run_id=resume_run_id)
-    except telemetry.TrackingUnavailable as err:
-        uri = telemetry.mask_secrets(settings["tracking_uri"])
-        if settings["required"]:
-            raise RunFailure(f"MLflow tracking at {uri} is unavailable: {err}; start the server, fix "
-                             "logging.mlflow.tracking_uri, or set logging.mlflow.required: false to run with "
-                             "metrics kept in metrics.jsonl")
-        log.warning("MLflow tracking at %s is unavailable (%s); continuing, metrics go to %s", uri, err,
-                    run_dir / rundir.METRICS)
-        return None

@@ -87,6 +87,7 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
     if reshard is not None:
         pending_rng = reshard.adjust(state, files.derived["micro_batch_size"], files.spec["training"]["seed"], rank)
     progress = Progress(total_steps, state.step) if rank == 0 else NullProgress()
+    rundir.wait_for_tracking(run_dir)  # the launcher makes the MLflow run while we start; "failed" stops all
     sink = _open_sink(run_dir) if rank == 0 else None
     try:
         for note in patch_notes:
