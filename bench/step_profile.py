@@ -1,7 +1,8 @@
 """Steady-state cost of the worker's training step against the hand-written loop, in CPU time.
 
     python -m bench.step_profile                             # quickstart model, 1 rank, 3 repeats
-    python -m bench.step_profile --repeats 5 --steps 300 --profile /tmp/prof   # + cProfile of each side
+    python -m bench.step_profile --repeats 5 --steps 400 --profile /tmp/prof   # + cProfile of each side
+    python -m bench.step_profile --before /tmp/main-copy      # + the workers of another checkout
 
 Each side runs in its own process on one rank (the environment the deepspeed runner would set, but
 no runner: start-up is `bench.launch_overhead`'s business), on the same compiled job:
@@ -59,7 +60,7 @@ def instrument(records: list, profile_from: int | None, profiler: cProfile.Profi
         boundary = self.is_gradient_accumulation_boundary()
         out = original(self, *args, **kwargs)
         if boundary:
-            records.append((time.perf_counter(), time.process_time(), time.thread_time()))
+            records.append((time.perf_counter(), time.process_time(), time.thread_time(), time.time()))
             if profiler is not None and len(records) == profile_from:
                 profiler.enable()
         return out
@@ -67,6 +68,7 @@ def instrument(records: list, profile_from: int | None, profiler: cProfile.Profi
 
 
 def child(side: str, run_dir: Path, out: Path, warmup: int, profile: Path | None) -> int:
+    started = time.time()  # before torch/deepspeed/transformers are imported: start-up counts from here
     records: list = []
     profiler = cProfile.Profile(time.thread_time) if profile else None  # CPU time: robust to a loaded machine
     instrument(records, warmup, profiler)
@@ -81,7 +83,8 @@ def child(side: str, run_dir: Path, out: Path, warmup: int, profile: Path | None
     if profiler is not None:
         profiler.disable()
         profiler.dump_stats(str(profile))
-    out.write_text(json.dumps({"code": code, "records": records, "costs": COSTS}) + "\n")
+    out.write_text(json.dumps({"code": code, "records": records, "costs": COSTS,
+                               "first_step_s": records[0][3] - started if records else None}) + "\n")
     return code
 
 
@@ -163,9 +166,10 @@ def run_side(side: str, job: Path, work: Path, tag: str, args, log) -> dict:
     records = json.loads(out.read_text())["records"]
     if len(records) != args.steps:
         raise SystemExit(f"{side}: {len(records)} optimizer steps recorded, expected {args.steps}")
-    costs = json.loads(out.read_text())["costs"]
-    per_step = {f"{k}_ms_per_step": 1e3 * v[1] / args.steps for k, v in costs.items()}  # over the whole run
-    return {**steady(records, args.warmup), **per_step, "load": os.getloadavg()[0]}
+    result = json.loads(out.read_text())
+    per_step = {f"{k}_ms_per_step": 1e3 * v[1] / args.steps for k, v in result["costs"].items()}  # whole run
+    return {**steady(records, args.warmup), **per_step, "first_step_s": result["first_step_s"],
+            "load": os.getloadavg()[0]}
 
 
 def render(results: dict) -> str:
@@ -174,7 +178,7 @@ def render(results: dict) -> str:
 
     lines = ["| side | wall ms/step | CPU ms/step (process) | CPU ms/step (main thread) | CPU vs hand | "
              "main-thread CPU vs hand | CPU vs *-off (telemetry) | log_window / MLflow sender, CPU ms per step | "
-             "load avg (min-max) |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "process start to step 1, s | load avg (min-max) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for side, runs in results.items():
         def ratio(key, base):
             return f"x{med(side, key) / med(base, key):.3f}" if base in results else "-"
@@ -192,7 +196,7 @@ def render(results: dict) -> str:
                                       and k[:-12] not in ("log_window", "sender_log_batch")) + ")"
         lines.append(f"| {side} | {1e3 * med(side, 'wall'):.2f} | {1e3 * med(side, 'cpu'):.2f} | "
                      f"{1e3 * med(side, 'main'):.2f} | {ratio('cpu', 'hand')}{pairs} | {ratio('main', 'hand')} | "
-                     f"{telemetry} | {costs} | {min(loads):.1f}-{max(loads):.1f} |")
+                     f"{telemetry} | {costs} | {med(side, 'first_step_s'):.2f} | {min(loads):.1f}-{max(loads):.1f} |")
     return "\n".join(lines)
 
 
@@ -212,8 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--before", type=Path, default=None,
                         help="another checkout of jobspec (e.g. `git archive` of main) whose worker runs as before-N")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=200, help="optimizer steps per run (default 200)")
-    parser.add_argument("--warmup", type=int, default=20, help="steps left out (default 20)")
+    parser.add_argument("--steps", type=int, default=300, help="optimizer steps per run (default 300)")
+    parser.add_argument("--warmup", type=int, default=100,
+                        help="steps left out (default 100: past the MLflow import in the sink's thread)")
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of the rank (default 1)")
     parser.add_argument("--profile", type=Path, default=None, help="write cProfile stats of each run here")
     parser.add_argument("--work", type=Path, default=None)
@@ -242,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"step_profile: repeat {i + 1}/{args.repeats} {side} (load {os.getloadavg()[0]:.1f})",
                       file=sys.stderr, flush=True)
                 results[side].append(run_side(side, args.job.resolve(), work, f"{side}-r{i + 1}", args, log))
+                (work / "results.json").write_text(json.dumps(results, indent=2) + "\n")  # partial runs survive
     import platform
     from importlib import metadata
     text = (f"{render(results)}\n\n{args.repeats} repeats, {args.steps} steps (first {args.warmup} left out), "

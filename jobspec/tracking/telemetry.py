@@ -232,9 +232,11 @@ class MetricSink:
     from there when the server is back (`jobspec sync RUN_DIR` does it later if it never is).
     """
 
-    def __init__(self, run_dir: Path, client=None, run_id: str | None = None):
+    def __init__(self, run_dir: Path, client=None, run_id: str | None = None, tracking_uri: str | None = None):
+        """`client`, or `tracking_uri` for one the sender thread makes itself: importing mlflow takes
+        1-2 s of CPU, which then overlaps the first training steps instead of delaying them."""
         self.run_dir = Path(run_dir)
-        self.client, self.run_id = client, run_id
+        self.client, self.run_id, self._uri = client, run_id, tracking_uri
         self.sent = 0      # points MLflow acknowledged
         self.spilled = 0   # points kept only in metrics.jsonl (queue full)
         self.dropped = 0   # points still unsent when `close` gave up (all in metrics.jsonl)
@@ -244,7 +246,7 @@ class MetricSink:
         self._give_up_at: float | None = None
         self._wake = threading.Event()
         self._thread = None
-        if client is not None:
+        if client is not None or tracking_uri is not None:
             self._thread = threading.Thread(target=self._send_loop, name="jobspec-metric-sink", daemon=True)
             self._thread.start()
 
@@ -254,7 +256,7 @@ class MetricSink:
         info = rundir.read_mlflow_run(run_dir)
         if info is None:
             return cls(run_dir)
-        return cls(run_dir, client=_client(info["tracking_uri"]), run_id=info["run_id"])
+        return cls(run_dir, run_id=info["run_id"], tracking_uri=info["tracking_uri"])
 
     def log(self, metrics: dict, step: int) -> None:
         timestamp = int(time.time() * 1000)
@@ -297,6 +299,8 @@ class MetricSink:
         self._jsonl.close()
 
     def _send_loop(self) -> None:
+        if self.client is None:
+            self.client = _client(self._uri)
         from mlflow.entities import Metric, Param, RunTag
         last_sent = -SEND_INTERVAL_S
         while True:
