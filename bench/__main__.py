@@ -165,7 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2, help="runs per side and job (default 2)")
     parser.add_argument("--out", type=Path, default=None, help="write the markdown table here too")
     parser.add_argument("--work", type=Path, default=REPO / "bench" / "work", help="run dirs and mlflow.db")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="OMP_NUM_THREADS for both sides (default: unset; on a small shared CPU machine 1 "
+                             "keeps an oversubscribed thread pool from swinging step times)")
     args = parser.parse_args(argv)
+    if args.threads:
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by both sides' processes
     patterns = args.jobs or (FULL_JOBS if args.full else (CPU_JOBS,))
     jobs = job_files(patterns)
     if not jobs or args.repeats < 1:
@@ -182,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
                     log.flush()
                     rows[job.stem][side].append(runner(job, work, f"{side}-r{i + 1}", log))
     table = render(rows, args.repeats)
-    text = f"{table}\n\n{args.repeats} repeat(s) per side, medians; {environment()}\n"
+    threads = f", OMP_NUM_THREADS={args.threads}" if args.threads else ""
+    text = f"{table}\n\n{args.repeats} repeat(s) per side{threads}, medians; {environment()}\n"
     print(text)
     (work / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
     if args.out:

@@ -17,7 +17,10 @@ wall time, the process's CPU time (every thread: the MLflow sender and gloo's th
 the main thread's CPU time. The steady state is the slope from step --warmup to the last step. Sides
 run interleaved (hand, worker-1, worker-10, worker-off, hand, ...) so that a shared machine's drift
 hits all alike; medians over repeats; ratios are against the hand loop (and "telemetry" is worker-N
-against worker-off). `--profile DIR` writes a cProfile of each side's steady steps (main thread).
+against worker-off). With `--pairs` each side runs at the same time as a hand loop of its own (two
+processes, one thread each) and the ratio is the median of those pairs' ratios: the load of that
+moment hits both, which on a shared machine is steadier than runs minutes apart.
+`--profile DIR` writes a cProfile of each side's steady steps (main thread).
 """
 from __future__ import annotations
 
@@ -131,6 +134,11 @@ def steady(records: list, warmup: int) -> dict:
 # --- the parent: compile, interleave, report ------------------------------------------------------
 
 def run_side(side: str, job: Path, work: Path, tag: str, args, log) -> dict:
+    return finish_side(start_side(side, job, work, tag, args, log))
+
+
+def start_side(side: str, job: Path, work: Path, tag: str, args, log) -> dict:
+    """Compile the side's run dir (and its MLflow run) and start its child; `finish_side` waits."""
     from jobspec.launch.runner import free_port
     every = side.split("-")[1] if "-" in side else "off"
     log_every = args.steps if every == "off" else int(every)
@@ -157,7 +165,14 @@ def run_side(side: str, job: Path, work: Path, tag: str, args, log) -> dict:
     cmd = [sys.executable, str(REPO / "bench" / "step_profile.py"), "--child", "hand" if side == "hand" else "worker",
            "--run-dir", str(run_dir),
            "--child-out", str(out), "--warmup", str(args.warmup)] + (["--child-profile", str(profile)] if profile else [])
-    code = subprocess.run(cmd, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return {"side": side, "proc": proc, "tracked": tracked, "run_dir": run_dir, "out": out, "log": log, "args": args}
+
+
+def finish_side(started: dict) -> dict:
+    side, run_dir, out, log, args = (started[k] for k in ("side", "run_dir", "out", "log", "args"))
+    tracked = started["tracked"]
+    code = started["proc"].wait()
     if tracked is not None:
         from jobspec.tracking import telemetry
         telemetry.end_run(tracked, run_dir, status="FINISHED" if code == 0 else "FAILED", exit_code=code)
@@ -181,9 +196,13 @@ def render(results: dict) -> str:
              "process start to step 1, s | load avg (min-max) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for side, runs in results.items():
         def ratio(key, base):
+            if runs and f"hand_{key}" in runs[0]:  # --pairs: the median of the concurrent pairs' ratios
+                return f"x{statistics.median(r[key] / r[f'hand_{key}'] for r in runs):.3f}"
             return f"x{med(side, key) / med(base, key):.3f}" if base in results else "-"
         pairs = ""
-        if side != "hand" and "hand" in results:  # per-repeat ratios: the spread the median hides
+        if runs and "hand_cpu" in runs[0]:
+            pairs = " (" + ", ".join(f"{r['cpu'] / r['hand_cpu']:.2f}" for r in runs) + ")"
+        elif side != "hand" and "hand" in results:  # per-repeat ratios: the spread the median hides
             pairs = " (" + ", ".join(f"{a['cpu'] / b['cpu']:.2f}" for a, b in zip(runs, results["hand"])) + ")"
         off = side.split("-")[0] + "-off"
         telemetry = ("-" if side == "hand" or side == off or off not in results
@@ -221,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="steps left out (default 100: past the MLflow import in the sink's thread)")
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of the rank (default 1)")
     parser.add_argument("--profile", type=Path, default=None, help="write cProfile stats of each run here")
+    parser.add_argument("--pairs", action="store_true",
+                        help="run each side at the same time as its own hand loop (2 processes): ratios per pair")
     parser.add_argument("--work", type=Path, default=None)
     parser.add_argument("--child", choices=("hand", "worker"), default=None, help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", type=Path, help=argparse.SUPPRESS)
@@ -241,12 +262,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)
     results: dict = {side: [] for side in args.sides}
+    if args.pairs and "hand" not in results:
+        results = {"hand": [], **results}
     with open(work / "bench.log", "a", encoding="utf-8") as log:
         for i in range(args.repeats):
             for side in args.sides:
-                print(f"step_profile: repeat {i + 1}/{args.repeats} {side} (load {os.getloadavg()[0]:.1f})",
-                      file=sys.stderr, flush=True)
-                results[side].append(run_side(side, args.job.resolve(), work, f"{side}-r{i + 1}", args, log))
+                if args.pairs and side == "hand":
+                    continue
+                print(f"step_profile: repeat {i + 1}/{args.repeats} {side}{' || hand' if args.pairs else ''} "
+                      f"(load {os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
+                if args.pairs:  # both at once: the machine's load at that moment hits both alike
+                    a = start_side(side, args.job.resolve(), work, f"{side}-r{i + 1}", args, log)
+                    b = start_side("hand", args.job.resolve(), work, f"hand-{side}-r{i + 1}", args, log)
+                    result, hand = finish_side(a), finish_side(b)
+                    results["hand"].append(hand)
+                    result.update({f"hand_{k}": hand[k] for k in ("wall", "cpu", "main")})
+                else:
+                    result = run_side(side, args.job.resolve(), work, f"{side}-r{i + 1}", args, log)
+                results[side].append(result)
                 (work / "results.json").write_text(json.dumps(results, indent=2) + "\n")  # partial runs survive
     import platform
     from importlib import metadata
