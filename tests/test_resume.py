@@ -195,7 +195,7 @@ def test_zero2_disk_full_then_launcher_killed_then_resumed_bit_identically(tmp_p
     # 3. the next launch closes the orphaned run, resumes from the newest checkpoint, finishes
     done = launch(argv, tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert f"jobspec: closed run {second.name} as FAILED: its launcher (pid {proc.pid}) is gone" in done.stdout
+    assert f"jobspec: closed run {second.name} as FAILED: its launcher (pid {proc.pid}) is gone" in done.stderr
     assert json.loads((second / "launcher.json").read_text())["ended"]["by"] == "jobspec launch"
     third = newest_run(tmp_path)
     assert json.loads((third / "summary.json").read_text())["resumed_from"].endswith(f"step{latest}")
