@@ -93,6 +93,19 @@ def gpu_free_bytes(num_devices: int, environ=os.environ) -> int | None:
         return None
 
 
+def gpu_total_bytes(environ=os.environ) -> int | None:
+    """Total memory of this host's first GPU (what the header sets the plan against), None without GPUs."""
+    if environ.get(FAKE_FREE_ENV):
+        return int(environ[FAKE_FREE_ENV])
+    nvml = NVML.get()
+    if nvml is None:
+        return None
+    try:
+        return int(nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByIndex(0)).total)
+    except Exception:
+        return None
+
+
 def bf16_supported(environ=os.environ) -> bool:
     """Compute capability >= 8.0 (Ampere) on GPU 0; True without an NVIDIA GPU (CPU ranks do bf16)."""
     if environ.get(FAKE_FREE_ENV):

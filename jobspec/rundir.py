@@ -12,6 +12,7 @@
                    `plan`/`fit` (launch), `source`
   hostfile         one `host slots=N` line per node (multi-node Slurm) launch/slurm -> DeepSpeed runner
   mlflow_run.json  tracking URI, experiment and run id                 tracking     -> rank 0's sink, sync
+  mlflow_off       the job runs without an MLflow run (off/unreachable) launch       -> rank 0 stops waiting
   launcher.log     everything the runner and ranks printed             supervise    -> MLflow artifact
   launcher.json    the launcher's host, pid, start time; `ended` once  launch       -> launch/sync/report:
                    it has closed the run                                              a run left RUNNING
@@ -34,7 +35,7 @@ from pathlib import Path
 import yaml
 
 from jobspec.errors import spec_error
-from jobspec.secrets import mask_secrets
+from jobspec.secrets import mask_secrets, mask_tree
 
 SPEC = "spec.yaml"
 RESOLVED = "resolved.yaml"
@@ -44,6 +45,7 @@ COMMAND = "command.txt"
 LAUNCH = "launch.json"
 HOSTFILE = "hostfile"
 MLFLOW_RUN = "mlflow_run.json"
+TRACKING_OFF = "mlflow_off"
 LAUNCHER_LOG = "launcher.log"
 LAUNCHER = "launcher.json"
 METRICS = "metrics.jsonl"
@@ -115,7 +117,7 @@ def write_compiled(out: Path, resolved, compiled) -> None:
     contents = {
         # a password in a tracking URI or a planted token must not reach files that become artifacts
         SPEC: mask_secrets(resolved.text),
-        RESOLVED: mask_secrets(yaml.safe_dump(resolved.spec, sort_keys=False)),
+        RESOLVED: yaml.safe_dump(mask_tree(resolved.spec), sort_keys=False),
         DS_CONFIG: _json_text(compiled.ds_config),
         PATCHES: _json_text(compiled.patches),
         COMMAND: shlex.join(compiled.launch["argv"]) + "\n",
@@ -179,7 +181,10 @@ def write_hostfile(run_dir: Path, text: str) -> Path:
 
 
 def write_mlflow_run(run_dir: Path, info: dict) -> None:
-    (Path(run_dir) / MLFLOW_RUN).write_text(_json_text(info), encoding="utf-8")
+    """Atomically: rank 0 may be polling for it (wait_for_tracking)."""
+    tmp = Path(run_dir) / f".{MLFLOW_RUN}.tmp"
+    tmp.write_text(_json_text(info), encoding="utf-8")
+    os.replace(tmp, Path(run_dir) / MLFLOW_RUN)
 
 
 def read_mlflow_run(run_dir: Path) -> dict | None:
@@ -210,6 +215,23 @@ def mark_launcher_ended(run_dir: Path, status: str, exit_code: int, by: str = "l
     record["ended"] = {"status": status, "exit_code": exit_code, "by": by,
                       "at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     write_launcher(run_dir, record)
+
+
+def write_tracking_off(run_dir: Path) -> None:
+    (Path(run_dir) / TRACKING_OFF).write_text("", encoding="utf-8")
+
+
+def wait_for_tracking(run_dir: Path, timeout_s: float, poll_s: float = 0.1) -> dict | None:
+    """mlflow_run.json once the launcher has written it; None once it says there is no run
+    (`mlflow_off`), or after `timeout_s` (then the job keeps its metrics in metrics.jsonl)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = read_mlflow_run(run_dir)
+        if info is not None or (Path(run_dir) / TRACKING_OFF).exists() or time.monotonic() >= deadline:
+            return info
+        time.sleep(poll_s)
 
 
 def open_launcher_log(run_dir: Path):

@@ -157,7 +157,10 @@ def pytest_collection_finish(session):
     if os.environ.get("JOBSPEC_NO_PREBUILD"):
         return
     log = open(Path(session.config.rootpath) / ".pytest-prebuild-ops.log", "w")  # noqa: SIM115 (lives for the session)
-    _PREBUILD = subprocess.Popen([sys.executable, str(REPO_ROOT / "tests" / "prebuild_ops.py")],
+    # `jobspec prepare --all`, as CI images do: the builds overlap the fast tests instead of stalling
+    # the first slow test's launch past its timeout (torch's lock makes a launch that needs an op
+    # being built wait for it instead of building it twice)
+    _PREBUILD = subprocess.Popen([sys.executable, "-m", "jobspec", "prepare", "--all"], cwd=REPO_ROOT,
                                  stdout=log, stderr=subprocess.STDOUT)
 
 

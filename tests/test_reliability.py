@@ -23,7 +23,7 @@ from jobspec.train import checkpointing
 
 from jobspec.launch import preflight, supervise as supervision
 
-from jobspec.tracking import telemetry
+from jobspec.tracking import run as tracking
 from jobspec.cli import main
 from jobspec.errors import RunFailure, SpecError
 from jobspec.train.faults import INJECT_ENV, SKIPPED_METRIC
@@ -39,7 +39,7 @@ def store(tmp_path, monkeypatch):
 
 def run_of(run_dir: Path):
     info = json.loads((run_dir / "mlflow_run.json").read_text())
-    client = telemetry._client(info["tracking_uri"])
+    client = tracking.client_for(info["tracking_uri"])
     return client, client.get_run(info["run_id"])
 
 

@@ -28,7 +28,7 @@ import yaml
 from conftest import TINY_SPEC, deep_merge, make_run_dir, read_metrics, run_worker
 from mlflow_server import ENV
 
-from jobspec.tracking import telemetry
+from jobspec.tracking.run import client_for
 from jobspec.train import checkpointing
 
 pytestmark = pytest.mark.slow
@@ -92,7 +92,7 @@ def wait_for_step(tmp_path: Path, proc: subprocess.Popen, step: int, known: set)
 
 def mlflow_run(run_dir: Path):
     info = json.loads((run_dir / "mlflow_run.json").read_text())
-    return telemetry._client(info["tracking_uri"]).get_run(info["run_id"])
+    return client_for(info["tracking_uri"]).get_run(info["run_id"])
 
 
 def job_processes(run_dir: Path) -> list[int]:

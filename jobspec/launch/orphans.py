@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from jobspec import lifeline, rundir
-from jobspec.launch import status as run_status
+from jobspec import status as run_status
 
 log = logging.getLogger("jobspec.launch")
 RUN_DIR_TAG = "jobspec.run_dir"
@@ -44,10 +44,10 @@ def close_if_orphaned(run_dir: Path, by: str, tracking_uri: str | None = None) -
     rundir.write_fallback_summary(run_dir, end.status, end.exit_code)
     info = rundir.read_mlflow_run(run_dir)
     if info is not None:
-        from jobspec.tracking import telemetry
+        from jobspec.tracking import run as telemetry
         try:
             uri = tracking_uri or info["tracking_uri"]
-            client = telemetry._client(uri)
+            client = telemetry.client_for(uri)
             if client.get_run(info["run_id"]).info.status == "RUNNING":
                 tracked = telemetry.TrackedRun(uri, info["experiment_id"], info["run_id"], client)
                 telemetry.end_run(tracked, run_dir, status=end.status, exit_code=end.exit_code,

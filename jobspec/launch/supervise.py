@@ -91,7 +91,7 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
-def _relay(fd: int, run_dir: Path, tail: collections.deque, echo, seen: dict) -> None:
+def _relay(fd: int, run_dir: Path, tail: collections.deque, echo, seen: dict, echo_filter=None) -> None:
     partial = b""
     with rundir.open_launcher_log(run_dir) as log_file:
         while True:
@@ -103,8 +103,9 @@ def _relay(fd: int, run_dir: Path, tail: collections.deque, echo, seen: dict) ->
                 break
             log_file.write(chunk)
             log_file.flush()
-            if echo is not None:
-                echo.write(chunk)
+            shown = echo_filter.feed(chunk) if echo_filter is not None else chunk
+            if echo is not None and shown:
+                echo.write(shown)
                 echo.flush()
             lines = (partial + chunk).replace(b"\r", b"\n").split(b"\n")
             partial = lines.pop()
@@ -114,13 +115,20 @@ def _relay(fd: int, run_dir: Path, tail: collections.deque, echo, seen: dict) ->
             tail.extend(line.decode("utf-8", "replace") for line in lines if line.strip())
     if partial.strip():
         tail.append(partial.decode("utf-8", "replace"))
+    rest = echo_filter.flush() if echo_filter is not None else b""
+    if echo is not None and rest:
+        echo.write(rest)
+        echo.flush()
     os.close(fd)
 
 
 def run(argv: list[str], env: dict, run_dir: Path, *, echo=None, kill_grace_s: float = KILL_GRACE_S,
               rank_exit_grace_s: float | None = None, leftover_grace_s: float = LEFTOVER_GRACE_S,
-              poll_s: float = 0.2) -> Outcome:
-    """Run `argv` in its own process group, relay its output, forward signals; no process outlives it."""
+              poll_s: float = 0.2, echo_filter=None, started=None) -> Outcome:
+    """Run `argv` in its own process group, relay its output, forward signals; no process outlives it.
+
+    `echo_filter` (launch/quiet.TerminalFilter) picks what of the output reaches `echo` (launcher.log
+    gets all of it); `started(pid)` is called once the runner runs (the launch tracks it meanwhile)."""
     import subprocess
 
     rank_exit_grace_s = RANK_EXIT_GRACE_S if rank_exit_grace_s is None else rank_exit_grace_s
@@ -137,8 +145,10 @@ def run(argv: list[str], env: dict, run_dir: Path, *, echo=None, kill_grace_s: f
         os.close(write_fd)
     tail: collections.deque = collections.deque(maxlen=TAIL_LINES)
     seen: dict = {}
-    relay = threading.Thread(target=_relay, args=(read_fd, run_dir, tail, echo, seen), daemon=True)
+    relay = threading.Thread(target=_relay, args=(read_fd, run_dir, tail, echo, seen, echo_filter), daemon=True)
     relay.start()
+    if started is not None:
+        started(proc.pid)
 
     state = {"user_signal": None, "kill_at": None}
 

@@ -16,14 +16,16 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from jobspec import datacheck
+from jobspec.spec import datacheck
 from jobspec.errors import spec_error
 from jobspec.spec.data_format import data_format
 
 IGNORE_INDEX = -100  # the label value transformers' losses skip
 MLM_PROBABILITY = 0.15
 DATASETS_BUILDER = {"jsonl": "json", "csv": "csv", "parquet": "parquet"}  # data.format -> datasets.load_dataset's
-LEARNABLE_PREFIX = 8  # synthetic `learnable` class labels look at this many leading tokens
+# synthetic `learnable` sequence labels: the share of a sample's tokens drawn from its label's slice
+# of the vocabulary range (the rest are drawn from the whole range)
+LEARNABLE_SIGNAL = 0.5
 
 
 class TensorDictDataset(Dataset):
@@ -133,14 +135,23 @@ def synthetic_dataset(spec: dict, num_samples: int, seed: int) -> TensorDictData
         ids = low + (start - low + torch.arange(seq_len)) % (high - low)
     else:
         ids = torch.randint(low, high, (num_samples, seq_len), generator=generator)
+    if learnable and task == "sequence-classification":
+        # a "topic" per sample: the label is uniform (chance loss ln(num_labels)) and each token comes
+        # from the label's slice of the range with probability LEARNABLE_SIGNAL: every token is
+        # evidence, so even a tiny model learns it within tens of steps
+        labels = torch.randint(0, num_labels, (num_samples,), generator=generator)[:, None]
+        size = high - low   # slice c: the ids with (id - low) * num_labels // size == c
+        start = (labels * size + num_labels - 1) // num_labels
+        end = ((labels + 1) * size + num_labels - 1) // num_labels
+        offset = (torch.rand(ids.shape, generator=generator) * (end - start)).long()
+        topical = torch.rand(ids.shape, generator=generator) < LEARNABLE_SIGNAL
+        ids = torch.where(topical & (end > start), low + start + offset, ids)
+        labels = labels[:, 0]
     mask = torch.ones_like(ids)
     columns = {"input_ids": ids, "attention_mask": mask}
     if task == "sequence-classification":
         if learnable:
-            above = (ids[:, :LEARNABLE_PREFIX] >= (low + high) / 2).sum(dim=1)
-            # the count of high ids among the first 8 tokens, in num_labels buckets
-            # (2 labels: "more than 4 of the first 8 are in the upper half")
-            columns["labels"] = above * num_labels // (LEARNABLE_PREFIX + 1)
+            columns["labels"] = labels
         else:
             columns["labels"] = torch.randint(0, num_labels, (num_samples,), generator=generator)
     elif task == "token-classification":
@@ -175,7 +186,7 @@ def _mask_tokens(ids, attention_mask, special, mask_id: int, vocab: tuple[int, i
 
 def _file_dataset(spec: dict, tokenizer, split: str, label_names: dict) -> TensorDictDataset:
     """The tokenized rows of `data.<split>`. A row datasets, pyarrow or the tokenizer cannot take is
-    named by file and line (jobspec.datacheck scans the file for it): exit 2, not a rank traceback."""
+    named by file and line (jobspec.spec.datacheck scans the file for it): exit 2, not a rank traceback."""
     import datasets
 
     data, task = spec["data"], spec["model"].get("task", "sequence-classification")

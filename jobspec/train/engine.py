@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from jobspec import trace
 from jobspec.rundir import RunFiles
 from jobspec.train.progress import RunState
 
@@ -22,6 +23,8 @@ def build_engine(files: RunFiles):
     from jobspec.train.patches import apply_patches, build_client_optimizer
 
     spec = files.spec
+    phase = trace.phase if os.environ.get("RANK", "0") == "0" else (lambda *a: None)
+    phase("rank0", "imported-model-code")
     set_seed(spec["training"]["seed"])  # python, numpy, torch (+cuda): same initial weights on every rank
     tokenizer = build_tokenizer(spec)
     model = build_model(spec, tokenizer)
@@ -30,11 +33,30 @@ def build_engine(files: RunFiles):
     for patch in files.patches:
         if patch["name"] == "client_optimizer":
             client_optimizer = build_client_optimizer(model, patch["args"])
+    phase("rank0", "model")
     train_ds, eval_ds = build_datasets(spec, tokenizer)
+    phase("rank0", "data")
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
         optimizer=client_optimizer, config=files.ds_config)
+    start_schedule(engine)
+    phase("rank0", "engine")
     return engine, train_ds, eval_ds, patch_notes
+
+
+def start_schedule(engine) -> None:
+    """Put DeepSpeed's warmup schedulers at step 0 without their "before it has started" warning.
+
+    Built with `last_batch_iteration: -1` (their default), WarmupLR / WarmupDecayLR / WarmupCosineLR
+    call get_lr() in their constructor, which warns, and the first two optimizer steps both run at
+    the warmup's starting lr. The compiler writes `last_batch_iteration: 0`, which skips that call;
+    here the optimizer gets the lr of step 0, as the constructor would have set it. A resumed engine
+    then loads the scheduler's and the optimizer's state over this."""
+    scheduler = getattr(engine, "lr_scheduler", None)
+    if scheduler is not None and getattr(scheduler, "last_batch_iteration", None) == 0 and \
+            hasattr(scheduler, "get_lr"):
+        from deepspeed.runtime.lr_schedules import update_lr
+        scheduler._last_lr = update_lr(scheduler.optimizer.param_groups, scheduler.get_lr())
 
 
 def resume(engine, ckpt: dict, state: RunState, any_rank=lambda flag: flag,
