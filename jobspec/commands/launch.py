@@ -3,7 +3,9 @@
 Each launch creates <output_dir>/run-<UTC time>-<hex>/ with the compiled files, launcher.log and
 summary.json. The runner runs in its own process group: Ctrl-C / SIGTERM are forwarded (the worker
 checkpoints and stops; after a grace period the whole group is killed), SIGUSR1 asks the ranks to
-checkpoint and stop (Slurm preemption). Exit status: the runner's (128+N when stopped by signal N).
+checkpoint and stop (Slurm preemption). Exit status: 0 finished; 75 stopped with a checkpoint (the
+same command resumes it; MLflow KILLED, tag jobspec.status=preempted); 128+N stopped before a
+checkpoint, or a rank killed, by signal N; else the ranks' (1 runtime failure, 2 bad input).
 
 Checkpoints are owned by one job (checkpoint.dir/jobspec_job.json): another job's checkpoints, or
 existing ones with `checkpoint.resume: never`, make the launch refuse (exit 2); `resume: auto`
@@ -36,7 +38,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--dry-run", action="store_true",
                         help="print the DeepSpeed config, notes and exact command; start nothing")
     parser.add_argument("--stop-after-steps", type=int, default=None, metavar="K",
-                        help="stop gracefully (checkpoint, status preempted) after K optimizer steps")
+                        help="stop gracefully after K optimizer steps (checkpoint, status preempted, exit 75)")
     parser.add_argument("--ignore-preflight", action="store_true",
                         help="warn instead of refusing when host checks fail (GPU count, free GPU memory, port in use)")
     parser.add_argument("--verbose", "-v", action="store_true",

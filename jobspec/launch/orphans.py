@@ -11,6 +11,7 @@ A launcher on another host cannot be checked from here and is left alone.
 from __future__ import annotations
 
 import logging
+import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -56,8 +57,9 @@ def close_if_orphaned(run_dir: Path, by: str, tracking_uri: str | None = None) -
                         str(err).splitlines()[0][:200] if str(err) else type(err).__name__)
             return None
     rundir.mark_launcher_ended(run_dir, end.status, end.exit_code, by=f"jobspec {by}")
+    # stderr: `jobspec report --format csv > runs.csv` keeps its stdout for the table
     print(f"jobspec: closed run {run_dir.name} as {end.status}: its launcher (pid {record.get('pid')}) is gone",
-          flush=True)
+          file=sys.stderr, flush=True)
     return end
 
 

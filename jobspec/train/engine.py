@@ -65,7 +65,7 @@ def resume(engine, ckpt: dict, state: RunState, any_rank=lambda flag: flag,
 
     A corrupt newest checkpoint is passed over for the previous one, loudly (`passed_over` gets why).
     """
-    from jobspec.train import checkpointing
+    from jobspec.train import adam_replay, checkpointing
     client_state, target, skipped = checkpointing.load_with_fallback(engine, ckpt["resume"], ckpt["dir"], any_rank)
     for problem in skipped:
         if int(os.environ.get("RANK", "0")) == 0:
@@ -79,6 +79,7 @@ def resume(engine, ckpt: dict, state: RunState, any_rank=lambda flag: flag,
     state.batches_in_epoch = client_state["batches_in_epoch"]
     state.resumed_from = str(Path(target[0]) / target[1])
     keep_checkpoint_threads(client_state.get("cpu_threads"))
+    adam_replay.replay(engine.optimizer)  # DeepSpeed's CPU Adam: state the checkpoint cannot hold
     return checkpointing.rng_state_of_this_rank(client_state)
 
 

@@ -416,7 +416,7 @@ def test_a_run_whose_launcher_is_gone_is_closed_by_the_next_sync_launch_or_repor
     alive = orphaned_run(tmp_path, "alive", lifeline.identity())
     remote = orphaned_run(tmp_path, "remote", {"host": here + "-elsewhere", "pid": 1, "started": 0})
     assert main(["sync", str(by_sync)]) == 0
-    assert "closed run run-sync as FAILED: its launcher" in capsys.readouterr().out
+    assert "closed run run-sync as FAILED: its launcher" in capsys.readouterr().err
     _, run = mlflow_run_of(by_sync)
     assert run.info.status == "FAILED" and run.data.tags["jobspec.status"] == "failed"
     assert "is gone and the run never ended; found by `jobspec sync`" in run.data.tags["jobspec.failure_reason"]
@@ -433,7 +433,9 @@ def test_a_run_whose_launcher_is_gone_is_closed_by_the_next_sync_launch_or_repor
 
     by_report = orphaned_run(tmp_path, "report", dead_launcher())
     assert main(["report", "launch-tests", "--tracking-uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
-                 "--no-plots"]) == 0
+                 "--no-plots", "--format", "csv"]) == 0
+    out, err = capsys.readouterr()
+    assert "closed run run-report as FAILED" in err and "closed run" not in out  # the csv stays clean
     _, run = mlflow_run_of(by_report)
     assert run.info.status == "FAILED" and "found by `jobspec report`" in run.data.tags["jobspec.failure_reason"]
     for untouched in (alive, remote):  # a live launcher, or one on a host we cannot see, is left alone
