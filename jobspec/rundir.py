@@ -13,6 +13,7 @@
   hostfile         one `host slots=N` line per node (multi-node Slurm) launch/slurm -> DeepSpeed runner
   mlflow_run.json  tracking URI, experiment and run id                 tracking     -> rank 0's sink, sync
   mlflow_off       the job runs without an MLflow run (off/unreachable) launch       -> rank 0 stops waiting
+  cpu_info.json    py-cpuinfo's reading of the launching host           launch       -> ranks (jobspec/ops.py)
   launcher.log     everything the runner and ranks printed             supervise    -> MLflow artifact
   metrics.jsonl    every metric point, one JSON object per log step    rank 0       -> sync, bench
   summary.json     status, steps, loss, throughput, peak memory        rank 0 (else the fallback below)
@@ -44,6 +45,7 @@ LAUNCH = "launch.json"
 HOSTFILE = "hostfile"
 MLFLOW_RUN = "mlflow_run.json"
 TRACKING_OFF = "mlflow_off"
+CPU_INFO = "cpu_info.json"
 LAUNCHER_LOG = "launcher.log"
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"

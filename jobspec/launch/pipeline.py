@@ -30,10 +30,11 @@ import shlex
 import shutil
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
-from jobspec import hardware, rundir, shm, trace
+from jobspec import hardware, ops, rundir, shm, trace
 from jobspec.errors import spec_error
 from jobspec.launch import host, intent, ownership, preflight, quiet, runner, slurm, supervise
 from jobspec.launch import tracking as launch_tracking
@@ -65,7 +66,7 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
     found = host.probe(spec["resources"]["gpus_per_node"], gpu_free)
     style = progress_mode(spec["logging"]["progress"]) == "bar"
     what = intent.decide(spec, derived.total_steps)
-    phases.append(("planned", time.time(), time.process_time()))
+    phases.append(("planned", time.time(), trace.cpu_seconds()))
 
     if dry_run:  # nothing is created: the run dir in the command is the name it would get
         run_dir = rundir.new_run_dir_path(spec["output_dir"])
@@ -111,8 +112,10 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
         resolved, compiled, run_dir, resume_run_id, launch_memory.mlflow_params(memory, spec["memory"]["fit"]),
         verbose=verbose, announce=lambda info: _print_lines(console.tracking_lines(info, experiment, style=style)),
         done=terminal.release)
-    phases.append(("runner", time.time(), time.process_time()))
+    phases.append(("runner", time.time(), trace.cpu_seconds()))
     tracking.start()
+    # read once here, while the runner starts, instead of twice per op load on every rank
+    threading.Thread(target=ops.write_cpu_info, args=(run_dir / rundir.CPU_INFO,), daemon=True).start()
     outcome = supervise.run(compiled.launch["argv"], child_env(spec, stop_after_steps), run_dir,
                             kill_grace_s=kill_grace_s, echo=terminal,
                             echo_filter=None if verbose else quiet.TerminalFilter(), started=tracking.runner_started)
