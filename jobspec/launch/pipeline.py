@@ -4,8 +4,8 @@
     resolve        spec/validation.load_and_validate (exit 2 on any problem)
     prepare        memory/at_launch.prepare: `memory.fit: auto` rewrites the spec; the plan
     derive         spec/inputs.derive_job: every derived number, once (config.json, row count read here)
-    intent         launch/intent.decide: fresh, resume at step K, or complete (then nothing starts)
     claim          launch/ownership.claim_checkpoints: refuse another job's checkpoints; resume id
+    intent         launch/intent.decide: fresh, resume at step K, or complete (then nothing starts)
     run dir        rundir.create_run_dir, then compile/compiler.compile_spec into it
     pre-flight     launch/preflight + memory/at_launch.preflight_problems (--ignore-preflight: warn)
     argv           launch/runner.resolve_runner, launch/slurm.launch_argv (srun per node in Slurm)
@@ -79,11 +79,10 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
             print(f"note: {note}")
         print(shlex.join(argv))
         return 0
+    resume_run_id = ownership.claim_checkpoints(spec)  # another job's checkpoints: refused here (exit 2)
     if what.action == "complete":  # training again would only overwrite the finished run's results
         _print_lines(intent.complete_lines(spec, what))
         return 0
-
-    resume_run_id = ownership.claim_checkpoints(spec)
     run_dir = rundir.create_run_dir(spec["output_dir"])
     try:
         compiled = compile_job(resolved, derived, run_dir, port)

@@ -300,7 +300,8 @@ def _process_start() -> float:
 
 def _node_leader_says(text: str) -> None:
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # once per node, not once per rank
-        print(f"jobspec: {text}", flush=True)
+        sys.stdout.write(f"jobspec: {text}\n")  # one write: the node's ranks share the pipe
+        sys.stdout.flush()
 
 
 def _stop_after_reached(step: int) -> bool:
