@@ -163,8 +163,11 @@ def write_cpu_info(path: Path) -> None:
     except Exception:  # noqa: BLE001 -- an optimisation: the ranks read it themselves
         return
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps({"host": socket.gethostname(), "info": info}), encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps({"host": socket.gethostname(), "info": info}), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:  # the run directory is gone (a launch that stopped at once): nobody needs it
+        pass
 
 
 def share_cpu_info(path: Path | None = None) -> None:
