@@ -10,13 +10,21 @@ same op at once are serialised by torch's lock file in the build directory: one 
 wait and load the result.
 
 `needed_ops` is pure (the compiled ds_config in, builder names out); the rest imports DeepSpeed.
+
+DeepSpeed's CPU op builders (fused and CPU Adam on CPU ranks, CPU Adam for optimizer offload) pick
+their compiler flags from py-cpuinfo at every load, cached op or not, and py-cpuinfo answers by
+starting a Python interpreter: twice per load, about 1 s each, on every rank, before the first
+step. `share_cpu_info` answers those calls from one reading per host, which the launcher takes
+while the runner starts (`write_cpu_info`).
 """
 from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import re
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,3 +153,46 @@ def home_relative(path: Path | None) -> str:
     text = str(path)
     home = os.path.expanduser("~")
     return "~" + text[len(home):] if home != "/" and text.startswith(home + os.sep) else text
+
+
+def write_cpu_info(path: Path) -> None:
+    """py-cpuinfo's reading of this host, for the ranks on it (run in a thread by the launcher)."""
+    try:
+        import cpuinfo
+        info = cpuinfo.get_cpu_info()
+    except Exception:  # noqa: BLE001 -- an optimisation: the ranks read it themselves
+        return
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(json.dumps({"host": socket.gethostname(), "info": info}), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:  # the run directory is gone (a launch that stopped at once): nobody needs it
+        pass
+
+
+def share_cpu_info(path: Path | None = None) -> None:
+    """Answer py-cpuinfo's `get_cpu_info` from one reading per process: `path` (write_cpu_info's,
+    when it is there and from this host), else the first call's."""
+    try:
+        import cpuinfo
+    except ImportError:
+        return
+    if getattr(cpuinfo.get_cpu_info, "jobspec_shared", False):
+        return
+    known = None
+    try:
+        record = json.loads(Path(path).read_text(encoding="utf-8")) if path else None
+        if record and record.get("host") == socket.gethostname():  # another node may have other flags
+            known = record["info"]
+    except (OSError, ValueError, KeyError):
+        known = None
+    original = cpuinfo.get_cpu_info
+
+    def get_cpu_info():
+        nonlocal known
+        if known is None:
+            known = original()
+        return dict(known)
+
+    get_cpu_info.jobspec_shared = True
+    cpuinfo.get_cpu_info = get_cpu_info

@@ -13,6 +13,7 @@
   hostfile         one `host slots=N` line per node (multi-node Slurm) launch/slurm -> DeepSpeed runner
   mlflow_run.json  tracking URI, experiment and run id                 tracking     -> rank 0's sink, sync
   mlflow_off       the job runs without an MLflow run (off/unreachable) launch       -> rank 0 stops waiting
+  cpu_info.json    py-cpuinfo's reading of the launching host           launch       -> ranks (jobspec/ops.py)
   launcher.log     everything the runner and ranks printed             supervise    -> MLflow artifact
   launcher.json    the launcher's host, pid, start time; `ended` once  launch       -> launch/sync/report:
                    it has closed the run                                              a run left RUNNING
@@ -46,6 +47,7 @@ LAUNCH = "launch.json"
 HOSTFILE = "hostfile"
 MLFLOW_RUN = "mlflow_run.json"
 TRACKING_OFF = "mlflow_off"
+CPU_INFO = "cpu_info.json"
 LAUNCHER_LOG = "launcher.log"
 LAUNCHER = "launcher.json"
 METRICS = "metrics.jsonl"

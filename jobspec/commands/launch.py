@@ -1,5 +1,13 @@
 """Validate, compile and run a job: a new run directory, an MLflow run, and DeepSpeed's runner.
 
+The terminal shows a header before anything starts (job, model, settings, hardware, the memory plan
+against the device's memory, the MLflow run and how to open it; a warning when a job sized for GPUs
+runs on CPU ranks), the progress, and a closing summary (also in summary.json and as the MLflow run's
+description). DeepSpeed's, torch's and MLflow's own log lines go to launcher.log only; --verbose
+shows them. A job whose checkpoints already reach its last step is not launched again: the launch
+says so and how to train again; --dry-run says whether a launch would start fresh, resume at step K,
+or do nothing.
+
 Each launch creates <output_dir>/run-<UTC time>-<hex>/ with the compiled files, launcher.log and
 summary.json. The runner runs in its own process group: Ctrl-C / SIGTERM are forwarded (the worker
 checkpoints and stops; after a grace period the whole group is killed), SIGUSR1 asks the ranks to

@@ -9,7 +9,6 @@ and persistence to 1e5; schedulers warm up logarithmically unless told `warmup_t
 from __future__ import annotations
 
 import copy
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Any

@@ -6,9 +6,9 @@
     data           spec/datacheck.preflight_issues: the data files' first rows (exit 2, at data.train/eval)
     prepare        memory/at_launch.prepare: `memory.fit: auto` rewrites the spec; the plan
     derive         spec/inputs.derive_job: every derived number, once (config.json, row count read here)
-    intent         launch/intent.decide: fresh, resume at step K, or complete (then nothing starts)
     orphans        launch/orphans: close runs of output_dir whose launcher died without closing them
     claim          launch/ownership.claim_checkpoints: refuse another job's checkpoints; resume id
+    intent         launch/intent.decide: fresh, resume at step K, or complete (then nothing starts)
     run dir        rundir.create_run_dir, then compile/compiler.compile_spec into it
     pre-flight     launch/preflight + memory/at_launch.preflight_problems (--ignore-preflight: warn)
     argv           launch/runner.resolve_runner, launch/slurm.launch_argv (srun per node in Slurm)
@@ -34,10 +34,11 @@ import shlex
 import shutil
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
-from jobspec import hardware, lifeline, rundir, shm, trace
+from jobspec import hardware, lifeline, ops, rundir, shm, trace
 from jobspec import status as run_status
 from jobspec.errors import SpecError, SpecIssue
 from jobspec.launch import host, intent, orphans, ownership, preflight, quiet, runner, slurm, supervise
@@ -80,7 +81,7 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
     found = host.probe(spec["resources"]["gpus_per_node"], gpu_free)
     style = progress_mode(spec["logging"]["progress"]) == "bar"
     what = intent.decide(spec, derived.total_steps)
-    phases.append(("planned", time.time(), time.process_time()))
+    phases.append(("planned", time.time(), trace.cpu_seconds()))
 
     if dry_run:  # nothing is created: the run dir in the command is the name it would get
         run_dir = rundir.new_run_dir_path(spec["output_dir"])
@@ -93,12 +94,11 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
             print(f"note: {note}")
         print(shlex.join(argv))
         return 0
+    orphans.close_orphans_under(spec["output_dir"])  # runs a SIGKILLed launcher left RUNNING here
+    resume_run_id = ownership.claim_checkpoints(spec)  # another job's checkpoints: refused here (exit 2)
     if what.action == "complete":  # training again would only overwrite the finished run's results
         _print_lines(intent.complete_lines(spec, what))
         return 0
-
-    orphans.close_orphans_under(spec["output_dir"])  # runs a SIGKILLed launcher left RUNNING here
-    resume_run_id = ownership.claim_checkpoints(spec)
     run_dir = rundir.create_run_dir(spec["output_dir"])
     try:
         compiled = compile_job(resolved, derived, run_dir, port)
@@ -128,8 +128,10 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
         resolved, compiled, run_dir, resume_run_id, launch_memory.mlflow_params(memory, spec["memory"]["fit"]),
         verbose=verbose, announce=lambda info: _print_lines(console.tracking_lines(info, experiment, style=style)),
         done=terminal.release)
-    phases.append(("runner", time.time(), time.process_time()))
+    phases.append(("runner", time.time(), trace.cpu_seconds()))
     tracking.start()
+    # read once here, while the runner starts, instead of twice per op load on every rank
+    threading.Thread(target=ops.write_cpu_info, args=(run_dir / rundir.CPU_INFO,), daemon=True).start()
     outcome = supervise.run(compiled.launch["argv"], child_env(spec, stop_after_steps), run_dir,
                             kill_grace_s=kill_grace_s, echo=terminal,
                             echo_filter=None if verbose else quiet.TerminalFilter(), started=tracking.runner_started)

@@ -8,7 +8,8 @@ lines, MLflow's and alembic's INFO records, and jobspec's launcher.log-only line
 `--verbose` shows it all.
 
 Output is relayed in chunks, so a line is held until its end is seen; a line that holds a carriage
-return (the progress bar redrawing itself) is shown as it comes.
+return (the progress bar redrawing itself) is shown as it comes, and what another rank writes after
+a redraw, on the same terminal line, is judged as a line of its own.
 The launcher's own MLflow records (it creates the run, and its SQLite tables the first time) are
 routed by `route_library_logs`.
 """
@@ -50,6 +51,9 @@ class TerminalFilter:
 
     def feed(self, chunk: bytes) -> bytes:
         out = []
+        if self._showing and chunk[:1] not in (b"\r", b"\n"):
+            # a bar redraw is one write: what follows it in a later write is another process's line
+            self._showing = False
         while chunk:
             end = chunk.find(b"\n")
             if end < 0:

@@ -23,8 +23,9 @@ def build_engine(files: RunFiles):
     from jobspec.train.patches import apply_patches, build_client_optimizer
 
     spec = files.spec
-    phase = trace.phase if os.environ.get("RANK", "0") == "0" else (lambda *a: None)
-    phase("rank0", "imported-model-code")
+    rank = f"rank{os.environ.get('RANK', '0')}"
+    phase = trace.phase
+    phase(rank, "imported-model-code")
     set_seed(spec["training"]["seed"])  # python, numpy, torch (+cuda): same initial weights on every rank
     tokenizer = build_tokenizer(spec)
     model = build_model(spec, tokenizer)
@@ -33,14 +34,14 @@ def build_engine(files: RunFiles):
     for patch in files.patches:
         if patch["name"] == "client_optimizer":
             client_optimizer = build_client_optimizer(model, patch["args"])
-    phase("rank0", "model")
+    phase(rank, "model")
     train_ds, eval_ds = build_datasets(spec, tokenizer)
-    phase("rank0", "data")
+    phase(rank, "data")
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
         optimizer=client_optimizer, config=files.ds_config)
     start_schedule(engine)
-    phase("rank0", "engine")
+    phase(rank, "engine")
     return engine, train_ds, eval_ds, patch_notes
 
 

@@ -85,8 +85,9 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
     from jobspec import ops
     from jobspec.train.progress import NullProgress, Progress
 
-    # first-run op compiles happen here, announced, instead of in silence inside DeepSpeed
     _phase("imported")
+    ops.share_cpu_info(run_dir / rundir.CPU_INFO)
+    # first-run op compiles happen here, announced, instead of in silence inside DeepSpeed
     ops.ensure_built(ops.needed_ops(files.ds_config), announce=_node_leader_says)
     _phase("ops")
     deepspeed.init_distributed()
@@ -293,9 +294,8 @@ def _any_rank(flag: bool, group) -> bool:
 
 
 def _phase(name: str, at: float | None = None, cpu: float | None = None) -> None:
-    """Start-up timestamps of rank 0, for launcher.log (bench/startup.py)."""
-    if os.environ.get("RANK", "0") == "0":
-        trace.phase("rank0", name, at, cpu)
+    """Start-up timestamps of this rank, for launcher.log (bench/startup.py)."""
+    trace.phase(f"rank{os.environ.get('RANK', '0')}", name, at, cpu)
 
 
 def _process_start() -> float:
@@ -305,7 +305,8 @@ def _process_start() -> float:
 
 def _node_leader_says(text: str) -> None:
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # once per node, not once per rank
-        print(f"jobspec: {text}", flush=True)
+        sys.stdout.write(f"jobspec: {text}\n")  # one write: the node's ranks share the pipe
+        sys.stdout.flush()
 
 
 def _open_sink(run_dir: Path, launch: dict):

@@ -188,6 +188,12 @@ def test_a_progress_bar_redraw_passes_at_once():
     assert flt.feed(b" [00:02<00:08]\n") == b" [00:02<00:08]\n"
     assert flt.feed(b"[2026-11-23 07:40:50,915] [INFO] [launch.py:285:main] Process 1 exits successfully.\n") == b""
     assert flt.feed(b"no newline yet") == b"" and flt.flush() == b"no newline yet"
+    # another rank's log line lands after a redraw, on the bar's line: still left out
+    flt = TerminalFilter()
+    assert flt.feed(b"\r  2%|         | 1/40") == b"\r  2%|         | 1/40"
+    assert flt.feed(b"jobspec-log: phase rank1 first-step 1795424177.338 5.580\n") == b""
+    assert flt.feed(b"\r  5%|#        | 2/40") == b"\r  5%|#        | 2/40"
+    assert flt.feed(b"UserWarning: kept\n") == b"UserWarning: kept\n"
 
 
 # --- what a launch would do ----------------------------------------------------------------------
