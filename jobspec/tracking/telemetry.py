@@ -32,7 +32,7 @@ MAX_PARAM_VALUE_CHARS = 6000     # MLflow's param value limit (6000 since 2.x)
 MAX_METRICS_PER_BATCH = 1000     # MLflow's log_batch limit for metrics
 RETRY_FIRST_S, RETRY_MAX_S = 0.5, 10.0  # MetricSink: backoff between attempts of a batch (no attempt limit)
 MAX_PENDING_POINTS = 200_000     # MetricSink: queued in memory while MLflow is down; beyond, metrics.jsonl only
-SEND_INTERVAL_S = 1.0            # MetricSink: at most one metrics log_batch per second (points coalesced)
+SEND_INTERVAL_S = 5.0            # MetricSink: at most one metrics log_batch per 5 s (points coalesced; close flushes)
 FAILURE_REASON_CHARS = 4000
 
 # The client's defaults (120 s timeout, 7 retries with exponential backoff) block ~4 minutes per call
