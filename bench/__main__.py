@@ -123,6 +123,10 @@ def render(rows: dict, repeats: int) -> str:
             if side == "jobspec":
                 a, b = median_of(results, "perf/samples_per_s"), median_of(sides["trainer"], "perf/samples_per_s")
                 ratio_speed = _fmt(a / b if a and b else None, ".2f")
+                pairs = [x["perf/samples_per_s"] / y["perf/samples_per_s"] for x, y in zip(results, sides["trainer"])
+                         if x.get("perf/samples_per_s") and y.get("perf/samples_per_s")]
+                if len(pairs) > 1:  # per repeat: the spread the ratio of medians hides
+                    ratio_speed += " (" + ", ".join(f"{r:.2f}" for r in pairs) + ")"
                 a, b = median_of(results, mem), median_of(sides["trainer"], mem)
                 ratio_mem = _fmt(a / b if a and b else None, ".2f") + (" (RSS)" if "rss" in mem and a and b else "")
             lines.append("| " + " | ".join([
@@ -165,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2, help="runs per side and job (default 2)")
     parser.add_argument("--out", type=Path, default=None, help="write the markdown table here too")
     parser.add_argument("--work", type=Path, default=REPO / "bench" / "work", help="run dirs and mlflow.db")
+    parser.add_argument("--concurrent", action="store_true",
+                        help="run the two sides of a repeat at the same time (one process each): on a shared "
+                             "machine both meet the same load; use with --threads 1 on a 2-core machine")
     parser.add_argument("--threads", type=int, default=None,
                         help="OMP_NUM_THREADS for both sides (default: unset; on a small shared CPU machine 1 "
                              "keeps an oversubscribed thread pool from swinging step times)")
@@ -181,14 +188,25 @@ def main(argv: list[str] | None = None) -> int:
     with open(work / "bench.log", "a", encoding="utf-8") as log:
         for job in jobs:
             rows[job.stem] = {"jobspec": [], "trainer": []}
-            for i in range(args.repeats):  # interleaved: A, B, A, B
-                for side, runner in (("jobspec", run_jobspec), ("trainer", run_baseline)):
-                    print(f"bench: {job.stem} {side} repeat {i + 1}/{args.repeats}", file=sys.stderr, flush=True)
-                    log.flush()
-                    rows[job.stem][side].append(runner(job, work, f"{side}-r{i + 1}", log))
+            for i in range(args.repeats):  # interleaved: A, B, A, B (or A and B at once: --concurrent)
+                sides = (("jobspec", run_jobspec), ("trainer", run_baseline))
+                print(f"bench: {job.stem} repeat {i + 1}/{args.repeats}"
+                      f"{' (both sides at once)' if args.concurrent else ''}, load {os.getloadavg()[0]:.1f}",
+                      file=sys.stderr, flush=True)
+                log.flush()
+                if args.concurrent:
+                    from concurrent.futures import ThreadPoolExecutor
+                    with ThreadPoolExecutor(2) as pool:
+                        futures = {side: pool.submit(runner, job, work, f"{side}-r{i + 1}", log) for side, runner in sides}
+                    for side, future in futures.items():
+                        rows[job.stem][side].append(future.result())
+                else:
+                    for side, runner in sides:
+                        rows[job.stem][side].append(runner(job, work, f"{side}-r{i + 1}", log))
     table = render(rows, args.repeats)
     threads = f", OMP_NUM_THREADS={args.threads}" if args.threads else ""
-    text = f"{table}\n\n{args.repeats} repeat(s) per side{threads}, medians; {environment()}\n"
+    mode = ", both sides at once" if args.concurrent else ", interleaved"
+    text = f"{table}\n\n{args.repeats} repeat(s) per side{mode}{threads}, medians; {environment()}\n"
     print(text)
     (work / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
     if args.out:

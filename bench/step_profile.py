@@ -72,7 +72,7 @@ def instrument(records: list, profile_from: int | None, profiler: cProfile.Profi
 
 def child(side: str, run_dir: Path, out: Path, warmup: int, profile: Path | None) -> int:
     started = time.time()  # before torch/deepspeed/transformers are imported: start-up counts from here
-    records: list = []
+    records = RECORDS
     profiler = cProfile.Profile(time.thread_time) if profile else None  # CPU time: robust to a loaded machine
     instrument(records, warmup, profiler)
     if side == "hand":
@@ -91,21 +91,21 @@ def child(side: str, run_dir: Path, out: Path, warmup: int, profile: Path | None
     return code
 
 
-COSTS: dict = {}  # name -> [calls, CPU seconds of the calling thread] (worker side)
+COSTS: dict = {}  # name -> [(optimizer steps done at the call, CPU seconds of the calling thread)]
+RECORDS: list = []
 
 
 def time_calls(owner, name: str, label: str) -> None:
-    """Wrap owner.name to add up the CPU time of the thread calling it (thread_time: own thread only)."""
+    """Wrap owner.name to record the CPU time of the thread calling it (thread_time: own thread only)."""
     original = getattr(owner, name)
-    COSTS[label] = [0, 0.0]
+    COSTS[label] = []
 
     def timed(*args, **kwargs):
         t = time.thread_time()
         try:
             return original(*args, **kwargs)
         finally:
-            COSTS[label][0] += 1
-            COSTS[label][1] += time.thread_time() - t
+            COSTS[label].append((len(RECORDS), time.thread_time() - t))
     setattr(owner, name, timed)
 
 
@@ -182,7 +182,9 @@ def finish_side(started: dict) -> dict:
     if len(records) != args.steps:
         raise SystemExit(f"{side}: {len(records)} optimizer steps recorded, expected {args.steps}")
     result = json.loads(out.read_text())
-    per_step = {f"{k}_ms_per_step": 1e3 * v[1] / args.steps for k, v in result["costs"].items()}  # whole run
+    # steady state only: calls made after the warm-up steps (the first log_batch also sets up the store)
+    per_step = {f"{k}_ms_per_step": 1e3 * sum(dt for step, dt in calls if step > args.warmup)
+                / (args.steps - args.warmup) for k, calls in result["costs"].items()}
     return {**steady(records, args.warmup), **per_step, "first_step_s": result["first_step_s"],
             "load": os.getloadavg()[0]}
 

@@ -97,7 +97,7 @@ def test_table_has_medians_and_ratios():
     jobspec_row = [c.strip() for c in table[2].split("|")[1:-1]]
     trainer_row = [c.strip() for c in table[3].split("|")[1:-1]]
     assert jobspec_row[:3] == ["job-a", "jobspec", "100.0 (90.0-110.0)"]
-    assert jobspec_row[-2:] == ["2.00", "1.27 (RSS)"]       # 100/50; 510/400 (no GPU memory: RSS)
+    assert jobspec_row[-2:] == ["2.00 (1.80, 2.20)", "1.27 (RSS)"]  # 100/50 (per repeat); 510/400 (RSS)
     assert jobspec_row[6] == "-" and jobspec_row[9] == "50"  # peak allocated absent on CPU; prediction
     assert trainer_row[1] == "HF Trainer" and trainer_row[-2:] == ["", ""]
 
