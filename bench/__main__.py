@@ -3,6 +3,7 @@
     python -m bench                                   # CPU-size jobs (bench/jobs/*.yaml), 2 repeats
     python -m bench --repeats 3 --out bench/results/cpu.md
     python -m bench --full --out bench/results/gpu.md # bert-large guide + XLM-R rows (CUDA GPU)
+    python -m bench gpu [--dry-run]                   # the GPU acceptance suite (bench/gpu.py)
 
 For each job and repeat, in the order A, B, A, B ... (so drift of a shared machine hits both sides):
 A = `jobspec launch JOB` (numbers from its MLflow run: median of `perf/samples_per_s` windows after
@@ -60,8 +61,8 @@ def run_jobspec(job: Path, work: Path, tag: str, log) -> dict:
     run_dir = max((work / job.stem / tag).glob("run-*"), key=lambda p: p.stat().st_mtime)
     info = json.loads((run_dir / "mlflow_run.json").read_text())
     from jobspec.report import table as report
-    from jobspec.tracking import telemetry
-    client = telemetry._client(info["tracking_uri"])
+    from jobspec.tracking import run as tracking
+    client = tracking.client_for(info["tracking_uri"])
     series = report.metric_series(client, info["run_id"], METRICS)
     reduce = {name: (report.series_max if name.startswith("mem/") else report.steady_state) for name in METRICS}
     result = {name: reduce[name](points) for name, points in series.items()}
@@ -71,22 +72,26 @@ def run_jobspec(job: Path, work: Path, tag: str, log) -> dict:
 
 
 def run_baseline(job: Path, work: Path, tag: str, log) -> dict:
-    from bench.trainer_baseline import uses_deepspeed
     run_dir = work / job.stem / tag
     subprocess.run([sys.executable, "-m", "jobspec", "compile", str(job), "--out", str(run_dir),
                     *_sets(overrides(work, job, tag))], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True)
-    import yaml
-    spec = yaml.safe_load((run_dir / "resolved.yaml").read_text())
     out = run_dir / "result.json"
+    subprocess.run(baseline_command(run_dir, out), cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True)
+    return json.loads(out.read_text())
+
+
+def baseline_command(run_dir: Path, out: Path) -> list[str]:
+    """The command running bench.trainer_baseline on a compiled run dir (through the runner for ZeRO or > 1 rank)."""
+    import yaml
+
+    from bench.trainer_baseline import uses_deepspeed
+    spec = yaml.safe_load((run_dir / "resolved.yaml").read_text())
     module = ["--module", "bench.trainer_baseline", "--run-dir", str(run_dir), "--out", str(out)]
     world = spec["resources"]["gpus_per_node"]
     if uses_deepspeed(spec) or world > 1:  # the runner sets up the ranks' distributed environment
         from jobspec.launch.runner import free_port, runner_prefix
-        cmd = runner_prefix() + ["--num_gpus", str(world), "--master_port", str(free_port()), *module]
-    else:
-        cmd = [sys.executable, "-m", *module[1:]]
-    subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True)
-    return json.loads(out.read_text())
+        return runner_prefix() + ["--num_gpus", str(world), "--master_port", str(free_port()), *module]
+    return [sys.executable, "-m", *module[1:]]
 
 
 def median_of(results: list[dict], key: str):
@@ -148,6 +153,10 @@ def environment() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["gpu"]:
+        from bench import gpu
+        return gpu.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", nargs="+", default=None, metavar="GLOB",
@@ -156,7 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2, help="runs per side and job (default 2)")
     parser.add_argument("--out", type=Path, default=None, help="write the markdown table here too")
     parser.add_argument("--work", type=Path, default=REPO / "bench" / "work", help="run dirs and mlflow.db")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="OMP_NUM_THREADS for both sides (default: unset; on a small shared CPU machine 1 "
+                             "keeps an oversubscribed thread pool from swinging step times)")
     args = parser.parse_args(argv)
+    if args.threads:
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by both sides' processes
     patterns = args.jobs or (FULL_JOBS if args.full else (CPU_JOBS,))
     jobs = job_files(patterns)
     if not jobs or args.repeats < 1:
@@ -173,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
                     log.flush()
                     rows[job.stem][side].append(runner(job, work, f"{side}-r{i + 1}", log))
     table = render(rows, args.repeats)
-    text = f"{table}\n\n{args.repeats} repeat(s) per side, medians; {environment()}\n"
+    threads = f", OMP_NUM_THREADS={args.threads}" if args.threads else ""
+    text = f"{table}\n\n{args.repeats} repeat(s) per side{threads}, medians; {environment()}\n"
     print(text)
     (work / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
     if args.out:

@@ -15,6 +15,8 @@
   mlflow_off       the job runs without an MLflow run (off/unreachable) launch       -> rank 0 stops waiting
   cpu_info.json    py-cpuinfo's reading of the launching host           launch       -> ranks (jobspec/ops.py)
   launcher.log     everything the runner and ranks printed             supervise    -> MLflow artifact
+  launcher.json    the launcher's host, pid, start time; `ended` once  launch       -> launch/sync/report:
+                   it has closed the run                                              a run left RUNNING
   metrics.jsonl    every metric point, one JSON object per log step    rank 0       -> sync, bench
   summary.json     status, steps, loss, throughput, peak memory        rank 0 (else the fallback below)
   .oom-recovery/   the state an OOM retry reloads (removed after)      rank side
@@ -34,7 +36,7 @@ from pathlib import Path
 import yaml
 
 from jobspec.errors import spec_error
-from jobspec.secrets import mask_secrets
+from jobspec.secrets import mask_secrets, mask_tree
 
 SPEC = "spec.yaml"
 RESOLVED = "resolved.yaml"
@@ -47,6 +49,7 @@ MLFLOW_RUN = "mlflow_run.json"
 TRACKING_OFF = "mlflow_off"
 CPU_INFO = "cpu_info.json"
 LAUNCHER_LOG = "launcher.log"
+LAUNCHER = "launcher.json"
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 OOM_RECOVERY = ".oom-recovery"
@@ -116,7 +119,7 @@ def write_compiled(out: Path, resolved, compiled) -> None:
     contents = {
         # a password in a tracking URI or a planted token must not reach files that become artifacts
         SPEC: mask_secrets(resolved.text),
-        RESOLVED: mask_secrets(yaml.safe_dump(resolved.spec, sort_keys=False)),
+        RESOLVED: yaml.safe_dump(mask_tree(resolved.spec), sort_keys=False),
         DS_CONFIG: _json_text(compiled.ds_config),
         PATCHES: _json_text(compiled.patches),
         COMMAND: shlex.join(compiled.launch["argv"]) + "\n",
@@ -190,6 +193,30 @@ def read_mlflow_run(run_dir: Path) -> dict | None:
     """tracking_uri, experiment_id, run_id of the job's MLflow run; None when it has none."""
     path = Path(run_dir) / MLFLOW_RUN
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def write_launcher(run_dir: Path, record: dict) -> None:
+    """launcher.json: who runs this job (jobspec/lifeline.py identity), replaced atomically."""
+    run_dir = Path(run_dir)
+    tmp = run_dir / f".{LAUNCHER}.tmp"
+    tmp.write_text(_json_text(record), encoding="utf-8")
+    os.replace(tmp, run_dir / LAUNCHER)
+
+
+def read_launcher(run_dir: Path) -> dict | None:
+    try:
+        record = json.loads((Path(run_dir) / LAUNCHER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def mark_launcher_ended(run_dir: Path, status: str, exit_code: int, by: str = "launcher") -> None:
+    """The run was closed (by its launcher, or by whoever found the launcher gone): nothing left to check."""
+    record = read_launcher(run_dir) or {}
+    record["ended"] = {"status": status, "exit_code": exit_code, "by": by,
+                      "at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    write_launcher(run_dir, record)
 
 
 def write_tracking_off(run_dir: Path) -> None:

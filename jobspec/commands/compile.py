@@ -25,15 +25,15 @@ import shlex
 import sys
 from pathlib import Path
 
+from jobspec.commands import add_format_argument, add_set_argument
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("job", metavar="JOB", help="job spec file (YAML)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a field, e.g. --set training.max_steps=10 (repeatable)")
+    add_set_argument(parser)
     parser.add_argument("--out", metavar="DIR", type=Path,
                         help="write the run-directory files here instead of printing the DeepSpeed config")
-    parser.add_argument("--format", choices=("text", "json"), default="text",
-                        help="text: the config and notes; json: one object (also used for errors)")
+    add_format_argument(parser, {"text": "the config and notes", "json": "one object (errors too)"})
 
 
 def run(args: argparse.Namespace) -> int:
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
 
 def patch_lines(patches: list) -> list[str]:
     """patches.json, readable: what the ranks change in the model before DeepSpeed sees it."""
-    from jobspec.report.console import patch_text
+    from jobspec.launch.console import patch_text
 
     lines = []
     for patch in patches:

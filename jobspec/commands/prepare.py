@@ -17,15 +17,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jobspec.commands import add_set_argument
 from jobspec.errors import RunFailure, spec_error
-
-HELP = "Build the DeepSpeed ops a job needs (first-run compiles) ahead of time, e.g. for CI and images."
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("jobs", nargs="*", metavar="JOB", help="job spec YAML file(s)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a field, as for `jobspec launch` (repeatable)")
+    add_set_argument(parser)
     parser.add_argument("--all", action="store_true", help="build every op a jobspec job can load")
 
 

@@ -76,7 +76,7 @@ def finished_run_dir(output_dir: str | Path) -> Path | None:
 
 def complete_lines(spec: dict, intent: Intent) -> list[str]:
     """What `jobspec launch` says instead of launching a complete job."""
-    from jobspec.report.console import mlflow_open
+    from jobspec.launch.console import mlflow_open
 
     ckpt_dir = spec["checkpoint"]["dir"]
     lines = [f"jobspec: {spec['name']} is already complete: checkpoint {intent.checkpoint} is at step "

@@ -2,21 +2,25 @@
 -> header -> supervised DeepSpeed runner, with the MLflow run created meanwhile -> closing summary.
 
     resolve        spec/validation.load_and_validate (exit 2 on any problem)
+    model.config   launch/model_config: an architecture outside the shipped table, against transformers
+    data           spec/datacheck.preflight_issues: the data files' first rows (exit 2, at data.train/eval)
     prepare        memory/at_launch.prepare: `memory.fit: auto` rewrites the spec; the plan
     derive         spec/inputs.derive_job: every derived number, once (config.json, row count read here)
     claim          launch/ownership.claim_checkpoints: refuse another job's checkpoints; resume id
     intent         launch/intent.decide: fresh, resume at step K, or complete (then nothing starts)
+    orphans        launch/orphans: close runs of output_dir whose launcher died without closing them
     run dir        rundir.create_run_dir, then compile/compiler.compile_spec into it
     pre-flight     launch/preflight + memory/at_launch.preflight_problems (--ignore-preflight: warn)
     argv           launch/runner.resolve_runner, launch/slurm.launch_argv (srun per node in Slurm)
-    write          rundir.write_compiled (spec.yaml ... launch.json, `plan`/`fit` included)
+    write          rundir.write_compiled (spec.yaml ... launch.json, `plan`/`fit` included); launcher.json
     header         report/console.header_lines: job, model, settings, hardware, memory plan vs device
     supervise      launch/supervise.run: ranks run, output to launcher.log, the terminal gets what
                    launch/quiet.TerminalFilter keeps (all of it with --verbose)
     track          launch/tracking.BackgroundTracking, while the runner starts: the MLflow run
                    (+ plan.*/fit.* params) or None; the checkpoint owner record (with the run id)
-    end            shm buffers removed, fallback summary.json, the closing summary (printed, in
-                   summary.json and as the MLflow run's description), tracking end_run with the status
+    end            shm buffers removed, status.ending (exit code: 0, 75 stopped with a checkpoint, 128+N;
+                   MLflow status and tags), exported models recorded, the closing summary (printed, in
+                   summary.json and as the MLflow run's description), tracking end_run
 
 Anything failing before the runner starts removes the new run directory: no half-made run is left;
 a required MLflow run that cannot be created stops the runner and removes it too.
@@ -34,14 +38,15 @@ import threading
 import time
 from pathlib import Path
 
-from jobspec import hardware, ops, rundir, shm, trace
-from jobspec.errors import spec_error
-from jobspec.launch import host, intent, ownership, preflight, quiet, runner, slurm, supervise
+from jobspec import hardware, lifeline, ops, rundir, shm, trace
+from jobspec import status as run_status
+from jobspec.errors import SpecError, SpecIssue
+from jobspec.launch import host, intent, orphans, ownership, preflight, quiet, runner, slurm, supervise
 from jobspec.launch import tracking as launch_tracking
-from jobspec.launch.tracking import start_tracking  # noqa: F401 -- its home before launch/tracking.py
 from jobspec.memory import at_launch as launch_memory
-from jobspec.report import console
-from jobspec.tracking import telemetry
+from jobspec.launch import console
+from jobspec.spec import datacheck
+from jobspec.tracking import run as tracking_run
 
 log = logging.getLogger("jobspec.launch")
 
@@ -49,12 +54,22 @@ log = logging.getLogger("jobspec.launch")
 def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_steps: int | None = None,
            ignore_preflight: bool = False, kill_grace_s: float = supervise.KILL_GRACE_S,
            verbose: bool = False) -> int:
-    """Run the job; the runner's exit status (128+N when stopped by signal N)."""
+    """Run the job; its exit status (jobspec/status.py: 0 finished, 75 stopped with a checkpoint,
+    128+N stopped or killed by signal N, else the ranks')."""
+    from jobspec.launch.model_config import launch_model_config_issues
     from jobspec.spec.inputs import derive_job
     from jobspec.spec.validation import load_and_validate
 
     phases = [("start", _process_start(), 0.0)]
     resolved = load_and_validate(job, overrides)
+    # `model.config` of an architecture outside the shipped table: checked against transformers now,
+    # before anything starts, with the same positioned errors validate gives for the others
+    model_config_problems = launch_model_config_issues(resolved)
+    if model_config_problems:
+        raise SpecError(model_config_problems)
+    data_issues = datacheck.preflight_issues(resolved.spec)  # before any rank (or row count) reads them
+    if data_issues:
+        raise resolved.locate(SpecError(data_issues))
     # memory.fit: auto rewrites the spec (and its derived job) here, so everything below sees what runs
     gpu_free = hardware.gpu_free_bytes(resolved.spec["resources"]["gpus_per_node"])
     resolved, derived, memory = launch_memory.prepare(resolved, derive_job(resolved.spec), gpu_free,
@@ -83,22 +98,25 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
     if what.action == "complete":  # training again would only overwrite the finished run's results
         _print_lines(intent.complete_lines(spec, what))
         return 0
+
+    orphans.close_orphans_under(spec["output_dir"])  # runs a SIGKILLed launcher left RUNNING here
     run_dir = rundir.create_run_dir(spec["output_dir"])
     try:
         compiled = compile_job(resolved, derived, run_dir, port)
-        problems = preflight.preflight_problems(spec, derived) + \
-            launch_memory.preflight_problems(memory, gpu_free)
+        problems = preflight.preflight_issues(spec, derived) + \
+            [SpecIssue(("memory",), text) for text in launch_memory.preflight_problems(memory, gpu_free)]
         compiled.launch.update(launch_memory.plan_record(memory))  # launch.json: `plan` (MiB), `fit`
         if problems and not ignore_preflight:
-            raise spec_error("; ".join(problems), hint="fix the spec, or pass --ignore-preflight")
+            raise preflight.refusal(resolved, problems)
         for problem in problems:
-            log.warning("preflight (ignored): %s", problem)
+            log.warning("preflight (ignored): %s (%s)", problem.message, problem.dotted_path)
         compiled.launch["argv"] = runner.resolve_runner(compiled.launch["argv"])  # command.txt stays true
         # inside a multi-node Slurm allocation: one runner per node through srun (docs/slurm.md)
         compiled.launch["argv"] = slurm.launch_argv(compiled.launch, run_dir)
         if spec["logging"]["mlflow"]["enabled"]:  # rank 0 waits for the run created meanwhile
             compiled.launch["mlflow_run"] = launch_tracking.PENDING
         rundir.write_compiled(run_dir, resolved, compiled)
+        rundir.write_launcher(run_dir, lifeline.identity())  # who to ask whether this run still runs
     except BaseException:
         shutil.rmtree(run_dir, ignore_errors=True)  # nothing ran: leave no half-made run behind
         raise
@@ -124,16 +142,23 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
     except BaseException:
         shutil.rmtree(run_dir, ignore_errors=True)  # the job was stopped before it trained
         raise
-    status = "FINISHED" if outcome.exit_code == 0 else ("KILLED" if outcome.user_signal else "FAILED")
-    rundir.write_fallback_summary(run_dir, status, outcome.exit_code)
-    closing = closing_block(spec, run_dir, compiled.launch, outcome, tracked, style)
+    end = run_status.ending(outcome.exit_code, outcome.user_signal, outcome.reason, rundir.read_summary(run_dir),
+                            stop_after_steps)
+    rundir.write_fallback_summary(run_dir, end.status, end.exit_code)
+    closing = closing_block(spec, run_dir, compiled.launch, outcome, end, tracked, style)
     if tracked is not None:
+        from jobspec.tracking.model_artifacts import log_exported_models
+        log_exported_models(tracked, run_dir, spec)
         launch_tracking.describe_run(tracked, spec.get("description"), console.plain(closing))
-        telemetry.end_run(tracked, run_dir, status=status, exit_code=outcome.exit_code,
-                          failure_reason=outcome.reason)
+        tracking_run.end_run(tracked, run_dir, status=end.status, exit_code=end.exit_code, tags=end.tags())
+    rundir.mark_launcher_ended(run_dir, end.status, end.exit_code)
     _write_phases(run_dir, phases)
     _print_lines(closing)
-    return outcome.exit_code
+    if end.label != "finished":   # a stop says it is not done and how to go on; a failure, why
+        print(run_status.closing_line(end, run_dir, run_status.resume_command(job, overrides,
+                                                                              spec["checkpoint"]["resume"])),
+              flush=True)
+    return end.exit_code
 
 
 def header(spec, derived, memory, found, patches, style: bool) -> list[str]:
@@ -146,12 +171,12 @@ def header(spec, derived, memory, found, patches, style: bool) -> list[str]:
     return lines + warning
 
 
-def closing_block(spec, run_dir: Path, launch: dict, outcome, tracked, style: bool) -> list[str]:
+def closing_block(spec, run_dir: Path, launch: dict, outcome, end, tracked, style: bool) -> list[str]:
     """The closing summary; also stored in summary.json as `report` (plain text)."""
     summary = rundir.read_summary(run_dir) or {}
     signal_name = signal.Signals(outcome.user_signal).name if outcome.user_signal else None
     lines = console.closing_lines(summary, launch, job_name=spec["name"], run_dir=run_dir,
-                                  checkpoint_dir=spec["checkpoint"]["dir"], exit_code=outcome.exit_code,
+                                  checkpoint_dir=spec["checkpoint"]["dir"], exit_code=end.exit_code,
                                   user_signal=signal_name, reason=outcome.reason,
                                   tracking=tracked.as_json() if tracked else None,
                                   experiment=spec["logging"]["mlflow"]["experiment"], style=style)
@@ -194,7 +219,7 @@ def progress_mode(setting: str, stdout=None) -> str:
 
 def child_env(spec: dict, stop_after_steps: int | None) -> dict:
     env = dict(os.environ)
-    telemetry.apply_http_env(env)
+    tracking_run.apply_http_env(env)
     env["JOBSPEC_PROGRESS"] = progress_mode(spec["logging"]["progress"])
     env["PYTHONUNBUFFERED"] = "1"  # ranks' output must reach the relay (and launcher.log) as it happens
     if sys.stdout.isatty():  # the bar writes into a pipe: tell it the terminal's width

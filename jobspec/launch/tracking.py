@@ -18,9 +18,9 @@ from pathlib import Path
 
 from jobspec import rundir
 from jobspec.errors import RunFailure
-from jobspec.launch import ownership
+from jobspec.launch import orphans, ownership
 from jobspec.secrets import mask_secrets
-from jobspec.tracking import telemetry
+from jobspec.tracking import run as tracking_run
 
 log = logging.getLogger("jobspec.launch")
 PENDING = "pending"   # launch.json `mlflow_run` while the launcher creates the run
@@ -32,10 +32,10 @@ def start_tracking(resolved, compiled, run_dir: Path, resume_run_id: str | None)
     if not settings["enabled"]:
         return None
     try:
-        telemetry.probe(settings["tracking_uri"])
-        return telemetry.start_run(resolved.spec, compiled.launch, compiled.derived.as_dict(), resolved.text, run_dir,
+        tracking_run.probe(settings["tracking_uri"])
+        return tracking_run.start_run(resolved.spec, compiled.launch, compiled.derived.as_dict(), resolved.text, run_dir,
                                    resume_run_id=resume_run_id)
-    except telemetry.TrackingUnavailable as err:
+    except tracking_run.TrackingUnavailable as err:
         uri = mask_secrets(settings["tracking_uri"])
         if settings["required"]:
             raise RunFailure(f"MLflow tracking at {uri} is unavailable: {err}; start the server, fix "
@@ -88,8 +88,8 @@ class BackgroundTracking:
                 route_library_logs(self.run_dir / rundir.LAUNCHER_LOG, self.verbose)
             self.tracked = start_tracking(self.resolved, self.compiled, self.run_dir, self.resume_run_id)
             if self.tracked is not None:  # next to the ranks' measured mem/* series: prediction error per run
-                from jobspec.memory import at_launch
-                at_launch.log_params(self.tracked, self.plan_params)
+                tracking_run.log_params(self.tracked, self.plan_params)
+                orphans.tag_run(self.tracked, self.run_dir)   # `report` finds the run dir to check its launcher
             ownership.write_owner(spec, self.resolved.source, self.tracked.run_id if self.tracked else None)
             if self.tracked is not None:
                 self.announce(self.tracked.as_json())
@@ -115,6 +115,6 @@ def describe_run(tracked, description: str | None, block: str) -> None:
     text = (f"{description}\n\n" if description else "") + f"```\n{block}\n```"
     try:
         tracked.client.set_tag(tracked.run_id, "mlflow.note.content",
-                               mask_secrets(text)[:telemetry.MAX_PARAM_VALUE_CHARS])
+                               mask_secrets(text)[:tracking_run.MAX_PARAM_VALUE_CHARS])
     except Exception as err:  # noqa: BLE001 -- the run's status and artifacts matter more
         log.warning("could not set the MLflow run's description: %s", str(err).splitlines()[0][:300])

@@ -106,6 +106,9 @@ def candidate_changes(spec: dict, job: DerivedJob, bf16_supported: bool):
         stage, off_opt, off_params = layout
         if optimizer != "adamw" and off_opt != "none":
             continue   # DeepSpeed's optimizer offload runs its own CPU Adam
+        pinned = training["optimizer"].get("implementation", "auto")
+        if (pinned == "fused" and off_opt != "none") or (pinned == "cpu" and off_opt == "none"):
+            continue   # a pinned Adam implementation fixes whether the optimizer is offloaded
         if spec["model"]["attention"] == "flash_attention_2" and precision == "fp32":
             continue
         wanted = {"training.micro_batch_size": m, "memory.precision": precision,

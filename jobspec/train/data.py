@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from jobspec.spec import datacheck
 from jobspec.errors import spec_error
 from jobspec.spec.data_format import data_format
 
@@ -53,7 +54,8 @@ class PadCollator:
         batch = {}
         for key in samples[0]:
             values = [s[key] for s in samples]
-            if values[0].dim() == 0:
+            shape = values[0].shape
+            if all(v.shape == shape for v in values):  # fixed length (or 0-d labels): no padding needed
                 batch[key] = torch.stack(values)
             else:
                 batch[key] = torch.nn.utils.rnn.pad_sequence(values, batch_first=True,
@@ -184,6 +186,8 @@ def _mask_tokens(ids, attention_mask, special, mask_id: int, vocab: tuple[int, i
 # ---- file data --------------------------------------------------------------------------------
 
 def _file_dataset(spec: dict, tokenizer, split: str, label_names: dict) -> TensorDictDataset:
+    """The tokenized rows of `data.<split>`. A row datasets, pyarrow or the tokenizer cannot take is
+    named by file and line (jobspec.spec.datacheck scans the file for it): exit 2, not a rank traceback."""
     import datasets
 
     data, task = spec["data"], spec["model"].get("task", "sequence-classification")
@@ -197,8 +201,7 @@ def _file_dataset(spec: dict, tokenizer, split: str, label_names: dict) -> Tenso
     try:
         table = datasets.load_dataset(fmt, data_files=str(path), split="train")
     except Exception as err:  # datasets raises many types for unreadable files
-        raise spec_error(f"cannot read {path} as {fmt}: {str(err).splitlines()[0] if str(err) else err}",
-                         path=("data", split), hint="check the file and data.format") from None
+        raise datacheck.locate_error(spec, split) or datacheck.unreadable(spec, split, fmt, err) from None
     needed = list(data.get("text_fields", ["text"]))
     if task in ("sequence-classification", "token-classification"):
         needed.append(data.get("label_field", "label"))
@@ -208,7 +211,13 @@ def _file_dataset(spec: dict, tokenizer, split: str, label_names: dict) -> Tenso
                 "text_fields", ["text"]) else "text_fields"
             raise spec_error(f"column {column!r} not in {Path(path).name} (columns: {', '.join(table.column_names)})",
                              path=("data", field), hint="name one of the file's columns")
-    return _tokenize(spec, tokenizer, table, split, label_names)
+    try:
+        return _tokenize(spec, tokenizer, table, split, label_names)
+    except (UnicodeDecodeError, ValueError, TypeError, KeyError) as err:  # a row pyarrow or the tokenizer refused
+        located = datacheck.locate_error(spec, split)
+        if located is None:
+            raise  # every row is well-formed: not the data's fault, keep the traceback
+        raise located from err
 
 
 def _file_format(path: str, fmt: str) -> str:

@@ -14,39 +14,24 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import time
 import traceback
 from pathlib import Path
 
-from jobspec import rundir, trace
+from jobspec import lifeline, rundir, trace
 from jobspec.errors import EXIT_INVALID, EXIT_RUN_FAILED, RunFailure, SpecError
 from jobspec.rundir import RunFiles
+from jobspec.train.hf_dir import ExportFailed
 from jobspec.train.faults import NanGuard, NonFiniteLoss
 from jobspec.train.oom import OomGuard
 from jobspec.train.engine import build_engine, loss_of, reshard_plan, resume, share_cpu_threads
 from jobspec.train.progress import RunState, StepReporter, Window, summarize
 from jobspec.train.reshard import replace_ds_config
+from jobspec.train.stopping import StopFlag, StopVote
 
 
 TRACKING_WAIT_S = 120.0  # then metrics.jsonl only (`jobspec sync` uploads it later)
-
-
-class StopFlag:
-    """Set by SIGUSR1/SIGTERM (Slurm's warning, a preemption); acted on at a step boundary."""
-
-    def __init__(self):
-        self.requested = False
-
-    def install(self) -> None:
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        # Only a flag, also on repeats: a SIGTERM to the job's process group reaches a rank twice
-        # (directly and from DeepSpeed's launch.py); the launcher escalates to SIGKILL itself.
-        self.requested = True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,7 +52,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INVALID
     except RunFailure as err:  # the spec was fine; the run was not: one line, exit 1
         _write_failure(run_dir, state, started, err.reason)
-        print(f"ERROR: {err.reason}", file=sys.stderr, flush=True)
+        # a failure every rank shares (an export's broadcast error) is printed once
+        if not (err.collective or isinstance(err, ExportFailed)) or int(os.environ.get("RANK", "0")) == 0:
+            print(f"ERROR: {err.reason}", file=sys.stderr, flush=True)
         return EXIT_RUN_FAILED
     except NonFiniteLoss as err:  # training.on_nan: stop -- a clear failure, not a traceback
         if err.step:  # found at a log/checkpoint boundary: the good steps end before the bad one
@@ -86,12 +73,15 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
     files = rundir.read_run_files(run_dir)
     stop = StopFlag()
     stop.install()
+    # a SIGKILLed launcher cannot end us: we end the job ourselves once it is gone
+    lifeline.watch_launcher(lambda record: lifeline.end_orphaned_job(record, os.environ.get("MASTER_PORT")))
     _phase("start", _process_start(), 0.0)
     _phase("worker", started)
 
     import deepspeed
     import torch.distributed as dist
 
+    from jobspec.train.export import ModelExporter
     from jobspec import ops
     from jobspec.train.progress import NullProgress, Progress
 
@@ -134,11 +124,19 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
         telemetry = StepReporter(engine, files.spec, files.derived, files.patches, sink, progress, rank, state)
         oom_guard = OomGuard(files, run_dir=run_dir, rank=rank, control_group=control, build_engine=build_engine,
                              progress=progress, sink=sink, telemetry=telemetry)
+        exporter = ModelExporter(files, run_dir, rank, control, progress)
+        exporter.check_writable()
         _phase("loop")
         del engine  # train_loop holds the only reference: an OOM recovery (jobspec.train.oom) must free it
-        status = train_loop(telemetry.engine, files, train_ds, eval_ds, state, telemetry, progress,
-                            stop=lambda: _any_rank(stop.requested or _stop_after_reached(state.step), control),
-                            pending_rng=pending_rng, nan_guard=nan_guard, oom_guard=oom_guard)
+        vote = StopVote(stop, control, dist.get_world_size())
+        try:
+            status = train_loop(telemetry.engine, files, train_ds, eval_ds, state, telemetry, progress,
+                                stop=vote, pending_rng=pending_rng, nan_guard=nan_guard, oom_guard=oom_guard,
+                                exporter=exporter)
+        finally:
+            vote.close()
+        if status == "finished":  # after the final checkpoint: a failed export loses no training
+            exporter.final(telemetry.engine, state)
         if rank == 0:
             rundir.write_summary(run_dir, summarize(state, status, total_steps, started))
     finally:
@@ -150,8 +148,12 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
 
 def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, telemetry: "StepReporter", progress,
                *, stop, pending_rng: dict | None, nan_guard: NanGuard | None = None,
-               oom_guard: OomGuard | None = None) -> str:
-    """Optimizer steps until `derived.total_steps` ("finished") or an agreed stop ("preempted")."""
+               oom_guard: OomGuard | None = None, exporter=None) -> str:
+    """Optimizer steps until `derived.total_steps` ("finished") or an agreed stop ("preempted").
+
+    `stop(step)` is asked after every optimizer step (jobspec.train.stopping.StopVote). Per
+    micro-batch the loop does only host-side bookkeeping (counts, the loss appended to the window):
+    what needs the device's values is read at log and checkpoint steps."""
     import torch.distributed as dist
 
     from jobspec.train import checkpointing
@@ -166,7 +168,7 @@ def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, tele
 
     def save_checkpoint():
         if nan_guard:
-            nan_guard.confirm()  # never save a state that followed a non-finite loss
+            nan_guard.confirm(window)  # never save a state that followed a non-finite loss
         state.last_checkpoint = checkpointing.save(
             engine, ckpt["dir"], step=state.step, epoch=state.epoch,
             batches_in_epoch=oom_guard.batches_in_compiled_units(state.batches_in_epoch) if oom_guard
@@ -175,12 +177,16 @@ def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, tele
             zero_stage=files.ds_config.get("zero_optimization", {}).get("stage", 0),
             micro_batch_size=derived["micro_batch_size"])
         progress.message(f"checkpoint {state.last_checkpoint} saved to {ckpt['dir']}")
+        if exporter is not None:
+            exporter.after_checkpoint(engine, state, ckpt["dir"])
 
     def run_eval():
         if eval_ds is not None:
             loader = make_loader(eval_ds, epoch=0, shuffle=False, skip_batches=0, **loader_args)
             state.eval_loss = evaluate(engine, loader)
             telemetry.log_eval(state.step, state.eval_loss)
+            if exporter is not None:
+                exporter.after_eval(engine, state)
 
     engine.train()
     window = Window()
@@ -213,7 +219,7 @@ def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, tele
             nan_guard.step(engine, boundary, state.step + 1) if nan_guard else engine.step()
             state.batches_in_epoch += 1
             if not nonfinite:  # a skipped micro-batch has no loss to report
-                window.add_loss(loss)
+                window.add_loss(loss, state.step + 1)
             if not boundary:
                 continue
             state.step += 1
@@ -222,19 +228,18 @@ def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, tele
                 _phase("first-step")
             progress.update(state.step)
             last = state.step >= total_steps
-            if nan_guard and (state.step % every_log == 0 or last):
-                nan_guard.confirm()
             if (state.step % every_log == 0 or last) and window.micro_batches:
-                window = telemetry.log_window(state.step, window)
+                # also where training.on_nan: stop finds a non-finite loss of the window (any rank)
+                window = telemetry.log_window(state.step, window, nan_guard)
             if (training["eval_every"] and state.step % training["eval_every"] == 0) or last:
                 run_eval()
             if last:
                 if ckpt["save_final"] or (every_ckpt and state.step % every_ckpt == 0):
                     save_checkpoint()
                 return "finished"
-            if stop():
+            if stop(state.step):
                 if window.steps and window.micro_batches:
-                    window = telemetry.log_window(state.step, window)
+                    window = telemetry.log_window(state.step, window, nan_guard)
                 save_checkpoint()
                 return "preempted"
             if every_ckpt and state.step % every_ckpt == 0:
@@ -304,13 +309,8 @@ def _node_leader_says(text: str) -> None:
         sys.stdout.flush()
 
 
-def _stop_after_reached(step: int) -> bool:
-    limit = int(os.environ.get("JOBSPEC_STOP_AFTER_STEPS") or 0)
-    return bool(limit) and step >= limit
-
-
 def _open_sink(run_dir: Path, launch: dict):
-    from jobspec.tracking.telemetry import MetricSink
+    from jobspec.tracking.sink import MetricSink
     if launch.get("mlflow_run") == "pending":  # the launcher creates the run while the ranks start
         rundir.wait_for_tracking(run_dir, timeout_s=TRACKING_WAIT_S)
     return MetricSink.open(run_dir)
