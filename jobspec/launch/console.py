@@ -108,7 +108,7 @@ def header_lines(spec: dict, job, memory, host, patches: list, *, style: bool = 
     lines.append(label("training", style) + f"{job.precision} · ZeRO-{mem['zero_stage']} · "
                  f"{'offload ' + ', '.join(offload) if offload else 'no offload'} · global batch "
                  f"{job.global_batch_size} ({job.micro_batch_size} per rank x {_ranks(job.world_size)}{accumulation}) · "
-                 f"{job.total_steps} steps of {job.seq_len} tokens")
+                 f"{job.total_steps} steps · sequence length {job.seq_len}")
     lines.append(label("hardware", style) + hardware_text(job, host))
     lines.append(label("memory", style) + memory_text(job, memory, host))
     described = [patch_text(p) for p in patches]

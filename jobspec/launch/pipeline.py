@@ -6,9 +6,9 @@
     data           spec/datacheck.preflight_issues: the data files' first rows (exit 2, at data.train/eval)
     prepare        memory/at_launch.prepare: `memory.fit: auto` rewrites the spec; the plan
     derive         spec/inputs.derive_job: every derived number, once (config.json, row count read here)
-    orphans        launch/orphans: close runs of output_dir whose launcher died without closing them
     claim          launch/ownership.claim_checkpoints: refuse another job's checkpoints; resume id
     intent         launch/intent.decide: fresh, resume at step K, or complete (then nothing starts)
+    orphans        launch/orphans: close runs of output_dir whose launcher died without closing them
     run dir        rundir.create_run_dir, then compile/compiler.compile_spec into it
     pre-flight     launch/preflight + memory/at_launch.preflight_problems (--ignore-preflight: warn)
     argv           launch/runner.resolve_runner, launch/slurm.launch_argv (srun per node in Slurm)
@@ -94,11 +94,12 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
             print(f"note: {note}")
         print(shlex.join(argv))
         return 0
-    orphans.close_orphans_under(spec["output_dir"])  # runs a SIGKILLed launcher left RUNNING here
     resume_run_id = ownership.claim_checkpoints(spec)  # another job's checkpoints: refused here (exit 2)
     if what.action == "complete":  # training again would only overwrite the finished run's results
         _print_lines(intent.complete_lines(spec, what))
         return 0
+
+    orphans.close_orphans_under(spec["output_dir"])  # runs a SIGKILLed launcher left RUNNING here
     run_dir = rundir.create_run_dir(spec["output_dir"])
     try:
         compiled = compile_job(resolved, derived, run_dir, port)

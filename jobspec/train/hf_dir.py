@@ -175,7 +175,14 @@ def _check_keys(spec: dict, expected: set, found: set) -> None:
 def _save_weights(model, directory: Path, spec: dict) -> None:
     shard = (spec.get("export") or {}).get("max_shard_size", "5GB")
     if hasattr(model, "save_pretrained"):
-        model.save_pretrained(directory, max_shard_size=shard)
+        from transformers.utils import logging as hf_logging
+        shown = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # a "Writing model shards" bar per export: the launch says it in a line
+        try:
+            model.save_pretrained(directory, max_shard_size=shard)
+        finally:
+            if shown:
+                hf_logging.enable_progress_bar()
         return
     from safetensors.torch import save_model   # jobspec's mlp: plain safetensors, config as a dict
     (directory / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2) + "\n", encoding="utf-8")

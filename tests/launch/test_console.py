@@ -50,7 +50,7 @@ def test_header_on_cpu_ranks_names_the_job_model_settings_hardware_and_plan():
     assert job.num_parameters == 143810 and "143.8K parameters" in text
     assert f"{job.precision} · ZeRO-0 · no offload" in text
     assert f"global batch {job.global_batch_size} ({job.micro_batch_size} per rank x 2 ranks)" in text
-    assert f"{job.total_steps} steps of {job.seq_len} tokens" in text
+    assert f"{job.total_steps} steps · sequence length {job.seq_len}" in text
     assert "no GPU: 2 CPU ranks on 2 CPU cores; world size 2" in text
     per_rank = memory.plan.peak_reserved + memory.plan.host_total
     assert f"plan {console.fmt_bytes(per_rank)} of tensors per rank" in text
