@@ -40,13 +40,15 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_JOB = REPO / "jobs" / "quickstart.yaml"
 SIDES = ("hand", "worker-1", "worker-10", "worker-off")
 BEFORE_SIDES = ("before-1", "before-10", "before-off")  # the worker of --before TREE (another checkout)
+TRAINER_SIDES = ("trainer-1", "trainer-5", "trainer-10")  # bench.trainer_baseline, logging_steps = N
+KINDS = {"hand": "hand", "worker": "worker", "before": "worker", "trainer": "trainer"}
 
 
-def job_sets(work: Path, tag: str, steps: int, log_every: int) -> list[str]:
-    samples = (steps + 1) * 16  # one epoch covers the run: no epoch boundary in the timed steps
+def job_sets(work: Path, tag: str, steps: int, log_every: int, global_batch: int) -> list[str]:
+    samples = (steps + 1) * global_batch  # one epoch covers the run: no epoch boundary in the timed steps
     return [f"output_dir={work / tag}", f"logging.mlflow.tracking_uri=sqlite:///{work / 'mlflow.db'}",
             "logging.mlflow.experiment=step-profile", f"logging.mlflow.run_name={tag}",
-            f"training.max_steps={steps}", "training.micro_batch_size=16", "training.eval_every=null",
+            f"training.max_steps={steps}", "training.eval_every=null",
             f"logging.every_n_steps={log_every}", f"data.synthetic.num_samples={samples}",
             "data.synthetic.eval_samples=0", "resources.gpus_per_node=1", "logging.progress=lines",
             "checkpoint.resume=never", "checkpoint.save_final=false", "checkpoint.every_n_steps=null"]
@@ -74,11 +76,15 @@ def child(side: str, run_dir: Path, out: Path, warmup: int, profile: Path | None
     started = time.time()  # before torch/deepspeed/transformers are imported: start-up counts from here
     records = RECORDS
     profiler = cProfile.Profile(time.thread_time) if profile else None  # CPU time: robust to a loaded machine
-    instrument(records, warmup, profiler)
+    if side != "trainer":  # the Trainer's records come from its callback (it may not use DeepSpeed at all)
+        instrument(records, warmup, profiler)
     if side == "hand":
         sys.path.insert(0, str(REPO))
         from bench import hand_loop
         code = hand_loop.main(["--run-dir", str(run_dir)])
+    elif side == "trainer":
+        sys.path.insert(0, str(REPO))
+        code = run_trainer(run_dir, records, warmup, profiler)
     else:
         from jobspec.train import worker
         instrument_worker()
@@ -89,6 +95,27 @@ def child(side: str, run_dir: Path, out: Path, warmup: int, profile: Path | None
     out.write_text(json.dumps({"code": code, "records": records, "costs": COSTS,
                                "first_step_s": records[0][3] - started if records else None}) + "\n")
     return code
+
+
+def run_trainer(run_dir: Path, records: list, profile_from: int, profiler) -> int:
+    """bench.trainer_baseline on the run dir, with a record at every optimizer step's end (its callback)."""
+    from bench import trainer_baseline
+    make_callback = trainer_baseline.make_callback
+
+    def recording_callback(window, device):
+        callback = make_callback(window, device)
+        on_step_end = callback.on_step_end
+
+        def step_end(*args, **kwargs):
+            records.append((time.perf_counter(), time.process_time(), time.thread_time(), time.time()))
+            if profiler is not None and len(records) == profile_from:
+                profiler.enable()
+            return on_step_end(*args, **kwargs)
+        callback.on_step_end = step_end
+        return callback
+    trainer_baseline.make_callback = recording_callback
+    trainer_baseline.run(run_dir, run_dir / "trainer-result.json")
+    return 0
 
 
 COSTS: dict = {}  # name -> [(optimizer steps done at the call, CPU seconds of the calling thread)]
@@ -137,20 +164,36 @@ def run_side(side: str, job: Path, work: Path, tag: str, args, log) -> dict:
     return finish_side(start_side(side, job, work, tag, args, log))
 
 
+def side_name(text: str) -> str:
+    """hand, or worker-N / before-N / trainer-N with N a log interval (worker/before also -off)."""
+    import re
+    if text == "hand" or re.fullmatch(r"(worker|before)-(\d+|off)|trainer-\d+", text):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r}: use hand, worker-N, worker-off, before-N, before-off or trainer-N")
+
+
+def global_batch(job: Path) -> int:
+    from jobspec.spec.derived import derive
+    from jobspec.spec.validation import load_and_validate
+    spec = load_and_validate(str(job), ["resources.gpus_per_node=1"]).spec
+    return derive(spec).global_batch_size
+
+
 def start_side(side: str, job: Path, work: Path, tag: str, args, log) -> dict:
     """Compile the side's run dir (and its MLflow run) and start its child; `finish_side` waits."""
     from jobspec.launch.runner import free_port
     every = side.split("-")[1] if "-" in side else "off"
     log_every = args.steps if every == "off" else int(every)
     run_dir = work / tag / "run"
-    sets = job_sets(work, tag, args.steps, log_every)
+    sets = job_sets(work, tag, args.steps, log_every, global_batch(job))
+    kind = KINDS[side.split("-")[0]]
     tree = args.before if side.startswith("before") else REPO  # whose jobspec compiles and trains
     python_path = {**os.environ, "PYTHONPATH": str(tree)}
     subprocess.run([sys.executable, "-m", "jobspec", "compile", str(job), "--out", str(run_dir),
                     *[x for s in sets for x in ("--set", s)]], cwd=tree, stdout=log, stderr=subprocess.STDOUT,
                    check=True, env=python_path)
     tracked = None
-    if side != "hand":  # the worker's MLflow run, created as the launcher does
+    if kind == "worker":  # the worker's MLflow run, created as the launcher does
         from jobspec import rundir
         from jobspec.tracking import telemetry
         launch = rundir.read_launch(run_dir)
@@ -162,8 +205,7 @@ def start_side(side: str, job: Path, work: Path, tag: str, args, log) -> dict:
     out = work / tag / "result.json"
     profile = args.profile / f"{tag}.prof" if args.profile else None
     # the child runs as a script: with --before, `jobspec` must come from the other tree
-    cmd = [sys.executable, str(REPO / "bench" / "step_profile.py"), "--child", "hand" if side == "hand" else "worker",
-           "--run-dir", str(run_dir),
+    cmd = [sys.executable, str(REPO / "bench" / "step_profile.py"), "--child", kind, "--run-dir", str(run_dir),
            "--child-out", str(out), "--warmup", str(args.warmup)] + (["--child-profile", str(profile)] if profile else [])
     proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT)
     return {"side": side, "proc": proc, "tracked": tracked, "run_dir": run_dir, "out": out, "log": log, "args": args}
@@ -189,25 +231,28 @@ def finish_side(started: dict) -> dict:
             "load": os.getloadavg()[0]}
 
 
-def render(results: dict) -> str:
+def render(results: dict, base: str = "hand") -> str:
     def med(side, key):
         return statistics.median(r[key] for r in results[side])
 
-    lines = ["| side | wall ms/step | CPU ms/step (process) | CPU ms/step (main thread) | CPU vs hand | "
-             "main-thread CPU vs hand | CPU vs *-off (telemetry) | log_window / MLflow sender, CPU ms per step | "
+    lines = [f"| side | wall ms/step | CPU ms/step (process) | CPU ms/step (main thread) | CPU vs {base} | "
+             f"main-thread CPU vs {base} | CPU vs *-off (telemetry) | log_window / MLflow sender, CPU ms per step | "
              "process start to step 1, s | load avg (min-max) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for side, runs in results.items():
-        def ratio(key, base):
-            if runs and f"hand_{key}" in runs[0]:  # --pairs: the median of the concurrent pairs' ratios
-                return f"x{statistics.median(r[key] / r[f'hand_{key}'] for r in runs):.3f}"
-            return f"x{med(side, key) / med(base, key):.3f}" if base in results else "-"
+        if not runs:
+            continue
+
+        def ratio(key):
+            if f"base_{key}" in runs[0]:  # --pairs: the median of the concurrent pairs' ratios
+                return f"x{statistics.median(r[key] / r[f'base_{key}'] for r in runs):.3f}"
+            return f"x{med(side, key) / med(base, key):.3f}" if results.get(base) else "-"
         pairs = ""
-        if runs and "hand_cpu" in runs[0]:
-            pairs = " (" + ", ".join(f"{r['cpu'] / r['hand_cpu']:.2f}" for r in runs) + ")"
-        elif side != "hand" and "hand" in results:  # per-repeat ratios: the spread the median hides
-            pairs = " (" + ", ".join(f"{a['cpu'] / b['cpu']:.2f}" for a, b in zip(runs, results["hand"])) + ")"
+        if "base_cpu" in runs[0]:
+            pairs = " (" + ", ".join(f"{r['cpu'] / r['base_cpu']:.2f}" for r in runs) + ")"
+        elif side != base and results.get(base):  # per-repeat ratios: the spread the median hides
+            pairs = " (" + ", ".join(f"{a['cpu'] / b['cpu']:.2f}" for a, b in zip(runs, results[base])) + ")"
         off = side.split("-")[0] + "-off"
-        telemetry = ("-" if side == "hand" or side == off or off not in results
+        telemetry = ("-" if side == off or off not in results or side.startswith(("hand", "trainer"))
                      else f"{100 * (med(side, 'cpu') / med(off, 'cpu') - 1):+.1f}%")
         loads = [r["load"] for r in runs]
         costs = " / ".join(f"{med(side, k):.3f}" if k in runs[0] else "-"
@@ -216,7 +261,7 @@ def render(results: dict) -> str:
             costs += " (" + ", ".join(f"{k[:-12]} {med(side, k):.3f}" for k in runs[0] if k.endswith("_ms_per_step")
                                       and k[:-12] not in ("log_window", "sender_log_batch")) + ")"
         lines.append(f"| {side} | {1e3 * med(side, 'wall'):.2f} | {1e3 * med(side, 'cpu'):.2f} | "
-                     f"{1e3 * med(side, 'main'):.2f} | {ratio('cpu', 'hand')}{pairs} | {ratio('main', 'hand')} | "
+                     f"{1e3 * med(side, 'main'):.2f} | {ratio('cpu')}{pairs} | {ratio('main')} | "
                      f"{telemetry} | {costs} | {med(side, 'first_step_s'):.2f} | {min(loads):.1f}-{max(loads):.1f} |")
     return "\n".join(lines)
 
@@ -232,8 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.step_profile", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--job", type=Path, default=DEFAULT_JOB, help="a sequence-classification job with data.synthetic")
-    parser.add_argument("--sides", nargs="+", default=None, choices=SIDES + BEFORE_SIDES,
-                        help="default: all, and the before-* sides with --before")
+    parser.add_argument("--sides", nargs="+", default=None, type=side_name, metavar="SIDE",
+                        help=f"default: {' '.join(SIDES)}, and {' '.join(BEFORE_SIDES)} with --before; "
+                             "also trainer-N (bench.trainer_baseline logging every N)")
     parser.add_argument("--before", type=Path, default=None,
                         help="another checkout of jobspec (e.g. `git archive` of main) whose worker runs as before-N")
     parser.add_argument("--repeats", type=int, default=3)
@@ -243,9 +289,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of the rank (default 1)")
     parser.add_argument("--profile", type=Path, default=None, help="write cProfile stats of each run here")
     parser.add_argument("--pairs", action="store_true",
-                        help="run each side at the same time as its own hand loop (2 processes): ratios per pair")
+                        help="run each side at the same time as its own --base run (2 processes): ratios per pair")
+    parser.add_argument("--base", default="hand", type=side_name,
+                        help="what the ratios are against (default hand; e.g. trainer-5 for the HF Trainer)")
     parser.add_argument("--work", type=Path, default=None)
-    parser.add_argument("--child", choices=("hand", "worker"), default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=("hand", "worker", "trainer"), default=None, help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--child-profile", type=Path, default=None, help=argparse.SUPPRESS)
@@ -263,29 +311,30 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)
+    base = args.base
     results: dict = {side: [] for side in args.sides}
-    if args.pairs and "hand" not in results:
-        results = {"hand": [], **results}
+    if base not in results:
+        results = {base: [], **results}
     with open(work / "bench.log", "a", encoding="utf-8") as log:
         for i in range(args.repeats):
             for side in args.sides:
-                if args.pairs and side == "hand":
+                if args.pairs and side == base:
                     continue
-                print(f"step_profile: repeat {i + 1}/{args.repeats} {side}{' || hand' if args.pairs else ''} "
+                print(f"step_profile: repeat {i + 1}/{args.repeats} {side}{f' || {base}' if args.pairs else ''} "
                       f"(load {os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
                 if args.pairs:  # both at once: the machine's load at that moment hits both alike
                     a = start_side(side, args.job.resolve(), work, f"{side}-r{i + 1}", args, log)
-                    b = start_side("hand", args.job.resolve(), work, f"hand-{side}-r{i + 1}", args, log)
-                    result, hand = finish_side(a), finish_side(b)
-                    results["hand"].append(hand)
-                    result.update({f"hand_{k}": hand[k] for k in ("wall", "cpu", "main")})
+                    b = start_side(base, args.job.resolve(), work, f"{base}-{side}-r{i + 1}", args, log)
+                    result, partner = finish_side(a), finish_side(b)
+                    results[base].append(partner)
+                    result.update({f"base_{k}": partner[k] for k in ("wall", "cpu", "main")})
                 else:
                     result = run_side(side, args.job.resolve(), work, f"{side}-r{i + 1}", args, log)
                 results[side].append(result)
                 (work / "results.json").write_text(json.dumps(results, indent=2) + "\n")  # partial runs survive
     import platform
     from importlib import metadata
-    text = (f"{render(results)}\n\n{args.repeats} repeats, {args.steps} steps (first {args.warmup} left out), "
+    text = (f"{render(results, base)}\n\n{args.repeats} repeats, {args.steps} steps (first {args.warmup} left out), "
             f"1 rank, OMP_NUM_THREADS={args.threads}, job {args.job.name}; {time.strftime('%Y-%m-%d %H:%M')}, "
             f"{os.cpu_count()}-core CPU, CPython {platform.python_version()}, torch {metadata.version('torch')}, "
             f"deepspeed {metadata.version('deepspeed')}")
