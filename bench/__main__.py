@@ -80,12 +80,18 @@ def run_baseline(job: Path, work: Path, tag: str, log) -> dict:
     out = run_dir / "result.json"
     module = ["--module", "bench.trainer_baseline", "--run-dir", str(run_dir), "--out", str(out)]
     world = spec["resources"]["gpus_per_node"]
+    port = None
     if uses_deepspeed(spec) or world > 1:  # the runner sets up the ranks' distributed environment
         from jobspec.launch.runner import free_port, runner_prefix
-        cmd = runner_prefix() + ["--num_gpus", str(world), "--master_port", str(free_port()), *module]
+        port = free_port()
+        cmd = runner_prefix() + ["--num_gpus", str(world), "--master_port", str(port), *module]
     else:
         cmd = [sys.executable, "-m", *module[1:]]
-    subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True)
+    try:
+        subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True)
+    finally:  # the Trainer's DeepSpeed ranks leave their /dev/shm all-reduce buffers (jobspec/shm.py)
+        from jobspec.shm import remove_shared_memory_buffers
+        remove_shared_memory_buffers(port)
     return json.loads(out.read_text())
 
 
