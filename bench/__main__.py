@@ -3,6 +3,7 @@
     python -m bench                                   # CPU-size jobs (bench/jobs/*.yaml), 2 repeats
     python -m bench --repeats 3 --out bench/results/cpu.md
     python -m bench --full --out bench/results/gpu.md # bert-large guide + XLM-R rows (CUDA GPU)
+    python -m bench gpu [--dry-run]                   # the GPU acceptance suite (bench/gpu.py)
 
 For each job and repeat, in the order A, B, A, B ... (so drift of a shared machine hits both sides):
 A = `jobspec launch JOB` (numbers from its MLflow run: median of `perf/samples_per_s` windows after
@@ -71,28 +72,32 @@ def run_jobspec(job: Path, work: Path, tag: str, log) -> dict:
 
 
 def run_baseline(job: Path, work: Path, tag: str, log) -> dict:
-    from bench.trainer_baseline import uses_deepspeed
     run_dir = work / job.stem / tag
     subprocess.run([sys.executable, "-m", "jobspec", "compile", str(job), "--out", str(run_dir),
                     *_sets(overrides(work, job, tag))], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True)
-    import yaml
-    spec = yaml.safe_load((run_dir / "resolved.yaml").read_text())
     out = run_dir / "result.json"
-    module = ["--module", "bench.trainer_baseline", "--run-dir", str(run_dir), "--out", str(out)]
-    world = spec["resources"]["gpus_per_node"]
-    port = None
-    if uses_deepspeed(spec) or world > 1:  # the runner sets up the ranks' distributed environment
-        from jobspec.launch.runner import free_port, runner_prefix
-        port = free_port()
-        cmd = runner_prefix() + ["--num_gpus", str(world), "--master_port", str(port), *module]
-    else:
-        cmd = [sys.executable, "-m", *module[1:]]
+    cmd = baseline_command(run_dir, out)
     try:
         subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True)
     finally:  # the Trainer's DeepSpeed ranks leave their /dev/shm all-reduce buffers (jobspec/shm.py)
-        from jobspec.shm import remove_shared_memory_buffers
-        remove_shared_memory_buffers(port)
+        if "--master_port" in cmd:
+            from jobspec.shm import remove_shared_memory_buffers
+            remove_shared_memory_buffers(cmd[cmd.index("--master_port") + 1])
     return json.loads(out.read_text())
+
+
+def baseline_command(run_dir: Path, out: Path) -> list[str]:
+    """The command running bench.trainer_baseline on a compiled run dir (through the runner for ZeRO or > 1 rank)."""
+    import yaml
+
+    from bench.trainer_baseline import uses_deepspeed
+    spec = yaml.safe_load((run_dir / "resolved.yaml").read_text())
+    module = ["--module", "bench.trainer_baseline", "--run-dir", str(run_dir), "--out", str(out)]
+    world = spec["resources"]["gpus_per_node"]
+    if uses_deepspeed(spec) or world > 1:  # the runner sets up the ranks' distributed environment
+        from jobspec.launch.runner import free_port, runner_prefix
+        return runner_prefix() + ["--num_gpus", str(world), "--master_port", str(free_port()), *module]
+    return [sys.executable, "-m", *module[1:]]
 
 
 def median_of(results: list[dict], key: str):
@@ -154,6 +159,10 @@ def environment() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["gpu"]:
+        from bench import gpu
+        return gpu.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", nargs="+", default=None, metavar="GLOB",
@@ -162,7 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2, help="runs per side and job (default 2)")
     parser.add_argument("--out", type=Path, default=None, help="write the markdown table here too")
     parser.add_argument("--work", type=Path, default=REPO / "bench" / "work", help="run dirs and mlflow.db")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="OMP_NUM_THREADS for both sides (default: unset; on a small shared CPU machine 1 "
+                             "keeps an oversubscribed thread pool from swinging step times)")
     args = parser.parse_args(argv)
+    if args.threads:
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by both sides' processes
     patterns = args.jobs or (FULL_JOBS if args.full else (CPU_JOBS,))
     jobs = job_files(patterns)
     if not jobs or args.repeats < 1:
@@ -179,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
                     log.flush()
                     rows[job.stem][side].append(runner(job, work, f"{side}-r{i + 1}", log))
     table = render(rows, args.repeats)
-    text = f"{table}\n\n{args.repeats} repeat(s) per side, medians; {environment()}\n"
+    threads = f", OMP_NUM_THREADS={args.threads}" if args.threads else ""
+    text = f"{table}\n\n{args.repeats} repeat(s) per side{threads}, medians; {environment()}\n"
     print(text)
     (work / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
     if args.out:

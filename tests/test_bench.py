@@ -100,3 +100,40 @@ def test_table_has_medians_and_ratios():
     assert jobspec_row[-2:] == ["2.00", "1.27 (RSS)"]       # 100/50; 510/400 (no GPU memory: RSS)
     assert jobspec_row[6] == "-" and jobspec_row[9] == "50"  # peak allocated absent on CPU; prediction
     assert trainer_row[1] == "HF Trainer" and trainer_row[-2:] == ["", ""]
+
+
+def test_gpu_suite_dry_run_prints_the_predictions_and_exits_0(tmp_path):
+    """CI's run of the GPU acceptance suite: `python -m bench gpu --dry-run` needs no GPU and no torch."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "gpu.md"
+    code = ("import runpy, sys; sys.argv = ['bench', 'gpu', '--dry-run', '--out', sys.argv[1]]\n"
+            "try:\n    runpy.run_module('bench', run_name='__main__')\nexcept SystemExit as e:\n"
+            "    assert not e.code, e.code\n"
+            "assert 'torch' not in sys.modules, 'the dry run imported torch'\n")
+    done = subprocess.run([sys.executable, "-c", code, str(out)], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    text = out.read_text()
+    assert text in done.stdout
+    planner = text.split("## Planner accuracy")[1].split("##")[0]
+    rows = [line for line in planner.splitlines() if line.startswith("| ") and "predicted" not in line]
+    assert len(rows) >= 15 and all(line.split("|")[3].strip() == "-" for line in rows)  # nothing measured
+    # the XLM-R rows' FLOPs are the derived job's (checkpointing adds the recompute to hardware FLOPs only)
+    from bench import gpu
+    for label, job, sets in gpu.LAUNCH_ROWS[:2]:
+        derived = gpu.derived_of(job, sets)[1]
+        line = next(x for x in text.splitlines() if x.startswith(f"| {label} | ") and "GFLOP" not in x)
+        assert f"{derived.model_flops_per_token / 1e9:.3f} / {derived.hardware_flops_per_token / 1e9:.3f}" in line
+    assert "23.5 GB" in text and "11.8 GB" in text and "jobspec launch jobs/xlmr-large.yaml" in done.stdout
+
+
+def test_gpu_suite_mfu_uses_model_flops_and_the_datasheet_peak():
+    from bench import gpu
+    derived = {"seq_len": 512, "world_size": 1, "precision": "bf16",
+               "model_flops_per_token": 1.963e9, "hardware_flops_per_token": 2.617e9}
+    got = gpu.flops_of(derived, 20.0, "NVIDIA H100 80GB HBM3")  # 20 samples/s = 10240 tokens/s
+    assert got["tflops"] == pytest.approx(2.617e9 * 10240 / 1e12)
+    assert got["mfu"] == pytest.approx(1.963e9 * 10240 / 989.5e12)
+    assert gpu.flops_of(derived, 20.0, "cpu")["mfu"] is None

@@ -54,7 +54,8 @@ class PadCollator:
         batch = {}
         for key in samples[0]:
             values = [s[key] for s in samples]
-            if values[0].dim() == 0:
+            shape = values[0].shape
+            if all(v.shape == shape for v in values):  # fixed length (or 0-d labels): no padding needed
                 batch[key] = torch.stack(values)
             else:
                 batch[key] = torch.nn.utils.rnn.pad_sequence(values, batch_first=True,

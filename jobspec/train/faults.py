@@ -27,7 +27,8 @@ class NonFiniteLoss(RuntimeError):
 
 
 class NanGuard:
-    """Per micro-batch: inject (tests), vote across ranks, then stop or neutralise the step."""
+    """`skip`: per micro-batch, vote across ranks and neutralise a bad step. `stop`: nothing per
+    micro-batch; the window's losses are checked where a log or a checkpoint records state."""
 
     def __init__(self, policy: str, vote, sink=None, rank: int = 0):
         self.policy = policy          # "stop" | "skip"
@@ -36,7 +37,6 @@ class NanGuard:
         self.inject_at = int(os.environ.get(INJECT_ENV) or 0)
         self.skipped = 0              # optimizer steps whose update was dropped
         self._step_is_bad = False     # a micro-batch of the current optimizer step was non-finite
-        self._first_bad = None        # stop: device tensor, first bad optimizer step (0: none yet)
 
     def check(self, loss, step: int):
         """The loss to back-propagate for micro-batch of optimizer step `step`, and whether it was bad."""
@@ -44,12 +44,9 @@ class NanGuard:
         if self.inject_at and step == self.inject_at:
             loss = loss + torch.full_like(loss, float("nan"))  # a constant: the graph below stays finite
         if self.policy == "stop":
-            # No host sync per micro-batch (on a GPU it would stall the kernel queue): remember the first
-            # bad step on the device; confirm() reads it wherever a checkpoint or a log would record state.
-            first = self._first_bad if self._first_bad is not None else torch.zeros(
-                (), dtype=torch.long, device=loss.device)
-            bad = ~torch.isfinite(loss.detach())
-            self._first_bad = torch.where(bad & (first == 0), torch.full_like(first, step), first)
+            # Nothing per micro-batch (a host read would stall a GPU's kernel queue): the loop's Window
+            # keeps every loss on the device, and the log step (StepReporter.log_window) or confirm()
+            # before a checkpoint finds the first bad one.
             return loss, False
         bad = self.vote(not math.isfinite(float(loss.detach())))
         if not bad:
@@ -59,22 +56,24 @@ class NanGuard:
         # (ZeRO's reduce hooks) but adds nothing to the gradients (nan_to_num's gradient is 0 at NaN).
         return torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0) * 0.0, True
 
-    def confirm(self) -> None:
-        """`stop` policy: raise if any rank saw a non-finite loss since the last confirm (one vote).
+    def confirm(self, window) -> None:
+        """`stop` policy: raise if any rank saw a non-finite loss in `window` (the steps since the last
+        log step, which checked the ones before). One vote; called on every rank before a checkpoint
+        is saved, so no state that followed a NaN is ever written and the last checkpoint stays the
+        newest good one."""
+        if self.policy != "stop":
+            return
+        first = window.first_nonfinite_step()
+        if self.vote(first != 0):
+            raise self.failure(first)
 
-        Called on every rank before a checkpoint is saved or metrics are logged, so no state that
-        followed a NaN is ever written and the last checkpoint stays the newest good one.
-        """
-        if self.policy != "stop" or self._first_bad is None:
-            return
-        first = int(self._first_bad.item())
-        if not self.vote(first != 0):
-            return
+    def failure(self, first: int) -> NonFiniteLoss:
+        """The error for a non-finite loss first seen in optimizer step `first` (0: on another rank)."""
         where = f"at optimizer step {first}" if first else "on another rank"
-        raise NonFiniteLoss(f"training loss is not finite {where}; stopped without saving this state "
-                            "(training.on_nan: stop). The last checkpoint is the newest good one: lower "
-                            "training.optimizer.lr, check the data, or set training.on_nan: skip to drop "
-                            "such steps", step=first or None)
+        return NonFiniteLoss(f"training loss is not finite {where}; stopped without saving this state "
+                             "(training.on_nan: stop). The last checkpoint is the newest good one: lower "
+                             "training.optimizer.lr, check the data, or set training.on_nan: skip to drop "
+                             "such steps", step=first or None)
 
     def step(self, engine, boundary: bool, step: int) -> None:
         """`engine.step()`; at the boundary of a bad optimizer step with learning rate 0 (no update)."""

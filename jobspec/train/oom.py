@@ -149,6 +149,7 @@ class OomGuard:
         if self.rank == 0:
             shutil.rmtree(saved["dir"], ignore_errors=True)
         epoch, batches, window = self._step_start
+        window.rewind()  # the copy shares the loss list: drop the interrupted step's losses
         state.epoch, state.batches_in_epoch = epoch, batches * 2   # counted in halved micro-batches now
         loader_args["micro_batch_size"] = self.micro
         if self.telemetry is not None:

@@ -8,6 +8,7 @@ themselves because the deepspeed runner pipes their output.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import sys
 import time
@@ -109,19 +110,35 @@ class NullProgress(Progress):
 
 @dataclass
 class Window:
-    """What happened since the last log step, kept on device so no step waits for a sync."""
+    """What happened since the last log step. Per micro-batch it only appends the detached loss (on
+    the device) and its step: no kernel and no sync; the log step reduces them all at once."""
 
-    loss_sum: object = None
     micro_batches: int = 0
     samples: int = 0
     tokens: int = 0
     steps: int = 0
     started: float = field(default_factory=time.perf_counter)
+    losses: list = field(default_factory=list)       # one 0-d tensor per counted micro-batch
+    loss_steps: list = field(default_factory=list)   # the optimizer step of each
 
-    def add_loss(self, loss) -> None:
+    def add_loss(self, loss, step: int = 0) -> None:
         self.micro_batches += 1
-        detached = loss.detach().float()
-        self.loss_sum = detached if self.loss_sum is None else self.loss_sum + detached
+        self.losses.append(loss.detach())
+        self.loss_steps.append(step)
+
+    def rewind(self) -> "Window":
+        """Back to this window's counts after a copy of it (dataclasses.replace shares the lists) went
+        on: jobspec.train.oom keeps such a copy from the start of each optimizer step."""
+        del self.losses[self.micro_batches:], self.loss_steps[self.micro_batches:]
+        return self
+
+    def first_nonfinite_step(self) -> int:
+        """The first optimizer step with a non-finite loss in this window, 0 if none (reads the device)."""
+        import torch
+        if not self.losses:
+            return 0
+        bad = (~torch.isfinite(torch.stack(self.losses))).nonzero()
+        return self.loss_steps[int(bad[0])] if len(bad) else 0
 
 
 @dataclass
@@ -157,16 +174,28 @@ class StepReporter:
         self.model_flops_per_token = derived.get("model_flops_per_token")
         self.hardware_flops_per_token = derived.get("hardware_flops_per_token")
         self.peak_flops = metrics.peak_flops(hardware.cuda_device_name(), spec["memory"]["precision"])
+        self._rss = metrics.RssReader()  # made once: the RSS reading is per log step
 
-    def log_window(self, step: int, window: Window) -> Window:
-        """Log the window's metrics (rank 0); returns the next, empty window."""
+    def log_window(self, step: int, window: Window, nan_guard=None) -> Window:
+        """Log the window's metrics (rank 0); returns the next, empty window. Every rank calls it:
+        one collective gathers every rank's loss sum, counts and memory readings (the one sync point
+        of the window; none on one rank). With `nan_guard` (policy `stop`), a non-finite loss on any
+        rank (the sums are then non-finite) raises NonFiniteLoss here, before anything is logged."""
         import torch
-        import torch.distributed as dist
         device = self.engine.device
-        totals = torch.stack([window.loss_sum.to(device), *(torch.tensor(float(x), device=device) for x in
-                              (window.micro_batches, window.samples, window.tokens))])
-        dist.all_reduce(totals)  # SUM: also the one sync point that makes the window's time honest
-        loss_sum, micro_batches, samples, tokens = totals.tolist()
+        loss_sum = torch.stack(window.losses).float().sum()  # non-finite if any loss was
+        snapshot = self.metrics.memory_snapshot(device, self._rss)
+        keys = sorted(snapshot)
+        host = [window.micro_batches, window.samples, window.tokens, *(snapshot[k] for k in keys)]
+        if self.world == 1:
+            ranks = [[float(loss_sum), *host]]
+        else:
+            ranks = self.metrics.gather_rows(torch.cat([loss_sum.double().reshape(1), torch.tensor(
+                host, dtype=torch.float64).to(loss_sum.device, non_blocking=True)]))
+        self.metrics.reset_peaks(device)  # the next window reports its own peak
+        loss_sum, micro_batches, samples, tokens = (sum(r[i] for r in ranks) for i in range(4))
+        if not math.isfinite(loss_sum) and nan_guard is not None and nan_guard.policy == "stop":
+            raise nan_guard.failure(window.first_nonfinite_step())  # 0 where another rank had it
         elapsed = max(time.perf_counter() - window.started, 1e-9)
         out = {
             "train/loss": loss_sum / micro_batches,
@@ -182,7 +211,12 @@ class StepReporter:
             tokens_per_s_device = tokens / elapsed / self.world
             out["perf/tflops_per_device"] = self.hardware_flops_per_token * tokens_per_s_device / 1e12
             out["perf/mfu"] = self.model_flops_per_token * tokens_per_s_device / self.peak_flops
-        out.update(self.memory())
+        memory = {f"mem/{k}_max": max(r[4 + i] for r in ranks) for i, k in enumerate(keys)}
+        memory.update({f"mem/{k}_rank0": float(snapshot[k]) for k in ("peak_allocated_mib", "peak_reserved_mib")
+                       if k in snapshot})
+        for name, value in memory.items():
+            self.state.peak_memory[name] = max(value, self.state.peak_memory.get(name, value))
+        out.update(memory)
         self.state.last_loss = out["train/loss"]
         self.state.samples += int(samples)
         self.state.samples_per_s.append(out["perf/samples_per_s"])
@@ -193,17 +227,6 @@ class StepReporter:
             self.sink.log(out, step=step)
             self.progress.log(step, out)
         return Window()
-
-    def memory(self) -> dict:
-        snapshot = self.metrics.memory_snapshot(self.engine.device)
-        highest = self.metrics.reduce_max(snapshot)  # collective: same keys on every rank
-        self.metrics.reset_peaks(self.engine.device)  # the next window reports its own peak
-        out = {f"mem/{k}_max": float(v) for k, v in highest.items()}
-        out.update({f"mem/{k}_rank0": float(snapshot[k]) for k in ("peak_allocated_mib", "peak_reserved_mib")
-                    if k in snapshot})
-        for name, value in out.items():
-            self.state.peak_memory[name] = max(value, self.state.peak_memory.get(name, value))
-        return out
 
     def log_eval(self, step: int, loss: float) -> None:
         if self.rank == 0:

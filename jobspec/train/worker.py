@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import time
 import traceback
@@ -29,25 +28,10 @@ from jobspec.train.oom import OomGuard
 from jobspec.train.engine import build_engine, loss_of, reshard_plan, resume, share_cpu_threads
 from jobspec.train.progress import RunState, StepReporter, Window, summarize
 from jobspec.train.reshard import replace_ds_config
+from jobspec.train.stopping import StopFlag, StopVote
 
 
 TRACKING_WAIT_S = 120.0  # then metrics.jsonl only (`jobspec sync` uploads it later)
-
-
-class StopFlag:
-    """Set by SIGUSR1/SIGTERM (Slurm's warning, a preemption); acted on at a step boundary."""
-
-    def __init__(self):
-        self.requested = False
-
-    def install(self) -> None:
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        # Only a flag, also on repeats: a SIGTERM to the job's process group reaches a rank twice
-        # (directly and from DeepSpeed's launch.py); the launcher escalates to SIGKILL itself.
-        self.requested = True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,9 +127,13 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
         exporter.check_writable()
         _phase("loop")
         del engine  # train_loop holds the only reference: an OOM recovery (jobspec.train.oom) must free it
-        status = train_loop(telemetry.engine, files, train_ds, eval_ds, state, telemetry, progress,
-                            stop=lambda: _any_rank(stop.requested or _stop_after_reached(state.step), control),
-                            pending_rng=pending_rng, nan_guard=nan_guard, oom_guard=oom_guard, exporter=exporter)
+        vote = StopVote(stop, control, dist.get_world_size())
+        try:
+            status = train_loop(telemetry.engine, files, train_ds, eval_ds, state, telemetry, progress,
+                                stop=vote, pending_rng=pending_rng, nan_guard=nan_guard, oom_guard=oom_guard,
+                                exporter=exporter)
+        finally:
+            vote.close()
         if status == "finished":  # after the final checkpoint: a failed export loses no training
             exporter.final(telemetry.engine, state)
         if rank == 0:
@@ -160,7 +148,11 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
 def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, telemetry: "StepReporter", progress,
                *, stop, pending_rng: dict | None, nan_guard: NanGuard | None = None,
                oom_guard: OomGuard | None = None, exporter=None) -> str:
-    """Optimizer steps until `derived.total_steps` ("finished") or an agreed stop ("preempted")."""
+    """Optimizer steps until `derived.total_steps` ("finished") or an agreed stop ("preempted").
+
+    `stop(step)` is asked after every optimizer step (jobspec.train.stopping.StopVote). Per
+    micro-batch the loop does only host-side bookkeeping (counts, the loss appended to the window):
+    what needs the device's values is read at log and checkpoint steps."""
     import torch.distributed as dist
 
     from jobspec.train import checkpointing
@@ -175,7 +167,7 @@ def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, tele
 
     def save_checkpoint():
         if nan_guard:
-            nan_guard.confirm()  # never save a state that followed a non-finite loss
+            nan_guard.confirm(window)  # never save a state that followed a non-finite loss
         state.last_checkpoint = checkpointing.save(
             engine, ckpt["dir"], step=state.step, epoch=state.epoch,
             batches_in_epoch=oom_guard.batches_in_compiled_units(state.batches_in_epoch) if oom_guard
@@ -226,7 +218,7 @@ def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, tele
             nan_guard.step(engine, boundary, state.step + 1) if nan_guard else engine.step()
             state.batches_in_epoch += 1
             if not nonfinite:  # a skipped micro-batch has no loss to report
-                window.add_loss(loss)
+                window.add_loss(loss, state.step + 1)
             if not boundary:
                 continue
             state.step += 1
@@ -235,19 +227,18 @@ def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, tele
                 _phase("first-step")
             progress.update(state.step)
             last = state.step >= total_steps
-            if nan_guard and (state.step % every_log == 0 or last):
-                nan_guard.confirm()
             if (state.step % every_log == 0 or last) and window.micro_batches:
-                window = telemetry.log_window(state.step, window)
+                # also where training.on_nan: stop finds a non-finite loss of the window (any rank)
+                window = telemetry.log_window(state.step, window, nan_guard)
             if (training["eval_every"] and state.step % training["eval_every"] == 0) or last:
                 run_eval()
             if last:
                 if ckpt["save_final"] or (every_ckpt and state.step % every_ckpt == 0):
                     save_checkpoint()
                 return "finished"
-            if stop():
+            if stop(state.step):
                 if window.steps and window.micro_batches:
-                    window = telemetry.log_window(state.step, window)
+                    window = telemetry.log_window(state.step, window, nan_guard)
                 save_checkpoint()
                 return "preempted"
             if every_ckpt and state.step % every_ckpt == 0:
@@ -315,11 +306,6 @@ def _process_start() -> float:
 def _node_leader_says(text: str) -> None:
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # once per node, not once per rank
         print(f"jobspec: {text}", flush=True)
-
-
-def _stop_after_reached(step: int) -> bool:
-    limit = int(os.environ.get("JOBSPEC_STOP_AFTER_STEPS") or 0)
-    return bool(limit) and step >= limit
 
 
 def _open_sink(run_dir: Path, launch: dict):

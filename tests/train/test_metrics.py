@@ -8,7 +8,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from jobspec.train.metrics import count_tokens, device_row, memory_snapshot, peak_flops, reduce_max, reset_peaks
+from jobspec.train.metrics import (count_tokens, device_row, gather_rows, memory_snapshot, peak_flops, reduce_max,
+                                   reset_peaks)
+from jobspec.train.stopping import StopFlag, StopVote
 
 
 @pytest.mark.parametrize("name, row", [
@@ -69,14 +71,25 @@ def _reduce_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
         # insertion order differs per rank on purpose: keys are sorted before the reduction
         values = {"x": float(rank), "y": 10.0 - rank} if rank == 0 else {"y": 10.0 - rank, "x": float(rank)}
         result = reduce_max(values)
+        rows = gather_rows(torch.tensor([float(rank), 10.0 - rank], dtype=torch.float64))
+        # the pipelined stop vote: only rank 1 is signalled, after step 3; both stop after step 4
+        flag = StopFlag()
+        vote = StopVote(flag, dist.new_group(backend="gloo"), world_size, environ={})
+        stopped_at = None
+        for step in range(1, 8):
+            flag.requested = rank == 1 and step >= 3
+            if vote(step):
+                stopped_at = step
+                break
+        vote.close()
         with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as fh:
-            fh.write(repr(sorted(result.items())))
+            fh.write(repr((sorted(result.items()), rows, stopped_at)))
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.slow  # spawns two gloo ranks (~20 s of imports on a small machine)
-def test_reduce_max_takes_the_max_over_ranks(tmp_path):
+def test_reduce_max_gather_rows_and_the_stop_vote_over_two_ranks(tmp_path):
     import socket
 
     with socket.socket() as sock:
@@ -84,4 +97,5 @@ def test_reduce_max_takes_the_max_over_ranks(tmp_path):
         port = sock.getsockname()[1]
     mp.spawn(_reduce_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
-        assert (tmp_path / f"rank{rank}.txt").read_text() == repr([("x", 1.0), ("y", 10.0)])
+        assert (tmp_path / f"rank{rank}.txt").read_text() == repr(
+            ([("x", 1.0), ("y", 10.0)], [[0.0, 10.0], [1.0, 9.0]], 4))

@@ -1,0 +1,301 @@
+"""Steady-state cost of the worker's training step against the hand-written loop, in CPU time.
+
+    python -m bench.step_profile                             # quickstart model, 1 rank, 3 repeats
+    python -m bench.step_profile --repeats 5 --steps 400 --profile /tmp/prof   # + cProfile of each side
+    python -m bench.step_profile --before /tmp/main-copy      # + the workers of another checkout
+
+Each side runs in its own process on one rank (the environment the deepspeed runner would set, but
+no runner: start-up is `bench.launch_overhead`'s business), on the same compiled job:
+
+  hand       bench/hand_loop.py: forward / backward / step, nothing else
+  worker-N   jobspec.train.worker with logging.every_n_steps = N (MLflow on, a local sqlite store,
+             the run created as the launcher creates it); N = 1, 10 (the default) and "off"
+             (every_n_steps = the step count: one window at the end, nothing logged in between)
+
+Both are timed the same way: `DeepSpeedEngine.step` is wrapped to record, after every optimizer step,
+wall time, the process's CPU time (every thread: the MLflow sender and gloo's threads included) and
+the main thread's CPU time. The steady state is the slope from step --warmup to the last step. Sides
+run interleaved (hand, worker-1, worker-10, worker-off, hand, ...) so that a shared machine's drift
+hits all alike; medians over repeats; ratios are against the hand loop (and "telemetry" is worker-N
+against worker-off). With `--pairs` each side runs at the same time as a hand loop of its own (two
+processes, one thread each) and the ratio is the median of those pairs' ratios: the load of that
+moment hits both, which on a shared machine is steadier than runs minutes apart.
+`--profile DIR` writes a cProfile of each side's steady steps (main thread).
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_JOB = REPO / "jobs" / "quickstart.yaml"
+SIDES = ("hand", "worker-1", "worker-10", "worker-off")
+BEFORE_SIDES = ("before-1", "before-10", "before-off")  # the worker of --before TREE (another checkout)
+
+
+def job_sets(work: Path, tag: str, steps: int, log_every: int) -> list[str]:
+    samples = (steps + 1) * 16  # one epoch covers the run: no epoch boundary in the timed steps
+    return [f"output_dir={work / tag}", f"logging.mlflow.tracking_uri=sqlite:///{work / 'mlflow.db'}",
+            "logging.mlflow.experiment=step-profile", f"logging.mlflow.run_name={tag}",
+            f"training.max_steps={steps}", "training.micro_batch_size=16", "training.eval_every=null",
+            f"logging.every_n_steps={log_every}", f"data.synthetic.num_samples={samples}",
+            "data.synthetic.eval_samples=0", "resources.gpus_per_node=1", "logging.progress=lines",
+            "checkpoint.resume=never", "checkpoint.save_final=false", "checkpoint.every_n_steps=null"]
+
+
+# --- the child: one side, one rank, timed ---------------------------------------------------------
+
+def instrument(records: list, profile_from: int | None, profiler: cProfile.Profile | None) -> None:
+    """Wrap DeepSpeedEngine.step: a (wall, process CPU, main-thread CPU) record after each optimizer step."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    original = DeepSpeedEngine.step
+
+    def step(self, *args, **kwargs):
+        boundary = self.is_gradient_accumulation_boundary()
+        out = original(self, *args, **kwargs)
+        if boundary:
+            records.append((time.perf_counter(), time.process_time(), time.thread_time(), time.time()))
+            if profiler is not None and len(records) == profile_from:
+                profiler.enable()
+        return out
+    DeepSpeedEngine.step = step
+
+
+def child(side: str, run_dir: Path, out: Path, warmup: int, profile: Path | None) -> int:
+    started = time.time()  # before torch/deepspeed/transformers are imported: start-up counts from here
+    records: list = []
+    profiler = cProfile.Profile(time.thread_time) if profile else None  # CPU time: robust to a loaded machine
+    instrument(records, warmup, profiler)
+    if side == "hand":
+        sys.path.insert(0, str(REPO))
+        from bench import hand_loop
+        code = hand_loop.main(["--run-dir", str(run_dir)])
+    else:
+        from jobspec.train import worker
+        instrument_worker()
+        code = worker.main(["--run-dir", str(run_dir)])
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(str(profile))
+    out.write_text(json.dumps({"code": code, "records": records, "costs": COSTS,
+                               "first_step_s": records[0][3] - started if records else None}) + "\n")
+    return code
+
+
+COSTS: dict = {}  # name -> [calls, CPU seconds of the calling thread] (worker side)
+
+
+def time_calls(owner, name: str, label: str) -> None:
+    """Wrap owner.name to add up the CPU time of the thread calling it (thread_time: own thread only)."""
+    original = getattr(owner, name)
+    COSTS[label] = [0, 0.0]
+
+    def timed(*args, **kwargs):
+        t = time.thread_time()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            COSTS[label][0] += 1
+            COSTS[label][1] += time.thread_time() - t
+    setattr(owner, name, timed)
+
+
+def instrument_worker() -> None:
+    """The worker's telemetry, timed in its own threads: the log step in the training thread and the
+    MLflow sender's log_batch calls in the sender thread."""
+    from jobspec.train.progress import StepReporter
+    from jobspec.tracking import telemetry
+    time_calls(StepReporter, "log_window", "log_window")
+    time_calls(telemetry.MetricSink, "_send", "sender_log_batch")
+    if os.environ.get("STEP_PROFILE_DETAIL"):  # the log step's parts
+        from jobspec.train import metrics, progress
+        time_calls(telemetry.MetricSink, "log", "sink_log")
+        time_calls(progress.Progress, "log", "progress_log")
+        time_calls(metrics, "memory_snapshot", "memory_snapshot")
+        time_calls(metrics, "gather_rows", "gather_rows")
+
+
+def steady(records: list, warmup: int) -> dict:
+    """Seconds per step (wall, process CPU, main-thread CPU) from step `warmup` to the last."""
+    first, last = records[warmup - 1], records[-1]
+    n = len(records) - warmup
+    return {"wall": (last[0] - first[0]) / n, "cpu": (last[1] - first[1]) / n, "main": (last[2] - first[2]) / n}
+
+
+# --- the parent: compile, interleave, report ------------------------------------------------------
+
+def run_side(side: str, job: Path, work: Path, tag: str, args, log) -> dict:
+    return finish_side(start_side(side, job, work, tag, args, log))
+
+
+def start_side(side: str, job: Path, work: Path, tag: str, args, log) -> dict:
+    """Compile the side's run dir (and its MLflow run) and start its child; `finish_side` waits."""
+    from jobspec.launch.runner import free_port
+    every = side.split("-")[1] if "-" in side else "off"
+    log_every = args.steps if every == "off" else int(every)
+    run_dir = work / tag / "run"
+    sets = job_sets(work, tag, args.steps, log_every)
+    tree = args.before if side.startswith("before") else REPO  # whose jobspec compiles and trains
+    python_path = {**os.environ, "PYTHONPATH": str(tree)}
+    subprocess.run([sys.executable, "-m", "jobspec", "compile", str(job), "--out", str(run_dir),
+                    *[x for s in sets for x in ("--set", s)]], cwd=tree, stdout=log, stderr=subprocess.STDOUT,
+                   check=True, env=python_path)
+    tracked = None
+    if side != "hand":  # the worker's MLflow run, created as the launcher does
+        from jobspec import rundir
+        from jobspec.tracking import telemetry
+        launch = rundir.read_launch(run_dir)
+        tracked = telemetry.start_run(rundir.read_resolved(run_dir), launch, launch["derived"],
+                                      rundir.read_spec_text(run_dir), run_dir)
+    env = {**python_path, "OMP_NUM_THREADS": str(args.threads), "PYTHONUNBUFFERED": "1", "RANK": "0",
+           "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "JOBSPEC_PROGRESS": "lines"}
+    out = work / tag / "result.json"
+    profile = args.profile / f"{tag}.prof" if args.profile else None
+    # the child runs as a script: with --before, `jobspec` must come from the other tree
+    cmd = [sys.executable, str(REPO / "bench" / "step_profile.py"), "--child", "hand" if side == "hand" else "worker",
+           "--run-dir", str(run_dir),
+           "--child-out", str(out), "--warmup", str(args.warmup)] + (["--child-profile", str(profile)] if profile else [])
+    proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return {"side": side, "proc": proc, "tracked": tracked, "run_dir": run_dir, "out": out, "log": log, "args": args}
+
+
+def finish_side(started: dict) -> dict:
+    side, run_dir, out, log, args = (started[k] for k in ("side", "run_dir", "out", "log", "args"))
+    tracked = started["tracked"]
+    code = started["proc"].wait()
+    if tracked is not None:
+        from jobspec.tracking import telemetry
+        telemetry.end_run(tracked, run_dir, status="FINISHED" if code == 0 else "FAILED", exit_code=code)
+    if code != 0:
+        raise SystemExit(f"{side} failed (exit {code}); see {log.name}")
+    records = json.loads(out.read_text())["records"]
+    if len(records) != args.steps:
+        raise SystemExit(f"{side}: {len(records)} optimizer steps recorded, expected {args.steps}")
+    result = json.loads(out.read_text())
+    per_step = {f"{k}_ms_per_step": 1e3 * v[1] / args.steps for k, v in result["costs"].items()}  # whole run
+    return {**steady(records, args.warmup), **per_step, "first_step_s": result["first_step_s"],
+            "load": os.getloadavg()[0]}
+
+
+def render(results: dict) -> str:
+    def med(side, key):
+        return statistics.median(r[key] for r in results[side])
+
+    lines = ["| side | wall ms/step | CPU ms/step (process) | CPU ms/step (main thread) | CPU vs hand | "
+             "main-thread CPU vs hand | CPU vs *-off (telemetry) | log_window / MLflow sender, CPU ms per step | "
+             "process start to step 1, s | load avg (min-max) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for side, runs in results.items():
+        def ratio(key, base):
+            if runs and f"hand_{key}" in runs[0]:  # --pairs: the median of the concurrent pairs' ratios
+                return f"x{statistics.median(r[key] / r[f'hand_{key}'] for r in runs):.3f}"
+            return f"x{med(side, key) / med(base, key):.3f}" if base in results else "-"
+        pairs = ""
+        if runs and "hand_cpu" in runs[0]:
+            pairs = " (" + ", ".join(f"{r['cpu'] / r['hand_cpu']:.2f}" for r in runs) + ")"
+        elif side != "hand" and "hand" in results:  # per-repeat ratios: the spread the median hides
+            pairs = " (" + ", ".join(f"{a['cpu'] / b['cpu']:.2f}" for a, b in zip(runs, results["hand"])) + ")"
+        off = side.split("-")[0] + "-off"
+        telemetry = ("-" if side == "hand" or side == off or off not in results
+                     else f"{100 * (med(side, 'cpu') / med(off, 'cpu') - 1):+.1f}%")
+        loads = [r["load"] for r in runs]
+        costs = " / ".join(f"{med(side, k):.3f}" if k in runs[0] else "-"
+                           for k in ("log_window_ms_per_step", "sender_log_batch_ms_per_step"))
+        if "sink_log_ms_per_step" in runs[0]:
+            costs += " (" + ", ".join(f"{k[:-12]} {med(side, k):.3f}" for k in runs[0] if k.endswith("_ms_per_step")
+                                      and k[:-12] not in ("log_window", "sender_log_batch")) + ")"
+        lines.append(f"| {side} | {1e3 * med(side, 'wall'):.2f} | {1e3 * med(side, 'cpu'):.2f} | "
+                     f"{1e3 * med(side, 'main'):.2f} | {ratio('cpu', 'hand')}{pairs} | {ratio('main', 'hand')} | "
+                     f"{telemetry} | {costs} | {med(side, 'first_step_s'):.2f} | {min(loads):.1f}-{max(loads):.1f} |")
+    return "\n".join(lines)
+
+
+def top_functions(path: Path, n: int = 25) -> str:
+    import io
+    stream = io.StringIO()
+    pstats.Stats(str(path), stream=stream).sort_stats("tottime").print_stats(n)
+    return stream.getvalue()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.step_profile", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--job", type=Path, default=DEFAULT_JOB, help="a sequence-classification job with data.synthetic")
+    parser.add_argument("--sides", nargs="+", default=None, choices=SIDES + BEFORE_SIDES,
+                        help="default: all, and the before-* sides with --before")
+    parser.add_argument("--before", type=Path, default=None,
+                        help="another checkout of jobspec (e.g. `git archive` of main) whose worker runs as before-N")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=300, help="optimizer steps per run (default 300)")
+    parser.add_argument("--warmup", type=int, default=100,
+                        help="steps left out (default 100: past the MLflow import in the sink's thread)")
+    parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of the rank (default 1)")
+    parser.add_argument("--profile", type=Path, default=None, help="write cProfile stats of each run here")
+    parser.add_argument("--pairs", action="store_true",
+                        help="run each side at the same time as its own hand loop (2 processes): ratios per pair")
+    parser.add_argument("--work", type=Path, default=None)
+    parser.add_argument("--child", choices=("hand", "worker"), default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--run-dir", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--child-profile", type=Path, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        return child(args.child, args.run_dir, args.child_out, args.warmup, args.child_profile)
+    if args.steps < args.warmup + 10:
+        parser.error("--steps must be at least --warmup + 10")
+    args.sides = args.sides or list(SIDES) + (list(BEFORE_SIDES) if args.before else [])
+    if any(s.startswith("before") for s in args.sides) and not args.before:
+        parser.error("before-* sides need --before TREE")
+    if args.before:
+        args.before = args.before.resolve()
+    work = (args.work or Path(tempfile.mkdtemp(prefix="jobspec-step-profile-"))).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
+    results: dict = {side: [] for side in args.sides}
+    if args.pairs and "hand" not in results:
+        results = {"hand": [], **results}
+    with open(work / "bench.log", "a", encoding="utf-8") as log:
+        for i in range(args.repeats):
+            for side in args.sides:
+                if args.pairs and side == "hand":
+                    continue
+                print(f"step_profile: repeat {i + 1}/{args.repeats} {side}{' || hand' if args.pairs else ''} "
+                      f"(load {os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
+                if args.pairs:  # both at once: the machine's load at that moment hits both alike
+                    a = start_side(side, args.job.resolve(), work, f"{side}-r{i + 1}", args, log)
+                    b = start_side("hand", args.job.resolve(), work, f"hand-{side}-r{i + 1}", args, log)
+                    result, hand = finish_side(a), finish_side(b)
+                    results["hand"].append(hand)
+                    result.update({f"hand_{k}": hand[k] for k in ("wall", "cpu", "main")})
+                else:
+                    result = run_side(side, args.job.resolve(), work, f"{side}-r{i + 1}", args, log)
+                results[side].append(result)
+                (work / "results.json").write_text(json.dumps(results, indent=2) + "\n")  # partial runs survive
+    import platform
+    from importlib import metadata
+    text = (f"{render(results)}\n\n{args.repeats} repeats, {args.steps} steps (first {args.warmup} left out), "
+            f"1 rank, OMP_NUM_THREADS={args.threads}, job {args.job.name}; {time.strftime('%Y-%m-%d %H:%M')}, "
+            f"{os.cpu_count()}-core CPU, CPython {platform.python_version()}, torch {metadata.version('torch')}, "
+            f"deepspeed {metadata.version('deepspeed')}")
+    print(text)
+    (work / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    if args.profile:
+        for side in args.sides:
+            print(f"\n### cProfile, {side} (repeat 1, steady steps, main thread)\n")
+            print(top_functions(args.profile / f"{side}-r1.prof"))
+    print(f"work dir {work}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
