@@ -76,7 +76,13 @@ def run_baseline(job: Path, work: Path, tag: str, log) -> dict:
     subprocess.run([sys.executable, "-m", "jobspec", "compile", str(job), "--out", str(run_dir),
                     *_sets(overrides(work, job, tag))], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True)
     out = run_dir / "result.json"
-    subprocess.run(baseline_command(run_dir, out), cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True)
+    cmd = baseline_command(run_dir, out)
+    try:
+        subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True)
+    finally:  # the Trainer's DeepSpeed ranks leave their /dev/shm all-reduce buffers (jobspec/shm.py)
+        if "--master_port" in cmd:
+            from jobspec.shm import remove_shared_memory_buffers
+            remove_shared_memory_buffers(cmd[cmd.index("--master_port") + 1])
     return json.loads(out.read_text())
 
 

@@ -179,13 +179,18 @@ def compile_run_dir(job: Path, work: Path, tag: str, args, log) -> tuple[Path, f
 def run_hand_loop(job: Path, work: Path, tag: str, args, log) -> dict:
     from jobspec.launch.runner import free_port, runner_prefix
     run_dir, compile_s = compile_run_dir(job, work, tag, args, log)
-    cmd = runner_prefix() + ["--num_gpus", str(args.ranks), "--master_port", str(free_port()),
+    from jobspec.shm import remove_shared_memory_buffers
+    port = free_port()
+    cmd = runner_prefix() + ["--num_gpus", str(args.ranks), "--master_port", str(port),
                              str(REPO / "bench" / "hand_loop.py"), "--run-dir", str(run_dir)]
     started = time.time()
     proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(args.threads), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     sampler = RankCpuSampler(proc.pid)
-    output, _ = proc.communicate()
+    try:
+        output, _ = proc.communicate()
+    finally:  # DeepSpeed never unlinks its /dev/shm all-reduce buffers (jobspec/shm.py)
+        remove_shared_memory_buffers(port)
     sampler.stop()
     log.write(output)
     if proc.returncode != 0:

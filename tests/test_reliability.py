@@ -239,7 +239,7 @@ def test_kill_9_of_a_real_rank_fails_the_run_fast_and_leaves_no_orphans(tmp_path
     killed_at = time.monotonic()
     os.kill(rank1[0].pid, signal.SIGKILL)
     code = proc.wait(timeout=120)
-    assert time.monotonic() - killed_at < 30 and code != 0
+    assert time.monotonic() - killed_at < 30 and code == 128 + signal.SIGKILL  # not DeepSpeed's 247
     assert survivors(run_dir) == []
     _, run = run_of(run_dir)
     assert run.info.status == "FAILED" and run.data.tags["jobspec.exit_code"] == str(code)
