@@ -4,7 +4,6 @@ What the launch header reports and the "sized for GPUs" check weighs; probed onc
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from jobspec import hardware
@@ -15,7 +14,7 @@ class Host:
     gpu_names: tuple = ()         # NVIDIA GPUs NVML sees; empty on a CPU-only host
     gpu_free: int | None = None   # least free bytes among the GPUs the ranks use
     gpu_total: int | None = None  # bytes of one GPU
-    cpus: int = 1                 # CPUs this process may run on (its affinity mask)
+    cpus: int = 1                 # CPUs this process may run on (affinity mask, cgroup quota)
     ram_total: int | None = None
     ram_available: int | None = None
 
@@ -29,10 +28,7 @@ def probe(gpus_per_node: int, gpu_free: int | None = None) -> Host:
     import psutil
 
     names = tuple(name for name in hardware.gpu_names() if name != "cpu")
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        cpus = os.cpu_count() or 1
+    cpus = hardware.available_cpus()  # affinity mask and cgroup quota: what the ranks will share
     memory = psutil.virtual_memory()
     if names and gpu_free is None:
         gpu_free = hardware.gpu_free_bytes(gpus_per_node)
