@@ -18,6 +18,7 @@ from jobspec.tracking import run as tracking
 from jobspec.tracking import sink as sink_module
 from jobspec.tracking.sink import MetricSink
 from jobspec.cli import main
+from jobspec.status import EXIT_PREEMPTED
 
 
 class FlakyClient:
@@ -175,8 +176,8 @@ def test_a_server_outage_mid_run_loses_nothing_and_does_not_slow_training(tmp_pa
     while len(rows()) < steps_at_return + 10:
         assert proc.poll() is None and time.monotonic() < deadline + 120
         time.sleep(0.5)
-    proc.send_signal(signal.SIGUSR1)  # checkpoint and stop: a normal end
-    assert proc.wait(timeout=180) == 0, b"".join(output)[-3000:]
+    proc.send_signal(signal.SIGUSR1)  # checkpoint and stop: resumable, so exit 75 and KILLED, not FINISHED
+    assert proc.wait(timeout=180) == EXIT_PREEMPTED, b"".join(output)[-3000:]
 
     logged = rows()
     before, during = step_times(logged, 0, down_at), step_times(logged, down_at + 2000, up_at)
@@ -190,7 +191,8 @@ def test_a_server_outage_mid_run_loses_nothing_and_does_not_slow_training(tmp_pa
     keys = {k for k, _ in expected}
     stored = {(k, m.step) for k in keys for m in client.get_metric_history(info["run_id"], k)}
     assert expected - stored == set(), f"{len(expected - stored)} of {len(expected)} points lost"
-    assert client.get_run(info["run_id"]).info.status == "FINISHED"
+    run = client.get_run(info["run_id"])
+    assert (run.info.status, run.data.tags["jobspec.status"]) == ("KILLED", "preempted")
     (tmp_path / "outage-numbers.json").write_text(json.dumps({
         "outage_s": (up_at - down_at) / 1000, "points": len(expected), "lost": len(expected - stored),
         "median_step_s_before": statistics.median(before), "median_step_s_during": statistics.median(during)}))
@@ -214,7 +216,8 @@ def assert_every_point_recorded(run_dir: Path) -> None:
     expected = {(k, r["step"]) for r in rows for k in r if k not in ("step", "timestamp")}
     stored = {(k, m.step) for k in {k for k, _ in expected} for m in client.get_metric_history(info["run_id"], k)}
     assert expected and expected <= stored
-    assert client.get_run(info["run_id"]).info.status == "FINISHED"
+    run = client.get_run(info["run_id"])
+    assert (run.info.status, run.data.tags["jobspec.status"]) == ("KILLED", "preempted")
 
 
 BACK_TO_BACK = int(os.environ.get("JOBSPEC_LOAD_RUNS", 3))  # bench/load.py runs 20
