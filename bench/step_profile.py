@@ -140,12 +140,12 @@ def instrument_worker() -> None:
     """The worker's telemetry, timed in its own threads: the log step in the training thread and the
     MLflow sender's log_batch calls in the sender thread."""
     from jobspec.train.progress import StepReporter
-    from jobspec.tracking import telemetry
+    from jobspec.tracking.sink import MetricSink
     time_calls(StepReporter, "log_window", "log_window")
-    time_calls(telemetry.MetricSink, "_send", "sender_log_batch")
+    time_calls(MetricSink, "_send", "sender_log_batch")
     if os.environ.get("STEP_PROFILE_DETAIL"):  # the log step's parts
         from jobspec.train import metrics, progress
-        time_calls(telemetry.MetricSink, "log", "sink_log")
+        time_calls(MetricSink, "log", "sink_log")
         time_calls(progress.Progress, "log", "progress_log")
         time_calls(metrics, "memory_snapshot", "memory_snapshot")
         time_calls(metrics, "gather_rows", "gather_rows")
@@ -195,9 +195,9 @@ def start_side(side: str, job: Path, work: Path, tag: str, args, log) -> dict:
     tracked = None
     if kind == "worker":  # the worker's MLflow run, created as the launcher does
         from jobspec import rundir
-        from jobspec.tracking import telemetry
+        from jobspec.tracking import run as tracking_run
         launch = rundir.read_launch(run_dir)
-        tracked = telemetry.start_run(rundir.read_resolved(run_dir), launch, launch["derived"],
+        tracked = tracking_run.start_run(rundir.read_resolved(run_dir), launch, launch["derived"],
                                       rundir.read_spec_text(run_dir), run_dir)
     env = {**python_path, "OMP_NUM_THREADS": str(args.threads), "PYTHONUNBUFFERED": "1", "RANK": "0",
            "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
@@ -216,8 +216,8 @@ def finish_side(started: dict) -> dict:
     tracked = started["tracked"]
     code = started["proc"].wait()
     if tracked is not None:
-        from jobspec.tracking import telemetry
-        telemetry.end_run(tracked, run_dir, status="FINISHED" if code == 0 else "FAILED", exit_code=code)
+        from jobspec.tracking import run as tracking_run
+        tracking_run.end_run(tracked, run_dir, status="FINISHED" if code == 0 else "FAILED", exit_code=code)
     if code != 0:
         raise SystemExit(f"{side} failed (exit {code}); see {log.name}")
     records = json.loads(out.read_text())["records"]

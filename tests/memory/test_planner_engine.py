@@ -25,6 +25,7 @@ from jobspec.spec.schema import fill_defaults
 
 SCRIPT = REPO_ROOT / "tests" / "assets" / "engine_memory.py"
 STAGES = (0, 1, 2, 3)
+ABORT_SIGNATURE = "terminate called without an active exception"
 
 # Wide enough that buckets and the tensors straddling a ZeRO partition edge stay small next to Ψ/2.
 ENGINE_SPEC = {
@@ -46,12 +47,21 @@ def _run_stage(root: Path, stage: int) -> tuple[dict, list[dict]]:
     (run_dir / "resolved.yaml").write_text(yaml.safe_dump(spec))
     (run_dir / "ds_config.json").write_text(json.dumps(compiled.ds_config))
     deepspeed = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
-    port = free_port()
-    try:
-        proc = subprocess.run([deepspeed, "--num_gpus", "2", "--master_port", str(port), str(SCRIPT),
-                               "--run-dir", str(run_dir)], cwd=run_dir, capture_output=True, text=True, timeout=900)
-    finally:  # DeepSpeed never unlinks its 2 x 66 MB all-reduce buffers; nothing maps them now
-        remove_shared_memory_buffers(port)
+    for attempt in (1, 2):
+        port = free_port()
+        try:
+            proc = subprocess.run([deepspeed, "--num_gpus", "2", "--master_port", str(port), str(SCRIPT),
+                                   "--run-dir", str(run_dir)], cwd=run_dir, capture_output=True, text=True,
+                                  timeout=900)
+        finally:  # DeepSpeed never unlinks its 2 x 66 MB all-reduce buffers; nothing maps them now
+            remove_shared_memory_buffers(port)
+        # Once in CI (fresh venv, two 2-rank runs on 2 cores) a ZeRO-3 rank died in C++ mid-step,
+        # "terminate called without an active exception", no Python traceback; it never reproduced
+        # here in 5 runs. That abort is DeepSpeed's CPU backend, not what this test measures: one
+        # more try, for that signature only; anything else fails at once.
+        if proc.returncode == 0 or attempt == 2 or ABORT_SIGNATURE not in proc.stderr:
+            break
+        print(f"zero{stage}: rank aborted ({ABORT_SIGNATURE!r}); running it once more", file=sys.stderr)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return spec, [json.loads((run_dir / f"memory-rank{r}.json").read_text()) for r in (0, 1)]
 
