@@ -20,9 +20,10 @@
 #
 # Preemption: Slurm sends SIGUSR1 to this shell (`--signal=B:USR1@N`: N seconds before the time
 # limit, or `scancel --signal=USR1 -b JOB`). It is forwarded to `jobspec launch`, which forwards it to
-# the ranks; they checkpoint at the next step boundary and stop with status "preempted". Once jobspec
-# has exited, this script runs `scontrol requeue $SLURM_JOB_ID`; the requeued job starts this script
-# again and `checkpoint.resume: auto` continues from the checkpoint (same MLflow run).
+# the ranks; they checkpoint at the next step boundary and stop with status "preempted", and jobspec
+# exits 75 (EX_TEMPFAIL: stopped with a checkpoint, the same command resumes it). This script then
+# runs `scontrol requeue $SLURM_JOB_ID`; the requeued job starts this script again and
+# `checkpoint.resume: auto` continues from the checkpoint (same MLflow run).
 #
 # Why jobspec runs as a child plus `wait`, not `exec`: bash runs a trap only between commands, and
 # not at all once exec'd away, so the signal must arrive while bash sits in `wait` (which a trapped
@@ -86,9 +87,10 @@ while :; do
 done
 
 if [ "$preempted" = 1 ] && [ "$in_slurm" = 1 ]; then
-  # 0: jobspec checkpointed and stopped; 138 (128+USR1): it died of the signal before it could
-  # handle it, so nothing is lost by starting over. Any other failure is not requeued (no loops).
-  if [ "$status" = 0 ] || [ "$status" = 138 ]; then
+  # 75: jobspec checkpointed and stopped; 138 (128+USR1): it died of the signal before it could
+  # handle it, so nothing is lost by starting over. 0 (it finished anyway) and any failure are not
+  # requeued (no loops).
+  if [ "$status" = 75 ] || [ "$status" = 138 ]; then
     echo "launch.sh: requeueing Slurm job ${SLURM_JOB_ID}" >&2
     scontrol requeue "$SLURM_JOB_ID" || echo "launch.sh: scontrol requeue failed (job not requeueable?)" >&2
     status=0

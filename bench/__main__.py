@@ -61,8 +61,8 @@ def run_jobspec(job: Path, work: Path, tag: str, log) -> dict:
     run_dir = max((work / job.stem / tag).glob("run-*"), key=lambda p: p.stat().st_mtime)
     info = json.loads((run_dir / "mlflow_run.json").read_text())
     from jobspec.report import table as report
-    from jobspec.tracking import telemetry
-    client = telemetry._client(info["tracking_uri"])
+    from jobspec.tracking import run as tracking
+    client = tracking.client_for(info["tracking_uri"])
     series = report.metric_series(client, info["run_id"], METRICS)
     reduce = {name: (report.series_max if name.startswith("mem/") else report.steady_state) for name in METRICS}
     result = {name: reduce[name](points) for name, points in series.items()}

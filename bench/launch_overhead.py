@@ -209,7 +209,7 @@ def probe(run_dir: Path, steps: int, block: int, warmup: int) -> dict:
     from jobspec.train import engine as rank_engine
     from jobspec.train.data import make_loader
     from jobspec.train.progress import Progress, RunState, StepReporter, Window
-    from jobspec.tracking.telemetry import MetricSink
+    from jobspec.tracking.sink import MetricSink
 
     files = rundir.read_run_files(run_dir)
     deepspeed.init_distributed()
@@ -276,22 +276,22 @@ def _thread_cpu_s(thread) -> float:
 
 
 def run_probe(job: Path, work: Path, args, log) -> dict:
-    from jobspec.tracking import telemetry
     from jobspec.launch.runner import free_port
+    from jobspec.tracking import run as tracking
     # the schedule spans the probe's steps (the learning rate does not change the work, but stay valid)
     run_dir, _ = compile_run_dir(job, work, "probe", argparse.Namespace(**{**vars(args), "steps": args.probe_steps}),
                                  log)
     import yaml
     spec = yaml.safe_load((run_dir / "resolved.yaml").read_text())
     launch = json.loads((run_dir / "launch.json").read_text())
-    tracked = telemetry.start_run(spec, launch, launch["derived"], (run_dir / "spec.yaml").read_text(), run_dir)
+    tracked = tracking.start_run(spec, launch, launch["derived"], (run_dir / "spec.yaml").read_text(), run_dir)
     env = {**child_env(args.threads), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_SIZE": "1",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     out_file = run_dir / "probe.json"
     cmd = [sys.executable, "-m", "bench.launch_overhead", "--probe", str(run_dir), "--probe-out", str(out_file),
            "--probe-steps", str(args.probe_steps), "--warmup", str(args.warmup)]
     result = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, check=False)
-    telemetry.end_run(tracked, run_dir, status="FINISHED" if result.returncode == 0 else "FAILED",
+    tracking.end_run(tracked, run_dir, status="FINISHED" if result.returncode == 0 else "FAILED",
                       exit_code=result.returncode)
     if result.returncode != 0:
         raise SystemExit(f"telemetry probe failed (exit {result.returncode}); see {log.name}")

@@ -3,7 +3,7 @@
     python -m bench.load                 # 20 back-to-back + 4 concurrent (the issue's numbers)
     python -m bench.load --runs 5 --work /tmp/load
 
-CI runs the same check smaller (tests/test_outage.py, JOBSPEC_LOAD_RUNS back-to-back, default 3).
+CI runs the same check smaller (tests/tracking/test_outage.py, JOBSPEC_LOAD_RUNS back-to-back, default 3).
 Prints wall time per launch and whether each run is FINISHED with every metrics.jsonl point in MLflow.
 """
 from __future__ import annotations
@@ -15,7 +15,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+TESTS = Path(__file__).resolve().parent.parent / "tests"
+sys.path[:0] = [str(TESTS), str(TESTS / "tracking")]  # the test helpers and the outage test's launch
 
 from mlflow_server import MlflowServer  # noqa: E402
 from test_outage import assert_every_point_recorded, launch_tiny  # noqa: E402

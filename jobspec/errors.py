@@ -1,6 +1,10 @@
-"""Spec problems: each one knows where it is (file:line:col, dotted path), what is wrong and how to fix it.
+"""What can go wrong, by whose fault, and the exit code it gives.
 
-Validation collects every `SpecIssue` and raises one `SpecError`, so a user sees all problems at once.
+- Bad input (a spec, a flag, a refused launch): each problem knows where it is (file:line:col, dotted
+  path), what is wrong and how to fix it. Validation collects every `SpecIssue` and raises one
+  `SpecError`, so a user sees all problems at once. Exit code 2.
+- A valid job that failed while running (out of memory after `training.on_oom`, data that yields no
+  batches, the tracking server unreachable at start): `RunFailure`, one line saying why. Exit code 1.
 """
 from __future__ import annotations
 
@@ -84,9 +88,19 @@ class RunFailure(Exception):
     can act on without editing the spec: memory, disk, an unreachable tracking server.
     """
 
-    def __init__(self, reason: str):
+    def __init__(self, reason: str, collective: bool = False):
         super().__init__(reason)
         self.reason = reason.splitlines()[0] if reason else "run failed"
+        self.collective = collective  # raised on every rank alike: rank 0 alone reports it
 
     def __str__(self) -> str:
         return self.reason
+
+
+def first_line(err: BaseException, *, limit: int | None = None) -> str:
+    """The first line of an exception's message (its type's name when it has none), secrets masked:
+    what a one-line error or warning shows of an error raised by a library."""
+    from jobspec.secrets import mask_secrets
+    text = mask_secrets(str(err)).strip()
+    line = text.splitlines()[0] if text else type(err).__name__
+    return line[:limit] if limit else line

@@ -1,5 +1,6 @@
 """Every device probe jobspec makes: this host's NVIDIA GPUs through NVML (names, free and used
-memory, compute capability), and the CUDA device a rank trains on (through torch, rank side only).
+memory, compute capability), the CUDA device a rank trains on (through torch, rank side only), and
+the CPUs this process may use (affinity mask and cgroup CPU quota).
 
 NVML is initialised once per process, at the first probe, and shut down at exit. No driver, no
 NVML library or no GPU all read as "no GPU": a CPU-only host, whose ranks run on CPU cores.
@@ -10,8 +11,10 @@ free (the fit budget and the memory pre-flight of `jobspec launch`, on a CPU-onl
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import threading
+from pathlib import Path
 
 FAKE_FREE_ENV = "JOBSPEC_FAKE_GPU_FREE_BYTES"
 
@@ -90,6 +93,19 @@ def gpu_free_bytes(num_devices: int, environ=os.environ) -> int | None:
         return None
 
 
+def gpu_total_bytes(environ=os.environ) -> int | None:
+    """Total memory of this host's first GPU (what the header sets the plan against), None without GPUs."""
+    if environ.get(FAKE_FREE_ENV):
+        return int(environ[FAKE_FREE_ENV])
+    nvml = NVML.get()
+    if nvml is None:
+        return None
+    try:
+        return int(nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByIndex(0)).total)
+    except Exception:
+        return None
+
+
 def bf16_supported(environ=os.environ) -> bool:
     """Compute capability >= 8.0 (Ampere) on GPU 0; True without an NVIDIA GPU (CPU ranks do bf16)."""
     if environ.get(FAKE_FREE_ENV):
@@ -123,3 +139,71 @@ def cuda_device_name() -> str:
     """The name of this rank's CUDA device (e.g. "NVIDIA H100 80GB HBM3"), "cpu" without CUDA."""
     import torch
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+# --- CPUs -----------------------------------------------------------------------------------------
+
+def available_cpus(cgroup_root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/proc/self/cgroup")) -> int:
+    """CPUs this process may run on: its affinity mask (what Slurm's --cpus-per-task, taskset and a
+    cgroup cpuset set), capped by a cgroup CPU quota (docker --cpus, cpu.max / cfs_quota_us).
+    os.cpu_count() sees neither, so ranks sized from it over-subscribe the cores they really have."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cpus = os.cpu_count() or 1
+    quota = cgroup_cpu_quota(cgroup_root, proc_cgroup)
+    if quota is not None:
+        cpus = min(cpus, max(1, math.floor(quota)))
+    return max(1, cpus)
+
+
+def cgroup_cpu_quota(cgroup_root: Path = Path("/sys/fs/cgroup"),
+                     proc_cgroup: Path = Path("/proc/self/cgroup")) -> float | None:
+    """The CPU quota of this process's cgroup in CPUs (cgroup v2 cpu.max, or v1 cfs_quota_us /
+    cfs_period_us), the smallest along the path to the root; None when there is none."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    quotas = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2 unified hierarchy
+            base, read = cgroup_root, _v2_quota
+        elif "cpu" in controllers.split(","):
+            base = next((cgroup_root / name for name in ("cpu,cpuacct", "cpu") if (cgroup_root / name).is_dir()),
+                        cgroup_root / "cpu")
+            read = _v1_quota
+        else:
+            continue
+        directory = base / path.lstrip("/")
+        while True:
+            quota = read(directory)
+            if quota is not None:
+                quotas.append(quota)
+            if directory == base or base not in directory.parents:
+                break
+            directory = directory.parent
+    return min(quotas) if quotas else None
+
+
+def _v2_quota(directory: Path) -> float | None:
+    try:
+        quota, period = (directory / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        return None
+
+
+def _v1_quota(directory: Path) -> float | None:
+    try:
+        quota = int((directory / "cpu.cfs_quota_us").read_text())
+        period = int((directory / "cpu.cfs_period_us").read_text())
+        return None if quota <= 0 or period <= 0 else quota / period
+    except (OSError, ValueError):
+        return None
+
+
+def threads_per_rank(cpus: int, local_ranks: int) -> int:
+    """Intra-op threads for each of `local_ranks` CPU ranks sharing `cpus` CPUs (at least 1)."""
+    return max(1, cpus // max(1, local_ranks))

@@ -12,8 +12,11 @@
                    `plan`/`fit` (launch), `source`
   hostfile         one `host slots=N` line per node (multi-node Slurm) launch/slurm -> DeepSpeed runner
   mlflow_run.json  tracking URI, experiment and run id                 tracking     -> rank 0's sink, sync
-  tracking.json    whether the MLflow run exists (on/off/failed+why)   launch       -> the ranks (they wait)
+  mlflow_off       the job runs without an MLflow run (off/unreachable) launch       -> rank 0 stops waiting
+  cpu_info.json    py-cpuinfo's reading of the launching host           launch       -> ranks (jobspec/ops.py)
   launcher.log     everything the runner and ranks printed             supervise    -> MLflow artifact
+  launcher.json    the launcher's host, pid, start time; `ended` once  launch       -> launch/sync/report:
+                   it has closed the run                                              a run left RUNNING
   metrics.jsonl    every metric point, one JSON object per log step    rank 0       -> sync, bench
   summary.json     status, steps, loss, throughput, peak memory        rank 0 (else the fallback below)
   .oom-recovery/   the state an OOM retry reloads (removed after)      rank side
@@ -33,7 +36,7 @@ from pathlib import Path
 import yaml
 
 from jobspec.errors import spec_error
-from jobspec.secrets import mask_secrets
+from jobspec.secrets import mask_secrets, mask_tree
 
 SPEC = "spec.yaml"
 RESOLVED = "resolved.yaml"
@@ -43,9 +46,10 @@ COMMAND = "command.txt"
 LAUNCH = "launch.json"
 HOSTFILE = "hostfile"
 MLFLOW_RUN = "mlflow_run.json"
-TRACKING = "tracking.json"
-TRACKING_PENDING_ENV = "JOBSPEC_TRACKING_PENDING"   # set by the launcher for its ranks: wait for TRACKING
+TRACKING_OFF = "mlflow_off"
+CPU_INFO = "cpu_info.json"
 LAUNCHER_LOG = "launcher.log"
+LAUNCHER = "launcher.json"
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 OOM_RECOVERY = ".oom-recovery"
@@ -115,7 +119,7 @@ def write_compiled(out: Path, resolved, compiled) -> None:
     contents = {
         # a password in a tracking URI or a planted token must not reach files that become artifacts
         SPEC: mask_secrets(resolved.text),
-        RESOLVED: mask_secrets(yaml.safe_dump(resolved.spec, sort_keys=False)),
+        RESOLVED: yaml.safe_dump(mask_tree(resolved.spec), sort_keys=False),
         DS_CONFIG: _json_text(compiled.ds_config),
         PATCHES: _json_text(compiled.patches),
         COMMAND: shlex.join(compiled.launch["argv"]) + "\n",
@@ -179,7 +183,10 @@ def write_hostfile(run_dir: Path, text: str) -> Path:
 
 
 def write_mlflow_run(run_dir: Path, info: dict) -> None:
-    (Path(run_dir) / MLFLOW_RUN).write_text(_json_text(info), encoding="utf-8")
+    """Atomically: rank 0 may be polling for it (wait_for_tracking)."""
+    tmp = Path(run_dir) / f".{MLFLOW_RUN}.tmp"
+    tmp.write_text(_json_text(info), encoding="utf-8")
+    os.replace(tmp, Path(run_dir) / MLFLOW_RUN)
 
 
 def read_mlflow_run(run_dir: Path) -> dict | None:
@@ -188,38 +195,45 @@ def read_mlflow_run(run_dir: Path) -> dict | None:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
-def write_tracking(run_dir: Path, status: str, reason: str | None = None) -> None:
-    """The launcher's decision on MLflow, made while the ranks start: "on" (mlflow_run.json is
-    written), "off" (metrics.jsonl only) or "failed" (required tracking unusable: the ranks stop)."""
-    tmp = Path(run_dir) / f".{TRACKING}.tmp"
-    tmp.write_text(_json_text({"status": status, "reason": reason}), encoding="utf-8")
-    tmp.replace(Path(run_dir) / TRACKING)  # atomic: a rank never reads half a file
+def write_launcher(run_dir: Path, record: dict) -> None:
+    """launcher.json: who runs this job (jobspec/lifeline.py identity), replaced atomically."""
+    run_dir = Path(run_dir)
+    tmp = run_dir / f".{LAUNCHER}.tmp"
+    tmp.write_text(_json_text(record), encoding="utf-8")
+    os.replace(tmp, run_dir / LAUNCHER)
 
 
-def read_tracking(run_dir: Path) -> dict | None:
-    path = Path(run_dir) / TRACKING
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+def read_launcher(run_dir: Path) -> dict | None:
+    try:
+        record = json.loads((Path(run_dir) / LAUNCHER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
 
 
-def wait_for_tracking(run_dir: Path, environ=os.environ, timeout_s: float = 600.0, poll_s: float = 0.05):
-    """Rank side: with TRACKING_PENDING_ENV=1 (the launcher creates the MLflow run while the ranks
-    start: jobspec.launch.tracking_start), wait for tracking.json; RunFailure if it says "failed".
-    Returns the decision; None without the variable, or after `timeout_s` (metrics.jsonl only)."""
+def mark_launcher_ended(run_dir: Path, status: str, exit_code: int, by: str = "launcher") -> None:
+    """The run was closed (by its launcher, or by whoever found the launcher gone): nothing left to check."""
+    record = read_launcher(run_dir) or {}
+    record["ended"] = {"status": status, "exit_code": exit_code, "by": by,
+                      "at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    write_launcher(run_dir, record)
+
+
+def write_tracking_off(run_dir: Path) -> None:
+    (Path(run_dir) / TRACKING_OFF).write_text("", encoding="utf-8")
+
+
+def wait_for_tracking(run_dir: Path, timeout_s: float, poll_s: float = 0.1) -> dict | None:
+    """mlflow_run.json once the launcher has written it; None once it says there is no run
+    (`mlflow_off`), or after `timeout_s` (then the job keeps its metrics in metrics.jsonl)."""
     import time
 
-    from jobspec.errors import RunFailure
-    if environ.get(TRACKING_PENDING_ENV) != "1":
-        return None
     deadline = time.monotonic() + timeout_s
-    while (decision := read_tracking(run_dir)) is None:
-        if time.monotonic() >= deadline:
-            print(f"WARNING: no MLflow decision from the launcher after {timeout_s:.0f} s; metrics go to "
-                  f"{Path(run_dir) / METRICS} only (`jobspec sync` uploads them)", flush=True)
-            return None
+    while True:
+        info = read_mlflow_run(run_dir)
+        if info is not None or (Path(run_dir) / TRACKING_OFF).exists() or time.monotonic() >= deadline:
+            return info
         time.sleep(poll_s)
-    if decision["status"] == "failed":
-        raise RunFailure(decision["reason"] or "MLflow tracking could not be started")
-    return decision
 
 
 def open_launcher_log(run_dir: Path):

@@ -24,6 +24,16 @@ def mask_secrets(text: str) -> str:
     return text
 
 
+def mask_tree(value):
+    """A copy of a YAML/JSON tree with every string masked: dump the masked tree rather than mask the
+    dumped text, where a secret that was a whole value would become `***`, a YAML alias."""
+    if isinstance(value, dict):
+        return {key: mask_tree(child) for key, child in value.items()}
+    if isinstance(value, list):
+        return [mask_tree(child) for child in value]
+    return mask_secrets(value) if isinstance(value, str) else value
+
+
 def split_credentials(uri: str) -> tuple[str, str | None, str | None]:
     """(uri without userinfo, username, password): MLflow takes credentials from the environment."""
     parts = urlsplit(uri)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from jobspec.shm import remove_shared_memory_buffers
 from jobspec.spec.schema import fill_defaults
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -117,8 +118,12 @@ def worker_env(env: dict | None = None) -> dict:
 def run_worker(run_dir: Path, *, num_ranks: int = 2, env: dict | None = None,
                timeout: int = 600) -> subprocess.CompletedProcess:
     """Run the worker ranks to the end through the real deepspeed runner."""
-    return subprocess.run(worker_argv(run_dir, num_ranks), cwd=run_dir, env=worker_env(env),
-                          capture_output=True, text=True, timeout=timeout)
+    argv = worker_argv(run_dir, num_ranks)
+    try:
+        return subprocess.run(argv, cwd=run_dir, env=worker_env(env), capture_output=True, text=True,
+                              timeout=timeout)
+    finally:  # what `jobspec launch` does after the runner: a rank that died leaves its buffer behind
+        remove_shared_memory_buffers(argv[argv.index("--master_port") + 1])
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -140,15 +145,22 @@ def worker_run_dir(tmp_path):
 # --- DeepSpeed's JIT ops: build them in the background while the fast tests run -----------------
 
 _PREBUILD = None
+_SHM_GUARD = None
 
 
 def pytest_collection_finish(session):
-    global _PREBUILD
-    if os.environ.get("JOBSPEC_NO_PREBUILD") or not any(
-            item.get_closest_marker("slow") for item in session.items):
-        return  # only a session that will launch ranks needs the ops
+    global _PREBUILD, _SHM_GUARD
+    if not any(item.get_closest_marker("slow") for item in session.items):
+        return  # only a session that will launch ranks needs the ops, or can leak their buffers
+    from shm_guard import ShmGuard
+    _SHM_GUARD = ShmGuard().start()
+    if os.environ.get("JOBSPEC_NO_PREBUILD"):
+        return
     log = open(Path(session.config.rootpath) / ".pytest-prebuild-ops.log", "w")  # noqa: SIM115 (lives for the session)
-    _PREBUILD = subprocess.Popen([sys.executable, str(REPO_ROOT / "tests" / "prebuild_ops.py")],
+    # `jobspec prepare --all`, as CI images do: the builds overlap the fast tests instead of stalling
+    # the first slow test's launch past its timeout (torch's lock makes a launch that needs an op
+    # being built wait for it instead of building it twice)
+    _PREBUILD = subprocess.Popen([sys.executable, "-m", "jobspec", "prepare", "--all"], cwd=REPO_ROOT,
                                  stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -157,6 +169,23 @@ def pytest_sessionfinish(session, exitstatus):
     # build (so every later launch) would wait on that lock forever.
     if _PREBUILD is not None:
         _PREBUILD.wait()
+    if _SHM_GUARD is not None:
+        _SHM_GUARD.stop()
+        leaked = _SHM_GUARD.leaks()
+        if leaked:  # fail the session loudly, then free the RAM
+            total = sum(p.stat().st_size for p in leaked if p.exists())
+            reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+            text = (f"/dev/shm LEAK: tests left {len(leaked)} DeepSpeed buffer(s) ({total / 2**20:.0f} MiB) that "
+                    f"no process maps any more: {', '.join(p.name for p in leaked)}; remove them with "
+                    "jobspec.shm.remove_shared_memory_buffers(MASTER_PORT) where the test runs ranks")
+            if reporter is not None:
+                reporter.write_sep("!", "/dev/shm leak", red=True, bold=True)
+                reporter.write_line(text, red=True)
+            else:
+                print(text, file=sys.stderr)
+            for path in leaked:
+                path.unlink(missing_ok=True)
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(autouse=True)

@@ -2,7 +2,7 @@
 every outcome is exit 0 (a valid compile) or exit 2 with positioned errors, never a traceback.
 
 JOBSPEC_FUZZ_EXAMPLES scales the example counts (the default: 3 x 300 examples here
-plus 244 in tests/test_fuzz_spec.py).
+plus 244 in tests/spec/test_fuzz_spec.py).
 """
 from __future__ import annotations
 

@@ -82,3 +82,66 @@ def test_the_fake_free_memory_hook_needs_no_nvml(nvml):
     assert hardware.gpu_free_bytes(2, {hardware.FAKE_FREE_ENV: "1234"}) == 1234
     assert hardware.bf16_supported({hardware.FAKE_FREE_ENV: "1234"}) is True
     assert calls == []
+
+
+# --- CPUs: what a CPU rank may use (issue 13: `os.cpu_count() // ranks` over-subscribed Slurm tasks) ---
+
+def fake_cgroups(tmp_path, v1_quota: int | None = None, v2_max: str | None = None):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    proc = tmp_path / "proc-self-cgroup"
+    lines = []
+    if v2_max is not None:
+        (tmp_path / "slurm" / "job_1").mkdir(parents=True)
+        (tmp_path / "slurm" / "cpu.max").write_text("max 100000\n")
+        (tmp_path / "slurm" / "job_1" / "cpu.max").write_text(v2_max + "\n")
+        lines.append("0::/slurm/job_1")
+    if v1_quota is not None:
+        (tmp_path / "cpu,cpuacct" / "docker" / "abc").mkdir(parents=True)
+        (tmp_path / "cpu,cpuacct" / "docker" / "abc" / "cpu.cfs_quota_us").write_text(f"{v1_quota}\n")
+        (tmp_path / "cpu,cpuacct" / "docker" / "abc" / "cpu.cfs_period_us").write_text("100000\n")
+        lines.append("4:cpu,cpuacct:/docker/abc")
+    proc.write_text("\n".join(lines + ["9:memory:/x"]) + "\n")
+    return {"cgroup_root": tmp_path, "proc_cgroup": proc}
+
+
+def test_available_cpus_is_the_affinity_mask_capped_by_a_cgroup_quota(tmp_path, monkeypatch):
+    monkeypatch.setattr(hardware.os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(hardware.os, "sched_getaffinity", lambda pid: set(range(8)))  # --cpus-per-task=8
+    assert hardware.available_cpus(**fake_cgroups(tmp_path / "none")) == 8
+    assert hardware.available_cpus(**fake_cgroups(tmp_path / "v2", v2_max="300000 100000")) == 3
+    assert hardware.available_cpus(**fake_cgroups(tmp_path / "v1", v1_quota=250000)) == 2   # 2.5 CPUs
+    assert hardware.available_cpus(**fake_cgroups(tmp_path / "unlimited", v1_quota=-1, v2_max="max 100000")) == 8
+    monkeypatch.setattr(hardware.os, "sched_getaffinity", lambda pid: {5})
+    assert hardware.available_cpus(**fake_cgroups(tmp_path / "one")) == 1
+
+
+@pytest.mark.parametrize("cpus, ranks, threads", [(8, 2, 4), (3, 2, 1), (1, 4, 1), (16, 1, 16)])
+def test_threads_per_rank(cpus, ranks, threads):
+    assert hardware.threads_per_rank(cpus, ranks) == threads
+
+
+def test_cpu_ranks_take_their_share_of_the_affinity_mask_not_of_the_machine(monkeypatch):
+    import torch
+
+    from jobspec.train import engine
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("LOCAL_SIZE", "2")
+    monkeypatch.setattr(hardware.os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(hardware.os, "sched_getaffinity", lambda pid: set(range(6)))
+    monkeypatch.setattr(hardware, "cgroup_cpu_quota", lambda *a: None)
+    before = torch.get_num_threads()
+    try:
+        assert engine.share_cpu_threads() == 3 and torch.get_num_threads() == 3
+        monkeypatch.setenv("OMP_NUM_THREADS", "5")  # the user's own setting wins
+        assert engine.share_cpu_threads() is None
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_resume_keeps_the_checkpoints_thread_count_when_the_host_allows():
+    from jobspec.train.engine import resume_threads
+    assert resume_threads(4, 4) == (4, None)
+    threads, note = resume_threads(2, 8)   # requeued onto a bigger node: stay exact
+    assert threads == 2 and "bit-identical" in note and "OMP_NUM_THREADS" in note
+    threads, note = resume_threads(8, 2)   # onto a smaller one: no over-subscription, say what it costs
+    assert threads == 2 and "last bits" in note

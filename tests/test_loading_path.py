@@ -174,9 +174,9 @@ def test_launch_trains_a_local_checkpoint_on_parquet_with_jsonl_eval(project, tm
     assert (summary["status"], summary["steps"], summary["samples"]) == ("finished", total, total * MICRO * WORLD)
     assert summary["eval_loss"] is not None and math.isfinite(summary["eval_loss"])
 
-    from jobspec.tracking import telemetry
+    from jobspec.tracking import run as tracking
     info = json.loads((run_dir / "mlflow_run.json").read_text())
-    client = telemetry._client(info["tracking_uri"])
+    client = tracking.client_for(info["tracking_uri"])
     assert client.get_run(info["run_id"]).info.status == "FINISHED"
     eval_steps = [m.step for m in client.get_metric_history(info["run_id"], "eval/loss")]
     assert eval_steps == list(range(4, total + 1, 4))  # eval_every 4, and at the end

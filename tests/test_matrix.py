@@ -154,9 +154,9 @@ def test_matrix_launch_trains_and_logs(tmp_path, tracking_uri, case, request):
     assert (summary["steps"], summary["samples"]) == (STEPS, STEPS * batch["global_batch"])
     assert summary["final_loss"] is not None and math.isfinite(summary["final_loss"])
 
-    from jobspec.tracking import telemetry
+    from jobspec.tracking import run as tracking
     info = json.loads((run_dir / "mlflow_run.json").read_text())
-    client = telemetry._client(info["tracking_uri"])
+    client = tracking.client_for(info["tracking_uri"])
     run = client.get_run(info["run_id"])
     assert run.info.status == "FINISHED"
     samples_per_s = client.get_metric_history(info["run_id"], "perf/samples_per_s")

@@ -2,8 +2,11 @@
 checkpoint disk, a crash between DeepSpeed's write and `latest`, a truncated checkpoint file."""
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,9 +23,9 @@ from jobspec.train import checkpointing
 
 from jobspec.launch import preflight, supervise as supervision
 
-from jobspec.tracking import telemetry
+from jobspec.tracking import run as tracking
 from jobspec.cli import main
-from jobspec.errors import SpecError
+from jobspec.errors import RunFailure, SpecError
 from jobspec.train.faults import INJECT_ENV, SKIPPED_METRIC
 
 
@@ -36,7 +39,7 @@ def store(tmp_path, monkeypatch):
 
 def run_of(run_dir: Path):
     info = json.loads((run_dir / "mlflow_run.json").read_text())
-    client = telemetry._client(info["tracking_uri"])
+    client = tracking.client_for(info["tracking_uri"])
     return client, client.get_run(info["run_id"])
 
 
@@ -62,13 +65,29 @@ def test_a_disk_too_small_for_one_checkpoint_is_refused_before_anything_starts(t
     monkeypatch.setattr(supervision, "run", lambda *a, **k: pytest.fail("a job started"))
     assert main(["launch", str(job)]) == 2
     err = capsys.readouterr().err
-    assert "GiB free but one checkpoint needs about" in err and "checkpoint.dir" in err
+    # positioned at the field it concerns (here the `checkpoint:` line: `dir` is defaulted), not the root
+    line = job.read_text().splitlines().index("checkpoint:") + 1
+    assert f"{job}:{line}:1: checkpoint.dir: " in err, err
+    assert re.search(r"has [\d.]+ (KiB|MiB|GiB|TiB) free but one checkpoint needs about [\d.]+ TiB", err), err
+    assert "--ignore-preflight" in err
     assert not list((tmp_path / "out-huge").glob("run-*"))
     # the estimate follows the model: the tiny one fits easily
     from jobspec.spec.validation import load_and_validate
     tiny = load_and_validate(write_job(tmp_path, "tiny", store))
     assert 0 < checkpoint_bytes(tiny.spec, derive(tiny.spec)) < 10 * 2**20
-    assert preflight.checkpoint_space_problem(tiny.spec, derive(tiny.spec)) is None
+    assert preflight.checkpoint_space_issue(tiny.spec, derive(tiny.spec)) is None
+    # a small disk is described in units that show the numbers (was "0.0 GiB free ... about 0.0 GiB")
+    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda d: shutil._ntuple_diskusage(10 * 2**20, 0, 3 * 2**10))
+    tiny.spec["checkpoint"]["save_final"] = True
+    issue = preflight.checkpoint_space_issue(tiny.spec, derive(tiny.spec))
+    assert issue.path == ("checkpoint", "dir")
+    assert re.search(r"has 3\.0 KiB free but one checkpoint needs about [1-9][\d.]* (KiB|MiB)", issue.message)
+
+
+@pytest.mark.parametrize("n, text", [(0, "0 bytes"), (1023, "1023 bytes"), (1536, "1.5 KiB"), (5 * 2**20, "5.0 MiB"),
+                                     (int(2.25 * 2**30), "2.2 GiB"), (3 * 2**40, "3.0 TiB")])
+def test_disk_sizes_take_the_unit_that_shows_them(n, text):
+    assert preflight.human_bytes(n) == text
 
 
 class FakeEngine:
@@ -99,15 +118,96 @@ def test_a_crash_after_deepspeed_wrote_the_tag_leaves_latest_on_the_previous_che
     assert save(ckpt, 2) == "step2" and checkpointing.read_latest(ckpt) == "step2"
 
     def crash(*args):
-        raise OSError("No space left on device")
+        raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(checkpointing, "write_manifest", crash)
-    with pytest.raises(OSError):
+    with pytest.raises(RunFailure, match="No space left on device"):
         save(ckpt, 4)
-    assert (ckpt / "step4" / "mp_rank_00_model_states.pt").exists()  # DeepSpeed's part was written
+    assert not (ckpt / "step4").exists()  # DeepSpeed's part was written; the torn directory is removed
     assert checkpointing.read_latest(ckpt) == "step2"
     assert checkpointing.resume_candidates("auto", ckpt) == [(str(ckpt), "step2")]
-    assert "did not complete" in checkpointing.verify(ckpt, "step4")
     assert not list(ckpt.glob(".latest.tmp*"))
+
+
+# --- disk full during a save: one line, the torn step removed, `latest` unchanged (issue 13) ----------
+
+class DeepSpeedLikeEngine:
+    """Saves as DeepSpeed's engine does: through its TorchCheckpointEngine, between two barriers."""
+
+    def __init__(self, nbytes: int, legacy: bool = False):
+        from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+        self.checkpoint_engine = TorchCheckpointEngine()
+        self.checkpoint_engine.zipfile_serialization = legacy is False  # DeepSpeed's default: zip
+        self.nbytes = nbytes
+
+    def save_checkpoint(self, ckpt_dir, tag, client_state, save_latest):
+        import torch
+        import torch.distributed as dist
+        self.checkpoint_engine.makedirs(ckpt_dir, exist_ok=True)
+        dist.barrier()
+        self.checkpoint_engine.makedirs(os.path.join(ckpt_dir, tag), exist_ok=True)
+        for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+            self.checkpoint_engine.save({"w": torch.ones(self.nbytes // 4), **client_state},
+                                        os.path.join(ckpt_dir, tag, name))
+        dist.barrier()
+
+
+def deepspeed_save(ckpt: Path, step: int, nbytes: int, legacy: bool = False) -> str:
+    return checkpointing.save(DeepSpeedLikeEngine(nbytes, legacy), ckpt, step=step, epoch=0, batches_in_epoch=step,
+                              job_name="j", keep_last=5)
+
+
+def assert_clean_failure(failure, ckpt: Path, tag: str, latest: str):
+    text = str(failure)
+    assert len(text.splitlines()) == 1 and failure.collective
+    assert f"checkpoint {tag} could not be saved to {ckpt}: No space left on device (writing {ckpt / tag}/" in text
+    assert f"the incomplete {tag} was removed and `latest` still names {latest}" in text
+    assert not (ckpt / tag).exists() and checkpointing.read_latest(ckpt) == latest
+    assert checkpointing.completed_steps(ckpt) == [int(latest[4:])]
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_leaves_the_previous_checkpoint(tmp_path, one_rank_group,
+                                                                                   monkeypatch):
+    ckpt = tmp_path / "ckpt"
+    assert deepspeed_save(ckpt, 2, 4096) == "step2"
+    real_save = checkpointing.torch.save
+
+    def half_then_enospc(obj, fh, **kwargs):  # what a write into a full disk does: part lands, then ENOSPC
+        if not str(getattr(fh, "name", "")).startswith(str(ckpt)):
+            return real_save(obj, fh, **kwargs)  # torch.distributed pickles objects with torch.save too
+        fh.write(b"x" * 100)
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(checkpointing.torch, "save", half_then_enospc)
+    with pytest.raises(RunFailure) as failure:
+        deepspeed_save(ckpt, 4, 4096)
+    assert_clean_failure(failure.value, ckpt, "step4", "step2")
+    monkeypatch.setattr(checkpointing.torch, "save", real_save)
+    assert deepspeed_save(ckpt, 6, 4096) == "step6"  # room again: the next save works
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 1 MiB tmpfs (needs root and a kernel that lets us mount): a disk that really fills up."""
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({result.stderr.strip() or result.returncode}): the "
+                    "faked-ENOSPC test above covers the same path")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+@pytest.mark.parametrize("legacy", [False, True])  # torch's zip writer, and its direct writes to the fd
+def test_a_really_full_tmpfs_during_a_save(small_tmpfs, one_rank_group, legacy):
+    ckpt = small_tmpfs / "ckpt"
+    assert deepspeed_save(ckpt, 2, 200 * 1024, legacy) == "step2"          # 2 x 200 KiB fit in 1 MiB
+    with pytest.raises(RunFailure) as failure:
+        deepspeed_save(ckpt, 4, 600 * 1024, legacy)                          # 2 x 600 KiB do not
+    assert_clean_failure(failure.value, ckpt, "step4", "step2")
+    assert checkpointing.verify(ckpt, "step2") is None               # the previous checkpoint is intact
 
 
 def test_a_truncated_file_makes_verification_fail(tmp_path, one_rank_group):

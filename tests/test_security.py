@@ -12,7 +12,7 @@ import pytest
 import yaml
 from mlflow_server import ENV, launch_argv, only_run_dir, shared, write_job
 
-from jobspec.tracking import telemetry
+from jobspec.tracking import run as tracking
 from jobspec.cli import main
 from jobspec.spec.schema import fill_defaults
 
@@ -80,7 +80,7 @@ TOKEN, HF, PASSWORD = "mlflow-tok-5f3a9c1e", "hf_planted_77d2e1b0", "pw-8c1d4e7f
 def everything_recorded(tmp_path: Path, run_dir: Path, stdout: str) -> dict[str, str]:
     """name -> text of everything the launch left: MLflow params/tags/artifacts/metrics, files, output."""
     info = json.loads((run_dir / "mlflow_run.json").read_text())
-    client = telemetry._client(info["tracking_uri"])
+    client = tracking.client_for(info["tracking_uri"])
     run = client.get_run(info["run_id"])
     texts = {"stdout+stderr": stdout, "params": json.dumps(run.data.params), "tags": json.dumps(run.data.tags),
              "metrics": json.dumps(run.data.metrics)}
@@ -126,3 +126,24 @@ def test_credentials_never_reach_mlflow_logs_or_run_files(planted_launch):
 @pytest.mark.slow
 def test_run_dir_copies_of_the_spec_hide_uri_passwords(planted_launch):
     assert all(PASSWORD not in planted_launch[name] for name in SPEC_COPIES)
+
+
+def test_a_secret_that_is_a_whole_value_leaves_resolved_yaml_loadable(tmp_path, monkeypatch):
+    # masking the dumped text would turn `note: <token>` into `note: ***`, a YAML alias the worker
+    # cannot load; the tree is masked before it is dumped
+    import yaml
+
+    from jobspec.compile.compiler import compile_spec
+    from jobspec.rundir import RESOLVED, write_compiled
+    from jobspec.spec.derived import derive
+    from jobspec.spec.validation import load_and_validate
+
+    secret = "hf_wholevalue_1234567"
+    monkeypatch.setenv("HF_TOKEN", secret)
+    job = Path(__file__).resolve().parent.parent / "jobs" / "quickstart.yaml"
+    resolved = load_and_validate(job, [f"description={secret}"])
+    compiled = compile_spec(resolved.spec, derive(resolved.spec), run_dir=str(tmp_path / "run"))
+    write_compiled(tmp_path / "run", resolved, compiled)
+    text = (tmp_path / "run" / RESOLVED).read_text()
+    assert secret not in text
+    assert yaml.safe_load(text)["description"] == "***"

@@ -1,7 +1,8 @@
 """Compile a job spec into the exact DeepSpeed config, model patches and command it will run.
 
-Without --out, prints the DeepSpeed config (JSON on stdout; notes on stderr). With --out DIR,
-writes the run-directory files a launch would use:
+Without --out, prints the DeepSpeed config (JSON on stdout) and, on stderr, the model patches
+(patches.json: gradient checkpointing, attention, tf32, freezing, a client optimizer) and the notes.
+With --out DIR, writes the run-directory files a launch would use:
 
   spec.yaml        the spec exactly as written
   resolved.yaml    every default filled, paths absolute
@@ -24,15 +25,15 @@ import shlex
 import sys
 from pathlib import Path
 
+from jobspec.commands import add_format_argument, add_set_argument
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("job", metavar="JOB", help="job spec file (YAML)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a field, e.g. --set training.max_steps=10 (repeatable)")
+    add_set_argument(parser)
     parser.add_argument("--out", metavar="DIR", type=Path,
                         help="write the run-directory files here instead of printing the DeepSpeed config")
-    parser.add_argument("--format", choices=("text", "json"), default="text",
-                        help="text: the config and notes; json: one object (also used for errors)")
+    add_format_argument(parser, {"text": "the config and notes", "json": "one object (errors too)"})
 
 
 def run(args: argparse.Namespace) -> int:
@@ -61,7 +62,20 @@ def run(args: argparse.Namespace) -> int:
                           "derived": compiled.derived.as_dict(), "notes": compiled.notes}, indent=2))
     else:
         print(json.dumps(compiled.ds_config, indent=2))
-        # Notes go to stderr so stdout stays a valid ds_config.json.
+        # Patches and notes go to stderr so stdout stays a valid ds_config.json.
+        for line in patch_lines(compiled.patches):
+            print(line, file=sys.stderr)
         for note in compiled.notes:
             print(f"note: {note}", file=sys.stderr)
     return 0
+
+
+def patch_lines(patches: list) -> list[str]:
+    """patches.json, readable: what the ranks change in the model before DeepSpeed sees it."""
+    from jobspec.launch.console import patch_text
+
+    lines = []
+    for patch in patches:
+        args = " ".join(f"{k}={json.dumps(v)}" for k, v in (patch.get("args") or {}).items())
+        lines.append(f"patch: {patch['name']}" + (f" {args}" if args else "") + f"  ({patch_text(patch)})")
+    return lines or ["patch: none (the model runs as transformers builds it)"]

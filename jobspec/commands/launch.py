@@ -1,9 +1,19 @@
 """Validate, compile and run a job: a new run directory, an MLflow run, and DeepSpeed's runner.
 
+The terminal shows a header before anything starts (job, model, settings, hardware, the memory plan
+against the device's memory, the MLflow run and how to open it; a warning when a job sized for GPUs
+runs on CPU ranks), the progress, and a closing summary (also in summary.json and as the MLflow run's
+description). DeepSpeed's, torch's and MLflow's own log lines go to launcher.log only; --verbose
+shows them. A job whose checkpoints already reach its last step is not launched again: the launch
+says so and how to train again; --dry-run says whether a launch would start fresh, resume at step K,
+or do nothing.
+
 Each launch creates <output_dir>/run-<UTC time>-<hex>/ with the compiled files, launcher.log and
 summary.json. The runner runs in its own process group: Ctrl-C / SIGTERM are forwarded (the worker
 checkpoints and stops; after a grace period the whole group is killed), SIGUSR1 asks the ranks to
-checkpoint and stop (Slurm preemption). Exit status: the runner's (128+N when stopped by signal N).
+checkpoint and stop (Slurm preemption). Exit status: 0 finished; 75 stopped with a checkpoint (the
+same command resumes it; MLflow KILLED, tag jobspec.status=preempted); 128+N stopped before a
+checkpoint, or a rank killed, by signal N; else the ranks' (1 runtime failure, 2 bad input).
 
 Checkpoints are owned by one job (checkpoint.dir/jobspec_job.json): another job's checkpoints, or
 existing ones with `checkpoint.resume: never`, make the launch refuse (exit 2); `resume: auto`
@@ -13,25 +23,34 @@ Memory (docs/memory-planner.md): `memory.fit: auto` replaces batch split, precis
 optimizer and ZeRO/offload settings by the fastest ones predicted to fit `memory.gpu_memory` (else
 the GPUs' free memory) and prints the choice; on a GPU host a plan larger than the free memory
 refuses to launch (exit 2). The plan is logged as `plan.*` MLflow params and in launch.json.
+
+`--from-run RUN_ID` launches the spec an MLflow run logged (its resolved.yaml) again, compiled to
+the same DeepSpeed config; the new run is tagged `jobspec.parent_run_id` (jobspec/launch/from_run.py).
+Model directories the job exported (spec section `export`) are recorded in the MLflow run at the end.
 """
 from __future__ import annotations
 
+from jobspec.commands import add_set_argument
 from jobspec.errors import spec_error
 from jobspec.launch.supervise import KILL_GRACE_S
 
-HELP = "Validate, compile and run a job through DeepSpeed, logging it to MLflow."
-
-
 def add_arguments(parser) -> None:
-    parser.add_argument("job", metavar="JOB", help="job spec (YAML)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a spec field, e.g. --set training.max_steps=10 (repeatable)")
+    parser.add_argument("job", metavar="JOB", nargs="?", help="job spec (YAML); omitted with --from-run")
+    parser.add_argument("--from-run", metavar="RUN_ID", default=None,
+                        help="launch again the spec an MLflow run logged (its resolved.yaml); the new run is "
+                             "tagged jobspec.parent_run_id")
+    parser.add_argument("--tracking-uri", metavar="URI", default=None,
+                        help="tracking store holding --from-run's run (default: MLFLOW_TRACKING_URI, else "
+                             "sqlite:///mlflow.db); the new run logs there too")
+    add_set_argument(parser)
     parser.add_argument("--dry-run", action="store_true",
                         help="print the DeepSpeed config, notes and exact command; start nothing")
     parser.add_argument("--stop-after-steps", type=int, default=None, metavar="K",
-                        help="stop gracefully (checkpoint, status preempted) after K optimizer steps")
+                        help="stop gracefully after K optimizer steps (checkpoint, status preempted, exit 75)")
     parser.add_argument("--ignore-preflight", action="store_true",
                         help="warn instead of refusing when host checks fail (GPU count, free GPU memory, port in use)")
+    parser.add_argument("--verbose", "-v", action="store_true",
+                        help="show DeepSpeed's, torch's and MLflow's own log lines too (launcher.log always has them)")
     parser.add_argument("--kill-grace", type=float, default=KILL_GRACE_S, metavar="SECONDS",
                         help="after Ctrl-C/SIGTERM, wait this long for a checkpoint before killing the job "
                              f"(default {KILL_GRACE_S:.0f})")
@@ -41,9 +60,11 @@ def run(args) -> int:
     import logging
 
     from jobspec.launch import pipeline
+    from jobspec.launch.from_run import job_argument
 
     logging.basicConfig(level=logging.INFO, format="jobspec: %(message)s")
     if args.stop_after_steps is not None and args.stop_after_steps < 1:
         raise spec_error("--stop-after-steps must be >= 1", hint="e.g. --stop-after-steps 5")
-    return pipeline.launch(args.job, args.overrides, dry_run=args.dry_run, stop_after_steps=args.stop_after_steps,
-                           ignore_preflight=args.ignore_preflight, kill_grace_s=args.kill_grace)
+    return pipeline.launch(job_argument(args), args.overrides, dry_run=args.dry_run,
+                           stop_after_steps=args.stop_after_steps, ignore_preflight=args.ignore_preflight,
+                           kill_grace_s=args.kill_grace, verbose=args.verbose)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from jobspec.commands import add_format_argument, add_set_argument
 from jobspec.errors import spec_error
 
 EXIT_NOTHING_FITS = 1
@@ -25,16 +26,14 @@ EXIT_NOTHING_FITS = 1
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("job", metavar="JOB", help="job spec file (YAML)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a field, e.g. --set training.micro_batch_size=4 (repeatable)")
+    add_set_argument(parser)
     parser.add_argument("--gpu-mem", metavar="SIZE",
                         help="memory budget per GPU, e.g. 24GiB or 11GB (default: memory.gpu_memory)")
     parser.add_argument("--fit", action="store_true",
                         help="search for the fastest settings that fit the budget (global batch unchanged)")
     parser.add_argument("--no-bf16", action="store_true",
                         help="with --fit: the GPU lacks bf16 (pre-Ampere), so try fp16 instead")
-    parser.add_argument("--format", choices=("text", "json"), default="text",
-                        help="text: aligned table; json: one object (also used for errors)")
+    add_format_argument(parser, {"text": "aligned table", "json": "one object (errors too)"})
 
 
 def run(args: argparse.Namespace) -> int:

@@ -22,13 +22,11 @@ import argparse
 import sys
 from pathlib import Path
 
-HELP = "Render a Slurm batch script for a job (launch.sh + #SBATCH lines); --submit to sbatch it."
-
+from jobspec.commands import add_set_argument
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("job", metavar="JOB", help="job spec file (YAML)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a field, e.g. --set resources.nodes=2 (repeatable; passed on to the job)")
+    add_set_argument(parser, "passed on to the job")
     parser.add_argument("--out", metavar="FILE", type=Path, help="write the script to FILE instead of stdout")
     parser.add_argument("--submit", action="store_true", help="submit with `sbatch --parsable`; print the job id")
     parser.add_argument("--cpu-ranks", action="store_true",

@@ -11,12 +11,10 @@ from __future__ import annotations
 import argparse
 import json
 
-HELP = "Print the job spec's JSON Schema (for editors) or its Markdown reference."
-
+from jobspec.commands import add_format_argument
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--format", choices=("json", "markdown"), default="json",
-                        help="json (default): the JSON Schema; markdown: the field reference")
+    add_format_argument(parser, {"json": "the JSON Schema", "markdown": "the field reference"})
 
 
 def run(args: argparse.Namespace) -> int:

@@ -4,7 +4,8 @@ Every metric point a job logs is first appended to RUN_DIR/metrics.jsonl; the ML
 points when the tracking server was down for longer than the job waited for it. `sync` compares
 the file with the run's metric history (key, step and timestamp) and sends only what is missing,
 so running it twice adds nothing. A run left RUNNING because the server was down when the job
-ended is closed with the status of RUN_DIR/summary.json. When MLflow was unreachable at launch
+ended is closed with the status of RUN_DIR/summary.json; one whose launcher died without closing it
+(SIGKILL, a lost login node) is closed with summary.json's status, else FAILED. When MLflow was unreachable at launch
 (`logging.mlflow.required: false`), `sync` creates the run from the run directory first.
 
 Credentials come from the environment (MLFLOW_TRACKING_TOKEN, MLFLOW_TRACKING_USERNAME/PASSWORD),
@@ -19,16 +20,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from jobspec import rundir
-from jobspec.errors import spec_error
-from jobspec.tracking import telemetry
-
-HELP = "Upload metrics.jsonl points that MLflow lacks into the run's MLflow run (idempotent)."
-
-# summary.json status -> MLflow run status, for runs the launcher could not close
-FINAL_STATUS = {"finished": "FINISHED", "preempted": "FINISHED", "failed": "FAILED"}
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", metavar="RUN_DIR", type=Path, help="run directory written by `jobspec launch`")
     parser.add_argument("--tracking-uri", default=None, metavar="URI",
@@ -36,57 +27,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    run_dir = args.run_dir.resolve()
-    metrics_path = run_dir / rundir.METRICS
-    if not metrics_path.is_file():
-        raise spec_error(f"{metrics_path} not found", file=str(run_dir),
-                         hint="pass a run directory of `jobspec launch` whose job logged metrics")
-    try:
-        tracked = open_or_create_run(run_dir, args.tracking_uri)
-        sent = telemetry.upload_missing(tracked.client, tracked.run_id, run_dir)
-        closed = close_if_ended(tracked, run_dir)
-    except telemetry.TrackingUnavailable as err:
-        raise spec_error(f"MLflow tracking is unavailable: {err}", file=str(run_dir),
-                         hint="start the server (or pass --tracking-uri) and run `jobspec sync` again") from None
-    except Exception as err:  # MlflowException, connection errors: the store cannot be used right now
-        raise spec_error(f"MLflow tracking is unavailable: {telemetry.mask_secrets(str(err)).splitlines()[0][:300]}",
-                         file=str(run_dir), hint="run `jobspec sync` again when the server is back") from None
-    total = len(rundir.read_metric_points(run_dir))
-    print(f"jobspec: {sent} of {total} metric points uploaded to run {tracked.run_id} "
-          f"({total - sent} were already there){'; run closed as ' + closed if closed else ''}")
+    from jobspec.launch.orphans import close_if_orphaned
+    from jobspec.tracking.sync import sync_run
+
+    orphaned = close_if_orphaned(args.run_dir.resolve(), "sync", args.tracking_uri)  # its launcher is gone
+    result = sync_run(args.run_dir, args.tracking_uri)
+    closed = orphaned.status if orphaned else result.closed
+    print(f"jobspec: {result.sent} of {result.total} metric points uploaded to run {result.run_id} "
+          f"({result.total - result.sent} were already there){'; run closed as ' + closed if closed else ''}")
     return 0
-
-
-def open_or_create_run(run_dir: Path, tracking_uri: str | None) -> telemetry.TrackedRun:
-    """The run named in mlflow_run.json, or a new one made from the run directory's files."""
-    info = rundir.read_mlflow_run(run_dir)
-    if info is not None:
-        uri = tracking_uri or info["tracking_uri"]
-        telemetry.probe(uri)
-        client = telemetry._client(uri)
-        client.get_run(info["run_id"])  # fails clearly if this store does not hold the run
-        return telemetry.TrackedRun(uri, info["experiment_id"], info["run_id"], client)
-    needed = (rundir.RESOLVED, rundir.LAUNCH, rundir.SPEC)
-    missing = [name for name in needed if not (run_dir / name).is_file()]
-    if missing:
-        raise spec_error(f"{run_dir} has no {rundir.MLFLOW_RUN} and lacks {', '.join(missing)} to create one",
-                         file=str(run_dir), hint="pass a run directory written by `jobspec launch`")
-    spec = rundir.read_resolved(run_dir)
-    launch = rundir.read_launch(run_dir)
-    if tracking_uri:
-        spec["logging"]["mlflow"]["tracking_uri"] = tracking_uri
-    telemetry.probe(spec["logging"]["mlflow"]["tracking_uri"])
-    return telemetry.start_run(spec, launch, launch.get("derived", {}), rundir.read_spec_text(run_dir), run_dir)
-
-
-def close_if_ended(tracked: telemetry.TrackedRun, run_dir: Path) -> str | None:
-    """End a RUNNING run whose job has ended (summary.json says how); the status set, or None."""
-    summary = rundir.read_summary(run_dir)
-    if summary is None:
-        return None
-    status = FINAL_STATUS.get(summary.get("status"))
-    if status is None or tracked.client.get_run(tracked.run_id).info.status != "RUNNING":
-        return None
-    exit_code = summary.get("exit_code", 0 if status == "FINISHED" else 1)
-    telemetry.end_run(tracked, run_dir, status=status, exit_code=exit_code, failure_reason=summary.get("error"))
-    return status

@@ -16,21 +16,19 @@ import argparse
 import json
 import sys
 
+from jobspec.commands import add_format_argument, add_set_argument
 from jobspec.errors import EXIT_INVALID, SpecError
-
-HELP = "Check a job spec; report every problem with file:line:col."
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("jobs", nargs="+", metavar="JOB", help="job spec YAML file(s)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
-                        help="override a field, e.g. --set training.max_steps=100 (repeatable)")
-    parser.add_argument("--format", choices=("text", "json"), default="text",
-                        help="text (default) or machine-readable JSON on stdout")
+    add_set_argument(parser)
+    add_format_argument(parser, {"text": "one line per spec, problems on stderr",
+                                 "json": "machine-readable, on stdout (errors too)"})
 
 
 def run(args: argparse.Namespace) -> int:
     from jobspec.spec.derived import derive
+    from jobspec.spec.freeform import unchecked_model_config
     from jobspec.spec.validation import load_and_validate
 
     reports, failed = [], False
@@ -46,11 +44,14 @@ def run(args: argparse.Namespace) -> int:
             continue
         spec = resolved.spec
         world = derive(spec).world_size
+        notes = [note for note in (unchecked_model_config(resolved),) if note]
         if args.format == "json":
             reports.append({"valid": True, "file": job, "name": spec["name"], "world_size": world,
-                            "spec": spec})
+                            "notes": notes, "spec": spec})
         else:
             print(f"{job}: ok (name {spec['name']}, world size {world})")
+            for note in notes:
+                print(f"note: {note}")
     if args.format == "json":
         print(json.dumps(reports[0] if len(reports) == 1 else reports, indent=2))
     return EXIT_INVALID if failed else 0

@@ -9,7 +9,6 @@ and persistence to 1e5; schedulers warm up logarithmically unless told `warmup_t
 from __future__ import annotations
 
 import copy
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 from jobspec.errors import spec_error
 from jobspec.spec.derived import DerivedJob
 from jobspec.spec.model_dims import ModelDims
+from jobspec.spec.optimizers import DEEPSPEED_OPTIMIZERS
 
 DEFAULT_MASTER_PORT = 29500  # placeholder: the launcher passes a free port when the spec names none
 STEPS_PER_PRINT = 1_000_000_000  # jobspec logs progress itself; keep DeepSpeed's own prints quiet
@@ -27,8 +27,6 @@ DS_ALLGATHER_BUCKET_SIZE = 500_000_000
 DS_STAGE3_PREFETCH_BUCKET_SIZE = 50_000_000
 DS_STAGE3_PARAM_PERSISTENCE_THRESHOLD = 100_000
 
-# Optimizers DeepSpeed builds from the config block; the others become a `client_optimizer` patch.
-CONFIG_OPTIMIZERS = {"adamw", "sgd"}
 SCHEDULERS = {"constant": "WarmupLR", "linear": "WarmupDecayLR", "cosine": "WarmupCosineLR"}
 # Batch fields are derived from `training`; overriding them would desynchronise `derived`.
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -65,22 +63,25 @@ def compile_spec(spec: dict, job: DerivedJob, *, run_dir: str = "RUN_DIR",
         "wall_clock_breakdown": False,
     }
     optimizer = training["optimizer"]
-    if optimizer["name"] in CONFIG_OPTIMIZERS:
-        ds_config["optimizer"] = optimizer_block(optimizer)
+    if optimizer["name"] in DEEPSPEED_OPTIMIZERS:
+        ds_config["optimizer"] = optimizer_block(optimizer, memory["offload"]["optimizer"])
     ds_config["scheduler"] = scheduler_block(training["scheduler"], optimizer["lr"], job, notes)
     ds_config.update(precision_blocks(memory))
-    ds_config["zero_optimization"] = zero_block(memory, job.dims)
+    ds_config["zero_optimization"] = zero_block(memory, job.dims, gather_16bit=exports_during_training(spec))
     if "nvme" in (memory["offload"]["optimizer"], memory["offload"]["params"]):
         ds_config["aio"] = aio_block(memory["offload"]["aio"])
     if memory["zero_stage"] >= 1 and optimizer["name"] != "adamw":
         # DeepSpeed refuses optimizers outside its tested list under ZeRO unless told otherwise.
         ds_config["zero_allow_untested_optimizer"] = True
-    if memory["offload"]["optimizer"] != "none" and optimizer["name"] != "adamw":
+    if memory["offload"]["optimizer"] != "none" and (optimizer["name"] != "adamw"
+                                                     or optimizer.get("implementation") == "torch"):
         ds_config["zero_force_ds_cpu_optimizer"] = False
-        notes.append(f"optimizer {optimizer['name']} runs its step on the CPU with offload (no DeepSpeedCPUAdam): slow")
+        which = "torch.optim.AdamW" if optimizer["name"] == "adamw" else f"optimizer {optimizer['name']}"
+        notes.append(f"{which} runs its step on the CPU with offload (no DeepSpeedCPUAdam): slow")
 
     ds_config = apply_overrides(ds_config, spec.get("deepspeed") or {}, notes)
     assert_no_auto(ds_config)
+    assert_deepspeed_accepts(ds_config)
     return Compiled(
         ds_config=ds_config,
         patches=compile_patches(spec),
@@ -90,17 +91,36 @@ def compile_spec(spec: dict, job: DerivedJob, *, run_dir: str = "RUN_DIR",
     )
 
 
-def optimizer_block(optimizer: dict) -> dict:
+def optimizer_block(optimizer: dict, offload_optimizer: str = "none") -> dict:
     if optimizer["name"] == "sgd":
         # Not a DeepSpeed optimizer: DeepSpeed builds torch.optim.SGD from this name.
         return {"type": "SGD", "params": {"lr": optimizer["lr"], "momentum": optimizer["momentum"],
                                           "weight_decay": optimizer["weight_decay"]}}
-    return {"type": "AdamW", "params": {
-        "lr": optimizer["lr"], "betas": list(optimizer["betas"]), "eps": optimizer["eps"],
-        "weight_decay": optimizer["weight_decay"],
-        "torch_adam": False,   # DeepSpeed's FusedAdam / DeepSpeedCPUAdam, not torch.optim
-        "adam_w_mode": True,   # decoupled weight decay
-    }}
+    implementation = optimizer.get("implementation", "auto")
+    offloaded = offload_optimizer != "none"
+    # DeepSpeed has no switch between its two Adams: optimizer offload means CPU Adam, else FusedAdam
+    # (deepspeed/runtime/engine.py get_optimizer_configuration). A spec that asks for the other one
+    # can only come from here after `memory.fit` changed the offload; validation rejects written ones.
+    if implementation == "fused" and offloaded:
+        raise spec_error("training.optimizer.implementation `fused` cannot run with optimizer offload",
+                         path=("training", "optimizer", "implementation"),
+                         hint="use `auto` (DeepSpeed's CPU Adam with offload), or memory.offload.optimizer: none")
+    if implementation == "cpu" and not offloaded:
+        raise spec_error("training.optimizer.implementation `cpu` needs optimizer offload",
+                         path=("training", "optimizer", "implementation"),
+                         hint="set memory.offload.optimizer: cpu (DeepSpeed's CPU Adam runs only with offload), "
+                              "or use `auto`")
+    params = {"lr": optimizer["lr"], "betas": list(optimizer["betas"]), "eps": optimizer["eps"],
+              "weight_decay": optimizer["weight_decay"]}
+    if implementation == "torch":
+        # torch.optim.AdamW takes no bias_correction (it always corrects): DeepSpeed passes the
+        # remaining params to it as keywords.
+        params["torch_adam"] = True
+    else:
+        params["torch_adam"] = False   # DeepSpeed's FusedAdam / DeepSpeedCPUAdam, not torch.optim
+        params["bias_correction"] = optimizer.get("bias_correction", True)
+    params["adam_w_mode"] = True   # decoupled weight decay
+    return {"type": "AdamW", "params": params}
 
 
 def client_optimizer_args(optimizer: dict) -> dict:
@@ -116,6 +136,15 @@ def client_optimizer_args(optimizer: dict) -> dict:
 
 
 def scheduler_block(scheduler: dict, lr: float, job: DerivedJob, notes: list[str]) -> dict:
+    """DeepSpeed's scheduler for the spec's schedule, started at iteration 0 (`last_batch_iteration`):
+    from its default -1 the constructor warns and the first two steps share the starting lr. The
+    worker sets the optimizer to the step-0 lr (jobspec/train/engine.start_schedule)."""
+    block = _scheduler_block(scheduler, lr, job, notes)
+    block["params"]["last_batch_iteration"] = 0
+    return block
+
+
+def _scheduler_block(scheduler: dict, lr: float, job: DerivedJob, notes: list[str]) -> dict:
     name = scheduler["name"]
     warmup = job.warmup_steps
     total = job.total_steps
@@ -149,11 +178,12 @@ def precision_blocks(memory: dict) -> dict:
     fp16: dict[str, Any] = {"enabled": precision == "fp16"}
     if precision == "fp16":
         fp16.update({k: memory["fp16"][k] for k in
-                     ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale")})
+                     ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
+                      "auto_cast") if k in memory["fp16"]})
     return {"fp16": fp16, "bf16": {"enabled": precision == "bf16"}}
 
 
-def zero_block(memory: dict, dims: ModelDims | None) -> dict:
+def zero_block(memory: dict, dims: ModelDims | None, gather_16bit: bool = False) -> dict:
     stage = memory["zero_stage"]
     offload = memory["offload"]
     if offload["optimizer"] != "none" and stage < 1:
@@ -192,6 +222,9 @@ def zero_block(memory: dict, dims: ModelDims | None) -> dict:
         block["stage3_max_live_parameters"] = zero["stage3_max_live_parameters"]
         block["stage3_max_reuse_distance"] = zero["stage3_max_reuse_distance"]
         block["sub_group_size"] = zero["sub_group_size"]
+        # what DeepSpeed's save_16bit_model (and the HF Trainer) require to consolidate the
+        # partitioned weights for a model save; jobspec's export gathers them the same way
+        block["stage3_gather_16bit_weights_on_model_save"] = gather_16bit
     if offload["optimizer"] != "none":
         block["offload_optimizer"] = _offload_block(offload, offload["optimizer"], "optimizer", params=False)
     if offload["params"] != "none":
@@ -219,6 +252,12 @@ def aio_block(aio: dict) -> dict:
             "overlap_events": aio["overlap_events"]}
 
 
+def exports_during_training(spec: dict) -> bool:
+    """Whether rank 0 writes a Hugging Face model directory while the job runs (`export` section)."""
+    export = spec.get("export") or {}
+    return bool(export.get("final", True) or export.get("at_checkpoints") or export.get("best_eval"))
+
+
 def compile_patches(spec: dict) -> list[dict]:
     """Model changes the worker applies in order (DeepSpeed's config cannot express them for HF models)."""
     model, memory, optimizer = spec["model"], spec["memory"], spec["training"]["optimizer"]
@@ -235,11 +274,24 @@ def compile_patches(spec: dict) -> list[dict]:
         patches.append({"name": "gradient_checkpointing", "args": {
             "every_n_layers": settings.get("every_n_layers", 1),
             "use_reentrant": settings.get("use_reentrant", False)}})
-    if optimizer["name"] not in CONFIG_OPTIMIZERS:
+    if optimizer["name"] not in DEEPSPEED_OPTIMIZERS:  # a `client_optimizer` patch
         patches.append({"name": "client_optimizer", "args": client_optimizer_args(optimizer)})
     if model["compile"]:
         patches.append({"name": "torch_compile", "args": {}})
     return patches
+
+
+def assert_deepspeed_accepts(ds_config: dict) -> None:
+    """The whole compiled config against DeepSpeed's own schema (schemas/deepspeed-config.schema.json):
+    a value the spec's schema lets through but DeepSpeed's config classes refuse fails here, at
+    compile time, not inside the ranks after launch."""
+    from jobspec.spec.freeform import deepspeed_problems
+    problems = deepspeed_problems(ds_config, owned=False)
+    if problems:
+        path, message, hint = problems[0][:3]
+        dotted = ".".join(str(p) for p in path)
+        raise spec_error(f"the compiled DeepSpeed config is refused at `{dotted}`: {message}", path=("deepspeed",),
+                         hint=hint or "change the spec field that sets it")
 
 
 def launch_command(resources: dict, job: DerivedJob, run_dir: str, master_port: int | None) -> dict:

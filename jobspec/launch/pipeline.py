@@ -1,21 +1,29 @@
 """`jobspec launch`, start to end: spec -> memory decisions -> compile -> pre-flight -> run directory
--> MLflow run -> supervised DeepSpeed runner -> final status.
+-> header -> supervised DeepSpeed runner, with the MLflow run created meanwhile -> closing summary.
 
     resolve        spec/validation.load_and_validate (exit 2 on any problem)
+    model.config   launch/model_config: an architecture outside the shipped table, against transformers
+    data           spec/datacheck.preflight_issues: the data files' first rows (exit 2, at data.train/eval)
     prepare        memory/at_launch.prepare: `memory.fit: auto` rewrites the spec; the plan
-    claim          launch/ownership.claim_checkpoints: refuse another job's checkpoints; resume id
     derive         spec/inputs.derive_job: every derived number, once (config.json, row count read here)
+    claim          launch/ownership.claim_checkpoints: refuse another job's checkpoints; resume id
+    intent         launch/intent.decide: fresh, resume at step K, or complete (then nothing starts)
+    orphans        launch/orphans: close runs of output_dir whose launcher died without closing them
     run dir        rundir.create_run_dir, then compile/compiler.compile_spec into it
     pre-flight     launch/preflight + memory/at_launch.preflight_problems (--ignore-preflight: warn)
     argv           launch/runner.resolve_runner, launch/slurm.launch_argv (srun per node in Slurm)
-    write          rundir.write_compiled (spec.yaml ... launch.json, `plan`/`fit` included)
-    track          launch/tracking_start: the reachability probe now; the MLflow run (+ plan.*/fit.*
-                   params) and launch/ownership.write_owner (with its run id, for a resume) in a
-                   thread while the runner starts; the ranks wait for tracking.json
-    supervise      launch/supervise.run: ranks run, output to launcher.log
-    end            shm buffers removed, fallback summary.json, tracking end_run with the status
+    write          rundir.write_compiled (spec.yaml ... launch.json, `plan`/`fit` included); launcher.json
+    header         report/console.header_lines: job, model, settings, hardware, memory plan vs device
+    supervise      launch/supervise.run: ranks run, output to launcher.log, the terminal gets what
+                   launch/quiet.TerminalFilter keeps (all of it with --verbose)
+    track          launch/tracking.BackgroundTracking, while the runner starts: the MLflow run
+                   (+ plan.*/fit.* params) or None; the checkpoint owner record (with the run id)
+    end            shm buffers removed, status.ending (exit code: 0, 75 stopped with a checkpoint, 128+N;
+                   MLflow status and tags), exported models recorded, the closing summary (printed, in
+                   summary.json and as the MLflow run's description), tracking end_run
 
-Anything failing before the runner starts removes the new run directory: no half-made run is left.
+Anything failing before the runner starts removes the new run directory: no half-made run is left;
+a required MLflow run that cannot be created stops the runner and removes it too.
 """
 from __future__ import annotations
 
@@ -24,25 +32,44 @@ import logging
 import os
 import shlex
 import shutil
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
-from jobspec import hardware, rundir, shm
-from jobspec.errors import spec_error
-from jobspec.launch import ownership, preflight, runner, slurm, supervise, tracking_start
+from jobspec import hardware, lifeline, ops, rundir, shm, trace
+from jobspec import status as run_status
+from jobspec.errors import SpecError, SpecIssue
+from jobspec.launch import host, intent, orphans, ownership, preflight, quiet, runner, slurm, supervise
+from jobspec.launch import tracking as launch_tracking
 from jobspec.memory import at_launch as launch_memory
-from jobspec.tracking import telemetry
+from jobspec.launch import console
+from jobspec.spec import datacheck
+from jobspec.tracking import run as tracking_run
 
 log = logging.getLogger("jobspec.launch")
 
 
 def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_steps: int | None = None,
-           ignore_preflight: bool = False, kill_grace_s: float = supervise.KILL_GRACE_S) -> int:
-    """Run the job; the runner's exit status (128+N when stopped by signal N)."""
+           ignore_preflight: bool = False, kill_grace_s: float = supervise.KILL_GRACE_S,
+           verbose: bool = False) -> int:
+    """Run the job; its exit status (jobspec/status.py: 0 finished, 75 stopped with a checkpoint,
+    128+N stopped or killed by signal N, else the ranks')."""
+    from jobspec.launch.model_config import launch_model_config_issues
     from jobspec.spec.inputs import derive_job
     from jobspec.spec.validation import load_and_validate
 
+    phases = [("start", _process_start(), 0.0)]
     resolved = load_and_validate(job, overrides)
+    # `model.config` of an architecture outside the shipped table: checked against transformers now,
+    # before anything starts, with the same positioned errors validate gives for the others
+    model_config_problems = launch_model_config_issues(resolved)
+    if model_config_problems:
+        raise SpecError(model_config_problems)
+    data_issues = datacheck.preflight_issues(resolved.spec)  # before any rank (or row count) reads them
+    if data_issues:
+        raise resolved.locate(SpecError(data_issues))
     # memory.fit: auto rewrites the spec (and its derived job) here, so everything below sees what runs
     gpu_free = hardware.gpu_free_bytes(resolved.spec["resources"]["gpus_per_node"])
     resolved, derived, memory = launch_memory.prepare(resolved, derive_job(resolved.spec), gpu_free,
@@ -51,57 +78,131 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
         print(f"jobspec: {line}", flush=True)
     spec = resolved.spec
     port = spec["resources"]["master_port"] or runner.free_port()
+    found = host.probe(spec["resources"]["gpus_per_node"], gpu_free)
+    style = progress_mode(spec["logging"]["progress"]) == "bar"
+    what = intent.decide(spec, derived.total_steps)
+    phases.append(("planned", time.time(), trace.cpu_seconds()))
 
     if dry_run:  # nothing is created: the run dir in the command is the name it would get
         run_dir = rundir.new_run_dir_path(spec["output_dir"])
         compiled = compile_job(resolved, derived, run_dir, port)
         argv = runner.resolve_runner(compiled.launch["argv"])
+        _print_lines(header(spec, derived, memory, found, compiled.patches, style))
+        print(f"jobspec: a launch would {what.describe()}")
         print(json.dumps(compiled.ds_config, indent=2))
         for note in compiled.notes:
             print(f"note: {note}")
         print(shlex.join(argv))
         return 0
+    resume_run_id = ownership.claim_checkpoints(spec)  # another job's checkpoints: refused here (exit 2)
+    if what.action == "complete":  # training again would only overwrite the finished run's results
+        _print_lines(intent.complete_lines(spec, what))
+        return 0
 
-    resume_run_id = ownership.claim_checkpoints(spec)
+    orphans.close_orphans_under(spec["output_dir"])  # runs a SIGKILLed launcher left RUNNING here
     run_dir = rundir.create_run_dir(spec["output_dir"])
     try:
         compiled = compile_job(resolved, derived, run_dir, port)
-        problems = preflight.preflight_problems(spec, derived) + \
-            launch_memory.preflight_problems(memory, gpu_free)
+        problems = preflight.preflight_issues(spec, derived) + \
+            [SpecIssue(("memory",), text) for text in launch_memory.preflight_problems(memory, gpu_free)]
         compiled.launch.update(launch_memory.plan_record(memory))  # launch.json: `plan` (MiB), `fit`
         if problems and not ignore_preflight:
-            raise spec_error("; ".join(problems), hint="fix the spec, or pass --ignore-preflight")
+            raise preflight.refusal(resolved, problems)
         for problem in problems:
-            log.warning("preflight (ignored): %s", problem)
+            log.warning("preflight (ignored): %s (%s)", problem.message, problem.dotted_path)
         compiled.launch["argv"] = runner.resolve_runner(compiled.launch["argv"])  # command.txt stays true
         # inside a multi-node Slurm allocation: one runner per node through srun (docs/slurm.md)
         compiled.launch["argv"] = slurm.launch_argv(compiled.launch, run_dir)
+        if spec["logging"]["mlflow"]["enabled"]:  # rank 0 waits for the run created meanwhile
+            compiled.launch["mlflow_run"] = launch_tracking.PENDING
         rundir.write_compiled(run_dir, resolved, compiled)
-        track = tracking_start.probe(spec, run_dir)  # quick: an unreachable required server fails here
+        rundir.write_launcher(run_dir, lifeline.identity())  # who to ask whether this run still runs
     except BaseException:
         shutil.rmtree(run_dir, ignore_errors=True)  # nothing ran: leave no half-made run behind
         raise
-    env = child_env(spec, stop_after_steps)
-    tracking = None
-    if track:  # the MLflow run is made while the runner and ranks start (jobspec/launch/tracking_start.py)
-        env[tracking_start.PENDING_ENV] = "1"
-        tracking = tracking_start.TrackingStart(  # + the plan's params: prediction error per run in MLflow
-            resolved, compiled, run_dir, resume_run_id, launch_memory.mlflow_params(memory, spec["memory"]["fit"]),
-            on_done=lambda run: ownership.write_owner(spec, resolved.source, run.run_id if run else None))
-    else:
-        ownership.write_owner(spec, resolved.source, None)
 
-    print(f"jobspec: run directory {run_dir}", flush=True)
-    outcome = supervise.run(compiled.launch["argv"], env, run_dir, kill_grace_s=kill_grace_s)
+    _print_lines(header(spec, derived, memory, found, compiled.patches, style) +
+                 [console.label("run dir", style) + str(run_dir)])
+    experiment = spec["logging"]["mlflow"]["experiment"]
+    terminal = quiet.HeldOutput(sys.stdout.buffer)  # the ranks' output waits for the header's MLflow lines
+    tracking = launch_tracking.BackgroundTracking(
+        resolved, compiled, run_dir, resume_run_id, launch_memory.mlflow_params(memory, spec["memory"]["fit"]),
+        verbose=verbose, announce=lambda info: _print_lines(console.tracking_lines(info, experiment, style=style)),
+        done=terminal.release)
+    phases.append(("runner", time.time(), trace.cpu_seconds()))
+    tracking.start()
+    # read once here, while the runner starts, instead of twice per op load on every rank
+    threading.Thread(target=ops.write_cpu_info, args=(run_dir / rundir.CPU_INFO,), daemon=True).start()
+    outcome = supervise.run(compiled.launch["argv"], child_env(spec, stop_after_steps), run_dir,
+                            kill_grace_s=kill_grace_s, echo=terminal,
+                            echo_filter=None if verbose else quiet.TerminalFilter(), started=tracking.runner_started)
     shm.remove_shared_memory_buffers(compiled.launch.get("master_port"))  # every rank is gone now
-    status = "FINISHED" if outcome.exit_code == 0 else ("KILLED" if outcome.user_signal else "FAILED")
-    rundir.write_fallback_summary(run_dir, status, outcome.exit_code)
-    tracked = tracking.result() if tracking else None  # RunFailure: required, not made (the ranks stopped)
+    try:
+        tracked = tracking.wait()
+    except BaseException:
+        shutil.rmtree(run_dir, ignore_errors=True)  # the job was stopped before it trained
+        raise
+    end = run_status.ending(outcome.exit_code, outcome.user_signal, outcome.reason, rundir.read_summary(run_dir),
+                            stop_after_steps)
+    rundir.write_fallback_summary(run_dir, end.status, end.exit_code)
+    closing = closing_block(spec, run_dir, compiled.launch, outcome, end, tracked, style)
     if tracked is not None:
-        telemetry.end_run(tracked, run_dir, status=status, exit_code=outcome.exit_code,
-                          failure_reason=outcome.reason)
-    print(f"jobspec: {status.lower()} (exit {outcome.exit_code}); run directory {run_dir}", flush=True)
-    return outcome.exit_code
+        from jobspec.tracking.model_artifacts import log_exported_models
+        log_exported_models(tracked, run_dir, spec)
+        launch_tracking.describe_run(tracked, spec.get("description"), console.plain(closing))
+        tracking_run.end_run(tracked, run_dir, status=end.status, exit_code=end.exit_code, tags=end.tags())
+    rundir.mark_launcher_ended(run_dir, end.status, end.exit_code)
+    _write_phases(run_dir, phases)
+    _print_lines(closing)
+    if end.label != "finished":   # a stop says it is not done and how to go on; a failure, why
+        print(run_status.closing_line(end, run_dir, run_status.resume_command(job, overrides,
+                                                                              spec["checkpoint"]["resume"])),
+              flush=True)
+    return end.exit_code
+
+
+def header(spec, derived, memory, found, patches, style: bool) -> list[str]:
+    """The launch header, and the warning for a GPU-sized job on CPU ranks (before any op is built)."""
+    from jobspec.memory.fit import cpu_step_time
+
+    lines = console.header_lines(spec, derived, memory, found, patches, style=style)
+    warning = console.gpu_sized_warning(spec, derived, memory, found,
+                                        None if found.has_gpu else cpu_step_time(derived, found.cpus))
+    return lines + warning
+
+
+def closing_block(spec, run_dir: Path, launch: dict, outcome, end, tracked, style: bool) -> list[str]:
+    """The closing summary; also stored in summary.json as `report` (plain text)."""
+    summary = rundir.read_summary(run_dir) or {}
+    signal_name = signal.Signals(outcome.user_signal).name if outcome.user_signal else None
+    lines = console.closing_lines(summary, launch, job_name=spec["name"], run_dir=run_dir,
+                                  checkpoint_dir=spec["checkpoint"]["dir"], exit_code=end.exit_code,
+                                  user_signal=signal_name, reason=outcome.reason,
+                                  tracking=tracked.as_json() if tracked else None,
+                                  experiment=spec["logging"]["mlflow"]["experiment"], style=style)
+    if summary:
+        rundir.write_summary(run_dir, {**summary, "report": console.plain(lines)})
+    return lines
+
+
+def _print_lines(lines: list[str]) -> None:
+    print("\n".join(lines), flush=True)
+
+
+def _process_start() -> float:
+    import psutil
+    return psutil.Process().create_time()
+
+
+def _write_phases(run_dir: Path, phases: list) -> None:
+    """The launcher's start-up timestamps, into launcher.log (bench/startup.py)."""
+    import io
+
+    text = io.StringIO()
+    for name, at, cpu in phases:
+        trace.phase("launcher", name, at, cpu, stream=text)
+    with rundir.open_launcher_log(run_dir) as log_file:
+        log_file.write(text.getvalue().encode())
 
 
 def compile_job(resolved, derived, run_dir: Path, master_port: int):
@@ -110,15 +211,15 @@ def compile_job(resolved, derived, run_dir: Path, master_port: int):
     return compile_spec(resolved.spec, derived, run_dir=str(run_dir), master_port=master_port)
 
 
-def progress_mode(setting: str, stdout=sys.stdout) -> str:
+def progress_mode(setting: str, stdout=None) -> str:
     if setting != "auto":
         return setting
-    return "bar" if stdout.isatty() else "lines"
+    return "bar" if (stdout or sys.stdout).isatty() else "lines"
 
 
 def child_env(spec: dict, stop_after_steps: int | None) -> dict:
     env = dict(os.environ)
-    telemetry.apply_http_env(env)
+    tracking_run.apply_http_env(env)
     env["JOBSPEC_PROGRESS"] = progress_mode(spec["logging"]["progress"])
     env["PYTHONUNBUFFERED"] = "1"  # ranks' output must reach the relay (and launcher.log) as it happens
     if sys.stdout.isatty():  # the bar writes into a pipe: tell it the terminal's width

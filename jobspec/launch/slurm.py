@@ -22,9 +22,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jobspec import rundir
-from jobspec.errors import SpecError, SpecIssue, spec_error
+from jobspec.errors import RunFailure, SpecError, SpecIssue, spec_error
 
-LAUNCH_SH = Path(__file__).resolve().parents[2] / "launch.sh"
+# launch.sh ships inside the wheel (pyproject's force-include); a source checkout has it at its root.
+LAUNCH_SH_CANDIDATES = (
+    Path(__file__).resolve().parents[1] / "_scripts" / "launch.sh",   # installed package
+    Path(__file__).resolve().parents[2] / "launch.sh",                # source checkout (editable install)
+)
+
+
+def launch_sh_path() -> Path:
+    for candidate in LAUNCH_SH_CANDIDATES:
+        if candidate.is_file():
+            return candidate
+    raise RunFailure(f"launch.sh is missing from the jobspec installation (looked at "
+                     f"{', '.join(str(c) for c in LAUNCH_SH_CANDIDATES)}); reinstall jobspec")
 
 
 # --- the allocation we run in -----------------------------------------------------------------
@@ -177,9 +189,9 @@ def sbatch_directives(resolved, *, gpus: bool = True) -> list[str]:
     return lines
 
 
-def render_sbatch(resolved, spec_path, overrides=(), *, launch_sh=LAUNCH_SH, gpus: bool = True) -> str:
+def render_sbatch(resolved, spec_path, overrides=(), *, launch_sh: Path | None = None, gpus: bool = True) -> str:
     """A complete sbatch script running `launch.sh SPEC --set ...` with the spec's resources."""
-    body = shlex.join([str(Path(launch_sh).resolve()), str(Path(spec_path).resolve()),
+    body = shlex.join([str(Path(launch_sh or launch_sh_path()).resolve()), str(Path(spec_path).resolve()),
                        *[arg for override in overrides for arg in ("--set", override)]])
     return "\n".join([
         "#!/bin/bash",

@@ -3,7 +3,8 @@
 Design decisions (why):
 - The runner is started with `start_new_session=True` so the whole job (runner, DeepSpeed's per-node
   `launch.py`, ranks, DataLoader workers) is one process group we can signal and, at the end, kill:
-  no orphans survive the launcher.
+  no orphans survive the launcher. Should the launcher itself be SIGKILLed, the runner gets a
+  parent-death signal and the ranks end the group themselves (jobspec/lifeline.py).
 - Output always goes through a pipe that we relay byte-chunk by byte-chunk (not line by line) to our
   stdout AND `launcher.log`: the log is needed for the failure reason, and a tqdm bar still renders
   because its `\\r` updates are passed through as they come (COLUMNS is passed so it knows the width).
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import signal
 import sys
 import threading
@@ -28,7 +30,7 @@ from pathlib import Path
 
 import psutil
 
-from jobspec import rundir
+from jobspec import lifeline, rundir
 
 KILL_GRACE_S = 45.0       # after SIGINT/SIGTERM: DeepSpeed's launch.py waits 30 s for ranks, plus margin
 RANK_EXIT_GRACE_S = 20.0  # a rank is gone, others still run, no finished summary: tear down after this
@@ -44,9 +46,19 @@ class Outcome:
     log_tail: list[str]
 
 
-def exit_code_of(returncode: int) -> int:
-    """Shell convention: a child killed by signal N exits 128+N."""
-    return 128 - returncode if returncode < 0 else returncode
+def exit_code_of(returncode: int, rank_signal: int | None = None) -> int:
+    """Shell convention: a child killed by signal N exits 128+N. DeepSpeed's launch.py ends with
+    `sys.exit(rank.returncode)`, -N for a rank killed by signal N, which the OS turns into 256-N
+    (247 for SIGKILL): with the signal seen in its log line, that is 128+N too."""
+    if returncode < 0:
+        return 128 - returncode
+    if rank_signal and returncode == 256 - rank_signal:
+        return 128 + rank_signal
+    return returncode
+
+
+# DeepSpeed's launch.py, when a rank ends badly: "[...] exits with return code = -9"
+_RANK_SIGNAL = re.compile(rb"exits with return code = -(\d+)")
 
 
 def group_members(pgid: int) -> list[psutil.Process]:
@@ -79,7 +91,7 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
-def _relay(fd: int, run_dir: Path, tail: collections.deque, echo) -> None:
+def _relay(fd: int, run_dir: Path, tail: collections.deque, echo, seen: dict, echo_filter=None) -> None:
     partial = b""
     with rundir.open_launcher_log(run_dir) as log_file:
         while True:
@@ -91,21 +103,32 @@ def _relay(fd: int, run_dir: Path, tail: collections.deque, echo) -> None:
                 break
             log_file.write(chunk)
             log_file.flush()
-            if echo is not None:
-                echo.write(chunk)
+            shown = echo_filter.feed(chunk) if echo_filter is not None else chunk
+            if echo is not None and shown:
+                echo.write(shown)
                 echo.flush()
             lines = (partial + chunk).replace(b"\r", b"\n").split(b"\n")
             partial = lines.pop()
+            for line in lines:
+                if (found := _RANK_SIGNAL.search(line)) is not None:
+                    seen.setdefault("rank_signal", int(found.group(1)))
             tail.extend(line.decode("utf-8", "replace") for line in lines if line.strip())
     if partial.strip():
         tail.append(partial.decode("utf-8", "replace"))
+    rest = echo_filter.flush() if echo_filter is not None else b""
+    if echo is not None and rest:
+        echo.write(rest)
+        echo.flush()
     os.close(fd)
 
 
 def run(argv: list[str], env: dict, run_dir: Path, *, echo=None, kill_grace_s: float = KILL_GRACE_S,
               rank_exit_grace_s: float | None = None, leftover_grace_s: float = LEFTOVER_GRACE_S,
-              poll_s: float = 0.2) -> Outcome:
-    """Run `argv` in its own process group, relay its output, forward signals; no process outlives it."""
+              poll_s: float = 0.2, echo_filter=None, started=None) -> Outcome:
+    """Run `argv` in its own process group, relay its output, forward signals; no process outlives it.
+
+    `echo_filter` (launch/quiet.TerminalFilter) picks what of the output reaches `echo` (launcher.log
+    gets all of it); `started(pid)` is called once the runner runs (the launch tracks it meanwhile)."""
     import subprocess
 
     rank_exit_grace_s = RANK_EXIT_GRACE_S if rank_exit_grace_s is None else rank_exit_grace_s
@@ -113,14 +136,19 @@ def run(argv: list[str], env: dict, run_dir: Path, *, echo=None, kill_grace_s: f
     read_fd, write_fd = os.pipe()
     previous_usr1 = signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # inherited across exec: see module doc
     try:
-        proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=write_fd, stderr=write_fd,
-                                start_new_session=True, close_fds=True)
+        # the runner dies with us, even of SIGKILL; the ranks watch us themselves (jobspec/lifeline.py)
+        proc = subprocess.Popen(argv, env={**env, **lifeline.launcher_env()}, stdin=subprocess.DEVNULL,
+                                stdout=write_fd, stderr=write_fd, start_new_session=True, close_fds=True,
+                                preexec_fn=lifeline.die_with_parent)
     finally:
         signal.signal(signal.SIGUSR1, previous_usr1)
         os.close(write_fd)
     tail: collections.deque = collections.deque(maxlen=TAIL_LINES)
-    relay = threading.Thread(target=_relay, args=(read_fd, run_dir, tail, echo), daemon=True)
+    seen: dict = {}
+    relay = threading.Thread(target=_relay, args=(read_fd, run_dir, tail, echo, seen, echo_filter), daemon=True)
     relay.start()
+    if started is not None:
+        started(proc.pid)
 
     state = {"user_signal": None, "kill_at": None}
 
@@ -166,7 +194,7 @@ def run(argv: list[str], env: dict, run_dir: Path, *, echo=None, kill_grace_s: f
     relay.join(timeout=10)
 
     user_signal = state["user_signal"]
-    exit_code = 128 + user_signal if user_signal else exit_code_of(returncode)
+    exit_code = 128 + user_signal if user_signal else exit_code_of(returncode, seen.get("rank_signal"))
     if user_signal:
         reason = f"stopped by {signal.Signals(user_signal).name} from the user"
     elif exit_code != 0:

@@ -16,13 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 from dataclasses import dataclass, field
 
 from jobspec.errors import SpecError, spec_error
-
-MiB = 2**20
-log = logging.getLogger("jobspec.launch")
+from jobspec.memory.planner import MiB
 
 
 @dataclass
@@ -131,20 +128,6 @@ def mlflow_params(memory: LaunchMemory, fit_setting: str) -> dict[str, str]:
                            "fit.budget_source": fit_record["budget_source"],
                            "fit.considered": str(fit_record["considered"])})
     return params
-
-
-def log_params(tracked, params: dict[str, str]) -> None:
-    """Add params to the launcher's MLflow run; a resumed run keeps its earlier values (immutable)."""
-    from mlflow.entities import Param
-
-    from jobspec.tracking.telemetry import param_batches
-    try:
-        existing = tracked.client.get_run(tracked.run_id).data.params
-        for batch in param_batches({k: v for k, v in params.items() if k not in existing}):
-            tracked.client.log_batch(tracked.run_id, params=[Param(k, v) for k, v in batch.items()],
-                                     synchronous=True)
-    except Exception as err:  # the run exists and training can go on: the params are a nicety
-        log.warning("could not log plan/fit params to MLflow: %s", str(err).splitlines()[0][:300])
 
 
 def _mib(n: float) -> float:

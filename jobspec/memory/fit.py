@@ -28,6 +28,10 @@ NVME_BYTES_PER_S = 3e9
 CPU_ADAM_PARAMS_PER_S = 0.5e9   # DeepSpeedCPUAdam on a typical host
 EIGHT_BIT_OVERHEAD = 0.01       # (de)quantising optimizer states: prefer plain AdamW on ties
 CHECKPOINT_EVERY = (8, 6, 4, 3, 2, 1)
+# Achieved training FLOP/s of one CPU core (fp32 or bf16, one thread per core): 50-80 GFLOP/s
+# measured for encoder steps with hidden sizes 256-1024 on an AMD EPYC core (docs/benchmarks.md,
+# "CPU ranks"); the low end, as a loaded machine and DeepSpeed's overhead only slow a step down.
+CPU_FLOPS_PER_CORE = 50e9
 
 
 @dataclass
@@ -102,6 +106,9 @@ def candidate_changes(spec: dict, job: DerivedJob, bf16_supported: bool):
         stage, off_opt, off_params = layout
         if optimizer != "adamw" and off_opt != "none":
             continue   # DeepSpeed's optimizer offload runs its own CPU Adam
+        pinned = training["optimizer"].get("implementation", "auto")
+        if (pinned == "fused" and off_opt != "none") or (pinned == "cpu" and off_opt == "none"):
+            continue   # a pinned Adam implementation fixes whether the optimizer is offloaded
         if spec["model"]["attention"] == "flash_attention_2" and precision == "fp32":
             continue
         wanted = {"training.micro_batch_size": m, "memory.precision": precision,
@@ -200,3 +207,13 @@ def step_time(spec: dict, job: DerivedJob) -> float:
     if spec["training"]["optimizer"]["name"] == "adamw_8bit":
         step *= 1 + EIGHT_BIT_OVERHEAD
     return step
+
+
+def cpu_step_time(job: DerivedJob, cpus: int) -> float | None:
+    """Estimated seconds per optimizer step when the job's ranks share `cpus` CPU cores; None when
+    the FLOPs per token are unknown. Every rank's work (the global batch, checkpoint recompute
+    included) divided by the cores: CPU ranks are compute-bound, their all-reduces are in memory."""
+    if not job.hardware_flops_per_token:
+        return None
+    tokens = job.global_batch_size * job.seq_len
+    return job.hardware_flops_per_token * tokens / (max(1, cpus) * CPU_FLOPS_PER_CORE)

@@ -1,7 +1,7 @@
 """One row per MLflow run of an experiment: the settings that explain it, steady-state throughput,
 measured peak memory and the planner's prediction; rendered as an aligned table, markdown or CSV.
 
-Reads what the launcher and worker log (see jobspec.tracking.telemetry): params are the flattened resolved
+Reads what the launcher and worker log (see jobspec.tracking.run and jobspec.tracking.sink): params are the flattened resolved
 spec plus `derived.*`, metrics use the shared names (`perf/samples_per_s`, `mem/...`), artifacts
 include `resolved.yaml`. Missing values (a GPU metric on a CPU run, a failed run) are None here
 and '-' in the text formats: absent, never zero.
@@ -18,9 +18,8 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from jobspec import rundir
-from jobspec.errors import spec_error
+from jobspec.errors import first_line, spec_error
 
-MIB = 2**20
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"  # the schema's logging.mlflow.tracking_uri default
 
 THROUGHPUT_METRICS = ("perf/samples_per_s", "perf/tokens_per_s", "perf/tflops_per_device", "perf/mfu")
@@ -78,7 +77,7 @@ def series_max(points: list) -> float | None:
 
 
 def settings_from_params(params: dict) -> dict:
-    """The key settings of a run from its params (JSON text for non-strings, see telemetry.flatten)."""
+    """The key settings of a run from its params (JSON text for non-strings, see jobspec.tracking.run.flatten)."""
     def get(*keys):
         for key in keys:
             if key in params:
@@ -126,12 +125,12 @@ def build_row(run_name: str, status: str, params: dict, series: dict, predicted_
 
 def predicted_peak_mib(spec: dict) -> float | None:
     """`plan_memory`'s peak allocated MiB of a resolved spec; None when the planner cannot tell."""
-    from jobspec.memory.planner import plan_memory
+    from jobspec.memory.planner import MiB, plan_memory
     from jobspec.spec.inputs import derive_job
     from jobspec.spec.schema import fill_defaults
     try:
         spec = fill_defaults(spec)
-        return plan_memory(spec, derive_job(spec)).peak_allocated / MIB
+        return plan_memory(spec, derive_job(spec)).peak_allocated / MiB
     except Exception:  # an unknown architecture, an old resolved.yaml: a '-' in the table, not a crash
         return None
 
@@ -157,10 +156,13 @@ def _prediction_of_run(client, run) -> float | None:
 # --- reading MLflow ------------------------------------------------------------------------------
 
 def open_experiment(tracking_uri: str, experiment: str):
-    """(client, experiment) or a SpecError saying why not: unreachable store, unknown experiment."""
-    from jobspec.tracking import telemetry
-    uri, user, password = telemetry.split_credentials(tracking_uri)
-    shown = telemetry.mask_secrets(tracking_uri)
+    """(client, experiment ids, run filter) or a SpecError saying why not: unreachable store, unknown
+    experiment. A name that is no experiment's but a job's (the `jobspec.job` tag, for runs logged to
+    another experiment) selects that job's runs in every experiment."""
+    from jobspec.secrets import mask_secrets, split_credentials
+    from jobspec.tracking import run as tracking
+    uri, user, password = split_credentials(tracking_uri)
+    shown = mask_secrets(tracking_uri)
     parts = urlsplit(uri)
     if parts.scheme == "sqlite":
         # MLflow would silently create an empty database at a mistyped path
@@ -170,22 +172,25 @@ def open_experiment(tracking_uri: str, experiment: str):
                              path=("--tracking-uri",),
                              hint="run from the directory you launched in, or pass --tracking-uri sqlite:///PATH")
     try:
-        telemetry.probe(uri)
+        tracking.probe(uri)
         if user:
             import os
             os.environ["MLFLOW_TRACKING_USERNAME"] = user
             os.environ["MLFLOW_TRACKING_PASSWORD"] = password or ""
-        client = telemetry._client(uri)
+        client = tracking.client_for(uri)
         found = client.get_experiment_by_name(experiment)
-        names = [] if found else sorted(e.name for e in client.search_experiments())
+        if found is not None:
+            return client, [found.experiment_id], ""
+        everything = client.search_experiments()
+        ids, names = [e.experiment_id for e in everything], sorted(e.name for e in everything)
+        job_filter = f"tags.`jobspec.job` = '{experiment}'"
+        if ids and "'" not in experiment and client.search_runs(ids, job_filter, max_results=1):
+            return client, ids, job_filter
     except Exception as err:  # TrackingUnavailable, MlflowException, requests/sqlite errors
-        reason = telemetry.mask_secrets(str(err)).splitlines()[0][:300] if str(err) else type(err).__name__
-        raise spec_error(f"MLflow tracking at {shown} is unavailable: {reason}", path=("--tracking-uri",),
+        raise spec_error(f"MLflow tracking at {shown} is unavailable: {first_line(err, limit=300)}", path=("--tracking-uri",),
                          hint="start the server or fix the URI") from None
-    if found is None:
-        raise spec_error(f"no experiment named {experiment!r} at {shown}", path=("EXPERIMENT",),
-                         hint=f"known experiments: {', '.join(names)}" if names else "launch a job first")
-    return client, found
+    raise spec_error(f"no experiment or job named {experiment!r} at {shown}", path=("EXPERIMENT",),
+                     hint=f"known experiments: {', '.join(names)}" if names else "launch a job first")
 
 
 def metric_series(client, run_id: str, names=THROUGHPUT_METRICS + MEMORY_METRICS) -> dict:
@@ -199,9 +204,9 @@ def metric_series(client, run_id: str, names=THROUGHPUT_METRICS + MEMORY_METRICS
 
 def collect(tracking_uri: str, experiment: str) -> tuple[object, list[RunReport]]:
     """(client, one RunReport per run of the experiment, oldest first)."""
-    client, found = open_experiment(tracking_uri, experiment)
+    client, experiment_ids, run_filter = open_experiment(tracking_uri, experiment)
     from mlflow.entities import ViewType
-    runs = client.search_runs([found.experiment_id], run_view_type=ViewType.ACTIVE_ONLY,
+    runs = client.search_runs(experiment_ids, run_filter, run_view_type=ViewType.ACTIVE_ONLY,
                               order_by=["attributes.start_time ASC"], max_results=10_000)
     reports = []
     for run in runs:

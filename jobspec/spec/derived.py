@@ -7,7 +7,7 @@ lines, the report and the commands all take a `DerivedJob`; the run directory ca
 (`launch.json` -> "derived"), so the ranks read it instead of recomputing it.
 
 Pure: no torch, no I/O. What a derivation needs from disk (a local checkpoint's config.json, the
-training file's row count) is read at the edge by `jobspec.spec.inputs.read_inputs` and passed in.
+training file's row count) is read at the edge by `jobspec.spec.inputs.derive_job` and passed in.
 """
 from __future__ import annotations
 

@@ -102,11 +102,13 @@ def load_table(name: str) -> dict:
 
 # ---------------------------------------------------------------- model.config
 
-def model_config_issues(spec: dict, issue: IssueFn, checkpoint_config: dict | None = None) -> list[SpecIssue]:
+def model_config_issues(spec: dict, issue: IssueFn, checkpoint_config: dict | None = None,
+                        table: dict | None = None) -> list[SpecIssue]:
     """Unknown keys and wrong types in `model.config`, for the architectures in the table.
 
     `checkpoint_config`: the parsed config.json of a local `model.name_or_path` directory; its keys
-    are accepted too, and its `model_type` names the architecture.
+    are accepted too, and its `model_type` names the architecture. `table`: the shipped table by
+    default; `jobspec launch` passes one read from transformers for an architecture outside it.
     """
     model = spec.get("model") if isinstance(spec, dict) else None
     config = model.get("config") if isinstance(model, dict) else None
@@ -115,7 +117,7 @@ def model_config_issues(spec: dict, issue: IssueFn, checkpoint_config: dict | No
     checkpoint_config = checkpoint_config if isinstance(checkpoint_config, dict) else {}
     architecture = model.get("architecture")
     model_type = architecture if isinstance(architecture, str) else checkpoint_config.get("model_type")
-    table = load_table(TRANSFORMERS_TABLE)
+    table = table or load_table(TRANSFORMERS_TABLE)
     entry = table["architectures"].get(model_type)
     if entry is None:
         return []   # not in the table: left to launch, where transformers builds the config
@@ -311,6 +313,19 @@ def freeform_issues(resolved) -> list[SpecIssue]:
     `.positions` and `.source`, e.g. a ResolvedSpec before defaults are filled)."""
     return (model_config_issues(resolved.spec, resolved.issue, local_checkpoint_config(resolved))
             + deepspeed_issues(resolved.spec, resolved.issue))
+
+
+def unchecked_model_config(resolved) -> str | None:
+    """Why `model.config` was not checked here (an architecture outside the shipped table, or a hub
+    id), or None when it was: `jobspec launch` checks it against transformers instead."""
+    model = resolved.spec.get("model") or {}
+    if not model.get("config"):
+        return None
+    model_type = model.get("architecture") or (local_checkpoint_config(resolved) or {}).get("model_type")
+    if model_type in load_table(TRANSFORMERS_TABLE)["architectures"]:
+        return None
+    what = f"architecture `{model_type}`" if model_type else f"`{model.get('name_or_path')}`"
+    return f"model.config of {what} is checked at launch (not in schemas/{TRANSFORMERS_TABLE})"
 
 
 def local_checkpoint_config(resolved) -> dict | None:

@@ -54,14 +54,12 @@ class LoadedSpec:
     key_positions: dict[tuple, Position] = field(default_factory=dict)   # mapping keys
 
 
-def load_spec(path: str | os.PathLike, overrides=()) -> LoadedSpec:
-    """Load `path` (following `extends`) and apply `--set` overrides; raise SpecError if unreadable."""
+def load_spec(path: str | os.PathLike) -> LoadedSpec:
+    """Load `path` (following `extends`); raise SpecError if unreadable. `--set` overrides are applied
+    on top by jobspec.spec.overrides.apply_overrides."""
     display = os.fspath(path)
     loaded = _load_with_bases(display, chain=())
     loaded.spec["extends"] = None
-    if overrides:
-        from jobspec.spec.overrides import apply_overrides  # imports this module: kept out of its top level
-        apply_overrides(loaded, list(overrides))
     return loaded
 
 

@@ -13,8 +13,9 @@ from jobspec.spec.loader import SET_FILE, LoadedSpec, Position, iter_paths, pars
 from jobspec.spec.schema import has_type, object_branch, schema_types, subschema_at, type_name, types_text
 
 
-def apply_overrides(loaded: LoadedSpec, overrides: list[str]) -> None:
-    """Apply `a.b.c=VALUE` overrides in order; every bad one is reported, together."""
+def apply_overrides(loaded: LoadedSpec, overrides) -> LoadedSpec:
+    """Apply `a.b.c=VALUE` overrides to `loaded` in order (it is changed and returned); every bad one
+    is reported, together."""
     issues: list[SpecIssue] = []
     for index, override in enumerate(overrides, start=1):
         where = Position(SET_FILE, 1, index)
@@ -25,6 +26,7 @@ def apply_overrides(loaded: LoadedSpec, overrides: list[str]) -> None:
             issues.extend(err.issues)
     if issues:
         raise SpecError(issues)
+    return loaded
 
 
 def parse_override(override: str, where: Position) -> tuple[tuple, Any]:

@@ -25,13 +25,14 @@ def schema_path() -> Path:
 
 
 @lru_cache(maxsize=1)
-def _schema_cached() -> dict:
+def shared_schema() -> dict:
+    """The schema, parsed once per process and shared: read it, never change it (load_schema copies)."""
     return json.loads(schema_path().read_text(encoding="utf-8"))
 
 
 def load_schema() -> dict:
     """The schema as a fresh dict (callers may mutate it)."""
-    return copy.deepcopy(_schema_cached())
+    return copy.deepcopy(shared_schema())
 
 
 def object_branch(node: dict) -> dict | None:
@@ -46,7 +47,7 @@ def object_branch(node: dict) -> dict | None:
 
 def subschema_at(path: tuple | list, schema: dict | None = None) -> dict | None:
     """The schema describing the value at `path` (keys only), or None if no field is there."""
-    node = _schema_cached() if schema is None else schema
+    node = shared_schema() if schema is None else schema
     for key in path:
         branch = object_branch(node)
         if branch is None:
@@ -76,7 +77,7 @@ def fill_defaults(spec: dict, schema: dict | None = None) -> dict:
     Objects that are present (or default to `{}`) get their own fields' defaults filled;
     a field whose value is null or a non-object (e.g. `activation_checkpointing: true`) is left as is.
     """
-    node = _schema_cached() if schema is None else schema
+    node = shared_schema() if schema is None else schema
     return _fill(copy.deepcopy(spec), node)
 
 

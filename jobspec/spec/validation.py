@@ -18,13 +18,15 @@ from typing import Any
 from jobspec.errors import SpecError, SpecIssue
 from jobspec.spec.derived import derive
 from jobspec.spec.loader import SET_FILE, LoadedSpec, Position, load_spec
-from jobspec.spec.schema import (_schema_cached, fill_defaults, has_type, schema_types, subschema_at,
-                            type_name, types_text)
 from jobspec.spec.freeform import freeform_issues
+from jobspec.spec.optimizers import CLIENT_OPTIMIZERS
+from jobspec.spec.overrides import apply_overrides
+from jobspec.spec.schema import (fill_defaults, has_type, schema_types, shared_schema, subschema_at,
+                                 type_name, types_text)
 
 PATH_FIELDS = (("data", "train"), ("data", "eval"), ("data", "tokenizer"), ("model", "name_or_path"),
-               ("output_dir",), ("checkpoint", "dir"), ("checkpoint", "resume"), ("memory", "offload", "nvme_path"))
-CLIENT_OPTIMIZERS = ("adamw_8bit", "adafactor")   # run outside DeepSpeed: no DeepSpeed CPU Adam
+               ("output_dir",), ("checkpoint", "dir"), ("checkpoint", "resume"), ("memory", "offload", "nvme_path"),
+               ("export", "dir"))
 _NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 _URI_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
 # MLflow tracking stores; the database ones are SQLAlchemy URIs like sqlite:///.
@@ -71,7 +73,7 @@ class ResolvedSpec:
 
 def load_and_validate(path: str | os.PathLike, overrides=()) -> ResolvedSpec:
     """Load, merge, override, validate and resolve one spec file."""
-    return validate_spec(load_spec(path, overrides))
+    return validate_spec(apply_overrides(load_spec(path), overrides))
 
 
 def validate_spec(loaded: LoadedSpec) -> ResolvedSpec:
@@ -101,7 +103,7 @@ def _validator():
     # JSON Schema counts 2.0 as an integer; a batch size of 2.0 would reach DeepSpeed as a float.
     strict_int = base.TYPE_CHECKER.redefine(
         "integer", lambda _checker, value: isinstance(value, int) and not isinstance(value, bool))
-    return jsonschema.validators.extend(base, type_checker=strict_int)(_schema_cached())
+    return jsonschema.validators.extend(base, type_checker=strict_int)(shared_schema())
 
 
 def schema_issues(resolved: ResolvedSpec) -> list[SpecIssue]:
@@ -231,7 +233,10 @@ def cross_field_issues(r: ResolvedSpec) -> list[SpecIssue]:
     for key in ("train", "eval"):
         if isinstance(data[key], str):
             file = _local_path(r, ("data", key))
-            if not _exists(file, file=True):
+            if _exists(file) and file.is_dir():
+                add(r.issue(("data", key), f"{file} is a directory, not a data file",
+                            f"point data.{key} at one jsonl, csv or parquet file"))
+            elif not _exists(file, file=True):
                 add(r.issue(("data", key), f"data file not found: {file}",
                             "paths are relative to the spec file that sets them"))
 
@@ -276,6 +281,8 @@ def cross_field_issues(r: ResolvedSpec) -> list[SpecIssue]:
         add(r.issue(("memory", "activation_checkpointing", "every_n_layers"),
                     f"every_n_layers = {checkpointing['every_n_layers']} but the model has {layers} layers",
                     f"use a value between 1 and {layers}"))
+    from jobspec.spec import export_rules
+    issues += export_rules.issues(r)
     uri_problem = _tracking_uri_problem(s["logging"]["mlflow"]["tracking_uri"])
     if uri_problem:
         add(r.issue(("logging", "mlflow", "tracking_uri"), *uri_problem))
@@ -347,7 +354,7 @@ def resolve_paths(r: ResolvedSpec) -> None:
         s["name"] = job_name(r.source)
     s["extends"] = None
     for path in (("data", "train"), ("data", "eval"), ("output_dir",), ("checkpoint", "dir"),
-                 ("memory", "offload", "nvme_path")):
+                 ("memory", "offload", "nvme_path"), ("export", "dir")):
         if _get(s, path) is not None:
             _put(s, path, str(_local_path(r, path)))
     # Hub ids and local directories look alike: only an existing local path is made absolute.
@@ -355,6 +362,8 @@ def resolve_paths(r: ResolvedSpec) -> None:
         value = _get(s, path)
         if value is not None and value not in ("auto", "never") and _exists(_local_path(r, path)):
             _put(s, path, str(_local_path(r, path)))
+    if s["logging"]["mlflow"]["experiment"] is None:
+        s["logging"]["mlflow"]["experiment"] = s["name"]
     if s["output_dir"] is None:
         s["output_dir"] = str(Path.cwd() / "runs" / s["name"])
     if s["checkpoint"]["dir"] is None:
@@ -364,7 +373,7 @@ def resolve_paths(r: ResolvedSpec) -> None:
 # Writing checkpoints or runs here would damage the system (or, as root, succeed at it).
 SYSTEM_TREES = ("/etc", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/boot", "/proc", "/sys", "/dev")
 SYSTEM_DIRS = ("/", "/var", "/home", "/root", "/opt", "/run", "/mnt", "/media", "/srv")  # not below them
-WRITTEN_DIRS = (("output_dir",), ("checkpoint", "dir"), ("memory", "offload", "nvme_path"))
+WRITTEN_DIRS = (("output_dir",), ("checkpoint", "dir"), ("memory", "offload", "nvme_path"), ("export", "dir"))
 
 
 def system_location_issues(r: ResolvedSpec) -> list[SpecIssue]:

@@ -17,13 +17,14 @@ import os
 import random
 import re
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from jobspec.errors import spec_error
+from jobspec.errors import RunFailure, spec_error
 
 LATEST = "latest"
 _TAG = re.compile(r"^step(\d+)$")
@@ -65,7 +66,9 @@ def save(engine, ckpt_dir: str | os.PathLike, *, step: int, epoch: int, batches_
          micro_batch_size: int | None = None) -> str:
     """Save on every rank (collective); returns the tag. Older checkpoints beyond `keep_last` go.
 
-    `micro_batch_size` is the unit `batches_in_epoch` counts in."""
+    `micro_batch_size` is the unit `batches_in_epoch` counts in. A write the OS refuses (disk full,
+    permissions) on any rank: every rank raises the same one-line RunFailure naming the directory
+    and the OS error, the incomplete `step<N>` is removed and `latest` keeps naming the previous one."""
     ckpt_dir = str(ckpt_dir)
     tag = tag_for(step)
     layout = {"world_size": dist.get_world_size(), "zero_stage": zero_stage, "micro_batch_size": micro_batch_size}
@@ -76,15 +79,124 @@ def save(engine, ckpt_dir: str | os.PathLike, *, step: int, epoch: int, batches_
         "batches_in_epoch": batches_in_epoch,
         "rng": _all_ranks_rng_states(),
         "job_name": job_name,
+        "cpu_threads": torch.get_num_threads(),  # resume with the same count: reductions split by it
     }
-    engine.save_checkpoint(ckpt_dir, tag=tag, client_state=client_state, save_latest=False)
-    dist.barrier()  # every rank has finished writing its shards
+    failure = WriteFailure()
+    with guarded_writes(engine, failure):
+        engine.save_checkpoint(ckpt_dir, tag=tag, client_state=client_state, save_latest=False)
+    # DeepSpeed's last barrier has passed: every rank has written, or failed to write, its shards
+    _raise_if_failed(_gather(failure.describe()), ckpt_dir, tag)
     if dist.get_rank() == 0:
-        write_manifest(ckpt_dir, tag, layout)
-        publish_latest(ckpt_dir, tag)
-        prune(ckpt_dir, keep_last)
-    dist.barrier()
+        try:
+            write_manifest(ckpt_dir, tag, layout)
+            publish_latest(ckpt_dir, tag)
+        except OSError as err:
+            failure.record(Path(ckpt_dir) / tag, err)
+        else:
+            prune(ckpt_dir, keep_last)
+    _raise_if_failed(_gather(failure.describe()), ckpt_dir, tag)
     return tag
+
+
+class WriteFailure:
+    """The first write this rank could not make during a save."""
+
+    def __init__(self):
+        self.path: str | None = None
+        self.error: BaseException | None = None
+
+    def record(self, path, error: BaseException) -> None:
+        if self.error is None:
+            self.path, self.error = str(path), error
+
+    def describe(self) -> str | None:
+        if self.error is None:
+            return None
+        err = self.error
+        while not isinstance(err, OSError) and (err.__cause__ or err.__context__) is not None:
+            err = err.__cause__ or err.__context__  # torch's zip writer wraps the OSError of the write
+        if not isinstance(err, OSError):
+            err = self.error
+        if isinstance(err, OSError) and err.strerror:
+            reason = err.strerror
+        else:  # torch's direct writes (legacy format) raise "write(): fd 7 failed with No space left on device"
+            reason = (str(err).splitlines() or [type(err).__name__])[0]
+            reason = (re.search(r"failed with (.+)$", reason) or [reason, reason])[1]
+        return f"{reason} (writing {self.path} on rank {dist.get_rank()})"
+
+
+@contextmanager
+def guarded_writes(engine, failure: WriteFailure):
+    """Route DeepSpeed's checkpoint writes through guards that record a failed write instead of raising.
+
+    A rank that raised out of `save_checkpoint` would leave the others waiting in its barriers until
+    the collective timeout; recording keeps every rank on the same path to the vote after it. Files
+    are written through a Python file object: the OS error (ENOSPC, EACCES) then surfaces as itself,
+    where torch's own writer reports `basic_ios::clear: iostream error` or `unexpected pos`."""
+    checkpoint_engine = getattr(engine, "checkpoint_engine", None)
+    if checkpoint_engine is None:
+        yield
+        return
+    original_save = checkpoint_engine.save
+    original_makedirs = checkpoint_engine.makedirs
+    original_script = getattr(engine, "_copy_recovery_script", None)
+    native = type(checkpoint_engine).__name__ == "TorchCheckpointEngine"
+
+    def save(state_dict, path):
+        if failure.error is not None:
+            return  # the disk already refused a file: the directory is removed after the vote
+        try:
+            if native:
+                with open(path, "wb") as fh:
+                    torch.save(state_dict, fh, _use_new_zipfile_serialization=checkpoint_engine.zipfile_serialization)
+            else:
+                original_save(state_dict, path)
+        except Exception as err:  # OSError above all; any other failure must not split the ranks either
+            failure.record(path, err)
+
+    def makedirs(path, exist_ok=False):
+        try:
+            original_makedirs(path, exist_ok=exist_ok)
+        except OSError as err:
+            failure.record(path, err)
+
+    def copy_script(save_path):
+        try:
+            original_script(save_path)
+        except OSError as err:
+            failure.record(save_path, err)
+
+    checkpoint_engine.save, checkpoint_engine.makedirs = save, makedirs
+    if original_script is not None:
+        engine._copy_recovery_script = copy_script
+    try:
+        yield
+    finally:
+        checkpoint_engine.save, checkpoint_engine.makedirs = original_save, original_makedirs
+        if original_script is not None:
+            engine._copy_recovery_script = original_script
+
+
+def _gather(item):
+    items = [None] * dist.get_world_size()
+    dist.all_gather_object(items, item)
+    return items
+
+
+def _raise_if_failed(problems: list, ckpt_dir: str, tag: str) -> None:
+    problem = next((p for p in problems if p), None)
+    if problem is None:
+        return
+    latest = read_latest(ckpt_dir)
+    if dist.get_rank() == 0:
+        if latest != tag:
+            shutil.rmtree(Path(ckpt_dir) / tag, ignore_errors=True)
+        for tmp in Path(ckpt_dir).glob(f".{LATEST}.tmp-*"):
+            tmp.unlink(missing_ok=True)
+    dist.barrier()  # the directory is gone before any rank reports it gone
+    raise RunFailure(f"checkpoint {tag} could not be saved to {ckpt_dir}: {problem}; the incomplete {tag} was "
+                     f"removed and `latest` still names {latest or 'no checkpoint'}: free space, or set "
+                     "checkpoint.dir to a disk with room", collective=True)
 
 
 def publish_latest(ckpt_dir: str | os.PathLike, tag: str) -> None:

@@ -16,13 +16,16 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from jobspec.spec import datacheck
 from jobspec.errors import spec_error
 from jobspec.spec.data_format import data_format
 
 IGNORE_INDEX = -100  # the label value transformers' losses skip
 MLM_PROBABILITY = 0.15
 DATASETS_BUILDER = {"jsonl": "json", "csv": "csv", "parquet": "parquet"}  # data.format -> datasets.load_dataset's
-LEARNABLE_PREFIX = 8  # synthetic `learnable` class labels look at this many leading tokens
+# synthetic `learnable` sequence labels: the share of a sample's tokens drawn from its label's slice
+# of the vocabulary range (the rest are drawn from the whole range)
+LEARNABLE_SIGNAL = 0.5
 
 
 class TensorDictDataset(Dataset):
@@ -133,14 +136,23 @@ def synthetic_dataset(spec: dict, num_samples: int, seed: int) -> TensorDictData
         ids = low + (start - low + torch.arange(seq_len)) % (high - low)
     else:
         ids = torch.randint(low, high, (num_samples, seq_len), generator=generator)
+    if learnable and task == "sequence-classification":
+        # a "topic" per sample: the label is uniform (chance loss ln(num_labels)) and each token comes
+        # from the label's slice of the range with probability LEARNABLE_SIGNAL: every token is
+        # evidence, so even a tiny model learns it within tens of steps
+        labels = torch.randint(0, num_labels, (num_samples,), generator=generator)[:, None]
+        size = high - low   # slice c: the ids with (id - low) * num_labels // size == c
+        start = (labels * size + num_labels - 1) // num_labels
+        end = ((labels + 1) * size + num_labels - 1) // num_labels
+        offset = (torch.rand(ids.shape, generator=generator) * (end - start)).long()
+        topical = torch.rand(ids.shape, generator=generator) < LEARNABLE_SIGNAL
+        ids = torch.where(topical & (end > start), low + start + offset, ids)
+        labels = labels[:, 0]
     mask = torch.ones_like(ids)
     columns = {"input_ids": ids, "attention_mask": mask}
     if task == "sequence-classification":
         if learnable:
-            above = (ids[:, :LEARNABLE_PREFIX] >= (low + high) / 2).sum(dim=1)
-            # the count of high ids among the first 8 tokens, in num_labels buckets
-            # (2 labels: "more than 4 of the first 8 are in the upper half")
-            columns["labels"] = above * num_labels // (LEARNABLE_PREFIX + 1)
+            columns["labels"] = labels
         else:
             columns["labels"] = torch.randint(0, num_labels, (num_samples,), generator=generator)
     elif task == "token-classification":
@@ -174,6 +186,8 @@ def _mask_tokens(ids, attention_mask, special, mask_id: int, vocab: tuple[int, i
 # ---- file data --------------------------------------------------------------------------------
 
 def _file_dataset(spec: dict, tokenizer, split: str, label_names: dict) -> TensorDictDataset:
+    """The tokenized rows of `data.<split>`. A row datasets, pyarrow or the tokenizer cannot take is
+    named by file and line (jobspec.spec.datacheck scans the file for it): exit 2, not a rank traceback."""
     import datasets
 
     data, task = spec["data"], spec["model"].get("task", "sequence-classification")
@@ -187,8 +201,7 @@ def _file_dataset(spec: dict, tokenizer, split: str, label_names: dict) -> Tenso
     try:
         table = datasets.load_dataset(fmt, data_files=str(path), split="train")
     except Exception as err:  # datasets raises many types for unreadable files
-        raise spec_error(f"cannot read {path} as {fmt}: {str(err).splitlines()[0] if str(err) else err}",
-                         path=("data", split), hint="check the file and data.format") from None
+        raise datacheck.locate_error(spec, split) or datacheck.unreadable(spec, split, fmt, err) from None
     needed = list(data.get("text_fields", ["text"]))
     if task in ("sequence-classification", "token-classification"):
         needed.append(data.get("label_field", "label"))
@@ -198,7 +211,13 @@ def _file_dataset(spec: dict, tokenizer, split: str, label_names: dict) -> Tenso
                 "text_fields", ["text"]) else "text_fields"
             raise spec_error(f"column {column!r} not in {Path(path).name} (columns: {', '.join(table.column_names)})",
                              path=("data", field), hint="name one of the file's columns")
-    return _tokenize(spec, tokenizer, table, split, label_names)
+    try:
+        return _tokenize(spec, tokenizer, table, split, label_names)
+    except (UnicodeDecodeError, ValueError, TypeError, KeyError) as err:  # a row pyarrow or the tokenizer refused
+        located = datacheck.locate_error(spec, split)
+        if located is None:
+            raise  # every row is well-formed: not the data's fault, keep the traceback
+        raise located from err
 
 
 def _file_format(path: str, fmt: str) -> str:

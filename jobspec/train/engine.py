@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from jobspec import trace
 from jobspec.rundir import RunFiles
 from jobspec.train.progress import RunState
 
@@ -22,6 +23,9 @@ def build_engine(files: RunFiles):
     from jobspec.train.patches import apply_patches, build_client_optimizer
 
     spec = files.spec
+    rank = f"rank{os.environ.get('RANK', '0')}"
+    phase = trace.phase
+    phase(rank, "imported-model-code")
     set_seed(spec["training"]["seed"])  # python, numpy, torch (+cuda): same initial weights on every rank
     tokenizer = build_tokenizer(spec)
     model = build_model(spec, tokenizer)
@@ -30,11 +34,30 @@ def build_engine(files: RunFiles):
     for patch in files.patches:
         if patch["name"] == "client_optimizer":
             client_optimizer = build_client_optimizer(model, patch["args"])
+    phase(rank, "model")
     train_ds, eval_ds = build_datasets(spec, tokenizer)
+    phase(rank, "data")
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
         optimizer=client_optimizer, config=files.ds_config)
+    start_schedule(engine)
+    phase(rank, "engine")
     return engine, train_ds, eval_ds, patch_notes
+
+
+def start_schedule(engine) -> None:
+    """Put DeepSpeed's warmup schedulers at step 0 without their "before it has started" warning.
+
+    Built with `last_batch_iteration: -1` (their default), WarmupLR / WarmupDecayLR / WarmupCosineLR
+    call get_lr() in their constructor, which warns, and the first two optimizer steps both run at
+    the warmup's starting lr. The compiler writes `last_batch_iteration: 0`, which skips that call;
+    here the optimizer gets the lr of step 0, as the constructor would have set it. A resumed engine
+    then loads the scheduler's and the optimizer's state over this."""
+    scheduler = getattr(engine, "lr_scheduler", None)
+    if scheduler is not None and getattr(scheduler, "last_batch_iteration", None) == 0 and \
+            hasattr(scheduler, "get_lr"):
+        from deepspeed.runtime.lr_schedules import update_lr
+        scheduler._last_lr = update_lr(scheduler.optimizer.param_groups, scheduler.get_lr())
 
 
 def resume(engine, ckpt: dict, state: RunState, any_rank=lambda flag: flag,
@@ -43,7 +66,7 @@ def resume(engine, ckpt: dict, state: RunState, any_rank=lambda flag: flag,
 
     A corrupt newest checkpoint is passed over for the previous one, loudly (`passed_over` gets why).
     """
-    from jobspec.train import checkpointing
+    from jobspec.train import adam_replay, checkpointing
     client_state, target, skipped = checkpointing.load_with_fallback(engine, ckpt["resume"], ckpt["dir"], any_rank)
     for problem in skipped:
         if int(os.environ.get("RANK", "0")) == 0:
@@ -56,7 +79,34 @@ def resume(engine, ckpt: dict, state: RunState, any_rank=lambda flag: flag,
     state.epoch = client_state["epoch"]
     state.batches_in_epoch = client_state["batches_in_epoch"]
     state.resumed_from = str(Path(target[0]) / target[1])
+    keep_checkpoint_threads(client_state.get("cpu_threads"))
+    adam_replay.replay(engine.optimizer)  # DeepSpeed's CPU Adam: state the checkpoint cannot hold
     return checkpointing.rng_state_of_this_rank(client_state)
+
+
+def keep_checkpoint_threads(saved: int | None) -> None:
+    """On CPU ranks, continue with the intra-op thread count the checkpoint was trained with, when
+    this host allows it: CPU kernels split their reductions by the thread count, so another count
+    changes the last bits of every gradient (docs/reliability.md)."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+    if not saved or get_accelerator().device_name() != "cpu" or "OMP_NUM_THREADS" in os.environ:
+        return
+    threads, note = resume_threads(int(saved), torch.get_num_threads())
+    torch.set_num_threads(threads)
+    if note and int(os.environ.get("RANK", "0")) == 0:
+        print(f"note: {note}", file=sys.stderr, flush=True)
+
+
+def resume_threads(saved: int, share: int) -> tuple[int, str | None]:
+    """(threads to use, a note or None): the checkpoint's count unless this host's share is smaller."""
+    if saved == share:
+        return share, None
+    if saved < share:
+        return saved, (f"resumed with {saved} CPU threads per rank as the checkpoint was trained (this host offers "
+                       f"{share}), so the losses continue bit-identical; set OMP_NUM_THREADS to use all")
+    return share, (f"the checkpoint was trained with {saved} CPU threads per rank but this host offers {share}: "
+                   "the losses will differ from an uninterrupted run in the last bits")
 
 
 def reshard_plan(ckpt: dict, world_size: int, group):
@@ -72,15 +122,21 @@ def reshard_plan(ckpt: dict, world_size: int, group):
     return reshard.plan(ckpt, world_size, broadcast)
 
 
-def share_cpu_threads() -> None:
-    """On CPU ranks, split the cores between the ranks of this node: every rank taking all of
-    them makes the ranks' OpenMP threads fight for cores (steps become many times slower)."""
+def share_cpu_threads() -> int | None:
+    """On CPU ranks, split the CPUs this process may use (affinity mask, cgroup quota: what Slurm's
+    --cpus-per-task gives) between the ranks of this node: every rank taking all of them makes the
+    ranks' OpenMP threads fight for cores (steps become many times slower). The count set, or None
+    (GPU ranks, or OMP_NUM_THREADS set by the user)."""
     import torch
     from deepspeed.accelerator import get_accelerator
+
+    from jobspec.hardware import available_cpus, threads_per_rank
     if get_accelerator().device_name() != "cpu" or "OMP_NUM_THREADS" in os.environ:
-        return
+        return None
     local_ranks = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
+    threads = threads_per_rank(available_cpus(), local_ranks)
+    torch.set_num_threads(threads)
+    return threads
 
 
 def loss_of(outputs):

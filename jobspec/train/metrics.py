@@ -11,8 +11,7 @@ import os
 import re
 
 from jobspec import hardware
-
-MIB = 1024 * 1024
+from jobspec.memory.planner import MiB
 
 # Dense peak FLOP/s (no 2:4 sparsity) from NVIDIA's datasheets, per training precision. "fp32" is the
 # CUDA-core rate; "tf32" the tensor-core rate when TF32 is allowed. Precisions a chip lacks are absent.
@@ -122,15 +121,15 @@ def memory_snapshot(device, rss: RssReader | None = None) -> dict[str, float]:
     absent when `device` is not a CUDA device."""
     import torch
 
-    snapshot = {"host_rss_mib": (rss or _RSS)() / MIB}
+    snapshot = {"host_rss_mib": (rss or _RSS)() / MiB}
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return snapshot
-    snapshot["peak_allocated_mib"] = torch.cuda.max_memory_allocated(device) / MIB
-    snapshot["peak_reserved_mib"] = torch.cuda.max_memory_reserved(device) / MIB
+    snapshot["peak_allocated_mib"] = torch.cuda.max_memory_allocated(device) / MiB
+    snapshot["peak_reserved_mib"] = torch.cuda.max_memory_reserved(device) / MiB
     used = hardware.nvml_used_bytes(device)
     if used is not None:
-        snapshot["nvml_used_mib"] = used / MIB
+        snapshot["nvml_used_mib"] = used / MiB
     return snapshot
 
 

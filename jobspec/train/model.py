@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 import sys
 
-from jobspec.errors import SpecError, spec_error
+from jobspec.errors import SpecError, first_line, spec_error
 
 # model.task -> the transformers auto class that puts the right head (and loss) on the model
 TASK_MODEL_CLASSES: dict[str, str] = {
@@ -39,7 +39,7 @@ def build_tokenizer(spec: dict):
             name, revision=model.get("revision") if same_as_model else None,
             trust_remote_code=bool(model.get("trust_remote_code")))
     except (OSError, ValueError) as err:
-        raise spec_error(f"cannot load tokenizer {name!r}: {_first_line(err)}",
+        raise spec_error(f"cannot load tokenizer {name!r}: {first_line(err)}",
                          path=("data", "tokenizer") if data.get("tokenizer") else ("model", "name_or_path"),
                          hint="give a local directory with tokenizer files, or a hub id reachable from here")
     if tokenizer.pad_token is None:
@@ -67,6 +67,40 @@ def build_model(spec: dict, tokenizer=None):
         _check_vocab(spec, model, tokenizer)
         return model
     import torch
+
+    model_spec = spec["model"]
+    task = model_spec.get("task", "sequence-classification")
+    attention = model_spec.get("attention", "sdpa")
+    trust = bool(model_spec.get("trust_remote_code"))
+    _warn_remote_code(model_spec)
+
+    try:
+        auto_class, config = build_config(spec, tokenizer)
+        if model_spec.get("name_or_path"):
+            name, revision = model_spec["name_or_path"], model_spec.get("revision")
+            model = auto_class.from_pretrained(name, config=config, revision=revision, trust_remote_code=trust,
+                                               attn_implementation=attention)
+        else:
+            torch.manual_seed(spec.get("training", {}).get("seed", 42))
+            model = auto_class.from_config(config, attn_implementation=attention, trust_remote_code=trust)
+    except SpecError:
+        raise
+    except ImportError as err:
+        raise spec_error(f"attention {attention!r} cannot be used here: {first_line(err)}",
+                         path=("model", "attention"),
+                         hint="install the package it names (flash-attn needs a CUDA GPU) or use sdpa") from None
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise _loading_error(model_spec, task, attention, err) from None
+
+    _check_vocab(spec, model, tokenizer)
+    return model
+
+
+def build_config(spec: dict, tokenizer=None):
+    """(the `AutoModelFor<task>` class, the model's config) exactly as `build_model` makes them.
+
+    Loading errors propagate as transformers raises them; `build_model` turns them into SpecErrors.
+    """
     import transformers
 
     model_spec = spec["model"]
@@ -75,34 +109,36 @@ def build_model(spec: dict, tokenizer=None):
     overrides = dict(model_spec.get("config") or {})
     if task in CLASSIFICATION_TASKS:
         overrides.setdefault("num_labels", model_spec.get("num_labels", 2))
-    attention = model_spec.get("attention", "sdpa")
-    trust = bool(model_spec.get("trust_remote_code"))
-    _warn_remote_code(model_spec)
+    if model_spec.get("name_or_path"):
+        config = transformers.AutoConfig.from_pretrained(
+            model_spec["name_or_path"], revision=model_spec.get("revision"),
+            trust_remote_code=bool(model_spec.get("trust_remote_code")), **overrides)
+    else:
+        config = _config_for_architecture(model_spec.get("architecture"), overrides)
+    _set_pad_token(config, tokenizer)
+    return auto_class, config
 
-    try:
-        if model_spec.get("name_or_path"):
-            name, revision = model_spec["name_or_path"], model_spec.get("revision")
-            config = transformers.AutoConfig.from_pretrained(name, revision=revision, trust_remote_code=trust,
-                                                             **overrides)
-            _set_pad_token(config, tokenizer)
-            model = auto_class.from_pretrained(name, config=config, revision=revision, trust_remote_code=trust,
-                                               attn_implementation=attention)
-        else:
-            config = _config_for_architecture(model_spec.get("architecture"), overrides)
-            _set_pad_token(config, tokenizer)
-            torch.manual_seed(spec.get("training", {}).get("seed", 42))
-            model = auto_class.from_config(config, attn_implementation=attention, trust_remote_code=trust)
-    except SpecError:
-        raise
-    except ImportError as err:
-        raise spec_error(f"attention {attention!r} cannot be used here: {_first_line(err)}",
-                         path=("model", "attention"),
-                         hint="install the package it names (flash-attn needs a CUDA GPU) or use sdpa") from None
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise _loading_error(model_spec, task, attention, err) from None
 
-    _check_vocab(spec, model, tokenizer)
-    return model
+def build_skeleton(spec: dict, tokenizer=None):
+    """The spec's model on the meta device: its config, parameter names and shapes, no weights.
+
+    What an export fills with saved weights (`load_state_dict(assign=True)`): nothing is read from a
+    checkpoint's weight files and no memory is spent on a random initialisation.
+    """
+    import torch
+
+    with torch.device("meta"):
+        if spec["model"].get("architecture") == "mlp" and not spec["model"].get("name_or_path"):
+            from jobspec.train.mlp import build_mlp
+            return build_mlp(spec)
+        try:
+            auto_class, config = build_config(spec, tokenizer)
+            return auto_class.from_config(config, trust_remote_code=bool(spec["model"].get("trust_remote_code")))
+        except SpecError:
+            raise
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise _loading_error(spec["model"], spec["model"].get("task", "sequence-classification"),
+                                 spec["model"].get("attention", "sdpa"), err) from None
 
 
 def _config_for_architecture(architecture: str | None, overrides: dict):
@@ -120,7 +156,7 @@ def _config_for_architecture(architecture: str | None, overrides: dict):
     try:
         return AutoConfig.for_model(architecture, **overrides)
     except (TypeError, ValueError) as err:
-        raise spec_error(f"invalid config for {architecture}: {_first_line(err)}", path=("model", "config"),
+        raise spec_error(f"invalid config for {architecture}: {first_line(err)}", path=("model", "config"),
                          hint="check the field names against the architecture's transformers config") from None
 
 
@@ -154,7 +190,7 @@ def _check_vocab(spec: dict, model, tokenizer) -> None:
 
 
 def _loading_error(model_spec: dict, task: str, attention: str, err: Exception) -> SpecError:
-    text = _first_line(err)
+    text = first_line(err)
     if "attn" in text.lower() or "attention" in text.lower():
         return spec_error(f"attention {attention!r} is not supported by this model: {text}",
                           path=("model", "attention"), hint="use sdpa or eager")
@@ -171,8 +207,3 @@ def _warn_remote_code(model_spec: dict) -> None:
         print(f"WARNING: model.trust_remote_code is true: Python code from {model_spec.get('name_or_path')!r} "
               "will run on this machine with your permissions. Only do this for repositories you trust.",
               file=sys.stderr, flush=True)
-
-
-def _first_line(err: Exception) -> str:
-    text = str(err).strip() or type(err).__name__
-    return text.splitlines()[0]

@@ -36,7 +36,7 @@ import shutil
 from pathlib import Path
 
 from jobspec import rundir
-from jobspec.errors import RunFailure
+from jobspec.errors import RunFailure, first_line
 
 INJECT_AT_STEP_ENV = "JOBSPEC_INJECT_OOM_AT_STEP"
 INJECT_RANK_ENV = "JOBSPEC_INJECT_OOM_RANK"
@@ -86,7 +86,7 @@ class OomGuard:
         except torch.OutOfMemoryError as err:
             if self.policy != "halve_micro_batch":
                 raise self._failure(step, "forward", err, "training.on_oom is 'fail'") from None
-            oom, loss = f"forward: {_first_line(err)}", None
+            oom, loss = f"forward: {first_line(err)}", None
         if self.policy == "halve_micro_batch" and self._vote(oom):
             self.pending = oom or "forward: out of memory on another rank"
             return None
@@ -101,7 +101,7 @@ class OomGuard:
         except torch.OutOfMemoryError as err:
             if self.policy != "halve_micro_batch":
                 raise self._failure(step, "backward", err, "training.on_oom is 'fail'") from None
-            oom = f"backward: {_first_line(err)}"
+            oom = f"backward: {first_line(err)}"
         if self.policy == "halve_micro_batch" and self._vote(oom):
             self.pending = oom or "backward: out of memory on another rank"
             return False
@@ -180,8 +180,8 @@ class OomGuard:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control)
         return bool(flag.item())
 
-    def _failure(self, step: int, where: str | None, err, why: str):
-        detail = f": {_first_line(err)}" if err is not None else ""
+    def _failure(self, step: int, where: str | None, err, why: str) -> RunFailure:
+        detail = f": {first_line(err)}" if err is not None else ""
         return RunFailure(
             f"out of memory in optimizer step {step} ({where}{detail}) with micro-batch {self.micro}; {why}; "
             "run `jobspec plan JOB --fit` for settings that fit (checkpointing, ZeRO stage, offload), "
@@ -198,11 +198,6 @@ def halved_run_files(files, micro: int, accumulation: int):
     launch = copy.deepcopy(files.launch)
     launch["derived"].update(micro_batch_size=micro, gradient_accumulation_steps=accumulation)
     return dataclasses.replace(files, spec=spec, ds_config=ds_config, launch=launch)
-
-
-def _first_line(err) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _barrier() -> None:

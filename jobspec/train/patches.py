@@ -22,9 +22,8 @@ import inspect
 from typing import Callable
 
 from jobspec.errors import spec_error
+from jobspec.spec.optimizers import CLIENT_OPTIMIZERS, DEEPSPEED_OPTIMIZERS
 
-# Optimizers DeepSpeed builds itself from the ds_config `optimizer` block; no client optimizer.
-DEEPSPEED_OPTIMIZERS = ("adamw", "sgd")
 # Attribute paths where transformers models keep their stack of transformer layers.
 LAYER_STACK_PATHS = ("encoder.layer", "h", "layers", "decoder.layers", "encoder.layers", "block", "blocks")
 
@@ -233,10 +232,7 @@ def build_client_optimizer(model, args: dict):
         # that is what keeps Adafactor's state small. Adam's eps does not apply (Adafactor has its own).
         return Adafactor(groups, lr=lr, relative_step=False, scale_parameter=False, warmup_init=False)
     raise spec_error(f"unknown optimizer {name!r}", path=("training", "optimizer", "name"),
-                     hint=f"use one of adamw, sgd, {', '.join(CLIENT_OPTIMIZERS)}")
-
-
-CLIENT_OPTIMIZERS = ("adamw_8bit", "adafactor")
+                     hint=f"use one of {', '.join(DEEPSPEED_OPTIMIZERS + CLIENT_OPTIMIZERS)}")
 
 
 def parameter_groups(model, weight_decay: float) -> list[dict]:

@@ -51,6 +51,7 @@ class Progress:
         self.stream = stream or sys.stdout
         self._t0 = time.monotonic()
         self._bar = None
+        self._postfix: dict = {}
         if self.mode == "bar":
             from tqdm.auto import tqdm
             self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
@@ -70,13 +71,20 @@ class Progress:
         if self.mode == "lines":
             print(format_line(step, self.total, metrics, self.eta_s(step)), file=self.stream, flush=True)
         elif self._bar is not None:
-            postfix = {}
             if "train/loss" in metrics:
-                postfix["loss"] = f"{metrics['train/loss']:.4f}"
+                self._postfix["loss"] = f"{metrics['train/loss']:.4f}"
             if "perf/samples_per_s" in metrics:
-                postfix["samples/s"] = f"{metrics['perf/samples_per_s']:.1f}"
-            self._bar.set_postfix(postfix, refresh=False)
+                self._postfix["samples/s"] = f"{metrics['perf/samples_per_s']:.1f}"
+            self._bar.set_postfix(self._postfix, refresh=False)
             self.update(step)
+
+    def eval(self, step: int, loss: float) -> None:
+        """An eval result: its own line, or in the bar's postfix (lines between bar updates break it up)."""
+        if self._bar is not None:
+            self._postfix["eval"] = f"{loss:.4f}"
+            self._bar.set_postfix(self._postfix)
+        else:
+            self.message(f"step {step} eval/loss {loss:.4f}")
 
     def message(self, text: str) -> None:
         """A one-off line (eval, checkpoint) that does not break the bar."""
@@ -144,9 +152,11 @@ class RunState:
     last_loss: float | None = None
     eval_loss: float | None = None
     samples_per_s: list = field(default_factory=list)
+    rates: dict = field(default_factory=dict)   # tokens_per_s, tflops_per_device, mfu: one value per window
     peak_memory: dict = field(default_factory=dict)
     resumed_from: str | None = None
     last_checkpoint: str | None = None
+    exports: dict = field(default_factory=dict)   # model directories written (jobspec/train/export.py)
 
 
 class StepReporter:
@@ -210,6 +220,9 @@ class StepReporter:
         self.state.last_loss = out["train/loss"]
         self.state.samples += int(samples)
         self.state.samples_per_s.append(out["perf/samples_per_s"])
+        for key in ("tokens_per_s", "tflops_per_device", "mfu"):
+            if f"perf/{key}" in out:
+                self.state.rates.setdefault(key, []).append(out[f"perf/{key}"])
         if self.rank == 0:
             self.sink.log(out, step=step)
             self.progress.log(step, out)
@@ -218,12 +231,15 @@ class StepReporter:
     def log_eval(self, step: int, loss: float) -> None:
         if self.rank == 0:
             self.sink.log({"eval/loss": loss}, step=step)
-            self.progress.message(f"step {step} eval/loss {loss:.4f}")
+            self.progress.eval(step, loss)
 
 
 def summarize(state: RunState, status: str, total_steps: int, started: float, error: str | None = None) -> dict:
-    # the first window pays for warm-up (allocation, JIT); leave it out when there are others
-    steady = state.samples_per_s[1:] or state.samples_per_s
+    def steady(values: list) -> float | None:
+        # the first window pays for warm-up (allocation, JIT); leave it out when there are others
+        values = values[1:] or values
+        return sum(values) / len(values) if values else None
+
     summary = {
         "status": status,
         "steps": state.step,
@@ -231,11 +247,13 @@ def summarize(state: RunState, status: str, total_steps: int, started: float, er
         "samples": state.samples,
         "final_loss": state.last_loss,
         "eval_loss": state.eval_loss,
-        "samples_per_s": sum(steady) / len(steady) if steady else None,
+        "samples_per_s": steady(state.samples_per_s),
+        **{key: steady(state.rates.get(key, [])) for key in ("tokens_per_s", "tflops_per_device", "mfu")},
         "peak_memory": state.peak_memory,
         "elapsed_s": round(time.time() - started, 3),
         "resumed_from": state.resumed_from,
         "checkpoint": state.last_checkpoint,
+        "exports": state.exports,
     }
     if error is not None:
         summary["error"] = error

@@ -19,15 +19,19 @@ import time
 import traceback
 from pathlib import Path
 
-from jobspec import rundir
+from jobspec import lifeline, rundir, trace
 from jobspec.errors import EXIT_INVALID, EXIT_RUN_FAILED, RunFailure, SpecError
 from jobspec.rundir import RunFiles
+from jobspec.train.hf_dir import ExportFailed
 from jobspec.train.faults import NanGuard, NonFiniteLoss
 from jobspec.train.oom import OomGuard
 from jobspec.train.engine import build_engine, loss_of, reshard_plan, resume, share_cpu_threads
 from jobspec.train.progress import RunState, StepReporter, Window, summarize
 from jobspec.train.reshard import replace_ds_config
 from jobspec.train.stopping import StopFlag, StopVote
+
+
+TRACKING_WAIT_S = 120.0  # then metrics.jsonl only (`jobspec sync` uploads it later)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,7 +52,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INVALID
     except RunFailure as err:  # the spec was fine; the run was not: one line, exit 1
         _write_failure(run_dir, state, started, err.reason)
-        print(f"ERROR: {err.reason}", file=sys.stderr, flush=True)
+        # a failure every rank shares (an export's broadcast error) is printed once
+        if not (err.collective or isinstance(err, ExportFailed)) or int(os.environ.get("RANK", "0")) == 0:
+            print(f"ERROR: {err.reason}", file=sys.stderr, flush=True)
         return EXIT_RUN_FAILED
     except NonFiniteLoss as err:  # training.on_nan: stop -- a clear failure, not a traceback
         if err.step:  # found at a log/checkpoint boundary: the good steps end before the bad one
@@ -67,13 +73,25 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
     files = rundir.read_run_files(run_dir)
     stop = StopFlag()
     stop.install()
+    # a SIGKILLed launcher cannot end us: we end the job ourselves once it is gone
+    lifeline.watch_launcher(lambda record: lifeline.end_orphaned_job(record, os.environ.get("MASTER_PORT")))
+    _phase("start", _process_start(), 0.0)
+    _phase("worker", started)
 
     import deepspeed
     import torch.distributed as dist
 
+    from jobspec.train.export import ModelExporter
+    from jobspec import ops
     from jobspec.train.progress import NullProgress, Progress
 
+    _phase("imported")
+    ops.share_cpu_info(run_dir / rundir.CPU_INFO)
+    # first-run op compiles happen here, announced, instead of in silence inside DeepSpeed
+    ops.ensure_built(ops.needed_ops(files.ds_config), announce=_node_leader_says)
+    _phase("ops")
     deepspeed.init_distributed()
+    _phase("distributed")
     share_cpu_threads()
     # Stop votes go over gloo on the host: an NCCL vote would sync the GPU at every step.
     control = dist.new_group(backend="gloo")
@@ -86,12 +104,14 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
     rank, total_steps = dist.get_rank(), files.derived["total_steps"]
     if reshard is not None:
         pending_rng = reshard.adjust(state, files.derived["micro_batch_size"], files.spec["training"]["seed"], rank)
+    _phase("resumed")
     progress = Progress(total_steps, state.step) if rank == 0 else NullProgress()
-    rundir.wait_for_tracking(run_dir)  # the launcher makes the MLflow run while we start; "failed" stops all
-    sink = _open_sink(run_dir) if rank == 0 else None
+    sink = _open_sink(run_dir, files.launch) if rank == 0 else None
+    _phase("sink")
     try:
-        for note in patch_notes:
-            progress.message(note)
+        for note in patch_notes:  # the launch header lists the patches; the details go to launcher.log
+            if rank == 0:
+                trace.note(note)
         if reshard is not None:
             progress.message(reshard.message(state.step))
         if state.resumed_from:
@@ -104,13 +124,19 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
         telemetry = StepReporter(engine, files.spec, files.derived, files.patches, sink, progress, rank, state)
         oom_guard = OomGuard(files, run_dir=run_dir, rank=rank, control_group=control, build_engine=build_engine,
                              progress=progress, sink=sink, telemetry=telemetry)
+        exporter = ModelExporter(files, run_dir, rank, control, progress)
+        exporter.check_writable()
+        _phase("loop")
         del engine  # train_loop holds the only reference: an OOM recovery (jobspec.train.oom) must free it
         vote = StopVote(stop, control, dist.get_world_size())
         try:
             status = train_loop(telemetry.engine, files, train_ds, eval_ds, state, telemetry, progress,
-                                stop=vote, pending_rng=pending_rng, nan_guard=nan_guard, oom_guard=oom_guard)
+                                stop=vote, pending_rng=pending_rng, nan_guard=nan_guard, oom_guard=oom_guard,
+                                exporter=exporter)
         finally:
             vote.close()
+        if status == "finished":  # after the final checkpoint: a failed export loses no training
+            exporter.final(telemetry.engine, state)
         if rank == 0:
             rundir.write_summary(run_dir, summarize(state, status, total_steps, started))
     finally:
@@ -122,7 +148,7 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
 
 def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, telemetry: "StepReporter", progress,
                *, stop, pending_rng: dict | None, nan_guard: NanGuard | None = None,
-               oom_guard: OomGuard | None = None) -> str:
+               oom_guard: OomGuard | None = None, exporter=None) -> str:
     """Optimizer steps until `derived.total_steps` ("finished") or an agreed stop ("preempted").
 
     `stop(step)` is asked after every optimizer step (jobspec.train.stopping.StopVote). Per
@@ -151,16 +177,21 @@ def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, tele
             zero_stage=files.ds_config.get("zero_optimization", {}).get("stage", 0),
             micro_batch_size=derived["micro_batch_size"])
         progress.message(f"checkpoint {state.last_checkpoint} saved to {ckpt['dir']}")
+        if exporter is not None:
+            exporter.after_checkpoint(engine, state, ckpt["dir"])
 
     def run_eval():
         if eval_ds is not None:
             loader = make_loader(eval_ds, epoch=0, shuffle=False, skip_batches=0, **loader_args)
             state.eval_loss = evaluate(engine, loader)
             telemetry.log_eval(state.step, state.eval_loss)
+            if exporter is not None:
+                exporter.after_eval(engine, state)
 
     engine.train()
     window = Window()
     empty_epochs = 0
+    first_step = state.step + 1  # its end is the start-up's end (bench/startup.py)
     while state.step < total_steps:
         batches = iter(make_loader(train_ds, epoch=state.epoch, shuffle=data["shuffle"],
                                    skip_batches=state.batches_in_epoch, **loader_args))
@@ -193,6 +224,8 @@ def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, tele
                 continue
             state.step += 1
             window.steps += 1
+            if state.step == first_step:
+                _phase("first-step")
             progress.update(state.step)
             last = state.step >= total_steps
             if (state.step % every_log == 0 or last) and window.micro_batches:
@@ -260,8 +293,26 @@ def _any_rank(flag: bool, group) -> bool:
     return bool(t.item())
 
 
-def _open_sink(run_dir: Path):
-    from jobspec.tracking.telemetry import MetricSink
+def _phase(name: str, at: float | None = None, cpu: float | None = None) -> None:
+    """Start-up timestamps of this rank, for launcher.log (bench/startup.py)."""
+    trace.phase(f"rank{os.environ.get('RANK', '0')}", name, at, cpu)
+
+
+def _process_start() -> float:
+    import psutil
+    return psutil.Process().create_time()
+
+
+def _node_leader_says(text: str) -> None:
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # once per node, not once per rank
+        sys.stdout.write(f"jobspec: {text}\n")  # one write: the node's ranks share the pipe
+        sys.stdout.flush()
+
+
+def _open_sink(run_dir: Path, launch: dict):
+    from jobspec.tracking.sink import MetricSink
+    if launch.get("mlflow_run") == "pending":  # the launcher creates the run while the ranks start
+        rundir.wait_for_tracking(run_dir, timeout_s=TRACKING_WAIT_S)
     return MetricSink.open(run_dir)
 
 

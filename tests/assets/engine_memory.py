@@ -1,4 +1,4 @@
-"""Per-rank bytes of the model-state tensors a real DeepSpeed engine holds (for tests/test_planner_engine.py).
+"""Per-rank bytes of the model-state tensors a real DeepSpeed engine holds (for tests/memory/test_planner_engine.py).
 
 Run under the deepspeed runner:
     deepspeed --num_gpus 2 tests/assets/engine_memory.py --run-dir DIR

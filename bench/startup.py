@@ -1,0 +1,151 @@
+"""Where the start-up of `jobspec launch` goes: from the command to the end of the first training step.
+
+    python -m bench.startup                      # the quickstart, 3 launches (the first one also
+                                                 # creates the MLflow store)
+    python -m bench.startup --repeats 5 --job jobs/quickstart.yaml --set training.max_steps=10
+
+Each launch runs in a new output directory with its own SQLite store (a launch that finds a new
+store pays for creating its tables: the `cold store` row). The phases are timestamps the launcher
+and rank 0 write to launcher.log (`jobspec-log: phase ...`, jobspec/trace.py), the bench's own
+clock before the command, and the end of the whole command. Rank 0's phases are the critical path:
+rank 1 runs the same steps at the same time. The load average of the machine is printed next to
+each launch: on a shared machine, other work slows every phase.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PHASE = re.compile(r"^jobspec-log: phase (\S+) (\S+) ([0-9.]+) ([0-9.]+)$", re.M)
+# (label, from, to): consecutive marks of the launch's critical path
+STEPS = [
+    ("launcher: python, imports, validate, plan", "cmd", "launcher/planned"),
+    ("launcher: run dir, compile, header", "launcher/planned", "launcher/runner"),
+    ("DeepSpeed runner + launch.py start rank 0", "launcher/runner", "rank0/start"),
+    ("rank: python + jobspec imports", "rank0/start", "rank0/worker"),
+    ("rank: import deepspeed, torch", "rank0/worker", "rank0/imported"),
+    ("rank: ops ready (built or cached)", "rank0/imported", "rank0/ops"),
+    ("rank: init_distributed (gloo, shm op)", "rank0/ops", "rank0/distributed"),
+    ("rank: import model code (transformers)", "rank0/distributed", "rank0/imported-model-code"),
+    ("rank: build model + patches", "rank0/imported-model-code", "rank0/model"),
+    ("rank: data", "rank0/model", "rank0/data"),
+    ("rank: deepspeed.initialize", "rank0/data", "rank0/engine"),
+    ("rank: resume check", "rank0/engine", "rank0/resumed"),
+    ("rank: progress + metric sink (waits for the MLflow run)", "rank0/resumed", "rank0/sink"),
+    ("rank: guards, reporter", "rank0/sink", "rank0/loop"),
+    ("rank: first optimizer step", "rank0/loop", "rank0/first-step"),
+]
+
+
+def load_average() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def launch(job: str, work: Path, store: Path, sets: list[str]) -> dict:
+    import psutil
+
+    out = work / "out"
+    cmd = [sys.executable, "-m", "jobspec", "launch", job, "--set", f"output_dir={out}",
+           "--set", f"logging.mlflow.tracking_uri=sqlite:///{store}", "--set", "logging.progress=lines",
+           *[x for s in sets for x in ("--set", s)]]
+    load = load_average()
+    started = time.time()
+    proc = subprocess.Popen(cmd, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # DeepSpeed's runner and launch.py write no timestamps of their own: their CPU time until the
+    # ranks exist is their start-up (afterwards they only wait for the ranks)
+    helpers: dict[str, float] = {}
+    parent = psutil.Process(proc.pid)
+    ranks_seen = False
+    while proc.poll() is None and not ranks_seen:
+        try:
+            for child in parent.children(recursive=True):
+                line = " ".join(child.cmdline())
+                ranks_seen |= "jobspec.train.worker" in line and "launcher" not in line
+                kind = "runner" if ("launcher.runner" in line or "bin/deepspeed" in line) else \
+                    "launch.py" if "launcher.launch" in line else None
+                if kind:
+                    times = child.cpu_times()
+                    helpers[kind] = max(helpers.get(kind, 0.0), times.user + times.system)
+        except psutil.Error:
+            pass
+        time.sleep(0.05)
+    proc.wait()
+    output = proc.stdout.read()
+    ended = time.time()
+    if proc.returncode != 0:
+        raise SystemExit(f"launch failed ({proc.returncode}):\n{output[-5000:]}")
+    run_dir = max(out.glob("run-*"))
+    marks, cpu = {"cmd": started, "end": ended}, {"cmd": 0.0}
+    for who, name, at, used in PHASE.findall((run_dir / "launcher.log").read_text(errors="replace")):
+        marks.setdefault(f"{who}/{name}", float(at))
+        cpu.setdefault(f"{who}/{name}", float(used))
+    tracking = run_dir / "mlflow_run.json"
+    if tracking.exists():
+        marks["mlflow run ready"] = tracking.stat().st_mtime
+    return {"marks": marks, "cpu": cpu, "helpers": helpers, "load": load}
+
+
+def cpu_of(run: dict, start: str, end: str) -> float | None:
+    """CPU seconds of the process on the critical path between two marks (one process per step)."""
+    if start == "launcher/runner" and end == "rank0/start":
+        return sum(run["helpers"].values()) or None
+    if start == "cmd":
+        start = "launcher/start"
+    cpu = run["cpu"]
+    if start in cpu and end in cpu and start.split("/")[0] == end.split("/")[0]:
+        return cpu[end] - cpu[start]
+    return None
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--job", default=str(REPO / "jobs" / "quickstart.yaml"))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    args = parser.parse_args(argv)
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="jobspec-startup-") as tmp:
+        store = Path(tmp) / "mlflow.db"   # created by the first launch, found by the others
+        for i in range(args.repeats):
+            work = Path(tmp) / f"launch-{i + 1}"
+            work.mkdir()
+            runs.append(launch(args.job, work, store, args.sets))
+            marks = runs[-1]["marks"]
+            print(f"launch {i + 1}/{args.repeats} ({'cold' if i == 0 else 'warm'} store): command to first step "
+                  f"{marks['rank0/first-step'] - marks['cmd']:.1f} s, whole command "
+                  f"{marks['end'] - marks['cmd']:.1f} s (load average before: {runs[-1]['load']})", flush=True)
+    print()
+    print(f"| phase | {' | '.join(f'launch {i + 1}' for i in range(len(runs)))} | median | CPU s (median) |")
+    print(f"| --- | {' | '.join('---:' for _ in runs)} | ---: | ---: |")
+    rows = STEPS + [("MLflow run ready (after the runner started; in parallel)", "launcher/runner", "mlflow run ready"),
+                    ("**command to first step**", "cmd", "rank0/first-step"),
+                    ("first step to the end (training, eval, checkpoint, summary)", "rank0/first-step", "end"),
+                    ("**whole command**", "cmd", "end")]
+    critical_cpu = []
+    for label, start, end in rows:
+        values = [r["marks"][end] - r["marks"][start] if start in r["marks"] and end in r["marks"] else None
+                  for r in runs]
+        known = [v for v in values if v is not None]
+        cpus = [c for c in (cpu_of(r, start, end) for r in runs) if c is not None]
+        if (start, end) in [(a, b) for _, a, b in STEPS] and cpus:
+            critical_cpu.append(statistics.median(cpus))
+        cells = [f"{v:.2f}" if v is not None else "-" for v in values]
+        median = f"{statistics.median(known):.2f}" if known else "-"
+        cpu_cell = f"{statistics.median(cpus):.2f}" if cpus else ""
+        print(f"| {label} | {' | '.join(cells)} | {median} | {cpu_cell} |")
+    print(f"| load average (1, 5, 15 min) before | {' | '.join(r['load'] for r in runs)} | | |")
+    print(f"\nCPU seconds on the critical path to the first step (launcher, runner + launch.py, rank 0; "
+          f"about the wall time on an idle 2-core machine): {sum(critical_cpu):.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,68 @@
+"""Build the DeepSpeed ops a job needs ahead of time, so its first launch starts training at once.
+
+DeepSpeed compiles some C++ ops (the CPU ranks' shared-memory all-reduce, the fused and CPU Adam
+kernels, NVMe I/O) the first time a process loads them: 15 s to minutes each, cached afterwards
+in TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions/). `jobspec launch` builds what is
+missing before training and says so; `prepare` does it beforehand, e.g. in a CI job or while
+building a container image. It builds for this machine's accelerator (CPU or CUDA): run it where
+the job will run, or on an identical image. Ops that cannot be built here (a missing compiler or
+library) are listed with DeepSpeed's reason; exit 1 if one of them is needed by a JOB.
+
+examples:
+  jobspec prepare jobs/quickstart.yaml
+  jobspec prepare --all          # every op a jobspec job can load (CI, images)
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from jobspec.commands import add_set_argument
+from jobspec.errors import RunFailure, spec_error
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("jobs", nargs="*", metavar="JOB", help="job spec YAML file(s)")
+    add_set_argument(parser)
+    parser.add_argument("--all", action="store_true", help="build every op a jobspec job can load")
+
+
+def run(args: argparse.Namespace) -> int:
+    from jobspec import ops
+
+    if not args.jobs and not args.all:
+        raise spec_error("name a job to prepare, or pass --all", path=("JOB",),
+                         hint="e.g. jobspec prepare jobs/quickstart.yaml")
+    needed = list(dict.fromkeys(op for job in args.jobs for op in job_ops(job, args.overrides)))
+    wanted = list(dict.fromkeys(needed + (list(ops.ALL_OPS) if args.all else [])))
+    states = ops.ensure_built(wanted, announce=lambda text: print(f"jobspec: {text}", flush=True))
+    missing = []
+    for op in states:
+        if op.name is None:
+            continue
+        if op.why_not:
+            print(f"jobspec: DeepSpeed op {op.short} cannot be built here: {op.why_not}", file=sys.stderr)
+            if op.builder_name in needed:
+                missing.append(op.short)
+        else:
+            print(f"jobspec: DeepSpeed op {op.short} ready ({ops.home_relative(op.build_dir)})", flush=True)
+    if missing:
+        raise RunFailure(f"the job needs DeepSpeed op(s) {', '.join(missing)}, which cannot be built on this "
+                         "machine (reasons above)")
+    return 0
+
+
+def job_ops(job: str, overrides: list[str]) -> list[str]:
+    """The op builders the compiled job loads (compiled exactly as `jobspec launch` would)."""
+    from jobspec import hardware, ops
+    from jobspec.compile.compiler import compile_spec
+    from jobspec.memory import at_launch
+    from jobspec.spec.inputs import derive_job
+    from jobspec.spec.validation import load_and_validate
+
+    resolved = load_and_validate(job, overrides)
+    # `memory.fit: auto` may switch to optimizer offload (CPU Adam): decide as the launch will
+    gpu_free = hardware.gpu_free_bytes(resolved.spec["resources"]["gpus_per_node"])
+    resolved, derived, _ = at_launch.prepare(resolved, derive_job(resolved.spec), gpu_free,
+                                             bf16_supported=hardware.bf16_supported())
+    compiled = compile_spec(resolved.spec, derived, run_dir="RUN_DIR")
+    return ops.needed_ops(compiled.ds_config)

@@ -1,0 +1,284 @@
+"""What `jobspec launch` tells its user: the header before anything starts and the closing summary.
+
+Pure: the resolved spec, its DerivedJob, the launch's memory decisions, the host found, the compiled
+patches, summary.json and the MLflow run record in; lines of text out. Numbers come from those
+inputs as they are (the derived job, the planner, the worker's summary), never recomputed here.
+`style=True` (a terminal, the progress bar's mode) makes the labels bold; the words are the same.
+"""
+from __future__ import annotations
+
+import os
+import re
+from urllib.parse import urlsplit
+
+from jobspec.memory.planner import fmt_bytes
+
+MiB = 2**20
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# "Sized for GPUs" (said when such a job runs on CPU ranks): the planner's time per step on this
+# host's cores above this, or the plan's memory for the node's ranks above the host's available RAM.
+CPU_STEP_LIMIT_S = 10.0
+MLFLOW_UI = "http://127.0.0.1:5000"   # where `mlflow ui` serves by default
+
+
+# --- formatting ----------------------------------------------------------------------------------
+
+def fmt_count(n: int | float | None) -> str:
+    if n is None:
+        return "?"
+    for size, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(n) >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{n:.0f}"
+
+
+def fmt_duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    if seconds < 60:
+        return f"{seconds:.1f} s" if seconds < 10 else f"{seconds:.0f} s"
+    if seconds < 3600:
+        return f"{seconds / 60:.1f} min"
+    if seconds < 86400 * 2:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"
+
+
+def fmt_mib(mib: float | None) -> str:
+    return "?" if mib is None else fmt_bytes(mib * MiB)
+
+
+def label(name: str, style: bool) -> str:
+    text = f"  {name:<12}"
+    return f"\x1b[1m{text}\x1b[0m" if style else text
+
+
+def _title(text: str, style: bool) -> str:
+    return f"\x1b[1mjobspec: {text}\x1b[0m" if style else f"jobspec: {text}"
+
+
+def plain(lines: list[str]) -> str:
+    """The block without terminal styling (summary.json, the MLflow run description)."""
+    return "\n".join(ANSI.sub("", line) for line in lines)
+
+
+# --- MLflow ------------------------------------------------------------------------------------
+
+def mlflow_open(tracking_uri: str, experiment_id: str, run_id: str) -> str:
+    """How to look at the run: its URL on a tracking server, or the `mlflow ui` command for a local store."""
+    parts = urlsplit(tracking_uri)
+    page = f"/#/experiments/{experiment_id}/runs/{run_id}"
+    if parts.scheme in ("http", "https"):
+        return tracking_uri.rstrip("/") + page
+    if parts.scheme in ("sqlite", "file", ""):
+        store = _absolute_store(tracking_uri)
+        return f"mlflow ui --backend-store-uri {store}  then  {MLFLOW_UI}{page}"
+    return f"run {run_id} in experiment {experiment_id} at {tracking_uri}"
+
+
+def _absolute_store(uri: str) -> str:
+    """sqlite:///mlflow.db is relative to where jobspec ran: make it work from any directory."""
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        return "sqlite:///" + os.path.abspath(uri[len("sqlite:///"):])
+    if "://" not in uri:
+        return os.path.abspath(uri)
+    return uri
+
+
+def tracking_lines(info: dict | None, experiment: str | None = None, *, style: bool = False) -> list[str]:
+    if not info:
+        return []
+    named = f" in experiment {experiment!r}" if experiment else ""
+    return [label("MLflow", style) + f"run {info['run_id']}{named}",
+            label("", style) + mlflow_open(info["tracking_uri"], info["experiment_id"], info["run_id"])]
+
+
+# --- the header ----------------------------------------------------------------------------------
+
+def header_lines(spec: dict, job, memory, host, patches: list, *, style: bool = False) -> list[str]:
+    """The lines printed before anything starts. `job`: DerivedJob; `memory`: memory.at_launch.LaunchMemory;
+    `host`: launch.host.Host; `patches`: the compiled patches.json entries."""
+    model = spec["model"]
+    name = model.get("name_or_path") or model.get("architecture") or "?"
+    lines = [_title(f"{spec['name']}: {name} {model['task']}, {fmt_count(job.num_parameters)} parameters", style)]
+    mem = spec["memory"]
+    offload = [f"{what} to {where}" for what, where in (("optimizer", mem["offload"]["optimizer"]),
+                                                         ("parameters", mem["offload"]["params"])) if where != "none"]
+    accumulation = f" x {job.gradient_accumulation_steps} accumulation" if job.gradient_accumulation_steps > 1 else ""
+    lines.append(label("training", style) + f"{job.precision} · ZeRO-{mem['zero_stage']} · "
+                 f"{'offload ' + ', '.join(offload) if offload else 'no offload'} · global batch "
+                 f"{job.global_batch_size} ({job.micro_batch_size} per rank x {_ranks(job.world_size)}{accumulation}) · "
+                 f"{job.total_steps} steps · sequence length {job.seq_len}")
+    lines.append(label("hardware", style) + hardware_text(job, host))
+    lines.append(label("memory", style) + memory_text(job, memory, host))
+    described = [patch_text(p) for p in patches]
+    if described:
+        lines.append(label("model", style) + " · ".join(d for d in described if d))
+    return lines
+
+
+def hardware_text(job, host) -> str:
+    per_node = job.gpus_per_node
+    nodes = f" per node x {job.nodes} nodes" if job.nodes > 1 else ""
+    if host.has_gpu:
+        names = sorted(set(host.gpu_names))
+        return f"{', '.join(names)} x {len(host.gpu_names)} on this host; world size {job.world_size} " \
+               f"({per_node} rank{'s' if per_node > 1 else ''}{nodes})"
+    return f"no GPU: {per_node} CPU {_ranks(per_node).split(' ', 1)[1]}{nodes} on {host.cpus} " \
+           f"CPU core{'s' if host.cpus != 1 else ''}; world size {job.world_size}"
+
+
+def memory_text(job, memory, host) -> str:
+    plan = memory.plan
+    if plan is None:
+        return "no plan for this model (see the line above)"
+    if host.has_gpu:
+        text = (f"plan {fmt_bytes(plan.nvml_total)} per GPU (peak allocated {fmt_bytes(plan.peak_allocated)} "
+                f"+ allocator and CUDA context)")
+        if host.gpu_free is not None:
+            verdict = "fits" if plan.nvml_total <= host.gpu_free else "DOES NOT FIT"
+            total = f" of {fmt_bytes(host.gpu_total)}" if host.gpu_total else ""
+            text += f" · {fmt_bytes(host.gpu_free)} free{total}: {verdict}"
+        if memory.budget is not None and memory.budget_source == "memory.gpu_memory":
+            text += f" · budget {fmt_bytes(memory.budget)} (memory.gpu_memory)"
+        return text
+    per_rank = plan.peak_reserved + plan.host_total
+    node = per_rank * job.gpus_per_node
+    text = f"plan {fmt_bytes(per_rank)} of tensors per rank"
+    if job.gpus_per_node > 1:
+        text += f", {fmt_bytes(node)} for {_ranks(job.gpus_per_node)}"
+    if host.ram_available is not None:
+        text += f" · host RAM {fmt_bytes(host.ram_available)} available of {fmt_bytes(host.ram_total)}"
+    return text
+
+
+def patch_text(patch: dict) -> str:
+    name, args = patch.get("name"), patch.get("args") or {}
+    if name == "attention_implementation":
+        return f"attention {args.get('implementation')}"
+    if name == "gradient_checkpointing":
+        every = args.get("every_n_layers", 1)
+        return "activation checkpointing " + ("every layer" if every == 1 else f"one layer in {every}")
+    if name == "tf32":
+        return f"tf32 {'on' if args.get('enabled', True) else 'off'}"
+    if name == "freeze":
+        patterns = args.get("patterns") or []
+        return f"frozen: {', '.join(patterns)}"
+    if name == "client_optimizer":
+        return f"optimizer {args.get('name')}, built by jobspec"
+    if name == "torch_compile":
+        return "torch.compile"
+    return str(name)
+
+
+def gpu_sized_warning(spec: dict, job, memory, host, step_time_s: float | None) -> list[str]:
+    """On a host without GPUs, why this job is sized for GPUs ([] when CPU ranks suit it).
+
+    `step_time_s`: the planner's estimate of one optimizer step on this host's CPU cores. The rule:
+    that estimate above CPU_STEP_LIMIT_S, or the plan's memory for this node's ranks above the
+    RAM available."""
+    if host.has_gpu:
+        return []
+    reasons = []
+    if step_time_s is not None and step_time_s > CPU_STEP_LIMIT_S:
+        reasons.append(f"the planner estimates {fmt_duration(step_time_s)} per step on these {host.cpus} CPU "
+                       f"core{'s' if host.cpus != 1 else ''} ({fmt_duration(step_time_s * (job.total_steps or 0))} "
+                       f"for {job.total_steps} steps)")
+    plan = memory.plan
+    if plan is not None and host.ram_available is not None:
+        node = (plan.peak_reserved + plan.host_total) * job.gpus_per_node
+        if node > host.ram_available:
+            reasons.append(f"its plan needs {fmt_bytes(node)} for {_ranks(job.gpus_per_node)}, more than the "
+                           f"{fmt_bytes(host.ram_available)} of RAM available")
+    if not reasons:
+        return []
+    if step_time_s is not None and not reasons[0].startswith("the planner"):
+        reasons.append(f"est. {fmt_duration(step_time_s)} per step")
+    return [f"WARNING: {spec['name']} is sized for GPUs and this host has none: " + "; ".join(reasons) + ".",
+            "  It runs on CPU ranks anyway (Ctrl-C stops it). Run it on a GPU host, or make it smaller: "
+            "model.config, training.micro_batch_size, data.synthetic.seq_len / data.max_length."]
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank{'s' if n != 1 else ''}"
+
+
+# --- the closing summary -------------------------------------------------------------------------
+
+def outcome_text(summary: dict, exit_code: int, user_signal: str | None, reason: str | None) -> str:
+    """The exit status in words."""
+    steps, total = summary.get("steps"), summary.get("total_steps")
+    at = f" at step {steps} of {total}" if steps is not None and total else ""
+    if user_signal:
+        return f"stopped by {user_signal}{at} (exit {exit_code}); the same command resumes from the last checkpoint"
+    if exit_code == 0 and summary.get("status") == "preempted":
+        return f"stopped early{at} with a checkpoint (exit 0); the same command continues from it"
+    if exit_code == 0:
+        done = f": {steps}/{total} steps" if steps is not None and total else ""
+        elapsed = summary.get("elapsed_s")
+        return f"finished{done}" + (f" in {fmt_duration(elapsed)}" if elapsed else "") + " (exit 0)"
+    first = (reason or summary.get("error") or "").strip().splitlines()
+    return f"FAILED{at} (exit {exit_code})" + (f": {first[0][:300]}" if first else "")
+
+
+def closing_lines(summary: dict | None, launch: dict, *, job_name: str, run_dir, checkpoint_dir: str,
+                  exit_code: int, user_signal: str | None = None, reason: str | None = None,
+                  tracking: dict | None = None, experiment: str | None = None, style: bool = False) -> list[str]:
+    """The block printed when the job ends, also kept in summary.json (`report`) and as the MLflow
+    run's description. `summary`: summary.json (None when no rank wrote one); `launch`: launch.json."""
+    summary = summary or {}
+    lines = [_title(f"{job_name} {outcome_text(summary, exit_code, user_signal, reason)}", style)]
+    losses = [f"{name} {summary[key]:.4f}" for name, key in (("train", "final_loss"), ("eval", "eval_loss"))
+              if isinstance(summary.get(key), (int, float))]
+    if losses:
+        lines.append(label("loss", style) + " · ".join(losses))
+    speed = throughput_text(summary)
+    if speed:
+        lines.append(label("throughput", style) + speed)
+    memory = peak_memory_text(summary.get("peak_memory") or {}, launch.get("plan") or {})
+    if memory:
+        lines.append(label("memory", style) + memory)
+    if summary.get("checkpoint"):
+        lines.append(label("checkpoint", style) + os.path.join(checkpoint_dir, summary["checkpoint"]))
+    for name, record in sorted((summary.get("exports") or {}).items()):
+        path = record.get("path") if isinstance(record, dict) else record
+        step = f" (step {record['step']})" if isinstance(record, dict) and record.get("step") is not None else ""
+        lines.append(label("model", style) + f"{name}: {path}{step}")
+    lines += tracking_lines(tracking, experiment, style=style)
+    lines.append(label("run dir", style) + str(run_dir))
+    return lines
+
+
+def throughput_text(summary: dict) -> str:
+    parts = []
+    if summary.get("samples_per_s"):
+        parts.append(f"{summary['samples_per_s']:.1f} samples/s")
+    if summary.get("tokens_per_s"):
+        parts.append(f"{summary['tokens_per_s']:,.0f} tokens/s")
+    if summary.get("tflops_per_device"):   # GPU ranks only: the peak FLOP/s of a CPU is unknown
+        parts.append(f"{summary['tflops_per_device']:.1f} TFLOP/s per GPU")
+    if summary.get("mfu"):
+        parts.append(f"MFU {100 * summary['mfu']:.1f}%")
+    return " · ".join(parts)
+
+
+def peak_memory_text(peaks: dict, plan: dict) -> str:
+    """Measured peaks (max over ranks and windows, MiB) next to the plan (launch.json `plan`, MiB)."""
+    def versus(measured_key: str, plan_key: str, what: str) -> str | None:
+        if measured_key not in peaks:
+            return None
+        planned = f" (plan {fmt_mib(plan[plan_key])})" if plan.get(plan_key) is not None else ""
+        return f"{what} {fmt_mib(peaks[measured_key])}{planned}"
+
+    parts = [versus("mem/peak_allocated_mib_max", "peak_allocated_mib", "peak allocated"),
+             versus("mem/peak_reserved_mib_max", "peak_reserved_mib", "reserved"),
+             versus("mem/nvml_used_mib_max", "nvml_total_mib", "GPU total")]
+    parts = [p for p in parts if p]
+    if parts:
+        return " · ".join(parts) + " per GPU"
+    if "mem/host_rss_mib_max" in peaks:   # CPU ranks: the process, Python and torch included
+        planned = ""
+        if plan.get("peak_reserved_mib") is not None:
+            planned = f" (plan: {fmt_mib(plan['peak_reserved_mib'] + plan.get('host_total_mib', 0))} of tensors)"
+        return f"peak host RSS {fmt_mib(peaks['mem/host_rss_mib_max'])} per rank{planned}"
+    return ""

@@ -1,0 +1,97 @@
+"""What a launch of a job would do with the checkpoints it finds: start fresh, resume at step K, or
+nothing because the job is complete. `jobspec launch` stops before creating anything when the job is
+complete (so the finished run's summary and MLflow run are never overwritten by an empty one), and
+`--dry-run` says which of the three a launch would do.
+
+Reads the checkpoint directory only (no torch). The layout is jobspec/train/checkpointing.py's:
+`<dir>/latest` names the newest complete checkpoint `step<N>`, whose `jobspec_manifest.json` is
+written last.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from jobspec import rundir
+from jobspec.launch import ownership
+
+LATEST = "latest"                       # checkpointing.LATEST
+MANIFEST = "jobspec_manifest.json"      # checkpointing.MANIFEST
+STEP_TAG = re.compile(r"^step(\d+)$")   # checkpointing.tag_for
+
+
+@dataclass(frozen=True)
+class Intent:
+    action: str                  # "fresh" | "resume" | "complete"
+    total_steps: int
+    step: int = 0                # the step training starts from
+    checkpoint: Path | None = None
+
+    def describe(self) -> str:
+        """What a launch would do, as the end of "a launch would ..."."""
+        if self.action == "complete":
+            return (f"do nothing: the job is complete ({self.checkpoint} is at step {self.step} of "
+                    f"{self.total_steps})")
+        if self.action == "resume":
+            return f"resume from {self.checkpoint} at step {self.step} and train to step {self.total_steps}"
+        return f"start fresh and train steps 1-{self.total_steps}"
+
+
+def decide(spec: dict, total_steps: int) -> Intent:
+    """The intent of a launch of `spec` now (`checkpoint.resume`: auto, never, or a checkpoint path)."""
+    resume, ckpt_dir = spec["checkpoint"]["resume"], Path(spec["checkpoint"]["dir"])
+    if resume == "never":
+        return Intent("fresh", total_steps)
+    if resume == "auto":
+        load_dir, tag = ckpt_dir, _read_latest(ckpt_dir)
+    else:
+        path = Path(resume)
+        load_dir, tag = (path, _read_latest(path)) if _read_latest(path) else (path.parent, path.name)
+    match = STEP_TAG.match(tag or "")
+    if match is None:
+        return Intent("fresh", total_steps)
+    step, checkpoint = int(match.group(1)), load_dir / tag
+    # a final checkpoint whose save did not complete is passed over by the ranks, which then train
+    action = "complete" if step >= total_steps and (checkpoint / MANIFEST).is_file() else "resume"
+    return Intent(action, total_steps, step, checkpoint)
+
+
+def _read_latest(directory: Path) -> str | None:
+    try:
+        return (directory / LATEST).read_text(encoding="utf-8").strip() or None
+    except OSError:
+        return None
+
+
+def finished_run_dir(output_dir: str | Path) -> Path | None:
+    """The newest run directory under `output_dir` whose summary says it finished."""
+    runs = sorted(Path(output_dir).glob("run-*"), reverse=True) if Path(output_dir).is_dir() else []
+    for run_dir in runs:
+        summary = rundir.read_summary(run_dir)
+        if summary and summary.get("status") == "finished" and summary.get("written_by") != "launcher":
+            return run_dir
+    return None
+
+
+def complete_lines(spec: dict, intent: Intent) -> list[str]:
+    """What `jobspec launch` says instead of launching a complete job."""
+    from jobspec.launch.console import mlflow_open
+
+    ckpt_dir = spec["checkpoint"]["dir"]
+    lines = [f"jobspec: {spec['name']} is already complete: checkpoint {intent.checkpoint} is at step "
+             f"{intent.step} of {intent.total_steps}. Nothing was started; the finished run's results are unchanged."]
+    previous = finished_run_dir(spec["output_dir"])
+    if previous is not None:
+        lines.append(f"  results     {previous}")
+        tracked = rundir.read_mlflow_run(previous)
+        if tracked:
+            lines.append(f"  MLflow      {mlflow_open(tracked['tracking_uri'], tracked['experiment_id'], tracked['run_id'])}")
+    else:
+        owner = ownership.read_owner(Path(ckpt_dir)) if Path(ckpt_dir).is_dir() else None
+        if owner and owner.get("mlflow_run_id"):
+            lines.append(f"  MLflow      run {owner['mlflow_run_id']}")
+    lines += [f"  to train again from scratch: --set output_dir=<a new directory> (checkpoints go there too), or "
+              f"delete {ckpt_dir}; or set checkpoint.dir to a new directory with `checkpoint.resume: never`",
+              f"  to train longer: --set training.max_steps=N with N > {intent.step} continues from step {intent.step}"]
+    return lines

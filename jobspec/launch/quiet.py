@@ -1,0 +1,132 @@
+"""A quiet terminal: which lines of the runner's and ranks' output `jobspec launch` shows.
+
+launcher.log always gets every byte. The terminal gets jobspec's own lines, the progress bar or
+lines, and every warning and error, but not the chatter of the libraries under it: DeepSpeed's
+INFO/DEBUG log records (accelerator, world info, spawn commands), its warnings that say nothing
+about the job ("Setting accelerator to CPU", no hostfile on a single node), torch's extension-loading
+lines, MLflow's and alembic's INFO records, and jobspec's launcher.log-only lines (jobspec/trace.py).
+`--verbose` shows it all.
+
+Output is relayed in chunks, so a line is held until its end is seen; a line that holds a carriage
+return (the progress bar redrawing itself) is shown as it comes, and what another rank writes after
+a redraw, on the same terminal line, is judged as a line of its own.
+The launcher's own MLflow records (it creates the run, and its SQLite tables the first time) are
+routed by `route_library_logs`.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import threading
+
+from jobspec.trace import LOG_ONLY
+
+ANSI = re.compile(rb"\x1b\[[0-9;]*[A-Za-z]")
+_DS_RECORD = rb"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}\] "
+HIDDEN = [re.compile(p) for p in (
+    _DS_RECORD + rb"\[(INFO|DEBUG)\] ",
+    _DS_RECORD + rb"\[WARNING\] \[[^\]]*\] (Setting accelerator to CPU|Unable to find hostfile"
+                 rb"|Attempting to get learning rate from scheduler before it has started)",
+    rb"DeepSpeed \S+ built successfully$",   # deepspeed.comm prints it on every rank, cached or not
+    rb"(Using \S+ as PyTorch extensions root|Emitting ninja build file|Building extension module"
+    rb"|Allowing ninja to set a default number of workers|Loading extension module|ninja: no work to do"
+    rb"|Time to load \S+ op:|Creating extension directory)",
+    rb"\d{4}/\d\d/\d\d \d\d:\d\d:\d\d INFO (mlflow|alembic)",
+    rb"INFO  \[alembic",
+    re.escape(LOG_ONLY.encode()),
+)]
+
+
+def hidden(line: bytes) -> bool:
+    text = ANSI.sub(b"", line).strip()
+    return any(pattern.match(text) for pattern in HIDDEN)
+
+
+class TerminalFilter:
+    """Feed it the relayed chunks; it returns what the terminal should get."""
+
+    def __init__(self):
+        self._held = b""      # the start of a line not shown yet
+        self._showing = False  # the current line's start was shown: show the rest as it comes
+
+    def feed(self, chunk: bytes) -> bytes:
+        out = []
+        if self._showing and chunk[:1] not in (b"\r", b"\n"):
+            # a bar redraw is one write: what follows it in a later write is another process's line
+            self._showing = False
+        while chunk:
+            end = chunk.find(b"\n")
+            if end < 0:
+                if self._showing:
+                    out.append(chunk)
+                else:
+                    self._held += chunk
+                    if b"\r" in self._held:  # a progress bar redraw: never a library's log line
+                        out.append(self._held)
+                        self._held, self._showing = b"", True
+                break
+            piece, chunk = chunk[:end + 1], chunk[end + 1:]
+            if self._showing:
+                out.append(piece)
+            else:
+                line, self._held = self._held + piece, b""
+                if not hidden(line):
+                    out.append(line)
+            self._showing = False
+        return b"".join(out)
+
+    def flush(self) -> bytes:
+        held, self._held = self._held, b""
+        return b"" if self._showing or not held or hidden(held) else held
+
+
+def route_library_logs(log_path, verbose: bool, names=("mlflow", "alembic")) -> None:
+    """MLflow's and alembic's records in the launcher process go to launcher.log, and to the terminal
+    only from WARNING up (everything with --verbose). Call after `import mlflow`, which installs
+    its own stderr handler."""
+    import sys
+
+    to_file = logging.FileHandler(log_path, encoding="utf-8")
+    to_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%Y/%m/%d %H:%M:%S"))
+    for name in names:
+        logger = logging.getLogger(name)
+        streams = [h for h in logger.handlers if type(h) is logging.StreamHandler]
+        if not streams:  # alembic has none and would reach the root's "jobspec:" handler
+            streams = [logging.StreamHandler(sys.stderr)]
+            logger.addHandler(streams[0])
+        for stream in streams:
+            stream.setLevel(logging.NOTSET if verbose else max(stream.level, logging.WARNING))
+        logger.addHandler(to_file)
+        logger.propagate = False
+        if logger.level == logging.NOTSET:
+            logger.setLevel(logging.INFO)
+
+
+class HeldOutput:
+    """The terminal (a binary stream) holding what the ranks print until `release()`, so that the
+    header's MLflow lines, printed once the run exists (it is created while the ranks start), come
+    before the ranks' first words. launcher.log gets everything as it comes."""
+
+    def __init__(self, out):
+        self._out, self._held, self._released = out, [], False
+        self._lock = threading.Lock()
+
+    def write(self, data: bytes) -> None:
+        with self._lock:
+            if self._released:
+                self._out.write(data)
+            else:
+                self._held.append(data)
+
+    def flush(self) -> None:
+        with self._lock:
+            if self._released:
+                self._out.flush()
+
+    def release(self) -> None:
+        with self._lock:
+            if not self._released:
+                self._released = True
+                self._out.write(b"".join(self._held))
+                self._held.clear()
+                self._out.flush()

@@ -1,0 +1,198 @@
+"""DeepSpeed's JIT-compiled ops: which ones a job loads, whether they are built, and building them
+with the build announced.
+
+DeepSpeed compiles some C++/CUDA ops the first time a process loads them (torch.utils.cpp_extension,
+cached in TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions/<python>_<cpu|cuXYZ>/<op>/). A build
+takes 15 s to minutes, and a rank that builds in silence looks hung; so the worker builds the ops a
+job needs before DeepSpeed asks for them, saying so (`announce`), and `jobspec prepare` does the same
+ahead of time for CI and images. Both go through `ensure_built`: one mechanism. Ranks that load the
+same op at once are serialised by torch's lock file in the build directory: one builds, the others
+wait and load the result.
+
+`needed_ops` is pure (the compiled ds_config in, builder names out); the rest imports DeepSpeed.
+
+DeepSpeed's CPU op builders (fused and CPU Adam on CPU ranks, CPU Adam for optimizer offload) pick
+their compiler flags from py-cpuinfo at every load, cached op or not, and py-cpuinfo answers by
+starting a Python interpreter: twice per load, about 1 s each, on every rank, before the first
+step. `share_cpu_info` answers those calls from one reading per host, which the launcher takes
+while the runner starts (`write_cpu_info`).
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")   # DeepSpeed colours its warnings
+# Every op a jobspec job can load (`jobspec prepare --all`): deepspeed.comm's shared-memory
+# all-reduce, the fused and CPU Adam kernels, pinned host buffers and NVMe I/O.
+ALL_OPS = ("ShareMemCommBuilder", "FusedAdamBuilder", "CPUAdamBuilder", "PinMemoryBuilder", "AsyncIOBuilder")
+
+
+def needed_ops(ds_config: dict) -> list[str]:
+    """The op builders DeepSpeed loads for this config (which exist depends on the accelerator).
+
+    Follows DeepSpeed 0.19: `deepspeed.comm.torch.TorchBackend` loads ShareMemComm on every rank;
+    `engine.get_optimizer_configuration` builds Adam from torch (`torch_adam`), DeepSpeedCPUAdam
+    (optimizer offload) or FusedAdam; ZeRO's swappers load AsyncIO for NVMe offload.
+    """
+    ops = ["ShareMemCommBuilder"]
+    zero = ds_config.get("zero_optimization") or {}
+    offload_optimizer = (zero.get("offload_optimizer") or {}).get("device", "none")
+    offload_params = (zero.get("offload_param") or {}).get("device", "none")
+    optimizer = ds_config.get("optimizer") or {}
+    if str(optimizer.get("type", "")).lower() in ("adam", "adamw") and \
+            not (optimizer.get("params") or {}).get("torch_adam", False):
+        ops.append("CPUAdamBuilder" if offload_optimizer in ("cpu", "nvme") else "FusedAdamBuilder")
+    if "nvme" in (offload_optimizer, offload_params):
+        ops.append("AsyncIOBuilder")
+    return ops
+
+
+@dataclass
+class OpState:
+    builder_name: str
+    name: str | None          # the extension's name (deepspeed_shm_comm); None: not on this accelerator
+    build_dir: Path | None
+    built: bool               # a library newer than every source is in build_dir: loading is quick
+    why_not: str | None = None  # not compatible here (missing compiler, library, ISA), with DeepSpeed's words
+
+    @property
+    def short(self) -> str:
+        return (self.name or self.builder_name).removeprefix("deepspeed_")
+
+
+def state(builder_name: str) -> OpState:
+    """Whether `builder_name` exists on this accelerator, can be built here, and is built already."""
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder(builder_name)
+    if builder is None:
+        return OpState(builder_name, None, None, built=True, why_not="not used on this accelerator")
+    if not _compatible(builder):
+        reason = "; ".join(str(e) for e in getattr(builder, "error_log", None) or []) or "not compatible"
+        return OpState(builder_name, builder.name, None, built=False, why_not=reason)
+    build_dir = _build_dir(builder.name)
+    return OpState(builder_name, builder.name, build_dir, built=_is_built(builder, build_dir))
+
+
+def ensure_built(builder_names, announce=print) -> list[OpState]:
+    """Build the ops not built yet (loading them into this process), announcing each build and its time.
+
+    `announce(text)` gets one line before a build and one after; built ops are left for DeepSpeed to
+    load. An op that cannot be built here is skipped: DeepSpeed reports it, with its reason, where it
+    is really needed. Raises what DeepSpeed raises when a compatible op fails to build.
+    """
+    from deepspeed.accelerator import get_accelerator
+
+    states = []
+    for builder_name in dict.fromkeys(builder_names):
+        op = state(builder_name)
+        states.append(op)
+        if op.name is None or op.why_not:
+            continue
+        if not op.built:
+            announce(f"building DeepSpeed op {op.short} (first run only, cached in {home_relative(op.build_dir)})")
+            started = time.monotonic()
+            get_accelerator().create_op_builder(builder_name).load(verbose=False)
+            announce(f"built DeepSpeed op {op.short} in {time.monotonic() - started:.1f} s")
+            op.built = True
+    return states
+
+
+def _compatible(builder) -> bool:
+    import deepspeed.ops
+
+    # DeepSpeed's own table, from the same check at import (build_shm_op, for one, trusts it)
+    listed = getattr(deepspeed.ops, "__compatible_ops__", {}).get(builder.NAME, True)
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(said):  # with verbose=True DeepSpeed prints why not
+            compatible = bool(builder.is_compatible(verbose=True)) and listed
+    except Exception as err:  # a probe that fails (missing headers) means "cannot build here"
+        compatible, said = False, io.StringIO(f"compatibility check failed: {err}")
+    if not compatible:
+        words = [ANSI.sub("", line).replace("[WARNING]", "").strip() for line in said.getvalue().splitlines()]
+        builder.error_log = [" ".join(w for w in words if w)] if any(words) else builder.error_log
+    return compatible
+
+
+def _build_dir(name: str) -> Path:
+    from torch.utils import cpp_extension
+
+    try:  # torch's own rule (TORCH_EXTENSIONS_DIR, python and CUDA/ROCm version folders)
+        return Path(cpp_extension._get_build_directory(name, verbose=False))
+    except AttributeError:
+        return Path(cpp_extension.get_default_build_root()) / name
+
+
+def _is_built(builder, build_dir: Path) -> bool:
+    """The op's library exists and is newer than its sources (else torch rebuilds it on load)."""
+    library = build_dir / f"{builder.name}.so"
+    try:
+        built_at = library.stat().st_mtime
+    except OSError:
+        return False
+    for source in builder.sources():
+        try:
+            if os.stat(builder.deepspeed_src_path(source)).st_mtime > built_at:
+                return False
+        except OSError:
+            continue
+    return True
+
+
+def home_relative(path: Path | None) -> str:
+    """`~/...` for a path under the home directory (shorter, and the same on every user's screen)."""
+    text = str(path)
+    home = os.path.expanduser("~")
+    return "~" + text[len(home):] if home != "/" and text.startswith(home + os.sep) else text
+
+
+def write_cpu_info(path: Path) -> None:
+    """py-cpuinfo's reading of this host, for the ranks on it (run in a thread by the launcher)."""
+    try:
+        import cpuinfo
+        info = cpuinfo.get_cpu_info()
+    except Exception:  # noqa: BLE001 -- an optimisation: the ranks read it themselves
+        return
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(json.dumps({"host": socket.gethostname(), "info": info}), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:  # the run directory is gone (a launch that stopped at once): nobody needs it
+        pass
+
+
+def share_cpu_info(path: Path | None = None) -> None:
+    """Answer py-cpuinfo's `get_cpu_info` from one reading per process: `path` (write_cpu_info's,
+    when it is there and from this host), else the first call's."""
+    try:
+        import cpuinfo
+    except ImportError:
+        return
+    if getattr(cpuinfo.get_cpu_info, "jobspec_shared", False):
+        return
+    known = None
+    try:
+        record = json.loads(Path(path).read_text(encoding="utf-8")) if path else None
+        if record and record.get("host") == socket.gethostname():  # another node may have other flags
+            known = record["info"]
+    except (OSError, ValueError, KeyError):
+        known = None
+    original = cpuinfo.get_cpu_info
+
+    def get_cpu_info():
+        nonlocal known
+        if known is None:
+            known = original()
+        return dict(known)
+
+    get_cpu_info.jobspec_shared = True
+    cpuinfo.get_cpu_info = get_cpu_info

@@ -1,0 +1,99 @@
+"""How a run ended, told truthfully: MLflow status, `jobspec.status` tag, exit code, reason, CLI line.
+
+    ended                      exit code        MLflow     jobspec.status   reason tag
+    finished                   0                FINISHED   finished         (both cleared)
+    stopped with a checkpoint  75 (EX_TEMPFAIL) KILLED     preempted        jobspec.stop_reason
+      (SIGUSR1, SIGTERM/SIGINT, --stop-after-steps; the same command resumes it)
+    stopped before one         128+N (signal N) KILLED     killed           jobspec.stop_reason
+    failed                     the ranks' (a    FAILED     failed           jobspec.failure_reason
+                               rank killed by
+                               signal N: 128+N)
+
+A run resumed from a checkpoint continues the same MLflow run; its end replaces the tags of the
+earlier end (a finished run keeps no stale failure or stop reason). launch.sh requeues a Slurm job
+that exits 75 after its SIGUSR1. The worker itself exits 0 when it stops with a checkpoint
+(DeepSpeed's launch.py would kill the other ranks mid-shutdown on a non-zero exit): the launcher
+reads the stop from summary.json.
+"""
+from __future__ import annotations
+
+import shlex
+import signal
+from dataclasses import dataclass
+
+EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: "try again later" -- here, resume from the checkpoint
+STATUS_TAG, STOP_TAG, FAILURE_TAG = "jobspec.status", "jobspec.stop_reason", "jobspec.failure_reason"
+
+
+@dataclass
+class Ending:
+    status: str              # MLflow run status: FINISHED | KILLED | FAILED
+    label: str               # jobspec.status tag: finished | preempted | killed | failed
+    exit_code: int
+    reason: str | None = None
+
+    def tags(self) -> tuple[dict, tuple]:
+        """(tags to set, tags to delete): this ending's reason replaces any earlier one."""
+        tags = {STATUS_TAG: self.label}
+        if self.label == "failed":
+            tags[FAILURE_TAG] = self.reason or "failed"
+        elif self.label != "finished":
+            tags[STOP_TAG] = self.reason or self.label
+        return tags, tuple(t for t in (STOP_TAG, FAILURE_TAG) if t not in tags)
+
+
+def ending(exit_code: int, user_signal: int | None, reason: str | None, summary: dict | None,
+           stop_after_steps: int | None = None) -> Ending:
+    """The run's ending from the runner's outcome and rank 0's summary.json."""
+    status = (summary or {}).get("status")
+    if status == "preempted" and (summary or {}).get("checkpoint") and exit_code in (0, 128 + (user_signal or 0)):
+        return Ending("KILLED", "preempted", EXIT_PREEMPTED, stop_reason(summary, user_signal, stop_after_steps))
+    if user_signal:
+        return Ending("KILLED", "killed", exit_code,
+                      f"stopped by {signal.Signals(user_signal).name} before a checkpoint was saved")
+    if exit_code == 0:
+        return Ending("FINISHED", "finished", 0)
+    error = (summary or {}).get("error") if status == "failed" else None
+    return Ending("FAILED", "failed", exit_code, error or reason or f"runner exited with code {exit_code}")
+
+
+def from_summary(summary: dict | None) -> Ending | None:
+    """The ending summary.json records, for a run closed without its launcher (`jobspec sync`)."""
+    status = (summary or {}).get("status")
+    if status == "finished":
+        return Ending("FINISHED", "finished", 0)
+    if status == "preempted":
+        return Ending("KILLED", "preempted", EXIT_PREEMPTED, stop_reason(summary, None, None))
+    if status == "failed":
+        return Ending("FAILED", "failed", int(summary.get("exit_code") or 1), summary.get("error") or "failed")
+    return None
+
+
+def stop_reason(summary: dict, user_signal: int | None, stop_after_steps: int | None) -> str:
+    if user_signal:
+        why = f"{signal.Signals(user_signal).name} from the user"
+    elif stop_after_steps and summary.get("steps", 0) >= stop_after_steps:
+        why = f"--stop-after-steps {stop_after_steps}"
+    else:
+        why = "SIGUSR1 (Slurm's time-limit warning or a preemption)"
+    return (f"stopped by {why} at step {summary.get('steps')} of {summary.get('total_steps')}; "
+            f"checkpoint {summary.get('checkpoint')}")
+
+
+def resume_command(job: str, overrides: list[str], resume_setting: str) -> str:
+    """The command that continues a stopped run: the same one, `checkpoint.resume=auto` if it was not."""
+    kept = [o for o in overrides if resume_setting == "auto" or not o.startswith("checkpoint.resume=")]
+    if resume_setting != "auto":
+        kept.append("checkpoint.resume=auto")
+    return shlex.join(["jobspec", "launch", job, *[a for o in kept for a in ("--set", o)]])
+
+
+def closing_line(end: Ending, run_dir, resume: str) -> str:
+    """The launcher's last line."""
+    if end.label == "preempted":
+        return (f"jobspec: stopped, not finished (exit {end.exit_code}): {end.reason}; run directory {run_dir}\n"
+                f"jobspec: resume with: {resume}")
+    text = f"jobspec: {end.label} (exit {end.exit_code}); run directory {run_dir}"
+    if end.reason and end.label != "finished":
+        text += f"\njobspec: {end.reason.strip().splitlines()[0]}"
+    return text

@@ -1,0 +1,234 @@
+"""The MLflow run of a job: created (or reopened on resume) by the launcher with params, tags and
+artifacts, and ended by it with the final status; rank 0 only sends metrics into it
+(jobspec.tracking.sink). Credentials (`user:pass@` in a URI, tokens) never reach params, tags,
+artifacts or logs.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import socket
+import tempfile
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from jobspec import hardware, rundir
+from jobspec.errors import first_line
+from jobspec.secrets import mask_secrets, split_credentials
+
+log = logging.getLogger("jobspec.tracking")
+
+MAX_PARAMS_PER_BATCH = 100       # MLflow's log_batch limit for params
+MAX_PARAM_VALUE_CHARS = 6000     # MLflow's param value limit (6000 since 2.x)
+MAX_METRICS_PER_BATCH = 1000     # MLflow's log_batch limit for metrics
+FAILURE_REASON_CHARS = 4000
+
+# The client's defaults (120 s timeout, 7 retries with exponential backoff) block ~4 minutes per call
+# against an unreachable server; a training job must notice within seconds instead.
+HTTP_ENV_DEFAULTS = {
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "5",
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0.5",
+}
+VERSIONED_PACKAGES = ("jobspec", "deepspeed", "torch", "transformers", "mlflow")
+
+
+def apply_http_env(environ: dict | os._Environ = os.environ) -> None:
+    """Short MLflow HTTP timeouts/retries, unless the user set their own."""
+    for key, value in HTTP_ENV_DEFAULTS.items():
+        environ.setdefault(key, value)
+
+
+# --- params and tags ---------------------------------------------------------------------------
+
+def flatten(value, prefix: str = "") -> dict[str, str]:
+    """Dotted keys for nested mappings (`model.config.hidden_size`); lists and scalars as JSON text."""
+    if isinstance(value, dict) and value:
+        out: dict[str, str] = {}
+        for key, child in value.items():
+            out.update(flatten(child, f"{prefix}.{key}" if prefix else str(key)))
+        return out
+    text = value if isinstance(value, str) else json.dumps(value)
+    return {prefix: mask_secrets(text)[:MAX_PARAM_VALUE_CHARS]}
+
+
+def param_batches(params: dict[str, str]) -> list[dict[str, str]]:
+    items = sorted(params.items())
+    return [dict(items[i:i + MAX_PARAMS_PER_BATCH]) for i in range(0, len(items), MAX_PARAMS_PER_BATCH)]
+
+
+def package_versions() -> dict[str, str]:
+    """Installed versions without importing the packages (no torch import on the launcher)."""
+    versions = {}
+    for name in VERSIONED_PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
+
+
+def run_tags(spec: dict, launch: dict, spec_text: str) -> dict[str, str]:
+    tags = {f"jobspec.version.{name}": v for name, v in package_versions().items()}
+    tags.update({
+        "jobspec.job": spec["name"],
+        "jobspec.world_size": str(launch.get("world_size", "")),
+        "jobspec.nodes": str(launch.get("nodes", "")),
+        "jobspec.hosts": socket.gethostname(),
+        "jobspec.gpus": ",".join(sorted(set(hardware.gpu_names()))),
+        "jobspec.spec_sha256": hashlib.sha256(spec_text.encode("utf-8")).hexdigest(),
+    })
+    if spec.get("description"):
+        tags["mlflow.note.content"] = spec["description"]
+    for key, value in spec["logging"]["mlflow"]["tags"].items():
+        tags[str(key)] = str(value)
+    return {k: mask_secrets(v)[:MAX_PARAM_VALUE_CHARS] for k, v in tags.items()}
+
+
+# --- the launcher's run ------------------------------------------------------------------------
+
+@dataclass
+class TrackedRun:
+    """An MLflow run the launcher created (or resumed) and will end."""
+    tracking_uri: str     # without credentials
+    experiment_id: str
+    run_id: str
+    client: object        # mlflow.MlflowClient
+
+    def as_json(self) -> dict:
+        return {"tracking_uri": self.tracking_uri, "experiment_id": self.experiment_id, "run_id": self.run_id}
+
+
+class TrackingUnavailable(RuntimeError):
+    """The tracking store could not be reached or used."""
+
+
+def probe(tracking_uri: str, timeout_s: float = 3.0) -> None:
+    """Fail in seconds, with a plain reason, when an http(s) tracking server cannot be reached at all."""
+    parts = urlsplit(tracking_uri)
+    if parts.scheme not in ("http", "https"):
+        return
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((parts.hostname, port), timeout=timeout_s).close()
+    except OSError as err:
+        raise TrackingUnavailable(f"cannot connect to {parts.hostname}:{port} ({err.strerror or err})") from err
+
+
+def client_for(tracking_uri: str):
+    """An MlflowClient for `tracking_uri` (credentials from the environment), with short HTTP timeouts."""
+    apply_http_env()
+    from mlflow import MlflowClient
+    return MlflowClient(tracking_uri=tracking_uri)
+
+
+def start_run(spec: dict, launch: dict, derived: dict, spec_text: str, run_dir: Path,
+              resume_run_id: str | None = None) -> TrackedRun:
+    """Create (or reopen, for a resumed job) the MLflow run, log params/tags/artifacts, write mlflow_run.json.
+
+    Raises TrackingUnavailable with a credential-free message when the store cannot be used.
+    """
+    settings = spec["logging"]["mlflow"]
+    uri, user, password = split_credentials(settings["tracking_uri"])
+    if user:  # MLflow reads basic-auth credentials from the environment; the worker inherits it
+        os.environ["MLFLOW_TRACKING_USERNAME"] = user
+        os.environ["MLFLOW_TRACKING_PASSWORD"] = password or ""
+    try:
+        client = client_for(uri)
+        experiment = client.get_experiment_by_name(settings["experiment"])
+        experiment_id = (experiment.experiment_id if experiment is not None
+                         else client.create_experiment(settings["experiment"]))
+        run = _reopen(client, resume_run_id)
+        if run is None:
+            run = client.create_run(experiment_id, run_name=settings["run_name"] or spec["name"])
+        else:
+            client.update_run(run.info.run_id, status="RUNNING")
+        run_id = run.info.run_id
+        tracked = TrackedRun(uri, run.info.experiment_id, run_id, client)
+        _log_start(tracked, spec, launch, derived, spec_text, run_dir)
+    except TrackingUnavailable:
+        raise
+    except Exception as err:  # MlflowException, requests errors, sqlite errors: all "unusable store"
+        raise TrackingUnavailable(mask_secrets(f"{type(err).__name__}: {err}").splitlines()[0][:500]) from err
+    rundir.write_mlflow_run(run_dir, tracked.as_json())
+    return tracked
+
+
+def _reopen(client, run_id: str | None):
+    if not run_id:
+        return None
+    try:
+        return client.get_run(run_id)
+    except Exception:
+        log.warning("MLflow run %s of the checkpoints is not in this tracking store; starting a new run", run_id)
+        return None
+
+
+def _log_start(tracked: TrackedRun, spec: dict, launch: dict, derived: dict, spec_text: str,
+               run_dir: Path) -> None:
+    from mlflow.entities import Param, RunTag
+    client, run_id = tracked.client, tracked.run_id
+    params = flatten(spec)
+    params.update(flatten(derived, "derived"))
+    existing = client.get_run(run_id).data.params
+    for batch in param_batches({k: v for k, v in params.items() if k not in existing}):
+        client.log_batch(run_id, params=[Param(k, v) for k, v in batch.items()], synchronous=True)
+    changed = sorted(k for k, v in params.items() if k in existing and existing[k] != v)
+    if changed:  # MLflow params are immutable: a resumed run keeps the first values
+        log.warning("resumed run %s keeps its earlier values of %d changed params (%s)", run_id,
+                    len(changed), ", ".join(changed[:5]))
+    tags = run_tags(spec, launch, spec_text)
+    client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()], synchronous=True)
+    log_artifacts(tracked, run_dir, rundir.START_ARTIFACTS)
+
+
+def log_artifacts(tracked: TrackedRun, run_dir: Path, names) -> None:
+    """Upload run-dir files, credentials masked (a spec may carry a tracking URI with a password)."""
+    with tempfile.TemporaryDirectory(prefix="jobspec-artifacts-") as tmp:
+        for name in names:
+            source = run_dir / name
+            if source.is_file():
+                masked = Path(tmp) / name
+                masked.write_text(mask_secrets(source.read_text(encoding="utf-8", errors="replace")),
+                                  encoding="utf-8")
+                tracked.client.log_artifact(tracked.run_id, str(masked))
+
+
+def end_run(tracked: TrackedRun, run_dir: Path, *, status: str, exit_code: int,
+            failure_reason: str | None = None, tags: tuple[dict, tuple] | None = None) -> None:
+    """Upload summary.json (a minimal one when the worker wrote none), set the reason and the final status.
+
+    `tags`: (tags to set, tags to delete) from jobspec.status.Ending.tags(), which replace the
+    `failure_reason` tag: a resumed run's end supersedes the reason of its earlier end."""
+    rundir.write_fallback_summary(run_dir, status, exit_code)
+    client, run_id = tracked.client, tracked.run_id
+    if tags is None:
+        tags = ({"jobspec.failure_reason": failure_reason} if failure_reason else {}, ())
+    try:
+        log_artifacts(tracked, run_dir, rundir.END_ARTIFACTS)
+        client.set_tag(run_id, "jobspec.exit_code", str(exit_code))
+        for key, value in tags[0].items():
+            client.set_tag(run_id, key, mask_secrets(value)[-FAILURE_REASON_CHARS:])
+        stale = [key for key in tags[1] if key in client.get_run(run_id).data.tags] if tags[1] else []
+        for key in stale:
+            client.delete_tag(run_id, key)
+        client.set_terminated(run_id, status=status)
+    except Exception as err:
+        log.warning("could not finish MLflow run %s: %s", run_id, first_line(err))
+
+
+def log_params(tracked, params: dict[str, str]) -> None:
+    """Add params to the launcher's MLflow run; a resumed run keeps its earlier values (immutable)."""
+    from mlflow.entities import Param
+    try:
+        existing = tracked.client.get_run(tracked.run_id).data.params
+        for batch in param_batches({k: v for k, v in params.items() if k not in existing}):
+            tracked.client.log_batch(tracked.run_id, params=[Param(k, v) for k, v in batch.items()],
+                                     synchronous=True)
+    except Exception as err:  # the run exists and training can go on: the params are a nicety
+        log.warning("could not log plan/fit params to MLflow: %s", first_line(err, limit=300))

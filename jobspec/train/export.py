@@ -1,0 +1,234 @@
+"""The worker's model export (spec section `export`): Hugging Face directories while the job runs.
+
+    <export.dir or RUN_DIR/model>/final     when training finishes (after the final checkpoint)
+                                 /step<N>   after each checkpoint (`at_checkpoints`), newest keep_last kept
+                                 /best      at each new lowest evaluation loss (`best_eval`)
+
+Every export is collective: all ranks take part in gathering the weights, rank 0 writes
+(jobspec/train/hf_dir.py), and rank 0's outcome is broadcast so that a failed write stops every
+rank at the same point with the same one-line error (`ExportFailed`: the worker exits 1). When a
+checkpoint is due at the step of an export, it is saved first (a best-eval export waits for it), so a
+full disk loses no checkpoint; an export directory that cannot be written at all fails at start.
+
+Weights: under ZeRO-3 DeepSpeed's own consolidation (`engine._zero3_consolidated_16bit_state_dict`,
+what `save_16bit_model` runs with `stage3_gather_16bit_weights_on_model_save`: one layer at a time
+through `GatheredParameters`, CPU/NVMe-offloaded parameters included); under ZeRO 0-2 every rank
+holds the whole module. Those are the weights the engine computes with (16-bit under fp16/bf16).
+`export.dtype: fp32` after 16-bit training gathers DeepSpeed's fp32 master weights instead
+(`deepspeed.utils.safe_get_full_fp32_param`, ZeRO 1-3).
+
+Every checkpoint also gets a copy of the run's resolved.yaml (`<tag>/jobspec_resolved.yaml`), so that
+`jobspec export` can rebuild the model of any checkpoint without its run directory.
+
+Test hook: JOBSPEC_EXPORT_REFERENCE=DIR makes every rank run the engine on a fixed batch at each
+checkpoint and at the end, and rank 0 save the logits to DIR/step<N>.pt and DIR/final.pt: an
+engine-side reference for the exported weights.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+from jobspec import rundir
+from jobspec.train.hf_dir import (ExportFailed, ExportInfo, describe_io_error, job_tokenizer, resolve_dtype,
+                                  write_model_dir)
+
+MODEL_DIR = "model"
+CHECKPOINT_SPEC = "jobspec_resolved.yaml"
+REFERENCE_ENV = "JOBSPEC_EXPORT_REFERENCE"
+_STEP_DIR = re.compile(r"^step(\d+)$")
+
+
+class ModelExporter:
+    """Called by the training loop at checkpoints, evaluations and the end; records go to `state.exports`."""
+
+    def __init__(self, files, run_dir: Path, rank: int, group, progress):
+        self.spec, self.run_dir, self.rank, self.group, self.progress = files.spec, Path(run_dir), rank, group, progress
+        self.settings = self.spec["export"]
+        self.total_steps = files.derived["total_steps"]
+        self.base = Path(self.settings["dir"] or self.run_dir / MODEL_DIR)
+        self.dtype = resolve_dtype(self.spec)
+        self.best_loss: float | None = None
+        self._best_pending_at: int | None = None   # a best export waiting for this step's checkpoint
+        self._tokenizer = None
+        self._tokenizer_note: str | None = None
+        self._tokenizer_loaded = False
+
+    @property
+    def active(self) -> bool:
+        return bool(self.settings["final"] or self.settings["at_checkpoints"] or self.settings["best_eval"])
+
+    # --- events -----------------------------------------------------------------------------------
+
+    def check_writable(self) -> None:
+        """Before training: a directory that cannot be written fails now, not after hours of training."""
+        if not self.active:
+            return
+        error = None
+        if self.rank == 0:
+            try:
+                self.base.mkdir(parents=True, exist_ok=True)
+                probe = self.base / f".jobspec-write-test-{os.getpid()}"
+                probe.write_text("ok", encoding="utf-8")
+                probe.unlink()
+            except OSError as err:
+                error = describe_io_error(self.base, err)
+        self._raise_if(self._broadcast(error))
+
+    def after_checkpoint(self, engine, state, ckpt_dir: str) -> None:
+        tag = state.last_checkpoint
+        if self.rank == 0 and tag:
+            _copy_spec(self.run_dir, Path(ckpt_dir) / tag)
+        _save_reference(engine, self.spec, f"step{state.step}", self.rank)
+        if self._best_pending_at == state.step:
+            self._best_pending_at = None
+            self._export(engine, state, "best", "best evaluation")
+        last = state.step >= self.total_steps
+        if self.settings["at_checkpoints"] and not (last and self.settings["final"]):
+            self._export(engine, state, f"step{state.step}", "checkpoint")
+            if self.rank == 0:
+                self._prune(keep=self.spec["checkpoint"]["keep_last"], state=state)
+
+    def after_eval(self, engine, state) -> None:
+        loss = state.eval_loss
+        if not self.settings["best_eval"] or loss is None or loss != loss:  # NaN never wins
+            return
+        if self.best_loss is None or loss < self.best_loss:
+            self.best_loss = loss
+            if self._checkpoint_follows(state.step):   # same weights: export right after that save
+                self._best_pending_at = state.step
+            else:
+                self._export(engine, state, "best", "best evaluation")
+
+    def _checkpoint_follows(self, step: int) -> bool:
+        """Whether the training loop saves a checkpoint at `step` after its evaluation (worker.train_loop)."""
+        ckpt = self.spec["checkpoint"]
+        periodic = bool(ckpt["every_n_steps"]) and step % ckpt["every_n_steps"] == 0
+        return periodic or (step >= self.total_steps and ckpt["save_final"])
+
+    def final(self, engine, state) -> None:
+        _save_reference(engine, self.spec, "final", self.rank)
+        if self.settings["final"]:
+            self._export(engine, state, "final", "end of training")
+
+    # --- the collective export ----------------------------------------------------------------------
+
+    def _export(self, engine, state, name: str, why: str) -> None:
+        state_dict, notes = gather_state_dict(engine, self.dtype, self.spec["memory"]["precision"], self.rank)
+        error = None
+        if self.rank == 0:
+            out = self.base / name
+            metrics = {k: v for k, v in (("train/loss", state.last_loss), ("eval/loss", state.eval_loss))
+                       if v is not None}
+            info = ExportInfo(name=name, step=state.step, dtype=self.dtype, source=f"the training run ({why})",
+                              metrics=metrics, notes=notes + ([self._tokenizer_note] if self._tokenizer_note else []))
+            try:
+                record = write_model_dir(out, self.spec, state_dict, info, tokenizer=self._job_tokenizer())
+                state.exports[name] = {k: record[k] for k in ("path", "step", "dtype", "bytes", "seconds")}
+                self.progress.message(f"model ({name}) exported to {out} ({record['bytes'] / 2**20:.1f} MiB, "
+                                      f"{record['seconds']:.1f} s)")
+            except ExportFailed as err:
+                error = str(err)
+        del state_dict
+        self._raise_if(self._broadcast(error))
+
+    def _job_tokenizer(self):
+        if not self._tokenizer_loaded:
+            self._tokenizer, self._tokenizer_note = job_tokenizer(self.spec)
+            self._tokenizer_loaded = True
+        return self._tokenizer
+
+    def _prune(self, keep: int, state) -> None:
+        steps = sorted(int(m.group(1)) for p in self.base.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name)))
+        for step in steps[:max(0, len(steps) - keep)]:
+            shutil.rmtree(self.base / f"step{step}", ignore_errors=True)
+            state.exports.pop(f"step{step}", None)
+
+    def _broadcast(self, obj):
+        import torch.distributed as dist
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def _raise_if(self, error: str | None) -> None:
+        if error:
+            raise ExportFailed(f"{error}; the checkpoints in {self.spec['checkpoint']['dir']} are intact "
+                               f"(`jobspec export` converts one later)")
+
+
+def gather_state_dict(engine, dtype: str, precision: str, rank: int) -> tuple[dict | None, list]:
+    """The full state dict on rank 0 (None elsewhere), and notes for the model card. Collective."""
+    if engine.zero_optimization_partition_weights():
+        state_dict = engine._zero3_consolidated_16bit_state_dict()
+    else:
+        state_dict = engine.module_state_dict() if rank == 0 else None
+    notes = []
+    if dtype == "fp32" and precision != "fp32":
+        missing = _replace_with_fp32_masters(engine, state_dict, rank)
+        if missing:
+            notes.append(f"{missing} trained parameter(s) had no fp32 master copy to gather (ZeRO stage 0 keeps "
+                         f"none outside its optimizer): saved from their {precision} weights")
+    return state_dict, notes
+
+
+def _replace_with_fp32_masters(engine, state_dict: dict | None, rank: int) -> int:
+    """Put DeepSpeed's fp32 master weights in place of the 16-bit ones (tied names share one tensor)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    module = engine.module
+    aliases: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+    missing = 0
+    for _, param in module.named_parameters():   # the same order on every rank: each call is collective
+        if not param.requires_grad:
+            continue
+        full = safe_get_full_fp32_param(param)
+        if full is None:
+            missing += 1
+            continue
+        if rank == 0:
+            shaped = full.detach().reshape(getattr(param, "ds_shape", param.shape)).cpu()
+            for alias in aliases[id(param)]:
+                key = alias if alias in state_dict else f"_orig_mod.{alias}"
+                state_dict[key] = shaped
+    return missing
+
+
+def _copy_spec(run_dir: Path, tag_dir: Path) -> None:
+    try:
+        shutil.copyfile(run_dir / rundir.RESOLVED, tag_dir / CHECKPOINT_SPEC)
+    except OSError:
+        pass   # `jobspec export` also finds the spec through the run directories (or --spec)
+
+
+def reference_batch(spec: dict, vocab_size: int, batch: int = 4):
+    """A fixed batch, the same in every process: token ids inside the training data's range."""
+    import torch
+    synthetic = spec["data"].get("synthetic")
+    seq_len = synthetic["seq_len"] if synthetic else min(spec["data"]["max_length"], 32)
+    low, high = synthetic["vocab_range"] if synthetic else (5, vocab_size)
+    generator = torch.Generator().manual_seed(1234)
+    ids = torch.randint(low, min(high, vocab_size), (batch, seq_len), generator=generator)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def _save_reference(engine, spec: dict, name: str, rank: int) -> None:
+    directory = os.environ.get(REFERENCE_ENV)
+    if not directory:
+        return
+    import torch
+    config = engine.module.config
+    vocab = config.vocab_size if hasattr(config, "vocab_size") else config.to_dict()["vocab_size"]
+    batch = reference_batch(spec, vocab)
+    engine.eval()
+    with torch.no_grad():
+        outputs = engine(**{k: v.to(engine.device) for k, v in batch.items()})
+    engine.train()
+    logits = outputs["logits"] if isinstance(outputs, dict) else outputs.logits
+    if rank == 0:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        torch.save({**batch, "logits": logits.detach().float().cpu(), "dtype": str(logits.dtype)},
+                   Path(directory) / f"{name}.pt")

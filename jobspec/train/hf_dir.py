@@ -1,0 +1,283 @@
+"""A Hugging Face model directory from a state dict: what the worker's export and `jobspec export` write.
+
+    <out>/config.json             the model's config (the spec's architecture or checkpoint, and overrides)
+    <out>/model*.safetensors      the weights in the chosen dtype (sharded with an index when large)
+    <out>/tokenizer files         when the job has a tokenizer (`data.tokenizer`, or the model's own)
+    <out>/README.md               model card: how it was trained, the metrics, the job spec (secrets masked)
+    <out>/jobspec_export.json     what was exported: step, dtype, source, metrics
+
+The weights go into the spec's model built on the meta device (`build_skeleton`): its state-dict
+keys are the check that the weights belong to this spec, and transformers' own `save_pretrained`
+writes them (tied weights, shard index, `dtype` in config.json), so `AutoModelFor<task>.from_pretrained`
+reads the directory back. jobspec's own `mlp` is not a transformers model: its directory holds
+config.json and model.safetensors only.
+
+The directory is built next to `out` under a temporary name and renamed into place: a failed
+write (full disk) leaves neither a half-written model nor a missing previous one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from jobspec.errors import RunFailure, spec_error
+
+EXPORT_RECORD = "jobspec_export.json"
+DTYPES = ("fp32", "bf16", "fp16")
+# test hook: `[NAME:]ERRNO` (e.g. final:ENOSPC) raises that OSError while the weights of export NAME
+# (of every export without NAME) are written, as a full disk would
+INJECT_ERROR_ENV = "JOBSPEC_INJECT_EXPORT_ERROR"
+_ORIG_MOD = "_orig_mod."                          # torch.compile's wrapper prefixes every key with it
+
+
+class ExportFailed(RunFailure):
+    """Writing a model directory failed (disk full, permissions): one line, the checkpoints are intact."""
+
+
+def resolve_dtype(spec: dict, requested: str | None = None) -> str:
+    """fp32 | bf16 | fp16: `requested` (CLI), else `export.dtype`, whose `auto` follows `memory.precision`."""
+    choice = requested or (spec.get("export") or {}).get("dtype", "auto")
+    if choice == "auto":
+        return spec["memory"]["precision"]
+    return choice
+
+
+def torch_dtype(name: str):
+    import torch
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+@dataclass
+class ExportInfo:
+    """What the model card and jobspec_export.json say about an export."""
+
+    name: str                      # final | best | step<N> | a directory name given to `jobspec export`
+    step: int | None
+    dtype: str
+    source: str                    # "training run (rank 0)" or the checkpoint it was converted from
+    metrics: dict
+    notes: list
+
+
+def job_tokenizer(spec: dict):
+    """(tokenizer or None, note or None): the job's `data.tokenizer`, else the model checkpoint's own one."""
+    from jobspec.train.model import build_tokenizer
+    if spec["data"].get("synthetic") is None:
+        return build_tokenizer(spec), None   # file data: the tokenizer that made the batches
+    name = spec["data"].get("tokenizer") or spec["model"].get("name_or_path")
+    if not name:
+        return None, None   # an architecture trained on synthetic tokens has no tokenizer
+    try:
+        return build_tokenizer({**spec, "data": {**spec["data"], "synthetic": None, "tokenizer": name}}), None
+    except Exception as err:  # noqa: BLE001 -- a model without tokenizer files still exports
+        return None, f"no tokenizer saved: {str(err).splitlines()[0][:200]}"
+
+
+def write_model_dir(out: str | os.PathLike, spec: dict, state_dict: dict, info: ExportInfo, *, tokenizer=None,
+                    show_progress: bool = False) -> dict:
+    """Write the directory `out` (replacing one that exists); returns its record (path, bytes, ...).
+
+    `state_dict` values may be tensors or DeepSpeed's lazy `GatheredTensor`s; they are materialised
+    and cast one at a time and the dict is consumed (its entries are replaced by the cast tensors).
+    Raises ExportFailed for I/O errors, SpecError when the weights do not fit the spec's model.
+    """
+    out = Path(out)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    started = time.monotonic()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        model = _filled_skeleton(spec, state_dict, info.dtype, tokenizer, show_progress)
+        _inject_error(tmp, info.name)
+        _save_weights(model, tmp, spec)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        record = {"name": info.name, "step": info.step, "dtype": info.dtype, "source": info.source,
+                  "metrics": info.metrics, "notes": info.notes, "job": spec["name"]}
+        (tmp / "README.md").write_text(model_card(spec, info, model, tokenizer), encoding="utf-8")
+        (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        _replace(tmp, out)
+    except BaseException as err:
+        shutil.rmtree(tmp, ignore_errors=True)   # a full disk gets its space back
+        if _is_io_error(err):
+            raise ExportFailed(describe_io_error(out, err)) from None
+        raise
+    return {**record, "path": str(out), "bytes": dir_bytes(out), "seconds": round(time.monotonic() - started, 3)}
+
+
+def describe_io_error(out: Path, err: BaseException) -> str:
+    reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err).splitlines()[0]
+    culprit = getattr(err, "filename", None)
+    if isinstance(err, (FileExistsError, NotADirectoryError)) and culprit and not Path(culprit).is_dir():
+        reason = f"{culprit} is a file, not a directory"   # mkdir(parents=True) says only "File exists"
+    return f"cannot write the model directory {out}: {reason}"
+
+
+def _is_io_error(err: BaseException) -> bool:
+    if isinstance(err, OSError):
+        return True
+    # safetensors reports a failed write as its own error type, e.g. "I/O error: No space left on device"
+    return type(err).__name__ == "SafetensorError" and "I/O error" in str(err)
+
+
+def _filled_skeleton(spec: dict, state_dict: dict, dtype: str, tokenizer, show_progress: bool):
+    from jobspec.train.model import build_skeleton
+
+    model = build_skeleton(spec, tokenizer)
+    target = torch_dtype(dtype)
+    expected = set(model.state_dict().keys())
+    converted: dict = {}   # id of a source tensor -> its cast copy: tied weights stay one tensor
+    keys = list(state_dict)
+    bar = _progress(len(keys), show_progress)
+    for key in keys:
+        value = state_dict.pop(key)
+        name = key[len(_ORIG_MOD):] if key.startswith(_ORIG_MOD) else key
+        if name not in expected:
+            state_dict[name] = value   # kept for the mismatch report below
+            bar.update(1)
+            continue
+        if id(value) not in converted:
+            tensor = value.contiguous()   # a GatheredTensor is assembled from the rank shards here
+            converted[id(value)] = tensor.to(target) if tensor.is_floating_point() else tensor
+        state_dict[name] = converted[id(value)]
+        bar.update(1)
+    bar.close()
+    _check_keys(spec, expected, set(state_dict))
+    model.load_state_dict(state_dict, strict=True, assign=True)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    state_dict.clear()
+    return model
+
+
+def _check_keys(spec: dict, expected: set, found: set) -> None:
+    missing, unexpected = sorted(expected - found), sorted(found - expected)
+    if not (missing or unexpected):
+        return
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} missing (e.g. {', '.join(missing[:3])})")
+    if unexpected:
+        parts.append(f"{len(unexpected)} unexpected (e.g. {', '.join(unexpected[:3])})")
+    raise spec_error(f"the saved weights do not fit the model of job {spec['name']!r}: " + "; ".join(parts),
+                     path=("model",), hint="export with the spec the checkpoint was trained with "
+                                            "(`jobspec export --spec RUN_DIR/resolved.yaml`)")
+
+
+def _save_weights(model, directory: Path, spec: dict) -> None:
+    shard = (spec.get("export") or {}).get("max_shard_size", "5GB")
+    if hasattr(model, "save_pretrained"):
+        from transformers.utils import logging as hf_logging
+        shown = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # a "Writing model shards" bar per export: the launch says it in a line
+        try:
+            model.save_pretrained(directory, max_shard_size=shard)
+        finally:
+            if shown:
+                hf_logging.enable_progress_bar()
+        return
+    from safetensors.torch import save_model   # jobspec's mlp: plain safetensors, config as a dict
+    (directory / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2) + "\n", encoding="utf-8")
+    save_model(model, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _inject_error(directory: Path, export_name: str) -> None:
+    import errno
+    target, _, code_name = os.environ.get(INJECT_ERROR_ENV, "").rpartition(":")
+    if code_name and target in ("", export_name):
+        code = getattr(errno, code_name, errno.EIO)
+        (directory / "model.safetensors").write_bytes(b"\0" * 1024)   # the part a full disk took
+        raise OSError(code, os.strerror(code), str(directory / "model.safetensors"))
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """`tmp` becomes `out`; a previous `out` is moved aside first and removed only afterwards."""
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    if out.exists():
+        os.replace(out, old)
+    os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def _progress(total: int, show: bool):
+    class _Null:
+        def update(self, n):
+            pass
+
+        def close(self):
+            pass
+    if not show:
+        return _Null()
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc="Converting weights", unit="tensor", file=sys.stderr, dynamic_ncols=True)
+
+
+# --- the model card -------------------------------------------------------------------------------
+
+def model_card(spec: dict, info: ExportInfo, model, tokenizer) -> str:
+    from jobspec import __version__
+    from jobspec.secrets import mask_secrets
+    from jobspec.train.model import TASK_MODEL_CLASSES
+
+    model_spec, memory = spec["model"], spec["memory"]
+    hf = hasattr(model, "save_pretrained")
+    auto_class = TASK_MODEL_CLASSES.get(model_spec["task"], "AutoModel")
+    world = spec["resources"]["nodes"] * spec["resources"]["gpus_per_node"]
+    base = model_spec.get("name_or_path") or f"a fresh `{model_spec.get('architecture')}` (random initialisation)"
+    lines = ["---", f"library_name: {'transformers' if hf else 'jobspec'}", "tags:", "- jobspec", "- deepspeed",
+             "---", "", f"# {spec['name']}", ""]
+    if spec.get("description"):
+        lines += [spec["description"], ""]
+    lines += [f"Trained with jobspec {__version__} from {base}: task `{model_spec['task']}`, "
+              f"{memory['precision']} training, ZeRO stage {memory['zero_stage']}, {world} rank(s). "
+              f"Exported ({info.name}) at optimizer step {info.step if info.step is not None else 'unknown'} "
+              f"in {info.dtype} from {info.source}.", ""]
+    lines += ["## Metrics", ""]
+    if info.metrics:
+        lines += ["| metric | value |", "| --- | --- |"]
+        lines += [f"| {k} | {_fmt(v)} |" for k, v in info.metrics.items()]
+    else:
+        lines.append("No metrics were recorded for this step.")
+    lines += [""]
+    if info.notes:
+        lines += ["## Notes", "", *[f"- {note}" for note in info.notes], ""]
+    lines += ["## Use", "", "```python"]
+    if hf:
+        lines += [f"from transformers import {auto_class}", "", f'model = {auto_class}.from_pretrained("PATH")']
+        if tokenizer is not None:
+            lines += ["from transformers import AutoTokenizer", 'tokenizer = AutoTokenizer.from_pretrained("PATH")']
+    else:
+        lines += ["from safetensors.torch import load_model", "from jobspec.train.mlp import MLPClassifier, MLPConfig",
+                  "", "import json", 'model = MLPClassifier(MLPConfig(**json.load(open("PATH/config.json"))))',
+                  'load_model(model, "PATH/model.safetensors")']
+    spec_text = yaml.safe_dump(_masked(spec, mask_secrets), sort_keys=False)
+    lines += ["```", "", "## Job spec", "", "The resolved spec (every default filled in; credentials masked):", "",
+              "```yaml", spec_text.rstrip(), "```", ""]
+    return "\n".join(lines)
+
+
+def _masked(value, mask):
+    """`value` with every string masked: the YAML stays valid (`'***'`, not an alias `***`)."""
+    if isinstance(value, dict):
+        return {k: _masked(v, mask) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_masked(v, mask) for v in value]
+    return mask(value) if isinstance(value, str) else value
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)

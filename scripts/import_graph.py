@@ -1,0 +1,255 @@
+"""The jobspec package's import graph, read from the source (ast), and the layering rules it must keep.
+
+    python scripts/import_graph.py            # print the graph; exit 1 (problems on stderr) if a rule is broken
+    python scripts/import_graph.py --quiet    # only the problems
+
+Every `import` / `from ... import` of a package module is an edge, marked `lazy` when it sits inside a
+function (it runs only when the function is called). Rules:
+
+1. no import cycle among module-level imports;
+2. no private name (`_x`, not dunder) of one module used by another: neither `from m import _x` nor
+   `m._x` through an imported module;
+3. the rank side (train/) never imports the launch side (launch/), at any level;
+4. a command (commands/<name>.py) never imports another command (the commands package's own
+   helpers in commands/__init__.py are shared);
+5. the validate/compile path (spec/, compile/, memory/, errors, cli, commands/) reaches none of
+   torch, deepspeed, transformers, mlflow through module-level imports, followed transitively
+   (importing `a.b.c` also runs `a` and `a.b`), so `jobspec validate` stays light;
+6. a module imports only from its own layer or the layers below it (LAYERS, bottom up; the
+   top-level modules not listed there, such as errors or rundir, are neutral ground below all).
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HEAVY = ("torch", "deepspeed", "transformers", "mlflow")
+LIGHT_PATH = ("spec", "compile", "memory", "errors", "cli", "commands")
+LAYERS = ("spec", "compile", "memory", "tracking", "launch", "train", "report", "commands", "cli", "__main__")
+
+
+@dataclass
+class Module:
+    name: str
+    path: Path
+    is_package: bool
+    eager: set = field(default_factory=set)        # package modules imported at module level
+    lazy: set = field(default_factory=set)         # ... inside functions
+    eager_external: set = field(default_factory=set)  # top-level names of third-party packages, module level
+    private_uses: list = field(default_factory=list)  # (line, "module._name")
+
+
+def discover(root: Path, package: str) -> dict[str, Module]:
+    modules = {}
+    for path in sorted((root / package).rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        if is_package:
+            parts = parts[:-1]
+        modules[".".join(parts)] = Module(".".join(parts), path, is_package)
+    return modules
+
+
+def _resolve_from(module: Module, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.name.split(".")
+    if not module.is_package:
+        base = base[:-1]
+    base = base[:len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _in_function(node: ast.AST, parents: dict) -> bool:
+    while node in parents:
+        node = parents[node]
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            return True
+    return False
+
+
+def read_imports(module: Module, modules: dict[str, Module], package: str) -> None:
+    tree = ast.parse(module.path.read_text(encoding="utf-8"), filename=str(module.path))
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    aliases: dict[str, str] = {}  # local name -> package module it is bound to
+
+    def add(target: str, node: ast.AST) -> None:
+        lazy = _in_function(node, parents)
+        if target.split(".")[0] != package:
+            if not lazy:
+                module.eager_external.add(target.split(".")[0])
+            return
+        if target != module.name:
+            (module.lazy if lazy else module.eager).add(target)
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                add(alias.name, node)
+                if alias.name in modules:
+                    aliases[alias.asname or alias.name] = alias.name
+        elif isinstance(node, ast.ImportFrom):
+            source = _resolve_from(module, node)
+            for alias in node.names:
+                submodule = f"{source}.{alias.name}"
+                if submodule in modules:          # `from pkg import module`
+                    add(submodule, node)
+                    aliases[alias.asname or alias.name] = submodule
+                    continue
+                add(source, node)
+                if _is_private(alias.name) and source.split(".")[0] == package and source != module.name:
+                    module.private_uses.append((node.lineno, f"{source}.{alias.name}"))
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                and _is_private(node.attr) and aliases[node.value.id] != module.name):
+            module.private_uses.append((node.lineno, f"{aliases[node.value.id]}.{node.attr}"))
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def with_parents(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+
+
+def cycles(modules: dict[str, Module]) -> list[list[str]]:
+    """Strongly connected components of the module-level graph with more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(modules[v].eager):
+            if w not in modules:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    sys.setrecursionlimit(max(1000, 10 * len(modules)))
+    for name in sorted(modules):
+        if name not in index:
+            visit(name)
+    return found
+
+
+def heavy_reach(start: str, modules: dict[str, Module]) -> dict[str, list[str]]:
+    """Heavy packages reached from `start` by module-level imports: package -> the import chain."""
+    chains = {start: [start]}
+    queue = [start]
+    reached: dict[str, list[str]] = {}
+    while queue:
+        current = queue.pop(0)
+        for heavy in HEAVY:
+            if heavy in modules[current].eager_external and heavy not in reached:
+                reached[heavy] = chains[current]
+        for target in sorted(modules[current].eager):
+            for step in with_parents(target):
+                if step in modules and step not in chains:
+                    chains[step] = chains[current] + [step]
+                    queue.append(step)
+    return reached
+
+
+def layer(name: str, modules: dict[str, Module]) -> int:
+    """Position of a module's subpackage in LAYERS; -1 for neutral ground (the package's own
+    top-level modules that are no layer: errors, secrets, rundir, ...)."""
+    parts = name.split(".")
+    if len(parts) == 1:
+        return -1
+    return LAYERS.index(parts[1]) if parts[1] in LAYERS else -1
+
+
+def problems(modules: dict[str, Module], package: str) -> list[str]:
+    found = []
+    for component in cycles(modules):
+        found.append(f"import cycle (module level): {' <-> '.join(component)}")
+    for module in modules.values():
+        for line, name in module.private_uses:
+            found.append(f"{module.path}:{line}: private name {name} used outside its module")
+        imports = module.eager | module.lazy
+        if module.name.startswith(f"{package}.train"):
+            for target in sorted(imports):
+                if target.startswith(f"{package}.launch"):
+                    found.append(f"{module.name} (rank side) imports {target} (launch side)")
+        for target in sorted(imports):
+            if target in modules and layer(target, modules) > layer(module.name, modules):
+                below = "neutral ground" if layer(module.name, modules) < 0 else \
+                    f"layer {module.name.split('.')[1]}"
+                found.append(f"{module.name} ({below}) imports {target} from a layer above it")
+        commands = f"{package}.commands"
+        if module.name.startswith(commands + ".") and not module.is_package:
+            for target in sorted(imports):
+                if target.startswith(commands + ".") and target != module.name:
+                    found.append(f"command {module.name} imports command {target}")
+    for name in sorted(modules):
+        first = name.split(".")[1] if "." in name else ""
+        if first not in LIGHT_PATH:
+            continue
+        for heavy, chain in heavy_reach(name, modules).items():
+            found.append(f"{name} imports {heavy} at module level (via {' -> '.join(chain)}): "
+                         "the validate/compile path must stay light")
+    return found
+
+
+def build(root: Path, package: str) -> dict[str, Module]:
+    modules = discover(root, package)
+    for module in modules.values():
+        read_imports(module, modules, package)
+    return modules
+
+
+def render(modules: dict[str, Module]) -> str:
+    lines = []
+    for name in sorted(modules):
+        module = modules[name]
+        deps = [d for d in sorted(module.eager) if d in modules or d.split(".")[0] == name.split(".")[0]]
+        lazy = [d for d in sorted(module.lazy - module.eager)]
+        lines.append(name)
+        lines += [f"    -> {d}" for d in deps]
+        lines += [f"    -> {d}  (lazy)" for d in lazy]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1],
+                        help="directory holding the package (default: the repository)")
+    parser.add_argument("--package", default="jobspec")
+    parser.add_argument("--quiet", action="store_true", help="print only the problems")
+    args = parser.parse_args(argv)
+    modules = build(args.root, args.package)
+    if not args.quiet:
+        print(render(modules))
+    found = problems(modules, args.package)
+    for problem in found:
+        print(f"import rule broken: {problem}", file=sys.stderr)
+    if not args.quiet:
+        edges = sum(len(m.eager) + len(m.lazy - m.eager) for m in modules.values())
+        print(f"{len(modules)} modules, {edges} imports, {len(found)} problem(s)", file=sys.stderr)
+    return 1 if found else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,83 @@
+"""DeepSpeed's JIT ops: which a compiled job loads, how a missing one's build is announced, `jobspec
+prepare`, and py-cpuinfo's reading shared instead of taken twice per op load on every rank."""
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+
+from jobspec import ops
+from conftest import REPO_ROOT
+
+REPO = REPO_ROOT
+
+
+def compiled_ops(*overrides: str) -> list[str]:
+    from jobspec.commands.prepare import job_ops
+    return job_ops(str(REPO / "jobs" / "quickstart.yaml"), list(overrides))
+
+
+def test_the_ops_a_job_loads_follow_its_optimizer_and_offload():
+    assert compiled_ops() == ["ShareMemCommBuilder", "FusedAdamBuilder"]
+    assert compiled_ops("memory.zero_stage=2", "memory.offload.optimizer=cpu") == \
+        ["ShareMemCommBuilder", "CPUAdamBuilder"]
+    assert ops.needed_ops({"optimizer": {"type": "AdamW", "params": {"torch_adam": True}}}) == ["ShareMemCommBuilder"]
+    assert ops.needed_ops({"optimizer": {"type": "Adam"}, "zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "nvme"}, "offload_param": {"device": "nvme"}}}) == \
+        ["ShareMemCommBuilder", "CPUAdamBuilder", "AsyncIOBuilder"]
+    assert ops.needed_ops({}) == ["ShareMemCommBuilder"]  # a client optimizer (8-bit AdamW, Adafactor)
+
+
+def test_a_missing_op_is_built_with_an_announcement_and_its_time(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # an empty cache: nothing is built
+    state = ops.state("ShareMemCommBuilder")
+    assert state.name == "deepspeed_shm_comm" and not state.built and state.build_dir == tmp_path / state.name
+
+    from deepspeed.ops.op_builder.builder import OpBuilder
+    loaded = []
+    monkeypatch.setattr(OpBuilder, "load", lambda self, verbose=False: loaded.append(self.name))
+    said = []
+    ops.ensure_built(["ShareMemCommBuilder"], announce=said.append)
+    assert loaded == ["deepspeed_shm_comm"]
+    assert said[0] == f"building DeepSpeed op shm_comm (first run only, cached in {tmp_path / 'deepspeed_shm_comm'})"
+    assert said[1].startswith("built DeepSpeed op shm_comm in ") and said[1].endswith(" s")
+    # a built op (its library newer than its sources) is left for DeepSpeed to load, silently
+    (tmp_path / "deepspeed_shm_comm").mkdir(exist_ok=True)  # torch made it when asked for its path
+    (tmp_path / "deepspeed_shm_comm" / "deepspeed_shm_comm.so").write_bytes(b"")
+    loaded.clear()
+    said.clear()
+    assert ops.ensure_built(["ShareMemCommBuilder"], announce=said.append)[0].built
+    assert loaded == [] and said == []
+
+
+def test_prepare_names_a_job_or_all(capsys):
+    from jobspec.cli import main
+    assert main(["prepare"]) == 2
+    assert "name a job to prepare, or pass --all" in capsys.readouterr().err
+
+
+def test_cpu_info_is_read_once_per_host(tmp_path, monkeypatch):
+    import cpuinfo
+    calls = []
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", lambda: calls.append(1) or {"arch": "X86_64", "flags": ["avx2"]})
+    ops.write_cpu_info(tmp_path / "cpu_info.json")
+    assert json.loads((tmp_path / "cpu_info.json").read_text())["host"] == socket.gethostname() and calls == [1]
+
+    ops.share_cpu_info(tmp_path / "cpu_info.json")  # a rank on the launching host
+    assert cpuinfo.get_cpu_info() == {"arch": "X86_64", "flags": ["avx2"]} == cpuinfo.get_cpu_info()
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("recorded_host", ["another-node", None])
+def test_cpu_info_of_another_host_is_not_used(tmp_path, monkeypatch, recorded_host):
+    import cpuinfo
+    calls = []
+    monkeypatch.setattr(cpuinfo, "get_cpu_info", lambda: calls.append(1) or {"arch": "ARM_8"})
+    path = tmp_path / "cpu_info.json"
+    if recorded_host:
+        path.write_text(json.dumps({"host": recorded_host, "info": {"arch": "X86_64"}}))
+    ops.share_cpu_info(path)
+    assert cpuinfo.get_cpu_info() == {"arch": "ARM_8"} == cpuinfo.get_cpu_info()
+    assert calls == [1]  # read here, once

@@ -1,0 +1,257 @@
+"""Slurm: allocation detection and the per-node srun argv (fast, fake scontrol), then real jobs on a
+throw-away cluster of real daemons (tests/slurm_cluster.py): single node, 2 nodes x 1 rank, and
+preemption -> checkpoint -> requeue -> resume with the same final loss as an uninterrupted run."""
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO_ROOT as REPO
+from jobspec.launch import slurm
+from jobspec.errors import SpecError
+
+LAUNCH_SH = REPO / "launch.sh"
+QUICKSTART = REPO / "jobs" / "quickstart.yaml"
+JOB_TIMEOUT_S = 170
+
+
+def fake_scontrol(hosts: dict[str, str]):
+    """A `run` stand-in answering `scontrol show hostnames` / `show node` from a {name: addr} table."""
+    calls = []
+
+    def run(argv, **_kwargs):
+        calls.append(argv)
+        if argv[:3] == ["scontrol", "show", "hostnames"]:
+            return subprocess.CompletedProcess(argv, 0, "\n".join(hosts) + "\n", "")
+        if argv[:3] == ["scontrol", "show", "node"]:
+            return subprocess.CompletedProcess(argv, 0, f"NodeName={argv[-1]} NodeAddr={hosts[argv[-1]]} Port=1", "")
+        return subprocess.CompletedProcess(argv, 1, "", "unexpected")
+    run.calls = calls
+    return run
+
+
+# --- fast: no daemons ---------------------------------------------------------------------------
+
+def test_no_allocation_outside_slurm():
+    assert slurm.detect_allocation({"PATH": "/bin"}, run=fake_scontrol({})) is None
+
+
+def test_allocation_from_environment():
+    run = fake_scontrol({"gpu-a1": "10.0.0.1", "gpu-a2": "10.0.0.2", "gpu-b7": "10.0.0.3"})
+    alloc = slurm.detect_allocation({"SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "gpu-a[1-2],gpu-b7",
+                                     "SLURM_NODEID": "0", "SLURM_JOB_NUM_NODES": "3"}, run=run)
+    assert alloc == slurm.Allocation("77", ("gpu-a1", "gpu-a2", "gpu-b7"), 0, 3)
+    assert run.calls == [["scontrol", "show", "hostnames", "gpu-a[1-2],gpu-b7"]]
+
+
+def _launch(nodes=2, gpus=4, port=29123):
+    return {"argv": ["deepspeed", "--num_nodes", str(nodes), "--num_gpus", str(gpus), "--master_port", str(port),
+                     "--module", "jobspec.train.worker", "--run-dir", "/r"],
+            "nodes": nodes, "gpus_per_node": gpus, "master_port": port, "world_size": nodes * gpus}
+
+
+def test_allocation_argv_runs_one_runner_per_node_without_a_shell(tmp_path):
+    alloc = slurm.Allocation("9", ("n1", "n2", "n3"), 0, 3)
+    hostfile = slurm.write_hostfile(alloc, 2, 4, tmp_path)
+    assert hostfile == tmp_path / "hostfile"
+    assert hostfile.read_text() == "n1 slots=4\nn2 slots=4\n"
+    argv = slurm.allocation_argv(_launch(), alloc, "/runs/r 1", hostfile, master_addr="10.0.0.1",
+                                 runner=["deepspeed"])
+    assert argv[:5] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+    tail = argv[argv.index("node-runner") + 1:]
+    assert tail == ["deepspeed", "--no_ssh", "--hostfile", str(hostfile), "--num_nodes", "2", "--num_gpus", "4",
+                    "--master_addr", "10.0.0.1", "--master_port", "29123", "--module", "jobspec.train.worker",
+                    "--run-dir", "/runs/r 1"]
+    assert not any(a in ("bash", "sh", "-c") for a in argv)
+
+
+def test_node_runner_takes_the_node_rank_from_its_own_task():
+    runner = ["deepspeed", "--no_ssh", "--hostfile", "h", "--module", "jobspec.train.worker"]
+    assert slurm.node_runner_argv(runner, {"SLURM_NODEID": "1"}) == [
+        "deepspeed", "--node_rank", "1", "--no_ssh", "--hostfile", "h", "--module", "jobspec.train.worker"]
+    with pytest.raises(SystemExit):
+        slurm.node_runner_argv(runner, {})
+
+
+def test_launch_argv_changes_only_multi_node_launches_in_an_allocation(tmp_path, monkeypatch):
+    env = {"SLURM_JOB_ID": "5", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_NUM_NODES": "2"}
+    monkeypatch.setattr(slurm.subprocess, "run", fake_scontrol({"n1": "127.0.0.5", "n2": "127.0.0.6"}))
+    one = _launch(nodes=1)
+    assert slurm.launch_argv(one, tmp_path, env) == one["argv"]
+    assert slurm.launch_argv(_launch(), tmp_path, {}) == _launch()["argv"]  # no allocation
+    argv = slurm.launch_argv(_launch(), tmp_path, env)
+    assert argv[0] == "srun" and argv[argv.index("--master_addr") + 1] == "127.0.0.5"
+    assert (tmp_path / "hostfile").read_text() == "n1 slots=4\nn2 slots=4\n"
+    with pytest.raises(SpecError) as caught:
+        slurm.launch_argv(_launch(nodes=3), tmp_path, env)
+    assert caught.value.issues[0].path == ("resources", "nodes")
+
+
+def test_deepspeed_runner_has_the_flags_we_rely_on():
+    from deepspeed.launcher.runner import parse_args
+    args = parse_args(["--no_ssh", "--node_rank", "1", "--hostfile", "h", "--master_addr", "a", "--module", "m"])
+    assert args.no_ssh is True and args.node_rank == 1
+
+
+def test_launch_sh_help_and_syntax():
+    assert subprocess.run(["bash", "-n", str(LAUNCH_SH)], check=False).returncode == 0
+    result = subprocess.run([str(LAUNCH_SH)], capture_output=True, text=True, check=False)
+    assert result.returncode == 2 and "sbatch launch.sh" in result.stdout
+    head = LAUNCH_SH.read_text().splitlines()[:12]
+    for directive in ("--nodes=1", "--ntasks-per-node=1", "--output=slurm-%x-%j.out", "--signal=B:USR1@120",
+                      "--requeue", "--open-mode=append"):
+        assert f"#SBATCH {directive}" in head
+
+
+# --- slow: real daemons -------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory):
+    from slurm_cluster import missing_requirements, start_cluster
+    reason = missing_requirements()
+    if reason:
+        pytest.skip(reason)
+    running = start_cluster(tmp_path_factory.mktemp("slurm"))
+    yield running
+    running.stop()
+
+
+def job_overrides(root: Path, max_steps: int, *extra: str) -> list[str]:
+    return ["--set", f"output_dir={root / 'out'}",
+            "--set", f"logging.mlflow.tracking_uri=sqlite:///{root / 'mlflow.db'}",
+            "--set", f"training.max_steps={max_steps}",
+            "--set", "logging.every_n_steps=1",  # per-step losses: comparable across a resume
+            "--set", "logging.progress=lines",
+            *[a for e in extra for a in ("--set", e)]]
+
+
+def submit(cluster, root: Path, script_and_args: list[str], *sbatch_flags: str) -> str:
+    root.mkdir(parents=True, exist_ok=True)
+    result = cluster.run("sbatch", "--parsable", f"--output={root / 'slurm.out'}", f"--chdir={root}",
+                         *sbatch_flags, *script_and_args, check=False)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+def wait_done(cluster, job_id: str, root: Path, timeout: float = JOB_TIMEOUT_S) -> str:
+    try:
+        state = cluster.wait_for_state(job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"},
+                                       timeout)
+    except TimeoutError:
+        subprocess.run(["scancel", job_id], env=cluster.env(), check=False)
+        raise AssertionError(f"job {job_id} did not end in {timeout} s\n{_log(root)}")
+    return state
+
+
+def _log(root: Path, tail: int | None = 6000) -> str:
+    path = root / "slurm.out"
+    return path.read_text(errors="replace")[-(tail or 0):] if path.exists() else "(no slurm.out)"
+
+
+def run_dirs(root: Path) -> list[Path]:
+    return sorted((root / "out").glob("run-*"))
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {row["step"]: row["train/loss"] for row in rows if "train/loss" in row}
+
+
+def mlflow_runs(root: Path) -> list:
+    from mlflow.tracking import MlflowClient
+    client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
+    experiments = client.search_experiments()
+    return client.search_runs([e.experiment_id for e in experiments])
+
+
+PREEMPT_STEPS = 60
+
+
+@pytest.fixture(scope="module")
+def single_node_job(cluster, tmp_path_factory):
+    """The quickstart (2 CPU ranks) through `sbatch launch.sh`; also the uninterrupted baseline run."""
+    root = tmp_path_factory.mktemp("single")
+    job_id = submit(cluster, root, [str(LAUNCH_SH), str(QUICKSTART), *job_overrides(root, PREEMPT_STEPS)])
+    return root, job_id, wait_done(cluster, job_id, root)
+
+
+@pytest.mark.slow
+def test_single_node_job_completes_with_mlflow_run_and_checkpoints(single_node_job):
+    root, job_id, state = single_node_job
+    assert state == "COMPLETED", _log(root)
+    (run_dir,) = run_dirs(root)
+    assert summary(run_dir)["status"] == "finished"
+    assert summary(run_dir)["steps"] == PREEMPT_STEPS
+    assert (root / "out" / "checkpoints" / f"step{PREEMPT_STEPS}").is_dir()
+    (run,) = mlflow_runs(root)
+    assert run.info.status == "FINISHED"
+    assert f"Slurm job {job_id} (restart 0)" in _log(root, tail=None)
+
+
+@pytest.mark.slow
+def test_two_nodes_one_rank_each(cluster, tmp_path):
+    root = tmp_path / "two"
+    overrides = job_overrides(root, 10, "resources.nodes=2", "resources.gpus_per_node=1")
+    script = [str(LAUNCH_SH), str(QUICKSTART), *overrides]
+    job_id = submit(cluster, root, script, "--nodes=2")
+    state = wait_done(cluster, job_id, root)
+    assert state == "COMPLETED", _log(root)
+    (run_dir,) = run_dirs(root)
+    assert (run_dir / "hostfile").read_text() == "n1 slots=1\nn2 slots=1\n"
+    log = (run_dir / "launcher.log").read_text()
+    assert "--node_rank=0" in log and "--node_rank=1" in log  # one runner per node, each with its rank
+    assert summary(run_dir)["status"] == "finished" and summary(run_dir)["steps"] == 10
+    assert (root / "out" / "checkpoints" / "step10").is_dir()
+    (run,) = mlflow_runs(root)
+    assert run.info.status == "FINISHED"
+
+
+@pytest.mark.slow
+def test_preemption_checkpoints_requeues_and_resumes_to_the_same_loss(cluster, tmp_path, single_node_job):
+    root = tmp_path / "preempt"
+    job_id = submit(cluster, root, [str(LAUNCH_SH), str(QUICKSTART), *job_overrides(root, PREEMPT_STEPS)])
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while time.monotonic() < deadline:  # signal once training is under way
+        dirs = run_dirs(root)
+        if dirs and (dirs[0] / "metrics.jsonl").exists() and max(losses(dirs[0]), default=0) >= 5:
+            break
+        assert cluster.job_state(job_id) in ("PENDING", "RUNNING"), _log(root)
+        time.sleep(0.2)
+    else:
+        raise AssertionError(f"training did not start\n{_log(root)}")
+    cluster.run("scancel", "--signal=USR1", "--batch", job_id)
+
+    # requeued: runs again (Restarts=1) and completes
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while time.monotonic() < deadline and cluster.job_field(job_id, "Restarts") in (None, "0"):
+        time.sleep(0.5)
+    assert cluster.job_field(job_id, "Restarts") == "1", _log(root)
+    assert wait_done(cluster, job_id, root) == "COMPLETED", _log(root)
+
+    first, second = run_dirs(root)
+    interrupted = summary(first)
+    assert interrupted["status"] == "preempted", _log(root)
+    assert 5 <= interrupted["steps"] < PREEMPT_STEPS
+    resumed = summary(second)
+    assert resumed["status"] == "finished"
+    assert resumed["steps"] == PREEMPT_STEPS
+    assert resumed["resumed_from"].endswith(f"step{interrupted['steps']}")
+    assert min(losses(second)) == interrupted["steps"] + 1  # continued, did not start over
+
+    baseline_root, _, baseline_state = single_node_job
+    assert baseline_state == "COMPLETED", _log(baseline_root)
+    (baseline,) = run_dirs(baseline_root)
+    assert losses(second)[PREEMPT_STEPS] == pytest.approx(losses(baseline)[PREEMPT_STEPS], rel=1e-6, abs=1e-7)
+    assert resumed["final_loss"] == pytest.approx(summary(baseline)["final_loss"], rel=1e-6, abs=1e-7)
+    log = _log(root, tail=None)
+    assert "requeueing Slurm job" in log and f"Slurm job {job_id} (restart 1)" in log
+    (run,) = mlflow_runs(root)  # the resumed launch continued the same MLflow run
+    assert run.info.status == "FINISHED"

@@ -1,0 +1,193 @@
+"""The memory planner: per-rank bytes by component, DeepSpeed's own estimators, `jobspec plan` output."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import REPO_ROOT as REPO
+from jobspec.cli import main
+from jobspec.errors import SpecError
+from jobspec.spec.derived import derive
+from jobspec.spec.model_dims import model_dims
+from jobspec.memory.planner import GiB, parameter_tensors, parse_bytes, plan_memory
+from jobspec.spec.validation import load_and_validate
+
+JOBS = sorted((REPO / "jobs").glob("*.yaml"))
+BERT_LARGE = REPO / "jobs" / "bert-large-base.yaml"
+
+
+def planned(job=BERT_LARGE, overrides=(), world_size=None, **kwargs):
+    overrides = list(overrides) + ([f"resources.gpus_per_node={world_size}"] if world_size else [])
+    spec = load_and_validate(job, overrides=overrides).spec
+    job = derive(spec)
+    return spec, job.dims, plan_memory(spec, job, **kwargs)
+
+
+def test_parse_bytes_units():
+    assert parse_bytes("24GiB") == 24 * 2**30
+    assert parse_bytes("11GB") == 11 * 10**9
+    assert parse_bytes("1.5 MiB") == int(1.5 * 2**20)
+    with pytest.raises(SpecError):
+        parse_bytes("twelve gigs")
+
+
+@pytest.mark.parametrize("job", JOBS, ids=lambda p: p.stem)
+def test_parameter_inventory_adds_up(job):
+    spec = load_and_validate(job).spec
+    dims = model_dims(spec)
+    tensors = parameter_tensors(dims, spec["model"]["task"], spec["model"]["num_labels"])
+    assert 0 <= tensors.vector_params < 0.02 * tensors.total   # matrices are almost every parameter
+
+
+def test_zero0_fp32_adamw_is_16_bytes_per_parameter():
+    _, _, plan = planned()
+    psi = plan.settings["parameters"]
+    assert plan.breakdown["parameters"] == 4 * psi and plan.breakdown["gradients"] == 4 * psi
+    assert plan.breakdown["optimizer_states"] == 8 * psi and plan.breakdown["master_weights"] == 0
+    assert plan.model_states == 16 * psi
+
+
+def test_mixed_precision_zero0_keeps_fp32_master_and_step_gradients():
+    _, _, plan = planned(overrides=["memory.precision=bf16"])
+    psi = plan.settings["parameters"]
+    assert plan.breakdown["parameters"] == 2 * psi and plan.breakdown["master_weights"] == 4 * psi
+    assert plan.breakdown["step_gradients"] == 4 * psi
+
+
+@pytest.mark.parametrize("name,per_param", [("adamw", 8), ("adamw_8bit", 2)])
+def test_optimizer_state_bytes(name, per_param):
+    _, _, plan = planned(overrides=[f"training.optimizer.name={name}"])
+    assert plan.breakdown["optimizer_states"] == per_param * plan.settings["parameters"]
+
+
+def test_adafactor_is_factored_and_sgd_momentum_costs_one_copy():
+    _, _, adafactor = planned(overrides=["training.optimizer.name=adafactor"])
+    assert 0 < adafactor.breakdown["optimizer_states"] < 0.05 * 4 * adafactor.settings["parameters"]
+    _, _, plain = planned(overrides=["training.optimizer.name=sgd"])
+    _, _, momentum = planned(overrides=["training.optimizer.name=sgd", "training.optimizer.momentum=0.9"])
+    assert plain.breakdown["optimizer_states"] == 0
+    assert momentum.breakdown["optimizer_states"] == 4 * momentum.settings["parameters"]
+
+
+def test_activations_follow_korthikanti_for_eager_16bit_with_dropout():
+    spec, dims, plan = planned(overrides=["memory.precision=fp16", "model.attention=eager"])
+    s, b, h, a = 512, 4, dims.hidden_size, dims.num_heads
+    assert plan.breakdown["activations"] == dims.num_layers * (34 * s * b * h + 5 * a * s * s * b)
+
+
+def test_activation_variants_shrink_in_the_expected_order():
+    eager = planned(overrides=["model.attention=eager"])[2].breakdown["activations"]
+    sdpa = planned()[2].breakdown["activations"]
+    half = planned(overrides=["memory.precision=bf16"])[2].breakdown["activations"]
+    every2 = planned(overrides=["memory.activation_checkpointing={every_n_layers: 2}"])[2].breakdown["activations"]
+    full = planned(overrides=["memory.activation_checkpointing=true"])[2].breakdown["activations"]
+    no_dropout = planned(overrides=["model.config.hidden_dropout_prob=0.0"])[2].breakdown["activations"]
+    assert eager > sdpa > every2 > full
+    assert sdpa / 2 < half < sdpa            # 2-byte tensors halve, 1-byte masks stay
+    assert no_dropout < sdpa
+    assert full < 0.15 * sdpa               # layer inputs + one recomputed layer
+
+
+def test_lm_logits_dominate_at_large_vocabularies():
+    _, _, plan = planned(REPO / "jobs" / "gpt2-xl-12gb.yaml")
+    b, s, vocab = 2, 1024, 50257
+    assert plan.breakdown["logits_and_loss"] == b * s * vocab * (2 + 4 + 4 + 4)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_partitions_shrink_with_world_size(stage):
+    overrides = [f"memory.zero_stage={stage}", "memory.precision=bf16"]
+    one = planned(overrides=overrides, world_size=1)[2]
+    eight = planned(overrides=overrides, world_size=8)[2]
+    assert eight.breakdown["optimizer_states"] * 8 == pytest.approx(one.breakdown["optimizer_states"], rel=1e-6)
+    assert eight.breakdown["master_weights"] < one.breakdown["master_weights"] / 7
+    assert (eight.breakdown["parameters"] < one.breakdown["parameters"] / 4) == (stage == 3)
+
+
+def test_cpu_offload_moves_optimizer_states_to_host():
+    _, _, on_gpu = planned(overrides=["memory.zero_stage=2"])
+    _, _, offloaded = planned(overrides=["memory.zero_stage=2", "memory.offload.optimizer=cpu"])
+    assert offloaded.breakdown["optimizer_states"] == offloaded.breakdown["master_weights"] == 0
+    assert offloaded.host["offloaded_optimizer"] >= on_gpu.breakdown["optimizer_states"]
+    assert offloaded.peak_allocated < on_gpu.peak_allocated
+
+
+# DeepSpeed's estimators assume mixed-precision Adam: exactly our bf16 + adamw case.
+@pytest.mark.parametrize("world,offload", [(1, False), (4, False), (8, True), (2, True)])
+def test_zero2_matches_deepspeed_estimator(world, offload):
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+    overrides = ["memory.zero_stage=2", "memory.precision=bf16"] + (["memory.offload.optimizer=cpu"] if offload else [])
+    _, _, plan = planned(overrides=overrides, world_size=world)
+    _, gpu = estimate_zero2_model_states_mem_needs(plan.settings["parameters"], num_gpus_per_node=world,
+                                                   cpu_offload=offload)
+    ours = plan.model_states + plan.breakdown["step_gradients"]
+    assert ours == pytest.approx(gpu, rel=0.03)
+
+
+@pytest.mark.parametrize("world,offload_opt,offload_params", [(8, True, True), (4, True, False), (4, False, False)])
+def test_zero3_matches_deepspeed_estimator(world, offload_opt, offload_params):
+    """Where DeepSpeed's estimator leaves out a copy it is named: it counts 18 B/param at stage 3
+    (16-bit params, fp32 grads, master, Adam) but stage3.py also keeps the 16-bit gradient partition
+    (`grad_partitions_flat_buffer`, seen in the CPU engine dump) next to the fp32 copy made at step."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    overrides = ["memory.zero_stage=3", "memory.precision=bf16"]
+    overrides += ["memory.offload.optimizer=cpu"] if offload_opt else []
+    overrides += ["memory.offload.params=cpu"] if offload_params else []
+    _, dims, plan = planned(overrides=overrides, world_size=world)
+    tensors = parameter_tensors(dims, "sequence-classification", 2)
+    _, gpu, _ = estimate_zero3_model_states_mem_needs(plan.settings["parameters"], tensors.layer_params,
+                                                      num_gpus_per_node=world, cpu_offload=offload_opt,
+                                                      cpu_offload_params=offload_params)
+    b = plan.breakdown
+    ours = b["parameters"] + b["gathered_parameters"] + b["master_weights"] + b["optimizer_states"] \
+        + b["step_gradients"]
+    left_out = 0 if offload_opt else b["gradients"]     # the 16-bit gradient partition
+    assert ours == pytest.approx(gpu, rel=0.03)
+    assert left_out == pytest.approx(2 * plan.settings["parameters"] / world, rel=0.01) or offload_opt
+
+
+def test_budget_fits_and_headroom():
+    _, _, plan = planned(budget=parse_bytes("80GiB"))
+    assert plan.fits and plan.headroom == 80 * GiB - plan.nvml_total
+    _, _, small = planned(budget=parse_bytes("4GiB"))
+    assert not small.fits and small.headroom < 0
+    assert plan.peak_allocated < plan.peak_reserved < plan.nvml_total
+
+
+@pytest.mark.parametrize("job", JOBS, ids=lambda p: p.stem)
+def test_plan_command_prints_a_breakdown_for_every_job(job, capsys):
+    assert main(["plan", str(job), "--gpu-mem", "24GiB"]) == 0
+    out = capsys.readouterr().out
+    for row in ("parameters (working copy)", "peak allocated", "GPU total incl. CUDA context", "host RAM"):
+        assert row in out
+    assert ("fits in 24.00 GiB" in out) or ("does NOT fit in 24.00 GiB" in out)
+
+
+def test_plan_command_json(capsys):
+    assert main(["plan", str(REPO / "jobs" / "xlmr-large.yaml"), "--format", "json", "--gpu-mem", "24GiB"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["plan"]["fits"] is True and data["plan"]["budget"] == 24 * GiB
+    assert data["plan"]["peak_allocated"] == sum(
+        v for k, v in data["plan"]["breakdown"].items() if k not in ("step_gradients", "activations",
+                                                                     "embeddings_activations", "logits_and_loss")
+    ) + max(data["plan"]["breakdown"]["step_gradients"],
+            sum(data["plan"]["breakdown"][k] for k in ("activations", "embeddings_activations", "logits_and_loss")))
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--gpu-mem", "lots"], "cannot read the memory size"),
+    (["--fit"], "--fit needs a memory budget"),
+    (["--set", "memory.zero_stage=7"], "zero_stage"),
+])
+def test_plan_command_bad_input_exits_2(argv, needle, capsys):
+    assert main(["plan", str(BERT_LARGE), *argv]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_unknown_architecture_is_a_clean_error(tmp_path, capsys):
+    job = tmp_path / "odd.yaml"
+    job.write_text("model: {architecture: mystery, config: {hidden_size: 8}}\ndata: {synthetic: {}}\n"
+                   "training: {max_steps: 1}\n")
+    assert main(["plan", str(job)]) == 2
+    assert "cannot count the parameters" in capsys.readouterr().err

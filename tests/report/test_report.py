@@ -1,0 +1,195 @@
+"""`jobspec report`: rows from MLflow runs shaped like real ones (params/artifacts through
+jobspec.tracking.run, metrics with the shared names), CSV/markdown/table output, plots logged as
+artifacts, clean errors; and one real quickstart launch reported end to end (slow)."""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO_ROOT as REPO
+from jobspec.report import table as report
+
+from jobspec.tracking import run as tracking
+from jobspec.cli import main
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+# step -> metrics; the first point is warm-up and must not count towards the steady state
+CPU_METRICS = {
+    5: {"perf/samples_per_s": 10.0, "perf/tokens_per_s": 640.0, "mem/host_rss_mib_max": 300.0, "train/loss": 0.7},
+    10: {"perf/samples_per_s": 100.0, "perf/tokens_per_s": 6400.0, "mem/host_rss_mib_max": 350.0, "train/loss": 0.6},
+    15: {"perf/samples_per_s": 120.0, "perf/tokens_per_s": 7680.0, "mem/host_rss_mib_max": 320.0, "train/loss": 0.5},
+    20: {"perf/samples_per_s": 110.0, "perf/tokens_per_s": 7040.0, "mem/host_rss_mib_max": 330.0, "train/loss": 0.4},
+}
+GPU_METRICS = {
+    1: {"perf/samples_per_s": 1.0, "perf/mfu": 0.01, "perf/tflops_per_device": 1.0,
+        "mem/peak_allocated_mib_max": 9000.0, "mem/nvml_used_mib_max": 11000.0, "mem/host_rss_mib_max": 4000.0},
+    2: {"perf/samples_per_s": 30.0, "perf/mfu": 0.40, "perf/tflops_per_device": 40.0,
+        "mem/peak_allocated_mib_max": 9500.0, "mem/nvml_used_mib_max": 11800.0, "mem/host_rss_mib_max": 4100.0},
+    3: {"perf/samples_per_s": 32.0, "perf/mfu": 0.42, "perf/tflops_per_device": 42.0,
+        "mem/peak_allocated_mib_max": 9400.0, "mem/nvml_used_mib_max": 11700.0, "mem/host_rss_mib_max": 4050.0},
+}
+
+
+def make_run(tmp: Path, name: str, uri: str, experiment: str, metrics: dict, overrides=(), status="FINISHED",
+             extra_params=None) -> str:
+    """A run as `jobspec launch` leaves it: compiled run dir, params/tags/artifacts, metrics, final status."""
+    run_dir = tmp / name
+    sets = [f"name={name}", f"output_dir={tmp / 'out'}", f"logging.mlflow.tracking_uri={uri}",
+            f"logging.mlflow.experiment={experiment}", *overrides]
+    assert main(["compile", str(REPO / "jobs" / "quickstart.yaml"), "--out", str(run_dir),
+                 *[x for s in sets for x in ("--set", s)]]) == 0
+    spec = yaml.safe_load((run_dir / "resolved.yaml").read_text())
+    launch = json.loads((run_dir / "launch.json").read_text())
+    tracked = tracking.start_run(spec, launch, launch["derived"], (run_dir / "spec.yaml").read_text(), run_dir)
+    from mlflow.entities import Metric, Param
+    points = [Metric(k, v, 1000 + step, step) for step, values in metrics.items() for k, v in values.items()]
+    tracked.client.log_batch(tracked.run_id, metrics=points,
+                             params=[Param(k, str(v)) for k, v in (extra_params or {}).items()], synchronous=True)
+    tracking.end_run(tracked, run_dir, status=status, exit_code=0 if status == "FINISHED" else 1)
+    return tracked.run_id
+
+
+@pytest.fixture(scope="module")
+def experiment(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("report")
+    uri = f"sqlite:///{tmp / 'mlflow.db'}"
+    ids = {
+        "cpu-run": make_run(tmp, "cpu-run", uri, "exp", CPU_METRICS),
+        "gpu-ckpt": make_run(tmp, "gpu-ckpt", uri, "exp", GPU_METRICS,
+                             overrides=["memory.activation_checkpointing=true", "training.micro_batch_size=4",
+                                        "training.global_batch_size=16", "memory.zero_stage=2"],
+                             extra_params={"plan.peak_allocated_mib": 9876.5}),
+        "broken": make_run(tmp, "broken", uri, "exp", {}, status="FAILED"),
+    }
+    return {"tmp": tmp, "uri": uri, "ids": ids}
+
+
+def run_report(capsys, exp, *extra) -> tuple[int, str, str]:
+    code = main(["report", "exp", "--tracking-uri", exp["uri"], *extra])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_csv_rows_hold_the_settings_steady_throughput_and_peaks(experiment, capsys, tmp_path):
+    code, out, _ = run_report(capsys, experiment, "--format", "csv", "--no-plots")
+    assert code == 0
+    rows = {r["run"]: r for r in csv.DictReader(io.StringIO(out))}
+    assert list(rows) == ["cpu-run", "gpu-ckpt", "broken"]  # oldest first
+
+    cpu = rows["cpu-run"]
+    assert (cpu["status"], cpu["precision"], cpu["zero"], cpu["micro"], cpu["global"], cpu["accum"],
+            cpu["checkpointing"], cpu["optimizer"], cpu["world"]) == \
+        ("FINISHED", "fp32", "0", "16", "32", "1", "off", "adamw", "2")
+    assert float(cpu["samples_per_s"]) == 110.0          # median of 100, 120, 110 (warm-up 10 left out)
+    assert float(cpu["tokens_per_s"]) == 7040.0
+    assert float(cpu["host_rss_mib"]) == 350.0           # max of the series
+    assert cpu["mfu"] == cpu["peak_allocated_mib"] == cpu["nvml_used_mib"] == ""  # absent on CPU, not 0
+    spec = yaml.safe_load((experiment["tmp"] / "cpu-run" / "resolved.yaml").read_text())
+    assert float(cpu["predicted_mib"]) == pytest.approx(report.predicted_peak_mib(spec))
+
+    gpu = rows["gpu-ckpt"]
+    assert (gpu["zero"], gpu["micro"], gpu["global"], gpu["accum"], gpu["checkpointing"]) == ("2", "4", "16", "2", "all")
+    assert float(gpu["samples_per_s"]) == 31.0 and float(gpu["mfu"]) == pytest.approx(0.41)
+    assert float(gpu["peak_allocated_mib"]) == 9500.0 and float(gpu["nvml_used_mib"]) == 11800.0
+    assert float(gpu["predicted_mib"]) == 9876.5          # the logged plan.* param wins
+
+    broken = rows["broken"]
+    assert broken["status"] == "FAILED" and broken["samples_per_s"] == "" and broken["host_rss_mib"] == ""
+
+
+def test_table_and_markdown_are_aligned_and_show_missing_as_dash(experiment, capsys, tmp_path):
+    code, out, _ = run_report(capsys, experiment, "--no-plots")
+    assert code == 0
+    lines = out.rstrip("\n").splitlines()
+    assert len(lines) == 2 + 3 and lines[0].split()[:2] == ["run", "status"]
+    header = lines[0]
+    for line in lines[2:]:  # right-aligned numbers end where their header ends
+        end = header.index("samples/s") + len("samples/s")
+        assert line[end - 1] != " " and (len(line) == end or line[end] == " ")
+    cpu_line = next(line for line in lines if line.startswith("cpu-run"))
+    assert " 110.00 " in cpu_line and "  -  " in cpu_line
+
+    code, out, _ = run_report(capsys, experiment, "--format", "markdown", "--no-plots", "--out", str(tmp_path))
+    assert code == 0
+    md = out.strip().splitlines()
+    assert md[1].startswith("| --- | --- |") and len(md) == 5
+    assert all(line.count("|") == md[0].count("|") for line in md)
+    assert (tmp_path / "report.md").read_text() == out
+
+
+def test_plots_are_pngs_logged_once_per_run(experiment, capsys, tmp_path):
+    out_dir = tmp_path / "rep"
+    code, _, err = run_report(capsys, experiment, "--out", str(out_dir))
+    assert code == 0, err
+    comparison = out_dir / "comparison.png"
+    assert comparison.read_bytes()[:8] == PNG_MAGIC and comparison.stat().st_size > 5000
+    client = tracking.client_for(experiment["uri"])
+    for name in ("cpu-run", "gpu-ckpt"):
+        run_id = experiment["ids"][name]
+        paths = {a.path for a in client.list_artifacts(run_id, "plots")}
+        assert paths == {"plots/memory.png", "plots/throughput.png"}
+        local = client.download_artifacts(run_id, "plots/memory.png", str(tmp_path))
+        assert Path(local).read_bytes()[:8] == PNG_MAGIC
+    assert client.list_artifacts(experiment["ids"]["broken"], "plots") == []  # nothing to draw
+    # a second report leaves the logged plots alone
+    from jobspec.report import plots
+    assert plots.log_run_plots(client, experiment["ids"]["cpu-run"], {"perf/samples_per_s": [(1, 1.0)]}) == []
+
+
+def test_unknown_experiment_is_a_clean_exit_2(experiment, capsys):
+    code = main(["report", "nope", "--tracking-uri", experiment["uri"]])
+    err = capsys.readouterr().err
+    assert code == 2 and "no experiment or job named 'nope'" in err and "exp" in err and "Traceback" not in err
+
+
+def test_a_job_name_finds_that_jobs_runs_in_any_experiment(experiment, capsys):
+    # the runs were logged to experiment "exp"; each is tagged with its job's name (jobspec.job)
+    assert main(["report", "gpu-ckpt", "--tracking-uri", experiment["uri"], "--format", "csv", "--no-plots"]) == 0
+    rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
+    assert [r["run"] for r in rows] == ["gpu-ckpt"] and rows[0]["zero"] == "2"
+
+
+def test_missing_database_and_unreachable_server_are_clean_exit_2(tmp_path, capsys):
+    assert main(["report", "exp", "--tracking-uri", f"sqlite:///{tmp_path / 'none.db'}"]) == 2
+    assert "no MLflow database" in capsys.readouterr().err and not (tmp_path / "none.db").exists()
+    assert main(["report", "exp", "--tracking-uri", "http://u:secret99@127.0.0.1:1"]) == 2
+    err = capsys.readouterr().err
+    assert "unavailable" in err and "secret99" not in err and "Traceback" not in err
+
+
+def test_steady_state_and_checkpointing_labels():
+    assert report.steady_state([(3, 5.0), (1, 100.0), (2, 7.0)]) == 6.0   # sorted by step, first dropped
+    assert report.steady_state([(1, 4.0)]) == 4.0
+    assert report.steady_state([]) is None
+    assert report._checkpointing({"memory.activation_checkpointing.every_n_layers": "3"}) == "1/3"
+    assert report._checkpointing({"memory.activation_checkpointing": "true"}) == "all"
+    assert report.predicted_peak_mib({"model": {"architecture": "no-such-model"}}) is None
+
+
+@pytest.mark.slow
+def test_report_of_a_real_quickstart_launch(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    launch = subprocess.run(
+        [sys.executable, "-m", "jobspec", "launch", str(REPO / "jobs" / "quickstart.yaml"),
+         "--set", f"output_dir={tmp_path / 'out'}", "--set", f"logging.mlflow.tracking_uri={uri}",
+         "--set", "logging.mlflow.experiment=real", "--set", "training.max_steps=10",
+         "--set", "logging.every_n_steps=2"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=900, check=False)
+    assert launch.returncode == 0, launch.stdout[-3000:] + launch.stderr[-3000:]
+    result = subprocess.run([sys.executable, "-m", "jobspec", "report", "real", "--tracking-uri", uri,
+                             "--format", "csv", "--out", str(tmp_path / "rep")],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr
+    (row,) = list(csv.DictReader(io.StringIO(result.stdout)))
+    assert (row["run"], row["status"], row["world"], row["micro"]) == ("quickstart", "FINISHED", "2", "16")
+    assert float(row["samples_per_s"]) > 0 and float(row["host_rss_mib"]) > 0 and float(row["predicted_mib"]) > 0
+    assert row["peak_allocated_mib"] == "" and row["mfu"] == ""   # CPU ranks
+    assert (tmp_path / "rep" / "comparison.png").read_bytes()[:8] == PNG_MAGIC

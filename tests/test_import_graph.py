@@ -1,0 +1,69 @@
+"""scripts/import_graph.py: the package keeps its layering rules, and the script catches each break."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from conftest import REPO_ROOT
+
+SCRIPT = REPO_ROOT / "scripts" / "import_graph.py"
+
+
+def run_script(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=60)
+
+
+def test_jobspec_keeps_every_import_rule():
+    result = run_script()
+    assert result.returncode == 0, result.stderr
+    assert "jobspec.launch.pipeline\n" in result.stdout and "-> jobspec.rundir" in result.stdout
+    assert "(lazy)" in result.stdout and ", 0 problem(s)" in result.stderr
+
+
+def write_package(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        path = root / "pkg" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    for directory in {p.parent for p in (root / "pkg").rglob("*.py")} | {root / "pkg"}:
+        (directory / "__init__.py").touch()
+
+
+def test_each_broken_rule_is_reported(tmp_path):
+    write_package(tmp_path, {
+        "spec/a.py": "from pkg.spec import b\n",
+        "spec/b.py": "import pkg.spec.a\n",                                   # cycle a <-> b
+        "spec/heavy.py": "from pkg.report import plots\n",                    # torch two hops away
+        "report/plots.py": "import torch\n",
+        "train/worker.py": "def f():\n    from pkg.launch.supervise import run\n",  # rank -> launch
+        "launch/supervise.py": "def run():\n    pass\ndef _secret():\n    pass\n",
+        "tracking/sync.py": "from pkg.launch import supervise\nsupervise._secret()\n",
+        "tracking/sink.py": "from pkg.launch.supervise import _secret\n",
+        "commands/launch.py": "def run(args):\n    from pkg.commands.compile import run\n",
+        "commands/__init__.py": "def add_set_argument(parser):\n    pass\n",
+        "commands/compile.py": "from pkg.commands import add_set_argument\n",  # the package's helpers: fine
+        "commands/plan.py": "from pkg.commands import compile\n",
+        "train/lazy_ok.py": "def f():\n    import torch\n",                    # not on the light path
+    })
+    result = run_script("--root", str(tmp_path), "--package", "pkg", "--quiet")
+    assert result.returncode == 1
+    err = result.stderr
+    assert "import cycle (module level): pkg.spec.a <-> pkg.spec.b" in err
+    assert "pkg.spec.heavy imports torch at module level (via pkg.spec.heavy -> pkg.report.plots)" in err
+    assert "pkg.train.worker (rank side) imports pkg.launch.supervise (launch side)" in err
+    assert "sync.py:2: private name pkg.launch.supervise._secret" in err
+    assert "sink.py:1: private name pkg.launch.supervise._secret" in err
+    assert "command pkg.commands.launch imports command pkg.commands.compile" in err
+    assert "command pkg.commands.plan imports command pkg.commands.compile" in err
+    assert "pkg.tracking.sync (layer tracking) imports pkg.launch.supervise from a layer above it" in err
+    assert "pkg.spec.heavy (layer spec) imports pkg.report.plots from a layer above it" in err
+    assert "lazy_ok" not in err and len(err.strip().splitlines()) == 10
+
+
+def test_a_clean_package_passes(tmp_path):
+    write_package(tmp_path, {"spec/a.py": "import json\n\ndef f():\n    import torch\n",
+                             "train/b.py": "import torch\nfrom pkg.spec import a\n"})
+    result = run_script("--root", str(tmp_path), "--package", "pkg")
+    assert result.returncode == 0, result.stderr

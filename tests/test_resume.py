@@ -1,0 +1,207 @@
+"""Stopped, failed or killed, then resumed: every later step's loss is bit-identical to an
+uninterrupted run's (CPU, 2 ranks, ZeRO 0 and ZeRO 2), and the run's status tells the truth at each
+stage (issue 13). Real `jobspec launch`es, so few of them, each checking several things:
+
+- ZeRO 0: SIGUSR1 to `jobspec launch` -> exit 75, MLflow KILLED + jobspec.status=preempted, a line
+  saying how to resume; the printed command resumes it -> FINISHED, the stop reason gone.
+- ZeRO 2 on a 1 MiB tmpfs: the second checkpoint does not fit -> exit 1 with one line naming the
+  directory and "No space left on device" (also summary.json's and MLflow's reason), the torn step
+  removed, `latest` unchanged. The disk grows (remount); a resume runs until its launcher is
+  SIGKILLed -> runner and ranks gone within seconds, the run still RUNNING. The next launch closes
+  that run as FAILED, resumes again and finishes -> FINISHED with no stale failure reason.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+from conftest import TINY_SPEC, deep_merge, make_run_dir, read_metrics, run_worker
+from mlflow_server import ENV
+
+from jobspec.tracking.run import client_for
+from jobspec.train import checkpointing
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def file_store(monkeypatch):
+    """A file-store tracking URI (no sqlite schema creation per launch), read in-process too."""
+    for key, value in ENV.items():
+        monkeypatch.setenv(key, value)
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r}
+
+
+def straight_losses(tmp_path: Path, overrides: dict) -> dict[int, float]:
+    run_dir = make_run_dir(tmp_path / "straight", overrides)
+    result = run_worker(run_dir)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return losses(run_dir)
+
+
+def write_job(tmp_path: Path, overrides: dict, ckpt_dir: Path | None = None) -> Path:
+    spec = deep_merge(TINY_SPEC, overrides)
+    spec["output_dir"] = str(tmp_path / "out")
+    spec["logging"] = {**spec["logging"], "mlflow": {"tracking_uri": str(tmp_path / "mlruns"),
+                                                     "experiment": "resume"}}
+    if ckpt_dir is not None:
+        spec["checkpoint"] = {**spec.get("checkpoint", {}), "dir": str(ckpt_dir)}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def env() -> dict:
+    return {**os.environ, **ENV}
+
+
+def launch(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=600, env=env())
+
+
+def start(argv: list[str], cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env())
+
+
+def newest_run(tmp_path: Path) -> Path:
+    return sorted((tmp_path / "out").glob("run-*"))[-1]
+
+
+def wait_for_step(tmp_path: Path, proc: subprocess.Popen, step: int, known: set) -> Path:
+    deadline = time.monotonic() + 400
+    while True:
+        runs = [d for d in (tmp_path / "out").glob("run-*") if d not in known] if (tmp_path / "out").exists() else []
+        if runs and (runs[0] / "metrics.jsonl").exists() and max(losses(runs[0]), default=0) >= step:
+            return runs[0]
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() is not None else ""
+        time.sleep(0.2)
+
+
+def mlflow_run(run_dir: Path):
+    info = json.loads((run_dir / "mlflow_run.json").read_text())
+    return client_for(info["tracking_uri"]).get_run(info["run_id"])
+
+
+def job_processes(run_dir: Path) -> list[int]:
+    return [p.pid for p in psutil.process_iter(["cmdline", "status"])
+            if p.info["status"] != psutil.STATUS_ZOMBIE and str(run_dir) in " ".join(p.info["cmdline"] or [])]
+
+
+def assert_bit_identical(resumed: dict, straight: dict, after: int) -> None:
+    assert resumed and min(resumed) == after + 1, (sorted(resumed), after)
+    differing = {s: (resumed[s], straight[s]) for s in resumed if resumed[s] != straight[s]}
+    assert not differing, f"steps whose loss differs from the uninterrupted run: {differing}"
+
+
+def test_zero0_stopped_by_sigusr1_exits_75_and_the_printed_command_resumes_bit_identically(tmp_path):
+    overrides = {"training": {"max_steps": 30}}
+    straight = straight_losses(tmp_path, overrides)
+    job = write_job(tmp_path, overrides)
+
+    proc = start([sys.executable, "-m", "jobspec", "launch", str(job)], tmp_path)
+    first = wait_for_step(tmp_path, proc, 3, set())
+    proc.send_signal(signal.SIGUSR1)  # what Slurm's --signal=B:USR1 makes launch.sh send
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 75, out[-3000:]
+    summary = json.loads((first / "summary.json").read_text())
+    stopped = summary["steps"]
+    assert summary["status"] == "preempted" and 3 <= stopped < 30 and summary["checkpoint"] == f"step{stopped}"
+    assert checkpointing.read_latest(tmp_path / "out" / "checkpoints") == f"step{stopped}"
+    assert f"jobspec: stopped, not finished (exit 75): stopped by SIGUSR1 (Slurm's time-limit warning or a " \
+           f"preemption) at step {stopped} of 30; checkpoint step{stopped}" in out
+    resume = re.search(r"^jobspec: resume with: (.+)$", out, re.M).group(1)
+    assert shlex.split(resume) == ["jobspec", "launch", str(job)]
+    run = mlflow_run(first)
+    assert run.info.status == "KILLED" and run.data.tags["jobspec.status"] == "preempted"
+    assert f"at step {stopped} of 30" in run.data.tags["jobspec.stop_reason"]
+
+    done = launch([sys.executable, "-m", *shlex.split(resume)], tmp_path)  # the command, as printed
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    second = newest_run(tmp_path)
+    assert json.loads((second / "summary.json").read_text())["resumed_from"].endswith(f"step{stopped}")
+    run = mlflow_run(second)
+    assert run.info.run_id == mlflow_run(first).info.run_id  # the same MLflow run continued
+    assert run.info.status == "FINISHED" and run.data.tags["jobspec.status"] == "finished"
+    assert "jobspec.stop_reason" not in run.data.tags and run.data.tags["jobspec.exit_code"] == "0"
+    assert_bit_identical(losses(second), straight, stopped)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    mount_point = tmp_path / "ckpt"
+    mount_point.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({result.stderr.strip() or result.returncode}); "
+                    "tests/test_reliability.py fakes the full disk instead")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def test_zero2_disk_full_then_launcher_killed_then_resumed_bit_identically(tmp_path, small_disk):
+    overrides = {"training": {"max_steps": 16}, "memory": {"zero_stage": 2},
+                 "checkpoint": {"every_n_steps": 2, "keep_last": 10}}
+    straight = straight_losses(tmp_path, overrides)
+    job = write_job(tmp_path, overrides, ckpt_dir=small_disk)
+    argv = [sys.executable, "-m", "jobspec", "launch", str(job)]
+
+    # 1. a ZeRO-2 checkpoint (~0.6 MB) fits the 1 MiB disk once: the second save fails
+    full = launch(argv, tmp_path)
+    output = full.stdout + full.stderr
+    assert full.returncode == 1, output[-3000:]
+    line = (f"checkpoint step4 could not be saved to {small_disk}: No space left on device (writing {small_disk}"
+            f"/step4/")
+    assert f"jobspec: {line}" in full.stdout and "Traceback" not in output
+    assert "the incomplete step4 was removed and `latest` still names step2" in output
+    assert not (small_disk / "step4").exists() and checkpointing.read_latest(small_disk) == "step2"
+    first = newest_run(tmp_path)
+    assert json.loads((first / "summary.json").read_text())["error"].startswith(line)
+    run = mlflow_run(first)
+    assert run.info.status == "FAILED" and run.data.tags["jobspec.failure_reason"].startswith(line)
+    assert_bit_identical(losses(first), straight, 0)
+
+    # 2. room again; the resume from step2 loses its launcher to SIGKILL: nothing of the job survives
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
+    proc = start(argv, tmp_path)
+    second = wait_for_step(tmp_path, proc, 7, {first})
+    assert len(job_processes(second)) >= 4  # the runner, launch.py and two ranks
+    proc.kill()
+    proc.wait()
+    killed = time.monotonic()
+    while job_processes(second) and time.monotonic() - killed < 30:
+        time.sleep(0.1)
+    gone_after = time.monotonic() - killed
+    assert job_processes(second) == [] and gone_after < 10, gone_after
+    assert mlflow_run(second).info.status == "RUNNING"  # nothing closed it yet
+    assert_bit_identical(losses(second), straight, 2)
+    latest = int(checkpointing.read_latest(small_disk)[4:])
+
+    # 3. the next launch closes the orphaned run, resumes from the newest checkpoint, finishes
+    done = launch(argv, tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"jobspec: closed run {second.name} as FAILED: its launcher (pid {proc.pid}) is gone" in done.stderr
+    assert json.loads((second / "launcher.json").read_text())["ended"]["by"] == "jobspec launch"
+    third = newest_run(tmp_path)
+    assert json.loads((third / "summary.json").read_text())["resumed_from"].endswith(f"step{latest}")
+    run = mlflow_run(third)
+    assert run.info.run_id == mlflow_run(first).info.run_id
+    assert run.info.status == "FINISHED" and run.data.tags["jobspec.status"] == "finished"
+    assert "jobspec.failure_reason" not in run.data.tags
+    assert_bit_identical(losses(third), straight, latest)
+    print(f"launcher SIGKILL -> every process of the job gone in {gone_after:.1f} s")
