@@ -137,3 +137,25 @@ def test_gpu_suite_mfu_uses_model_flops_and_the_datasheet_peak():
     assert got["tflops"] == pytest.approx(2.617e9 * 10240 / 1e12)
     assert got["mfu"] == pytest.approx(1.963e9 * 10240 / 989.5e12)
     assert gpu.flops_of(derived, 20.0, "cpu")["mfu"] is None
+
+
+def test_gpu_suite_tables_from_measured_rows():
+    """The non-dry rendering: ratios, MFU from the derived job, the seed rows next to the measured ones."""
+    from bench import gpu
+    planner = [{"label": label, "predicted_allocated": 10 * 2**30, "predicted_nvml": 11 * 2**30,
+                "measured_allocated": 8 * 2**30, "nvml_used": 12 * 2**30}
+               for label in [row[2] for row in gpu.SEED_ROWS] + ["bert-large 128 8 fp32 False adamw 0 none"]]
+    derived = {"seq_len": 512, "world_size": 1, "precision": "bf16",
+               "model_flops_per_token": 1.963e9, "hardware_flops_per_token": 2.617e9}
+    launches = {label: {"derived": derived, "samples_per_s": 40.0, "peak_allocated_mib": 10240.0,
+                        "nvml_used_mib": 12288.0, "predicted_allocated_mib": 10000.0, "predicted_nvml_mib": 11000.0}
+                for label, _, _ in gpu.LAUNCH_ROWS}
+    trainers = {label: {"derived": derived, "samples_per_s": 32.0, "peak_allocated_mib": 15360.0,
+                        "nvml_used_mib": 16384.0} for label, _, _ in gpu.LAUNCH_ROWS}
+    text = gpu.render(planner, launches, trainers, "NVIDIA H100 80GB HBM3", dry_run=False)
+    assert "median |error| of peak allocated: 25.0% over 3 rows" in text      # 10 GiB predicted, 8 measured
+    mfu = f"{1.963e9 * 40 * 512 / 989.5e12:.1%}"
+    assert f"| 1.25 | {mfu} | {1.963e9 * 32 * 512 / 989.5e12:.1%} |" in text  # 40 / 32 samples/s
+    seed = next(line for line in text.splitlines() if line.startswith("| XLM-R Large 1"))
+    assert "23.5 GB" in seed and "| 8.0 / 12.0 |" in seed and "| 10.0 / 12.0 |" in seed and seed.endswith("| 16.0 |")
+    assert "Dry run" not in text

@@ -21,7 +21,7 @@ log = logging.getLogger("jobspec.tracking")
 
 RETRY_FIRST_S, RETRY_MAX_S = 0.5, 10.0  # backoff between attempts of a batch (no attempt limit)
 MAX_PENDING_POINTS = 200_000     # queued in memory while MLflow is down; beyond, metrics.jsonl only
-SEND_INTERVAL_S = 1.0            # at most one metrics log_batch per second (points coalesced)
+SEND_INTERVAL_S = 5.0            # at most one metrics log_batch per 5 s (points coalesced; close flushes)
 
 
 class MetricSink:
