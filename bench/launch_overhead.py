@@ -51,8 +51,11 @@ EXPERIMENT = "launch-overhead"
 HAND_STEP = re.compile(r"^hand_loop step (\d+) t=([0-9.]+)", re.MULTILINE)
 # DeepSpeed's own log lines (local time, ms) mark the phases of a start on both sides alike
 DS_LOG_TIME = r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\] \[INFO\] \[%s"
-PHASES = {"runner_s": DS_LOG_TIME % r"runner\.py:\d+:main\] cmd = ",
+# (jobspec runs launch.py itself on one node, the hand loop through the `deepspeed` runner: launch.py's
+# first line is the common mark)
+PHASES = {"runner_s": DS_LOG_TIME % r"launch\.py:\d+:main\] WORLD INFO DICT",
           "rank_s": DS_LOG_TIME % r"launch\.py:\d+:main\] process \d+ spawned"}
+FIRST_STEP = re.compile(r"^jobspec-log: phase rank0 first-step ([0-9.]+) ", re.MULTILINE)
 DEFAULT_LOG_EVERY = 10  # logging.every_n_steps's schema default: the telemetry share of a usual job
 STEADY_GOAL, LAUNCH_GOAL_S = 1.03, 1.5  # issue 14: steady step vs the hand loop; launch to first step
 
@@ -160,10 +163,14 @@ def run_jobspec(job: Path, work: Path, tag: str, args, log) -> dict:
     run_dir = max((work / tag).glob("run-*"), key=lambda p: p.stat().st_mtime)
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     stamps = [(r["step"], r["timestamp"]) for r in lines if "train/loss" in r]
-    first = min(stamps)  # step 1 only when every step is logged
-    return {"first_step_s": first[1] / 1000 - started if first[0] == 1 else None, "step_s": steady_step_s(stamps, args.warmup),
+    launcher_log = (run_dir / "launcher.log").read_text(errors="replace")
+    # rank 0's end of its first optimizer step (jobspec/trace.py), logged or not: the point where the
+    # hand loop prints its first step line
+    first = FIRST_STEP.search(launcher_log)
+    return {"first_step_s": float(first.group(1)) - started if first else None,
+            "step_s": steady_step_s(stamps, args.warmup),
             "cpu_step_s": sampler.cpu_per_step_s(stamps, args.warmup),
-            **phase_times((run_dir / "launcher.log").read_text(errors="replace"), started),
+            **phase_times(launcher_log, started),
             "ds_config": json.loads((run_dir / "ds_config.json").read_text())}
 
 
@@ -312,7 +319,7 @@ def _spread(values: list[float], scale: float, fmt: str) -> str:
     return text
 
 
-PHASE_LABELS = (("runner_s", "start to DeepSpeed runner up, s"),
+PHASE_LABELS = (("runner_s", "start to DeepSpeed launch.py up, s"),
                 ("rank_s", "start to rank process spawned, s"))
 
 

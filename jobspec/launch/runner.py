@@ -1,6 +1,20 @@
-"""Which DeepSpeed runner command starts the ranks, and the rendezvous port it gets."""
+"""Which DeepSpeed command starts the ranks, and the rendezvous port it gets.
+
+One node: jobspec runs DeepSpeed's per-node launcher (`python -u -m deepspeed.launcher.launch`) itself,
+with the arguments DeepSpeed's `deepspeed` runner would give it. On one node the runner does nothing
+else (no hostfile, no ssh, no environment changes), but it is a Python process that imports all of
+DeepSpeed, torch and mlflow (DeepSpeed's autotuner) before launch.py imports them again: ~2.7 s of CPU
+on the start-up's critical path (docs/benchmarks.md). One difference, on purpose: the runner drops a
+CUDA_VISIBLE_DEVICES it finds when `--num_gpus` is given and uses devices 0..N-1, while jobspec's GPU
+pre-flight reads the devices CUDA_VISIBLE_DEVICES lists (a Slurm job's GPUs): the ranks get those.
+Several nodes keep the runner (its hostfile, pdsh or `--no_ssh` per node under srun), and so does
+any launch with JOBSPEC_DEEPSPEED_RUNNER=1 in the environment (to compare, or to rule jobspec out).
+"""
 from __future__ import annotations
 
+import base64
+import json
+import os
 import shutil
 import socket
 import sys
@@ -36,7 +50,38 @@ def runner_prefix() -> list[str]:
     return [sys.executable, "-m", "deepspeed.launcher.runner"]
 
 
-def resolve_runner(argv: list) -> list[str]:
-    """The compiled argv with its leading `deepspeed` replaced by this interpreter's runner."""
+def resolve_runner(argv: list, environ=os.environ) -> list[str]:
+    """What runs the compiled `deepspeed ...` argv: DeepSpeed's launch.py directly for one node
+    (see the module doc), its runner with this interpreter otherwise; any other argv unchanged."""
     argv = [str(a) for a in argv]
-    return runner_prefix() + argv[1:] if argv and argv[0] == "deepspeed" else argv
+    if not argv or argv[0] != "deepspeed":
+        return argv
+    if environ.get("JOBSPEC_DEEPSPEED_RUNNER") == "1":
+        return runner_prefix() + argv[1:]
+    return direct_launch(argv, environ) or runner_prefix() + argv[1:]
+
+
+def direct_launch(argv: list[str], environ=os.environ) -> list[str] | None:
+    """`python -u -m deepspeed.launcher.launch ...` for a one-node `deepspeed --num_gpus N --master_port P
+    [--module] SCRIPT ARGS` argv, as DeepSpeed's runner builds it; None for anything else."""
+    options, rest = {}, argv[1:]
+    while rest and rest[0] in ("--num_gpus", "--master_port"):
+        options[rest[0]] = rest[1]
+        rest = rest[2:]
+    module = bool(rest) and rest[0] == "--module"
+    rest = rest[1:] if module else rest
+    if set(options) != {"--num_gpus", "--master_port"} or not rest or rest[0].startswith("-"):
+        return None  # several nodes, a hostfile, include/exclude...: the runner decides
+    world_info = {"localhost": local_devices(int(options["--num_gpus"]), environ)}
+    encoded = base64.urlsafe_b64encode(json.dumps(world_info).encode()).decode()
+    return [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={encoded}",
+            "--master_addr=127.0.0.1", f"--master_port={options['--master_port']}",
+            *(["--module"] if module else []), "--enable_each_rank_log=None", "--log_level=info", *rest]
+
+
+def local_devices(count: int, environ=os.environ) -> list[int]:
+    """The first `count` devices CUDA_VISIBLE_DEVICES lists (integer ids), else 0..count-1."""
+    listed = [v.strip() for v in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if len(listed) >= count and all(v.isdigit() for v in listed[:count]):
+        return [int(v) for v in listed[:count]]
+    return list(range(count))
