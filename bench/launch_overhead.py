@@ -234,6 +234,11 @@ def probe(run_dir: Path, steps: int, block: int, warmup: int) -> dict:
     batches = itertools.chain.from_iterable(
         make_loader(train_ds, micro_batch_size=mb, rank=0, world_size=1, seed=0, epoch=e, shuffle=True,
                     num_workers=0, pin_memory=False) for e in itertools.count())
+    deadline = time.monotonic() + 120
+    while sink.client is None and time.monotonic() < deadline:  # the sender makes its MLflow client
+        time.sleep(0.05)                                         # (imports mlflow) before its first send
+    time.sleep(0.5)
+    sender_cpu_before_s = _thread_cpu_s(sink._thread)  # that one-off cost is start-up, not telemetry
     records = []
     window = Window()
     engine.train()
@@ -263,7 +268,8 @@ def probe(run_dir: Path, steps: int, block: int, warmup: int) -> dict:
     while not sink._queue.empty() and time.monotonic() < deadline:  # let the sender drain the queue
         time.sleep(0.05)
     time.sleep(0.5)  # the last batch in flight
-    sender_cpu_s = _thread_cpu_s(sink._thread)  # while it still lives: a finished thread's time is gone
+    # while it still lives: a finished thread's time is gone
+    sender_cpu_s = _thread_cpu_s(sink._thread) - sender_cpu_before_s
     sink.close(timeout=60)
     on = [r for r in records if r["on"]]
     off = [r for r in records if not r["on"]]

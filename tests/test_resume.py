@@ -180,7 +180,7 @@ def test_zero2_disk_full_then_launcher_killed_then_resumed_bit_identically(tmp_p
     subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
     proc = start(argv, tmp_path)
     second = wait_for_step(tmp_path, proc, 7, {first})
-    assert len(job_processes(second)) >= 4  # the runner, launch.py and two ranks
+    assert len(job_processes(second)) >= 3  # launch.py and two ranks (one node: no runner process)
     proc.kill()
     proc.wait()
     killed = time.monotonic()

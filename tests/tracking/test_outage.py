@@ -216,8 +216,7 @@ def assert_every_point_recorded(run_dir: Path) -> None:
     expected = {(k, r["step"]) for r in rows for k in r if k not in ("step", "timestamp")}
     stored = {(k, m.step) for k in {k for k, _ in expected} for m in client.get_metric_history(info["run_id"], k)}
     assert expected and expected <= stored
-    run = client.get_run(info["run_id"])
-    assert (run.info.status, run.data.tags["jobspec.status"]) == ("KILLED", "preempted")
+    assert client.get_run(info["run_id"]).info.status == "FINISHED"
 
 
 BACK_TO_BACK = int(os.environ.get("JOBSPEC_LOAD_RUNS", 3))  # bench/load.py runs 20
