@@ -133,11 +133,14 @@ def _build_dir(name: str) -> Path:
 
 
 def _is_built(builder, build_dir: Path) -> bool:
-    """The op's library exists and is newer than its sources (else torch rebuilds it on load)."""
+    """The op's library exists, was built against this environment's torch and DeepSpeed, and is
+    newer than its sources: otherwise torch's JIT (ninja) rebuilds it on load."""
     library = build_dir / f"{builder.name}.so"
     try:
         built_at = library.stat().st_mtime
     except OSError:
+        return False
+    if not _built_here(build_dir):
         return False
     for source in builder.sources():
         try:
@@ -146,6 +149,21 @@ def _is_built(builder, build_dir: Path) -> bool:
         except OSError:
             continue
     return True
+
+
+def _built_here(build_dir: Path) -> bool:
+    """Whether the op's build.ninja compiled against this interpreter's torch and DeepSpeed. The
+    build cache is keyed by op name only: another virtualenv (CI's, a user's second one) that built
+    the op leaves a library whose ninja command names other include paths, so ninja rebuilds it,
+    silently, inside the ranks."""
+    import deepspeed
+    from torch.utils import cpp_extension
+
+    try:
+        ninja = (build_dir / "build.ninja").read_text(errors="replace")
+    except OSError:
+        return False
+    return cpp_extension.include_paths()[0] in ninja and os.path.dirname(deepspeed.__file__) in ninja
 
 
 def home_relative(path: Path | None) -> str:

@@ -20,6 +20,7 @@
   metrics.jsonl    every metric point, one JSON object per log step    rank 0       -> sync, bench
   summary.json     status, steps, loss, throughput, peak memory        rank 0 (else the fallback below)
   .oom-recovery/   the state an OOM retry reloads (removed after)      rank side
+  model/           exported HF directories (`export.dir` null)         rank 0       -> the user, MLflow
 
 No heavy imports: `jobspec compile` writes through here.
 """
@@ -53,12 +54,18 @@ LAUNCHER = "launcher.json"
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 OOM_RECOVERY = ".oom-recovery"
+MODEL_DIR = "model"
 
 COMPILE_FILES = (SPEC, RESOLVED, DS_CONFIG, PATCHES, COMMAND, LAUNCH)
 WORKER_INPUTS = (RESOLVED, DS_CONFIG, PATCHES, LAUNCH)
 START_ARTIFACTS = (SPEC, RESOLVED, DS_CONFIG, COMMAND)   # logged to MLflow when the run starts
 END_ARTIFACTS = (SUMMARY, LAUNCHER_LOG)                  # logged when it ends
 DONE_STATUSES = ("finished", "preempted")                # summary.json statuses of a job that ended well
+
+
+def export_dir(spec: dict, run_dir: Path) -> Path:
+    """Where the job's exported models go: `export.dir`, else `<run dir>/model`."""
+    return Path(spec["export"]["dir"] or Path(run_dir) / MODEL_DIR)
 
 
 # --- the directory itself ---------------------------------------------------------------------

@@ -68,20 +68,55 @@ def test_a_disk_too_small_for_one_checkpoint_is_refused_before_anything_starts(t
     # positioned at the field it concerns (here the `checkpoint:` line: `dir` is defaulted), not the root
     line = job.read_text().splitlines().index("checkpoint:") + 1
     assert f"{job}:{line}:1: checkpoint.dir: " in err, err
-    assert re.search(r"has [\d.]+ (KiB|MiB|GiB|TiB) free but one checkpoint needs about [\d.]+ TiB", err), err
+    # the checkpoint and the exported model (export.final is on by default) share tmp_path's disk
+    assert re.search(r"share a disk with [\d.]+ (KiB|MiB|GiB|TiB) free but one checkpoint \([\d.]+ TiB\) and "
+                     r"the exported model \([\d.]+ TiB\) need about [\d.]+ TiB", err), err
     assert "--ignore-preflight" in err
     assert not list((tmp_path / "out-huge").glob("run-*"))
     # the estimate follows the model: the tiny one fits easily
     from jobspec.spec.validation import load_and_validate
     tiny = load_and_validate(write_job(tmp_path, "tiny", store))
+    run_dir = tmp_path / "run"
     assert 0 < checkpoint_bytes(tiny.spec, derive(tiny.spec)) < 10 * 2**20
-    assert preflight.checkpoint_space_issue(tiny.spec, derive(tiny.spec)) is None
+    assert preflight.disk_space_issues(tiny.spec, derive(tiny.spec), run_dir) == []
     # a small disk is described in units that show the numbers (was "0.0 GiB free ... about 0.0 GiB")
     monkeypatch.setattr(preflight.shutil, "disk_usage", lambda d: shutil._ntuple_diskusage(10 * 2**20, 0, 3 * 2**10))
     tiny.spec["checkpoint"]["save_final"] = True
-    issue = preflight.checkpoint_space_issue(tiny.spec, derive(tiny.spec))
+    tiny.spec["export"]["final"] = False
+    [issue] = preflight.disk_space_issues(tiny.spec, derive(tiny.spec), run_dir)
     assert issue.path == ("checkpoint", "dir")
     assert re.search(r"has 3\.0 KiB free but one checkpoint needs about [1-9][\d.]* (KiB|MiB)", issue.message)
+
+
+def test_the_exported_model_counts_on_its_own_disk_and_with_the_checkpoints_on_a_shared_one(tmp_path, store,
+                                                                                          monkeypatch):
+    from jobspec.memory.planner import export_bytes
+    from jobspec.spec.validation import load_and_validate
+    spec = load_and_validate(write_job(tmp_path, "tiny", store)).spec
+    spec["checkpoint"].update(save_final=True)
+    spec["export"].update(final=True, dtype="fp32")
+    job = derive(spec)
+    checkpoint, export = checkpoint_bytes(spec, job), export_bytes(spec, job)
+    assert 0 < export < checkpoint
+    free = {"bytes": checkpoint + export}
+    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda d: shutil._ntuple_diskusage(2**40, 0, free["bytes"]))
+    run_dir = tmp_path / "run"
+    assert preflight.disk_space_issues(spec, job, run_dir) == []           # exactly enough for both
+    free["bytes"] -= 1
+    [both] = preflight.disk_space_issues(spec, job, run_dir)
+    assert both.path == ("checkpoint", "dir") and f"{run_dir / 'model'}" in both.message
+    assert "one checkpoint (" in both.message and "the exported model (" in both.message
+    # on another disk, each is judged alone: the export dir's disk is the one short of space
+    export_disk = tmp_path / "export-disk"
+    export_disk.mkdir()
+    spec["export"]["dir"] = str(export_disk / "models")
+    monkeypatch.setattr(preflight, "disk_of", lambda d: (2, export - 1) if export_disk in d.parents else (1, 2**40))
+    [alone] = preflight.disk_space_issues(spec, job, run_dir)
+    assert alone.path == ("export", "dir")
+    assert alone.message.startswith(f"{export_disk / 'models'} has ") and "(parameters x fp32 weights)" in alone.message
+    assert "export.final: false" in alone.hint
+    spec["export"]["final"] = False                                          # nothing exported: nothing counted
+    assert preflight.disk_space_issues(spec, job, run_dir) == []
 
 
 @pytest.mark.parametrize("n, text", [(0, "0 bytes"), (1023, "1023 bytes"), (1536, "1.5 KiB"), (5 * 2**20, "5.0 MiB"),

@@ -103,7 +103,7 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
     run_dir = rundir.create_run_dir(spec["output_dir"])
     try:
         compiled = compile_job(resolved, derived, run_dir, port)
-        problems = preflight.preflight_issues(spec, derived) + \
+        problems = preflight.preflight_issues(spec, derived, run_dir) + \
             [SpecIssue(("memory",), text) for text in launch_memory.preflight_problems(memory, gpu_free)]
         compiled.launch.update(launch_memory.plan_record(memory))  # launch.json: `plan` (MiB), `fit`
         if problems and not ignore_preflight:

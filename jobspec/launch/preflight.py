@@ -1,16 +1,19 @@
 """Host checks before a launch starts anything: the rendezvous port, enough GPUs (or CPU cores) for
-`resources.gpus_per_node`, and disk space for one checkpoint. `--ignore-preflight` turns them into
-warnings, because they can be wrong (under Slurm, the launching host is not the training host).
+`resources.gpus_per_node`, and disk space for one checkpoint and one exported model.
+`--ignore-preflight` turns them into warnings, because they can be wrong (under Slurm, the launching
+host is not the training host).
 The GPU memory check is memory/at_launch.py's (`preflight_problems`). Each problem is a SpecIssue
 at the field it concerns, so the refusal points at the line to change."""
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
-from jobspec import hardware
+from jobspec import hardware, rundir
 from jobspec.errors import SpecError, SpecIssue
 from jobspec.launch.runner import port_in_use
+from jobspec.spec.export_rules import resolve_dtype
 
 IGNORE_HINT = "or pass --ignore-preflight"
 UNITS = ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB")
@@ -24,7 +27,7 @@ def human_bytes(n: int | float) -> str:
     return f"{int(value)} bytes" if unit == 0 else f"{value:.1f} {UNITS[unit]}"
 
 
-def preflight_issues(spec: dict, derived) -> list[SpecIssue]:
+def preflight_issues(spec: dict, derived, run_dir: Path) -> list[SpecIssue]:
     """Every failed host check (empty when all pass)."""
     issues = []
     res = spec["resources"]
@@ -39,33 +42,61 @@ def preflight_issues(spec: dict, derived) -> list[SpecIssue]:
             issues.append(SpecIssue(("resources", "gpus_per_node"),
                                     f"{derived.gpus_per_node} ranks per node but this host has {available} {kind}",
                                     f"set it to at most {available}"))
-    space = checkpoint_space_issue(spec, derived)
-    if space is not None:
-        issues.append(space)
+    return issues + disk_space_issues(spec, derived, run_dir)
+
+
+def disk_space_issues(spec: dict, derived, run_dir: Path) -> list[SpecIssue]:
+    """Refuse before training when a disk cannot hold what the job first writes there: one checkpoint
+    (`checkpoint.dir`) and one exported model (`export.dir`, else the run directory), the two added up
+    when they share a disk. The sizes are estimates: DeepSpeed and safetensors add a little."""
+    from jobspec.memory.planner import checkpoint_bytes, export_bytes
+
+    ckpt, export = spec["checkpoint"], spec["export"]
+    needs = []  # (field, directory, bytes, what is written there, what those bytes are)
+    if ckpt["save_final"] or ckpt["every_n_steps"]:
+        needs.append((("checkpoint", "dir"), Path(ckpt["dir"]), checkpoint_bytes(spec, derived), "one checkpoint",
+                      "parameters x weights + fp32 master + optimizer state"))
+    if export["final"] or export["at_checkpoints"] or export["best_eval"]:
+        needs.append((("export", "dir"), rundir.export_dir(spec, run_dir), export_bytes(spec, derived),
+                      "the exported model", f"parameters x {resolve_dtype(spec)} weights"))
+    by_disk: dict[int, tuple[int, list]] = {}
+    for need in needs:
+        if need[2] is None:
+            continue
+        disk = disk_of(need[1])
+        if disk is not None:
+            by_disk.setdefault(disk[0], (disk[1], []))[1].append(need)
+    issues = []
+    for free, on_disk in by_disk.values():
+        total = sum(need[2] for need in on_disk)
+        if free >= total:
+            continue
+        if len(on_disk) == 1:
+            field, directory, size, what, made_of = on_disk[0]
+            issues.append(SpecIssue(field, f"{directory} has {human_bytes(free)} free but {what} needs about "
+                                    f"{human_bytes(size)} ({made_of})", SPACE_HINTS[field]))
+        else:
+            issues.append(SpecIssue(
+                on_disk[0][0],
+                " and ".join(str(need[1]) for need in on_disk) + f" share a disk with {human_bytes(free)} free but "
+                + " and ".join(f"{need[3]} ({human_bytes(need[2])})" for need in on_disk)
+                + f" need about {human_bytes(total)}",
+                "free space, point checkpoint.dir or export.dir at another disk, or set export.final: false"))
     return issues
 
 
-def checkpoint_space_issue(spec: dict, derived) -> SpecIssue | None:
-    """Refuse before training when the checkpoint directory's disk cannot hold even one checkpoint."""
-    from jobspec.memory.planner import checkpoint_bytes
+SPACE_HINTS = {("checkpoint", "dir"): "free space or point checkpoint.dir at a larger disk",
+               ("export", "dir"): "free space, point export.dir at a larger disk, or set export.final: false"}
 
-    ckpt = spec["checkpoint"]
-    if not (ckpt["save_final"] or ckpt["every_n_steps"]):
-        return None
-    needed = checkpoint_bytes(spec, derived)
-    directory = Path(ckpt["dir"])
+
+def disk_of(directory: Path) -> tuple[int, int] | None:
+    """(device id, free bytes) of the disk `directory` will be made on (its nearest existing parent)."""
     while not directory.exists() and directory != directory.parent:
         directory = directory.parent
     try:
-        free = shutil.disk_usage(directory).free
+        return os.stat(directory).st_dev, shutil.disk_usage(directory).free
     except OSError:
         return None
-    if needed is None or free >= needed:
-        return None
-    return SpecIssue(("checkpoint", "dir"),
-                     f"{ckpt['dir']} has {human_bytes(free)} free but one checkpoint needs about "
-                     f"{human_bytes(needed)} (parameters x weights + fp32 master + optimizer state)",
-                     "free space or point checkpoint.dir at a larger disk")
 
 
 def refusal(resolved, issues: list[SpecIssue]) -> SpecError:

@@ -14,7 +14,8 @@ import re
 from dataclasses import asdict, dataclass, field
 
 from jobspec.errors import SpecError, spec_error
-from jobspec.spec.derived import DerivedJob
+from jobspec.spec.derived import PRECISION_BYTES, DerivedJob
+from jobspec.spec.export_rules import resolve_dtype
 from jobspec.spec.model_dims import ModelDims
 
 GiB, MiB = 2**30, 2**20
@@ -142,16 +143,30 @@ def checkpoint_bytes(spec: dict, job: DerivedJob) -> int | None:
     """One checkpoint, all ranks' files together: the working weights, the fp32 master copy (mixed
     precision) and the optimizer state, by the planner's bytes per parameter; None when the model's
     parameters cannot be counted."""
-    model, optimizer = spec["model"], spec["training"]["optimizer"]
-    if job.dims is None:
+    tensors = _countable_tensors(spec, job)
+    if tensors is None:
         return None
-    try:
-        tensors = parameter_tensors(job.dims, model["task"], model["num_labels"])
-    except SpecError:
-        return None
+    optimizer = spec["training"]["optimizer"]
     master = 4 if job.precision_bytes < 4 else 0
     return tensors.total * (job.precision_bytes + master) + \
         optimizer_state_bytes(optimizer["name"], optimizer["momentum"], tensors)
+
+
+def export_bytes(spec: dict, job: DerivedJob) -> int | None:
+    """One exported model directory: every parameter once, in the export's dtype (safetensors adds a
+    header of a few KiB); None when the model's parameters cannot be counted."""
+    tensors = _countable_tensors(spec, job)
+    return None if tensors is None else tensors.total * PRECISION_BYTES[resolve_dtype(spec)]
+
+
+def _countable_tensors(spec: dict, job: DerivedJob) -> Tensors | None:
+    """The model's weight tensors, or None for a model the planner cannot count (the disk checks skip it)."""
+    if job.dims is None:
+        return None
+    try:
+        return parameter_tensors(job.dims, spec["model"]["task"], spec["model"]["num_labels"])
+    except SpecError:
+        return None
 
 
 def dropout_probability(spec: dict) -> float:

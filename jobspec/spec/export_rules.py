@@ -1,9 +1,18 @@
 """Cross-field rules of the Adam fields (`training.optimizer.implementation`, `bias_correction`),
-`memory.fp16.auto_cast` and the `export` section: values one field's schema cannot judge alone.
+`memory.fp16.auto_cast` and the `export` section: values one field's schema cannot judge alone; and
+the exported weights' dtype, which the rank side and the launch's disk pre-flight both need.
 
 Pure, like the rest of jobspec.spec: called by `validation.cross_field_issues` on the defaults-filled spec.
 """
 from __future__ import annotations
+
+
+def resolve_dtype(spec: dict, requested: str | None = None) -> str:
+    """fp32 | bf16 | fp16: `requested` (CLI), else `export.dtype`, whose `auto` follows `memory.precision`."""
+    choice = requested or (spec.get("export") or {}).get("dtype", "auto")
+    if choice == "auto":
+        return spec["memory"]["precision"]
+    return choice
 
 
 def optimizer_issues(r) -> list:

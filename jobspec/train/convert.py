@@ -23,8 +23,9 @@ import yaml
 
 from jobspec import rundir
 from jobspec.errors import spec_error
+from jobspec.spec.export_rules import resolve_dtype
 from jobspec.train.export import CHECKPOINT_SPEC
-from jobspec.train.hf_dir import ExportInfo, job_tokenizer, resolve_dtype, write_model_dir
+from jobspec.train.hf_dir import ExportInfo, job_tokenizer, write_model_dir
 
 MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
 

@@ -32,10 +32,9 @@ import shutil
 from pathlib import Path
 
 from jobspec import rundir
-from jobspec.train.hf_dir import (ExportFailed, ExportInfo, describe_io_error, job_tokenizer, resolve_dtype,
-                                  write_model_dir)
+from jobspec.spec.export_rules import resolve_dtype
+from jobspec.train.hf_dir import ExportFailed, ExportInfo, describe_io_error, job_tokenizer, write_model_dir
 
-MODEL_DIR = "model"
 CHECKPOINT_SPEC = "jobspec_resolved.yaml"
 REFERENCE_ENV = "JOBSPEC_EXPORT_REFERENCE"
 _STEP_DIR = re.compile(r"^step(\d+)$")
@@ -48,7 +47,7 @@ class ModelExporter:
         self.spec, self.run_dir, self.rank, self.group, self.progress = files.spec, Path(run_dir), rank, group, progress
         self.settings = self.spec["export"]
         self.total_steps = files.derived["total_steps"]
-        self.base = Path(self.settings["dir"] or self.run_dir / MODEL_DIR)
+        self.base = rundir.export_dir(self.spec, self.run_dir)
         self.dtype = resolve_dtype(self.spec)
         self.best_loss: float | None = None
         self._best_pending_at: int | None = None   # a best export waiting for this step's checkpoint

@@ -41,14 +41,6 @@ class ExportFailed(RunFailure):
     """Writing a model directory failed (disk full, permissions): one line, the checkpoints are intact."""
 
 
-def resolve_dtype(spec: dict, requested: str | None = None) -> str:
-    """fp32 | bf16 | fp16: `requested` (CLI), else `export.dtype`, whose `auto` follows `memory.precision`."""
-    choice = requested or (spec.get("export") or {}).get("dtype", "auto")
-    if choice == "auto":
-        return spec["memory"]["precision"]
-    return choice
-
-
 def torch_dtype(name: str):
     import torch
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]

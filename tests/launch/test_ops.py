@@ -3,6 +3,7 @@ prepare`, and py-cpuinfo's reading shared instead of taken twice per op load on 
 from __future__ import annotations
 
 import json
+import os
 import socket
 from pathlib import Path
 
@@ -43,9 +44,23 @@ def test_a_missing_op_is_built_with_an_announcement_and_its_time(tmp_path, monke
     assert loaded == ["deepspeed_shm_comm"]
     assert said[0] == f"building DeepSpeed op shm_comm (first run only, cached in {tmp_path / 'deepspeed_shm_comm'})"
     assert said[1].startswith("built DeepSpeed op shm_comm in ") and said[1].endswith(" s")
-    # a built op (its library newer than its sources) is left for DeepSpeed to load, silently
-    (tmp_path / "deepspeed_shm_comm").mkdir(exist_ok=True)  # torch made it when asked for its path
-    (tmp_path / "deepspeed_shm_comm" / "deepspeed_shm_comm.so").write_bytes(b"")
+    # a library another virtualenv built (its ninja command names other include paths): ninja would
+    # rebuild it inside the ranks, so it is built here, announced
+    build_dir = tmp_path / "deepspeed_shm_comm"
+    build_dir.mkdir(exist_ok=True)  # torch made it when asked for its path
+    (build_dir / "deepspeed_shm_comm.so").write_bytes(b"")
+    (build_dir / "build.ninja").write_text("cflags = -I/other/venv/site-packages/deepspeed/ops/csrc/includes "
+                                           "-isystem /other/venv/site-packages/torch/include\n")
+    loaded.clear()
+    said.clear()
+    assert not ops.state("ShareMemCommBuilder").built
+    ops.ensure_built(["ShareMemCommBuilder"], announce=said.append)
+    assert loaded == ["deepspeed_shm_comm"] and said[0].startswith("building DeepSpeed op shm_comm")
+    # built by this environment (its library newer than its sources): left for DeepSpeed to load, silently
+    import deepspeed
+    from torch.utils import cpp_extension
+    (build_dir / "build.ninja").write_text(f"cflags = -I{os.path.dirname(deepspeed.__file__)}/ops/csrc/includes "
+                                           f"-isystem {cpp_extension.include_paths()[0]}\n")
     loaded.clear()
     said.clear()
     assert ops.ensure_built(["ShareMemCommBuilder"], announce=said.append)[0].built

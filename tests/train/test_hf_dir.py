@@ -15,8 +15,11 @@ import yaml
 
 from jobspec.cli import main
 from jobspec.errors import SpecError
+from jobspec.memory.planner import export_bytes
+from jobspec.spec.derived import derive
+from jobspec.spec.export_rules import resolve_dtype
 from jobspec.spec.schema import fill_defaults
-from jobspec.train.hf_dir import INJECT_ERROR_ENV, ExportFailed, ExportInfo, resolve_dtype, write_model_dir
+from jobspec.train.hf_dir import INJECT_ERROR_ENV, ExportFailed, ExportInfo, write_model_dir
 from jobspec.train.model import build_model
 
 BERT = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
@@ -67,6 +70,11 @@ def test_round_trip_reproduces_the_model(tmp_path, arch, config, task, auto, dty
             and loaded.config.tie_word_embeddings:
         assert loaded.get_output_embeddings().weight is loaded.get_input_embeddings().weight
     assert record["bytes"] > 0 and record["path"] == str(tmp_path / "m")
+    # the launch's disk pre-flight counts exactly the tensor bytes safetensors writes
+    weights = tmp_path / "m" / "model.safetensors"
+    header = int.from_bytes(weights.read_bytes()[:8], "little")
+    spec["export"]["dtype"] = dtype
+    assert export_bytes(spec, derive(spec)) == weights.stat().st_size - 8 - header
     generation = ["generation_config.json"] if task == "causal-lm" else []
     assert sorted(p.name for p in (tmp_path / "m").iterdir()) == \
         sorted(["README.md", "config.json", "jobspec_export.json", "model.safetensors", *generation])
