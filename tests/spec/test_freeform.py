@@ -387,8 +387,23 @@ def test_generated_table_is_up_to_date(tmp_path, script, shipped, library):
     done = subprocess.run([sys.executable, str(REPO / "scripts" / script), "--out", str(out)],
                           capture_output=True, text=True, cwd=REPO, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert out.read_text() == (REPO / "schemas" / shipped).read_text(), \
-        f"schemas/{shipped} is stale: run `python scripts/{script}`"
+    # The library's version is recorded for the reader, not compared: a fresh environment takes the
+    # newest release within pyproject's range, and a release that changes no field leaves the table valid.
+    fresh, ours = (_without_versions(json.loads(p.read_text())) for p in (out, REPO / "schemas" / shipped))
+    assert fresh == ours, f"schemas/{shipped} is stale: run `python scripts/{script}`"
+
+
+def _without_versions(table: dict) -> dict:
+    return {key: value for key, value in table.items() if key not in ("transformers_version", "x-deepspeed-version")}
+
+
+def test_a_changed_field_makes_the_table_stale():
+    """The comparison above would catch a real change (guards `_without_versions` dropping too much)."""
+    table = json.loads((REPO / "schemas" / "transformers-configs.json").read_text())
+    changed = json.loads(json.dumps(table))
+    changed["architectures"]["bert"]["fields"].pop("hidden_size")
+    assert _without_versions(changed) != _without_versions(table)
+    assert _without_versions({**table, "transformers_version": "0"}) == _without_versions(table)
 
 
 def test_table_covers_every_architecture_jobspec_knows():
