@@ -114,7 +114,11 @@ def test_the_exported_model_counts_on_its_own_disk_and_with_the_checkpoints_on_a
     [alone] = preflight.disk_space_issues(spec, job, run_dir)
     assert alone.path == ("export", "dir")
     assert alone.message.startswith(f"{export_disk / 'models'} has ") and "(parameters x fp32 weights)" in alone.message
-    assert "export.final: false" in alone.hint
+    assert alone.hint.endswith("or set export.final: false")
+    spec["export"]["best_eval"] = True        # the hint names every export setting that is on
+    [alone] = preflight.disk_space_issues(spec, job, run_dir)
+    assert alone.hint.endswith("or set export.final: false and export.best_eval: false")
+    spec["export"]["best_eval"] = False
     spec["export"]["final"] = False                                          # nothing exported: nothing counted
     assert preflight.disk_space_issues(spec, job, run_dir) == []
 

@@ -24,12 +24,18 @@ def read_owner(ckpt_dir: Path) -> dict | None:
 
 def claim_checkpoints(spec: dict) -> str | None:
     """Refuse to touch another job's checkpoints; the MLflow run id to continue when resuming ours.
+    Makes `checkpoint.dir` (and proves it writable) first."""
+    rundir.ensure_writable(Path(spec["checkpoint"]["dir"]), ("checkpoint", "dir"))
+    return check_checkpoints(spec)
 
-    Checkpoints exist when the directory has anything besides the ownership file.
-    """
+
+def check_checkpoints(spec: dict) -> str | None:
+    """claim_checkpoints without touching the disk (`launch --dry-run`): the same refusals, the same
+    run id. Checkpoints exist when the directory has anything besides the ownership file."""
     ckpt_dir = Path(spec["checkpoint"]["dir"])
     resume = spec["checkpoint"]["resume"]
-    rundir.ensure_writable(ckpt_dir, ("checkpoint", "dir"))
+    if not ckpt_dir.is_dir():
+        return None
     owner = read_owner(ckpt_dir)
     has_checkpoints = any(p.name != OWNER_FILE and not p.name.startswith(".jobspec-write-test")
                           for p in ckpt_dir.iterdir())

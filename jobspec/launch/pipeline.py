@@ -84,6 +84,7 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
     phases.append(("planned", time.time(), trace.cpu_seconds()))
 
     if dry_run:  # nothing is created: the run dir in the command is the name it would get
+        ownership.check_checkpoints(spec)  # a launch would refuse another job's checkpoints: so does this
         run_dir = rundir.new_run_dir_path(spec["output_dir"])
         compiled = compile_job(resolved, derived, run_dir, port)
         argv = runner.resolve_runner(compiled.launch["argv"])

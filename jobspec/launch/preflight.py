@@ -74,19 +74,28 @@ def disk_space_issues(spec: dict, derived, run_dir: Path) -> list[SpecIssue]:
         if len(on_disk) == 1:
             field, directory, size, what, made_of = on_disk[0]
             issues.append(SpecIssue(field, f"{directory} has {human_bytes(free)} free but {what} needs about "
-                                    f"{human_bytes(size)} ({made_of})", SPACE_HINTS[field]))
+                                    f"{human_bytes(size)} ({made_of})", _space_hint(field, export)))
         else:
             issues.append(SpecIssue(
                 on_disk[0][0],
                 " and ".join(str(need[1]) for need in on_disk) + f" share a disk with {human_bytes(free)} free but "
                 + " and ".join(f"{need[3]} ({human_bytes(need[2])})" for need in on_disk)
                 + f" need about {human_bytes(total)}",
-                "free space, point checkpoint.dir or export.dir at another disk, or set export.final: false"))
+                "free space, point checkpoint.dir or export.dir at another disk, or "
+                + _no_export_hint(export)))
     return issues
 
 
-SPACE_HINTS = {("checkpoint", "dir"): "free space or point checkpoint.dir at a larger disk",
-               ("export", "dir"): "free space, point export.dir at a larger disk, or set export.final: false"}
+def _space_hint(field: tuple, export: dict) -> str:
+    if field == ("checkpoint", "dir"):
+        return "free space or point checkpoint.dir at a larger disk"
+    return "free space, point export.dir at a larger disk, or " + _no_export_hint(export)
+
+
+def _no_export_hint(export: dict) -> str:
+    """How to export nothing: turn off each export setting that is on (`final` is on by default)."""
+    on = [f"export.{key}: false" for key in ("final", "at_checkpoints", "best_eval") if export[key]]
+    return "set " + " and ".join(on)
 
 
 def disk_of(directory: Path) -> tuple[int, int] | None:

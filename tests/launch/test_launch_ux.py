@@ -139,3 +139,15 @@ def test_dry_run_of_a_new_job_says_it_starts_fresh(job, tmp_path, capfd):
     assert out.startswith("jobspec: quickstart: xlm-roberta")
     assert "jobspec: a launch would start fresh and train steps 1-40" in out
     assert not (tmp_path / "out").exists()
+
+
+def test_dry_run_refuses_what_a_launch_would_refuse(job, tmp_path, capfd):
+    """--dry-run runs the checkpoint-ownership checks read-only: it does not say "start fresh" over
+    checkpoints a launch would refuse to touch."""
+    assert main(["launch", str(job)]) == 0
+    capfd.readouterr()
+    assert main(["launch", str(job), "--dry-run", "--set", "checkpoint.resume=never"]) == 2
+    err = capfd.readouterr().err
+    assert "checkpoint.resume: " in err and "checkpoint.resume is 'never'" in err and "Traceback" not in err
+    assert main(["launch", str(job), "--dry-run", "--set", "name=another-job"]) == 2
+    assert "belongs to job 'quickstart'" in capfd.readouterr().err
