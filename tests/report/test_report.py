@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from conftest import REPO_ROOT as REPO
+from jobspec import rundir
 from jobspec.report import table as report
 
 from jobspec.tracking import run as tracking
@@ -180,10 +181,15 @@ def test_report_of_a_real_quickstart_launch(tmp_path):
     launch = subprocess.run(
         [sys.executable, "-m", "jobspec", "launch", str(REPO / "jobs" / "quickstart.yaml"),
          "--set", f"output_dir={tmp_path / 'out'}", "--set", f"logging.mlflow.tracking_uri={uri}",
-         "--set", "logging.mlflow.experiment=real", "--set", "training.max_steps=10",
-         "--set", "logging.every_n_steps=2"],
+         "--set", "logging.mlflow.experiment=real", "--set", "logging.every_n_steps=2"],
         cwd=tmp_path, capture_output=True, text=True, timeout=900, check=False)
     assert launch.returncode == 0, launch.stdout[-3000:] + launch.stderr[-3000:]
+    # the quickstart visibly learns in its default steps: eval loss from about chance (ln 2) to < 0.3
+    (run_dir,) = (tmp_path / "out").glob("run-*")
+    evals = [(step, value) for key, value, _, step in rundir.read_metric_points(run_dir) if key == "eval/loss"]
+    assert [step for step, _ in evals] == [10, 20, 30, 40], evals
+    assert evals[0][1] > 0.5 and evals[-1][1] < 0.3, evals
+    assert json.loads((run_dir / rundir.SUMMARY).read_text())["eval_loss"] == evals[-1][1]
     result = subprocess.run([sys.executable, "-m", "jobspec", "report", "real", "--tracking-uri", uri,
                              "--format", "csv", "--out", str(tmp_path / "rep")],
                             cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
