@@ -76,8 +76,10 @@ def test_several_nodes_keep_the_runner():
 def test_the_direct_command_starts_ranks(tmp_path):
     # launch.py itself, with the argv above, really starts a rank with the env:// rendezvous set
     script = tmp_path / "rank.py"
-    script.write_text("import os, sys\nprint('RANK', os.environ['RANK'], os.environ['WORLD_SIZE'], "
-                      "os.environ['MASTER_PORT'], sys.argv[1:])\n")
+    # one write(2) per line: under `python -u` a print() of several values is several writes, and the
+    # two ranks' words interleave in the shared pipe ("RANKRANK 0 2 ...")
+    script.write_text("import os, sys\nos.write(1, ' '.join(['RANK', os.environ['RANK'], os.environ['WORLD_SIZE'], "
+                      "os.environ['MASTER_PORT'], str(sys.argv[1:])]).encode() + b'\\n')\n")
     argv = runner.resolve_runner(["deepspeed", "--num_gpus", "2", "--master_port", str(runner.free_port()),
                                   str(script), "--run-dir", "x"], environ={})
     out = subprocess.run(argv, capture_output=True, text=True, timeout=300)
