@@ -37,7 +37,8 @@ def imported_top_level_names() -> dict[str, set[str]]:
 def local_modules() -> set[str]:
     """Our own packages and the test suite's helper modules (imported by name from tests/)."""
     tests = {path.stem for path in (REPO_ROOT / "tests").rglob("*.py")}
-    return {"jobspec", "bench", "scripts", *tests}
+    test_packages = {path.name for path in (REPO_ROOT / "tests").iterdir() if path.is_dir()}  # tests/train, ...
+    return {"jobspec", "bench", "scripts", *tests, *test_packages}
 
 
 def declared_distributions() -> set[str]:

@@ -20,7 +20,7 @@ import yaml
 from yaml.constructor import SafeConstructor
 from yaml.nodes import MappingNode, ScalarNode, SequenceNode
 
-from jobspec.errors import SpecError, spec_error
+from jobspec.errors import SpecError, first_line, spec_error
 from jobspec.spec.schema import type_name
 
 MAX_NODES = 100_000   # nodes visited while building, aliases counted each time they expand
@@ -118,7 +118,7 @@ def parse_yaml(text: str, display: str) -> tuple[Any, dict, dict]:
         raise spec_error(f"character #x{err.character:04x} is not allowed in YAML (control character)",
                          file=display, line=line, column=column, hint="delete it; save the file as plain text") from None
     except yaml.YAMLError as err:
-        raise spec_error(f"YAML error: {str(err).splitlines()[0]}", file=display) from None
+        raise spec_error(f"YAML error: {first_line(err)}", file=display) from None
     if root is None:
         return None, {}, {}
     builder = _Builder(display)
@@ -147,6 +147,12 @@ def _check_depth(text: str) -> None:
                     raise _TooDeep(event.start_mark)
             elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
                 depth -= 1
+    except yaml.MarkedYAMLError as err:
+        # libyaml >= 0.2.5 stops at 1,000 levels by itself, and its scanner reads a flow collection's
+        # brackets ahead of the events counted above: the same refusal, worded as ours
+        if "maximum nesting depth" not in (err.problem or ""):
+            raise
+        raise _TooDeep(err.problem_mark) from None
     finally:
         parser.dispose()
 
