@@ -13,19 +13,14 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from jobspec.errors import spec_error
-from jobspec.spec.derived import DerivedJob
+from jobspec.errors import SpecError, SpecIssue, spec_error
+from jobspec.spec.derived import DerivedJob, zero_bucket_sizes
 from jobspec.spec.model_dims import ModelDims
 from jobspec.spec.optimizers import DEEPSPEED_OPTIMIZERS
+from jobspec.spec.validation import offload_problems
 
 DEFAULT_MASTER_PORT = 29500  # placeholder: the launcher passes a free port when the spec names none
 STEPS_PER_PRINT = 1_000_000_000  # jobspec logs progress itself; keep DeepSpeed's own prints quiet
-
-# DeepSpeed's defaults (deepspeed/runtime/zero/config.py), used when the hidden size is unknown.
-DS_REDUCE_BUCKET_SIZE = 500_000_000
-DS_ALLGATHER_BUCKET_SIZE = 500_000_000
-DS_STAGE3_PREFETCH_BUCKET_SIZE = 50_000_000
-DS_STAGE3_PARAM_PERSISTENCE_THRESHOLD = 100_000
 
 SCHEDULERS = {"constant": "WarmupLR", "linear": "WarmupDecayLR", "cosine": "WarmupCosineLR"}
 # Batch fields are derived from `training`; overriding them would desynchronise `derived`.
@@ -186,39 +181,27 @@ def precision_blocks(memory: dict) -> dict:
 def zero_block(memory: dict, dims: ModelDims | None, gather_16bit: bool = False) -> dict:
     stage = memory["zero_stage"]
     offload = memory["offload"]
-    if offload["optimizer"] != "none" and stage < 1:
-        raise spec_error("optimizer offload needs ZeRO stage 1 or higher", path=("memory", "offload", "optimizer"),
-                         hint="set memory.zero_stage: 2 (or 3)")
-    if offload["params"] != "none" and stage != 3:
-        raise spec_error("parameter offload needs ZeRO stage 3", path=("memory", "offload", "params"),
-                         hint="set memory.zero_stage: 3")
+    problems = offload_problems(memory)   # validation reports the same; a spec built without it stops here
+    if problems:
+        raise SpecError([SpecIssue(path=path, message=message, hint=hint) for path, message, hint in problems])
     if stage == 0:
         return {"stage": 0}
     zero = memory["zero"]
-    h = dims.hidden_size if dims else None
-
-    def sized(key: str, from_hidden, ds_default: int) -> int:
-        if zero[key] is not None:
-            return zero[key]
-        return int(from_hidden(h)) if h else ds_default
+    sizes = zero_bucket_sizes(zero, dims.hidden_size if dims else None)   # what the planner counts too
 
     block: dict[str, Any] = {
         "stage": stage,
         "overlap_comm": zero["overlap_comm"] if zero["overlap_comm"] is not None else stage >= 2,
         "contiguous_gradients": zero["contiguous_gradients"],
-        "reduce_bucket_size": sized("reduce_bucket_size", lambda h: h * h, DS_REDUCE_BUCKET_SIZE),
+        "reduce_bucket_size": sizes["reduce_bucket_size"],
     }
     if stage in (1, 2):
         block["reduce_scatter"] = zero["reduce_scatter"]
-        # HF derives no allgather size from h, so a null one is DeepSpeed's default.
-        block["allgather_bucket_size"] = zero["allgather_bucket_size"] if zero["allgather_bucket_size"] is not None \
-            else DS_ALLGATHER_BUCKET_SIZE
+        block["allgather_bucket_size"] = sizes["allgather_bucket_size"]
         block["round_robin_gradients"] = zero["round_robin_gradients"]
     else:
-        block["stage3_prefetch_bucket_size"] = sized(
-            "stage3_prefetch_bucket_size", lambda h: 0.9 * h * h, DS_STAGE3_PREFETCH_BUCKET_SIZE)
-        block["stage3_param_persistence_threshold"] = sized(
-            "stage3_param_persistence_threshold", lambda h: 10 * h, DS_STAGE3_PARAM_PERSISTENCE_THRESHOLD)
+        block["stage3_prefetch_bucket_size"] = sizes["stage3_prefetch_bucket_size"]
+        block["stage3_param_persistence_threshold"] = sizes["stage3_param_persistence_threshold"]
         block["stage3_max_live_parameters"] = zero["stage3_max_live_parameters"]
         block["stage3_max_reuse_distance"] = zero["stage3_max_reuse_distance"]
         block["sub_group_size"] = zero["sub_group_size"]
@@ -226,18 +209,15 @@ def zero_block(memory: dict, dims: ModelDims | None, gather_16bit: bool = False)
         # partitioned weights for a model save; jobspec's export gathers them the same way
         block["stage3_gather_16bit_weights_on_model_save"] = gather_16bit
     if offload["optimizer"] != "none":
-        block["offload_optimizer"] = _offload_block(offload, offload["optimizer"], "optimizer", params=False)
+        block["offload_optimizer"] = _offload_block(offload, offload["optimizer"], params=False)
     if offload["params"] != "none":
-        block["offload_param"] = _offload_block(offload, offload["params"], "params", params=True)
+        block["offload_param"] = _offload_block(offload, offload["params"], params=True)
     return block
 
 
-def _offload_block(offload: dict, device: str, field_name: str, *, params: bool) -> dict:
+def _offload_block(offload: dict, device: str, *, params: bool) -> dict:
     block: dict[str, Any] = {"device": device, "pin_memory": offload["pin_memory"]}
-    if device == "nvme":
-        if not offload["nvme_path"]:
-            raise spec_error(f"offload.{field_name}: nvme needs a directory on an NVMe drive",
-                             path=("memory", "offload", "nvme_path"), hint="set memory.offload.nvme_path")
+    if device == "nvme":   # nvme_path is set: offload_problems
         block["nvme_path"] = offload["nvme_path"]
         if params:
             block["buffer_count"] = offload["buffer_count"]

@@ -2,9 +2,11 @@
 
 Two users: scripts/gen_transformers_configs.py writes the table of the supported architectures
 (schemas/transformers-configs.json, what `jobspec validate` checks against without importing
-transformers), and `jobspec launch` checks an architecture outside that table here, with the same
-positioned errors, before any rank starts. transformers 5 config classes are dataclasses that take
-any keyword: an unknown one becomes a stray attribute, so this is the only thing that catches a typo.
+transformers), and `jobspec launch` checks here, with the same positioned errors and before any
+rank starts, what validate could not: an architecture outside that table, and a hub id's
+`model.config` once its config.json (Hugging Face cache, else the hub) names the model type.
+transformers 5 config classes are dataclasses that take any keyword: an unknown one becomes a stray
+attribute, so this is the only thing that catches a typo.
 """
 from __future__ import annotations
 
@@ -12,10 +14,11 @@ import collections.abc
 import dataclasses
 import enum
 import inspect
+import sys
 import types
 import typing
 
-from jobspec.errors import SpecIssue
+from jobspec.errors import SpecIssue, first_line
 from jobspec.spec.freeform import local_checkpoint_config, model_config_issues
 
 # Keywords PreTrainedConfig accepts without a dataclass field (consumed in __post_init__ or by a
@@ -152,35 +155,81 @@ def common_fields() -> dict:
 
 
 def launch_model_config_issues(resolved) -> list[SpecIssue]:
-    """`model.config` problems of an architecture the shipped table lacks (none for the others:
-    `jobspec validate` checked them). A hub id's model type is known only from the local HF cache."""
+    """`model.config` problems `jobspec validate` could not see, found before any rank starts.
+
+    Validate checks `model.config` when it knows the model type without transformers or the network
+    (`model.architecture`, or a local checkpoint's config.json) and the type is in the shipped table;
+    those give nothing here. What is left:
+
+    - a type outside the table: checked against transformers' config class;
+    - a hub id: its config.json (`hub_config`: the local Hugging Face cache, else the hub, at
+      `model.revision`) names the type, and the keys are checked against the shipped table for a
+      type in it, against transformers' class for another; either way the same positioned errors,
+      "did you mean" included, and the checkpoint's own keys accepted as for a local directory.
+
+    A hub config that cannot be read (no network and not cached, an unknown id or revision, a gated
+    repository without a token) is a positioned error on `model.name_or_path`, not a skipped check:
+    the ranks start by reading that same file (`AutoConfig.from_pretrained`) with the same cache,
+    token and network, so they would fail on it too, only later (after DeepSpeed and the MLflow run
+    have started); refusing now is the same outcome sooner, and a typo in `model.config` never goes
+    through unchecked. A model type only the repository's own code defines (`trust_remote_code`)
+    cannot be checked without running that code here: a warning line says so.
+    """
     from jobspec.spec.freeform import TRANSFORMERS_TABLE, load_table
 
     model = resolved.spec["model"]
     if not model.get("config"):
         return []
+    in_table = load_table(TRANSFORMERS_TABLE)["architectures"]
     checkpoint = local_checkpoint_config(resolved)
-    model_type = model.get("architecture") or (checkpoint or {}).get("model_type") or _cached_model_type(model)
-    if model_type is None or model_type in load_table(TRANSFORMERS_TABLE)["architectures"]:
-        return []
+    if model.get("architecture") or checkpoint is not None:
+        model_type = model.get("architecture") or checkpoint.get("model_type")
+        if model_type is None or model_type in in_table:
+            return []   # checked by validate (or no type to check against: the ranks' AutoConfig decides)
+    else:   # a hub id: validate could not know its type
+        name = model["name_or_path"]
+        try:
+            checkpoint = hub_config(name, model.get("revision"))
+        except Exception as err:   # whatever stops this read stops the ranks' from_pretrained too
+            return [resolved.issue(("model", "name_or_path"),
+                                   f"cannot read the config.json of `{name}`, so model.config cannot be checked: "
+                                   f"{first_line(err)}",
+                                   "the ranks would fail to load it the same way: give a local checkpoint "
+                                   "directory, or a hub id reachable from here (or in the Hugging Face cache)")]
+        model_type = checkpoint.get("model_type")
+        if model_type is None:
+            return []
+        if model_type in in_table:
+            return model_config_issues({"model": {**model, "architecture": model_type}}, resolved.issue, checkpoint)
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     if model_type not in CONFIG_MAPPING:
-        return [resolved.issue(("model", "architecture"), f"transformers {_version()} has no model type `{model_type}`",
+        if model.get("trust_remote_code"):
+            print(f"jobspec: WARNING: model.config is not checked: model type `{model_type}` is defined by the "
+                  "repository's own code (trust_remote_code), which runs only on the ranks", file=sys.stderr,
+                  flush=True)
+            return []
+        return [resolved.issue(("model", "architecture") if model.get("architecture") else ("model", "name_or_path"),
+                               f"transformers {_version()} has no model type `{model_type}`",
                                "use a model_type transformers knows (its AutoConfig names)")]
     table = {"common": common_fields(), "architectures": {model_type: transformers_entry(model_type, common_fields())}}
     return model_config_issues({"model": {**model, "architecture": model_type}}, resolved.issue, checkpoint,
                                table=table)
 
 
-def _cached_model_type(model: dict) -> str | None:
-    name = model.get("name_or_path")
-    if not name:
-        return None
+def hub_config(name: str, revision: str | None = None) -> dict:
+    """The config.json of hub id `name` as a dict: from the local Hugging Face cache, else fetched
+    (the file the ranks' `AutoConfig.from_pretrained` reads first; fetched here, it is cached for them).
+    Raises what transformers raises when it cannot be read. No config class is built, so no
+    repository code runs."""
+    from transformers import PreTrainedConfig
+
     try:
-        from transformers import AutoConfig
-        return AutoConfig.from_pretrained(name, local_files_only=True).model_type
-    except Exception:  # not in the local cache (and no hub here): the rank's from_pretrained decides
-        return None
+        config, _ = PreTrainedConfig.get_config_dict(name, revision=revision, local_files_only=True)
+    except OSError:   # not in the cache: the hub (HF_HUB_OFFLINE=1 fails at once)
+        config, _ = PreTrainedConfig.get_config_dict(name, revision=revision)
+    if not isinstance(config, dict):
+        raise OSError(f"the config.json of {name} is not a mapping")
+    return config
 
 
 def _version() -> str:

@@ -23,6 +23,12 @@ from jobspec.spec.model_dims import ModelDims, model_dims
 # mixed-precision run are 16-bit; fp32 master weights and optimizer states are counted separately.
 PRECISION_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
+# DeepSpeed's ZeRO defaults (deepspeed/runtime/zero/config.py), used when the hidden size is unknown.
+DS_REDUCE_BUCKET_SIZE = 500_000_000
+DS_ALLGATHER_BUCKET_SIZE = 500_000_000
+DS_STAGE3_PREFETCH_BUCKET_SIZE = 50_000_000
+DS_STAGE3_PARAM_PERSISTENCE_THRESHOLD = 100_000
+
 
 @dataclass(frozen=True)
 class DerivedJob:
@@ -58,19 +64,12 @@ class DerivedJob:
         return derive(spec, config_json=self.config_json, num_train_samples=self.num_train_samples)
 
     def as_dict(self) -> dict:
-        """JSON for launch.json; `from_dict` reads it back on the rank side."""
+        """JSON for launch.json's "derived": the ranks read it as this dict (rundir.RunFiles.derived),
+        and the on_oom guard rewrites its batch split there."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "config_json"}
         out["dims"] = dataclasses.asdict(self.dims) if self.dims else None
         out["notes"] = list(self.notes)
         return out
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "DerivedJob":
-        known = {f.name for f in dataclasses.fields(cls)}
-        values = {k: v for k, v in data.items() if k in known}
-        values["dims"] = ModelDims(**data["dims"]) if data.get("dims") else None
-        values["notes"] = tuple(data.get("notes") or ())
-        return cls(**values)
 
 
 def derive(spec: dict, *, config_json: dict | None = None, num_train_samples: int | None = None) -> DerivedJob:
@@ -107,6 +106,30 @@ def derive(spec: dict, *, config_json: dict | None = None, num_train_samples: in
         model_flops_per_token=flops[0], hardware_flops_per_token=flops[1],
         notes=tuple(notes), config_json=config_json,
     )
+
+
+def zero_bucket_sizes(zero: dict, hidden_size: int | None) -> dict[str, int]:
+    """The ZeRO sizes of `memory.zero` as DeepSpeed gets them (the compiler) and as the planner counts them.
+
+    A value the spec sets is kept, 0 included (`stage3_prefetch_bucket_size: 0` turns prefetching
+    off); an unset (null) one is the HF Trainer's derivation from the hidden size h (reduce bucket h²,
+    stage-3 prefetch 0.9·h², persistence threshold 10·h), or DeepSpeed's default when h is unknown.
+    The HF Trainer derives no allgather size, so a null one is DeepSpeed's default.
+    """
+    def sized(key: str, from_hidden, ds_default: int) -> int:
+        if zero.get(key) is not None:
+            return zero[key]
+        return int(from_hidden(hidden_size)) if hidden_size else ds_default
+
+    return {
+        "reduce_bucket_size": sized("reduce_bucket_size", lambda h: h * h, DS_REDUCE_BUCKET_SIZE),
+        "allgather_bucket_size": zero["allgather_bucket_size"] if zero.get("allgather_bucket_size") is not None
+        else DS_ALLGATHER_BUCKET_SIZE,
+        "stage3_prefetch_bucket_size": sized("stage3_prefetch_bucket_size", lambda h: 0.9 * h * h,
+                                             DS_STAGE3_PREFETCH_BUCKET_SIZE),
+        "stage3_param_persistence_threshold": sized("stage3_param_persistence_threshold", lambda h: 10 * h,
+                                                    DS_STAGE3_PARAM_PERSISTENCE_THRESHOLD),
+    }
 
 
 def _batch_split(micro: int, global_batch: int | None, world: int) -> tuple[int, int]:

@@ -316,16 +316,19 @@ def freeform_issues(resolved) -> list[SpecIssue]:
 
 
 def unchecked_model_config(resolved) -> str | None:
-    """Why `model.config` was not checked here (an architecture outside the shipped table, or a hub
-    id), or None when it was: `jobspec launch` checks it against transformers instead."""
+    """Why `model.config` was not checked here, or None when it was. `jobspec launch` checks it
+    (jobspec/launch/model_config.py): an architecture outside the shipped table against transformers'
+    config class; a hub id once its config.json (local Hugging Face cache, else the hub) names the type."""
     model = resolved.spec.get("model") or {}
     if not model.get("config"):
         return None
     model_type = model.get("architecture") or (local_checkpoint_config(resolved) or {}).get("model_type")
     if model_type in load_table(TRANSFORMERS_TABLE)["architectures"]:
         return None
-    what = f"architecture `{model_type}`" if model_type else f"`{model.get('name_or_path')}`"
-    return f"model.config of {what} is checked at launch (not in schemas/{TRANSFORMERS_TABLE})"
+    if model_type:
+        return f"model.config of architecture `{model_type}` is checked at launch (not in schemas/{TRANSFORMERS_TABLE})"
+    return (f"model.config of `{model.get('name_or_path')}` is checked at launch, against the model type "
+            "its config.json names (read from the Hugging Face cache or the hub)")
 
 
 def local_checkpoint_config(resolved) -> dict | None:

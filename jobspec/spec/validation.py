@@ -18,7 +18,7 @@ from typing import Any
 from jobspec.errors import SpecError, SpecIssue
 from jobspec.spec.derived import derive
 from jobspec.spec.loader import SET_FILE, LoadedSpec, Position, load_spec
-from jobspec.spec.freeform import freeform_issues
+from jobspec.spec.freeform import freeform_issues, local_checkpoint_config
 from jobspec.spec.optimizers import CLIENT_OPTIMIZERS
 from jobspec.spec.overrides import apply_overrides
 from jobspec.spec.schema import (fill_defaults, has_type, schema_types, shared_schema, subschema_at,
@@ -240,25 +240,20 @@ def cross_field_issues(r: ResolvedSpec) -> list[SpecIssue]:
                 add(r.issue(("data", key), f"data file not found: {file}",
                             "paths are relative to the spec file that sets them"))
 
+    derived = None
     try:
-        derive(s)   # the batch split is derived in one place; its problems are reported here, positioned
+        # the batch split and the model's dimensions are derived in one place; the split's problems
+        # are reported here, positioned
+        derived = derive(s, config_json=local_checkpoint_config(r))
     except SpecError as err:
         for problem in err.issues:
             add(r.issue(problem.path, problem.message, problem.hint))
     except (TypeError, ValueError, ZeroDivisionError):
         pass   # model.config values of the wrong type: reported by the model.config check
 
-    offload, stage = memory["offload"], memory["zero_stage"]
-    if offload["params"] != "none" and stage != 3:
-        add(r.issue(("memory", "offload", "params"), f"parameter offload needs ZeRO stage 3 (zero_stage is {stage})",
-                    "set `memory.zero_stage: 3`"))
-    if offload["optimizer"] != "none" and stage < 1:
-        add(r.issue(("memory", "offload", "optimizer"), "optimizer offload needs ZeRO stage >= 1 (zero_stage is 0)",
-                    "set `memory.zero_stage` to 1, 2 or 3"))
-    if "nvme" in (offload["params"], offload["optimizer"]) and not offload["nvme_path"]:
-        which = "params" if offload["params"] == "nvme" else "optimizer"
-        add(r.issue(("memory", "offload", which), "nvme offload needs `memory.offload.nvme_path`",
-                    "set it to a directory on a local NVMe drive"))
+    offload = memory["offload"]
+    for path, message, hint in offload_problems(memory):
+        add(r.issue(path, message, hint))
     optimizer = training["optimizer"]
     if optimizer["name"] in CLIENT_OPTIMIZERS and offload["optimizer"] != "none":
         add(r.issue(("training", "optimizer", "name"),
@@ -276,8 +271,8 @@ def cross_field_issues(r: ResolvedSpec) -> list[SpecIssue]:
         add(r.issue(("training", "scheduler", "warmup_ratio"), "`warmup_steps` and `warmup_ratio` are exclusive",
                     "keep one of them"))
     checkpointing = memory["activation_checkpointing"]
-    layers = model["config"].get("num_hidden_layers", model["config"].get("n_layer"))
-    if isinstance(checkpointing, dict) and type(layers) is int and checkpointing["every_n_layers"] > layers:
+    layers = derived.num_layers if derived is not None else None   # None: unknown (no hidden size, say)
+    if isinstance(checkpointing, dict) and layers is not None and checkpointing["every_n_layers"] > layers:
         add(r.issue(("memory", "activation_checkpointing", "every_n_layers"),
                     f"every_n_layers = {checkpointing['every_n_layers']} but the model has {layers} layers",
                     f"use a value between 1 and {layers}"))
@@ -296,6 +291,26 @@ def cross_field_issues(r: ResolvedSpec) -> list[SpecIssue]:
         add(r.issue(("checkpoint", "resume"), f"`{resume[:80]}` is neither `auto`, `never` nor an existing checkpoint path",
                     f"did you mean `{close[0]}`?" if close else "use `auto`, `never` or the path of a checkpoint"))
     return issues
+
+
+def offload_problems(memory: dict) -> list[tuple[tuple, str, str]]:
+    """(path, message, hint) of each offload rule `memory` (defaults filled) breaks: validation
+    reports them positioned, and the compiler refuses a spec built without validation (a fit
+    candidate, a test's) with the same words."""
+    offload, stage = memory["offload"], memory["zero_stage"]
+    problems = []
+    if offload["params"] != "none" and stage != 3:
+        problems.append((("memory", "offload", "params"),
+                         f"parameter offload needs ZeRO stage 3 (zero_stage is {stage})", "set `memory.zero_stage: 3`"))
+    if offload["optimizer"] != "none" and stage < 1:
+        problems.append((("memory", "offload", "optimizer"),
+                         "optimizer offload needs ZeRO stage >= 1 (zero_stage is 0)",
+                         "set `memory.zero_stage` to 1, 2 or 3"))
+    if "nvme" in (offload["params"], offload["optimizer"]) and not offload["nvme_path"]:
+        which = "params" if offload["params"] == "nvme" else "optimizer"
+        problems.append((("memory", "offload", which), "nvme offload needs `memory.offload.nvme_path`",
+                         "set it to a directory on a local NVMe drive"))
+    return problems
 
 
 def _tracking_uri_problem(uri: str) -> tuple[str, str] | None:

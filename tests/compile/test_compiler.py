@@ -333,6 +333,12 @@ ZERO_TABLE = [
       "offload_optimizer": {"device": "nvme", "pin_memory": True, "nvme_path": "/nvme"},
       "offload_param": {"device": "nvme", "pin_memory": True, "nvme_path": "/nvme", "buffer_count": 5,
                         "buffer_size": 100_000_000}}),
+    # an explicit 0 is kept (not replaced by the h-based size): DeepSpeed gets it, and so does the planner
+    ({"zero_stage": 3, "zero": {"stage3_prefetch_bucket_size": 0, "stage3_param_persistence_threshold": 0}},
+     {"stage": 3, "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": H * H,
+      "stage3_prefetch_bucket_size": 0, "stage3_param_persistence_threshold": 0,
+      "stage3_max_live_parameters": 10**9, "stage3_max_reuse_distance": 10**9, "sub_group_size": 10**9,
+      "stage3_gather_16bit_weights_on_model_save": True}),
 ]
 
 
@@ -354,6 +360,22 @@ def test_unknown_hidden_size_writes_deepspeeds_defaults():
     zero = compile_(spec).ds_config["zero_optimization"]
     assert (zero["reduce_bucket_size"], zero["stage3_prefetch_bucket_size"],
             zero["stage3_param_persistence_threshold"]) == (500_000_000, 50_000_000, 100_000)
+
+
+@pytest.mark.parametrize("memory", [
+    {"zero_stage": 2, "offload": {"params": "cpu"}},
+    {"zero_stage": 0, "offload": {"optimizer": "cpu"}},
+    {"zero_stage": 2, "offload": {"params": "nvme", "optimizer": "nvme"}},
+])
+def test_offload_rules_refuse_an_unvalidated_spec_with_validations_words(memory):
+    """One definition (spec.validation.offload_problems): a spec built without validation (a fit
+    candidate, a test's) is refused by the compiler with every problem validation would report."""
+    from jobspec.spec.validation import offload_problems
+    spec = make_spec(memory=memory)
+    with pytest.raises(SpecError) as caught:
+        compile_(spec)
+    expected = offload_problems(spec["memory"])
+    assert expected and [(i.path, i.message, i.hint) for i in caught.value.issues] == expected
 
 
 def test_aio_block_uses_deepspeeds_names(deepspeed_config):

@@ -1,4 +1,5 @@
-"""`model.config` of an architecture outside the shipped table is checked at launch, before any rank."""
+"""`model.config` validate could not check (an architecture outside the shipped table, a hub id) is
+checked at launch, before any rank."""
 from __future__ import annotations
 
 import json
@@ -62,3 +63,105 @@ def test_an_unknown_model_type_is_refused_at_launch(tmp_path, capsys):
         "    d_modle: 64\n    num_layers: [2]\n", "    hidden_size: 64\n"))
     assert main(["launch", str(job), "--dry-run"]) == 2
     assert "model.architecture: transformers" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- hub ids (no network: hub_config faked)
+
+HUB_JOB = """\
+model:
+  name_or_path: someone/tiny-model
+  task: sequence-classification
+  config: {hiddne_size: 64, custom_flag: false}
+data:
+  synthetic: {num_samples: 16, seq_len: 8}
+training: {max_steps: 1}
+logging: {mlflow: {enabled: false}}
+"""
+
+
+def _hub(monkeypatch, config=None, error=None):
+    from jobspec.launch import model_config
+    asked = []
+
+    def fake(name, revision=None):
+        asked.append((name, revision))
+        if error is not None:
+            raise error
+        return dict(config)
+
+    monkeypatch.setattr(model_config, "hub_config", fake)
+    return asked
+
+
+def _issues(tmp_path, text=HUB_JOB):
+    from jobspec.launch.model_config import launch_model_config_issues
+    from jobspec.spec.validation import load_and_validate
+    job = tmp_path / "job.yaml"
+    job.write_text(text)
+    return job, [issue.render() for issue in launch_model_config_issues(load_and_validate(job))]
+
+
+def test_a_hub_id_of_a_type_in_the_table_is_checked_against_the_table(tmp_path, monkeypatch, capsys):
+    asked = _hub(monkeypatch, {"model_type": "bert", "hidden_size": 768, "custom_flag": True})
+    job = tmp_path / "job.yaml"
+    job.write_text(HUB_JOB)
+    assert main(["validate", str(job)]) == 0          # the type is unknown without the hub's config.json
+    assert "checked at launch" in capsys.readouterr().out
+    assert main(["launch", str(job), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    # the positioned error validate gives for a bert architecture; the checkpoint's own keys pass
+    assert f"{job}:4:12: model.config.hiddne_size: unknown key `hiddne_size` for BertConfig (bert)" in err
+    assert "did you mean `hidden_size`?" in err and "custom_flag" not in err
+    assert asked and asked[0] == ("someone/tiny-model", None)
+
+
+def test_a_hub_id_with_a_correct_config_passes(tmp_path, monkeypatch):
+    _hub(monkeypatch, {"model_type": "bert"})
+    assert _issues(tmp_path, HUB_JOB.replace("hiddne_size: 64, custom_flag: false", "hidden_size: 64"))[1] == []
+
+
+def test_a_hub_id_outside_the_table_is_checked_against_transformers(tmp_path, monkeypatch):
+    asked = _hub(monkeypatch, {"model_type": "t5", "custom_flag": True})
+    job, issues = _issues(tmp_path, HUB_JOB.replace("hiddne_size: 64", "d_modle: 64").replace(
+        "  config:", "  revision: v1.0\n  config:"))
+    assert issues == [f"{job}:5:12: model.config.d_modle: unknown key `d_modle` for T5Config (t5) "
+                      "(did you mean `d_model`?)"]   # custom_flag: the checkpoint's own key
+    assert asked == [("someone/tiny-model", "v1.0")]
+
+
+def test_a_hub_config_that_cannot_be_read_is_a_positioned_error(tmp_path, monkeypatch):
+    _hub(monkeypatch, error=OSError("We couldn't connect to 'https://huggingface.co' to load the files"))
+    job, issues = _issues(tmp_path)
+    assert len(issues) == 1
+    assert issues[0].startswith(f"{job}:2:17: model.name_or_path: cannot read the config.json of "
+                                "`someone/tiny-model`, so model.config cannot be checked: We couldn't connect")
+    assert "the ranks would fail to load it the same way" in issues[0]
+
+
+def test_no_model_config_reads_nothing(tmp_path, monkeypatch):
+    asked = _hub(monkeypatch, error=AssertionError("not called"))
+    assert _issues(tmp_path, HUB_JOB.replace("  config: {hiddne_size: 64, custom_flag: false}\n", ""))[1] == []
+    assert asked == []
+
+
+def test_a_type_only_remote_code_defines_is_a_warning(tmp_path, monkeypatch, capsys):
+    _hub(monkeypatch, {"model_type": "someones-own-former", "auto_map": {}})
+    assert _issues(tmp_path, HUB_JOB.replace("  config:", "  trust_remote_code: true\n  config:"))[1] == []
+    assert "WARNING: model.config is not checked: model type `someones-own-former`" in capsys.readouterr().err
+
+
+def test_hub_config_reads_the_cache_before_the_hub(monkeypatch):
+    from transformers import PreTrainedConfig
+
+    from jobspec.launch.model_config import hub_config
+    calls = []
+
+    def get_config_dict(name, **kwargs):
+        calls.append(kwargs)
+        if kwargs.get("local_files_only"):
+            raise OSError("not in the cache")
+        return {"model_type": "bert"}, {}
+
+    monkeypatch.setattr(PreTrainedConfig, "get_config_dict", get_config_dict)
+    assert hub_config("someone/model", "main") == {"model_type": "bert"}
+    assert calls == [{"revision": "main", "local_files_only": True}, {"revision": "main"}]

@@ -109,6 +109,34 @@ def test_a_valid_override_can_still_break_a_cross_field_rule():
     assert issue.dotted_path == "memory.offload.optimizer" and "ZeRO stage >= 1" in issue.message
 
 
+@pytest.mark.parametrize("overrides, layers", [
+    (["model.config.num_hidden_layers=3"], 3),
+    (["model.config={hidden_size: 64}"], 12),                      # bert's default, from the derived dims
+    (["model.architecture=gpt2", "model.config={n_embd: 64, n_layer: 5, n_head: 2, vocab_size: 1000}"], 5),
+])
+def test_every_n_layers_is_checked_against_the_derived_layer_count(overrides, layers):
+    too_many = f"memory.activation_checkpointing.every_n_layers={layers + 1}"
+    just_enough = f"memory.activation_checkpointing.every_n_layers={layers}"
+    load_and_validate(VALID / "tiny-bert.yaml", overrides + [just_enough])
+    with pytest.raises(SpecError) as caught:
+        load_and_validate(VALID / "tiny-bert.yaml", overrides + [too_many])
+    (issue,) = caught.value.issues
+    assert issue.dotted_path == "memory.activation_checkpointing.every_n_layers"
+    assert f"every_n_layers = {layers + 1} but the model has {layers} layers" in issue.message
+
+
+def test_every_n_layers_reads_a_local_checkpoints_layer_count(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 64,
+                                                               "num_hidden_layers": 4}))
+    job = tmp_path / "job.yaml"
+    job.write_text((VALID / "tiny-bert.yaml").read_text().replace("architecture: bert", "name_or_path: ckpt")
+                   .replace("    num_hidden_layers: 2\n", ""))
+    with pytest.raises(SpecError) as caught:
+        load_and_validate(job, ["memory.activation_checkpointing.every_n_layers=5"])
+    assert [i.message for i in caught.value.issues] == ["every_n_layers = 5 but the model has 4 layers"]
+
+
 def test_validation_does_not_import_heavy_libraries():
     code = ("import sys; from jobspec.spec.validation import load_and_validate; "
             f"load_and_validate({str(VALID / 'tiny-bert.yaml')!r}); "
