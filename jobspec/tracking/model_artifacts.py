@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 
 from jobspec import rundir
-from jobspec.secrets import mask_secrets
+from jobspec.errors import first_line
 
 log = logging.getLogger("jobspec.tracking.model_artifacts")
 ARTIFACT_ROOT = "model"
@@ -37,16 +37,18 @@ def log_exported_models(tracked, run_dir: Path, spec: dict) -> dict[str, str]:
             continue
         tags[f"{TAG_PREFIX}{name}"] = str(path)
         size = int(record.get("bytes") or sum(f.stat().st_size for f in path.rglob("*") if f.is_file()))
-        if size <= limit_bytes:
+        if 0 < limit_bytes and size <= limit_bytes:  # 0 uploads none (the schema's word)
             try:
                 tracked.client.log_artifacts(tracked.run_id, str(path), artifact_path=f"{ARTIFACT_ROOT}/{name}")
                 tags[f"{TAG_PREFIX}{name}.artifact"] = f"{ARTIFACT_ROOT}/{name}"
             except Exception as err:  # noqa: BLE001 -- recorded by path below instead
-                log.warning("could not upload model %s to MLflow (%s); recorded by its path",
-                            name, mask_secrets(str(err)).splitlines()[0][:300])
-                tags[f"{TAG_PREFIX}{name}.artifact"] = "upload failed: see launcher.log"
+                reason = first_line(err, limit=300)
+                log.warning("could not upload model %s to MLflow (%s); recorded by its path", name, reason)
+                tags[f"{TAG_PREFIX}{name}.artifact"] = f"upload failed: {reason}"
+        elif limit_bytes <= 0:
+            tags[f"{TAG_PREFIX}{name}.artifact"] = "not uploaded: export.mlflow_max_mb is 0"
         else:
-            tags[f"{TAG_PREFIX}{name}.artifact"] = (f"not uploaded: {size / 1e6:.0f} MB > export.mlflow_max_mb "
+            tags[f"{TAG_PREFIX}{name}.artifact"] = (f"not uploaded: {_mb(size)} MB > export.mlflow_max_mb "
                                                     f"{limit_bytes / 1e6:g}")
     if tags:
         try:
@@ -54,6 +56,11 @@ def log_exported_models(tracked, run_dir: Path, spec: dict) -> dict[str, str]:
             tracked.client.log_batch(tracked.run_id, tags=[RunTag(k, v) for k, v in tags.items()],
                                      synchronous=True)
         except Exception as err:  # noqa: BLE001
-            log.warning("could not tag the exported models in MLflow: %s",
-                        mask_secrets(str(err)).splitlines()[0][:300])
+            log.warning("could not tag the exported models in MLflow: %s", first_line(err, limit=300))
     return tags
+
+
+def _mb(size: int) -> str:
+    """Megabytes, two significant digits below 10 (a 0.4 MB model is not "0 MB")."""
+    mb = size / 1e6
+    return f"{mb:.0f}" if mb >= 10 else f"{mb:.2g}"

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         return train(run_dir, state, started)  # the engine picks its device from LOCAL_RANK
     except SpecError as err:
         _write_failure(run_dir, state, started, err.render())
-        print(err.render(), file=sys.stderr)
+        _print_spec_error(err.render())
         return EXIT_INVALID
     except RunFailure as err:  # the spec was fine; the run was not: one line, exit 1
         _write_failure(run_dir, state, started, err.reason)
@@ -282,6 +282,18 @@ def _write_failure(run_dir: Path, state: RunState, started: float, error: str) -
         rundir.write_summary(run_dir, summarize(state, "failed", None, started, error=error))
     except OSError:
         pass  # the original error matters more than a summary we cannot write
+
+
+def _print_spec_error(text: str) -> None:
+    """Bad input (a data row, a checkpoint to resume) is found alike by every rank, which read the same
+    files: rank 0 prints it; the others write theirs to launcher.log only (`jobspec-log:` lines, kept off
+    the terminal), where it still shows should some rank fail alone."""
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        print(text, file=sys.stderr, flush=True)
+    else:  # one write: the ranks share the pipe
+        sys.stderr.write("".join(f"{trace.LOG_ONLY}rank {rank}: {line}\n" for line in text.splitlines()))
+        sys.stderr.flush()
 
 
 def _any_rank(flag: bool, group) -> bool:

@@ -51,8 +51,20 @@ FAKE_RANK = f"DISK_FULL = {DISK_FULL!r}\n" + textwrap.dedent('''
     from pathlib import Path
     run_dir, mode = Path(sys.argv[1]), sys.argv[2].split(":", 1)[1]
     rank = int(os.environ["LOCAL_RANK"])
+    def write_summary(kind):  # rank 0 writes summary.json as the worker does
+        import json, yaml
+        ckpt = Path(yaml.safe_load((run_dir / "resolved.yaml").read_text())["checkpoint"]["dir"])
+        if rank == 0:
+            ckpt.mkdir(parents=True, exist_ok=True)
+            (ckpt / "latest").write_text("step3")
+            summary = {"preempt": {"status": "preempted", "steps": 3, "total_steps": 6, "checkpoint": "step3"},
+                       "finish": {"status": "finished", "steps": 6, "total_steps": 6, "checkpoint": "step6"},
+                       "diskfull": {"status": "failed", "steps": 4, "error": DISK_FULL}}[kind]
+            (run_dir / "summary.json").write_text(json.dumps(summary))
     def graceful(sig, frame):
         (run_dir / f"{signal.Signals(sig).name}-{rank}").write_text("x")
+        if mode == "stop":  # the worker: a SIGUSR1/SIGTERM stops it at a step boundary, with a checkpoint
+            write_summary("preempt")
         sys.exit(0)
     signal.signal(signal.SIGUSR1, graceful)
     signal.signal(signal.SIGTERM, signal.SIG_IGN if mode == "stubborn" else graceful)
@@ -65,16 +77,18 @@ FAKE_RANK = f"DISK_FULL = {DISK_FULL!r}\n" + textwrap.dedent('''
     print(f"rank {rank} ready", flush=True)
     if mode == "quick":
         sys.exit(0)
-    if mode in ("preempt", "finish", "diskfull"):  # rank 0 writes summary.json as the worker does
-        import json, yaml
-        ckpt = Path(yaml.safe_load((run_dir / "resolved.yaml").read_text())["checkpoint"]["dir"])
-        if rank == 0:
-            ckpt.mkdir(parents=True, exist_ok=True)
-            (ckpt / "latest").write_text("step3")
-            summary = {"preempt": {"status": "preempted", "steps": 3, "total_steps": 6, "checkpoint": "step3"},
-                       "finish": {"status": "finished", "steps": 6, "total_steps": 6, "checkpoint": "step6"},
-                       "diskfull": {"status": "failed", "steps": 4, "error": DISK_FULL}}[mode]
-            (run_dir / "summary.json").write_text(json.dumps(summary))
+    if mode == "dataerror":  # the real worker's error path, its data build failing as on a bad row past
+        os.environ["RANK"] = str(rank)  # the pre-flight's (build_datasets raises datacheck.locate_error)
+        import yaml
+        from jobspec.spec import datacheck
+        from jobspec.train import worker
+        def train(run_dir, state, started):
+            raise datacheck.locate_error(yaml.safe_load((run_dir / "resolved.yaml").read_text()), "train")
+        worker.train = train
+        worker._destroy_process_group = lambda: None  # no process group here (and no torch import)
+        sys.exit(worker.main(["--run-dir", str(run_dir)]))
+    if mode in ("preempt", "finish", "diskfull"):
+        write_summary(mode)
         if mode == "diskfull":
             print("ERROR: " + DISK_FULL, flush=True)
             for i in range(40):  # what a failing job prints after the line that matters
@@ -323,6 +337,56 @@ def test_a_stop_with_a_checkpoint_is_exit_75_killed_preempted_and_the_resume_sup
     _, run = mlflow_run_of(first)
     assert run.info.status == "FINISHED" and run.data.tags["jobspec.status"] == "finished"
     assert "jobspec.stop_reason" not in run.data.tags and run.data.tags["jobspec.exit_code"] == "0"
+
+
+def test_sigterm_with_a_checkpoint_is_exit_75_killed_preempted_and_says_how_to_resume(tmp_path, fake_runner,
+                                                                                      monkeypatch, capsys):
+    job = write_job(tmp_path)
+    use_fake_runner(monkeypatch, fake_runner, "stop")
+
+    def terminate_when_ready():  # `kill PID`, systemd, a scheduler's preemption: SIGTERM to the launcher
+        wait_for(lambda: len(list((tmp_path / "out").glob("run-*/ready-*"))) == 2
+                 and callable(signal.getsignal(signal.SIGTERM)), timeout=60)  # supervise's handler is in place
+        os.kill(os.getpid(), signal.SIGTERM)
+    threading.Thread(target=terminate_when_ready, daemon=True).start()
+    assert main(["launch", str(job), "--set", "training.max_steps=6"]) == 75
+    out = capsys.readouterr().out
+    run_dir = only_run_dir(tmp_path)
+    assert (run_dir / "SIGTERM-0").exists() and (run_dir / "SIGTERM-1").exists()  # forwarded to both ranks
+    assert "jobspec: stopped, not finished (exit 75): stopped by SIGTERM from the user at step 3 of 6; " \
+           "checkpoint step3" in out
+    assert f"jobspec: resume with: jobspec launch {job} --set training.max_steps=6\n" in out
+    _, run = mlflow_run_of(run_dir)
+    assert run.info.status == "KILLED" and run.data.tags["jobspec.status"] == "preempted"
+    assert run.data.tags["jobspec.stop_reason"].startswith("stopped by SIGTERM from the user at step 3 of 6")
+    assert run.data.tags["jobspec.exit_code"] == "75" and "jobspec.failure_reason" not in run.data.tags
+    assert survivors(run_dir) == []
+
+
+def test_a_bad_data_row_found_on_the_ranks_is_exit_2_naming_file_and_line_once(tmp_path, fake_runner,
+                                                                              monkeypatch, capsys):
+    # 1,500 rows, a non-UTF-8 byte in row 1,200: past the rows the launcher's pre-flight reads
+    rows = [json.dumps({"text": f"row {i}", "label": i % 2}).encode() for i in range(1500)]
+    rows[1199] = b'{"text": "b\xffd", "label": 0}'
+    data = tmp_path / "train.jsonl"
+    data.write_bytes(b"\n".join(rows) + b"\n")
+    job = write_job(tmp_path)
+    spec = yaml.safe_load(job.read_text())
+    spec["data"] = {"train": str(data), "tokenizer": str(tmp_path), "num_workers": 0, "pin_memory": False}
+    job.write_text(yaml.safe_dump(spec, sort_keys=False))
+    use_fake_runner(monkeypatch, fake_runner, "dataerror")
+    assert main(["launch", str(job)]) == 2
+    out, err = capsys.readouterr()
+    message = f"data.train: {data}:1200: byte 12 of the line (0xff) is not valid UTF-8"
+    assert "Traceback" not in out + err
+    printed = [line for line in out.splitlines() if message in line]
+    # rank 0's line and the launcher's last line; rank 1's copy only in launcher.log
+    assert len(printed) == 2 and printed[-1] == out.strip().splitlines()[-1] and printed[-1].startswith("jobspec: ")
+    run_dir = only_run_dir(tmp_path)
+    assert f"jobspec-log: rank 1: <spec>: {message}" in (run_dir / rundir.LAUNCHER_LOG).read_text()
+    _, run = mlflow_run_of(run_dir)
+    assert run.info.status == "FAILED" and message in run.data.tags["jobspec.failure_reason"]
+    assert run.data.tags["jobspec.exit_code"] == "2" and run.data.tags["jobspec.status"] == "failed"
 
 
 def test_a_rank_failure_reason_is_rank_0s_line_and_a_later_finish_clears_it(tmp_path, fake_runner, monkeypatch,
