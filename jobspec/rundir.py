@@ -17,7 +17,7 @@
   launcher.log     everything the runner and ranks printed             supervise    -> MLflow artifact
   launcher.json    the launcher's host, pid, start time; `ended` once  launch       -> launch/sync/report:
                    it has closed the run                                              a run left RUNNING
-  metrics.jsonl    every metric point, one JSON object per log step    rank 0       -> sync, bench
+  metrics.jsonl    every metric point, one JSON object per log step    rank 0       -> sync, bench, export
   summary.json     status, steps, loss, throughput, peak memory        rank 0 (else the fallback below)
   .oom-recovery/   the state an OOM retry reloads (removed after)      rank side
   model/           exported HF directories (`export.dir` null)         rank 0       -> the user, MLflow
@@ -70,10 +70,23 @@ def export_dir(spec: dict, run_dir: Path) -> Path:
 
 # --- the directory itself ---------------------------------------------------------------------
 
+RUN_PREFIX = "run-"
+RUN_GLOB = f"{RUN_PREFIX}*"        # the run directories of an output_dir
+
+
 def new_run_dir_path(output_dir: str | Path, now: datetime | None = None) -> Path:
     """`<output_dir>/run-<UTC %Y%m%d-%H%M%S>-<4 hex>` (not created)."""
     stamp = (now or datetime.now(timezone.utc)).strftime("%Y%m%d-%H%M%S")
-    return Path(output_dir) / f"run-{stamp}-{secrets.token_hex(2)}"
+    return Path(output_dir) / f"{RUN_PREFIX}{stamp}-{secrets.token_hex(2)}"
+
+
+def run_dirs(output_dir: str | Path, newest_first: bool = False) -> list[Path]:
+    """The run directories under `output_dir`, oldest first by name (their names start with the UTC
+    time); empty when `output_dir` is not a directory."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    return sorted((d for d in root.glob(RUN_GLOB) if d.is_dir()), reverse=newest_first)
 
 
 def create_run_dir(output_dir: str | Path) -> Path:

@@ -16,7 +16,7 @@ function (it runs only when the function is called). Rules:
    torch, deepspeed, transformers, mlflow through module-level imports, followed transitively
    (importing `a.b.c` also runs `a` and `a.b`), so `jobspec validate` stays light;
 6. a module imports only from its own layer or the layers below it (LAYERS, bottom up; the
-   top-level modules not listed there, such as errors or rundir, are neutral ground below all).
+   top-level modules not listed there, such as errors, rundir or units, are neutral ground below all).
 """
 from __future__ import annotations
 
@@ -174,7 +174,7 @@ def heavy_reach(start: str, modules: dict[str, Module]) -> dict[str, list[str]]:
 
 def layer(name: str, modules: dict[str, Module]) -> int:
     """Position of a module's subpackage in LAYERS; -1 for neutral ground (the package's own
-    top-level modules that are no layer: errors, secrets, rundir, ...)."""
+    top-level modules that are no layer: errors, secrets, rundir, units, ...)."""
     parts = name.split(".")
     if len(parts) == 1:
         return -1

@@ -1,9 +1,11 @@
 """scripts/import_graph.py: the package keeps its layering rules, and the script catches each break."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
+from fnmatch import fnmatch
 from pathlib import Path
 
 from conftest import REPO_ROOT
@@ -67,3 +69,23 @@ def test_a_clean_package_passes(tmp_path):
                              "train/b.py": "import torch\nfrom pkg.spec import a\n"})
     result = run_script("--root", str(tmp_path), "--package", "pkg")
     assert result.returncode == 0, result.stderr
+
+
+def module_table() -> set[str]:
+    """The modules docs/architecture.md's module table names in its first column (paths under jobspec/)."""
+    text = (REPO_ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    table = text.split("\n## Modules\n", 1)[1].split("\n## ", 1)[0]
+    return {name for line in table.splitlines() if line.startswith("| `")
+            for name in re.findall(r"`([^`]+\.py)`", line.split("|")[1])}
+
+
+def test_the_module_table_names_every_module_and_only_modules_that_exist():
+    package = REPO_ROOT / "jobspec"
+    modules = {p.relative_to(package).as_posix() for p in package.rglob("*.py")
+               if not (p.name == "__init__.py" and not p.read_text(encoding="utf-8").strip())}  # bare packages
+    named = module_table()
+    assert named, "docs/architecture.md has no module table"
+    unlisted = sorted(m for m in modules if not any(fnmatch(m, name) for name in named))
+    assert unlisted == [], f"add these modules to docs/architecture.md's module table: {unlisted}"
+    gone = sorted(name for name in named if not any(fnmatch(m, name) for m in modules))
+    assert gone == [], f"docs/architecture.md's module table names modules that do not exist: {gone}"

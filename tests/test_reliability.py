@@ -27,6 +27,7 @@ from jobspec.tracking import run as tracking
 from jobspec.cli import main
 from jobspec.errors import RunFailure, SpecError
 from jobspec.train.faults import INJECT_ENV, SKIPPED_METRIC
+from jobspec.units import fmt_bytes_any_unit
 
 
 @pytest.fixture
@@ -126,7 +127,7 @@ def test_the_exported_model_counts_on_its_own_disk_and_with_the_checkpoints_on_a
 @pytest.mark.parametrize("n, text", [(0, "0 bytes"), (1023, "1023 bytes"), (1536, "1.5 KiB"), (5 * 2**20, "5.0 MiB"),
                                      (int(2.25 * 2**30), "2.2 GiB"), (3 * 2**40, "3.0 TiB")])
 def test_disk_sizes_take_the_unit_that_shows_them(n, text):
-    assert preflight.human_bytes(n) == text
+    assert fmt_bytes_any_unit(n) == text
 
 
 class FakeEngine:

@@ -25,6 +25,8 @@ from pathlib import Path
 
 from jobspec.commands import add_format_argument
 from jobspec.errors import spec_error
+from jobspec.units import MiB
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", metavar="CHECKPOINT_OR_RUN_DIR",
@@ -40,12 +42,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jobspec.train.convert import export_checkpoint, locate
+    from jobspec.train.convert import export_checkpoint, hub_offline, locate
     from jobspec.train.hf_dir import ExportFailed
 
     out = args.out.expanduser().resolve()
     # DeepSpeed and transformers log to stdout as they are imported and convert: stdout stays the result
-    with contextlib.redirect_stdout(sys.stderr):
+    with contextlib.redirect_stdout(sys.stderr), hub_offline():   # offline: the cache or local files only
         source = locate(args.source, args.spec)
         check_out(out, source.path, args.force)
         try:
@@ -56,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     if args.format == "json":
         print(json.dumps(record, indent=2))
     else:
-        print(f"wrote {out} ({record['bytes'] / 2**20:.1f} MiB, {record['dtype']}, step {record['step']}) "
+        print(f"wrote {out} ({record['bytes'] / MiB:.1f} MiB, {record['dtype']}, step {record['step']}) "
               f"from {source.path} in {record['seconds']:.1f} s")
     return 0
 

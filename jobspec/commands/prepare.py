@@ -28,6 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from jobspec import ops
+    from jobspec.launch.job_ops import job_ops
 
     if not args.jobs and not args.all:
         raise spec_error("name a job to prepare, or pass --all", path=("JOB",),
@@ -50,19 +51,3 @@ def run(args: argparse.Namespace) -> int:
                          "machine (reasons above)")
     return 0
 
-
-def job_ops(job: str, overrides: list[str]) -> list[str]:
-    """The op builders the compiled job loads (compiled exactly as `jobspec launch` would)."""
-    from jobspec import hardware, ops
-    from jobspec.compile.compiler import compile_spec
-    from jobspec.memory import at_launch
-    from jobspec.spec.inputs import derive_job
-    from jobspec.spec.validation import load_and_validate
-
-    resolved = load_and_validate(job, overrides)
-    # `memory.fit: auto` may switch to optimizer offload (CPU Adam): decide as the launch will
-    gpu_free = hardware.gpu_free_bytes(resolved.spec["resources"]["gpus_per_node"])
-    resolved, derived, _ = at_launch.prepare(resolved, derive_job(resolved.spec), gpu_free,
-                                             bf16_supported=hardware.bf16_supported())
-    compiled = compile_spec(resolved.spec, derived, run_dir="RUN_DIR")
-    return ops.needed_ops(compiled.ds_config)

@@ -11,9 +11,8 @@ import os
 import re
 from urllib.parse import urlsplit
 
-from jobspec.memory.planner import fmt_bytes
+from jobspec.units import MiB, fmt_mib_gib
 
-MiB = 2**20
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # "Sized for GPUs" (said when such a job runs on CPU ranks): the planner's time per step on this
 # host's cores above this, or the plan's memory for the node's ranks above the host's available RAM.
@@ -45,7 +44,7 @@ def fmt_duration(seconds: float | None) -> str:
 
 
 def fmt_mib(mib: float | None) -> str:
-    return "?" if mib is None else fmt_bytes(mib * MiB)
+    return "?" if mib is None else fmt_mib_gib(mib * MiB)
 
 
 def label(name: str, style: bool) -> str:
@@ -133,22 +132,22 @@ def memory_text(job, memory, host) -> str:
     if plan is None:
         return "no plan for this model (see the line above)"
     if host.has_gpu:
-        text = (f"plan {fmt_bytes(plan.nvml_total)} per GPU (peak allocated {fmt_bytes(plan.peak_allocated)} "
+        text = (f"plan {fmt_mib_gib(plan.nvml_total)} per GPU (peak allocated {fmt_mib_gib(plan.peak_allocated)} "
                 f"+ allocator and CUDA context)")
         if host.gpu_free is not None:
             verdict = "fits" if plan.nvml_total <= host.gpu_free else "DOES NOT FIT"
-            total = f" of {fmt_bytes(host.gpu_total)}" if host.gpu_total else ""
-            text += f" · {fmt_bytes(host.gpu_free)} free{total}: {verdict}"
+            total = f" of {fmt_mib_gib(host.gpu_total)}" if host.gpu_total else ""
+            text += f" · {fmt_mib_gib(host.gpu_free)} free{total}: {verdict}"
         if memory.budget is not None and memory.budget_source == "memory.gpu_memory":
-            text += f" · budget {fmt_bytes(memory.budget)} (memory.gpu_memory)"
+            text += f" · budget {fmt_mib_gib(memory.budget)} (memory.gpu_memory)"
         return text
     per_rank = plan.peak_reserved + plan.host_total
     node = per_rank * job.gpus_per_node
-    text = f"plan {fmt_bytes(per_rank)} of tensors per rank"
+    text = f"plan {fmt_mib_gib(per_rank)} of tensors per rank"
     if job.gpus_per_node > 1:
-        text += f", {fmt_bytes(node)} for {_ranks(job.gpus_per_node)}"
+        text += f", {fmt_mib_gib(node)} for {_ranks(job.gpus_per_node)}"
     if host.ram_available is not None:
-        text += f" · host RAM {fmt_bytes(host.ram_available)} available of {fmt_bytes(host.ram_total)}"
+        text += f" · host RAM {fmt_mib_gib(host.ram_available)} available of {fmt_mib_gib(host.ram_total)}"
     return text
 
 
@@ -188,8 +187,8 @@ def gpu_sized_warning(spec: dict, job, memory, host, step_time_s: float | None) 
     if plan is not None and host.ram_available is not None:
         node = (plan.peak_reserved + plan.host_total) * job.gpus_per_node
         if node > host.ram_available:
-            reasons.append(f"its plan needs {fmt_bytes(node)} for {_ranks(job.gpus_per_node)}, more than the "
-                           f"{fmt_bytes(host.ram_available)} of RAM available")
+            reasons.append(f"its plan needs {fmt_mib_gib(node)} for {_ranks(job.gpus_per_node)}, more than the "
+                           f"{fmt_mib_gib(host.ram_available)} of RAM available")
     if not reasons:
         return []
     if step_time_s is not None and not reasons[0].startswith("the planner"):

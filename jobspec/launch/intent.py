@@ -66,8 +66,7 @@ def _read_latest(directory: Path) -> str | None:
 
 def finished_run_dir(output_dir: str | Path) -> Path | None:
     """The newest run directory under `output_dir` whose summary says it finished."""
-    runs = sorted(Path(output_dir).glob("run-*"), reverse=True) if Path(output_dir).is_dir() else []
-    for run_dir in runs:
+    for run_dir in rundir.run_dirs(output_dir, newest_first=True):
         summary = rundir.read_summary(run_dir)
         if summary and summary.get("status") == "finished" and summary.get("written_by") != "launcher":
             return run_dir

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from jobspec import lifeline, rundir
 from jobspec import status as run_status
+from jobspec.errors import first_line
 
 log = logging.getLogger("jobspec.launch")
 RUN_DIR_TAG = "jobspec.run_dir"
@@ -54,7 +55,7 @@ def close_if_orphaned(run_dir: Path, by: str, tracking_uri: str | None = None) -
                                   failure_reason=end.reason, tags=end.tags())
         except Exception as err:  # the store is down: leave launcher.json open, a later call retries
             log.warning("run %s: its launcher is gone, but MLflow could not be updated: %s", run_dir,
-                        str(err).splitlines()[0][:200] if str(err) else type(err).__name__)
+                        first_line(err, limit=200))
             return None
     rundir.mark_launcher_ended(run_dir, end.status, end.exit_code, by=f"jobspec {by}")
     # stderr: `jobspec report --format csv > runs.csv` keeps its stdout for the table
@@ -65,10 +66,7 @@ def close_if_orphaned(run_dir: Path, by: str, tracking_uri: str | None = None) -
 
 def close_orphans_under(output_dir: str | Path, by: str = "launch") -> list[Path]:
     """Every run directory of `output_dir` closed by `close_if_orphaned`."""
-    root = Path(output_dir)
-    if not root.is_dir():
-        return []
-    return [d for d in sorted(root.glob("run-*")) if (d / rundir.LAUNCHER).is_file()
+    return [d for d in rundir.run_dirs(output_dir) if (d / rundir.LAUNCHER).is_file()
             and close_if_orphaned(d, by) is not None]
 
 

@@ -2,7 +2,7 @@
 -> header -> supervised DeepSpeed runner, with the MLflow run created meanwhile -> closing summary.
 
     resolve        spec/validation.load_and_validate (exit 2 on any problem)
-    model.config   launch/model_config: an architecture outside the shipped table, against transformers
+    model.config   launch/model_config: an architecture outside the shipped table, or a hub id's config
     data           spec/datacheck.preflight_issues: the data files' first rows (exit 2, at data.train/eval)
     prepare        memory/at_launch.prepare: `memory.fit: auto` rewrites the spec; the plan
     derive         spec/inputs.derive_job: every derived number, once (config.json, row count read here)
@@ -62,8 +62,8 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
 
     phases = [("start", _process_start(), 0.0)]
     resolved = load_and_validate(job, overrides)
-    # `model.config` of an architecture outside the shipped table: checked against transformers now,
-    # before anything starts, with the same positioned errors validate gives for the others
+    # `model.config` validate could not check (an architecture outside the shipped table, a hub id):
+    # checked now, before anything starts, with the same positioned errors validate gives
     model_config_problems = launch_model_config_issues(resolved)
     if model_config_problems:
         raise SpecError(model_config_problems)

@@ -14,17 +14,9 @@ from jobspec import hardware, rundir
 from jobspec.errors import SpecError, SpecIssue
 from jobspec.launch.runner import port_in_use
 from jobspec.spec.export_rules import resolve_dtype
+from jobspec.units import fmt_bytes_any_unit
 
 IGNORE_HINT = "or pass --ignore-preflight"
-UNITS = ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB")
-
-
-def human_bytes(n: int | float) -> str:
-    """`512 bytes`, `3.2 KiB`, `4.0 MiB`, `1.5 GiB`: the unit that keeps the number below 1024."""
-    value, unit = float(n), 0
-    while abs(value) >= 1024 and unit < len(UNITS) - 1:
-        value, unit = value / 1024, unit + 1
-    return f"{int(value)} bytes" if unit == 0 else f"{value:.1f} {UNITS[unit]}"
 
 
 def preflight_issues(spec: dict, derived, run_dir: Path) -> list[SpecIssue]:
@@ -73,14 +65,14 @@ def disk_space_issues(spec: dict, derived, run_dir: Path) -> list[SpecIssue]:
             continue
         if len(on_disk) == 1:
             field, directory, size, what, made_of = on_disk[0]
-            issues.append(SpecIssue(field, f"{directory} has {human_bytes(free)} free but {what} needs about "
-                                    f"{human_bytes(size)} ({made_of})", _space_hint(field, export)))
+            issues.append(SpecIssue(field, f"{directory} has {fmt_bytes_any_unit(free)} free but {what} needs about "
+                                    f"{fmt_bytes_any_unit(size)} ({made_of})", _space_hint(field, export)))
         else:
             issues.append(SpecIssue(
                 on_disk[0][0],
-                " and ".join(str(need[1]) for need in on_disk) + f" share a disk with {human_bytes(free)} free but "
-                + " and ".join(f"{need[3]} ({human_bytes(need[2])})" for need in on_disk)
-                + f" need about {human_bytes(total)}",
+                " and ".join(str(need[1]) for need in on_disk) + f" share a disk with {fmt_bytes_any_unit(free)} free but "
+                + " and ".join(f"{need[3]} ({fmt_bytes_any_unit(need[2])})" for need in on_disk)
+                + f" need about {fmt_bytes_any_unit(total)}",
                 "free space, point checkpoint.dir or export.dir at another disk, or "
                 + _no_export_hint(export)))
     return issues

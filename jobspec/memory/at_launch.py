@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass, field
 
 from jobspec.errors import SpecError, spec_error
-from jobspec.memory.planner import MiB
+from jobspec.units import MiB, fmt_mib_gib
 
 
 @dataclass
@@ -42,7 +42,7 @@ def prepare(resolved, job, gpu_free: int | None, *, bf16_supported: bool = True)
     Nothing fits the budget -> SpecError (exit 2) with the smallest configuration's numbers.
     """
     from jobspec.memory.fit import apply_changes, fit
-    from jobspec.memory.planner import fmt_bytes, parse_bytes, plan_memory
+    from jobspec.memory.planner import parse_bytes, plan_memory
 
     spec = resolved.spec
     memory = LaunchMemory()
@@ -62,7 +62,7 @@ def prepare(resolved, job, gpu_free: int | None, *, bf16_supported: bool = True)
                                  hint=f"budget from {memory.budget_source}; see `jobspec plan JOB --fit` "
                                       "for the breakdown, or set memory.fit: off to run as written")
             memory.fit = result
-            memory.lines.append(f"fit: {result.reason} (budget {fmt_bytes(memory.budget)} from "
+            memory.lines.append(f"fit: {result.reason} (budget {fmt_mib_gib(memory.budget)} from "
                                 f"{memory.budget_source}; {result.considered} configurations considered)")
             if result.changes:
                 spec = apply_changes(spec, result.changes)
@@ -80,13 +80,12 @@ def prepare(resolved, job, gpu_free: int | None, *, bf16_supported: bool = True)
 def preflight_problems(memory: LaunchMemory, free: int | None) -> list[str]:
     """The GPU memory check `--ignore-preflight` turns into a warning; none on a CPU-only host
     (`free` is None: the least free memory of this host's GPUs)."""
-    from jobspec.memory.planner import fmt_bytes
     plan = memory.plan
     if free is None or plan is None or plan.nvml_total <= free:
         return []
-    return [(f"the plan predicts {fmt_bytes(plan.nvml_total)} per GPU (peak allocated "
-             f"{fmt_bytes(plan.peak_allocated)}, reserved {fmt_bytes(plan.peak_reserved)}, plus the CUDA "
-             f"context) but this host's GPU has {fmt_bytes(free)} free: "
+    return [(f"the plan predicts {fmt_mib_gib(plan.nvml_total)} per GPU (peak allocated "
+             f"{fmt_mib_gib(plan.peak_allocated)}, reserved {fmt_mib_gib(plan.peak_reserved)}, plus the CUDA "
+             f"context) but this host's GPU has {fmt_mib_gib(free)} free: "
              f"run `jobspec plan JOB --fit --gpu-mem {free // MiB}MiB` for settings that fit, "
              "or set memory.fit: auto")]
 

@@ -17,7 +17,8 @@ import json
 from dataclasses import dataclass, field
 
 from jobspec.spec.derived import DerivedJob
-from jobspec.memory.planner import MemoryPlan, fmt_bytes, plan_memory
+from jobspec.memory.planner import MemoryPlan, plan_memory
+from jobspec.units import fmt_mib_gib
 
 # Reference device for the slowdown model: only ratios between candidates are reported.
 EFFECTIVE_FLOPS = {"fp32": 15e12, "bf16": 40e12, "fp16": 40e12}   # achieved, not peak (A100-class)
@@ -70,12 +71,12 @@ def fit(spec: dict, job: DerivedJob, budget_bytes: int, *, bf16_supported: bool 
         notes.append("NVMe offload not tried: set memory.offload.nvme_path to include it")
     if best is None:
         changes, plan, cost = smallest
-        reason = (f"nothing fits in {fmt_bytes(budget_bytes)}: the smallest configuration ({describe(changes)}) "
-                  f"needs {fmt_bytes(plan.nvml_total)}. Try more GPUs (ZeRO-3 divides the model states by "
+        reason = (f"nothing fits in {fmt_mib_gib(budget_bytes)}: the smallest configuration ({describe(changes)}) "
+                  f"needs {fmt_mib_gib(plan.nvml_total)}. Try more GPUs (ZeRO-3 divides the model states by "
                   "the world size), a shorter sequence, NVMe offload, or a smaller model")
         return FitResult(False, to_overrides(changes), changes, plan, cost, reason, considered, notes)
     changes, plan, cost = best
-    reason = (f"{describe(changes)}: {fmt_bytes(plan.nvml_total)} of {fmt_bytes(budget_bytes)}, "
+    reason = (f"{describe(changes)}: {fmt_mib_gib(plan.nvml_total)} of {fmt_mib_gib(budget_bytes)}, "
               f"est. {cost:.2f}x step time")
     return FitResult(True, to_overrides(changes), changes, plan, cost, reason, considered, notes)
 

@@ -14,11 +14,11 @@ import re
 from dataclasses import asdict, dataclass, field
 
 from jobspec.errors import SpecError, spec_error
-from jobspec.spec.derived import PRECISION_BYTES, DerivedJob
+from jobspec.spec.derived import PRECISION_BYTES, DerivedJob, zero_bucket_sizes
 from jobspec.spec.export_rules import resolve_dtype
 from jobspec.spec.model_dims import ModelDims
+from jobspec.units import MiB, fmt_mib_gib
 
-GiB, MiB = 2**30, 2**20
 CUDA_CONTEXT_BYTES = 500 * MiB   # CUDA 12 context + cuBLAS/cuDNN workspaces with lazy module loading
 ALLOCATOR_BLOCK = 2 * MiB        # the caching allocator's large-segment granularity
 FRAGMENTATION = 0.07             # reserved - allocated at peak, as a fraction (calibrated by bench/)
@@ -86,12 +86,6 @@ def parse_bytes(text: str, *, path: tuple = ("memory", "gpu_memory")) -> int:
     number, prefix, binary = match.groups()
     power = " KMGT".index(prefix or " ")
     return int(float(number) * (1024 if binary else 1000) ** power)
-
-
-def fmt_bytes(n: int | float) -> str:
-    sign = "-" if n < 0 else ""
-    n = abs(n)
-    return f"{sign}{n / GiB:.2f} GiB" if n >= GiB else f"{sign}{n / MiB:.1f} MiB"
 
 
 def parameter_tensors(dims: ModelDims, task: str, num_labels: int) -> Tensors:
@@ -267,8 +261,9 @@ def plan_memory(spec: dict, job: DerivedJob, *, budget: int | None = None) -> Me
                          "gathered_parameters", "activations", "embeddings_activations", "logits_and_loss", "zero_buffers"), 0)
     host = {"model_init": 4 * psi}    # each rank builds the model in fp32 on the host first
     nvme = 0
-    zero = spec["memory"]["zero"]
-    bucket = zero["reduce_bucket_size"] or dims.hidden_size ** 2
+    # the sizes compile_spec writes into zero_optimization (an explicit 0 stays 0)
+    sizes = zero_bucket_sizes(spec["memory"]["zero"], dims.hidden_size)
+    bucket = sizes["reduce_bucket_size"]
 
     if stage == 0:
         gpu["parameters"], gpu["gradients"] = lp * psi, lp * psi
@@ -280,7 +275,7 @@ def plan_memory(spec: dict, job: DerivedJob, *, budget: int | None = None) -> Me
         # partition's edges come in full
         straddle = lp * _straddle(tensors, world) if stage in (1, 2) else 0
         if stage == 3:
-            persistent = _persistent_params(tensors, zero, dims.hidden_size)
+            persistent = _persistent_params(tensors, sizes["stage3_param_persistence_threshold"])
             # the layer in use + the one prefetched, gathered whole during forward and backward
             gpu["gathered_parameters"] = lp * 2 * tensors.layer_params
             gpu["parameters"] = lp * (persistent + (part(psi) if offload_params == "none" else 0))
@@ -304,8 +299,7 @@ def plan_memory(spec: dict, job: DerivedJob, *, budget: int | None = None) -> Me
                 host_opt = 4 * part(psi) + lp * part(psi)   # swap buffers for grads/params
         gpu["zero_buffers"] = lp * bucket * (2 if stage == 3 or offload_opt != "none" else 1)
         if stage == 3:
-            prefetch = zero["stage3_prefetch_bucket_size"] or int(0.9 * dims.hidden_size ** 2)
-            gpu["zero_buffers"] += lp * prefetch
+            gpu["zero_buffers"] += lp * sizes["stage3_prefetch_bucket_size"]
         host["offloaded_optimizer"] = host_opt
         if offload_params != "none":
             host["offloaded_parameters"] = lp * part(psi)
@@ -335,10 +329,13 @@ def plan_memory(spec: dict, job: DerivedJob, *, budget: int | None = None) -> Me
                                "hardware_flops_per_token": job.hardware_flops_per_token})
 
 
-def _persistent_params(tensors: Tensors, zero: dict, hidden: int) -> int:
-    """ZeRO-3 keeps tensors below the persistence threshold whole on every rank: vectors, tiny heads."""
-    threshold = zero["stage3_param_persistence_threshold"] or 10 * hidden
-    return tensors.vector_params + sum(r * c for r, c in tensors.matrices if r * c < threshold)
+def _persistent_params(tensors: Tensors, threshold: int) -> int:
+    """ZeRO-3 keeps tensors of at most `threshold` elements whole on every rank (DeepSpeed's
+    `ds_numel <= param_persistence_threshold`): the vectors (counted whole: each is far below the
+    usual 10·h), tiny heads; with a threshold of 0, none."""
+    if threshold <= 0:
+        return 0
+    return tensors.vector_params + sum(r * c for r, c in tensors.matrices if r * c <= threshold)
 
 
 def _straddle(tensors: Tensors, world: int) -> int:
@@ -391,9 +388,9 @@ def render_plan(plan: MemoryPlan, title: str = "") -> str:
     for i, (label, value) in enumerate(rows):
         if i == len(rows) - (5 if plan.nvme_total else 4):
             lines.append("-" * (width + 14))
-        lines.append(f"  {label:<{width}}  {fmt_bytes(value):>10}")
+        lines.append(f"  {label:<{width}}  {fmt_mib_gib(value):>10}")
     if plan.budget is not None:
         verdict = "fits" if plan.fits else "does NOT fit"
-        lines.append(f"{verdict} in {fmt_bytes(plan.budget)}: headroom {fmt_bytes(plan.headroom)}")
+        lines.append(f"{verdict} in {fmt_mib_gib(plan.budget)}: headroom {fmt_mib_gib(plan.headroom)}")
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)

@@ -125,7 +125,8 @@ def build_row(run_name: str, status: str, params: dict, series: dict, predicted_
 
 def predicted_peak_mib(spec: dict) -> float | None:
     """`plan_memory`'s peak allocated MiB of a resolved spec; None when the planner cannot tell."""
-    from jobspec.memory.planner import MiB, plan_memory
+    from jobspec.memory.planner import plan_memory
+    from jobspec.units import MiB
     from jobspec.spec.inputs import derive_job
     from jobspec.spec.schema import fill_defaults
     try:

@@ -19,11 +19,12 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from jobspec.errors import SpecError, SpecIssue, spec_error
+from jobspec.errors import SpecError, SpecIssue, first_line, spec_error
 from jobspec.spec.data_format import data_format
+from jobspec.units import MiB
 
 PREFLIGHT_ROWS = 1000
-PREFLIGHT_BYTES = 32 * 2**20
+PREFLIGHT_BYTES = 32 * MiB
 CLASSIFICATION = ("sequence-classification", "token-classification")
 SPLITS = ("train", "eval")
 
@@ -220,7 +221,7 @@ def _parquet_rows(path: Path, columns: Columns, split: str, max_rows: int | None
     try:
         parquet = pq.ParquetFile(path)
     except Exception as err:  # pyarrow raises ArrowInvalid / OSError with a reason
-        raise _Bad(("data", split), f"{path} is not a readable parquet file ({str(err).splitlines()[0]})",
+        raise _Bad(("data", split), f"{path} is not a readable parquet file ({first_line(err)})",
                    "check the file and data.format") from None
     names = parquet.schema_arrow.names
     missing = [c for c in columns.needed() if c not in names]
@@ -340,6 +341,5 @@ def locate_error(spec: dict, split: str) -> SpecError | None:
 def unreadable(spec: dict, split: str, fmt: str, err: BaseException) -> SpecError:
     """A data file datasets could not read, where the row check found nothing more precise."""
     path = spec["data"][split]
-    first = str(err).splitlines()[0] if str(err) else type(err).__name__
-    return spec_error(f"cannot read {path} as {fmt}: {first}", path=("data", split),
+    return spec_error(f"cannot read {path} as {fmt}: {first_line(err)}", path=("data", split),
                       hint="check the file and data.format")

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from jobspec.errors import RunFailure, spec_error
+from jobspec.errors import RunFailure, first_line, spec_error
 
 LATEST = "latest"
 _TAG = re.compile(r"^step(\d+)$")
@@ -325,7 +325,7 @@ def load_with_fallback(engine, resume: str, ckpt_dir: str | os.PathLike, any_ran
             client_state, error = load(engine, load_dir, tag), None
         except Exception as err:  # a corrupt shard: torch.load / DeepSpeed raise all sorts
             client_state, error = None, f"{Path(load_dir) / tag} could not be loaded ({type(err).__name__}: " \
-                                        f"{str(err).splitlines()[0][:200] if str(err) else ''})"
+                                        f"{first_line(err, limit=200) if str(err).strip() else ''})"
         if any_rank(error is not None):
             passed_over.append(error or f"{tag}: failed to load on another rank")
             if resume != "auto":

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 import yaml
 
 from jobspec import rundir
-from jobspec.errors import spec_error
+from jobspec.errors import first_line, spec_error
 from jobspec.spec.export_rules import resolve_dtype
 from jobspec.train.export import CHECKPOINT_SPEC
 from jobspec.train.hf_dir import ExportInfo, job_tokenizer, write_model_dir
@@ -94,7 +93,8 @@ def export_checkpoint(source: Source, out: Path, dtype: str | None = None, show_
     if note:
         notes.append(note)
     info = ExportInfo(name=out.name, step=step, dtype=dtype, source=f"checkpoint {source.path}",
-                      metrics=_metrics_at(source.run_dir, step), notes=notes)
+                      metrics=_metrics_at(source.run_dir, step), notes=notes,
+                      world_size=_world_size(client, source.run_dir))
     return write_model_dir(out, spec, state_dict, info, tokenizer=tokenizer, show_progress=show_progress)
 
 
@@ -117,7 +117,7 @@ def consolidated_state_dict(tag_dir: Path, client: dict, precision: str, dtype: 
                 state_dict = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(
                     str(tag_dir.parent), tag=tag_dir.name, lazy_mode=True)
     except (ValueError, KeyError, FileNotFoundError, RuntimeError) as err:
-        raise spec_error(f"DeepSpeed cannot merge the checkpoint {tag_dir}: {str(err).splitlines()[0][:300]}",
+        raise spec_error(f"DeepSpeed cannot merge the checkpoint {tag_dir}: {first_line(err, limit=300)}",
                          hint="check that every rank's *_optim_states.pt file is there, or export another "
                               "checkpoint") from None
     if stage <= 2:   # weights the optimizer does not own (frozen ones) are only in the module
@@ -163,7 +163,7 @@ def _model_states(tag_dir: Path) -> dict:
     try:   # memory-mapped: a ZeRO-0 module is read tensor by tensor as it is converted
         return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
     except Exception as err:  # noqa: BLE001 -- a truncated or foreign file: say which
-        raise spec_error(f"cannot read {path}: {type(err).__name__}: {str(err).splitlines()[0][:200]}",
+        raise spec_error(f"cannot read {path}: {type(err).__name__}: {first_line(err, limit=200)}",
                          hint="the checkpoint is damaged: export an older one") from None
 
 
@@ -197,11 +197,11 @@ def _spec_of_checkpoint(load_dir: Path, tag: str) -> dict:
 def _candidate_run_dirs(load_dir: Path) -> list[Path]:
     """Run directories next to the checkpoint directory (the default layout) that trained into it, newest first."""
     found = []
-    for resolved in sorted(load_dir.parent.glob("run-*/resolved.yaml"), reverse=True):
+    for run_dir in rundir.run_dirs(load_dir.parent, newest_first=True):
         try:
-            spec = yaml.safe_load(resolved.read_text(encoding="utf-8"))
+            spec = yaml.safe_load((run_dir / rundir.RESOLVED).read_text(encoding="utf-8"))
             if Path(spec["checkpoint"]["dir"]).resolve() == load_dir.resolve():
-                found.append(resolved.parent)
+                found.append(run_dir)
         except (OSError, yaml.YAMLError, KeyError, TypeError):
             continue
     return found
@@ -209,22 +209,56 @@ def _candidate_run_dirs(load_dir: Path) -> list[Path]:
 
 def _run_dirs(spec: dict, load_dir: Path) -> list[Path]:
     output_dir = Path(spec.get("output_dir") or load_dir.parent)
-    return _candidate_run_dirs(load_dir) or [p.parent for p in sorted(output_dir.glob("run-*/resolved.yaml"),
-                                                                      reverse=True)]
+    return _candidate_run_dirs(load_dir) or [d for d in rundir.run_dirs(output_dir, newest_first=True)
+                                             if (d / rundir.RESOLVED).is_file()]
+
+
+def _world_size(client: dict, run_dir: Path | None) -> int | None:
+    """The ranks that saved the checkpoint (its client state), else the run's derived job (launch.json)."""
+    if client.get("world_size"):
+        return int(client["world_size"])
+    try:
+        return int(rundir.read_launch(run_dir)["derived"]["world_size"]) if run_dir is not None else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _metrics_at(run_dir: Path | None, step: int | None) -> dict:
     """The last train/eval loss logged at or before `step` in the run's metrics.jsonl (empty if unknown)."""
-    if run_dir is None or step is None or not (run_dir / "metrics.jsonl").is_file():
+    if run_dir is None or step is None or not (run_dir / rundir.METRICS).is_file():
         return {}
     found = {}
-    for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
-            for key in ("train/loss", "eval/loss"):
-                if key in row:
-                    found[key] = row[key]
+    for key, value, _timestamp, point_step in rundir.read_metric_points(run_dir):
+        if key in ("train/loss", "eval/loss") and point_step <= step:
+            found[key] = value
     return found
+
+
+OFFLINE_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+@contextlib.contextmanager
+def hub_offline():
+    """No Hugging Face Hub access while `jobspec export` converts: the tokenizer and a hub model's config
+    come from local files or the cache, or fail at once instead of waiting on the network. The env
+    covers what is imported inside; huggingface_hub reads it at import, so an already imported one has
+    its flag set too. Both are restored after (`jobspec export` may run inside another process)."""
+    import os
+    saved = {key: os.environ.get(key) for key in OFFLINE_ENV}
+    hub = sys.modules.get("huggingface_hub.constants")
+    flag = getattr(hub, "HF_HUB_OFFLINE", None)
+    os.environ.update(dict.fromkeys(OFFLINE_ENV, "1"))
+    if hub is not None:
+        hub.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        now = sys.modules.get("huggingface_hub.constants")
+        if now is not None:   # imported before: its flag back; imported inside: what the restored env says
+            env = saved["HF_HUB_OFFLINE"] or saved["TRANSFORMERS_OFFLINE"] or ""
+            now.HF_HUB_OFFLINE = flag if hub is not None else env.upper() in ("1", "ON", "YES", "TRUE")

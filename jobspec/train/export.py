@@ -34,6 +34,7 @@ from pathlib import Path
 from jobspec import rundir
 from jobspec.spec.export_rules import resolve_dtype
 from jobspec.train.hf_dir import ExportFailed, ExportInfo, describe_io_error, job_tokenizer, write_model_dir
+from jobspec.units import MiB
 
 CHECKPOINT_SPEC = "jobspec_resolved.yaml"
 REFERENCE_ENV = "JOBSPEC_EXPORT_REFERENCE"
@@ -47,6 +48,7 @@ class ModelExporter:
         self.spec, self.run_dir, self.rank, self.group, self.progress = files.spec, Path(run_dir), rank, group, progress
         self.settings = self.spec["export"]
         self.total_steps = files.derived["total_steps"]
+        self.world_size = files.derived["world_size"]
         self.base = rundir.export_dir(self.spec, self.run_dir)
         self.dtype = resolve_dtype(self.spec)
         self.best_loss: float | None = None
@@ -73,6 +75,8 @@ class ModelExporter:
                 probe.write_text("ok", encoding="utf-8")
                 probe.unlink()
             except OSError as err:
+                if isinstance(err, (FileExistsError, NotADirectoryError)):  # the file in the way, not its child
+                    err.filename = str(next(p for p in (self.base, *self.base.parents) if p.exists()))
                 error = describe_io_error(self.base, err)
         self._raise_if(self._broadcast(error))
 
@@ -122,11 +126,12 @@ class ModelExporter:
             metrics = {k: v for k, v in (("train/loss", state.last_loss), ("eval/loss", state.eval_loss))
                        if v is not None}
             info = ExportInfo(name=name, step=state.step, dtype=self.dtype, source=f"the training run ({why})",
-                              metrics=metrics, notes=notes + ([self._tokenizer_note] if self._tokenizer_note else []))
+                              metrics=metrics, notes=notes + ([self._tokenizer_note] if self._tokenizer_note else []),
+                              world_size=self.world_size)
             try:
                 record = write_model_dir(out, self.spec, state_dict, info, tokenizer=self._job_tokenizer())
                 state.exports[name] = {k: record[k] for k in ("path", "step", "dtype", "bytes", "seconds")}
-                self.progress.message(f"model ({name}) exported to {out} ({record['bytes'] / 2**20:.1f} MiB, "
+                self.progress.message(f"model ({name}) exported to {out} ({record['bytes'] / MiB:.1f} MiB, "
                                       f"{record['seconds']:.1f} s)")
             except ExportFailed as err:
                 error = str(err)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import yaml
 
-from jobspec.errors import RunFailure, spec_error
+from jobspec.errors import RunFailure, first_line, spec_error
 
 EXPORT_RECORD = "jobspec_export.json"
 DTYPES = ("fp32", "bf16", "fp16")
@@ -56,6 +56,7 @@ class ExportInfo:
     source: str                    # "training run (rank 0)" or the checkpoint it was converted from
     metrics: dict
     notes: list
+    world_size: int | None = None  # the ranks that trained it (the derived job's); None: unknown
 
 
 def job_tokenizer(spec: dict):
@@ -69,7 +70,7 @@ def job_tokenizer(spec: dict):
     try:
         return build_tokenizer({**spec, "data": {**spec["data"], "synthetic": None, "tokenizer": name}}), None
     except Exception as err:  # noqa: BLE001 -- a model without tokenizer files still exports
-        return None, f"no tokenizer saved: {str(err).splitlines()[0][:200]}"
+        return None, f"no tokenizer saved: {first_line(err, limit=200)}"
 
 
 def write_model_dir(out: str | os.PathLike, spec: dict, state_dict: dict, info: ExportInfo, *, tokenizer=None,
@@ -106,7 +107,7 @@ def write_model_dir(out: str | os.PathLike, spec: dict, state_dict: dict, info: 
 
 
 def describe_io_error(out: Path, err: BaseException) -> str:
-    reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err).splitlines()[0]
+    reason = err.strerror if isinstance(err, OSError) and err.strerror else first_line(err)
     culprit = getattr(err, "filename", None)
     if isinstance(err, (FileExistsError, NotADirectoryError)) and culprit and not Path(culprit).is_dir():
         reason = f"{culprit} is a file, not a directory"   # mkdir(parents=True) says only "File exists"
@@ -226,14 +227,14 @@ def model_card(spec: dict, info: ExportInfo, model, tokenizer) -> str:
     model_spec, memory = spec["model"], spec["memory"]
     hf = hasattr(model, "save_pretrained")
     auto_class = TASK_MODEL_CLASSES.get(model_spec["task"], "AutoModel")
-    world = spec["resources"]["nodes"] * spec["resources"]["gpus_per_node"]
+    ranks = f", {info.world_size} rank(s)" if info.world_size else ""
     base = model_spec.get("name_or_path") or f"a fresh `{model_spec.get('architecture')}` (random initialisation)"
     lines = ["---", f"library_name: {'transformers' if hf else 'jobspec'}", "tags:", "- jobspec", "- deepspeed",
              "---", "", f"# {spec['name']}", ""]
     if spec.get("description"):
         lines += [spec["description"], ""]
     lines += [f"Trained with jobspec {__version__} from {base}: task `{model_spec['task']}`, "
-              f"{memory['precision']} training, ZeRO stage {memory['zero_stage']}, {world} rank(s). "
+              f"{memory['precision']} training, ZeRO stage {memory['zero_stage']}{ranks}. "
               f"Exported ({info.name}) at optimizer step {info.step if info.step is not None else 'unknown'} "
               f"in {info.dtype} from {info.source}.", ""]
     lines += ["## Metrics", ""]

@@ -11,7 +11,7 @@ import os
 import re
 
 from jobspec import hardware
-from jobspec.memory.planner import MiB
+from jobspec.units import MiB
 
 # Dense peak FLOP/s (no 2:4 sparsity) from NVIDIA's datasheets, per training precision. "fp32" is the
 # CUDA-core rate; "tf32" the tensor-core rate when TF32 is allowed. Precisions a chip lacks are absent.

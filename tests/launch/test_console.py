@@ -17,6 +17,7 @@ from jobspec.memory.fit import cpu_step_time
 from jobspec.launch import console
 from jobspec.spec.inputs import derive_job
 from jobspec.spec.validation import load_and_validate
+from jobspec.units import fmt_mib_gib
 from conftest import REPO_ROOT
 
 REPO = REPO_ROOT
@@ -53,7 +54,7 @@ def test_header_on_cpu_ranks_names_the_job_model_settings_hardware_and_plan():
     assert f"{job.total_steps} steps · sequence length {job.seq_len}" in text
     assert "no GPU: 2 CPU ranks on 2 CPU cores; world size 2" in text
     per_rank = memory.plan.peak_reserved + memory.plan.host_total
-    assert f"plan {console.fmt_bytes(per_rank)} of tensors per rank" in text
+    assert f"plan {fmt_mib_gib(per_rank)} of tensors per rank" in text
     assert "host RAM 12.00 GiB available of 16.00 GiB" in text
     assert "model       attention sdpa" in text  # what the ranks used to print as "attention: sdpa"
     assert console.gpu_sized_warning(spec, job, memory, CPU_HOST, cpu_step_time(job, 2)) == []
@@ -64,7 +65,7 @@ def test_header_on_a_gpu_host_sets_the_plan_against_the_gpu():
     text = "\n".join(console.header_lines(spec, job, memory, H100, patches))
     assert "559.9M parameters" in text and "bf16 · ZeRO-0 · no offload" in text
     assert "NVIDIA H100 80GB HBM3 x 1 on this host; world size 1 (1 rank)" in text
-    assert f"plan {console.fmt_bytes(memory.plan.nvml_total)} per GPU" in text
+    assert f"plan {fmt_mib_gib(memory.plan.nvml_total)} per GPU" in text
     assert "79.00 GiB free of 80.00 GiB: fits" in text
     assert "attention sdpa · activation checkpointing every layer" in text
     small = Host(gpu_names=("NVIDIA T4",), gpu_free=4 * GiB, gpu_total=16 * GiB)

@@ -16,7 +16,7 @@ REPO = REPO_ROOT
 
 
 def compiled_ops(*overrides: str) -> list[str]:
-    from jobspec.commands.prepare import job_ops
+    from jobspec.launch.job_ops import job_ops
     return job_ops(str(REPO / "jobs" / "quickstart.yaml"), list(overrides))
 
 

@@ -8,7 +8,8 @@ from jobspec.cli import main
 from jobspec.compile.compiler import compile_spec
 from jobspec.memory.fit import fit, step_time
 from jobspec.spec.derived import derive
-from jobspec.memory.planner import GiB, parse_bytes, plan_memory
+from jobspec.memory.planner import parse_bytes, plan_memory
+from jobspec.units import GiB
 from jobspec.spec.validation import load_and_validate
 
 

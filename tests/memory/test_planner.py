@@ -10,7 +10,8 @@ from jobspec.cli import main
 from jobspec.errors import SpecError
 from jobspec.spec.derived import derive
 from jobspec.spec.model_dims import model_dims
-from jobspec.memory.planner import GiB, parameter_tensors, parse_bytes, plan_memory
+from jobspec.memory.planner import parameter_tensors, parse_bytes, plan_memory
+from jobspec.units import GiB
 from jobspec.spec.validation import load_and_validate
 
 JOBS = sorted((REPO / "jobs").glob("*.yaml"))
@@ -145,6 +146,23 @@ def test_zero3_matches_deepspeed_estimator(world, offload_opt, offload_params):
     left_out = 0 if offload_opt else b["gradients"]     # the 16-bit gradient partition
     assert ours == pytest.approx(gpu, rel=0.03)
     assert left_out == pytest.approx(2 * plan.settings["parameters"] / world, rel=0.01) or offload_opt
+
+
+def test_an_explicit_zero_size_reaches_the_compiled_config_and_the_plan():
+    """`stage3_prefetch_bucket_size: 0` and `stage3_param_persistence_threshold: 0` (one function,
+    spec.derived.zero_bucket_sizes, for both): DeepSpeed gets 0, and the plan counts no prefetch
+    bucket and no tensor kept whole, instead of the 0.9·h² and 10·h a null one means."""
+    from jobspec.compile.compiler import compile_spec
+    base = ["memory.zero_stage=3", "memory.precision=bf16"]
+    zeros = base + ["memory.zero.stage3_prefetch_bucket_size=0", "memory.zero.stage3_param_persistence_threshold=0"]
+    spec, dims, plan = planned(overrides=zeros, world_size=4)
+    _, _, defaults = planned(overrides=base, world_size=4)
+    zero = compile_spec(spec, derive(spec)).ds_config["zero_optimization"]
+    assert (zero["stage3_prefetch_bucket_size"], zero["stage3_param_persistence_threshold"]) == (0, 0)
+    h, lp, psi = dims.hidden_size, 2, plan.settings["parameters"]
+    assert defaults.breakdown["zero_buffers"] - plan.breakdown["zero_buffers"] == lp * int(0.9 * h * h)
+    assert plan.breakdown["parameters"] == lp * -(-psi // 4)          # the partition only
+    assert defaults.breakdown["parameters"] > plan.breakdown["parameters"]
 
 
 def test_budget_fits_and_headroom():

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import yaml
-from test_model_data import BERT, SENTENCES, make_spec, tokenizer_dir  # noqa: F401 (a fixture)
+from train.test_model_data import BERT, SENTENCES, make_spec, tokenizer_dir  # noqa: F401 (a fixture)
 
 from jobspec.spec import datacheck
 from jobspec.cli import main

@@ -216,3 +216,68 @@ def test_zero3_bf16_exports(zero3_bf16, tmp_path):
     masters = load_file(tmp_path / "fp32" / "model.safetensors")
     # genuine fp32 masters, not 16-bit weights widened: some do not survive a bf16 round trip
     assert any((t != t.bfloat16().float()).any() for t in masters.values() if t.is_floating_point())
+
+
+# --- without a launch: the start-of-run writability probe, `jobspec export` offline ---------------------
+
+def exporter(tmp_path: Path, export_dir: Path, **export):
+    from conftest import TINY_SPEC, deep_merge
+
+    from jobspec.spec.schema import fill_defaults
+    from jobspec.train.export import ModelExporter
+    spec = fill_defaults(deep_merge(TINY_SPEC, {"export": {"dir": str(export_dir), **export},
+                                                "checkpoint": {"dir": str(tmp_path / "ckpt")}}))
+    files = SimpleNamespace(spec=spec, derived={"total_steps": 8, "world_size": 1})
+    made = ModelExporter(files, tmp_path / "run", rank=0, group=None, progress=None)
+    made._broadcast = lambda obj: obj  # one rank: rank 0's outcome is everyone's
+    return made
+
+
+@pytest.mark.parametrize("where", ["the export dir", "a parent of it"])
+def test_check_writable_refuses_an_export_dir_that_is_a_file(tmp_path, where):
+    from jobspec.train.hf_dir import ExportFailed
+    taken = tmp_path / "taken"
+    taken.write_text("not a directory")
+    base = taken if where == "the export dir" else taken / "models"
+    with pytest.raises(ExportFailed) as err:
+        exporter(tmp_path, base).check_writable()
+    assert str(err.value) == (f"cannot write the model directory {base}: {taken} is a file, not a directory; the "
+                              f"checkpoints in {tmp_path / 'ckpt'} are intact (`jobspec export` converts one later)")
+    exporter(tmp_path, base, final=False).check_writable()  # nothing to export: nothing to probe
+
+
+def test_check_writable_refuses_a_directory_it_cannot_write(tmp_path, monkeypatch):
+    from jobspec.train.hf_dir import ExportFailed
+    base = tmp_path / "models"
+    base.mkdir()
+    base.chmod(0o500)
+    if os.geteuid() == 0:  # root writes through 0o500 (tests run as root here): fail the probe as for a user
+        def refused(self, *args, **kwargs):
+            raise PermissionError(13, "Permission denied", str(self))
+        monkeypatch.setattr(Path, "write_text", refused)
+    with pytest.raises(ExportFailed, match=f"^cannot write the model directory {base}: Permission denied; "):
+        exporter(tmp_path, base).check_writable()
+    base.chmod(0o700)
+    monkeypatch.undo()
+    exporter(tmp_path, base / "new").check_writable()  # a writable place: made, probed, left empty
+    assert list((base / "new").iterdir()) == []
+
+
+def test_jobspec_export_converts_with_the_hub_offline(tmp_path, monkeypatch):
+    import huggingface_hub.constants as hub
+
+    from jobspec.cli import main
+    from jobspec.train import convert
+    for key in convert.OFFLINE_ENV:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", False)
+    seen = {}
+
+    def fake_export(source, out, dtype, show_progress):  # what transformers/huggingface_hub see meanwhile
+        seen.update({key: os.environ.get(key) for key in convert.OFFLINE_ENV}, flag=hub.HF_HUB_OFFLINE)
+        return {"bytes": 0, "dtype": "fp32", "step": 3, "seconds": 0.0}
+    monkeypatch.setattr(convert, "locate", lambda source, spec: convert.Source(tmp_path / "ckpt", "step3", {}, None))
+    monkeypatch.setattr(convert, "export_checkpoint", fake_export)
+    assert main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "model")]) == 0
+    assert seen == {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "flag": True}
+    assert not any(key in os.environ for key in convert.OFFLINE_ENV) and hub.HF_HUB_OFFLINE is False  # restored
