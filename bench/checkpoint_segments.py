@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_leaves  # noqa: E402
 from torch.utils.weak import WeakIdKeyDictionary  # noqa: E402
 
 from jobspec.train.mlp import MLPClassifier, MLPConfig  # noqa: E402
-from jobspec.memory.planner import MiB  # noqa: E402
+from jobspec.units import MiB  # noqa: E402
 from jobspec.train.patches import checkpoint_every_nth_layer  # noqa: E402
 
 VOCAB, LABELS = 1024, 2

@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from jobspec.compile.compiler import compile_spec  # noqa: E402
 from jobspec.spec.derived import derive  # noqa: E402
-from jobspec.memory.planner import CUDA_CONTEXT_BYTES, MiB, plan_memory  # noqa: E402
+from jobspec.memory.planner import CUDA_CONTEXT_BYTES, plan_memory  # noqa: E402
+from jobspec.units import MiB  # noqa: E402
 from jobspec.spec.schema import fill_defaults  # noqa: E402
 
 MODELS = {

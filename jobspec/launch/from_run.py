@@ -29,7 +29,7 @@ from pathlib import Path
 import yaml
 
 from jobspec import rundir
-from jobspec.errors import spec_error
+from jobspec.errors import first_line, spec_error
 from jobspec.secrets import mask_secrets, split_credentials
 
 PARENT_TAG = "jobspec.parent_run_id"
@@ -67,7 +67,7 @@ def fetch_spec(run_id: str, tracking_uri: str, dest: Path) -> Path:
             raise spec_error(f"MLflow run {run_id} not found in {shown}", hint=hint_store) from None
         if type(err).__name__ == "SpecError":
             raise
-        first = mask_secrets(str(err)).splitlines()[0][:300] if str(err) else type(err).__name__
+        first = first_line(err, limit=300)
         raise spec_error(f"cannot read MLflow run {run_id} from {shown}: {first}", hint=hint_store) from None
 
 

@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 
 from jobspec import rundir
-from jobspec.errors import RunFailure
+from jobspec.errors import RunFailure, first_line
 from jobspec.launch import orphans, ownership
 from jobspec.secrets import mask_secrets
 from jobspec.tracking import run as tracking_run
@@ -117,4 +117,4 @@ def describe_run(tracked, description: str | None, block: str) -> None:
         tracked.client.set_tag(tracked.run_id, "mlflow.note.content",
                                mask_secrets(text)[:tracking_run.MAX_PARAM_VALUE_CHARS])
     except Exception as err:  # noqa: BLE001 -- the run's status and artifacts matter more
-        log.warning("could not set the MLflow run's description: %s", str(err).splitlines()[0][:300])
+        log.warning("could not set the MLflow run's description: %s", first_line(err, limit=300))

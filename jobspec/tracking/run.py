@@ -154,7 +154,7 @@ def start_run(spec: dict, launch: dict, derived: dict, spec_text: str, run_dir: 
     except TrackingUnavailable:
         raise
     except Exception as err:  # MlflowException, requests errors, sqlite errors: all "unusable store"
-        raise TrackingUnavailable(mask_secrets(f"{type(err).__name__}: {err}").splitlines()[0][:500]) from err
+        raise TrackingUnavailable(f"{type(err).__name__}: {first_line(err)}"[:500]) from err
     rundir.write_mlflow_run(run_dir, tracked.as_json())
     return tracked
 
