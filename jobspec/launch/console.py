@@ -222,7 +222,8 @@ def outcome_text(summary: dict, exit_code: int, user_signal: str | None, reason:
 
 def closing_lines(summary: dict | None, launch: dict, *, job_name: str, run_dir, checkpoint_dir: str,
                   exit_code: int, user_signal: str | None = None, reason: str | None = None,
-                  tracking: dict | None = None, experiment: str | None = None, style: bool = False) -> list[str]:
+                  tracking: dict | None = None, experiment: str | None = None, style: bool = False,
+                  model_tags: dict | None = None) -> list[str]:
     """The block printed when the job ends, also kept in summary.json (`report`) and as the MLflow
     run's description. `summary`: summary.json (None when no rank wrote one); `launch`: launch.json."""
     summary = summary or {}
@@ -242,7 +243,17 @@ def closing_lines(summary: dict | None, launch: dict, *, job_name: str, run_dir,
     for name, record in sorted((summary.get("exports") or {}).items()):
         path = record.get("path") if isinstance(record, dict) else record
         step = f" (step {record['step']})" if isinstance(record, dict) and record.get("step") is not None else ""
-        lines.append(label("model", style) + f"{name}: {path}{step}")
+        # where MLflow has it (tracking/model_artifacts tags): its artifacts, or why it was not uploaded
+        stored = (model_tags or {}).get(f"jobspec.export.{name}.artifact")
+        if stored is None:
+            where = ""
+        elif stored.startswith("not uploaded"):
+            where = " · not uploaded to MLflow" + stored[len("not uploaded"):]
+        elif stored.startswith("upload failed"):
+            where = " · MLflow " + stored
+        else:
+            where = f" · MLflow artifacts {stored}"
+        lines.append(label("model", style) + f"{name}: {path}{step}{where}")
     lines += tracking_lines(tracking, experiment, style=style)
     lines.append(label("run dir", style) + str(run_dir))
     return lines

@@ -146,10 +146,12 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
     end = run_status.ending(outcome.exit_code, outcome.user_signal, outcome.reason, rundir.read_summary(run_dir),
                             stop_after_steps)
     rundir.write_fallback_summary(run_dir, end.status, end.exit_code)
-    closing = closing_block(spec, run_dir, compiled.launch, outcome, end, tracked, style)
-    if tracked is not None:
+    model_tags = {}
+    if tracked is not None:   # before the closing block, which says where MLflow has the models
         from jobspec.tracking.model_artifacts import log_exported_models
-        log_exported_models(tracked, run_dir, spec)
+        model_tags = log_exported_models(tracked, run_dir, spec)
+    closing = closing_block(spec, run_dir, compiled.launch, outcome, end, tracked, style, model_tags)
+    if tracked is not None:
         launch_tracking.describe_run(tracked, spec.get("description"), console.plain(closing))
         tracking_run.end_run(tracked, run_dir, status=end.status, exit_code=end.exit_code, tags=end.tags())
     rundir.mark_launcher_ended(run_dir, end.status, end.exit_code)
@@ -172,7 +174,8 @@ def header(spec, derived, memory, found, patches, style: bool) -> list[str]:
     return lines + warning
 
 
-def closing_block(spec, run_dir: Path, launch: dict, outcome, end, tracked, style: bool) -> list[str]:
+def closing_block(spec, run_dir: Path, launch: dict, outcome, end, tracked, style: bool,
+                  model_tags: dict | None = None) -> list[str]:
     """The closing summary; also stored in summary.json as `report` (plain text)."""
     summary = rundir.read_summary(run_dir) or {}
     signal_name = signal.Signals(outcome.user_signal).name if outcome.user_signal else None
@@ -180,7 +183,8 @@ def closing_block(spec, run_dir: Path, launch: dict, outcome, end, tracked, styl
                                   checkpoint_dir=spec["checkpoint"]["dir"], exit_code=end.exit_code,
                                   user_signal=signal_name, reason=outcome.reason,
                                   tracking=tracked.as_json() if tracked else None,
-                                  experiment=spec["logging"]["mlflow"]["experiment"], style=style)
+                                  experiment=spec["logging"]["mlflow"]["experiment"], style=style,
+                                  model_tags=model_tags)
     if summary:
         rundir.write_summary(run_dir, {**summary, "report": console.plain(lines)})
     return lines

@@ -130,6 +130,21 @@ def test_closing_summary_on_gpu_has_tflops_mfu_and_memory_next_to_the_plan():
     assert "http://mlflow:5000/#/experiments/3/runs/abc123" in text and "mlflow ui" not in text
 
 
+def test_closing_summary_says_where_mlflow_has_each_exported_model():
+    exports = {"final": {"path": "/r/model/final", "step": 40}, "best": {"path": "/r/model/best", "step": 30}}
+    tags = {"jobspec.export.final": "/r/model/final", "jobspec.export.final.artifact": "model/final",
+            "jobspec.export.best": "/r/model/best",
+            "jobspec.export.best.artifact": "not uploaded: 2.5 MB > export.mlflow_max_mb 1"}
+    text = closing({**SUMMARY, "exports": exports}, model_tags=tags)
+    assert "model       final: /r/model/final (step 40) · MLflow artifacts model/final" in text
+    assert "model       best: /r/model/best (step 30) · not uploaded to MLflow: 2.5 MB > export.mlflow_max_mb 1" \
+        in text
+    failed = closing({**SUMMARY, "exports": exports},
+                     model_tags={"jobspec.export.final.artifact": "upload failed: connection refused"})
+    assert "final: /r/model/final (step 40) · MLflow upload failed: connection refused" in failed
+    assert "best: /r/model/best (step 30)\n" in failed + "\n"   # no tag: nothing said about MLflow
+
+
 def test_closing_summary_says_the_exit_status_in_words():
     stopped = closing({**SUMMARY, "status": "preempted", "steps": 12, "checkpoint": "step12"})
     assert stopped.startswith("jobspec: quickstart stopped early at step 12 of 40 with a checkpoint (exit 0); "
