@@ -156,8 +156,11 @@ def step_times(rows, since_ms, until_ms):
 def test_a_server_outage_mid_run_loses_nothing_and_does_not_slow_training(tmp_path):
     server = shared()
     job = write_job(tmp_path, "outage", server.uri, max_steps=100_000, hidden=64, seq_len=64, micro=8)
+    # One OpenMP thread: the new server's start-up takes a core for seconds, and a rank with a 2-thread
+    # pool on 2 cores then spin-waits at every barrier (CI: 12 ms steps became 0.57 s), which measures
+    # the machine, not whether tracking blocks the training loop.
     proc = subprocess.Popen(launch_argv(job), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env={**os.environ, **ENV})
+                            env={**os.environ, **ENV, "OMP_NUM_THREADS": "1"})
     output = []
     threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True).start()
 
@@ -182,7 +185,13 @@ def test_a_server_outage_mid_run_loses_nothing_and_does_not_slow_training(tmp_pa
     logged = rows()
     before, during = step_times(logged, 0, down_at), step_times(logged, down_at + 2000, up_at)
     assert len(during) >= 3, f"the outage ({(up_at - down_at) / 1000:.0f} s) saw too few steps"
-    assert statistics.median(during) < 2 * statistics.median(before[2:] or before) + 0.05
+    # A training loop that waited on MLflow would stall for the client's HTTP timeouts and retries
+    # (seconds to minutes) at its log steps; one that does not keeps stepping, only as fast as the
+    # machine lets it while the new server starts beside it.
+    stamps = [r["timestamp"] for r in logged if "perf/step_time_s" in r and down_at <= r["timestamp"] < up_at]
+    longest_gap_s = max(b - a for a, b in zip(stamps, stamps[1:])) / 1000
+    assert longest_gap_s < 5, f"training stalled for {longest_gap_s:.1f} s during the outage"
+    assert statistics.median(during) < 5 * statistics.median(before[2:] or before) + 0.05
 
     run_dir = only_run_dir(tmp_path, "outage")
     info = json.loads((run_dir / "mlflow_run.json").read_text())
@@ -195,7 +204,8 @@ def test_a_server_outage_mid_run_loses_nothing_and_does_not_slow_training(tmp_pa
     assert (run.info.status, run.data.tags["jobspec.status"]) == ("KILLED", "preempted")
     (tmp_path / "outage-numbers.json").write_text(json.dumps({
         "outage_s": (up_at - down_at) / 1000, "points": len(expected), "lost": len(expected - stored),
-        "median_step_s_before": statistics.median(before), "median_step_s_during": statistics.median(during)}))
+        "median_step_s_before": statistics.median(before), "median_step_s_during": statistics.median(during),
+        "longest_gap_s_during": longest_gap_s}))
     print("outage numbers:", (tmp_path / "outage-numbers.json").read_text())
 
 
