@@ -148,6 +148,14 @@ _PREBUILD = None
 _SHM_GUARD = None
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """Modules without slow tests first: the op builds started below (minutes on a fresh machine)
+    overlap all of them instead of stalling the first slow test early in the alphabet. A module's
+    tests stay together and in order, so module-scoped fixtures are set up once."""
+    slow_modules = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.module.__name__ in slow_modules)   # stable: order kept within each group
+
+
 def pytest_collection_finish(session):
     global _PREBUILD, _SHM_GUARD
     if not any(item.get_closest_marker("slow") for item in session.items):
