@@ -17,7 +17,7 @@ from jobspec.errors import SpecError, SpecIssue, spec_error
 from jobspec.spec.derived import DerivedJob, zero_bucket_sizes
 from jobspec.spec.model_dims import ModelDims
 from jobspec.spec.optimizers import DEEPSPEED_OPTIMIZERS
-from jobspec.spec.validation import offload_problems
+from jobspec.spec.offload_rules import offload_problems
 
 DEFAULT_MASTER_PORT = 29500  # placeholder: the launcher passes a free port when the spec names none
 STEPS_PER_PRINT = 1_000_000_000  # jobspec logs progress itself; keep DeepSpeed's own prints quiet

@@ -19,6 +19,7 @@ from jobspec.errors import SpecError, SpecIssue
 from jobspec.spec.derived import derive
 from jobspec.spec.loader import SET_FILE, LoadedSpec, Position, load_spec
 from jobspec.spec.freeform import freeform_issues, local_checkpoint_config
+from jobspec.spec.offload_rules import offload_problems
 from jobspec.spec.optimizers import CLIENT_OPTIMIZERS
 from jobspec.spec.overrides import apply_overrides
 from jobspec.spec.schema import (fill_defaults, has_type, schema_types, shared_schema, subschema_at,
@@ -291,26 +292,6 @@ def cross_field_issues(r: ResolvedSpec) -> list[SpecIssue]:
         add(r.issue(("checkpoint", "resume"), f"`{resume[:80]}` is neither `auto`, `never` nor an existing checkpoint path",
                     f"did you mean `{close[0]}`?" if close else "use `auto`, `never` or the path of a checkpoint"))
     return issues
-
-
-def offload_problems(memory: dict) -> list[tuple[tuple, str, str]]:
-    """(path, message, hint) of each offload rule `memory` (defaults filled) breaks: validation
-    reports them positioned, and the compiler refuses a spec built without validation (a fit
-    candidate, a test's) with the same words."""
-    offload, stage = memory["offload"], memory["zero_stage"]
-    problems = []
-    if offload["params"] != "none" and stage != 3:
-        problems.append((("memory", "offload", "params"),
-                         f"parameter offload needs ZeRO stage 3 (zero_stage is {stage})", "set `memory.zero_stage: 3`"))
-    if offload["optimizer"] != "none" and stage < 1:
-        problems.append((("memory", "offload", "optimizer"),
-                         "optimizer offload needs ZeRO stage >= 1 (zero_stage is 0)",
-                         "set `memory.zero_stage` to 1, 2 or 3"))
-    if "nvme" in (offload["params"], offload["optimizer"]) and not offload["nvme_path"]:
-        which = "params" if offload["params"] == "nvme" else "optimizer"
-        problems.append((("memory", "offload", which), "nvme offload needs `memory.offload.nvme_path`",
-                         "set it to a directory on a local NVMe drive"))
-    return problems
 
 
 def _tracking_uri_problem(uri: str) -> tuple[str, str] | None:

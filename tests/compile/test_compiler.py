@@ -368,9 +368,9 @@ def test_unknown_hidden_size_writes_deepspeeds_defaults():
     {"zero_stage": 2, "offload": {"params": "nvme", "optimizer": "nvme"}},
 ])
 def test_offload_rules_refuse_an_unvalidated_spec_with_validations_words(memory):
-    """One definition (spec.validation.offload_problems): a spec built without validation (a fit
+    """One definition (spec.offload_rules.offload_problems): a spec built without validation (a fit
     candidate, a test's) is refused by the compiler with every problem validation would report."""
-    from jobspec.spec.validation import offload_problems
+    from jobspec.spec.offload_rules import offload_problems
     spec = make_spec(memory=memory)
     with pytest.raises(SpecError) as caught:
         compile_(spec)
