@@ -241,24 +241,21 @@ OFFLINE_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 def hub_offline():
     """No Hugging Face Hub access while `jobspec export` converts: the tokenizer and a hub model's config
     come from local files or the cache, or fail at once instead of waiting on the network. The env
-    covers what is imported inside; huggingface_hub reads it at import, so an already imported one has
-    its flag set too. Both are restored after (`jobspec export` may run inside another process)."""
+    covers what is imported inside; huggingface_hub reads it once, at import, so its flag is set too.
+    Both are restored after (`jobspec export` may run inside another process)."""
     import os
-    saved = {key: os.environ.get(key) for key in OFFLINE_ENV}
-    hub = sys.modules.get("huggingface_hub.constants")
-    flag = getattr(hub, "HF_HUB_OFFLINE", None)
+
+    import huggingface_hub.constants as hub   # light: no torch
+    saved_env = {key: os.environ.get(key) for key in OFFLINE_ENV}
+    saved_flag = hub.HF_HUB_OFFLINE
     os.environ.update(dict.fromkeys(OFFLINE_ENV, "1"))
-    if hub is not None:
-        hub.HF_HUB_OFFLINE = True
+    hub.HF_HUB_OFFLINE = True
     try:
         yield
     finally:
-        for key, value in saved.items():
+        for key, value in saved_env.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-        now = sys.modules.get("huggingface_hub.constants")
-        if now is not None:   # imported before: its flag back; imported inside: what the restored env says
-            env = saved["HF_HUB_OFFLINE"] or saved["TRANSFORMERS_OFFLINE"] or ""
-            now.HF_HUB_OFFLINE = flag if hub is not None else env.upper() in ("1", "ON", "YES", "TRUE")
+        hub.HF_HUB_OFFLINE = saved_flag
