@@ -76,6 +76,7 @@ def child(side: str, run_dir: Path, out: Path, warmup: int, profile: Path | None
     started = time.time()  # before torch/deepspeed/transformers are imported: start-up counts from here
     records = RECORDS
     profiler = cProfile.Profile(time.thread_time) if profile else None  # CPU time: robust to a loaded machine
+    time_gc()
     if side != "trainer":  # the Trainer's records come from its callback (it may not use DeepSpeed at all)
         instrument(records, warmup, profiler)
     if side == "hand":
@@ -87,8 +88,11 @@ def child(side: str, run_dir: Path, out: Path, warmup: int, profile: Path | None
         code = run_trainer(run_dir, records, warmup, profiler)
     else:
         from jobspec.train import worker
-        instrument_worker()
+        sender_profiler = cProfile.Profile(time.thread_time) if profile else None
+        instrument_worker(sender_profiler, warmup)
         code = worker.main(["--run-dir", str(run_dir)])
+        if sender_profiler is not None:
+            sender_profiler.dump_stats(str(profile.with_suffix(".sender.prof")))
     if profiler is not None:
         profiler.disable()
         profiler.dump_stats(str(profile))
@@ -136,12 +140,39 @@ def time_calls(owner, name: str, label: str) -> None:
     setattr(owner, name, timed)
 
 
-def instrument_worker() -> None:
+def time_gc() -> None:
+    """Record the CPU time of every garbage collection (any thread, any generation) as cost "gc"."""
+    import gc
+    COSTS["gc"] = []
+    began = []
+
+    def callback(phase, info):
+        if phase == "start":
+            began.append(time.thread_time())  # collections do not nest; the thread holds the GIL throughout
+        elif began:
+            COSTS["gc"].append((len(RECORDS), time.thread_time() - began.pop()))
+    gc.callbacks.append(callback)
+
+
+def instrument_worker(sender_profiler: cProfile.Profile | None = None, profile_from: int = 0) -> None:
     """The worker's telemetry, timed in its own threads: the log step in the training thread and the
-    MLflow sender's log_batch calls in the sender thread."""
+    MLflow sender's log_batch calls in the sender thread (profiled there from step `profile_from` on,
+    with a `sender_profiler`)."""
     from jobspec.train.progress import StepReporter
     from jobspec.tracking.sink import MetricSink
     time_calls(StepReporter, "log_window", "log_window")
+    if sender_profiler is not None:
+        send = MetricSink._send
+
+        def profiled_send(*args, **kwargs):
+            if len(RECORDS) < profile_from:
+                return send(*args, **kwargs)
+            sender_profiler.enable()  # in the calling (sender) thread only
+            try:
+                return send(*args, **kwargs)
+            finally:
+                sender_profiler.disable()
+        MetricSink._send = profiled_send
     time_calls(MetricSink, "_send", "sender_log_batch")
     if os.environ.get("STEP_PROFILE_DETAIL"):  # the log step's parts
         from jobspec.train import metrics, progress
@@ -237,7 +268,7 @@ def render(results: dict, base: str = "hand") -> str:
 
     lines = [f"| side | wall ms/step | CPU ms/step (process) | CPU ms/step (main thread) | CPU vs {base} | "
              f"main-thread CPU vs {base} | CPU vs *-off (telemetry) | log_window / MLflow sender, CPU ms per step | "
-             "process start to step 1, s | load avg (min-max) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "garbage collection, CPU ms per step | process start to step 1, s | load avg (min-max) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for side, runs in results.items():
         if not runs:
             continue
@@ -259,10 +290,11 @@ def render(results: dict, base: str = "hand") -> str:
                            for k in ("log_window_ms_per_step", "sender_log_batch_ms_per_step"))
         if "sink_log_ms_per_step" in runs[0]:
             costs += " (" + ", ".join(f"{k[:-12]} {med(side, k):.3f}" for k in runs[0] if k.endswith("_ms_per_step")
-                                      and k[:-12] not in ("log_window", "sender_log_batch")) + ")"
+                                      and k[:-12] not in ("log_window", "sender_log_batch", "gc")) + ")"
+        gc_cost = f"{med(side, 'gc_ms_per_step'):.3f}" if "gc_ms_per_step" in runs[0] else "-"
         lines.append(f"| {side} | {1e3 * med(side, 'wall'):.2f} | {1e3 * med(side, 'cpu'):.2f} | "
                      f"{1e3 * med(side, 'main'):.2f} | {ratio('cpu')}{pairs} | {ratio('main')} | "
-                     f"{telemetry} | {costs} | {med(side, 'first_step_s'):.2f} | {min(loads):.1f}-{max(loads):.1f} |")
+                     f"{telemetry} | {costs} | {gc_cost} | {med(side, 'first_step_s'):.2f} | {min(loads):.1f}-{max(loads):.1f} |")
     return "\n".join(lines)
 
 
@@ -287,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=100,
                         help="steps left out (default 100: past the MLflow import in the sink's thread)")
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of the rank (default 1)")
-    parser.add_argument("--profile", type=Path, default=None, help="write cProfile stats of each run here")
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="write cProfile stats of each run here (main thread; *.sender.prof: the MLflow sender)")
     parser.add_argument("--pairs", action="store_true",
                         help="run each side at the same time as its own --base run (2 processes): ratios per pair")
     parser.add_argument("--base", default="hand", type=side_name,

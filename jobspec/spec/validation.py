@@ -279,6 +279,9 @@ def cross_field_issues(r: ResolvedSpec) -> list[SpecIssue]:
                     f"use a value between 1 and {layers}"))
     from jobspec.spec import export_rules
     issues += export_rules.issues(r)
+    if s["logging"]["system_metrics"] and not s["logging"]["mlflow"]["enabled"]:
+        add(r.issue(("logging", "system_metrics"), "system metrics are recorded in the MLflow run, and MLflow is off",
+                    "set `logging.mlflow.enabled: true`, or remove `system_metrics`"))
     uri_problem = _tracking_uri_problem(s["logging"]["mlflow"]["tracking_uri"])
     if uri_problem:
         add(r.issue(("logging", "mlflow", "tracking_uri"), *uri_problem))

@@ -52,6 +52,7 @@ class Progress:
         self._t0 = time.monotonic()
         self._bar = None
         self._postfix: dict = {}
+        self._rate: float | None = None
         if self.mode == "bar":
             from tqdm.auto import tqdm
             self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
@@ -68,6 +69,11 @@ class Progress:
             self._bar.update(step - self._bar.n)
 
     def log(self, step: int, metrics: dict) -> None:
+        # perf/* come at most once per logging.perf_window_s: a line between them shows the last rate
+        if "perf/samples_per_s" in metrics:
+            self._rate = metrics["perf/samples_per_s"]
+        elif self._rate is not None:
+            metrics = {**metrics, "perf/samples_per_s": self._rate}
         if self.mode == "lines":
             print(format_line(step, self.total, metrics, self.eta_s(step)), file=self.stream, flush=True)
         elif self._bar is not None:
@@ -142,6 +148,27 @@ class Window:
 
 
 @dataclass
+class PerfWindow:
+    """Log windows since the last perf/* and mem/* point: their time, counts (every rank's) and the
+    memory maxima (each window's maximum over ranks; the allocator's peaks are reset per window)."""
+
+    steps: int = 0
+    samples: float = 0
+    tokens: float = 0
+    elapsed: float = 0.0
+    memory: dict = field(default_factory=dict)
+
+    def add(self, window: Window, samples: float, tokens: float, memory: dict) -> "PerfWindow":
+        self.steps += window.steps
+        self.samples += samples
+        self.tokens += tokens
+        self.elapsed += time.perf_counter() - window.started  # windows follow each other: no gap lost
+        for name, value in memory.items():
+            self.memory[name] = max(value, self.memory.get(name, value))
+        return self
+
+
+@dataclass
 class RunState:
     """Where the run is (checkpointed) and what it has measured so far (for summary.json)."""
 
@@ -175,12 +202,15 @@ class StepReporter:
         self.hardware_flops_per_token = derived.get("hardware_flops_per_token")
         self.peak_flops = metrics.peak_flops(hardware.cuda_device_name(), spec["memory"]["precision"])
         self._rss = metrics.RssReader()  # made once: the RSS reading is per log step
+        self.perf_window_s = spec["logging"]["perf_window_s"]
+        self._perf = PerfWindow()
 
-    def log_window(self, step: int, window: Window, nan_guard=None) -> Window:
+    def log_window(self, step: int, window: Window, nan_guard=None, final: bool = False) -> Window:
         """Log the window's metrics (rank 0); returns the next, empty window. Every rank calls it:
         one collective gathers every rank's loss sum, counts and memory readings (the one sync point
         of the window; none on one rank). With `nan_guard` (policy `stop`), a non-finite loss on any
-        rank (the sums are then non-finite) raises NonFiniteLoss here, before anything is logged."""
+        rank (the sums are then non-finite) raises NonFiniteLoss here, before anything is logged.
+        perf/* and mem/* cover `logging.perf_window_s` at least; `final` logs what they have."""
         import torch
         device = self.engine.device
         loss_sum = torch.stack(window.losses).float().sum()  # non-finite if any loss was
@@ -196,37 +226,43 @@ class StepReporter:
         loss_sum, micro_batches, samples, tokens = (sum(r[i] for r in ranks) for i in range(4))
         if not math.isfinite(loss_sum) and nan_guard is not None and nan_guard.policy == "stop":
             raise nan_guard.failure(window.first_nonfinite_step())  # 0 where another rank had it
-        elapsed = max(time.perf_counter() - window.started, 1e-9)
-        out = {
-            "train/loss": loss_sum / micro_batches,
-            "train/lr": float(self.engine.get_lr()[0]),
-            "perf/step_time_s": elapsed / window.steps,
-            "perf/samples_per_s": samples / elapsed,
-            "perf/tokens_per_s": tokens / elapsed,
-        }
+        out = {"train/loss": loss_sum / micro_batches, "train/lr": float(self.engine.get_lr()[0])}
         grad_norm = self.engine.get_global_grad_norm()
         if grad_norm is not None:
             out["train/grad_norm"] = float(grad_norm)
-        if self.model_flops_per_token and self.peak_flops:  # both absent where the peak is unknown (CPU)
-            tokens_per_s_device = tokens / elapsed / self.world
-            out["perf/tflops_per_device"] = self.hardware_flops_per_token * tokens_per_s_device / 1e12
-            out["perf/mfu"] = self.model_flops_per_token * tokens_per_s_device / self.peak_flops
         memory = {f"mem/{k}_max": max(r[4 + i] for r in ranks) for i, k in enumerate(keys)}
         memory.update({f"mem/{k}_rank0": float(snapshot[k]) for k in ("peak_allocated_mib", "peak_reserved_mib")
                        if k in snapshot})
         for name, value in memory.items():
             self.state.peak_memory[name] = max(value, self.state.peak_memory.get(name, value))
-        out.update(memory)
+        perf = self._perf.add(window, samples, tokens, memory)
+        if final or perf.elapsed >= self.perf_window_s:
+            out.update(self._perf_metrics(perf))
+            self._perf = PerfWindow()
         self.state.last_loss = out["train/loss"]
         self.state.samples += int(samples)
-        self.state.samples_per_s.append(out["perf/samples_per_s"])
-        for key in ("tokens_per_s", "tflops_per_device", "mfu"):
-            if f"perf/{key}" in out:
-                self.state.rates.setdefault(key, []).append(out[f"perf/{key}"])
         if self.rank == 0:
             self.sink.log(out, step=step)
             self.progress.log(step, out)
         return Window()
+
+    def _perf_metrics(self, perf: "PerfWindow") -> dict:
+        """perf/* rates over the accumulated windows and their mem/* maxima; kept for summary.json too."""
+        elapsed = max(perf.elapsed, 1e-9)
+        out = {
+            "perf/step_time_s": elapsed / perf.steps,
+            "perf/samples_per_s": perf.samples / elapsed,
+            "perf/tokens_per_s": perf.tokens / elapsed,
+        }
+        if self.model_flops_per_token and self.peak_flops:  # both absent where the peak is unknown (CPU)
+            tokens_per_s_device = perf.tokens / elapsed / self.world
+            out["perf/tflops_per_device"] = self.hardware_flops_per_token * tokens_per_s_device / 1e12
+            out["perf/mfu"] = self.model_flops_per_token * tokens_per_s_device / self.peak_flops
+        self.state.samples_per_s.append(out["perf/samples_per_s"])
+        for key in ("tokens_per_s", "tflops_per_device", "mfu"):
+            if f"perf/{key}" in out:
+                self.state.rates.setdefault(key, []).append(out[f"perf/{key}"])
+        return {**out, **perf.memory}
 
     def log_eval(self, step: int, loss: float) -> None:
         if self.rank == 0:

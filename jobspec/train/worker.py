@@ -107,6 +107,7 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
     _phase("resumed")
     progress = Progress(total_steps, state.step) if rank == 0 else NullProgress()
     sink = _open_sink(run_dir, files.launch) if rank == 0 else None
+    system_metrics = _start_system_metrics(run_dir, files, rank)
     _phase("sink")
     try:
         for note in patch_notes:  # the launch header lists the patches; the details go to launcher.log
@@ -141,6 +142,8 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
             rundir.write_summary(run_dir, summarize(state, status, total_steps, started))
     finally:
         progress.close()
+        if system_metrics is not None:
+            system_metrics.stop()
         if sink is not None:
             sink.close(timeout=30)
     return 0
@@ -230,7 +233,7 @@ def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, tele
             last = state.step >= total_steps
             if (state.step % every_log == 0 or last) and window.micro_batches:
                 # also where training.on_nan: stop finds a non-finite loss of the window (any rank)
-                window = telemetry.log_window(state.step, window, nan_guard)
+                window = telemetry.log_window(state.step, window, nan_guard, final=last)
             if (training["eval_every"] and state.step % training["eval_every"] == 0) or last:
                 run_eval()
             if last:
@@ -239,7 +242,7 @@ def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, tele
                 return "finished"
             if stop(state.step):
                 if window.steps and window.micro_batches:
-                    window = telemetry.log_window(state.step, window, nan_guard)
+                    window = telemetry.log_window(state.step, window, nan_guard, final=True)
                 save_checkpoint()
                 return "preempted"
             if every_ckpt and state.step % every_ckpt == 0:
@@ -326,6 +329,17 @@ def _open_sink(run_dir: Path, launch: dict):
     if launch.get("mlflow_run") == "pending":  # the launcher creates the run while the ranks start
         rundir.wait_for_tracking(run_dir, timeout_s=TRACKING_WAIT_S)
     return MetricSink.open(run_dir)
+
+
+def _start_system_metrics(run_dir: Path, files: RunFiles, rank: int):
+    """MLflow's system-metrics monitor in each node's local rank 0, with `logging.system_metrics`."""
+    if not files.spec["logging"]["system_metrics"] or int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        return None
+    if files.launch.get("mlflow_run") == "pending":  # rank 0 waited for it already; another node may not have
+        rundir.wait_for_tracking(run_dir, timeout_s=TRACKING_WAIT_S)
+    from jobspec.tracking.system import SystemMetrics
+    derived = files.derived
+    return SystemMetrics.start(run_dir, node_index=rank // derived["gpus_per_node"], nodes=derived["nodes"])
 
 
 def _destroy_process_group() -> None:

@@ -568,12 +568,14 @@ def test_resume_never_over_existing_checkpoints_refuses(tmp_path, fake_runner, m
 @pytest.mark.slow
 def test_real_two_rank_launch_logs_a_finished_mlflow_run(tmp_path):
     job = write_job(tmp_path)
-    proc = subprocess.run([sys.executable, "-m", "jobspec", "launch", str(job)], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=900)
+    env = {**os.environ, "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "0.2"}  # MLflow's 10 s, for a short run
+    proc = subprocess.run([sys.executable, "-m", "jobspec", "launch", str(job), "--set", "logging.system_metrics=true"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_dir = only_run_dir(tmp_path)
     client, run = mlflow_run_of(run_dir)
     assert run.info.status == "FINISHED"
+    assert "system/cpu_utilization_percentage" in run.data.metrics  # one node: no node prefix
     assert run.data.params["training.max_steps"] == "6" and run.data.params["derived.world_size"] == "2"
     assert set(rundir.START_ARTIFACTS) | {"summary.json"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
     samples = client.get_metric_history(run.info.run_id, "perf/samples_per_s")

@@ -109,6 +109,14 @@ def test_a_valid_override_can_still_break_a_cross_field_rule():
     assert issue.dotted_path == "memory.offload.optimizer" and "ZeRO stage >= 1" in issue.message
 
 
+def test_system_metrics_need_an_mlflow_run():
+    load_and_validate(VALID / "tiny-bert.yaml", ["logging.system_metrics=true"])
+    with pytest.raises(SpecError) as caught:
+        load_and_validate(VALID / "tiny-bert.yaml", ["logging.system_metrics=true", "logging.mlflow.enabled=false"])
+    (issue,) = caught.value.issues
+    assert issue.dotted_path == "logging.system_metrics" and "MLflow is off" in issue.message
+
+
 @pytest.mark.parametrize("overrides, layers", [
     (["model.config.num_hidden_layers=3"], 3),
     (["model.config={hidden_size: 64}"], 12),                      # bert's default, from the derived dims

@@ -17,6 +17,7 @@ import yaml
 from jobspec import rundir
 from jobspec.tracking import run as tracking
 from jobspec.tracking.sink import MetricSink
+from jobspec.tracking.system import SystemMetrics
 from jobspec.secrets import mask_secrets, split_credentials
 from jobspec.spec.schema import fill_defaults
 
@@ -287,3 +288,41 @@ def test_real_mlflow_server_run_without_leaking_credentials(tmp_path, mlflow_ser
 
 def params_and_tags_free_of(run, secret: str) -> bool:
     return not any(secret in v for v in list(run.data.params.values()) + list(run.data.tags.values()))
+
+
+# --- logging.system_metrics: MLflow's monitor records the machine in the job's run, per node ---
+
+@pytest.fixture
+def sqlite_run_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.2")  # MLflow's own override
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    spec = make_spec(tmp_path, uri)
+    text = f"name: tele-job\nlogging: {{system_metrics: true, mlflow: {{tracking_uri: '{uri}'}}}}\n"
+    run_dir = make_run_dir(tmp_path, spec, text)
+    return tracking.start_run(spec, LAUNCH, DERIVED, text, run_dir), run_dir
+
+
+def system_keys(tracked) -> set[str]:
+    return {k for k in tracked.client.get_run(tracked.run_id).data.metrics if k.startswith("system/")}
+
+
+@pytest.mark.parametrize("nodes, prefix", [(1, "system/"), (2, "system/node1/")])
+def test_the_monitor_records_the_machine_in_the_run_and_stops(sqlite_run_dir, nodes, prefix):
+    tracked, run_dir = sqlite_run_dir
+    monitor = SystemMetrics.start(run_dir, node_index=1, nodes=nodes)
+    assert monitor is not None
+    deadline = time.monotonic() + 30
+    while not system_keys(tracked) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    monitor.stop()
+    keys = system_keys(tracked)
+    assert f"{prefix}cpu_utilization_percentage" in keys and f"{prefix}system_memory_usage_megabytes" in keys
+    assert all(k.startswith(prefix) for k in keys)
+    count = len(tracked.client.get_metric_history(tracked.run_id, f"{prefix}cpu_utilization_percentage"))
+    time.sleep(0.6)  # stopped: no sample after it
+    assert len(tracked.client.get_metric_history(tracked.run_id, f"{prefix}cpu_utilization_percentage")) == count
+
+
+def test_a_run_dir_without_an_mlflow_run_starts_no_monitor(tmp_path, caplog):
+    assert SystemMetrics.start(tmp_path, node_index=0, nodes=1) is None
+    assert "no MLflow run" in caplog.text

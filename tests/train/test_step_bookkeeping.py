@@ -3,6 +3,7 @@ reduction and the `on_nan: stop` check it carries. In process, one rank; the two
 checked in tests/test_metrics.py's spawned gloo ranks."""
 from __future__ import annotations
 
+import io
 import json
 import math
 
@@ -65,8 +66,8 @@ class Sink:
         self.logged.append((step, metrics))
 
 
-def reporter(tmp_path, sink):
-    spec = {"memory": {"precision": "fp32"}}
+def reporter(tmp_path, sink, perf_window_s=0.0):
+    spec = {"memory": {"precision": "fp32"}, "logging": {"perf_window_s": perf_window_s}}
     derived = {"world_size": 1, "model_flops_per_token": 1e6, "hardware_flops_per_token": 1e6}
     progress = Progress(10, mode="none")
     return StepReporter(FakeEngine(), spec, derived, [], sink, progress, 0, RunState())
@@ -87,6 +88,39 @@ def test_log_window_reduces_once_and_logs_the_shared_metrics(tmp_path):
     assert metrics["perf/samples_per_s"] > 0 and "perf/mfu" not in metrics  # no peak FLOP/s on a CPU
     assert steps.state.samples == 32 and steps.state.last_loss == 3.0
     json.dumps(metrics)  # plain floats
+
+
+def test_perf_and_memory_points_cover_perf_window_s_and_the_final_window_logs_them(tmp_path, monkeypatch):
+    from jobspec.train import progress
+    log_times = iter([100.4, 100.9, 102.6, 102.8])
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: next(log_times))
+    sink = Sink()
+    steps = reporter(tmp_path, sink, perf_window_s=1.0)
+    readings = iter([300.0, 500.0, 400.0, 350.0])
+    steps._rss = lambda: next(readings) * 2**20
+    windows = [(100.0, 10, False), (100.5, 30, False), (101.0, 8, False), (102.6, 4, True)]
+    for step, (started, samples, final) in enumerate(windows, start=1):
+        window = Window(samples=samples, tokens=samples * 10, steps=1, started=started)
+        window.add_loss(torch.tensor(float(step)), step)
+        steps.log_window(step, window, final=final)
+    logged = [metrics for _, metrics in sink.logged]
+    assert [m["train/loss"] for m in logged] == [1.0, 2.0, 3.0, 4.0]  # loss and lr: every log step
+    # windows of 0.4 s and 0.4 s: under 1 s, carried on; the third (1.6 s) makes 2.4 s and logs them
+    assert not any(k.startswith(("perf/", "mem/")) for m in logged[:2] for k in m)
+    assert logged[2]["perf/samples_per_s"] == pytest.approx(48 / 2.4)
+    assert logged[2]["perf/step_time_s"] == pytest.approx(0.8) and logged[2]["perf/tokens_per_s"] == pytest.approx(200)
+    assert logged[2]["mem/host_rss_mib_max"] == 500.0  # the maximum of the three windows, not the last reading
+    # the last window is 0.2 s, but the run ends there: its own rates and memory
+    assert logged[3]["perf/samples_per_s"] == pytest.approx(20) and logged[3]["mem/host_rss_mib_max"] == 350.0
+    assert steps.state.samples_per_s == [pytest.approx(20.0), pytest.approx(20.0)] and steps.state.samples == 52
+
+
+def test_a_line_between_perf_points_shows_the_last_rate():
+    stream = io.StringIO()
+    progress = Progress(10, mode="lines", stream=stream)
+    progress.log(1, {"train/loss": 1.0, "perf/samples_per_s": 12.5})
+    progress.log(2, {"train/loss": 0.9})
+    assert stream.getvalue().splitlines()[1].startswith("step 2/10 loss 0.9000 12.5 samples/s")
 
 
 @pytest.mark.parametrize("policy, raises", [("stop", True), ("skip", False)])
