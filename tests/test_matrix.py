@@ -76,7 +76,7 @@ def write_job(tmp_path: Path, case: dict, tracking_uri: str, name: str) -> tuple
                                "pin_memory": False}},
         "checkpoint": {"every_n_steps": case["checkpoint_every"], "resume": "never"},
         "resources": {"gpus_per_node": WORLD},
-        "logging": {"every_n_steps": 2, "progress": "lines",
+        "logging": {"every_n_steps": 2, "perf_window_s": 0, "progress": "lines",
                     "mlflow": {"tracking_uri": tracking_uri, "experiment": "matrix"}},
     }
     if "nvme" in (case["offload_optimizer"], case["offload_params"]):

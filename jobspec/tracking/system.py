@@ -5,7 +5,7 @@ One monitor per node, in the node's local rank 0: the metrics describe the machi
 more than one node each node's names carry its index (`system/node1/cpu_utilization_percentage`);
 a resumed run continues the system steps where the run left them. The monitor samples every
 SAMPLING_INTERVAL_S in its own thread (MLflow's default; MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL
-overrides it) and stops when the rank ends. Without an MLflow run (logging.mlflow off, or the
+overrides it) and stops when the rank ends, with one last sample. Without an MLflow run (logging.mlflow off, or the
 tracking server never came) there is nothing to record into, and the rank says so once.
 """
 from __future__ import annotations
@@ -45,7 +45,13 @@ class SystemMetrics:
         return cls(monitor)
 
     def stop(self) -> None:
+        """Stop sampling, then record one last sample: MLflow's loop drops the one it was taking, so a
+        run shorter than the interval would otherwise have none."""
+        monitor = self._monitor
         try:
-            self._monitor.finish()
+            monitor.finish()
+            monitor.collect_metrics()
+            monitor.publish_metrics(monitor.aggregate_metrics())
+            monitor.mlflow_logger.flush()
         except Exception as err:
             log.warning("logging.system_metrics: stopping MLflow's monitor failed: %s", first_line(err))

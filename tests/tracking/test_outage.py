@@ -155,7 +155,9 @@ def step_times(rows, since_ms, until_ms):
 @pytest.mark.slow
 def test_a_server_outage_mid_run_loses_nothing_and_does_not_slow_training(tmp_path):
     server = shared()
-    job = write_job(tmp_path, "outage", server.uri, max_steps=100_000, hidden=64, seq_len=64, micro=8)
+    # perf/step_time_s at every step (perf_window_s 0): the test looks for a stall between steps
+    job = write_job(tmp_path, "outage", server.uri, max_steps=100_000, hidden=64, seq_len=64, micro=8,
+                    extra={"logging": {"perf_window_s": 0}})
     # One OpenMP thread: the new server's start-up takes a core for seconds, and a rank with a 2-thread
     # pool on 2 cores then spin-waits at every barrier (CI: 12 ms steps became 0.57 s), which measures
     # the machine, not whether tracking blocks the training loop.

@@ -323,6 +323,13 @@ def test_the_monitor_records_the_machine_in_the_run_and_stops(sqlite_run_dir, no
     assert len(tracked.client.get_metric_history(tracked.run_id, f"{prefix}cpu_utilization_percentage")) == count
 
 
+def test_a_run_shorter_than_the_interval_still_gets_a_sample(sqlite_run_dir, monkeypatch):
+    tracked, run_dir = sqlite_run_dir
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "600")
+    SystemMetrics.start(run_dir, node_index=0, nodes=1).stop()
+    assert "system/cpu_utilization_percentage" in system_keys(tracked)
+
+
 def test_a_run_dir_without_an_mlflow_run_starts_no_monitor(tmp_path, caplog):
     assert SystemMetrics.start(tmp_path, node_index=0, nodes=1) is None
     assert "no MLflow run" in caplog.text
