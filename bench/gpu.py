@@ -65,7 +65,8 @@ MiB = 1024 * 1024
 def common_sets(work: Path, tag: str) -> list[str]:
     return [f"output_dir={work / tag}", f"logging.mlflow.tracking_uri=sqlite:///{work / 'mlflow.db'}",
             "logging.mlflow.experiment=gpu-acceptance", f"logging.mlflow.run_name={tag}",
-            f"training.max_steps={STEPS}", f"logging.every_n_steps={LOG_EVERY}", "training.eval_every=null",
+            f"training.max_steps={STEPS}", f"logging.every_n_steps={LOG_EVERY}", "logging.perf_window_s=0",
+            "training.eval_every=null",
             "data.synthetic.eval_samples=0", "checkpoint.resume=never", "checkpoint.save_final=false",
             "checkpoint.every_n_steps=null", "logging.progress=lines"]
 

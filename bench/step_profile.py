@@ -20,7 +20,9 @@ hits all alike; medians over repeats; ratios are against the hand loop (and "tel
 against worker-off). With `--pairs` each side runs at the same time as a hand loop of its own (two
 processes, one thread each) and the ratio is the median of those pairs' ratios: the load of that
 moment hits both, which on a shared machine is steadier than runs minutes apart.
-`--profile DIR` writes a cProfile of each side's steady steps (main thread).
+`--profile DIR` writes a cProfile of each side's steady steps (main thread) and, for the worker, of
+its MLflow sender thread's sends (`*.sender.prof`). Every side also reports the CPU time its garbage
+collections took per steady step (gc callbacks, any thread).
 """
 from __future__ import annotations
 
