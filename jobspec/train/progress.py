@@ -7,6 +7,7 @@ themselves because the deepspeed runner pipes their output.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import os
@@ -131,6 +132,16 @@ class Window:
         self.micro_batches += 1
         self.losses.append(loss.detach())
         self.loss_steps.append(step)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Time spent inside is left out of the window's rates: evaluation, checkpoint saves and
+        exports are not training steps, and would otherwise show as a throughput dip."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.started += time.perf_counter() - began
 
     def rewind(self) -> "Window":
         """Back to this window's counts after a copy of it (dataclasses.replace shares the lists) went

@@ -235,7 +235,8 @@ def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, tele
                 # also where training.on_nan: stop finds a non-finite loss of the window (any rank)
                 window = telemetry.log_window(state.step, window, nan_guard, final=last)
             if (training["eval_every"] and state.step % training["eval_every"] == 0) or last:
-                run_eval()
+                with window.paused():
+                    run_eval()
             if last:
                 if ckpt["save_final"] or (every_ckpt and state.step % every_ckpt == 0):
                     save_checkpoint()
@@ -246,7 +247,8 @@ def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, tele
                 save_checkpoint()
                 return "preempted"
             if every_ckpt and state.step % every_ckpt == 0:
-                save_checkpoint()
+                with window.paused():
+                    save_checkpoint()
         if oom_guard and oom_guard.pending:  # every rank agreed on an OOM in this optimizer step
             saved = oom_guard.save_and_release(engine, state)
             engine = batch = loss = None  # the old engine's last references: free its memory first

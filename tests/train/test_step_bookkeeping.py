@@ -115,6 +115,21 @@ def test_perf_and_memory_points_cover_perf_window_s_and_the_final_window_logs_th
     assert steps.state.samples_per_s == [pytest.approx(20.0), pytest.approx(20.0)] and steps.state.samples == 52
 
 
+def test_time_paused_in_a_window_is_left_out_of_its_rates(tmp_path, monkeypatch):
+    from jobspec.train import progress
+    clock = iter([10.0, 40.0, 41.0])  # pause from 10 s to 40 s (an evaluation), logged at 41 s
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: next(clock))
+    sink = Sink()
+    window = Window(samples=20, tokens=200, steps=2, started=9.0)
+    window.add_loss(torch.tensor(1.0), 2)
+    with window.paused():
+        pass
+    reporter(tmp_path, sink).log_window(2, window)
+    (_, metrics), = sink.logged
+    assert metrics["perf/samples_per_s"] == pytest.approx(20 / 2.0)  # 2 s of training, not 32 s
+    assert metrics["perf/step_time_s"] == pytest.approx(1.0)
+
+
 def test_a_line_between_perf_points_shows_the_last_rate():
     stream = io.StringIO()
     progress = Progress(10, mode="lines", stream=stream)
