@@ -5,8 +5,9 @@ One monitor per node, in the node's local rank 0: the metrics describe the machi
 more than one node each node's names carry its index (`system/node1/cpu_utilization_percentage`);
 a resumed run continues the system steps where the run left them. The monitor samples every
 SAMPLING_INTERVAL_S in its own thread (MLflow's default; MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL
-overrides it) and stops when the rank ends, with one last sample. Without an MLflow run (logging.mlflow off, or the
-tracking server never came) there is nothing to record into, and the rank says so once.
+overrides it) and stops when the rank ends, with one last sample. Without an MLflow run (the
+tracking server never came) there is nothing to record into, and the rank says so once;
+validation already refuses `system_metrics` with MLflow off.
 """
 from __future__ import annotations
 
