@@ -328,17 +328,20 @@ def _node_leader_says(text: str) -> None:
 
 def _open_sink(run_dir: Path, launch: dict):
     from jobspec.tracking.sink import MetricSink
+    _wait_for_the_mlflow_run(run_dir, launch)
+    return MetricSink.open(run_dir)
+
+
+def _wait_for_the_mlflow_run(run_dir: Path, launch: dict) -> None:
     if launch.get("mlflow_run") == "pending":  # the launcher creates the run while the ranks start
         rundir.wait_for_tracking(run_dir, timeout_s=TRACKING_WAIT_S)
-    return MetricSink.open(run_dir)
 
 
 def _start_system_metrics(run_dir: Path, files: RunFiles, rank: int):
     """MLflow's system-metrics monitor in each node's local rank 0, with `logging.system_metrics`."""
     if not files.spec["logging"]["system_metrics"] or int(os.environ.get("LOCAL_RANK", "0")) != 0:
         return None
-    if files.launch.get("mlflow_run") == "pending":  # rank 0 waited for it already; another node may not have
-        rundir.wait_for_tracking(run_dir, timeout_s=TRACKING_WAIT_S)
+    _wait_for_the_mlflow_run(run_dir, files.launch)  # rank 0 waited already; another node's leader may not have
     from jobspec.tracking.system import SystemMetrics
     derived = files.derived
     return SystemMetrics.start(run_dir, node_index=rank // derived["gpus_per_node"], nodes=derived["nodes"])
