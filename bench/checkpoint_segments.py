@@ -38,9 +38,9 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 from torch.utils.weak import WeakIdKeyDictionary  # noqa: E402
 
-from jobspec.train.mlp import MLPClassifier, MLPConfig  # noqa: E402
+from jobspec.model.mlp import MLPClassifier, MLPConfig  # noqa: E402
 from jobspec.units import MiB  # noqa: E402
-from jobspec.train.patches import checkpoint_every_nth_layer  # noqa: E402
+from jobspec.model.structure import checkpoint_every_nth_layer  # noqa: E402
 
 VOCAB, LABELS = 1024, 2
 

@@ -3,7 +3,7 @@
     python bench/flops_check.py              # every row, on the meta device (shapes only, seconds)
     python bench/flops_check.py --device cpu --only GPT-2   # real tensors, batch 1 (slow at these sizes)
 
-Each row builds the model jobspec trains (jobspec.train.model.build_model, eager attention) from its config,
+Each row builds the model jobspec trains (jobspec.model.build.build_model, eager attention) from its config,
 runs one forward + backward under torch.utils.flop_counter.FlopCounterMode (matrix products only;
 on the meta device it counts from the shapes, nothing is computed) and divides by the tokens.
 Columns, in GFLOP per trained token: jobspec (model FLOPs; hardware FLOPs on the checkpointed rows,
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
-from jobspec.train.model import build_model  # noqa: E402
+from jobspec.model.build import build_model  # noqa: E402
 from jobspec.spec.model_dims import model_dims  # noqa: E402
 from jobspec.train.patches import gradient_checkpointing  # noqa: E402
 from jobspec.spec.flops import training_flops  # noqa: E402

@@ -107,7 +107,7 @@ def measure(spec: dict, steps: int = 3) -> tuple[int, int | None]:
     import deepspeed
     import torch
     from jobspec.hardware import nvml_used_bytes
-    from jobspec.train.model import build_model
+    from jobspec.model.build import build_model
     from jobspec.train.patches import apply_patches, build_client_optimizer
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")

@@ -33,10 +33,10 @@ def architectures() -> list[str]:
 
 
 def mlp_entry() -> dict:
-    from jobspec.train.mlp import CONFIG_KEYS, MLPConfig
+    from jobspec.model.mlp import CONFIG_KEYS, MLPConfig
 
     fields = dataclass_fields(MLPConfig)
-    return {"class": "jobspec.train.mlp.MLPConfig", "common": False,
+    return {"class": "jobspec.model.mlp.MLPConfig", "common": False,
             "fields": {name: fields[name] for name in CONFIG_KEYS}, "aliases": {}}
 
 

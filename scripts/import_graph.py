@@ -29,7 +29,7 @@ from pathlib import Path
 
 HEAVY = ("torch", "deepspeed", "transformers", "mlflow")
 LIGHT_PATH = ("spec", "compile", "memory", "errors", "cli", "commands")
-LAYERS = ("spec", "compile", "memory", "tracking", "launch", "train", "report", "commands", "cli", "__main__")
+LAYERS = ("spec", "compile", "model", "memory", "tracking", "launch", "train", "report", "commands", "cli", "__main__")
 
 
 @dataclass

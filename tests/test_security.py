@@ -28,7 +28,7 @@ def test_no_shell_strings_anywhere_in_the_package():
 
 
 def test_trust_remote_code_is_off_by_default_and_loud_when_on(capsys):
-    from jobspec.train.model import _warn_remote_code
+    from jobspec.model.build import _warn_remote_code
     assert fill_defaults({"model": {"architecture": "bert"}})["model"]["trust_remote_code"] is False
     _warn_remote_code({"name_or_path": "someone/model", "trust_remote_code": False})
     assert capsys.readouterr().err == ""

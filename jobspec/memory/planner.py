@@ -96,7 +96,7 @@ def parameter_tensors(dims: ModelDims, task: str, num_labels: int) -> Tensors:
                          path=("model",), hint="use a known architecture (bert, roberta, xlm-roberta, gpt2, "
                          "llama, mistral, distilbert, deberta-v2, mlp) or name its dimensions in model.config")
     h, ffn, vocab = dims.hidden_size, dims.intermediate_size or 4 * dims.hidden_size, dims.vocab_size
-    if dims.model_type == "mlp":   # jobspec.train.mlp: embedding, num_layers x Linear(h, h), classifier
+    if dims.model_type == "mlp":   # jobspec.model.mlp: embedding, num_layers x Linear(h, h), classifier
         matrices = ((vocab, h),) + ((h, h),) * dims.num_layers + ((h, num_labels),)
         return Tensors(total=total, matrices=matrices, layer_params=h * h + h)
     heads = dims.num_heads or 1
@@ -217,7 +217,7 @@ def activation_bytes(spec: dict, job: DerivedJob, act: int) -> dict:
 
 
 def mlp_activation_bytes(spec: dict, job: DerivedJob, act: int) -> dict:
-    """Activations of jobspec's deep MLP (jobspec/train/mlp.py), measured exactly by bench/checkpoint_segments.py.
+    """Activations of jobspec's deep MLP (jobspec/model/mlp.py), measured exactly by bench/checkpoint_segments.py.
 
     After the mean-pool every activation is a (b, h) matrix. A layer's Linear saves its input and its
     ReLU saves its output, but that output *is* the next Linear's input (one storage), and the

@@ -37,7 +37,7 @@ layer ends in the down projection, whose output only meets the residual add (whi
 so it is never recomputed: d = 2hf. Layers ending in a LayerNorm (the post-LN encoders) or a dropout
 (gpt2's resid_pdrop, 0.1 by default) recompute every product: d = 0, as with the reentrant checkpoint.
 
-jobspec's `mlp` (jobspec/train/mlp.py) runs its layers on one mean-pooled vector per sequence: each layer
+jobspec's `mlp` (jobspec/model/mlp.py) runs its layers on one mean-pooled vector per sequence: each layer
 is 2h^2/s per token, the classifier 2hC/s, and the masked mean a (1 x s).(s x h) product, 2h per
 token forward and 2h backward (the mask gets no gradient).
 

@@ -41,7 +41,7 @@ ARCHITECTURE_DEFAULTS: dict[str, dict] = {
     "deberta-v2": dict(hidden_size=1536, num_hidden_layers=24, num_attention_heads=24, intermediate_size=6144,
                        vocab_size=128100, max_position_embeddings=512, type_vocab_size=0,
                        tie_word_embeddings=True, relative_attention=False, position_biased_input=True),
-    # jobspec's own deep MLP (jobspec/train/mlp.py: MLPConfig's defaults); no attention, no positions.
+    # jobspec's own deep MLP (jobspec/model/mlp.py: MLPConfig's defaults); no attention, no positions.
     "mlp": dict(hidden_size=1024, num_hidden_layers=16, vocab_size=30522, max_position_embeddings=0,
                 tie_word_embeddings=False),
 }
@@ -103,7 +103,7 @@ def _linear(n_in: int, n_out: int, bias: bool = True) -> int:
 
 def _mlp(d: ModelDims, task: str, num_labels: int) -> int | None:
     if task != "sequence-classification":
-        return None   # jobspec.train.mlp has only a classification head
+        return None   # jobspec.model.mlp has only a classification head
     h = d.hidden_size
     return d.vocab_size * h + d.num_layers * _linear(h, h) + _linear(h, num_labels)
 

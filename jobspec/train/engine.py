@@ -19,7 +19,7 @@ def build_engine(files: RunFiles):
     from transformers import set_seed
 
     from jobspec.train.data import build_datasets
-    from jobspec.train.model import build_model, build_tokenizer
+    from jobspec.model.build import build_model, build_tokenizer
     from jobspec.train.patches import apply_patches, build_client_optimizer
 
     spec = files.spec

@@ -61,7 +61,7 @@ class ExportInfo:
 
 def job_tokenizer(spec: dict):
     """(tokenizer or None, note or None): the job's `data.tokenizer`, else the model checkpoint's own one."""
-    from jobspec.train.model import build_tokenizer
+    from jobspec.model.build import build_tokenizer
     if spec["data"].get("synthetic") is None:
         return build_tokenizer(spec), None   # file data: the tokenizer that made the batches
     name = spec["data"].get("tokenizer") or spec["model"].get("name_or_path")
@@ -122,7 +122,7 @@ def _is_io_error(err: BaseException) -> bool:
 
 
 def _filled_skeleton(spec: dict, state_dict: dict, dtype: str, tokenizer, show_progress: bool):
-    from jobspec.train.model import build_skeleton
+    from jobspec.model.build import build_skeleton
 
     model = build_skeleton(spec, tokenizer)
     target = torch_dtype(dtype)
@@ -222,7 +222,7 @@ def _progress(total: int, show: bool):
 def model_card(spec: dict, info: ExportInfo, model, tokenizer) -> str:
     from jobspec import __version__
     from jobspec.secrets import mask_secrets
-    from jobspec.train.model import TASK_MODEL_CLASSES
+    from jobspec.model.build import TASK_MODEL_CLASSES
 
     model_spec, memory = spec["model"], spec["memory"]
     hf = hasattr(model, "save_pretrained")
@@ -252,7 +252,7 @@ def model_card(spec: dict, info: ExportInfo, model, tokenizer) -> str:
         if tokenizer is not None:
             lines += ["from transformers import AutoTokenizer", 'tokenizer = AutoTokenizer.from_pretrained("PATH")']
     else:
-        lines += ["from safetensors.torch import load_model", "from jobspec.train.mlp import MLPClassifier, MLPConfig",
+        lines += ["from safetensors.torch import load_model", "from jobspec.model.mlp import MLPClassifier, MLPConfig",
                   "", "import json", 'model = MLPClassifier(MLPConfig(**json.load(open("PATH/config.json"))))',
                   'load_model(model, "PATH/model.safetensors")']
     spec_text = yaml.safe_dump(_masked(spec, mask_secrets), sort_keys=False)

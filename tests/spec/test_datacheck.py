@@ -17,7 +17,7 @@ from jobspec.spec.datacheck import Columns, check_file
 from jobspec.errors import SpecError
 from jobspec.launch import supervise
 from jobspec.train.data import build_datasets
-from jobspec.train.model import build_tokenizer
+from jobspec.model.build import build_tokenizer
 
 SEQ = Columns(("text",), "label", "sequence-classification", 2)
 

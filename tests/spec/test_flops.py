@@ -1,6 +1,6 @@
 """jobspec.spec.flops against torch's own FLOP counter on real forward + backward passes.
 
-Each case builds the model the worker trains (jobspec.train.model.build_model, eager attention), runs one
+Each case builds the model the worker trains (jobspec.model.build.build_model, eager attention), runs one
 forward + backward under torch.utils.flop_counter.FlopCounterMode, which counts matrix products
 only, and compares FLOPs per token with `training_flops`. The shapes are tiny but keep the real
 models' proportions where a term depends on them: XLM-R's vocabulary is 250 x its hidden size
@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from jobspec.train.model import build_model
+from jobspec.model.build import build_model
 from jobspec.spec.model_dims import model_dims
 from jobspec.spec.flops import TrainingFlops, checkpointed_layers, training_flops
 

@@ -52,7 +52,7 @@ def test_every_optimizer_layout_converts_to_the_engines_weights(tmp_path, one_ra
     from deepspeed.utils import safe_get_full_fp32_param
 
     from jobspec.train.convert import export_checkpoint, locate
-    from jobspec.train.model import build_model
+    from jobspec.model.build import build_model
     spec = fill_defaults({"name": "layouts", "model": {"architecture": "bert", "config": BERT,
                                                        "task": "token-classification"},
                           "data": {"synthetic": {"vocab_range": [5, 300], "seq_len": 16}},

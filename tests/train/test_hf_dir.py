@@ -20,7 +20,7 @@ from jobspec.spec.derived import derive
 from jobspec.spec.export_rules import resolve_dtype
 from jobspec.spec.schema import fill_defaults
 from jobspec.train.hf_dir import INJECT_ERROR_ENV, ExportFailed, ExportInfo, write_model_dir
-from jobspec.train.model import build_model
+from jobspec.model.build import build_model
 
 BERT = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
         "vocab_size": 300, "max_position_embeddings": 64}
@@ -84,7 +84,7 @@ def test_round_trip_reproduces_the_model(tmp_path, arch, config, task, auto, dty
 def test_mlp_directory_loads_with_safetensors(tmp_path):
     from safetensors.torch import load_model
 
-    from jobspec.train.mlp import MLPClassifier, MLPConfig
+    from jobspec.model.mlp import MLPClassifier, MLPConfig
     spec = make_spec(tmp_path, {"architecture": "mlp", "config": {"hidden_size": 16, "num_layers": 2,
                                                                    "vocab_size": 300}})
     model = build_model(spec)

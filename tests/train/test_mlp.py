@@ -10,11 +10,12 @@ from bench import checkpoint_segments as bench
 from conftest import REPO_ROOT as REPO
 from jobspec.compile.compiler import compile_spec
 from jobspec.errors import SpecError
-from jobspec.train.mlp import MLPClassifier, MLPConfig, build_mlp
-from jobspec.train.model import build_model
+from jobspec.model.mlp import MLPClassifier, MLPConfig, build_mlp
+from jobspec.model.build import build_model
 from jobspec.spec.derived import derive
 from jobspec.spec.model_dims import model_dims
-from jobspec.train.patches import apply_patches, checkpoint_every_nth_layer, find_layer_stack
+from jobspec.model.structure import checkpoint_every_nth_layer, find_layer_stack
+from jobspec.train.patches import apply_patches
 from jobspec.memory.planner import activation_bytes, parameter_tensors
 from jobspec.spec.validation import load_and_validate
 from test_patches import _recomputed_layers

@@ -8,7 +8,7 @@ import torch
 
 from jobspec.train.data import IGNORE_INDEX, build_datasets, make_loader
 from jobspec.errors import SpecError
-from jobspec.train.model import build_model, build_tokenizer
+from jobspec.model.build import build_model, build_tokenizer
 from jobspec.spec.schema import fill_defaults
 
 BERT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, vocab_size=300,

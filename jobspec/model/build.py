@@ -58,10 +58,10 @@ def build_model(spec: dict, tokenizer=None):
     Random initialisation is seeded by `training.seed`, so every rank builds the same weights.
     Pass the tokenizer when there is one: its pad token becomes the model's (GPT-2 needs one to
     classify batches) and its size is checked against the model's vocabulary.
-    `architecture: mlp` is jobspec's own deep MLP (jobspec/train/mlp.py), not a transformers model.
+    `architecture: mlp` is jobspec's own deep MLP (jobspec/model/mlp.py), not a transformers model.
     """
     if spec["model"].get("architecture") == "mlp" and not spec["model"].get("name_or_path"):
-        from jobspec.train.mlp import build_mlp
+        from jobspec.model.mlp import build_mlp
 
         model = build_mlp(spec)
         _check_vocab(spec, model, tokenizer)
@@ -90,7 +90,7 @@ def build_model(spec: dict, tokenizer=None):
                          path=("model", "attention"),
                          hint="install the package it names (flash-attn needs a CUDA GPU) or use sdpa") from None
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise _loading_error(model_spec, task, attention, err) from None
+        raise loading_error(model_spec, task, attention, err) from None
 
     _check_vocab(spec, model, tokenizer)
     return model
@@ -129,7 +129,7 @@ def build_skeleton(spec: dict, tokenizer=None):
 
     with torch.device("meta"):
         if spec["model"].get("architecture") == "mlp" and not spec["model"].get("name_or_path"):
-            from jobspec.train.mlp import build_mlp
+            from jobspec.model.mlp import build_mlp
             return build_mlp(spec)
         try:
             auto_class, config = build_config(spec, tokenizer)
@@ -137,7 +137,7 @@ def build_skeleton(spec: dict, tokenizer=None):
         except SpecError:
             raise
         except (OSError, ValueError, KeyError, TypeError) as err:
-            raise _loading_error(spec["model"], spec["model"].get("task", "sequence-classification"),
+            raise loading_error(spec["model"], spec["model"].get("task", "sequence-classification"),
                                  spec["model"].get("attention", "sdpa"), err) from None
 
 
@@ -189,7 +189,7 @@ def _check_vocab(spec: dict, model, tokenizer) -> None:
                          hint=f"set model.config.vocab_size to at least {len(tokenizer)}")
 
 
-def _loading_error(model_spec: dict, task: str, attention: str, err: Exception) -> SpecError:
+def loading_error(model_spec: dict, task: str, attention: str, err: Exception) -> SpecError:
     text = first_line(err)
     if "attn" in text.lower() or "attention" in text.lower():
         return spec_error(f"attention {attention!r} is not supported by this model: {text}",

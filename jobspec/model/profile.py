@@ -1,0 +1,137 @@
+"""What the planner knows of a model, measured from the model itself (`jobspec/model/trace.py`): pure data.
+
+- `Inventory`: every parameter tensor of the model as training builds it (names, shapes, trainable or
+  frozen by `model.freeze`; tied weights once), its buffers, the layer stack's size and its largest layer.
+- `UnitTrace`: one forward + backward of the model cut to a short sequence of layers, under fake tensors:
+  the peak of live activations and temporaries, itemised by region, and the FLOPs torch's counter saw.
+- `compose`: the trace of the full layer stack from unit traces (docs/memory-planner.md, "The trace"):
+
+      trace(t_0 .. t_{L-1}) = U(t_0, t_{L-1}) + sum over 0 < i < L-1 of [U(t_0, t_i, t_{L-1}) - U(t_0, t_{L-1})]
+
+  where t_i is layer i's type (its attention kind from `config.layer_types`, and whether it is
+  checkpointed) and U(...) a unit trace of a model with exactly those layers. Each middle layer adds what
+  it keeps for backward to every point of the peak region; the first layer's type decides what is kept
+  of the embeddings' output, the last one's what happens at the turn from forward to backward. tests/model/test_trace.py holds this
+  equal to the full trace, for uniform, alternating (local/global) and checkpointed-one-in-k stacks.
+- `ModelProfile`: an inventory and the composed trace of one setting (what `DerivedJob.profile` holds).
+
+No torch here: the planner (pure) reads these, and the trace cache stores them as JSON.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+REGIONS = ("layers", "embeddings", "logits_and_loss")
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """The model's parameters (tied weights once) and buffers, as training builds it."""
+
+    model_type: str
+    tensors: tuple            # ((name, shape tuple, trainable bool), ...) in the model's parameter order
+    buffer_elements: int
+    num_layers: int           # length of the transformer layer stack (0: none found)
+    layer_params: int         # parameters of the largest layer (ZeRO-3 gathers a layer at a time)
+    layer_kinds: tuple = ()   # per layer: its attention kind (`config.layer_types`), or "layer"
+    hidden_size: int | None = None
+
+    @property
+    def total(self) -> int:
+        return sum(_numel(shape) for _, shape, _ in self.tensors)
+
+    @property
+    def trainable(self) -> int:
+        return sum(_numel(shape) for _, shape, trainable in self.tensors if trainable)
+
+    @property
+    def frozen(self) -> int:
+        return self.total - self.trainable
+
+    def trainable_shapes(self) -> list[tuple]:
+        return [tuple(shape) for _, shape, trainable in self.tensors if trainable]
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "tensors": [[n, list(s), t] for n, s, t in self.tensors],
+                "layer_kinds": list(self.layer_kinds)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Inventory":
+        return cls(model_type=d["model_type"], tensors=tuple((n, tuple(s), bool(t)) for n, s, t in d["tensors"]),
+                   buffer_elements=d["buffer_elements"], num_layers=d["num_layers"],
+                   layer_params=d["layer_params"], layer_kinds=tuple(d.get("layer_kinds", ())),
+                   hidden_size=d.get("hidden_size"))
+
+
+@dataclass(frozen=True)
+class UnitTrace:
+    """One traced forward + backward: peak bytes of activations and temporaries (parameters and their
+    gradients excluded), the live bytes of each region at that peak, and the FLOPs counted."""
+
+    peak: int
+    regions: dict             # region -> bytes live at the peak (sums to peak)
+    flops: float
+
+    def __sub__(self, other: "UnitTrace") -> "UnitTrace":
+        return UnitTrace(self.peak - other.peak, {r: self.regions[r] - other.regions[r] for r in REGIONS},
+                         self.flops - other.flops)
+
+    def __add__(self, other: "UnitTrace") -> "UnitTrace":
+        return UnitTrace(self.peak + other.peak, {r: self.regions[r] + other.regions[r] for r in REGIONS},
+                         self.flops + other.flops)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "UnitTrace":
+        return cls(peak=int(d["peak"]), regions={r: int(d["regions"][r]) for r in REGIONS}, flops=float(d["flops"]))
+
+
+def layer_types(kinds: tuple, checkpointed: tuple) -> tuple:
+    """Each layer's type for the composition: (attention kind, checkpointed)."""
+    return tuple(zip(kinds, checkpointed))
+
+
+CONTEXT_LAYERS = 1   # layers kept at the end of every unit (tests/model/test_trace.py: 1 is exact)
+
+
+def compose(types: tuple, unit, context: int = CONTEXT_LAYERS) -> UnitTrace:
+    """The trace of a stack of layers of these types from `unit(types_tuple) -> UnitTrace` (see above):
+    every unit keeps the first layer (what it does with the embeddings' output) and the last
+    `context` layers (the turn from forward to backward); each middle layer adds its own increment."""
+    if len(types) <= context + 2:
+        return unit(tuple(types))
+    first, last = tuple(types[:1]), tuple(types[-context:])
+    base = unit(first + last)
+    total = base
+    for layer_type in types[1:-context]:
+        total = total + (unit(first + (layer_type,) + last) - base)
+    return total
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """The planner's measured facts of one job setting: parameters, activations, FLOPs per token."""
+
+    inventory: Inventory
+    activations: UnitTrace            # the composed (or full) trace at the job's setting
+    model_flops_per_token: float      # no recompute (checkpointing off), PaLM's MFU numerator
+    hardware_flops_per_token: float   # with the checkpointed layers' recompute
+    method: str = "composed"          # "composed" from unit traces, or "full" (every layer traced)
+    notes: tuple = field(default=())
+
+    def as_dict(self) -> dict:
+        """The summary launch.json carries (no tensor list)."""
+        inv = self.inventory
+        return {"parameters": inv.total, "trainable_parameters": inv.trainable, "num_layers": inv.num_layers,
+                "activations": self.activations.as_dict(), "model_flops_per_token": self.model_flops_per_token,
+                "hardware_flops_per_token": self.hardware_flops_per_token, "method": self.method,
+                "notes": list(self.notes)}
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
