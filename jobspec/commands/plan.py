@@ -38,6 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from jobspec.memory.fit import fit
+    from jobspec.model.trace import job_profiler
     from jobspec.spec.inputs import derive_job
     from jobspec.memory.planner import parse_bytes, plan_memory, render_plan
     from jobspec.spec.validation import load_and_validate
@@ -53,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     if args.fit and budget is None:
         raise spec_error("--fit needs a memory budget", path=("memory", "gpu_memory"),
                          hint="pass --gpu-mem 24GiB or set memory.gpu_memory in the spec")
-    job = derive_job(spec)
+    job = derive_job(spec, profiler=job_profiler())
     plan = plan_memory(spec, job, budget=budget)
     result = fit(spec, job, budget, bf16_supported=not args.no_bf16) if args.fit else None
 

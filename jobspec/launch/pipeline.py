@@ -57,6 +57,7 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
     """Run the job; its exit status (jobspec/status.py: 0 finished, 75 stopped with a checkpoint,
     128+N stopped or killed by signal N, else the ranks')."""
     from jobspec.launch.model_config import launch_model_config_issues
+    from jobspec.model.trace import job_profiler
     from jobspec.spec.inputs import derive_job
     from jobspec.spec.validation import load_and_validate
 
@@ -72,7 +73,7 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
         raise resolved.locate(SpecError(data_issues))
     # memory.fit: auto rewrites the spec (and its derived job) here, so everything below sees what runs
     gpu_free = hardware.gpu_free_bytes(resolved.spec["resources"]["gpus_per_node"])
-    resolved, derived, memory = launch_memory.prepare(resolved, derive_job(resolved.spec), gpu_free,
+    resolved, derived, memory = launch_memory.prepare(resolved, derive_job(resolved.spec, profiler=job_profiler()), gpu_free,
                                                       bf16_supported=hardware.bf16_supported())
     for line in memory.lines:
         print(f"jobspec: {line}", flush=True)

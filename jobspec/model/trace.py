@@ -20,7 +20,7 @@ with no mask and 16-bit inputs, else `_scaled_dot_product_efficient_attention`):
 backward (q, k, v, output, fp32 log-sum-exp) and their FLOPs are the kernels' own; the backward adds the
 fp32 scratch the kernels allocate (flash: dq accumulator and softmax_d; efficient: delta).
 
-Speed: a trace costs ~90 µs per op. Layers are traced in short units and composed (`profile.compose`,
+Speed: a trace costs ~90 µs per op. Layers are traced in short units and composed (`spec.model_profile.compose`,
 exact: tests/model/test_trace.py), unit traces are cached in-process and on disk (`JOBSPEC_CACHE_DIR`,
 else `$XDG_CACHE_HOME/jobspec`, else `~/.cache/jobspec`), keyed by everything that changes them.
 Data-dependent routing (mixture-of-experts) cannot be traced without data and is refused by name.
@@ -38,7 +38,7 @@ import weakref
 from pathlib import Path
 
 from jobspec.errors import SpecError, first_line, spec_error
-from jobspec.model.profile import REGIONS, Inventory, ModelProfile, UnitTrace, compose, layer_types
+from jobspec.spec.model_profile import REGIONS, Inventory, ModelProfile, UnitTrace, compose, layer_types
 
 TRACE_VERSION = 1
 ALLOCATOR_ROUND = 512          # the CUDA caching allocator's smallest block
@@ -75,29 +75,24 @@ class ModelTracer:
         return self._inventory
 
     def profile(self, precision: str, micro_batch: int, seq_len: int, checkpointing) -> ModelProfile:
-        """The job setting's activations and FLOPs: composed from unit traces (or every layer traced when
-        the layers differ in more than `config.layer_types`)."""
+        """The job setting's activations and FLOPs: composed from unit traces, or every layer traced when
+        the layers differ in more than their `config.layer_types` kind (or there is no layer stack)."""
         inv = self.inventory()
         every, reentrant = checkpoint_setting(checkpointing)
-        flags = tuple(bool(every) and i % every == 0 for i in range(inv.num_layers))
-        plain = tuple(False for _ in flags)
-        notes = []
-        if inv.num_layers == 0:
+        if inv.num_layers == 0 or not inv.uniform:
             trace = self.full(precision, micro_batch, seq_len, checkpointing)
-            model_trace, method = trace if not every else self.full(precision, micro_batch, seq_len, False), "full"
-        elif not self._uniform():
-            trace = self.full(precision, micro_batch, seq_len, checkpointing)
-            model_trace = trace if not every else self.full(precision, micro_batch, seq_len, False)
+            model_trace = self.full(precision, micro_batch, seq_len, False) if every else trace
             method = "full"
-            notes.append("the layers differ in structure: every layer traced")
         else:
+            flags = tuple(bool(every) and i % every == 0 for i in range(inv.num_layers))
             unit = functools.partial(self.unit, precision, micro_batch, seq_len, reentrant=reentrant)
             trace = compose(layer_types(inv.layer_kinds, flags), unit)
+            plain = tuple(False for _ in flags)
             model_trace = compose(layer_types(inv.layer_kinds, plain), unit) if every else trace
             method = "composed"
         tokens = micro_batch * seq_len
         return ModelProfile(inventory=inv, activations=trace, model_flops_per_token=model_trace.flops / tokens,
-                            hardware_flops_per_token=trace.flops / tokens, method=method, notes=tuple(notes))
+                            hardware_flops_per_token=trace.flops / tokens, method=method)
 
     def unit(self, precision: str, micro_batch: int, seq_len: int, types: tuple, *, reentrant: bool = False
              ) -> UnitTrace:
@@ -155,18 +150,6 @@ class ModelTracer:
             model = self.spec["model"]
             raise loading_error(model, model.get("task", "sequence-classification"),
                                 model.get("attention", "sdpa"), err) from None
-
-    def _uniform(self) -> bool:
-        """Whether the layers differ only in their `layer_types` kind (same modules, same shapes)."""
-        model = self._build(layers=None)
-        from jobspec.model.structure import find_layer_stack
-
-        stack = find_layer_stack(model)
-        if stack is None:
-            return True
-        shapes = [tuple((n, tuple(p.shape)) for n, p in layer.named_parameters()) + (type(layer).__name__,)
-                  for layer in stack]
-        return all(s == shapes[0] for s in shapes)
 
     # ------------------------------------------------------------------ tracing
     def _trace(self, precision: str, micro_batch: int, seq_len: int, *, types: tuple | None = None,
@@ -318,10 +301,17 @@ def _inventory_of(model, config) -> Inventory:
     kinds = getattr(config, "layer_types", None)
     if not (isinstance(kinds, list) and len(kinds) == num_layers):
         kinds = ["layer"] * num_layers
+    # the layers differ only in their layer_types kind: same module classes, same parameter shapes
+    shapes = [tuple((n, tuple(p.shape)) for n, p in layer.named_parameters()) + (type(layer).__name__,)
+              for layer in (stack or [])]
     return Inventory(model_type=str(getattr(config, "model_type", "mlp")), tensors=tensors,
-                     buffer_elements=sum(b.numel() for b in model.buffers()), num_layers=num_layers,
+                     num_layers=num_layers,
                      layer_params=layer_params, layer_kinds=tuple(str(k) for k in kinds),
-                     hidden_size=getattr(config, "hidden_size", None))
+                     hidden_size=getattr(config, "hidden_size", None),
+                     uniform=all(shape == shapes[0] for shape in shapes),
+                     buffer_float_elements=sum(b.numel() for b in model.buffers() if b.is_floating_point()),
+                     buffer_other_bytes=sum(b.numel() * b.element_size() for b in model.buffers()
+                                            if not b.is_floating_point()))
 
 
 def _inputs(spec: dict, config, micro_batch: int, seq_len: int) -> dict:
@@ -556,3 +546,19 @@ class _LazyKernel:
 
 
 _KernelAttention = _LazyKernel()
+
+
+def job_profiler(cache_dir: Path | None = None, *, use_cache: bool = True):
+    """`profiler(spec, seq_len) -> ModelProfile` for `derive`: one tracer per model, unit traces cached
+    in this process and (`use_cache`) on disk under `cache_dir` (default: `default_cache_dir()`)."""
+    directory = (cache_dir or default_cache_dir()) if use_cache else None
+    tracers: dict[str, ModelTracer] = {}
+
+    def profile(spec: dict, seq_len: int) -> ModelProfile:
+        key = model_key(spec)
+        if key not in tracers:
+            tracers[key] = ModelTracer(spec, directory)
+        return tracers[key].profile(spec["memory"]["precision"], spec["training"]["micro_batch_size"], seq_len,
+                                    spec["memory"]["activation_checkpointing"])
+
+    return profile

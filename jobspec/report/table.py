@@ -126,12 +126,13 @@ def build_row(run_name: str, status: str, params: dict, series: dict, predicted_
 def predicted_peak_mib(spec: dict) -> float | None:
     """`plan_memory`'s peak allocated MiB of a resolved spec; None when the planner cannot tell."""
     from jobspec.memory.planner import plan_memory
+    from jobspec.model.trace import job_profiler
     from jobspec.units import MiB
     from jobspec.spec.inputs import derive_job
     from jobspec.spec.schema import fill_defaults
     try:
         spec = fill_defaults(spec)
-        return plan_memory(spec, derive_job(spec)).peak_allocated / MiB
+        return plan_memory(spec, derive_job(spec, profiler=job_profiler())).peak_allocated / MiB
     except Exception:  # an unknown architecture, an old resolved.yaml: a '-' in the table, not a crash
         return None
 

@@ -1,23 +1,26 @@
 """The derived job: every number computed from a resolved spec, computed once and passed on.
 
-World size, batch split, sequence length, bytes per precision, model dimensions and parameter count,
-total/warmup steps and FLOPs per token are derived here and nowhere else. The compiler, the memory
-planner and its fit search, the launcher, the pre-flight checks, the rank-side worker, the progress
+World size, batch split, sequence length, bytes per precision, model dimensions, total/warmup steps
+and the model's measured profile (parameters, activations, FLOPs per token) are derived here and
+nowhere else. The compiler, the memory planner and its fit search, the launcher, the pre-flight checks, the rank-side worker, the progress
 lines, the report and the commands all take a `DerivedJob`; the run directory carries it
 (`launch.json` -> "derived"), so the ranks read it instead of recomputing it.
 
 Pure: no torch, no I/O. What a derivation needs from disk (a local checkpoint's config.json, the
-training file's row count) is read at the edge by `jobspec.spec.inputs.derive_job` and passed in.
+training file's row count) is read at the edge by `jobspec.spec.inputs.derive_job` and passed in; the
+model's profile comes from a `profiler` passed in the same way (`jobspec.model.trace.job_profiler`: the
+model built and traced under fake tensors, cached), which `jobspec validate` does not use.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
-from jobspec.errors import spec_error
-from jobspec.spec.flops import checkpointed_layers, training_flops
+from jobspec.errors import SpecError, spec_error
 from jobspec.spec.model_dims import ModelDims, model_dims
+from jobspec.spec.model_profile import ModelProfile
 
 # Bytes per element of the training precision: parameters, gradients and activations of a
 # mixed-precision run are 16-bit; fp32 master weights and optimizer states are counted separately.
@@ -51,9 +54,13 @@ class DerivedJob:
     model_flops_per_token: float | None = None
     hardware_flops_per_token: float | None = None
     notes: tuple = ()
+    profile: ModelProfile | None = field(default=None, repr=False, compare=False)
+    # why there is no profile when a profiler was given (the plan command raises it, a launch says it)
+    profile_error: SpecError | None = field(default=None, repr=False, compare=False)
     # what the derivation read at the edge, kept so a changed spec (the fit search's candidates)
     # is derived by this same function from the same inputs
     config_json: dict | None = field(default=None, repr=False, compare=False)
+    profiler: Callable | None = field(default=None, repr=False, compare=False)
 
     @property
     def tokens_per_micro_batch(self) -> int:
@@ -61,24 +68,30 @@ class DerivedJob:
 
     def with_spec(self, spec: dict) -> "DerivedJob":
         """The derived job of another version of the same spec (same model files, same data)."""
-        return derive(spec, config_json=self.config_json, num_train_samples=self.num_train_samples)
+        return derive(spec, config_json=self.config_json, num_train_samples=self.num_train_samples,
+                      profiler=self.profiler)
 
     def as_dict(self) -> dict:
         """JSON for launch.json's "derived": the ranks read it as this dict (rundir.RunFiles.derived),
         and the on_oom guard rewrites its batch split there."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "config_json"}
+        skip = {"config_json", "profiler", "profile_error"}
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
         out["dims"] = dataclasses.asdict(self.dims) if self.dims else None
+        out["profile"] = self.profile.as_dict() if self.profile else None
         out["notes"] = list(self.notes)
         return out
 
 
-def derive(spec: dict, *, config_json: dict | None = None, num_train_samples: int | None = None) -> DerivedJob:
+def derive(spec: dict, *, config_json: dict | None = None, num_train_samples: int | None = None,
+           profiler: Callable | None = None) -> DerivedJob:
     """Every derived number of a resolved spec (defaults filled); SpecError on inconsistent batches.
 
     Without `num_train_samples`, a job that trains for epochs over file data gets total_steps None;
     the compiler refuses that (it needs the step count for the schedule), validation does not.
+    `profiler(spec, seq_len) -> ModelProfile` measures the model (parameters, activations, FLOPs); without
+    one (validate, compile) those numbers are None. A profiler's SpecError is kept as `profile_error`.
     """
-    training, memory, resources, model = spec["training"], spec["memory"], spec["resources"], spec["model"]
+    training, memory, resources = spec["training"], spec["memory"], spec["resources"]
     notes: list[str] = []
     nodes, gpus_per_node = resources["nodes"], resources["gpus_per_node"]
     world = nodes * gpus_per_node
@@ -90,22 +103,37 @@ def derive(spec: dict, *, config_json: dict | None = None, num_train_samples: in
     total = _total_steps(training, micro, world, accumulation, num_train_samples, notes)
     warmup = None if total is None else _warmup_steps(training["scheduler"], total)
     dims = model_dims(spec, config_json)
-    num_layers = dims.num_layers if dims else None
     seq_len = synthetic["seq_len"] if synthetic else spec["data"]["max_length"]
     precision = memory["precision"]
-    flops = _flops(dims, model, seq_len, memory["activation_checkpointing"])
+    profile, profile_error = None, None
+    if profiler is not None:
+        try:
+            profile = profiler(spec, seq_len)
+        except SpecError as err:
+            profile_error = err
+    num_layers = profile.inventory.num_layers if profile else (dims.num_layers if dims else None)
     return DerivedJob(
         world_size=world, nodes=nodes, gpus_per_node=gpus_per_node,
         micro_batch_size=micro, global_batch_size=global_batch, gradient_accumulation_steps=accumulation,
         total_steps=total, warmup_steps=warmup, seq_len=seq_len,
         precision=precision, precision_bytes=PRECISION_BYTES[precision],
-        dims=dims, num_parameters=dims.num_parameters(model["task"], model["num_labels"]) if dims else None,
+        dims=dims, num_parameters=profile.inventory.total if profile else None,
         num_layers=num_layers,
         checkpointed_layers=checkpointed_layers(num_layers or 0, memory["activation_checkpointing"]),
         num_train_samples=num_train_samples,
-        model_flops_per_token=flops[0], hardware_flops_per_token=flops[1],
-        notes=tuple(notes), config_json=config_json,
+        model_flops_per_token=profile.model_flops_per_token if profile else None,
+        hardware_flops_per_token=profile.hardware_flops_per_token if profile else None,
+        notes=tuple(notes), profile=profile, profile_error=profile_error, config_json=config_json,
+        profiler=profiler,
     )
+
+
+def checkpointed_layers(num_layers: int, setting: bool | dict | None) -> int:
+    """Layers whose forward is recomputed in backward: all, one in k (layers i % k == 0), or none."""
+    if setting is None or setting is False:
+        return 0
+    every = setting.get("every_n_layers", 1) if isinstance(setting, dict) else 1
+    return math.ceil(num_layers / every)
 
 
 def zero_bucket_sizes(zero: dict, hidden_size: int | None) -> dict[str, int]:
@@ -168,14 +196,3 @@ def _warmup_steps(scheduler: dict, total_steps: int) -> int:
     if scheduler["warmup_steps"]:
         return scheduler["warmup_steps"]
     return math.ceil(scheduler["warmup_ratio"] * total_steps)
-
-
-def _flops(dims: ModelDims | None, model: dict, seq_len: int, checkpointing) -> tuple[float | None, float | None]:
-    if dims is None:
-        return None, None
-    try:
-        result = training_flops(dims, task=model["task"], num_labels=model["num_labels"], seq_len=seq_len,
-                                activation_checkpointing=checkpointing)
-    except ValueError:   # a family without a FLOPs formula: no TFLOP/s or MFU rather than a wrong one
-        return None, None
-    return result.model_flops_per_token, result.hardware_flops_per_token

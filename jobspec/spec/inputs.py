@@ -14,13 +14,14 @@ from jobspec.spec.derived import DerivedJob, derive
 from jobspec.spec.model_dims import read_local_config
 
 
-def derive_job(spec: dict) -> DerivedJob:
-    """The derived job of a resolved spec, with the model's config.json and the row count read here."""
+def derive_job(spec: dict, profiler=None) -> DerivedJob:
+    """The derived job of a resolved spec, with the model's config.json and the row count read here;
+    `profiler` (`jobspec.model.trace.job_profiler()`) adds the model's measured profile."""
     config_json = read_local_config(spec["model"]["name_or_path"])
     num_train_samples = None
     if spec["training"]["max_steps"] is None and spec["data"]["train"]:
         num_train_samples = count_rows(spec["data"]["train"], spec["data"]["format"])
-    return derive(spec, config_json=config_json, num_train_samples=num_train_samples)
+    return derive(spec, config_json=config_json, num_train_samples=num_train_samples, profiler=profiler)
 
 
 def count_rows(path: str | Path, fmt: str = "auto") -> int:

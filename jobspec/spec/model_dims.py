@@ -1,7 +1,8 @@
-"""The model's dimensions (hidden size, layers, heads, vocabulary, ...) without importing transformers.
+"""The model's dimensions (hidden size, layers, heads, vocabulary, positions) without importing transformers.
 
-The compiler sizes ZeRO buckets from the hidden size and the memory planner counts parameters, so
-both need the numbers before any weights exist. They come from, lowest priority first:
+`jobspec validate` and `jobspec compile` need a few numbers before any model exists: the compiler sizes
+ZeRO buckets from the hidden size, validation checks `every_n_layers` against the layer count. They
+come from, lowest priority first:
 
 1. `ARCHITECTURE_DEFAULTS`: the defaults of transformers' `configuration_<model>.py` classes
    (copied from transformers 5.x source; the values have been stable across 4.x),
@@ -9,7 +10,8 @@ both need the numbers before any weights exist. They come from, lowest priority 
 3. the spec's `model.config`.
 
 Unknown architectures still work when the config names a hidden size; otherwise `model_dims`
-returns None and the compiler writes DeepSpeed's own defaults.
+returns None and the compiler writes DeepSpeed's own defaults. Parameters, activations and FLOPs are not
+computed here: the planner measures them from the model itself (jobspec/model/trace.py).
 """
 from __future__ import annotations
 
@@ -55,9 +57,6 @@ _ALIASES: dict[str, str] = {
     "n_positions": "max_position_embeddings",
 }
 
-_ENCODERS = {"bert", "roberta", "xlm-roberta", "deberta-v2"}
-_DECODERS = {"llama", "mistral"}
-
 
 @dataclass(frozen=True)
 class ModelDims:
@@ -68,97 +67,6 @@ class ModelDims:
     intermediate_size: int | None = None
     vocab_size: int | None = None
     max_position_embeddings: int | None = None
-    tie_word_embeddings: bool = True
-    type_vocab_size: int = 0
-    num_key_value_heads: int | None = None
-    attention_bias: bool = False
-    mlp_bias: bool = False
-    relative_attention: bool = False
-    position_biased_input: bool = True
-
-    def num_parameters(self, task: str = "sequence-classification", num_labels: int = 2) -> int | None:
-        """Trainable parameters of `AutoModelFor<task>.from_config(...)`, tied weights counted once.
-
-        Exact for bert, roberta, xlm-roberta, gpt2, llama, mistral, distilbert and mlp; deberta-v2 counts
-        everything but its relative-position tables. None when the family or a dimension is unknown.
-        """
-        if None in (self.num_layers, self.vocab_size, self.max_position_embeddings) or \
-                self.model_type not in ARCHITECTURE_DEFAULTS:
-            return None
-        if self.model_type == "mlp":
-            return _mlp(self, task, num_labels)
-        ffn = self.intermediate_size or 4 * self.hidden_size
-        if self.model_type == "gpt2":
-            return _gpt2(self, ffn, task, num_labels)
-        if self.model_type in _DECODERS:
-            return _llama(self, ffn, task, num_labels)
-        if self.model_type == "distilbert":
-            return _distilbert(self, ffn, task, num_labels)
-        return _encoder(self, ffn, task, num_labels)
-
-
-def _linear(n_in: int, n_out: int, bias: bool = True) -> int:
-    return n_in * n_out + (n_out if bias else 0)
-
-
-def _mlp(d: ModelDims, task: str, num_labels: int) -> int | None:
-    if task != "sequence-classification":
-        return None   # jobspec.model.mlp has only a classification head
-    h = d.hidden_size
-    return d.vocab_size * h + d.num_layers * _linear(h, h) + _linear(h, num_labels)
-
-
-def _encoder(d: ModelDims, ffn: int, task: str, num_labels: int) -> int:
-    h = d.hidden_size
-    positions = d.max_position_embeddings if d.position_biased_input else 0
-    embeddings = (d.vocab_size + positions + d.type_vocab_size) * h + 2 * h
-    layer = 4 * _linear(h, h) + _linear(h, ffn) + _linear(ffn, h) + 2 * (2 * h)  # attention, MLP, 2 LayerNorms
-    body = embeddings + d.num_layers * layer
-    lm_head = _linear(h, h) + 2 * h + d.vocab_size + (0 if d.tie_word_embeddings else d.vocab_size * h)
-    if task == "sequence-classification":
-        # BertPooler + classifier, RobertaClassificationHead (dense + out_proj) and DeBERTa's
-        # ContextPooler + classifier all have the same size
-        return body + _linear(h, h) + _linear(h, num_labels)
-    if task == "token-classification":
-        return body + _linear(h, num_labels)
-    return body + lm_head  # masked-lm and causal-lm share the prediction head
-
-
-def _gpt2(d: ModelDims, ffn: int, task: str, num_labels: int) -> int:
-    h = d.hidden_size
-    layer = 2 * h + _linear(h, 3 * h) + _linear(h, h) + 2 * h + _linear(h, ffn) + _linear(ffn, h)
-    body = (d.vocab_size + d.max_position_embeddings) * h + d.num_layers * layer + 2 * h
-    if task == "sequence-classification":
-        return body + _linear(h, num_labels, bias=False)
-    if task == "token-classification":
-        return body + _linear(h, num_labels)
-    return body + (0 if d.tie_word_embeddings else d.vocab_size * h)
-
-
-def _llama(d: ModelDims, ffn: int, task: str, num_labels: int) -> int:
-    h = d.hidden_size
-    heads = d.num_heads or 1
-    head_dim = h // heads
-    kv = (d.num_key_value_heads or heads) * head_dim
-    attention = _linear(h, h, d.attention_bias) + 2 * _linear(h, kv, d.attention_bias) + _linear(h, h, d.attention_bias)
-    layer = attention + 2 * _linear(h, ffn, d.mlp_bias) + _linear(ffn, h, d.mlp_bias) + 2 * h  # 2 RMSNorms
-    body = d.vocab_size * h + d.num_layers * layer + h
-    if task == "sequence-classification":
-        return body + _linear(h, num_labels, bias=False)
-    if task == "token-classification":
-        return body + _linear(h, num_labels)
-    return body + (0 if d.tie_word_embeddings else d.vocab_size * h)
-
-
-def _distilbert(d: ModelDims, ffn: int, task: str, num_labels: int) -> int:
-    h = d.hidden_size
-    layer = 4 * _linear(h, h) + _linear(h, ffn) + _linear(ffn, h) + 2 * (2 * h)
-    body = (d.vocab_size + d.max_position_embeddings) * h + 2 * h + d.num_layers * layer
-    if task == "sequence-classification":
-        return body + _linear(h, h) + _linear(h, num_labels)  # pre_classifier + classifier
-    if task == "token-classification":
-        return body + _linear(h, num_labels)
-    return body + _linear(h, h) + 2 * h + d.vocab_size + (0 if d.tie_word_embeddings else d.vocab_size * h)
 
 
 def _canonical(config: dict) -> dict:
@@ -188,13 +96,6 @@ def model_dims(spec: dict, config_json: dict | None = None) -> ModelDims | None:
         intermediate_size=_count(values.get("intermediate_size")) or (4 * hidden if model_type == "gpt2" else None),
         vocab_size=_count(values.get("vocab_size")),
         max_position_embeddings=_count(values.get("max_position_embeddings"), minimum=0),
-        tie_word_embeddings=bool(values.get("tie_word_embeddings", True)),
-        type_vocab_size=_count(values.get("type_vocab_size"), minimum=0) or 0,
-        num_key_value_heads=_count(values.get("num_key_value_heads")),
-        attention_bias=bool(values.get("attention_bias", False)),
-        mlp_bias=bool(values.get("mlp_bias", False)),
-        relative_attention=bool(values.get("relative_attention", False)),
-        position_biased_input=bool(values.get("position_biased_input", True)),
     )
 
 

@@ -30,11 +30,13 @@ class Inventory:
 
     model_type: str
     tensors: tuple            # ((name, shape tuple, trainable bool), ...) in the model's parameter order
-    buffer_elements: int
     num_layers: int           # length of the transformer layer stack (0: none found)
     layer_params: int         # parameters of the largest layer (ZeRO-3 gathers a layer at a time)
     layer_kinds: tuple = ()   # per layer: its attention kind (`config.layer_types`), or "layer"
     hidden_size: int | None = None
+    uniform: bool = True      # the layers differ at most in their kind (else every layer is traced)
+    buffer_float_elements: int = 0   # floating buffers: cast to the training dtype with the model
+    buffer_other_bytes: int = 0      # integer/bool buffers (position ids, masks)
 
     @property
     def total(self) -> int:
@@ -48,6 +50,9 @@ class Inventory:
     def frozen(self) -> int:
         return self.total - self.trainable
 
+    def buffer_bytes(self, precision_bytes: int) -> int:
+        return self.buffer_float_elements * precision_bytes + self.buffer_other_bytes
+
     def trainable_shapes(self) -> list[tuple]:
         return [tuple(shape) for _, shape, trainable in self.tensors if trainable]
 
@@ -58,9 +63,10 @@ class Inventory:
     @classmethod
     def from_dict(cls, d: dict) -> "Inventory":
         return cls(model_type=d["model_type"], tensors=tuple((n, tuple(s), bool(t)) for n, s, t in d["tensors"]),
-                   buffer_elements=d["buffer_elements"], num_layers=d["num_layers"],
-                   layer_params=d["layer_params"], layer_kinds=tuple(d.get("layer_kinds", ())),
-                   hidden_size=d.get("hidden_size"))
+                   num_layers=d["num_layers"], layer_params=d["layer_params"],
+                   layer_kinds=tuple(d.get("layer_kinds", ())), hidden_size=d.get("hidden_size"),
+                   uniform=bool(d.get("uniform", True)), buffer_float_elements=d.get("buffer_float_elements", 0),
+                   buffer_other_bytes=d.get("buffer_other_bytes", 0))
 
 
 @dataclass(frozen=True)
