@@ -99,8 +99,12 @@ class RunFailure(Exception):
 
 def first_line(err: BaseException, *, limit: int | None = None) -> str:
     """The first line of an exception's message (its type's name when it has none), secrets masked:
-    what a one-line error or warning shows of an error raised by a library."""
+    what a one-line error or warning shows of an error raised by a library. A first line that only
+    introduces the next ("Class validation error for validator 'x':") is joined with it."""
     from jobspec.secrets import mask_secrets
     text = mask_secrets(str(err)).strip()
-    line = text.splitlines()[0] if text else type(err).__name__
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    line = lines[0] if lines else type(err).__name__
+    if line.endswith(":") and len(lines) > 1:
+        line = f"{line} {lines[1]}"
     return line[:limit] if limit else line

@@ -155,7 +155,7 @@ def _config_for_architecture(architecture: str | None, overrides: dict):
                          hint=f"did you mean {', '.join(close)}?" if close else "use a model_type such as bert, gpt2")
     try:
         return AutoConfig.for_model(architecture, **overrides)
-    except (TypeError, ValueError) as err:
+    except Exception as err:  # noqa: BLE001 - TypeError, ValueError, huggingface_hub's strict-dataclass errors
         raise spec_error(f"invalid config for {architecture}: {first_line(err)}", path=("model", "config"),
                          hint="check the field names against the architecture's transformers config") from None
 

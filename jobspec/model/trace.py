@@ -70,7 +70,7 @@ class ModelTracer:
                     from jobspec.model.structure import freeze
 
                     freeze(model, self.spec["model"]["freeze"])
-                self._inventory = _inventory_of(model, self._config_for(None))
+                self._inventory = _inventory_of(model, getattr(model, "config", None))
                 self._store("inventory", self._inventory.as_dict())
         return self._inventory
 

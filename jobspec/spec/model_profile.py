@@ -6,12 +6,15 @@
   the peak of live activations and temporaries, itemised by region, and the FLOPs torch's counter saw.
 - `compose`: the trace of the full layer stack from unit traces (docs/memory-planner.md, "The trace"):
 
-      trace(t_0 .. t_{L-1}) = U(t_0, t_{L-1}) + sum over 0 < i < L-1 of [U(t_0, t_i, t_{L-1}) - U(t_0, t_{L-1})]
+      trace(t_0 .. t_{L-1}) = U(t_0, K, t_{L-1}) + sum over the other middle layers i of
+                              [U(t_0, K, t_i, t_{L-1}) - U(t_0, K, t_{L-1})]
 
   where t_i is layer i's type (its attention kind from `config.layer_types`, and whether it is
-  checkpointed) and U(...) a unit trace of a model with exactly those layers. Each middle layer adds what
-  it keeps for backward to every point of the peak region; the first layer's type decides what is kept
-  of the embeddings' output, the last one's what happens at the turn from forward to backward. tests/model/test_trace.py holds this
+  checkpointed), K one middle layer of each kind that t_0 and t_{L-1} do not have, and U(...) a unit
+  trace of a model with exactly those layers. Each middle layer adds what it keeps for backward to every
+  point of the peak region; the first layer's type decides what is kept of the embeddings' output, the
+  last one's what happens at the turn from forward to backward, and K makes every per-kind mask exist
+  once in every unit, as in the whole model. tests/model/test_trace.py holds this
   equal to the full trace, for uniform, alternating (local/global) and checkpointed-one-in-k stacks.
 - `ModelProfile`: an inventory and the composed trace of one setting (what `DerivedJob.profile` holds).
 
@@ -99,20 +102,30 @@ def layer_types(kinds: tuple, checkpointed: tuple) -> tuple:
     return tuple(zip(kinds, checkpointed))
 
 
-CONTEXT_LAYERS = 1   # layers kept at the end of every unit (tests/model/test_trace.py: 1 is exact)
+def compose(types: tuple, unit) -> UnitTrace:
+    """The trace of a stack of layers of these types from `unit(types_tuple) -> UnitTrace` (see above).
 
-
-def compose(types: tuple, unit, context: int = CONTEXT_LAYERS) -> UnitTrace:
-    """The trace of a stack of layers of these types from `unit(types_tuple) -> UnitTrace` (see above):
-    every unit keeps the first layer (what it does with the embeddings' output) and the last
-    `context` layers (the turn from forward to backward); each middle layer adds its own increment."""
-    if len(types) <= context + 2:
-        return unit(tuple(types))
-    first, last = tuple(types[:1]), tuple(types[-context:])
-    base = unit(first + last)
+    Every unit keeps the first layer (what it does with the embeddings' output), the last one (the turn
+    from forward to backward) and one layer of each attention kind the stack has (a model builds one
+    mask per kind present, once, whatever the number of layers using it); each other layer adds its
+    own increment over that base.
+    """
+    types = tuple(types)
+    if len(types) <= 3:
+        return unit(types)
+    first, middle, last = types[0], types[1:-1], types[-1]
+    kinds = {first[0], last[0]}
+    representatives = []
+    for index, layer_type in enumerate(middle):
+        if layer_type[0] not in kinds:
+            kinds.add(layer_type[0])
+            representatives.append(index)
+    context = tuple(middle[i] for i in representatives)
+    base = unit((first,) + context + (last,))
     total = base
-    for layer_type in types[1:-context]:
-        total = total + (unit(first + (layer_type,) + last) - base)
+    for index, layer_type in enumerate(middle):
+        if index not in representatives:
+            total = total + (unit((first,) + context + (layer_type, last)) - base)
     return total
 
 

@@ -1,0 +1,178 @@
+"""jobspec.model.trace: the model's inventory, the composed trace against the full one, errors, the cache.
+
+The full trace runs every layer of the model with the training patch itself (transformers'
+gradient_checkpointing_enable, or jobspec's one-in-k wrapper); the composed one traces units of at
+most three layers (`spec.model_profile.compose`). They must agree exactly, peak and regions, for
+uniform stacks, alternating local/global attention (gemma2's layer_types), grouped-query attention,
+tied and untied heads and every checkpointing pattern the fit search tries.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jobspec.errors import SpecError
+from jobspec.model.build import build_model
+from jobspec.model.trace import ModelTracer, job_profiler, model_key
+
+LLAMA = {"hidden_size": 64, "num_hidden_layers": 7, "num_attention_heads": 8, "num_key_value_heads": 2,
+         "intermediate_size": 172, "vocab_size": 2000, "max_position_embeddings": 128,
+         "tie_word_embeddings": False, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+GEMMA2 = {**LLAMA, "head_dim": 8, "sliding_window": 16}
+BERT = {"hidden_size": 48, "num_hidden_layers": 7, "num_attention_heads": 4, "intermediate_size": 192,
+        "vocab_size": 3000, "max_position_embeddings": 128}
+GPT2 = {"n_embd": 32, "n_layer": 7, "n_head": 4, "vocab_size": 2000, "n_positions": 128}
+
+
+def spec_for(architecture, task="causal-lm", config=None, attention="eager", freeze=(), num_labels=2):
+    return {"model": {"architecture": architecture, "task": task, "num_labels": num_labels,
+                      "config": dict(config or {}), "attention": attention, "freeze": list(freeze)},
+            "training": {"seed": 0, "micro_batch_size": 2}, "data": {},
+            "memory": {"precision": "bf16", "activation_checkpointing": False}}
+
+
+SETTINGS = [False, True, {"every_n_layers": 2}, {"every_n_layers": 3}, {"every_n_layers": 4}]
+
+
+@pytest.mark.parametrize("checkpointing", SETTINGS, ids=["off", "every1", "every2", "every3", "every4"])
+@pytest.mark.parametrize("architecture, task, config, attention, precision", [
+    ("llama", "causal-lm", LLAMA, "sdpa", "bf16"),                       # GQA, untied head, stand-in kernel
+    ("gemma2", "causal-lm", GEMMA2, "eager", "bf16"),                    # alternating sliding/global layers
+    ("bert", "sequence-classification", BERT, "eager", "fp32"),          # post-LN encoder, dropout masks
+    ("gpt2", "causal-lm", GPT2, "sdpa", "fp16"),                         # tied head
+], ids=["llama-sdpa", "gemma2-eager", "bert-eager", "gpt2-sdpa"])
+def test_the_composed_trace_equals_the_full_trace(architecture, task, config, attention, precision, checkpointing):
+    tracer = ModelTracer(spec_for(architecture, task, config, attention))
+    if architecture == "gemma2":
+        assert tracer.inventory().layer_kinds[:2] == ("sliding_attention", "full_attention")
+    composed = tracer.profile(precision, 2, 64, checkpointing)
+    full = tracer.full(precision, 2, 64, checkpointing)
+    assert composed.method == "composed"
+    assert composed.activations == full   # peak, every region and the FLOPs, to the byte
+
+
+def test_checkpointing_and_sequence_length_move_the_trace_as_they_should():
+    tracer = ModelTracer(spec_for("llama", config=LLAMA, attention="sdpa"))
+    off = tracer.profile("bf16", 2, 64, False).activations
+    every = tracer.profile("bf16", 2, 64, True).activations
+    longer = tracer.profile("bf16", 2, 128, False).activations
+    double_batch = tracer.profile("bf16", 4, 64, False).activations
+    assert every.regions["layers"] < off.regions["layers"] / 2
+    assert every.regions["logits_and_loss"] == off.regions["logits_and_loss"]
+    assert every.flops > off.flops                      # the recompute
+    assert 1.8 < double_batch.peak / off.peak <= 2.0    # activations scale with the batch (ids, masks...)
+    assert longer.peak > 1.9 * off.peak
+    assert sum(off.regions.values()) == off.peak
+
+
+def test_eager_attention_keeps_the_scores_and_the_kernels_do_not():
+    eager = ModelTracer(spec_for("llama", config=LLAMA, attention="eager")).profile("bf16", 2, 128, False)
+    sdpa = ModelTracer(spec_for("llama", config=LLAMA, attention="sdpa")).profile("bf16", 2, 128, False)
+    heads, layers = LLAMA["num_attention_heads"], LLAMA["num_hidden_layers"]
+    scores = 2 * heads * 128 * 128 * layers            # batch x heads x s x s, per layer, at least 1 byte each
+    assert eager.activations.regions["layers"] - sdpa.activations.regions["layers"] > scores
+
+
+@pytest.mark.parametrize("architecture, task, config", [
+    ("llama", "causal-lm", LLAMA),
+    ("llama", "causal-lm", {**LLAMA, "tie_word_embeddings": True}),
+    ("gpt2", "causal-lm", GPT2),
+    ("gemma2", "causal-lm", GEMMA2),
+    ("bert", "sequence-classification", BERT),
+    ("deberta-v2", "sequence-classification", {**BERT, "relative_attention": True, "pos_att_type": ["p2c", "c2p"]}),
+    ("mlp", "sequence-classification", {"hidden_size": 64, "num_layers": 3, "vocab_size": 500}),
+])
+def test_the_inventory_counts_the_model_training_builds(architecture, task, config):
+    spec = spec_for(architecture, task, config)
+    model = build_model(spec)
+    inventory = ModelTracer(spec).inventory()
+    assert inventory.total == sum(p.numel() for p in model.parameters())   # tied weights once
+    assert [name for name, _, _ in inventory.tensors] == [name for name, _ in model.named_parameters()]
+    assert inventory.buffer_float_elements + inventory.buffer_other_bytes >= 0
+    assert inventory.num_layers == config.get("num_hidden_layers", config.get("n_layer", config.get("num_layers")))
+    layer = max(sum(p.numel() for p in layer.parameters()) for layer in
+                __import__("jobspec.model.structure", fromlist=["x"]).find_layer_stack(model))
+    assert inventory.layer_params == layer
+
+
+def test_frozen_parameters_are_not_trainable_in_the_inventory():
+    spec = spec_for("bert", "sequence-classification", BERT, freeze=["embeddings.*", "encoder.layer.0.*"])
+    model = build_model(spec)
+    inventory = ModelTracer(spec).inventory()
+    frozen = sum(p.numel() for n, p in model.named_parameters() if n.startswith(("bert.embeddings.",
+                                                                                    "bert.encoder.layer.0.")))
+    assert inventory.frozen == frozen and inventory.trainable == inventory.total - frozen
+
+
+def test_a_mixture_of_experts_is_refused_by_name():
+    config = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "intermediate_size": 64, "vocab_size": 500, "num_local_experts": 4, "num_experts_per_tok": 2}
+    with pytest.raises(SpecError, match="'mixtral' routes each token to 4 experts") as err:
+        ModelTracer(spec_for("mixtral", config=config)).profile("bf16", 1, 16, False)
+    assert err.value.issues[0].path == ("model",)
+
+
+@pytest.mark.parametrize("architecture, config, path, needle", [
+    ("llamma", {}, ("model", "architecture"), "did you mean llama"),
+    ("llama", {**LLAMA, "hidden_size": 60}, ("model", "config"), "hidden size (60) is not a multiple"),
+])
+def test_a_model_that_cannot_be_built_is_a_positioned_one_line_error(architecture, config, path, needle):
+    with pytest.raises(SpecError) as err:
+        ModelTracer(spec_for(architecture, config=config)).profile("bf16", 1, 16, False)
+    issue = err.value.issues[0]
+    assert issue.path == path and needle in str(err.value) and "\n" not in issue.message
+
+
+def test_the_disk_cache_answers_without_tracing_and_keys_on_what_changes_a_trace(tmp_path, monkeypatch):
+    spec = spec_for("llama", config={**LLAMA, "num_hidden_layers": 3}, attention="sdpa")
+    first = ModelTracer(spec, tmp_path).profile("bf16", 2, 32, True)
+    from jobspec.model import trace
+
+    def no_tracing(*_a, **_k):
+        raise AssertionError("traced although cached")
+
+    monkeypatch.setattr(trace.ModelTracer, "_trace", no_tracing)
+    monkeypatch.setattr(trace.ModelTracer, "_build", no_tracing)
+    again = ModelTracer(spec, tmp_path).profile("bf16", 2, 32, True)
+    assert again == first
+    with pytest.raises(AssertionError, match="traced although cached"):
+        ModelTracer(spec, tmp_path).profile("bf16", 2, 64, True)       # another sequence length
+    other = spec_for("llama", config={**LLAMA, "num_hidden_layers": 3}, attention="eager")
+    assert model_key(other) != model_key(spec)
+
+
+def test_a_damaged_cache_entry_is_traced_again(tmp_path):
+    spec = spec_for("gpt2", config={**GPT2, "n_layer": 2})
+    good = ModelTracer(spec, tmp_path).profile("fp32", 1, 16, False)
+    for path in tmp_path.rglob("*.json"):
+        path.write_text("{not json")
+    assert ModelTracer(spec, tmp_path).profile("fp32", 1, 16, False) == good
+
+
+def test_concurrent_launches_leave_whole_entries(tmp_path):
+    """Two processes tracing the same model into one cache at once (two launches of a sweep): both get
+    the same plan and every entry is whole JSON afterwards (written to a temporary file, then renamed)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import json, sys\n"
+        "from jobspec.model.trace import ModelTracer\n"
+        f"spec = {spec_for('gpt2', config={**GPT2, 'n_layer': 4})!r}\n"
+        "p = ModelTracer(spec, __import__('pathlib').Path(sys.argv[1])).profile('fp32', 1, 16, {'every_n_layers': 2})\n"
+        "print(p.activations.peak)\n")
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=300)[0].strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs) and outs[0] == outs[1] and outs[0].isdigit()
+    entries = list(tmp_path.rglob("*.json"))
+    assert entries and all(json.loads(p.read_text()) for p in entries)
+    assert not list(tmp_path.rglob(".tmp-*"))
+
+
+def test_the_job_profiler_reads_the_spec_setting(tmp_path):
+    spec = spec_for("gpt2", config={**GPT2, "n_layer": 2})
+    spec["memory"] = {"precision": "fp32", "activation_checkpointing": {"every_n_layers": 1}}
+    profile = job_profiler(tmp_path)(spec, 16)
+    assert profile == ModelTracer(spec, tmp_path).profile("fp32", 2, 16, {"every_n_layers": 1})
