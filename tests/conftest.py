@@ -18,6 +18,13 @@ from jobspec.spec.schema import fill_defaults
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
+# The planner's trace cache (jobspec/model/trace.py): one per test session, shared by every test and
+# the processes they start, so a model is traced once and ~/.cache is left alone.
+if not os.environ.get("JOBSPEC_CACHE_DIR"):
+    import tempfile
+
+    os.environ["JOBSPEC_CACHE_DIR"] = tempfile.mkdtemp(prefix="jobspec-test-cache-")
+
 
 def free_port() -> int:
     with socket.socket() as sock:

@@ -343,6 +343,7 @@ def _run_step(model, spec: dict, micro_batch: int, seq_len: int, stack) -> UnitT
     base = getattr(model, "base_model_prefix", "")
     layer_prefix = _layer_prefix(model, stack, root)
     counter = _LiveStorages(lambda: _region(tracker.parents, root, base, layer_prefix))
+    counter.ignore(params + list(model.buffers()))
     # No garbage collection while tracing: a collection frees tensors held in reference cycles at
     # whatever moment it happens to run, which would make the peak depend on the interpreter's timing.
     collecting = gc.isenabled()
@@ -424,6 +425,13 @@ class _LiveStorages:
                 self.events.append((serial, size, region))
                 self.seen[id(storage)] = (serial, weakref.ref(
                     storage, functools.partial(self._freed, id(storage), serial, size, region)))
+
+            def ignore(self, tensors) -> None:
+                """Storages that exist before the step (parameters, buffers): a view of one (a weight's
+                transpose) is not a new allocation."""
+                for t in tensors:
+                    storage = t.untyped_storage()
+                    self.seen[id(storage)] = (-1, storage)
 
             def _freed(self, key, serial, size, region, _ref) -> None:
                 self.seen.pop(key, None)
