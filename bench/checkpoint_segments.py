@@ -187,17 +187,15 @@ def measure(model, batch, repeats: int) -> dict:
 
 
 def planner_activations(hidden: int, layers: int, batch: int, seq: int, every: int | None) -> int:
-    """What jobspec's planner predicts for the same model and batch (activation rows only)."""
-    from jobspec.memory.planner import activation_bytes
-    from jobspec.spec.derived import derive
+    """What jobspec's planner predicts for the same model and batch (the traced activation peak)."""
+    from jobspec.model.trace import ModelTracer
     from jobspec.spec.schema import fill_defaults
 
     spec = fill_defaults({"model": {"architecture": "mlp", "num_labels": LABELS,
                                     "config": {"hidden_size": hidden, "num_layers": layers, "vocab_size": VOCAB}},
                           "data": {"synthetic": {"seq_len": seq}}, "training": {"micro_batch_size": batch},
                           "memory": {"activation_checkpointing": {"every_n_layers": every} if every else False}})
-    parts = activation_bytes(spec, derive(spec), 4)
-    return sum(parts.values())
+    return ModelTracer(spec).profile("fp32", batch, seq, spec["memory"]["activation_checkpointing"]).activations.peak
 
 
 def main(argv=None) -> int:

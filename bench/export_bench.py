@@ -102,11 +102,10 @@ def export(source: Path, out: Path, log: Path, *options: str) -> dict:
 
 
 def parameters(job: Path, overrides=()) -> int:
-    from jobspec.spec.model_dims import model_dims, read_local_config
+    from jobspec.model.trace import ModelTracer
     from jobspec.spec.validation import load_and_validate
     spec = load_and_validate(job, list(overrides)).spec
-    dims = model_dims(spec, read_local_config(spec["model"]["name_or_path"]))
-    return dims.num_parameters(spec["model"]["task"], spec["model"]["num_labels"])
+    return ModelTracer(spec).inventory().total
 
 
 def size_check(numbers: dict, params: int) -> str:

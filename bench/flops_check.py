@@ -1,4 +1,4 @@
-"""FLOPs per token at real model sizes: jobspec.spec.flops vs the old 6N formula vs torch's counter.
+"""FLOPs per token at real model sizes: the planner's trace vs the old 6N formula vs torch's counter.
 
     python bench/flops_check.py              # every row, on the meta device (shapes only, seconds)
     python bench/flops_check.py --device cpu --only GPT-2   # real tensors, batch 1 (slow at these sizes)
@@ -6,8 +6,8 @@
 Each row builds the model jobspec trains (jobspec.model.build.build_model, eager attention) from its config,
 runs one forward + backward under torch.utils.flop_counter.FlopCounterMode (matrix products only;
 on the meta device it counts from the shapes, nothing is computed) and divides by the tokens.
-Columns, in GFLOP per trained token: jobspec (model FLOPs; hardware FLOPs on the checkpointed rows,
-which the counter sees recomputed), the old formula (6N + 12Lhs, N counting the embeddings, plus
+Columns, in GFLOP per trained token: jobspec (jobspec.model.trace: fake tensors, layers composed from
+short units; model FLOPs, hardware FLOPs on the checkpointed rows, which the counter sees recomputed), the old formula (6N + 12Lhs, N counting the embeddings, plus
 its recompute term), torch, and the ratios to torch.
 """
 from __future__ import annotations
@@ -25,9 +25,9 @@ import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from jobspec.model.build import build_model  # noqa: E402
+from jobspec.model.structure import gradient_checkpointing  # noqa: E402
+from jobspec.model.trace import ModelTracer  # noqa: E402
 from jobspec.spec.model_dims import model_dims  # noqa: E402
-from jobspec.train.patches import gradient_checkpointing  # noqa: E402
-from jobspec.spec.flops import training_flops  # noqa: E402
 
 LARGE_ENCODER = {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16,
                  "intermediate_size": 4096}
@@ -57,9 +57,8 @@ ROWS = [
 NUM_LABELS = 2
 
 
-def old_formula(dims, task: str, seq_len: int, checkpointing) -> float:
-    """The formula jobspec.train.metrics.flops_per_token used before issue 10, from ModelDims."""
-    params = dims.num_parameters(task, NUM_LABELS)
+def old_formula(dims, params: int, seq_len: int, checkpointing) -> float:
+    """The formula jobspec.train.metrics.flops_per_token used before issue 10 (N: every parameter)."""
     layers, hidden, vocab = dims.num_layers, dims.hidden_size, dims.vocab_size
     flops = 6 * params + 12 * layers * hidden * seq_len
     if checkpointing:
@@ -112,11 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         spec = {"model": {"architecture": architecture, "task": task, "num_labels": NUM_LABELS,
                           "config": dict(config), "attention": "eager"},
                 "memory": {"activation_checkpointing": checkpointing}, "training": {"seed": 0}, "data": {}}
-        dims = model_dims(spec)
-        flops = training_flops(dims, task=task, num_labels=NUM_LABELS, seq_len=seq_len,
-                               activation_checkpointing=checkpointing)
-        ours = flops.hardware_flops_per_token if checkpointing else flops.model_flops_per_token
-        old = old_formula(dims, task, seq_len, checkpointing)
+        tracer = ModelTracer(spec)
+        profile = tracer.profile("fp32", 1, seq_len, checkpointing)
+        ours = profile.hardware_flops_per_token if checkpointing else profile.model_flops_per_token
+        old = old_formula(model_dims(spec), tracer.inventory().total, seq_len, checkpointing)
         torch_flops = counted(spec, seq_len, args.device)
         print(f"| {label} | {seq_len} | {ours / 1e9:.3f} | {old / 1e9:.3f} | {torch_flops / 1e9:.3f} | "
               f"{ours / torch_flops:.4f} | {old / torch_flops:.2f} |", flush=True)

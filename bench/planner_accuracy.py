@@ -28,8 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from jobspec.compile.compiler import compile_spec  # noqa: E402
 from jobspec.spec.derived import derive  # noqa: E402
 from jobspec.memory.planner import CUDA_CONTEXT_BYTES, plan_memory  # noqa: E402
+from jobspec.model.trace import job_profiler  # noqa: E402
 from jobspec.units import MiB  # noqa: E402
 from jobspec.spec.schema import fill_defaults  # noqa: E402
+
+PROFILER = job_profiler()   # the planner's traced model profile, unit traces cached on disk
 
 MODELS = {
     "bert-large": {"architecture": "bert", "config": {"hidden_size": 1024, "num_hidden_layers": 24,
@@ -90,6 +93,185 @@ GUIDE = [
 ]
 
 
+# ---------------------------------------------------------------------------------------- --memtracker
+# The planner's activation term (the composed trace) against an independent full-model reference:
+# PyTorch's own MemTracker (torch.distributed._tools.mem_tracker) over one forward + backward of the
+# whole model on fake CPU tensors. Real model sizes; some stacks are cut to fewer layers (the label says
+# so) to keep the run near 4 minutes on 2 cores (a fake op costs ~90 µs, its memory nothing).
+_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+MT_MODELS = {
+    "bert-large": ("bert", "sequence-classification", {
+        "hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16, "intermediate_size": 4096}),
+    "bert-base": ("bert", "sequence-classification", {
+        "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072}),
+    "xlmr-large": ("xlm-roberta", "sequence-classification", MODELS["xlmr-large"]["config"]),
+    "xlmr-base": ("xlm-roberta", "sequence-classification", {
+        "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072,
+        "vocab_size": 250002, "max_position_embeddings": 514, "type_vocab_size": 1}),
+    "gpt2-124M": ("gpt2", "causal-lm", {"n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257,
+                                        "n_positions": 1024}),
+    "llama-3-8B": ("llama", "causal-lm", {
+        "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "intermediate_size": 14336, "vocab_size": 128256, "max_position_embeddings": 8192,
+        "rope_theta": 500000.0, "tie_word_embeddings": False, **_IDS}),
+    "qwen2.5-0.5B": ("qwen2", "causal-lm", {
+        "hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+        "intermediate_size": 4864, "vocab_size": 151936, "max_position_embeddings": 32768,
+        "tie_word_embeddings": True, **_IDS}),
+    "gemma-2-2B": ("gemma2", "causal-lm", {
+        "hidden_size": 2304, "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "head_dim": 256, "intermediate_size": 9216, "vocab_size": 256000, "sliding_window": 4096,
+        "query_pre_attn_scalar": 256, "max_position_embeddings": 8192, **_IDS}),
+    "phi-3-mini": ("phi3", "causal-lm", {
+        "hidden_size": 3072, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+        "intermediate_size": 8192, "vocab_size": 32064, "max_position_embeddings": 4096,
+        "sliding_window": 2047, **_IDS}),
+    "mistral-7B": ("mistral", "causal-lm", {
+        "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "intermediate_size": 14336, "vocab_size": 32768, "max_position_embeddings": 32768,
+        "sliding_window": None, **_IDS}),
+    "deberta-v3-base": ("deberta-v2", "sequence-classification", {
+        "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072,
+        "vocab_size": 128100, "max_position_embeddings": 512, "type_vocab_size": 0, "relative_attention": True,
+        "max_relative_positions": -1, "position_buckets": 256, "norm_rel_ebd": "layer_norm",
+        "share_att_key": True, "pos_att_type": ["p2c", "c2p"], "position_biased_input": False,
+        "layer_norm_eps": 1e-7}),
+    "llama-tiny": ("llama", "causal-lm", {
+        "hidden_size": 64, "num_hidden_layers": 6, "num_attention_heads": 8, "num_key_value_heads": 2,
+        "intermediate_size": 172, "vocab_size": 2000, "max_position_embeddings": 128,
+        "tie_word_embeddings": False, **_IDS}),
+}
+# (model, layers (None: all), attention, precision, micro-batch, seq, checkpointing)
+MT_SETTINGS = [
+    ("bert-large", None, "eager", "fp32", 4, 512, False),
+    ("bert-base", None, "sdpa", "bf16", 32, 128, False),
+    ("xlmr-large", None, "eager", "fp16", 8, 512, True),
+    ("xlmr-base", None, "eager", "fp32", 8, 512, {"every_n_layers": 2}),
+    ("gpt2-124M", None, "sdpa", "fp16", 4, 1024, False),
+    ("llama-3-8B", None, "sdpa", "bf16", 1, 4096, True),
+    ("llama-3-8B", 8, "sdpa", "fp32", 1, 2048, {"every_n_layers": 4}),
+    ("qwen2.5-0.5B", None, "sdpa", "bf16", 4, 2048, False),
+    ("gemma-2-2B", 8, "eager", "bf16", 2, 2048, {"every_n_layers": 3}),
+    ("phi-3-mini", 8, "sdpa", "fp16", 2, 4096, True),
+    ("mistral-7B", 8, "eager", "fp32", 1, 1024, False),
+    ("deberta-v3-base", None, "eager", "fp16", 8, 512, {"every_n_layers": 2}),
+]
+# one tiny setting for the test suite (`--quick`): seconds, not minutes
+MT_QUICK = [("llama-tiny", None, "sdpa", "bf16", 2, 64, {"every_n_layers": 2})]
+
+
+def mt_spec(model: str, layers: int | None, attention: str) -> dict:
+    architecture, task, config = MT_MODELS[model]
+    config = dict(config)
+    if layers is not None:
+        key = next(k for k in ("num_hidden_layers", "n_layer") if k in config)
+        config[key] = layers
+    return fill_defaults({
+        "name": "memtracker", "model": {"architecture": architecture, "task": task, "config": config,
+                                        "attention": attention},
+        "data": {"synthetic": {"seq_len": 128, "num_samples": 8}},
+        "training": {"max_steps": 1, "micro_batch_size": 1, "global_batch_size": 1},
+        "logging": {"mlflow": {"enabled": False}},
+    })
+
+
+def mt_label(model, layers, attention, precision, micro, seq, ckpt) -> str:
+    architecture, _, config = MT_MODELS[model]
+    total = config.get("num_hidden_layers", config.get("n_layer"))
+    stack = f" ({layers} of {total} layers)" if layers is not None else ""
+    ckpt_text = "ckpt off" if not ckpt else "ckpt every layer" if ckpt is True else \
+        f"ckpt every {ckpt['every_n_layers']}"
+    return f"{model}{stack} [{architecture}], {attention}, {precision}, {micro} x {seq}, {ckpt_text}"
+
+
+def memtracker_peak(spec: dict, precision: str, micro: int, seq: int, checkpointing) -> dict:
+    """One forward + backward of the whole model under torch's MemTracker, on fake CPU tensors, built
+    and fed as the planner's tracer does; parameter gradients dropped as soon as they are accumulated
+    (ZeRO's hooks do that; the planner counts gradients apart). Returns MemTracker's peak snapshot
+    (bytes by reference type) and `activations`: its peak total less parameters and buffers."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from jobspec.model.structure import gradient_checkpointing
+    from jobspec.model.trace import PRECISION_DTYPES, ModelTracer, _inputs, _sdpa_stand_in, checkpoint_setting
+
+    model = ModelTracer(spec)._build(layers=None)
+    model.train()
+    every, reentrant = checkpoint_setting(checkpointing)
+    if every:
+        gradient_checkpointing(model, every, reentrant)
+    model = model.to(getattr(torch, PRECISION_DTYPES[precision]))   # on meta: no memory
+    tracker = MemTracker()
+    collecting = gc.isenabled()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = model.to_empty(device="cpu")
+        tracker.track_external(model)
+        gc.disable()   # as in the tracer: no collection at an arbitrary moment of the step
+        try:
+            with _sdpa_stand_in(), tracker:
+                batch = _inputs(spec, getattr(model, "config", None), micro, seq)
+                output = model(**batch)
+                loss = output.loss if hasattr(output, "loss") else output["loss"]
+                # after the forward: MemTracker's own post-accumulate hooks (installed at each module's
+                # first forward) read p.grad, so they must run before this one drops it
+                for p in model.parameters():
+                    if p.requires_grad:
+                        p.register_post_accumulate_grad_hook(_drop_grad)
+                loss.backward()
+                del output, loss, batch
+        finally:
+            if collecting:
+                gc.enable()
+    peak = {}
+    for snapshot in tracker.get_tracker_snapshot("peak").values():   # one device: cpu
+        for kind, nbytes in snapshot.items():
+            name = getattr(kind, "value", kind)
+            peak[name] = peak.get(name, 0) + nbytes
+    peak["activations"] = peak["Total"] - peak.get("Parameter", 0) - peak.get("Buffer", 0)
+    return peak
+
+
+def _drop_grad(param) -> None:
+    param.grad = None
+
+
+def memtracker_row(setting: tuple) -> dict:
+    """The planner's composed activation peak and MemTracker's full-model peak for one setting."""
+    import time
+
+    from jobspec.model.trace import ModelTracer
+
+    model, layers, attention, precision, micro, seq, ckpt = setting
+    spec = mt_spec(model, layers, attention)
+    started = time.monotonic()
+    planned = ModelTracer(spec).profile(precision, micro, seq, ckpt).activations
+    planned_s = time.monotonic() - started
+    reference = memtracker_peak(spec, precision, micro, seq, ckpt)
+    return {"label": mt_label(*setting), "planner": planned.peak, "memtracker": reference["activations"],
+            "error": planned.peak / reference["activations"] - 1, "peak": reference,
+            "seconds": (planned_s, time.monotonic() - started - planned_s)}
+
+
+def run_memtracker(settings: list) -> list[dict]:
+    rows, out = [], []
+    for setting in settings:
+        row = memtracker_row(setting)
+        rows.append(row)
+        peak = row["peak"]
+        print(f"planner_accuracy: {row['label']}: planner {row['seconds'][0]:.0f} s, MemTracker "
+              f"{row['seconds'][1]:.0f} s", file=sys.stderr, flush=True)
+        out.append((row["label"], f"{row['planner'] / MiB:.1f}", f"{row['memtracker'] / MiB:.1f}",
+                    f"{100 * row['error']:+.2f}%",
+                    " / ".join(f"{peak.get(k, 0) / MiB:.0f}" for k in ("Activation", "Temp", "Gradient"))))
+    table(out, ["setting", "planner activations MiB", "MemTracker MiB", "error",
+                "MemTracker at its peak: activation / temp / gradient MiB"])
+    errors = [abs(r["error"]) for r in rows]
+    print(f"\nmedian |error|: {100 * statistics.median(errors):.2f}%, max |error|: {100 * max(errors):.2f}% "
+          f"over {len(rows)} settings")
+    return rows
+
+
 def row_spec(model, seq, micro, precision, ckpt, optimizer, stage, offload, accumulation=1, attention="sdpa"):
     return fill_defaults({
         "name": "bench", "model": {**MODELS[model], "task": "sequence-classification", "attention": attention},
@@ -112,7 +294,7 @@ def measure(spec: dict, steps: int = 3) -> tuple[int, int | None]:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-    compiled = compile_spec(spec, derive(spec))
+    compiled = compile_spec(spec, derive(spec, profiler=PROFILER))
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -151,14 +333,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="predictions only, no GPU needed")
     parser.add_argument("--guide", action="store_true", help="compare with the HF guide's bert-large rows")
+    parser.add_argument("--memtracker", action="store_true",
+                        help="planner activations vs torch's MemTracker over fake tensors (CPU, ~4 min)")
+    parser.add_argument("--quick", action="store_true", help=argparse.SUPPRESS)   # --memtracker, one tiny row
+    parser.add_argument("--seeds", action="store_true", help="planner totals next to seed 000's XLM-R rows")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows (bytes) as JSON here")
     args = parser.parse_args(argv)
+    if args.memtracker:
+        rows = run_memtracker(MT_QUICK if args.quick else MT_SETTINGS)
+        return 0 if all(abs(r["error"]) <= 0.05 for r in rows) else 1
+    if args.seeds:
+        return run_seeds()
     if args.guide:
         out, errors = [], []
         for label, micro, accumulation, precision, ckpt, optimizer, measured_mb in GUIDE:
             spec = row_spec("bert-large", 512, micro, precision, ckpt, optimizer, 0, "none", accumulation,
                             attention="eager")   # the guide predates SDPA in BERT
-            plan = plan_memory(spec, derive(spec))
+            plan = plan_memory(spec, derive(spec, profiler=PROFILER))
             predicted_mb = (plan.peak_reserved + GUIDE_CONTEXT) / 10**6
             errors.append(abs(predicted_mb / measured_mb - 1))
             out.append((label, f"{predicted_mb:.0f}", measured_mb, f"{100 * (predicted_mb / measured_mb - 1):+.1f}%"))
@@ -172,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     out, errors, records = [], [], []
     for label, row, kwargs in all_rows():
         spec = row_spec(*row, **kwargs)
-        plan = plan_memory(spec, derive(spec))
+        plan = plan_memory(spec, derive(spec, profiler=PROFILER))
         record = {"label": label, "predicted_allocated": plan.peak_allocated, "predicted_nvml": plan.nvml_total,
                   "measured_allocated": None, "nvml_used": None}
         if not args.dry_run:

@@ -504,7 +504,7 @@ def test_model_dims_precedence_and_aliases(tmp_path):
 def test_model_dims_unknown_architecture():
     assert model_dims({"model": {"architecture": "someformer", "config": {}}}) is None
     dims = model_dims({"model": {"architecture": "someformer", "config": {"hidden_size": 96}}})
-    assert dims.hidden_size == 96 and dims.num_parameters() is None
+    assert dims.hidden_size == 96
 
 
 TINY_CONFIGS = {
@@ -543,18 +543,21 @@ def _transformers_count(architecture: str, config: dict, task: str, num_labels: 
 @pytest.mark.parametrize("architecture", sorted(TINY_CONFIGS))
 @pytest.mark.parametrize("task", ["sequence-classification", "token-classification", "lm"])
 def test_num_parameters_tiny(architecture, task):
+    """The planner's inventory (jobspec.model.trace) is the task model transformers builds, tied weights once."""
+    from jobspec.model.trace import ModelTracer
     task = LM_TASK[architecture] if task == "lm" else task
     config = TINY_CONFIGS[architecture]
-    dims = model_dims({"model": {"architecture": architecture, "config": config}})
-    assert dims.num_parameters(task, num_labels=3) == _transformers_count(architecture, config, task, 3)
+    spec = {"model": {"architecture": architecture, "config": config, "task": task, "num_labels": 3}}
+    assert ModelTracer(spec).inventory().total == _transformers_count(architecture, config, task, 3)
 
 
 @pytest.mark.parametrize("architecture, config", REAL_CONFIGS)
 @pytest.mark.parametrize("task", ["sequence-classification", "lm"])
 def test_num_parameters_real_sizes(architecture, config, task):
+    from jobspec.model.trace import ModelTracer
     task = LM_TASK[architecture] if task == "lm" else task
-    dims = model_dims({"model": {"architecture": architecture, "config": config}})
-    assert dims.num_parameters(task) == _transformers_count(architecture, config, task, 2)
+    spec = {"model": {"architecture": architecture, "config": config, "task": task, "num_labels": 2}}
+    assert ModelTracer(spec).inventory().total == _transformers_count(architecture, config, task, 2)
 
 
 def test_a_compiled_config_deepspeed_refuses_fails_at_compile_time():

@@ -8,8 +8,8 @@ import torch
 
 from jobspec.errors import SpecError
 from jobspec.spec.optimizers import DEEPSPEED_OPTIMIZERS
-from jobspec.train.patches import (PATCHES, apply_patches, build_client_optimizer,
-                             checkpoint_every_nth_layer, find_layer_stack)
+from jobspec.model.structure import checkpoint_every_nth_layer, find_layer_stack
+from jobspec.train.patches import PATCHES, apply_patches, build_client_optimizer
 from jobspec.spec.schema import enum_values
 
 NUM_LAYERS = 4
