@@ -209,7 +209,7 @@ def memtracker_peak(spec: dict, precision: str, micro: int, seq: int, checkpoint
         tracker.track_external(model)
         gc.disable()   # as in the tracer: no collection at an arbitrary moment of the step
         try:
-            with _sdpa_stand_in(), tracker:
+            with _sdpa_stand_in(), _worst_case_nonzero(), tracker:
                 batch = _inputs(spec, getattr(model, "config", None), micro, seq)
                 output = model(**batch)
                 loss = output.loss if hasattr(output, "loss") else output["loss"]
@@ -234,6 +234,21 @@ def memtracker_peak(spec: dict, precision: str, micro: int, seq: int, checkpoint
 
 def _drop_grad(param) -> None:
     param.grad = None
+
+
+def _worst_case_nonzero():
+    """A dispatch mode below MemTracker giving `nonzero` its worst-case size, as the tracer's `_dispatch`
+    does: fake tensors cannot size a data-dependent output (DeBERTa's classification loss selects its
+    labelled rows with it); MemTracker then tracks the op's output like any other."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from jobspec.model.trace import _dispatch
+
+    class WorstCaseNonzero(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return _dispatch(func, args, kwargs or {})
+
+    return WorstCaseNonzero()
 
 
 def memtracker_row(setting: tuple) -> dict:

@@ -96,15 +96,33 @@ class ModelTracer:
 
     def unit(self, precision: str, micro_batch: int, seq_len: int, types: tuple, *, reentrant: bool = False
              ) -> UnitTrace:
-        """A trace of the model cut to `types` ((attention kind, checkpointed) per layer)."""
-        key = ("unit", precision, micro_batch, seq_len, tuple(types), reentrant)
-        return self._cached(key, lambda: self._trace(precision, micro_batch, seq_len, types=types,
-                                                     reentrant=reentrant))
+        """A trace of the model cut to `types` ((attention kind, checkpointed) per layer).
+
+        Micro-batches above 2 are not traced: every tensor's size is affine in the batch (b·x + y) and
+        the ops do not change with it, so the timelines at 1 and 2 give every event's size at any b
+        exactly (`_extrapolate`); where the two timelines differ in their ops, b is traced."""
+        types = tuple(types)
+
+        def timeline(batch: int) -> dict:
+            key = ("timeline", precision, batch, seq_len, types, reentrant)
+            return self._cached(key, lambda: self._trace(precision, batch, seq_len, types=types,
+                                                         reentrant=reentrant), trace=False)
+
+        def make() -> UnitTrace:
+            if micro_batch > 2:
+                synthetic = _extrapolate(timeline(1), timeline(2), micro_batch)
+                if synthetic is not None:
+                    return _summarize(synthetic)
+            return _summarize(timeline(micro_batch))
+
+        return self._cached(("unit", precision, micro_batch, seq_len, types, reentrant), make)
 
     def full(self, precision: str, micro_batch: int, seq_len: int, checkpointing) -> UnitTrace:
-        """A trace of every layer, checkpointed by the training patch itself (the shortcut's reference)."""
+        """A trace of every layer at the micro-batch itself, checkpointed by the training patch (the
+        reference the shortcuts are tested against)."""
         key = ("full", precision, micro_batch, seq_len, json.dumps(checkpointing, sort_keys=True))
-        return self._cached(key, lambda: self._trace(precision, micro_batch, seq_len, checkpointing=checkpointing))
+        return self._cached(key, lambda: _summarize(self._trace(precision, micro_batch, seq_len,
+                                                                checkpointing=checkpointing)))
 
     # ------------------------------------------------------------------ building
     def _config_for(self, kinds: tuple | None):
@@ -153,7 +171,8 @@ class ModelTracer:
 
     # ------------------------------------------------------------------ tracing
     def _trace(self, precision: str, micro_batch: int, seq_len: int, *, types: tuple | None = None,
-               reentrant: bool = False, checkpointing=None) -> UnitTrace:
+               reentrant: bool = False, checkpointing=None) -> dict:
+        """One traced step: its timeline (`_LiveStorages.timeline`)."""
         import torch
         from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -195,16 +214,18 @@ class ModelTracer:
         return str(self.spec["model"].get("architecture") or getattr(self._config, "model_type", "?"))
 
     # ------------------------------------------------------------------ cache
-    def _cached(self, key: tuple, make):
+    def _cached(self, key: tuple, make, *, trace: bool = True):
+        """`make()` once per key: in this process, then on disk (a UnitTrace, or with trace=False a
+        timeline dict)."""
         if key in self._units:
             return self._units[key]
         name = hashlib.sha256(json.dumps([str(k) for k in key]).encode()).hexdigest()[:24]
         stored = self._load(name)
         if stored is not None:
-            result = UnitTrace.from_dict(stored)
+            result = UnitTrace.from_dict(stored) if trace else stored
         else:
             result = make()
-            self._store(name, result.as_dict())
+            self._store(name, result.as_dict() if trace else result)
         self._units[key] = result
         return result
 
@@ -332,7 +353,7 @@ def _inputs(spec: dict, config, micro_batch: int, seq_len: int) -> dict:
     return batch
 
 
-def _run_step(model, spec: dict, micro_batch: int, seq_len: int, stack) -> UnitTrace:
+def _run_step(model, spec: dict, micro_batch: int, seq_len: int, stack) -> dict:
     """One forward + backward under the counters (inside the caller's FakeTensorMode)."""
     import torch
     from torch.distributed._tools.mod_tracker import ModTracker
@@ -355,7 +376,7 @@ def _run_step(model, spec: dict, micro_batch: int, seq_len: int, stack) -> UnitT
             gc.enable()
 
 
-def _traced_step(model, spec, micro_batch, seq_len, tracker, counter, params) -> UnitTrace:
+def _traced_step(model, spec, micro_batch, seq_len, tracker, counter, params) -> dict:
     with _sdpa_stand_in(), tracker, counter:
         counter.fixed_region = "embeddings"
         batch = _inputs(spec, getattr(model, "config", None), micro_batch, seq_len)
@@ -365,7 +386,7 @@ def _traced_step(model, spec, micro_batch, seq_len, tracker, counter, params) ->
         loss.backward()
         del output, loss, batch
     grads = counter.serials(p.grad.untyped_storage() for p in params if p.grad is not None)
-    return counter.result(exclude=grads)
+    return counter.timeline(exclude=grads)
 
 
 def _layer_prefix(model, stack, root: str) -> str | None:
@@ -420,7 +441,7 @@ class _LiveStorages:
                     return
                 # a serial, not id(): a freed storage's id is reused by later ones
                 serial = len(self.events)
-                size = -(-storage.nbytes() // ALLOCATOR_ROUND) * ALLOCATOR_ROUND
+                size = storage.nbytes()
                 region = self.fixed_region or self.region_of()
                 self.events.append((serial, size, region))
                 self.seen[id(storage)] = (serial, weakref.ref(
@@ -441,20 +462,47 @@ class _LiveStorages:
                 """The serials of these (live) storages, e.g. the parameters' gradients."""
                 return {self.seen[id(st)][0] for st in storages if id(st) in self.seen}
 
-            def result(self, exclude: set) -> UnitTrace:
-                live = dict.fromkeys(REGIONS, 0)
-                total = peak = 0
-                at_peak = dict(live)
-                for key, size, region in self.events:
-                    if key in exclude:
-                        continue
-                    live[region] += size
-                    total += size
-                    if total > peak:
-                        peak, at_peak = total, dict(live)
-                return UnitTrace(peak=peak, regions=at_peak, flops=float(self.flops))
+            def timeline(self, exclude: set) -> dict:
+                """The step as allocations (+bytes) and frees (-bytes) in order, with their regions;
+                the excluded storages (the parameters' gradients) left out."""
+                kept = [(size, region) for key, size, region in self.events if key not in exclude]
+                return {"sizes": [size for size, _ in kept], "regions": "".join(REGION_CODES[r] for _, r in kept),
+                        "flops": float(self.flops)}
 
         return Mode()
+
+
+REGION_CODES = {"layers": "l", "embeddings": "e", "logits_and_loss": "o"}
+_REGION_OF_CODE = {code: region for region, code in REGION_CODES.items()}
+
+
+def _summarize(timeline: dict) -> UnitTrace:
+    """The peak of live bytes over a timeline (each storage rounded to the allocator's 512-byte
+    blocks) and each region's live bytes at that moment."""
+    live = dict.fromkeys(REGIONS, 0)
+    total = peak = 0
+    at_peak = dict(live)
+    for size, code in zip(timeline["sizes"], timeline["regions"]):
+        rounded = -(-abs(size) // ALLOCATOR_ROUND) * ALLOCATOR_ROUND
+        rounded = rounded if size >= 0 else -rounded
+        live[_REGION_OF_CODE[code]] += rounded
+        total += rounded
+        if total > peak:
+            peak, at_peak = total, dict(live)
+    return UnitTrace(peak=peak, regions=at_peak, flops=timeline["flops"])
+
+
+def _extrapolate(one: dict, two: dict, batch: int) -> dict | None:
+    """The timeline at micro-batch `batch` from those at 1 and 2, or None when they differ in their
+    events (then the batch is traced)."""
+    if len(one["sizes"]) != len(two["sizes"]) or one["regions"] != two["regions"]:
+        return None
+    sizes = []
+    for a, b in zip(one["sizes"], two["sizes"]):
+        if (a >= 0) != (b >= 0):
+            return None
+        sizes.append(a + (batch - 1) * (b - a))
+    return {"sizes": sizes, "regions": one["regions"], "flops": one["flops"] + (batch - 1) * (two["flops"] - one["flops"])}
 
 
 def _dispatch(func, args, kwargs):

@@ -46,10 +46,11 @@ def test_the_composed_trace_equals_the_full_trace(architecture, task, config, at
     tracer = ModelTracer(spec_for(architecture, task, config, attention))
     if architecture == "gemma2":
         assert tracer.inventory().layer_kinds[:2] == ("sliding_attention", "full_attention")
-    composed = tracer.profile(precision, 2, 64, checkpointing)
-    full = tracer.full(precision, 2, 64, checkpointing)
-    assert composed.method == "composed"
-    assert composed.activations == full   # peak, every region and the FLOPs, to the byte
+    for micro_batch in (2, 5):   # 5: every unit's timeline extrapolated from micro-batches 1 and 2
+        composed = tracer.profile(precision, micro_batch, 64, checkpointing)
+        full = tracer.full(precision, micro_batch, 64, checkpointing)
+        assert composed.method == "composed"
+        assert composed.activations == full   # peak, every region and the FLOPs, to the byte
 
 
 def test_checkpointing_and_sequence_length_move_the_trace_as_they_should():
