@@ -2,7 +2,7 @@
 
     python bench/planner_accuracy.py            # on a CUDA machine: runs every row (1 GPU)
     python bench/planner_accuracy.py --dry-run  # predictions only (any machine)
-    python bench/planner_accuracy.py --guide    # planner next to the HF single-GPU guide's 7 bert-large rows
+    python bench/planner_accuracy.py --guide    # planner next to the HF single-GPU guide's 9 bert-large rows
     python bench/planner_accuracy.py --json OUT # also the rows as JSON (`python -m bench gpu` reads it)
 
 Each row builds the model from its config (no downloads), wraps it with `deepspeed.initialize` using the
@@ -21,6 +21,7 @@ import json
 import os
 import statistics
 import sys
+import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -39,6 +40,9 @@ MODELS = {
                                                       "num_attention_heads": 16, "intermediate_size": 4096}},
     "xlmr-large": {"architecture": "xlm-roberta", "config": {
         "hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16, "intermediate_size": 4096,
+        "vocab_size": 250002, "max_position_embeddings": 514, "type_vocab_size": 1}},
+    "xlmr-base": {"architecture": "xlm-roberta", "config": {
+        "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072,
         "vocab_size": 250002, "max_position_embeddings": 514, "type_vocab_size": 1}},
 }
 # (model, seq, micro, precision, checkpointing, optimizer, zero stage, optimizer offload)
@@ -88,9 +92,46 @@ GUIDE = [
     ("+ gradient checkpointing", 1, 4, "fp32", True, "adamw", 6775),
     ("fp16, batch 4", 4, 1, "fp16", False, "adamw", 13939),
     ("batch 1 x 4 + ckpt + fp16", 1, 4, "fp16", True, "adamw", 7275),
+    ("Adafactor, batch 4", 4, 1, "fp32", False, "adafactor", 12295),
+    ("batch 1 x 4 + ckpt + fp16 + Adafactor", 1, 4, "fp16", True, "adafactor", 4847),
     ("8-bit AdamW, batch 4", 4, 1, "fp32", False, "adamw_8bit", 13085),
     ("everything", 1, 4, "fp16", True, "adamw_8bit", 5363),
 ]
+
+# Seed 000 (a 2021 blog post): XLM-R base/large sequence classification on one 24 GB RTX 6000, torch AMP
+# (autocast + GradScaler) for "mixed precision", HF checkpointing; its VRAM column (nvidia-smi, read
+# here as GiB: "23.5G" of a 24G card). It states no sequence length: 512 here (the model's maximum),
+# and no optimizer: AdamW. Eager attention (2021). (label, model, batch, precision, ckpt, seed GiB; None: OOM)
+SEED_CARD_GIB = 24
+SEEDS = [
+    ("XLM-R Base", "xlmr-base", 8, "fp32", False, 12.28),
+    ("XLM-R Base 1", "xlmr-base", 8, "fp16", False, 10.95),
+    ("XLM-R Base 2", "xlmr-base", 16, "fp16", False, 16.96),
+    ("XLM-R Large", "xlmr-large", 8, "fp32", False, None),
+    ("XLM-R Large 1", "xlmr-large", 8, "fp16", False, 23.5),
+    ("XLM-R Large 2", "xlmr-large", 8, "fp16", True, 11.8),
+]
+SEED_SEQ = 512
+
+
+def run_seeds() -> int:
+    out = []
+    for label, model, batch, precision, ckpt, seed_gib in SEEDS:
+        spec = row_spec(model, SEED_SEQ, batch, precision, ckpt, "adamw", 0, "none", attention="eager")
+        plan = plan_memory(spec, derive(spec, profiler=PROFILER))
+        predicted = plan.nvml_total / 2**30
+        setting = f"batch {batch}, {'AMP fp16' if precision == 'fp16' else 'fp32'}, ckpt {'on' if ckpt else 'off'}"
+        if seed_gib is None:
+            verdict = "does not fit" if predicted > SEED_CARD_GIB else "fits (seed: OOM)"
+            out.append((label, setting, f"{predicted:.2f}", f"OOM on {SEED_CARD_GIB}", verdict))
+        else:
+            out.append((label, setting, f"{predicted:.2f}", f"{seed_gib:.2f}", f"{100 * (predicted / seed_gib - 1):+.1f}%"))
+    table(out, ["seed row", "setting (seq 512 assumed, eager)", "planner GiB (NVML total: reserved + 500 MiB ctx)",
+                "seed GiB (nvidia-smi)", "error"])
+    print("\nThe planner models DeepSpeed ZeRO-0 (fp16: 16-bit weights and gradients, fp32 master and Adam, a flat "
+          "fp32 gradient at step); the seed ran torch AMP: fp32 weights and gradients, fp16 copies made by "
+          "autocast, no master copy.")
+    return 0
 
 
 # ---------------------------------------------------------------------------------------- --memtracker
@@ -105,9 +146,7 @@ MT_MODELS = {
     "bert-base": ("bert", "sequence-classification", {
         "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072}),
     "xlmr-large": ("xlm-roberta", "sequence-classification", MODELS["xlmr-large"]["config"]),
-    "xlmr-base": ("xlm-roberta", "sequence-classification", {
-        "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072,
-        "vocab_size": 250002, "max_position_embeddings": 514, "type_vocab_size": 1}),
+    "xlmr-base": ("xlm-roberta", "sequence-classification", MODELS["xlmr-base"]["config"]),
     "gpt2-124M": ("gpt2", "causal-lm", {"n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257,
                                         "n_positions": 1024}),
     "llama-3-8B": ("llama", "causal-lm", {
@@ -184,11 +223,17 @@ def mt_label(model, layers, attention, precision, micro, seq, ckpt) -> str:
     return f"{model}{stack} [{architecture}], {attention}, {precision}, {micro} x {seq}, {ckpt_text}"
 
 
-def memtracker_peak(spec: dict, precision: str, micro: int, seq: int, checkpointing) -> dict:
+def memtracker_peak(spec: dict, precision: str, micro: int, seq: int, checkpointing, *, amp: bool = False) -> dict:
     """One forward + backward of the whole model under torch's MemTracker, on fake CPU tensors, built
     and fed as the planner's tracer does; parameter gradients dropped as soon as they are accumulated
     (ZeRO's hooks do that; the planner counts gradients apart). Returns MemTracker's peak snapshot
-    (bytes by reference type) and `activations`: its peak total less parameters and buffers."""
+    (bytes by reference type), `activations`: its peak total less parameters and buffers, and
+    `without_gradients`: the same peak over MemTracker's own updates with the storages that became
+    parameter gradients left out for their whole life, in flight included (what the planner's trace
+    leaves out: `_GradientLedger`). `amp`: fp32 weights, the forward under `_AutocastEmulation` (for
+    `--seeds`, whose mixed precision is torch AMP, not a 16-bit model)."""
+    import contextlib
+
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -204,21 +249,28 @@ def memtracker_peak(spec: dict, precision: str, micro: int, seq: int, checkpoint
     model = model.to(getattr(torch, PRECISION_DTYPES[precision]))   # on meta: no memory
     tracker = MemTracker()
     collecting = gc.isenabled()
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():
+        # ModTracker warns when a module is gone by its backward: the loss modules some heads create
+        # inside forward (BERT's `CrossEntropyLoss()`); only that module's own snapshots are skipped
+        warnings.filterwarnings("ignore", message="Module is None")
         model = model.to_empty(device="cpu")
         tracker.track_external(model)
+        ledger = _GradientLedger(tracker)   # after the parameters and buffers: it sees the step's storages
         gc.disable()   # as in the tracer: no collection at an arbitrary moment of the step
         try:
             with _sdpa_stand_in(), _worst_case_nonzero(), tracker:
                 batch = _inputs(spec, getattr(model, "config", None), micro, seq)
-                output = model(**batch)
-                loss = output.loss if hasattr(output, "loss") else output["loss"]
+                with _AutocastEmulation() if amp else contextlib.nullcontext():
+                    output = model(**batch)
+                    loss = output.loss if hasattr(output, "loss") else output["loss"]
                 # after the forward: MemTracker's own post-accumulate hooks (installed at each module's
                 # first forward) read p.grad, so they must run before this one drops it
                 for p in model.parameters():
                     if p.requires_grad:
-                        p.register_post_accumulate_grad_hook(_drop_grad)
-                loss.backward()
+                        p.register_post_accumulate_grad_hook(ledger.drop_grad)
+                # checkpointed layers recompute under autocast again (torch.utils.checkpoint restores it)
+                with _AutocastEmulation(cache=False) if amp else contextlib.nullcontext():
+                    loss.backward()
                 del output, loss, batch
         finally:
             if collecting:
@@ -229,11 +281,104 @@ def memtracker_peak(spec: dict, precision: str, micro: int, seq: int, checkpoint
             name = getattr(kind, "value", kind)
             peak[name] = peak.get(name, 0) + nbytes
     peak["activations"] = peak["Total"] - peak.get("Parameter", 0) - peak.get("Buffer", 0)
+    peak["without_gradients"] = ledger.peak_without_gradients()
     return peak
 
 
-def _drop_grad(param) -> None:
-    param.grad = None
+class _GradientLedger:
+    """MemTracker's own snapshot updates, logged (its `_update_snap`, and its `_update_peak_stats`, where
+    it takes its peak after each op), to replay them without the parameter gradients' storages.
+
+    MemTracker's peak includes a weight gradient in flight: the storage an op of backward creates and
+    AccumulateGrad then stores as `p.grad` (whereupon this ledger's hook drops it). The planner's
+    trace leaves such storages out over their whole life, since the planner counts gradients as a
+    model state. The replay does the same, with MemTracker's numbers."""
+
+    def __init__(self, tracker):
+        self.tracker = tracker
+        self.events: list = []          # (winfo, bytes) per update; None where MemTracker checks its peak
+        self.gradients: set = set()     # ids of the winfos whose storage became a parameter's .grad
+        update, check = tracker._update_snap, tracker._update_peak_stats
+
+        def logged_update(u_type, winfo, old_mem_consumed=None, old_reftype=None):
+            name = u_type.name
+            delta = {"ADD": winfo.mem_consumed, "DEL": -winfo.mem_consumed,
+                     "SIZE": winfo.mem_consumed - (old_mem_consumed or 0)}.get(name, 0)
+            if delta:
+                self.events.append((winfo, delta))
+            return update(u_type, winfo, old_mem_consumed=old_mem_consumed, old_reftype=old_reftype)
+
+        def logged_check(state):
+            self.events.append(None)
+            return check(state)
+
+        tracker._update_snap, tracker._update_peak_stats = logged_update, logged_check
+
+    def drop_grad(self, param) -> None:
+        winfo, _ = self.tracker._WINFO.get(param.grad.untyped_storage(), (None, None))
+        if winfo is not None:
+            self.gradients.add(id(winfo))
+        param.grad = None
+
+    def peak_without_gradients(self) -> int:
+        total = peak = 0
+        for event in self.events:
+            if event is None:
+                peak = max(peak, total)
+            elif id(event[0]) not in self.gradients:
+                total += event[1]
+        return peak
+
+
+class _AutocastEmulation:
+    """CUDA autocast (fp16) on fake CPU tensors, as a TorchFunctionMode over the ops a transformer
+    calls: CPU autocast has other op lists (no fp32 layer_norm or softmax) and a CPU-only torch cannot
+    make fake CUDA tensors (it aborts at the device guard). The matmul family runs in fp16 (casts of
+    weights cached for the region, as autocast does); layer_norm, softmax, log_softmax and the losses in
+    fp32; everything else in whatever dtype reaches it (the residual adds promote to fp32, as on CUDA).
+    An approximation of autocast's lists, used only to explain the seeds' AMP rows."""
+
+    def __new__(cls, cache: bool = True):
+        import torch
+        import torch.nn.functional as F
+        from torch.overrides import TorchFunctionMode
+        from torch.utils._pytree import tree_map
+
+        low = {F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm,
+               torch.baddbmm, torch.Tensor.baddbmm, torch.addmm, torch.mm, torch.Tensor.mm, torch.einsum}
+        fp32 = {F.layer_norm, F.softmax, torch.softmax, torch.Tensor.softmax, F.log_softmax, torch.log_softmax,
+                torch.Tensor.log_softmax, F.cross_entropy, F.nll_loss, F.binary_cross_entropy_with_logits,
+                F.mse_loss}
+
+        class Mode(TorchFunctionMode):
+            def __init__(self):
+                super().__init__()
+                self.cache = {} if cache else None
+
+            def cast(self, dtype):
+                def to(t):
+                    if not (isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype):
+                        return t
+                    if self.cache is not None and t.is_leaf and t.requires_grad:   # a weight
+                        if (id(t), dtype) not in self.cache:
+                            self.cache[id(t), dtype] = t.to(dtype)
+                        return self.cache[id(t), dtype]
+                    return t.to(dtype)
+                return to
+
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if func in low or func in fp32:
+                    to = self.cast(torch.float16 if func in low else torch.float32)
+                    args, kwargs = tree_map(to, args), tree_map(to, kwargs)
+                return func(*args, **kwargs)
+
+            def __exit__(self, *exc):
+                if self.cache is not None:
+                    self.cache.clear()   # autocast drops its cast cache when the region ends
+                return super().__exit__(*exc)
+
+        return Mode()
 
 
 def _worst_case_nonzero():
@@ -265,6 +410,8 @@ def memtracker_row(setting: tuple) -> dict:
     reference = memtracker_peak(spec, precision, micro, seq, ckpt)
     return {"label": mt_label(*setting), "planner": planned.peak, "memtracker": reference["activations"],
             "error": planned.peak / reference["activations"] - 1, "peak": reference,
+            "without_gradients": reference["without_gradients"],
+            "error_without_gradients": planned.peak / reference["without_gradients"] - 1,
             "seconds": (planned_s, time.monotonic() - started - planned_s)}
 
 
@@ -278,12 +425,16 @@ def run_memtracker(settings: list) -> list[dict]:
               f"{row['seconds'][1]:.0f} s", file=sys.stderr, flush=True)
         out.append((row["label"], f"{row['planner'] / MiB:.1f}", f"{row['memtracker'] / MiB:.1f}",
                     f"{100 * row['error']:+.2f}%",
-                    " / ".join(f"{peak.get(k, 0) / MiB:.0f}" for k in ("Activation", "Temp", "Gradient"))))
+                    " / ".join(f"{peak.get(k, 0) / MiB:.0f}" for k in ("Activation", "Temp", "Gradient")),
+                    f"{row['without_gradients'] / MiB:.1f}", f"{100 * row['error_without_gradients']:+.2f}%"))
     table(out, ["setting", "planner activations MiB", "MemTracker MiB", "error",
-                "MemTracker at its peak: activation / temp / gradient MiB"])
-    errors = [abs(r["error"]) for r in rows]
-    print(f"\nmedian |error|: {100 * statistics.median(errors):.2f}%, max |error|: {100 * max(errors):.2f}% "
-          f"over {len(rows)} settings")
+                "MemTracker at its peak: activation / temp / gradient MiB",
+                "MemTracker, gradient storages left out, MiB", "error"])
+    for key, what in (("error", "MemTracker's peak less parameters and buffers"),
+                      ("error_without_gradients", "the same, parameter-gradient storages left out")):
+        errors = [abs(r[key]) for r in rows]
+        print(f"\nagainst {what}: median |error| {100 * statistics.median(errors):.2f}%, "
+              f"max |error| {100 * max(errors):.2f}% over {len(rows)} settings")
     return rows
 
 

@@ -26,6 +26,14 @@ if not os.environ.get("JOBSPEC_CACHE_DIR"):
     os.environ["JOBSPEC_CACHE_DIR"] = tempfile.mkdtemp(prefix="jobspec-test-cache-")
 
 
+def _profiler():
+    from jobspec.model.trace import job_profiler
+    return job_profiler()
+
+
+PROFILER = _profiler()   # derive(spec, profiler=PROFILER): a job with its measured model, for planning tests
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -103,7 +103,8 @@ def test_table_has_medians_and_ratios():
 
 
 def test_gpu_suite_dry_run_prints_the_predictions_and_exits_0(tmp_path):
-    """CI's run of the GPU acceptance suite: `python -m bench gpu --dry-run` needs no GPU and no torch."""
+    """CI's run of the GPU acceptance suite: `python -m bench gpu --dry-run` needs no GPU: the planner
+    traces the models with torch's fake tensors on the CPU, and nothing starts CUDA or DeepSpeed."""
     import subprocess
     import sys
 
@@ -111,9 +112,10 @@ def test_gpu_suite_dry_run_prints_the_predictions_and_exits_0(tmp_path):
     code = ("import runpy, sys; sys.argv = ['bench', 'gpu', '--dry-run', '--out', sys.argv[1]]\n"
             "try:\n    runpy.run_module('bench', run_name='__main__')\nexcept SystemExit as e:\n"
             "    assert not e.code, e.code\n"
-            "assert 'torch' not in sys.modules, 'the dry run imported torch'\n")
+            "assert 'deepspeed' not in sys.modules, 'the dry run imported deepspeed'\n"
+            "assert 'torch' not in sys.modules or not sys.modules['torch'].cuda.is_initialized()\n")
     done = subprocess.run([sys.executable, "-c", code, str(out)], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=600)
     assert done.returncode == 0, done.stderr
     text = out.read_text()
     assert text in done.stdout

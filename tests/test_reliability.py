@@ -2,6 +2,8 @@
 checkpoint disk, a crash between DeepSpeed's write and `latest`, a truncated checkpoint file."""
 from __future__ import annotations
 
+from conftest import PROFILER
+
 import errno
 import json
 import os
@@ -78,13 +80,13 @@ def test_a_disk_too_small_for_one_checkpoint_is_refused_before_anything_starts(t
     from jobspec.spec.validation import load_and_validate
     tiny = load_and_validate(write_job(tmp_path, "tiny", store))
     run_dir = tmp_path / "run"
-    assert 0 < checkpoint_bytes(tiny.spec, derive(tiny.spec)) < 10 * 2**20
-    assert preflight.disk_space_issues(tiny.spec, derive(tiny.spec), run_dir) == []
+    assert 0 < checkpoint_bytes(tiny.spec, derive(tiny.spec, profiler=PROFILER)) < 10 * 2**20
+    assert preflight.disk_space_issues(tiny.spec, derive(tiny.spec, profiler=PROFILER), run_dir) == []
     # a small disk is described in units that show the numbers (was "0.0 GiB free ... about 0.0 GiB")
     monkeypatch.setattr(preflight.shutil, "disk_usage", lambda d: shutil._ntuple_diskusage(10 * 2**20, 0, 3 * 2**10))
     tiny.spec["checkpoint"]["save_final"] = True
     tiny.spec["export"]["final"] = False
-    [issue] = preflight.disk_space_issues(tiny.spec, derive(tiny.spec), run_dir)
+    [issue] = preflight.disk_space_issues(tiny.spec, derive(tiny.spec, profiler=PROFILER), run_dir)
     assert issue.path == ("checkpoint", "dir")
     assert re.search(r"has 3\.0 KiB free but one checkpoint needs about [1-9][\d.]* (KiB|MiB)", issue.message)
 
@@ -96,7 +98,7 @@ def test_the_exported_model_counts_on_its_own_disk_and_with_the_checkpoints_on_a
     spec = load_and_validate(write_job(tmp_path, "tiny", store)).spec
     spec["checkpoint"].update(save_final=True)
     spec["export"].update(final=True, dtype="fp32")
-    job = derive(spec)
+    job = derive(spec, profiler=PROFILER)
     checkpoint, export = checkpoint_bytes(spec, job), export_bytes(spec, job)
     assert 0 < export < checkpoint
     free = {"bytes": checkpoint + export}

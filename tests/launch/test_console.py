@@ -18,7 +18,7 @@ from jobspec.launch import console
 from jobspec.spec.inputs import derive_job
 from jobspec.spec.validation import load_and_validate
 from jobspec.units import fmt_mib_gib
-from conftest import REPO_ROOT
+from conftest import PROFILER, REPO_ROOT
 
 REPO = REPO_ROOT
 GiB = 2**30
@@ -29,7 +29,7 @@ H100 = Host(gpu_names=("NVIDIA H100 80GB HBM3",), gpu_free=79 * GiB, gpu_total=8
 
 def prepared(job: str, *overrides: str, gpu_free=None):
     resolved = load_and_validate(REPO / "jobs" / job, list(overrides))
-    resolved, derived, memory = at_launch.prepare(resolved, derive_job(resolved.spec), gpu_free)
+    resolved, derived, memory = at_launch.prepare(resolved, derive_job(resolved.spec, profiler=PROFILER), gpu_free)
     from jobspec.compile.compiler import compile_spec
     return resolved.spec, derived, memory, compile_spec(resolved.spec, derived, run_dir="RUN").patches
 
@@ -258,7 +258,7 @@ def test_scheduler_starts_without_warning_and_follows_hf_linear_schedule(caplog)
                           "data": {"synthetic": {"num_samples": 64}},
                           "training": {"max_steps": 12, "optimizer": {"lr": 1e-3},
                                        "scheduler": {"name": "linear", "warmup_steps": 3}}})
-    block = compile_spec(spec, derive(spec), run_dir="RUN").ds_config["scheduler"]
+    block = compile_spec(spec, derive(spec, profiler=PROFILER), run_dir="RUN").ds_config["scheduler"]
 
     class Engine:  # what start_schedule reads of a DeepSpeed engine
         def __init__(self):

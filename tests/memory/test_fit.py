@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import REPO_ROOT as REPO
+from conftest import PROFILER, REPO_ROOT as REPO
 from jobspec.cli import main
 from jobspec.compile.compiler import compile_spec
 from jobspec.memory.fit import fit, step_time
@@ -15,7 +15,7 @@ from jobspec.spec.validation import load_and_validate
 
 def fitted(job: str, budget: str, **kwargs):
     spec = load_and_validate(REPO / "jobs" / job).spec
-    derived = derive(spec)
+    derived = derive(spec, profiler=PROFILER)
     return spec, derived, fit(spec, derived, parse_bytes(budget), **kwargs)
 
 
@@ -28,10 +28,10 @@ def test_fit_finds_a_config_that_fits_validates_and_compiles(job, budget):
     # the overrides are real `--set` arguments: the spec they produce validates, compiles and
     # plans to the same numbers, with the global batch unchanged
     changed = load_and_validate(REPO / "jobs" / job, overrides=result.overrides).spec
-    compiled = compile_spec(changed, derive(changed))
+    compiled = compile_spec(changed, derive(changed, profiler=PROFILER))
     original = compile_spec(spec, derived)
     assert compiled.derived.global_batch_size == original.derived.global_batch_size
-    assert plan_memory(changed, derive(changed), budget=parse_bytes(budget)).nvml_total == result.plan.nvml_total
+    assert plan_memory(changed, derive(changed, profiler=PROFILER), budget=parse_bytes(budget)).nvml_total == result.plan.nvml_total
     assert f"of {budget[:-3]}" in result.reason and "x step time" in result.reason
 
 
@@ -47,8 +47,8 @@ def test_fit_returns_the_cheapest_fitting_candidate():
     baseline = step_time(spec, derived)
     for changes in candidate_changes(spec, derived, True):
         candidate = apply_changes(spec, changes)
-        if plan_memory(candidate, derive(candidate), budget=budget).fits:
-            assert step_time(candidate, derive(candidate)) / baseline >= result.slowdown - 1e-9
+        if plan_memory(candidate, derive(candidate, profiler=PROFILER), budget=budget).fits:
+            assert step_time(candidate, derive(candidate, profiler=PROFILER)) / baseline >= result.slowdown - 1e-9
 
 
 def test_tighter_budgets_cost_more_time():
@@ -83,9 +83,9 @@ def test_fit_keeps_to_a_pinned_adam_implementation(implementation, offloaded):
     overrides = [f"training.optimizer.implementation={implementation}",
                  f"memory.offload.optimizer={'cpu' if offloaded else 'none'}"]
     spec = load_and_validate(REPO / "jobs" / "gpt2-xl-12gb.yaml", overrides=overrides).spec
-    derived = derive(spec)
+    derived = derive(spec, profiler=PROFILER)
     from jobspec.memory.fit import apply_changes, candidate_changes
     for changes in candidate_changes(spec, derived, True):
         candidate = apply_changes(spec, changes)
         assert (candidate["memory"]["offload"]["optimizer"] != "none") == offloaded, changes
-        compile_spec(candidate, derive(candidate))   # never the compiler's "cannot run with" error
+        compile_spec(candidate, derive(candidate, profiler=PROFILER))   # never the compiler's "cannot run with" error

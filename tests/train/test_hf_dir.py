@@ -2,6 +2,8 @@
 in process: no ranks. The ranks' side (ZeRO-2/3 gathers, DeepSpeed's converter) is in test_export.py."""
 from __future__ import annotations
 
+from conftest import PROFILER
+
 import errno
 import json
 import os
@@ -74,7 +76,7 @@ def test_round_trip_reproduces_the_model(tmp_path, arch, config, task, auto, dty
     weights = tmp_path / "m" / "model.safetensors"
     header = int.from_bytes(weights.read_bytes()[:8], "little")
     spec["export"]["dtype"] = dtype
-    assert export_bytes(spec, derive(spec)) == weights.stat().st_size - 8 - header
+    assert export_bytes(spec, derive(spec, profiler=PROFILER)) == weights.stat().st_size - 8 - header
     generation = ["generation_config.json"] if task == "causal-lm" else []
     assert sorted(p.name for p in (tmp_path / "m").iterdir()) == \
         sorted(["README.md", "config.json", "jobspec_export.json", "model.safetensors", *generation])
