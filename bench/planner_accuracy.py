@@ -114,25 +114,52 @@ SEEDS = [
 SEED_SEQ = 512
 
 
+def amp_estimate(model: str, seq: int, micro: int, ckpt, optimizer: str, accumulation: int = 1) -> tuple[int, int]:
+    """(reserved bytes, activation bytes) of torch AMP training, single GPU, no DeepSpeed: an estimate, not
+    the planner. Model states of the fp32 job (fp32 weights and gradients, the optimizer's fp32 states),
+    activations traced by MemTracker under `_AutocastEmulation` (fp16 weight copies included), and the
+    planner's allocator terms (2 MiB blocks, 7% fragmentation); the caller adds the CUDA context."""
+    from jobspec.memory.planner import ALLOCATOR_BLOCK, FRAGMENTATION
+
+    spec = row_spec(model, seq, micro, "fp32", ckpt, optimizer, 0, "none", accumulation, attention="eager")
+    states = plan_memory(spec, derive(spec, profiler=PROFILER)).breakdown
+    activations = memtracker_peak(spec, "fp32", micro, seq, ckpt, amp=True)["without_gradients"]
+    allocated = activations + sum(states[k] for k in ("parameters", "buffers", "gradients", "optimizer_states"))
+    return -(-allocated // ALLOCATOR_BLOCK) * ALLOCATOR_BLOCK + int(FRAGMENTATION * allocated), activations
+
+
 def run_seeds() -> int:
+    """Planner totals next to seed 000's rows; for its AMP rows also an estimate of AMP itself (not the
+    planner): the fp32 job's model states (fp32 weights, gradients, Adam) plus the activations traced by
+    MemTracker under `_AutocastEmulation`, with the planner's allocator and context terms."""
     out = []
     for label, model, batch, precision, ckpt, seed_gib in SEEDS:
         spec = row_spec(model, SEED_SEQ, batch, precision, ckpt, "adamw", 0, "none", attention="eager")
         plan = plan_memory(spec, derive(spec, profiler=PROFILER))
         predicted = plan.nvml_total / 2**30
+        amp = "-"
+        if precision == "fp16":
+            reserved, activations = amp_estimate(model, SEED_SEQ, batch, ckpt, "adamw")
+            amp_gib = (reserved + CUDA_CONTEXT_BYTES) / 2**30
+            amp = f"{amp_gib:.2f} ({activations / 2**30:.2f})"
+            if seed_gib is not None:
+                amp += f", {100 * (amp_gib / seed_gib - 1):+.1f}%"
         setting = f"batch {batch}, {'AMP fp16' if precision == 'fp16' else 'fp32'}, ckpt {'on' if ckpt else 'off'}"
+        activations_gib = sum(plan.breakdown[k] for k in ("activations", "embeddings_activations",
+                                                          "logits_and_loss")) / 2**30
         if seed_gib is None:
-            verdict = "does not fit" if predicted > SEED_CARD_GIB else "fits (seed: OOM)"
-            out.append((label, setting, f"{predicted:.2f}", f"OOM on {SEED_CARD_GIB}", verdict))
+            seed, error = f"OOM on {SEED_CARD_GIB}", "does not fit" if predicted > SEED_CARD_GIB else "fits (seed: OOM)"
         else:
-            out.append((label, setting, f"{predicted:.2f}", f"{seed_gib:.2f}", f"{100 * (predicted / seed_gib - 1):+.1f}%"))
-    table(out, ["seed row", "setting (seq 512 assumed, eager)", "planner GiB (NVML total: reserved + 500 MiB ctx)",
-                "seed GiB (nvidia-smi)", "error"])
-    print("\nThe planner models DeepSpeed ZeRO-0 (fp16: 16-bit weights and gradients, fp32 master and Adam, a flat "
-          "fp32 gradient at step); the seed ran torch AMP: fp32 weights and gradients, fp16 copies made by "
-          "autocast, no master copy.")
+            seed, error = f"{seed_gib:.2f}", f"{100 * (predicted / seed_gib - 1):+.1f}%"
+        out.append((label, setting, f"{predicted:.2f} ({activations_gib:.2f})", seed, error, amp))
+    table(out, ["seed row", "setting (seq 512 assumed, eager)",
+                "planner GiB: NVML total (traced activations)", "seed GiB (nvidia-smi)", "error",
+                "AMP estimate GiB (its activations), error"])
+    print("\nplanner: DeepSpeed ZeRO-0 (fp16: 16-bit weights and gradients, fp32 master and Adam, a flat fp32 "
+          "gradient at step), reserved + 500 MiB CUDA context. The seed ran torch AMP: fp32 weights and "
+          "gradients, fp16 copies made by autocast, fp32 LayerNorm/softmax outputs, no master copy; the AMP "
+          "estimate (not the planner) traces that with an emulation of autocast's op lists.")
     return 0
-
 
 # ---------------------------------------------------------------------------------------- --memtracker
 # The planner's activation term (the composed trace) against an independent full-model reference:
@@ -268,8 +295,16 @@ def memtracker_peak(spec: dict, precision: str, micro: int, seq: int, checkpoint
                 for p in model.parameters():
                     if p.requires_grad:
                         p.register_post_accumulate_grad_hook(ledger.drop_grad)
-                # checkpointed layers recompute under autocast again (torch.utils.checkpoint restores it)
-                with _AutocastEmulation(cache=False) if amp else contextlib.nullcontext():
+                if amp:
+                    # checkpointed layers recompute under autocast again (torch.utils.checkpoint restores
+                    # it); the engine is called directly because `backward()` goes through
+                    # __torch_function__, which runs it with the mode set aside
+                    from torch.autograd.graph import _engine_run_backward
+
+                    with _AutocastEmulation(cache=False):
+                        _engine_run_backward((loss,), (torch.ones_like(loss),), False, False, (),
+                                             allow_unreachable=True, accumulate_grad=True)
+                else:
                     loss.backward()
                 del output, loss, batch
         finally:
@@ -518,10 +553,18 @@ def main(argv: list[str] | None = None) -> int:
             plan = plan_memory(spec, derive(spec, profiler=PROFILER))
             predicted_mb = (plan.peak_reserved + GUIDE_CONTEXT) / 10**6
             errors.append(abs(predicted_mb / measured_mb - 1))
-            out.append((label, f"{predicted_mb:.0f}", measured_mb, f"{100 * (predicted_mb / measured_mb - 1):+.1f}%"))
-        table(out, ["guide row", "planner MB (reserved + 1.3 GB ctx)", "guide MB", "error"])
+            amp = "-"
+            if precision == "fp16":   # the guide's fp16 is the Trainer's AMP: estimated apart, not the planner
+                reserved, _ = amp_estimate("bert-large", 512, micro, ckpt, optimizer, accumulation)
+                amp_mb = (reserved + GUIDE_CONTEXT) / 10**6
+                amp = f"{amp_mb:.0f} ({100 * (amp_mb / measured_mb - 1):+.1f}%)"
+            out.append((label, f"{predicted_mb:.0f}", measured_mb, f"{100 * (predicted_mb / measured_mb - 1):+.1f}%",
+                        amp))
+        table(out, ["guide row", "planner MB (reserved + 1.3 GB ctx)", "guide MB", "error",
+                    "AMP estimate MB (error)"])
         print(f"\nmedian |error|: {100 * statistics.median(errors):.1f}%  (guide: HF Trainer with "
-              "torch AdamW in fp32/amp, not DeepSpeed: its fp16 rows keep fp32 weights and no master copy)")
+              "torch AdamW in fp32/amp, not DeepSpeed: its fp16 rows keep fp32 weights and no master copy; "
+              "the AMP estimate, not the planner, traces that: see amp_estimate)")
         return 0
     if not args.dry_run and not _has_cuda():
         print("no CUDA device: use --dry-run for predictions only", file=sys.stderr)

@@ -192,8 +192,10 @@ def _check_vocab(spec: dict, model, tokenizer) -> None:
 def loading_error(model_spec: dict, task: str, attention: str, err: Exception) -> SpecError:
     text = first_line(err)
     if "attn" in text.lower() or "attention" in text.lower():
+        text = text.split(". ")[0]   # transformers goes on with a paragraph of advice
         return spec_error(f"attention {attention!r} is not supported by this model: {text}",
-                          path=("model", "attention"), hint="use sdpa or eager")
+                          path=("model", "attention"),
+                          hint="use eager" if attention != "eager" else "use sdpa")
     if model_spec.get("name_or_path"):
         return spec_error(f"cannot load {model_spec['name_or_path']!r} for {task}: {text}",
                           path=("model", "name_or_path"),

@@ -268,22 +268,28 @@ def default_cache_dir() -> Path:
 def model_key(spec: dict) -> str:
     """A hash of everything that changes a trace besides the job setting: the model section, a local
     checkpoint's config.json, and the versions of torch, transformers and this tracer."""
-    from importlib import metadata
-
     model = spec["model"]
     fields = {k: model.get(k) for k in ("name_or_path", "architecture", "config", "revision", "task", "num_labels",
                                         "attention", "trust_remote_code", "freeze")}
     config_file = Path(model["name_or_path"]) / "config.json" if model.get("name_or_path") else None
     if config_file is not None and config_file.is_file():
         fields["config.json"] = hashlib.sha256(config_file.read_bytes()).hexdigest()
+    text = json.dumps({"model": fields, "versions": _versions(), "tracer": TRACE_VERSION}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+@functools.lru_cache(maxsize=1)
+def _versions() -> dict:
+    """torch's and transformers' versions (read once: a metadata read costs ~5 ms)."""
+    from importlib import metadata
+
     versions = {}
     for dist in ("torch", "transformers"):
         try:
             versions[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             versions[dist] = None
-    text = json.dumps({"model": fields, "versions": versions, "tracer": TRACE_VERSION}, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:24]
+    return versions
 
 
 def checkpoint_setting(checkpointing) -> tuple[int, bool]:

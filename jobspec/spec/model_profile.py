@@ -22,6 +22,7 @@ No torch here: the planner (pure) reads these, and the trace cache stores them a
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, field
 
 REGIONS = ("layers", "embeddings", "logits_and_loss")
@@ -41,11 +42,11 @@ class Inventory:
     buffer_float_elements: int = 0   # floating buffers: cast to the training dtype with the model
     buffer_other_bytes: int = 0      # integer/bool buffers (position ids, masks)
 
-    @property
+    @functools.cached_property
     def total(self) -> int:
         return sum(_numel(shape) for _, shape, _ in self.tensors)
 
-    @property
+    @functools.cached_property
     def trainable(self) -> int:
         return sum(_numel(shape) for _, shape, trainable in self.tensors if trainable)
 

@@ -177,3 +177,49 @@ def test_the_job_profiler_reads_the_spec_setting(tmp_path):
     spec["memory"] = {"precision": "fp32", "activation_checkpointing": {"every_n_layers": 1}}
     profile = job_profiler(tmp_path)(spec, 16)
     assert profile == ModelTracer(spec, tmp_path).profile("fp32", 2, 16, {"every_n_layers": 1})
+
+
+# Published parameter counts (the models' cards), with their released configs: the inventory is the
+# model transformers builds, so these hold for any architecture, not only the ones jobspec knew.
+PUBLISHED = [
+    ("qwen2", "sdpa", {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+                       "intermediate_size": 4864, "vocab_size": 151936, "max_position_embeddings": 32768,
+                       "tie_word_embeddings": True, "pad_token_id": 151643, "bos_token_id": 151643,
+                       "eos_token_id": 151645}, 494_032_768),                        # Qwen2.5-0.5B
+    ("gemma2", "eager", {"hidden_size": 2304, "num_hidden_layers": 26, "num_attention_heads": 8,
+                         "num_key_value_heads": 4, "head_dim": 256, "intermediate_size": 9216,
+                         "vocab_size": 256000, "max_position_embeddings": 8192}, 2_614_341_888),   # gemma-2-2b
+    ("phi3", "sdpa", {"hidden_size": 3072, "num_hidden_layers": 32, "num_attention_heads": 32,
+                      "num_key_value_heads": 32, "intermediate_size": 8192, "vocab_size": 32064,
+                      "max_position_embeddings": 4096, "pad_token_id": 32000, "bos_token_id": 1,
+                      "eos_token_id": 32000}, 3_821_079_552),                        # Phi-3-mini-4k
+    ("llama", "sdpa", {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+                       "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256,
+                       "max_position_embeddings": 8192, "tie_word_embeddings": False, "pad_token_id": 0,
+                       "bos_token_id": 128000, "eos_token_id": 128001}, 8_030_261_248),   # Llama-3-8B
+]
+
+
+@pytest.mark.parametrize("architecture, attention, config, published", PUBLISHED, ids=[p[0] for p in PUBLISHED])
+def test_the_inventory_matches_published_parameter_counts(architecture, attention, config, published):
+    assert ModelTracer(spec_for(architecture, config=config, attention=attention)).inventory().total == published
+
+
+def test_jobspec_plan_plans_a_qwen2_job_from_its_own_code(tmp_path, capsys):
+    """The issue's new user: a Qwen2 job validates, compiles and launches; `jobspec plan` plans it too."""
+    import yaml
+
+    from jobspec.cli import main
+
+    _, _, config, published = PUBLISHED[0]
+    job = tmp_path / "qwen2.yaml"
+    job.write_text(yaml.safe_dump({
+        "name": "qwen2-sft", "model": {"architecture": "qwen2", "task": "causal-lm", "config": config},
+        "data": {"synthetic": {"num_samples": 64, "seq_len": 1024, "vocab_range": [100, 150000]}},
+        "training": {"max_steps": 10, "micro_batch_size": 4},
+        "memory": {"precision": "bf16", "activation_checkpointing": True}}))
+    assert main(["plan", str(job), "--format", "json", "--gpu-mem", "24GiB"]) == 0
+    plan = json.loads(capsys.readouterr().out)["plan"]
+    assert plan["settings"]["parameters"] == published and plan["settings"]["trace"] == "composed"
+    assert plan["breakdown"]["logits_and_loss"] > 4 * 1024 * 151936 * 4   # fp32 logits over a 152k vocabulary
+    assert plan["compute"]["hardware_flops_per_token"] > plan["compute"]["model_flops_per_token"] > 6 * 0.3e9
