@@ -161,3 +161,17 @@ def test_gpu_suite_tables_from_measured_rows():
     seed = next(line for line in text.splitlines() if line.startswith("| XLM-R Large 1"))
     assert "23.5 GB" in seed and "| 8.0 / 12.0 |" in seed and "| 10.0 / 12.0 |" in seed and seed.endswith("| 16.0 |")
     assert "Dry run" not in text
+
+
+def test_planner_activations_match_torch_memtracker_on_a_tiny_model(capsys):
+    """`bench/planner_accuracy.py --memtracker --quick`: the planner's activation peak (composed, and
+    extrapolated to micro-batch 3) against torch's MemTracker over one forward + backward of the whole
+    model (fake tensors, one-in-2 checkpointing)."""
+    from bench import planner_accuracy
+
+    assert planner_accuracy.main(["--memtracker", "--quick"]) == 0   # 0: every row within 5%
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| llama-tiny")]
+    assert len(rows) == 1
+    planner_mib, memtracker_mib, error = (rows[0].split("|")[i].strip() for i in (2, 3, 4))
+    assert float(memtracker_mib) > 1 and abs(float(error.rstrip("%"))) <= 5.0
+    assert abs(float(planner_mib) / float(memtracker_mib) - 1) <= 0.05

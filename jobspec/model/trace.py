@@ -40,7 +40,7 @@ from pathlib import Path
 from jobspec.errors import SpecError, first_line, spec_error
 from jobspec.spec.model_profile import REGIONS, Inventory, ModelProfile, UnitTrace, compose, layer_types
 
-TRACE_VERSION = 1
+TRACE_VERSION = 2   # bump when what a trace measures changes: old cache entries are not read
 ALLOCATOR_ROUND = 512          # the CUDA caching allocator's smallest block
 PRECISION_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 # config attributes that mean tokens are routed to experts by their values
@@ -383,16 +383,25 @@ def _run_step(model, spec: dict, micro_batch: int, seq_len: int, stack) -> dict:
 
 
 def _traced_step(model, spec, micro_batch, seq_len, tracker, counter, params) -> dict:
-    with _sdpa_stand_in(), tracker, counter:
-        counter.fixed_region = "embeddings"
-        batch = _inputs(spec, getattr(model, "config", None), micro_batch, seq_len)
-        counter.fixed_region = None
-        output = model(**batch)
-        loss = output.loss if hasattr(output, "loss") else output["loss"]
-        loss.backward()
-        del output, loss, batch
-    grads = counter.serials(p.grad.untyped_storage() for p in params if p.grad is not None)
-    return counter.timeline(exclude=grads)
+    # A parameter's gradient is a temporary until it lands in `.grad` (then it is a model state, which
+    # the planner counts as "gradients"): the hook takes it out of the activations at that moment.
+    # Until then it counts: the head's gradient in flight is part of the peak of an accumulation step,
+    # and of every ZeRO-1/2/3 step (the hooks copy it to a bucket).
+    hooks = [p.register_post_accumulate_grad_hook(lambda p: counter.settle(p.grad)) for p in params
+             if p.requires_grad]
+    try:
+        with _sdpa_stand_in(), tracker, counter:
+            counter.fixed_region = "embeddings"
+            batch = _inputs(spec, getattr(model, "config", None), micro_batch, seq_len)
+            counter.fixed_region = None
+            output = model(**batch)
+            loss = output.loss if hasattr(output, "loss") else output["loss"]
+            loss.backward()
+            del output, loss, batch
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return counter.timeline()
 
 
 def _layer_prefix(model, stack, root: str) -> str | None:
@@ -424,7 +433,8 @@ class _LiveStorages:
                 super().__init__()
                 self.region_of = region_of
                 self.fixed_region = None
-                self.events: list = []      # (storage id, +bytes | -bytes, region)
+                self.events: list = []      # (serial, +bytes | -bytes, region)
+                self.sizes: dict = {}       # serial -> (bytes, region)
                 self.flops = 0
                 self.seen: dict = {}        # storage id -> weakref
 
@@ -450,6 +460,7 @@ class _LiveStorages:
                 size = storage.nbytes()
                 region = self.fixed_region or self.region_of()
                 self.events.append((serial, size, region))
+                self.sizes[serial] = (size, region)
                 self.seen[id(storage)] = (serial, weakref.ref(
                     storage, functools.partial(self._freed, id(storage), serial, size, region)))
 
@@ -464,14 +475,22 @@ class _LiveStorages:
                 self.seen.pop(key, None)
                 self.events.append((serial, -size, region))
 
-            def serials(self, storages) -> set:
-                """The serials of these (live) storages, e.g. the parameters' gradients."""
-                return {self.seen[id(st)][0] for st in storages if id(st) in self.seen}
+            def settle(self, grad) -> None:
+                """A gradient stored in `.grad`: from now on a model state, not a live temporary."""
+                if grad is None:
+                    return
+                storage = grad.untyped_storage()
+                entry = self.seen.get(id(storage))
+                if entry is None or entry[0] < 0:
+                    return   # already settled (a shared weight's later contributions add in place)
+                serial, _ = entry
+                size, region = self.sizes[serial]
+                self.events.append((serial, -size, region))
+                self.seen[id(storage)] = (-1, storage)   # its real free, later, is not an event
 
-            def timeline(self, exclude: set) -> dict:
-                """The step as allocations (+bytes) and frees (-bytes) in order, with their regions;
-                the excluded storages (the parameters' gradients) left out."""
-                kept = [(size, region) for key, size, region in self.events if key not in exclude]
+            def timeline(self) -> dict:
+                """The step as allocations (+bytes) and frees (-bytes) in order, with their regions."""
+                kept = [(size, region) for _, size, region in self.events]
                 return {"sizes": [size for size, _ in kept], "regions": "".join(REGION_CODES[r] for _, r in kept),
                         "flops": float(self.flops)}
 

@@ -6,15 +6,15 @@
   the peak of live activations and temporaries, itemised by region, and the FLOPs torch's counter saw.
 - `compose`: the trace of the full layer stack from unit traces (docs/memory-planner.md, "The trace"):
 
-      trace(t_0 .. t_{L-1}) = U(t_0, K, t_{L-1}) + sum over the other middle layers i of
-                              [U(t_0, K, t_i, t_{L-1}) - U(t_0, K, t_{L-1})]
+      trace(t_0 .. t_{L-1}) = U(t_0, K, t_{L-2}, t_{L-1}) + sum over the other middle layers i of
+                              [U(t_0, K, t_i, t_{L-2}, t_{L-1}) - U(t_0, K, t_{L-2}, t_{L-1})]
 
   where t_i is layer i's type (its attention kind from `config.layer_types`, and whether it is
-  checkpointed), K one middle layer of each kind that t_0 and t_{L-1} do not have, and U(...) a unit
-  trace of a model with exactly those layers. Each middle layer adds what it keeps for backward to every
-  point of the peak region; the first layer's type decides what is kept of the embeddings' output, the
-  last one's what happens at the turn from forward to backward, and K makes every per-kind mask exist
-  once in every unit, as in the whole model. tests/model/test_trace.py holds this
+  checkpointed), K one middle layer of each kind that t_0 and the last two do not have, and U(...) a
+  unit trace of a model with exactly those layers. Each middle layer adds what it keeps for backward to
+  every point of the peak region; the first layer's type decides what is kept of the embeddings' output,
+  the last two what happens at the turn from forward to backward (DeBERTa-v2's shared relative-position
+  tensors need both), and K makes every per-kind mask exist once in every unit, as in the whole model. tests/model/test_trace.py holds this
   equal to the full trace, for uniform, alternating (local/global) and checkpointed-one-in-k stacks.
 - `ModelProfile`: an inventory and the composed trace of one setting (what `DerivedJob.profile` holds).
 
@@ -103,30 +103,33 @@ def layer_types(kinds: tuple, checkpointed: tuple) -> tuple:
     return tuple(zip(kinds, checkpointed))
 
 
+TAIL = 2   # layers every unit ends with (tests/model/test_trace.py: 1 is not exact for DeBERTa-v2)
+
+
 def compose(types: tuple, unit) -> UnitTrace:
     """The trace of a stack of layers of these types from `unit(types_tuple) -> UnitTrace` (see above).
 
-    Every unit keeps the first layer (what it does with the embeddings' output), the last one (the turn
-    from forward to backward) and one layer of each attention kind the stack has (a model builds one
-    mask per kind present, once, whatever the number of layers using it); each other layer adds its
-    own increment over that base.
+    Every unit keeps the first layer (what it does with the embeddings' output), the last two (the turn
+    from forward to backward, and what the layer before the last keeps across it) and one layer of each
+    attention kind those do not have (a model builds one mask per kind present, once, whatever the
+    number of layers using it); each other layer adds its own increment over that base.
     """
     types = tuple(types)
-    if len(types) <= 3:
+    if len(types) <= TAIL + 2:
         return unit(types)
-    first, middle, last = types[0], types[1:-1], types[-1]
-    kinds = {first[0], last[0]}
+    first, middle, last = types[:1], types[1:-TAIL], types[-TAIL:]
+    kinds = {layer_type[0] for layer_type in first + last}
     representatives = []
     for index, layer_type in enumerate(middle):
         if layer_type[0] not in kinds:
             kinds.add(layer_type[0])
             representatives.append(index)
     context = tuple(middle[i] for i in representatives)
-    base = unit((first,) + context + (last,))
+    base = unit(first + context + last)
     total = base
     for index, layer_type in enumerate(middle):
         if index not in representatives:
-            total = total + (unit((first,) + context + (layer_type, last)) - base)
+            total = total + (unit(first + context + (layer_type,) + last) - base)
     return total
 
 
