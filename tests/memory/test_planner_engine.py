@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO_ROOT, free_port
+from conftest import PROFILER, REPO_ROOT, free_port
 from jobspec.compile.compiler import compile_spec
 from jobspec.shm import remove_shared_memory_buffers
 from jobspec.spec.derived import derive
@@ -77,7 +77,7 @@ def engine_dumps(tmp_path_factory):
 @pytest.mark.parametrize("stage", STAGES)
 def test_model_states_match_the_engine(engine_dumps, stage):
     spec, ranks = engine_dumps[stage]
-    plan = plan_memory(spec, derive(spec))
+    plan = plan_memory(spec, derive(spec, profiler=PROFILER))
     assert ranks[0]["num_parameters"] == plan.settings["parameters"]   # same model on both sides
     measured = max(sum(v for k, v in r["bytes"].items() if k in plan.breakdown) for r in ranks)
     assert plan.model_states == pytest.approx(measured, rel=0.02), \
