@@ -57,9 +57,10 @@ def series(argv: list[str], runs: int, *, cold: bool) -> tuple[float, float]:
 def validate_imports(job: str) -> list[str]:
     """Heavy modules `jobspec validate` imports, checked in a fresh interpreter."""
     code = ("import sys\nfrom jobspec.cli import main\nmain(['validate', sys.argv[1]])\n"
-            "print(' '.join(m for m in ('torch', 'transformers', 'deepspeed', 'mlflow') if m in sys.modules))")
+            "print('HEAVY:', *(m for m in ('torch', 'transformers', 'deepspeed', 'mlflow') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code, job], capture_output=True, text=True, env=CHILD_ENV)
-    return done.stdout.split()
+    line = next((x for x in done.stdout.splitlines() if x.startswith("HEAVY:")), "HEAVY: ?")
+    return line.split()[1:]
 
 
 def main(argv: list[str] | None = None) -> int:

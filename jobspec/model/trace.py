@@ -40,7 +40,7 @@ from pathlib import Path
 from jobspec.errors import SpecError, first_line, spec_error
 from jobspec.spec.model_profile import REGIONS, Inventory, ModelProfile, UnitTrace, compose, layer_types
 
-TRACE_VERSION = 2   # bump when what a trace measures changes: old cache entries are not read
+TRACE_VERSION = 3   # bump when what a trace measures changes: old cache entries are not read
 ALLOCATOR_ROUND = 512          # the CUDA caching allocator's smallest block
 PRECISION_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 # config attributes that mean tokens are routed to experts by their values
@@ -396,6 +396,7 @@ def _traced_step(model, spec, micro_batch, seq_len, tracker, counter, params) ->
             counter.fixed_region = None
             output = model(**batch)
             loss = output.loss if hasattr(output, "loss") else output["loss"]
+            counter.backward_at = len(counter.events)
             loss.backward()
             del output, loss, batch
     finally:
@@ -435,6 +436,7 @@ class _LiveStorages:
                 self.fixed_region = None
                 self.events: list = []      # (serial, +bytes | -bytes, region)
                 self.sizes: dict = {}       # serial -> (bytes, region)
+                self.backward_at = 0        # index of the first event of the backward pass
                 self.flops = 0
                 self.seen: dict = {}        # storage id -> weakref
 
@@ -492,7 +494,7 @@ class _LiveStorages:
                 """The step as allocations (+bytes) and frees (-bytes) in order, with their regions."""
                 kept = [(size, region) for _, size, region in self.events]
                 return {"sizes": [size for size, _ in kept], "regions": "".join(REGION_CODES[r] for _, r in kept),
-                        "flops": float(self.flops)}
+                        "backward": self.backward_at, "flops": float(self.flops)}
 
         return Mode()
 
@@ -503,31 +505,48 @@ _REGION_OF_CODE = {code: region for region, code in REGION_CODES.items()}
 
 def _summarize(timeline: dict) -> UnitTrace:
     """The peak of live bytes over a timeline (each storage rounded to the allocator's 512-byte
-    blocks) and each region's live bytes at that moment."""
+    blocks), phase by phase (`UnitTrace`), with each region's live bytes at each phase's peak."""
+    from jobspec.spec.model_profile import Phase
+
+    codes = timeline["regions"]
+    backward = timeline["backward"]
+    layer_events = [i for i, code in enumerate(codes) if code == "l"]
+    forward_end = max((i for i in layer_events if i < backward), default=-1)
+    backward_start = min((i for i in layer_events if i >= backward), default=len(codes))
+    first, last = (layer_events[0], layer_events[-1]) if layer_events else (len(codes), -1)
+
+    def phase_of(i: int) -> str:
+        if i < first or i > last:
+            return "outside"
+        return "turn" if forward_end < i < backward_start else "stack"
+
     live = dict.fromkeys(REGIONS, 0)
-    total = peak = 0
-    at_peak = dict(live)
-    for size, code in zip(timeline["sizes"], timeline["regions"]):
+    total = 0
+    peaks = {name: Phase(0, dict(live)) for name in ("outside", "stack", "turn")}
+    for i, (size, code) in enumerate(zip(timeline["sizes"], codes)):
         rounded = -(-abs(size) // ALLOCATOR_ROUND) * ALLOCATOR_ROUND
         rounded = rounded if size >= 0 else -rounded
         live[_REGION_OF_CODE[code]] += rounded
         total += rounded
-        if total > peak:
-            peak, at_peak = total, dict(live)
-    return UnitTrace(peak=peak, regions=at_peak, flops=timeline["flops"])
+        name = phase_of(i)
+        if total > peaks[name].peak:
+            peaks[name] = Phase(total, dict(live))
+    return UnitTrace.of_phases(peaks, timeline["flops"])
 
 
 def _extrapolate(one: dict, two: dict, batch: int) -> dict | None:
     """The timeline at micro-batch `batch` from those at 1 and 2, or None when they differ in their
     events (then the batch is traced)."""
-    if len(one["sizes"]) != len(two["sizes"]) or one["regions"] != two["regions"]:
+    if len(one["sizes"]) != len(two["sizes"]) or one["regions"] != two["regions"] \
+            or one["backward"] != two["backward"]:
         return None
     sizes = []
     for a, b in zip(one["sizes"], two["sizes"]):
         if (a >= 0) != (b >= 0):
             return None
         sizes.append(a + (batch - 1) * (b - a))
-    return {"sizes": sizes, "regions": one["regions"], "flops": one["flops"] + (batch - 1) * (two["flops"] - one["flops"])}
+    return {"sizes": sizes, "regions": one["regions"], "backward": one["backward"],
+            "flops": one["flops"] + (batch - 1) * (two["flops"] - one["flops"])}
 
 
 def _dispatch(func, args, kwargs):

@@ -73,29 +73,55 @@ class Inventory:
                    buffer_other_bytes=d.get("buffer_other_bytes", 0))
 
 
+PHASES = ("outside", "stack", "turn")
+
+
+@dataclass(frozen=True)
+class Phase:
+    """The peak of one phase of a step and each region's live bytes at that moment."""
+
+    peak: int
+    regions: dict             # region -> bytes (sums to peak)
+
+    def __add__(self, other: "Phase") -> "Phase":
+        return Phase(self.peak + other.peak, {r: self.regions[r] + other.regions[r] for r in REGIONS})
+
+    def __sub__(self, other: "Phase") -> "Phase":
+        return Phase(self.peak - other.peak, {r: self.regions[r] - other.regions[r] for r in REGIONS})
+
+
 @dataclass(frozen=True)
 class UnitTrace:
-    """One traced forward + backward: peak bytes of activations and temporaries (parameters and their
-    gradients excluded), the live bytes of each region at that peak, and the FLOPs counted."""
+    """One traced forward + backward: the peak of live activations and temporaries, the live bytes of
+    each region at that peak, the FLOPs counted, and the peak of each phase of the step:
+
+    - "outside": before the layer stack's forward starts and after its backward ends (embeddings,
+      the inputs, the embeddings' backward): no layer keeps anything then;
+    - "stack": while a layer of the stack runs, forward or backward (recompute included);
+    - "turn": between the stack's forward and its backward (final norm, head, logits, loss).
+    """
 
     peak: int
     regions: dict             # region -> bytes live at the peak (sums to peak)
     flops: float
-
-    def __sub__(self, other: "UnitTrace") -> "UnitTrace":
-        return UnitTrace(self.peak - other.peak, {r: self.regions[r] - other.regions[r] for r in REGIONS},
-                         self.flops - other.flops)
-
-    def __add__(self, other: "UnitTrace") -> "UnitTrace":
-        return UnitTrace(self.peak + other.peak, {r: self.regions[r] + other.regions[r] for r in REGIONS},
-                         self.flops + other.flops)
+    phases: dict = field(default_factory=dict)   # phase -> Phase
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return {"peak": self.peak, "regions": self.regions, "flops": self.flops,
+                "phases": {name: asdict(phase) for name, phase in self.phases.items()}}
 
     @classmethod
     def from_dict(cls, d: dict) -> "UnitTrace":
-        return cls(peak=int(d["peak"]), regions={r: int(d["regions"][r]) for r in REGIONS}, flops=float(d["flops"]))
+        phases = {name: Phase(int(v["peak"]), {r: int(v["regions"][r]) for r in REGIONS})
+                  for name, v in d.get("phases", {}).items()}
+        return cls(peak=int(d["peak"]), regions={r: int(d["regions"][r]) for r in REGIONS}, flops=float(d["flops"]),
+                   phases=phases)
+
+    @classmethod
+    def of_phases(cls, phases: dict, flops: float) -> "UnitTrace":
+        """The step's peak is its highest phase's."""
+        top = max(phases.values(), key=lambda phase: phase.peak)
+        return cls(peak=top.peak, regions=dict(top.regions), flops=flops, phases=phases)
 
 
 def layer_types(kinds: tuple, checkpointed: tuple) -> tuple:
@@ -112,7 +138,9 @@ def compose(types: tuple, unit) -> UnitTrace:
     Every unit keeps the first layer (what it does with the embeddings' output), the last two (the turn
     from forward to backward, and what the layer before the last keeps across it) and one layer of each
     attention kind those do not have (a model builds one mask per kind present, once, whatever the
-    number of layers using it); each other layer adds its own increment over that base.
+    number of layers using it); each other layer adds its own increment over that base, phase by
+    phase: to the peak while the stack runs and to the peak of the turn, not to the peak outside the
+    stack (the embeddings' backward, say, when every layer's tensors are gone).
     """
     types = tuple(types)
     if len(types) <= TAIL + 2:
@@ -126,11 +154,16 @@ def compose(types: tuple, unit) -> UnitTrace:
             representatives.append(index)
     context = tuple(middle[i] for i in representatives)
     base = unit(first + context + last)
-    total = base
+    phases = dict(base.phases)
+    flops = base.flops
     for index, layer_type in enumerate(middle):
-        if index not in representatives:
-            total = total + (unit(first + context + (layer_type,) + last) - base)
-    return total
+        if index in representatives:
+            continue
+        grown = unit(first + context + (layer_type,) + last)
+        flops += grown.flops - base.flops
+        for name in ("stack", "turn"):   # "outside" does not grow: no layer keeps anything then
+            phases[name] = phases[name] + (grown.phases[name] - base.phases[name])
+    return UnitTrace.of_phases(phases, flops)
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,9 @@ def test_the_composed_trace_equals_the_full_trace(architecture, task, config, at
         composed = tracer.profile(precision, micro_batch, 64, checkpointing)
         full = tracer.full(precision, micro_batch, 64, checkpointing)
         assert composed.method == "composed"
-        assert composed.activations == full   # peak, every region and the FLOPs, to the byte
+        # the peak, every region at the peak and the FLOPs, to the byte
+        assert (composed.activations.peak, composed.activations.regions, composed.activations.flops) == \
+            (full.peak, full.regions, full.flops)
 
 
 def test_checkpointing_and_sequence_length_move_the_trace_as_they_should():
@@ -226,3 +228,23 @@ def test_jobspec_plan_plans_a_qwen2_job_from_its_own_code(tmp_path, capsys):
     assert plan["settings"]["parameters"] == published and plan["settings"]["trace"] == "composed"
     assert plan["breakdown"]["logits_and_loss"] > 4 * 1024 * 151936 * 4   # fp32 logits over a 152k vocabulary
     assert plan["compute"]["hardware_flops_per_token"] > plan["compute"]["model_flops_per_token"] > 6 * 0.3e9
+
+
+def test_the_composition_follows_the_peak_from_one_phase_to_another():
+    """A large vocabulary on a small hidden size, every layer checkpointed: with a small batch the step's
+    peak is the embedding table's gradient in flight (the embeddings' backward, when no layer keeps
+    anything), with a large one it is inside the layer stack. The short units peak in the first place
+    even when the whole model peaks in the second; the composition adds the layers' increments to the
+    stack's and the turn's peaks only, and takes the highest phase."""
+    config = {**BERT, "vocab_size": 30000, "hidden_size": 32, "num_attention_heads": 4, "intermediate_size": 64,
+              "num_hidden_layers": 16}
+    tracer = ModelTracer(spec_for("xlm-roberta", "sequence-classification", config, "eager"))
+    phases = {}
+    for micro_batch in (1, 9):
+        composed = tracer.profile("fp16", micro_batch, 64, True).activations
+        full = tracer.full("fp16", micro_batch, 64, True)
+        assert (composed.peak, composed.regions) == (full.peak, full.regions)
+        phases[micro_batch] = max(full.phases, key=lambda name: full.phases[name].peak)
+        unit_phase = tracer.unit("fp16", micro_batch, 64, (("layer", True),) * 3).phases
+        phases[micro_batch, "unit"] = max(unit_phase, key=lambda name: unit_phase[name].peak)
+    assert phases[1] == "outside" and phases[9] == "stack" and phases[9, "unit"] == "outside"
