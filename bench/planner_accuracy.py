@@ -276,7 +276,9 @@ def memtracker_peak(spec: dict, precision: str, micro: int, seq: int, checkpoint
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from jobspec.model.structure import gradient_checkpointing
-    from jobspec.model.trace import PRECISION_DTYPES, ModelTracer, _inputs, _sdpa_stand_in, checkpoint_setting
+    from jobspec.model.kernels import sdpa_stand_in as _sdpa_stand_in
+    from jobspec.model.step import step_inputs as _inputs
+    from jobspec.model.trace import PRECISION_DTYPES, ModelTracer, checkpoint_setting
 
     model = ModelTracer(spec)._build(layers=None)
     model.train()
@@ -432,7 +434,7 @@ def _worst_case_nonzero():
     labelled rows with it); MemTracker then tracks the op's output like any other."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from jobspec.model.trace import _dispatch
+    from jobspec.model.step import dispatch_worst_case as _dispatch
 
     class WorstCaseNonzero(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -1,47 +1,34 @@
 """The planner's measurements of a model, from the model's own code: parameters, activations, FLOPs.
 
-The spec's model is built on the meta device exactly as the ranks build it (`model/build.py`, the
-`model.freeze` and checkpointing code of `model/structure.py`), moved to fake CPU tensors
-(`FakeTensorMode`: shapes and dtypes, no memory, no compute) and cast to the training precision. One
-forward + backward then runs with the job's micro-batch, sequence length, task head and loss, under:
+`ModelTracer` builds the spec's model on the meta device exactly as the ranks build it
+(`model/build.py`; `model.freeze` and the checkpointing code of `model/structure.py`), casts it to the
+training precision, moves it to fake CPU tensors (`FakeTensorMode`: shapes and dtypes, no memory, no
+compute) and runs one training step with the job's micro-batch, sequence length, task head and loss
+(`model/step.py`: live storages by region, FLOPs; `model/kernels.py`: the GPU attention kernels'
+stand-in for SDPA). The parameter inventory comes from the same meta model.
 
-- `_LiveStorages`, a dispatch mode that sees every tensor an op creates and, by a weak reference, when its
-  storage dies: the peak of live bytes (rounded to the CUDA allocator's 512-byte blocks) over the step,
-  parameters and their gradients left out (the planner counts those as model states), itemised by
-  the module that was running (torch's `ModTracker`): a layer of the stack, the embeddings (the rest of
-  the base model, the inputs), or the head, logits and loss;
-- the formulas of torch's FLOP counter (`torch.utils.flop_counter.flop_registry`, what `FlopCounterMode`
-  applies) on the same ops. (`FlopCounterMode` itself is not used: its module tracking keeps a
-  checkpointed layer's recomputed tensors alive, which would inflate the memory being measured.)
-
-Attention: eager runs as written. SDPA cannot reach the GPU kernels in a CPU torch, so it runs through
-`_sdpa_stand_in`, which calls the real kernels' meta functions (`_scaled_dot_product_flash_attention`
-with no mask and 16-bit inputs, else `_scaled_dot_product_efficient_attention`): what they keep for
-backward (q, k, v, output, fp32 log-sum-exp) and their FLOPs are the kernels' own; the backward adds the
-fp32 scratch the kernels allocate (flash: dq accumulator and softmax_d; efficient: delta).
-
-Speed: a trace costs ~90 µs per op. Layers are traced in short units and composed (`spec.model_profile.compose`,
-exact: tests/model/test_trace.py), unit traces are cached in-process and on disk (`JOBSPEC_CACHE_DIR`,
-else `$XDG_CACHE_HOME/jobspec`, else `~/.cache/jobspec`), keyed by everything that changes them.
-Data-dependent routing (mixture-of-experts) cannot be traced without data and is refused by name.
+Speed: a traced op costs ~0.1-0.3 ms. Layers are traced in short units and composed
+(`spec.model_profile.compose`, exact: tests/model/test_trace.py), micro-batches above 2 are
+extrapolated from 1 and 2 (`step.extrapolate`, exact), and unit traces are cached in-process and on disk
+(`JOBSPEC_CACHE_DIR`, else `$XDG_CACHE_HOME/jobspec`, else `~/.cache/jobspec`), keyed by everything that
+changes them. Data-dependent routing (mixture-of-experts) cannot be traced without data and is
+refused by name.
 """
 from __future__ import annotations
 
 import copy
 import functools
-import gc
 import hashlib
 import json
 import os
 import tempfile
-import weakref
 from pathlib import Path
 
 from jobspec.errors import SpecError, first_line, spec_error
-from jobspec.spec.model_profile import REGIONS, Inventory, ModelProfile, UnitTrace, compose, layer_types
+from jobspec.model.step import extrapolate, run_step, summarize
+from jobspec.spec.model_profile import Inventory, ModelProfile, UnitTrace, compose, layer_types
 
 TRACE_VERSION = 3   # bump when what a trace measures changes: old cache entries are not read
-ALLOCATOR_ROUND = 512          # the CUDA caching allocator's smallest block
 PRECISION_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 # config attributes that mean tokens are routed to experts by their values
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -110,10 +97,10 @@ class ModelTracer:
 
         def make() -> UnitTrace:
             if micro_batch > 2:
-                synthetic = _extrapolate(timeline(1), timeline(2), micro_batch)
+                synthetic = extrapolate(timeline(1), timeline(2), micro_batch)
                 if synthetic is not None:
-                    return _summarize(synthetic)
-            return _summarize(timeline(micro_batch))
+                    return summarize(synthetic)
+            return summarize(timeline(micro_batch))
 
         return self._cached(("unit", precision, micro_batch, seq_len, types, reentrant), make)
 
@@ -121,7 +108,7 @@ class ModelTracer:
         """A trace of every layer at the micro-batch itself, checkpointed by the training patch (the
         reference the shortcuts are tested against)."""
         key = ("full", precision, micro_batch, seq_len, json.dumps(checkpointing, sort_keys=True))
-        return self._cached(key, lambda: _summarize(self._trace(precision, micro_batch, seq_len,
+        return self._cached(key, lambda: summarize(self._trace(precision, micro_batch, seq_len,
                                                                 checkpointing=checkpointing)))
 
     # ------------------------------------------------------------------ building
@@ -197,7 +184,7 @@ class ModelTracer:
             model = model.to(getattr(torch, PRECISION_DTYPES[precision]))   # on meta: no memory
             with FakeTensorMode(allow_non_fake_inputs=True):
                 model = model.to_empty(device="cpu")
-                return _run_step(model, self.spec, micro_batch, seq_len, find_layer_stack(model))
+                return run_step(model, self.spec, micro_batch, seq_len, find_layer_stack(model))
         except SpecError:
             raise
         except Exception as err:  # noqa: BLE001 - report which setting could not be traced, in one line
@@ -339,313 +326,6 @@ def _inventory_of(model, config) -> Inventory:
                      buffer_float_elements=sum(b.numel() for b in model.buffers() if b.is_floating_point()),
                      buffer_other_bytes=sum(b.numel() * b.element_size() for b in model.buffers()
                                             if not b.is_floating_point()))
-
-
-def _inputs(spec: dict, config, micro_batch: int, seq_len: int) -> dict:
-    """What the data loader gives a micro-batch (train/data.py): ids, attention mask, labels."""
-    import torch
-
-    vocab = int(getattr(config, "vocab_size", 0) or 1000)
-    ids = torch.randint(0, vocab, (micro_batch, seq_len))
-    batch = {"input_ids": ids, "attention_mask": torch.ones(micro_batch, seq_len, dtype=torch.long)}
-    task = spec["model"].get("task", "sequence-classification")
-    labels_count = int(spec["model"].get("num_labels", 2))
-    if task == "sequence-classification":
-        batch["labels"] = torch.randint(0, labels_count, (micro_batch,))
-    elif task == "token-classification":
-        batch["labels"] = torch.randint(0, labels_count, (micro_batch, seq_len))
-    else:
-        batch["labels"] = ids.clone()
-    return batch
-
-
-def _run_step(model, spec: dict, micro_batch: int, seq_len: int, stack) -> dict:
-    """One forward + backward under the counters (inside the caller's FakeTensorMode)."""
-    import torch
-    from torch.distributed._tools.mod_tracker import ModTracker
-
-    params = list(model.parameters())
-    tracker = ModTracker()
-    root = type(model).__name__
-    base = getattr(model, "base_model_prefix", "")
-    layer_prefix = _layer_prefix(model, stack, root)
-    counter = _LiveStorages(lambda: _region(tracker.parents, root, base, layer_prefix))
-    counter.ignore(params + list(model.buffers()))
-    # No garbage collection while tracing: a collection frees tensors held in reference cycles at
-    # whatever moment it happens to run, which would make the peak depend on the interpreter's timing.
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        return _traced_step(model, spec, micro_batch, seq_len, tracker, counter, params)
-    finally:
-        if collecting:
-            gc.enable()
-
-
-def _traced_step(model, spec, micro_batch, seq_len, tracker, counter, params) -> dict:
-    # A parameter's gradient is a temporary until it lands in `.grad` (then it is a model state, which
-    # the planner counts as "gradients"): the hook takes it out of the activations at that moment.
-    # Until then it counts: the head's gradient in flight is part of the peak of an accumulation step,
-    # and of every ZeRO-1/2/3 step (the hooks copy it to a bucket).
-    hooks = [p.register_post_accumulate_grad_hook(lambda p: counter.settle(p.grad)) for p in params
-             if p.requires_grad]
-    try:
-        with _sdpa_stand_in(), tracker, counter:
-            counter.fixed_region = "embeddings"
-            batch = _inputs(spec, getattr(model, "config", None), micro_batch, seq_len)
-            counter.fixed_region = None
-            output = model(**batch)
-            loss = output.loss if hasattr(output, "loss") else output["loss"]
-            counter.backward_at = len(counter.events)
-            loss.backward()
-            del output, loss, batch
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return counter.timeline()
-
-
-def _layer_prefix(model, stack, root: str) -> str | None:
-    if stack is None:
-        return None
-    for name, module in model.named_modules():
-        if module is stack:
-            return f"{root}.{name}." if name else f"{root}."
-    return None
-
-
-def _region(parents: set, root: str, base: str, layer_prefix: str | None) -> str:
-    if layer_prefix and any(p.startswith(layer_prefix) for p in parents):
-        return "layers"
-    if base and any(p == f"{root}.{base}" or p.startswith(f"{root}.{base}.") for p in parents):
-        return "embeddings"
-    return "logits_and_loss"
-
-
-class _LiveStorages:
-    """A dispatch mode counting live tensor storages created inside it, with the region of each."""
-
-    def __new__(cls, region_of):
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils.flop_counter import flop_registry as FLOP_FORMULAS
-
-        class Mode(TorchDispatchMode):
-            def __init__(self):
-                super().__init__()
-                self.region_of = region_of
-                self.fixed_region = None
-                self.events: list = []      # (serial, +bytes | -bytes, region)
-                self.sizes: dict = {}       # serial -> (bytes, region)
-                self.backward_at = 0        # index of the first event of the backward pass
-                self.flops = 0
-                self.seen: dict = {}        # storage id -> weakref
-
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                import torch
-
-                kwargs = kwargs or {}
-                out = _dispatch(func, args, kwargs)
-                formula = FLOP_FORMULAS.get(func._overloadpacket)
-                if formula is not None:
-                    self.flops += formula(*args, **kwargs, out_val=out)
-                for t in torch.utils._pytree.tree_leaves(out):
-                    if isinstance(t, torch.Tensor):
-                        self._note(t)
-                return out
-
-            def _note(self, t) -> None:
-                storage = t.untyped_storage()
-                if id(storage) in self.seen:
-                    return
-                # a serial, not id(): a freed storage's id is reused by later ones
-                serial = len(self.events)
-                size = storage.nbytes()
-                region = self.fixed_region or self.region_of()
-                self.events.append((serial, size, region))
-                self.sizes[serial] = (size, region)
-                self.seen[id(storage)] = (serial, weakref.ref(
-                    storage, functools.partial(self._freed, id(storage), serial, size, region)))
-
-            def ignore(self, tensors) -> None:
-                """Storages that exist before the step (parameters, buffers): a view of one (a weight's
-                transpose) is not a new allocation."""
-                for t in tensors:
-                    storage = t.untyped_storage()
-                    self.seen[id(storage)] = (-1, storage)
-
-            def _freed(self, key, serial, size, region, _ref) -> None:
-                self.seen.pop(key, None)
-                self.events.append((serial, -size, region))
-
-            def settle(self, grad) -> None:
-                """A gradient stored in `.grad`: from now on a model state, not a live temporary."""
-                if grad is None:
-                    return
-                storage = grad.untyped_storage()
-                entry = self.seen.get(id(storage))
-                if entry is None or entry[0] < 0:
-                    return   # already settled (a shared weight's later contributions add in place)
-                serial, _ = entry
-                size, region = self.sizes[serial]
-                self.events.append((serial, -size, region))
-                self.seen[id(storage)] = (-1, storage)   # its real free, later, is not an event
-
-            def timeline(self) -> dict:
-                """The step as allocations (+bytes) and frees (-bytes) in order, with their regions."""
-                kept = [(size, region) for _, size, region in self.events]
-                return {"sizes": [size for size, _ in kept], "regions": "".join(REGION_CODES[r] for _, r in kept),
-                        "backward": self.backward_at, "flops": float(self.flops)}
-
-        return Mode()
-
-
-REGION_CODES = {"layers": "l", "embeddings": "e", "logits_and_loss": "o"}
-_REGION_OF_CODE = {code: region for region, code in REGION_CODES.items()}
-
-
-def _summarize(timeline: dict) -> UnitTrace:
-    """The peak of live bytes over a timeline (each storage rounded to the allocator's 512-byte
-    blocks), phase by phase (`UnitTrace`), with each region's live bytes at each phase's peak."""
-    from jobspec.spec.model_profile import Phase
-
-    codes = timeline["regions"]
-    backward = timeline["backward"]
-    layer_events = [i for i, code in enumerate(codes) if code == "l"]
-    forward_end = max((i for i in layer_events if i < backward), default=-1)
-    backward_start = min((i for i in layer_events if i >= backward), default=len(codes))
-    first, last = (layer_events[0], layer_events[-1]) if layer_events else (len(codes), -1)
-
-    def phase_of(i: int) -> str:
-        if i < first or i > last:
-            return "outside"
-        return "turn" if forward_end < i < backward_start else "stack"
-
-    live = dict.fromkeys(REGIONS, 0)
-    total = 0
-    peaks = {name: Phase(0, dict(live)) for name in ("outside", "stack", "turn")}
-    for i, (size, code) in enumerate(zip(timeline["sizes"], codes)):
-        rounded = -(-abs(size) // ALLOCATOR_ROUND) * ALLOCATOR_ROUND
-        rounded = rounded if size >= 0 else -rounded
-        live[_REGION_OF_CODE[code]] += rounded
-        total += rounded
-        name = phase_of(i)
-        if total > peaks[name].peak:
-            peaks[name] = Phase(total, dict(live))
-    return UnitTrace.of_phases(peaks, timeline["flops"])
-
-
-def _extrapolate(one: dict, two: dict, batch: int) -> dict | None:
-    """The timeline at micro-batch `batch` from those at 1 and 2, or None when they differ in their
-    events (then the batch is traced)."""
-    if len(one["sizes"]) != len(two["sizes"]) or one["regions"] != two["regions"] \
-            or one["backward"] != two["backward"]:
-        return None
-    sizes = []
-    for a, b in zip(one["sizes"], two["sizes"]):
-        if (a >= 0) != (b >= 0):
-            return None
-        sizes.append(a + (batch - 1) * (b - a))
-    return {"sizes": sizes, "regions": one["regions"], "backward": one["backward"],
-            "flops": one["flops"] + (batch - 1) * (two["flops"] - one["flops"])}
-
-
-def _dispatch(func, args, kwargs):
-    """Run an op; ops whose output size depends on the values (nonzero) get their worst case: every
-    element selected (DeBERTa's classification loss picks its labelled rows this way)."""
-    import torch
-
-    if func is torch.ops.aten.nonzero.default:
-        (x,) = args
-        return torch.empty((x.numel(), x.dim()), dtype=torch.long, device=x.device)
-    return func(*args, **kwargs)
-
-
-class _sdpa_stand_in:
-    """Replaces torch.nn.functional.scaled_dot_product_attention while tracing (see the module docstring)."""
-
-    def __enter__(self):
-        import torch.nn.functional as F
-
-        self._original = F.scaled_dot_product_attention
-        F.scaled_dot_product_attention = _attention
-        return self
-
-    def __exit__(self, *exc):
-        import torch.nn.functional as F
-
-        F.scaled_dot_product_attention = self._original
-        return False
-
-
-def _attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    import torch
-
-    use_flash = attn_mask is None and query.dtype in (torch.float16, torch.bfloat16)
-    if enable_gqa and not use_flash and key.shape[1] != query.shape[1]:
-        groups = query.shape[1] // key.shape[1]   # the efficient kernel has no GQA: torch expands k and v
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    if attn_mask is not None and attn_mask.dtype == torch.bool:
-        # torch turns a boolean mask into an additive bias of the query's dtype for the kernel
-        bias = torch.zeros(attn_mask.shape, dtype=query.dtype)
-        attn_mask = bias.masked_fill(attn_mask.logical_not(), float("-inf"))
-    if attn_mask is not None:
-        attn_mask = attn_mask.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
-    return _KernelAttention.apply(query, key, value, attn_mask, float(dropout_p), bool(is_causal), scale, use_flash)
-
-
-def _kernel_class():
-    import torch
-
-    aten = torch.ops.aten
-
-    class KernelAttention(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, q, k, v, bias, dropout_p, is_causal, scale, use_flash):
-            if use_flash:
-                out, lse, _, _, _, _, seed, offset, _ = aten._scaled_dot_product_flash_attention(
-                    q, k, v, dropout_p, is_causal, False, scale=scale)
-            else:
-                out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
-                    q, k, v, bias, True, dropout_p, is_causal, scale=scale)
-            ctx.save_for_backward(q, k, v, bias if bias is not None else torch.empty(0), out, lse, seed, offset)
-            ctx.settings = (dropout_p, is_causal, scale, use_flash, bias is not None)
-            return out
-
-        @staticmethod
-        def backward(ctx, grad_out):
-            q, k, v, bias, out, lse, seed, offset = ctx.saved_tensors
-            dropout_p, is_causal, scale, use_flash, has_bias = ctx.settings
-            b, h, s, d = q.shape
-            rounded = -(-s // 128) * 128
-            if use_flash:   # FlashAttention-2's backward scratch: fp32 dq accumulator and softmax_d
-                scratch = (torch.empty(b, rounded, h, d, dtype=torch.float32),
-                           torch.empty(b, h, rounded, dtype=torch.float32))
-                dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
-                    grad_out, q, k, v, out, lse, None, None, s, k.shape[2], dropout_p, is_causal, seed, offset,
-                    scale=scale)
-            else:           # the memory-efficient kernel's backward: fp32 delta
-                scratch = (torch.empty(b, h, -(-s // 32) * 32, dtype=torch.float32),)
-                dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-                    grad_out, q, k, v, bias if has_bias else None, out, lse, seed, offset, dropout_p,
-                    [True, True, True, False], is_causal, scale=scale)
-            del scratch
-            return dq, dk, dv, None, None, None, None, None
-
-    return KernelAttention
-
-
-class _LazyKernel:
-    """`_KernelAttention.apply` without importing torch at module import."""
-
-    @functools.cached_property
-    def cls(self):
-        return _kernel_class()
-
-    def apply(self, *args):
-        return self.cls.apply(*args)
-
-
-_KernelAttention = _LazyKernel()
 
 
 def job_profiler(cache_dir: Path | None = None, *, use_cache: bool = True):

@@ -1,0 +1,102 @@
+"""The GPU attention kernels' stand-in for the planner's trace (jobspec/model/trace.py).
+
+SDPA cannot reach the GPU kernels in a CPU torch, and the CPU kernels keep other tensors. While tracing,
+`torch.nn.functional.scaled_dot_product_attention` is replaced by `_attention`, which calls the GPU
+kernels' own meta functions (they work on fake CPU tensors): `_scaled_dot_product_flash_attention`
+with no mask and 16-bit inputs (what PyTorch's dispatcher picks on an Ampere+ GPU), else
+`_scaled_dot_product_efficient_attention`. Forward keeps what those kernels keep for backward (q, k,
+v, the output, the fp32 log-sum-exp); backward calls their backward meta functions and allocates
+their fp32 scratch (flash: the dq accumulator and softmax_d; efficient: delta). Their FLOPs are the
+kernels' (torch's counter formulas for these ops).
+"""
+from __future__ import annotations
+
+import functools
+
+
+class sdpa_stand_in:
+    """Replaces torch.nn.functional.scaled_dot_product_attention while tracing (see the module docstring)."""
+
+    def __enter__(self):
+        import torch.nn.functional as F
+
+        self._original = F.scaled_dot_product_attention
+        F.scaled_dot_product_attention = _attention
+        return self
+
+    def __exit__(self, *exc):
+        import torch.nn.functional as F
+
+        F.scaled_dot_product_attention = self._original
+        return False
+
+
+def _attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    import torch
+
+    use_flash = attn_mask is None and query.dtype in (torch.float16, torch.bfloat16)
+    if enable_gqa and not use_flash and key.shape[1] != query.shape[1]:
+        groups = query.shape[1] // key.shape[1]   # the efficient kernel has no GQA: torch expands k and v
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        # torch turns a boolean mask into an additive bias of the query's dtype for the kernel
+        bias = torch.zeros(attn_mask.shape, dtype=query.dtype)
+        attn_mask = bias.masked_fill(attn_mask.logical_not(), float("-inf"))
+    if attn_mask is not None:
+        attn_mask = attn_mask.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+    return _KernelAttention.apply(query, key, value, attn_mask, float(dropout_p), bool(is_causal), scale, use_flash)
+
+
+def _kernel_class():
+    import torch
+
+    aten = torch.ops.aten
+
+    class KernelAttention(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, bias, dropout_p, is_causal, scale, use_flash):
+            if use_flash:
+                out, lse, _, _, _, _, seed, offset, _ = aten._scaled_dot_product_flash_attention(
+                    q, k, v, dropout_p, is_causal, False, scale=scale)
+            else:
+                out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
+                    q, k, v, bias, True, dropout_p, is_causal, scale=scale)
+            ctx.save_for_backward(q, k, v, bias if bias is not None else torch.empty(0), out, lse, seed, offset)
+            ctx.settings = (dropout_p, is_causal, scale, use_flash, bias is not None)
+            return out
+
+        @staticmethod
+        def backward(ctx, grad_out):
+            q, k, v, bias, out, lse, seed, offset = ctx.saved_tensors
+            dropout_p, is_causal, scale, use_flash, has_bias = ctx.settings
+            b, h, s, d = q.shape
+            rounded = -(-s // 128) * 128
+            if use_flash:   # FlashAttention-2's backward scratch: fp32 dq accumulator and softmax_d
+                scratch = (torch.empty(b, rounded, h, d, dtype=torch.float32),
+                           torch.empty(b, h, rounded, dtype=torch.float32))
+                dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+                    grad_out, q, k, v, out, lse, None, None, s, k.shape[2], dropout_p, is_causal, seed, offset,
+                    scale=scale)
+            else:           # the memory-efficient kernel's backward: fp32 delta
+                scratch = (torch.empty(b, h, -(-s // 32) * 32, dtype=torch.float32),)
+                dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+                    grad_out, q, k, v, bias if has_bias else None, out, lse, seed, offset, dropout_p,
+                    [True, True, True, False], is_causal, scale=scale)
+            del scratch
+            return dq, dk, dv, None, None, None, None, None
+
+    return KernelAttention
+
+
+class _LazyKernel:
+    """`_KernelAttention.apply` without importing torch at module import."""
+
+    @functools.cached_property
+    def cls(self):
+        return _kernel_class()
+
+    def apply(self, *args):
+        return self.cls.apply(*args)
+
+
+_KernelAttention = _LazyKernel()
