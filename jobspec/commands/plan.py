@@ -19,7 +19,7 @@ import argparse
 import json
 
 from jobspec.commands import add_format_argument, add_set_argument
-from jobspec.errors import spec_error
+from jobspec.errors import SpecError, spec_error
 
 EXIT_NOTHING_FITS = 1
 
@@ -55,8 +55,11 @@ def run(args: argparse.Namespace) -> int:
         raise spec_error("--fit needs a memory budget", path=("memory", "gpu_memory"),
                          hint="pass --gpu-mem 24GiB or set memory.gpu_memory in the spec")
     job = derive_job(spec, profiler=job_profiler())
-    plan = plan_memory(spec, job, budget=budget)
-    result = fit(spec, job, budget, bf16_supported=not args.no_bf16) if args.fit else None
+    try:
+        plan = plan_memory(spec, job, budget=budget)
+        result = fit(spec, job, budget, bf16_supported=not args.no_bf16) if args.fit else None
+    except SpecError as err:   # the model could not be built or traced: say where in the file
+        raise resolved.locate(err) from None
 
     if args.format == "json":
         out = {"job": str(resolved.source), "plan": plan.as_dict()}
