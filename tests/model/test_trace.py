@@ -248,3 +248,27 @@ def test_the_composition_follows_the_peak_from_one_phase_to_another():
         unit_phase = tracer.unit("fp16", micro_batch, 64, (("layer", True),) * 3).phases
         phases[micro_batch, "unit"] = max(unit_phase, key=lambda name: unit_phase[name].peak)
     assert phases[1] == "outside" and phases[9] == "stack" and phases[9, "unit"] == "outside"
+
+
+def test_a_model_the_planner_refuses_still_launches_and_the_header_says_why(tmp_path, capsys):
+    """Item 7: `jobspec plan` refuses a mixture of experts at its line (exit 2); `jobspec launch` does
+    not stop for a plan it cannot make: the header says there is no plan, and the line above says why."""
+    import yaml
+
+    from jobspec.cli import main
+
+    job = tmp_path / "moe.yaml"
+    job.write_text(yaml.safe_dump({
+        "name": "moe", "model": {"architecture": "mixtral", "task": "causal-lm", "config": {
+            "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "intermediate_size": 64, "vocab_size": 500, "num_local_experts": 4, "num_experts_per_tok": 2}},
+        "data": {"synthetic": {"num_samples": 64, "seq_len": 32, "vocab_range": [5, 500]}},
+        "training": {"max_steps": 2, "micro_batch_size": 4}, "resources": {"gpus_per_node": 1},
+        "output_dir": str(tmp_path / "out"), "logging": {"mlflow": {"enabled": False}}}, sort_keys=False))
+    assert main(["plan", str(job)]) == 2
+    err = capsys.readouterr().err
+    assert f"{job}:2:" in err and "'mixtral' routes each token to 4 experts" in err and "Traceback" not in err
+    assert main(["launch", str(job), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "memory plan unavailable (model type 'mixtral' routes" in out and "no plan for this model" in out
+    assert not (tmp_path / "out").exists()
