@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from jobspec import __version__
@@ -63,6 +64,12 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_RUN_FAILED
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # the reader went away (`jobspec plan JOB | head`): end quietly, as `cat` does. Python would
+        # otherwise complain again when it flushes stdout at exit, so point stdout at /dev/null.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141   # 128 + SIGPIPE, what a shell reports for a command killed by the closed pipe
 
 
 if __name__ == "__main__":

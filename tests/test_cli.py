@@ -56,3 +56,23 @@ def test_a_run_failure_exits_1_with_one_line_and_bad_input_exits_2(monkeypatch, 
     assert main(["validate", str(tmp_path / "job.yaml")]) == 2
     err = capsys.readouterr().err
     assert "memory.zero_stag: unknown key" in err and "Traceback" not in err
+
+
+def test_a_closed_pipe_ends_a_command_quietly():
+    """`jobspec schema | head -1`: the reader goes away after one line; no BrokenPipeError traceback.
+    The pipe is shrunk to one page so that the 40 KB schema cannot all fit in it before the reader
+    closes (what a real pager or `head` sees with a longer output)."""
+    import fcntl
+    import os
+    import subprocess
+    import sys
+
+    read_end, write_end = os.pipe()
+    fcntl.fcntl(write_end, getattr(fcntl, "F_SETPIPE_SZ", 1031), 4096)
+    proc = subprocess.Popen([sys.executable, "-m", "jobspec", "schema"], stdout=write_end,
+                            stderr=subprocess.PIPE, text=True)
+    os.close(write_end)
+    with os.fdopen(read_end) as reader:
+        assert reader.readline().strip() == "{"
+    _, err = proc.communicate(timeout=120)   # the reader is closed: the next write meets EPIPE
+    assert proc.returncode == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
