@@ -58,6 +58,11 @@ _ALIASES: dict[str, str] = {
 }
 
 
+# Families whose positions are a learned table (an index past its end is an error in the ranks), and
+# the ids their first position takes: RoBERTa-style models start after the padding index (2).
+LEARNED_POSITIONS: dict[str, int] = {"bert": 0, "roberta": 2, "xlm-roberta": 2, "gpt2": 0, "distilbert": 0}
+
+
 @dataclass(frozen=True)
 class ModelDims:
     model_type: str | None
@@ -67,6 +72,14 @@ class ModelDims:
     intermediate_size: int | None = None
     vocab_size: int | None = None
     max_position_embeddings: int | None = None
+
+    @property
+    def usable_positions(self) -> int | None:
+        """The longest sequence the model's learned position table takes; None where positions are not
+        a table (rotary, relative) or the size is unknown."""
+        if self.model_type not in LEARNED_POSITIONS or not self.max_position_embeddings:
+            return None
+        return self.max_position_embeddings - LEARNED_POSITIONS[self.model_type]
 
 
 def _canonical(config: dict) -> dict:

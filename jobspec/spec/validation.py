@@ -277,6 +277,13 @@ def cross_field_issues(r: ResolvedSpec) -> list[SpecIssue]:
         add(r.issue(("memory", "activation_checkpointing", "every_n_layers"),
                     f"every_n_layers = {checkpointing['every_n_layers']} but the model has {layers} layers",
                     f"use a value between 1 and {layers}"))
+    positions = derived.dims.usable_positions if derived is not None and derived.dims else None
+    synthetic = s["data"].get("synthetic")
+    seq_path, seq_len = ((("data", "synthetic", "seq_len"), synthetic["seq_len"]) if synthetic
+                         else (("data", "max_length"), s["data"]["max_length"]))
+    if positions is not None and seq_len > positions:
+        add(r.issue(seq_path, f"{seq_len} tokens per sequence, but the model's position table has {positions}",
+                    f"use at most {positions}, or raise model.config.max_position_embeddings"))
     from jobspec.spec import export_rules
     issues += export_rules.issues(r)
     if s["logging"]["system_metrics"] and not s["logging"]["mlflow"]["enabled"]:

@@ -231,3 +231,22 @@ def test_zero_bounds_match_deepspeeds(field, value, ok):
     else:
         with pytest.raises(SpecError, match=field):
             load_and_validate(job, overrides)
+
+
+GPT2_64 = ["model.architecture=gpt2", "model.config={n_embd: 32, n_layer: 2, n_head: 2, n_positions: 64, vocab_size: 1000}",
+           "data.synthetic.vocab_range=[5, 1000]"]
+
+
+@pytest.mark.parametrize("sets, longest", [([], 128), (GPT2_64, 64)], ids=["xlm-roberta-130", "gpt2-64"])
+def test_a_sequence_longer_than_the_position_table_is_refused_by_validate(sets, longest, capsys):
+    """Issue 24: found by validate (exit 2, at the field), not by the ranks after 19 s of start-up.
+    XLM-R's table of 130 positions takes 128 tokens (its ids start after the padding index)."""
+    from jobspec.cli import main
+
+    job = Path(__file__).resolve().parents[2] / "jobs" / "quickstart.yaml"
+    argv = ["validate", str(job)] + [x for s in sets for x in ("--set", s)]
+    assert main(argv + ["--set", f"data.synthetic.seq_len={longest + 1}"]) == 2
+    err = capsys.readouterr().err
+    assert f"data.synthetic.seq_len: {longest + 1} tokens per sequence" in err
+    assert f"position table has {longest}" in err
+    assert main(argv + ["--set", f"data.synthetic.seq_len={longest}"]) == 0
