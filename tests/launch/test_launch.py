@@ -372,7 +372,8 @@ def test_a_bad_data_row_found_on_the_ranks_is_exit_2_naming_file_and_line_once(t
     data.write_bytes(b"\n".join(rows) + b"\n")
     job = write_job(tmp_path)
     spec = yaml.safe_load(job.read_text())
-    spec["data"] = {"train": str(data), "tokenizer": str(tmp_path), "num_workers": 0, "pin_memory": False}
+    spec["data"] = {"train": str(data), "tokenizer": str(tmp_path), "max_length": 64, "num_workers": 0,
+                    "pin_memory": False}
     job.write_text(yaml.safe_dump(spec, sort_keys=False))
     use_fake_runner(monkeypatch, fake_runner, "dataerror")
     assert main(["launch", str(job)]) == 2

@@ -164,7 +164,8 @@ def test_large_files_cost_only_their_first_rows_and_a_full_scan_finds_the_rest(t
 
 def write_job(tmp_path, train: str, **data) -> str:
     spec = {"name": "data-job", "model": {"architecture": "bert", "config": BERT},
-            "data": {"train": train, "tokenizer": str(tmp_path), **data},
+            "data": {"train": train, "tokenizer": str(tmp_path), "max_length": BERT.get("max_position_embeddings", 512),
+                     **data},
             "training": {"max_steps": 2, "micro_batch_size": 2}, "resources": {"gpus_per_node": 1},
             "output_dir": "out", "logging": {"mlflow": {"enabled": False}}}
     path = tmp_path / "job.yaml"
