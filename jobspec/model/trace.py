@@ -44,6 +44,7 @@ class ModelTracer:
         self._units: dict = {}
         self._inventory: Inventory | None = None
         self._config = None
+        self._auto_class = None
 
     # ------------------------------------------------------------------ public
     def inventory(self) -> Inventory:
@@ -53,10 +54,6 @@ class ModelTracer:
                 self._inventory = Inventory.from_dict(cached)
             else:
                 model = self._build(layers=None)
-                if self.spec["model"].get("freeze"):
-                    from jobspec.model.structure import freeze
-
-                    freeze(model, self.spec["model"]["freeze"])
                 self._inventory = _inventory_of(model, getattr(model, "config", None))
                 self._store("inventory", self._inventory.as_dict())
         return self._inventory
@@ -87,7 +84,7 @@ class ModelTracer:
 
         Micro-batches above 2 are not traced: every tensor's size is affine in the batch (b·x + y) and
         the ops do not change with it, so the timelines at 1 and 2 give every event's size at any b
-        exactly (`_extrapolate`); where the two timelines differ in their ops, b is traced."""
+        exactly (`step.extrapolate`); where the two timelines differ in their ops, b is traced."""
         types = tuple(types)
 
         def timeline(batch: int) -> dict:
@@ -117,8 +114,8 @@ class ModelTracer:
         from jobspec.model.build import build_config
 
         if self._config is None:
-            self._config = self._build_step(lambda: build_config(self.spec)[1])
-            _refuse_experts(self._config, self.spec)
+            self._auto_class, self._config = self._build_step(lambda: build_config(self.spec))
+            _refuse_experts(self._config)
         config = copy.deepcopy(self._config)
         if kinds is not None:
             _set_layer_count(config, len(kinds))
@@ -127,22 +124,27 @@ class ModelTracer:
         return config
 
     def _build(self, layers: tuple | None):
+        """The model on the meta device, cut to `layers` kinds (None: whole), `model.freeze` applied."""
         import torch
 
-        from jobspec.model.build import build_config, build_skeleton
+        from jobspec.model.build import build_skeleton
+        from jobspec.model.structure import freeze
 
         if self.spec["model"].get("architecture") == "mlp" and not self.spec["model"].get("name_or_path"):
             spec = copy.deepcopy(self.spec)
             if layers is not None:
                 spec["model"].setdefault("config", {})["num_layers"] = len(layers)
-            return self._build_step(lambda: build_skeleton(spec))
-        config = self._config_for(layers)
-        auto_class = self._build_step(lambda: build_config(self.spec)[0])
-        attention = self.spec["model"].get("attention", "sdpa")
-        trust = bool(self.spec["model"].get("trust_remote_code"))
-        with torch.device("meta"):
-            return self._build_step(lambda: auto_class.from_config(config, attn_implementation=attention,
-                                                                  trust_remote_code=trust))
+            model = self._build_step(lambda: build_skeleton(spec))
+        else:
+            config = self._config_for(layers)
+            attention = self.spec["model"].get("attention", "sdpa")
+            trust = bool(self.spec["model"].get("trust_remote_code"))
+            with torch.device("meta"):
+                model = self._build_step(lambda: self._auto_class.from_config(
+                    config, attn_implementation=attention, trust_remote_code=trust))
+        if self.spec["model"].get("freeze"):
+            freeze(model, self.spec["model"]["freeze"])
+        return model
 
     def _build_step(self, make):
         from jobspec.model.build import loading_error
@@ -159,20 +161,17 @@ class ModelTracer:
     # ------------------------------------------------------------------ tracing
     def _trace(self, precision: str, micro_batch: int, seq_len: int, *, types: tuple | None = None,
                reentrant: bool = False, checkpointing=None) -> dict:
-        """One traced step: its timeline (`_LiveStorages.timeline`)."""
+        """One traced step: its timeline (`step.run_step`)."""
         import torch
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        from jobspec.model.structure import checkpoint_layers, find_layer_stack, freeze, gradient_checkpointing
+        from jobspec.model.structure import checkpoint_layers, find_layer_stack, gradient_checkpointing
 
         kinds = tuple(kind for kind, _ in types) if types is not None else None
         model = self._build(layers=kinds)
         model.train()
-        patterns = self.spec["model"].get("freeze") or []
         setting = f"{precision}, micro-batch {micro_batch}, seq {seq_len}"
         try:
-            if patterns:
-                freeze(model, patterns)
             if types is not None:
                 chosen = [i for i, (_, ckpt) in enumerate(types) if ckpt]
                 if chosen:
@@ -295,7 +294,7 @@ def _set_layer_count(config, n: int) -> None:
             return
 
 
-def _refuse_experts(config, spec: dict) -> None:
+def _refuse_experts(config) -> None:
     for key in _EXPERT_KEYS:
         value = getattr(config, key, None)
         if isinstance(value, int) and value > 1:
