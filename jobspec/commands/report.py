@@ -6,12 +6,16 @@ the logged series after its first point, which pays for warm-up); peak allocated
 memory (max of the series); and the memory planner's predicted peak allocated memory ('-' when it
 cannot be computed). GPU-only values are '-' on CPU runs.
 
-Plots (unless --no-plots): `plots/memory.png` and `plots/throughput.png` logged to each run that
-lacks them, and `comparison.png` (samples/s and peak memory per run) in --out.
+A report only reads unless told where to write: with --out DIR, report.<md|csv|txt> and
+`comparison.png` (samples/s and peak memory per run) go to DIR; with --log-to-runs,
+`plots/memory.png` and `plots/throughput.png` are logged to each run that lacks them. Without
+either, nothing is written (no directory in the current one, no MLflow artifact). One thing a
+report does change: a RUNNING run whose launcher is gone is closed (docs/reliability.md).
 
 examples:
   jobspec report quickstart
   jobspec report bench --format markdown --out reports/bench
+  jobspec report bench --log-to-runs         # memory/throughput plots into each run's artifacts
   jobspec report xlmr-large --tracking-uri http://mlflow:5000 --format csv > runs.csv
 """
 from __future__ import annotations
@@ -31,13 +35,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_format_argument(parser, {"table": "aligned text", "markdown": "a Markdown table",
                                  "csv": "raw numbers, empty = missing"})
     parser.add_argument("--out", type=Path, default=None, metavar="DIR",
-                        help="also write report.<md|csv|txt> here, and the comparison plot "
-                             "(default for the plot: reports/<experiment>/)")
+                        help="also write report.<md|csv|txt> and the comparison plot here (default: "
+                             "write nothing, only print the table)")
+    parser.add_argument("--log-to-runs", action="store_true",
+                        help="log plots/memory.png and plots/throughput.png to each run that lacks them")
     parser.add_argument("--no-plots", action="store_true", help="tables only: draw and log no plots")
 
 
 def run(args: argparse.Namespace) -> int:
     from jobspec.report.build import report
 
-    report(args.experiment, args.tracking_uri, args.format, args.out, plots=not args.no_plots)
+    report(args.experiment, args.tracking_uri, args.format, args.out, plots=not args.no_plots,
+           log_to_runs=args.log_to_runs)
     return 0

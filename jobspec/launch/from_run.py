@@ -16,6 +16,8 @@ is only what would otherwise make the new launch continue the old one instead of
   of a larger run, such as one trial of a sweep), which a re-launch is not.
 
 `--set` overrides apply after these changes, as on a spec file. Pure apart from MLflow: no torch.
+Reading the parent creates nothing: a local store that does not exist (the default
+`sqlite:///mlflow.db` in another directory) is "not found", not a new empty database.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import yaml
 from jobspec import rundir
 from jobspec.errors import first_line, spec_error
 from jobspec.secrets import mask_secrets, split_credentials
+from jobspec.tracking.store import missing_local_store
 
 PARENT_TAG = "jobspec.parent_run_id"
 LOGGED_SPEC = rundir.RESOLVED
@@ -51,6 +54,10 @@ def fetch_spec(run_id: str, tracking_uri: str, dest: Path) -> Path:
         os.environ["MLFLOW_TRACKING_USERNAME"] = user
         os.environ["MLFLOW_TRACKING_PASSWORD"] = password or ""
     hint_store = "pass the tracking URI that holds the run with --tracking-uri (or set MLFLOW_TRACKING_URI)"
+    missing = missing_local_store(uri)
+    if missing is not None:   # MLflow would create an empty store there just to find no run in it
+        raise spec_error(f"MLflow run {run_id} not found: no MLflow store at {missing} (tracking URI {shown})",
+                         hint="run from the directory the job was launched in, or " + hint_store)
     try:
         telemetry.probe(uri)
         client = telemetry.client_for(uri)

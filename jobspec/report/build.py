@@ -1,8 +1,8 @@
-"""`jobspec report`: the table of an experiment's runs on stdout (and in --out), plots logged to each
-run that lacks them, and the comparison plot."""
+"""`jobspec report`: the table of an experiment's runs on stdout; with --out, the table and the
+comparison plot in that directory; with --log-to-runs, per-run plots logged to each run that lacks
+them. Nothing else is written (no default directory, no MLflow artifact unless asked)."""
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 
@@ -10,12 +10,10 @@ from jobspec.errors import first_line, spec_error
 from jobspec.report import table
 
 
-def safe_dir_name(name: str) -> str:
-    """An experiment name as one path component (names may hold '/', spaces)."""
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "experiment"
-
-
-def report(experiment: str, tracking_uri: str, fmt: str, out: Path | None, *, plots: bool = True) -> None:
+def report(experiment: str, tracking_uri: str, fmt: str, out: Path | None, *, plots: bool = True,
+           log_to_runs: bool = False) -> None:
+    """Print the table. Files only under `out` (the table and the comparison plot); per-run plots
+    logged to the MLflow runs only with `log_to_runs`: a report reads, it writes where it is told."""
     from jobspec.launch import orphans
     client, experiment_ids, _ = table.open_experiment(tracking_uri, experiment)
     for experiment_id in experiment_ids:   # RUNNING runs whose launcher is gone
@@ -28,21 +26,25 @@ def report(experiment: str, tracking_uri: str, fmt: str, out: Path | None, *, pl
     text = table.RENDERERS[fmt](rows)
     sys.stdout.write(text if text.endswith("\n") else text + "\n")
 
-    out_dir = out or Path("reports") / safe_dir_name(experiment)
     if out is not None:
-        write_text(out_dir / f"report.{table.SUFFIXES[fmt]}", text)
-    if not plots:
+        write_text(out / f"report.{table.SUFFIXES[fmt]}", text)
+    if not plots or (out is None and not log_to_runs):
         return
     from jobspec.report import plots as plotting
-    logged = 0
-    for item in reports:
-        try:
-            logged += len(plotting.log_run_plots(client, item.run_id, item.series, title=item.row["run"]))
-        except Exception as err:  # a read-only artifact store must not cost the user the table
-            print(f"jobspec: could not log plots to run {item.run_id}: {first_line(err, limit=200)}",
-                  file=sys.stderr)
-    comparison = plotting.plot_comparison(rows, out_dir / plotting.COMPARISON_FILE, title=experiment)
-    print(f"jobspec: {logged} plot(s) logged to runs; comparison plot {comparison}", file=sys.stderr)
+    said = []
+    if log_to_runs:
+        logged = 0
+        for item in reports:
+            try:
+                logged += len(plotting.log_run_plots(client, item.run_id, item.series, title=item.row["run"]))
+            except Exception as err:  # a read-only artifact store must not cost the user the table
+                print(f"jobspec: could not log plots to run {item.run_id}: {first_line(err, limit=200)}",
+                      file=sys.stderr)
+        said.append(f"{logged} plot(s) logged to runs")
+    if out is not None:
+        comparison = plotting.plot_comparison(rows, out / plotting.COMPARISON_FILE, title=experiment)
+        said.append(f"comparison plot {comparison}")
+    print(f"jobspec: {'; '.join(said)}", file=sys.stderr)
 
 
 def write_text(path: Path, text: str) -> None:

@@ -96,3 +96,17 @@ def test_unreachable_store_and_bad_arguments_exit_2(capsys):
     assert "not both" in capsys.readouterr().err
     assert main(["launch"]) == 2
     assert "no job spec given" in capsys.readouterr().err
+
+
+def test_a_from_run_read_creates_no_store(tmp_path, capsys, monkeypatch):
+    # from another directory, without --tracking-uri: the default store (sqlite:///mlflow.db here) is
+    # not there, which says "not found" and leaves no empty mlflow.db behind
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert main(["launch", "--from-run", "0123456789abcdef0123456789abcdef"]) == 2
+    err = capsys.readouterr().err
+    assert "not found: no MLflow store at" in err and str(tmp_path / "mlflow.db") in err and "Traceback" not in err
+    elsewhere = tmp_path / "sub" / "none.db"
+    assert main(["launch", "--from-run", "abc", "--tracking-uri", f"sqlite:///{elsewhere}", "--dry-run"]) == 2
+    assert str(elsewhere) in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

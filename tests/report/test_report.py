@@ -1,6 +1,6 @@
 """`jobspec report`: rows from MLflow runs shaped like real ones (params/artifacts through
 jobspec.tracking.run, metrics with the shared names), CSV/markdown/table output, plots logged as
-artifacts, clean errors; and one real quickstart launch reported end to end (slow)."""
+artifacts only when asked, clean errors; and one real quickstart launch reported end to end (slow)."""
 from __future__ import annotations
 
 import csv
@@ -126,9 +126,19 @@ def test_table_and_markdown_are_aligned_and_show_missing_as_dash(experiment, cap
     assert (tmp_path / "report.md").read_text() == out
 
 
+def test_a_report_without_out_or_log_to_runs_writes_nothing(experiment, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    client = tracking.client_for(experiment["uri"])
+    artifacts = {run_id: {a.path for a in client.list_artifacts(run_id)} for run_id in experiment["ids"].values()}
+    code, out, err = run_report(capsys, experiment)
+    assert code == 0 and "cpu-run" in out, err
+    assert list(tmp_path.iterdir()) == []   # no reports/ in the current directory
+    assert {run_id: {a.path for a in client.list_artifacts(run_id)} for run_id in artifacts} == artifacts
+
+
 def test_plots_are_pngs_logged_once_per_run(experiment, capsys, tmp_path):
     out_dir = tmp_path / "rep"
-    code, _, err = run_report(capsys, experiment, "--out", str(out_dir))
+    code, _, err = run_report(capsys, experiment, "--out", str(out_dir), "--log-to-runs")
     assert code == 0, err
     comparison = out_dir / "comparison.png"
     assert comparison.read_bytes()[:8] == PNG_MAGIC and comparison.stat().st_size > 5000
