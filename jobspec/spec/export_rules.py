@@ -1,10 +1,15 @@
 """Cross-field rules of the Adam fields (`training.optimizer.implementation`, `bias_correction`),
-`memory.fp16.auto_cast` and the `export` section: values one field's schema cannot judge alone; and
-the exported weights' dtype, which the rank side and the launch's disk pre-flight both need.
+`memory.fp16.auto_cast` and the `export` section (`best_metric` against the task's metrics): values
+one field's schema cannot judge alone; and the exported weights' dtype, which the rank side and the
+launch's disk pre-flight both need.
 
 Pure, like the rest of jobspec.spec: called by `validation.cross_field_issues` on the defaults-filled spec.
 """
 from __future__ import annotations
+
+import difflib
+
+from jobspec.spec import eval_metrics
 
 
 def resolve_dtype(spec: dict, requested: str | None = None) -> str:
@@ -58,9 +63,34 @@ def export_issues(r) -> list:
     data = s["data"]
     has_eval = data["eval"] is not None or bool((data["synthetic"] or {}).get("eval_samples"))
     if s["export"]["best_eval"] and not has_eval:
-        return [r.issue(("export", "best_eval"), "`best_eval` exports at the lowest evaluation loss, but the job "
+        metric = s["export"].get("best_metric", "loss")
+        best = "the lowest evaluation loss" if metric == "loss" else f"the best evaluation {metric}"
+        return [r.issue(("export", "best_eval"), f"`best_eval` exports at {best}, but the job "
                         "has no evaluation data", "set `data.eval` (or `data.synthetic.eval_samples`), or remove "
                         "`export.best_eval`")]
+    return best_metric_issues(r)
+
+
+def best_metric_issues(r) -> list:
+    """`export.best_metric` must be a metric the job's task produces (jobspec.spec.eval_metrics), and
+    mean something: `best_eval` on. Whether token labels are BIO tags is known only once the ranks
+    have read the data (jobspec.train.export.check_best_metric); synthetic labels never are."""
+    s = r.spec
+    task, name = s["model"]["task"], s["export"].get("best_metric", "loss")
+    where = ("export", "best_metric")
+    produced = eval_metrics.metrics_of(task)
+    if name not in produced:
+        listing = ", ".join(f"`{m}`" for m in produced)
+        close = difflib.get_close_matches(name, produced, n=1, cutoff=0.6)
+        hint = (f"did you mean `{close[0]}`? " if close else "") + f"the metrics of {task}: {listing}"
+        return [r.issue(where, f"`{name}` is not a metric of {task}", hint)]
+    if (task, name) in eval_metrics.BIO_ONLY and s["data"]["synthetic"] is not None:
+        return [r.issue(where, f"`{name}` of {task} is the entity F1 of BIO tags, but synthetic data has "
+                        "integer labels", "use `best_metric: accuracy` (token accuracy) or `loss`, or train on "
+                        "a file whose labels are BIO tags (O, B-PER, I-PER, ...)")]
+    if name != "loss" and not s["export"]["best_eval"]:
+        return [r.issue(where, "`best_metric` picks the model `best_eval` exports, but `best_eval` is off",
+                        "set `export.best_eval: true`, or remove `export.best_metric`")]
     return []
 
 

@@ -23,7 +23,7 @@ import yaml
 from jobspec import rundir
 from jobspec.errors import first_line, spec_error
 from jobspec.spec.export_rules import resolve_dtype
-from jobspec.train.export import CHECKPOINT_SPEC
+from jobspec.train.export import CHECKPOINT_SPEC, read_label_names
 from jobspec.train.hf_dir import ExportInfo, job_tokenizer, write_model_dir
 
 MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
@@ -95,7 +95,8 @@ def export_checkpoint(source: Source, out: Path, dtype: str | None = None, show_
     info = ExportInfo(name=out.name, step=step, dtype=dtype, source=f"checkpoint {source.path}",
                       metrics=_metrics_at(source.run_dir, step), notes=notes,
                       world_size=_world_size(client, source.run_dir))
-    return write_model_dir(out, spec, state_dict, info, tokenizer=tokenizer, show_progress=show_progress)
+    return write_model_dir(out, spec, state_dict, info, tokenizer=tokenizer, show_progress=show_progress,
+                           label_names=read_label_names(source.path))
 
 
 def consolidated_state_dict(tag_dir: Path, client: dict, precision: str, dtype: str) -> tuple[dict, list]:
@@ -224,12 +225,13 @@ def _world_size(client: dict, run_dir: Path | None) -> int | None:
 
 
 def _metrics_at(run_dir: Path | None, step: int | None) -> dict:
-    """The last train/eval loss logged at or before `step` in the run's metrics.jsonl (empty if unknown)."""
+    """The last train loss and eval metrics logged at or before `step` in the run's metrics.jsonl (empty if
+    unknown)."""
     if run_dir is None or step is None or not (run_dir / rundir.METRICS).is_file():
         return {}
     found = {}
     for key, value, _timestamp, point_step in rundir.read_metric_points(run_dir):
-        if key in ("train/loss", "eval/loss") and point_step <= step:
+        if (key == "train/loss" or key.startswith("eval/")) and point_step <= step:
             found[key] = value
     return found
 

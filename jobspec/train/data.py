@@ -31,9 +31,12 @@ LEARNABLE_SIGNAL = 0.5
 class TensorDictDataset(Dataset):
     """Rows of named tensors (a 2-D tensor per column, or a list of 1-D tensors of varying length)."""
 
-    def __init__(self, columns: dict, pad_token_id: int = 0):
+    def __init__(self, columns: dict, pad_token_id: int = 0, label_names: dict | None = None):
         self.columns = columns
         self.pad_token_id = pad_token_id  # used by the collate function for `padding: longest`
+        # string labels -> ids (file data whose labels are names): the exported config's label2id,
+        # and BIO tags for the entity F1 (jobspec.train.task_metrics)
+        self.label_names = label_names or None
         self._length = len(next(iter(columns.values())))
 
     def __len__(self) -> int:
@@ -74,6 +77,9 @@ def build_datasets(spec: dict, tokenizer):
     label_names: dict = {}  # string labels -> ids, shared by train and eval
     train = _file_dataset(spec, tokenizer, "train", label_names)
     evaluation = _file_dataset(spec, tokenizer, "eval", label_names) if data.get("eval") else None
+    for dataset in (train, evaluation):
+        if dataset is not None:
+            dataset.label_names = dict(label_names) or None
     return train, evaluation
 
 

@@ -2,7 +2,8 @@
 
     <export.dir or RUN_DIR/model>/final     when training finishes (after the final checkpoint)
                                  /step<N>   after each checkpoint (`at_checkpoints`), newest keep_last kept
-                                 /best      at each new lowest evaluation loss (`best_eval`)
+                                 /best      at each new best evaluation (`best_eval`) of `best_metric`:
+                                            the lowest loss or perplexity, the highest accuracy or F1
 
 Every export is collective: all ranks take part in gathering the weights, rank 0 writes
 (jobspec/train/hf_dir.py), and rank 0's outcome is broadcast so that a failed write stops every
@@ -18,7 +19,9 @@ holds the whole module. Those are the weights the engine computes with (16-bit u
 (`deepspeed.utils.safe_get_full_fp32_param`, ZeRO 1-3).
 
 Every checkpoint also gets a copy of the run's resolved.yaml (`<tag>/jobspec_resolved.yaml`), so that
-`jobspec export` can rebuild the model of any checkpoint without its run directory.
+`jobspec export` can rebuild the model of any checkpoint without its run directory, and, when the
+training data's labels are names ("positive", "B-PER"), their ids (`<tag>/jobspec_labels.json`): every
+exported config.json carries them as id2label/label2id, so a pipeline answers with the user's names.
 
 Test hook: JOBSPEC_EXPORT_REFERENCE=DIR makes every rank run the engine on a fixed batch at each
 checkpoint and at the end, and rank 0 save the logits to DIR/step<N>.pt and DIR/final.pt: an
@@ -26,17 +29,21 @@ engine-side reference for the exported weights.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 from pathlib import Path
 
 from jobspec import rundir
+from jobspec.errors import spec_error
+from jobspec.spec import eval_metrics
 from jobspec.spec.export_rules import resolve_dtype
 from jobspec.train.hf_dir import ExportFailed, ExportInfo, describe_io_error, job_tokenizer, write_model_dir
 from jobspec.units import MiB
 
 CHECKPOINT_SPEC = "jobspec_resolved.yaml"
+CHECKPOINT_LABELS = "jobspec_labels.json"   # string labels -> ids of the data the checkpoint trained on
 REFERENCE_ENV = "JOBSPEC_EXPORT_REFERENCE"
 _STEP_DIR = re.compile(r"^step(\d+)$")
 
@@ -44,14 +51,18 @@ _STEP_DIR = re.compile(r"^step(\d+)$")
 class ModelExporter:
     """Called by the training loop at checkpoints, evaluations and the end; records go to `state.exports`."""
 
-    def __init__(self, files, run_dir: Path, rank: int, group, progress):
+    def __init__(self, files, run_dir: Path, rank: int, group, progress, label_names: dict | None = None):
         self.spec, self.run_dir, self.rank, self.group, self.progress = files.spec, Path(run_dir), rank, group, progress
         self.settings = self.spec["export"]
         self.total_steps = files.derived["total_steps"]
         self.world_size = files.derived["world_size"]
         self.base = rundir.export_dir(self.spec, self.run_dir)
         self.dtype = resolve_dtype(self.spec)
-        self.best_loss: float | None = None
+        self.label_names = label_names   # string labels -> ids: config.json's label2id/id2label
+        self.best_metric = self.settings.get("best_metric", "loss")
+        self.best_value: float | None = None
+        if self.settings["best_eval"]:
+            check_best_metric(self.spec, label_names)
         self._best_pending_at: int | None = None   # a best export waiting for this step's checkpoint
         self._tokenizer = None
         self._tokenizer_note: str | None = None
@@ -84,6 +95,8 @@ class ModelExporter:
         tag = state.last_checkpoint
         if self.rank == 0 and tag:
             _copy_spec(self.run_dir, Path(ckpt_dir) / tag)
+            if self.label_names:   # `jobspec export` of this checkpoint names the labels too
+                write_label_names(Path(ckpt_dir) / tag, self.label_names)
         _save_reference(engine, self.spec, f"step{state.step}", self.rank)
         if self._best_pending_at == state.step:
             self._best_pending_at = None
@@ -95,11 +108,12 @@ class ModelExporter:
                 self._prune(keep=self.spec["checkpoint"]["keep_last"], state=state)
 
     def after_eval(self, engine, state) -> None:
-        loss = state.eval_loss
-        if not self.settings["best_eval"] or loss is None or loss != loss:  # NaN never wins
+        if not self.settings["best_eval"]:
             return
-        if self.best_loss is None or loss < self.best_loss:
-            self.best_loss = loss
+        name = self.best_metric
+        value = state.eval_loss if name == "loss" else state.eval_metrics.get(name)
+        if eval_metrics.improves(name, value, self.best_value):   # NaN or a missing value never wins
+            self.best_value = value
             if self._checkpoint_follows(state.step):   # same weights: export right after that save
                 self._best_pending_at = state.step
             else:
@@ -125,11 +139,13 @@ class ModelExporter:
             out = self.base / name
             metrics = {k: v for k, v in (("train/loss", state.last_loss), ("eval/loss", state.eval_loss))
                        if v is not None}
+            metrics.update({eval_metrics.key(k): v for k, v in state.eval_metrics.items()})
             info = ExportInfo(name=name, step=state.step, dtype=self.dtype, source=f"the training run ({why})",
                               metrics=metrics, notes=notes + ([self._tokenizer_note] if self._tokenizer_note else []),
                               world_size=self.world_size)
             try:
-                record = write_model_dir(out, self.spec, state_dict, info, tokenizer=self._job_tokenizer())
+                record = write_model_dir(out, self.spec, state_dict, info, tokenizer=self._job_tokenizer(),
+                                         label_names=self.label_names)
                 state.exports[name] = {k: record[k] for k in ("path", "step", "dtype", "bytes", "seconds")}
                 self.progress.message(f"model ({name}) exported to {out} ({record['bytes'] / MiB:.1f} MiB, "
                                       f"{record['seconds']:.1f} s)")
@@ -160,6 +176,35 @@ class ModelExporter:
         if error:
             raise ExportFailed(f"{error}; the checkpoints in {self.spec['checkpoint']['dir']} are intact "
                                f"(`jobspec export` converts one later)")
+
+
+def check_best_metric(spec: dict, label_names: dict | None) -> None:
+    """What validation could not tell before the data was read: the entity F1 of token
+    classification needs BIO tags among the training data's labels. SpecError otherwise (exit 2)."""
+    from jobspec.train.task_metrics import is_bio
+    task, name = spec["model"]["task"], spec["export"].get("best_metric", "loss")
+    if (task, name) in eval_metrics.BIO_ONLY and not is_bio(label_names or {}):
+        found = ", ".join(sorted(label_names or {})[:6]) or "integer class ids"
+        raise spec_error(f"`best_metric: {name}` is the entity F1 of BIO tags (O, B-TYPE, I-TYPE), but the "
+                         f"training labels are {found}", path=("export", "best_metric"),
+                         hint="use `best_metric: accuracy` (token accuracy) or `loss`, or label the words with "
+                              "BIO tags")
+
+
+def write_label_names(tag_dir: Path, label_names: dict) -> None:
+    try:
+        (tag_dir / CHECKPOINT_LABELS).write_text(json.dumps(label_names, indent=1) + "\n", encoding="utf-8")
+    except OSError:
+        pass   # the export of this checkpoint then numbers its labels LABEL_<id>
+
+
+def read_label_names(tag_dir: Path) -> dict | None:
+    """The label names an exporter wrote next to a checkpoint (None: integer labels, or an older one)."""
+    try:
+        names = json.loads((Path(tag_dir) / CHECKPOINT_LABELS).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return names if isinstance(names, dict) else None
 
 
 def gather_state_dict(engine, dtype: str, precision: str, rank: int) -> tuple[dict | None, list]:

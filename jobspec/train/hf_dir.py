@@ -1,6 +1,7 @@
 """A Hugging Face model directory from a state dict: what the worker's export and `jobspec export` write.
 
-    <out>/config.json             the model's config (the spec's architecture or checkpoint, and overrides)
+    <out>/config.json             the model's config (the spec's architecture or checkpoint, and overrides;
+                                  id2label/label2id: the training data's label names, when it had names)
     <out>/model*.safetensors      the weights in the chosen dtype (sharded with an index when large)
     <out>/tokenizer files         when the job has a tokenizer (`data.tokenizer`, or the model's own)
     <out>/README.md               model card: how it was trained, the metrics, the job spec (secrets masked)
@@ -74,8 +75,11 @@ def job_tokenizer(spec: dict):
 
 
 def write_model_dir(out: str | os.PathLike, spec: dict, state_dict: dict, info: ExportInfo, *, tokenizer=None,
-                    show_progress: bool = False) -> dict:
+                    show_progress: bool = False, label_names: dict | None = None) -> dict:
     """Write the directory `out` (replacing one that exists); returns its record (path, bytes, ...).
+
+    `label_names`: the training data's string labels -> class ids (jobspec.train.data), written as the
+    config's label2id/id2label so that `pipeline(...)` answers "positive", not "LABEL_1".
 
     `state_dict` values may be tensors or DeepSpeed's lazy `GatheredTensor`s; they are materialised
     and cast one at a time and the dict is consumed (its entries are replaced by the cast tensors).
@@ -89,6 +93,7 @@ def write_model_dir(out: str | os.PathLike, spec: dict, state_dict: dict, info: 
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         model = _filled_skeleton(spec, state_dict, info.dtype, tokenizer, show_progress)
+        name_labels(model.config, label_names)
         _inject_error(tmp, info.name)
         _save_weights(model, tmp, spec)
         if tokenizer is not None:
@@ -104,6 +109,25 @@ def write_model_dir(out: str | os.PathLike, spec: dict, state_dict: dict, info: 
             raise ExportFailed(describe_io_error(out, err)) from None
         raise
     return {**record, "path": str(out), "bytes": dir_bytes(out), "seconds": round(time.monotonic() - started, 3)}
+
+
+def label_maps(label_names: dict | None, num_labels: int) -> tuple[dict, dict] | None:
+    """(id2label, label2id) for a head of `num_labels` classes from the data's names -> ids; None
+    without names. Every class gets an entry (an id the data never used keeps `LABEL_<id>`): transformers
+    takes the length of id2label for the number of labels."""
+    if not label_names:
+        return None
+    id2label = {i: f"LABEL_{i}" for i in range(num_labels)}
+    id2label.update({int(i): str(name) for name, i in label_names.items() if 0 <= int(i) < num_labels})
+    return id2label, {name: i for i, name in id2label.items()}
+
+
+def name_labels(config, label_names: dict | None) -> None:
+    """Put the label names on a transformers config (jobspec's own mlp has no label maps)."""
+    num_labels = getattr(config, "num_labels", None)
+    maps = label_maps(label_names, num_labels) if isinstance(num_labels, int) and hasattr(config, "id2label") else None
+    if maps is not None:
+        config.id2label, config.label2id = maps
 
 
 def describe_io_error(out: Path, err: BaseException) -> str:

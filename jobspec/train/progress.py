@@ -189,6 +189,7 @@ class RunState:
     samples: int = 0                 # global samples trained in this run (not before a resume)
     last_loss: float | None = None
     eval_loss: float | None = None
+    eval_metrics: dict = field(default_factory=dict)   # the last evaluation's task metrics: accuracy, f1, ...
     samples_per_s: list = field(default_factory=list)
     rates: dict = field(default_factory=dict)   # tokens_per_s, tflops_per_device, mfu: one value per window
     peak_memory: dict = field(default_factory=dict)
@@ -275,9 +276,10 @@ class StepReporter:
                 self.state.rates.setdefault(key, []).append(out[f"perf/{key}"])
         return {**out, **perf.memory}
 
-    def log_eval(self, step: int, loss: float) -> None:
+    def log_eval(self, step: int, loss: float, metrics: dict | None = None) -> None:
+        """`metrics`: the task metrics by name (accuracy, f1, perplexity), logged as eval/<name>."""
         if self.rank == 0:
-            self.sink.log({"eval/loss": loss}, step=step)
+            self.sink.log({"eval/loss": loss, **{f"eval/{k}": v for k, v in (metrics or {}).items()}}, step=step)
             self.progress.eval(step, loss)
 
 
@@ -294,6 +296,7 @@ def summarize(state: RunState, status: str, total_steps: int, started: float, er
         "samples": state.samples,
         "final_loss": state.last_loss,
         "eval_loss": state.eval_loss,
+        "eval_metrics": {f"eval/{k}": v for k, v in state.eval_metrics.items()},
         "samples_per_s": steady(state.samples_per_s),
         **{key: steady(state.rates.get(key, [])) for key in ("tokens_per_s", "tflops_per_device", "mfu")},
         "peak_memory": state.peak_memory,

@@ -125,7 +125,8 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
         telemetry = StepReporter(engine, files.spec, files.derived, files.patches, sink, progress, rank, state)
         oom_guard = OomGuard(files, run_dir=run_dir, rank=rank, control_group=control, build_engine=build_engine,
                              progress=progress, sink=sink, telemetry=telemetry)
-        exporter = ModelExporter(files, run_dir, rank, control, progress)
+        exporter = ModelExporter(files, run_dir, rank, control, progress,
+                                 label_names=getattr(train_ds, "label_names", None))
         exporter.check_writable()
         _phase("loop")
         del engine  # train_loop holds the only reference: an OOM recovery (jobspec.train.oom) must free it
@@ -161,6 +162,7 @@ def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, tele
 
     from jobspec.train import checkpointing
     from jobspec.train.data import make_loader
+    from jobspec.train.task_metrics import counter_for
 
     spec, derived = files.spec, files.derived
     training, data, ckpt = spec["training"], spec["data"], spec["checkpoint"]
@@ -186,8 +188,10 @@ def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, tele
     def run_eval():
         if eval_ds is not None:
             loader = make_loader(eval_ds, epoch=0, shuffle=False, skip_batches=0, **loader_args)
-            state.eval_loss = evaluate(engine, loader)
-            telemetry.log_eval(state.step, state.eval_loss)
+            counter = counter_for(spec, getattr(engine.module, "config", None),
+                                  getattr(train_ds, "label_names", None))
+            state.eval_loss, state.eval_metrics = evaluate(engine, loader, counter)
+            telemetry.log_eval(state.step, state.eval_loss, state.eval_metrics)
             if exporter is not None:
                 exporter.after_eval(engine, state)
 
@@ -264,8 +268,11 @@ def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, tele
     return "finished"  # resumed from a checkpoint of the last step: nothing left to do
 
 
-def evaluate(engine, loader) -> float:
-    """Mean eval loss over every rank's samples."""
+def evaluate(engine, loader, counter=None) -> tuple[float, dict]:
+    """(mean eval loss over every rank's samples, the task metrics of `counter` by name).
+
+    The metrics come from counts summed over the ranks (jobspec.train.task_metrics), never from a
+    mean of the ranks' own metrics; the loss keeps its own reduction (bit-exact resume compares it)."""
     import torch
     import torch.distributed as dist
     totals = torch.zeros(2, device=engine.device)
@@ -274,10 +281,20 @@ def evaluate(engine, loader) -> float:
         for batch in loader:
             n = batch["input_ids"].shape[0]
             batch = {k: v.to(engine.device, non_blocking=True) for k, v in batch.items()}
-            totals += torch.stack([loss_of(engine(**batch)).float() * n, torch.tensor(float(n), device=engine.device)])
+            outputs = engine(**batch)
+            loss = loss_of(outputs)
+            totals += torch.stack([loss.float() * n, torch.tensor(float(n), device=engine.device)])
+            if counter is not None:
+                counter.update(loss, outputs["logits"] if isinstance(outputs, dict) else outputs.logits,
+                               batch["labels"])
     engine.train()
     dist.all_reduce(totals)
-    return float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")
+    loss = float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")
+    if counter is None:
+        return loss, {}
+    counts = counter.vector(engine.device)
+    dist.all_reduce(counts)
+    return loss, counter.finish(counts.tolist())
 
 
 def _write_failure(run_dir: Path, state: RunState, started: float, error: str) -> None:
