@@ -44,6 +44,7 @@ from jobspec.errors import SpecError, SpecIssue
 from jobspec.launch import host, intent, orphans, ownership, preflight, quiet, runner, slurm, supervise
 from jobspec.launch import tracking as launch_tracking
 from jobspec.memory import at_launch as launch_memory
+from jobspec.secrets import mask_secrets
 from jobspec.launch import console
 from jobspec.spec import datacheck
 from jobspec.tracking import run as tracking_run
@@ -117,6 +118,7 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
         compiled.launch["argv"] = slurm.launch_argv(compiled.launch, run_dir)
         if spec["logging"]["mlflow"]["enabled"]:  # rank 0 waits for the run created meanwhile
             compiled.launch["mlflow_run"] = launch_tracking.PENDING
+        compiled.launch["overrides"] = [mask_secrets(item) for item in overrides]  # the MLflow run's name
         rundir.write_compiled(run_dir, resolved, compiled)
         rundir.write_launcher(run_dir, lifeline.identity())  # who to ask whether this run still runs
     except BaseException:

@@ -20,6 +20,7 @@ from jobspec import hardware, rundir
 from jobspec.errors import first_line
 from jobspec.secrets import mask_secrets, split_credentials
 
+from jobspec.tracking import naming
 log = logging.getLogger("jobspec.tracking")
 
 MAX_PARAMS_PER_BATCH = 100       # MLflow's log_batch limit for params
@@ -140,12 +141,11 @@ def start_run(spec: dict, launch: dict, derived: dict, spec_text: str, run_dir: 
         os.environ["MLFLOW_TRACKING_PASSWORD"] = password or ""
     try:
         client = client_for(uri)
-        experiment = client.get_experiment_by_name(settings["experiment"])
-        experiment_id = (experiment.experiment_id if experiment is not None
-                         else client.create_experiment(settings["experiment"]))
+        experiment_id = naming.experiment_id_for(client, settings["experiment"])
         run = _reopen(client, resume_run_id)
-        if run is None:
-            run = client.create_run(experiment_id, run_name=settings["run_name"] or spec["name"])
+        if run is None:   # named by what sets it apart: launch.json `overrides`, else the job's last run
+            name = naming.new_run_name(client, experiment_id, spec, launch.get("overrides", ()), flatten(spec))
+            run = client.create_run(experiment_id, run_name=name)
         else:
             client.update_run(run.info.run_id, status="RUNNING")
         run_id = run.info.run_id
