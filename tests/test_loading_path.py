@@ -97,6 +97,7 @@ def project(tmp_path_factory) -> dict:
         "training": {"epochs": EPOCHS, "micro_batch_size": MICRO, "optimizer": {"lr": 1e-3},
                      "eval_every": 4},
         "checkpoint": {"save_final": False},
+        "export": {"best_eval": True, "best_metric": "accuracy"},
         "resources": {"gpus_per_node": WORLD},
         "logging": {"every_n_steps": 2, "progress": "lines",
                     "mlflow": {"tracking_uri": f"sqlite:///{root / 'mlflow.db'}", "experiment": "loading"}},
@@ -181,3 +182,25 @@ def test_launch_trains_a_local_checkpoint_on_parquet_with_jsonl_eval(project, tm
     eval_steps = [m.step for m in client.get_metric_history(info["run_id"], "eval/loss")]
     assert eval_steps == list(range(4, total + 1, 4))  # eval_every 4, and at the end
     assert all(m.value > 0 for m in client.get_metric_history(info["run_id"], "perf/samples_per_s"))
+
+    # task metrics at every evaluation, reduced over both ranks: the eval rows split 4 + 4
+    accuracy = sorted((m.step, m.value) for m in client.get_metric_history(info["run_id"], "eval/accuracy"))
+    assert [step for step, _ in accuracy] == eval_steps
+    assert all(value in (k / NUM_EVAL for k in range(NUM_EVAL + 1)) for _, value in accuracy)
+    f1 = client.get_metric_history(info["run_id"], "eval/f1")
+    assert len(f1) == len(eval_steps) and all(0 <= m.value <= 1 for m in f1)
+    assert summary["eval_metrics"]["eval/accuracy"] == accuracy[-1][1]
+    # best_metric: accuracy -- the model of the first evaluation with the highest accuracy
+    best = json.loads((run_dir / "model" / "best" / "jobspec_export.json").read_text())
+    top = max(value for _, value in accuracy)
+    assert best["step"] == next(step for step, value in accuracy if value == top)
+    assert best["metrics"]["eval/accuracy"] == top
+
+    # the string labels' names in the exported config: a pipeline answers with them
+    final = run_dir / "model" / "final"
+    config = json.loads((final / "config.json").read_text())
+    assert config["id2label"] == {"0": "negative", "1": "positive"}
+    assert config["label2id"] == {"negative": 0, "positive": 1}
+    from transformers import pipeline
+    answers = pipeline("text-classification", model=str(final))(["the soup was cold", "fresh pasta"])
+    assert {a["label"] for a in answers} <= {"negative", "positive"}

@@ -11,6 +11,7 @@ import os
 import re
 from urllib.parse import urlsplit
 
+from jobspec.spec import eval_metrics
 from jobspec.units import MiB, fmt_mib_gib
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -232,6 +233,9 @@ def closing_lines(summary: dict | None, launch: dict, *, job_name: str, run_dir,
               if isinstance(summary.get(key), (int, float))]
     if losses:
         lines.append(label("loss", style) + " · ".join(losses))
+    metrics = eval_metrics_text(summary.get("eval_metrics") or {})
+    if metrics:
+        lines.append(label("eval", style) + metrics)
     speed = throughput_text(summary)
     if speed:
         lines.append(label("throughput", style) + speed)
@@ -257,6 +261,19 @@ def closing_lines(summary: dict | None, launch: dict, *, job_name: str, run_dir,
     lines += tracking_lines(tracking, experiment, style=style)
     lines.append(label("run dir", style) + str(run_dir))
     return lines
+
+
+def eval_metrics_text(metrics: dict) -> str:
+    """The last evaluation's task metrics (summary.json `eval_metrics`): `accuracy 87.5% · F1 0.8667`."""
+    parts = []
+    for name in eval_metrics.TASK_ONLY:
+        value = metrics.get(eval_metrics.key(name))
+        if not isinstance(value, (int, float)):
+            continue
+        shown = f"{100 * value:.1f}%" if name == "accuracy" else f"{value:.4g}" if name == "perplexity" \
+            else f"{value:.4f}"
+        parts.append(f"{eval_metrics.label(name)} {shown}")
+    return " · ".join(parts)
 
 
 def throughput_text(summary: dict) -> str:

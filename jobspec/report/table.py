@@ -1,5 +1,6 @@
-"""One row per MLflow run of an experiment: the settings that explain it, steady-state throughput,
-measured peak memory and the planner's prediction; rendered as an aligned table, markdown or CSV.
+"""One row per MLflow run of an experiment: the settings that explain it, the final train and eval
+loss and the task metrics of the last evaluation, steady-state throughput, measured peak memory and
+the planner's prediction; rendered as an aligned table, markdown or CSV.
 
 Reads what the launcher and worker log (see jobspec.tracking.run and jobspec.tracking.sink): params are the flattened resolved
 spec plus `derived.*`, metrics use the shared names (`perf/samples_per_s`, `mem/...`), artifacts
@@ -19,12 +20,15 @@ from urllib.parse import urlsplit
 
 from jobspec import rundir
 from jobspec.errors import first_line, spec_error
+from jobspec.spec import eval_metrics
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"  # the schema's logging.mlflow.tracking_uri default
 
 THROUGHPUT_METRICS = ("perf/samples_per_s", "perf/tokens_per_s", "perf/tflops_per_device", "perf/mfu")
 MEMORY_METRICS = ("mem/peak_allocated_mib_max", "mem/peak_allocated_mib_rank0", "mem/peak_reserved_mib_max",
                   "mem/peak_reserved_mib_rank0", "mem/nvml_used_mib_max", "mem/host_rss_mib_max")
+LOSS_METRICS = ("train/loss", "eval/loss")
+TASK_METRICS = tuple(eval_metrics.key(name) for name in eval_metrics.TASK_ONLY)   # eval/accuracy, ...
 # A launcher may log the planner's prediction itself; it wins over recomputing it from resolved.yaml.
 PREDICTION_PARAMS = ("plan.peak_allocated_mib",)
 
@@ -40,6 +44,11 @@ COLUMNS = (
     ("checkpointing", "ckpt", str),
     ("optimizer", "optimizer", str),
     ("world", "world", str),
+    ("train_loss", "train loss", "{:.4f}".format),
+    ("eval_loss", "eval loss", "{:.4f}".format),
+    ("accuracy", "accuracy", "{:.4f}".format),
+    ("f1", "F1", "{:.4f}".format),
+    ("perplexity", "perplexity", "{:.4g}".format),
     ("samples_per_s", "samples/s", "{:.2f}".format),
     ("tokens_per_s", "tokens/s", "{:.0f}".format),
     ("tflops", "TFLOP/s", "{:.2f}".format),
@@ -49,8 +58,12 @@ COLUMNS = (
     ("host_rss_mib", "host RSS MiB", "{:.0f}".format),
     ("predicted_mib", "predicted MiB", "{:.0f}".format),
 )
-NUMERIC_ALIGN = {"zero", "micro", "global", "accum", "world", "samples_per_s", "tokens_per_s", "tflops", "mfu",
-                 "peak_allocated_mib", "nvml_used_mib", "host_rss_mib", "predicted_mib"}
+# task metric columns: shown only when some run of the report has the metric (a classification
+# experiment has no perplexity column)
+OPTIONAL_COLUMNS = set(eval_metrics.TASK_ONLY)
+NUMERIC_ALIGN = {"zero", "micro", "global", "accum", "world", "train_loss", "eval_loss", *OPTIONAL_COLUMNS,
+                 "samples_per_s", "tokens_per_s", "tflops", "mfu", "peak_allocated_mib", "nvml_used_mib",
+                 "host_rss_mib", "predicted_mib"}
 
 
 @dataclass
@@ -74,6 +87,11 @@ def steady_state(points: list) -> float | None:
 
 def series_max(points: list) -> float | None:
     return max((v for _, v in points), default=None)
+
+
+def series_last(points: list) -> float | None:
+    """The value at the last step logged (a final loss, the last evaluation's metric)."""
+    return max(points)[1] if points else None
 
 
 def settings_from_params(params: dict) -> dict:
@@ -109,6 +127,9 @@ def build_row(run_name: str, status: str, params: dict, series: dict, predicted_
     """A table row from a run's params and metric series (pure: the unit the tests pin down)."""
     row = {"run": run_name, "status": status, **settings_from_params(params)}
     row.update({
+        "train_loss": series_last(series.get("train/loss", [])),
+        "eval_loss": series_last(series.get("eval/loss", [])),
+        **{name: series_last(series.get(eval_metrics.key(name), [])) for name in eval_metrics.TASK_ONLY},
         "samples_per_s": steady_state(series.get("perf/samples_per_s", [])),
         "tokens_per_s": steady_state(series.get("perf/tokens_per_s", [])),
         "tflops": steady_state(series.get("perf/tflops_per_device", [])),
@@ -195,7 +216,8 @@ def open_experiment(tracking_uri: str, experiment: str):
                      hint=f"known experiments: {', '.join(names)}" if names else "launch a job first")
 
 
-def metric_series(client, run_id: str, names=THROUGHPUT_METRICS + MEMORY_METRICS) -> dict:
+def metric_series(client, run_id: str,
+                  names=THROUGHPUT_METRICS + MEMORY_METRICS + LOSS_METRICS + TASK_METRICS) -> dict:
     series = {}
     for name in names:
         history = client.get_metric_history(run_id, name)
@@ -238,9 +260,15 @@ def _cell(key: str, value, fmt) -> str:
     return fmt(value) if not isinstance(value, str) else value
 
 
+def columns(rows: list[dict]) -> list[tuple]:
+    """COLUMNS less the task metric columns no row has."""
+    return [c for c in COLUMNS if c[0] not in OPTIONAL_COLUMNS or any(row.get(c[0]) is not None for row in rows)]
+
+
 def _text_cells(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
-    headers = [header for _, header, _ in COLUMNS]
-    body = [[_cell(key, row.get(key), fmt) for key, _, fmt in COLUMNS] for row in rows]
+    shown = columns(rows)
+    headers = [header for _, header, _ in shown]
+    body = [[_cell(key, row.get(key), fmt) for key, _, fmt in shown] for row in rows]
     return headers, body
 
 
@@ -248,7 +276,7 @@ def render_table(rows: list[dict]) -> str:
     """Aligned plain-text table (numbers right-aligned)."""
     headers, body = _text_cells(rows)
     widths = [max(len(x) for x in column) for column in zip(headers, *body)]
-    keys = [key for key, _, _ in COLUMNS]
+    keys = [key for key, _, _ in columns(rows)]
 
     def line(cells):
         return "  ".join(c.rjust(w) if k in NUMERIC_ALIGN else c.ljust(w)
@@ -258,7 +286,7 @@ def render_table(rows: list[dict]) -> str:
 
 def render_markdown(rows: list[dict]) -> str:
     headers, body = _text_cells(rows)
-    align = ["---:" if key in NUMERIC_ALIGN else "---" for key, _, _ in COLUMNS]
+    align = ["---:" if key in NUMERIC_ALIGN else "---" for key, _, _ in columns(rows)]
     lines = ["| " + " | ".join(cells) + " |" for cells in (headers, align, *body)]
     return "\n".join(lines)
 
@@ -266,10 +294,11 @@ def render_markdown(rows: list[dict]) -> str:
 def render_csv(rows: list[dict]) -> str:
     """Machine-readable: column keys as headers, raw numbers, empty cells for missing values."""
     out = io.StringIO()
-    writer = csv.DictWriter(out, fieldnames=[key for key, _, _ in COLUMNS], lineterminator="\n")
+    keys = [key for key, _, _ in columns(rows)]
+    writer = csv.DictWriter(out, fieldnames=keys, lineterminator="\n")
     writer.writeheader()
     for row in rows:
-        writer.writerow({key: "" if row.get(key) is None else row[key] for key, _, _ in COLUMNS})
+        writer.writerow({key: "" if row.get(key) is None else row[key] for key in keys})
     return out.getvalue()
 
 

@@ -119,6 +119,13 @@ def test_closing_summary_of_a_finished_cpu_run():
            "http://127.0.0.1:5000/#/experiments/3/runs/abc123" in text
 
 
+def test_closing_summary_shows_the_last_evaluations_task_metrics():
+    text = closing({**SUMMARY, "eval_metrics": {"eval/accuracy": 0.875, "eval/f1": 0.86666}})
+    assert "loss        train 0.0155 · eval 0.0135\n  eval        accuracy 87.5% · F1 0.8667\n" in text
+    assert "perplexity 12.35" in closing({**SUMMARY, "eval_metrics": {"eval/perplexity": 12.3456}})
+    assert "\n  eval " not in closing(SUMMARY)   # no evaluation metrics: no line
+
+
 def test_closing_summary_on_gpu_has_tflops_mfu_and_memory_next_to_the_plan():
     gpu = {**SUMMARY, "tflops_per_device": 151.234, "mfu": 0.3712,
            "peak_memory": {"mem/peak_allocated_mib_max": 9.8, "mem/nvml_used_mib_max": 520.0},

@@ -93,6 +93,8 @@ def test_csv_rows_hold_the_settings_steady_throughput_and_peaks(experiment, caps
     assert float(cpu["tokens_per_s"]) == 7040.0
     assert float(cpu["host_rss_mib"]) == 350.0           # max of the series
     assert cpu["mfu"] == cpu["peak_allocated_mib"] == cpu["nvml_used_mib"] == ""  # absent on CPU, not 0
+    assert float(cpu["train_loss"]) == 0.4 and cpu["eval_loss"] == ""   # the last point; no evaluation
+    assert "accuracy" not in cpu and "perplexity" not in cpu             # no run has a task metric
     spec = yaml.safe_load((experiment["tmp"] / "cpu-run" / "resolved.yaml").read_text())
     assert float(cpu["predicted_mib"]) == pytest.approx(report.predicted_peak_mib(spec))
 
@@ -174,6 +176,26 @@ def test_missing_database_and_unreachable_server_are_clean_exit_2(tmp_path, caps
     assert main(["report", "exp", "--tracking-uri", "http://u:secret99@127.0.0.1:1"]) == 2
     err = capsys.readouterr().err
     assert "unavailable" in err and "secret99" not in err and "Traceback" not in err
+
+
+def test_rows_have_the_final_losses_and_only_the_task_metric_columns_present():
+    series = {"train/loss": [(1, 0.9), (10, 0.6), (20, 0.4)], "eval/loss": [(10, 0.5), (20, 0.45)],
+              "eval/accuracy": [(10, 0.7), (20, 0.8125)], "eval/f1": [(10, 0.6), (20, 0.75)]}
+    row = report.build_row("cls", "FINISHED", {}, series, None)
+    assert (row["train_loss"], row["eval_loss"], row["accuracy"], row["f1"], row["perplexity"]) == \
+        (0.4, 0.45, 0.8125, 0.75, None)
+    keys = [key for key, _, _ in report.columns([row])]
+    assert "perplexity" not in keys
+    assert keys.index("world") < keys.index("train_loss") < keys.index("eval_loss") < keys.index("accuracy") \
+        < keys.index("f1") < keys.index("samples_per_s")
+    lm = report.build_row("lm", "FINISHED", {}, {"eval/perplexity": [(5, 20.0), (10, 12.3456)]}, None)
+    header, _, cls_line, lm_line = report.render_table([row, lm]).splitlines()
+    assert header.split()[header.split().index("world") + 1:][:7] == \
+        ["train", "loss", "eval", "loss", "accuracy", "F1", "perplexity"]
+    assert " 0.4000 " in cls_line and " 0.8125 " in cls_line
+    assert " 12.35 " in lm_line
+    rows = list(csv.DictReader(io.StringIO(report.render_csv([row, lm]))))
+    assert rows[0]["accuracy"] == "0.8125" and rows[0]["perplexity"] == "" and rows[1]["perplexity"] == "12.3456"
 
 
 def test_steady_state_and_checkpointing_labels():
