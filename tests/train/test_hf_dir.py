@@ -241,3 +241,53 @@ def test_export_cli_bad_input_exit_2(zero0_checkpoint, tmp_path, capsys, case, p
 def test_export_help_lists_the_command():
     out = subprocess.run([sys.executable, "-m", "jobspec", "--help"], capture_output=True, text=True).stdout
     assert "export" in out
+
+
+def word_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"[PAD]": 0, "[UNK]": 1, "ada": 2, "met": 3, "bob": 4, "in": 5, "paris": 6}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]").save_pretrained(path)
+
+
+@pytest.mark.parametrize("task, rows, names", [
+    ("sequence-classification", [{"text": "ada met bob", "label": "positive"},
+                                 {"text": "bob in paris", "label": "negative"}], ["negative", "positive"]),
+    ("token-classification", [{"words": ["ada", "met", "bob"], "tags": ["B-PER", "O", "B-PER"]},
+                              {"words": ["in", "paris"], "tags": ["O", "B-LOC"]}], ["B-LOC", "B-PER", "O"]),
+])
+def test_string_labels_become_the_exported_configs_label_names(tmp_path, task, rows, names):
+    """The data's names (numbered in sorted order) reach config.json: transformers' pipeline answers
+    with them, not LABEL_<id>."""
+    from transformers import pipeline
+
+    from jobspec.model.build import build_tokenizer
+    from jobspec.train.data import build_datasets
+    word_tokenizer(tmp_path / "tok")
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = {"train": str(tmp_path / "train.jsonl"), "tokenizer": str(tmp_path / "tok"), "max_length": 8}
+    if task == "token-classification":
+        data.update(text_fields=["words"], label_field="tags")
+    spec = make_spec(tmp_path, {"architecture": "bert", "config": BERT, "task": task, "num_labels": len(names)},
+                     data)
+    tokenizer = build_tokenizer(spec)
+    train, _ = build_datasets(spec, tokenizer)
+    assert train.label_names == {name: i for i, name in enumerate(names)}
+    write_model_dir(tmp_path / "m", spec, dict(build_model(spec, tokenizer).state_dict()), info(),
+                    tokenizer=tokenizer, label_names=train.label_names)
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["id2label"] == {str(i): name for i, name in enumerate(names)}
+    assert config["label2id"] == {name: i for i, name in enumerate(names)}
+    kind = "text-classification" if task == "sequence-classification" else "token-classification"
+    answers = pipeline(kind, model=str(tmp_path / "m"))("ada met bob")
+    found = {a["label"] for a in answers} if kind == "text-classification" else {a["entity"] for a in answers}
+    assert found and found <= set(names)
+
+
+def test_checkpoint_label_names_round_trip(tmp_path):
+    from jobspec.train.export import read_label_names, write_label_names
+    assert read_label_names(tmp_path) is None   # integer labels, or a checkpoint of an older jobspec
+    write_label_names(tmp_path, {"negative": 0, "positive": 1})
+    assert read_label_names(tmp_path) == {"negative": 0, "positive": 1}

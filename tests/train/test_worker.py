@@ -172,6 +172,10 @@ def test_trains_logs_evaluates_and_checkpoints(tmp_path):
         assert row["mem/host_rss_mib_max"] > 0
     assert not any(set(GPU_ONLY_METRICS) & set(row) for row in rows), "GPU-only metrics must be absent on CPU"
     assert any("eval/loss" in r for r in read_metrics(run_dir))
+    # token classification on integer labels: token accuracy, no entity F1 (that needs BIO tags)
+    evals = [r for r in read_metrics(run_dir) if "eval/loss" in r]
+    assert all(0 <= r["eval/accuracy"] <= 1 and "eval/f1" not in r for r in evals)
+    assert summary["eval_metrics"] == {"eval/accuracy": evals[-1]["eval/accuracy"]}
     ckpt_dir = Path(tmp_path / "out" / "checkpoints")
     assert checkpointing.completed_steps(ckpt_dir) == [8, 12]  # keep_last 2 of 4, 8, 12
     assert checkpointing.read_latest(ckpt_dir) == "step12"
