@@ -7,9 +7,10 @@ stage (issue 13). Real `jobspec launch`es, so few of them, each checking several
   the stop reason gone; every later training loss and the final eval loss equal the uninterrupted run's.
 - ZeRO 2 on a 1 MiB tmpfs: the second checkpoint does not fit -> exit 1 with one line naming the
   directory and "No space left on device" (also summary.json's and MLflow's reason), the torn step
-  removed, `latest` unchanged. The disk grows (remount); a resume runs until its launcher is
-  SIGKILLed -> runner and ranks gone within seconds, the run still RUNNING. The next launch closes
-  that run as FAILED, resumes again and finishes -> FINISHED with no stale failure reason.
+  removed, `latest` unchanged. The disk grows (remount); a resume runs (a second launch of the job
+  meanwhile is refused, exit 2, naming it) until its launcher is SIGKILLed -> runner and ranks gone
+  within seconds, the run still RUNNING. The next launch takes over the lease the killed launcher
+  left, closes that run as FAILED, resumes again and finishes -> FINISHED with no stale failure reason.
 """
 from __future__ import annotations
 
@@ -196,6 +197,12 @@ def test_zero2_disk_full_then_launcher_killed_then_resumed_bit_identically(tmp_p
     proc = start(argv, tmp_path)
     second = wait_for_step(tmp_path, proc, 7, {first})
     assert len(job_processes(second)) >= 3  # launch.py and two ranks (one node: no runner process)
+    # one live launch per job: a second launch of it refuses at once, naming the running one
+    twice = launch(argv, tmp_path)
+    assert twice.returncode == 2 and "Traceback" not in twice.stderr, twice.stderr[-3000:]
+    assert f"job 'tiny' is already being launched into {small_disk}: host " in twice.stderr
+    assert f"pid {proc.pid}" in twice.stderr and f"run dir {second}" in twice.stderr
+    assert f"MLflow run {mlflow_run(first).info.run_id}" in twice.stderr
     proc.kill()
     proc.wait()
     killed = time.monotonic()
@@ -211,6 +218,8 @@ def test_zero2_disk_full_then_launcher_killed_then_resumed_bit_identically(tmp_p
     done = launch(argv, tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"jobspec: closed run {second.name} as FAILED: its launcher (pid {proc.pid}) is gone" in done.stderr
+    assert f"jobspec: took over the lease of {small_disk} left by a launch that is gone (host " in done.stdout
+    assert f"pid {proc.pid}" in done.stdout and not (small_disk / "jobspec_lease.json").exists()
     assert json.loads((second / "launcher.json").read_text())["ended"]["by"] == "jobspec launch"
     third = newest_run(tmp_path)
     assert json.loads((third / "summary.json").read_text())["resumed_from"].endswith(f"step{latest}")

@@ -17,7 +17,13 @@ checkpoint, or a rank killed, by signal N; else the ranks' (1 runtime failure, 2
 
 Checkpoints are owned by one job (checkpoint.dir/jobspec_job.json): another job's checkpoints, or
 existing ones with `checkpoint.resume: never`, make the launch refuse (exit 2); `resume: auto`
-continues them and the same MLflow run.
+continues them and the same MLflow run. One launch at a time holds them (a lease with a heartbeat,
+checkpoint.dir/jobspec_lease.json): a second launch of the job refuses (exit 2) naming the running
+one; a lease left by a dead launcher is taken over. The checkpoints remember what they were trained
+under (a fingerprint: model, data and its content, task, optimizer, schedule, batch, precision,
+seed): a changed spec is refused (exit 2) with every changed field, unless `--continue` (more steps,
+other eval data; recorded in the MLflow run as a new segment) or `--new-run` (fresh checkpoints in
+<checkpoint.dir>-N beside the old ones; a later launch of the same spec resumes them).
 
 Memory (docs/memory-planner.md): `memory.fit: auto` replaces batch split, precision, checkpointing,
 optimizer and ZeRO/offload settings by the fastest ones predicted to fit `memory.gpu_memory` (else
@@ -45,6 +51,14 @@ def add_arguments(parser) -> None:
     add_set_argument(parser)
     parser.add_argument("--dry-run", action="store_true",
                         help="print the DeepSpeed config, notes and exact command; start nothing")
+    changed = parser.add_mutually_exclusive_group()
+    changed.add_argument("--new-run", action="store_true",
+                         help="train from scratch in a new checkpoint directory beside the job's earlier "
+                              "checkpoints (<checkpoint.dir>-2, -3, ...), which stay untouched")
+    changed.add_argument("--continue", dest="continue_run", action="store_true",
+                         help="go on from the job's checkpoints with a spec changed in ways that are safe to "
+                              "continue (more steps or epochs, other eval data); the changes are recorded in the "
+                              "MLflow run with the step they took effect")
     parser.add_argument("--stop-after-steps", type=int, default=None, metavar="K",
                         help="stop gracefully after K optimizer steps (checkpoint, status preempted, exit 75)")
     parser.add_argument("--ignore-preflight", action="store_true",
@@ -67,4 +81,5 @@ def run(args) -> int:
         raise spec_error("--stop-after-steps must be >= 1", hint="e.g. --stop-after-steps 5")
     return pipeline.launch(job_argument(args), args.overrides, dry_run=args.dry_run,
                            stop_after_steps=args.stop_after_steps, ignore_preflight=args.ignore_preflight,
-                           kill_grace_s=args.kill_grace, verbose=args.verbose)
+                           kill_grace_s=args.kill_grace, verbose=args.verbose, new_run=args.new_run,
+                           continue_run=args.continue_run)

@@ -211,8 +211,8 @@ def outcome_text(summary: dict, exit_code: int, user_signal: str | None, reason:
     at = f" at step {steps} of {total}" if steps is not None and total else ""
     if user_signal:
         return f"stopped by {user_signal}{at} (exit {exit_code}); the same command resumes from the last checkpoint"
-    if exit_code == 0 and summary.get("status") == "preempted":
-        return f"stopped early{at} with a checkpoint (exit 0); the same command continues from it"
+    if summary.get("status") == "preempted":   # --stop-after-steps, SIGUSR1: a stop with a checkpoint
+        return f"stopped{at} with a checkpoint (exit {exit_code}); the same command continues from it"
     if exit_code == 0:
         done = f": {steps}/{total} steps" if steps is not None and total else ""
         elapsed = summary.get("elapsed_s")

@@ -64,33 +64,33 @@ def _read_latest(directory: Path) -> str | None:
         return None
 
 
-def finished_run_dir(output_dir: str | Path) -> Path | None:
-    """The newest run directory under `output_dir` whose summary says it finished."""
-    for run_dir in rundir.run_dirs(output_dir, newest_first=True):
-        summary = rundir.read_summary(run_dir)
-        if summary and summary.get("status") == "finished" and summary.get("written_by") != "launcher":
-            return run_dir
-    return None
+def writer_run_dir(ckpt_dir: str | Path) -> Path | None:
+    """The run directory of the launch that last trained into `ckpt_dir` (its owner record says)."""
+    owner = ownership.read_owner(Path(ckpt_dir)) if Path(ckpt_dir).is_dir() else None
+    last = (owner or {}).get("last_run_dir")
+    return Path(last) if last and Path(last).is_dir() else None
 
 
 def complete_lines(spec: dict, intent: Intent) -> list[str]:
-    """What `jobspec launch` says instead of launching a complete job."""
+    """What `jobspec launch` says instead of launching a complete job: the run that wrote the
+    checkpoint (not merely the newest run directory: a --from-run or --new-run child may be newer)."""
     from jobspec.launch.console import mlflow_open
 
     ckpt_dir = spec["checkpoint"]["dir"]
     lines = [f"jobspec: {spec['name']} is already complete: checkpoint {intent.checkpoint} is at step "
              f"{intent.step} of {intent.total_steps}. Nothing was started; the finished run's results are unchanged."]
-    previous = finished_run_dir(spec["output_dir"])
-    if previous is not None:
-        lines.append(f"  results     {previous}")
-        tracked = rundir.read_mlflow_run(previous)
-        if tracked:
-            lines.append(f"  MLflow      {mlflow_open(tracked['tracking_uri'], tracked['experiment_id'], tracked['run_id'])}")
+    writer = writer_run_dir(ckpt_dir)
+    tracked = rundir.read_mlflow_run(writer) if writer else None
+    if writer is not None:
+        lines.append(f"  results     {writer}")
+    if tracked:
+        lines.append(f"  MLflow      {mlflow_open(tracked['tracking_uri'], tracked['experiment_id'], tracked['run_id'])}")
     else:
         owner = ownership.read_owner(Path(ckpt_dir)) if Path(ckpt_dir).is_dir() else None
         if owner and owner.get("mlflow_run_id"):
             lines.append(f"  MLflow      run {owner['mlflow_run_id']}")
-    lines += [f"  to train again from scratch: --set output_dir=<a new directory> (checkpoints go there too), or "
-              f"delete {ckpt_dir}; or set checkpoint.dir to a new directory with `checkpoint.resume: never`",
-              f"  to train longer: --set training.max_steps=N with N > {intent.step} continues from step {intent.step}"]
+    lines += ["  to train again from scratch: add --new-run (fresh checkpoints beside these, which stay), or "
+              "--set output_dir=<a new directory>",
+              f"  to train longer: --set training.max_steps=N with N > {intent.step} --continue goes on from step "
+              f"{intent.step}"]
     return lines

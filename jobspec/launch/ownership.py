@@ -1,5 +1,9 @@
 """Checkpoint ownership: `checkpoint.dir/jobspec_job.json` names the job (and its MLflow run) whose
-checkpoints the directory holds, so a launch never resumes, or overwrites, another job's state."""
+checkpoints the directory holds, so a launch never resumes, or overwrites, another job's state.
+
+The record also holds what the checkpoints were trained under: the fingerprint (launch/fingerprint.py),
+the flattened resolved spec of the latest launch, and the segments: the launches that trained into the
+directory with a changed spec, each with the step it started at, its run directory and its changes."""
 from __future__ import annotations
 
 import json
@@ -10,6 +14,14 @@ from jobspec import rundir
 from jobspec.errors import spec_error
 
 OWNER_FILE = "jobspec_job.json"
+LEASE_FILE = "jobspec_lease.json"   # launch/lease.py
+
+
+def is_checkpoint_entry(path: Path) -> bool:
+    """Whether a directory entry is (part of) a checkpoint, not jobspec's bookkeeping."""
+    name = path.name
+    return name not in (OWNER_FILE, LEASE_FILE) and not name.startswith((".jobspec-write-test", f".{LEASE_FILE}",
+                                                                          f".{OWNER_FILE}"))
 
 
 def read_owner(ckpt_dir: Path) -> dict | None:
@@ -37,8 +49,7 @@ def check_checkpoints(spec: dict) -> str | None:
     if not ckpt_dir.is_dir():
         return None
     owner = read_owner(ckpt_dir)
-    has_checkpoints = any(p.name != OWNER_FILE and not p.name.startswith(".jobspec-write-test")
-                          for p in ckpt_dir.iterdir())
+    has_checkpoints = any(is_checkpoint_entry(p) for p in ckpt_dir.iterdir())
     where = ("checkpoint", "dir")
     if owner is not None and owner.get("job") != spec["name"]:
         raise spec_error(f"{ckpt_dir} belongs to job {owner.get('job')!r} (from {owner.get('spec')}), "
@@ -55,11 +66,27 @@ def check_checkpoints(spec: dict) -> str | None:
     return owner.get("mlflow_run_id") if (owner and has_checkpoints) else None
 
 
-def write_owner(spec: dict, source: Path, mlflow_run_id: str | None) -> None:
+def write_owner(spec: dict, source: Path, mlflow_run_id: str | None, *, lineage=None,
+                run_dir: Path | None = None, start_step: int = 0) -> None:
+    """Record (or update) the owner of `checkpoint.dir`: the job, its MLflow run, and, given the
+    launch's `lineage` (launch/lineage.py), its fingerprint and a new segment when the spec changed."""
     ckpt_dir = Path(spec["checkpoint"]["dir"])
     previous = read_owner(ckpt_dir) or {}
-    record = {"job": spec["name"], "spec": str(source), "mlflow_run_id": mlflow_run_id,
-              "created": previous.get("created") or datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    record = {**previous, "job": spec["name"], "spec": str(source), "mlflow_run_id": mlflow_run_id,
+              "created": previous.get("created") or _now()}
+    if lineage is not None:
+        segments = list(previous.get("segments") or []) if start_step > 0 else []  # fresh: a new history
+        entry = {"segment": len(segments) + 1, "start_step": start_step, "run_dir": str(run_dir) if run_dir else None,
+                 "mlflow_run_id": mlflow_run_id, "at": _now(),
+                 "changes": [{"field": c.field, "old": c.old, "new": c.new} for c in lineage.recorded]}
+        if not segments or lineage.recorded:
+            segments.append(entry)
+        record.update(fingerprint=lineage.fingerprint, spec_flat=lineage.spec_flat, segments=segments,
+                      last_run_dir=str(run_dir) if run_dir else previous.get("last_run_dir"))
     tmp = ckpt_dir / f".{OWNER_FILE}.tmp"
     tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     tmp.replace(ckpt_dir / OWNER_FILE)
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")

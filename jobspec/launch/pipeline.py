@@ -40,8 +40,8 @@ from pathlib import Path
 
 from jobspec import hardware, lifeline, ops, rundir, shm, trace
 from jobspec import status as run_status
-from jobspec.errors import SpecError, SpecIssue
-from jobspec.launch import host, intent, orphans, ownership, preflight, quiet, runner, slurm, supervise
+from jobspec.errors import SpecError, SpecIssue, spec_error
+from jobspec.launch import host, intent, lease, lineage, orphans, ownership, preflight, quiet, runner, slurm, supervise
 from jobspec.launch import tracking as launch_tracking
 from jobspec.memory import at_launch as launch_memory
 from jobspec.secrets import mask_secrets
@@ -54,7 +54,7 @@ log = logging.getLogger("jobspec.launch")
 
 def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_steps: int | None = None,
            ignore_preflight: bool = False, kill_grace_s: float = supervise.KILL_GRACE_S,
-           verbose: bool = False) -> int:
+           verbose: bool = False, new_run: bool = False, continue_run: bool = False) -> int:
     """Run the job; its exit status (jobspec/status.py: 0 finished, 75 stopped with a checkpoint,
     128+N stopped or killed by signal N, else the ranks')."""
     from jobspec.launch.model_config import launch_model_config_issues
@@ -78,19 +78,26 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
                                                       bf16_supported=hardware.bf16_supported())
     for line in memory.lines:
         print(f"jobspec: {line}", flush=True)
+    # which checkpoints this launch trains into, by what it trains (exit 2 for a changed spec)
+    as_written = resolved
+    chosen = lineage.choose(resolved, derived.as_dict(), new_run=new_run, continue_run=continue_run)
+    resolved, derived = _in_checkpoint_dir(resolved, derived, chosen.checkpoint_dir)
     spec = resolved.spec
     port = spec["resources"]["master_port"] or runner.free_port()
     found = host.probe(spec["resources"]["gpus_per_node"], gpu_free)
     style = progress_mode(spec["logging"]["progress"]) == "bar"
-    what = intent.decide(spec, derived.total_steps)
     phases.append(("planned", time.time(), trace.cpu_seconds()))
 
     if dry_run:  # nothing is created: the run dir in the command is the name it would get
         ownership.check_checkpoints(spec)  # a launch would refuse another job's checkpoints: so does this
+        _located(resolved, lease.check, chosen.checkpoint_dir, spec["name"])  # ... and a running launch of it
+        what = intent.decide(spec, derived.total_steps)
         run_dir = rundir.new_run_dir_path(spec["output_dir"])
         compiled = compile_job(resolved, derived, run_dir, port)
         argv = runner.resolve_runner(compiled.launch["argv"])
         _print_lines(header(spec, derived, memory, found, compiled.patches, style))
+        for line in chosen.lines:
+            print(f"jobspec: {line}")
         print(f"jobspec: a launch would {what.describe()}")
         print(json.dumps(compiled.ds_config, indent=2))
         for note in compiled.notes:
@@ -98,6 +105,27 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
         print(shlex.join(argv))
         return 0
     resume_run_id = ownership.claim_checkpoints(spec)  # another job's checkpoints: refused here (exit 2)
+    held = _located(resolved, lease.acquire, chosen.checkpoint_dir, spec["name"])  # a running launch: exit 2
+    try:
+        # decided again under the lease: a launch that ended meanwhile may have moved the checkpoints on
+        again = lineage.choose(as_written, derived.as_dict(), new_run=new_run, continue_run=continue_run)
+        if again.checkpoint_dir != chosen.checkpoint_dir:
+            raise spec_error(f"the checkpoints of {spec['name']!r} changed while this launch started",
+                             path=("checkpoint", "dir"), hint="run the same command again")
+        return _launch_holding(job, overrides, resolved, derived, memory, again, held, resume_run_id, port,
+                               found, gpu_free, style, phases, stop_after_steps=stop_after_steps,
+                               ignore_preflight=ignore_preflight, kill_grace_s=kill_grace_s, verbose=verbose)
+    finally:
+        held.release()
+
+
+def _launch_holding(job, overrides, resolved, derived, memory, chosen, held, resume_run_id, port, found, gpu_free,
+                    style, phases, *, stop_after_steps, ignore_preflight, kill_grace_s, verbose) -> int:
+    """The launch, from the intent on, while it holds the checkpoint directory's lease."""
+    spec = resolved.spec
+    what = intent.decide(spec, derived.total_steps)
+    for line in chosen.lines:
+        print(f"jobspec: {line}", flush=True)
     if what.action == "complete":  # training again would only overwrite the finished run's results
         _print_lines(intent.complete_lines(spec, what))
         return 0
@@ -119,11 +147,15 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
         if spec["logging"]["mlflow"]["enabled"]:  # rank 0 waits for the run created meanwhile
             compiled.launch["mlflow_run"] = launch_tracking.PENDING
         compiled.launch["overrides"] = [mask_secrets(item) for item in overrides]  # the MLflow run's name
+        if chosen.recorded:   # a continued run with a changed spec: a new segment of its MLflow run
+            compiled.launch["segment"] = {"number": chosen.segment, "start_step": what.step,
+                                          "changes": [c.describe() for c in chosen.recorded]}
         rundir.write_compiled(run_dir, resolved, compiled)
         rundir.write_launcher(run_dir, lifeline.identity())  # who to ask whether this run still runs
     except BaseException:
         shutil.rmtree(run_dir, ignore_errors=True)  # nothing ran: leave no half-made run behind
         raise
+    held.update(run_dir=run_dir)
 
     _print_lines(header(spec, derived, memory, found, compiled.patches, style) +
                  [console.label("run dir", style) + str(run_dir)])
@@ -131,8 +163,9 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
     terminal = quiet.HeldOutput(sys.stdout.buffer)  # the ranks' output waits for the header's MLflow lines
     tracking = launch_tracking.BackgroundTracking(
         resolved, compiled, run_dir, resume_run_id, launch_memory.mlflow_params(memory, spec["memory"]["fit"]),
-        verbose=verbose, announce=lambda info: _print_lines(console.tracking_lines(info, experiment, style=style)),
-        done=terminal.release)
+        verbose=verbose, announce=lambda info: (held.update(mlflow_run_id=info["run_id"]),
+                                                _print_lines(console.tracking_lines(info, experiment, style=style))),
+        done=terminal.release, lineage=chosen, start_step=what.step)
     phases.append(("runner", time.time(), trace.cpu_seconds()))
     tracking.start()
     # read once here, while the runner starts, instead of twice per op load on every rank
@@ -165,6 +198,23 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
                                                                               spec["checkpoint"]["resume"])),
               flush=True)
     return end.exit_code
+
+
+def _located(resolved, function, *args):
+    try:
+        return function(*args)
+    except SpecError as err:
+        raise resolved.locate(err) from None
+
+
+def _in_checkpoint_dir(resolved, derived, checkpoint_dir: Path):
+    """The resolved spec and derived job training into `checkpoint_dir` (a --new-run's, or an earlier one's)."""
+    import dataclasses
+
+    if Path(resolved.spec["checkpoint"]["dir"]) == checkpoint_dir:
+        return resolved, derived
+    spec = {**resolved.spec, "checkpoint": {**resolved.spec["checkpoint"], "dir": str(checkpoint_dir)}}
+    return dataclasses.replace(resolved, spec=spec), derived.with_spec(spec)
 
 
 def header(spec, derived, memory, found, patches, style: bool) -> list[str]:

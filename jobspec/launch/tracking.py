@@ -50,9 +50,10 @@ class BackgroundTracking:
     """Creates the run (plan params, checkpoint owner record) in a thread; `wait` returns it."""
 
     def __init__(self, resolved, compiled, run_dir: Path, resume_run_id: str | None, plan_params: dict,
-                 *, verbose: bool = False, announce=None, done=None):
+                 *, verbose: bool = False, announce=None, done=None, lineage=None, start_step: int = 0):
         self.resolved, self.compiled, self.run_dir = resolved, compiled, Path(run_dir)
         self.resume_run_id, self.plan_params, self.verbose = resume_run_id, plan_params, verbose
+        self.lineage, self.start_step = lineage, start_step   # launch/lineage.py: the owner record's history
         self.announce = announce or (lambda info: None)   # called with mlflow_run.json's content
         self.done = done or (lambda: None)                  # called last, whatever happened
         self.tracked = None
@@ -90,7 +91,8 @@ class BackgroundTracking:
             if self.tracked is not None:  # next to the ranks' measured mem/* series: prediction error per run
                 tracking_run.log_params(self.tracked, self.plan_params)
                 orphans.tag_run(self.tracked, self.run_dir)   # `report` finds the run dir to check its launcher
-            ownership.write_owner(spec, self.resolved.source, self.tracked.run_id if self.tracked else None)
+            ownership.write_owner(spec, self.resolved.source, self.tracked.run_id if self.tracked else None,
+                                  lineage=self.lineage, run_dir=self.run_dir, start_step=self.start_step)
             if self.tracked is not None:
                 self.announce(self.tracked.as_json())
         except BaseException as err:  # noqa: BLE001 -- re-raised by wait() in the main thread

@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 import tempfile
+import time
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -19,14 +20,16 @@ from urllib.parse import urlsplit
 from jobspec import hardware, rundir
 from jobspec.errors import first_line
 from jobspec.secrets import mask_secrets, split_credentials
-
 from jobspec.tracking import naming
+
 log = logging.getLogger("jobspec.tracking")
 
 MAX_PARAMS_PER_BATCH = 100       # MLflow's log_batch limit for params
 MAX_PARAM_VALUE_CHARS = 6000     # MLflow's param value limit (6000 since 2.x)
 MAX_METRICS_PER_BATCH = 1000     # MLflow's log_batch limit for metrics
 FAILURE_REASON_CHARS = 4000
+SEGMENTS_ARTIFACT_DIR = "segments"   # a continued run's later segments: segments/<k>/resolved.yaml, ...
+SEGMENT_METRIC = "jobspec/segment"    # k at the step segment k started: the boundary on every chart
 
 # The client's defaults (120 s timeout, 7 retries with exponential backoff) block ~4 minutes per call
 # against an unreachable server; a training job must notice within seconds instead.
@@ -171,23 +174,49 @@ def _reopen(client, run_id: str | None):
 
 def _log_start(tracked: TrackedRun, spec: dict, launch: dict, derived: dict, spec_text: str,
                run_dir: Path) -> None:
-    from mlflow.entities import Param, RunTag
+    """Params, tags and the start artifacts. A continued run (launch.json `segment`, launch/lineage.py)
+    keeps its first segment's params (MLflow params cannot change) and records the new segment beside
+    them: tags with each change and the step it took effect, and the segment's own files under
+    `segments/<k>/`, so no earlier segment's resolved.yaml is ever overwritten."""
+    from mlflow.entities import Metric, Param, RunTag
     client, run_id = tracked.client, tracked.run_id
     params = flatten(spec)
     params.update(flatten(derived, "derived"))
-    existing = client.get_run(run_id).data.params
-    for batch in param_batches({k: v for k, v in params.items() if k not in existing}):
+    existing = client.get_run(run_id).data
+    for batch in param_batches({k: v for k, v in params.items() if k not in existing.params}):
         client.log_batch(run_id, params=[Param(k, v) for k, v in batch.items()], synchronous=True)
-    changed = sorted(k for k, v in params.items() if k in existing and existing[k] != v)
-    if changed:  # MLflow params are immutable: a resumed run keeps the first values
-        log.warning("resumed run %s keeps its earlier values of %d changed params (%s)", run_id,
-                    len(changed), ", ".join(changed[:5]))
     tags = run_tags(spec, launch, spec_text)
-    client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()], synchronous=True)
-    log_artifacts(tracked, run_dir, rundir.START_ARTIFACTS)
+    segment = launch.get("segment")
+    resumed = bool(existing.params)   # a reopened run: its first launch's files stay where they are
+    artifact_path = None
+    if segment:
+        number, step = int(segment["number"]), int(segment["start_step"])
+        artifact_path = f"{SEGMENTS_ARTIFACT_DIR}/{number}"
+        tags.update(segment_tags(number, step, segment["changes"], existing.tags))
+        client.log_batch(run_id, metrics=[Metric(SEGMENT_METRIC, number, int(time.time() * 1000), step)],
+                         synchronous=True)
+    client.log_batch(run_id, tags=[RunTag(k, mask_secrets(v)[:MAX_PARAM_VALUE_CHARS]) for k, v in tags.items()],
+                     synchronous=True)
+    if resumed and not segment:
+        return   # the same spec resumed: the run's files already say what runs
+    log_artifacts(tracked, run_dir, rundir.START_ARTIFACTS, artifact_path=artifact_path)
 
 
-def log_artifacts(tracked: TrackedRun, run_dir: Path, names) -> None:
+def segment_tags(number: int, start_step: int, changes: list[str], existing: dict[str, str]) -> dict[str, str]:
+    """The tags recording segment `number` of a run: `jobspec.segments`, the segment's start step and
+    changes, and per changed field `jobspec.changed.<field>` (earlier changes of the field kept)."""
+    tags = {"jobspec.segments": str(number),
+            f"jobspec.segment.{number}.start_step": str(start_step),
+            f"jobspec.segment.{number}.changes": "; ".join(changes) or "(none)"}
+    for change in changes:
+        field, _, what = change.partition(": ")
+        key = f"jobspec.changed.{field}"
+        entry = f"{what} at step {start_step}"
+        tags[key] = f"{existing[key]}; {entry}" if key in existing else entry
+    return tags
+
+
+def log_artifacts(tracked: TrackedRun, run_dir: Path, names, artifact_path: str | None = None) -> None:
     """Upload run-dir files, credentials masked (a spec may carry a tracking URI with a password)."""
     with tempfile.TemporaryDirectory(prefix="jobspec-artifacts-") as tmp:
         for name in names:
@@ -196,7 +225,7 @@ def log_artifacts(tracked: TrackedRun, run_dir: Path, names) -> None:
                 masked = Path(tmp) / name
                 masked.write_text(mask_secrets(source.read_text(encoding="utf-8", errors="replace")),
                                   encoding="utf-8")
-                tracked.client.log_artifact(tracked.run_id, str(masked))
+                tracked.client.log_artifact(tracked.run_id, str(masked), artifact_path)
 
 
 def end_run(tracked: TrackedRun, run_dir: Path, *, status: str, exit_code: int,

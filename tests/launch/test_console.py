@@ -154,8 +154,10 @@ def test_closing_summary_says_where_mlflow_has_each_exported_model():
 
 def test_closing_summary_says_the_exit_status_in_words():
     stopped = closing({**SUMMARY, "status": "preempted", "steps": 12, "checkpoint": "step12"})
-    assert stopped.startswith("jobspec: quickstart stopped early at step 12 of 40 with a checkpoint (exit 0); "
+    assert stopped.startswith("jobspec: quickstart stopped at step 12 of 40 with a checkpoint (exit 0); "
                               "the same command continues from it")
+    by_flag = closing({**SUMMARY, "status": "preempted", "steps": 4}, exit_code=75)   # --stop-after-steps
+    assert by_flag.startswith("jobspec: quickstart stopped at step 4 of 40 with a checkpoint (exit 75)")
     interrupted = closing({**SUMMARY, "status": "preempted", "steps": 7}, exit_code=130, user_signal="SIGINT")
     assert interrupted.startswith("jobspec: quickstart stopped by SIGINT at step 7 of 40 (exit 130)")
     failed = closing({"status": "failed", "error": "CUDA out of memory\nTraceback ..."}, exit_code=1,

@@ -597,3 +597,21 @@ def test_real_two_rank_launch_logs_a_finished_mlflow_run(tmp_path):
     again = subprocess.run([sys.executable, "-m", "jobspec", "launch", str(job)], cwd=tmp_path,
                            capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "is already complete" in again.stdout and only_run_dir(tmp_path) == run_dir
+    assert f"results     {run_dir}" in again.stdout   # the run that wrote the checkpoint
+    # more steps: refused without --continue (the checkpoints were trained under max_steps 6) ...
+    longer = [sys.executable, "-m", "jobspec", "launch", str(job), "--set", "training.max_steps=8"]
+    refused = subprocess.run(longer, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "training.max_steps: changed since those checkpoints: 6 -> 8" in refused.stderr
+    # ... and with it, the same MLflow run goes on and records the change as its segment 2
+    going_on = subprocess.run(longer + ["--continue"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert going_on.returncode == 0, going_on.stdout[-3000:] + going_on.stderr[-3000:]
+    run = client.get_run(run.info.run_id)
+    assert run.info.status == "FINISHED" and run.data.params["training.max_steps"] == "6"   # params are immutable
+    assert run.data.tags["jobspec.segments"] == "2" and run.data.tags["jobspec.segment.2.start_step"] == "6"
+    assert run.data.tags["jobspec.changed.training.max_steps"] == "6 -> 8 at step 6"
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "jobspec/segment")] == [(6, 2.0)]
+    first_spec = yaml.safe_load(Path(client.download_artifacts(run.info.run_id, "resolved.yaml", str(tmp_path / "a"))).read_text())
+    later_spec = yaml.safe_load(Path(client.download_artifacts(run.info.run_id, "segments/2/resolved.yaml",
+                                                               str(tmp_path / "b"))).read_text())
+    assert first_spec["training"]["max_steps"] == 6 and later_spec["training"]["max_steps"] == 8
+    assert max(m.step for m in client.get_metric_history(run.info.run_id, "train/loss")) == 8
