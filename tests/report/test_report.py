@@ -230,4 +230,10 @@ def test_report_of_a_real_quickstart_launch(tmp_path):
     assert (row["run"], row["status"], row["world"], row["micro"]) == ("quickstart", "FINISHED", "2", "16")
     assert float(row["samples_per_s"]) > 0 and float(row["host_rss_mib"]) > 0 and float(row["predicted_mib"]) > 0
     assert row["peak_allocated_mib"] == "" and row["mfu"] == ""   # CPU ranks
+    # the final losses, and the task metrics of the last evaluation (over both ranks' 32 samples each)
+    assert float(row["eval_loss"]) == evals[-1][1] and float(row["train_loss"]) > 0
+    accuracy = float(row["accuracy"])
+    assert accuracy >= 0.75 and accuracy * 64 == round(accuracy * 64) and 0 < float(row["f1"]) <= 1
+    assert "perplexity" not in row
+    assert f"eval        accuracy {100 * accuracy:.1f}% · F1 " in launch.stdout   # the closing summary
     assert (tmp_path / "rep" / "comparison.png").read_bytes()[:8] == PNG_MAGIC
