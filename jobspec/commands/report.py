@@ -1,7 +1,9 @@
-"""Tabulate and plot the runs of an MLflow experiment: settings, throughput, memory, prediction.
+"""Tabulate and plot the runs of an MLflow experiment: settings, losses, task metrics, throughput,
+memory, prediction.
 
 One row per run: name, status, precision, ZeRO stage, micro/global batch, accumulation,
-checkpointing, optimizer, world size; steady-state samples/s, tokens/s, TFLOP/s and MFU (median of
+checkpointing, optimizer, world size; the final train and eval loss, and the last evaluation's
+task metrics (accuracy, F1, perplexity: a column only when some run has it); steady-state samples/s, tokens/s, TFLOP/s and MFU (median of
 the logged series after its first point, which pays for warm-up); peak allocated / NVML / host RSS
 memory (max of the series); and the memory planner's predicted peak allocated memory ('-' when it
 cannot be computed). GPU-only values are '-' on CPU runs.
