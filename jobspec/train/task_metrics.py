@@ -183,6 +183,14 @@ class TaskCounter:
         return (self.task, name) not in BIO_ONLY or self.bio
 
 
+def logits_of(outputs):
+    """The logits of a model's outputs: a ModelOutput (a dict), or a tuple (`return_dict: false`)."""
+    if isinstance(outputs, dict):
+        return outputs["logits"]
+    logits = getattr(outputs, "logits", None)
+    return outputs[1] if logits is None else logits   # (loss, logits, ...) when labels were given
+
+
 def counter_for(spec: dict, model_config, label_names: dict | None) -> TaskCounter:
     """The counter of the job's task; the class count is the model's (its head), else the spec's."""
     task = spec["model"].get("task", "sequence-classification")

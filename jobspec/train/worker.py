@@ -275,6 +275,8 @@ def evaluate(engine, loader, counter=None) -> tuple[float, dict]:
     mean of the ranks' own metrics; the loss keeps its own reduction (bit-exact resume compares it)."""
     import torch
     import torch.distributed as dist
+
+    from jobspec.train.task_metrics import logits_of
     totals = torch.zeros(2, device=engine.device)
     engine.eval()
     with torch.no_grad():
@@ -285,8 +287,7 @@ def evaluate(engine, loader, counter=None) -> tuple[float, dict]:
             loss = loss_of(outputs)
             totals += torch.stack([loss.float() * n, torch.tensor(float(n), device=engine.device)])
             if counter is not None:
-                counter.update(loss, outputs["logits"] if isinstance(outputs, dict) else outputs.logits,
-                               batch["labels"])
+                counter.update(loss, logits_of(outputs), batch["labels"])
     engine.train()
     dist.all_reduce(totals)
     loss = float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")

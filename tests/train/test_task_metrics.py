@@ -162,6 +162,15 @@ def test_causal_lm_counts_the_shifted_targets():
     assert perplexity(1e6, 1)["perplexity"] == math.inf
 
 
+def test_logits_of_dict_and_tuple_outputs():
+    from transformers.modeling_outputs import SequenceClassifierOutput
+
+    from jobspec.train.task_metrics import logits_of
+    logits = torch.ones(2, 3)
+    assert logits_of(SequenceClassifierOutput(loss=torch.tensor(1.0), logits=logits)) is logits
+    assert logits_of((torch.tensor(1.0), logits)) is logits   # a model with return_dict: false
+
+
 def test_counter_for_takes_the_heads_class_count():
     spec = {"model": {"task": "sequence-classification", "num_labels": 2}}
     assert counter_for(spec, SimpleNamespace(num_labels=5), None).num_labels == 5
