@@ -286,7 +286,9 @@ def cross_field_issues(r: ResolvedSpec) -> list[SpecIssue]:
                     f"use at most {positions}, or raise model.config.max_position_embeddings"))
     from jobspec.spec import export_rules
     issues += export_rules.issues(r)
-    if s["logging"]["system_metrics"] and not s["logging"]["mlflow"]["enabled"]:
+    # on by default, off by default with MLflow off (resolve_paths): only a written `true` is refused
+    if s["logging"]["system_metrics"] and not s["logging"]["mlflow"]["enabled"] \
+            and ("logging", "system_metrics") in r.positions:
         add(r.issue(("logging", "system_metrics"), "system metrics are recorded in the MLflow run, and MLflow is off",
                     "set `logging.mlflow.enabled: true`, or remove `system_metrics`"))
     uri_problem = _tracking_uri_problem(s["logging"]["mlflow"]["tracking_uri"])
@@ -370,6 +372,8 @@ def resolve_paths(r: ResolvedSpec) -> None:
             _put(s, path, str(_local_path(r, path)))
     if s["logging"]["mlflow"]["experiment"] is None:
         s["logging"]["mlflow"]["experiment"] = s["name"]
+    if not s["logging"]["mlflow"]["enabled"]:   # the schema's default (true) is for a job with a run
+        s["logging"]["system_metrics"] = False
     if s["output_dir"] is None:
         s["output_dir"] = str(Path.cwd() / "runs" / s["name"])
     if s["checkpoint"]["dir"] is None:

@@ -110,7 +110,11 @@ def test_a_valid_override_can_still_break_a_cross_field_rule():
 
 
 def test_system_metrics_need_an_mlflow_run():
-    load_and_validate(VALID / "tiny-bert.yaml", ["logging.system_metrics=true"])
+    assert load_and_validate(VALID / "tiny-bert.yaml").spec["logging"]["system_metrics"] is True   # on by default
+    # with MLflow off the default is off, and only a written `true` is refused
+    off = load_and_validate(VALID / "tiny-bert.yaml", ["logging.mlflow.enabled=false"])
+    assert off.spec["logging"]["system_metrics"] is False
+    load_and_validate(VALID / "tiny-bert.yaml", ["logging.system_metrics=false", "logging.mlflow.enabled=false"])
     with pytest.raises(SpecError) as caught:
         load_and_validate(VALID / "tiny-bert.yaml", ["logging.system_metrics=true", "logging.mlflow.enabled=false"])
     (issue,) = caught.value.issues
