@@ -42,6 +42,7 @@ from jobspec import hardware, lifeline, ops, rundir, shm, trace
 from jobspec import status as run_status
 from jobspec.errors import SpecError, SpecIssue, spec_error
 from jobspec.launch import host, intent, lease, lineage, orphans, ownership, preflight, quiet, runner, slurm, supervise
+from jobspec.launch import hub
 from jobspec.launch import tracking as launch_tracking
 from jobspec.memory import at_launch as launch_memory
 from jobspec.secrets import mask_secrets
@@ -64,6 +65,7 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
 
     phases = [("start", _process_start(), 0.0)]
     resolved = load_and_validate(job, overrides)
+    hub.offline_if_unreachable(resolved.spec)   # no hub: the cache at once, not 25 s of retries per file
     # `model.config` validate could not check (an architecture outside the shipped table, a hub id):
     # checked now, before anything starts, with the same positioned errors validate gives
     model_config_problems = launch_model_config_issues(resolved)

@@ -33,7 +33,7 @@ HIDDEN = [re.compile(p) for p in (
     rb"|Time to load \S+ op:|Creating extension directory)",
     rb"\d{4}/\d\d/\d\d \d\d:\d\d:\d\d INFO (mlflow|alembic)",
     rb"INFO  \[alembic",
-    re.escape(LOG_ONLY.encode()),
+    re.escape(LOG_ONLY.rstrip().encode()),   # lines are stripped: an empty log-only line too
 )]
 
 

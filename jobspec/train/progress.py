@@ -97,6 +97,8 @@ class Progress:
         """A one-off line (eval, checkpoint) that does not break the bar."""
         if self.mode == "none":
             return
+        if self._bar is not None and self._bar.n >= self.total:
+            self.close()   # training is done: lines after it (final checkpoint, export) go below the bar
         if self._bar is not None:
             self._bar.write(text, file=self.stream)
         else:

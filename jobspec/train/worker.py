@@ -22,6 +22,7 @@ from pathlib import Path
 from jobspec import lifeline, rundir, trace
 from jobspec.errors import EXIT_INVALID, EXIT_RUN_FAILED, RunFailure, SpecError
 from jobspec.rundir import RunFiles
+from jobspec.train import library_output
 from jobspec.train.hf_dir import ExportFailed
 from jobspec.train.faults import NanGuard, NonFiniteLoss
 from jobspec.train.oom import OomGuard
@@ -42,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="set by the deepspeed runner")
     args = parser.parse_args(argv)
     run_dir = args.run_dir.resolve()
+    library_output.before_imports(int(os.environ.get("RANK", "0")))  # before transformers & co.
     started = time.time()
     state = RunState()
     try:
@@ -85,10 +87,15 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
     from jobspec import ops
     from jobspec.train.progress import NullProgress, Progress
 
+    # the libraries' records and bars to launcher.log (the quiet terminal): before they load anything
+    library_output.route_library_logs(int(os.environ.get("RANK", "0")),
+                                      transformers=files.spec["model"].get("architecture") != "mlp",
+                                      datasets=bool(files.spec["data"].get("train")))
     _phase("imported")
     ops.share_cpu_info(run_dir / rundir.CPU_INFO)
     # first-run op compiles happen here, announced, instead of in silence inside DeepSpeed
     ops.ensure_built(ops.needed_ops(files.ds_config), announce=_node_leader_says)
+    ops.skip_unused_ops()   # DeepSpeed's shm all-reduce op: built and loaded for nothing in training
     _phase("ops")
     deepspeed.init_distributed()
     _phase("distributed")
