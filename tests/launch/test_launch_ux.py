@@ -108,6 +108,18 @@ def test_verbose_shows_the_library_lines(job, tmp_path, capfd):
     assert "[INFO] [launch.py:152:main] WORLD INFO DICT" in out and "built successfully" in out
 
 
+def test_the_mlflow_run_is_named_by_the_overrides_that_change_training(job, tmp_path, capfd):
+    assert main(["launch", str(job), "--set", "training.optimizer.lr=0.001", "--set", "logging.progress=lines",
+                 "--set", f"output_dir={tmp_path / 'out'}"]) == 0
+    (run_dir,) = run_dirs(tmp_path)
+    assert rundir.read_launch(run_dir)["overrides"] == ["training.optimizer.lr=0.001", "logging.progress=lines",
+                                                         f"output_dir={tmp_path / 'out'}"]
+    info = rundir.read_mlflow_run(run_dir)
+    client = telemetry.client_for(info["tracking_uri"])
+    assert client.get_run(info["run_id"]).info.run_name == "quickstart lr=0.001"   # where output goes: left out
+    assert client.get_experiment(info["experiment_id"]).tags["mlflow.experimentKind"] == "custom_model_development"
+
+
 def test_a_complete_job_is_not_launched_again_and_its_results_stay(job, tmp_path, capfd):
     assert main(["launch", str(job)]) == 0
     (first,) = run_dirs(tmp_path)
