@@ -14,6 +14,7 @@ print reaches launcher.log, not the terminal, and what the terminal does get com
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
@@ -77,9 +78,8 @@ def route_library_logs(rank: int, *, transformers: bool = True, datasets: bool =
         from transformers.utils import logging as transformers_logging
         transformers_logging.get_logger("transformers")
         transformers_logging.disable_progress_bar()
-    if datasets:
-        import datasets.utils.logging as datasets_logging
-        datasets_logging.disable_progress_bar()
+    if datasets:   # (imported by name: datasets ships no type information)
+        importlib.import_module("datasets.utils.logging").disable_progress_bar()
     for name in LIBRARY_LOGGERS:
         logger = logging.getLogger(name)
         for old in [h for h in logger.handlers if isinstance(h, logging.StreamHandler)
