@@ -1,7 +1,8 @@
 """The quiet terminal on every path: what the libraries under the ranks print (transformers' LOAD
 REPORT and progress bars, datasets' "Generating train split", ZeRO-3's FutureWarnings, hub retries)
 reaches launcher.log and not the terminal, and the progress bar and the closing block never
-interleave. Unit tests of each piece, and one real launch under a pseudo-terminal (slow)."""
+interleave. Unit tests of each piece, and one real launch under a pseudo-terminal (slow), which
+also records system metrics by default."""
 from __future__ import annotations
 
 import io
@@ -182,6 +183,11 @@ def test_a_real_launch_at_a_terminal_shows_no_library_output(tmp_path):
         assert leak not in terminal, (leak, terminal[-3000:])
     for kept in ("LOAD REPORT", "FutureWarning"):   # the libraries' words are in launcher.log
         assert kept in log, kept
+    from jobspec import rundir
+    from jobspec.tracking import run as tracking
+    info = rundir.read_mlflow_run(run_dir)   # system metrics are on by default (the last sample at the end)
+    metrics = tracking.client_for(info["tracking_uri"]).get_run(info["run_id"]).data.metrics
+    assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= set(metrics)
     assert terminal.count("checkpoint step3 saved") == 1 and "eval=" in terminal   # a bar, with its postfix
     # the bar is closed before the last lines: no redraw around them, the closing block on lines of its own
     last = terminal[terminal.index("checkpoint step6 saved"):]
