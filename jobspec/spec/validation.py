@@ -290,7 +290,7 @@ def cross_field_issues(r: ResolvedSpec) -> list[SpecIssue]:
     if s["logging"]["system_metrics"] and not s["logging"]["mlflow"]["enabled"] \
             and ("logging", "system_metrics") in r.positions:
         add(r.issue(("logging", "system_metrics"), "system metrics are recorded in the MLflow run, and MLflow is off",
-                    "set `logging.mlflow.enabled: true`, or remove `system_metrics`"))
+                    "set `logging.mlflow.enabled: true`, or `logging.system_metrics: false`, its default with MLflow off"))
     uri_problem = _tracking_uri_problem(s["logging"]["mlflow"]["tracking_uri"])
     if uri_problem:
         add(r.issue(("logging", "mlflow", "tracking_uri"), *uri_problem))
