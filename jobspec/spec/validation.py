@@ -286,9 +286,8 @@ def cross_field_issues(r: ResolvedSpec) -> list[SpecIssue]:
                     f"use at most {positions}, or raise model.config.max_position_embeddings"))
     from jobspec.spec import export_rules
     issues += export_rules.issues(r)
-    # on by default, off by default with MLflow off (resolve_paths): only a written `true` is refused
-    if s["logging"]["system_metrics"] and not s["logging"]["mlflow"]["enabled"] \
-            and ("logging", "system_metrics") in r.positions:
+    written = ("logging", "system_metrics") in r.positions   # else its default: off with MLflow off (resolve_paths)
+    if written and s["logging"]["system_metrics"] and not s["logging"]["mlflow"]["enabled"]:
         add(r.issue(("logging", "system_metrics"), "system metrics are recorded in the MLflow run, and MLflow is off",
                     "set `logging.mlflow.enabled: true`, or `logging.system_metrics: false`, its default with MLflow off"))
     uri_problem = _tracking_uri_problem(s["logging"]["mlflow"]["tracking_uri"])
