@@ -3,6 +3,8 @@
     python -m bench.startup                      # the quickstart, 3 launches (the first one also
                                                  # creates the MLflow store)
     python -m bench.startup --repeats 5 --job jobs/quickstart.yaml --set training.max_steps=10
+    python -m bench.startup --empty-op-cache     # each launch with an empty TORCH_EXTENSIONS_DIR: a
+                                                 # newcomer's first launch; prints the ops it built
 
 Each launch runs in a new output directory with its own SQLite store (a launch that finds a new
 store pays for creating its tables: the `cold store` row). The phases are timestamps the launcher
@@ -33,7 +35,7 @@ STEPS = [
     ("rank: python + jobspec imports", "rank0/start", "rank0/worker"),
     ("rank: import deepspeed, torch", "rank0/worker", "rank0/imported"),
     ("rank: ops ready (built or cached)", "rank0/imported", "rank0/ops"),
-    ("rank: init_distributed (gloo, shm op)", "rank0/ops", "rank0/distributed"),
+    ("rank: init_distributed (gloo)", "rank0/ops", "rank0/distributed"),
     ("rank: import model code (transformers)", "rank0/distributed", "rank0/imported-model-code"),
     ("rank: build model + patches", "rank0/imported-model-code", "rank0/model"),
     ("rank: data", "rank0/model", "rank0/data"),
@@ -49,7 +51,7 @@ def load_average() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def launch(job: str, work: Path, store: Path, sets: list[str]) -> dict:
+def launch(job: str, work: Path, store: Path, sets: list[str], op_cache: Path | None = None) -> dict:
     import psutil
 
     out = work / "out"
@@ -58,7 +60,8 @@ def launch(job: str, work: Path, store: Path, sets: list[str]) -> dict:
            *[x for s in sets for x in ("--set", s)]]
     load = load_average()
     started = time.time()
-    proc = subprocess.Popen(cmd, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = {**os.environ, **({"TORCH_EXTENSIONS_DIR": str(op_cache)} if op_cache else {})}
+    proc = subprocess.Popen(cmd, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     # DeepSpeed's runner and launch.py write no timestamps of their own: their CPU time until the
     # ranks exist is their start-up (afterwards they only wait for the ranks)
     helpers: dict[str, float] = {}
@@ -90,7 +93,8 @@ def launch(job: str, work: Path, store: Path, sets: list[str]) -> dict:
     tracking = run_dir / "mlflow_run.json"
     if tracking.exists():
         marks["mlflow run ready"] = tracking.stat().st_mtime
-    return {"marks": marks, "cpu": cpu, "helpers": helpers, "load": load}
+    built = sorted(p.name for p in op_cache.iterdir()) if op_cache and op_cache.is_dir() else []
+    return {"marks": marks, "cpu": cpu, "helpers": helpers, "load": load, "ops_built": built}
 
 
 def cpu_of(run: dict, start: str, end: str) -> float | None:
@@ -110,6 +114,8 @@ def main(argv=None) -> int:
     parser.add_argument("--job", default=str(REPO / "jobs" / "quickstart.yaml"))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--empty-op-cache", action="store_true",
+                        help="every launch with a new, empty TORCH_EXTENSIONS_DIR (a fresh machine's first launch)")
     args = parser.parse_args(argv)
     runs = []
     with tempfile.TemporaryDirectory(prefix="jobspec-startup-") as tmp:
@@ -117,11 +123,12 @@ def main(argv=None) -> int:
         for i in range(args.repeats):
             work = Path(tmp) / f"launch-{i + 1}"
             work.mkdir()
-            runs.append(launch(args.job, work, store, args.sets))
+            runs.append(launch(args.job, work, store, args.sets, work / "op-cache" if args.empty_op_cache else None))
             marks = runs[-1]["marks"]
+            built = (f"; ops built: {', '.join(runs[-1]['ops_built']) or 'none'}" if args.empty_op_cache else "")
             print(f"launch {i + 1}/{args.repeats} ({'cold' if i == 0 else 'warm'} store): command to first step "
                   f"{marks['rank0/first-step'] - marks['cmd']:.1f} s, whole command "
-                  f"{marks['end'] - marks['cmd']:.1f} s (load average before: {runs[-1]['load']})", flush=True)
+                  f"{marks['end'] - marks['cmd']:.1f} s (load average before: {runs[-1]['load']}){built}", flush=True)
     print()
     print(f"| phase | {' | '.join(f'launch {i + 1}' for i in range(len(runs)))} | median | CPU s (median) |")
     print(f"| --- | {' | '.join('---:' for _ in runs)} | ---: | ---: |")

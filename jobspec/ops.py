@@ -30,19 +30,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")   # DeepSpeed colours its warnings
-# Every op a jobspec job can load (`jobspec prepare --all`): deepspeed.comm's shared-memory
-# all-reduce, the fused and CPU Adam kernels, pinned host buffers and NVMe I/O.
-ALL_OPS = ("ShareMemCommBuilder", "FusedAdamBuilder", "CPUAdamBuilder", "PinMemoryBuilder", "AsyncIOBuilder")
+# Every op a jobspec job can load (`jobspec prepare --all`): the fused and CPU Adam kernels, pinned
+# host buffers and NVMe I/O.
+ALL_OPS = ("FusedAdamBuilder", "CPUAdamBuilder", "PinMemoryBuilder", "AsyncIOBuilder")
+# DeepSpeed 0.19's TorchBackend builds and loads this on every CPU rank, but only its
+# `inference_all_reduce` (tensor-parallel inference) uses it: training's all-reduces go through the
+# process group (gloo) either way (bench/optimizer_kernels.py --comm measures the step with and
+# without it). The worker turns it off (`skip_unused_ops`): no build, no /dev/shm buffers.
+UNUSED_IN_TRAINING = ("ShareMemCommBuilder",)
 
 
 def needed_ops(ds_config: dict) -> list[str]:
     """The op builders DeepSpeed loads for this config (which exist depends on the accelerator).
 
-    Follows DeepSpeed 0.19: `deepspeed.comm.torch.TorchBackend` loads ShareMemComm on every rank;
-    `engine.get_optimizer_configuration` builds Adam from torch (`torch_adam`), DeepSpeedCPUAdam
-    (optimizer offload) or FusedAdam; ZeRO's swappers load AsyncIO for NVMe offload.
+    Follows DeepSpeed 0.19: `engine.get_optimizer_configuration` builds Adam from torch
+    (`torch_adam`: nothing to build), DeepSpeedCPUAdam (optimizer offload) or FusedAdam; ZeRO's
+    swappers load AsyncIO for NVMe offload.
     """
-    ops = ["ShareMemCommBuilder"]
+    ops: list[str] = []
     zero = ds_config.get("zero_optimization") or {}
     offload_optimizer = (zero.get("offload_optimizer") or {}).get("device", "none")
     offload_params = (zero.get("offload_param") or {}).get("device", "none")
@@ -104,6 +109,60 @@ def ensure_built(builder_names, announce=print) -> list[OpState]:
             announce(f"built DeepSpeed op {op.short} in {time.monotonic() - started:.1f} s")
             op.built = True
     return states
+
+
+# What each op needs to be built, for the refusal before any rank starts (`build_problems`).
+INSTALL_HINTS = {
+    "FusedAdamBuilder": "or set training.optimizer.implementation: torch (torch's fused AdamW needs no build)",
+    "CPUAdamBuilder": "or run without optimizer offload (memory.offload.optimizer: none)",
+    "AsyncIOBuilder": "install libaio (Debian/Ubuntu: apt install libaio-dev), or offload to cpu instead of nvme",
+    "PinMemoryBuilder": "",
+}
+
+
+def build_problems(builder_names) -> list[tuple[str, str]]:
+    """(builder, why) for each op this job needs that is not built and cannot be built on this
+    machine: no C++ compiler, no nvcc for a CUDA op (a pip-installed torch ships the CUDA runtime,
+    not the toolkit), a missing library. Empty when everything needed is built or buildable."""
+    import shutil
+
+    from deepspeed.accelerator import get_accelerator
+
+    problems = []
+    for builder_name in dict.fromkeys(builder_names):
+        op = state(builder_name)
+        if op.name is None or op.built:
+            continue
+        hint = INSTALL_HINTS.get(builder_name, "")
+        if op.why_not:
+            problems.append((builder_name, f"DeepSpeed's {op.short} op cannot be built here: {op.why_not}"
+                             + (f"; {hint}" if hint else "")))
+        elif not any(shutil.which(c) for c in (os.environ.get("CXX") or "c++", "g++", "clang++")):
+            problems.append((builder_name, f"DeepSpeed's {op.short} op must be compiled on first use and this "
+                             "machine has no C++ compiler: install one (Debian/Ubuntu: apt install g++)"
+                             + (f", {hint}" if hint else "")))
+        elif get_accelerator().device_name() == "cuda" and builder_name == "FusedAdamBuilder":
+            from torch.utils.cpp_extension import CUDA_HOME
+            if CUDA_HOME is None:
+                problems.append((builder_name, "DeepSpeed's FusedAdam must be compiled with nvcc and CUDA_HOME "
+                                 "does not exist (no CUDA toolkit): install the toolkit matching torch's CUDA, "
+                                 + hint))
+    return problems
+
+
+def skip_unused_ops() -> None:
+    """Mark the ops DeepSpeed would load but training never uses as unavailable, before
+    `deepspeed.init_distributed` (DeepSpeed's own compatibility table is what it consults)."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    table = getattr(deepspeed.ops, "__compatible_ops__", None)
+    if table is None:
+        return
+    for builder_name in UNUSED_IN_TRAINING:
+        builder = get_accelerator().create_op_builder(builder_name)
+        if builder is not None:
+            table[builder.NAME] = False
 
 
 def _compatible(builder) -> bool:

@@ -107,15 +107,33 @@ def optimizer_block(optimizer: dict, offload_optimizer: str = "none") -> dict:
                               "or use `auto`")
     params = {"lr": optimizer["lr"], "betas": list(optimizer["betas"]), "eps": optimizer["eps"],
               "weight_decay": optimizer["weight_decay"]}
+    if implementation == "auto":
+        implementation = auto_adam(optimizer, offloaded)
     if implementation == "torch":
         # torch.optim.AdamW takes no bias_correction (it always corrects): DeepSpeed passes the
-        # remaining params to it as keywords.
+        # remaining params to it as keywords. Its fused kernel (CUDA and CPU) needs no compiler,
+        # keeps no param-sized temporaries (foreach does), and measured as fast as DeepSpeed's
+        # JIT-built FusedAdam on CPU ranks (docs/benchmarks.md, bench/optimizer_kernels.py).
         params["torch_adam"] = True
+        params["fused"] = True
     else:
         params["torch_adam"] = False   # DeepSpeed's FusedAdam / DeepSpeedCPUAdam, not torch.optim
         params["bias_correction"] = optimizer.get("bias_correction", True)
     params["adam_w_mode"] = True   # decoupled weight decay
     return {"type": "AdamW", "params": params}
+
+
+def auto_adam(optimizer: dict, offloaded: bool) -> str:
+    """`implementation: auto`: the Adam that needs no op build wherever it can honour the spec.
+
+    torch's AdamW, except with optimizer offload (DeepSpeed's CPU Adam is the one that steps there
+    at speed: its op is built, announced, because the feature needs it) and with `bias_correction:
+    false`, which only DeepSpeed's own Adams implement."""
+    if offloaded:
+        return "cpu"
+    if not optimizer.get("bias_correction", True):
+        return "fused"
+    return "torch"
 
 
 def client_optimizer_args(optimizer: dict) -> dict:

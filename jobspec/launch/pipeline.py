@@ -96,6 +96,9 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
         what = intent.decide(spec, derived.total_steps)
         run_dir = rundir.new_run_dir_path(spec["output_dir"])
         compiled = compile_job(resolved, derived, run_dir, port)
+        op_problems = preflight.op_build_issues(compiled.ds_config)   # an op a launch could not build
+        if op_problems:
+            raise resolved.locate(SpecError(op_problems))
         argv = runner.resolve_runner(compiled.launch["argv"])
         _print_lines(header(spec, derived, memory, found, compiled.patches, style))
         for line in chosen.lines:
@@ -138,6 +141,9 @@ def _launch_holding(job, overrides, resolved, derived, memory, chosen, held, res
         compiled = compile_job(resolved, derived, run_dir, port)
         problems = preflight.preflight_issues(spec, derived, run_dir) + \
             [SpecIssue(("memory",), text) for text in launch_memory.preflight_problems(memory, gpu_free)]
+        op_problems = preflight.op_build_issues(compiled.ds_config)   # not ignorable: the ranks would fail
+        if op_problems:
+            raise resolved.locate(SpecError(op_problems))
         compiled.launch.update(launch_memory.plan_record(memory))  # launch.json: `plan` (MiB), `fit`
         if problems and not ignore_preflight:
             raise preflight.refusal(resolved, problems)

@@ -37,6 +37,24 @@ def preflight_issues(spec: dict, derived, run_dir: Path) -> list[SpecIssue]:
     return issues + disk_space_issues(spec, derived, run_dir)
 
 
+# The spec field that made a job need each op: where a refusal to build it points.
+OP_FIELDS = {"FusedAdamBuilder": ("training", "optimizer", "implementation"),
+             "CPUAdamBuilder": ("memory", "offload", "optimizer"),
+             "AsyncIOBuilder": ("memory", "offload", "nvme_path"),
+             "PinMemoryBuilder": ("memory", "offload", "pin_memory")}
+
+
+def op_build_issues(ds_config: dict) -> list[SpecIssue]:
+    """The DeepSpeed ops this job needs that this machine cannot build (no compiler, no nvcc, no
+    libaio), at the field that asked for them; a job that needs none imports no DeepSpeed here."""
+    from jobspec import ops
+
+    needed = ops.needed_ops(ds_config)
+    if not needed:
+        return []
+    return [SpecIssue(OP_FIELDS.get(builder, ()), text) for builder, text in ops.build_problems(needed)]
+
+
 def disk_space_issues(spec: dict, derived, run_dir: Path) -> list[SpecIssue]:
     """Refuse before training when a disk cannot hold what the job first writes there: one checkpoint
     (`checkpoint.dir`) and one exported model (`export.dir`, else the run directory), the two added up

@@ -135,14 +135,20 @@ def test_adamw_block():
     spec = make_spec(training={"max_steps": 10, "optimizer": {"lr": 3e-4, "betas": [0.8, 0.95], "eps": 1e-6,
                                                                "weight_decay": 0.1}})
     c = compile_(spec)
+    # `auto`: torch's fused AdamW, said in full (DeepSpeed passes every key but its own to torch)
     assert c.ds_config["optimizer"] == {"type": "AdamW", "params": {
-        "lr": 3e-4, "betas": [0.8, 0.95], "eps": 1e-6, "weight_decay": 0.1, "torch_adam": False,
-        "bias_correction": True, "adam_w_mode": True}}
+        "lr": 3e-4, "betas": [0.8, 0.95], "eps": 1e-6, "weight_decay": 0.1, "torch_adam": True, "fused": True,
+        "adam_w_mode": True}}
     assert not [p for p in c.patches if p["name"] == "client_optimizer"]
+    import torch
+    accepted = inspect.signature(torch.optim.AdamW).parameters
+    assert set(c.ds_config["optimizer"]["params"]) - {"torch_adam", "adam_w_mode"} <= set(accepted)
+    # `bias_correction: false` only DeepSpeed's FusedAdam implements: auto takes it (and its op build)
+    spec["training"]["optimizer"]["bias_correction"] = False
+    params = compile_(spec).ds_config["optimizer"]["params"]
+    assert params["torch_adam"] is False and params["bias_correction"] is False
     from deepspeed.ops.adam import FusedAdam  # importing the class builds nothing
-    accepted = inspect.signature(FusedAdam).parameters
-    # DeepSpeed pops torch_adam before building FusedAdam
-    assert set(c.ds_config["optimizer"]["params"]) - {"torch_adam"} <= set(accepted)
+    assert set(params) - {"torch_adam"} <= set(inspect.signature(FusedAdam).parameters)
 
 
 def _adam_class_deepspeed_builds(config):
@@ -158,7 +164,7 @@ def _adam_class_deepspeed_builds(config):
 
 
 @pytest.mark.parametrize("implementation, memory, torch_adam, built", [
-    ("auto", {}, False, "FusedAdam"),
+    ("auto", {}, True, "AdamW"),
     ("auto", {"zero_stage": 2, "offload": {"optimizer": "cpu"}}, False, "DeepSpeedCPUAdam"),
     ("fused", {"zero_stage": 1}, False, "FusedAdam"),
     ("cpu", {"zero_stage": 3, "offload": {"optimizer": "cpu"}}, False, "DeepSpeedCPUAdam"),

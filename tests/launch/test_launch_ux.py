@@ -135,12 +135,12 @@ def test_a_complete_job_is_not_launched_again_and_its_results_stay(job, tmp_path
     assert out.startswith(f"jobspec: quickstart is already complete: checkpoint "
                           f"{tmp_path / 'out' / 'checkpoints' / 'step40'} is at step 40 of 40. Nothing was started")
     assert f"results     {first}" in out and info["run_id"] in out
-    assert "--set output_dir=" in out and "checkpoint.resume: never" in out and "training.max_steps=N" in out
+    assert "--new-run" in out and "--set output_dir=" in out and "training.max_steps=N" in out and "--continue" in out
     assert run_dirs(tmp_path) == [first] and (first / rundir.SUMMARY).read_text() == summary_before
     assert len(client.search_runs([info["experiment_id"]])) == 1
 
-    # more steps: a launch resumes, and --dry-run says so
-    assert main(["launch", str(job), "--dry-run", "--set", "training.max_steps=50"]) == 0
+    # more steps: a launch with --continue resumes, and --dry-run says so
+    assert main(["launch", str(job), "--dry-run", "--set", "training.max_steps=50", "--continue"]) == 0
     assert f"a launch would resume from {tmp_path / 'out' / 'checkpoints' / 'step40'} at step 40 and train " \
            "to step 50" in capfd.readouterr().out
 

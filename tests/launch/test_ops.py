@@ -21,14 +21,29 @@ def compiled_ops(*overrides: str) -> list[str]:
 
 
 def test_the_ops_a_job_loads_follow_its_optimizer_and_offload():
-    assert compiled_ops() == ["ShareMemCommBuilder", "FusedAdamBuilder"]
-    assert compiled_ops("memory.zero_stage=2", "memory.offload.optimizer=cpu") == \
-        ["ShareMemCommBuilder", "CPUAdamBuilder"]
-    assert ops.needed_ops({"optimizer": {"type": "AdamW", "params": {"torch_adam": True}}}) == ["ShareMemCommBuilder"]
+    assert compiled_ops() == []   # torch's fused AdamW, no shm all-reduce: nothing to build
+    assert compiled_ops("training.optimizer.bias_correction=false") == ["FusedAdamBuilder"]  # only DeepSpeed's Adam
+    assert compiled_ops("training.optimizer.implementation=fused") == ["FusedAdamBuilder"]
+    assert compiled_ops("memory.zero_stage=2", "memory.offload.optimizer=cpu") == ["CPUAdamBuilder"]
+    assert ops.needed_ops({"optimizer": {"type": "AdamW", "params": {"torch_adam": True}}}) == []
     assert ops.needed_ops({"optimizer": {"type": "Adam"}, "zero_optimization": {
         "stage": 3, "offload_optimizer": {"device": "nvme"}, "offload_param": {"device": "nvme"}}}) == \
-        ["ShareMemCommBuilder", "CPUAdamBuilder", "AsyncIOBuilder"]
-    assert ops.needed_ops({}) == ["ShareMemCommBuilder"]  # a client optimizer (8-bit AdamW, Adafactor)
+        ["CPUAdamBuilder", "AsyncIOBuilder"]
+    assert ops.needed_ops({}) == []  # a client optimizer (8-bit AdamW, Adafactor)
+
+
+def test_an_op_this_machine_cannot_build_is_refused_at_its_field(monkeypatch):
+    import shutil
+
+    from jobspec.launch import preflight
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/nonexistent-op-cache")   # nothing built
+    real_which = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None if name.endswith(("++", "c++")) else
+                        real_which(name, *a, **k))
+    [issue] = preflight.op_build_issues({"optimizer": {"type": "AdamW", "params": {"torch_adam": False}}})
+    assert issue.path == ("training", "optimizer", "implementation")
+    assert "no C++ compiler" in issue.message and "implementation: torch" in issue.message
+    assert preflight.op_build_issues({"optimizer": {"type": "AdamW", "params": {"torch_adam": True}}}) == []
 
 
 def test_a_missing_op_is_built_with_an_announcement_and_its_time(tmp_path, monkeypatch):
