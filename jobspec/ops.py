@@ -103,7 +103,9 @@ def ensure_built(builder_names, announce=print) -> list[OpState]:
         if op.name is None or op.why_not:
             continue
         if not op.built:
-            announce(f"building DeepSpeed op {op.short} (first run only, cached in {home_relative(op.build_dir)})")
+            reason = f" for {OP_REASONS[builder_name]}" if builder_name in OP_REASONS else ""
+            announce(f"building DeepSpeed op {op.short}{reason} (first run only, cached in "
+                     f"{home_relative(op.build_dir)})")
             started = time.monotonic()
             get_accelerator().create_op_builder(builder_name).load(verbose=False)
             announce(f"built DeepSpeed op {op.short} in {time.monotonic() - started:.1f} s")
@@ -111,6 +113,12 @@ def ensure_built(builder_names, announce=print) -> list[OpState]:
     return states
 
 
+# Why a job needs each op: said when the op is built.
+OP_REASONS = {"FusedAdamBuilder": "DeepSpeed's FusedAdam (training.optimizer: bias_correction false or "
+                                  "implementation fused)",
+              "CPUAdamBuilder": "optimizer offload (DeepSpeed's CPU Adam)",
+              "AsyncIOBuilder": "NVMe offload",
+              "PinMemoryBuilder": "pinned offload buffers"}
 # What each op needs to be built, for the refusal before any rank starts (`build_problems`).
 INSTALL_HINTS = {
     "FusedAdamBuilder": "or set training.optimizer.implementation: torch (torch's fused AdamW needs no build)",

@@ -111,3 +111,13 @@ def test_cpu_info_of_another_host_is_not_used(tmp_path, monkeypatch, recorded_ho
     ops.share_cpu_info(path)
     assert cpuinfo.get_cpu_info() == {"arch": "ARM_8"} == cpuinfo.get_cpu_info()
     assert calls == [1]  # read here, once
+
+
+def test_a_build_says_which_feature_needs_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    from deepspeed.ops.op_builder.builder import OpBuilder
+    monkeypatch.setattr(OpBuilder, "load", lambda self, verbose=False: None)
+    said = []
+    ops.ensure_built(["CPUAdamBuilder"], announce=said.append)
+    assert said[0].startswith("building DeepSpeed op cpu_adam for optimizer offload (DeepSpeed's CPU Adam) "
+                              "(first run only")
