@@ -15,7 +15,7 @@ def test_readme_has_exactly_two_setup_commands():
     commands = _setup_commands()
     assert len(commands) == 2, commands
     assert "jobspec launch jobs/quickstart.yaml" in commands[0]
-    assert "pytest" in commands[1]
+    assert "pytest" in _expanded(commands[1])
 
 
 def test_ci_runs_the_readme_test_command():
@@ -24,10 +24,23 @@ def test_ci_runs_the_readme_test_command():
     assert test_command in ci.splitlines(), f".ci/run must run the README's test command: {test_command}"
 
 
+def _expanded(command: str) -> str:
+    """The command, with a script of this repository it runs read in."""
+    script = ROOT / command.split()[0]
+    return command + "\n" + script.read_text(encoding="utf-8") if script.is_file() else command
+
+
 def test_setup_never_pulls_unpinned_torch():
     # An unpinned torch would pull several GB of CUDA wheels on a CPU machine.
     for command in _setup_commands():
-        assert "torch==2.13.0" in command
+        assert "torch==2.13.0" in _expanded(command)
+
+
+def test_the_test_command_installs_what_the_tests_need_then_runs_pytest():
+    script = _expanded(_setup_commands()[1])
+    for package in ("libaio-dev", "slurm-wlm", "munge"):
+        assert package in script, package
+    assert '-e ".[dev]"' in script and "python -m pytest -q" in script
 
 
 def test_ci_installs_into_a_brand_new_virtualenv():

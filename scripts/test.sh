@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The README's test command: what the tests need from the system, the package with its test extras,
+# then the suite. `.ci/run` calls exactly this (in a brand-new virtualenv).
+#
+#   scripts/test.sh                 # everything: about 20 minutes on a 2-core machine
+#   scripts/test.sh -m "not slow"   # no real DeepSpeed launches: about 5 minutes
+#
+# System packages: libaio-dev (DeepSpeed's NVMe-offload op), slurm-wlm and munge (a real two-node
+# Slurm cluster on 127.0.0.1). They are installed with apt when this runs as root (or with
+# passwordless sudo); otherwise the script says which are missing and how to get them, and the
+# tests that need them are skipped with that reason.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need=()
+for pkg in libaio-dev slurm-wlm munge; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
+done
+if [ ${#need[@]} -gt 0 ] && command -v apt-get >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null && need=()
+  elif sudo -n true 2>/dev/null; then
+    sudo DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+      sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null && need=()
+  fi
+fi
+if [ ${#need[@]} -gt 0 ]; then
+  echo "scripts/test.sh: missing system packages: ${need[*]}; the NVMe-offload and Slurm tests will be" \
+       "skipped. To run them: sudo apt-get install ${need[*]}" >&2
+fi
+
+PIP_DISABLE_PIP_VERSION_CHECK=1 python -m pip install -q torch==2.13.0 -e ".[dev]"
+exec python -m pytest -q "$@"
