@@ -30,9 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")   # DeepSpeed colours its warnings
-# Every op a jobspec job can load (`jobspec prepare --all`): the fused and CPU Adam kernels, pinned
-# host buffers and NVMe I/O.
-ALL_OPS = ("FusedAdamBuilder", "CPUAdamBuilder", "PinMemoryBuilder", "AsyncIOBuilder")
+# Every op a jobspec job can load (`jobspec prepare --all`): the fused and CPU Adam kernels and NVMe
+# I/O. (DeepSpeed's pin_memory op is loaded only with DS_PIN_MEMORY_BACKEND=native, which jobspec
+# never sets.)
+ALL_OPS = ("FusedAdamBuilder", "CPUAdamBuilder", "AsyncIOBuilder")
 # DeepSpeed 0.19's TorchBackend builds and loads this on every CPU rank, but only its
 # `inference_all_reduce` (tensor-parallel inference) uses it: training's all-reduces go through the
 # process group (gloo) either way (bench/optimizer_kernels.py --comm measures the step with and
@@ -117,14 +118,12 @@ def ensure_built(builder_names, announce=print) -> list[OpState]:
 OP_REASONS = {"FusedAdamBuilder": "DeepSpeed's FusedAdam (training.optimizer: bias_correction false or "
                                   "implementation fused)",
               "CPUAdamBuilder": "optimizer offload (DeepSpeed's CPU Adam)",
-              "AsyncIOBuilder": "NVMe offload",
-              "PinMemoryBuilder": "pinned offload buffers"}
+              "AsyncIOBuilder": "NVMe offload"}
 # What each op needs to be built, for the refusal before any rank starts (`build_problems`).
 INSTALL_HINTS = {
     "FusedAdamBuilder": "or set training.optimizer.implementation: torch (torch's fused AdamW needs no build)",
     "CPUAdamBuilder": "or run without optimizer offload (memory.offload.optimizer: none)",
     "AsyncIOBuilder": "install libaio (Debian/Ubuntu: apt install libaio-dev), or offload to cpu instead of nvme",
-    "PinMemoryBuilder": "",
 }
 
 

@@ -1,9 +1,9 @@
 """Build the DeepSpeed ops a job needs ahead of time, so its first launch starts training at once.
 
-DeepSpeed compiles some C++ ops (the CPU ranks' shared-memory all-reduce, the fused and CPU Adam
-kernels, NVMe I/O) the first time a process loads them: 15 s to minutes each, cached afterwards
-in TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions/). `jobspec launch` builds what is
-missing before training and says so; `prepare` does it beforehand, e.g. in a CI job or while
+DeepSpeed compiles some C++ ops (its fused Adam, CPU Adam for optimizer offload, NVMe I/O) the
+first time a process loads them: 15 s to minutes each, cached afterwards in TORCH_EXTENSIONS_DIR
+(default ~/.cache/torch_extensions/). A job on the default path needs none (torch's fused AdamW);
+`jobspec launch` builds what a job's features need before training and says so; `prepare` does it beforehand, e.g. in a CI job or while
 building a container image. It builds for this machine's accelerator (CPU or CUDA): run it where
 the job will run, or on an identical image. Ops that cannot be built here (a missing compiler or
 library) are listed with DeepSpeed's reason; exit 1 if one of them is needed by a JOB.

@@ -40,8 +40,7 @@ def preflight_issues(spec: dict, derived, run_dir: Path) -> list[SpecIssue]:
 # The spec field that made a job need each op: where a refusal to build it points.
 OP_FIELDS = {"FusedAdamBuilder": ("training", "optimizer", "implementation"),
              "CPUAdamBuilder": ("memory", "offload", "optimizer"),
-             "AsyncIOBuilder": ("memory", "offload", "nvme_path"),
-             "PinMemoryBuilder": ("memory", "offload", "pin_memory")}
+             "AsyncIOBuilder": ("memory", "offload", "nvme_path")}
 
 
 def op_build_issues(ds_config: dict) -> list[SpecIssue]:
