@@ -32,11 +32,11 @@ def test_the_ops_a_job_loads_follow_its_optimizer_and_offload():
     assert ops.needed_ops({}) == []  # a client optimizer (8-bit AdamW, Adafactor)
 
 
-def test_an_op_this_machine_cannot_build_is_refused_at_its_field(monkeypatch):
+def test_an_op_this_machine_cannot_build_is_refused_at_its_field(monkeypatch, tmp_path):
     import shutil
 
     from jobspec.launch import preflight
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/nonexistent-op-cache")   # nothing built
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))   # an empty op cache: nothing built
     real_which = shutil.which
     monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None if name.endswith(("++", "c++")) else
                         real_which(name, *a, **k))
