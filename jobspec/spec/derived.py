@@ -82,6 +82,19 @@ class DerivedJob:
         return out
 
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "DerivedJob":
+        """The derived job launch.json carries (`as_dict`), read back (`DerivedJob.from_dict(files.derived)`).
+
+        Every number round-trips; the model's profile stays with the launcher (launch.json keeps its
+        summary for the record, and nothing on the ranks plans memory)."""
+        names = {f.name for f in dataclasses.fields(cls)} - {"profile", "profile_error", "config_json", "profiler"}
+        values = {name: d[name] for name in names if name in d}
+        values["dims"] = ModelDims(**d["dims"]) if d.get("dims") else None
+        values["notes"] = tuple(d.get("notes") or ())
+        return cls(**values)
+
+
 def derive(spec: dict, *, config_json: dict | None = None, num_train_samples: int | None = None,
            profiler: Callable | None = None) -> DerivedJob:
     """Every derived number of a resolved spec (defaults filled); SpecError on inconsistent batches.

@@ -52,3 +52,15 @@ def test_enums_become_literals():
     checkpointing = typing.get_type_hints(types.JobSpecMemory)["activation_checkpointing"]
     assert bool in typing.get_args(checkpointing) and _typed_dict_of(checkpointing) is not None
     assert Path(types.__file__).read_text().count("do not edit by hand") == 1
+
+
+def test_the_derived_job_round_trips_through_launch_json():
+    import json
+
+    from jobspec.spec.derived import DerivedJob
+    from jobspec.spec.inputs import derive_job
+    job = derive_job(load_and_validate(REPO_ROOT / "jobs" / "quickstart.yaml").spec)
+    carried = json.loads(json.dumps(job.as_dict()))   # what launch.json holds
+    back = DerivedJob.from_dict(carried)
+    assert back == job and back.dims == job.dims and back.total_steps == 40
+    assert back.as_dict() == {**carried, "profile": None}   # the profile stays with the launcher
