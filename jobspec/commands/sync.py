@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jobspec.launch.orphans import close_if_orphaned
+    from jobspec.tracking.orphans import close_if_orphaned
     from jobspec.tracking.sync import sync_run
 
     orphaned = close_if_orphaned(args.run_dir.resolve(), "sync", args.tracking_uri)  # its launcher is gone

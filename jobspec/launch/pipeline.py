@@ -8,7 +8,7 @@
     derive         spec/inputs.derive_job: every derived number, once (config.json, row count read here)
     claim          launch/ownership.claim_checkpoints: refuse another job's checkpoints; resume id
     intent         launch/intent.decide: fresh, resume at step K, or complete (then nothing starts)
-    orphans        launch/orphans: close runs of output_dir whose launcher died without closing them
+    orphans        tracking/orphans: close runs of output_dir whose launcher died without closing them
     run dir        rundir.create_run_dir, then compile/compiler.compile_spec into it
     pre-flight     launch/preflight + memory/at_launch.preflight_problems (--ignore-preflight: warn)
     argv           launch/runner.resolve_runner, launch/slurm.launch_argv (srun per node in Slurm)
@@ -41,13 +41,14 @@ from pathlib import Path
 from jobspec import hardware, lifeline, ops, rundir, shm, trace
 from jobspec import status as run_status
 from jobspec.errors import SpecError, SpecIssue, spec_error
-from jobspec.launch import host, intent, lease, lineage, orphans, ownership, preflight, quiet, runner, slurm, supervise
+from jobspec.launch import host, intent, lease, lineage, ownership, preflight, quiet, runner, slurm, supervise
 from jobspec.launch import hub
 from jobspec.launch import tracking as launch_tracking
 from jobspec.memory import at_launch as launch_memory
 from jobspec.secrets import mask_secrets
 from jobspec.launch import console
 from jobspec.spec import datacheck
+from jobspec.tracking import orphans
 from jobspec.tracking import run as tracking_run
 
 log = logging.getLogger("jobspec.launch")

@@ -18,8 +18,9 @@ from pathlib import Path
 
 from jobspec import rundir
 from jobspec.errors import RunFailure, first_line
-from jobspec.launch import orphans, ownership
+from jobspec.launch import ownership
 from jobspec.secrets import mask_secrets
+from jobspec.tracking import orphans
 from jobspec.tracking import run as tracking_run
 
 log = logging.getLogger("jobspec.launch")

@@ -14,7 +14,7 @@ def report(experiment: str, tracking_uri: str, fmt: str, out: Path | None, *, pl
            log_to_runs: bool = False) -> None:
     """Print the table. Files only under `out` (the table and the comparison plot); per-run plots
     logged to the MLflow runs only with `log_to_runs`: a report reads, it writes where it is told."""
-    from jobspec.launch import orphans
+    from jobspec.tracking import orphans
     client, experiment_ids, _ = table.open_experiment(tracking_uri, experiment)
     for experiment_id in experiment_ids:   # RUNNING runs whose launcher is gone
         orphans.close_orphans_of_experiment(client, experiment_id)

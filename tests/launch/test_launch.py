@@ -22,7 +22,8 @@ import yaml
 
 from jobspec import lifeline, rundir
 from jobspec import status as run_status
-from jobspec.launch import orphans, ownership, runner, supervise as supervision
+from jobspec.launch import ownership, runner, supervise as supervision
+from jobspec.tracking import orphans
 from jobspec.tracking import run as tracking
 from jobspec.cli import main
 from jobspec.errors import SpecError
