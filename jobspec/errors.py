@@ -23,6 +23,7 @@ class SpecIssue:
     file: str | None = None     # where: the file (or "<--set>") the offending node came from
     line: int | None = None     # 1-based
     column: int | None = None   # 1-based
+    code: str | None = None     # the rule that found it (`offload-stage`, `schema-enum`): stable, for tools
 
     @property
     def dotted_path(self) -> str:
@@ -76,9 +77,10 @@ def _sort_key(issue: SpecIssue):
 
 
 def spec_error(message: str, *, path: tuple = (), hint: str | None = None, file: str | None = None,
-               line: int | None = None, column: int | None = None) -> SpecError:
+               line: int | None = None, column: int | None = None, code: str | None = None) -> SpecError:
     """A SpecError with a single issue, for problems found outside schema validation."""
-    return SpecError([SpecIssue(path=path, message=message, hint=hint, file=file, line=line, column=column)])
+    return SpecError([SpecIssue(path=path, message=message, hint=hint, file=file, line=line, column=column,
+                                code=code)])
 
 
 class RunFailure(Exception):

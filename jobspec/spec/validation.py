@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -59,16 +59,17 @@ class ResolvedSpec:
                 return self.positions[prefix]
         return Position(str(self.source), 1, 1)
 
-    def issue(self, path: tuple, message: str, hint: str | None = None, key: bool = False) -> SpecIssue:
+    def issue(self, path: tuple, message: str, hint: str | None = None, key: bool = False,
+              code: str | None = None) -> SpecIssue:
         where = self.position(path, key=key)
         return SpecIssue(path=tuple(path), message=message, hint=hint, file=where.file,
-                         line=where.line, column=where.col)
+                         line=where.line, column=where.col, code=code)
 
 
     def locate(self, error: SpecError) -> SpecError:
         """`error` with a file:line:col for each issue raised without one (e.g. by the compiler)."""
         located = [issue if issue.file is not None else
-                   self.issue(issue.path, issue.message, issue.hint) for issue in error.issues]
+                   self.issue(issue.path, issue.message, issue.hint, code=issue.code) for issue in error.issues]
         return SpecError(located)
 
 
@@ -80,7 +81,7 @@ def load_and_validate(path: str | os.PathLike, overrides=()) -> ResolvedSpec:
 def validate_spec(loaded: LoadedSpec) -> ResolvedSpec:
     """Schema errors first (all of them); cross-field rules only on a schema-valid spec."""
     resolved = ResolvedSpec(loaded.spec, loaded.source, loaded.text, loaded.positions, loaded.key_positions)
-    issues = schema_issues(resolved) + freeform_issues(resolved)
+    issues = schema_issues(resolved) + _coded(freeform_issues(resolved), "freeform")
     if issues:
         raise SpecError(issues)
     resolved.spec = fill_defaults(loaded.spec)
@@ -92,6 +93,23 @@ def validate_spec(loaded: LoadedSpec) -> ResolvedSpec:
     if issues:
         raise SpecError(issues)
     return resolved
+
+
+def recheck(resolved: ResolvedSpec) -> ResolvedSpec:
+    """Every rule again, on a resolved spec changed after validation (`memory.fit: auto`'s rewrite):
+    the schema, model.config / deepspeed:, the cross-field rules and the system locations, positioned
+    at the written field (or its nearest written ancestor). Returns `resolved`; SpecError otherwise."""
+    issues = schema_issues(resolved) + _coded(freeform_issues(resolved), "freeform")
+    if not issues:
+        issues = cross_field_issues(resolved) + system_location_issues(resolved)
+    if issues:
+        raise SpecError(issues)
+    return resolved
+
+
+def _coded(issues: list[SpecIssue], code: str) -> list[SpecIssue]:
+    """`issues`, each without a rule code given `code`."""
+    return [issue if issue.code else replace(issue, code=code) for issue in issues]
 
 
 # ---------------------------------------------------------------- JSON Schema
@@ -114,7 +132,20 @@ def schema_issues(resolved: ResolvedSpec) -> list[SpecIssue]:
     return issues
 
 
+# the rule code of a schema error, by the JSON Schema keyword that failed (`schema-<code>`)
+_SCHEMA_CODES = {"additionalProperties": "unknown-key", "enum": "enum", "type": "type", "oneOf": "type",
+                 "required": "required", "minimum": "range", "maximum": "range", "exclusiveMinimum": "range",
+                 "exclusiveMaximum": "range", "minItems": "items", "maxItems": "items", "minLength": "empty",
+                 "pattern": "pattern"}
+
+
 def _explain(error, resolved: ResolvedSpec) -> list[SpecIssue]:
+    """The issues of one schema error, coded `schema-<code>` by the keyword that failed (a oneOf's by
+    its branch's)."""
+    return _coded(_explain_error(error, resolved), f"schema-{_SCHEMA_CODES.get(error.validator, 'other')}")
+
+
+def _explain_error(error, resolved: ResolvedSpec) -> list[SpecIssue]:
     path = tuple(error.absolute_path)
     kind, value, schema = error.validator, error.instance, error.schema
     if kind == "additionalProperties":
@@ -209,37 +240,43 @@ def cross_field_issues(r: ResolvedSpec) -> list[SpecIssue]:
     issues: list[SpecIssue] = []
     add = issues.append
 
-    def exactly_one(section: str, a: str, b: str, what: str) -> None:
+    def exactly_one(section: str, a: str, b: str, what: str, code: str) -> None:
         values = s[section]
         if values[a] is None and values[b] is None:
-            add(r.issue((section,), f"set either `{a}` or `{b}`", f"{what}", key=True))
+            add(r.issue((section,), f"set either `{a}` or `{b}`", f"{what}", key=True, code=code))
         elif values[a] is not None and values[b] is not None:
-            add(r.issue((section, b), f"`{a}` and `{b}` are exclusive", f"remove one: {what}", key=True))
+            add(r.issue((section, b), f"`{a}` and `{b}` are exclusive", f"remove one: {what}", key=True, code=code))
 
-    exactly_one("training", "max_steps", "epochs", "train for a number of optimizer steps or of epochs")
+    exactly_one("training", "max_steps", "epochs", "train for a number of optimizer steps or of epochs",
+                "steps-or-epochs")
     exactly_one("model", "name_or_path", "architecture",
-                "load a checkpoint (name_or_path) or build a fresh model from a config (architecture)")
+                "load a checkpoint (name_or_path) or build a fresh model from a config (architecture)",
+                "checkpoint-or-architecture")
 
     if data["synthetic"] is None and data["train"] is None:
-        add(r.issue(("data",), "no training data", "set `data.train` to a file, or `data.synthetic: {}`", key=True))
+        add(r.issue(("data",), "no training data", "set `data.train` to a file, or `data.synthetic: {}`", key=True,
+                    code="no-train-data"))
     elif data["synthetic"] is not None and data["train"] is not None:
         add(r.issue(("data", "synthetic"), "`synthetic` and `train` are exclusive",
-                    "remove `data.synthetic` to train on the file, or `data.train` for random tokens", key=True))
+                    "remove `data.synthetic` to train on the file, or `data.train` for random tokens", key=True,
+                    code="synthetic-or-file"))
     if data["eval"] is not None and data["train"] is None:
         add(r.issue(("data", "eval"), "`data.eval` needs `data.train`",
-                    "synthetic data sets its evaluation size with `data.synthetic.eval_samples`", key=True))
+                    "synthetic data sets its evaluation size with `data.synthetic.eval_samples`", key=True,
+                    code="eval-needs-train"))
     if data["train"] is not None and model["architecture"] is not None and data["tokenizer"] is None:
         add(r.issue(("data", "train"), "file data with `model.architecture` needs `data.tokenizer`",
-                    "set `data.tokenizer` to a hub id or a local tokenizer directory", key=True))
+                    "set `data.tokenizer` to a hub id or a local tokenizer directory", key=True,
+                    code="file-data-tokenizer"))
     for key in ("train", "eval"):
         if isinstance(data[key], str):
             file = _local_path(r, ("data", key))
             if _exists(file) and file.is_dir():
                 add(r.issue(("data", key), f"{file} is a directory, not a data file",
-                            f"point data.{key} at one jsonl, csv or parquet file"))
+                            f"point data.{key} at one jsonl, csv or parquet file", code="data-file"))
             elif not _exists(file, file=True):
                 add(r.issue(("data", key), f"data file not found: {file}",
-                            "paths are relative to the spec file that sets them"))
+                            "paths are relative to the spec file that sets them", code="data-file"))
 
     derived = None
     try:
@@ -248,61 +285,70 @@ def cross_field_issues(r: ResolvedSpec) -> list[SpecIssue]:
         derived = derive(s, config_json=local_checkpoint_config(r))
     except SpecError as err:
         for problem in err.issues:
-            add(r.issue(problem.path, problem.message, problem.hint))
+            add(r.issue(problem.path, problem.message, problem.hint, code=problem.code or "batch-split"))
     except (TypeError, ValueError, ZeroDivisionError):
         pass   # model.config values of the wrong type: reported by the model.config check
 
     offload = memory["offload"]
     for path, message, hint in offload_problems(memory):
-        add(r.issue(path, message, hint))
+        add(r.issue(path, message, hint, code=offload_code(path, message)))
     optimizer = training["optimizer"]
     if optimizer["name"] in CLIENT_OPTIMIZERS and offload["optimizer"] != "none":
         add(r.issue(("training", "optimizer", "name"),
                     f"`{optimizer['name']}` cannot be used with optimizer offload",
                     "DeepSpeed's optimizer offload needs its own CPU Adam: use `adamw`, "
-                    "or set `memory.offload.optimizer: none`"))
+                    "or set `memory.offload.optimizer: none`", code="client-optimizer-offload"))
     if model["attention"] == "flash_attention_2" and memory["precision"] == "fp32":
         add(r.issue(("model", "attention"), "flash_attention_2 needs fp16 or bf16",
-                    "set `memory.precision: bf16` (or fp16), or use `attention: sdpa`"))
+                    "set `memory.precision: bf16` (or fp16), or use `attention: sdpa`", code="flash-attention-fp32"))
     if optimizer["momentum"] > 0 and optimizer["name"] != "sgd":
         add(r.issue(("training", "optimizer", "momentum"), f"momentum is for sgd, not `{optimizer['name']}`",
-                    "remove `momentum` (Adam uses `betas`) or set `name: sgd`"))
+                    "remove `momentum` (Adam uses `betas`) or set `name: sgd`", code="momentum-sgd-only"))
     scheduler = training["scheduler"]
     if scheduler["warmup_steps"] and scheduler["warmup_ratio"]:
         add(r.issue(("training", "scheduler", "warmup_ratio"), "`warmup_steps` and `warmup_ratio` are exclusive",
-                    "keep one of them"))
+                    "keep one of them", code="warmup-exclusive"))
     checkpointing = memory["activation_checkpointing"]
     layers = derived.num_layers if derived is not None else None   # None: unknown (no hidden size, say)
     if isinstance(checkpointing, dict) and layers is not None and checkpointing["every_n_layers"] > layers:
         add(r.issue(("memory", "activation_checkpointing", "every_n_layers"),
                     f"every_n_layers = {checkpointing['every_n_layers']} but the model has {layers} layers",
-                    f"use a value between 1 and {layers}"))
+                    f"use a value between 1 and {layers}", code="checkpointing-layers"))
     positions = derived.dims.usable_positions if derived is not None and derived.dims else None
     synthetic = s["data"].get("synthetic")
     seq_path, seq_len = ((("data", "synthetic", "seq_len"), synthetic["seq_len"]) if synthetic
                          else (("data", "max_length"), s["data"]["max_length"]))
     if positions is not None and seq_len > positions:
         add(r.issue(seq_path, f"{seq_len} tokens per sequence, but the model's position table has {positions}",
-                    f"use at most {positions}, or raise model.config.max_position_embeddings"))
+                    f"use at most {positions}, or raise model.config.max_position_embeddings", code="seq-len-positions"))
     from jobspec.spec import export_rules
-    issues += export_rules.issues(r)
+    issues += (_coded(export_rules.optimizer_issues(r), "adam-settings")
+               + _coded(export_rules.precision_issues(r), "fp16-auto-cast")
+               + _coded(export_rules.export_issues(r), "export-best"))
     written = ("logging", "system_metrics") in r.positions   # else its default: off with MLflow off (resolve_paths)
     if written and s["logging"]["system_metrics"] and not s["logging"]["mlflow"]["enabled"]:
         add(r.issue(("logging", "system_metrics"), "system metrics are recorded in the MLflow run, and MLflow is off",
-                    "set `logging.mlflow.enabled: true`, or `logging.system_metrics: false`, its default with MLflow off"))
+                    "set `logging.mlflow.enabled: true`, or `logging.system_metrics: false`, its default with MLflow off",
+                    code="system-metrics-mlflow"))
     uri_problem = _tracking_uri_problem(s["logging"]["mlflow"]["tracking_uri"])
     if uri_problem:
-        add(r.issue(("logging", "mlflow", "tracking_uri"), *uri_problem))
+        add(r.issue(("logging", "mlflow", "tracking_uri"), *uri_problem, code="tracking-uri"))
     for path in PATH_FIELDS:
         value = _get(s, path)
         if isinstance(value, str) and "\0" in value:
-            add(r.issue(path, "a path cannot contain a NUL character", "remove the `\\0` escape"))
+            add(r.issue(path, "a path cannot contain a NUL character", "remove the `\\0` escape", code="path-nul"))
     resume = s["checkpoint"]["resume"]
     if resume not in ("auto", "never") and not _exists(_local_path(r, ("checkpoint", "resume"))):
         close = difflib.get_close_matches(resume.lower(), ["auto", "never"], n=1, cutoff=0.5)
         add(r.issue(("checkpoint", "resume"), f"`{resume[:80]}` is neither `auto`, `never` nor an existing checkpoint path",
-                    f"did you mean `{close[0]}`?" if close else "use `auto`, `never` or the path of a checkpoint"))
+                    f"did you mean `{close[0]}`?" if close else "use `auto`, `never` or the path of a checkpoint",
+                    code="checkpoint-resume"))
     return issues
+
+
+def offload_code(path: tuple, message: str) -> str:
+    """The rule code of an offload problem (spec.offload_rules): the stage it needs, or the NVMe path."""
+    return "offload-nvme-path" if "nvme_path" in message else f"offload-{path[-1]}-stage"
 
 
 def _tracking_uri_problem(uri: str) -> tuple[str, str] | None:
@@ -397,7 +443,8 @@ def system_location_issues(r: ResolvedSpec) -> list[SpecIssue]:
             if tree is not None or candidate in SYSTEM_DIRS:
                 where = f"is inside {tree}" if tree and candidate != tree else "is a system directory"
                 issues.append(r.issue(path, f"{candidate} {where}; jobspec will not write there",
-                                      "use a directory of your own, e.g. under your home or a project directory"))
+                                      "use a directory of your own, e.g. under your home or a project directory",
+                                      code="system-directory"))
                 break
     return issues
 
