@@ -24,7 +24,7 @@ STEPS_PER_PRINT = 1_000_000_000  # jobspec logs progress itself; keep DeepSpeed'
 
 SCHEDULERS = {"constant": "WarmupLR", "linear": "WarmupDecayLR", "cosine": "WarmupCosineLR"}
 # Batch fields are derived from `training`; overriding them would desynchronise `derived`.
-_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
 @dataclass
@@ -50,9 +50,7 @@ def compile_spec(spec: dict, job: DerivedJob, *, run_dir: str = "RUN_DIR",
                  "or set training.max_steps")
 
     ds_config: dict[str, Any] = {
-        "train_batch_size": job.global_batch_size,
-        "train_micro_batch_size_per_gpu": job.micro_batch_size,
-        "gradient_accumulation_steps": job.gradient_accumulation_steps,
+        **batch_block(job.global_batch_size, job.micro_batch_size, job.gradient_accumulation_steps),
         "gradient_clipping": training["gradient_clipping"],
         "steps_per_print": STEPS_PER_PRINT,
         "wall_clock_breakdown": False,
@@ -146,6 +144,28 @@ def client_optimizer_args(optimizer: dict) -> dict:
                 "scale_parameter": False, "relative_step": False, "warmup_init": False}
     return {"name": optimizer["name"], "lr": optimizer["lr"], "betas": list(optimizer["betas"]),
             "eps": optimizer["eps"], "weight_decay": optimizer["weight_decay"]}
+
+
+def batch_block(global_batch_size: int, micro_batch_size: int, gradient_accumulation_steps: int) -> dict:
+    """DeepSpeed's batch keys (BATCH_KEYS): the global batch, the micro-batch per GPU and the
+    accumulation steps between optimizer steps. The one writer of them: compile_spec, and the ranks
+    through `rebatched` (training.on_oom: halve_micro_batch), never by hand."""
+    return {"train_batch_size": global_batch_size, "train_micro_batch_size_per_gpu": micro_batch_size,
+            "gradient_accumulation_steps": gradient_accumulation_steps}
+
+
+def rebatched(ds_config: dict, micro_batch_size: int, gradient_accumulation_steps: int) -> dict:
+    """A copy of a compiled config with another split of the same global batch (train/oom)."""
+    return {**copy.deepcopy(ds_config),
+            **batch_block(ds_config["train_batch_size"], micro_batch_size, gradient_accumulation_steps)}
+
+
+def with_universal_load(ds_config: dict) -> dict:
+    """A copy of a compiled config that loads DeepSpeed's universal checkpoint format (train/reshard:
+    a checkpoint saved at another world size)."""
+    out = copy.deepcopy(ds_config)
+    out["checkpoint"] = {**out.get("checkpoint", {}), "load_universal": True}
+    return out
 
 
 def scheduler_block(scheduler: dict, lr: float, job: DerivedJob, notes: list[str]) -> dict:
@@ -315,7 +335,7 @@ def apply_overrides(compiled: dict, overrides: dict, notes: list[str], _path: tu
     for key, value in overrides.items():
         path = _path + (key,)
         dotted = ".".join(map(str, path))
-        if len(path) == 2 and key in _BATCH_KEYS:
+        if len(path) == 2 and key in BATCH_KEYS:
             raise spec_error(f"{dotted} cannot be overridden: jobspec derives the batch sizes",
                              path=path, hint="set training.micro_batch_size / training.global_batch_size")
         if key in merged and isinstance(merged[key], dict) and isinstance(value, dict):

@@ -36,6 +36,7 @@ import shutil
 from pathlib import Path
 
 from jobspec import rundir
+from jobspec.compile.compiler import rebatched
 from jobspec.errors import RunFailure, first_line
 
 INJECT_AT_STEP_ENV = "JOBSPEC_INJECT_OOM_AT_STEP"
@@ -192,9 +193,7 @@ def halved_run_files(files, micro: int, accumulation: int):
     """The run files with the new batch split; the global batch stays as compiled."""
     spec = copy.deepcopy(files.spec)
     spec["training"]["micro_batch_size"] = micro
-    ds_config = copy.deepcopy(files.ds_config)
-    ds_config["train_micro_batch_size_per_gpu"] = micro
-    ds_config["gradient_accumulation_steps"] = accumulation
+    ds_config = rebatched(files.ds_config, micro, accumulation)   # the compiler writes DeepSpeed's batch keys
     launch = copy.deepcopy(files.launch)
     launch["derived"].update(micro_batch_size=micro, gradient_accumulation_steps=accumulation)
     return dataclasses.replace(files, spec=spec, ds_config=ds_config, launch=launch)

@@ -37,6 +37,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from jobspec.compile.compiler import with_universal_load
 from jobspec.errors import spec_error
 
 UNIVERSAL_SUFFIX = "_universal"
@@ -124,7 +125,7 @@ class Reshard:
     def ds_config(self, ds_config: dict) -> dict:
         if self.mode != "universal":
             return ds_config
-        return {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}
+        return with_universal_load(ds_config)
 
     def message(self, step: int) -> str:
         how = "via universal checkpoint" if self.mode == "universal" else "directly (unpartitioned optimizer state)"
