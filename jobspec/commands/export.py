@@ -42,8 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jobspec.train.convert import export_checkpoint, hub_offline, locate
-    from jobspec.train.hf_dir import ExportFailed
+    from jobspec.export.convert import export_checkpoint, hub_offline, locate
+    from jobspec.export.hf_dir import ExportFailed
 
     out = args.out.expanduser().resolve()
     # DeepSpeed and transformers log to stdout as they are imported and convert: stdout stays the result

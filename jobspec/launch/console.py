@@ -247,7 +247,7 @@ def closing_lines(summary: dict | None, launch: dict, *, job_name: str, run_dir,
     for name, record in sorted((summary.get("exports") or {}).items()):
         path = record.get("path") if isinstance(record, dict) else record
         step = f" (step {record['step']})" if isinstance(record, dict) and record.get("step") is not None else ""
-        # where MLflow has it (tracking/model_artifacts tags): its artifacts, or why it was not uploaded
+        # where MLflow has it (export/artifacts tags): its artifacts, or why it was not uploaded
         stored = (model_tags or {}).get(f"jobspec.export.{name}.artifact")
         if stored is None:
             where = ""

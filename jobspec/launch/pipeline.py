@@ -193,7 +193,7 @@ def _launch_holding(job, overrides, resolved, derived, memory, chosen, held, res
     rundir.write_fallback_summary(run_dir, end.status, end.exit_code)
     model_tags = {}
     if tracked is not None:   # before the closing block, which says where MLflow has the models
-        from jobspec.tracking.model_artifacts import log_exported_models
+        from jobspec.export.artifacts import log_exported_models
         model_tags = log_exported_models(tracked, run_dir, spec)
     closing = closing_block(spec, run_dir, compiled.launch, outcome, end, tracked, style, model_tags)
     if tracked is not None:

@@ -13,7 +13,7 @@ from pathlib import Path
 from jobspec import hardware, rundir
 from jobspec.errors import SpecError, SpecIssue
 from jobspec.launch.runner import port_in_use
-from jobspec.spec.export_rules import resolve_dtype
+from jobspec.export.rules import resolve_dtype
 from jobspec.units import fmt_bytes_any_unit
 
 IGNORE_HINT = "or pass --ignore-preflight"

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 from jobspec.errors import SpecError, spec_error
 from jobspec.spec.derived import PRECISION_BYTES, DerivedJob, zero_bucket_sizes
-from jobspec.spec.export_rules import resolve_dtype
+from jobspec.export.rules import resolve_dtype
 from jobspec.spec.model_profile import Inventory
 from jobspec.units import MiB, fmt_mib_gib
 

@@ -1,7 +1,7 @@
 """The evaluation metrics each task produces, and which way each one improves.
 
 Pure data, shared by validation (`export.best_metric` must be one the job's task produces), the
-ranks (jobspec/train/task_metrics.py computes them; jobspec/train/export.py picks the best model by
+ranks (jobspec/train/task_metrics.py computes them; jobspec/export/exporter.py picks the best model by
 one), the closing summary and `jobspec report`. Every metric is logged as `eval/<name>`:
 
 - `loss`: the mean eval loss per sample (every task);
@@ -18,6 +18,7 @@ Keep TASK_METRICS' keys equal to the schema's `model.task` enum and DIRECTION's 
 from __future__ import annotations
 
 import math
+import re
 
 PREFIX = "eval/"
 # name -> "min" (lower is better) or "max"
@@ -60,3 +61,13 @@ def improves(name: str, value: float | None, best: float | None) -> bool:
     if best is None:
         return True
     return value < best if DIRECTION[name] == "min" else value > best
+
+
+_BIO_TAG = re.compile(r"^(?:O|[BI]-.+)$")
+
+
+def is_bio(names) -> bool:
+    """Whether label names are BIO (IOB2) tags: each `O`, `B-<type>` or `I-<type>`, at least one `B-`."""
+    names = list(names)
+    return bool(names) and all(isinstance(n, str) and _BIO_TAG.match(n) for n in names) \
+        and any(n.startswith("B-") for n in names)

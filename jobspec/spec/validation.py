@@ -321,7 +321,7 @@ def cross_field_issues(r: ResolvedSpec) -> list[SpecIssue]:
     if positions is not None and seq_len > positions:
         add(r.issue(seq_path, f"{seq_len} tokens per sequence, but the model's position table has {positions}",
                     f"use at most {positions}, or raise model.config.max_position_embeddings", code="seq-len-positions"))
-    from jobspec.spec import export_rules
+    from jobspec.export import rules as export_rules
     issues += (_coded(export_rules.optimizer_issues(r), "adam-settings")
                + _coded(export_rules.precision_issues(r), "fp16-auto-cast")
                + _coded(export_rules.export_issues(r), "export-best"))

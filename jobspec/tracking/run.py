@@ -261,3 +261,9 @@ def log_params(tracked, params: dict[str, str]) -> None:
                                      synchronous=True)
     except Exception as err:  # the run exists and training can go on: the params are a nicety
         log.warning("could not log plan/fit params to MLflow: %s", first_line(err, limit=300))
+
+
+def log_tags(tracked, tags: dict[str, str]) -> None:
+    """Set tags on the launcher's MLflow run in one synchronous log_batch; raises what MLflow raises."""
+    from mlflow.entities import RunTag
+    tracked.client.log_batch(tracked.run_id, tags=[RunTag(k, v) for k, v in tags.items()], synchronous=True)

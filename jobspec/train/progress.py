@@ -197,7 +197,7 @@ class RunState:
     peak_memory: dict = field(default_factory=dict)
     resumed_from: str | None = None
     last_checkpoint: str | None = None
-    exports: dict = field(default_factory=dict)   # model directories written (jobspec/train/export.py)
+    exports: dict = field(default_factory=dict)   # model directories written (jobspec/export/exporter.py)
 
 
 class StepReporter:

@@ -12,13 +12,11 @@ lists: the tests pin it down without torch or ranks.
 from __future__ import annotations
 
 import math
-import re
 from typing import Any
 
-from jobspec.spec.eval_metrics import BIO_ONLY
+from jobspec.spec.eval_metrics import BIO_ONLY, is_bio
 
 IGNORE_INDEX = -100  # the label value transformers' losses skip (jobspec.train.data.IGNORE_INDEX)
-_BIO_TAG = re.compile(r"^(?:O|[BI]-.+)$")
 
 
 # --- metrics from summed counts (pure) --------------------------------------------------------------
@@ -70,11 +68,7 @@ def sum_vectors(vectors: list[list[float]]) -> list[float]:
 
 # --- BIO tags -----------------------------------------------------------------------------------------
 
-def is_bio(names) -> bool:
-    """Whether label names are BIO (IOB2) tags: each `O`, `B-<type>` or `I-<type>`, at least one `B-`."""
-    names = list(names)
-    return bool(names) and all(isinstance(n, str) and _BIO_TAG.match(n) for n in names) \
-        and any(n.startswith("B-") for n in names)
+# is_bio (label names that are BIO tags) lives in jobspec/spec/eval_metrics.py, beside BIO_ONLY.
 
 
 def bio_spans(tags: list[str]) -> set[tuple[str, int, int]]:

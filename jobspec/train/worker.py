@@ -23,7 +23,7 @@ from jobspec import lifeline, rundir, trace
 from jobspec.errors import EXIT_INVALID, EXIT_RUN_FAILED, RunFailure, SpecError
 from jobspec.rundir import RunFiles
 from jobspec.train import library_output
-from jobspec.train.hf_dir import ExportFailed
+from jobspec.export.hf_dir import ExportFailed
 from jobspec.train.faults import NanGuard, NonFiniteLoss
 from jobspec.train.oom import OomGuard
 from jobspec.train.engine import build_engine, loss_of, reshard_plan, resume, share_cpu_threads
@@ -83,7 +83,7 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
     import deepspeed
     import torch.distributed as dist
 
-    from jobspec.train.export import ModelExporter
+    from jobspec.export.exporter import ModelExporter
     from jobspec import ops
     from jobspec.train.progress import NullProgress, Progress
 

@@ -1,4 +1,4 @@
-"""Exported model directories recorded in the MLflow run (jobspec/tracking/model_artifacts.py), with a
+"""Exported model directories recorded in the MLflow run (jobspec/export/artifacts.py), with a
 fake client: uploaded up to `export.mlflow_max_mb`, above it (or with 0) recorded by path only, and an
 upload that fails recorded by path with the reason, never raising."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from jobspec import rundir
-from jobspec.tracking.model_artifacts import log_exported_models
+from jobspec.export.artifacts import log_exported_models
 
 
 class FakeClient:
@@ -66,7 +66,7 @@ def test_mlflow_max_mb_0_uploads_none(tmp_path):
 def test_a_failed_upload_is_recorded_by_path_with_the_reason_and_does_not_raise(tmp_path, caplog):
     client = FakeClient(OSError("POST http://alice:PASSWORD@mlflow:5000/api/2.0/mlflow-artifacts failed: 503\n"
                                 "details"))
-    with caplog.at_level(logging.WARNING, logger="jobspec.tracking.model_artifacts"):
+    with caplog.at_level(logging.WARNING, logger="jobspec.export.artifacts"):
         tags = record(tmp_path, 200, client, final=1000)
     reason = "POST http://***@mlflow:5000/api/2.0/mlflow-artifacts failed: 503"
     assert client.tags == tags == {"jobspec.export.final": str(tmp_path / "model" / "final"),

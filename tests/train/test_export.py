@@ -224,7 +224,7 @@ def exporter(tmp_path: Path, export_dir: Path, **export):
     from conftest import TINY_SPEC, deep_merge
 
     from jobspec.spec.schema import fill_defaults
-    from jobspec.train.export import ModelExporter
+    from jobspec.export.exporter import ModelExporter
     spec = fill_defaults(deep_merge(TINY_SPEC, {"export": {"dir": str(export_dir), **export},
                                                 "checkpoint": {"dir": str(tmp_path / "ckpt")}}))
     files = SimpleNamespace(spec=spec, derived={"total_steps": 8, "world_size": 1})
@@ -235,7 +235,7 @@ def exporter(tmp_path: Path, export_dir: Path, **export):
 
 @pytest.mark.parametrize("where", ["the export dir", "a parent of it"])
 def test_check_writable_refuses_an_export_dir_that_is_a_file(tmp_path, where):
-    from jobspec.train.hf_dir import ExportFailed
+    from jobspec.export.hf_dir import ExportFailed
     taken = tmp_path / "taken"
     taken.write_text("not a directory")
     base = taken if where == "the export dir" else taken / "models"
@@ -247,7 +247,7 @@ def test_check_writable_refuses_an_export_dir_that_is_a_file(tmp_path, where):
 
 
 def test_check_writable_refuses_a_directory_it_cannot_write(tmp_path, monkeypatch):
-    from jobspec.train.hf_dir import ExportFailed
+    from jobspec.export.hf_dir import ExportFailed
     base = tmp_path / "models"
     base.mkdir()
     base.chmod(0o500)
@@ -267,7 +267,7 @@ def test_jobspec_export_converts_with_the_hub_offline(tmp_path, monkeypatch):
     import huggingface_hub.constants as hub
 
     from jobspec.cli import main
-    from jobspec.train import convert
+    from jobspec.export import convert
     for key in convert.OFFLINE_ENV:
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setattr(hub, "HF_HUB_OFFLINE", False)

@@ -1,4 +1,4 @@
-"""Hugging Face model directories (jobspec/train/hf_dir.py) and `jobspec export` on checkpoints made here,
+"""Hugging Face model directories (jobspec/export/hf_dir.py) and `jobspec export` on checkpoints made here,
 in process: no ranks. The ranks' side (ZeRO-2/3 gathers, DeepSpeed's converter) is in test_export.py."""
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ from jobspec.cli import main
 from jobspec.errors import SpecError
 from jobspec.memory.planner import export_bytes
 from jobspec.spec.derived import derive
-from jobspec.spec.export_rules import resolve_dtype
+from jobspec.export.rules import resolve_dtype
 from jobspec.spec.schema import fill_defaults
-from jobspec.train.hf_dir import INJECT_ERROR_ENV, ExportFailed, ExportInfo, write_model_dir
+from jobspec.export.hf_dir import INJECT_ERROR_ENV, ExportFailed, ExportInfo, write_model_dir
 from jobspec.model.build import build_model
 
 BERT = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
@@ -109,7 +109,7 @@ def test_tokenizer_and_model_card(tmp_path, monkeypatch):
     spec = make_spec(tmp_path, {"architecture": "bert", "config": BERT},
                      {"train": str(tmp_path / "train.jsonl"), "tokenizer": str(tmp_path / "tok")},
                      logging={"mlflow": {"tags": {"token": SECRET}}}, description="a card test")
-    from jobspec.train.hf_dir import job_tokenizer
+    from jobspec.export.hf_dir import job_tokenizer
     tokenizer, note = job_tokenizer(spec)
     write_model_dir(tmp_path / "m", spec, dict(build_model(spec, tokenizer).state_dict()), info(),
                     tokenizer=tokenizer)
@@ -287,7 +287,7 @@ def test_string_labels_become_the_exported_configs_label_names(tmp_path, task, r
 
 
 def test_checkpoint_label_names_round_trip(tmp_path):
-    from jobspec.train.export import read_label_names, write_label_names
+    from jobspec.export.exporter import read_label_names, write_label_names
     assert read_label_names(tmp_path) is None   # integer labels, or a checkpoint of an older jobspec
     write_label_names(tmp_path, {"negative": 0, "positive": 1})
     assert read_label_names(tmp_path) == {"negative": 0, "positive": 1}

@@ -215,7 +215,7 @@ def test_evaluate_returns_the_loss_and_the_reduced_task_metrics(one_rank_group):
 # --- label names in the exported config, the BIO check of best_metric ---------------------------------
 
 def test_label_maps_cover_every_class_of_the_head():
-    from jobspec.train.hf_dir import label_maps, name_labels
+    from jobspec.export.hf_dir import label_maps, name_labels
     id2label, label2id = label_maps({"negative": 0, "positive": 1}, 3)
     assert id2label == {0: "negative", 1: "positive", 2: "LABEL_2"} and label2id["positive"] == 1
     assert label_maps(None, 2) is None
@@ -229,7 +229,7 @@ def test_label_maps_cover_every_class_of_the_head():
 
 
 def test_entity_f1_as_best_metric_needs_bio_tags_in_the_data():
-    from jobspec.train.export import check_best_metric
+    from jobspec.export.exporter import check_best_metric
     spec = {"model": {"task": "token-classification"}, "export": {"best_metric": "f1"}}
     check_best_metric(spec, {"O": 0, "B-PER": 1, "I-PER": 2})
     with pytest.raises(SpecError) as caught:

@@ -4,7 +4,8 @@ Each one gets the tag `jobspec.export.<name>` with its path; a directory up to `
 is also uploaded as the artifacts `model/<name>/...` (then `jobspec.export.<name>.artifact` names
 them), a larger one stays where it is: uploading gigabytes of weights would hold the end of the
 launch for minutes and duplicate them in the artifact store. The model card in the directory was
-written with credentials masked. No torch: the launcher calls this after the ranks are gone.
+written with credentials masked. No torch: the launcher calls this after the ranks are gone. MLflow
+itself stays behind jobspec.tracking (the client the run holds, `tracking.run.log_tags`).
 """
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from pathlib import Path
 
 from jobspec import rundir
 from jobspec.errors import first_line
+from jobspec.tracking import run as tracking_run
 
-log = logging.getLogger("jobspec.tracking.model_artifacts")
+log = logging.getLogger("jobspec.export.artifacts")
 ARTIFACT_ROOT = "model"
 TAG_PREFIX = "jobspec.export."
 
@@ -52,9 +54,7 @@ def log_exported_models(tracked, run_dir: Path, spec: dict) -> dict[str, str]:
                                                     f"{limit_bytes / 1e6:g}")
     if tags:
         try:
-            from mlflow.entities import RunTag
-            tracked.client.log_batch(tracked.run_id, tags=[RunTag(k, v) for k, v in tags.items()],
-                                     synchronous=True)
+            tracking_run.log_tags(tracked, tags)
         except Exception as err:  # noqa: BLE001
             log.warning("could not tag the exported models in MLflow: %s", first_line(err, limit=300))
     return tags

@@ -22,9 +22,9 @@ import yaml
 
 from jobspec import rundir
 from jobspec.errors import first_line, spec_error
-from jobspec.spec.export_rules import resolve_dtype
-from jobspec.train.export import CHECKPOINT_SPEC, read_label_names
-from jobspec.train.hf_dir import ExportInfo, job_tokenizer, write_model_dir
+from jobspec.export.exporter import CHECKPOINT_SPEC, read_label_names
+from jobspec.export.hf_dir import ExportInfo, job_tokenizer, write_model_dir
+from jobspec.export.rules import resolve_dtype
 
 MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
 

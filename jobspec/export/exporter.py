@@ -6,7 +6,7 @@
                                             the lowest loss or perplexity, the highest accuracy or F1
 
 Every export is collective: all ranks take part in gathering the weights, rank 0 writes
-(jobspec/train/hf_dir.py), and rank 0's outcome is broadcast so that a failed write stops every
+(jobspec/export/hf_dir.py), and rank 0's outcome is broadcast so that a failed write stops every
 rank at the same point with the same one-line error (`ExportFailed`: the worker exits 1). When a
 checkpoint is due at the step of an export, it is saved first (a best-eval export waits for it), so a
 full disk loses no checkpoint; an export directory that cannot be written at all fails at start.
@@ -38,8 +38,8 @@ from pathlib import Path
 from jobspec import rundir
 from jobspec.errors import spec_error
 from jobspec.spec import eval_metrics
-from jobspec.spec.export_rules import resolve_dtype
-from jobspec.train.hf_dir import ExportFailed, ExportInfo, describe_io_error, job_tokenizer, write_model_dir
+from jobspec.export.hf_dir import ExportFailed, ExportInfo, describe_io_error, job_tokenizer, write_model_dir
+from jobspec.export.rules import resolve_dtype
 from jobspec.units import MiB
 
 CHECKPOINT_SPEC = "jobspec_resolved.yaml"
@@ -181,9 +181,8 @@ class ModelExporter:
 def check_best_metric(spec: dict, label_names: dict | None) -> None:
     """What validation could not tell before the data was read: the entity F1 of token
     classification needs BIO tags among the training data's labels. SpecError otherwise (exit 2)."""
-    from jobspec.train.task_metrics import is_bio
     task, name = spec["model"]["task"], spec["export"].get("best_metric", "loss")
-    if (task, name) in eval_metrics.BIO_ONLY and not is_bio(label_names or {}):
+    if (task, name) in eval_metrics.BIO_ONLY and not eval_metrics.is_bio(label_names or {}):
         found = ", ".join(sorted(label_names or {})[:6]) or "integer class ids"
         raise spec_error(f"`best_metric: {name}` is the entity F1 of BIO tags (O, B-TYPE, I-TYPE), but the "
                          f"training labels are {found}", path=("export", "best_metric"),

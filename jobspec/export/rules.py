@@ -3,7 +3,8 @@
 one field's schema cannot judge alone; and the exported weights' dtype, which the rank side and the
 launch's disk pre-flight both need.
 
-Pure, like the rest of jobspec.spec: called by `validation.cross_field_issues` on the defaults-filled spec.
+Pure (the export package's part on the validate path: no torch, nothing above jobspec.spec): called by
+`validation.cross_field_issues` on the defaults-filled spec.
 """
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ def export_issues(r) -> list:
 def best_metric_issues(r) -> list:
     """`export.best_metric` must be a metric the job's task produces (jobspec.spec.eval_metrics), and
     mean something: `best_eval` on. Whether token labels are BIO tags is known only once the ranks
-    have read the data (jobspec.train.export.check_best_metric); synthetic labels never are."""
+    have read the data (jobspec.export.exporter.check_best_metric); synthetic labels never are."""
     s = r.spec
     task, name = s["model"]["task"], s["export"].get("best_metric", "loss")
     where = ("export", "best_metric")
