@@ -17,7 +17,11 @@ function (it runs only when the function is called). Rules:
    (importing `a.b.c` also runs `a` and `a.b`), so `jobspec validate` stays light;
 6. a module imports only from its own layer or the layers below it (LAYERS, bottom up; the
    top-level modules not listed there, such as errors, rundir or units, are neutral ground below all;
-   MODULE_LAYERS places a single module in another layer than its package's).
+   MODULE_LAYERS places a single module in another layer than its package's);
+7. only tracking/ imports mlflow, at any level: every other module reaches MLflow through
+   jobspec.tracking's functions (or the client a tracked run holds);
+8. a read-only command (READ_ONLY_COMMANDS) reaches nothing in launch/ through its imports, the ones
+   inside functions included, followed transitively: reading a spec or a run never loads the launcher.
 """
 from __future__ import annotations
 
@@ -36,6 +40,8 @@ LAYERS = ("spec", "compile", "model", "memory", "tracking", "export", "launch", 
 # are on the validate path (spec/validation, the planner, the pre-flight read them), and its checkpoint
 # converter reads what train/checkpointing wrote (`jobspec export` only).
 MODULE_LAYERS = {"export.rules": "spec", "export.convert": "train"}
+MLFLOW_LAYER = "tracking"   # the only subpackage that imports mlflow
+READ_ONLY_COMMANDS = ("validate", "compile", "plan", "report", "schema", "sync", "export")
 
 
 @dataclass
@@ -46,6 +52,7 @@ class Module:
     eager: set = field(default_factory=set)        # package modules imported at module level
     lazy: set = field(default_factory=set)         # ... inside functions
     eager_external: set = field(default_factory=set)  # top-level names of third-party packages, module level
+    external: set = field(default_factory=set)        # ... at any level
     private_uses: list = field(default_factory=list)  # (line, "module._name")
 
 
@@ -86,6 +93,7 @@ def read_imports(module: Module, modules: dict[str, Module], package: str) -> No
     def add(target: str, node: ast.AST) -> None:
         lazy = _in_function(node, parents)
         if target.split(".")[0] != package:
+            module.external.add(target.split(".")[0])
             if not lazy:
                 module.eager_external.add(target.split(".")[0])
             return
@@ -178,6 +186,20 @@ def heavy_reach(start: str, modules: dict[str, Module]) -> dict[str, list[str]]:
     return reached
 
 
+def reach(start: str, modules: dict[str, Module]) -> dict[str, list[str]]:
+    """Every package module `start` imports, at any level, followed transitively: module -> the chain."""
+    chains = {start: [start]}
+    queue = [start]
+    while queue:
+        current = queue.pop(0)
+        for target in sorted(modules[current].eager | modules[current].lazy):
+            for step in with_parents(target):
+                if step in modules and step not in chains:
+                    chains[step] = chains[current] + [step]
+                    queue.append(step)
+    return chains
+
+
 def layer(name: str, modules: dict[str, Module]) -> int:
     """Position of a module's subpackage in LAYERS; -1 for neutral ground (the package's own
     top-level modules that are no layer: errors, secrets, rundir, units, ...)."""
@@ -206,11 +228,21 @@ def problems(modules: dict[str, Module], package: str) -> list[str]:
                 below = "neutral ground" if layer(module.name, modules) < 0 else \
                     f"layer {LAYERS[layer(module.name, modules)]}"
                 found.append(f"{module.name} ({below}) imports {target} from a layer above it")
+        if "mlflow" in module.external and not module.name.startswith(f"{package}.{MLFLOW_LAYER}"):
+            found.append(f"{module.name} imports mlflow: only {package}.{MLFLOW_LAYER} may (call its functions)")
         commands = f"{package}.commands"
         if module.name.startswith(commands + ".") and not module.is_package:
             for target in sorted(imports):
                 if target.startswith(commands + ".") and target != module.name:
                     found.append(f"command {module.name} imports command {target}")
+    for command in READ_ONLY_COMMANDS:
+        name = f"{package}.commands.{command}"
+        if name not in modules:
+            continue
+        for target, chain in reach(name, modules).items():
+            if target == f"{package}.launch" or target.startswith(f"{package}.launch."):
+                found.append(f"read-only command {name} imports {target} (via {' -> '.join(chain)})")
+                break
     for name in sorted(modules):
         first = name.split(".")[1] if "." in name else ""
         if first not in LIGHT_PATH and MODULE_LAYERS.get(".".join(name.split(".")[1:3])) not in LIGHT_PATH:

@@ -64,6 +64,45 @@ def test_each_broken_rule_is_reported(tmp_path):
     assert "lazy_ok" not in err and len(err.strip().splitlines()) == 10
 
 
+def test_mlflow_outside_tracking_and_a_read_only_command_reaching_launch_are_reported(tmp_path):
+    write_package(tmp_path, {
+        "tracking/run.py": "def f():\n    import mlflow\n    from mlflow.entities import ViewType\n",  # fine
+        "report/table.py": "def f():\n    from mlflow.entities import ViewType\n",       # lazily: still broken
+        "report/build.py": "def f():\n    from pkg.launch import console\n",            # report may; its command not
+        "launch/console.py": "def patch_text(patch):\n    return ''\n",
+        "commands/compile.py": "def run(args):\n    from pkg.launch.console import patch_text\n",
+        "commands/report.py": "from pkg.report import build\n",
+        "commands/launch.py": "from pkg.launch import console\n",                     # not a read-only command
+        "commands/validate.py": "from pkg.tracking import run\n",
+    })
+    result = run_script("--root", str(tmp_path), "--package", "pkg", "--quiet")
+    assert result.returncode == 1
+    err = result.stderr
+    assert "pkg.report.table imports mlflow: only pkg.tracking may" in err
+    assert "read-only command pkg.commands.compile imports pkg.launch" in err
+    assert "read-only command pkg.commands.report imports pkg.launch" in err
+    assert "via pkg.commands.report -> pkg.report.build -> pkg.launch" in err
+    assert "pkg.tracking.run" not in err and "commands.launch" not in err and "commands.validate" not in err
+    assert len(err.strip().splitlines()) == 3
+
+
+def test_the_read_only_commands_exist_and_load_neither_launch_nor_mlflow():
+    """The static rule above, checked by importing them: `jobspec validate`, `report`, `sync`, ...
+    never load jobspec.launch (or mlflow, which they reach through jobspec.tracking when they run)."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import import_graph
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    commands = import_graph.READ_ONLY_COMMANDS
+    assert all((REPO_ROOT / "jobspec" / "commands" / f"{c}.py").is_file() for c in commands), commands
+    code = ("import sys\n" + "".join(f"import jobspec.commands.{c}\n" for c in commands)
+            + "print(sorted(m for m in sys.modules if m.startswith('jobspec.launch') or m.split('.')[0] == 'mlflow'))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
 def test_a_clean_package_passes(tmp_path):
     write_package(tmp_path, {"spec/a.py": "import json\n\ndef f():\n    import torch\n",
                              "train/b.py": "import torch\nfrom pkg.spec import a\n"})

@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
 
 def patch_lines(patches: list) -> list[str]:
     """patches.json, readable: what the ranks change in the model before DeepSpeed sees it."""
-    from jobspec.launch.console import patch_text
+    from jobspec.compile.compiler import patch_text
 
     lines = []
     for patch in patches:

@@ -375,3 +375,23 @@ def assert_no_auto(ds_config: dict) -> None:
             f'"auto" in the DeepSpeed config at {where}: only the HF Trainer resolves "auto"; plain '
             "DeepSpeed would silently fall back to its own defaults",
             path=("deepspeed",) + found[0], hint="write the value itself, or remove the override")
+
+
+def patch_text(patch: dict) -> str:
+    """A compiled patch in a few words (the launch header's and `jobspec compile`'s patch lines)."""
+    name, args = patch.get("name"), patch.get("args") or {}
+    if name == "attention_implementation":
+        return f"attention {args.get('implementation')}"
+    if name == "gradient_checkpointing":
+        every = args.get("every_n_layers", 1)
+        return "activation checkpointing " + ("every layer" if every == 1 else f"one layer in {every}")
+    if name == "tf32":
+        return f"tf32 {'on' if args.get('enabled', True) else 'off'}"
+    if name == "freeze":
+        patterns = args.get("patterns") or []
+        return f"frozen: {', '.join(patterns)}"
+    if name == "client_optimizer":
+        return f"optimizer {args.get('name')}, built by jobspec"
+    if name == "torch_compile":
+        return "torch.compile"
+    return str(name)

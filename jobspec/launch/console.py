@@ -11,6 +11,7 @@ import os
 import re
 from urllib.parse import urlsplit
 
+from jobspec.compile.compiler import patch_text
 from jobspec.spec import eval_metrics
 from jobspec.units import MiB, fmt_mib_gib
 
@@ -150,25 +151,6 @@ def memory_text(job, memory, host) -> str:
     if host.ram_available is not None:
         text += f" · host RAM {fmt_mib_gib(host.ram_available)} available of {fmt_mib_gib(host.ram_total)}"
     return text
-
-
-def patch_text(patch: dict) -> str:
-    name, args = patch.get("name"), patch.get("args") or {}
-    if name == "attention_implementation":
-        return f"attention {args.get('implementation')}"
-    if name == "gradient_checkpointing":
-        every = args.get("every_n_layers", 1)
-        return "activation checkpointing " + ("every layer" if every == 1 else f"one layer in {every}")
-    if name == "tf32":
-        return f"tf32 {'on' if args.get('enabled', True) else 'off'}"
-    if name == "freeze":
-        patterns = args.get("patterns") or []
-        return f"frozen: {', '.join(patterns)}"
-    if name == "client_optimizer":
-        return f"optimizer {args.get('name')}, built by jobspec"
-    if name == "torch_compile":
-        return "torch.compile"
-    return str(name)
 
 
 def gpu_sized_warning(spec: dict, job, memory, host, step_time_s: float | None) -> list[str]:

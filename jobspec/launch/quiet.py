@@ -82,8 +82,8 @@ class TerminalFilter:
 
 def route_library_logs(log_path, verbose: bool, names=("mlflow", "alembic")) -> None:
     """MLflow's and alembic's records in the launcher process go to launcher.log, and to the terminal
-    only from WARNING up (everything with --verbose). Call after `import mlflow`, which installs
-    its own stderr handler."""
+    only from WARNING up (everything with --verbose). Call after `import mlflow` (tracking.run.import_mlflow),
+    which installs its own stderr handler."""
     import sys
 
     to_file = logging.FileHandler(log_path, encoding="utf-8")

@@ -84,8 +84,7 @@ class BackgroundTracking:
         spec = self.resolved.spec
         try:
             if spec["logging"]["mlflow"]["enabled"]:
-                import mlflow  # noqa: F401 -- installs MLflow's log handlers, which route_library_logs re-routes
-
+                tracking_run.import_mlflow()   # installs MLflow's log handlers, which route_library_logs re-routes
                 from jobspec.launch.quiet import route_library_logs
                 route_library_logs(self.run_dir / rundir.LAUNCHER_LOG, self.verbose)
             self.tracked = start_tracking(self.resolved, self.compiled, self.run_dir, self.resume_run_id)

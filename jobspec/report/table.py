@@ -229,9 +229,9 @@ def metric_series(client, run_id: str,
 def collect(tracking_uri: str, experiment: str) -> tuple[object, list[RunReport]]:
     """(client, one RunReport per run of the experiment, oldest first)."""
     client, experiment_ids, run_filter = open_experiment(tracking_uri, experiment)
-    from mlflow.entities import ViewType
-    runs = client.search_runs(experiment_ids, run_filter, run_view_type=ViewType.ACTIVE_ONLY,
-                              order_by=["attributes.start_time ASC"], max_results=10_000)
+    from jobspec.tracking import run as tracking
+    runs = tracking.search_active_runs(client, experiment_ids, run_filter,
+                                       order_by=["attributes.start_time ASC"], max_results=10_000)
     reports = []
     for run in runs:
         series = metric_series(client, run.info.run_id)

@@ -267,3 +267,15 @@ def log_tags(tracked, tags: dict[str, str]) -> None:
     """Set tags on the launcher's MLflow run in one synchronous log_batch; raises what MLflow raises."""
     from mlflow.entities import RunTag
     tracked.client.log_batch(tracked.run_id, tags=[RunTag(k, v) for k, v in tags.items()], synchronous=True)
+
+
+def import_mlflow() -> None:
+    """Import mlflow now: it installs its log handlers on import, which the launcher's quiet terminal
+    (launch/quiet.route_library_logs) then re-routes. Only jobspec.tracking imports mlflow."""
+    import mlflow  # noqa: F401
+
+
+def search_active_runs(client, experiment_ids, filter_string: str = "", **kwargs):
+    """The experiments' runs that are not deleted: `search_runs` with ViewType.ACTIVE_ONLY."""
+    from mlflow.entities import ViewType
+    return client.search_runs(experiment_ids, filter_string, run_view_type=ViewType.ACTIVE_ONLY, **kwargs)
