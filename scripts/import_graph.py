@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 HEAVY = ("torch", "deepspeed", "transformers", "mlflow")
-LIGHT_PATH = ("spec", "compile", "memory", "errors", "cli", "commands")
-LAYERS = ("spec", "compile", "model", "memory", "tracking", "export", "launch", "train", "report", "commands", "cli", "__main__")
+LIGHT_PATH = ("spec", "compile", "memory", "job", "errors", "cli", "commands")
+LAYERS = ("spec", "compile", "model", "memory", "job", "tracking", "export", "launch", "train", "report", "commands", "cli", "__main__")
 # Single modules placed in another layer than their package's. export/ sits between tracking and
 # launch (below the ranks that export and the launcher that records the exports), but its pure rules
 # are on the validate path (spec/validation, the planner, the pre-flight read them), and its checkpoint

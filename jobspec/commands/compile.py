@@ -11,7 +11,9 @@ With --out DIR, writes the run-directory files a launch would use:
   command.txt      the `deepspeed` command line
   launch.json      world size, batch arithmetic, total steps, notes
 
-Notes list every value a `deepspeed:` override replaced. Exit code 2 on an invalid spec.
+Notes list every value a `deepspeed:` override replaced. With `memory.fit: auto` and a budget
+(`memory.gpu_memory`, else this machine's free GPU memory) the fit's changes are applied first, as
+`jobspec launch` applies them: the config shown is the config that runs. Exit code 2 on an invalid spec.
 
 examples:
   jobspec compile jobs/quickstart.yaml
@@ -39,13 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     # Imported here so `jobspec compile --help` stays instant.
     from jobspec import rundir
-    from jobspec.compile.compiler import compile_spec
-    from jobspec.spec.inputs import derive_job
-    from jobspec.spec.validation import load_and_validate
+    from jobspec.job.prepare import prepare_job
 
-    resolved = load_and_validate(args.job, overrides=args.overrides)
     run_dir = str(args.out.resolve()) if args.out else "RUN_DIR"
-    compiled = compile_spec(resolved.spec, derive_job(resolved.spec), run_dir=run_dir)
+    job = prepare_job(args.job, args.overrides, run_dir=run_dir)   # memory.fit: auto applied as launch does
+    resolved, compiled = job.resolved, job.compiled
+    fit_lines = [f"note: {line}" for line in (job.memory.lines if job.memory else [])]
 
     if args.out:
         rundir.write_compiled(args.out, resolved, compiled)
@@ -54,6 +55,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(f"wrote {', '.join(rundir.COMPILE_FILES)} to {run_dir}")
             print(f"command: {shlex.join(compiled.launch['argv'])}")
+            for line in fit_lines:
+                print(line)
             for note in compiled.notes:
                 print(f"note: {note}")
         return 0
@@ -63,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(json.dumps(compiled.ds_config, indent=2))
         # Patches and notes go to stderr so stdout stays a valid ds_config.json.
-        for line in patch_lines(compiled.patches):
+        for line in patch_lines(compiled.patches) + fit_lines:
             print(line, file=sys.stderr)
         for note in compiled.notes:
             print(f"note: {note}", file=sys.stderr)

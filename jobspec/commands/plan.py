@@ -37,27 +37,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from jobspec.job.prepare import Host, prepare_job
     from jobspec.memory.fit import fit
-    from jobspec.model.trace import job_profiler
-    from jobspec.spec.inputs import derive_job
-    from jobspec.memory.planner import parse_bytes, plan_memory, render_plan
-    from jobspec.spec.validation import load_and_validate
+    from jobspec.memory.planner import parse_bytes, render_plan
 
-    resolved = load_and_validate(args.job, overrides=args.overrides)
-    spec = resolved.spec
-    if args.gpu_mem is not None:
-        budget = parse_bytes(args.gpu_mem, path=("--gpu-mem",))
-    elif spec["memory"]["gpu_memory"]:
-        budget = parse_bytes(spec["memory"]["gpu_memory"])
-    else:
-        budget = None
-    if args.fit and budget is None:
-        raise spec_error("--fit needs a memory budget", path=("memory", "gpu_memory"),
-                         hint="pass --gpu-mem 24GiB or set memory.gpu_memory in the spec")
-    job = derive_job(spec, profiler=job_profiler())
+    cli_budget = (parse_bytes(args.gpu_mem, path=("--gpu-mem",)), "--gpu-mem") if args.gpu_mem is not None else None
+
+    def needs_budget(resolved) -> None:   # before the model is traced
+        if args.fit and cli_budget is None and not resolved.spec["memory"]["gpu_memory"]:
+            raise spec_error("--fit needs a memory budget", path=("memory", "gpu_memory"),
+                             hint="pass --gpu-mem 24GiB or set memory.gpu_memory in the spec")
+
+    # the spec as written (memory.fit is not applied: --fit shows what it would change); no host
+    # probed: the budget is --gpu-mem or memory.gpu_memory
+    job = prepare_job(args.job, args.overrides, Host(gpu_free=None, bf16_supported=not args.no_bf16), plan=True,
+                      apply_fit=False, budget=cli_budget, checks=[needs_budget], compile=False)
+    resolved, spec, budget = job.resolved, job.spec, job.memory.budget
     try:
-        plan = plan_memory(spec, job, budget=budget)
-        result = fit(spec, job, budget, bf16_supported=not args.no_bf16) if args.fit else None
+        if job.memory.plan_error is not None:
+            raise job.memory.plan_error
+        plan = job.memory.plan
+        result = fit(spec, job.derived, budget, bf16_supported=not args.no_bf16) if args.fit else None
     except SpecError as err:   # the model could not be built or traced: say where in the file
         raise resolved.locate(err) from None
 

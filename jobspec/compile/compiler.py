@@ -13,11 +13,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from jobspec.errors import SpecError, SpecIssue, spec_error
+from jobspec.errors import spec_error
 from jobspec.spec.derived import DerivedJob, zero_bucket_sizes
 from jobspec.spec.model_dims import ModelDims
 from jobspec.spec.optimizers import DEEPSPEED_OPTIMIZERS
-from jobspec.spec.offload_rules import offload_problems
 
 DEFAULT_MASTER_PORT = 29500  # placeholder: the launcher passes a free port when the spec names none
 STEPS_PER_PRINT = 1_000_000_000  # jobspec logs progress itself; keep DeepSpeed's own prints quiet
@@ -218,10 +217,7 @@ def precision_blocks(memory: dict) -> dict:
 
 def zero_block(memory: dict, dims: ModelDims | None, gather_16bit: bool = False) -> dict:
     stage = memory["zero_stage"]
-    offload = memory["offload"]
-    problems = offload_problems(memory)   # validation reports the same; a spec built without it stops here
-    if problems:
-        raise SpecError([SpecIssue(path=path, message=message, hint=hint) for path, message, hint in problems])
+    offload = memory["offload"]   # its rules (spec/offload_rules) hold: validated, again after memory.fit
     if stage == 0:
         return {"stage": 0}
     zero = memory["zero"]
@@ -255,7 +251,7 @@ def zero_block(memory: dict, dims: ModelDims | None, gather_16bit: bool = False)
 
 def _offload_block(offload: dict, device: str, *, params: bool) -> dict:
     block: dict[str, Any] = {"device": device, "pin_memory": offload["pin_memory"]}
-    if device == "nvme":   # nvme_path is set: offload_problems
+    if device == "nvme":   # nvme_path is set: spec/offload_rules
         block["nvme_path"] = offload["nvme_path"]
         if params:
             block["buffer_count"] = offload["buffer_count"]

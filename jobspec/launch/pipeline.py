@@ -1,11 +1,13 @@
 """`jobspec launch`, start to end: spec -> memory decisions -> compile -> pre-flight -> run directory
 -> header -> supervised DeepSpeed runner, with the MLflow run created meanwhile -> closing summary.
 
-    resolve        spec/validation.load_and_validate (exit 2 on any problem)
-    model.config   launch/model_config: an architecture outside the shipped table, or a hub id's config
-    data           spec/datacheck.preflight_issues: the data files' first rows (exit 2, at data.train/eval)
-    prepare        memory/at_launch.prepare: `memory.fit: auto` rewrites the spec; the plan
-    derive         spec/inputs.derive_job: every derived number, once (config.json, row count read here)
+    prepare        job/prepare.prepare_job, the path `jobspec compile` and `plan` take too:
+      resolve        spec/validation.load_and_validate (exit 2 on any problem)
+      model.config   launch/model_config: an architecture outside the shipped table, or a hub id's config
+      data           spec/datacheck.preflight_issues: the data files' first rows (exit 2, at data.train/eval)
+      derive         spec/inputs.derive_job: every derived number, once (config.json, row count read here)
+      memory         memory/at_launch.prepare: `memory.fit: auto` rewrites the spec (every rule runs
+                     again on it); the plan
     claim          launch/ownership.claim_checkpoints: refuse another job's checkpoints; resume id
     intent         launch/intent.decide: fresh, resume at step K, or complete (then nothing starts)
     orphans        tracking/orphans: close runs of output_dir whose launcher died without closing them
@@ -38,7 +40,7 @@ import threading
 import time
 from pathlib import Path
 
-from jobspec import hardware, lifeline, ops, rundir, shm, trace
+from jobspec import lifeline, ops, rundir, shm, trace
 from jobspec import status as run_status
 from jobspec.errors import SpecError, SpecIssue, spec_error
 from jobspec.launch import host, intent, lease, lineage, ownership, preflight, quiet, runner, slurm, supervise
@@ -59,32 +61,19 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
            verbose: bool = False, new_run: bool = False, continue_run: bool = False) -> int:
     """Run the job; its exit status (jobspec/status.py: 0 finished, 75 stopped with a checkpoint,
     128+N stopped or killed by signal N, else the ranks')."""
-    from jobspec.launch.model_config import launch_model_config_issues
-    from jobspec.model.trace import job_profiler
-    from jobspec.spec.inputs import derive_job
-    from jobspec.spec.validation import load_and_validate
+    from jobspec.job.prepare import prepare_job
 
     phases = [("start", _process_start(), 0.0)]
-    resolved = load_and_validate(job, overrides)
-    hub.offline_if_unreachable(resolved.spec)   # no hub: the cache at once, not 25 s of retries per file
-    # `model.config` validate could not check (an architecture outside the shipped table, a hub id):
-    # checked now, before anything starts, with the same positioned errors validate gives
-    model_config_problems = launch_model_config_issues(resolved)
-    if model_config_problems:
-        raise SpecError(model_config_problems)
-    data_issues = datacheck.preflight_issues(resolved.spec)  # before any rank (or row count) reads them
-    if data_issues:
-        raise resolved.locate(SpecError(data_issues))
     # memory.fit: auto rewrites the spec (and its derived job) here, so everything below sees what runs
-    gpu_free = hardware.gpu_free_bytes(resolved.spec["resources"]["gpus_per_node"])
-    resolved, derived, memory = launch_memory.prepare(resolved, derive_job(resolved.spec, profiler=job_profiler()), gpu_free,
-                                                      bf16_supported=hardware.bf16_supported())
+    prepared = prepare_job(job, overrides, plan=True, checks=[launch_checks], compile=False)
+    resolved, derived, memory, gpu_free = prepared.resolved, prepared.derived, prepared.memory, prepared.host.gpu_free
     for line in memory.lines:
         print(f"jobspec: {line}", flush=True)
     # which checkpoints this launch trains into, by what it trains (exit 2 for a changed spec)
     as_written = resolved
     chosen = lineage.choose(resolved, derived.as_dict(), new_run=new_run, continue_run=continue_run)
-    resolved, derived = _in_checkpoint_dir(resolved, derived, chosen.checkpoint_dir)
+    prepared = prepared.in_checkpoint_dir(chosen.checkpoint_dir)
+    resolved, derived = prepared.resolved, prepared.derived
     spec = resolved.spec
     port = spec["resources"]["master_port"] or runner.free_port()
     found = host.probe(spec["resources"]["gpus_per_node"], gpu_free)
@@ -96,7 +85,7 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
         _located(resolved, lease.check, chosen.checkpoint_dir, spec["name"])  # ... and a running launch of it
         what = intent.decide(spec, derived.total_steps)
         run_dir = rundir.new_run_dir_path(spec["output_dir"])
-        compiled = compile_job(resolved, derived, run_dir, port)
+        compiled = prepared.compile(run_dir, port)
         op_problems = preflight.op_build_issues(compiled.ds_config)   # an op a launch could not build
         if op_problems:
             raise resolved.locate(SpecError(op_problems))
@@ -118,16 +107,17 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
         if again.checkpoint_dir != chosen.checkpoint_dir:
             raise spec_error(f"the checkpoints of {spec['name']!r} changed while this launch started",
                              path=("checkpoint", "dir"), hint="run the same command again")
-        return _launch_holding(job, overrides, resolved, derived, memory, again, held, resume_run_id, port,
+        return _launch_holding(job, overrides, prepared, again, held, resume_run_id, port,
                                found, gpu_free, style, phases, stop_after_steps=stop_after_steps,
                                ignore_preflight=ignore_preflight, kill_grace_s=kill_grace_s, verbose=verbose)
     finally:
         held.release()
 
 
-def _launch_holding(job, overrides, resolved, derived, memory, chosen, held, resume_run_id, port, found, gpu_free,
+def _launch_holding(job, overrides, prepared, chosen, held, resume_run_id, port, found, gpu_free,
                     style, phases, *, stop_after_steps, ignore_preflight, kill_grace_s, verbose) -> int:
     """The launch, from the intent on, while it holds the checkpoint directory's lease."""
+    resolved, derived, memory = prepared.resolved, prepared.derived, prepared.memory
     spec = resolved.spec
     what = intent.decide(spec, derived.total_steps)
     for line in chosen.lines:
@@ -139,7 +129,7 @@ def _launch_holding(job, overrides, resolved, derived, memory, chosen, held, res
     orphans.close_orphans_under(spec["output_dir"])  # runs a SIGKILLed launcher left RUNNING here
     run_dir = rundir.create_run_dir(spec["output_dir"])
     try:
-        compiled = compile_job(resolved, derived, run_dir, port)
+        compiled = prepared.compile(run_dir, port)   # what `jobspec compile` shows, for this run dir and port
         problems = preflight.preflight_issues(spec, derived, run_dir) + \
             [SpecIssue(("memory",), text) for text in launch_memory.preflight_problems(memory, gpu_free)]
         op_problems = preflight.op_build_issues(compiled.ds_config)   # not ignorable: the ranks would fail
@@ -216,14 +206,19 @@ def _located(resolved, function, *args):
         raise resolved.locate(err) from None
 
 
-def _in_checkpoint_dir(resolved, derived, checkpoint_dir: Path):
-    """The resolved spec and derived job training into `checkpoint_dir` (a --new-run's, or an earlier one's)."""
-    import dataclasses
+def launch_checks(resolved) -> None:
+    """What a launch checks of a valid spec before anything is derived from it (prepare_job's `checks`)."""
+    from jobspec.launch.model_config import launch_model_config_issues
 
-    if Path(resolved.spec["checkpoint"]["dir"]) == checkpoint_dir:
-        return resolved, derived
-    spec = {**resolved.spec, "checkpoint": {**resolved.spec["checkpoint"], "dir": str(checkpoint_dir)}}
-    return dataclasses.replace(resolved, spec=spec), derived.with_spec(spec)
+    hub.offline_if_unreachable(resolved.spec)   # no hub: the cache at once, not 25 s of retries per file
+    # `model.config` validate could not check (an architecture outside the shipped table, a hub id):
+    # checked now, before anything starts, with the same positioned errors validate gives
+    model_config_problems = launch_model_config_issues(resolved)
+    if model_config_problems:
+        raise SpecError(model_config_problems)
+    data_issues = datacheck.preflight_issues(resolved.spec)  # before any rank (or row count) reads them
+    if data_issues:
+        raise resolved.locate(SpecError(data_issues))
 
 
 def header(spec, derived, memory, found, patches, style: bool) -> list[str]:
@@ -270,12 +265,6 @@ def _write_phases(run_dir: Path, phases: list) -> None:
         trace.phase("launcher", name, at, cpu, stream=text)
     with rundir.open_launcher_log(run_dir) as log_file:
         log_file.write(text.getvalue().encode())
-
-
-def compile_job(resolved, derived, run_dir: Path, master_port: int):
-    """Compiled from the same derived job `jobspec compile` uses, so launch runs what compile shows."""
-    from jobspec.compile.compiler import compile_spec
-    return compile_spec(resolved.spec, derived, run_dir=str(run_dir), master_port=master_port)
 
 
 def progress_mode(setting: str, stdout=None) -> str:

@@ -29,29 +29,37 @@ class LaunchMemory:
     plan: object | None = None          # planner.MemoryPlan of the spec that runs, None if not plannable
     fit: object | None = None           # fit.FitResult when `memory.fit: auto` ran
     budget: int | None = None
-    budget_source: str | None = None    # "memory.gpu_memory" | "free GPU memory"
+    budget_source: str | None = None    # "memory.gpu_memory" | "free GPU memory" | the caller's (--gpu-mem)
     lines: list = field(default_factory=list)
+    plan_error: SpecError | None = None  # why `plan` is None: the planner could not count the model
 
 
-def prepare(resolved, job, gpu_free: int | None, *, bf16_supported: bool = True):
+def prepare(resolved, job, gpu_free: int | None, *, bf16_supported: bool = True, apply_fit: bool = True,
+            budget: tuple[int, str] | None = None):
     """(resolved spec to run, its derived job, LaunchMemory): `memory.fit: auto` applied, the plan of the result.
 
     `gpu_free`: the least free memory of this host's GPUs (None without GPUs), the budget when
-    `memory.gpu_memory` is not set; `bf16_supported`: whether fitting may switch to bf16.
+    `memory.gpu_memory` is not set; `bf16_supported`: whether fitting may switch to bf16;
+    `apply_fit=False`: the spec as written, whatever `memory.fit` says (`jobspec plan`); `budget`:
+    (bytes, where from) replacing both (`jobspec plan --gpu-mem`).
 
-    Nothing fits the budget -> SpecError (exit 2) with the smallest configuration's numbers.
+    Nothing fits the budget -> SpecError (exit 2) with the smallest configuration's numbers. A spec
+    the fit changed is validated again, every rule (spec/validation.recheck): a change that breaks
+    one is refused with the rule's own message, at the field.
     """
     from jobspec.memory.fit import apply_changes, fit
     from jobspec.memory.planner import parse_bytes, plan_memory
 
     spec = resolved.spec
     memory = LaunchMemory()
-    if spec["memory"]["gpu_memory"]:
+    if budget is not None:
+        memory.budget, memory.budget_source = budget
+    elif spec["memory"]["gpu_memory"]:
         memory.budget, memory.budget_source = parse_bytes(spec["memory"]["gpu_memory"]), "memory.gpu_memory"
     else:
         if gpu_free is not None:
             memory.budget, memory.budget_source = gpu_free, "free GPU memory"
-    if spec["memory"]["fit"] == "auto":
+    if apply_fit and spec["memory"]["fit"] == "auto":
         if memory.budget is None:
             memory.lines.append("fit: skipped (memory.fit is auto, but this host has no GPU and "
                                 "memory.gpu_memory is not set): running the spec as written")
@@ -66,15 +74,29 @@ def prepare(resolved, job, gpu_free: int | None, *, bf16_supported: bool = True)
                                 f"{memory.budget_source}; {result.considered} configurations considered)")
             if result.changes:
                 spec = apply_changes(spec, result.changes)
-                resolved = dataclasses.replace(resolved, spec=spec)
+                resolved = _rechecked(dataclasses.replace(resolved, spec=spec), result.overrides)
                 job = job.with_spec(spec)
                 memory.lines.append("fit: applied " + " ".join(f"--set {o}" for o in result.overrides))
     try:
         memory.plan = plan_memory(spec, job, budget=memory.budget)
     except SpecError as err:  # an architecture the planner cannot count: launch anyway, unplanned
+        memory.plan_error = err
         memory.lines.append(f"memory plan unavailable ({err.issues[0].message}): no plan.* params, no "
                             "memory pre-flight")
     return resolved, job, memory
+
+
+def _rechecked(resolved, overrides: list[str]):
+    """`resolved` (changed by the fit) through every validation rule again; a broken rule's issue
+    says which changes the fit made."""
+    from jobspec.spec.validation import recheck
+
+    try:
+        return recheck(resolved)
+    except SpecError as err:
+        applied = "memory.fit: auto applied " + " ".join(f"--set {o}" for o in overrides)
+        raise SpecError([dataclasses.replace(issue, hint=f"{issue.hint}; {applied}" if issue.hint else applied)
+                         for issue in err.issues]) from None
 
 
 def preflight_problems(memory: LaunchMemory, free: int | None) -> list[str]:

@@ -145,15 +145,16 @@ def build_row(run_name: str, status: str, params: dict, series: dict, predicted_
 # --- the planner's prediction --------------------------------------------------------------------
 
 def predicted_peak_mib(spec: dict) -> float | None:
-    """`plan_memory`'s peak allocated MiB of a resolved spec; None when the planner cannot tell."""
-    from jobspec.memory.planner import plan_memory
-    from jobspec.model.trace import job_profiler
-    from jobspec.units import MiB
-    from jobspec.spec.inputs import derive_job
+    """The planned peak allocated MiB of a run's resolved spec (the spec that ran: `memory.fit` is
+    not applied again), prepared as a launch prepares it; None when the planner cannot tell."""
+    from jobspec.job.prepare import Host, prepare_job
     from jobspec.spec.schema import fill_defaults
+    from jobspec.spec.validation import ResolvedSpec
+    from jobspec.units import MiB
     try:
-        spec = fill_defaults(spec)
-        return plan_memory(spec, derive_job(spec, profiler=job_profiler())).peak_allocated / MiB
+        resolved = ResolvedSpec(fill_defaults(spec), Path(rundir.RESOLVED), "")
+        plan = prepare_job(resolved, host=Host(), plan=True, apply_fit=False, compile=False).memory.plan
+        return plan.peak_allocated / MiB if plan is not None else None
     except Exception:  # an unknown architecture, an old resolved.yaml: a '-' in the table, not a crash
         return None
 

@@ -1,0 +1,116 @@
+"""One path from a spec file to the job that runs: load, validate, derive, the memory decisions, compile.
+
+    prepare_job(path, overrides, host)  ->  PreparedJob(resolved, derived, memory, compiled, host)
+
+    resolve    spec/validation.load_and_validate: every problem at once (SpecError, exit 2)
+    checks     the caller's, on the resolved spec before anything is derived (launch: model.config
+               of a hub id, the data files' first rows)
+    derive     spec/inputs.derive_job; with the model's traced profile (model/trace.job_profiler)
+               when memory is planned
+    memory     memory/at_launch.prepare: `memory.fit: auto` rewrites the spec and its derived job
+               (and every validation rule runs again on the result), the plan of what runs
+    compile    compile/compiler.compile_spec: the DeepSpeed config, patches and argv
+
+`jobspec compile`, `plan`, `launch` (dry and real), `prepare` (launch/job_ops) and `report` go through
+it, so each of them sees the job the others see: `compile` shows the config `launch` runs.
+The host's numbers (free GPU memory, bf16 support) come in as a `Host`; `Host.probe` reads this
+machine's. Light: no torch at module level (the profiler imports it when memory is planned).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+from jobspec.compile.compiler import Compiled, compile_spec
+from jobspec.memory import at_launch
+from jobspec.memory.at_launch import LaunchMemory
+from jobspec.spec.derived import DerivedJob
+from jobspec.spec.inputs import derive_job
+from jobspec.spec.validation import ResolvedSpec, load_and_validate
+
+
+@dataclass(frozen=True)
+class Host:
+    """What the machine that launches contributes to a job: the least free memory of its GPUs (None
+    without GPUs: then only `memory.gpu_memory` is a budget) and whether they do bf16."""
+
+    gpu_free: int | None = None
+    bf16_supported: bool = True
+
+    @classmethod
+    def probe(cls, gpus_per_node: int) -> Host:
+        """This machine's (NVML, through jobspec.hardware; JOBSPEC_FAKE_GPU_FREE_BYTES in tests)."""
+        from jobspec import hardware
+        return cls(hardware.gpu_free_bytes(gpus_per_node), hardware.bf16_supported())
+
+
+@dataclass
+class PreparedJob:
+    """A job ready to run: the spec that runs (after `memory.fit: auto`), its derived job, the memory
+    decisions (None when memory was not planned), its compiled config (None when not compiled)."""
+
+    resolved: ResolvedSpec
+    derived: DerivedJob
+    memory: LaunchMemory | None = None
+    compiled: Compiled | None = None
+    host: Host | None = None
+
+    @property
+    def spec(self) -> dict:
+        return self.resolved.spec
+
+    def compile(self, run_dir: str | os.PathLike = "RUN_DIR", master_port: int | None = None) -> Compiled:
+        """The compiled config, patches and argv of this job for a run directory and port."""
+        return compile_spec(self.resolved.spec, self.derived, run_dir=str(run_dir), master_port=master_port)
+
+    def in_checkpoint_dir(self, checkpoint_dir: str | os.PathLike) -> PreparedJob:
+        """This job training into `checkpoint_dir` (a --new-run's, or an earlier one's); not compiled."""
+        if Path(self.spec["checkpoint"]["dir"]) == Path(checkpoint_dir):
+            return self
+        spec = {**self.spec, "checkpoint": {**self.spec["checkpoint"], "dir": str(checkpoint_dir)}}
+        return dataclasses.replace(self, resolved=dataclasses.replace(self.resolved, spec=spec),
+                                   derived=self.derived.with_spec(spec), compiled=None)
+
+
+def prepare_job(source: str | os.PathLike | ResolvedSpec, overrides: Iterable[str] = (), host: Host | None = None,
+                *, plan: bool = False, apply_fit: bool = True, budget: tuple[int, str] | None = None,
+                checks: Iterable[Callable[[ResolvedSpec], None]] = (), compile: bool = True,
+                run_dir: str | os.PathLike = "RUN_DIR", master_port: int | None = None) -> PreparedJob:
+    """The job a spec file (or an already resolved spec) describes, as `jobspec launch` would run it.
+
+    `host`: the machine's numbers (None: `Host.probe` of this one, read only when memory is
+    decided). `plan`: derive with the model's traced profile and plan the memory (launch, plan,
+    prepare); without it memory is decided only when `memory.fit: auto` may rewrite the spec (a
+    budget is known), as the compiled config depends on it. `apply_fit=False` keeps the spec as
+    written (`jobspec plan`); `budget`: (bytes, where from) replacing `memory.gpu_memory` and the free
+    GPU memory. `checks`: called with the resolved spec before anything is derived. `compile`:
+    compile for `run_dir` and `master_port`.
+
+    Raises SpecError (exit 2): the spec's problems, a check's, nothing fitting the budget, a fit
+    change that breaks a rule, a compile refusal.
+    """
+    resolved = source if isinstance(source, ResolvedSpec) else load_and_validate(source, list(overrides))
+    for check in checks:
+        check(resolved)
+    spec = resolved.spec
+    memory = None
+    if not plan and apply_fit and spec["memory"]["fit"] == "auto" and budget is None \
+            and not spec["memory"]["gpu_memory"]:
+        host = host or Host.probe(spec["resources"]["gpus_per_node"])
+        plan = host.gpu_free is not None   # a budget: the fit may rewrite the spec, so decide it
+    if plan or (apply_fit and spec["memory"]["fit"] == "auto" and (budget or spec["memory"]["gpu_memory"])):
+        from jobspec.model.trace import job_profiler
+        host = host or Host.probe(spec["resources"]["gpus_per_node"])
+        derived = derive_job(spec, profiler=job_profiler())
+        resolved, derived, memory = at_launch.prepare(resolved, derived, host.gpu_free,
+                                                      bf16_supported=host.bf16_supported,
+                                                      apply_fit=apply_fit, budget=budget)
+    else:
+        derived = derive_job(spec)
+    prepared = PreparedJob(resolved, derived, memory, host=host)
+    if compile:
+        prepared.compiled = prepared.compile(run_dir, master_port)
+    return prepared
