@@ -12,8 +12,8 @@ function (it runs only when the function is called). Rules:
 3. the rank side (train/) never imports the launch side (launch/), at any level;
 4. a command (commands/<name>.py) never imports another command (the commands package's own
    helpers in commands/__init__.py are shared);
-5. the validate/compile path (spec/, compile/, memory/, errors, cli, commands/) reaches none of
-   torch, deepspeed, transformers, mlflow through module-level imports, followed transitively
+5. the validate/compile path (optimizers/, tasks/, spec/, compile/, memory/, errors, cli, commands/)
+   reaches none of torch, deepspeed, transformers, mlflow through module-level imports, followed transitively
    (importing `a.b.c` also runs `a` and `a.b`), so `jobspec validate` stays light;
 6. a module imports only from its own layer or the layers below it (LAYERS, bottom up; the
    top-level modules not listed there, such as errors, rundir or units, are neutral ground below all;
@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 HEAVY = ("torch", "deepspeed", "transformers", "mlflow")
-LIGHT_PATH = ("spec", "compile", "memory", "job", "errors", "cli", "commands")
-LAYERS = ("spec", "compile", "model", "memory", "job", "tracking", "export", "launch", "train", "report", "commands", "cli", "__main__")
+LIGHT_PATH = ("optimizers", "tasks", "spec", "compile", "memory", "job", "errors", "cli", "commands")
+LAYERS = ("optimizers", "tasks", "spec", "compile", "model", "memory", "job", "tracking", "export", "launch", "train", "report", "commands", "cli", "__main__")
 # Single modules placed in another layer than their package's. export/ sits between tracking and
 # launch (below the ranks that export and the launcher that records the exports), but its pure rules
 # are on the validate path (spec/validation, the planner, the pre-flight read them), and its checkpoint

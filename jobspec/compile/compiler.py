@@ -13,10 +13,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from jobspec import optimizers
 from jobspec.errors import spec_error
 from jobspec.spec.derived import DerivedJob, zero_bucket_sizes
 from jobspec.spec.model_dims import ModelDims
-from jobspec.spec.optimizers import DEEPSPEED_OPTIMIZERS
 
 DEFAULT_MASTER_PORT = 29500  # placeholder: the launcher passes a free port when the spec names none
 STEPS_PER_PRINT = 1_000_000_000  # jobspec logs progress itself; keep DeepSpeed's own prints quiet
@@ -55,7 +55,7 @@ def compile_spec(spec: dict, job: DerivedJob, *, run_dir: str = "RUN_DIR",
         "wall_clock_breakdown": False,
     }
     optimizer = training["optimizer"]
-    if optimizer["name"] in DEEPSPEED_OPTIMIZERS:
+    if optimizers.get(optimizer["name"]).built_by_deepspeed:
         ds_config["optimizer"] = optimizer_block(optimizer, memory["offload"]["optimizer"])
     ds_config["scheduler"] = scheduler_block(training["scheduler"], optimizer["lr"], job, notes)
     ds_config.update(precision_blocks(memory))
@@ -84,65 +84,15 @@ def compile_spec(spec: dict, job: DerivedJob, *, run_dir: str = "RUN_DIR",
 
 
 def optimizer_block(optimizer: dict, offload_optimizer: str = "none") -> dict:
-    if optimizer["name"] == "sgd":
-        # Not a DeepSpeed optimizer: DeepSpeed builds torch.optim.SGD from this name.
-        return {"type": "SGD", "params": {"lr": optimizer["lr"], "momentum": optimizer["momentum"],
-                                          "weight_decay": optimizer["weight_decay"]}}
-    implementation = optimizer.get("implementation", "auto")
-    offloaded = offload_optimizer != "none"
-    # DeepSpeed has no switch between its two Adams: optimizer offload means CPU Adam, else FusedAdam
-    # (deepspeed/runtime/engine.py get_optimizer_configuration). A spec that asks for the other one
-    # can only come from here after `memory.fit` changed the offload; validation rejects written ones.
-    if implementation == "fused" and offloaded:
-        raise spec_error("training.optimizer.implementation `fused` cannot run with optimizer offload",
-                         path=("training", "optimizer", "implementation"),
-                         hint="use `auto` (DeepSpeed's CPU Adam with offload), or memory.offload.optimizer: none")
-    if implementation == "cpu" and not offloaded:
-        raise spec_error("training.optimizer.implementation `cpu` needs optimizer offload",
-                         path=("training", "optimizer", "implementation"),
-                         hint="set memory.offload.optimizer: cpu (DeepSpeed's CPU Adam runs only with offload), "
-                              "or use `auto`")
-    params = {"lr": optimizer["lr"], "betas": list(optimizer["betas"]), "eps": optimizer["eps"],
-              "weight_decay": optimizer["weight_decay"]}
-    if implementation == "auto":
-        implementation = auto_adam(optimizer, offloaded)
-    if implementation == "torch":
-        # torch.optim.AdamW takes no bias_correction (it always corrects): DeepSpeed passes the
-        # remaining params to it as keywords. Its fused kernel (CUDA and CPU) needs no compiler,
-        # keeps no param-sized temporaries (foreach does), and measured as fast as DeepSpeed's
-        # JIT-built FusedAdam on CPU ranks (docs/benchmarks.md, bench/optimizer_kernels.py).
-        params["torch_adam"] = True
-        params["fused"] = True
-    else:
-        params["torch_adam"] = False   # DeepSpeed's FusedAdam / DeepSpeedCPUAdam, not torch.optim
-        params["bias_correction"] = optimizer.get("bias_correction", True)
-    params["adam_w_mode"] = True   # decoupled weight decay
-    return {"type": "AdamW", "params": params}
-
-
-def auto_adam(optimizer: dict, offloaded: bool) -> str:
-    """`implementation: auto`: the Adam that needs no op build wherever it can honour the spec.
-
-    torch's AdamW, except with optimizer offload (DeepSpeed's CPU Adam is the one that steps there
-    at speed: its op is built, announced, because the feature needs it) and with `bias_correction:
-    false`, which only DeepSpeed's own Adams implement."""
-    if offloaded:
-        return "cpu"
-    if not optimizer.get("bias_correction", True):
-        return "fused"
-    return "torch"
+    """ds_config["optimizer"] of an optimizer DeepSpeed builds (jobspec/optimizers: its module's
+    `deepspeed_block`)."""
+    return optimizers.get(optimizer["name"]).deepspeed_block(optimizer, offload_optimizer)
 
 
 def client_optimizer_args(optimizer: dict) -> dict:
-    """Every hyper-parameter of the optimizer the worker builds itself (not in DeepSpeed's config)."""
-    if optimizer["name"] == "adafactor":
-        # transformers.optimization.Adafactor with an explicit lr: relative steps and parameter
-        # scaling off (they would ignore `lr`); its eps pair is Adafactor's own, not Adam's eps.
-        return {"name": "adafactor", "lr": optimizer["lr"], "eps": [1e-30, 1e-3], "clip_threshold": 1.0,
-                "decay_rate": -0.8, "beta1": None, "weight_decay": optimizer["weight_decay"],
-                "scale_parameter": False, "relative_step": False, "warmup_init": False}
-    return {"name": optimizer["name"], "lr": optimizer["lr"], "betas": list(optimizer["betas"]),
-            "eps": optimizer["eps"], "weight_decay": optimizer["weight_decay"]}
+    """Every hyper-parameter of the optimizer the worker builds itself (not in DeepSpeed's config):
+    its module's `client_args`, which its `build` passes to the optimizer as written."""
+    return optimizers.get(optimizer["name"]).client_args(optimizer)
 
 
 def batch_block(global_batch_size: int, micro_batch_size: int, gradient_accumulation_steps: int) -> dict:
@@ -288,7 +238,7 @@ def compile_patches(spec: dict) -> list[dict]:
         patches.append({"name": "gradient_checkpointing", "args": {
             "every_n_layers": settings.get("every_n_layers", 1),
             "use_reentrant": settings.get("use_reentrant", False)}})
-    if optimizer["name"] not in DEEPSPEED_OPTIMIZERS:  # a `client_optimizer` patch
+    if not optimizers.get(optimizer["name"]).built_by_deepspeed:  # a `client_optimizer` patch
         patches.append({"name": "client_optimizer", "args": client_optimizer_args(optimizer)})
     if model["compile"]:
         patches.append({"name": "torch_compile", "args": {}})

@@ -1,7 +1,7 @@
-"""Cross-field rules of the Adam fields (`training.optimizer.implementation`, `bias_correction`),
-`memory.fp16.auto_cast` and the `export` section (`best_metric` against the task's metrics): values
-one field's schema cannot judge alone; and the exported weights' dtype, which the rank side and the
-launch's disk pre-flight both need.
+"""Cross-field rules of `memory.fp16.auto_cast` and the `export` section (`best_metric` against the
+task's metrics): values one field's schema cannot judge alone; and the exported weights' dtype, which
+the rank side and the launch's disk pre-flight both need. (The Adam fields' rules live with `adamw`,
+in jobspec/optimizers/adamw.py.)
 
 Pure (the export package's part on the validate path: no torch, nothing above jobspec.spec): called by
 `validation.cross_field_issues` on the defaults-filled spec.
@@ -19,36 +19,6 @@ def resolve_dtype(spec: dict, requested: str | None = None) -> str:
     if choice == "auto":
         return spec["memory"]["precision"]
     return choice
-
-
-def optimizer_issues(r) -> list:
-    s = r.spec
-    optimizer, memory = s["training"]["optimizer"], s["memory"]
-    name, implementation = optimizer["name"], optimizer["implementation"]
-    offload = memory["offload"]["optimizer"]
-    where = ("training", "optimizer")
-    issues = []
-    if name != "adamw":
-        if implementation != "auto":
-            issues.append(r.issue(where + ("implementation",), f"`implementation` chooses the Adam of `adamw`, "
-                                  f"not of `{name}`", "remove it, or set `name: adamw`"))
-        if not optimizer["bias_correction"]:
-            issues.append(r.issue(where + ("bias_correction",), f"`bias_correction` is an Adam setting of `adamw`, "
-                                  f"not of `{name}`", "remove it, or set `name: adamw`"))
-        return issues
-    if implementation == "fused" and offload != "none":
-        issues.append(r.issue(where + ("implementation",), f"`fused` Adam cannot run with optimizer offload "
-                              f"(memory.offload.optimizer is {offload}): DeepSpeed runs its CPU Adam there",
-                              "use `implementation: auto` (or `cpu`), or `memory.offload.optimizer: none`"))
-    if implementation == "cpu" and offload == "none":
-        issues.append(r.issue(where + ("implementation",), "`cpu` Adam needs optimizer offload: DeepSpeed builds "
-                              "its CPU Adam only for offloaded optimizer states",
-                              "set `memory.offload.optimizer: cpu` (with zero_stage >= 1), or use `auto`"))
-    if implementation == "torch" and not optimizer["bias_correction"]:
-        issues.append(r.issue(where + ("bias_correction",), "torch.optim.AdamW always corrects the bias: "
-                              "`bias_correction: false` needs DeepSpeed's own Adam",
-                              "use `implementation: auto`, `fused` or `cpu`, or remove `bias_correction`"))
-    return issues
 
 
 def precision_issues(r) -> list:
@@ -96,4 +66,4 @@ def best_metric_issues(r) -> list:
 
 
 def issues(r) -> list:
-    return optimizer_issues(r) + precision_issues(r) + export_issues(r)
+    return precision_issues(r) + export_issues(r)

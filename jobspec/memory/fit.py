@@ -16,6 +16,8 @@ import itertools
 import json
 from dataclasses import dataclass, field
 
+from jobspec import optimizers
+from jobspec.optimizers.base import DEEPSPEED_CPU_ADAM
 from jobspec.spec.derived import DerivedJob
 from jobspec.memory.planner import MemoryPlan, plan_memory
 from jobspec.units import fmt_mib_gib
@@ -27,7 +29,6 @@ PCIE_BYTES_PER_S = 12e9         # host <-> GPU, pinned
 INTERCONNECT_BYTES_PER_S = 50e9  # GPU <-> GPU all-gathers of ZeRO-3
 NVME_BYTES_PER_S = 3e9
 CPU_ADAM_PARAMS_PER_S = 0.5e9   # DeepSpeedCPUAdam on a typical host
-EIGHT_BIT_OVERHEAD = 0.01       # (de)quantising optimizer states: prefer plain AdamW on ties
 CHECKPOINT_EVERY = (8, 6, 4, 3, 2, 1)
 # Achieved training FLOP/s of one CPU core (fp32 or bf16, one thread per core): 50-80 GFLOP/s
 # measured for encoder steps with hidden sizes 256-1024 on an AMD EPYC core (docs/benchmarks.md,
@@ -89,9 +90,7 @@ def candidate_changes(spec: dict, job: DerivedJob, bf16_supported: bool):
     half = "bf16" if bf16_supported else "fp16"
     precisions = [memory["precision"]] + ([half] if memory["precision"] == "fp32" else [])
     checkpointing = [False] + [{"every_n_layers": k} for k in CHECKPOINT_EVERY if k > 1] + [True]
-    optimizers = [training["optimizer"]["name"]]
-    if optimizers[0] == "adamw":
-        optimizers.append("adamw_8bit")
+    names = [training["optimizer"]["name"], *optimizers.get(training["optimizer"]["name"]).fit_alternatives]
     nvme = bool(memory["offload"]["nvme_path"])
     layouts = [(stage, "none", "none") for stage in range(memory["zero_stage"], 4)]
     for stage in range(max(1, memory["zero_stage"]), 4):
@@ -103,10 +102,10 @@ def candidate_changes(spec: dict, job: DerivedJob, bf16_supported: bool):
     if current_layout not in layouts:
         layouts.insert(0, current_layout)
     for m, precision, ckpt, optimizer, layout in itertools.product(
-            micros, precisions, checkpointing, optimizers, layouts):
+            micros, precisions, checkpointing, names, layouts):
         stage, off_opt, off_params = layout
-        if optimizer != "adamw" and off_opt != "none":
-            continue   # DeepSpeed's optimizer offload runs its own CPU Adam
+        if optimizers.get(optimizer).offload != DEEPSPEED_CPU_ADAM and off_opt != "none":
+            continue   # the fast optimizer offload is DeepSpeed's own CPU Adam
         pinned = training["optimizer"].get("implementation", "auto")
         if (pinned == "fused" and off_opt != "none") or (pinned == "cpu" and off_opt == "none"):
             continue   # a pinned Adam implementation fixes whether the optimizer is offloaded
@@ -171,7 +170,7 @@ def describe(changes: dict) -> str:
             words.append("no checkpointing" if value is False else "checkpoint every layer" if value is True
                          else f"checkpoint every {value['every_n_layers']} layers")
         elif dotted == "training.optimizer.name":
-            words.append({"adamw_8bit": "8-bit AdamW"}.get(value, value))
+            words.append(optimizers.get(value).label or value)
         elif dotted == "memory.zero_stage":
             words.append(f"ZeRO-{value}")
         elif dotted == "memory.offload.optimizer":
@@ -205,8 +204,7 @@ def step_time(spec: dict, job: DerivedJob) -> float:
         step += 2 * lp * shard / PCIE_BYTES_PER_S + shard / CPU_ADAM_PARAMS_PER_S
         if offload_opt == "nvme":
             step += 2 * 16 * shard / NVME_BYTES_PER_S
-    if spec["training"]["optimizer"]["name"] == "adamw_8bit":
-        step *= 1 + EIGHT_BIT_OVERHEAD
+    step *= 1 + optimizers.get(spec["training"]["optimizer"]["name"]).step_overhead
     return step
 
 

@@ -14,6 +14,7 @@ import math
 import re
 from dataclasses import asdict, dataclass, field
 
+from jobspec import optimizers
 from jobspec.errors import SpecError, spec_error
 from jobspec.spec.derived import PRECISION_BYTES, DerivedJob, zero_bucket_sizes
 from jobspec.export.rules import resolve_dtype
@@ -24,8 +25,6 @@ CUDA_CONTEXT_BYTES = 500 * MiB   # CUDA 12 context + cuBLAS/cuDNN workspaces wit
 ALLOCATOR_BLOCK = 2 * MiB        # the caching allocator's large-segment granularity
 FRAGMENTATION = 0.07             # reserved - allocated at peak, as a fraction (calibrated by bench/)
 
-# Optimizer state bytes per trainable parameter (fp32 states, whatever the training precision).
-OPTIMIZER_STATE_BYTES = {"adamw": 8, "adamw_8bit": 2, "sgd": 4}   # adafactor: factored, see below
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(i?)B\s*$")
 
 
@@ -75,21 +74,11 @@ def parse_bytes(text: str, *, path: tuple = ("memory", "gpu_memory")) -> int:
     return int(float(number) * (1024 if binary else 1000) ** power)
 
 
-def optimizer_state_bytes(name: str, momentum: float, inventory: Inventory) -> int:
-    """Optimizer state of all trainable parameters, unpartitioned."""
-    if name == "adafactor":
-        # transformers' Adafactor, beta1=None: a row and a column statistic per matrix (its last two
-        # dimensions), a full second moment for vectors, all fp32.
-        return 4 * sum(_adafactor_elements(shape) for shape in inventory.trainable_shapes())
-    if name == "sgd":
-        return 4 * inventory.trainable if momentum > 0 else 0
-    return OPTIMIZER_STATE_BYTES[name] * inventory.trainable
-
-
-def _adafactor_elements(shape: tuple) -> int:
-    if len(shape) < 2:
-        return math.prod(shape)
-    return math.prod(shape[:-2]) * (shape[-2] + shape[-1])
+def optimizer_state_bytes(optimizer: dict, inventory: Inventory) -> int:
+    """Optimizer state of all trainable parameters, unpartitioned, for the spec's `training.optimizer`:
+    its module (jobspec/optimizers) counts it from the inventory (fp32 states, whatever the training
+    precision)."""
+    return optimizers.get(optimizer["name"]).state_bytes(optimizer, inventory)
 
 
 def checkpoint_bytes(spec: dict, job: DerivedJob) -> int | None:
@@ -102,7 +91,7 @@ def checkpoint_bytes(spec: dict, job: DerivedJob) -> int | None:
     optimizer = spec["training"]["optimizer"]
     master = 4 if job.precision_bytes < 4 else 0
     return inventory.total * job.precision_bytes + inventory.trainable * master + \
-        optimizer_state_bytes(optimizer["name"], optimizer["momentum"], inventory)
+        optimizer_state_bytes(optimizer, inventory)
 
 
 def export_bytes(spec: dict, job: DerivedJob) -> int | None:
@@ -132,7 +121,7 @@ def plan_memory(spec: dict, job: DerivedJob, *, budget: int | None = None) -> Me
     notes: list[str] = list(profile.notes)
 
     part = lambda n: math.ceil(n / world) if stage >= 1 else n   # noqa: E731 - the ZeRO partition of n
-    opt_states = optimizer_state_bytes(optimizer["name"], optimizer["momentum"], inventory)
+    opt_states = optimizer_state_bytes(optimizer, inventory)
     gpu = dict.fromkeys(("parameters", "buffers", "gradients", "master_weights", "optimizer_states", "step_gradients",
                          "gathered_parameters", "activations", "embeddings_activations", "logits_and_loss", "zero_buffers"), 0)
     host = {"model_init": 4 * psi}    # each rank builds the model in fp32 on the host first

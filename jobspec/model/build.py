@@ -9,16 +9,11 @@ from __future__ import annotations
 import difflib
 import sys
 
+from jobspec import tasks
 from jobspec.errors import SpecError, first_line, spec_error
 
-# model.task -> the transformers auto class that puts the right head (and loss) on the model
-TASK_MODEL_CLASSES: dict[str, str] = {
-    "sequence-classification": "AutoModelForSequenceClassification",
-    "token-classification": "AutoModelForTokenClassification",
-    "masked-lm": "AutoModelForMaskedLM",
-    "causal-lm": "AutoModelForCausalLM",
-}
-CLASSIFICATION_TASKS = ("sequence-classification", "token-classification")
+# model.task -> the transformers auto class that puts the right head (and loss) on the model (jobspec/tasks)
+TASK_MODEL_CLASSES: dict[str, str] = {name: task.auto_class for name, task in tasks.TASKS.items()}
 
 
 def build_tokenizer(spec: dict):
@@ -105,9 +100,9 @@ def build_config(spec: dict, tokenizer=None):
 
     model_spec = spec["model"]
     task = model_spec.get("task", "sequence-classification")
-    auto_class = getattr(transformers, TASK_MODEL_CLASSES[task])
+    auto_class = getattr(transformers, tasks.get(task).auto_class)
     overrides = dict(model_spec.get("config") or {})
-    if task in CLASSIFICATION_TASKS:
+    if tasks.get(task).classification:
         overrides.setdefault("num_labels", model_spec.get("num_labels", 2))
     if model_spec.get("name_or_path"):
         config = transformers.AutoConfig.from_pretrained(

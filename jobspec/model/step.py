@@ -20,7 +20,9 @@ import functools
 import gc
 import weakref
 
+from jobspec import tasks
 from jobspec.model.kernels import sdpa_stand_in
+from jobspec.tasks.base import CLASS, TOKEN_CLASS
 from jobspec.spec.model_profile import REGIONS, UnitTrace
 
 ALLOCATOR_ROUND = 512          # the CUDA caching allocator's smallest block
@@ -33,11 +35,11 @@ def step_inputs(spec: dict, config, micro_batch: int, seq_len: int) -> dict:
     vocab = int(getattr(config, "vocab_size", 0) or 1000)
     ids = torch.randint(0, vocab, (micro_batch, seq_len))
     batch = {"input_ids": ids, "attention_mask": torch.ones(micro_batch, seq_len, dtype=torch.long)}
-    task = spec["model"].get("task", "sequence-classification")
+    labels = tasks.of(spec).labels   # the task's label shape (jobspec/tasks)
     labels_count = int(spec["model"].get("num_labels", 2))
-    if task == "sequence-classification":
+    if labels == CLASS:
         batch["labels"] = torch.randint(0, labels_count, (micro_batch,))
-    elif task == "token-classification":
+    elif labels == TOKEN_CLASS:
         batch["labels"] = torch.randint(0, labels_count, (micro_batch, seq_len))
     else:
         batch["labels"] = ids.clone()

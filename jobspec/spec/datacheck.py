@@ -19,13 +19,13 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from jobspec import tasks
 from jobspec.errors import SpecError, SpecIssue, first_line, spec_error
 from jobspec.spec.data_format import data_format
 from jobspec.units import MiB
 
 PREFLIGHT_ROWS = 1000
 PREFLIGHT_BYTES = 32 * MiB
-CLASSIFICATION = ("sequence-classification", "token-classification")
 SPLITS = ("train", "eval")
 
 
@@ -42,7 +42,7 @@ class Columns:
     def of(cls, spec: dict) -> "Columns":
         data, model = spec["data"], spec["model"]
         task = model.get("task", "sequence-classification")
-        label = data.get("label_field", "label") if task in CLASSIFICATION else None
+        label = data.get("label_field", "label") if tasks.get(task).classification else None
         return cls(tuple(data.get("text_fields") or ["text"]), label, task, model.get("num_labels", 2))
 
     def needed(self) -> list[str]:
@@ -266,7 +266,7 @@ class _RowChecker:
         words = None
         for i, name in enumerate(c.text_fields):
             value = row[name]
-            if c.task == "token-classification" and i == 0:
+            if tasks.get(c.task).words and i == 0:
                 if not (isinstance(value, list) and all(isinstance(w, str) for w in value)):
                     raise _Bad(("data", "text_fields"), f"{where}: {name!r} is {_kind(value)}; token-classification "
                                "needs a list of words", "store words and per-word labels as lists")

@@ -12,33 +12,29 @@ one), the closing summary and `jobspec report`. Every metric is logged as `eval/
   type and boundaries, micro-averaged), only when the labels are BIO tags;
 - `perplexity`: masked-lm and causal-lm, exp of the mean loss per predicted token.
 
-Keep TASK_METRICS' keys equal to the schema's `model.task` enum and DIRECTION's to
-`export.best_metric`'s (tests/train/test_task_metrics.py checks both).
+Which task produces which metric, and what it calls them, is declared by each task's module
+(jobspec/tasks): TASK_METRICS, TASK_LABELS and BIO_ONLY are read from there. Keep DIRECTION's keys
+equal to `export.best_metric`'s enum (tests/spec/test_best_metric.py checks it).
 """
 from __future__ import annotations
 
 import math
 import re
 
+from jobspec import tasks
+
 PREFIX = "eval/"
 # name -> "min" (lower is better) or "max"
 DIRECTION: dict[str, str] = {"loss": "min", "accuracy": "max", "f1": "max", "perplexity": "min"}
-TASK_METRICS: dict[str, tuple[str, ...]] = {
-    "sequence-classification": ("loss", "accuracy", "f1"),
-    "token-classification": ("loss", "accuracy", "f1"),
-    "masked-lm": ("loss", "perplexity"),
-    "causal-lm": ("loss", "perplexity"),
-}
+TASK_METRICS: dict[str, tuple[str, ...]] = {name: task.metrics for name, task in tasks.TASKS.items()}
 # how the closing summary and the report name a metric (`f1` means another F1 per task)
 LABELS: dict[str, str] = {"accuracy": "accuracy", "f1": "F1", "perplexity": "perplexity"}
-TASK_LABELS: dict[tuple[str, str], str] = {
-    ("sequence-classification", "f1"): "macro-F1",
-    ("token-classification", "accuracy"): "token accuracy",
-    ("token-classification", "f1"): "entity F1",
-}
+TASK_LABELS: dict[tuple[str, str], str] = {(name, metric): label for name, task in tasks.TASKS.items()
+                                           for metric, label in task.metric_labels.items()}
 # the metrics past the loss, in the order the summary and the report show them
 TASK_ONLY = ("accuracy", "f1", "perplexity")
-BIO_ONLY = {("token-classification", "f1")}   # produced only when the labels are BIO tags
+# produced only when the labels are BIO tags
+BIO_ONLY = {(name, metric) for name, task in tasks.TASKS.items() for metric in task.bio_only}
 
 
 def key(name: str) -> str:

@@ -15,12 +15,12 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from jobspec import optimizers
 from jobspec.errors import SpecError, SpecIssue
 from jobspec.spec.derived import derive
 from jobspec.spec.loader import SET_FILE, LoadedSpec, Position, load_spec
 from jobspec.spec.freeform import freeform_issues, local_checkpoint_config
 from jobspec.spec.offload_rules import offload_problems
-from jobspec.spec.optimizers import CLIENT_OPTIMIZERS
 from jobspec.spec.overrides import apply_overrides
 from jobspec.spec.schema import (fill_defaults, has_type, schema_types, shared_schema, subschema_at,
                                  type_name, types_text)
@@ -289,21 +289,13 @@ def cross_field_issues(r: ResolvedSpec) -> list[SpecIssue]:
     except (TypeError, ValueError, ZeroDivisionError):
         pass   # model.config values of the wrong type: reported by the model.config check
 
-    offload = memory["offload"]
     for path, message, hint in offload_problems(memory):
         add(r.issue(path, message, hint, code=offload_code(path, message)))
-    optimizer = training["optimizer"]
-    if optimizer["name"] in CLIENT_OPTIMIZERS and offload["optimizer"] != "none":
-        add(r.issue(("training", "optimizer", "name"),
-                    f"`{optimizer['name']}` cannot be used with optimizer offload",
-                    "DeepSpeed's optimizer offload needs its own CPU Adam: use `adamw`, "
-                    "or set `memory.offload.optimizer: none`", code="client-optimizer-offload"))
+    # each optimizer's own rules (jobspec/optimizers): offload, the Adam fields, `momentum`
+    issues += optimizers.rule_issues(r)
     if model["attention"] == "flash_attention_2" and memory["precision"] == "fp32":
         add(r.issue(("model", "attention"), "flash_attention_2 needs fp16 or bf16",
                     "set `memory.precision: bf16` (or fp16), or use `attention: sdpa`", code="flash-attention-fp32"))
-    if optimizer["momentum"] > 0 and optimizer["name"] != "sgd":
-        add(r.issue(("training", "optimizer", "momentum"), f"momentum is for sgd, not `{optimizer['name']}`",
-                    "remove `momentum` (Adam uses `betas`) or set `name: sgd`", code="momentum-sgd-only"))
     scheduler = training["scheduler"]
     if scheduler["warmup_steps"] and scheduler["warmup_ratio"]:
         add(r.issue(("training", "scheduler", "warmup_ratio"), "`warmup_steps` and `warmup_ratio` are exclusive",
@@ -322,8 +314,7 @@ def cross_field_issues(r: ResolvedSpec) -> list[SpecIssue]:
         add(r.issue(seq_path, f"{seq_len} tokens per sequence, but the model's position table has {positions}",
                     f"use at most {positions}, or raise model.config.max_position_embeddings", code="seq-len-positions"))
     from jobspec.export import rules as export_rules
-    issues += (_coded(export_rules.optimizer_issues(r), "adam-settings")
-               + _coded(export_rules.precision_issues(r), "fp16-auto-cast")
+    issues += (_coded(export_rules.precision_issues(r), "fp16-auto-cast")
                + _coded(export_rules.export_issues(r), "export-best"))
     written = ("logging", "system_metrics") in r.positions   # else its default: off with MLflow off (resolve_paths)
     if written and s["logging"]["system_metrics"] and not s["logging"]["mlflow"]["enabled"]:

@@ -16,8 +16,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from jobspec import tasks
 from jobspec.spec import datacheck
 from jobspec.errors import spec_error
+from jobspec.tasks.base import CLASS, MASKED_TOKENS, NEXT_TOKENS, TOKEN_CLASS
 from jobspec.spec.data_format import data_format
 
 IGNORE_INDEX = -100  # the label value transformers' losses skip
@@ -128,7 +130,7 @@ def _synthetic_datasets(spec: dict):
 def synthetic_dataset(spec: dict, num_samples: int, seed: int) -> TensorDictDataset:
     """Random token ids in `vocab_range`; `labels: learnable` derives the labels from the tokens."""
     synthetic = spec["data"]["synthetic"]
-    task = spec["model"].get("task", "sequence-classification")
+    shape = tasks.of(spec).labels   # the task's label shape (jobspec/tasks)
     num_labels = spec["model"].get("num_labels", 2)
     low, high = synthetic.get("vocab_range", [100, 30000])
     if high <= low:
@@ -136,13 +138,13 @@ def synthetic_dataset(spec: dict, num_samples: int, seed: int) -> TensorDictData
                          hint="the second id must be larger than the first")
     seq_len, learnable = synthetic.get("seq_len", 512), synthetic.get("labels", "random") == "learnable"
     generator = torch.Generator().manual_seed(seed)
-    if learnable and task in ("masked-lm", "causal-lm"):
+    if learnable and shape in (MASKED_TOKENS, NEXT_TOKENS):
         # counting sequences (start, start+1, ...) wrapped in the range: the next token is predictable
         start = torch.randint(low, high, (num_samples, 1), generator=generator)
         ids = low + (start - low + torch.arange(seq_len)) % (high - low)
     else:
         ids = torch.randint(low, high, (num_samples, seq_len), generator=generator)
-    if learnable and task == "sequence-classification":
+    if learnable and shape == CLASS:
         # a "topic" per sample: the label is uniform (chance loss ln(num_labels)) and each token comes
         # from the label's slice of the range with probability LEARNABLE_SIGNAL: every token is
         # evidence, so even a tiny model learns it within tens of steps
@@ -156,17 +158,17 @@ def synthetic_dataset(spec: dict, num_samples: int, seed: int) -> TensorDictData
         labels = labels[:, 0]
     mask = torch.ones_like(ids)
     columns = {"input_ids": ids, "attention_mask": mask}
-    if task == "sequence-classification":
+    if shape == CLASS:
         if learnable:
             columns["labels"] = labels
         else:
             columns["labels"] = torch.randint(0, num_labels, (num_samples,), generator=generator)
-    elif task == "token-classification":
+    elif shape == TOKEN_CLASS:
         if learnable:
             columns["labels"] = (ids - low) * num_labels // (high - low)  # which slice of the range
         else:
             columns["labels"] = torch.randint(0, num_labels, ids.shape, generator=generator)
-    elif task == "masked-lm":
+    elif shape == MASKED_TOKENS:
         # no tokenizer: the id just below the range is the mask token (inside the range when it starts at 0)
         mask_id = low - 1 if low > 0 else high - 1
         columns["input_ids"], columns["labels"] = _mask_tokens(ids, mask, torch.zeros_like(ids, dtype=torch.bool),
@@ -209,7 +211,7 @@ def _file_dataset(spec: dict, tokenizer, split: str, label_names: dict) -> Tenso
     except Exception as err:  # datasets raises many types for unreadable files
         raise datacheck.locate_error(spec, split) or datacheck.unreadable(spec, split, fmt, err) from None
     needed = list(data.get("text_fields", ["text"]))
-    if task in ("sequence-classification", "token-classification"):
+    if tasks.get(task).classification:
         needed.append(data.get("label_field", "label"))
     for column in needed:
         if column not in table.column_names:
@@ -235,21 +237,22 @@ def _tokenize(spec: dict, tokenizer, table, split: str, label_names: dict) -> Te
     task, fields = model.get("task", "sequence-classification"), data.get("text_fields", ["text"])
     fixed = data.get("padding", "max_length") == "max_length"
     texts = [list(table[field]) for field in fields]  # datasets returns lazy Column objects
-    word_split = task == "token-classification"
+    word_split = tasks.get(task).words
     if word_split and not all(isinstance(t, list) for t in texts[0][:1]):
-        raise spec_error(f"token-classification needs column {fields[0]!r} to hold lists of words",
+        raise spec_error(f"{task} needs column {fields[0]!r} to hold lists of words",
                          path=("data", "text_fields"), hint="store words and per-word labels as lists")
     encoded = tokenizer(*texts, truncation=True, max_length=data.get("max_length", 512),
                         padding="max_length" if fixed else False, is_split_into_words=word_split)
     ids = [torch.tensor(x, dtype=torch.long) for x in encoded["input_ids"]]
     mask = [torch.tensor(x, dtype=torch.long) for x in encoded["attention_mask"]]
     label_field = data.get("label_field", "label")
-    if task == "sequence-classification":
+    shape = tasks.get(task).labels
+    if shape == CLASS:
         classes = _class_ids(list(table[label_field]), label_names, model.get("num_labels", 2), split)
         labels = list(torch.tensor(classes, dtype=torch.long))
-    elif task == "token-classification":
+    elif shape == TOKEN_CLASS:
         labels = _word_labels(encoded, list(table[label_field]), label_names, model.get("num_labels", 2), split)
-    elif task == "masked-lm":
+    elif shape == MASKED_TOKENS:
         labels, ids = _mask_file_tokens(ids, mask, tokenizer, spec.get("training", {}).get("seed", 42), split)
     else:
         labels = [torch.where(m.bool(), i, torch.full_like(i, IGNORE_INDEX)) for i, m in zip(ids, mask)]

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from typing import Callable
 
+from jobspec import optimizers
 from jobspec.errors import spec_error
 from jobspec.model.structure import attention_implementation, freeze, gradient_checkpointing
-from jobspec.spec.optimizers import CLIENT_OPTIMIZERS, DEEPSPEED_OPTIMIZERS
 
 def tf32(model, enabled: bool = True) -> str:
     """Allow TF32 tensor cores for fp32 matmuls and convolutions (a no-op on CPU)."""
@@ -78,26 +78,21 @@ def apply_patches(model, patches: list[dict]):
 
 
 def build_client_optimizer(model, args: dict):
-    """The optimizer DeepSpeed cannot build from its config: bitsandbytes AdamW8bit or Adafactor.
+    """The optimizer DeepSpeed cannot build from its config (bitsandbytes AdamW8bit, Adafactor): its
+    module's `build` (jobspec/optimizers) with the patch's args as patches.json shows them.
 
     Returns None for optimizers DeepSpeed builds itself (adamw, sgd). Weight decay goes to every
     trainable parameter except biases and normalisation weights (the Hugging Face Trainer grouping).
     """
     name = args.get("name", "adamw")
-    if name in DEEPSPEED_OPTIMIZERS:
+    if name not in optimizers.OPTIMIZERS:
+        raise spec_error(f"unknown optimizer {name!r}", path=("training", "optimizer", "name"),
+                         hint=f"use one of {', '.join(optimizers.OPTIMIZERS)}")
+    optimizer = optimizers.get(name)
+    if optimizer.built_by_deepspeed:
         return None
     groups = parameter_groups(model, float(args.get("weight_decay", 0.0)))
-    lr = float(args.get("lr", 5e-5))
-    if name == "adamw_8bit":
-        return _adamw_8bit(model, groups, lr, args)
-    if name == "adafactor":
-        from transformers.optimization import Adafactor
-
-        # Fixed lr from the schedule (no relative step / parameter scaling), no first moment:
-        # that is what keeps Adafactor's state small. Adam's eps does not apply (Adafactor has its own).
-        return Adafactor(groups, lr=lr, relative_step=False, scale_parameter=False, warmup_init=False)
-    raise spec_error(f"unknown optimizer {name!r}", path=("training", "optimizer", "name"),
-                     hint=f"use one of {', '.join(DEEPSPEED_OPTIMIZERS + CLIENT_OPTIMIZERS)}")
+    return optimizer.build(model, groups, args)
 
 
 def parameter_groups(model, weight_decay: float) -> list[dict]:
@@ -114,23 +109,3 @@ def parameter_groups(model, weight_decay: float) -> list[dict]:
         {"params": [p for n, p in trainable if n not in decay_names], "weight_decay": 0.0},
     ]
     return [g for g in groups if g["params"]]
-
-
-def _adamw_8bit(model, groups: list[dict], lr: float, args: dict):
-    try:
-        import bitsandbytes as bnb
-    except ImportError as err:
-        raise spec_error(f"adamw_8bit needs bitsandbytes, which does not import here: {err}",
-                         path=("training", "optimizer", "name"),
-                         hint="pip install 'jobspec[bnb]' (bitsandbytes), or use adamw") from None
-    import torch.nn as nn
-
-    optimizer = bnb.optim.AdamW8bit(groups, lr=lr, betas=tuple(args.get("betas", (0.9, 0.999))),
-                                    eps=float(args.get("eps", 1e-8)))
-    # Embedding rows are updated sparsely and 8-bit state quantises them badly: keep their
-    # state in 32 bits, as the Hugging Face Trainer does.
-    manager = bnb.optim.GlobalOptimManager.get_instance()
-    for module in model.modules():
-        if isinstance(module, nn.Embedding):
-            manager.register_module_override(module, "weight", {"optim_bits": 32})
-    return optimizer

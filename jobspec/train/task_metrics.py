@@ -14,7 +14,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from jobspec import tasks
 from jobspec.spec.eval_metrics import BIO_ONLY, is_bio
+from jobspec.tasks.base import CONFUSION, TOKENS
 
 IGNORE_INDEX = -100  # the label value transformers' losses skip (jobspec.train.data.IGNORE_INDEX)
 
@@ -103,15 +105,16 @@ class TaskCounter:
 
     def __init__(self, task: str, num_labels: int, label_names: dict | None = None):
         self.task, self.num_labels = task, num_labels
+        self.counts, self.shift = tasks.get(task).counts, tasks.get(task).shift   # jobspec/tasks
         self.id2label = {i: name for name, i in (label_names or {}).items()}
-        self.bio = task == "token-classification" and is_bio(self.id2label.values())
+        self.bio = self.counts == TOKENS and is_bio(self.id2label.values())
         self._totals: Any = None   # on the device: no sync per batch (but BIO spans, counted on the host)
 
     @property
     def size(self) -> int:
-        if self.task == "sequence-classification":
+        if self.counts == CONFUSION:
             return self.num_labels * self.num_labels
-        if self.task == "token-classification":
+        if self.counts == TOKENS:
             return 5 if self.bio else 2
         return 2   # loss sum, tokens
 
@@ -120,13 +123,13 @@ class TaskCounter:
         if self._totals is None:
             self._totals = torch.zeros(self.size, dtype=torch.float64, device=labels.device)
         with torch.no_grad():
-            if self.task == "sequence-classification":
+            if self.counts == CONFUSION:
                 self._totals += self._confusion(logits, labels)
-            elif self.task == "token-classification":
+            elif self.counts == TOKENS:
                 self._tokens(logits, labels)
             else:
                 # the model's loss is the mean over the tokens it predicted: times their count, their sum
-                targets = labels[..., 1:] if self.task == "causal-lm" else labels
+                targets = labels[..., self.shift:]   # causal-lm: the first token is predicted by none
                 count = (targets != IGNORE_INDEX).sum().to(torch.float64)
                 loss_sum = torch.where(count > 0, loss.detach().to(torch.float64) * count, torch.zeros_like(count))
                 self._totals += torch.stack([loss_sum, count])
@@ -165,10 +168,10 @@ class TaskCounter:
 
     def finish(self, summed: list[float]) -> dict[str, float]:
         """The metrics (names without `eval/`) from every rank's summed counts."""
-        if self.task == "sequence-classification":
+        if self.counts == CONFUSION:
             n = self.num_labels
             return classification_metrics([summed[r * n:(r + 1) * n] for r in range(n)])
-        if self.task == "token-classification":
+        if self.counts == TOKENS:
             return token_metrics(summed[0], summed[1], summed[2:5] if self.bio else None)
         return perplexity(summed[0], summed[1])
 

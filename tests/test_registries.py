@@ -1,0 +1,52 @@
+"""One module per concept: each schema enum equals its registry's keys, so forgetting an entry fails
+here, not in a launch (jobspec/optimizers, jobspec/tasks)."""
+from __future__ import annotations
+
+import sys
+import subprocess
+
+from jobspec import optimizers
+from jobspec.optimizers.base import Optimizer
+from jobspec.spec.schema import enum_values, subschema_at
+
+
+def test_optimizer_registry_is_the_schema_enum():
+    assert list(optimizers.OPTIMIZERS) == enum_values(("training", "optimizer", "name"))
+
+
+def test_each_optimizer_module_declares_everything():
+    fields = set(subschema_at(("training", "optimizer"))["properties"])
+    for name, optimizer in optimizers.OPTIMIZERS.items():
+        assert isinstance(optimizer, Optimizer) and optimizer.name == name
+        assert set(optimizer.args) <= fields, name
+        assert "lr" in optimizer.args, name
+        # built one way: by DeepSpeed from its block, or on the ranks from patches.json's args
+        assert optimizer.built_by_deepspeed == (optimizer.client_args is None), name
+        if not optimizer.built_by_deepspeed:
+            assert optimizer.build is not None and optimizer.offload is None, name
+        assert all(a in optimizers.OPTIMIZERS for a in optimizer.fit_alternatives), name
+
+
+def test_registries_import_no_torch():
+    code = ("import sys, jobspec.optimizers, jobspec.tasks; "
+            "print([m for m in ('torch', 'transformers', 'deepspeed') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_task_registry_is_the_schema_enum():
+    from jobspec import tasks
+    assert list(tasks.TASKS) == enum_values(("model", "task"))
+    assert tasks.DEFAULT == subschema_at(("model", "task"))["default"]
+
+
+def test_each_task_module_declares_everything():
+    import transformers
+
+    from jobspec import tasks
+    from jobspec.spec import eval_metrics
+    for name, task in tasks.TASKS.items():
+        assert task.name == name and hasattr(transformers, task.auto_class), name
+        assert set(task.metrics) <= set(eval_metrics.DIRECTION), name
+        assert set(task.metric_labels) | set(task.bio_only) <= set(task.metrics), name
+        assert task.loss, name
