@@ -62,14 +62,14 @@ def compile_spec(spec: dict, job: DerivedJob, *, run_dir: str = "RUN_DIR",
     ds_config["zero_optimization"] = zero_block(memory, job.dims, gather_16bit=exports_during_training(spec))
     if "nvme" in (memory["offload"]["optimizer"], memory["offload"]["params"]):
         ds_config["aio"] = aio_block(memory["offload"]["aio"])
-    if memory["zero_stage"] >= 1 and optimizer["name"] != "adamw":
+    chosen = optimizers.get(optimizer["name"])
+    if memory["zero_stage"] >= 1 and not chosen.zero_tested:
         # DeepSpeed refuses optimizers outside its tested list under ZeRO unless told otherwise.
         ds_config["zero_allow_untested_optimizer"] = True
-    if memory["offload"]["optimizer"] != "none" and (optimizer["name"] != "adamw"
-                                                     or optimizer.get("implementation") == "torch"):
+    slow_step = chosen.offload_step(optimizer) if memory["offload"]["optimizer"] != "none" else None
+    if slow_step:
         ds_config["zero_force_ds_cpu_optimizer"] = False
-        which = "torch.optim.AdamW" if optimizer["name"] == "adamw" else f"optimizer {optimizer['name']}"
-        notes.append(f"{which} runs its step on the CPU with offload (no DeepSpeedCPUAdam): slow")
+        notes.append(f"{slow_step} runs its step on the CPU with offload (no DeepSpeedCPUAdam): slow")
 
     ds_config = apply_overrides(ds_config, spec.get("deepspeed") or {}, notes)
     assert_no_auto(ds_config)

@@ -63,6 +63,11 @@ def state_bytes(optimizer: dict, inventory) -> int:
     return 8 * inventory.trainable
 
 
+def offload_step(optimizer: dict) -> str | None:
+    """With optimizer offload DeepSpeed's CPU Adam steps, unless `implementation: torch` asks for torch's."""
+    return "torch.optim.AdamW" if optimizer.get("implementation") == "torch" else None
+
+
 def issues(r) -> list:
     """`implementation` against the optimizer offload and `bias_correction`."""
     s = r.spec
@@ -106,5 +111,7 @@ OPTIMIZER = Optimizer(
     deepspeed_block=deepspeed_block,
     issues=issues,
     foreign_issues=foreign_issues,
+    zero_tested=True,
+    offload_step=offload_step,
     fit_alternatives=("adamw_8bit",),
 )

@@ -18,6 +18,12 @@ def no_issues(r) -> list:
     return []
 
 
+def steps_on_cpu(optimizer: dict) -> str | None:
+    """What runs the step on the CPU without DeepSpeed's CPU Adam when the optimizer is offloaded
+    (for the compiler's note), None when DeepSpeed's CPU Adam runs it: any optimizer but adamw's."""
+    return f"optimizer {optimizer['name']}"
+
+
 @dataclass(frozen=True)
 class Optimizer:
     """One value of the schema's `training.optimizer.name`.
@@ -45,6 +51,11 @@ class Optimizer:
     issues: Callable[[Any], list] = no_issues
     # cross-field rules while ANOTHER optimizer is chosen: fields of this one that were set
     foreign_issues: Callable[[Any], list] = no_issues
+    # whether DeepSpeed tested it under ZeRO (else the config says zero_allow_untested_optimizer)
+    zero_tested: bool = False
+    # the spec's `training.optimizer` -> what steps on the CPU without DeepSpeed's CPU Adam when the
+    # optimizer is offloaded (the config then says zero_force_ds_cpu_optimizer: false), None: its CPU Adam
+    offload_step: Callable[[dict], str | None] = steps_on_cpu
     # what `plan --fit` may try instead of it (cheaper states)
     fit_alternatives: tuple[str, ...] = ()
     # how `plan --fit` names it when it proposes it (default: its name)
