@@ -24,8 +24,8 @@ from pathlib import Path
 
 import yaml
 
-# jobspec optimizer name -> TrainingArguments.optim
-OPTIMIZERS = {"adamw": "adamw_torch", "adamw_8bit": "adamw_bnb_8bit", "adafactor": "adafactor", "sgd": "sgd"}
+from jobspec import optimizers
+
 # jobspec scheduler name -> TrainingArguments.lr_scheduler_type (warmup then ...)
 SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
 
@@ -66,7 +66,7 @@ def training_arguments_kwargs(spec: dict, derived: dict, ds_config: dict, output
         "adam_beta1": optimizer["betas"][0],
         "adam_beta2": optimizer["betas"][1],
         "adam_epsilon": optimizer["eps"],
-        "optim": OPTIMIZERS[optimizer["name"]],
+        "optim": optimizers.get(optimizer["name"]).hf_trainer_optim,   # TrainingArguments.optim
         "max_grad_norm": training["gradient_clipping"],
         "lr_scheduler_type": SCHEDULES[training["scheduler"]["name"]],
         "warmup_steps": warmup,

@@ -25,6 +25,7 @@ def test_each_optimizer_module_declares_everything():
         if not optimizer.built_by_deepspeed:
             assert optimizer.build is not None and optimizer.offload is None, name
         assert all(a in optimizers.OPTIMIZERS for a in optimizer.fit_alternatives), name
+        assert optimizer.hf_trainer_optim, name   # bench/trainer_baseline.py runs the Trainer with it
 
 
 def test_registries_import_no_torch():

@@ -52,6 +52,7 @@ def factored_elements(shape: tuple) -> int:
 
 OPTIMIZER = Optimizer(
     name=NAME,
+    hf_trainer_optim="adafactor",
     state_bytes=state_bytes,
     offload=NOT_OFFLOADABLE,
     args=("lr", "weight_decay"),

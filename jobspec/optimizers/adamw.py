@@ -105,6 +105,7 @@ def foreign_issues(r) -> list:
 
 OPTIMIZER = Optimizer(
     name=NAME,
+    hf_trainer_optim="adamw_torch",
     state_bytes=state_bytes,
     offload=DEEPSPEED_CPU_ADAM,
     args=("lr", "betas", "eps", "weight_decay", "implementation", "bias_correction"),

@@ -45,6 +45,7 @@ def state_bytes(optimizer: dict, inventory) -> int:
 
 OPTIMIZER = Optimizer(
     name=NAME,
+    hf_trainer_optim="adamw_bnb_8bit",
     state_bytes=state_bytes,
     offload=NOT_OFFLOADABLE,
     args=("lr", "betas", "eps", "weight_decay"),

@@ -60,6 +60,8 @@ class Optimizer:
     fit_alternatives: tuple[str, ...] = ()
     # how `plan --fit` names it when it proposes it (default: its name)
     label: str = ""
+    # the Hugging Face Trainer's `optim` for the same optimizer (bench/trainer_baseline.py compares)
+    hf_trainer_optim: str = ""
     # fraction added to the fit search's estimated step time (ties go to the cheaper optimizer)
     step_overhead: float = 0.0
 

@@ -31,6 +31,7 @@ def foreign_issues(r) -> list:
 
 OPTIMIZER = Optimizer(
     name=NAME,
+    hf_trainer_optim="sgd",
     state_bytes=state_bytes,
     offload=TORCH_ON_CPU,
     args=("lr", "momentum", "weight_decay"),
