@@ -35,10 +35,12 @@ def imported_top_level_names() -> dict[str, set[str]]:
 
 
 def local_modules() -> set[str]:
-    """Our own packages and the test suite's helper modules (imported by name from tests/)."""
+    """Our own packages, the test suite's helper modules (imported by name from tests/) and the
+    scripts/ generators the staleness tests import by name."""
     tests = {path.stem for path in (REPO_ROOT / "tests").rglob("*.py")}
     test_packages = {path.name for path in (REPO_ROOT / "tests").iterdir() if path.is_dir()}  # tests/train, ...
-    return {"jobspec", "bench", "scripts", *tests, *test_packages}
+    scripts = {path.stem for path in (REPO_ROOT / "scripts").glob("*.py")}
+    return {"jobspec", "bench", "scripts", *tests, *test_packages, *scripts}
 
 
 def declared_distributions() -> set[str]:

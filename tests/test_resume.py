@@ -197,8 +197,14 @@ def test_zero2_disk_full_then_launcher_killed_then_resumed_bit_identically(tmp_p
     proc = start(argv, tmp_path)
     second = wait_for_step(tmp_path, proc, 7, {first})
     assert len(job_processes(second)) >= 3  # launch.py and two ranks (one node: no runner process)
-    # one live launch per job: a second launch of it refuses at once, naming the running one
+    # one live launch per job: a second launch of it refuses at once, naming the running one (the
+    # ranks paused meanwhile, so the job cannot finish while the second launch starts up)
+    paused = [psutil.Process(pid) for pid in job_processes(second)]
+    for process in paused:
+        process.suspend()
     twice = launch(argv, tmp_path)
+    for process in paused:
+        process.resume()
     assert twice.returncode == 2 and "Traceback" not in twice.stderr, twice.stderr[-3000:]
     assert f"job 'tiny' is already being launched into {small_disk}: host " in twice.stderr
     assert f"pid {proc.pid}" in twice.stderr and f"run dir {second}" in twice.stderr
