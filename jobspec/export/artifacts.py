@@ -9,7 +9,6 @@ itself stays behind jobspec.tracking (the client the run holds, `tracking.run.lo
 """
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 

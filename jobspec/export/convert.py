@@ -247,7 +247,7 @@ def hub_offline():
     Both are restored after (`jobspec export` may run inside another process)."""
     import os
 
-    import huggingface_hub.constants as hub   # light: no torch
+    import huggingface_hub.constants as hub  # light: no torch
     saved_env = {key: os.environ.get(key) for key in OFFLINE_ENV}
     saved_flag = hub.HF_HUB_OFFLINE
     os.environ.update(dict.fromkeys(OFFLINE_ENV, "1"))

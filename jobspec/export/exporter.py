@@ -37,9 +37,9 @@ from pathlib import Path
 
 from jobspec import rundir
 from jobspec.errors import spec_error
-from jobspec.spec import eval_metrics
 from jobspec.export.hf_dir import ExportFailed, ExportInfo, describe_io_error, job_tokenizer, write_model_dir
 from jobspec.export.rules import resolve_dtype
+from jobspec.spec import eval_metrics
 from jobspec.units import MiB
 
 CHECKPOINT_SPEC = "jobspec_resolved.yaml"

@@ -84,7 +84,8 @@ def complete_lines(spec: dict, intent: Intent) -> list[str]:
     if writer is not None:
         lines.append(f"  results     {writer}")
     if tracked:
-        lines.append(f"  MLflow      {mlflow_open(tracked['tracking_uri'], tracked['experiment_id'], tracked['run_id'])}")
+        link = mlflow_open(tracked["tracking_uri"], tracked["experiment_id"], tracked["run_id"])
+        lines.append(f"  MLflow      {link}")
     else:
         owner = ownership.read_owner(Path(ckpt_dir)) if Path(ckpt_dir).is_dir() else None
         if owner and owner.get("mlflow_run_id"):

@@ -43,12 +43,23 @@ from pathlib import Path
 from jobspec import lifeline, ops, rundir, shm, trace
 from jobspec import status as run_status
 from jobspec.errors import SpecError, SpecIssue, spec_error
-from jobspec.launch import host, intent, lease, lineage, ownership, preflight, quiet, runner, slurm, supervise
-from jobspec.launch import hub
+from jobspec.launch import (
+    console,
+    host,
+    hub,
+    intent,
+    lease,
+    lineage,
+    ownership,
+    preflight,
+    quiet,
+    runner,
+    slurm,
+    supervise,
+)
 from jobspec.launch import tracking as launch_tracking
 from jobspec.memory import at_launch as launch_memory
 from jobspec.secrets import mask_secrets
-from jobspec.launch import console
 from jobspec.spec import datacheck
 from jobspec.tracking import orphans
 from jobspec.tracking import run as tracking_run

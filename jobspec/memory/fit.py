@@ -17,9 +17,9 @@ import json
 from dataclasses import dataclass, field
 
 from jobspec import optimizers
+from jobspec.memory.planner import MemoryPlan, plan_memory
 from jobspec.optimizers.base import DEEPSPEED_CPU_ADAM
 from jobspec.spec.derived import DerivedJob
-from jobspec.memory.planner import MemoryPlan, plan_memory
 from jobspec.units import fmt_mib_gib
 
 # Reference device for the slowdown model: only ratios between candidates are reported.

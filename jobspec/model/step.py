@@ -22,8 +22,8 @@ import weakref
 
 from jobspec import tasks
 from jobspec.model.kernels import sdpa_stand_in
-from jobspec.tasks.base import CLASS, TOKEN_CLASS
 from jobspec.spec.model_profile import REGIONS, UnitTrace
+from jobspec.tasks.base import CLASS, TOKEN_CLASS
 
 ALLOCATOR_ROUND = 512          # the CUDA caching allocator's smallest block
 
@@ -48,7 +48,6 @@ def step_inputs(spec: dict, config, micro_batch: int, seq_len: int) -> dict:
 
 def run_step(model, spec: dict, micro_batch: int, seq_len: int, stack) -> dict:
     """One forward + backward under the counters (inside the caller's FakeTensorMode)."""
-    import torch
     from torch.distributed._tools.mod_tracker import ModTracker
 
     params = list(model.parameters())

@@ -2,8 +2,8 @@
 loss and the task metrics of the last evaluation, steady-state throughput, measured peak memory and
 the planner's prediction; rendered as an aligned table, markdown or CSV.
 
-Reads what the launcher and worker log (see jobspec.tracking.run and jobspec.tracking.sink): params are the flattened resolved
-spec plus `derived.*`, metrics use the shared names (`perf/samples_per_s`, `mem/...`), artifacts
+Reads what the launcher and worker log (see jobspec.tracking.run and jobspec.tracking.sink): params are
+the flattened resolved spec plus `derived.*`, metrics use the shared names (`perf/samples_per_s`, `mem/...`), artifacts
 include `resolved.yaml`. Missing values (a GPU metric on a CPU run, a failed run) are None here
 and '-' in the text formats: absent, never zero.
 """
@@ -211,8 +211,8 @@ def open_experiment(tracking_uri: str, experiment: str):
         if ids and "'" not in experiment and client.search_runs(ids, job_filter, max_results=1):
             return client, ids, job_filter
     except Exception as err:  # TrackingUnavailable, MlflowException, requests/sqlite errors
-        raise spec_error(f"MLflow tracking at {shown} is unavailable: {first_line(err, limit=300)}", path=("--tracking-uri",),
-                         hint="start the server or fix the URI") from None
+        raise spec_error(f"MLflow tracking at {shown} is unavailable: {first_line(err, limit=300)}",
+                         path=("--tracking-uri",), hint="start the server or fix the URI") from None
     raise spec_error(f"no experiment or job named {experiment!r} at {shown}", path=("EXPERIMENT",),
                      hint=f"known experiments: {', '.join(names)}" if names else "launch a job first")
 

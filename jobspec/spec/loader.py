@@ -116,7 +116,8 @@ def parse_yaml(text: str, display: str) -> tuple[Any, dict, dict]:
         line = text.count("\n", 0, err.position) + 1
         column = err.position - (text.rfind("\n", 0, err.position) + 1) + 1
         raise spec_error(f"character #x{err.character:04x} is not allowed in YAML (control character)",
-                         file=display, line=line, column=column, hint="delete it; save the file as plain text") from None
+                         file=display, line=line, column=column,
+                         hint="delete it; save the file as plain text") from None
     except yaml.YAMLError as err:
         raise spec_error(f"YAML error: {first_line(err)}", file=display) from None
     if root is None:
@@ -174,7 +175,8 @@ class _DepthCheckedLoader(yaml.SafeLoader):
 
 def _nesting_error(display: str, mark) -> SpecError:
     return spec_error(f"nested more than {MAX_DEPTH} levels deep", file=display, line=mark.line + 1,
-                      column=mark.column + 1, hint="a job spec needs a few levels; check for runaway brackets or recursive aliases")
+                      column=mark.column + 1,
+                      hint="a job spec needs a few levels; check for runaway brackets or recursive aliases")
 
 
 def _reject_tab_indentation(text: str, display: str) -> None:

@@ -17,10 +17,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from jobspec import tasks
-from jobspec.spec import datacheck
 from jobspec.errors import spec_error
-from jobspec.tasks.base import CLASS, MASKED_TOKENS, NEXT_TOKENS, TOKEN_CLASS
+from jobspec.spec import datacheck
 from jobspec.spec.data_format import data_format
+from jobspec.tasks.base import CLASS, MASKED_TOKENS, NEXT_TOKENS, TOKEN_CLASS
 
 IGNORE_INDEX = -100  # the label value transformers' losses skip
 MLM_PROBABILITY = 0.15

@@ -22,6 +22,7 @@ from jobspec import optimizers
 from jobspec.errors import spec_error
 from jobspec.model.structure import attention_implementation, freeze, gradient_checkpointing
 
+
 def tf32(model, enabled: bool = True) -> str:
     """Allow TF32 tensor cores for fp32 matmuls and convolutions (a no-op on CPU)."""
     import torch

@@ -21,16 +21,15 @@ from pathlib import Path
 
 from jobspec import lifeline, rundir, trace
 from jobspec.errors import EXIT_INVALID, EXIT_RUN_FAILED, RunFailure, SpecError
+from jobspec.export.hf_dir import ExportFailed
 from jobspec.rundir import RunFiles
 from jobspec.train import library_output
-from jobspec.export.hf_dir import ExportFailed
+from jobspec.train.engine import build_engine, loss_of, reshard_plan, resume, share_cpu_threads
 from jobspec.train.faults import NanGuard, NonFiniteLoss
 from jobspec.train.oom import OomGuard
-from jobspec.train.engine import build_engine, loss_of, reshard_plan, resume, share_cpu_threads
 from jobspec.train.progress import RunState, StepReporter, Window, summarize
 from jobspec.train.reshard import replace_ds_config
 from jobspec.train.stopping import StopFlag, StopVote
-
 
 TRACKING_WAIT_S = 120.0  # then metrics.jsonl only (`jobspec sync` uploads it later)
 
@@ -83,8 +82,8 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
     import deepspeed
     import torch.distributed as dist
 
-    from jobspec.export.exporter import ModelExporter
     from jobspec import ops
+    from jobspec.export.exporter import ModelExporter
     from jobspec.train.progress import NullProgress, Progress
 
     # the libraries' records and bars to launcher.log (the quiet terminal): before they load anything
