@@ -143,6 +143,8 @@ class ModelExporter:
             info = ExportInfo(name=name, step=state.step, dtype=self.dtype, source=f"the training run ({why})",
                               metrics=metrics, notes=notes + ([self._tokenizer_note] if self._tokenizer_note else []),
                               world_size=self.world_size)
+            if state_dict is None:
+                raise RuntimeError("rank 0 gathered no state dict")   # gather_state_dict gives rank 0 one
             try:
                 record = write_model_dir(out, self.spec, state_dict, info, tokenizer=self._job_tokenizer(),
                                          label_names=self.label_names)
@@ -237,7 +239,7 @@ def _replace_with_fp32_masters(engine, state_dict: dict | None, rank: int) -> in
         if full is None:
             missing += 1
             continue
-        if rank == 0:
+        if rank == 0 and state_dict is not None:   # rank 0 holds the full state dict
             shaped = full.detach().reshape(getattr(param, "ds_shape", param.shape)).cpu()
             for alias in aliases[id(param)]:
                 key = alias if alias in state_dict else f"_orig_mod.{alias}"

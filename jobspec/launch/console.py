@@ -283,9 +283,9 @@ def peak_memory_text(peaks: dict, plan: dict) -> str:
     parts = [versus("mem/peak_allocated_mib_max", "peak_allocated_mib", "peak allocated"),
              versus("mem/peak_reserved_mib_max", "peak_reserved_mib", "reserved"),
              versus("mem/nvml_used_mib_max", "nvml_total_mib", "GPU total")]
-    parts = [p for p in parts if p]
-    if parts:
-        return " · ".join(parts) + " per GPU"
+    shown = [p for p in parts if p]
+    if shown:
+        return " · ".join(shown) + " per GPU"
     if "mem/host_rss_mib_max" in peaks:   # CPU ranks: the process, Python and torch included
         planned = ""
         if plan.get("peak_reserved_mib") is not None:

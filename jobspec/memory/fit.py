@@ -71,6 +71,8 @@ def fit(spec: dict, job: DerivedJob, budget_bytes: int, *, bf16_supported: bool 
     if not spec["memory"]["offload"]["nvme_path"]:
         notes.append("NVMe offload not tried: set memory.offload.nvme_path to include it")
     if best is None:
+        if smallest is None:
+            raise ValueError("fit: no configuration to consider")
         changes, plan, cost = smallest
         reason = (f"nothing fits in {fmt_mib_gib(budget_bytes)}: the smallest configuration ({describe(changes)}) "
                   f"needs {fmt_mib_gib(plan.nvml_total)}. Try more GPUs (ZeRO-3 divides the model states by "
@@ -186,6 +188,9 @@ def step_time(spec: dict, job: DerivedJob) -> float:
     plan = plan_memory(spec, job)
     psi, world = plan.settings["parameters"], job.world_size
     tokens = job.tokens_per_micro_batch
+    if job.hardware_flops_per_token is None:
+        # set whenever the job has a profile, which plan_memory above requires
+        raise ValueError("step_time needs the model's traced FLOPs")
     flops = job.hardware_flops_per_token * tokens   # checkpoint recompute included (jobspec.spec.flops)
     efficiency = tokens / (tokens + HALF_SATURATION_TOKENS)
     compute = flops / (EFFECTIVE_FLOPS[memory["precision"]] * efficiency)

@@ -261,7 +261,7 @@ def render_plan(plan: MemoryPlan, title: str = "") -> str:
         if i == len(rows) - (5 if plan.nvme_total else 4):
             lines.append("-" * (width + 14))
         lines.append(f"  {label:<{width}}  {fmt_mib_gib(value):>10}")
-    if plan.budget is not None:
+    if plan.budget is not None and plan.headroom is not None:   # both or neither
         verdict = "fits" if plan.fits else "does NOT fit"
         lines.append(f"{verdict} in {fmt_mib_gib(plan.budget)}: headroom {fmt_mib_gib(plan.headroom)}")
     lines += [f"note: {n}" for n in plan.notes]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import gc
 import weakref
+from typing import Any
 
 from jobspec import tasks
 from jobspec.model.kernels import sdpa_stand_in
@@ -55,7 +56,7 @@ def run_step(model, spec: dict, micro_batch: int, seq_len: int, stack) -> dict:
     root = type(model).__name__
     base = getattr(model, "base_model_prefix", "")
     layer_prefix = _layer_prefix(model, stack, root)
-    counter = _LiveStorages(lambda: _region(tracker.parents, root, base, layer_prefix))
+    counter: Any = _LiveStorages(lambda: _region(tracker.parents, root, base, layer_prefix))
     counter.ignore(params + list(model.buffers()))
     # No garbage collection while tracing: a collection frees tensors held in reference cycles at
     # whatever moment it happens to run, which would make the peak depend on the interpreter's timing.

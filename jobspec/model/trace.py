@@ -23,6 +23,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from jobspec.errors import SpecError, first_line, spec_error
 from jobspec.model.step import extrapolate, run_step, summarize
@@ -43,8 +44,8 @@ class ModelTracer:
         self.cache_dir = cache_dir
         self._units: dict = {}
         self._inventory: Inventory | None = None
-        self._config = None
-        self._auto_class = None
+        self._config: Any = None        # the transformers config, built once
+        self._auto_class: Any = None    # the transformers auto class of the task
 
     # ------------------------------------------------------------------ public
     def inventory(self) -> Inventory:
@@ -269,7 +270,7 @@ def _versions() -> dict:
     """torch's and transformers' versions (read once: a metadata read costs ~5 ms)."""
     from importlib import metadata
 
-    versions = {}
+    versions: dict[str, str | None] = {}
     for dist in ("torch", "transformers"):
         try:
             versions[dist] = metadata.version(dist)

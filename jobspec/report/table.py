@@ -153,7 +153,9 @@ def predicted_peak_mib(spec: dict) -> float | None:
     from jobspec.units import MiB
     try:
         resolved = ResolvedSpec(fill_defaults(spec), Path(rundir.RESOLVED), "")
-        plan = prepare_job(resolved, host=Host(), plan=True, apply_fit=False, compile=False).memory.plan
+        memory = prepare_job(resolved, host=Host(), plan=True, apply_fit=False, compile=False).memory
+        assert memory is not None   # plan=True decides it
+        plan = memory.plan
         return plan.peak_allocated / MiB if plan is not None else None
     except Exception:  # an unknown architecture, an old resolved.yaml: a '-' in the table, not a crash
         return None

@@ -186,8 +186,8 @@ def _csv_rows(path: Path, columns: Columns, split: str, max_rows: int | None, ma
             # what pandas (datasets' csv reader) makes of a field: missing when empty; labels that are
             # all integers become class ids
             row = {name: (EMPTY if fields[i] == "" else fields[i]) for name, i in index.items()}
-            if columns.label_field and isinstance(row[columns.label_field], str):
-                row[columns.label_field] = _int_or_text(row[columns.label_field])
+            if columns.label_field and isinstance(label := row[columns.label_field], str):
+                row[columns.label_field] = _int_or_text(label)
             yield where, row
             rows += 1
             if max_rows is not None and rows >= max_rows:

@@ -137,6 +137,8 @@ _FAST_LOADER = getattr(yaml, "CSafeLoader", None)
 
 
 def _check_depth(text: str) -> None:
+    if _FAST_LOADER is None:
+        raise RuntimeError("_check_depth needs libyaml's CSafeLoader")   # the callers check _FAST_LOADER first
     parser = _FAST_LOADER(text)
     depth = 0
     try:
@@ -301,7 +303,7 @@ def _load_with_bases(display: str, chain: tuple) -> LoadedSpec:
     base_ref = value.get("extends")
     if base_ref is None:
         return loaded
-    where = positions.get(("extends",))
+    where = positions[("extends",)]   # the key is in the file: it has a position
     if not isinstance(base_ref, str) or not base_ref.strip():
         raise spec_error("`extends` must be the path of a base spec", path=("extends",), file=where.file,
                          line=where.line, column=where.col, hint="e.g. `extends: base.yaml` (relative to this file)")

@@ -383,7 +383,7 @@ def _base_dir(r: ResolvedSpec, path: tuple) -> Path:
 
 
 def _local_path(r: ResolvedSpec, path: tuple) -> Path:
-    value = r.spec
+    value: Any = r.spec
     for key in path:
         value = value[key]
     return Path(os.path.abspath(_base_dir(r, path) / os.path.expanduser(value)))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -256,7 +257,7 @@ def _tokenize(spec: dict, tokenizer, table, split: str, label_names: dict) -> Te
         labels, ids = _mask_file_tokens(ids, mask, tokenizer, spec.get("training", {}).get("seed", 42), split)
     else:
         labels = [torch.where(m.bool(), i, torch.full_like(i, IGNORE_INDEX)) for i, m in zip(ids, mask)]
-    columns = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    columns: dict[str, Any] = {"input_ids": ids, "attention_mask": mask, "labels": labels}
     if fixed:
         columns = {name: torch.stack(rows) for name, rows in columns.items()}
     return TensorDictDataset(columns, pad_token_id=tokenizer.pad_token_id or 0)

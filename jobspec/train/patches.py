@@ -92,6 +92,8 @@ def build_client_optimizer(model, args: dict):
     optimizer = optimizers.get(name)
     if optimizer.built_by_deepspeed:
         return None
+    if optimizer.build is None:
+        raise TypeError(f"optimizer {name}: a client optimizer without `build`")
     groups = parameter_groups(model, float(args.get("weight_decay", 0.0)))
     return optimizer.build(model, groups, args)
 

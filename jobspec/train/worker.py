@@ -381,7 +381,8 @@ def _destroy_process_group() -> None:
         # this rank's /dev/shm all-reduce buffer (CPU accelerator): DeepSpeed never unlinks it, and
         # unlinking is safe while a peer still maps it
         from jobspec.shm import remove_shared_memory_buffers
-        remove_shared_memory_buffers(os.environ.get("MASTER_PORT"), local_rank=os.environ.get("LOCAL_RANK", 0))
+        remove_shared_memory_buffers(os.environ.get("MASTER_PORT"),
+                                     local_rank=int(os.environ.get("LOCAL_RANK", 0)))
 
 
 if __name__ == "__main__":
