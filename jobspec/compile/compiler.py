@@ -226,8 +226,8 @@ def aio_block(aio: dict) -> dict:
 
 def exports_during_training(spec: dict) -> bool:
     """Whether rank 0 writes a Hugging Face model directory while the job runs (`export` section)."""
-    export = spec.get("export") or {}
-    return bool(export.get("final", True) or export.get("at_checkpoints") or export.get("best_eval"))
+    export = spec["export"]
+    return bool(export["final"] or export["at_checkpoints"] or export["best_eval"])
 
 
 def compile_patches(spec: dict) -> list[dict]:

@@ -59,7 +59,7 @@ class ModelExporter:
         self.base = rundir.export_dir(self.spec, self.run_dir)
         self.dtype = resolve_dtype(self.spec)
         self.label_names = label_names   # string labels -> ids: config.json's label2id/id2label
-        self.best_metric = self.settings.get("best_metric", "loss")
+        self.best_metric = self.settings["best_metric"]
         self.best_value: float | None = None
         if self.settings["best_eval"]:
             check_best_metric(self.spec, label_names)
@@ -183,7 +183,7 @@ class ModelExporter:
 def check_best_metric(spec: dict, label_names: dict | None) -> None:
     """What validation could not tell before the data was read: the entity F1 of token
     classification needs BIO tags among the training data's labels. SpecError otherwise (exit 2)."""
-    task, name = spec["model"]["task"], spec["export"].get("best_metric", "loss")
+    task, name = spec["model"]["task"], spec["export"]["best_metric"]
     if (task, name) in eval_metrics.BIO_ONLY and not eval_metrics.is_bio(label_names or {}):
         found = ", ".join(sorted(label_names or {})[:6]) or "integer class ids"
         raise spec_error(f"`best_metric: {name}` is the entity F1 of BIO tags (O, B-TYPE, I-TYPE), but the "

@@ -190,7 +190,7 @@ def _check_keys(spec: dict, expected: set, found: set) -> None:
 
 
 def _save_weights(model, directory: Path, spec: dict) -> None:
-    shard = (spec.get("export") or {}).get("max_shard_size", "5GB")
+    shard = spec["export"]["max_shard_size"]
     if hasattr(model, "save_pretrained"):
         from transformers.utils import logging as hf_logging
         shown = hf_logging.is_progress_bar_enabled()

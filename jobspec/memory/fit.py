@@ -108,7 +108,7 @@ def candidate_changes(spec: dict, job: DerivedJob, bf16_supported: bool):
         stage, off_opt, off_params = layout
         if optimizers.get(optimizer).offload != DEEPSPEED_CPU_ADAM and off_opt != "none":
             continue   # the fast optimizer offload is DeepSpeed's own CPU Adam
-        pinned = training["optimizer"].get("implementation", "auto")
+        pinned = training["optimizer"]["implementation"]
         if (pinned == "fused" and off_opt != "none") or (pinned == "cpu" and off_opt == "none"):
             continue   # a pinned Adam implementation fixes whether the optimizer is offloaded
         if spec["model"]["attention"] == "flash_attention_2" and precision == "fp32":

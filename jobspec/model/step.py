@@ -37,7 +37,7 @@ def step_inputs(spec: dict, config, micro_batch: int, seq_len: int) -> dict:
     ids = torch.randint(0, vocab, (micro_batch, seq_len))
     batch = {"input_ids": ids, "attention_mask": torch.ones(micro_batch, seq_len, dtype=torch.long)}
     labels = tasks.of(spec).labels   # the task's label shape (jobspec/tasks)
-    labels_count = int(spec["model"].get("num_labels", 2))
+    labels_count = int(spec["model"]["num_labels"])
     if labels == CLASS:
         batch["labels"] = torch.randint(0, labels_count, (micro_batch,))
     elif labels == TOKEN_CLASS:

@@ -138,7 +138,7 @@ class ModelTracer:
             model = self._build_step(lambda: build_skeleton(spec))
         else:
             config = self._config_for(layers)
-            attention = self.spec["model"].get("attention", "sdpa")
+            attention = self.spec["model"]["attention"]
             trust = bool(self.spec["model"].get("trust_remote_code"))
             with torch.device("meta"):
                 model = self._build_step(lambda: self._auto_class.from_config(
@@ -156,8 +156,7 @@ class ModelTracer:
             raise
         except Exception as err:  # noqa: BLE001 - any failure of transformers' code is the spec's model's
             model = self.spec["model"]
-            raise loading_error(model, model.get("task", "sequence-classification"),
-                                model.get("attention", "sdpa"), err) from None
+            raise loading_error(model, model["task"], model["attention"], err) from None
 
     # ------------------------------------------------------------------ tracing
     def _trace(self, precision: str, micro_batch: int, seq_len: int, *, types: tuple | None = None,

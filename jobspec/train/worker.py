@@ -126,7 +126,7 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
         if passed_over and sink is not None:
             sink.set_tags({"jobspec.resume_fallback": f"resumed from {state.resumed_from}; passed over: "
                                                       + " | ".join(passed_over)})
-        nan_guard = NanGuard(files.spec["training"].get("on_nan", "stop"), lambda flag: _any_rank(flag, control),
+        nan_guard = NanGuard(files.spec["training"]["on_nan"], lambda flag: _any_rank(flag, control),
                              sink, rank)
         telemetry = StepReporter(engine, files.spec, files.derived, files.patches, sink, progress, rank, state)
         oom_guard = OomGuard(files, run_dir=run_dir, rank=rank, control_group=control, build_engine=build_engine,
