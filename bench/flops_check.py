@@ -28,6 +28,7 @@ from jobspec.model.build import build_model  # noqa: E402
 from jobspec.model.structure import gradient_checkpointing  # noqa: E402
 from jobspec.model.trace import ModelTracer  # noqa: E402
 from jobspec.spec.model_dims import model_dims  # noqa: E402
+from jobspec.spec.schema import fill_defaults  # noqa: E402
 
 LARGE_ENCODER = {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16,
                  "intermediate_size": 4096}
@@ -108,9 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     for label, architecture, task, config, seq_len, checkpointing in ROWS:
         if args.only and args.only not in label:
             continue
-        spec = {"model": {"architecture": architecture, "task": task, "num_labels": NUM_LABELS,
-                          "config": dict(config), "attention": "eager"},
-                "memory": {"activation_checkpointing": checkpointing}, "training": {"seed": 0}, "data": {}}
+        spec = fill_defaults({"model": {"architecture": architecture, "task": task, "num_labels": NUM_LABELS,
+                                        "config": dict(config), "attention": "eager"},
+                              "memory": {"activation_checkpointing": checkpointing}, "training": {"seed": 0}})
         tracer = ModelTracer(spec)
         profile = tracer.profile("fp32", 1, seq_len, checkpointing)
         ours = profile.hardware_flops_per_token if checkpointing else profile.model_flops_per_token

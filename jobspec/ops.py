@@ -278,5 +278,5 @@ def share_cpu_info(path: Path | None = None) -> None:
             known = original()
         return dict(known)
 
-    get_cpu_info.jobspec_shared = True
+    setattr(get_cpu_info, "jobspec_shared", True)   # marks the patch (a function attribute mypy cannot see)
     cpuinfo.get_cpu_info = get_cpu_info

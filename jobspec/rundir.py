@@ -186,8 +186,9 @@ def read_run_files(run_dir: Path) -> RunFiles:
     if missing:
         raise spec_error(f"run directory {run_dir} lacks {', '.join(missing)}",
                          hint="create it with `jobspec compile --out DIR` or `jobspec launch`")
-    files = RunFiles(read_resolved(run_dir), *(json.loads((run_dir / name).read_text(encoding="utf-8"))
-                                               for name in (DS_CONFIG, PATCHES)), read_launch(run_dir))
+    spec = read_resolved(run_dir)
+    ds_config, patches = (json.loads((run_dir / name).read_text(encoding="utf-8")) for name in (DS_CONFIG, PATCHES))
+    files = RunFiles(spec, ds_config, patches, read_launch(run_dir))
     if "total_steps" not in files.launch.get("derived", {}):
         raise spec_error(f"{run_dir / LAUNCH} has no derived.total_steps",
                          hint="recompile the job with this version of jobspec")

@@ -10,13 +10,13 @@ from pathlib import Path
 SHM_DIR = Path("/dev/shm")
 
 
-def buffer_glob(master_port: int, local_rank: int | None = None) -> str:
+def buffer_glob(master_port: int | str, local_rank: int | None = None) -> str:
     """The file names DeepSpeed's shm communication op gives a job's buffers (all ranks, or one)."""
     rank = "*" if local_rank is None else int(local_rank)
     return f"deepspeed_allreduce_buffer_*_{int(master_port)}_{rank}"
 
 
-def remove_shared_memory_buffers(master_port: int | None, shm_dir: Path = SHM_DIR,
+def remove_shared_memory_buffers(master_port: int | str | None, shm_dir: Path = SHM_DIR,
                                  local_rank: int | None = None) -> int:
     """Delete the CPU accelerator's all-reduce buffers of a finished job; returns how many.
 

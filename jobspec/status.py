@@ -47,7 +47,7 @@ def ending(exit_code: int, user_signal: int | None, reason: str | None, summary:
     """The run's ending from the runner's outcome and rank 0's summary.json."""
     status = (summary or {}).get("status")
     if status == "preempted" and (summary or {}).get("checkpoint") and exit_code in (0, 128 + (user_signal or 0)):
-        return Ending("KILLED", "preempted", EXIT_PREEMPTED, stop_reason(summary, user_signal, stop_after_steps))
+        return Ending("KILLED", "preempted", EXIT_PREEMPTED, stop_reason(summary or {}, user_signal, stop_after_steps))
     if user_signal:
         return Ending("KILLED", "killed", exit_code,
                       f"stopped by {signal.Signals(user_signal).name} before a checkpoint was saved")
@@ -59,7 +59,8 @@ def ending(exit_code: int, user_signal: int | None, reason: str | None, summary:
 
 def from_summary(summary: dict | None) -> Ending | None:
     """The ending summary.json records, for a run closed without its launcher (`jobspec sync`)."""
-    status = (summary or {}).get("status")
+    summary = summary or {}
+    status = summary.get("status")
     if status == "finished":
         return Ending("FINISHED", "finished", 0)
     if status == "preempted":

@@ -31,4 +31,7 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 
 PIP_DISABLE_PIP_VERSION_CHECK=1 python -m pip install -q torch==2.13.0 -e ".[dev]"
+# lint and types first (seconds): pyproject.toml's [tool.ruff] and [tool.mypy]
+python -m ruff check jobspec
+python -m mypy jobspec
 exec python -m pytest -q "$@"

@@ -46,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
     run_dir = str(args.out.resolve()) if args.out else "RUN_DIR"
     job = prepare_job(args.job, args.overrides, run_dir=run_dir)   # memory.fit: auto applied as launch does
     resolved, compiled = job.resolved, job.compiled
+    assert compiled is not None   # prepare_job compiles by default
     fit_lines = [f"note: {line}" for line in (job.memory.lines if job.memory else [])]
 
     if args.out:

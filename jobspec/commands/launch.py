@@ -40,6 +40,7 @@ from jobspec.commands import add_set_argument
 from jobspec.errors import spec_error
 from jobspec.launch.supervise import KILL_GRACE_S
 
+
 def add_arguments(parser) -> None:
     parser.add_argument("job", metavar="JOB", nargs="?", help="job spec (YAML); omitted with --from-run")
     parser.add_argument("--from-run", metavar="RUN_ID", default=None,

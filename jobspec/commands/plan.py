@@ -52,12 +52,17 @@ def run(args: argparse.Namespace) -> int:
     # probed: the budget is --gpu-mem or memory.gpu_memory
     job = prepare_job(args.job, args.overrides, Host(gpu_free=None, bf16_supported=not args.no_bf16), plan=True,
                       apply_fit=False, budget=cli_budget, checks=[needs_budget], compile=False)
+    assert job.memory is not None   # plan=True decides it
     resolved, spec, budget = job.resolved, job.spec, job.memory.budget
     try:
         if job.memory.plan_error is not None:
             raise job.memory.plan_error
         plan = job.memory.plan
-        result = fit(spec, job.derived, budget, bf16_supported=not args.no_bf16) if args.fit else None
+        assert plan is not None   # no plan_error: the planner counted the model
+        result = None
+        if args.fit:
+            assert budget is not None   # needs_budget refuses --fit without one
+            result = fit(spec, job.derived, budget, bf16_supported=not args.no_bf16)
     except SpecError as err:   # the model could not be built or traced: say where in the file
         raise resolved.locate(err) from None
 

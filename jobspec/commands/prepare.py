@@ -3,10 +3,11 @@
 DeepSpeed compiles some C++ ops (its fused Adam, CPU Adam for optimizer offload, NVMe I/O) the
 first time a process loads them: 15 s to minutes each, cached afterwards in TORCH_EXTENSIONS_DIR
 (default ~/.cache/torch_extensions/). A job on the default path needs none (torch's fused AdamW);
-`jobspec launch` builds what a job's features need before training and says so; `prepare` does it beforehand, e.g. in a CI job or while
-building a container image. It builds for this machine's accelerator (CPU or CUDA): run it where
-the job will run, or on an identical image. Ops that cannot be built here (a missing compiler or
-library) are listed with DeepSpeed's reason; exit 1 if one of them is needed by a JOB.
+`jobspec launch` builds what a job's features need before training and says so; `prepare` does it
+beforehand, e.g. in a CI job or while building a container image. It builds for this machine's
+accelerator (CPU or CUDA): run it where the job will run, or on an identical image. Ops that
+cannot be built here (a missing compiler or library) are listed with DeepSpeed's reason; exit 1 if
+one of them is needed by a JOB.
 
 examples:
   jobspec prepare jobs/quickstart.yaml
@@ -19,6 +20,7 @@ import sys
 
 from jobspec.commands import add_set_argument
 from jobspec.errors import RunFailure, spec_error
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("jobs", nargs="*", metavar="JOB", help="job spec YAML file(s)")

@@ -2,11 +2,12 @@
 memory, prediction.
 
 One row per run: name, status, precision, ZeRO stage, micro/global batch, accumulation,
-checkpointing, optimizer, world size; the final train and eval loss, and the last evaluation's
-task metrics (accuracy, F1, perplexity: a column only when some run has it); steady-state samples/s, tokens/s, TFLOP/s and MFU (median of
-the logged series after its first point, which pays for warm-up); peak allocated / NVML / host RSS
-memory (max of the series); and the memory planner's predicted peak allocated memory ('-' when it
-cannot be computed). GPU-only values are '-' on CPU runs.
+checkpointing, optimizer, world size; the final train and eval loss, and the last evaluation's task
+metrics (accuracy, F1, perplexity: a column only when some run has it); steady-state samples/s,
+tokens/s, TFLOP/s and MFU (median of the logged series after its first point, which pays for
+warm-up); peak allocated / NVML / host RSS memory (max of the series); and the memory planner's
+predicted peak allocated memory ('-' when it cannot be computed). GPU-only values are '-' on CPU
+runs.
 
 A report only reads unless told where to write: with --out DIR, report.<md|csv|txt> and
 `comparison.png` (samples/s and peak memory per run) go to DIR; with --log-to-runs,
@@ -26,6 +27,7 @@ import argparse
 from pathlib import Path
 
 from jobspec.commands import add_format_argument
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from jobspec.report.table import DEFAULT_TRACKING_URI

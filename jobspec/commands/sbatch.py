@@ -24,6 +24,7 @@ from pathlib import Path
 
 from jobspec.commands import add_set_argument
 
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("job", metavar="JOB", help="job spec file (YAML)")
     add_set_argument(parser, "passed on to the job")

@@ -13,6 +13,7 @@ import json
 
 from jobspec.commands import add_format_argument
 
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_format_argument(parser, {"json": "the JSON Schema", "markdown": "the field reference"})
 

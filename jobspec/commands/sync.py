@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", metavar="RUN_DIR", type=Path, help="run directory written by `jobspec launch`")
     parser.add_argument("--tracking-uri", default=None, metavar="URI",

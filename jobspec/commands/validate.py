@@ -19,6 +19,7 @@ import sys
 from jobspec.commands import add_format_argument, add_set_argument
 from jobspec.errors import EXIT_INVALID, SpecError
 
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("jobs", nargs="+", metavar="JOB", help="job spec YAML file(s)")
     add_set_argument(parser)

@@ -86,13 +86,19 @@ def compile_spec(spec: dict, job: DerivedJob, *, run_dir: str = "RUN_DIR",
 def optimizer_block(optimizer: dict, offload_optimizer: str = "none") -> dict:
     """ds_config["optimizer"] of an optimizer DeepSpeed builds (jobspec/optimizers: its module's
     `deepspeed_block`)."""
-    return optimizers.get(optimizer["name"]).deepspeed_block(optimizer, offload_optimizer)
+    block = optimizers.get(optimizer["name"]).deepspeed_block
+    if block is None:
+        raise TypeError(f"optimizer {optimizer['name']} is not built by DeepSpeed")
+    return block(optimizer, offload_optimizer)
 
 
 def client_optimizer_args(optimizer: dict) -> dict:
     """Every hyper-parameter of the optimizer the worker builds itself (not in DeepSpeed's config):
     its module's `client_args`, which its `build` passes to the optimizer as written."""
-    return optimizers.get(optimizer["name"]).client_args(optimizer)
+    client_args = optimizers.get(optimizer["name"]).client_args
+    if client_args is None:
+        raise TypeError(f"optimizer {optimizer['name']} is built by DeepSpeed, not by the worker")
+    return client_args(optimizer)
 
 
 def batch_block(global_batch_size: int, micro_batch_size: int, gradient_accumulation_steps: int) -> dict:
@@ -130,6 +136,8 @@ def _scheduler_block(scheduler: dict, lr: float, job: DerivedJob, notes: list[st
     name = scheduler["name"]
     warmup = job.warmup_steps
     total = job.total_steps
+    if warmup is None or total is None:
+        raise ValueError("a scheduler needs the job's total steps")   # compile_spec refuses such a job first
     # DeepSpeed rejects warmup_num_steps 0 and warms up over at least 2 steps.
     warmup_num_steps = max(1, warmup)
     if name == "constant":
@@ -218,8 +226,8 @@ def aio_block(aio: dict) -> dict:
 
 def exports_during_training(spec: dict) -> bool:
     """Whether rank 0 writes a Hugging Face model directory while the job runs (`export` section)."""
-    export = spec.get("export") or {}
-    return bool(export.get("final", True) or export.get("at_checkpoints") or export.get("best_eval"))
+    export = spec["export"]
+    return bool(export["final"] or export["at_checkpoints"] or export["best_eval"])
 
 
 def compile_patches(spec: dict) -> list[dict]:

@@ -9,7 +9,6 @@ itself stays behind jobspec.tracking (the client the run holds, `tracking.run.lo
 """
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -31,7 +30,7 @@ def exported_models(run_dir: Path) -> dict:
 def log_exported_models(tracked, run_dir: Path, spec: dict) -> dict[str, str]:
     """Upload / tag every exported directory that still exists; returns the tags set. Never raises:
     a tracking problem here must not turn a finished training into a failed launch."""
-    limit_bytes = float((spec.get("export") or {}).get("mlflow_max_mb", 0)) * 1e6
+    limit_bytes = float(spec["export"]["mlflow_max_mb"]) * 1e6
     tags: dict[str, str] = {}
     for name, record in exported_models(run_dir).items():
         path = Path(str(record.get("path", "")))

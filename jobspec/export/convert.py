@@ -57,8 +57,8 @@ def locate(source: str | Path, spec_file: str | Path | None = None) -> Source:
         if tag is None:
             raise spec_error(f"run directory {path} has no checkpoint: {load_dir} holds no `latest` file",
                              hint="export a run that saved a checkpoint (checkpoint.save_final or every_n_steps)")
-    elif checkpointing.read_latest(path) and not _has_model_states(path):
-        load_dir, tag = path, checkpointing.read_latest(path)
+    elif (latest := checkpointing.read_latest(path)) and not _has_model_states(path):
+        load_dir, tag = path, latest
     elif _has_model_states(path):
         load_dir, tag = path.parent, path.name
     else:
@@ -247,7 +247,7 @@ def hub_offline():
     Both are restored after (`jobspec export` may run inside another process)."""
     import os
 
-    import huggingface_hub.constants as hub   # light: no torch
+    import huggingface_hub.constants as hub  # light: no torch
     saved_env = {key: os.environ.get(key) for key in OFFLINE_ENV}
     saved_flag = hub.HF_HUB_OFFLINE
     os.environ.update(dict.fromkeys(OFFLINE_ENV, "1"))

@@ -37,9 +37,9 @@ from pathlib import Path
 
 from jobspec import rundir
 from jobspec.errors import spec_error
-from jobspec.spec import eval_metrics
 from jobspec.export.hf_dir import ExportFailed, ExportInfo, describe_io_error, job_tokenizer, write_model_dir
 from jobspec.export.rules import resolve_dtype
+from jobspec.spec import eval_metrics
 from jobspec.units import MiB
 
 CHECKPOINT_SPEC = "jobspec_resolved.yaml"
@@ -59,7 +59,7 @@ class ModelExporter:
         self.base = rundir.export_dir(self.spec, self.run_dir)
         self.dtype = resolve_dtype(self.spec)
         self.label_names = label_names   # string labels -> ids: config.json's label2id/id2label
-        self.best_metric = self.settings.get("best_metric", "loss")
+        self.best_metric = self.settings["best_metric"]
         self.best_value: float | None = None
         if self.settings["best_eval"]:
             check_best_metric(self.spec, label_names)
@@ -143,6 +143,8 @@ class ModelExporter:
             info = ExportInfo(name=name, step=state.step, dtype=self.dtype, source=f"the training run ({why})",
                               metrics=metrics, notes=notes + ([self._tokenizer_note] if self._tokenizer_note else []),
                               world_size=self.world_size)
+            if state_dict is None:
+                raise RuntimeError("rank 0 gathered no state dict")   # gather_state_dict gives rank 0 one
             try:
                 record = write_model_dir(out, self.spec, state_dict, info, tokenizer=self._job_tokenizer(),
                                          label_names=self.label_names)
@@ -181,7 +183,7 @@ class ModelExporter:
 def check_best_metric(spec: dict, label_names: dict | None) -> None:
     """What validation could not tell before the data was read: the entity F1 of token
     classification needs BIO tags among the training data's labels. SpecError otherwise (exit 2)."""
-    task, name = spec["model"]["task"], spec["export"].get("best_metric", "loss")
+    task, name = spec["model"]["task"], spec["export"]["best_metric"]
     if (task, name) in eval_metrics.BIO_ONLY and not eval_metrics.is_bio(label_names or {}):
         found = ", ".join(sorted(label_names or {})[:6]) or "integer class ids"
         raise spec_error(f"`best_metric: {name}` is the entity F1 of BIO tags (O, B-TYPE, I-TYPE), but the "
@@ -237,7 +239,7 @@ def _replace_with_fp32_masters(engine, state_dict: dict | None, rank: int) -> in
         if full is None:
             missing += 1
             continue
-        if rank == 0:
+        if rank == 0 and state_dict is not None:   # rank 0 holds the full state dict
             shaped = full.detach().reshape(getattr(param, "ds_shape", param.shape)).cpu()
             for alias in aliases[id(param)]:
                 key = alias if alias in state_dict else f"_orig_mod.{alias}"

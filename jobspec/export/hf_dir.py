@@ -190,7 +190,7 @@ def _check_keys(spec: dict, expected: set, found: set) -> None:
 
 
 def _save_weights(model, directory: Path, spec: dict) -> None:
-    shard = (spec.get("export") or {}).get("max_shard_size", "5GB")
+    shard = spec["export"]["max_shard_size"]
     if hasattr(model, "save_pretrained"):
         from transformers.utils import logging as hf_logging
         shown = hf_logging.is_progress_bar_enabled()
@@ -201,7 +201,7 @@ def _save_weights(model, directory: Path, spec: dict) -> None:
             if shown:
                 hf_logging.enable_progress_bar()
         return
-    from safetensors.torch import save_model   # jobspec's mlp: plain safetensors, config as a dict
+    from safetensors.torch import save_model  # jobspec's mlp: plain safetensors, config as a dict
     (directory / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2) + "\n", encoding="utf-8")
     save_model(model, str(directory / "model.safetensors"), metadata={"format": "pt"})
 
@@ -245,8 +245,8 @@ def _progress(total: int, show: bool):
 
 def model_card(spec: dict, info: ExportInfo, model, tokenizer) -> str:
     from jobspec import __version__
-    from jobspec.secrets import mask_secrets
     from jobspec.model.build import TASK_MODEL_CLASSES
+    from jobspec.secrets import mask_secrets
 
     model_spec, memory = spec["model"], spec["memory"]
     hf = hasattr(model, "save_pretrained")

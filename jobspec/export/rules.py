@@ -15,7 +15,7 @@ from jobspec.spec import eval_metrics
 
 def resolve_dtype(spec: dict, requested: str | None = None) -> str:
     """fp32 | bf16 | fp16: `requested` (CLI), else `export.dtype`, whose `auto` follows `memory.precision`."""
-    choice = requested or (spec.get("export") or {}).get("dtype", "auto")
+    choice = requested or spec["export"]["dtype"]
     if choice == "auto":
         return spec["memory"]["precision"]
     return choice
@@ -34,7 +34,7 @@ def export_issues(r) -> list:
     data = s["data"]
     has_eval = data["eval"] is not None or bool((data["synthetic"] or {}).get("eval_samples"))
     if s["export"]["best_eval"] and not has_eval:
-        metric = s["export"].get("best_metric", "loss")
+        metric = s["export"]["best_metric"]
         best = "the lowest evaluation loss" if metric == "loss" else f"the best evaluation {metric}"
         return [r.issue(("export", "best_eval"), f"`best_eval` exports at {best}, but the job "
                         "has no evaluation data", "set `data.eval` (or `data.synthetic.eval_samples`), or remove "
@@ -47,7 +47,7 @@ def best_metric_issues(r) -> list:
     mean something: `best_eval` on. Whether token labels are BIO tags is known only once the ranks
     have read the data (jobspec.export.exporter.check_best_metric); synthetic labels never are."""
     s = r.spec
-    task, name = s["model"]["task"], s["export"].get("best_metric", "loss")
+    task, name = s["model"]["task"], s["export"]["best_metric"]
     where = ("export", "best_metric")
     produced = eval_metrics.metrics_of(task)
     if name not in produced:

@@ -108,7 +108,8 @@ def header_lines(spec: dict, job, memory, host, patches: list, *, style: bool = 
     accumulation = f" x {job.gradient_accumulation_steps} accumulation" if job.gradient_accumulation_steps > 1 else ""
     lines.append(label("training", style) + f"{job.precision} · ZeRO-{mem['zero_stage']} · "
                  f"{'offload ' + ', '.join(offload) if offload else 'no offload'} · global batch "
-                 f"{job.global_batch_size} ({job.micro_batch_size} per rank x {_ranks(job.world_size)}{accumulation}) · "
+                 f"{job.global_batch_size} ({job.micro_batch_size} per rank x "
+                 f"{_ranks(job.world_size)}{accumulation}) · "
                  f"{job.total_steps} steps · sequence length {job.seq_len}")
     lines.append(label("hardware", style) + hardware_text(job, host))
     lines.append(label("memory", style) + memory_text(job, memory, host))
@@ -282,9 +283,9 @@ def peak_memory_text(peaks: dict, plan: dict) -> str:
     parts = [versus("mem/peak_allocated_mib_max", "peak_allocated_mib", "peak allocated"),
              versus("mem/peak_reserved_mib_max", "peak_reserved_mib", "reserved"),
              versus("mem/nvml_used_mib_max", "nvml_total_mib", "GPU total")]
-    parts = [p for p in parts if p]
-    if parts:
-        return " · ".join(parts) + " per GPU"
+    shown = [p for p in parts if p]
+    if shown:
+        return " · ".join(shown) + " per GPU"
     if "mem/host_rss_mib_max" in peaks:   # CPU ranks: the process, Python and torch included
         planned = ""
         if plan.get("peak_reserved_mib") is not None:

@@ -24,7 +24,7 @@ STEP_TAG = re.compile(r"^step(\d+)$")   # checkpointing.tag_for
 @dataclass(frozen=True)
 class Intent:
     action: str                  # "fresh" | "resume" | "complete"
-    total_steps: int
+    total_steps: int | None      # None: unknown (compile_spec refuses such a job)
     step: int = 0                # the step training starts from
     checkpoint: Path | None = None
 
@@ -38,7 +38,7 @@ class Intent:
         return f"start fresh and train steps 1-{self.total_steps}"
 
 
-def decide(spec: dict, total_steps: int) -> Intent:
+def decide(spec: dict, total_steps: int | None) -> Intent:
     """The intent of a launch of `spec` now (`checkpoint.resume`: auto, never, or a checkpoint path)."""
     resume, ckpt_dir = spec["checkpoint"]["resume"], Path(spec["checkpoint"]["dir"])
     if resume == "never":
@@ -49,11 +49,12 @@ def decide(spec: dict, total_steps: int) -> Intent:
         path = Path(resume)
         load_dir, tag = (path, _read_latest(path)) if _read_latest(path) else (path.parent, path.name)
     match = STEP_TAG.match(tag or "")
-    if match is None:
+    if match is None or tag is None:
         return Intent("fresh", total_steps)
     step, checkpoint = int(match.group(1)), load_dir / tag
     # a final checkpoint whose save did not complete is passed over by the ranks, which then train
-    action = "complete" if step >= total_steps and (checkpoint / MANIFEST).is_file() else "resume"
+    complete = total_steps is not None and step >= total_steps and (checkpoint / MANIFEST).is_file()
+    action = "complete" if complete else "resume"
     return Intent(action, total_steps, step, checkpoint)
 
 
@@ -84,7 +85,8 @@ def complete_lines(spec: dict, intent: Intent) -> list[str]:
     if writer is not None:
         lines.append(f"  results     {writer}")
     if tracked:
-        lines.append(f"  MLflow      {mlflow_open(tracked['tracking_uri'], tracked['experiment_id'], tracked['run_id'])}")
+        link = mlflow_open(tracked["tracking_uri"], tracked["experiment_id"], tracked["run_id"])
+        lines.append(f"  MLflow      {link}")
     else:
         owner = ownership.read_owner(Path(ckpt_dir)) if Path(ckpt_dir).is_dir() else None
         if owner and owner.get("mlflow_run_id"):

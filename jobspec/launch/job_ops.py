@@ -8,4 +8,6 @@ def job_ops(job: str, overrides: list[str]) -> list[str]:
     from jobspec import ops
     from jobspec.job.prepare import prepare_job
 
-    return ops.needed_ops(prepare_job(job, overrides, plan=True).compiled.ds_config)
+    compiled = prepare_job(job, overrides, plan=True).compiled
+    assert compiled is not None   # prepare_job compiles by default
+    return ops.needed_ops(compiled.ds_config)

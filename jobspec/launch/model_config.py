@@ -183,7 +183,7 @@ def launch_model_config_issues(resolved) -> list[SpecIssue]:
     in_table = load_table(TRANSFORMERS_TABLE)["architectures"]
     checkpoint = local_checkpoint_config(resolved)
     if model.get("architecture") or checkpoint is not None:
-        model_type = model.get("architecture") or checkpoint.get("model_type")
+        model_type = model.get("architecture") or (checkpoint or {}).get("model_type")
         if model_type is None or model_type in in_table:
             return []   # checked by validate (or no type to check against: the ranks' AutoConfig decides)
     else:   # a hub id: validate could not know its type

@@ -43,12 +43,23 @@ from pathlib import Path
 from jobspec import lifeline, ops, rundir, shm, trace
 from jobspec import status as run_status
 from jobspec.errors import SpecError, SpecIssue, spec_error
-from jobspec.launch import host, intent, lease, lineage, ownership, preflight, quiet, runner, slurm, supervise
-from jobspec.launch import hub
+from jobspec.launch import (
+    console,
+    host,
+    hub,
+    intent,
+    lease,
+    lineage,
+    ownership,
+    preflight,
+    quiet,
+    runner,
+    slurm,
+    supervise,
+)
 from jobspec.launch import tracking as launch_tracking
 from jobspec.memory import at_launch as launch_memory
 from jobspec.secrets import mask_secrets
-from jobspec.launch import console
 from jobspec.spec import datacheck
 from jobspec.tracking import orphans
 from jobspec.tracking import run as tracking_run
@@ -66,6 +77,7 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
     phases = [("start", _process_start(), 0.0)]
     # memory.fit: auto rewrites the spec (and its derived job) here, so everything below sees what runs
     prepared = prepare_job(job, overrides, plan=True, checks=[launch_checks], compile=False)
+    assert prepared.memory is not None and prepared.host is not None   # plan=True decides both
     resolved, derived, memory, gpu_free = prepared.resolved, prepared.derived, prepared.memory, prepared.host.gpu_free
     for line in memory.lines:
         print(f"jobspec: {line}", flush=True)
@@ -160,11 +172,14 @@ def _launch_holding(job, overrides, prepared, chosen, held, resume_run_id, port,
                  [console.label("run dir", style) + str(run_dir)])
     experiment = spec["logging"]["mlflow"]["experiment"]
     terminal = quiet.HeldOutput(sys.stdout.buffer)  # the ranks' output waits for the header's MLflow lines
+
+    def announce(info: dict) -> None:
+        held.update(mlflow_run_id=info["run_id"])
+        _print_lines(console.tracking_lines(info, experiment, style=style))
+
     tracking = launch_tracking.BackgroundTracking(
         resolved, compiled, run_dir, resume_run_id, launch_memory.mlflow_params(memory, spec["memory"]["fit"]),
-        verbose=verbose, announce=lambda info: (held.update(mlflow_run_id=info["run_id"]),
-                                                _print_lines(console.tracking_lines(info, experiment, style=style))),
-        done=terminal.release, lineage=chosen, start_step=what.step)
+        verbose=verbose, announce=announce, done=terminal.release, lineage=chosen, start_step=what.step)
     phases.append(("runner", time.time(), trace.cpu_seconds()))
     tracking.start()
     # read once here, while the runner starts, instead of twice per op load on every rank

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from jobspec import hardware, rundir
 from jobspec.errors import SpecError, SpecIssue
-from jobspec.launch.runner import port_in_use
 from jobspec.export.rules import resolve_dtype
+from jobspec.launch.runner import port_in_use
 from jobspec.units import fmt_bytes_any_unit
 
 IGNORE_HINT = "or pass --ignore-preflight"
@@ -87,7 +87,8 @@ def disk_space_issues(spec: dict, derived, run_dir: Path) -> list[SpecIssue]:
         else:
             issues.append(SpecIssue(
                 on_disk[0][0],
-                " and ".join(str(need[1]) for need in on_disk) + f" share a disk with {fmt_bytes_any_unit(free)} free but "
+                " and ".join(str(need[1]) for need in on_disk)
+                + f" share a disk with {fmt_bytes_any_unit(free)} free but "
                 + " and ".join(f"{need[3]} ({fmt_bytes_any_unit(need[2])})" for need in on_disk)
                 + f" need about {fmt_bytes_any_unit(total)}",
                 "free space, point checkpoint.dir or export.dir at another disk, or "

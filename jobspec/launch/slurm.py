@@ -142,7 +142,7 @@ def _directive_value(resolved, path: tuple, value, issues: list) -> str:
     text = str(value)
     bad = _UNWRITABLE.search(text)
     if bad or text == "":
-        what = "is empty" if text == "" else f"contains {bad.group()!r}"
+        what = f"contains {bad.group()!r}" if bad else "is empty"   # "" has no unwritable character
         issues.append(resolved.issue(path, f"{what}, which cannot be written in an #SBATCH line",
                                      hint="remove newlines, control characters and backslashes from the value"))
     return shlex.quote(text)

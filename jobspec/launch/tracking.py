@@ -34,8 +34,8 @@ def start_tracking(resolved, compiled, run_dir: Path, resume_run_id: str | None)
         return None
     try:
         tracking_run.probe(settings["tracking_uri"])
-        return tracking_run.start_run(resolved.spec, compiled.launch, compiled.derived.as_dict(), resolved.text, run_dir,
-                                   resume_run_id=resume_run_id)
+        return tracking_run.start_run(resolved.spec, compiled.launch, compiled.derived.as_dict(), resolved.text,
+                                      run_dir, resume_run_id=resume_run_id)
     except tracking_run.TrackingUnavailable as err:
         uri = mask_secrets(settings["tracking_uri"])
         if settings["required"]:

@@ -17,17 +17,22 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from jobspec.errors import SpecError, spec_error
 from jobspec.units import MiB, fmt_mib_gib
+
+if TYPE_CHECKING:
+    from jobspec.memory.fit import FitResult
+    from jobspec.memory.planner import MemoryPlan
 
 
 @dataclass
 class LaunchMemory:
     """What the launch decided about memory; `lines` are printed to the user."""
 
-    plan: object | None = None          # planner.MemoryPlan of the spec that runs, None if not plannable
-    fit: object | None = None           # fit.FitResult when `memory.fit: auto` ran
+    plan: MemoryPlan | None = None      # the plan of the spec that runs, None if not plannable
+    fit: FitResult | None = None        # when `memory.fit: auto` ran
     budget: int | None = None
     budget_source: str | None = None    # "memory.gpu_memory" | "free GPU memory" | the caller's (--gpu-mem)
     lines: list = field(default_factory=list)
@@ -114,7 +119,7 @@ def preflight_problems(memory: LaunchMemory, free: int | None) -> list[str]:
 
 def plan_record(memory: LaunchMemory) -> dict:
     """launch.json's `plan` (MiB per component) and `fit` entries."""
-    record = {}
+    record: dict[str, dict] = {}
     if memory.plan is not None:
         plan = memory.plan
         mib = {f"{k}_mib": _mib(v) for k, v in plan.breakdown.items()}
@@ -125,7 +130,7 @@ def plan_record(memory: LaunchMemory) -> dict:
         if memory.budget is not None:
             mib["budget_mib"] = _mib(memory.budget)
         record["plan"] = mib
-    if memory.fit is not None:
+    if memory.fit is not None and memory.budget is not None:   # a fit runs only with a budget
         result = memory.fit
         record["fit"] = {"changes": result.changes, "overrides": result.overrides, "reason": result.reason,
                          "slowdown": round(result.slowdown, 3), "considered": result.considered,

@@ -17,9 +17,9 @@ import json
 from dataclasses import dataclass, field
 
 from jobspec import optimizers
+from jobspec.memory.planner import MemoryPlan, plan_memory
 from jobspec.optimizers.base import DEEPSPEED_CPU_ADAM
 from jobspec.spec.derived import DerivedJob
-from jobspec.memory.planner import MemoryPlan, plan_memory
 from jobspec.units import fmt_mib_gib
 
 # Reference device for the slowdown model: only ratios between candidates are reported.
@@ -71,6 +71,8 @@ def fit(spec: dict, job: DerivedJob, budget_bytes: int, *, bf16_supported: bool 
     if not spec["memory"]["offload"]["nvme_path"]:
         notes.append("NVMe offload not tried: set memory.offload.nvme_path to include it")
     if best is None:
+        if smallest is None:
+            raise ValueError("fit: no configuration to consider")
         changes, plan, cost = smallest
         reason = (f"nothing fits in {fmt_mib_gib(budget_bytes)}: the smallest configuration ({describe(changes)}) "
                   f"needs {fmt_mib_gib(plan.nvml_total)}. Try more GPUs (ZeRO-3 divides the model states by "
@@ -106,7 +108,7 @@ def candidate_changes(spec: dict, job: DerivedJob, bf16_supported: bool):
         stage, off_opt, off_params = layout
         if optimizers.get(optimizer).offload != DEEPSPEED_CPU_ADAM and off_opt != "none":
             continue   # the fast optimizer offload is DeepSpeed's own CPU Adam
-        pinned = training["optimizer"].get("implementation", "auto")
+        pinned = training["optimizer"]["implementation"]
         if (pinned == "fused" and off_opt != "none") or (pinned == "cpu" and off_opt == "none"):
             continue   # a pinned Adam implementation fixes whether the optimizer is offloaded
         if spec["model"]["attention"] == "flash_attention_2" and precision == "fp32":
@@ -186,6 +188,9 @@ def step_time(spec: dict, job: DerivedJob) -> float:
     plan = plan_memory(spec, job)
     psi, world = plan.settings["parameters"], job.world_size
     tokens = job.tokens_per_micro_batch
+    if job.hardware_flops_per_token is None:
+        # set whenever the job has a profile, which plan_memory above requires
+        raise ValueError("step_time needs the model's traced FLOPs")
     flops = job.hardware_flops_per_token * tokens   # checkpoint recompute included (jobspec.spec.flops)
     efficiency = tokens / (tokens + HALF_SATURATION_TOKENS)
     compute = flops / (EFFECTIVE_FLOPS[memory["precision"]] * efficiency)

@@ -15,9 +15,9 @@ import re
 from dataclasses import asdict, dataclass, field
 
 from jobspec import optimizers
-from jobspec.errors import SpecError, spec_error
-from jobspec.spec.derived import PRECISION_BYTES, DerivedJob, zero_bucket_sizes
+from jobspec.errors import spec_error
 from jobspec.export.rules import resolve_dtype
+from jobspec.spec.derived import PRECISION_BYTES, DerivedJob, zero_bucket_sizes
 from jobspec.spec.model_profile import Inventory
 from jobspec.units import MiB, fmt_mib_gib
 
@@ -123,7 +123,8 @@ def plan_memory(spec: dict, job: DerivedJob, *, budget: int | None = None) -> Me
     part = lambda n: math.ceil(n / world) if stage >= 1 else n   # noqa: E731 - the ZeRO partition of n
     opt_states = optimizer_state_bytes(optimizer, inventory)
     gpu = dict.fromkeys(("parameters", "buffers", "gradients", "master_weights", "optimizer_states", "step_gradients",
-                         "gathered_parameters", "activations", "embeddings_activations", "logits_and_loss", "zero_buffers"), 0)
+                         "gathered_parameters", "activations", "embeddings_activations", "logits_and_loss",
+                         "zero_buffers"), 0)
     host = {"model_init": 4 * psi}    # each rank builds the model in fp32 on the host first
     nvme = 0
     # the sizes compile_spec writes into zero_optimization (an explicit 0 stays 0)
@@ -245,9 +246,10 @@ def render_plan(plan: MemoryPlan, title: str = "") -> str:
     ckpt = f"{s['checkpointed_layers']}/{s['layers']} layers" if s["checkpointed_layers"] else "off"
     frozen = s["parameters"] - s["trainable_parameters"]
     trainable = f" ({s['trainable_parameters'] / 1e6:.1f}M trainable)" if frozen else ""
-    lines.append(f"{s['parameters'] / 1e6:.1f}M params{trainable}, {s['precision']}, ZeRO-{s['zero_stage']} x {s['world_size']} "
-                 f"rank(s), micro-batch {s['micro_batch_size']} x seq {s['seq_len']}, optimizer {s['optimizer']}, "
-                 f"checkpointing {ckpt}, attention {s['attention']}, offload optimizer={s['offload_optimizer']} "
+    lines.append(f"{s['parameters'] / 1e6:.1f}M params{trainable}, {s['precision']}, "
+                 f"ZeRO-{s['zero_stage']} x {s['world_size']} rank(s), micro-batch {s['micro_batch_size']} "
+                 f"x seq {s['seq_len']}, optimizer {s['optimizer']}, checkpointing {ckpt}, "
+                 f"attention {s['attention']}, offload optimizer={s['offload_optimizer']} "
                  f"params={s['offload_params']}")
     rows = [(label, plan.breakdown[key]) for key, label in ROWS if plan.breakdown[key]]
     rows += [("peak allocated", plan.peak_allocated), ("peak reserved (allocator)", plan.peak_reserved),
@@ -259,7 +261,7 @@ def render_plan(plan: MemoryPlan, title: str = "") -> str:
         if i == len(rows) - (5 if plan.nvme_total else 4):
             lines.append("-" * (width + 14))
         lines.append(f"  {label:<{width}}  {fmt_mib_gib(value):>10}")
-    if plan.budget is not None:
+    if plan.budget is not None and plan.headroom is not None:   # both or neither
         verdict = "fits" if plan.fits else "does NOT fit"
         lines.append(f"{verdict} in {fmt_mib_gib(plan.budget)}: headroom {fmt_mib_gib(plan.headroom)}")
     lines += [f"note: {n}" for n in plan.notes]

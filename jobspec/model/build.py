@@ -64,8 +64,8 @@ def build_model(spec: dict, tokenizer=None):
     import torch
 
     model_spec = spec["model"]
-    task = model_spec.get("task", "sequence-classification")
-    attention = model_spec.get("attention", "sdpa")
+    task = model_spec["task"]
+    attention = model_spec["attention"]
     trust = bool(model_spec.get("trust_remote_code"))
     _warn_remote_code(model_spec)
 
@@ -76,7 +76,7 @@ def build_model(spec: dict, tokenizer=None):
             model = auto_class.from_pretrained(name, config=config, revision=revision, trust_remote_code=trust,
                                                attn_implementation=attention)
         else:
-            torch.manual_seed(spec.get("training", {}).get("seed", 42))
+            torch.manual_seed(spec["training"]["seed"])
             model = auto_class.from_config(config, attn_implementation=attention, trust_remote_code=trust)
     except SpecError:
         raise
@@ -99,11 +99,11 @@ def build_config(spec: dict, tokenizer=None):
     import transformers
 
     model_spec = spec["model"]
-    task = model_spec.get("task", "sequence-classification")
+    task = model_spec["task"]
     auto_class = getattr(transformers, tasks.get(task).auto_class)
     overrides = dict(model_spec.get("config") or {})
     if tasks.get(task).classification:
-        overrides.setdefault("num_labels", model_spec.get("num_labels", 2))
+        overrides.setdefault("num_labels", model_spec["num_labels"])
     if model_spec.get("name_or_path"):
         config = transformers.AutoConfig.from_pretrained(
             model_spec["name_or_path"], revision=model_spec.get("revision"),
@@ -132,8 +132,8 @@ def build_skeleton(spec: dict, tokenizer=None):
         except SpecError:
             raise
         except (OSError, ValueError, KeyError, TypeError) as err:
-            raise loading_error(spec["model"], spec["model"].get("task", "sequence-classification"),
-                                 spec["model"].get("attention", "sdpa"), err) from None
+            raise loading_error(spec["model"], spec["model"]["task"],
+                                 spec["model"]["attention"], err) from None
 
 
 def _config_for_architecture(architecture: str | None, overrides: dict):
@@ -171,9 +171,9 @@ def _check_vocab(spec: dict, model, tokenizer) -> None:
     vocab_size = getattr(model.config, "vocab_size", None)
     if not vocab_size:
         return
-    synthetic = spec.get("data", {}).get("synthetic")
+    synthetic = spec["data"]["synthetic"]
     if synthetic is not None:
-        high = synthetic.get("vocab_range", [100, 30000])[1]
+        high = synthetic["vocab_range"][1]
         if high > vocab_size:
             raise spec_error(f"synthetic token ids go up to {high - 1} but the model's vocabulary has "
                              f"{vocab_size} entries", path=("data", "synthetic", "vocab_range"),

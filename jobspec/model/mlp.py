@@ -84,12 +84,12 @@ class MLPClassifier(nn.Module):
 def build_mlp(spec: dict) -> MLPClassifier:
     """The spec's mlp with seeded random weights; config errors name `model.config`."""
     model_spec = spec["model"]
-    task = model_spec.get("task", "sequence-classification")
+    task = model_spec["task"]
     if task != "sequence-classification":
         raise spec_error(f"architecture mlp only has a sequence-classification head, not {task!r}",
                          path=("model", "task"), hint="set model.task: sequence-classification")
     values = dict(model_spec.get("config") or {})
-    values.setdefault("num_labels", model_spec.get("num_labels", 2))
+    values.setdefault("num_labels", model_spec["num_labels"])
     known = set(CONFIG_KEYS)
     unknown = sorted(set(values) - known)
     if unknown:
@@ -99,5 +99,5 @@ def build_mlp(spec: dict) -> MLPClassifier:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise spec_error(f"mlp config {key} must be a positive integer, got {value!r}",
                              path=("model", "config", key), hint=f"e.g. {key}: {getattr(MLPConfig, key)}")
-    torch.manual_seed(spec.get("training", {}).get("seed", 42))
+    torch.manual_seed(spec["training"]["seed"])
     return MLPClassifier(MLPConfig(**values))

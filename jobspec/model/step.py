@@ -19,11 +19,12 @@ from __future__ import annotations
 import functools
 import gc
 import weakref
+from typing import Any
 
 from jobspec import tasks
 from jobspec.model.kernels import sdpa_stand_in
-from jobspec.tasks.base import CLASS, TOKEN_CLASS
 from jobspec.spec.model_profile import REGIONS, UnitTrace
+from jobspec.tasks.base import CLASS, TOKEN_CLASS
 
 ALLOCATOR_ROUND = 512          # the CUDA caching allocator's smallest block
 
@@ -36,7 +37,7 @@ def step_inputs(spec: dict, config, micro_batch: int, seq_len: int) -> dict:
     ids = torch.randint(0, vocab, (micro_batch, seq_len))
     batch = {"input_ids": ids, "attention_mask": torch.ones(micro_batch, seq_len, dtype=torch.long)}
     labels = tasks.of(spec).labels   # the task's label shape (jobspec/tasks)
-    labels_count = int(spec["model"].get("num_labels", 2))
+    labels_count = int(spec["model"]["num_labels"])
     if labels == CLASS:
         batch["labels"] = torch.randint(0, labels_count, (micro_batch,))
     elif labels == TOKEN_CLASS:
@@ -48,7 +49,6 @@ def step_inputs(spec: dict, config, micro_batch: int, seq_len: int) -> dict:
 
 def run_step(model, spec: dict, micro_batch: int, seq_len: int, stack) -> dict:
     """One forward + backward under the counters (inside the caller's FakeTensorMode)."""
-    import torch
     from torch.distributed._tools.mod_tracker import ModTracker
 
     params = list(model.parameters())
@@ -56,7 +56,7 @@ def run_step(model, spec: dict, micro_batch: int, seq_len: int, stack) -> dict:
     root = type(model).__name__
     base = getattr(model, "base_model_prefix", "")
     layer_prefix = _layer_prefix(model, stack, root)
-    counter = _LiveStorages(lambda: _region(tracker.parents, root, base, layer_prefix))
+    counter: Any = _LiveStorages(lambda: _region(tracker.parents, root, base, layer_prefix))
     counter.ignore(params + list(model.buffers()))
     # No garbage collection while tracing: a collection frees tensors held in reference cycles at
     # whatever moment it happens to run, which would make the peak depend on the interpreter's timing.

@@ -9,6 +9,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import inspect
+from collections.abc import Sequence
 
 from jobspec.errors import spec_error
 
@@ -126,7 +127,7 @@ def find_layer_stack(model):
     return None
 
 
-def freeze(model, patterns: list[str] = ()) -> str:
+def freeze(model, patterns: Sequence[str] = ()) -> str:
     """Stop gradients for parameters whose name matches a pattern (fnmatch).
 
     A pattern may leave out leading module names: `embeddings.*` matches

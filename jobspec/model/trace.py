@@ -23,6 +23,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from jobspec.errors import SpecError, first_line, spec_error
 from jobspec.model.step import extrapolate, run_step, summarize
@@ -43,8 +44,8 @@ class ModelTracer:
         self.cache_dir = cache_dir
         self._units: dict = {}
         self._inventory: Inventory | None = None
-        self._config = None
-        self._auto_class = None
+        self._config: Any = None        # the transformers config, built once
+        self._auto_class: Any = None    # the transformers auto class of the task
 
     # ------------------------------------------------------------------ public
     def inventory(self) -> Inventory:
@@ -137,7 +138,7 @@ class ModelTracer:
             model = self._build_step(lambda: build_skeleton(spec))
         else:
             config = self._config_for(layers)
-            attention = self.spec["model"].get("attention", "sdpa")
+            attention = self.spec["model"]["attention"]
             trust = bool(self.spec["model"].get("trust_remote_code"))
             with torch.device("meta"):
                 model = self._build_step(lambda: self._auto_class.from_config(
@@ -155,8 +156,7 @@ class ModelTracer:
             raise
         except Exception as err:  # noqa: BLE001 - any failure of transformers' code is the spec's model's
             model = self.spec["model"]
-            raise loading_error(model, model.get("task", "sequence-classification"),
-                                model.get("attention", "sdpa"), err) from None
+            raise loading_error(model, model["task"], model["attention"], err) from None
 
     # ------------------------------------------------------------------ tracing
     def _trace(self, precision: str, micro_batch: int, seq_len: int, *, types: tuple | None = None,
@@ -269,7 +269,7 @@ def _versions() -> dict:
     """torch's and transformers' versions (read once: a metadata read costs ~5 ms)."""
     from importlib import metadata
 
-    versions = {}
+    versions: dict[str, str | None] = {}
     for dist in ("torch", "transformers"):
         try:
             versions[dist] = metadata.version(dist)

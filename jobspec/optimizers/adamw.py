@@ -14,7 +14,7 @@ CODE = "adam-settings"   # the rule code of every rule below (`validate --format
 
 
 def deepspeed_block(optimizer: dict, offload_optimizer: str = "none") -> dict:
-    implementation = optimizer.get("implementation", "auto")
+    implementation = optimizer["implementation"]
     offloaded = offload_optimizer != "none"
     # DeepSpeed has no switch between its two Adams: optimizer offload means CPU Adam, else FusedAdam
     # (deepspeed/runtime/engine.py get_optimizer_configuration). A spec that asks for the other one
@@ -41,7 +41,7 @@ def deepspeed_block(optimizer: dict, offload_optimizer: str = "none") -> dict:
         params["fused"] = True
     else:
         params["torch_adam"] = False   # DeepSpeed's FusedAdam / DeepSpeedCPUAdam, not torch.optim
-        params["bias_correction"] = optimizer.get("bias_correction", True)
+        params["bias_correction"] = optimizer["bias_correction"]
     params["adam_w_mode"] = True   # decoupled weight decay
     return {"type": "AdamW", "params": params}
 
@@ -54,7 +54,7 @@ def auto_adam(optimizer: dict, offloaded: bool) -> str:
     false`, which only DeepSpeed's own Adams implement."""
     if offloaded:
         return "cpu"
-    if not optimizer.get("bias_correction", True):
+    if not optimizer["bias_correction"]:
         return "fused"
     return "torch"
 

@@ -2,8 +2,8 @@
 loss and the task metrics of the last evaluation, steady-state throughput, measured peak memory and
 the planner's prediction; rendered as an aligned table, markdown or CSV.
 
-Reads what the launcher and worker log (see jobspec.tracking.run and jobspec.tracking.sink): params are the flattened resolved
-spec plus `derived.*`, metrics use the shared names (`perf/samples_per_s`, `mem/...`), artifacts
+Reads what the launcher and worker log (see jobspec.tracking.run and jobspec.tracking.sink): params are
+the flattened resolved spec plus `derived.*`, metrics use the shared names (`perf/samples_per_s`, `mem/...`), artifacts
 include `resolved.yaml`. Missing values (a GPU metric on a CPU run, a failed run) are None here
 and '-' in the text formats: absent, never zero.
 """
@@ -153,7 +153,9 @@ def predicted_peak_mib(spec: dict) -> float | None:
     from jobspec.units import MiB
     try:
         resolved = ResolvedSpec(fill_defaults(spec), Path(rundir.RESOLVED), "")
-        plan = prepare_job(resolved, host=Host(), plan=True, apply_fit=False, compile=False).memory.plan
+        memory = prepare_job(resolved, host=Host(), plan=True, apply_fit=False, compile=False).memory
+        assert memory is not None   # plan=True decides it
+        plan = memory.plan
         return plan.peak_allocated / MiB if plan is not None else None
     except Exception:  # an unknown architecture, an old resolved.yaml: a '-' in the table, not a crash
         return None
@@ -211,8 +213,8 @@ def open_experiment(tracking_uri: str, experiment: str):
         if ids and "'" not in experiment and client.search_runs(ids, job_filter, max_results=1):
             return client, ids, job_filter
     except Exception as err:  # TrackingUnavailable, MlflowException, requests/sqlite errors
-        raise spec_error(f"MLflow tracking at {shown} is unavailable: {first_line(err, limit=300)}", path=("--tracking-uri",),
-                         hint="start the server or fix the URI") from None
+        raise spec_error(f"MLflow tracking at {shown} is unavailable: {first_line(err, limit=300)}",
+                         path=("--tracking-uri",), hint="start the server or fix the URI") from None
     raise spec_error(f"no experiment or job named {experiment!r} at {shown}", path=("EXPERIMENT",),
                      hint=f"known experiments: {', '.join(names)}" if names else "launch a job first")
 

@@ -41,9 +41,9 @@ class Columns:
     @classmethod
     def of(cls, spec: dict) -> "Columns":
         data, model = spec["data"], spec["model"]
-        task = model.get("task", "sequence-classification")
-        label = data.get("label_field", "label") if tasks.get(task).classification else None
-        return cls(tuple(data.get("text_fields") or ["text"]), label, task, model.get("num_labels", 2))
+        task = model["task"]
+        label = data["label_field"] if tasks.get(task).classification else None
+        return cls(tuple(data.get("text_fields") or ["text"]), label, task, model["num_labels"])
 
     def needed(self) -> list[str]:
         return [*self.text_fields, *([self.label_field] if self.label_field else [])]
@@ -58,7 +58,7 @@ def preflight_issues(spec: dict) -> list[SpecIssue]:
     for split in SPLITS:
         if data.get(split):
             try:
-                issue = check_file(data[split], data.get("format", "auto"), Columns.of(spec), split)
+                issue = check_file(data[split], data["format"], Columns.of(spec), split)
             except SpecError as err:  # data.format cannot be told from the extension
                 issues.extend(err.issues)
                 continue
@@ -186,8 +186,8 @@ def _csv_rows(path: Path, columns: Columns, split: str, max_rows: int | None, ma
             # what pandas (datasets' csv reader) makes of a field: missing when empty; labels that are
             # all integers become class ids
             row = {name: (EMPTY if fields[i] == "" else fields[i]) for name, i in index.items()}
-            if columns.label_field and isinstance(row[columns.label_field], str):
-                row[columns.label_field] = _int_or_text(row[columns.label_field])
+            if columns.label_field and isinstance(label := row[columns.label_field], str):
+                row[columns.label_field] = _int_or_text(label)
             yield where, row
             rows += 1
             if max_rows is not None and rows >= max_rows:
@@ -334,7 +334,7 @@ def locate_error(spec: dict, split: str) -> SpecError | None:
     """A rank's failure on a data file turned into the first bad row's file:line (None when the whole
     file checks out: the failure was not the data's)."""
     data = spec["data"]
-    issue = check_file(data[split], data.get("format", "auto"), Columns.of(spec), split, max_rows=None, max_bytes=None)
+    issue = check_file(data[split], data["format"], Columns.of(spec), split, max_rows=None, max_bytes=None)
     return SpecError([issue]) if issue is not None else None
 
 

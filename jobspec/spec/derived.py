@@ -2,9 +2,10 @@
 
 World size, batch split, sequence length, bytes per precision, model dimensions, total/warmup steps
 and the model's measured profile (parameters, activations, FLOPs per token) are derived here and
-nowhere else. The compiler, the memory planner and its fit search, the launcher, the pre-flight checks, the rank-side worker, the progress
-lines, the report and the commands all take a `DerivedJob`; the run directory carries it
-(`launch.json` -> "derived"), so the ranks read it instead of recomputing it.
+nowhere else. The compiler, the memory planner and its fit search, the launcher, the pre-flight
+checks, the rank-side worker, the progress lines, the report and the commands all take a
+`DerivedJob`; the run directory carries it (`launch.json` -> "derived"), so the ranks read it
+instead of recomputing it.
 
 Pure: no torch, no I/O. What a derivation needs from disk (a local checkpoint's config.json, the
 training file's row count) is read at the edge by `jobspec.spec.inputs.derive_job` and passed in; the

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import json
 
-from jobspec.spec.schema import schema_types
-from jobspec.spec.schema import object_branch
+from jobspec.spec.schema import object_branch, schema_types
 
 REGENERATE = "jobspec schema --format markdown > docs/spec.md"
 

@@ -66,7 +66,7 @@ OWNED_DEEPSPEED_KEYS: dict[tuple[str, ...], str] = {
     ("bfloat16", "enabled"): "memory.precision",
     ("torch_autocast", "enabled"): "memory.precision",
 }
-_OWNED_HINTS = {
+_OWNED_HINTS: dict[tuple[str, ...], str] = {
     ("gradient_accumulation_steps",): "jobspec derives it as global_batch_size / (micro_batch_size x world size): "
                                       "set `training.global_batch_size`",
     ("optimizer",): "set `training.optimizer` (name, lr, betas, eps, weight_decay, momentum) instead",
@@ -112,7 +112,7 @@ def model_config_issues(spec: dict, issue: IssueFn, checkpoint_config: dict | No
     """
     model = spec.get("model") if isinstance(spec, dict) else None
     config = model.get("config") if isinstance(model, dict) else None
-    if not isinstance(config, dict) or not config:
+    if not isinstance(model, dict) or not isinstance(config, dict) or not config:
         return []
     checkpoint_config = checkpoint_config if isinstance(checkpoint_config, dict) else {}
     architecture = model.get("architecture")
@@ -196,7 +196,7 @@ def _owned_problems(section: dict) -> tuple[list[Problem], set]:
 class _Walker:
     """Checks a value against a JSON Schema node (the subset the generated tables use), collecting Problems."""
 
-    def __init__(self, auto_is_wrong: bool, skip: set = frozenset()):
+    def __init__(self, auto_is_wrong: bool, skip: frozenset | set = frozenset()):
         self.auto_is_wrong = auto_is_wrong   # DeepSpeed takes "auto" as text and falls back to its default
         self.skip = skip                      # paths already reported (owned keys): nothing below them
         self.problems: list[Problem] = []
@@ -251,7 +251,7 @@ def _branch(value: Any, node: dict, lax: bool = False) -> dict | None:
 
 def _node_types(node: dict) -> list[str]:
     if node.get("anyOf") or node.get("oneOf"):
-        return [t for alt in node.get("anyOf") or node.get("oneOf") for t in _node_types(alt)]
+        return [t for alt in node.get("anyOf") or node["oneOf"] for t in _node_types(alt)]
     types = node.get("type") or []
     return [types] if isinstance(types, str) else list(types)
 

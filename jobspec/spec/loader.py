@@ -116,7 +116,8 @@ def parse_yaml(text: str, display: str) -> tuple[Any, dict, dict]:
         line = text.count("\n", 0, err.position) + 1
         column = err.position - (text.rfind("\n", 0, err.position) + 1) + 1
         raise spec_error(f"character #x{err.character:04x} is not allowed in YAML (control character)",
-                         file=display, line=line, column=column, hint="delete it; save the file as plain text") from None
+                         file=display, line=line, column=column,
+                         hint="delete it; save the file as plain text") from None
     except yaml.YAMLError as err:
         raise spec_error(f"YAML error: {first_line(err)}", file=display) from None
     if root is None:
@@ -136,6 +137,8 @@ _FAST_LOADER = getattr(yaml, "CSafeLoader", None)
 
 
 def _check_depth(text: str) -> None:
+    if _FAST_LOADER is None:
+        raise RuntimeError("_check_depth needs libyaml's CSafeLoader")   # the callers check _FAST_LOADER first
     parser = _FAST_LOADER(text)
     depth = 0
     try:
@@ -174,7 +177,8 @@ class _DepthCheckedLoader(yaml.SafeLoader):
 
 def _nesting_error(display: str, mark) -> SpecError:
     return spec_error(f"nested more than {MAX_DEPTH} levels deep", file=display, line=mark.line + 1,
-                      column=mark.column + 1, hint="a job spec needs a few levels; check for runaway brackets or recursive aliases")
+                      column=mark.column + 1,
+                      hint="a job spec needs a few levels; check for runaway brackets or recursive aliases")
 
 
 def _reject_tab_indentation(text: str, display: str) -> None:
@@ -299,7 +303,7 @@ def _load_with_bases(display: str, chain: tuple) -> LoadedSpec:
     base_ref = value.get("extends")
     if base_ref is None:
         return loaded
-    where = positions.get(("extends",))
+    where = positions[("extends",)]   # the key is in the file: it has a position
     if not isinstance(base_ref, str) or not base_ref.strip():
         raise spec_error("`extends` must be the path of a base spec", path=("extends",), file=where.file,
                          line=where.line, column=where.col, hint="e.g. `extends: base.yaml` (relative to this file)")

@@ -95,7 +95,7 @@ def model_dims(spec: dict, config_json: dict | None = None) -> ModelDims | None:
     model = spec.get("model") or {}
     config_json = config_json or {}
     model_type = model.get("architecture") or config_json.get("model_type")
-    values = dict(ARCHITECTURE_DEFAULTS.get(model_type, {}))
+    values = dict(ARCHITECTURE_DEFAULTS.get(model_type, {})) if model_type is not None else {}
     values.update(_canonical(config_json))
     values.update(_canonical(model.get("config") or {}))
     hidden = _count(values.get("hidden_size"))

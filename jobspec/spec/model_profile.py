@@ -14,8 +14,9 @@
   unit trace of a model with exactly those layers. Each middle layer adds what it keeps for backward to
   every point of the peak region; the first layer's type decides what is kept of the embeddings' output,
   the last two what happens at the turn from forward to backward (DeBERTa-v2's shared relative-position
-  tensors need both), and K makes every per-kind mask exist once in every unit, as in the whole model. tests/model/test_trace.py holds this
-  equal to the full trace, for uniform, alternating (local/global) and checkpointed-one-in-k stacks.
+  tensors need both), and K makes every per-kind mask exist once in every unit, as in the whole model.
+  tests/model/test_trace.py holds this equal to the full trace, for uniform, alternating (local/global)
+  and checkpointed-one-in-k stacks.
 - `ModelProfile`: an inventory and the composed trace of one setting (what `DerivedJob.profile` holds).
 
 No torch here: the planner (pure) reads these, and the trace cache stores them as JSON.

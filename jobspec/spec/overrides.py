@@ -10,7 +10,15 @@ from typing import Any
 
 from jobspec.errors import SpecError, SpecIssue, spec_error
 from jobspec.spec.loader import SET_FILE, LoadedSpec, Position, iter_paths, parse_yaml
-from jobspec.spec.schema import has_type, object_branch, schema_types, subschema_at, type_name, types_text
+from jobspec.spec.schema import (
+    has_type,
+    object_branch,
+    schema_types,
+    shared_schema,
+    subschema_at,
+    type_name,
+    types_text,
+)
 
 
 def apply_overrides(loaded: LoadedSpec, overrides) -> LoadedSpec:
@@ -48,7 +56,7 @@ def parse_override(override: str, where: Position) -> tuple[tuple, Any]:
 
 
 def _schema_for_override(keys: tuple, fail) -> dict:
-    node = subschema_at(())
+    node = shared_schema()   # the schema at ()
     for depth, key in enumerate(keys):
         branch = object_branch(node) or node
         props = branch.get("properties", {})

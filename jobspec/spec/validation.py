@@ -18,12 +18,19 @@ from typing import Any
 from jobspec import optimizers
 from jobspec.errors import SpecError, SpecIssue
 from jobspec.spec.derived import derive
-from jobspec.spec.loader import SET_FILE, LoadedSpec, Position, load_spec
 from jobspec.spec.freeform import freeform_issues, local_checkpoint_config
+from jobspec.spec.loader import SET_FILE, LoadedSpec, Position, load_spec
 from jobspec.spec.offload_rules import offload_problems
 from jobspec.spec.overrides import apply_overrides
-from jobspec.spec.schema import (fill_defaults, has_type, schema_types, shared_schema, subschema_at,
-                                 type_name, types_text)
+from jobspec.spec.schema import (
+    fill_defaults,
+    has_type,
+    schema_types,
+    shared_schema,
+    subschema_at,
+    type_name,
+    types_text,
+)
 
 PATH_FIELDS = (("data", "train"), ("data", "eval"), ("data", "tokenizer"), ("model", "name_or_path"),
                ("output_dir",), ("checkpoint", "dir"), ("checkpoint", "resume"), ("memory", "offload", "nvme_path"),
@@ -116,7 +123,7 @@ def _coded(issues: list[SpecIssue], code: str) -> list[SpecIssue]:
 
 @lru_cache(maxsize=1)
 def _validator():
-    import jsonschema   # ~60 ms; only paid by commands that validate
+    import jsonschema  # ~60 ms; only paid by commands that validate
 
     base = jsonschema.Draft202012Validator
     # JSON Schema counts 2.0 as an integer; a batch size of 2.0 would reach DeepSpeed as a float.
@@ -312,14 +319,16 @@ def cross_field_issues(r: ResolvedSpec) -> list[SpecIssue]:
                          else (("data", "max_length"), s["data"]["max_length"]))
     if positions is not None and seq_len > positions:
         add(r.issue(seq_path, f"{seq_len} tokens per sequence, but the model's position table has {positions}",
-                    f"use at most {positions}, or raise model.config.max_position_embeddings", code="seq-len-positions"))
+                    f"use at most {positions}, or raise model.config.max_position_embeddings",
+                    code="seq-len-positions"))
     from jobspec.export import rules as export_rules
     issues += (_coded(export_rules.precision_issues(r), "fp16-auto-cast")
                + _coded(export_rules.export_issues(r), "export-best"))
     written = ("logging", "system_metrics") in r.positions   # else its default: off with MLflow off (resolve_paths)
     if written and s["logging"]["system_metrics"] and not s["logging"]["mlflow"]["enabled"]:
         add(r.issue(("logging", "system_metrics"), "system metrics are recorded in the MLflow run, and MLflow is off",
-                    "set `logging.mlflow.enabled: true`, or `logging.system_metrics: false`, its default with MLflow off",
+                    "set `logging.mlflow.enabled: true`, or `logging.system_metrics: false`, "
+                    "its default with MLflow off",
                     code="system-metrics-mlflow"))
     uri_problem = _tracking_uri_problem(s["logging"]["mlflow"]["tracking_uri"])
     if uri_problem:
@@ -331,7 +340,8 @@ def cross_field_issues(r: ResolvedSpec) -> list[SpecIssue]:
     resume = s["checkpoint"]["resume"]
     if resume not in ("auto", "never") and not _exists(_local_path(r, ("checkpoint", "resume"))):
         close = difflib.get_close_matches(resume.lower(), ["auto", "never"], n=1, cutoff=0.5)
-        add(r.issue(("checkpoint", "resume"), f"`{resume[:80]}` is neither `auto`, `never` nor an existing checkpoint path",
+        add(r.issue(("checkpoint", "resume"),
+                    f"`{resume[:80]}` is neither `auto`, `never` nor an existing checkpoint path",
                     f"did you mean `{close[0]}`?" if close else "use `auto`, `never` or the path of a checkpoint",
                     code="checkpoint-resume"))
     return issues
@@ -373,7 +383,7 @@ def _base_dir(r: ResolvedSpec, path: tuple) -> Path:
 
 
 def _local_path(r: ResolvedSpec, path: tuple) -> Path:
-    value = r.spec
+    value: Any = r.spec
     for key in path:
         value = value[key]
     return Path(os.path.abspath(_base_dir(r, path) / os.path.expanduser(value)))

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 from jobspec import hardware, rundir
@@ -102,7 +103,7 @@ class TrackedRun:
     tracking_uri: str     # without credentials
     experiment_id: str
     run_id: str
-    client: object        # mlflow.MlflowClient
+    client: Any           # mlflow.MlflowClient (mlflow is imported lazily)
 
     def as_json(self) -> dict:
         return {"tracking_uri": self.tracking_uri, "experiment_id": self.experiment_id, "run_id": self.run_id}

@@ -88,7 +88,8 @@ class MetricSink:
             self._queue.put(None)
             self._wake.set()  # cut a long backoff short: try now, then until the deadline
             self._thread.join(timeout + 15)  # + one HTTP request's timeout and retries
-            if self.spilled and not self.dropped and time.monotonic() < self._give_up_at:
+            if (self.spilled and not self.dropped and self.run_id is not None
+                    and time.monotonic() < self._give_up_at):
                 try:
                     self.spilled -= sync.upload_missing(self.client, self.run_id, self.run_dir)
                 except Exception as err:
@@ -101,6 +102,8 @@ class MetricSink:
 
     def _send_loop(self) -> None:
         if self.client is None:
+            if self._uri is None:
+                raise RuntimeError("MetricSink: neither a client nor a tracking URI")   # __init__ checks
             self.client = client_for(self._uri)
         from mlflow.entities import Metric, Param, RunTag
         last_sent = -SEND_INTERVAL_S
@@ -118,7 +121,7 @@ class MetricSink:
                     items.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            metrics = []
+            metrics: list = []
             for item in items:
                 if item is None or item[0] != "metrics":
                     self._send_metrics(metrics)  # in order: points queued before params/tags go first

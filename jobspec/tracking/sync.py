@@ -14,7 +14,6 @@ from jobspec.tracking import run as tracking
 from jobspec.tracking.run import MAX_METRICS_PER_BATCH
 
 
-
 @dataclass
 class SyncResult:
     run_id: str

@@ -56,7 +56,7 @@ def restore_rng_state(state: dict) -> None:
 def _all_ranks_rng_states() -> list[dict]:
     # DeepSpeed stores client_state from data-parallel rank 0 only, so each rank's RNG
     # (dropout differs per rank) travels inside rank 0's copy.
-    states = [None] * dist.get_world_size()
+    states: list = [None] * dist.get_world_size()
     dist.all_gather_object(states, capture_rng_state())
     return states
 
@@ -112,9 +112,9 @@ class WriteFailure:
     def describe(self) -> str | None:
         if self.error is None:
             return None
-        err = self.error
-        while not isinstance(err, OSError) and (err.__cause__ or err.__context__) is not None:
-            err = err.__cause__ or err.__context__  # torch's zip writer wraps the OSError of the write
+        err: BaseException = self.error
+        while not isinstance(err, OSError) and (cause := err.__cause__ or err.__context__) is not None:
+            err = cause  # torch's zip writer wraps the OSError of the write
         if not isinstance(err, OSError):
             err = self.error
         if isinstance(err, OSError) and err.strerror:
@@ -252,8 +252,8 @@ def resume_target(resume: str, ckpt_dir: str | os.PathLike) -> tuple[str, str] |
         tag = read_latest(ckpt_dir)
         return (str(ckpt_dir), tag) if tag else None
     path = Path(resume)
-    if path.is_dir() and read_latest(path):
-        return str(path), read_latest(path)
+    if path.is_dir() and (tag := read_latest(path)):
+        return str(path), tag
     if path.is_dir() and path.parent.is_dir():
         return str(path.parent), path.name
     raise spec_error(f"checkpoint to resume from not found: {resume}", path=("checkpoint", "resume"),

@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from jobspec import tasks
-from jobspec.spec import datacheck
 from jobspec.errors import spec_error
-from jobspec.tasks.base import CLASS, MASKED_TOKENS, NEXT_TOKENS, TOKEN_CLASS
+from jobspec.spec import datacheck
 from jobspec.spec.data_format import data_format
+from jobspec.tasks.base import CLASS, MASKED_TOKENS, NEXT_TOKENS, TOKEN_CLASS
 
 IGNORE_INDEX = -100  # the label value transformers' losses skip
 MLM_PROBABILITY = 0.15
@@ -119,9 +120,9 @@ class _ResumableSampler(DistributedSampler):
 
 def _synthetic_datasets(spec: dict):
     synthetic = spec["data"]["synthetic"]
-    seed = spec.get("training", {}).get("seed", 42)
-    train = synthetic_dataset(spec, synthetic.get("num_samples", 512), seed)
-    eval_samples = synthetic.get("eval_samples", 0)
+    seed = spec["training"]["seed"]
+    train = synthetic_dataset(spec, synthetic["num_samples"], seed)
+    eval_samples = synthetic["eval_samples"]
     # a different seed stream, so the eval samples are not a copy of the first training samples
     evaluation = synthetic_dataset(spec, eval_samples, seed + 1_000_003) if eval_samples else None
     return train, evaluation
@@ -131,12 +132,12 @@ def synthetic_dataset(spec: dict, num_samples: int, seed: int) -> TensorDictData
     """Random token ids in `vocab_range`; `labels: learnable` derives the labels from the tokens."""
     synthetic = spec["data"]["synthetic"]
     shape = tasks.of(spec).labels   # the task's label shape (jobspec/tasks)
-    num_labels = spec["model"].get("num_labels", 2)
-    low, high = synthetic.get("vocab_range", [100, 30000])
+    num_labels = spec["model"]["num_labels"]
+    low, high = synthetic["vocab_range"]
     if high <= low:
         raise spec_error(f"vocab_range [{low}, {high}) is empty", path=("data", "synthetic", "vocab_range"),
                          hint="the second id must be larger than the first")
-    seq_len, learnable = synthetic.get("seq_len", 512), synthetic.get("labels", "random") == "learnable"
+    seq_len, learnable = synthetic["seq_len"], synthetic["labels"] == "learnable"
     generator = torch.Generator().manual_seed(seed)
     if learnable and shape in (MASKED_TOKENS, NEXT_TOKENS):
         # counting sequences (start, start+1, ...) wrapped in the range: the next token is predictable
@@ -198,25 +199,25 @@ def _file_dataset(spec: dict, tokenizer, split: str, label_names: dict) -> Tenso
     named by file and line (jobspec.spec.datacheck scans the file for it): exit 2, not a rank traceback."""
     import datasets
 
-    data, task = spec["data"], spec["model"].get("task", "sequence-classification")
+    data, task = spec["data"], spec["model"]["task"]
     path = data[split]
     if tokenizer is None:
         raise spec_error("file data needs a tokenizer", path=("data", "tokenizer"),
                          hint="set data.tokenizer (or use model.name_or_path)")
-    fmt = _file_format(path, data.get("format", "auto"))
+    fmt = _file_format(path, data["format"])
     if not Path(path).is_file():
         raise spec_error(f"{split} file not found: {path}", path=("data", split), hint="check the path")
     try:
         table = datasets.load_dataset(fmt, data_files=str(path), split="train")
     except Exception as err:  # datasets raises many types for unreadable files
         raise datacheck.locate_error(spec, split) or datacheck.unreadable(spec, split, fmt, err) from None
-    needed = list(data.get("text_fields", ["text"]))
+    needed = list(data["text_fields"])
     if tasks.get(task).classification:
-        needed.append(data.get("label_field", "label"))
+        needed.append(data["label_field"])
     for column in needed:
         if column not in table.column_names:
-            field = "label_field" if column == data.get("label_field", "label") and column not in data.get(
-                "text_fields", ["text"]) else "text_fields"
+            field = "label_field" if column == data["label_field"] and column not in data["text_fields"] \
+                else "text_fields"
             raise spec_error(f"column {column!r} not in {Path(path).name} (columns: {', '.join(table.column_names)})",
                              path=("data", field), hint="name one of the file's columns")
     try:
@@ -234,29 +235,29 @@ def _file_format(path: str, fmt: str) -> str:
 
 def _tokenize(spec: dict, tokenizer, table, split: str, label_names: dict) -> TensorDictDataset:
     data, model = spec["data"], spec["model"]
-    task, fields = model.get("task", "sequence-classification"), data.get("text_fields", ["text"])
-    fixed = data.get("padding", "max_length") == "max_length"
+    task, fields = model["task"], data["text_fields"]
+    fixed = data["padding"] == "max_length"
     texts = [list(table[field]) for field in fields]  # datasets returns lazy Column objects
     word_split = tasks.get(task).words
     if word_split and not all(isinstance(t, list) for t in texts[0][:1]):
         raise spec_error(f"{task} needs column {fields[0]!r} to hold lists of words",
                          path=("data", "text_fields"), hint="store words and per-word labels as lists")
-    encoded = tokenizer(*texts, truncation=True, max_length=data.get("max_length", 512),
+    encoded = tokenizer(*texts, truncation=True, max_length=data["max_length"],
                         padding="max_length" if fixed else False, is_split_into_words=word_split)
     ids = [torch.tensor(x, dtype=torch.long) for x in encoded["input_ids"]]
     mask = [torch.tensor(x, dtype=torch.long) for x in encoded["attention_mask"]]
-    label_field = data.get("label_field", "label")
+    label_field = data["label_field"]
     shape = tasks.get(task).labels
     if shape == CLASS:
-        classes = _class_ids(list(table[label_field]), label_names, model.get("num_labels", 2), split)
+        classes = _class_ids(list(table[label_field]), label_names, model["num_labels"], split)
         labels = list(torch.tensor(classes, dtype=torch.long))
     elif shape == TOKEN_CLASS:
-        labels = _word_labels(encoded, list(table[label_field]), label_names, model.get("num_labels", 2), split)
+        labels = _word_labels(encoded, list(table[label_field]), label_names, model["num_labels"], split)
     elif shape == MASKED_TOKENS:
-        labels, ids = _mask_file_tokens(ids, mask, tokenizer, spec.get("training", {}).get("seed", 42), split)
+        labels, ids = _mask_file_tokens(ids, mask, tokenizer, spec["training"]["seed"], split)
     else:
         labels = [torch.where(m.bool(), i, torch.full_like(i, IGNORE_INDEX)) for i, m in zip(ids, mask)]
-    columns = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    columns: dict[str, Any] = {"input_ids": ids, "attention_mask": mask, "labels": labels}
     if fixed:
         columns = {name: torch.stack(rows) for name, rows in columns.items()}
     return TensorDictDataset(columns, pad_token_id=tokenizer.pad_token_id or 0)

@@ -18,8 +18,8 @@ def build_engine(files: RunFiles):
     import deepspeed
     from transformers import set_seed
 
-    from jobspec.train.data import build_datasets
     from jobspec.model.build import build_model, build_tokenizer
+    from jobspec.train.data import build_datasets
     from jobspec.train.patches import apply_patches, build_client_optimizer
 
     spec = files.spec

@@ -34,6 +34,7 @@ import gc
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 from jobspec import rundir
 from jobspec.compile.compiler import rebatched
@@ -64,9 +65,10 @@ class OomGuard:
         inject_rank = environ.get(INJECT_RANK_ENV)
         self.inject_rank = int(inject_rank) if inject_rank not in (None, "") else None
         self._injected = False
-        self._marked_step = None
-        self._step_start = None     # (epoch, batches_in_epoch, window) where the current step began
-        self.pending = None         # why the current step must be redone (an agreed OOM), or None
+        self._marked_step: int | None = None
+        # (epoch, batches_in_epoch, window) where the current step began
+        self._step_start: tuple[int, int, Any] | None = None
+        self.pending: str | None = None   # why the current step must be redone (an agreed OOM), or None
 
     # --- the training loop's calls ----------------------------------------------------------------
 
@@ -149,6 +151,8 @@ class OomGuard:
         _barrier()
         if self.rank == 0:
             shutil.rmtree(saved["dir"], ignore_errors=True)
+        if self._step_start is None:
+            raise RuntimeError("redo without a marked step")   # mark() runs before every step's forward
         epoch, batches, window = self._step_start
         window.rewind()  # the copy shares the loss list: drop the interrupted step's losses
         state.epoch, state.batches_in_epoch = epoch, batches * 2   # counted in halved micro-batches now

@@ -22,6 +22,7 @@ from jobspec import optimizers
 from jobspec.errors import spec_error
 from jobspec.model.structure import attention_implementation, freeze, gradient_checkpointing
 
+
 def tf32(model, enabled: bool = True) -> str:
     """Allow TF32 tensor cores for fp32 matmuls and convolutions (a no-op on CPU)."""
     import torch
@@ -91,6 +92,8 @@ def build_client_optimizer(model, args: dict):
     optimizer = optimizers.get(name)
     if optimizer.built_by_deepspeed:
         return None
+    if optimizer.build is None:
+        raise TypeError(f"optimizer {name}: a client optimizer without `build`")
     groups = parameter_groups(model, float(args.get("weight_decay", 0.0)))
     return optimizer.build(model, groups, args)
 

@@ -227,20 +227,20 @@ class StepReporter:
         perf/* and mem/* cover `logging.perf_window_s` at least; `final` logs what they have."""
         import torch
         device = self.engine.device
-        loss_sum = torch.stack(window.losses).float().sum()  # non-finite if any loss was
+        local_loss = torch.stack(window.losses).float().sum()  # non-finite if any loss was
         snapshot = self.metrics.memory_snapshot(device, self._rss)
         keys = sorted(snapshot)
         host = [window.micro_batches, window.samples, window.tokens, *(snapshot[k] for k in keys)]
         if self.world == 1:
-            ranks = [[float(loss_sum), *host]]
+            ranks = [[float(local_loss), *host]]
         else:
-            ranks = self.metrics.gather_rows(torch.cat([loss_sum.double().reshape(1), torch.tensor(
-                host, dtype=torch.float64).to(loss_sum.device, non_blocking=True)]))
+            ranks = self.metrics.gather_rows(torch.cat([local_loss.double().reshape(1), torch.tensor(
+                host, dtype=torch.float64).to(local_loss.device, non_blocking=True)]))
         self.metrics.reset_peaks(device)  # the next window reports its own peak
         loss_sum, micro_batches, samples, tokens = (sum(r[i] for r in ranks) for i in range(4))
         if not math.isfinite(loss_sum) and nan_guard is not None and nan_guard.policy == "stop":
             raise nan_guard.failure(window.first_nonfinite_step())  # 0 where another rank had it
-        out = {"train/loss": loss_sum / micro_batches, "train/lr": float(self.engine.get_lr()[0])}
+        out: dict[str, float] = {"train/loss": loss_sum / micro_batches, "train/lr": float(self.engine.get_lr()[0])}
         grad_norm = self.engine.get_global_grad_norm()
         if grad_norm is not None:
             out["train/grad_norm"] = float(grad_norm)
@@ -285,7 +285,7 @@ class StepReporter:
             self.progress.eval(step, loss)
 
 
-def summarize(state: RunState, status: str, total_steps: int, started: float, error: str | None = None) -> dict:
+def summarize(state: RunState, status: str, total_steps: int | None, started: float, error: str | None = None) -> dict:
     def steady(values: list) -> float | None:
         # the first window pays for warm-up (allocation, JIT); leave it out when there are others
         values = values[1:] or values

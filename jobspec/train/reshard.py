@@ -36,6 +36,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from jobspec.compile.compiler import with_universal_load
 from jobspec.errors import spec_error
@@ -82,7 +83,7 @@ def saved_layout(load_dir: str | os.PathLike, tag: str) -> dict:
     (memory-mapped: its weights are not read). Unknown values are None.
     """
     root = Path(load_dir) / tag
-    layout = {"world_size": None, "zero_stage": None, "micro_batch_size": None}
+    layout: dict[str, Any] = {"world_size": None, "zero_stage": None, "micro_batch_size": None}
     try:
         layout.update(json.loads((root / "jobspec_manifest.json").read_text(encoding="utf-8")).get("layout") or {})
     except (OSError, ValueError, AttributeError):

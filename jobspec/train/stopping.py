@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+from typing import Any
 
 STOP_AFTER_ENV = "JOBSPEC_STOP_AFTER_STEPS"
 
@@ -38,7 +39,7 @@ class StopVote:
     def __init__(self, flag: StopFlag, group=None, world_size: int = 1, environ=os.environ):
         self.flag, self.group, self.world_size = flag, group, world_size
         self.stop_after = int(environ.get(STOP_AFTER_ENV) or 0)
-        self._buffers = None
+        self._buffers: tuple[Any, Any] | None = None   # two torch tensors, made at the first vote
         self._slot = 0
         self._pending = None      # the all-reduce started at the previous step
 

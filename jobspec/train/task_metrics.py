@@ -190,6 +190,6 @@ def logits_of(outputs):
 
 def counter_for(spec: dict, model_config, label_names: dict | None) -> TaskCounter:
     """The counter of the job's task; the class count is the model's (its head), else the spec's."""
-    task = spec["model"].get("task", "sequence-classification")
-    num_labels = getattr(model_config, "num_labels", None) or spec["model"].get("num_labels", 2)
+    task = spec["model"]["task"]
+    num_labels = getattr(model_config, "num_labels", None) or spec["model"]["num_labels"]
     return TaskCounter(task, int(num_labels), label_names)

@@ -21,16 +21,15 @@ from pathlib import Path
 
 from jobspec import lifeline, rundir, trace
 from jobspec.errors import EXIT_INVALID, EXIT_RUN_FAILED, RunFailure, SpecError
+from jobspec.export.hf_dir import ExportFailed
 from jobspec.rundir import RunFiles
 from jobspec.train import library_output
-from jobspec.export.hf_dir import ExportFailed
+from jobspec.train.engine import build_engine, loss_of, reshard_plan, resume, share_cpu_threads
 from jobspec.train.faults import NanGuard, NonFiniteLoss
 from jobspec.train.oom import OomGuard
-from jobspec.train.engine import build_engine, loss_of, reshard_plan, resume, share_cpu_threads
 from jobspec.train.progress import RunState, StepReporter, Window, summarize
 from jobspec.train.reshard import replace_ds_config
 from jobspec.train.stopping import StopFlag, StopVote
-
 
 TRACKING_WAIT_S = 120.0  # then metrics.jsonl only (`jobspec sync` uploads it later)
 
@@ -83,8 +82,8 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
     import deepspeed
     import torch.distributed as dist
 
-    from jobspec.export.exporter import ModelExporter
     from jobspec import ops
+    from jobspec.export.exporter import ModelExporter
     from jobspec.train.progress import NullProgress, Progress
 
     # the libraries' records and bars to launcher.log (the quiet terminal): before they load anything
@@ -127,7 +126,7 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
         if passed_over and sink is not None:
             sink.set_tags({"jobspec.resume_fallback": f"resumed from {state.resumed_from}; passed over: "
                                                       + " | ".join(passed_over)})
-        nan_guard = NanGuard(files.spec["training"].get("on_nan", "stop"), lambda flag: _any_rank(flag, control),
+        nan_guard = NanGuard(files.spec["training"]["on_nan"], lambda flag: _any_rank(flag, control),
                              sink, rank)
         telemetry = StepReporter(engine, files.spec, files.derived, files.patches, sink, progress, rank, state)
         oom_guard = OomGuard(files, run_dir=run_dir, rank=rank, control_group=control, build_engine=build_engine,
@@ -382,7 +381,8 @@ def _destroy_process_group() -> None:
         # this rank's /dev/shm all-reduce buffer (CPU accelerator): DeepSpeed never unlinks it, and
         # unlinking is safe while a peer still maps it
         from jobspec.shm import remove_shared_memory_buffers
-        remove_shared_memory_buffers(os.environ.get("MASTER_PORT"), local_rank=os.environ.get("LOCAL_RANK", 0))
+        remove_shared_memory_buffers(os.environ.get("MASTER_PORT"),
+                                     local_rank=int(os.environ.get("LOCAL_RANK", 0)))
 
 
 if __name__ == "__main__":

@@ -541,7 +541,7 @@ def test_num_parameters_tiny(architecture, task):
     from jobspec.model.trace import ModelTracer
     task = LM_TASK[architecture] if task == "lm" else task
     config = TINY_CONFIGS[architecture]
-    spec = {"model": {"architecture": architecture, "config": config, "task": task, "num_labels": 3}}
+    spec = fill_defaults({"model": {"architecture": architecture, "config": config, "task": task, "num_labels": 3}})
     assert ModelTracer(spec).inventory().total == _transformers_count(architecture, config, task, 3)
 
 
@@ -550,7 +550,7 @@ def test_num_parameters_tiny(architecture, task):
 def test_num_parameters_real_sizes(architecture, config, task):
     from jobspec.model.trace import ModelTracer
     task = LM_TASK[architecture] if task == "lm" else task
-    spec = {"model": {"architecture": architecture, "config": config, "task": task, "num_labels": 2}}
+    spec = fill_defaults({"model": {"architecture": architecture, "config": config, "task": task, "num_labels": 2}})
     assert ModelTracer(spec).inventory().total == _transformers_count(architecture, config, task, 2)
 
 

@@ -16,6 +16,7 @@ import pytest
 from jobspec.errors import SpecError
 from jobspec.model.build import build_model
 from jobspec.model.trace import ModelTracer, job_profiler, model_key
+from jobspec.spec.schema import fill_defaults
 
 LLAMA = {"hidden_size": 64, "num_hidden_layers": 6, "num_attention_heads": 8, "num_key_value_heads": 2,
          "intermediate_size": 172, "vocab_size": 2000, "max_position_embeddings": 128,
@@ -27,10 +28,11 @@ GPT2 = {"n_embd": 32, "n_layer": 6, "n_head": 4, "vocab_size": 2000, "n_position
 
 
 def spec_for(architecture, task="causal-lm", config=None, attention="eager", freeze=(), num_labels=2):
-    return {"model": {"architecture": architecture, "task": task, "num_labels": num_labels,
+    # a resolved spec has every default filled: the ranks and the tracer index it
+    return fill_defaults({"model": {"architecture": architecture, "task": task, "num_labels": num_labels,
                       "config": dict(config or {}), "attention": attention, "freeze": list(freeze)},
             "training": {"seed": 0, "micro_batch_size": 2}, "data": {},
-            "memory": {"precision": "bf16", "activation_checkpointing": False}}
+            "memory": {"precision": "bf16", "activation_checkpointing": False}})
 
 
 SETTINGS = [False, True, {"every_n_layers": 2}, {"every_n_layers": 3}, {"every_n_layers": 4}]

@@ -16,6 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from jobspec.model.build import build_model
 from jobspec.model.structure import gradient_checkpointing
 from jobspec.model.trace import ModelTracer
+from jobspec.spec.schema import fill_defaults
 
 TOLERANCE = 1e-6      # the trace runs the same ops: counts are equal, not close
 BATCH = 2
@@ -56,9 +57,10 @@ CASES = [
 
 
 def spec_for(architecture: str, task: str, num_labels: int, config: dict, attention: str = "eager") -> dict:
-    return {"model": {"architecture": architecture, "task": task, "num_labels": num_labels,
-                      "config": dict(config), "attention": attention},
-            "training": {"seed": 0}, "data": {}}
+    # a resolved spec has every default filled: the ranks and the tracer index it
+    return fill_defaults({"model": {"architecture": architecture, "task": task, "num_labels": num_labels,
+                                    "config": dict(config), "attention": attention},
+                          "training": {"seed": 0}, "data": {}})
 
 
 def counted_flops_per_token(model, task: str, num_labels: int, vocab: int, seq_len: int) -> float:

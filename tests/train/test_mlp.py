@@ -15,6 +15,7 @@ from jobspec.model.build import build_model
 from jobspec.model.trace import ModelTracer
 from jobspec.spec.derived import derive
 from jobspec.spec.model_dims import model_dims
+from jobspec.spec.schema import fill_defaults
 from jobspec.model.structure import checkpoint_every_nth_layer, find_layer_stack
 from jobspec.train.patches import apply_patches
 from jobspec.spec.validation import load_and_validate
@@ -66,8 +67,8 @@ def test_padding_does_not_change_the_pooled_sample():
 
 @pytest.mark.parametrize("hidden, layers, vocab, labels", [(16, 8, 64, 3), (48, 3, 1000, 2), (4096, 16, 1024, 2)])
 def test_parameter_count_is_exact(hidden, layers, vocab, labels):
-    spec = {"model": {"architecture": "mlp", "num_labels": labels,
-                      "config": {"hidden_size": hidden, "num_layers": layers, "vocab_size": vocab}}}
+    spec = fill_defaults({"model": {"architecture": "mlp", "num_labels": labels,
+                                    "config": {"hidden_size": hidden, "num_layers": layers, "vocab_size": vocab}}})
     dims = model_dims(spec)
     assert (dims.hidden_size, dims.num_layers, dims.vocab_size) == (hidden, layers, vocab)
     with torch.device("meta"):                 # the 4096-wide one without allocating it
@@ -81,9 +82,9 @@ def test_parameter_count_is_exact(hidden, layers, vocab, labels):
 
 def test_bad_mlp_config_is_a_spec_error():
     with pytest.raises(SpecError, match="num_hidden_layers"):
-        build_mlp({"model": {"architecture": "mlp", "config": {"num_hidden_layers": 4}}})
+        build_mlp(fill_defaults({"model": {"architecture": "mlp", "config": {"num_hidden_layers": 4}}}))
     with pytest.raises(SpecError, match="sequence-classification"):
-        build_mlp({"model": {"architecture": "mlp", "task": "causal-lm"}})
+        build_mlp(fill_defaults({"model": {"architecture": "mlp", "task": "causal-lm"}}))
 
 
 @pytest.mark.parametrize("k, expected", [(1, list(range(8))), (2, [0, 2, 4, 6]), (3, [0, 3, 6]), (8, [0])])
