@@ -20,6 +20,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from jobspec.secrets import mask_tree
+from jobspec.spec.loader import dotted_leaves
+
 # Fields (dotted prefixes) that do not change what is trained: never in the fingerprint. A change to
 # them is still recorded when a run continues (lineage.record_changes), as is every other change.
 FREE = (
@@ -55,7 +58,8 @@ class Change:
 def fingerprint(spec: dict, derived: dict) -> dict[str, str]:
     """{dotted field: canonical JSON text} of everything that determines training. Reads the data
     files' content (or size + mtime) and a local model directory's config.json."""
-    prints = {k: v for k, v in flat(spec).items() if _counts(k)}
+    # masked like every other record jobspec writes: the owner record sits beside the checkpoints
+    prints = {k: v for k, v in flat(mask_tree(spec)).items() if _counts(k)}
     for field in ("global_batch_size", "total_steps"):
         prints[f"derived.{field}"] = _canon(derived.get(field))
     for field in ("train", "eval"):
@@ -84,12 +88,7 @@ def diff_specs(old: dict[str, str], new: dict[str, str]) -> list[Change]:
 
 def flat(value, prefix: str = "") -> dict[str, str]:
     """{dotted key: canonical JSON} of a nested dict; lists and scalars are leaves."""
-    if isinstance(value, dict) and value:
-        out: dict[str, str] = {}
-        for key, item in value.items():
-            out.update(flat(item, f"{prefix}.{key}" if prefix else str(key)))
-        return out
-    return {prefix: _canon(value)}
+    return {key: _canon(leaf) for key, leaf in dotted_leaves(value, prefix).items()}
 
 
 def content_digest(path: Path) -> str:

@@ -21,6 +21,7 @@ from pathlib import Path
 from jobspec.errors import SpecError, SpecIssue
 from jobspec.launch import fingerprint as fp
 from jobspec.launch import ownership
+from jobspec.secrets import mask_tree
 
 LINEAGE_SUFFIX = re.compile(r"^-(\d+)$")
 
@@ -105,7 +106,8 @@ def _continuing(directory: Path, base: Path, owner: dict, prints: dict, spec: di
 
 
 def _flat(spec: dict, directory: Path) -> dict[str, str]:
-    return fp.flat({**spec, "checkpoint": {**spec["checkpoint"], "dir": str(directory)}})
+    # credentials masked (a tracking URI with a password): it is stored in the owner record
+    return fp.flat(mask_tree({**spec, "checkpoint": {**spec["checkpoint"], "dir": str(directory)}}))
 
 
 def _refusal(resolved, directory: Path, changes: list[fp.Change], continue_run: bool) -> SpecError:

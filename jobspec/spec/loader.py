@@ -345,6 +345,18 @@ def deep_merge(base: Any, over: Any) -> Any:
     return over
 
 
+def dotted_leaves(value: Any, prefix: str = "") -> dict[str, Any]:
+    """{`model.config.hidden_size`: value} for every leaf of nested mappings; lists, scalars and empty
+    mappings are leaves. One walk for the MLflow params (tracking/run.flatten) and the checkpoints'
+    fingerprint (launch/fingerprint.flat), which then write the leaves each their own way."""
+    if isinstance(value, dict) and value:
+        out: dict[str, Any] = {}
+        for key, child in value.items():
+            out.update(dotted_leaves(child, f"{prefix}.{key}" if prefix else str(key)))
+        return out
+    return {prefix: value}
+
+
 def iter_paths(value: Any, path: tuple = ()):
     yield path
     if isinstance(value, dict):

@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 from jobspec import hardware, rundir
 from jobspec.errors import first_line
 from jobspec.secrets import mask_secrets, split_credentials
+from jobspec.spec.loader import dotted_leaves
 from jobspec.tracking import naming
 
 log = logging.getLogger("jobspec.tracking")
@@ -53,13 +54,8 @@ def apply_http_env(environ: dict | os._Environ = os.environ) -> None:
 
 def flatten(value, prefix: str = "") -> dict[str, str]:
     """Dotted keys for nested mappings (`model.config.hidden_size`); lists and scalars as JSON text."""
-    if isinstance(value, dict) and value:
-        out: dict[str, str] = {}
-        for key, child in value.items():
-            out.update(flatten(child, f"{prefix}.{key}" if prefix else str(key)))
-        return out
-    text = value if isinstance(value, str) else json.dumps(value)
-    return {prefix: mask_secrets(text)[:MAX_PARAM_VALUE_CHARS]}
+    return {key: mask_secrets(leaf if isinstance(leaf, str) else json.dumps(leaf))[:MAX_PARAM_VALUE_CHARS]
+            for key, leaf in dotted_leaves(value, prefix).items()}
 
 
 def param_batches(params: dict[str, str]) -> list[dict[str, str]]:

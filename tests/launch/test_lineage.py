@@ -150,3 +150,12 @@ def test_dry_run_refuses_a_changed_spec_with_exit_2(tmp_path, capsys):
     assert main(["launch", str(job), "--dry-run", "--set", "training.seed=8", "--new-run"]) == 0
     assert "checkpoints-2" in capsys.readouterr().out
     assert not (tmp_path / "out" / "checkpoints-2").exists()   # a dry run creates nothing
+
+
+def test_the_owner_record_holds_no_credentials(tmp_path):
+    job = write_job(tmp_path, logging={**TINY_SPEC["logging"],
+                                       "mlflow": {"enabled": True, "tracking_uri": "http://ada:s3cret-pw@mlflow:5000"}})
+    resolved, derived = resolve(job)
+    base = trained(resolved, derived, lineage.choose(resolved, derived), 8)
+    assert "s3cret-pw" not in (base / ownership.OWNER_FILE).read_text()
+    assert choose(job).checkpoint_dir == base and not choose(job).recorded   # the same spec still matches
