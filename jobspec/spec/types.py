@@ -34,15 +34,29 @@ class JobSpecDataSynthetic(TypedDict):
 
 
 class JobSpecData(TypedDict):
-    """Training and evaluation data: local files, or synthetic random tokens."""
+    """Training and evaluation data: local files (records or plain text), datasets by name, or synthetic
+    random tokens.
+    """
     train: str | None
     eval: str | None
-    format: Literal["auto", "jsonl", "csv", "parquet"]
+    format: Literal["auto", "jsonl", "csv", "parquet", "text"]
+    records: Literal["auto", "text", "chat", "prompt_completion"]
+    document: Literal["line", "file"]
+    chunking: Literal["concatenate", "per_document"]
+    messages_field: str
+    prompt_field: str
+    completion_field: str
+    chat_template: str | None
+    loss_on: Literal["answers", "all"]
     text_fields: list[str]
     label_field: str
     max_length: int
     padding: Literal["max_length", "longest"]
+    packing: bool
     tokenizer: str | None
+    subset: str | None
+    train_split: str
+    eval_split: str
     shuffle: bool
     num_workers: int
     pin_memory: bool
