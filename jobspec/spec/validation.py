@@ -21,6 +21,7 @@ from jobspec.spec.derived import derive
 from jobspec.spec.freeform import freeform_issues, local_checkpoint_config
 from jobspec.spec.loader import SET_FILE, LoadedSpec, Position, load_spec
 from jobspec.spec.offload_rules import offload_problems
+from jobspec.spec.packing_rules import packing_issues
 from jobspec.spec.overrides import apply_overrides
 from jobspec.spec.schema import (
     fill_defaults,
@@ -300,6 +301,7 @@ def cross_field_issues(r: ResolvedSpec) -> list[SpecIssue]:
         add(r.issue(path, message, hint, code=offload_code(path, message)))
     # each optimizer's own rules (jobspec/optimizers): offload, the Adam fields, `momentum`
     issues += optimizers.rule_issues(r)
+    issues += packing_issues(r)   # data.packing: task, data, model family (spec/packing_rules)
     if model["attention"] == "flash_attention_2" and memory["precision"] == "fp32":
         add(r.issue(("model", "attention"), "flash_attention_2 needs fp16 or bf16",
                     "set `memory.precision: bf16` (or fp16), or use `attention: sdpa`", code="flash-attention-fp32"))
