@@ -19,6 +19,7 @@ def build_engine(files: RunFiles):
     from transformers import set_seed
 
     from jobspec.model.build import build_model, build_tokenizer
+    from jobspec.train import packing
     from jobspec.train.data import build_datasets
     from jobspec.train.patches import apply_patches, build_client_optimizer
 
@@ -34,8 +35,12 @@ def build_engine(files: RunFiles):
     for patch in files.patches:
         if patch["name"] == "client_optimizer":
             client_optimizer = build_client_optimizer(model, patch["args"])
+    packing_note = packing.prepare_model(model, spec)   # data.packing: the model's side (train/packing.py)
     phase(rank, "model")
     train_ds, eval_ds = build_datasets(spec, tokenizer)
+    train_ds, eval_ds = packing.pack_datasets(spec, train_ds, eval_ds)   # data.packing: the rows
+    if packing_note:
+        patch_notes = [*patch_notes, packing_note, train_ds.packing.note()]
     phase(rank, "data")
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
