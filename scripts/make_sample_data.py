@@ -145,7 +145,7 @@ def sentence(rng: random.Random) -> str:
     templates = [
         f"{name} {verb} a {adj} {obj} near {place} {time}.",
         f"A {adj} {animal} watched {name} from {place}.",
-        f"{time.capitalize()}, {name} felt {rng.choice(FEELINGS)} and walked to {place}.",
+        f"{time[0].upper()}{time[1:]}, {name} felt {rng.choice(FEELINGS)} and walked to {place}.",
         f"The weather was {rng.choice(WEATHER)}, so {name} stayed at {place} with the {obj}.",
         f"Nobody knew why the {animal} kept the {obj} {time}.",
         f"{name} and {rng.choice(NAMES)} {verb} the {obj} together.",
