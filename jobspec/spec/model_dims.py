@@ -24,11 +24,12 @@ ARCHITECTURE_DEFAULTS: dict[str, dict] = {
     "bert": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
                  vocab_size=30522, max_position_embeddings=512, type_vocab_size=2, tie_word_embeddings=True),
     "roberta": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
-                    vocab_size=50265, max_position_embeddings=512, type_vocab_size=2, tie_word_embeddings=True),
+                    vocab_size=50265, max_position_embeddings=512, type_vocab_size=2, tie_word_embeddings=True,
+                    pad_token_id=1),
     # XLMRobertaConfig's defaults are BERT's (vocab 30522), not the released checkpoints' 250002.
     "xlm-roberta": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
                         vocab_size=30522, max_position_embeddings=512, type_vocab_size=2,
-                        tie_word_embeddings=True),
+                        tie_word_embeddings=True, pad_token_id=1),
     # n_inner None means 4 * n_embd.
     "gpt2": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=None,
                  vocab_size=50257, max_position_embeddings=1024, tie_word_embeddings=True),
@@ -59,8 +60,13 @@ _ALIASES: dict[str, str] = {
 
 
 # Families whose positions are a learned table (an index past its end is an error in the ranks), and
-# the ids their first position takes: RoBERTa-style models start after the padding index (2).
-LEARNED_POSITIONS: dict[str, int] = {"bert": 0, "roberta": 2, "xlm-roberta": 2, "gpt2": 0, "distilbert": 0}
+# the ids their first position takes: RoBERTa-style models start after the padding index (2 with their
+# default pad id 1).
+LEARNED_POSITIONS: dict[str, int] = {"bert": 0, "roberta": 2, "xlm-roberta": 2, "camembert": 2, "gpt2": 0,
+                                     "distilbert": 0, "electra": 0, "albert": 0, "gpt_neo": 0}
+# RoBERTa's position ids count from `pad_token_id + 1` (transformers' create_position_ids_from_input_ids:
+# padding keeps position `pad_token_id`), so `max_position_embeddings: 514` holds 512 tokens with pad id 1.
+PADDING_OFFSET_POSITIONS = ("roberta", "xlm-roberta", "camembert")
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,7 @@ class ModelDims:
     intermediate_size: int | None = None
     vocab_size: int | None = None
     max_position_embeddings: int | None = None
+    pad_token_id: int | None = None
 
     @property
     def usable_positions(self) -> int | None:
@@ -79,6 +86,8 @@ class ModelDims:
         a table (rotary, relative) or the size is unknown."""
         if self.model_type not in LEARNED_POSITIONS or not self.max_position_embeddings:
             return None
+        if self.model_type in PADDING_OFFSET_POSITIONS and self.pad_token_id is not None:
+            return self.max_position_embeddings - (self.pad_token_id + 1)
         return self.max_position_embeddings - LEARNED_POSITIONS[self.model_type]
 
 
@@ -109,6 +118,7 @@ def model_dims(spec: dict, config_json: dict | None = None) -> ModelDims | None:
         intermediate_size=_count(values.get("intermediate_size")) or (4 * hidden if model_type == "gpt2" else None),
         vocab_size=_count(values.get("vocab_size")),
         max_position_embeddings=_count(values.get("max_position_embeddings"), minimum=0),
+        pad_token_id=_count(values.get("pad_token_id"), minimum=0),
     )
 
 

@@ -17,6 +17,8 @@ from typing import Any
 
 from jobspec import optimizers
 from jobspec.errors import SpecError, SpecIssue
+from jobspec.spec import data_rules
+from jobspec.spec.data_format import HF_PREFIX, is_hub_name, is_saved_dataset, text_files
 from jobspec.spec.derived import derive
 from jobspec.spec.freeform import freeform_issues, local_checkpoint_config
 from jobspec.spec.loader import SET_FILE, LoadedSpec, Position, load_spec
@@ -33,7 +35,8 @@ from jobspec.spec.schema import (
     types_text,
 )
 
-PATH_FIELDS = (("data", "train"), ("data", "eval"), ("data", "tokenizer"), ("model", "name_or_path"),
+PATH_FIELDS = (("data", "train"), ("data", "eval"), ("data", "tokenizer"), ("data", "chat_template"),
+               ("model", "name_or_path"),
                ("output_dir",), ("checkpoint", "dir"), ("checkpoint", "resume"), ("memory", "offload", "nvme_path"),
                ("export", "dir"))
 _NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
@@ -277,11 +280,13 @@ def cross_field_issues(r: ResolvedSpec) -> list[SpecIssue]:
                     "set `data.tokenizer` to a hub id or a local tokenizer directory", key=True,
                     code="file-data-tokenizer"))
     for key in ("train", "eval"):
-        if isinstance(data[key], str):
+        if isinstance(data[key], str) and not is_hub_name(data[key]):   # hf:name is no path of the spec's
             file = _local_path(r, ("data", key))
             if _exists(file) and file.is_dir():
-                add(r.issue(("data", key), f"{file} is a directory, not a data file",
-                            f"point data.{key} at one jsonl, csv or parquet file", code="data-file"))
+                if not (is_saved_dataset(file) or text_files(file, data["format"])):
+                    add(r.issue(("data", key), f"{file} is a directory, not a data file (it holds no text files "
+                                "and no saved dataset)", f"point data.{key} at a data file, a directory of text "
+                                "files or a save_to_disk directory", code="data-file"))
             elif not _exists(file, file=True):
                 add(r.issue(("data", key), f"data file not found: {file}",
                             "paths are relative to the spec file that sets them", code="data-file"))
@@ -315,14 +320,7 @@ def cross_field_issues(r: ResolvedSpec) -> list[SpecIssue]:
         add(r.issue(("memory", "activation_checkpointing", "every_n_layers"),
                     f"every_n_layers = {checkpointing['every_n_layers']} but the model has {layers} layers",
                     f"use a value between 1 and {layers}", code="checkpointing-layers"))
-    positions = derived.dims.usable_positions if derived is not None and derived.dims else None
-    synthetic = s["data"].get("synthetic")
-    seq_path, seq_len = ((("data", "synthetic", "seq_len"), synthetic["seq_len"]) if synthetic
-                         else (("data", "max_length"), s["data"]["max_length"]))
-    if positions is not None and seq_len > positions:
-        add(r.issue(seq_path, f"{seq_len} tokens per sequence, but the model's position table has {positions}",
-                    f"use at most {positions}, or raise model.config.max_position_embeddings",
-                    code="seq-len-positions"))
+    issues += data_rules.data_rule_issues(r)   # positions, formats, tokenizer, chat template (spec/data_rules)
     from jobspec.export import rules as export_rules
     issues += (_coded(export_rules.precision_issues(r), "fp16-auto-cast")
                + _coded(export_rules.export_issues(r), "export-best"))
@@ -409,9 +407,14 @@ def resolve_paths(r: ResolvedSpec) -> None:
     if s["name"] is None:
         s["name"] = job_name(r.source)
     s["extends"] = None
-    for path in (("data", "train"), ("data", "eval"), ("output_dir",), ("checkpoint", "dir"),
-                 ("memory", "offload", "nvme_path"), ("export", "dir")):
-        if _get(s, path) is not None:
+    for path in (("data", "train"), ("data", "eval"), ("data", "chat_template"), ("output_dir",),
+                 ("checkpoint", "dir"), ("memory", "offload", "nvme_path"), ("export", "dir")):
+        if is_hub_name(_get(s, path)):   # hf:name; hf:DIR names a local directory, made absolute
+            name = _get(s, path)[len(HF_PREFIX):]
+            local = Path(os.path.abspath(_base_dir(r, path) / os.path.expanduser(name)))
+            if _exists(local):
+                _put(s, path, HF_PREFIX + str(local))
+        elif _get(s, path) is not None:
             _put(s, path, str(_local_path(r, path)))
     # Hub ids and local directories look alike: only an existing local path is made absolute.
     for path in (("data", "tokenizer"), ("model", "name_or_path"), ("checkpoint", "resume")):

@@ -1,0 +1,446 @@
+"""The data section's static rules: what `jobspec validate` can tell about the data without reading it.
+
+Each rule refuses, at the field to change and with a rule code, what a launch would otherwise refuse
+later (the ranks' loaders, the model build) or crash on:
+
+- `seq-len-positions`: `data.max_length` (every sample: a text block, a record's truncation length, a
+  packed sequence) or `data.synthetic.seq_len` longer than the model's learned position table
+  (spec/model_dims.py; RoBERTa-style models lose `pad_token_id + 1` positions to their offset);
+- `data-format`: a data file whose format `data.format: auto` cannot tell from its extension
+  (spec/data_format.py); `hf:` datasets have none;
+- `tokenizer-path`: a `data.tokenizer` written as a path that does not exist;
+- `tokenizer-files`: a local tokenizer whose tokenizer.json or tokenizer_config.json does not parse;
+- `tokenizer-vocab`: a tokenizer with more tokens than the model's vocabulary (`model.config`);
+- `synthetic-vocab`: a written `data.synthetic.vocab_range` that is empty or outside the model's vocabulary;
+- `tokenizer-mask-token`, `tokenizer-pad`: masked LM without a mask token; no pad and no EOS to pad with;
+- `chat-template`: chat records with no chat template (neither `data.chat_template` nor the
+  tokenizer's own), or a template file that is missing or is not valid Jinja.
+
+A local tokenizer directory is read as JSON (tokenizer.json, tokenizer_config.json): no transformers.
+What needs transformers (a hub tokenizer, a tokenizer without tokenizer.json) is checked by
+`jobspec launch` before any rank starts (launch/preflight.tokenizer_issues), `--dry-run` included.
+Pure: no torch, no transformers; jinja2 only when a template is checked.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from jobspec.errors import SpecError, SpecIssue
+from jobspec.spec.data_format import data_format
+from jobspec.spec.freeform import local_checkpoint_config
+from jobspec.spec.loader import SET_FILE
+from jobspec.spec.model_dims import PADDING_OFFSET_POSITIONS, ModelDims, model_dims
+
+if TYPE_CHECKING:
+    from jobspec.spec.validation import ResolvedSpec
+
+HF_PREFIX = "hf:"
+SPECIAL_TOKENS = ("bos", "eos", "pad", "unk", "mask")
+
+
+def data_rule_issues(r: ResolvedSpec) -> list[SpecIssue]:
+    """Every data rule's problems, on the defaults-filled spec (validation.cross_field_issues calls it)."""
+    s = r.spec
+    config_json = local_checkpoint_config(r)
+    tokenizer, issues = _tokenizer(r)
+    dims = model_dims(s, config_json)
+    return (issues + positions_issues(r, dims, tokenizer, config_json) + format_issues(r)
+            + vocab_issues(r, dims, tokenizer) + special_token_issues(r, tokenizer)
+            + chat_template_issues(r, tokenizer))
+
+
+# ---------------------------------------------------------------- the local tokenizer, read as JSON
+
+@dataclass(frozen=True)
+class TokenizerFacts:
+    """What validate reads of a local tokenizer directory without transformers."""
+
+    directory: Path
+    size: int | None                 # ids the embedding must hold: the largest id + 1 (vocab and added tokens)
+    ids: dict[str, int | None]       # bos/eos/pad/unk/mask -> id (None: the tokenizer has no such token)
+    chat_template: str | None        # its own template (tokenizer_config.json or chat_template.jinja)
+    template_source: Path | None
+
+    @property
+    def pad_id(self) -> int | None:
+        """The pad id the ranks use: build_tokenizer pads with EOS when there is no pad token."""
+        return self.ids["pad"] if self.ids["pad"] is not None else self.ids["eos"]
+
+
+class TokenizerFileError(ValueError):
+    """A tokenizer file that does not parse: (file, what)."""
+
+    def __init__(self, file: Path, what: str):
+        super().__init__(f"{file}: {what}")
+        self.file, self.what = file, what
+
+
+def read_tokenizer(directory: str | os.PathLike) -> TokenizerFacts | None:
+    """The facts of a local tokenizer directory with a tokenizer.json; None when there is none (a slow
+    tokenizer, a hub id: transformers tells, at launch). Raises TokenizerFileError for a file that
+    does not parse."""
+    directory = Path(directory)
+    main = directory / "tokenizer.json"
+    if not main.is_file():
+        return None
+    body = _json_file(main)
+    config_file = directory / "tokenizer_config.json"
+    config = _json_file(config_file) if config_file.is_file() else {}
+    special_map = directory / "special_tokens_map.json"
+    if special_map.is_file():
+        config = {**_json_file(special_map), **config}
+    vocab = (body.get("model") or {}).get("vocab")
+    by_text: dict[str, int] = {}
+    if isinstance(vocab, dict):
+        by_text = {k: v for k, v in vocab.items() if isinstance(v, int)}
+    elif isinstance(vocab, list):   # Unigram: [[piece, score], ...], ids in order
+        by_text = {item[0]: i for i, item in enumerate(vocab) if isinstance(item, list) and item}
+    for added in body.get("added_tokens") or []:
+        if isinstance(added, dict) and isinstance(added.get("id"), int):
+            by_text[str(added.get("content"))] = added["id"]
+    for id_text, added in (config.get("added_tokens_decoder") or {}).items():
+        if isinstance(added, dict) and str(id_text).isdigit():
+            by_text.setdefault(str(added.get("content")), int(id_text))
+    ids = {name: _token_id(config.get(f"{name}_token"), by_text) for name in SPECIAL_TOKENS}
+    template, source = _own_template(directory, config, config_file)
+    size = max(by_text.values()) + 1 if by_text else None
+    return TokenizerFacts(directory, size, ids, template, source)
+
+
+def _json_file(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise TokenizerFileError(path, "not UTF-8 text") from None
+    except json.JSONDecodeError as err:
+        raise TokenizerFileError(path, f"not valid JSON ({err.msg}, line {err.lineno} column {err.colno})") from None
+    except OSError as err:
+        raise TokenizerFileError(path, f"cannot be read ({err.strerror or err})") from None
+    if not isinstance(value, dict):
+        raise TokenizerFileError(path, "a JSON object expected")
+    return value
+
+
+def _token_id(token: Any, by_text: dict[str, int]) -> int | None:
+    if isinstance(token, dict):   # an AddedToken as saved by transformers 4
+        token = token.get("content")
+    return by_text.get(token) if isinstance(token, str) else None
+
+
+def _own_template(directory: Path, config: dict, config_file: Path) -> tuple[str | None, Path | None]:
+    """The tokenizer's chat template: chat_template.jinja (transformers 5 saves it so), else
+    tokenizer_config.json's `chat_template` (a text, or a list of named ones: the `default`)."""
+    jinja = directory / "chat_template.jinja"
+    if jinja.is_file():
+        try:
+            return jinja.read_text(encoding="utf-8"), jinja
+        except (OSError, UnicodeDecodeError) as err:
+            raise TokenizerFileError(jinja, f"cannot be read ({err})") from None
+    for source, holder in ((config_file, config), (directory / "chat_template.json", None)):
+        if holder is None:
+            holder = _json_file(source) if source.is_file() else {}
+        template = holder.get("chat_template")
+        if isinstance(template, list):   # [{"name": "default", "template": "..."}, ...]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default") or next(iter(named.values()), None)
+        if isinstance(template, str) and template.strip():
+            return template, source
+    return None, None
+
+
+def tokenizer_name(spec: dict) -> str | None:
+    """The tokenizer the ranks load: `data.tokenizer`, else `model.name_or_path`; None for synthetic data."""
+    data = spec["data"]
+    if data.get("synthetic") is not None:
+        return None
+    return data.get("tokenizer") or spec["model"].get("name_or_path")
+
+
+def _tokenizer(r: ResolvedSpec) -> tuple[TokenizerFacts | None, list[SpecIssue]]:
+    """The local tokenizer's facts (None: none to read here), and the problems of its directory."""
+    data = r.spec["data"]
+    name = tokenizer_name(r.spec)
+    if not isinstance(name, str) or not name or "\0" in name:
+        return None, []
+    field = ("data", "tokenizer") if data.get("tokenizer") else ("model", "name_or_path")
+    directory = local_path(r, field)
+    if not _is_dir(directory):
+        if field == ("data", "tokenizer") and _looks_like_path(name):
+            return None, [r.issue(field, f"tokenizer directory not found: {directory}",
+                                  "paths are relative to the spec file that sets them; a hub id looks like "
+                                  "`org/name`", code="tokenizer-path")]
+        return None, []   # a hub id: launch loads it before any rank starts
+    try:
+        return read_tokenizer(directory), []
+    except TokenizerFileError as err:
+        return None, [r.issue(field, f"the tokenizer's {err.file.name} is broken: {err.what}",
+                              f"save the tokenizer again ({err.file})", code="tokenizer-files")]
+
+
+def _looks_like_path(name: str) -> bool:
+    """A hub id is `name` or `org/name`; anything else written with slashes or dots is a path."""
+    return (name.startswith(("/", "./", "../", "~")) or name.endswith("/") or name.count("/") > 1
+            or name in (".", ".."))
+
+
+# ---------------------------------------------------------------- sequence length against positions
+
+def positions_issues(r: ResolvedSpec, dims: ModelDims | None, tokenizer: TokenizerFacts | None,
+                     config_json: dict | None = None) -> list[SpecIssue]:
+    """Every sample is at most `data.max_length` tokens (text blocks are exactly that long, records are
+    truncated to it, packed sequences filled up to it), or `data.synthetic.seq_len`: at most the
+    model's learned positions."""
+    s = r.spec
+    if dims is None:
+        return []
+    model_config = s["model"].get("config") or {}
+    if (dims.model_type in PADDING_OFFSET_POSITIONS and "pad_token_id" not in model_config and not config_json
+            and tokenizer is not None and tokenizer.pad_id is not None):
+        # built from the architecture: the model takes the tokenizer's pad id (model/build.py), and
+        # RoBERTa's positions start after it
+        dims = ModelDims(**{**dims.__dict__, "pad_token_id": tokenizer.pad_id})
+    positions = dims.usable_positions
+    if positions is None:
+        return []
+    synthetic = s["data"].get("synthetic")
+    seq_path, seq_len = ((("data", "synthetic", "seq_len"), synthetic["seq_len"]) if synthetic
+                         else (("data", "max_length"), s["data"]["max_length"]))
+    if seq_len <= positions:
+        return []
+    key = next((k for k in ("max_position_embeddings", "n_positions") if k in model_config),
+               "max_position_embeddings")
+    offset = ""
+    if dims.model_type in PADDING_OFFSET_POSITIONS and dims.max_position_embeddings:
+        offset = (f" ({dims.max_position_embeddings} positions; {dims.model_type} numbers them from "
+                  f"pad_token_id + 1 = {dims.max_position_embeddings - positions})")
+        need = seq_len + dims.max_position_embeddings - positions
+    else:
+        need = seq_len
+    if s["model"].get("name_or_path") and key not in model_config:
+        hint = f"use at most {positions} (the checkpoint's position table is fixed)"
+    else:
+        hint = f"use at most {positions}, or set model.config.{key}: {need}"
+    return [r.issue(seq_path, f"{seq_len} tokens per sequence, but the model's position table has {positions}"
+                    f"{offset}", hint,
+                    code="seq-len-positions")]
+
+
+# ---------------------------------------------------------------- data files
+
+def format_issues(r: ResolvedSpec) -> list[SpecIssue]:
+    """`data.format: auto` on a file whose extension names no format; `hf:` datasets and directories
+    (text, one document per file) have none to tell."""
+    data = r.spec["data"]
+    issues = []
+    for split in ("train", "eval"):
+        value = data.get(split)
+        if not isinstance(value, str) or value.startswith(HF_PREFIX) or "\0" in value:
+            continue
+        file = local_path(r, ("data", split))
+        if not _is_file(file):
+            continue   # a missing file, a directory: the data-file rule says so
+        try:
+            data_format(file, data["format"])
+        except SpecError as err:
+            for problem in err.issues:
+                issues.append(r.issue(("data", split) if data["format"] == "auto" else problem.path,
+                                      problem.message, problem.hint, code="data-format"))
+    return issues
+
+
+def first_record(r: ResolvedSpec, split: str = "train") -> dict | None:
+    """The first record of a local jsonl data file (one line read), or None (another format, no file,
+    not JSON: the datacheck at launch reports those with their line)."""
+    data = r.spec["data"]
+    value = data.get(split)
+    if not isinstance(value, str) or value.startswith(HF_PREFIX) or "\0" in value:
+        return None
+    file = local_path(r, ("data", split))
+    if not _is_file(file):
+        return None
+    try:
+        if data_format(file, data["format"]) != "jsonl":
+            return None
+        with open(file, "rb") as fh:
+            for _, raw in zip(range(100), fh):
+                if raw.strip():
+                    row = json.loads(raw.decode("utf-8"))
+                    return row if isinstance(row, dict) else None
+    except (SpecError, OSError, ValueError):
+        return None
+    return None
+
+
+def chat_records(r: ResolvedSpec) -> bool | None:
+    """Whether the records are chat records: `data.records: chat`, or `auto` with a first jsonl record
+    holding `messages_field`; None when it cannot be told here (auto on parquet or an `hf:` dataset)."""
+    data = r.spec["data"]
+    records = data.get("records", "auto")
+    if data.get("synthetic") is not None or records in ("text", "prompt_completion") or data.get("format") == "text":
+        return False
+    if records == "chat":
+        return True
+    train = data.get("train")
+    if not isinstance(train, str):
+        return False
+    row = first_record(r)
+    if row is not None:
+        return data.get("messages_field", "messages") in row
+    if train.startswith(HF_PREFIX):
+        return None
+    file = local_path(r, ("data", "train"))
+    try:
+        return None if _is_file(file) and data_format(file, data["format"]) == "parquet" else False
+    except SpecError:
+        return False
+
+
+# ---------------------------------------------------------------- vocabulary and special tokens
+
+def vocab_issues(r: ResolvedSpec, dims: ModelDims | None, tokenizer: TokenizerFacts | None) -> list[SpecIssue]:
+    """The model's vocabulary holds every id the data can give: the tokenizer's, or synthetic ids."""
+    s = r.spec
+    vocab = dims.vocab_size if dims is not None else None
+    if vocab is None:
+        return []
+    synthetic = s["data"].get("synthetic")
+    if synthetic is not None:
+        low, high = synthetic["vocab_range"][:2]
+        if high <= low:
+            return [r.issue(("data", "synthetic", "vocab_range"), f"vocab_range [{low}, {high}) is empty",
+                            "the second id must be larger than the first", code="synthetic-vocab")]
+        if high > vocab and ("data", "synthetic", "vocab_range") in r.positions:
+            # written: refused here; the default range against a small vocabulary is the ranks' refusal
+            # (model/build._check_vocab), which many a compile-only spec relies on not being made here
+            return [r.issue(("data", "synthetic", "vocab_range"), f"synthetic token ids go up to {high - 1} but "
+                            f"the model's vocabulary has {vocab} entries",
+                            f"end vocab_range at most at {vocab}, or raise model.config.vocab_size",
+                            code="synthetic-vocab")]
+        return []
+    if tokenizer is None or tokenizer.size is None or tokenizer.size <= vocab:
+        return []
+    return [vocab_issue(r, vocab, tokenizer.size, str(tokenizer.directory))]
+
+
+def vocab_issue(r: ResolvedSpec, vocab: int, size: int, name: str) -> SpecIssue:
+    """A tokenizer of `size` tokens against a model vocabulary of `vocab` (validate, and launch for the
+    tokenizers only transformers reads)."""
+    model = r.spec["model"]
+    message = f"the tokenizer {name} has {size} tokens but the model's vocabulary only {vocab}"
+    if model.get("name_or_path"):   # a checkpoint's embedding is as large as it was trained
+        return r.issue(("data", "tokenizer") if r.spec["data"].get("tokenizer") else ("model", "name_or_path"),
+                       message, "use the checkpoint's own tokenizer (or one with at most that many tokens)",
+                       code="tokenizer-vocab")
+    config = model.get("config") or {}
+    path = ("model", "config", "vocab_size") if "vocab_size" in config else ("model", "config")
+    return r.issue(path, message, f"set model.config.vocab_size to at least {size}", key=path[-1] == "config",
+                   code="tokenizer-vocab")
+
+
+def special_token_issues(r: ResolvedSpec, tokenizer: TokenizerFacts | None) -> list[SpecIssue]:
+    """The tokens the loaders need: a mask token for masked LM, a pad (or an EOS to pad with)."""
+    if tokenizer is None:
+        return []
+    field = ("data", "tokenizer") if r.spec["data"].get("tokenizer") else ("model", "name_or_path")
+    issues = []
+    if r.spec["model"]["task"] == "masked-lm" and tokenizer.ids["mask"] is None:
+        issues.append(r.issue(field, f"masked-lm needs a tokenizer with a mask token; {tokenizer.directory} has none",
+                              "use a tokenizer that defines mask_token (e.g. [MASK] or <mask>)",
+                              code="tokenizer-mask-token"))
+    if tokenizer.pad_id is None and (tokenizer.directory / "tokenizer_config.json").is_file():
+        issues.append(r.issue(field, f"the tokenizer {tokenizer.directory} has neither a pad nor an eos token "
+                              "to pad with", "use a tokenizer with a pad token (or an eos token)",
+                              code="tokenizer-pad"))
+    return issues
+
+
+# ---------------------------------------------------------------- chat templates
+
+def chat_template_issues(r: ResolvedSpec, tokenizer: TokenizerFacts | None) -> list[SpecIssue]:
+    """`data.chat_template` names a file that parses as Jinja; chat records have a template (that file,
+    or the local tokenizer's own, which must parse too). A hub tokenizer's is checked at launch."""
+    data = r.spec["data"]
+    if data.get("chat_template"):
+        file = local_path(r, ("data", "chat_template"))
+        if not _is_file(file):
+            return [r.issue(("data", "chat_template"), f"chat template file not found: {file}",
+                            "paths are relative to the spec file that sets them", code="chat-template")]
+        try:
+            text = file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            return [r.issue(("data", "chat_template"), f"{file} cannot be read: {err}",
+                            "save the template as UTF-8 text", code="chat-template")]
+        problem = template_problem(text, str(file))
+        return [r.issue(("data", "chat_template"), problem, "fix the template (Jinja syntax)",
+                        code="chat-template")] if problem else []
+    chat = chat_records(r)
+    if not chat or tokenizer is None:
+        return []   # not chat, not known here, or a tokenizer only transformers reads: launch checks it
+    field = ("data", "tokenizer") if data.get("tokenizer") else ("model", "name_or_path")
+    if tokenizer.chat_template is None:
+        where = ("data", "records") if ("data", "records") in r.positions else ("data", "train")
+        return [r.issue(where, f"chat records need a chat template, and the tokenizer {tokenizer.directory} has none",
+                        "set data.chat_template to a Jinja template file, or use a tokenizer with a chat_template",
+                        code="chat-template")]
+    problem = template_problem(tokenizer.chat_template, str(tokenizer.template_source))
+    return [r.issue(field, problem, "fix the tokenizer's chat template, or set data.chat_template to a file",
+                    code="chat-template")] if problem else []
+
+
+def template_problem(text: str, source: str) -> str | None:
+    """Why `text` is not a chat template Jinja can compile (transformers' environment: the loop
+    controls and the `{% generation %}` block), with its file:line; None when it compiles."""
+    import jinja2
+    from jinja2.ext import Extension, loopcontrols
+
+    class Generation(Extension):   # transformers marks the assistant's tokens with it
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body, lineno=lineno)
+
+    env = jinja2.Environment(extensions=[loopcontrols, Generation])
+    try:
+        env.parse(text)
+    except jinja2.TemplateSyntaxError as err:
+        return f"{source}:{err.lineno}: the chat template is not valid Jinja: {err.message}"
+    return None
+
+
+# ---------------------------------------------------------------- paths
+
+def local_path(r: ResolvedSpec, field: tuple) -> Path:
+    """The spec's path at `field` as a local path: relative to the file that wrote it (`--set`: to the
+    current directory), as validation resolves it."""
+    value: Any = r.spec
+    for key in field:
+        value = value[key]
+    where = r.positions.get(tuple(field))
+    if where is None:
+        base = Path(r.source).resolve().parent
+    elif where.file == SET_FILE:
+        base = Path.cwd()
+    else:
+        base = Path(where.file).resolve().parent
+    return Path(os.path.abspath(base / os.path.expanduser(str(value))))
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except (OSError, ValueError):
+        return False
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except (OSError, ValueError):
+        return False
+
