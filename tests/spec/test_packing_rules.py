@@ -8,11 +8,12 @@ import sys
 
 import pytest
 import yaml
-
 from conftest import REPO_ROOT
+
 from jobspec.cli import main
 from jobspec.spec import packing_rules
 
+TOKENIZER = REPO_ROOT / "jobs" / "data" / "tokenizer"
 TINY_LLAMA = {"architecture": "llama", "task": "causal-lm",
               "config": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
                          "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 300}}
@@ -21,7 +22,7 @@ TINY_LLAMA = {"architecture": "llama", "task": "causal-lm",
 def write(tmp_path, model=None, data=None, training=None) -> str:
     (tmp_path / "train.jsonl").write_text('{"text": "a b c"}\n')
     raw = {"model": model or TINY_LLAMA,
-           "data": {"train": "train.jsonl", "tokenizer": str(REPO_ROOT / "jobs" / "data" / "tokenizer"), "packing": True, "max_length": 64,
+           "data": {"train": "train.jsonl", "tokenizer": str(TOKENIZER), "packing": True, "max_length": 64,
                     **(data or {})},
            "training": training or {"max_steps": 2}}
     path = tmp_path / "job.yaml"
