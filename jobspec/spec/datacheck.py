@@ -8,25 +8,47 @@ file, so a 100 GB file costs what a small one does; the rows after those are rea
 and when datasets/pyarrow or the tokenizer fail on one, the rank calls `check_file(..., max_rows=None)`
 to name the file and line of the first bad row (jobspec/train/data.py).
 
+Records are of the kind `data.records` says (`record_kind`: `auto` looks at the first row's fields):
+`text` rows hold `text_fields` (and a label); `chat` rows a `messages_field` list of {role, content}
+with a known role and string content; `prompt_completion` rows a string prompt and completion. Text
+files (`data.format: text`, a directory of them) are read for UTF-8 and for at least one document.
+Datasets by name (`hf:`) and `save_to_disk` directories are read by the ranks only.
+
 Neutral ground (like shm.py): the launcher and the ranks both use it; no torch, no datasets.
 """
 from __future__ import annotations
 
 import csv
+import difflib
 import json
 import os
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from jobspec import tasks
 from jobspec.errors import SpecError, SpecIssue, first_line, spec_error
-from jobspec.spec.data_format import data_format
+from jobspec.spec.data_format import TEXT_SUFFIXES, data_format, source_kind, text_files
 from jobspec.units import MiB
 
 PREFLIGHT_ROWS = 1000
 PREFLIGHT_BYTES = 32 * MiB
 SPLITS = ("train", "eval")
+ROLES = ("system", "user", "assistant", "tool")   # a chat message's roles (schema: data.messages_field)
+
+
+def record_kind(data: dict, fields) -> str:
+    """What a record holds, `text`, `chat` or `prompt_completion`: `data.records`, or for `auto` what the
+    first record's `fields` (its keys, or a table's columns) show (the schema's rule)."""
+    setting = data.get("records", "auto")
+    if setting != "auto":
+        return setting
+    fields = set(fields)
+    if data.get("messages_field", "messages") in fields:
+        return "chat"
+    if {data.get("prompt_field", "prompt"), data.get("completion_field", "completion")} <= fields:
+        return "prompt_completion"
+    return "text"
 
 
 @dataclass(frozen=True)
@@ -37,15 +59,33 @@ class Columns:
     label_field: str | None   # None: language-model tasks have no label column
     task: str
     num_labels: int
+    records: str = "auto"     # data.records; `resolved` turns auto into the kind the first record shows
+    messages_field: str = "messages"
+    prompt_field: str = "prompt"
+    completion_field: str = "completion"
 
     @classmethod
     def of(cls, spec: dict) -> "Columns":
         data, model = spec["data"], spec["model"]
         task = model["task"]
         label = data["label_field"] if tasks.get(task).classification else None
-        return cls(tuple(data.get("text_fields") or ["text"]), label, task, model["num_labels"])
+        return cls(tuple(data.get("text_fields") or ["text"]), label, task, model["num_labels"],
+                   data.get("records", "auto"), data.get("messages_field", "messages"),
+                   data.get("prompt_field", "prompt"), data.get("completion_field", "completion"))
+
+    def resolved(self, fields) -> "Columns":
+        """These columns with `records: auto` decided by the first record's `fields`."""
+        if self.records != "auto":
+            return self
+        return replace(self, records=record_kind({"records": "auto", "messages_field": self.messages_field,
+                                                  "prompt_field": self.prompt_field,
+                                                  "completion_field": self.completion_field}, fields))
 
     def needed(self) -> list[str]:
+        if self.records == "chat":
+            return [self.messages_field]
+        if self.records == "prompt_completion":
+            return [self.prompt_field, self.completion_field]
         return [*self.text_fields, *([self.label_field] if self.label_field else [])]
 
 
@@ -58,13 +98,33 @@ def preflight_issues(spec: dict) -> list[SpecIssue]:
     for split in SPLITS:
         if data.get(split):
             try:
-                issue = check_file(data[split], data["format"], Columns.of(spec), split)
+                issue = check_source(data[split], data["format"], Columns.of(spec), split)
             except SpecError as err:  # data.format cannot be told from the extension
                 issues.extend(err.issues)
                 continue
             if issue is not None:
                 issues.append(issue)
     return issues
+
+
+def check_source(source: str, fmt: str, columns: Columns, split: str, *, max_rows: int | None = PREFLIGHT_ROWS,
+                 max_bytes: int | None = PREFLIGHT_BYTES) -> SpecIssue | None:
+    """`check_file` for a file, the text files of a directory; nothing for `hf:` or saved datasets."""
+    kind = source_kind(source, fmt)
+    if kind in ("hub", "saved"):
+        return None
+    if kind != "text_dir":
+        return check_file(source, fmt, columns, split, max_rows=max_rows, max_bytes=max_bytes)
+    files = text_files(source, fmt)
+    if not files:
+        return SpecIssue(path=("data", split), message=f"{source} is a directory, not a data file (it holds no "
+                         f"{'/'.join(TEXT_SUFFIXES)} files and no saved dataset)",
+                         hint=f"point data.{split} at a data file, or a directory of text files")
+    for path in files[:max_rows] if max_rows is not None else files:
+        issue = check_file(path, "text", columns, split, max_rows=max_rows, max_bytes=max_bytes)
+        if issue is not None and not issue.message.endswith("has no text"):   # an empty document is allowed
+            return issue
+    return None
 
 
 class _Bad(Exception):
@@ -82,6 +142,9 @@ def check_file(path: str | os.PathLike, fmt: str, columns: Columns, split: str, 
     fmt = data_format(path, fmt)
     try:
         _check_stat(path, split)
+        if fmt == "text":
+            _check_text(path, split, max_bytes)
+            return None
         reader = {"jsonl": _jsonl_rows, "csv": _csv_rows, "parquet": _parquet_rows}[fmt]
         rows = _RowChecker(path, columns, split)
         count = 0
@@ -115,6 +178,15 @@ def _check_stat(path: Path, split: str) -> None:
             fh.read(1)
     except OSError as err:
         raise _Bad(field, f"{path} is not readable ({err.strerror or err})", "fix its permissions")
+
+
+def _check_text(path: Path, split: str, max_bytes: int | None) -> None:
+    """A text file: valid UTF-8 (its first `max_bytes`), with at least one non-blank line."""
+    text = False
+    for _, line in _lines(path, split, None, max_bytes):
+        text = text or bool(line.strip())
+    if not text:
+        raise _Bad(("data", split), f"{path} has no text", "a text file needs at least one non-blank line")
 
 
 def _lines(path: Path, split: str, max_lines: int | None, max_bytes: int | None):
@@ -170,6 +242,7 @@ def _csv_rows(path: Path, columns: Columns, split: str, max_rows: int | None, ma
         header = next(reader, None)
         if header is None:
             return
+        columns = columns.resolved(header)
         missing = [c for c in columns.needed() if c not in header]
         if missing:
             raise _Bad(_column_field(columns, missing[0]), f"{path}: the header has no column "
@@ -224,6 +297,7 @@ def _parquet_rows(path: Path, columns: Columns, split: str, max_rows: int | None
         raise _Bad(("data", split), f"{path} is not a readable parquet file ({first_line(err)})",
                    "check the file and data.format") from None
     names = parquet.schema_arrow.names
+    columns = columns.resolved(names)
     missing = [c for c in columns.needed() if c not in names]
     if missing:
         raise _Bad(_column_field(columns, missing[0]), f"{path} has no column {missing[0]!r} "
@@ -258,11 +332,22 @@ class _RowChecker:
         self.names: set = set()
 
     def check(self, where: str, row: dict) -> None:
+        if self.columns.records == "auto":   # decided by the first record
+            self.columns = self.columns.resolved(row)
         c = self.columns
         for name in c.needed():
             if name not in row:
                 raise _Bad(_column_field(c, name), f"{where}: no {name!r} field (it has: "
-                           f"{', '.join(map(str, row)) or 'nothing'})", "name one of the file's columns")
+                           f"{', '.join(map(str, row)) or 'nothing'})", _missing_hint(c, name))
+        if c.records == "chat":
+            check_messages(where, row[c.messages_field], c.messages_field, self.split)
+            return
+        if c.records == "prompt_completion":
+            for name in (c.prompt_field, c.completion_field):
+                if not isinstance(row[name], str):
+                    raise _Bad(("data", self.split), f"{where}: {name!r} is {_kind(row[name])}, text expected",
+                               "every prompt/completion record needs both texts")
+            return
         words = None
         for i, name in enumerate(c.text_fields):
             value = row[name]
@@ -309,9 +394,48 @@ class _RowChecker:
                            "set model.num_labels to the number of classes")
 
 
+def check_messages(where: str, messages, field: str, split: str) -> None:
+    problem = messages_problem(messages, field)
+    if problem is not None:
+        raise _Bad(("data", split), f"{where}: {problem[0]}", problem[1])
+
+
+def messages_problem(messages, field: str) -> tuple[str, str] | None:
+    """What is wrong with a chat record's messages, with a hint (None: a non-empty list of {role, content},
+    known roles, string content)."""
+    if not isinstance(messages, list) or not messages:
+        return (f"{field!r} is {_kind(messages)}; a non-empty list of {{role, content}} messages expected",
+                "store each conversation as a list of messages")
+    for number, message in enumerate(messages, start=1):
+        if not isinstance(message, dict):
+            return (f"message {number} is {_kind(message)}; an object with role and content expected",
+                    'write each message as {"role": ..., "content": ...}')
+        role = message.get("role")
+        if role not in ROLES:
+            close = difflib.get_close_matches(role, ROLES, n=1, cutoff=0.5) if isinstance(role, str) else []
+            return (f"message {number} has role {role!r}; one of {', '.join(ROLES)} expected",
+                    f"did you mean {close[0]!r}?" if close else "give each message a role: " + ", ".join(ROLES))
+        if not isinstance(message.get("content"), str):
+            return (f"message {number} ({role}) content is {_kind(message.get('content'))}, text expected",
+                    "give each message its text as a string")
+    return None
+
+
 def _column_field(columns: Columns, name: str) -> tuple:
+    if columns.records == "chat":
+        return ("data", "messages_field")
+    if columns.records == "prompt_completion":
+        return ("data", "prompt_field") if name == columns.prompt_field else ("data", "completion_field")
     return ("data", "label_field") if name == columns.label_field and name not in columns.text_fields \
         else ("data", "text_fields")
+
+
+def _missing_hint(columns: Columns, name: str) -> str:
+    if columns.records == "chat":
+        return f"every chat record needs its {name!r} list (or set data.messages_field)"
+    if columns.records == "prompt_completion":
+        return "every prompt/completion record needs both fields (or set data.prompt_field / completion_field)"
+    return "name one of the file's columns"
 
 
 def _kind(value) -> str:
@@ -334,8 +458,33 @@ def locate_error(spec: dict, split: str) -> SpecError | None:
     """A rank's failure on a data file turned into the first bad row's file:line (None when the whole
     file checks out: the failure was not the data's)."""
     data = spec["data"]
-    issue = check_file(data[split], data["format"], Columns.of(spec), split, max_rows=None, max_bytes=None)
+    issue = check_source(data[split], data["format"], Columns.of(spec), split, max_rows=None, max_bytes=None)
     return SpecError([issue]) if issue is not None else None
+
+
+def row_location(path: str | os.PathLike, fmt: str, index: int) -> str:
+    """`file:line` of a data file's row `index` (0-based, as datasets numbers them), for a problem found
+    in a well-formed row (a chat template that fails on it); `file: row N` where lines do not tell."""
+    path = Path(path)
+    try:
+        fmt = data_format(path, fmt)
+        if fmt == "jsonl":
+            with open(path, "rb") as fh:
+                rows = (number for number, line in enumerate(fh, start=1) if line.strip())
+                for _ in range(index):
+                    next(rows)
+                return f"{path}:{next(rows)}"
+        if fmt == "csv":
+            with open(path, newline="", encoding="utf-8", errors="replace") as fh:
+                reader = csv.reader(fh)
+                next(reader, None)   # the header
+                records = (reader.line_num for fields in reader if fields)
+                for _ in range(index):
+                    next(records)
+                return f"{path}:{next(records)}"
+    except (OSError, StopIteration, csv.Error, SpecError):
+        pass
+    return f"{path}: row {index + 1}"
 
 
 def unreadable(spec: dict, split: str, fmt: str, err: BaseException) -> SpecError:

@@ -1,10 +1,15 @@
-"""Training and evaluation data: local jsonl/csv/parquet through HF `datasets`, or synthetic tokens.
+"""Training and evaluation data: records (jsonl/csv/parquet files, `hf:` datasets, saved datasets;
+train/hf_data.py), text files (train/text_data.py), chat and prompt/completion records
+(train/chat_data.py), or synthetic tokens.
 
 Every dataset is map-style and yields dicts of LongTensors `input_ids`, `attention_mask`, `labels`:
 - sequence-classification: `labels` is the class id (a 0-d tensor, stacked to (batch,));
 - token-classification: one label per token, -100 on special tokens, padding and non-first sub-words;
 - masked-lm: 15% of the tokens chosen (BERT's 80/10/10 mask/random/keep), -100 elsewhere, fixed per seed;
-- causal-lm: `labels` are the input ids (the model shifts them), -100 on padding.
+- causal-lm: `labels` are the input ids (the model shifts them), -100 on padding; chat and
+  prompt/completion records: -100 also outside the answers (`data.loss_on: answers`).
+With `padding: max_length` samples are padded to `max_length`; with `longest` they are unpadded 1-D
+tensors, padded per batch by `PadCollator`.
 `make_loader` shards a dataset over ranks deterministically and can resume mid-epoch.
 """
 from __future__ import annotations
@@ -18,14 +23,14 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from jobspec import tasks
-from jobspec.errors import spec_error
+from jobspec.errors import SpecError, spec_error
 from jobspec.spec import datacheck
-from jobspec.spec.data_format import data_format
+from jobspec.spec.data_format import source_kind
 from jobspec.tasks.base import CLASS, MASKED_TOKENS, NEXT_TOKENS, TOKEN_CLASS
+from jobspec.train import chat_data, hf_data, text_data
 
 IGNORE_INDEX = -100  # the label value transformers' losses skip
 MLM_PROBABILITY = 0.15
-DATASETS_BUILDER = {"jsonl": "json", "csv": "csv", "parquet": "parquet"}  # data.format -> datasets.load_dataset's
 # synthetic `learnable` sequence labels: the share of a sample's tokens drawn from its label's slice
 # of the vocabulary range (the rest are drawn from the whole range)
 LEARNABLE_SIGNAL = 0.5
@@ -76,7 +81,7 @@ def build_datasets(spec: dict, tokenizer):
         return _synthetic_datasets(spec)
     if not data.get("train"):
         raise spec_error("no training data", path=("data", "train"),
-                         hint="set data.train to a jsonl/csv/parquet file, or data.synthetic: {}")
+                         hint="set data.train to a data or text file, hf:name, or data.synthetic: {}")
     label_names: dict = {}  # string labels -> ids, shared by train and eval
     train = _file_dataset(spec, tokenizer, "train", label_names)
     evaluation = _file_dataset(spec, tokenizer, "eval", label_names) if data.get("eval") else None
@@ -195,42 +200,94 @@ def _mask_tokens(ids, attention_mask, special, mask_id: int, vocab: tuple[int, i
 # ---- file data --------------------------------------------------------------------------------
 
 def _file_dataset(spec: dict, tokenizer, split: str, label_names: dict) -> TensorDictDataset:
-    """The tokenized rows of `data.<split>`. A row datasets, pyarrow or the tokenizer cannot take is
-    named by file and line (jobspec.spec.datacheck scans the file for it): exit 2, not a rank traceback."""
-    import datasets
-
+    """The samples of `data.<split>`. A row datasets, pyarrow, the tokenizer or the chat template cannot
+    take is named by file and line (jobspec.spec.datacheck scans the file for it): exit 2, not a rank
+    traceback."""
     data, task = spec["data"], spec["model"]["task"]
-    path = data[split]
     if tokenizer is None:
         raise spec_error("file data needs a tokenizer", path=("data", "tokenizer"),
                          hint="set data.tokenizer (or use model.name_or_path)")
-    fmt = _file_format(path, data["format"])
-    if not Path(path).is_file():
-        raise spec_error(f"{split} file not found: {path}", path=("data", split), hint="check the path")
-    try:
-        table = datasets.load_dataset(fmt, data_files=str(path), split="train")
-    except Exception as err:  # datasets raises many types for unreadable files
-        raise datacheck.locate_error(spec, split) or datacheck.unreadable(spec, split, fmt, err) from None
+    kind = source_kind(data[split], data["format"])
+    shape = tasks.get(task).labels
+    if kind in ("text", "text_dir"):
+        try:
+            ids, mask = text_data.text_columns(spec, tokenizer, split, shape)
+        except (UnicodeDecodeError, ValueError):
+            raise datacheck.locate_error(spec, split) or _unlocated(spec, split) from None
+        if shape == MASKED_TOKENS:
+            labels, ids = _mask_file_tokens(ids, mask, tokenizer, spec["training"]["seed"], split)
+        else:
+            labels = [row.clone() for row in ids]
+        return _samples(spec, tokenizer, ids, mask, labels)
+    table = hf_data.load_table(spec, split, kind)
+    records = datacheck.record_kind(data, table.column_names)
+    if records != "text":
+        if shape != NEXT_TOKENS:
+            raise spec_error(f"{records.replace('_', '/')} records train a causal-lm, not a {task}",
+                             path=("data", "records"), hint="set model.task: causal-lm, or data.records: text")
+        needed = [data["messages_field"]] if records == "chat" else [data["prompt_field"], data["completion_field"]]
+        _check_columns(spec, table, split, needed, records)
+        try:
+            ids, mask, labels = chat_data.record_columns(spec, tokenizer, table, records, split)
+        except chat_data.RecordError as err:
+            raise _record_error(spec, split, kind, err) from None
+        return _samples(spec, tokenizer, ids, mask, labels)
     needed = list(data["text_fields"])
     if tasks.get(task).classification:
         needed.append(data["label_field"])
-    for column in needed:
-        if column not in table.column_names:
-            field = "label_field" if column == data["label_field"] and column not in data["text_fields"] \
-                else "text_fields"
-            raise spec_error(f"column {column!r} not in {Path(path).name} (columns: {', '.join(table.column_names)})",
-                             path=("data", field), hint="name one of the file's columns")
+    _check_columns(spec, table, split, needed, records)
     try:
         return _tokenize(spec, tokenizer, table, split, label_names)
     except (UnicodeDecodeError, ValueError, TypeError, KeyError) as err:  # a row pyarrow or the tokenizer refused
-        located = datacheck.locate_error(spec, split)
+        located = datacheck.locate_error(spec, split) if kind not in ("hub", "saved") else None
         if located is None:
             raise  # every row is well-formed: not the data's fault, keep the traceback
         raise located from err
 
 
-def _file_format(path: str, fmt: str) -> str:
-    return DATASETS_BUILDER[data_format(path, fmt)]
+def _check_columns(spec: dict, table, split: str, needed: list, records: str) -> None:
+    data = spec["data"]
+    for column in needed:
+        if column not in table.column_names:
+            field = {"chat": "messages_field"}.get(records) or (
+                ("prompt_field" if column == data["prompt_field"] else "completion_field")
+                if records == "prompt_completion" else
+                "label_field" if column == data["label_field"] and column not in data["text_fields"]
+                else "text_fields")
+            raise spec_error(f"column {column!r} not in {Path(data[split]).name} (columns: "
+                             f"{', '.join(table.column_names)})", path=("data", field),
+                             hint="name one of the data's columns")
+
+
+def _record_error(spec: dict, split: str, kind: str, err: chat_data.RecordError) -> SpecError:
+    """A record the chat loader refused: the first bad row of the file by line (a full scan), else the
+    record's own line (a template failing on a well-formed record), else its row number."""
+    source = spec["data"][split]
+    if kind in ("hub", "saved"):
+        where = f"{source} [{hf_data.split_name(spec, split)}] row {err.index + 1}"
+    else:
+        located = datacheck.locate_error(spec, split)
+        if located is not None:
+            return located
+        where = datacheck.row_location(source, spec["data"]["format"], err.index)
+    return spec_error(f"{where}: {err.message}", path=("data", split), hint=err.hint)
+
+
+def _unlocated(spec: dict, split: str) -> SpecError:
+    return spec_error(f"{spec['data'][split]} is not UTF-8 text", path=("data", split), hint="save it as UTF-8")
+
+
+def _samples(spec: dict, tokenizer, ids: list, mask: list, labels: list) -> TensorDictDataset:
+    """Rows of 1-D tensors, padded to `max_length` and stacked with `padding: max_length`."""
+    pad_id = tokenizer.pad_token_id or 0
+    columns: dict[str, Any] = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    if spec["data"]["padding"] == "max_length":
+        length = spec["data"]["max_length"]
+        fill = {"input_ids": pad_id, "attention_mask": 0, "labels": IGNORE_INDEX}
+        columns = {name: torch.stack([torch.nn.functional.pad(row, (0, length - len(row)), value=fill[name])
+                                      for row in rows]) if rows else torch.zeros(0, length, dtype=torch.long)
+                   for name, rows in columns.items()}
+    return TensorDictDataset(columns, pad_token_id=pad_id)
 
 
 def _tokenize(spec: dict, tokenizer, table, split: str, label_names: dict) -> TensorDictDataset:

@@ -1,0 +1,84 @@
+"""Text data (`data.format: text`, .txt/.md files, a directory of them) cut into language-model blocks.
+
+A document is a line of the file (`data.document: line`, blank lines skipped), the whole file
+(`document: file`), or each file of a directory. Each is tokenized with the tokenizer's own special
+tokens (a BOS where the tokenizer adds one, BERT's [CLS] ... [SEP]) and ends with its EOS (SEP for a
+tokenizer without one) unless it already does. Then, so that no token is thrown away:
+
+- `chunking: concatenate`: all documents joined and cut into blocks of `max_length` (only the last
+  block is shorter);
+- `chunking: per_document`: each document cut into pieces of at most `max_length`, none spanning two
+  documents.
+
+Causal LM trains on every token (labels = ids); masked LM masks the same blocks (train/data.py).
+"""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+
+from jobspec.errors import spec_error
+from jobspec.spec.data_format import TEXT_SUFFIXES, source_kind, text_files
+from jobspec.tasks.base import MASKED_TOKENS, NEXT_TOKENS
+
+
+def read_documents(source: str, fmt: str, document: str, split: str) -> list[str]:
+    """The documents of a text file or a directory of text files, in order."""
+    if source_kind(source, fmt) == "text_dir":
+        files = text_files(source, fmt)
+        if not files:
+            raise spec_error(f"{source} holds no {'/'.join(TEXT_SUFFIXES)} files", path=("data", split),
+                             hint="point it at a directory of text files, or at a data file")
+        return [doc for doc in (_read(path, split) for path in files) if doc.strip()]
+    text = _read(Path(source), split)
+    if document == "file":
+        return [text] if text.strip() else []
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def _read(path: Path, split: str) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not UTF-8") from None   # located by line in train/data.py
+    except OSError as err:
+        raise spec_error(f"cannot read {path} ({err.strerror or err})", path=("data", split),
+                         hint="check the path and its permissions") from None
+
+
+def document_ids(tokenizer, documents: list[str]) -> list[list[int]]:
+    """Each document's token ids with the tokenizer's special tokens, ending with EOS (or SEP)."""
+    end = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
+    # verbose=False: a document longer than the model's positions is expected here (it is cut into blocks)
+    encoded = tokenizer(documents, add_special_tokens=True, verbose=False)["input_ids"]
+    if end is None:
+        warnings.warn("the tokenizer has neither an EOS nor a SEP token: text documents are joined without a "
+                      "separator", stacklevel=2)
+        return [list(ids) for ids in encoded]
+    return [list(ids) if ids and ids[-1] == end else [*ids, end] for ids in encoded]
+
+
+def blocks(documents: list[list[int]], max_length: int, chunking: str) -> list[list[int]]:
+    """Token blocks of at most `max_length`: the documents joined then cut, or each one cut."""
+    if chunking == "concatenate":
+        joined = [token for ids in documents for token in ids]
+        return [joined[i:i + max_length] for i in range(0, len(joined), max_length)]
+    return [ids[i:i + max_length] for ids in documents for i in range(0, len(ids), max_length)]
+
+
+def text_columns(spec: dict, tokenizer, split: str, shape: str) -> tuple[list, list]:
+    """(input ids, attention masks) of `data.<split>`'s text as 1-D LongTensors, unpadded."""
+    data = spec["data"]
+    if shape not in (NEXT_TOKENS, MASKED_TOKENS):
+        raise spec_error(f"text files have no labels; {spec['model']['task']} needs records with "
+                         f"{data['label_field']!r}", path=("data", split),
+                         hint="use a jsonl/csv/parquet file with text and label columns, or a language-model task")
+    documents = read_documents(data[split], data["format"], data["document"], split)
+    if not documents:
+        raise spec_error(f"{data[split]} has no text", path=("data", split),
+                         hint="a text file needs at least one non-blank line")
+    cut = blocks(document_ids(tokenizer, documents), data["max_length"], data["chunking"])
+    ids = [torch.tensor(block, dtype=torch.long) for block in cut]
+    return ids, [torch.ones_like(block) for block in ids]
