@@ -8,6 +8,26 @@ from __future__ import annotations
 from typing import Any, Literal, TypedDict
 
 
+class JobSpecModelLora(TypedDict):
+    """LoRA settings (peft.LoraConfig)."""
+    r: int
+    alpha: float
+    dropout: float
+    target_modules: Literal["all-linear"] | list[str]
+    modules_to_save: list[str] | None
+    bias: Literal["none", "all", "lora_only"]
+    use_rslora: bool
+    use_dora: bool
+
+
+class JobSpecModelQuantization(TypedDict):
+    """Quantisation settings (transformers.BitsAndBytesConfig)."""
+    bits: Literal[4, 8]
+    quant_type: Literal["nf4", "fp4"]
+    compute_dtype: Literal["auto", "bf16", "fp16", "fp32"]
+    double_quant: bool
+
+
 class JobSpecModel(TypedDict):
     """The model to train: a hub id or local directory (`name_or_path`), or an architecture built from a
     config with random weights (`architecture` + `config`).
@@ -21,6 +41,8 @@ class JobSpecModel(TypedDict):
     attention: Literal["sdpa", "eager", "flash_attention_2"]
     trust_remote_code: bool
     freeze: list[str]
+    lora: JobSpecModelLora | None
+    quantization: JobSpecModelQuantization | None
     compile: bool
 
 
@@ -223,6 +245,7 @@ class JobSpecExport(TypedDict):
     with the job spec and the metrics.
     """
     final: bool
+    adapter: Literal["merged", "adapter", "both"]
     at_checkpoints: bool
     best_eval: bool
     best_metric: Literal["loss", "accuracy", "f1", "perplexity"]
