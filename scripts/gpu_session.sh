@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One lent-GPU session, run from the repository root on the device (the `device` tool's run), with
+# .whl/ from scripts/gpu_wheels.sh carried along:
+#
+#   scripts/gpu_session.sh [STEP...]     # steps: probe packing qlora zero3 suite (default: all, in order)
+#
+# Installs the carried wheels (only what the image lacks: pip resolves against what is there), then
+# runs each step under its own time limit, writing its output to $OUT/<step>.txt (or /tmp/gpu-out).
+# A step that fails or runs out of time is reported and the next one runs.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-/tmp/gpu-out}"; mkdir -p "$out"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+py=python3
+
+install() {
+  "$py" -m pip install -q --no-index --find-links .whl --break-system-packages --no-warn-script-location \
+    deepspeed datasets jsonschema bitsandbytes nvidia-ml-py py-cpuinfo 2>&1 | tail -n 5
+}
+
+step() {  # step NAME LIMIT_S COMMAND...
+  local name="$1" limit="$2"; shift 2
+  local t0; t0=$(date +%s)
+  echo "== $name (limit ${limit}s): $*"
+  timeout --signal=INT --kill-after=20 "$limit" "$@" >"$out/$name.txt" 2>&1
+  local rc=$?
+  echo "== $name: exit $rc in $(( $(date +%s) - t0 ))s"; tail -n 25 "$out/$name.txt"
+}
+
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(probe packing qlora zero3 suite)
+install
+for s in "${steps[@]}"; do
+  case "$s" in
+    probe)   step probe 60 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; $py -c 'import torch, transformers, deepspeed, datasets, peft, bitsandbytes, pyarrow; print(*(f\"{m.__name__} {m.__version__}\" for m in (torch, transformers, deepspeed, datasets, peft, bitsandbytes, pyarrow)))'; nproc; free -g" ;;
+    packing) step packing 200 "$py" -m bench.packing_gpu --out "$out/packing.md" ;;
+    qlora)   step qlora 200 "$py" -m bench.qlora_gpu --out "$out/qlora.md" ;;
+    zero3)   step zero3 240 "$py" -m bench.zero3_offload_gpu --out "$out/zero3.md" ;;
+    suite)   step suite 420 "$py" -m bench gpu --out "$out/gpu-suite.md" ;;
+    *) echo "unknown step $s (probe packing qlora zero3 suite)"; exit 2 ;;
+  esac
+done
