@@ -188,6 +188,29 @@ def test_an_adam_implementation_the_changed_offload_cannot_run_is_refused(tmp_pa
     assert phrase in issue.message and issue.path == ("training", "optimizer", "implementation")
 
 
+def test_an_adam_implementation_a_fit_offload_cannot_run_is_refused_once(tmp_path, monkeypatch):
+    """The refusal is adamw's rule alone (optimizers/adamw.issues), run again on the fitted spec; the
+    compiler no longer repeats it: one issue, coded, at the written field, and nothing compiled."""
+    from jobspec.memory import fit as fit_module
+    job = write_job(tmp_path, {"fit": "auto", "gpu_memory": FIT_BUDGET, "zero_stage": 2},
+                    training={"optimizer": {"implementation": "fused"}})
+    real_fit = fit_module.fit
+
+    def offloaded(spec, job, budget, **kwargs):
+        result = real_fit(spec, job, budget, **kwargs)
+        changes = {**result.changes, "memory.offload.optimizer": "cpu"}
+        return dataclasses.replace(result, changes=changes, overrides=fit_module.to_overrides(changes))
+    monkeypatch.setattr(fit_module, "fit", offloaded)
+    compiled = []
+    monkeypatch.setattr(prepare_module, "compile_spec", lambda *a, **k: compiled.append(a))
+    with pytest.raises(SpecError) as caught:
+        prepare_job(job, host=Host())
+    [issue] = caught.value.issues
+    assert issue.path == ("training", "optimizer", "implementation") and issue.code == "adam-settings"
+    assert "`fused` Adam cannot run with optimizer offload" in issue.message
+    assert issue.file == str(job) and compiled == []
+
+
 def test_a_written_spec_passes_the_recheck_unchanged():
     from jobspec.spec.validation import load_and_validate, recheck
     for job in sorted((Path(__file__).resolve().parent.parent / "jobs").glob("*.yaml")):
