@@ -24,7 +24,9 @@ from jobspec.trace import LOG_ONLY
 
 # read by huggingface_hub, transformers and datasets when they are imported
 PROGRESS_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
-LIBRARY_LOGGERS = ("transformers", "datasets", "huggingface_hub")
+# peft and bitsandbytes come in with transformers' model code (peft imports bitsandbytes, whose CPU
+# backend warns about an optional kernels package on every import)
+LIBRARY_LOGGERS = ("transformers", "datasets", "huggingface_hub", "peft", "bitsandbytes")
 DEPRECATIONS = (DeprecationWarning, PendingDeprecationWarning, FutureWarning)
 
 
