@@ -41,6 +41,10 @@ class Task:
     metric_labels: dict = field(default_factory=dict)
     # metrics produced only when the labels are BIO tags
     bio_only: tuple[str, ...] = ()
+    # the head's module names as transformers' heads call them (`classifier`: BERT, RoBERTa, DeBERTa;
+    # `score`: the decoder families; `pre_classifier`: DistilBERT): trained in full by default beside
+    # LoRA adapters (`model.lora.modules_to_save: null`), as a new head starts from random weights
+    head_modules: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.labels not in LABEL_SHAPES or self.counts not in COUNTS:

@@ -14,5 +14,6 @@ TASK = Task(
     metrics=("loss", "accuracy", "f1"),
     loss="cross-entropy over the classes",
     classification=True,
+    head_modules=("pre_classifier", "classifier", "score"),
     metric_labels={"f1": "macro-F1"},
 )

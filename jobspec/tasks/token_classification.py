@@ -15,6 +15,7 @@ TASK = Task(
     metrics=("loss", "accuracy", "f1"),
     loss="cross-entropy over the labelled tokens",
     classification=True,
+    head_modules=("classifier", "score"),
     words=True,
     metric_labels={"accuracy": "token accuracy", "f1": "entity F1"},
     bio_only=("f1",),

@@ -1,0 +1,229 @@
+"""`model.lora` and `model.quantization` on the torch side: PEFT's LoraConfig, the adapters put on a model,
+the target patterns checked against the model's real module names, bitsandbytes' quantisation config.
+
+One code path for everyone who needs the adapted model: the ranks (train/ wraps the model after
+jobspec's patches), the planner's trace (model/trace.py wraps its meta model with the same
+`apply_lora`, so the plan counts exactly the adapters PEFT makes) and the job-preparation check
+(`check_targets`, on the meta device: compile, plan, launch and `--dry-run` refuse a pattern that
+matches nothing before any rank starts, positioned at `model.lora.target_modules[i]`).
+
+Matching is PEFT's (peft.tuners.tuners_utils.check_target_module_exists): a list entry matches a
+module whose dotted name equals it or ends with `.<entry>`; `all-linear` is every linear layer but
+the output head. Modules in `modules_to_save` are trained in full and never get adapters.
+Imports torch, peft and transformers inside the functions only: `jobspec validate` never loads them.
+"""
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+from jobspec import tasks
+from jobspec.errors import SpecError, SpecIssue, spec_error
+
+ALL_LINEAR = "all-linear"
+# PEFT's LoRA layer kinds by torch / transformers class name (peft.tuners.lora.model dispatchers):
+# a pattern naming only other modules (an attention block, a layer norm) is refused here rather
+# than by PEFT's ValueError from inside get_peft_model
+ADAPTABLE = ("Linear", "Embedding", "Conv1d", "Conv2d", "Conv3d", "Conv1D", "MultiheadAttention",
+             "Linear4bit", "Linear8bitLt")
+COMPUTE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def modules_to_save(spec: dict, model) -> list[str]:
+    """`model.lora.modules_to_save`, or (null) the task's head modules the model has (tasks/: the
+    classification heads are new, randomly initialised, and must be trained)."""
+    lora = spec["model"]["lora"]
+    if lora is None:
+        return []
+    if lora["modules_to_save"] is not None:
+        return list(lora["modules_to_save"])
+    names = {name for name, _ in model.named_modules()}
+    return [head for head in tasks.get(spec["model"]["task"]).head_modules
+            if any(_matches(name, head) for name in names)]
+
+
+def resolve_targets(spec: dict, model) -> list[str]:
+    """The dotted names of the modules that get adapters, as PEFT will pick them; SpecError (every bad
+    pattern at once) when a pattern matches no adaptable module, with the nearest module names."""
+    lora = spec["model"]["lora"]
+    saved = modules_to_save(spec, model)
+    kinds = {name: type(module).__name__ for name, module in model.named_modules() if name}
+    adaptable = [name for name, kind in kinds.items() if kind in ADAPTABLE and not _saved(name, saved)]
+    if lora["target_modules"] == ALL_LINEAR:
+        output = _output_module_name(model)
+        chosen = [n for n in adaptable if kinds[n] in ("Linear", "Conv1D", "Linear4bit", "Linear8bitLt")
+                  and n != output]
+        if not chosen:
+            raise spec_error(f"`all-linear` finds no linear layer in {type(model).__name__} outside the head",
+                             path=("model", "lora", "target_modules"),
+                             hint="list the modules to adapt by name", code="lora-targets")
+        return chosen
+    issues, chosen = [], []
+    for i, pattern in enumerate(lora["target_modules"]):
+        hits = [name for name in adaptable if _matches(name, pattern)]
+        if hits:
+            chosen += [h for h in hits if h not in chosen]
+            continue
+        others = [name for name in kinds if _matches(name, pattern)]
+        if any(_saved(name, saved) for name in others):
+            message = (f"target module pattern {pattern!r} matches only modules in modules_to_save ({others[0]}), "
+                       "which are trained in full and never get adapters")
+            hint = "drop it from target_modules, or from model.lora.modules_to_save"
+        elif others:
+            message = (f"target module pattern {pattern!r} matches only {kinds[others[0]]} modules "
+                       f"({others[0]}{', ...' if len(others) > 1 else ''}); LoRA adapts linear, embedding and "
+                       "convolution layers")
+            inside = sorted({n.rsplit(".", 1)[-1] for n in adaptable if n.startswith(f"{others[0]}.")})
+            hint = f"name the layers inside it: {', '.join(inside[:6])}" if inside else "name a linear layer"
+        else:
+            message = f"target module pattern {pattern!r} matches no module of {type(model).__name__}"
+            hint = _did_you_mean(pattern, adaptable)
+        issues.append(SpecIssue(path=("model", "lora", "target_modules", i), message=message, hint=hint,
+                                code="lora-targets"))
+    if issues:
+        raise SpecError(issues)
+    return chosen
+
+
+def check_targets(spec: dict) -> None:
+    """The job-preparation check: `model.lora`'s patterns against the spec's model built on the meta
+    device (no weights, no memory); SpecError without file positions (the caller locates it)."""
+    if spec["model"]["lora"] is None:
+        return
+    from jobspec.model.build import build_skeleton
+
+    model = build_skeleton(spec)
+    saved = modules_to_save(spec, model)
+    lora = spec["model"]["lora"]
+    if lora["modules_to_save"]:
+        names = [name for name, _ in model.named_modules() if name]
+        issues = [SpecIssue(path=("model", "lora", "modules_to_save", i),
+                            message=f"modules_to_save entry {entry!r} matches no module of {type(model).__name__}",
+                            hint=_did_you_mean(entry, names), code="lora-modules-to-save")
+                  for i, entry in enumerate(saved) if not any(_matches(n, entry) for n in names)]
+        if issues:
+            raise SpecError(issues)
+    resolve_targets(spec, model)
+
+
+def lora_config(spec: dict, model) -> Any:
+    """`peft.LoraConfig` of `model.lora` for `model` (its head modules resolved against the model)."""
+    from peft import LoraConfig
+
+    lora = spec["model"]["lora"]
+    target = lora["target_modules"]
+    resolve_targets(spec, model)   # refuse here what PEFT would refuse with a traceback
+    return LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
+                      target_modules=target if target == ALL_LINEAR else list(target),
+                      modules_to_save=modules_to_save(spec, model) or None, bias=lora["bias"],
+                      use_rslora=lora["use_rslora"], use_dora=lora["use_dora"])
+
+
+def apply_lora(model, spec: dict):
+    """`model` wrapped by `peft.get_peft_model` with `model.lora` (the model itself when it is null):
+    the base frozen, the adapters and `modules_to_save` trainable."""
+    if spec["model"]["lora"] is None:
+        return model
+    from peft import get_peft_model
+
+    return get_peft_model(model, lora_config(spec, model))
+
+
+def compute_dtype(spec: dict) -> str:
+    """The torch dtype name 4-bit weights are dequantised to: `compute_dtype`, `auto` = the training
+    precision."""
+    quant = spec["model"]["quantization"]
+    chosen = quant["compute_dtype"] if quant else "auto"
+    return COMPUTE_DTYPES[spec["memory"]["precision"] if chosen == "auto" else chosen]
+
+
+def quantization_config(spec: dict, model=None) -> Any:
+    """`transformers.BitsAndBytesConfig` of `model.quantization` (None when null).
+
+    The trained head (`modules_to_save`) stays unquantised: bitsandbytes' layers cannot be trained.
+    Naming skip modules replaces transformers' default skips (the output embeddings, the last module,
+    tied weights), so those are added back from `model` (a meta skeleton is enough) when given.
+    4-bit weights are stored in the compute dtype's width (`bnb_4bit_quant_storage`), as transformers
+    and PEFT document for sharding them with ZeRO-3 / FSDP; the packing itself is unchanged.
+    """
+    quant = spec["model"]["quantization"]
+    if quant is None:
+        return None
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    skip: list[str] | None = None
+    saved = modules_to_save(spec, model) if model is not None else list(
+        spec["model"]["lora"]["modules_to_save"] if spec["model"]["lora"] and
+        spec["model"]["lora"]["modules_to_save"] is not None else tasks.get(spec["model"]["task"]).head_modules)
+    if saved:
+        from transformers.quantizers.base import get_keys_to_not_convert
+
+        defaults = get_keys_to_not_convert(model) if model is not None else []
+        skip = sorted(set(saved) | set(defaults))
+    dtype = getattr(torch, compute_dtype(spec))
+    if quant["bits"] == 8:
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant["quant_type"],
+                              bnb_4bit_compute_dtype=dtype, bnb_4bit_use_double_quant=quant["double_quant"],
+                              bnb_4bit_quant_storage=dtype, llm_int8_skip_modules=skip)
+
+
+def quantized_linear_names(spec: dict, model) -> list[str]:
+    """The base's linear layers bitsandbytes replaces when the model loads with `quantization_config`
+    (transformers' rule: nn.Linear outside the skip modules), for the planner's byte count."""
+    if spec["model"]["quantization"] is None:
+        return []
+    import torch.nn as nn
+    from transformers.quantizers.base import get_keys_to_not_convert
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    config = quantization_config(spec, model)
+    skip = config.llm_int8_skip_modules
+    if skip is None:
+        skip = get_keys_to_not_convert(model) if hasattr(model, "all_tied_weights_keys") else []
+    return [name for name, module in model.named_modules()
+            if isinstance(module, nn.Linear) and should_convert_module(name, skip)]
+
+
+def parameter_counts(model) -> tuple[int, int]:
+    """(trainable, total) parameters of a (PEFT-wrapped) model, each tensor once."""
+    seen: set[int] = set()
+    trainable = total = 0
+    for param in model.parameters():
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        total += param.numel()
+        trainable += param.numel() if param.requires_grad else 0
+    return trainable, total
+
+
+def _matches(name: str, pattern: str) -> bool:
+    """PEFT's match of a `target_modules` list entry: the whole dotted name, or its dotted suffix."""
+    return name == pattern or name.endswith(f".{pattern}")
+
+
+def _saved(name: str, saved: list[str]) -> bool:
+    """Whether a module is (inside) a `modules_to_save` entry, by PEFT's rule: the entry is one or more
+    whole components of the dotted name."""
+    dotted = f".{name}."
+    return any(f".{entry}." in dotted for entry in saved)
+
+
+def _output_module_name(model) -> str | None:
+    get = getattr(model, "get_output_embeddings", None)
+    output = get() if callable(get) else None
+    if output is None:
+        return None
+    return next((name for name, module in model.named_modules() if module is output), None)
+
+
+def _did_you_mean(pattern: str, names: list[str]) -> str:
+    """The nearest module names: by the last name component (`q_prj` -> `q_proj`), else whole names."""
+    leaves = sorted({n.rsplit(".", 1)[-1] for n in names})
+    close = difflib.get_close_matches(pattern.rsplit(".", 1)[-1], leaves, n=3, cutoff=0.6)
+    if close:
+        return f"did you mean {' or '.join(repr(c) for c in close)}?"
+    return f"the model's adaptable modules are named {', '.join(leaves[:8])}" if leaves else \
+        "the model has no linear, embedding or convolution layer"
