@@ -4,7 +4,8 @@
     prepare        job/prepare.prepare_job, the path `jobspec compile` and `plan` take too:
       resolve        spec/validation.load_and_validate (exit 2 on any problem)
       model.config   launch/model_config: an architecture outside the shipped table, or a hub id's config
-      data           spec/datacheck.preflight_issues: the data files' first rows (exit 2, at data.train/eval)
+      data           spec/datacheck.preflight_issues: the data files' first rows (exit 2, at data.train/eval);
+                     launch/data_preflight: the tokenizer transformers loads, the chat template on the records
       derive         spec/inputs.derive_job: every derived number, once (config.json, row count read here)
       memory         memory/at_launch.prepare: `memory.fit: auto` rewrites the spec (every rule runs
                      again on it); the plan
@@ -45,6 +46,7 @@ from jobspec import status as run_status
 from jobspec.errors import SpecError, SpecIssue, spec_error
 from jobspec.launch import (
     console,
+    data_preflight,
     host,
     hub,
     intent,
@@ -234,6 +236,10 @@ def launch_checks(resolved) -> None:
     data_issues = datacheck.preflight_issues(resolved.spec)  # before any rank (or row count) reads them
     if data_issues:
         raise resolved.locate(SpecError(data_issues))
+    # the records' shape is right: what needs the tokenizer (its size, the chat template on the records)
+    tokenizer_problems = data_preflight.tokenizer_issues(resolved)
+    if tokenizer_problems:
+        raise SpecError(tokenizer_problems)
 
 
 def header(spec, derived, memory, found, patches, style: bool) -> list[str]:

@@ -109,9 +109,35 @@ def build_config(spec: dict, tokenizer=None):
             model_spec["name_or_path"], revision=model_spec.get("revision"),
             trust_remote_code=bool(model_spec.get("trust_remote_code")), **overrides)
     else:
+        for key, value in tokenizer_token_ids(spec, tokenizer).items():
+            overrides.setdefault(key, value)   # what model.config writes wins
         config = _config_for_architecture(model_spec.get("architecture"), overrides)
     _set_pad_token(config, tokenizer)
     return auto_class, config
+
+
+def tokenizer_token_ids(spec: dict, tokenizer=None) -> dict[str, int | None]:
+    """bos/eos/pad ids for a model built from an architecture: the tokenizer's (`build_tokenizer`'s
+    object, else the local tokenizer directory read as JSON, so the planner's trace and export build the
+    same config the ranks do); {} for synthetic data or a tokenizer only transformers reads.
+
+    An architecture's defaults belong to its original tokenizer (GPT-2: 50256 for both bos and eos):
+    against another tokenizer they are ids outside the vocabulary, or the wrong tokens, and transformers
+    warns about them on every config it builds. A token the tokenizer lacks is None, not the default.
+    """
+    if tokenizer is not None:
+        return {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+                "pad_token_id": tokenizer.pad_token_id}
+    from jobspec.spec.data_rules import read_tokenizer, tokenizer_name
+
+    name = tokenizer_name(spec)
+    try:
+        facts = read_tokenizer(name) if name else None
+    except (ValueError, OSError):   # a broken file: validate said so; the ranks' tokenizer load refuses it
+        facts = None
+    if facts is None:
+        return {}
+    return {"bos_token_id": facts.ids["bos"], "eos_token_id": facts.ids["eos"], "pad_token_id": facts.pad_id}
 
 
 def build_skeleton(spec: dict, tokenizer=None):
