@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from jobspec.compile.compiler import Compiled, compile_spec
+from jobspec.errors import SpecError
 from jobspec.memory import at_launch
 from jobspec.memory.at_launch import LaunchMemory
 from jobspec.spec.derived import DerivedJob
@@ -95,6 +96,14 @@ def prepare_job(source: str | os.PathLike | ResolvedSpec, overrides: Iterable[st
     resolved = source if isinstance(source, ResolvedSpec) else load_and_validate(source, list(overrides))
     for check in checks:
         check(resolved)
+    if resolved.spec["model"]["lora"] is not None:
+        # the target patterns against the model's real module names, on the meta device (validate cannot
+        # know them without building the model): refused here, before anything is derived or launched
+        from jobspec.model.lora import check_targets
+        try:
+            check_targets(resolved.spec)
+        except SpecError as err:
+            raise resolved.locate(err) from None
     spec = resolved.spec
     memory = None
     if not plan and apply_fit and spec["memory"]["fit"] == "auto" and budget is None \

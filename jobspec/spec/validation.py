@@ -17,7 +17,7 @@ from typing import Any
 
 from jobspec import optimizers
 from jobspec.errors import SpecError, SpecIssue
-from jobspec.spec import data_rules
+from jobspec.spec import data_rules, lora_rules
 from jobspec.spec.data_format import HF_PREFIX, is_hub_name, is_saved_dataset, text_files
 from jobspec.spec.derived import derive
 from jobspec.spec.freeform import freeform_issues, local_checkpoint_config
@@ -321,6 +321,7 @@ def cross_field_issues(r: ResolvedSpec) -> list[SpecIssue]:
                     f"every_n_layers = {checkpointing['every_n_layers']} but the model has {layers} layers",
                     f"use a value between 1 and {layers}", code="checkpointing-layers"))
     issues += data_rules.data_rule_issues(r)   # positions, formats, tokenizer, chat template (spec/data_rules)
+    issues += lora_rules.lora_issues(r)        # model.lora / model.quantization / export.adapter
     from jobspec.export import rules as export_rules
     issues += (_coded(export_rules.precision_issues(r), "fp16-auto-cast")
                + _coded(export_rules.export_issues(r), "export-best"))
