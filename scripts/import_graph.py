@@ -4,7 +4,7 @@
     python scripts/import_graph.py --quiet    # only the problems
 
 Every `import` / `from ... import` of a package module is an edge, marked `lazy` when it sits inside a
-function (it runs only when the function is called). Rules:
+function (it runs only when the function is called) or under `if TYPE_CHECKING:` (it never runs). Rules:
 
 1. no import cycle among module-level imports;
 2. no private name (`_x`, not dunder) of one module used by another: neither `from m import _x` nor
@@ -78,11 +78,21 @@ def _resolve_from(module: Module, node: ast.ImportFrom) -> str:
 
 
 def _in_function(node: ast.AST, parents: dict) -> bool:
+    """Whether the import does not run when its module is imported: inside a function, or under
+    `if TYPE_CHECKING:` (an annotation's import, read by type checkers only; a rule module naming
+    validation's ResolvedSpec this way is no cycle)."""
     while node in parents:
         node = parents[node]
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
             return True
+        if isinstance(node, ast.If) and _type_checking(node.test):
+            return True
     return False
+
+
+def _type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
 def read_imports(module: Module, modules: dict[str, Module], package: str) -> None:

@@ -110,6 +110,23 @@ def test_a_clean_package_passes(tmp_path):
     assert result.returncode == 0, result.stderr
 
 
+def test_an_import_under_type_checking_is_no_cycle_but_still_an_edge(tmp_path):
+    """`if TYPE_CHECKING:` imports never run (a rule module naming validation's ResolvedSpec): no
+    cycle; the same import at module level is one, and the layering rule still sees the edge."""
+    typed = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.spec.a import R\n"
+    write_package(tmp_path, {"spec/a.py": "from pkg.spec import b\nR = int\n", "spec/b.py": typed})
+    assert run_script("--root", str(tmp_path), "--package", "pkg", "--quiet").returncode == 0
+    (tmp_path / "pkg" / "spec" / "b.py").write_text("from pkg.spec.a import R\n")
+    assert "import cycle (module level): pkg.spec.a <-> pkg.spec.b" in \
+        run_script("--root", str(tmp_path), "--package", "pkg", "--quiet").stderr
+    (tmp_path / "pkg" / "spec" / "b.py").write_text(typed.replace("pkg.spec.a", "pkg.launch.c"))
+    (tmp_path / "pkg" / "launch").mkdir()
+    (tmp_path / "pkg" / "launch" / "__init__.py").touch()
+    (tmp_path / "pkg" / "launch" / "c.py").write_text("R = int\n")
+    assert "pkg.spec.b (layer spec) imports pkg.launch.c from a layer above it" in \
+        run_script("--root", str(tmp_path), "--package", "pkg", "--quiet").stderr
+
+
 def module_table() -> set[str]:
     """The modules docs/architecture.md's module table names in its first column (paths under jobspec/)."""
     text = (REPO_ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")

@@ -156,7 +156,7 @@ def test_a_fit_change_that_breaks_a_rule_is_refused_with_the_rules_message(tmp_p
 def test_offload_rules_refuse_a_spec_changed_after_validation_at_the_field(tmp_path, memory, codes):
     """What the compiler used to repeat ("a spec built without validation stops here"): the offload
     rules run again on a spec changed after validation, with validation's words, positioned."""
-    from jobspec.spec.offload_rules import offload_problems
+    from jobspec.spec.rules.offload import offload_problems
     from jobspec.spec.validation import load_and_validate, recheck
     job = write_job(tmp_path)
     resolved = load_and_validate(job)

@@ -175,7 +175,7 @@ def precision_blocks(memory: dict) -> dict:
 
 def zero_block(memory: dict, dims: ModelDims | None, gather_16bit: bool = False) -> dict:
     stage = memory["zero_stage"]
-    offload = memory["offload"]   # its rules (spec/offload_rules) hold: validated, again after memory.fit
+    offload = memory["offload"]   # its rules (spec/rules/offload) hold: validated, again after memory.fit
     if stage == 0:
         return {"stage": 0}
     zero = memory["zero"]
@@ -209,7 +209,7 @@ def zero_block(memory: dict, dims: ModelDims | None, gather_16bit: bool = False)
 
 def _offload_block(offload: dict, device: str, *, params: bool) -> dict:
     block: dict[str, Any] = {"device": device, "pin_memory": offload["pin_memory"]}
-    if device == "nvme":   # nvme_path is set: spec/offload_rules
+    if device == "nvme":   # nvme_path is set: spec/rules/offload
         block["nvme_path"] = offload["nvme_path"]
         if params:
             block["buffer_count"] = offload["buffer_count"]

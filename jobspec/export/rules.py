@@ -1,16 +1,17 @@
-"""Cross-field rules of `memory.fp16.auto_cast` and the `export` section (`best_metric` against the
-task's metrics): values one field's schema cannot judge alone; and the exported weights' dtype, which
-the rank side and the launch's disk pre-flight both need. (The Adam fields' rules live with `adamw`,
-in jobspec/optimizers/adamw.py.)
+"""The `export` section's cross-field rules (`best_eval` needs evaluation data, `best_metric` against
+the task's metrics; rule code `export-best`), and the exported weights' dtype, which the rank side and
+the launch's disk pre-flight both need.
 
-Pure (the export package's part on the validate path: no torch, nothing above jobspec.spec): called by
-`validation.cross_field_issues` on the defaults-filled spec.
+Pure (the export package's part on the validate path: no torch, nothing above jobspec.spec):
+`export_issues` is one of validation's `CROSS_FIELD_RULES`, on the defaults-filled spec.
 """
 from __future__ import annotations
 
 import difflib
 
 from jobspec.spec import eval_metrics
+
+CODE = "export-best"   # the rule code of every rule below (`validate --format json`)
 
 
 def resolve_dtype(spec: dict, requested: str | None = None) -> str:
@@ -19,14 +20,6 @@ def resolve_dtype(spec: dict, requested: str | None = None) -> str:
     if choice == "auto":
         return spec["memory"]["precision"]
     return choice
-
-
-def precision_issues(r) -> list:
-    memory = r.spec["memory"]
-    if memory["fp16"]["auto_cast"] and memory["precision"] != "fp16":
-        return [r.issue(("memory", "fp16", "auto_cast"), f"`auto_cast` casts inputs to fp16, but precision is "
-                        f"{memory['precision']}", "set `memory.precision: fp16`, or remove `auto_cast`")]
-    return []
 
 
 def export_issues(r) -> list:
@@ -38,7 +31,7 @@ def export_issues(r) -> list:
         best = "the lowest evaluation loss" if metric == "loss" else f"the best evaluation {metric}"
         return [r.issue(("export", "best_eval"), f"`best_eval` exports at {best}, but the job "
                         "has no evaluation data", "set `data.eval` (or `data.synthetic.eval_samples`), or remove "
-                        "`export.best_eval`")]
+                        "`export.best_eval`", code=CODE)]
     return best_metric_issues(r)
 
 
@@ -54,16 +47,12 @@ def best_metric_issues(r) -> list:
         listing = ", ".join(f"`{m}`" for m in produced)
         close = difflib.get_close_matches(name, produced, n=1, cutoff=0.6)
         hint = (f"did you mean `{close[0]}`? " if close else "") + f"the metrics of {task}: {listing}"
-        return [r.issue(where, f"`{name}` is not a metric of {task}", hint)]
+        return [r.issue(where, f"`{name}` is not a metric of {task}", hint, code=CODE)]
     if (task, name) in eval_metrics.BIO_ONLY and s["data"]["synthetic"] is not None:
         return [r.issue(where, f"`{name}` of {task} is the entity F1 of BIO tags, but synthetic data has "
                         "integer labels", "use `best_metric: accuracy` (token accuracy) or `loss`, or train on "
-                        "a file whose labels are BIO tags (O, B-PER, I-PER, ...)")]
+                        "a file whose labels are BIO tags (O, B-PER, I-PER, ...)", code=CODE)]
     if name != "loss" and not s["export"]["best_eval"]:
         return [r.issue(where, "`best_metric` picks the model `best_eval` exports, but `best_eval` is off",
-                        "set `export.best_eval: true`, or remove `export.best_metric`")]
+                        "set `export.best_eval: true`, or remove `export.best_metric`", code=CODE)]
     return []
-
-
-def issues(r) -> list:
-    return precision_issues(r) + export_issues(r)

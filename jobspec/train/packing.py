@@ -27,7 +27,7 @@ attention keeps them out of every real token's context, and their labels are -10
 the detection off), and for flash attention flattens the micro-batch into one row (each row starts
 with a sample whose first label is -100, so the loss is the same token mean). Batches without
 `position_ids` (evaluation, which is not packed) pass untouched. The model families whose forward
-honours this are `jobspec.spec.packing_rules.PACKED_FAMILIES`; validation refuses the others.
+honours this are `jobspec.spec.rules.packing.PACKED_FAMILIES`; validation refuses the others.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ import random
 import torch
 
 from jobspec.errors import spec_error
-from jobspec.spec import packing_rules
+from jobspec.spec.rules import packing as packing_rules
 from jobspec.train.data import IGNORE_INDEX, TensorDictDataset
 
 

@@ -3,7 +3,7 @@
 The check that matters: a sample's logits packed between others (in a padded batch of packed rows, in
 training mode, through the forward pre-hook) equal its logits alone, for sdpa and eager; with the
 micro-batch flattened to one row (what flash attention gets) too; and for every family
-jobspec.spec.packing_rules lists, on the installed transformers. Tiny models built from configs, CPU.
+jobspec.spec.rules.packing lists, on the installed transformers. Tiny models built from configs, CPU.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from jobspec.errors import SpecError
-from jobspec.spec import packing_rules
+from jobspec.spec.rules import packing as packing_rules
 from jobspec.train import packing
 from jobspec.train.data import IGNORE_INDEX, PadCollator, TensorDictDataset
 from jobspec.train.metrics import count_tokens

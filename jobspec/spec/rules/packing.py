@@ -11,7 +11,7 @@ the attention function, as flash attention needs (tests/train/test_packing.py ru
 every entry). Families that build their own masks or positions from the attention mask (OPT, Bloom's
 ALiBi, MPT, XGLM) or are not attention models are not listed, and packing is refused for them.
 
-Pure: called by `validation.cross_field_issues`; the ranks ask `model_problem` again with the built
+Pure: `packing_issues` is one of validation's `CROSS_FIELD_RULES`; the ranks ask `model_problem` again with the built
 model's type, for a hub id whose type validation could not read.
 """
 from __future__ import annotations
@@ -71,6 +71,6 @@ def packing_problems(spec: dict, config_json: dict | None = None) -> list[tuple[
 
 
 def packing_issues(r) -> list:
-    """`packing_problems` of a ResolvedSpec, positioned (validation's cross-field rules)."""
+    """`packing_problems` of a ResolvedSpec, positioned and coded."""
     return [r.issue(path, message, hint, code=code)
             for path, message, hint, code in packing_problems(r.spec, local_checkpoint_config(r))]

@@ -1,13 +1,19 @@
-"""The offload rules of `memory` (which ZeRO stage each offload needs, and the NVMe path): one
-definition for validation, which reports them positioned, and the compiler, which refuses a spec
-built without validation (a fit candidate, a test's) with the same words. Pure."""
+"""The offload rules of `memory`: which ZeRO stage each offload needs, and the NVMe path.
+
+`offload_problems` is the one definition (pure, on a `memory` section); `offload_issues` is the rule
+validation runs, positioned and coded, on a written spec and on one `memory.fit` changed. Pure."""
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from jobspec.errors import SpecIssue
+
+if TYPE_CHECKING:
+    from jobspec.spec.validation import ResolvedSpec
 
 
 def offload_problems(memory: dict) -> list[tuple[tuple, str, str]]:
-    """(path, message, hint) of each offload rule `memory` (defaults filled) breaks: validation
-    reports them positioned, and the compiler refuses a spec built without validation (a fit
-    candidate, a test's) with the same words."""
+    """(path, message, hint) of each offload rule `memory` (defaults filled) breaks."""
     offload, stage = memory["offload"], memory["zero_stage"]
     problems = []
     if offload["params"] != "none" and stage != 3:
@@ -22,3 +28,13 @@ def offload_problems(memory: dict) -> list[tuple[tuple, str, str]]:
         problems.append((("memory", "offload", which), "nvme offload needs `memory.offload.nvme_path`",
                          "set it to a directory on a local NVMe drive"))
     return problems
+
+
+def offload_issues(r: ResolvedSpec) -> list[SpecIssue]:
+    return [r.issue(path, message, hint, code=offload_code(path, message))
+            for path, message, hint in offload_problems(r.spec["memory"])]
+
+
+def offload_code(path: tuple, message: str) -> str:
+    """The rule code of an offload problem: the stage it needs, or the NVMe path."""
+    return "offload-nvme-path" if "nvme_path" in message else f"offload-{path[-1]}-stage"

@@ -1,0 +1,59 @@
+"""What the cross-field rules share: a rule's type, paths read relative to the file that wrote them,
+rule codes given to issues raised without one, and the did-you-mean hint (schema errors use it too)."""
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from jobspec.errors import SpecIssue
+from jobspec.spec.loader import SET_FILE
+
+if TYPE_CHECKING:
+    from jobspec.spec.validation import ResolvedSpec
+
+Rule = Callable[["ResolvedSpec"], list[SpecIssue]]
+
+
+def coded(issues: list[SpecIssue], code: str) -> list[SpecIssue]:
+    """`issues`, each without a rule code given `code`."""
+    return [issue if issue.code else replace(issue, code=code) for issue in issues]
+
+
+def get(spec: dict, path: tuple) -> Any:
+    for key in path:
+        spec = spec[key]
+    return spec
+
+
+def base_dir(r: ResolvedSpec, path: tuple) -> Path:
+    """Relative paths are relative to the file that wrote them; `--set` ones to the current directory."""
+    where = r.positions.get(path)
+    if where is None or where.file == SET_FILE:
+        return Path.cwd() if where is not None else Path(r.source).resolve().parent
+    return Path(where.file).resolve().parent
+
+
+def local_path(r: ResolvedSpec, path: tuple) -> Path:
+    """The absolute path the string at `path` names, read as validation resolves it."""
+    return Path(os.path.abspath(base_dir(r, path) / os.path.expanduser(get(r.spec, path))))
+
+
+def exists(path: Path, file: bool = False) -> bool:
+    try:
+        return path.is_file() if file else path.exists()
+    except (OSError, ValueError):   # a name too long, or with a NUL byte, names nothing
+        return False
+
+
+def did_you_mean(word: str, choices: list[str], label: str) -> str:
+    """`did you mean `x`?` for the closest choice (the listing too when short), else the listing."""
+    lowered = {c.lower(): c for c in choices}
+    close = ([lowered[word.lower()]] if word.lower() in lowered else
+             difflib.get_close_matches(word, choices, n=1, cutoff=0.6))
+    listing = ", ".join(f"`{c}`" for c in choices)
+    if close:
+        return f"did you mean `{close[0]}`?" + (f" {label}: {listing}" if len(choices) <= 6 else "")
+    return f"{label}: {listing}"
