@@ -118,10 +118,10 @@ def _render_problem(spec: dict, split: str, kind: str, tokenizer, template: str)
     data = spec["data"]
     for index, row in _first_rows(spec, split, RENDER_ROWS) or []:
         if kind == "chat":
-            messages = row.get(data["messages_field"])
-            if datacheck.messages_problem(messages, data["messages_field"]) is not None:
+            written = row.get(data["messages_field"])
+            if not isinstance(written, list) or datacheck.messages_problem(written, data["messages_field"]):
                 return None   # the datacheck reported the record's shape
-            messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+            messages = [{"role": m["role"], "content": m["content"]} for m in written]   # parquet adds null keys
         else:
             prompt, completion = row.get(data["prompt_field"]), row.get(data["completion_field"])
             if not isinstance(prompt, str) or not isinstance(completion, str):

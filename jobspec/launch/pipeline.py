@@ -30,6 +30,7 @@ a required MLflow run that cannot be created stops the runner and removes it too
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -75,10 +76,13 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
     """Run the job; its exit status (jobspec/status.py: 0 finished, 75 stopped with a checkpoint,
     128+N stopped or killed by signal N, else the ranks')."""
     from jobspec.job.prepare import prepare_job
+    from jobspec.spec.validation import load_and_validate
 
     phases = [("start", _process_start(), 0.0)]
-    # memory.fit: auto rewrites the spec (and its derived job) here, so everything below sees what runs
-    prepared = prepare_job(job, overrides, plan=True, checks=[launch_checks], compile=False)
+    resolved = load_and_validate(job, overrides)
+    # memory.fit: auto rewrites the spec (and its derived job) here, so everything below sees what runs;
+    # every refusal of preparing it is at its field's line (a fit that finds nothing, a row count)
+    prepared = _located(resolved, lambda: prepare_job(resolved, plan=True, checks=[launch_checks], compile=False))
     assert prepared.memory is not None and prepared.host is not None   # plan=True decides both
     resolved, derived, memory, gpu_free = prepared.resolved, prepared.derived, prepared.memory, prepared.host.gpu_free
     for line in memory.lines:
@@ -95,14 +99,13 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
     phases.append(("planned", time.time(), trace.cpu_seconds()))
 
     if dry_run:  # nothing is created: the run dir in the command is the name it would get
-        ownership.check_checkpoints(spec)  # a launch would refuse another job's checkpoints: so does this
+        _located(resolved, ownership.check_checkpoints, spec)  # a launch would refuse another job's checkpoints
         _located(resolved, lease.check, chosen.checkpoint_dir, spec["name"])  # ... and a running launch of it
         what = intent.decide(spec, derived.total_steps)
         run_dir = rundir.new_run_dir_path(spec["output_dir"])
         compiled = prepared.compile(run_dir, port)
-        op_problems = preflight.op_build_issues(compiled.ds_config)   # an op a launch could not build
-        if op_problems:
-            raise resolved.locate(SpecError(op_problems))
+        # the host checks a launch makes (port, ranks, disk, GPU memory, ops): refused here as there
+        host_checks(resolved, derived, run_dir, memory, gpu_free, compiled, ignore_preflight)
         argv = runner.resolve_runner(compiled.launch["argv"])
         _print_lines(header(spec, derived, memory, found, compiled.patches, style))
         for line in chosen.lines:
@@ -113,7 +116,7 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
             print(f"note: {note}")
         print(shlex.join(argv))
         return 0
-    resume_run_id = ownership.claim_checkpoints(spec)  # another job's checkpoints: refused here (exit 2)
+    resume_run_id = _located(resolved, ownership.claim_checkpoints, spec)  # another job's checkpoints: exit 2
     held = _located(resolved, lease.acquire, chosen.checkpoint_dir, spec["name"])  # a running launch: exit 2
     try:
         # decided again under the lease: a launch that ended meanwhile may have moved the checkpoints on
@@ -144,16 +147,8 @@ def _launch_holding(job, overrides, prepared, chosen, held, resume_run_id, port,
     run_dir = rundir.create_run_dir(spec["output_dir"])
     try:
         compiled = prepared.compile(run_dir, port)   # what `jobspec compile` shows, for this run dir and port
-        problems = preflight.preflight_issues(spec, derived, run_dir) + \
-            [SpecIssue(("memory",), text) for text in launch_memory.preflight_problems(memory, gpu_free)]
-        op_problems = preflight.op_build_issues(compiled.ds_config)   # not ignorable: the ranks would fail
-        if op_problems:
-            raise resolved.locate(SpecError(op_problems))
+        host_checks(resolved, derived, run_dir, memory, gpu_free, compiled, ignore_preflight)
         compiled.launch.update(launch_memory.plan_record(memory))  # launch.json: `plan` (MiB), `fit`
-        if problems and not ignore_preflight:
-            raise preflight.refusal(resolved, problems)
-        for problem in problems:
-            log.warning("preflight (ignored): %s (%s)", problem.message, problem.dotted_path)
         compiled.launch["argv"] = runner.resolve_runner(compiled.launch["argv"])  # command.txt stays true
         # inside a multi-node Slurm allocation: one runner per node through srun (docs/slurm.md)
         compiled.launch["argv"] = slurm.launch_argv(compiled.launch, run_dir)
@@ -216,6 +211,21 @@ def _launch_holding(job, overrides, prepared, chosen, held, resume_run_id, port,
     return end.exit_code
 
 
+def host_checks(resolved, derived, run_dir: Path, memory, gpu_free, compiled, ignore_preflight: bool) -> None:
+    """launch/preflight and the GPU-memory pre-flight: a refusal (exit 2), or with --ignore-preflight
+    warnings; an op this machine cannot build is refused either way (the ranks would fail on it).
+    `--dry-run` makes the same checks (run_dir is then the name a launch would give its directory)."""
+    problems = preflight.preflight_issues(resolved.spec, derived, run_dir) + \
+        [SpecIssue(("memory",), text) for text in launch_memory.preflight_problems(memory, gpu_free)]
+    op_problems = preflight.op_build_issues(compiled.ds_config)
+    if op_problems:
+        raise resolved.locate(SpecError(op_problems))
+    if problems and not ignore_preflight:
+        raise preflight.refusal(resolved, problems)
+    for problem in problems:
+        log.warning("preflight (ignored): %s (%s)", problem.message, problem.dotted_path)
+
+
 def _located(resolved, function, *args):
     try:
         return function(*args)
@@ -255,7 +265,7 @@ def header(spec, derived, memory, found, patches, style: bool) -> list[str]:
 def closing_block(spec, run_dir: Path, launch: dict, outcome, end, tracked, style: bool,
                   model_tags: dict | None = None) -> list[str]:
     """The closing summary; also stored in summary.json as `report` (plain text)."""
-    summary = rundir.read_summary(run_dir) or {}
+    summary = rundir.read_summary(run_dir)
     signal_name = signal.Signals(outcome.user_signal).name if outcome.user_signal else None
     lines = console.closing_lines(summary, launch, job_name=spec["name"], run_dir=run_dir,
                                   checkpoint_dir=spec["checkpoint"]["dir"], exit_code=end.exit_code,
@@ -263,8 +273,8 @@ def closing_block(spec, run_dir: Path, launch: dict, outcome, end, tracked, styl
                                   tracking=tracked.as_json() if tracked else None,
                                   experiment=spec["logging"]["mlflow"]["experiment"], style=style,
                                   model_tags=model_tags)
-    if summary:
-        rundir.write_summary(run_dir, {**summary, "report": console.plain(lines)})
+    if summary is not None:
+        rundir.write_summary(run_dir, dataclasses.replace(summary, report=console.plain(lines)))
     return lines
 
 

@@ -14,7 +14,9 @@ later (the ranks' loaders, the model build) or crash on:
 - `synthetic-vocab`: a written `data.synthetic.vocab_range` that is empty or outside the model's vocabulary;
 - `tokenizer-mask-token`, `tokenizer-pad`: masked LM without a mask token; no pad and no EOS to pad with;
 - `chat-template`: chat records with no chat template (neither `data.chat_template` nor the
-  tokenizer's own), or a template file that is missing or is not valid Jinja.
+  tokenizer's own), or a template file that is missing or is not valid Jinja;
+- `epochs-sample-count`: `training.epochs` (no `max_steps`) over data whose samples cannot be counted
+  before the ranks tokenize it (a dataset by name, a saved dataset, text).
 
 A local tokenizer directory is read as JSON (tokenizer.json, tokenizer_config.json): no transformers.
 What needs transformers (a hub tokenizer, a tokenizer without tokenizer.json) is checked by
@@ -50,7 +52,31 @@ def data_rule_issues(r: ResolvedSpec) -> list[SpecIssue]:
     dims = model_dims(s, config_json)
     return (issues + positions_issues(r, dims, tokenizer, config_json) + format_issues(r)
             + vocab_issues(r, dims, tokenizer) + special_token_issues(r, tokenizer)
-            + chat_template_issues(r, tokenizer))
+            + chat_template_issues(r, tokenizer) + epochs_issues(r))
+
+
+def epochs_issues(r: ResolvedSpec) -> list[SpecIssue]:
+    """`training.epochs` needs the number of training samples before anything starts (the schedule,
+    the steps): a jsonl/csv/parquet file's rows are counted (spec/inputs.count_rows); a dataset by name,
+    a saved dataset or text (cut into blocks only by the tokenizer) has no count to read here."""
+    s = r.spec
+    train = s["data"].get("train")
+    if s["training"].get("max_steps") is not None or not isinstance(train, str) or s["data"].get("synthetic"):
+        return []
+    if train.startswith(HF_PREFIX):
+        what = f"{train} is a dataset by name"
+    elif s["data"].get("format") == "text" or _is_dir(local_path(r, ("data", "train"))):
+        what = f"{train} is text (its samples are blocks of data.max_length tokens: counted only when tokenized)"
+    else:
+        try:
+            if data_format(local_path(r, ("data", "train")), s["data"]["format"]) != "text":
+                return []
+        except SpecError:
+            return []   # the data-format rule says so
+        what = f"{train} is text (its samples are blocks of data.max_length tokens: counted only when tokenized)"
+    where = ("training", "epochs") if ("training", "epochs") in r.positions else ("training",)
+    return [r.issue(where, f"training.epochs needs the number of training samples, and {what}",
+                    "set training.max_steps", code="epochs-sample-count")]
 
 
 # ---------------------------------------------------------------- the local tokenizer, read as JSON

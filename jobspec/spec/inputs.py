@@ -9,7 +9,7 @@ import csv
 from pathlib import Path
 
 from jobspec.errors import spec_error
-from jobspec.spec.data_format import data_format
+from jobspec.spec.data_format import data_format, source_kind
 from jobspec.spec.derived import DerivedJob, derive
 from jobspec.spec.model_dims import read_local_config
 
@@ -19,7 +19,10 @@ def derive_job(spec: dict, profiler=None) -> DerivedJob:
     `profiler` (`jobspec.model.trace.job_profiler()`) adds the model's measured profile."""
     config_json = read_local_config(spec["model"]["name_or_path"])
     num_train_samples = None
-    if spec["training"]["max_steps"] is None and spec["data"]["train"]:
+    if spec["training"]["max_steps"] is None and spec["data"]["train"] \
+            and source_kind(spec["data"]["train"], spec["data"]["format"]) in ("jsonl", "csv", "parquet"):
+        # rows are samples; other sources (hf:, saved, text) have none to count here (validate refuses
+        # epochs with them: spec/data_rules.epochs_issues), and the compiler says so if one gets this far
         num_train_samples = count_rows(spec["data"]["train"], spec["data"]["format"])
     return derive(spec, config_json=config_json, num_train_samples=num_train_samples, profiler=profiler)
 
