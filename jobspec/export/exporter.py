@@ -37,6 +37,7 @@ from pathlib import Path
 
 from jobspec import rundir
 from jobspec.errors import spec_error
+from jobspec.export import adapters as lora_exports
 from jobspec.export.hf_dir import ExportFailed, ExportInfo, describe_io_error, job_tokenizer, write_model_dir
 from jobspec.export.rules import resolve_dtype
 from jobspec.spec import eval_metrics
@@ -146,15 +147,33 @@ class ModelExporter:
             if state_dict is None:
                 raise RuntimeError("rank 0 gathered no state dict")   # gather_state_dict gives rank 0 one
             try:
-                record = write_model_dir(out, self.spec, state_dict, info, tokenizer=self._job_tokenizer(),
-                                         label_names=self.label_names)
-                state.exports[name] = {k: record[k] for k in ("path", "step", "dtype", "bytes", "seconds")}
-                self.progress.message(f"model ({name}) exported to {out} ({record['bytes'] / MiB:.1f} MiB, "
-                                      f"{record['seconds']:.1f} s)")
+                merged, adapter = lora_exports.wanted(self.spec)
+                if self.spec["model"].get("lora"):   # the PEFT model: checked, then split (export/adapters.py)
+                    peft_model, _ = lora_exports.split(self.spec, state_dict, self.dtype,
+                                                       f"the ranks (ZeRO stage {self.spec['memory']['zero_stage']})")
+                    if adapter:
+                        self._record(state, f"{name}{lora_exports.ADAPTER_SUFFIX}", lora_exports.write_adapter_dir(
+                            self.base / f"{name}{lora_exports.ADAPTER_SUFFIX}", self.spec, peft_model,
+                            {"name": name, "step": state.step, "dtype": self.dtype, "source": info.source}))
+                    state_dict = lora_exports.merged_state_dict(peft_model) if merged else {}
+                    del peft_model
+                if merged:
+                    self._record(state, name, write_model_dir(out, self.spec, state_dict, info,
+                                                              tokenizer=self._job_tokenizer(),
+                                                              label_names=self.label_names))
+            except lora_exports.GatherMismatch as err:
+                error = str(err)
+            except OSError as err:   # the adapter directory (write_model_dir raises ExportFailed itself)
+                error = describe_io_error(self.base / f"{name}{lora_exports.ADAPTER_SUFFIX}", err)
             except ExportFailed as err:
                 error = str(err)
         del state_dict
         self._raise_if(self._broadcast(error))
+
+    def _record(self, state, name: str, record: dict) -> None:
+        state.exports[name] = {k: record[k] for k in ("path", "step", "dtype", "bytes", "seconds")}
+        self.progress.message(f"model ({name}) exported to {record['path']} ({record['bytes'] / MiB:.1f} MiB, "
+                              f"{record['seconds']:.1f} s)")
 
     def _job_tokenizer(self):
         if not self._tokenizer_loaded:
@@ -165,8 +184,9 @@ class ModelExporter:
     def _prune(self, keep: int, state) -> None:
         steps = sorted(int(m.group(1)) for p in self.base.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name)))
         for step in steps[:max(0, len(steps) - keep)]:
-            shutil.rmtree(self.base / f"step{step}", ignore_errors=True)
-            state.exports.pop(f"step{step}", None)
+            for name in (f"step{step}", f"step{step}{lora_exports.ADAPTER_SUFFIX}"):
+                shutil.rmtree(self.base / name, ignore_errors=True)
+                state.exports.pop(name, None)
 
     def _broadcast(self, obj):
         import torch.distributed as dist
@@ -210,8 +230,14 @@ def read_label_names(tag_dir: Path) -> dict | None:
 
 def gather_state_dict(engine, dtype: str, precision: str, rank: int) -> tuple[dict | None, list]:
     """The full state dict on rank 0 (None elsewhere), and notes for the model card. Collective."""
+    from jobspec.model.quantize import dequantized_state_dict, is_quantized
     if engine.zero_optimization_partition_weights():
         state_dict = engine._zero3_consolidated_16bit_state_dict()
+    elif rank == 0 and is_quantized(engine.module):
+        import torch
+
+        # QLoRA: the base dequantised (model/quantize.py), then cast to the export dtype like the rest
+        state_dict = dequantized_state_dict(engine.module, torch.float32)
     else:
         state_dict = engine.module_state_dict() if rank == 0 else None
     notes = []

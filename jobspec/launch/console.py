@@ -225,6 +225,11 @@ def closing_lines(summary: dict | None, launch: dict, *, job_name: str, run_dir,
     memory = peak_memory_text(summary.get("peak_memory") or {}, launch.get("plan") or {})
     if memory:
         lines.append(label("memory", style) + memory)
+    counts = summary.get("parameters") or {}
+    if counts.get("total") and counts.get("trainable") is not None and counts["trainable"] < counts["total"]:
+        # a frozen base (model.lora, model.freeze): what was trained of what was loaded
+        lines.append(label("parameters", style) + f"{counts['trainable']:,} trainable of {counts['total']:,} "
+                     f"({100 * counts['trainable'] / counts['total']:.2f}%)")
     if summary.get("checkpoint"):
         lines.append(label("checkpoint", style) + os.path.join(checkpoint_dir, summary["checkpoint"]))
     for name, record in sorted((summary.get("exports") or {}).items()):

@@ -88,7 +88,37 @@ def build_model(spec: dict, tokenizer=None):
         raise loading_error(model_spec, task, attention, err) from None
 
     _check_vocab(spec, model, tokenizer)
+    if model_spec.get("quantization"):
+        model = _quantized(spec, model)
     return model
+
+
+def _quantized(spec: dict, model):
+    """QLoRA's frozen base: the linear layers quantised by bitsandbytes on this rank's device
+    (model/quantize.py), the rest in the compute dtype. bitsandbytes missing or unable to run here
+    is a SpecError at model.quantization, never a rank's traceback."""
+    import os
+
+    import torch
+
+    from jobspec.model.lora import compute_dtype, quantization_config, quantized_linear_names
+    from jobspec.model.quantize import bitsandbytes_problem, quantize_linears
+
+    quant = spec["model"]["quantization"]
+    problem = bitsandbytes_problem(quant)
+    if problem:
+        raise spec_error(problem, path=("model", "quantization"),
+                         hint="pip install bitsandbytes (its CPU backend runs 4-bit and 8-bit), or drop "
+                              "model.quantization")
+    bnb_config = quantization_config(spec, model)
+    # the compute dtype (model.quantization.compute_dtype, `auto`: the training precision) for the
+    # layers that stay unquantised too: DeepSpeed casts them to the training precision anyway
+    compute = getattr(torch, compute_dtype(spec))
+    device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available()
+              else torch.device("cpu"))
+    model = model.to(compute)
+    quantize_linears(model, bnb_config, quantized_linear_names(spec, model), device)
+    return model.to(device)
 
 
 def build_config(spec: dict, tokenizer=None):

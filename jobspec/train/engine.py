@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+from functools import partial
 from pathlib import Path
 
 from jobspec import trace
@@ -19,7 +20,7 @@ def build_engine(files: RunFiles):
     from transformers import set_seed
 
     from jobspec.model.build import build_model, build_tokenizer
-    from jobspec.train import packing
+    from jobspec.train import adapters, packing
     from jobspec.train.data import build_datasets
     from jobspec.train.patches import apply_patches, build_client_optimizer
 
@@ -30,7 +31,10 @@ def build_engine(files: RunFiles):
     set_seed(spec["training"]["seed"])  # python, numpy, torch (+cuda): same initial weights on every rank
     tokenizer = build_tokenizer(spec)
     model = build_model(spec, tokenizer)
-    model, patch_notes = apply_patches(model, files.patches)
+    checkpointing = any(p["name"] == "gradient_checkpointing" for p in files.patches)
+    # PEFT's adapters after jobspec's patches, before torch.compile (train/adapters.py)
+    lora = partial(adapters.wrap, spec=spec, checkpointing=checkpointing) if adapters.lora_enabled(spec) else None
+    model, patch_notes = apply_patches(model, files.patches, before_compile=lora)
     client_optimizer = None
     for patch in files.patches:
         if patch["name"] == "client_optimizer":

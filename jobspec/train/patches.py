@@ -54,11 +54,16 @@ PATCHES: dict[str, Callable] = {
 }
 
 
-def apply_patches(model, patches: list[dict]):
-    """Apply the compiled patches in order; returns (model, notes). `client_optimizer` is skipped."""
+def apply_patches(model, patches: list[dict], before_compile: Callable | None = None):
+    """Apply the compiled patches in order; returns (model, notes). `client_optimizer` is skipped.
+
+    `before_compile(model) -> (model, note)` runs once after every other patch and before
+    `torch_compile` (which must see the final module): PEFT's adapters (train/adapters.wrap).
+    """
     import torch.nn as nn
 
     notes: list[str] = []
+    pending = before_compile
     for index, patch in enumerate(patches):
         name, args = patch.get("name"), dict(patch.get("args") or {})
         if name not in PATCHES:
@@ -66,6 +71,10 @@ def apply_patches(model, patches: list[dict]):
                              hint=f"known patches: {', '.join(PATCHES)}")
         if name == "client_optimizer":
             continue
+        if name == "torch_compile" and pending is not None:
+            model, note = pending(model)
+            notes.append(note)
+            pending = None
         try:
             result = PATCHES[name](model, **args)
         except TypeError as err:
@@ -75,6 +84,9 @@ def apply_patches(model, patches: list[dict]):
             model, result = result
         if result:
             notes.append(str(result))
+    if pending is not None:
+        model, note = pending(model)
+        notes.append(note)
     return model, notes
 
 

@@ -198,6 +198,7 @@ class RunState:
     resumed_from: str | None = None
     last_checkpoint: str | None = None
     exports: dict = field(default_factory=dict)   # model directories written (jobspec/export/exporter.py)
+    parameters: dict = field(default_factory=dict)   # {"trainable", "total"} (train/adapters.parameter_counts)
 
 
 class StepReporter:
@@ -306,6 +307,7 @@ def summarize(state: RunState, status: str, total_steps: int | None, started: fl
         "resumed_from": state.resumed_from,
         "checkpoint": state.last_checkpoint,
         "exports": state.exports,
+        "parameters": state.parameters,
     }
     if error is not None:
         summary["error"] = error

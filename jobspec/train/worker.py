@@ -84,6 +84,7 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
 
     from jobspec import ops
     from jobspec.export.exporter import ModelExporter
+    from jobspec.train import adapters
     from jobspec.train.progress import NullProgress, Progress
 
     # the libraries' records and bars to launcher.log (the quiet terminal): before they load anything
@@ -104,6 +105,7 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
     # a checkpoint of another world size: converted (rank 0) and loaded via DeepSpeed's universal format
     reshard = reshard_plan(files.spec["checkpoint"], dist.get_world_size(), control)
     engine, train_ds, eval_ds, patch_notes = build_engine(replace_ds_config(files, reshard))
+    state.parameters = adapters.parameter_counts(engine.module)   # summary.json, MLflow: LoRA's share
     passed_over: list[str] = []  # corrupt checkpoints skipped on resume (reported below and as a tag)
     pending_rng = resume(engine, reshard.checkpoint_section if reshard else files.spec["checkpoint"], state,
                          lambda flag: _any_rank(flag, control), passed_over)
@@ -113,6 +115,8 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
     _phase("resumed")
     progress = Progress(total_steps, state.step) if rank == 0 else NullProgress()
     sink = _open_sink(run_dir, files.launch) if rank == 0 else None
+    if sink is not None:
+        sink.log_params(adapters.params_for_mlflow(files.spec, state.parameters))
     system_metrics = _start_system_metrics(run_dir, files, rank)
     _phase("sink")
     try:

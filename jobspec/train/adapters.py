@@ -1,0 +1,70 @@
+"""LoRA / QLoRA on the ranks (spec `model.lora`, `model.quantization`): the adapters wrapped after
+jobspec's patches, and the parameter counts the closing summary and MLflow record.
+
+Order on a rank (train/engine.build_engine): the model is built (quantised by model/build when
+`model.quantization` is set), jobspec's patches run (attention, checkpointing, freeze, ...), then
+`wrap` puts PEFT's adapters on it through model/lora.apply_lora (the planner traces the same call),
+then torch.compile, then `deepspeed.initialize` gets only the trainable parameters.
+"""
+from __future__ import annotations
+
+
+def lora_enabled(spec: dict) -> bool:
+    return bool(spec["model"].get("lora"))
+
+
+def wrap(model, spec: dict, *, checkpointing: bool):
+    """(the PEFT-wrapped model, a note). With activation checkpointing and a frozen base the first
+    layer's inputs carry no gradient, so a reentrant checkpoint would cut the adapters off from
+    backward (and the non-reentrant one warns): transformers' `enable_input_require_grads` makes the
+    embeddings' output require grad, as PEFT's `prepare_model_for_kbit_training` does."""
+    from jobspec.model.lora import apply_lora
+
+    if checkpointing and hasattr(model, "enable_input_require_grads"):
+        model.enable_input_require_grads()
+    model = apply_lora(model, spec)
+    counts = parameter_counts(model)
+    lora = spec["model"]["lora"]
+    return model, (f"LoRA: r={lora['r']} alpha={lora['alpha']} dropout={lora['dropout']} "
+                   f"target_modules={lora['target_modules']}: {fmt_counts(counts)}")
+
+
+def parameter_counts(model) -> dict:
+    """{"trainable", "total"}: elements, a 4-bit weight counted by its logical shape (bitsandbytes
+    packs two values per byte in a flat uint8 tensor) and a ZeRO-3 partition by its full shape."""
+    trainable = total = 0
+    for param in model.parameters():
+        n = _logical_numel(param)
+        total += n
+        if param.requires_grad:
+            trainable += n
+    return {"trainable": trainable, "total": total}
+
+
+def _logical_numel(param) -> int:
+    quant_state = getattr(param, "quant_state", None)
+    if quant_state is not None and getattr(quant_state, "shape", None) is not None:
+        numel = 1
+        for dim in quant_state.shape:
+            numel *= int(dim)
+        return numel
+    return int(getattr(param, "ds_numel", 0) or param.numel())
+
+
+def fmt_counts(counts: dict) -> str:
+    total = counts["total"] or 1
+    share = 100 * counts["trainable"] / total
+    return f"{counts['trainable']:,} trainable of {counts['total']:,} parameters ({share:.2f}%)"
+
+
+def params_for_mlflow(spec: dict, counts: dict) -> dict:
+    """The MLflow params a rank adds to the launch's (the flattened spec has model.lora.* already)."""
+    params = {"params.trainable": counts["trainable"], "params.total": counts["total"]}
+    lora = spec["model"].get("lora")
+    if lora:
+        params["lora.summary"] = (f"r={lora['r']} alpha={lora['alpha']} dropout={lora['dropout']} "
+                                  f"rslora={lora['use_rslora']} dora={lora['use_dora']}")
+    quant = spec["model"].get("quantization")
+    if quant:
+        params["quantization.summary"] = f"{quant['bits']}-bit {quant.get('quant_type', '')}".strip()
+    return params

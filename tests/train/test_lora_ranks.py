@@ -1,0 +1,162 @@
+"""LoRA / QLoRA on the ranks' side, in process (no DeepSpeed launch): PEFT wraps after the patches,
+the frozen base with checkpointing still trains the adapters, the optimizer sees only them, the
+4-bit base (bitsandbytes' CPU backend) trains, and the exports: merged == base + adapter
+(`PeftModel.from_pretrained`), the gathered-tensor check. The ZeRO-3 / ZeRO-0 launches are in
+test_lora_launch.py."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from jobspec.export import adapters as lora_exports
+from jobspec.export.hf_dir import ExportInfo, write_model_dir
+from jobspec.model.build import build_model
+from jobspec.spec.schema import fill_defaults
+from jobspec.train import adapters
+from jobspec.train.patches import apply_patches, build_client_optimizer
+
+# widths multiples of 64: bitsandbytes' CPU inference kernel repacks 4-bit weights in blocks of 64 inputs
+LLAMA = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "vocab_size": 128, "max_position_embeddings": 64}
+
+
+def make_spec(tmp_path: Path, lora: dict | None = None, quantization: dict | None = None, **sections) -> dict:
+    model = {"architecture": "llama", "task": "causal-lm", "config": LLAMA,
+             "lora": {"r": 4, "alpha": 8, "dropout": 0.0, **(lora or {})}, "quantization": quantization}
+    spec = fill_defaults({"name": "lora-unit", "model": model, "training": {"max_steps": 1, "seed": 3},
+                          "data": {"synthetic": {"vocab_range": [5, 128], "seq_len": 16}}, **sections})
+    spec["output_dir"] = str(tmp_path / "out")
+    spec["checkpoint"]["dir"] = str(tmp_path / "out" / "checkpoints")
+    return spec
+
+
+def batch(seed: int = 0) -> torch.Tensor:
+    return torch.randint(5, 128, (4, 16), generator=torch.Generator().manual_seed(seed))
+
+
+def wrapped(spec: dict, patches: list[dict] | None = None):
+    checkpointing = any(p["name"] == "gradient_checkpointing" for p in patches or [])
+    return apply_patches(build_model(spec), patches or [],
+                         before_compile=lambda m: adapters.wrap(m, spec, checkpointing=checkpointing))
+
+
+def train(model, steps: int = 12, lr: float = 5e-3) -> list[float]:
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    losses = []
+    ids = batch()
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_peft_wraps_after_the_patches_and_only_adapters_train(tmp_path):
+    spec = make_spec(tmp_path)
+    patches = [{"name": "gradient_checkpointing", "args": {"every_n_layers": 1, "use_reentrant": True}},
+               {"name": "torch_compile", "args": {"backend": "eager"}}]
+    model, notes = wrapped(spec, patches)
+    # the adapters went on before torch.compile: the compiled module wraps the PeftModel
+    assert type(model).__name__ == "OptimizedModule" and type(model._orig_mod).__name__.startswith("PeftModel")
+    assert any(n.startswith("LoRA: r=4") for n in notes) and notes[-1].startswith("torch.compile")
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    groups = build_client_optimizer(model, {"name": "adafactor", "lr": 1e-3, "weight_decay": 0.0}).param_groups
+    assert sum(len(g["params"]) for g in groups) == len(trainable)
+    # reentrant checkpointing with a frozen base: the adapters get gradients (enable_input_require_grads)
+    # (lora_B starts at zero, so lora_A's first gradient is zero: lora_B's shows the path; the
+    # uncompiled module runs it, compiling costs a minute here)
+    ids = batch()
+    model._orig_mod(input_ids=ids, labels=ids).loss.backward()
+    lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
+    assert lora_b and all(p.grad is not None and p.grad.abs().sum() > 0 for p in lora_b)
+
+
+def test_parameter_counts_and_params_for_mlflow(tmp_path):
+    spec = make_spec(tmp_path, lora={"target_modules": ["q_proj", "v_proj"]})
+    model, _ = wrapped(spec)
+    counts = adapters.parameter_counts(model)
+    r, layers, hidden, kv = 4, LLAMA["num_hidden_layers"], LLAMA["hidden_size"], 2 * 16   # 2 kv heads of 16
+    assert counts["trainable"] == layers * (r * hidden + hidden * r + r * hidden + kv * r)
+    assert counts["total"] == counts["trainable"] + sum(p.numel() for p in build_model(spec).parameters())
+    params = adapters.params_for_mlflow(spec, counts)
+    assert params["params.trainable"] == counts["trainable"] and "r=4 alpha=8" in params["lora.summary"]
+
+
+def test_the_4bit_base_trains_on_cpu_and_is_counted_by_its_shape(tmp_path):
+    spec = make_spec(tmp_path, quantization={"bits": 4}, memory={"precision": "bf16"})
+    model, _ = wrapped(spec)
+    q_proj = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer
+    assert type(q_proj).__name__ == "Linear4bit" and q_proj.weight.dtype == torch.bfloat16   # quant_storage
+    assert q_proj.weight.numel() * 2 == 64 * 64 // 2   # two 4-bit values a byte, in bf16-wide storage
+    plain = sum(p.numel() for p in build_model(make_spec(tmp_path)).parameters())
+    assert adapters.parameter_counts(model)["total"] - adapters.parameter_counts(model)["trainable"] == plain
+    losses = train(model, lr=1e-2)
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
+@pytest.mark.parametrize("quantization", [None, {"bits": 4}], ids=["lora", "qlora"])
+def test_merged_equals_base_plus_adapter(tmp_path, quantization):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from jobspec.model.quantize import dequantized_state_dict, is_quantized
+
+    spec = make_spec(tmp_path, quantization=quantization, lora={"modules_to_save": ["lm_head"]})
+    model, _ = wrapped(spec)
+    train(model, steps=4)
+    model.eval()
+    with torch.no_grad():
+        trained_logits = model(input_ids=batch(1)).logits.float()
+    state = dequantized_state_dict(model, torch.float32) if is_quantized(model) else model.state_dict()
+    peft_model, count = lora_exports.split(spec, dict(state), "fp32", "the test")
+    assert count == len(peft_model.state_dict())
+    adapter_dir = tmp_path / "final-adapter"
+    lora_exports.write_adapter_dir(adapter_dir, spec, peft_model, {"name": "final"})
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in adapter_dir.iterdir()}
+    info = ExportInfo(name="final", step=4, dtype="fp32", source="test", metrics={}, notes=[])
+    write_model_dir(tmp_path / "final", spec, lora_exports.merged_state_dict(peft_model), info)
+
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "final").eval()
+    # the base the adapter goes on: the job's base weights (dequantised for QLoRA), as a plain model
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "final").eval()
+    base_weights = {k.removeprefix("base_model.model.").replace(".base_layer", ""): v for k, v in state.items()
+                    if "lora_" not in k and "modules_to_save" not in k}
+    base_weights = {k.replace(".original_module", ""): v for k, v in base_weights.items()}
+    base.load_state_dict(base_weights, strict=True)
+    loaded = PeftModel.from_pretrained(base, adapter_dir).eval()
+    ids = batch(1)
+    with torch.no_grad():
+        merged_logits, adapter_logits = merged(input_ids=ids).logits, loaded(input_ids=ids).logits
+        base_logits = base.base_model(input_ids=ids).last_hidden_state
+    assert torch.allclose(merged_logits, adapter_logits, atol=1e-4), (merged_logits - adapter_logits).abs().max()
+    tolerance = 5e-2 if quantization else 1e-4   # the live QLoRA model computes in bf16
+    assert torch.allclose(merged_logits, trained_logits, atol=tolerance), (merged_logits - trained_logits).abs().max()
+    assert base_logits.abs().sum() > 0
+
+
+def test_a_gather_that_lost_tensors_or_shapes_fails_the_export(tmp_path):
+    spec = make_spec(tmp_path)
+    model, _ = wrapped(spec)
+    state = dict(model.state_dict())
+    key = next(k for k in state if "lora_B" in k)
+    flat = dict(state, **{key: state[key].reshape(-1)})   # what a ZeRO-3 partition looks like ungathered
+    with pytest.raises(lora_exports.GatherMismatch, match=r"wrong shapes .*lora_B"):
+        lora_exports.split(spec, flat, "fp32", "ZeRO-3")
+    state.pop(key)
+    with pytest.raises(lora_exports.GatherMismatch, match=rf"{len(state)} tensors gathered, the model has "
+                                                          rf"{len(state) + 1}; missing"):
+        lora_exports.split(spec, state, "fp32", "ZeRO-3")
+
+
+def test_export_adapter_chooses_what_is_written(tmp_path):
+    assert lora_exports.wanted(make_spec(tmp_path)) == (True, True)
+    assert lora_exports.wanted(make_spec(tmp_path, export={"adapter": "adapter"})) == (False, True)
+    assert lora_exports.wanted(make_spec(tmp_path, export={"adapter": "merged"})) == (True, False)
+    spec = make_spec(tmp_path, export={"adapter": "adapter"})
+    spec["model"]["lora"] = None
+    assert lora_exports.wanted(spec) == (True, False)
