@@ -113,6 +113,10 @@ def candidate_changes(spec: dict, job: DerivedJob, bf16_supported: bool):
             continue   # a pinned Adam implementation fixes whether the optimizer is offloaded
         if spec["model"]["attention"] == "flash_attention_2" and precision == "fp32":
             continue
+        if spec["model"]["quantization"] is not None and (stage != memory["zero_stage"] or off_params != "none"):
+            # a quantised base's packed weights stay where the job put them: the fit changes its micro-batch,
+            # checkpointing, precision and optimizer offload, not how the bitsandbytes weights are sharded
+            continue
         wanted = {"training.micro_batch_size": m, "memory.precision": precision,
                   "memory.activation_checkpointing": _normal_ckpt(ckpt), "training.optimizer.name": optimizer,
                   "memory.zero_stage": stage, "memory.offload.optimizer": off_opt,

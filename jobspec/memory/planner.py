@@ -124,17 +124,22 @@ def plan_memory(spec: dict, job: DerivedJob, *, budget: int | None = None) -> Me
     opt_states = optimizer_state_bytes(optimizer, inventory)
     gpu = dict.fromkeys(("parameters", "buffers", "gradients", "master_weights", "optimizer_states", "step_gradients",
                          "gathered_parameters", "activations", "embeddings_activations", "logits_and_loss",
-                         "zero_buffers"), 0)
+                         "zero_buffers", "dequantized_weight"), 0)
     host = {"model_init": 4 * psi}    # each rank builds the model in fp32 on the host first
     nvme = 0
     # the sizes compile_spec writes into zero_optimization (an explicit 0 stays 0)
     sizes = zero_bucket_sizes(spec["memory"]["zero"], job.dims.hidden_size if job.dims else None)
     bucket = sizes["reduce_bucket_size"]
     gpu["buffers"] = inventory.buffer_bytes(lp)
+    # the working copy of every parameter: lp bytes each, bitsandbytes' packed weights and constants for a
+    # quantised base (model.quantization); `shrink` scales what ZeRO-3 gathers of a layer alike
+    weights = weight_bytes(inventory, lp, model["quantization"])
+    shrink = weights / (lp * psi) if psi else 1.0
+    weights_part = math.ceil(weights / world) if inventory.quantized else lp * part(psi)   # ZeRO-3's share
 
     # Frozen parameters (model.freeze) have a working copy but no gradient, master copy or optimizer state.
     if stage == 0:
-        gpu["parameters"], gpu["gradients"] = lp * psi, lp * trainable
+        gpu["parameters"], gpu["gradients"] = weights, lp * trainable
         gpu["optimizer_states"] = opt_states
         if lp < 4:   # FP16_Optimizer: flat fp32 master; at step a flat fp32 copy of all gradients
             gpu["master_weights"], gpu["step_gradients"] = 4 * trainable, 4 * trainable
@@ -145,10 +150,10 @@ def plan_memory(spec: dict, job: DerivedJob, *, budget: int | None = None) -> Me
         if stage == 3:
             persistent = _persistent_params(inventory, sizes["stage3_param_persistence_threshold"])
             # the layer in use + the one prefetched, gathered whole during forward and backward
-            gpu["gathered_parameters"] = lp * 2 * inventory.layer_params
-            gpu["parameters"] = lp * (persistent + (part(psi) if offload_params == "none" else 0))
+            gpu["gathered_parameters"] = int(lp * 2 * inventory.layer_params * shrink)
+            gpu["parameters"] = lp * persistent + (weights_part if offload_params == "none" else 0)
         else:
-            gpu["parameters"] = lp * psi
+            gpu["parameters"] = weights
         fp32_states = 4 * part(trainable) + part(opt_states)   # master partition + optimizer states
         if offload_opt == "none":
             gpu["master_weights"], gpu["optimizer_states"] = 4 * part(trainable), part(opt_states)
@@ -170,9 +175,9 @@ def plan_memory(spec: dict, job: DerivedJob, *, budget: int | None = None) -> Me
             gpu["zero_buffers"] += lp * sizes["stage3_prefetch_bucket_size"]
         host["offloaded_optimizer"] = host_opt
         if offload_params != "none":
-            host["offloaded_parameters"] = lp * part(psi)
+            host["offloaded_parameters"] = weights_part
             if offload_params == "nvme":
-                nvme += lp * part(psi)
+                nvme += weights_part
                 buffers = memory["offload"]["buffer_count"] * memory["offload"]["buffer_size"]
                 host["offloaded_parameters"] = lp * buffers
 
@@ -181,7 +186,15 @@ def plan_memory(spec: dict, job: DerivedJob, *, budget: int | None = None) -> Me
     gpu.update(activations=regions["layers"], embeddings_activations=regions["embeddings"],
                logits_and_loss=regions["logits_and_loss"])
     # The step-time fp32 gradient copy exists only while the activations are already freed.
-    forward_backward = profile.activations.peak
+    if inventory.quantized:
+        # bitsandbytes dequantises one weight at a time to the compute dtype for its matmul (forward and
+        # backward): the largest such copy lives beside the traced activations
+        quant = model["quantization"]
+        compute = PRECISION_BYTES[precision if quant["compute_dtype"] == "auto" else quant["compute_dtype"]]
+        gpu["dequantized_weight"] = compute * max(math.prod(s) for s in inventory.quantized_shapes())
+        notes.append(f"{sum(math.prod(s) for s in inventory.quantized_shapes()) / 1e6:.1f}M base weights in "
+                     f"{quant['bits']}-bit with their quantisation constants")
+    forward_backward = profile.activations.peak + gpu["dequantized_weight"]
     static = sum(gpu[k] for k in ("parameters", "buffers", "gradients", "master_weights", "optimizer_states",
                                   "zero_buffers", "gathered_parameters"))
     allocated = static + max(forward_backward, gpu["step_gradients"])
@@ -197,6 +210,27 @@ def plan_memory(spec: dict, job: DerivedJob, *, budget: int | None = None) -> Me
                       budget=budget, settings=settings, notes=notes,
                       compute={"model_flops_per_token": job.model_flops_per_token,
                                "hardware_flops_per_token": job.hardware_flops_per_token})
+
+
+def weight_bytes(inventory: Inventory, lp: int, quantization: dict | None) -> int:
+    """Bytes of every parameter's working copy: `lp` each, and for the weights bitsandbytes quantises
+    (`inventory.quantized`) what it stores, as measured from bitsandbytes 0.49's QuantState on this box:
+    4-bit: the packed weights (n/2) + an absmax per block of 64 (fp32; with double quantisation uint8,
+    plus an fp32 absmax per 256 blocks, a 256-entry fp32 code and an offset) + the 16-entry fp32 code;
+    8-bit (LLM.int8): an int8 weight + an fp32 scale per output row."""
+    total = lp * inventory.total
+    if not quantization or not inventory.quantized:
+        return total
+    for shape in inventory.quantized_shapes():
+        n = math.prod(shape)
+        total -= lp * n
+        if quantization["bits"] == 8:
+            total += n + 4 * shape[0]
+            continue
+        blocks = math.ceil(n / 64)
+        total += math.ceil(n / 2) + 64
+        total += blocks + 4 * math.ceil(blocks / 256) + 1024 + 4 if quantization["double_quant"] else 4 * blocks
+    return total
 
 
 def _persistent_params(inventory: Inventory, threshold: int) -> int:
@@ -236,7 +270,7 @@ ROWS = (("parameters", "parameters (working copy)"), ("buffers", "buffers"), ("g
         ("activations", "layer activations (traced)"),
         ("embeddings_activations", "embedding activations (traced)"),
         ("logits_and_loss", "head, logits and loss (traced)"),
-        ("zero_buffers", "ZeRO buckets"))
+        ("zero_buffers", "ZeRO buckets"), ("dequantized_weight", "dequantised weight (bitsandbytes)"))
 
 
 def render_plan(plan: MemoryPlan, title: str = "") -> str:

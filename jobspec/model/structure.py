@@ -113,6 +113,9 @@ def find_layer_stack(model):
     """The model's ModuleList of transformer layers (encoder.layer, h, layers, ...), or None."""
     import torch.nn as nn
 
+    unwrap = getattr(model, "get_base_model", None)   # a PEFT model (model.lora): the transformers model inside
+    if callable(unwrap):
+        model = unwrap()
     roots = [model]
     base = getattr(model, "base_model", None)
     if base is not None and base is not model:

@@ -55,7 +55,14 @@ class ModelTracer:
                 self._inventory = Inventory.from_dict(cached)
             else:
                 model = self._build(layers=None)
-                self._inventory = _inventory_of(model, getattr(model, "config", None))
+                config = getattr(model, "config", None)
+                # the weights bitsandbytes would quantise, found on the plain model (PEFT keeps the same
+                # tensors inside its wrappers, so they are recognised after the wrap by identity)
+                from jobspec.model.lora import quantized_linear_names
+                quantized = {id(model.get_submodule(name).weight)
+                             for name in quantized_linear_names(self.spec, model)}
+                model = self._adapt(model)
+                self._inventory = _inventory_of(model, config, quantized)
                 self._store("inventory", self._inventory.as_dict())
         return self._inventory
 
@@ -147,6 +154,15 @@ class ModelTracer:
             freeze(model, self.spec["model"]["freeze"])
         return model
 
+    def _adapt(self, model):
+        """`model.lora`'s adapters on `model` (model/lora.apply_lora, the ranks' own call): the plan counts
+        exactly the adapters PEFT makes, the frozen base without gradients or optimizer states."""
+        if self.spec["model"]["lora"] is None:
+            return model
+        from jobspec.model.lora import apply_lora
+
+        return self._build_step(lambda: apply_lora(model, self.spec))
+
     def _build_step(self, make):
         from jobspec.model.build import loading_error
 
@@ -180,6 +196,7 @@ class ModelTracer:
                 every, reentrant = checkpoint_setting(checkpointing)
                 if every:
                     gradient_checkpointing(model, every, reentrant)
+            model = self._adapt(model)   # as on the ranks: PEFT wraps the model after jobspec's patches
             model = model.to(getattr(torch, PRECISION_DTYPES[precision]))   # on meta: no memory
             with FakeTensorMode(allow_non_fake_inputs=True):
                 model = model.to_empty(device="cpu")
@@ -256,7 +273,7 @@ def model_key(spec: dict) -> str:
     checkpoint's config.json, and the versions of torch, transformers and this tracer."""
     model = spec["model"]
     fields = {k: model.get(k) for k in ("name_or_path", "architecture", "config", "revision", "task", "num_labels",
-                                        "attention", "trust_remote_code", "freeze")}
+                                        "attention", "trust_remote_code", "freeze", "lora", "quantization")}
     config_file = Path(model["name_or_path"]) / "config.json" if model.get("name_or_path") else None
     if config_file is not None and config_file.is_file():
         fields["config.json"] = hashlib.sha256(config_file.read_bytes()).hexdigest()
@@ -304,7 +321,7 @@ def _refuse_experts(config) -> None:
                              hint="plan a dense model, or launch with memory.fit: off and measure a few steps")
 
 
-def _inventory_of(model, config) -> Inventory:
+def _inventory_of(model, config, quantized: set[int] | frozenset[int] = frozenset()) -> Inventory:
     from jobspec.model.structure import find_layer_stack
 
     tensors = tuple((name, tuple(p.shape), p.requires_grad) for name, p in model.named_parameters())
@@ -324,7 +341,8 @@ def _inventory_of(model, config) -> Inventory:
                      uniform=all(shape == shapes[0] for shape in shapes),
                      buffer_float_elements=sum(b.numel() for b in model.buffers() if b.is_floating_point()),
                      buffer_other_bytes=sum(b.numel() * b.element_size() for b in model.buffers()
-                                            if not b.is_floating_point()))
+                                            if not b.is_floating_point()),
+                     quantized=tuple(name for name, p in model.named_parameters() if id(p) in quantized))
 
 
 def job_profiler(cache_dir: Path | None = None, *, use_cache: bool = True):

@@ -42,6 +42,8 @@ class Inventory:
     uniform: bool = True      # the layers differ at most in their kind (else every layer is traced)
     buffer_float_elements: int = 0   # floating buffers: cast to the training dtype with the model
     buffer_other_bytes: int = 0      # integer/bool buffers (position ids, masks)
+    # names of the frozen base weights bitsandbytes quantises (`model.quantization`; model/lora.py)
+    quantized: tuple = ()
 
     @functools.cached_property
     def total(self) -> int:
@@ -58,12 +60,16 @@ class Inventory:
     def buffer_bytes(self, precision_bytes: int) -> int:
         return self.buffer_float_elements * precision_bytes + self.buffer_other_bytes
 
+    def quantized_shapes(self) -> list[tuple]:
+        names = set(self.quantized)
+        return [tuple(shape) for name, shape, _ in self.tensors if name in names]
+
     def trainable_shapes(self) -> list[tuple]:
         return [tuple(shape) for _, shape, trainable in self.tensors if trainable]
 
     def as_dict(self) -> dict:
         return {**asdict(self), "tensors": [[n, list(s), t] for n, s, t in self.tensors],
-                "layer_kinds": list(self.layer_kinds)}
+                "layer_kinds": list(self.layer_kinds), "quantized": list(self.quantized)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Inventory":
@@ -71,7 +77,7 @@ class Inventory:
                    num_layers=d["num_layers"], layer_params=d["layer_params"],
                    layer_kinds=tuple(d.get("layer_kinds", ())), hidden_size=d.get("hidden_size"),
                    uniform=bool(d.get("uniform", True)), buffer_float_elements=d.get("buffer_float_elements", 0),
-                   buffer_other_bytes=d.get("buffer_other_bytes", 0))
+                   buffer_other_bytes=d.get("buffer_other_bytes", 0), quantized=tuple(d.get("quantized", ())))
 
 
 PHASES = ("outside", "stack", "turn")
