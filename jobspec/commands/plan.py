@@ -2,15 +2,18 @@
 
 Prints a per-rank breakdown (parameters, gradients, fp32 master weights, optimizer states,
 activations, logits, ZeRO buffers), the predicted peak allocated / reserved memory, the NVML-style
-total including the CUDA context, host RAM, and whether it fits the budget (--gpu-mem, else
-`memory.gpu_memory`). With --fit it searches micro-batch / accumulation, bf16, checkpointing one
+total including the CUDA context, host RAM per rank and per node, and whether they fit the budgets
+(--gpu-mem, else `memory.gpu_memory`; --host-mem, else `resources.host_mem`).
+With --fit it searches micro-batch / accumulation, bf16, checkpointing one
 layer in k, 8-bit AdamW, ZeRO stage and offload, keeping the global batch, and prints the cheapest
 configuration that fits as --set overrides with its estimated step-time cost. The cost model is in
-docs/memory-planner.md. Exit code 2 on bad input, 1 when --fit finds nothing that fits.
+docs/memory-planner.md. Exit code 2 on bad input and for a node whose RAM cannot hold its ranks' host
+memory (with what to change), 1 when --fit finds nothing that fits the GPU.
 
 examples:
   jobspec plan jobs/xlmr-large.yaml --gpu-mem 24GiB
   jobspec plan jobs/gpt2-xl-12gb.yaml --fit --gpu-mem 12GiB
+  jobspec plan jobs/llama-70b-zero3.yaml --host-mem 1TiB
   jobspec plan jobs/quickstart.yaml --format json
 """
 from __future__ import annotations
@@ -29,6 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_set_argument(parser)
     parser.add_argument("--gpu-mem", metavar="SIZE",
                         help="memory budget per GPU, e.g. 24GiB or 11GB (default: memory.gpu_memory)")
+    parser.add_argument("--host-mem", metavar="SIZE",
+                        help="RAM of one node, e.g. 1TiB or 512GB (default: resources.host_mem)")
     parser.add_argument("--fit", action="store_true",
                         help="search for the fastest settings that fit the budget (global batch unchanged)")
     parser.add_argument("--no-bf16", action="store_true",
@@ -42,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
     from jobspec.memory.planner import parse_bytes, render_plan
 
     cli_budget = (parse_bytes(args.gpu_mem, path=("--gpu-mem",)), "--gpu-mem") if args.gpu_mem is not None else None
+    host_budget = (parse_bytes(args.host_mem, path=("--host-mem",)), "--host-mem") if args.host_mem is not None \
+        else None
 
     def needs_budget(resolved) -> None:   # before the model is traced
         if args.fit and cli_budget is None and not resolved.spec["memory"]["gpu_memory"]:
@@ -51,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
     # the spec as written (memory.fit is not applied: --fit shows what it would change); no host
     # probed: the budget is --gpu-mem or memory.gpu_memory
     job = prepare_job(args.job, args.overrides, Host(gpu_free=None, bf16_supported=not args.no_bf16), plan=True,
-                      apply_fit=False, budget=cli_budget, checks=[needs_budget], compile=False)
+                      apply_fit=False, budget=cli_budget, host_budget=host_budget, checks=[needs_budget],
+                      compile=False)
     assert job.memory is not None   # plan=True decides it
     resolved, spec, budget = job.resolved, job.spec, job.memory.budget
     try:
@@ -62,11 +70,21 @@ def run(args: argparse.Namespace) -> int:
         result = None
         if args.fit:
             assert budget is not None   # needs_budget refuses --fit without one
-            result = fit(spec, job.derived, budget, bf16_supported=not args.no_bf16)
+            result = fit(spec, job.derived, budget, bf16_supported=not args.no_bf16,
+                         host_budget=job.memory.host_budget)
     except SpecError as err:   # the model could not be built or traced: say where in the file
         raise resolved.locate(err) from None
 
+    # a node that cannot hold the job is a bad input (exit 2, at resources.host_mem, with what to change),
+    # unless --fit found settings that fit it; the text table is printed first, JSON is the error alone
+    problem = None
+    if result is not None and result.host_limited:
+        problem = resolved.locate(SpecError([result_issue(result, job.memory.host_budget_source)]))
+    elif job.memory.host_problem is not None and (result is None or not result.fits):
+        problem = resolved.locate(job.memory.host_problem)
     if args.format == "json":
+        if problem is not None:
+            raise problem
         out = {"job": str(resolved.source), "plan": plan.as_dict()}
         if result is not None:
             out["fit"] = result.as_dict()
@@ -86,4 +104,15 @@ def run(args: argparse.Namespace) -> int:
             for note in result.notes:
                 print(f"note: {note}")
             print(f"({result.considered} configurations considered)")
+    if problem is not None:
+        raise problem
     return EXIT_NOTHING_FITS if result is not None and not result.fits else 0
+
+
+def result_issue(result, source: str | None):
+    """--fit's host-limited result as the issue at `resources.host_mem`."""
+    from jobspec.errors import SpecIssue
+
+    return SpecIssue(("resources", "host_mem"), result.reason,
+                     hint=f"host budget from {source}; a node with more RAM, fewer ranks per node, or the "
+                          "settings above with more GPUs")

@@ -36,16 +36,20 @@ from jobspec.spec.validation import ResolvedSpec, load_and_validate
 @dataclass(frozen=True)
 class Host:
     """What the machine that launches contributes to a job: the least free memory of its GPUs (None
-    without GPUs: then only `memory.gpu_memory` is a budget) and whether they do bf16."""
+    without GPUs: then only `memory.gpu_memory` is a budget), whether they do bf16, and its RAM (the
+    host budget of a one-node job without `resources.host_mem`; None: not this machine's to say)."""
 
     gpu_free: int | None = None
     bf16_supported: bool = True
+    ram_total: int | None = None
 
     @classmethod
     def probe(cls, gpus_per_node: int) -> Host:
         """This machine's (NVML, through jobspec.hardware; JOBSPEC_FAKE_GPU_FREE_BYTES in tests)."""
+        import psutil
+
         from jobspec import hardware
-        return cls(hardware.gpu_free_bytes(gpus_per_node), hardware.bf16_supported())
+        return cls(hardware.gpu_free_bytes(gpus_per_node), hardware.bf16_supported(), psutil.virtual_memory().total)
 
 
 @dataclass
@@ -78,6 +82,7 @@ class PreparedJob:
 
 def prepare_job(source: str | os.PathLike | ResolvedSpec, overrides: Iterable[str] = (), host: Host | None = None,
                 *, plan: bool = False, apply_fit: bool = True, budget: tuple[int, str] | None = None,
+                host_budget: tuple[int, str] | None = None,
                 checks: Iterable[Callable[[ResolvedSpec], None]] = (), compile: bool = True,
                 run_dir: str | os.PathLike = "RUN_DIR", master_port: int | None = None) -> PreparedJob:
     """The job a spec file (or an already resolved spec) describes, as `jobspec launch` would run it.
@@ -87,7 +92,8 @@ def prepare_job(source: str | os.PathLike | ResolvedSpec, overrides: Iterable[st
     prepare); without it memory is decided only when `memory.fit: auto` may rewrite the spec (a
     budget is known), as the compiled config depends on it. `apply_fit=False` keeps the spec as
     written (`jobspec plan`); `budget`: (bytes, where from) replacing `memory.gpu_memory` and the free
-    GPU memory. `checks`: called with the resolved spec before anything is derived. `compile`:
+    GPU memory; `host_budget`: the same for a node's RAM (`resources.host_mem`, the host's).
+    `checks`: called with the resolved spec before anything is derived. `compile`:
     compile for `run_dir` and `master_port`.
 
     Raises SpecError (exit 2): the spec's problems, a check's, nothing fitting the budget, a fit
@@ -116,7 +122,8 @@ def prepare_job(source: str | os.PathLike | ResolvedSpec, overrides: Iterable[st
         derived = derive_job(spec, profiler=job_profiler())
         resolved, derived, memory = at_launch.prepare(resolved, derived, host.gpu_free,
                                                       bf16_supported=host.bf16_supported,
-                                                      apply_fit=apply_fit, budget=budget)
+                                                      apply_fit=apply_fit, budget=budget, host_ram=host.ram_total,
+                                                      host_budget=host_budget)
     else:
         derived = derive_job(spec)
     prepared = PreparedJob(resolved, derived, memory, host=host)

@@ -37,26 +37,41 @@ class LaunchMemory:
     budget_source: str | None = None    # "memory.gpu_memory" | "free GPU memory" | the caller's (--gpu-mem)
     lines: list = field(default_factory=list)
     plan_error: SpecError | None = None  # why `plan` is None: the planner could not count the model
+    host_budget: int | None = None      # a node's RAM
+    host_budget_source: str | None = None   # "resources.host_mem" | "this host's RAM" | "--host-mem"
+    host_problem: SpecError | None = None   # the node cannot hold its ranks' host memory (and what to change)
 
 
 def prepare(resolved, job, gpu_free: int | None, *, bf16_supported: bool = True, apply_fit: bool = True,
-            budget: tuple[int, str] | None = None):
+            budget: tuple[int, str] | None = None, host_ram: int | None = None,
+            host_budget: tuple[int, str] | None = None):
     """(resolved spec to run, its derived job, LaunchMemory): `memory.fit: auto` applied, the plan of the result.
 
     `gpu_free`: the least free memory of this host's GPUs (None without GPUs), the budget when
     `memory.gpu_memory` is not set; `bf16_supported`: whether fitting may switch to bf16;
     `apply_fit=False`: the spec as written, whatever `memory.fit` says (`jobspec plan`); `budget`:
-    (bytes, where from) replacing both (`jobspec plan --gpu-mem`).
+    (bytes, where from) replacing both (`jobspec plan --gpu-mem`). The host budget (a node's RAM):
+    `host_budget` (`jobspec plan --host-mem`), else `resources.host_mem`, else `host_ram` (this host's
+    RAM) when the job runs on one node.
 
-    Nothing fits the budget -> SpecError (exit 2) with the smallest configuration's numbers. A spec
+    Nothing fits the budget -> SpecError (exit 2) with the smallest configuration's numbers; with
+    `memory.fit: auto`, a node that cannot hold the plan's host memory too (at `resources.host_mem`,
+    with what to change); without it, `host_problem` holds that error for the header's warning. A spec
     the fit changed is validated again, every rule (spec/validation.recheck): a change that breaks
     one is refused with the rule's own message, at the field.
     """
-    from jobspec.memory.fit import apply_changes, fit
+    from jobspec.memory.fit import apply_changes, fit, host_refusal
     from jobspec.memory.planner import parse_bytes, plan_memory
 
     spec = resolved.spec
     memory = LaunchMemory()
+    if host_budget is not None:
+        memory.host_budget, memory.host_budget_source = host_budget
+    elif spec["resources"]["host_mem"]:
+        memory.host_budget = parse_bytes(spec["resources"]["host_mem"], path=("resources", "host_mem"))
+        memory.host_budget_source = "resources.host_mem"
+    elif host_ram is not None and job.nodes == 1:
+        memory.host_budget, memory.host_budget_source = host_ram, "this host's RAM"
     if budget is not None:
         memory.budget, memory.budget_source = budget
     elif spec["memory"]["gpu_memory"]:
@@ -69,7 +84,12 @@ def prepare(resolved, job, gpu_free: int | None, *, bf16_supported: bool = True,
             memory.lines.append("fit: skipped (memory.fit is auto, but this host has no GPU and "
                                 "memory.gpu_memory is not set): running the spec as written")
         else:
-            result = fit(spec, job, memory.budget, bf16_supported=bf16_supported)
+            result = fit(spec, job, memory.budget, bf16_supported=bf16_supported, host_budget=memory.host_budget)
+            if result.host_limited:
+                raise resolved.locate(spec_error(
+                    f"memory.fit is auto and {result.reason}", path=("resources", "host_mem"),
+                    hint=f"host budget from {memory.host_budget_source}; set resources.host_mem to the nodes' RAM, "
+                         "or see `jobspec plan JOB --fit` for the breakdown"))
             if not result.fits:
                 raise spec_error(f"memory.fit is auto and {result.reason}", path=("memory", "fit"),
                                  hint=f"budget from {memory.budget_source}; see `jobspec plan JOB --fit` "
@@ -83,11 +103,16 @@ def prepare(resolved, job, gpu_free: int | None, *, bf16_supported: bool = True,
                 job = job.with_spec(spec)
                 memory.lines.append("fit: applied " + " ".join(f"--set {o}" for o in result.overrides))
     try:
-        memory.plan = plan_memory(spec, job, budget=memory.budget)
+        memory.plan = plan_memory(spec, job, budget=memory.budget, host_budget=memory.host_budget)
     except SpecError as err:  # an architecture the planner cannot count: launch anyway, unplanned
         memory.plan_error = err
         memory.lines.append(f"memory plan unavailable ({err.issues[0].message}): no plan.* params, no "
                             "memory pre-flight")
+    if memory.plan is not None and memory.plan.host_fits is False:
+        memory.host_problem = resolved.locate(host_refusal(spec, job, memory.plan,
+                                                           memory.host_budget_source or "the host budget"))
+        if apply_fit and spec["memory"]["fit"] == "auto":   # auto refuses what it cannot make fit
+            raise memory.host_problem
     return resolved, job, memory
 
 
@@ -124,7 +149,11 @@ def plan_record(memory: LaunchMemory) -> dict:
         plan = memory.plan
         mib = {f"{k}_mib": _mib(v) for k, v in plan.breakdown.items()}
         mib.update(peak_allocated_mib=_mib(plan.peak_allocated), peak_reserved_mib=_mib(plan.peak_reserved),
-                   nvml_total_mib=_mib(plan.nvml_total), host_total_mib=_mib(plan.host_total))
+                   nvml_total_mib=_mib(plan.nvml_total), host_total_mib=_mib(plan.host_total),
+                   host_per_node_mib=_mib(plan.host_per_node))
+        mib.update({f"host_{k}_mib": _mib(v) for k, v in plan.host.items()})
+        if memory.host_budget is not None:
+            mib["host_budget_mib"] = _mib(memory.host_budget)
         if plan.nvme_total:
             mib["nvme_total_mib"] = _mib(plan.nvme_total)
         if memory.budget is not None:

@@ -17,6 +17,7 @@ import json
 from dataclasses import dataclass, field
 
 from jobspec import optimizers
+from jobspec.errors import SpecError, spec_error
 from jobspec.memory.planner import MemoryPlan, plan_memory
 from jobspec.optimizers.base import DEEPSPEED_CPU_ADAM
 from jobspec.spec.derived import DerivedJob
@@ -46,30 +47,53 @@ class FitResult:
     reason: str
     considered: int = 0
     notes: list = field(default_factory=list)
+    host_limited: bool = False   # configurations fit the GPU, none of them the host budget
 
     def as_dict(self) -> dict:
         return {"fits": self.fits, "overrides": self.overrides, "changes": self.changes,
                 "slowdown": round(self.slowdown, 3), "reason": self.reason, "considered": self.considered,
-                "notes": self.notes, "plan": self.plan.as_dict()}
+                "notes": self.notes, "host_limited": self.host_limited, "plan": self.plan.as_dict()}
 
 
-def fit(spec: dict, job: DerivedJob, budget_bytes: int, *, bf16_supported: bool = True) -> FitResult:
-    """The fastest configuration of `spec` predicted to fit `budget_bytes` per GPU (NVML-style total)."""
+def fit(spec: dict, job: DerivedJob, budget_bytes: int, *, bf16_supported: bool = True,
+        host_budget: int | None = None) -> FitResult:
+    """The fastest configuration of `spec` predicted to fit `budget_bytes` per GPU (NVML-style total)
+    and, when `host_budget` is known, a node's RAM with all its ranks."""
     baseline = step_time(spec, job)
-    best, smallest, considered = None, None, 0
+    best, gpu_best, smallest, host_least, considered = None, None, None, None, 0
     for changes in candidate_changes(spec, job, bf16_supported):
         candidate = apply_changes(spec, changes)
         candidate_job = job.with_spec(candidate)
-        plan = plan_memory(candidate, candidate_job, budget=budget_bytes)
+        plan = plan_memory(candidate, candidate_job, budget=budget_bytes, host_budget=host_budget)
         considered += 1
         cost = step_time(candidate, candidate_job) / baseline
         if smallest is None or plan.nvml_total < smallest[1].nvml_total:
             smallest = (changes, plan, cost)
-        if plan.fits and (best is None or (cost, len(changes)) < (best[2], len(best[0]))):
-            best = (changes, plan, cost)
+        entry = (changes, plan, cost)
+        faster = lambda held: held is None or (cost, len(changes)) < (held[2], len(held[0]))  # noqa: E731
+        if plan.gpu_fits and faster(gpu_best):
+            gpu_best = entry
+        if plan.gpu_fits and (host_least is None or plan.host_total < host_least[1].host_total):
+            host_least = entry
+        if plan.fits and faster(best):
+            best = entry
     notes = []
     if not spec["memory"]["offload"]["nvme_path"]:
         notes.append("NVMe offload not tried: set memory.offload.nvme_path to include it")
+    if gpu_best is not None and gpu_best is not best and host_budget is not None:
+        # the fastest GPU fit overflows the node's RAM (typically its CPU offload buffers): say so
+        changes, plan, cost = gpu_best
+        notes.append(f"{describe(changes)} fits the GPU (est. {cost:.2f}x step time) but needs "
+                     f"{fmt_mib_gib(plan.host_per_node)} of host RAM per node ({plan.ranks_per_node} x "
+                     f"{fmt_mib_gib(plan.host_total)}), more than {fmt_mib_gib(host_budget)}")
+    if best is None and host_least is not None and host_budget is not None:
+        changes, plan, cost = host_least
+        reason = (f"nothing fits both {fmt_mib_gib(budget_bytes)} per GPU and {fmt_mib_gib(host_budget)} of host "
+                  f"RAM per node: the configuration that fits the GPU with the least host RAM ({describe(changes)}) "
+                  f"needs {fmt_mib_gib(plan.host_per_node)} per node ({plan.ranks_per_node} x "
+                  f"{fmt_mib_gib(plan.host_total)})")
+        return FitResult(False, to_overrides(changes), changes, plan, cost, reason, considered, notes,
+                         host_limited=True)
     if best is None:
         if smallest is None:
             raise ValueError("fit: no configuration to consider")
@@ -81,6 +105,8 @@ def fit(spec: dict, job: DerivedJob, budget_bytes: int, *, bf16_supported: bool 
     changes, plan, cost = best
     reason = (f"{describe(changes)}: {fmt_mib_gib(plan.nvml_total)} of {fmt_mib_gib(budget_bytes)}, "
               f"est. {cost:.2f}x step time")
+    if host_budget is not None:
+        reason += f"; host {fmt_mib_gib(plan.host_per_node)} per node of {fmt_mib_gib(host_budget)}"
     return FitResult(True, to_overrides(changes), changes, plan, cost, reason, considered, notes)
 
 
@@ -184,6 +210,44 @@ def describe(changes: dict) -> str:
         elif dotted == "memory.offload.params":
             words.append(f"parameter offload {value}")
     return " + ".join(words)
+
+
+def host_refusal(spec: dict, job: DerivedJob, plan: MemoryPlan, source: str) -> SpecError:
+    """Exit 2 at `resources.host_mem` for a plan whose node does not hold its ranks' host memory: the
+    numbers, the largest part, and the changes (each replanned) that bring it within the budget."""
+    budget = plan.host_budget
+    if budget is None:
+        raise ValueError("host_refusal needs a plan with a host budget")
+    parts = ", ".join(f"{key.replace('_', ' ')} {fmt_mib_gib(value)}" for key, value in plan.host.items() if value)
+    message = (f"the plan needs {fmt_mib_gib(plan.host_per_node)} of host RAM per node ({plan.ranks_per_node} "
+               f"rank{'s' if plan.ranks_per_node > 1 else ''} x {fmt_mib_gib(plan.host_total)}: {parts}), more "
+               f"than the {fmt_mib_gib(budget)} of {source}")
+    fixes = host_remedies(spec, job, budget)
+    need = f"a node with at least {fmt_mib_gib(plan.host_per_node)} of RAM (resources.host_mem)"
+    return spec_error(message, path=("resources", "host_mem"), hint="; ".join([*fixes, need]))
+
+
+def host_remedies(spec: dict, job: DerivedJob, host_budget: int) -> list[str]:
+    """The single changes (each planned again) after which a node holds its ranks' host memory."""
+    memory = spec["memory"]
+    tries: list[tuple[dict[str, object], str]] = []
+    if memory["zero_stage"] < 3:
+        tries.append(({"memory.zero_stage": 3}, "ZeRO-3 builds only each rank's partition"))
+    if memory["offload"]["optimizer"] != "none" or memory["offload"]["params"] != "none":
+        tries.append(({"memory.offload.optimizer": "none", "memory.offload.params": "none"},
+                      "no CPU offload buffers"))
+        if memory["offload"]["nvme_path"] and memory["offload"]["optimizer"] == "cpu":
+            tries.append(({"memory.offload.optimizer": "nvme"}, "optimizer states on NVMe"))
+    if spec["data"]["num_workers"]:
+        tries.append(({"data.num_workers": 0}, "no data loader workers"))
+    found = []
+    for changes, why in tries:
+        candidate = apply_changes(spec, changes)
+        plan = plan_memory(candidate, job.with_spec(candidate), host_budget=host_budget)
+        if plan.host_fits:
+            found.append(f"{' '.join(f'--set {o}' for o in to_overrides(changes))} ({why}: "
+                         f"{fmt_mib_gib(plan.host_per_node)} per node, {fmt_mib_gib(plan.nvml_total)} per GPU)")
+    return found
 
 
 def step_time(spec: dict, job: DerivedJob) -> float:

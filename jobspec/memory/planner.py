@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from jobspec import optimizers
 from jobspec.errors import spec_error
 from jobspec.export.rules import resolve_dtype
+from jobspec.memory import host as host_memory
 from jobspec.spec.derived import PRECISION_BYTES, DerivedJob, zero_bucket_sizes
 from jobspec.spec.model_profile import Inventory
 from jobspec.units import MiB, fmt_mib_gib
@@ -43,10 +44,29 @@ class MemoryPlan:
     settings: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
     compute: dict = field(default_factory=dict)   # FLOPs per trained token, from the derived job
+    host_budget: int | None = None   # a node's RAM (resources.host_mem, else the launching host's)
+    ranks_per_node: int = 1
+
+    @property
+    def gpu_fits(self) -> bool | None:
+        return None if self.budget is None else self.nvml_total <= self.budget
+
+    @property
+    def host_per_node(self) -> int:
+        return self.host_total * self.ranks_per_node
+
+    @property
+    def host_fits(self) -> bool | None:
+        return None if self.host_budget is None else self.host_per_node <= self.host_budget
 
     @property
     def fits(self) -> bool | None:
-        return None if self.budget is None else self.nvml_total <= self.budget
+        """GPU and host both fit: False when either is known not to, else the GPU's verdict (None
+        without a GPU budget; a node of unknown RAM is not checked)."""
+        if self.gpu_fits is False or self.host_fits is False:
+            return False
+        return self.gpu_fits
+
 
     @property
     def headroom(self) -> int | None:
@@ -59,7 +79,8 @@ class MemoryPlan:
 
     def as_dict(self) -> dict:
         d = asdict(self)
-        d.update(fits=self.fits, headroom=self.headroom, model_states=self.model_states)
+        d.update(fits=self.fits, headroom=self.headroom, model_states=self.model_states, gpu_fits=self.gpu_fits,
+                 host_fits=self.host_fits, host_per_node=self.host_per_node)
         return d
 
 
@@ -102,9 +123,11 @@ def export_bytes(spec: dict, job: DerivedJob) -> int | None:
     return job.profile.inventory.total * PRECISION_BYTES[resolve_dtype(spec)]
 
 
-def plan_memory(spec: dict, job: DerivedJob, *, budget: int | None = None) -> MemoryPlan:
+def plan_memory(spec: dict, job: DerivedJob, *, budget: int | None = None,
+                host_budget: int | None = None) -> MemoryPlan:
     """Predicted per-rank peak memory of `spec` (a resolved spec with defaults filled) and its derived job
-    (derived with a profiler: `job.profile` holds the measured model)."""
+    (derived with a profiler: `job.profile` holds the measured model); `budget` per GPU, `host_budget`
+    per node."""
     profile = job.profile
     if profile is None:
         if job.profile_error is not None:
@@ -125,7 +148,14 @@ def plan_memory(spec: dict, job: DerivedJob, *, budget: int | None = None) -> Me
     gpu = dict.fromkeys(("parameters", "buffers", "gradients", "master_weights", "optimizer_states", "step_gradients",
                          "gathered_parameters", "activations", "embeddings_activations", "logits_and_loss",
                          "zero_buffers", "dequantized_weight"), 0)
-    host = {"model_init": 4 * psi}    # each rank builds the model in fp32 on the host first
+    # the process, then the model as this rank builds it (memory/host.py); offload buffers and workers below
+    host = {"runtime": host_memory.RUNTIME_BYTES,
+            "construction": host_memory.construction_bytes(inventory, stage, world, lp)}
+    nvme = 0
+    # the sizes compile_spec writes into zero_optimization (an explicit 0 stays 0)
+    sizes = zero_bucket_sizes(spec["memory"]["zero"], job.dims.hidden_size if job.dims else None)
+    bucket = sizes["reduce_bucket_size"]
+    gpu["buffers"] = inventory.buffer_bytes(lp)
     nvme = 0
     # the sizes compile_spec writes into zero_optimization (an explicit 0 stays 0)
     sizes = zero_bucket_sizes(spec["memory"]["zero"], job.dims.hidden_size if job.dims else None)
@@ -199,7 +229,8 @@ def plan_memory(spec: dict, job: DerivedJob, *, budget: int | None = None) -> Me
                                   "zero_buffers", "gathered_parameters"))
     allocated = static + max(forward_backward, gpu["step_gradients"])
     reserved = _round_up(allocated, ALLOCATOR_BLOCK) + int(FRAGMENTATION * allocated)
-    host_total = max(host["model_init"], sum(v for k, v in host.items() if k != "model_init"))
+    host["dataloader_workers"] = host_memory.worker_bytes(spec["data"]["num_workers"])
+    host_total = host_memory.host_peak(host)
     settings = {"world_size": world, "zero_stage": stage, "precision": precision, "micro_batch_size": micro,
                 "seq_len": seq, "parameters": psi, "trainable_parameters": trainable,
                 "optimizer": optimizer["name"], "checkpointed_layers": job.checkpointed_layers,
@@ -209,7 +240,8 @@ def plan_memory(spec: dict, job: DerivedJob, *, budget: int | None = None) -> Me
                       nvml_total=reserved + CUDA_CONTEXT_BYTES, host_total=host_total, nvme_total=nvme,
                       budget=budget, settings=settings, notes=notes,
                       compute={"model_flops_per_token": job.model_flops_per_token,
-                               "hardware_flops_per_token": job.hardware_flops_per_token})
+                               "hardware_flops_per_token": job.hardware_flops_per_token},
+                      host_budget=host_budget, ranks_per_node=job.gpus_per_node)
 
 
 def weight_bytes(inventory: Inventory, lp: int, quantization: dict | None) -> int:
@@ -272,6 +304,10 @@ ROWS = (("parameters", "parameters (working copy)"), ("buffers", "buffers"), ("g
         ("logits_and_loss", "head, logits and loss (traced)"),
         ("zero_buffers", "ZeRO buckets"), ("dequantized_weight", "dequantised weight (bitsandbytes)"))
 
+HOST_ROWS = (("runtime", "host: the rank's process"), ("construction", "host: model construction"),
+             ("offloaded_optimizer", "host: offloaded optimizer"), ("offloaded_parameters", "host: offloaded params"),
+             ("dataloader_workers", "host: data loader workers"))
+
 
 def render_plan(plan: MemoryPlan, title: str = "") -> str:
     """The plain-text table `jobspec plan` prints."""
@@ -286,17 +322,25 @@ def render_plan(plan: MemoryPlan, title: str = "") -> str:
                  f"attention {s['attention']}, offload optimizer={s['offload_optimizer']} "
                  f"params={s['offload_params']}")
     rows = [(label, plan.breakdown[key]) for key, label in ROWS if plan.breakdown[key]]
-    rows += [("peak allocated", plan.peak_allocated), ("peak reserved (allocator)", plan.peak_reserved),
-             ("GPU total incl. CUDA context", plan.nvml_total), ("host RAM per rank", plan.host_total)]
+    totals = [("peak allocated", plan.peak_allocated), ("peak reserved (allocator)", plan.peak_reserved),
+              ("GPU total incl. CUDA context", plan.nvml_total)]
     if plan.nvme_total:
-        rows.append(("NVMe per rank", plan.nvme_total))
-    width = max(len(label) for label, _ in rows)
-    for i, (label, value) in enumerate(rows):
-        if i == len(rows) - (5 if plan.nvme_total else 4):
+        totals.append(("NVMe per rank", plan.nvme_total))
+    host_rows = [(label, plan.host[key]) for key, label in HOST_ROWS if plan.host.get(key)]
+    host_totals = [("host RAM per rank", plan.host_total),
+                   (f"host RAM per node ({plan.ranks_per_node} rank{'s' if plan.ranks_per_node > 1 else ''})",
+                    plan.host_per_node)]
+    width = max(len(label) for label, _ in rows + totals + host_rows + host_totals)
+    for block in (rows, totals, host_rows, host_totals):   # a rule between the blocks
+        if block is not rows:
             lines.append("-" * (width + 14))
-        lines.append(f"  {label:<{width}}  {fmt_mib_gib(value):>10}")
+        lines += [f"  {label:<{width}}  {fmt_mib_gib(value):>10}" for label, value in block]
     if plan.budget is not None and plan.headroom is not None:   # both or neither
-        verdict = "fits" if plan.fits else "does NOT fit"
+        verdict = "fits" if plan.gpu_fits else "does NOT fit"
         lines.append(f"{verdict} in {fmt_mib_gib(plan.budget)}: headroom {fmt_mib_gib(plan.headroom)}")
+    if plan.host_budget is not None:
+        verdict = "fits" if plan.host_fits else "does NOT fit"
+        lines.append(f"host: {verdict} in {fmt_mib_gib(plan.host_budget)} per node: headroom "
+                     f"{fmt_mib_gib(plan.host_budget - plan.host_per_node)}")
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)

@@ -206,6 +206,7 @@ class JobSpecResources(TypedDict):
     """Where the job runs."""
     nodes: int
     gpus_per_node: int
+    host_mem: str | None
     master_port: int | None
     master_addr: str | None
     slurm: JobSpecResourcesSlurm
