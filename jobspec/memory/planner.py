@@ -67,7 +67,6 @@ class MemoryPlan:
             return False
         return self.gpu_fits
 
-
     @property
     def headroom(self) -> int | None:
         return None if self.budget is None else self.budget - self.nvml_total
@@ -151,11 +150,6 @@ def plan_memory(spec: dict, job: DerivedJob, *, budget: int | None = None,
     # the process, then the model as this rank builds it (memory/host.py); offload buffers and workers below
     host = {"runtime": host_memory.RUNTIME_BYTES,
             "construction": host_memory.construction_bytes(inventory, stage, world, lp)}
-    nvme = 0
-    # the sizes compile_spec writes into zero_optimization (an explicit 0 stays 0)
-    sizes = zero_bucket_sizes(spec["memory"]["zero"], job.dims.hidden_size if job.dims else None)
-    bucket = sizes["reduce_bucket_size"]
-    gpu["buffers"] = inventory.buffer_bytes(lp)
     nvme = 0
     # the sizes compile_spec writes into zero_optimization (an explicit 0 stays 0)
     sizes = zero_bucket_sizes(spec["memory"]["zero"], job.dims.hidden_size if job.dims else None)
