@@ -114,8 +114,12 @@ def size_check(numbers: dict, params: int) -> str:
 
 
 def quickstart(work: Path, repeats: int) -> None:
+    from jobspec import rundir
+
     run_dir = launch(QUICKSTART, work, "quickstart")
-    final = json.loads((run_dir / "summary.json").read_text())["exports"]["final"]
+    summary = rundir.read_summary(run_dir)
+    assert summary is not None, f"{run_dir} has no summary.json"
+    final = summary.exports["final"]
     params = parameters(QUICKSTART)
     print("## quickstart (jobs/quickstart.yaml: XLM-R 2x64, 2 CPU ranks, fp32, ZeRO-0)")
     print(f"parameters (planner): {params:,}")

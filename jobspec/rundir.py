@@ -30,7 +30,7 @@ import json
 import os
 import secrets
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -287,32 +287,103 @@ def read_metric_points(run_dir: Path) -> list[tuple[str, float, int, int]]:
     return points
 
 
-def write_summary(run_dir: Path, summary: dict) -> None:
+LAUNCHER_WRITER = "launcher"   # summary.json `written_by` of the launcher's fallback
+
+
+@dataclass
+class RunSummary:
+    """summary.json: how the run ended and what it measured.
+
+    Rank 0 writes the whole record (train/progress.summarize; a value not measured is null); the
+    launcher writes `status`, `exit_code` and `written_by: launcher` for a job whose rank 0 wrote none
+    (`write_fallback_summary`), then adds `report`, the closing block it printed. Readers (the
+    launcher's watchdog and closing block, status.ending, tracking's sync and orphans, the exported
+    models' artifacts) go through `from_dict`, which keeps keys it does not know in `extra` (a newer
+    or older jobspec's), so `to_dict` writes them back unchanged.
+    """
+
+    status: str | None = None                 # finished | preempted | failed | oom | ... (lower case)
+    steps: int | None = None                  # optimizer steps done
+    total_steps: int | None = None
+    samples: int | None = None                # global samples trained in this run (not before a resume)
+    final_loss: float | None = None           # the last logged train/loss
+    eval_loss: float | None = None
+    eval_metrics: dict[str, float] = field(default_factory=dict)   # eval/<name>: the last evaluation's
+    samples_per_s: float | None = None        # steady-state rates: the warm-up window left out
+    tokens_per_s: float | None = None
+    tflops_per_device: float | None = None    # GPU ranks only (a CPU's peak FLOP/s is unknown)
+    mfu: float | None = None
+    peak_memory: dict[str, float] = field(default_factory=dict)    # mem/<reading>_max, _rank0 (MiB)
+    elapsed_s: float | None = None
+    resumed_from: str | None = None
+    checkpoint: str | None = None             # the last checkpoint's tag, under checkpoint.dir
+    exports: dict[str, dict] = field(default_factory=dict)         # export/exporter.py's records by name
+    parameters: dict[str, int] = field(default_factory=dict)       # trainable and total parameter counts
+    error: str | None = None                  # why a failed run failed (rank 0)
+    exit_code: int | None = None              # the launcher's fallback
+    written_by: str | None = None             # LAUNCHER_WRITER for the fallback
+    report: str | None = None                 # the closing block the launcher printed (plain text)
+    extra: dict = field(default_factory=dict)  # keys this version does not know, kept as they were
+
+    # what rank 0 always writes (null when not measured); the fallback has none of them
+    RANK_KEYS = ("steps", "total_steps", "samples", "final_loss", "eval_loss", "eval_metrics", "samples_per_s",
+                 "tokens_per_s", "tflops_per_device", "mfu", "peak_memory", "elapsed_s", "resumed_from",
+                 "checkpoint", "exports", "parameters")
+    # written only when set
+    OPTIONAL_KEYS = ("error", "exit_code", "written_by", "report")
+
+    @property
+    def done(self) -> bool:
+        """The job ended well: finished, or stopped with a checkpoint to go on from."""
+        return self.status in DONE_STATUSES
+
+    @classmethod
+    def fallback(cls, status: str, exit_code: int) -> RunSummary:
+        return cls(status=status.lower(), exit_code=exit_code, written_by=LAUNCHER_WRITER)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RunSummary:
+        known = {"status", *cls.RANK_KEYS, *cls.OPTIONAL_KEYS}
+        values = {key: d[key] for key in known if key in d}
+        for key in ("eval_metrics", "peak_memory", "exports", "parameters"):   # null in a hand-written file
+            values[key] = values.get(key) or {}
+        return cls(**values, extra={key: value for key, value in d.items() if key not in known})
+
+    def to_dict(self) -> dict:
+        """The JSON summary.json holds, keys in the order they have always been written."""
+        out: dict = {"status": self.status}
+        if self.written_by != LAUNCHER_WRITER:
+            out.update({key: getattr(self, key) for key in self.RANK_KEYS})
+        out.update({key: getattr(self, key) for key in self.OPTIONAL_KEYS if getattr(self, key) is not None})
+        return {**out, **self.extra}
+
+
+def write_summary(run_dir: Path, summary: RunSummary) -> None:
     """summary.json, replaced atomically (the launcher's watchdog may read it at any moment)."""
     run_dir = Path(run_dir)
     tmp = run_dir / f".{SUMMARY}.tmp"
-    tmp.write_text(_json_text(summary), encoding="utf-8")
+    tmp.write_text(_json_text(summary.to_dict()), encoding="utf-8")
     os.replace(tmp, run_dir / SUMMARY)
 
 
 def write_fallback_summary(run_dir: Path, status: str, exit_code: int) -> None:
     """The launcher's minimal summary.json, for a job whose rank 0 wrote none (it died first)."""
     if not (Path(run_dir) / SUMMARY).is_file():
-        write_summary(run_dir, {"status": status.lower(), "exit_code": exit_code, "written_by": "launcher"})
+        write_summary(run_dir, RunSummary.fallback(status, exit_code))
 
 
-def read_summary(run_dir: Path) -> dict | None:
+def read_summary(run_dir: Path) -> RunSummary | None:
     """summary.json, or None when it is missing or unreadable (a job that died before writing it)."""
     try:
         summary = json.loads((Path(run_dir) / SUMMARY).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    return summary if isinstance(summary, dict) else None
+    return RunSummary.from_dict(summary) if isinstance(summary, dict) else None
 
 
 def summary_says_done(run_dir: Path) -> bool:
     summary = read_summary(run_dir)
-    return summary is not None and summary.get("status") in DONE_STATUSES
+    return summary is not None and summary.done
 
 
 def _json_text(value) -> str:

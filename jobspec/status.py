@@ -20,6 +20,10 @@ from __future__ import annotations
 import shlex
 import signal
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jobspec.rundir import RunSummary
 
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: "try again later" -- here, resume from the checkpoint
 STATUS_TAG, STOP_TAG, FAILURE_TAG = "jobspec.status", "jobspec.stop_reason", "jobspec.failure_reason"
@@ -42,43 +46,44 @@ class Ending:
         return tags, tuple(t for t in (STOP_TAG, FAILURE_TAG) if t not in tags)
 
 
-def ending(exit_code: int, user_signal: int | None, reason: str | None, summary: dict | None,
+def ending(exit_code: int, user_signal: int | None, reason: str | None, summary: RunSummary | None,
            stop_after_steps: int | None = None) -> Ending:
     """The run's ending from the runner's outcome and rank 0's summary.json."""
-    status = (summary or {}).get("status")
-    if status == "preempted" and (summary or {}).get("checkpoint") and exit_code in (0, 128 + (user_signal or 0)):
-        return Ending("KILLED", "preempted", EXIT_PREEMPTED, stop_reason(summary or {}, user_signal, stop_after_steps))
+    status = summary.status if summary else None
+    if summary and status == "preempted" and summary.checkpoint and exit_code in (0, 128 + (user_signal or 0)):
+        return Ending("KILLED", "preempted", EXIT_PREEMPTED, stop_reason(summary, user_signal, stop_after_steps))
     if user_signal:
         return Ending("KILLED", "killed", exit_code,
                       f"stopped by {signal.Signals(user_signal).name} before a checkpoint was saved")
     if exit_code == 0:
         return Ending("FINISHED", "finished", 0)
-    error = (summary or {}).get("error") if status == "failed" else None
+    error = summary.error if summary and status == "failed" else None
     return Ending("FAILED", "failed", exit_code, error or reason or f"runner exited with code {exit_code}")
 
 
-def from_summary(summary: dict | None) -> Ending | None:
+def from_summary(summary: RunSummary | None) -> Ending | None:
     """The ending summary.json records, for a run closed without its launcher (`jobspec sync`)."""
-    summary = summary or {}
-    status = summary.get("status")
+    if summary is None:
+        return None
+    status = summary.status
     if status == "finished":
         return Ending("FINISHED", "finished", 0)
     if status == "preempted":
         return Ending("KILLED", "preempted", EXIT_PREEMPTED, stop_reason(summary, None, None))
     if status == "failed":
-        return Ending("FAILED", "failed", int(summary.get("exit_code") or 1), summary.get("error") or "failed")
+        return Ending("FAILED", "failed", int(summary.exit_code or 1), summary.error or "failed")
     return None
 
 
-def stop_reason(summary: dict, user_signal: int | None, stop_after_steps: int | None) -> str:
+def stop_reason(summary: RunSummary, user_signal: int | None, stop_after_steps: int | None) -> str:
     if user_signal:
         why = f"{signal.Signals(user_signal).name} from the user"
-    elif stop_after_steps and summary.get("steps", 0) >= stop_after_steps:
+    elif stop_after_steps and (summary.steps or 0) >= stop_after_steps:
         why = f"--stop-after-steps {stop_after_steps}"
     else:
         why = "SIGUSR1 (Slurm's time-limit warning or a preemption)"
-    return (f"stopped by {why} at step {summary.get('steps')} of {summary.get('total_steps')}; "
-            f"checkpoint {summary.get('checkpoint')}")
+    return (f"stopped by {why} at step {summary.steps} of {summary.total_steps}; "
+            f"checkpoint {summary.checkpoint}")
 
 
 def resume_command(job: str, overrides: list[str], resume_setting: str) -> str:

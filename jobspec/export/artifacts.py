@@ -23,7 +23,7 @@ TAG_PREFIX = "jobspec.export."
 
 def exported_models(run_dir: Path) -> dict:
     summary = rundir.read_summary(Path(run_dir))
-    exports = summary.get("exports") if isinstance(summary, dict) else None
+    exports = summary.exports if summary is not None else None
     return exports if isinstance(exports, dict) else {}
 
 

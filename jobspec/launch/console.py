@@ -12,6 +12,7 @@ import re
 from urllib.parse import urlsplit
 
 from jobspec.compile.compiler import patch_text
+from jobspec.rundir import RunSummary
 from jobspec.spec import eval_metrics
 from jobspec.units import MiB, fmt_mib_gib
 
@@ -113,13 +114,6 @@ def header_lines(spec: dict, job, memory, host, patches: list, *, style: bool = 
                  f"{job.total_steps} steps · sequence length {job.seq_len}")
     lines.append(label("hardware", style) + hardware_text(job, host))
     lines.append(label("memory", style) + memory_text(job, memory, host))
-    if memory.plan is not None:
-        lines.append(label("host RAM", style) + host_memory_text(memory))
-    if memory.host_problem is not None:   # memory.fit: auto refused it already; as written, say so
-        issue = memory.host_problem.issues[0]
-        lines.append(f"WARNING: the nodes cannot hold this job: {issue.message}.")
-        lines.append(f"  It may be killed by the kernel's OOM killer. Change: {issue.hint}; memory.fit: auto refuses "
-                     "such a launch.")
     described = [patch_text(p) for p in patches]
     if described:
         lines.append(label("model", style) + " · ".join(d for d in described if d))
@@ -161,18 +155,6 @@ def memory_text(job, memory, host) -> str:
     return text
 
 
-def host_memory_text(memory) -> str:
-    """The plan's host RAM per rank and per node against the node's RAM (memory/host.py)."""
-    plan = memory.plan
-    text = f"plan {fmt_mib_gib(plan.host_total)} per rank"
-    if plan.ranks_per_node > 1:
-        text += f", {fmt_mib_gib(plan.host_per_node)} per node ({_ranks(plan.ranks_per_node)})"
-    if memory.host_budget is None:
-        return text + " · node RAM unknown (set resources.host_mem to check it)"
-    verdict = "fits" if plan.host_fits else "DOES NOT FIT"
-    return text + f" · node RAM {fmt_mib_gib(memory.host_budget)} ({memory.host_budget_source}): {verdict}"
-
-
 def gpu_sized_warning(spec: dict, job, memory, host, step_time_s: float | None) -> list[str]:
     """On a host without GPUs, why this job is sized for GPUs ([] when CPU ranks suit it).
 
@@ -207,51 +189,51 @@ def _ranks(n: int) -> str:
 
 # --- the closing summary -------------------------------------------------------------------------
 
-def outcome_text(summary: dict, exit_code: int, user_signal: str | None, reason: str | None) -> str:
+def outcome_text(summary: RunSummary, exit_code: int, user_signal: str | None, reason: str | None) -> str:
     """The exit status in words."""
-    steps, total = summary.get("steps"), summary.get("total_steps")
+    steps, total = summary.steps, summary.total_steps
     at = f" at step {steps} of {total}" if steps is not None and total else ""
     if user_signal:
         return f"stopped by {user_signal}{at} (exit {exit_code}); the same command resumes from the last checkpoint"
-    if summary.get("status") == "preempted":   # --stop-after-steps, SIGUSR1: a stop with a checkpoint
+    if summary.status == "preempted":   # --stop-after-steps, SIGUSR1: a stop with a checkpoint
         return f"stopped{at} with a checkpoint (exit {exit_code}); the same command continues from it"
     if exit_code == 0:
         done = f": {steps}/{total} steps" if steps is not None and total else ""
-        elapsed = summary.get("elapsed_s")
+        elapsed = summary.elapsed_s
         return f"finished{done}" + (f" in {fmt_duration(elapsed)}" if elapsed else "") + " (exit 0)"
-    first = (reason or summary.get("error") or "").strip().splitlines()
+    first = (reason or summary.error or "").strip().splitlines()
     return f"FAILED{at} (exit {exit_code})" + (f": {first[0][:300]}" if first else "")
 
 
-def closing_lines(summary: dict | None, launch: dict, *, job_name: str, run_dir, checkpoint_dir: str,
+def closing_lines(summary: RunSummary | None, launch: dict, *, job_name: str, run_dir, checkpoint_dir: str,
                   exit_code: int, user_signal: str | None = None, reason: str | None = None,
                   tracking: dict | None = None, experiment: str | None = None, style: bool = False,
                   model_tags: dict | None = None) -> list[str]:
     """The block printed when the job ends, also kept in summary.json (`report`) and as the MLflow
     run's description. `summary`: summary.json (None when no rank wrote one); `launch`: launch.json."""
-    summary = summary or {}
+    summary = summary or RunSummary()
     lines = [_title(f"{job_name} {outcome_text(summary, exit_code, user_signal, reason)}", style)]
-    losses = [f"{name} {summary[key]:.4f}" for name, key in (("train", "final_loss"), ("eval", "eval_loss"))
-              if isinstance(summary.get(key), (int, float))]
+    losses = [f"{name} {value:.4f}" for name, value in (("train", summary.final_loss), ("eval", summary.eval_loss))
+              if isinstance(value, (int, float))]
     if losses:
         lines.append(label("loss", style) + " · ".join(losses))
-    metrics = eval_metrics_text(summary.get("eval_metrics") or {})
+    metrics = eval_metrics_text(summary.eval_metrics)
     if metrics:
         lines.append(label("eval", style) + metrics)
     speed = throughput_text(summary)
     if speed:
         lines.append(label("throughput", style) + speed)
-    memory = peak_memory_text(summary.get("peak_memory") or {}, launch.get("plan") or {})
+    memory = peak_memory_text(summary.peak_memory, launch.get("plan") or {})
     if memory:
         lines.append(label("memory", style) + memory)
-    counts = summary.get("parameters") or {}
+    counts = summary.parameters
     if counts.get("total") and counts.get("trainable") is not None and counts["trainable"] < counts["total"]:
         # a frozen base (model.lora, model.freeze): what was trained of what was loaded
         lines.append(label("parameters", style) + f"{counts['trainable']:,} trainable of {counts['total']:,} "
                      f"({100 * counts['trainable'] / counts['total']:.2f}%)")
-    if summary.get("checkpoint"):
-        lines.append(label("checkpoint", style) + os.path.join(checkpoint_dir, summary["checkpoint"]))
-    for name, record in sorted((summary.get("exports") or {}).items()):
+    if summary.checkpoint:
+        lines.append(label("checkpoint", style) + os.path.join(checkpoint_dir, summary.checkpoint))
+    for name, record in sorted(summary.exports.items()):
         path = record.get("path") if isinstance(record, dict) else record
         step = f" (step {record['step']})" if isinstance(record, dict) and record.get("step") is not None else ""
         # where MLflow has it (export/artifacts tags): its artifacts, or why it was not uploaded
@@ -283,16 +265,16 @@ def eval_metrics_text(metrics: dict) -> str:
     return " · ".join(parts)
 
 
-def throughput_text(summary: dict) -> str:
+def throughput_text(summary: RunSummary) -> str:
     parts = []
-    if summary.get("samples_per_s"):
-        parts.append(f"{summary['samples_per_s']:.1f} samples/s")
-    if summary.get("tokens_per_s"):
-        parts.append(f"{summary['tokens_per_s']:,.0f} tokens/s")
-    if summary.get("tflops_per_device"):   # GPU ranks only: the peak FLOP/s of a CPU is unknown
-        parts.append(f"{summary['tflops_per_device']:.1f} TFLOP/s per GPU")
-    if summary.get("mfu"):
-        parts.append(f"MFU {100 * summary['mfu']:.1f}%")
+    if summary.samples_per_s:
+        parts.append(f"{summary.samples_per_s:.1f} samples/s")
+    if summary.tokens_per_s:
+        parts.append(f"{summary.tokens_per_s:,.0f} tokens/s")
+    if summary.tflops_per_device:   # GPU ranks only: the peak FLOP/s of a CPU is unknown
+        parts.append(f"{summary.tflops_per_device:.1f} TFLOP/s per GPU")
+    if summary.mfu:
+        parts.append(f"MFU {100 * summary.mfu:.1f}%")
     return " · ".join(parts)
 
 

@@ -15,6 +15,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from jobspec.rundir import RunSummary
+
 MODES = ("bar", "lines", "none")
 
 
@@ -286,31 +288,33 @@ class StepReporter:
             self.progress.eval(step, loss)
 
 
-def summarize(state: RunState, status: str, total_steps: int | None, started: float, error: str | None = None) -> dict:
+def summarize(state: RunState, status: str, total_steps: int | None, started: float,
+              error: str | None = None) -> RunSummary:
+    """summary.json's content (rundir.RunSummary) from what the run measured."""
     def steady(values: list) -> float | None:
         # the first window pays for warm-up (allocation, JIT); leave it out when there are others
         values = values[1:] or values
         return sum(values) / len(values) if values else None
 
-    summary = {
-        "status": status,
-        "steps": state.step,
-        "total_steps": total_steps,
-        "samples": state.samples,
-        "final_loss": state.last_loss,
-        "eval_loss": state.eval_loss,
-        "eval_metrics": {f"eval/{k}": v for k, v in state.eval_metrics.items()},
-        "samples_per_s": steady(state.samples_per_s),
-        **{key: steady(state.rates.get(key, [])) for key in ("tokens_per_s", "tflops_per_device", "mfu")},
-        "peak_memory": state.peak_memory,
-        "elapsed_s": round(time.time() - started, 3),
-        "resumed_from": state.resumed_from,
-        "checkpoint": state.last_checkpoint,
-        "exports": state.exports,
-        "parameters": state.parameters,
-    }
-    if error is not None:
-        summary["error"] = error
-    return summary
+    return RunSummary(
+        status=status,
+        steps=state.step,
+        total_steps=total_steps,
+        samples=state.samples,
+        final_loss=state.last_loss,
+        eval_loss=state.eval_loss,
+        eval_metrics={f"eval/{k}": v for k, v in state.eval_metrics.items()},
+        samples_per_s=steady(state.samples_per_s),
+        tokens_per_s=steady(state.rates.get("tokens_per_s", [])),
+        tflops_per_device=steady(state.rates.get("tflops_per_device", [])),
+        mfu=steady(state.rates.get("mfu", [])),
+        peak_memory=state.peak_memory,
+        elapsed_s=round(time.time() - started, 3),
+        resumed_from=state.resumed_from,
+        checkpoint=state.last_checkpoint,
+        exports=state.exports,
+        parameters=state.parameters,
+        error=error,
+    )
 
 

@@ -14,6 +14,7 @@ from jobspec.launch.host import Host
 from jobspec.launch.quiet import TerminalFilter
 from jobspec.memory import at_launch
 from jobspec.memory.fit import cpu_step_time
+from jobspec.rundir import RunSummary
 from jobspec.launch import console
 from jobspec.spec.inputs import derive_job
 from jobspec.spec.validation import load_and_validate
@@ -103,7 +104,8 @@ def closing(summary, **kw):
     args = dict(job_name="quickstart", run_dir="/r/run-1", checkpoint_dir="/r/checkpoints", exit_code=0,
                 tracking=TRACKING, experiment="quickstart")
     args.update(kw)
-    return both_modes(lambda style: console.closing_lines(summary, LAUNCH, style=style, **args))
+    typed = RunSummary.from_dict(summary) if summary is not None else None   # summary.json as the launcher reads it
+    return both_modes(lambda style: console.closing_lines(typed, LAUNCH, style=style, **args))
 
 
 def test_closing_summary_of_a_finished_cpu_run():

@@ -472,7 +472,7 @@ def orphaned_run(tmp_path, name: str, record: dict, summary: dict | None = None)
     rundir.write_launcher(run_dir, record)
     client.set_tag(run.info.run_id, orphans.RUN_DIR_TAG, str(run_dir))
     if summary:
-        rundir.write_summary(run_dir, summary)
+        rundir.write_summary(run_dir, rundir.RunSummary.from_dict(summary))
     return run_dir
 
 

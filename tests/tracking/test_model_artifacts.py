@@ -35,7 +35,7 @@ def exported(tmp_path: Path, **sizes: int) -> Path:
         (model / "model.safetensors").write_bytes(b"w" * 1000)
         exports[name] = {"path": str(model), "step": 6, "dtype": "fp32", "bytes": size, "seconds": 0.1}
     exports["gone"] = {"path": str(tmp_path / "model" / "removed"), "step": 3, "bytes": 10}  # pruned since
-    rundir.write_summary(run_dir, {"status": "finished", "exports": exports})
+    rundir.write_summary(run_dir, rundir.RunSummary(status="finished", exports=exports))
     return run_dir
 
 

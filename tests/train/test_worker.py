@@ -121,9 +121,9 @@ def test_summary_leaves_the_warmup_window_out_of_throughput():
     state = RunState(step=3, samples_per_s=[1.0, 10.0, 20.0], last_loss=0.5,
                      rates={"tokens_per_s": [16.0, 160.0, 320.0], "mfu": [0.1]})
     summary = summarize(state, "finished", 3, started=0.0)
-    assert summary["samples_per_s"] == 15.0 and summary["tokens_per_s"] == 240.0
-    assert summary["mfu"] == 0.1 and summary["tflops_per_device"] is None  # one window: kept; none: None
-    assert summary["status"] == "finished" and summary["steps"] == 3 and summary["final_loss"] == 0.5
+    assert summary.samples_per_s == 15.0 and summary.tokens_per_s == 240.0
+    assert summary.mfu == 0.1 and summary.tflops_per_device is None  # one window: kept; none: None
+    assert summary.status == "finished" and summary.steps == 3 and summary.final_loss == 0.5
 
 
 @pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGTERM])
