@@ -39,8 +39,10 @@ def test_parse_bytes_units():
 def test_every_job_is_planned_from_its_own_model(job):
     """The plan's parameters are the model's (built on the meta device as the ranks build it), and its
     activations come from the composed trace."""
+    from jobspec.model.lora import apply_lora
+
     spec, derived, plan = planned(job)
-    skeleton = build_skeleton(spec)
+    skeleton = apply_lora(build_skeleton(spec), spec)   # with model.lora: the adapters too
     assert plan.settings["parameters"] == sum(p.numel() for p in skeleton.parameters())
     assert plan.settings["trace"] == "composed" and derived.profile.activations.peak > 0
 
