@@ -4,6 +4,7 @@
     python -m bench --repeats 3 --out bench/results/cpu.md
     python -m bench --full --out bench/results/gpu.md # bert-large guide + XLM-R rows (CUDA GPU)
     python -m bench gpu [--dry-run]                   # the GPU acceptance suite (bench/gpu.py)
+    python -m bench packing [--gpu]                   # tokens/s with and without data.packing (bench/packing.py)
 
 For each job and repeat, in the order A, B, A, B ... (so drift of a shared machine hits both sides):
 A = `jobspec launch JOB` (numbers from its MLflow run: median of `perf/samples_per_s` windows after
@@ -167,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["gpu"]:
         from bench import gpu
         return gpu.main(argv[1:])
+    if argv[:1] == ["packing"]:
+        from bench import packing
+        return packing.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", nargs="+", default=None, metavar="GLOB",

@@ -47,7 +47,10 @@ def test_job_validates_compiles_and_deepspeed_accepts_it(job, deepspeed_config):
     assert text.splitlines()[0] == SCHEMA_LINE
     assert sum(1 for line in text.splitlines() if line.lstrip().startswith("#")) >= 3, "explain the choices"
     spec, c = compiled(job)
-    assert spec["model"]["architecture"] and spec["data"]["synthetic"] is not None  # no hub, no files
+    assert spec["model"]["architecture"]   # no hub; data synthetic or the shipped samples (jobs/data)
+    for key in ("train", "eval", "tokenizer", "chat_template"):
+        if spec["data"]["synthetic"] is None and spec["data"].get(key):
+            assert Path(spec["data"][key]).resolve().is_relative_to(REPO / "jobs" / "data"), key
     assert find_auto(c.ds_config) == []
     config = deepspeed_config(c.ds_config, c.derived.world_size)
     assert config.train_batch_size == c.derived.global_batch_size
