@@ -218,6 +218,7 @@ def probe(run_dir: Path, steps: int, block: int, warmup: int) -> dict:
     import deepspeed
 
     from jobspec import rundir
+    from jobspec.spec.derived import DerivedJob
     from jobspec.train import engine as rank_engine
     from jobspec.train.data import make_loader
     from jobspec.train.progress import Progress, RunState, StepReporter, Window
@@ -229,8 +230,9 @@ def probe(run_dir: Path, steps: int, block: int, warmup: int) -> dict:
     sink = MetricSink.open(run_dir)  # MLflow on: mlflow_run.json names a live run
     devnull = open(os.devnull, "w")  # the console line rank 0 prints per log step: formatted, not shown
     progress = Progress(steps, mode="lines", stream=devnull)
-    reporter = StepReporter(engine, files.spec, files.derived, files.patches, sink, progress, 0, RunState())
-    mb = files.derived["micro_batch_size"]
+    job = DerivedJob.from_dict(files.derived)
+    reporter = StepReporter(engine, files.spec, job, files.patches, sink, progress, 0, RunState())
+    mb = job.micro_batch_size
     batches = itertools.chain.from_iterable(
         make_loader(train_ds, micro_batch_size=mb, rank=0, world_size=1, seed=0, epoch=e, shuffle=True,
                     num_workers=0, pin_memory=False) for e in itertools.count())

@@ -19,6 +19,7 @@
                    it has closed the run                                              a run left RUNNING
   metrics.jsonl    every metric point, one JSON object per log step    rank 0       -> sync, bench, export
   summary.json     status, steps, loss, throughput, peak memory        rank 0 (else the fallback below)
+                   (`RunSummary`)
   .oom-recovery/   the state an OOM retry reloads (removed after)      rank side
   model/           exported HF directories (`export.dir` null)         rank 0       -> the user, MLflow
 
@@ -176,6 +177,7 @@ class RunFiles:
 
     @property
     def derived(self) -> dict:
+        """launch.json's derived job as written; the ranks read it typed (spec/derived.DerivedJob.from_dict)."""
         return self.launch["derived"]
 
 
@@ -189,7 +191,7 @@ def read_run_files(run_dir: Path) -> RunFiles:
     spec = read_resolved(run_dir)
     ds_config, patches = (json.loads((run_dir / name).read_text(encoding="utf-8")) for name in (DS_CONFIG, PATCHES))
     files = RunFiles(spec, ds_config, patches, read_launch(run_dir))
-    if "total_steps" not in files.launch.get("derived", {}):
+    if files.launch.get("derived", {}).get("total_steps") is None:   # the compiler always writes it
         raise spec_error(f"{run_dir / LAUNCH} has no derived.total_steps",
                          hint="recompile the job with this version of jobspec")
     return files

@@ -41,6 +41,7 @@ from jobspec.export import adapters as lora_exports
 from jobspec.export.hf_dir import ExportFailed, ExportInfo, describe_io_error, job_tokenizer, write_model_dir
 from jobspec.export.rules import resolve_dtype
 from jobspec.spec import eval_metrics
+from jobspec.spec.derived import DerivedJob
 from jobspec.units import MiB
 
 CHECKPOINT_SPEC = "jobspec_resolved.yaml"
@@ -55,8 +56,9 @@ class ModelExporter:
     def __init__(self, files, run_dir: Path, rank: int, group, progress, label_names: dict | None = None):
         self.spec, self.run_dir, self.rank, self.group, self.progress = files.spec, Path(run_dir), rank, group, progress
         self.settings = self.spec["export"]
-        self.total_steps = files.derived["total_steps"]
-        self.world_size = files.derived["world_size"]
+        job = DerivedJob.from_dict(files.derived)
+        assert job.total_steps is not None   # rundir.read_run_files refuses a launch.json without it
+        self.total_steps, self.world_size = job.total_steps, job.world_size
         self.base = rundir.export_dir(self.spec, self.run_dir)
         self.dtype = resolve_dtype(self.spec)
         self.label_names = label_names   # string labels -> ids: config.json's label2id/id2label

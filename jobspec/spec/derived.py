@@ -73,8 +73,8 @@ class DerivedJob:
                       profiler=self.profiler)
 
     def as_dict(self) -> dict:
-        """JSON for launch.json's "derived": the ranks read it as this dict (rundir.RunFiles.derived),
-        and the on_oom guard rewrites its batch split there."""
+        """JSON for launch.json's "derived": the ranks read it back with `from_dict` (rundir.RunFiles.derived
+        is this dict), and the on_oom guard rewrites its batch split there."""
         skip = {"config_json", "profiler", "profile_error"}
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
         out["dims"] = dataclasses.asdict(self.dims) if self.dims else None

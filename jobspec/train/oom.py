@@ -39,6 +39,7 @@ from typing import Any
 from jobspec import rundir
 from jobspec.compile.compiler import rebatched
 from jobspec.errors import RunFailure, first_line
+from jobspec.spec.derived import DerivedJob
 
 INJECT_AT_STEP_ENV = "JOBSPEC_INJECT_OOM_AT_STEP"
 INJECT_RANK_ENV = "JOBSPEC_INJECT_OOM_RANK"
@@ -57,9 +58,10 @@ class OomGuard:
         self.rank, self.control = rank, control_group
         self.build_engine = build_engine        # engine.build_engine: same model, patches and seed path
         self.progress, self.sink, self.telemetry = progress, sink, telemetry
-        self.compiled_micro = files.derived["micro_batch_size"]
+        job = DerivedJob.from_dict(files.derived)
+        self.compiled_micro = job.micro_batch_size
         self.micro = self.compiled_micro
-        self.accumulation = files.derived["gradient_accumulation_steps"]
+        self.accumulation = job.gradient_accumulation_steps
         self.events = 0
         self.inject_at = int(environ.get(INJECT_AT_STEP_ENV) or 0)
         inject_rank = environ.get(INJECT_RANK_ENV)

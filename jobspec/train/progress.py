@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from jobspec.rundir import RunSummary
+from jobspec.spec.derived import DerivedJob
 
 MODES = ("bar", "lines", "none")
 
@@ -206,17 +207,17 @@ class RunState:
 class StepReporter:
     """Turns windows of steps into the shared metric names; collectives run on every rank."""
 
-    def __init__(self, engine, spec, derived, patches, sink, progress, rank, state: RunState):
+    def __init__(self, engine, spec, derived: DerivedJob, patches, sink, progress, rank, state: RunState):
         from jobspec import hardware
         from jobspec.train import metrics
         self.engine, self.sink, self.progress, self.rank, self.state = engine, sink, progress, rank, state
         self.metrics = metrics
-        self.world = derived["world_size"]
+        self.world = derived.world_size
         self.count_tokens = metrics.count_tokens
         # From the derived job in launch.json: TFLOP/s counts the work the device did (checkpoint
         # recompute included); MFU counts the model's FLOPs only (PaLM's definition)
-        self.model_flops_per_token = derived.get("model_flops_per_token")
-        self.hardware_flops_per_token = derived.get("hardware_flops_per_token")
+        self.model_flops_per_token = derived.model_flops_per_token
+        self.hardware_flops_per_token = derived.hardware_flops_per_token
         self.peak_flops = metrics.peak_flops(hardware.cuda_device_name(), spec["memory"]["precision"])
         self._rss = metrics.RssReader()  # made once: the RSS reading is per log step
         self.perf_window_s = spec["logging"]["perf_window_s"]
@@ -271,7 +272,7 @@ class StepReporter:
             "perf/samples_per_s": perf.samples / elapsed,
             "perf/tokens_per_s": perf.tokens / elapsed,
         }
-        if self.model_flops_per_token and self.peak_flops:  # both absent where the peak is unknown (CPU)
+        if self.model_flops_per_token and self.hardware_flops_per_token and self.peak_flops:  # no peak on CPU
             tokens_per_s_device = perf.tokens / elapsed / self.world
             out["perf/tflops_per_device"] = self.hardware_flops_per_token * tokens_per_s_device / 1e12
             out["perf/mfu"] = self.model_flops_per_token * tokens_per_s_device / self.peak_flops

@@ -23,6 +23,7 @@ from jobspec import lifeline, rundir, trace
 from jobspec.errors import EXIT_INVALID, EXIT_RUN_FAILED, RunFailure, SpecError
 from jobspec.export.hf_dir import ExportFailed
 from jobspec.rundir import RunFiles
+from jobspec.spec.derived import DerivedJob
 from jobspec.train import library_output
 from jobspec.train.engine import build_engine, loss_of, reshard_plan, resume, share_cpu_threads
 from jobspec.train.faults import NanGuard, NonFiniteLoss
@@ -109,9 +110,11 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
     passed_over: list[str] = []  # corrupt checkpoints skipped on resume (reported below and as a tag)
     pending_rng = resume(engine, reshard.checkpoint_section if reshard else files.spec["checkpoint"], state,
                          lambda flag: _any_rank(flag, control), passed_over)
-    rank, total_steps = dist.get_rank(), files.derived["total_steps"]
+    job = DerivedJob.from_dict(files.derived)   # launch.json's derived job, typed
+    rank, total_steps = dist.get_rank(), job.total_steps
+    assert total_steps is not None   # rundir.read_run_files refuses a launch.json without it
     if reshard is not None:
-        pending_rng = reshard.adjust(state, files.derived["micro_batch_size"], files.spec["training"]["seed"], rank)
+        pending_rng = reshard.adjust(state, job.micro_batch_size, files.spec["training"]["seed"], rank)
     _phase("resumed")
     progress = Progress(total_steps, state.step) if rank == 0 else NullProgress()
     sink = _open_sink(run_dir, files.launch) if rank == 0 else None
@@ -132,7 +135,7 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
                                                       + " | ".join(passed_over)})
         nan_guard = NanGuard(files.spec["training"]["on_nan"], lambda flag: _any_rank(flag, control),
                              sink, rank)
-        telemetry = StepReporter(engine, files.spec, files.derived, files.patches, sink, progress, rank, state)
+        telemetry = StepReporter(engine, files.spec, job, files.patches, sink, progress, rank, state)
         oom_guard = OomGuard(files, run_dir=run_dir, rank=rank, control_group=control, build_engine=build_engine,
                              progress=progress, sink=sink, telemetry=telemetry)
         exporter = ModelExporter(files, run_dir, rank, control, progress,
@@ -174,10 +177,11 @@ def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, tele
     from jobspec.train.data import make_loader
     from jobspec.train.task_metrics import counter_for
 
-    spec, derived = files.spec, files.derived
+    spec, derived = files.spec, DerivedJob.from_dict(files.derived)
     training, data, ckpt = spec["training"], spec["data"], spec["checkpoint"]
-    total_steps, every_log, every_ckpt = derived["total_steps"], spec["logging"]["every_n_steps"], ckpt["every_n_steps"]
-    loader_args = dict(micro_batch_size=derived["micro_batch_size"], rank=dist.get_rank(),
+    total_steps, every_log, every_ckpt = derived.total_steps, spec["logging"]["every_n_steps"], ckpt["every_n_steps"]
+    assert total_steps is not None   # rundir.read_run_files refuses a launch.json without it
+    loader_args = dict(micro_batch_size=derived.micro_batch_size, rank=dist.get_rank(),
                        world_size=dist.get_world_size(), seed=training["seed"], num_workers=data["num_workers"],
                        pin_memory=data["pin_memory"])
 
@@ -190,7 +194,7 @@ def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, tele
             else state.batches_in_epoch,
             job_name=spec["name"], keep_last=ckpt["keep_last"],
             zero_stage=files.ds_config.get("zero_optimization", {}).get("stage", 0),
-            micro_batch_size=derived["micro_batch_size"])
+            micro_batch_size=derived.micro_batch_size)
         progress.message(f"checkpoint {state.last_checkpoint} saved to {ckpt['dir']}")
         if exporter is not None:
             exporter.after_checkpoint(engine, state, ckpt["dir"])
@@ -371,8 +375,8 @@ def _start_system_metrics(run_dir: Path, files: RunFiles, rank: int):
         return None
     _wait_for_the_mlflow_run(run_dir, files.launch)  # rank 0 waited already; another node's leader may not have
     from jobspec.tracking.system import SystemMetrics
-    derived = files.derived
-    return SystemMetrics.start(run_dir, node_index=rank // derived["gpus_per_node"], nodes=derived["nodes"])
+    derived = DerivedJob.from_dict(files.derived)
+    return SystemMetrics.start(run_dir, node_index=rank // derived.gpus_per_node, nodes=derived.nodes)
 
 
 def _destroy_process_group() -> None:
