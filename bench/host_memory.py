@@ -4,7 +4,7 @@
 
 Three measurements, each in a fresh process (so one's peak is not another's):
 - runtime: RSS after importing what a rank imports (jobspec.train.worker and engine, torch,
-  transformers, DeepSpeed), against RUNTIME_BYTES;
+  transformers, DeepSpeed), and with a GPU after its CUDA context's first kernel, against RUNTIME_BYTES;
 - construction: peak RSS (ru_maxrss) growth while `jobspec.model.build.build_model` builds a
   Llama-shaped model from its config, as the ranks do, in fp32 and bf16 jobs, against the planner's
   ZeRO-0..2 construction term (lp x parameters); and the same model from transformers'
@@ -27,7 +27,13 @@ sys.path.insert(0, str(ROOT))
 RUNTIME = """
 import json, psutil
 import jobspec.train.worker, jobspec.train.engine, torch, transformers, deepspeed
-print(json.dumps({"rss": psutil.Process().memory_info().rss}))
+out = {"rss": psutil.Process().memory_info().rss}
+if torch.cuda.is_available():   # a GPU rank: its CUDA context's host side, after a first kernel
+    x = torch.ones(1024, 1024, device="cuda")
+    (x @ x).sum().item()
+    out["rss_cuda"] = psutil.Process().memory_info().rss
+    out["device"] = torch.cuda.get_device_name()
+print(json.dumps(out))
 """
 
 BUILD = """
@@ -89,8 +95,10 @@ def main() -> int:
         print(f"{what:<52} measured {measured / MiB:8.1f} MiB   planned {planned / MiB:8.1f} MiB   "
               f"ratio {measured / planned:5.2f}")
 
-    runtime = child(RUNTIME)["rss"]
-    row("rank process after imports (RSS)", runtime, RUNTIME_BYTES)
+    runtime = child(RUNTIME)
+    row("rank process after imports (RSS)", runtime["rss"], RUNTIME_BYTES)
+    if "rss_cuda" in runtime:
+        row(f"... and a CUDA context on {runtime['device']}", runtime["rss_cuda"], RUNTIME_BYTES)
     for precision in ("fp32", "bf16"):
         spec = fill_defaults({
             "model": {"architecture": "llama", "task": "causal-lm", "config": {

@@ -25,8 +25,10 @@ from jobspec.spec.model_profile import Inventory
 from jobspec.units import MiB
 
 # A rank's process before any tensor: the interpreter with torch, transformers and DeepSpeed imported
-# (bench/host_memory.py: 380 MiB RSS on CPU torch 2.13; a CUDA rank adds its driver's host side).
-RUNTIME_BYTES = 512 * MiB
+# and, on a GPU, its CUDA context (bench/host_memory.py: 378 MiB RSS with CPU torch 2.13 here; 802 MiB on
+# an H100 after the context's first cuBLAS kernel, torch 2.11+cu130), rounded up for what a training rank
+# adds later (NCCL's host buffers, DeepSpeed's engine).
+RUNTIME_BYTES = 1024 * MiB
 # One DataLoader worker (a forked copy of the rank: its own pages only, the prefetched batches):
 # bench/host_memory.py measured 12 MiB USS per worker after 50 batches of 8 x 512 tokens.
 DATALOADER_WORKER_BYTES = 32 * MiB

@@ -115,7 +115,7 @@ def test_70b_at_zero2_does_not_fit_a_1tib_node_and_plan_names_zero3(capsys):
     host_mem_line = LLAMA_70B.read_text().splitlines().index(
         next(text for text in LLAMA_70B.read_text().splitlines() if text.strip().startswith("host_mem:")))
     assert f":{host_mem_line + 1}:" in line
-    assert "8 ranks x 131.92 GiB" in line and "--set memory.zero_stage=3" in line
+    assert "8 ranks x 132.42 GiB" in line and "--set memory.zero_stage=3" in line
     assert "Traceback" not in err
 
 
