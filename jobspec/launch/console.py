@@ -114,6 +114,13 @@ def header_lines(spec: dict, job, memory, host, patches: list, *, style: bool = 
                  f"{job.total_steps} steps · sequence length {job.seq_len}")
     lines.append(label("hardware", style) + hardware_text(job, host))
     lines.append(label("memory", style) + memory_text(job, memory, host))
+    if memory.plan is not None:
+        lines.append(label("host RAM", style) + host_memory_text(memory))
+    if memory.host_problem is not None:   # memory.fit: auto refused it already; as written, say so
+        issue = memory.host_problem.issues[0]
+        lines.append(f"WARNING: the nodes cannot hold this job: {issue.message}.")
+        lines.append(f"  It may be killed by the kernel's OOM killer. Change: {issue.hint}; memory.fit: auto refuses "
+                     "such a launch.")
     described = [patch_text(p) for p in patches]
     if described:
         lines.append(label("model", style) + " · ".join(d for d in described if d))
@@ -153,6 +160,18 @@ def memory_text(job, memory, host) -> str:
     if host.ram_available is not None:
         text += f" · host RAM {fmt_mib_gib(host.ram_available)} available of {fmt_mib_gib(host.ram_total)}"
     return text
+
+
+def host_memory_text(memory) -> str:
+    """The plan's host RAM per rank and per node against the node's RAM (memory/host.py)."""
+    plan = memory.plan
+    text = f"plan {fmt_mib_gib(plan.host_total)} per rank"
+    if plan.ranks_per_node > 1:
+        text += f", {fmt_mib_gib(plan.host_per_node)} per node ({_ranks(plan.ranks_per_node)})"
+    if memory.host_budget is None:
+        return text + " · node RAM unknown (set resources.host_mem to check it)"
+    verdict = "fits" if plan.host_fits else "DOES NOT FIT"
+    return text + f" · node RAM {fmt_mib_gib(memory.host_budget)} ({memory.host_budget_source}): {verdict}"
 
 
 def gpu_sized_warning(spec: dict, job, memory, host, step_time_s: float | None) -> list[str]:

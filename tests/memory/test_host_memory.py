@@ -193,3 +193,15 @@ def test_the_launching_hosts_ram_is_the_budget_of_a_one_node_job_only(tmp_path):
                       compile=False).memory
     assert two.host_budget is None and two.plan.host_fits is None
     assert one.plan.host_total >= RUNTIME_BYTES and one.plan.host_total < RUNTIME_BYTES + 64 * MiB
+
+
+def test_launch_dry_run_warns_as_written_and_refuses_under_fit_auto(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    job = write_job(tmp_path, resources={"host_mem": "600MiB"})
+    assert main(["launch", str(job), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out and "WARNING: the nodes cannot hold this job" in out
+    job = write_job(tmp_path, resources={"host_mem": "600MiB"}, memory={"fit": "auto"})
+    assert main(["launch", str(job), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert f"{job}:" in err and "resources.host_mem: the plan needs" in err and "Traceback" not in err
