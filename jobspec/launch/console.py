@@ -154,7 +154,7 @@ def memory_text(job, memory, host) -> str:
         return text
     per_rank = plan.peak_reserved + plan.host_total
     node = per_rank * job.gpus_per_node
-    text = f"plan {fmt_mib_gib(per_rank)} of tensors per rank"
+    text = f"plan {fmt_mib_gib(per_rank)} per rank (tensors and the process)"
     if job.gpus_per_node > 1:
         text += f", {fmt_mib_gib(node)} for {_ranks(job.gpus_per_node)}"
     if host.ram_available is not None:
@@ -314,6 +314,7 @@ def peak_memory_text(peaks: dict, plan: dict) -> str:
     if "mem/host_rss_mib_max" in peaks:   # CPU ranks: the process, Python and torch included
         planned = ""
         if plan.get("peak_reserved_mib") is not None:
-            planned = f" (plan: {fmt_mib(plan['peak_reserved_mib'] + plan.get('host_total_mib', 0))} of tensors)"
+            total = plan["peak_reserved_mib"] + plan.get("host_total_mib", 0)
+            planned = f" (plan: {fmt_mib(total)}, tensors and the process)"
         return f"peak host RSS {fmt_mib(peaks['mem/host_rss_mib_max'])} per rank{planned}"
     return ""

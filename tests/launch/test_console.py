@@ -55,7 +55,7 @@ def test_header_on_cpu_ranks_names_the_job_model_settings_hardware_and_plan():
     assert f"{job.total_steps} steps · sequence length {job.seq_len}" in text
     assert "no GPU: 2 CPU ranks on 2 CPU cores; world size 2" in text
     per_rank = memory.plan.peak_reserved + memory.plan.host_total
-    assert f"plan {fmt_mib_gib(per_rank)} of tensors per rank" in text
+    assert f"plan {fmt_mib_gib(per_rank)} per rank (tensors and the process)" in text
     assert "host RAM 12.00 GiB available of 16.00 GiB" in text
     assert "model       attention sdpa" in text  # what the ranks used to print as "attention: sdpa"
     assert console.gpu_sized_warning(spec, job, memory, CPU_HOST, cpu_step_time(job, 2)) == []
@@ -114,7 +114,7 @@ def test_closing_summary_of_a_finished_cpu_run():
     assert lines[0] == "jobspec: quickstart finished: 40/40 steps in 34 s (exit 0)"
     assert "loss        train 0.0155 · eval 0.0135" in text
     assert "throughput  432.2 samples/s · 27,659 tokens/s" in text and "TFLOP/s" not in text
-    assert "peak host RSS 613.8 MiB per rank (plan: 11.2 MiB of tensors)" in text
+    assert "peak host RSS 613.8 MiB per rank (plan: 11.2 MiB, tensors and the process)" in text
     assert "checkpoint  /r/checkpoints/step40" in text and "run dir     /r/run-1" in text
     assert "MLflow      run abc123 in experiment 'quickstart'" in text
     assert f"mlflow ui --backend-store-uri sqlite:///{Path('mlflow.db').resolve()}  then  " \
