@@ -1,0 +1,79 @@
+"""LoRA on 2 CPU ranks through DeepSpeed's runner (two launches): ZeRO-3 with `export.adapter: both` and
+ZeRO-0, the same tiny BERT token classifier (adapters on every linear layer, the head trained whole by
+default). The loss goes down; the ZeRO-3 gather of the PEFT model gives the same merged model and the
+same adapter as ZeRO-0 (where every rank holds the whole module); the merged directory loaded by
+`from_pretrained` alone reproduces the engine's logits (the worker's JOBSPEC_EXPORT_REFERENCE hook);
+summary.json counts the trainable parameters. Merged == base + adapter is tested in process
+(test_lora_ranks.py)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import make_run_dir, read_metrics, run_worker
+
+pytestmark = pytest.mark.slow
+
+LORA = {"model": {"lora": {"r": 4, "alpha": 8, "dropout": 0.0}},
+        "training": {"max_steps": 8, "optimizer": {"lr": 1e-2}},
+        "checkpoint": {"save_final": True}, "export": {"final": True, "adapter": "both"}}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = {}
+    for stage in (3, 0):
+        root = tmp_path_factory.mktemp(f"lora-zero{stage}")
+        run_dir = make_run_dir(root, {**LORA, "memory": {"zero_stage": stage}})
+        done = run_worker(run_dir, env={"JOBSPEC_EXPORT_REFERENCE": str(root / "ref")}, timeout=400)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        out[stage] = (run_dir, root)
+    return out
+
+
+def _tensors(directory) -> dict:
+    from safetensors.torch import load_file
+    files = sorted(directory.glob("*.safetensors"))
+    assert files, f"no weights in {directory}"
+    return {k: v for f in files for k, v in load_file(f).items()}
+
+
+def test_zero3_loss_goes_down_and_counts_the_adapters(runs):
+    run_dir, _ = runs[3]
+    losses = [row["train/loss"] for row in read_metrics(run_dir) if "train/loss" in row]
+    assert losses[-1] < losses[0], losses
+    summary = json.loads((run_dir / "summary.json").read_text())
+    counts = summary["parameters"]
+    assert 0 < counts["trainable"] < counts["total"] / 4, counts
+    assert {"final", "final-adapter"} <= set(summary["exports"])
+
+
+def test_zero3_and_zero0_exports_are_equal(runs):
+    exports = {stage: json.loads((run_dir / "summary.json").read_text())["exports"]
+               for stage, (run_dir, _) in runs.items()}
+    from pathlib import Path
+    for name in ("final", "final-adapter"):
+        zero3, zero0 = _tensors(Path(exports[3][name]["path"])), _tensors(Path(exports[0][name]["path"]))
+        assert set(zero3) == set(zero0) and zero3
+        for key in zero3:
+            assert zero3[key].shape == zero0[key].shape, key
+            assert torch.allclose(zero3[key].float(), zero0[key].float(), atol=1e-5), key
+    adapter = Path(exports[3]["final-adapter"]["path"])
+    keys = set(_tensors(adapter))
+    assert any("lora_A" in k for k in keys) and any("classifier" in k for k in keys)   # the head: modules_to_save
+    assert all(t.abs().sum() > 0 for k, t in _tensors(adapter).items() if "lora_B" in k)   # trained, not empty
+
+
+def test_the_merged_zero3_export_reproduces_the_engine(runs):
+    from pathlib import Path
+
+    from transformers import AutoModelForTokenClassification
+
+    run_dir, root = runs[3]
+    ref = torch.load(root / "ref" / "final.pt")
+    path = Path(json.loads((run_dir / "summary.json").read_text())["exports"]["final"]["path"])
+    model = AutoModelForTokenClassification.from_pretrained(path).eval()
+    with torch.no_grad():
+        logits = model(input_ids=ref["input_ids"], attention_mask=ref["attention_mask"]).logits
+    assert torch.allclose(logits, ref["logits"], atol=1e-4), (logits - ref["logits"]).abs().max()
