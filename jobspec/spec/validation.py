@@ -32,6 +32,7 @@ from jobspec.spec.rules import (
     packing,
     paths,
     precision,
+    quantized_base,
     tracking,
 )
 from jobspec.spec.rules.base import Rule, base_dir, coded, did_you_mean, exists, get, local_path
@@ -247,6 +248,7 @@ CROSS_FIELD_RULES: tuple[Rule, ...] = (
     activation_checkpointing.every_n_layers_issues,
     data_rules.data_rule_issues,             # positions, formats, tokenizer, chat template
     lora_rules.lora_issues,                  # model.lora / model.quantization / export.adapter
+    quantized_base.quantized_zero_issues,    # QLoRA: ZeRO 0-2 only (spec/rules/quantized_base)
     precision.auto_cast_issues,
     export_rules.export_issues,
     tracking.system_metrics_issues,
