@@ -47,21 +47,40 @@ def build_tokenizer(spec: dict):
     return tokenizer
 
 
-def build_model(spec: dict, tokenizer=None):
+def build_model(spec: dict, tokenizer=None, ds_config: dict | None = None):
     """`AutoModelFor<task>` from `model.name_or_path` (weights loaded) or `model.architecture` (random init).
 
     Random initialisation is seeded by `training.seed`, so every rank builds the same weights.
     Pass the tokenizer when there is one: its pad token becomes the model's (GPT-2 needs one to
     classify batches) and its size is checked against the model's vocabulary.
     `architecture: mlp` is jobspec's own deep MLP (jobspec/model/mlp.py), not a transformers model.
+    The ranks pass their compiled DeepSpeed config: the model is then built in the training dtype, and
+    under ZeRO-3 partitioned by `deepspeed.zero.Init` as it is built (model/construct.py). Without one
+    (export, tools) it is built as transformers builds it by default.
     """
+    from jobspec.model.construct import construction_for, set_transformers_zero3, zero_init
+
+    construction = None if ds_config is None else construction_for(ds_config)
+    if ds_config is not None and construction is not None and construction.zero3 and \
+            spec["model"].get("quantization"):
+        # bitsandbytes quantises whole weights after the build (_quantized): a partitioned placeholder
+        # cannot be quantised, so a quantised base is built whole and DeepSpeed partitions what it may
+        construction = construction_for({**ds_config, "zero_optimization": {"stage": 0}})
     if spec["model"].get("architecture") == "mlp" and not spec["model"].get("name_or_path"):
         from jobspec.model.mlp import build_mlp
 
-        model = build_mlp(spec)
+        if construction is None:
+            model = build_mlp(spec)
+        else:
+            with zero_init(construction):
+                model = build_mlp(spec)
         _check_vocab(spec, model, tokenizer)
         return model
     import torch
+
+    if construction is not None:
+        set_transformers_zero3(construction)   # transformers' zero.Init, or none left from an earlier build
+    dtype = {} if construction is None else {"dtype": construction.torch_dtype}
 
     model_spec = spec["model"]
     task = model_spec["task"]
@@ -74,10 +93,11 @@ def build_model(spec: dict, tokenizer=None):
         if model_spec.get("name_or_path"):
             name, revision = model_spec["name_or_path"], model_spec.get("revision")
             model = auto_class.from_pretrained(name, config=config, revision=revision, trust_remote_code=trust,
-                                               attn_implementation=attention)
+                                               attn_implementation=attention, **dtype)
         else:
             torch.manual_seed(spec["training"]["seed"])
-            model = auto_class.from_config(config, attn_implementation=attention, trust_remote_code=trust)
+            model = auto_class.from_config(config, attn_implementation=attention, trust_remote_code=trust,
+                                           **dtype)
     except SpecError:
         raise
     except ImportError as err:
@@ -174,11 +194,14 @@ def build_skeleton(spec: dict, tokenizer=None):
     """The spec's model on the meta device: its config, parameter names and shapes, no weights.
 
     What an export fills with saved weights (`load_state_dict(assign=True)`): nothing is read from a
-    checkpoint's weight files and no memory is spent on a random initialisation.
+    checkpoint's weight files and no memory is spent on a random initialisation. Never partitioned,
+    even in a rank that trains under ZeRO-3 (rank 0 builds it alone to write an export).
     """
     import torch
 
-    with torch.device("meta"):
+    from jobspec.model.construct import without_transformers_zero3
+
+    with without_transformers_zero3(), torch.device("meta"):
         if spec["model"].get("architecture") == "mlp" and not spec["model"].get("name_or_path"):
             from jobspec.model.mlp import build_mlp
             return build_mlp(spec)

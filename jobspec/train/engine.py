@@ -30,7 +30,8 @@ def build_engine(files: RunFiles):
     phase(rank, "imported-model-code")
     set_seed(spec["training"]["seed"])  # python, numpy, torch (+cuda): same initial weights on every rank
     tokenizer = build_tokenizer(spec)
-    model = build_model(spec, tokenizer)
+    model = build_model(spec, tokenizer, files.ds_config)   # training dtype; ZeRO-3: zero.Init (model/construct)
+    note_construction(files.ds_config, model)
     checkpointing = any(p["name"] == "gradient_checkpointing" for p in files.patches)
     # PEFT's adapters after jobspec's patches, before torch.compile (train/adapters.py)
     lora = partial(adapters.wrap, spec=spec, checkpointing=checkpointing) if adapters.lora_enabled(spec) else None
@@ -52,6 +53,18 @@ def build_engine(files: RunFiles):
     start_schedule(engine)
     phase(rank, "engine")
     return engine, train_ds, eval_ds, patch_notes
+
+
+def note_construction(ds_config: dict, model) -> None:
+    """Each rank's `jobspec-log: construction ...` line: the parameter elements it holds against the
+    model's, counted from the partitions (under ZeRO-3 about 1/world), and its peak RSS so far."""
+    import resource
+
+    from jobspec.model.construct import construction_for, construction_line, count_partitions
+
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # KiB on Linux
+    trace.note(construction_line(int(os.environ.get("RANK", "0")), construction_for(ds_config),
+                                 count_partitions(model), peak_mib))
 
 
 def start_schedule(engine) -> None:
