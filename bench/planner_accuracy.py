@@ -5,6 +5,7 @@
     python bench/planner_accuracy.py --guide    # planner next to the HF single-GPU guide's 9 bert-large rows
     python bench/planner_accuracy.py --seeds    # planner totals next to seed 000's XLM-R rows (CPU, ~1 min)
     python bench/planner_accuracy.py --memtracker  # planner activations vs torch's MemTracker (CPU, ~2.5 min)
+    python bench/planner_accuracy.py --lora     # LoRA / QLoRA rows: real 4/8-bit model states, activations (CPU)
     python bench/planner_accuracy.py --json OUT # also the rows as JSON (`python -m bench gpu` reads it)
 
 Each row builds the model from its config (no downloads), wraps it with `deepspeed.initialize` using the
@@ -260,6 +261,13 @@ def mt_label(model, layers, attention, precision, micro, seq, ckpt) -> str:
     return f"{model}{stack} [{architecture}], {attention}, {precision}, {micro} x {seq}, {ckpt_text}"
 
 
+class _NoHook:
+    """A hook handle MemTracker can remove: what it is given for a parameter that gets no gradient."""
+
+    def remove(self) -> None:
+        pass
+
+
 def memtracker_peak(spec: dict, precision: str, micro: int, seq: int, checkpointing, *, amp: bool = False) -> dict:
     """One forward + backward of the whole model under torch's MemTracker, on fake CPU tensors, built
     and fed as the planner's tracer does; parameter gradients dropped as soon as they are accumulated
@@ -285,6 +293,7 @@ def memtracker_peak(spec: dict, precision: str, micro: int, seq: int, checkpoint
     every, reentrant = checkpoint_setting(checkpointing)
     if every:
         gradient_checkpointing(model, every, reentrant)
+    model = ModelTracer(spec)._adapt(model)   # model.lora: PEFT's wrap, after the patches as on the ranks
     model = model.to(getattr(torch, PRECISION_DTYPES[precision]))   # on meta: no memory
     tracker = MemTracker()
     collecting = gc.isenabled()
@@ -294,6 +303,10 @@ def memtracker_peak(spec: dict, precision: str, micro: int, seq: int, checkpoint
         warnings.filterwarnings("ignore", message="Module is None")
         model = model.to_empty(device="cpu")
         tracker.track_external(model)
+        for param in model.parameters():
+            if not param.requires_grad:
+                # a frozen base (model.lora): no gradient to hook, and MemTracker's register_hook would raise
+                tracker._param_to_grad_hook_handles[param] = (_NoHook(), _NoHook())
         ledger = _GradientLedger(tracker)   # after the parameters and buffers: it sees the step's storages
         gc.disable()   # as in the tracer: no collection at an arbitrary moment of the step
         try:
@@ -550,11 +563,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="planner activations vs torch's MemTracker over fake tensors (CPU, ~2.5 min)")
     parser.add_argument("--quick", action="store_true", help=argparse.SUPPRESS)   # --memtracker, one tiny row
     parser.add_argument("--seeds", action="store_true", help="planner totals next to seed 000's XLM-R rows")
+    parser.add_argument("--lora", action="store_true",
+                        help="LoRA / QLoRA: model states of real quantised models and activations (CPU, ~3 min)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows (bytes) as JSON here")
     args = parser.parse_args(argv)
     if args.memtracker:
         rows = run_memtracker(MT_QUICK if args.quick else MT_SETTINGS)
         return 0 if all(abs(r["error"]) <= 0.05 for r in rows) else 1
+    if args.lora:
+        from bench.lora_accuracy import run as run_lora
+        return run_lora(quick=args.quick)
     if args.seeds:
         return run_seeds()
     if args.guide:
