@@ -56,7 +56,7 @@ def state_bytes(optimizer: dict, inventory) -> int:
 
 def offload_step(optimizer: dict) -> str | None:
     """With optimizer offload DeepSpeed's CPU Adam steps, unless `implementation: torch` asks for torch's."""
-    return "torch.optim.AdamW" if optimizer.get("implementation") == "torch" else None
+    return "torch.optim.AdamW" if optimizer["implementation"] == "torch" else None
 
 
 def issues(r) -> list:

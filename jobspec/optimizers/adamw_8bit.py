@@ -27,9 +27,9 @@ def build(model, groups: list[dict], args: dict):
                          hint="pip install 'jobspec[bnb]' (bitsandbytes), or use adamw") from None
     import torch.nn as nn
 
-    optimizer = bnb.optim.AdamW8bit(groups, lr=float(args.get("lr", 5e-5)),
-                                    betas=tuple(args.get("betas", (0.9, 0.999))), eps=float(args.get("eps", 1e-8)),
-                                    weight_decay=float(args.get("weight_decay", 0.0)))
+    # exactly the args patches.json shows (client_args writes every one): no default of our own
+    optimizer = bnb.optim.AdamW8bit(groups, lr=float(args["lr"]), betas=tuple(args["betas"]), eps=float(args["eps"]),
+                                    weight_decay=float(args["weight_decay"]))
     # Embedding rows are updated sparsely and 8-bit state quantises them badly: keep their
     # state in 32 bits, as the Hugging Face Trainer does.
     manager = bnb.optim.GlobalOptimManager.get_instance()

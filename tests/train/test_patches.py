@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from jobspec.errors import SpecError
+from jobspec import optimizers
 from jobspec.optimizers import deepspeed_built
 from jobspec.model.structure import checkpoint_every_nth_layer, find_layer_stack
 from jobspec.train.patches import PATCHES, apply_patches, build_client_optimizer
-from jobspec.spec.schema import enum_values
+from jobspec.spec.schema import enum_values, fill_defaults
 
 NUM_LAYERS = 4
 TINY = {
@@ -51,7 +52,10 @@ def test_every_schema_optimizer_is_built_somewhere():
     for name in enum_values(("training", "optimizer", "name")):
         if name == "adamw_8bit":
             pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed")
-        optimizer = build_client_optimizer(model, {"name": name, "lr": 1e-3})
+        section = fill_defaults({"training": {"optimizer": {"name": name, "lr": 1e-3}}})["training"]["optimizer"]
+        chosen = optimizers.get(name)   # the patch's args as the compiler writes them (client_args)
+        args = chosen.client_args(section) if chosen.client_args else {"name": name, "lr": 1e-3}
+        optimizer = build_client_optimizer(model, args)
         if name in deepspeed_built():
             assert optimizer is None
         else:
@@ -197,7 +201,8 @@ def test_adafactor_steps():
 def test_adamw_8bit_keeps_embeddings_in_32_bit():
     pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed")
     model = tiny_model("bert", intermediate_size=256)  # 32x256 > 4096 elements: bitsandbytes keeps 8-bit state
-    optimizer = build_client_optimizer(model, {"name": "adamw_8bit", "lr": 1e-3, "betas": [0.9, 0.99]})
+    optimizer = build_client_optimizer(model, {"name": "adamw_8bit", "lr": 1e-3, "betas": [0.9, 0.99], "eps": 1e-8,
+                                               "weight_decay": 0.0})   # what client_args writes
     model(**tiny_batch()).loss.backward()
     optimizer.step()
     embedding_state = optimizer.state[model.bert.embeddings.word_embeddings.weight]

@@ -48,7 +48,7 @@ def packing_problems(spec: dict, config_json: dict | None = None) -> list[tuple[
     """(path, message, hint, code) of each packing rule `spec` (defaults filled) breaks. `config_json`:
     the parsed config.json of a local `model.name_or_path`, where the model type is read otherwise."""
     data, model = spec["data"], spec["model"]
-    if not data.get("packing"):
+    if not data["packing"]:
         return []
     path = ("data", "packing")
     if model["task"] != "causal-lm":
@@ -56,14 +56,14 @@ def packing_problems(spec: dict, config_json: dict | None = None) -> list[tuple[
                  "set `data.packing: false`: an encoder's samples would attend to each other in a packed row",
                  "packing-task")]
     problems = []
-    if data.get("synthetic") is not None:
+    if data["synthetic"] is not None:
         problems.append((path, "packing packs file data; synthetic samples are all `seq_len` tokens long",
                          "set `data.packing: false`, or train on a file", "packing-synthetic"))
-    if spec["training"].get("epochs") is not None:
+    if spec["training"]["epochs"] is not None:
         problems.append((path, "with packing the number of training rows is known only after tokenizing, so "
                          "`training.epochs` cannot be turned into a step count",
                          "set `training.max_steps` instead of `training.epochs`", "packing-epochs"))
-    model_type = model.get("architecture") or (config_json or {}).get("model_type")
+    model_type = model["architecture"] or (config_json or {}).get("model_type")
     problem = model_problem(model_type if isinstance(model_type, str) else None, model["attention"])
     if problem is not None:
         problems.append((path, *problem, "packing-model"))
