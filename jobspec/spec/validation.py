@@ -1,5 +1,8 @@
 """Checking a loaded spec: JSON Schema (every error at once), cross-field rules, path resolution.
 
+The cross-field rules live in modules of their concern (jobspec/spec/rules/ and the few listed in
+`CROSS_FIELD_RULES`); this module runs the schema with its did-you-mean hints, then that one list.
+
 `load_and_validate(path, overrides)` is the one entry point the other commands use; it returns a
 `ResolvedSpec` whose `.spec` has every default filled and every path absolute, or raises one
 `SpecError` listing every problem with its file:line:col and a hint.
@@ -234,7 +237,8 @@ def _first_sentence(node: dict) -> str | None:
 
 # Every cross-field rule, in the order its problems are listed: each a function (ResolvedSpec) ->
 # list[SpecIssue], positioned and coded, in a module of its concern (jobspec/spec/rules/, the
-# optimizers', spec/data_rules, export/rules). Adding a rule: its function, and one line here.
+# optimizers', spec/data_rules, spec/lora_rules, export/rules). Adding a rule: its function, and one
+# line here (docs/architecture.md, "Adding a cross-field rule").
 CROSS_FIELD_RULES: tuple[Rule, ...] = (
     choices.steps_or_epochs,
     choices.checkpoint_or_architecture,

@@ -12,12 +12,13 @@ line there), on a written spec and again on one `memory.fit: auto` changed (`val
   packing                  `data.packing`: task, data, a model family that keeps samples apart
   precision                flash attention in fp32, `fp16.auto_cast` without fp16
   activation_checkpointing `every_n_layers` against the model's layer count
+  quantized_base           `model.quantization` under DeepSpeed: ZeRO stages 0-2 only
   tracking                 system metrics without MLflow, the tracking URI's form
   paths                    NUL characters in paths
   checkpoint               `checkpoint.resume`: auto, never or an existing checkpoint
 
 Other concerns keep their rules in their own module, listed in the same place: each optimizer's
-(jobspec/optimizers, `rule_issues`), the data's (spec/data_rules), the export section's
-(export/rules). `base` holds what they share: paths relative to the file that wrote them, did-you-mean.
+(jobspec/optimizers, `rule_issues`), the data's (spec/data_rules), LoRA's (spec/lora_rules), the
+export section's (export/rules). `base` holds what they share: paths relative to the file that wrote them, did-you-mean.
 Pure: no torch, no transformers; nothing here reads more than a file's metadata or a config.json.
 """
