@@ -100,3 +100,23 @@ def test_fit_of_a_lora_job_changes_micro_batch_or_checkpointing_not_the_quantise
     assert result.fits
     assert set(result.changes) & {"training.micro_batch_size", "memory.activation_checkpointing"}
     assert "memory.zero_stage" not in result.changes and "memory.offload.params" not in result.changes
+
+
+@pytest.mark.parametrize("checkpointing", [False, {"every_n_layers": 2}])
+def test_the_composed_trace_of_an_adapted_model_equals_its_full_trace(checkpointing):
+    """Unit traces of the cut, PEFT-wrapped model compose to the whole wrapped model's trace."""
+    from jobspec.model.trace import ModelTracer
+
+    spec = llama_spec({"r": 8, "target_modules": ["q_proj", "v_proj", "up_proj"]})
+    tracer = ModelTracer(spec)
+    composed = tracer.profile("bf16", 3, 64, checkpointing)
+    assert composed.method == "composed"
+    full = tracer.full("bf16", 3, 64, checkpointing)
+    assert composed.activations.peak == full.peak and composed.activations.regions == full.regions
+
+
+def test_adapters_on_some_layers_only_are_traced_whole():
+    """Layers that differ in their adapters are not composed from one unit (`Inventory.uniform`)."""
+    spec = llama_spec({"r": 8, "target_modules": ["layers.1.mlp.down_proj"]})
+    job, _ = planned(spec)
+    assert not job.profile.inventory.uniform and job.profile.method == "full"
