@@ -82,5 +82,13 @@ def test_compile_refuses_a_misspelt_target_at_its_line_with_did_you_mean(tmp_pat
     code, (report,) = errors(capsys, "compile", job)
     assert code == 2
     text = report["text"]
-    assert f"job.yaml:{line_of(job, 'q_prj')}:" in text and "model.lora.target_modules[1]" in text and "'q_proj'" in text
+    assert f"job.yaml:{line_of(job, 'q_prj')}:" in text
+    assert "model.lora.target_modules[1]" in text and "'q_proj'" in text
     assert "Traceback" not in text
+
+
+def test_jobspecs_own_mlp_takes_lora_but_not_quantisation(tmp_path, capsys):
+    mlp = {"architecture": "mlp", "config": {"hidden_size": 32, "num_layers": 2, "vocab_size": 300}}
+    assert errors(capsys, "validate", write(tmp_path, {**mlp, "lora": {}})) == (0, [])
+    code, found = errors(capsys, "validate", write(tmp_path, {**mlp, "lora": {}, "quantization": {"bits": 4}}))
+    assert code == 2 and [e["code"] for e in found] == ["quantization-architecture"]
