@@ -92,3 +92,12 @@ def test_jobspecs_own_mlp_takes_lora_but_not_quantisation(tmp_path, capsys):
     assert errors(capsys, "validate", write(tmp_path, {**mlp, "lora": {}})) == (0, [])
     code, found = errors(capsys, "validate", write(tmp_path, {**mlp, "lora": {}, "quantization": {"bits": 4}}))
     assert code == 2 and [e["code"] for e in found] == ["quantization-architecture"]
+
+
+def test_a_hub_model_this_machine_cannot_read_still_compiles(tmp_path, capsys, monkeypatch):
+    """The target check needs the model's module names; for a hub id without network it gives way (a
+    launch refuses the unreadable id before any rank, and the ranks check the patterns on the model)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    job = write(tmp_path, {"name_or_path": "no-such-org/no-such-model", "task": "causal-lm", "lora": {}})
+    code, (report,) = errors(capsys, "compile", job)
+    assert code == 0, report["text"]
