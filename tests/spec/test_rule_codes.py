@@ -44,3 +44,28 @@ def test_rules_of_the_adam_fields_and_text_output_unchanged(tmp_path, capsys):
     assert main(["validate", job]) == 2
     err = capsys.readouterr().err
     assert "adam-settings" not in err and "`cpu` Adam needs optimizer offload" in err
+
+
+def test_every_problem_of_every_broken_asset_has_a_rule_code():
+    """Each rule of validation.CROSS_FIELD_RULES (and each schema keyword) codes what it finds, on the
+    broken specs of tests/assets/broken that load (a file the YAML loader refuses reaches no rule)."""
+    from pathlib import Path
+
+    from jobspec.errors import SpecError
+    from jobspec.spec.loader import load_spec
+    from jobspec.spec.validation import validate_spec
+
+    broken = sorted((Path(__file__).resolve().parent.parent / "assets" / "broken").glob("*.yaml"))
+    uncoded, seen = [], set()
+    for job in broken:
+        try:
+            loaded = load_spec(job)
+        except SpecError:
+            continue
+        try:
+            validate_spec(loaded)
+        except SpecError as err:
+            uncoded += [f"{job.name}: {issue.dotted_path}: {issue.message}" for issue in err.issues if not issue.code]
+            seen |= {issue.code for issue in err.issues}
+    assert uncoded == []
+    assert {"steps-or-epochs", "offload-params-stage", "adam-settings", "checkpoint-resume"} <= seen
