@@ -6,9 +6,9 @@ Three measurements, each in a fresh process (so one's peak is not another's):
 - runtime: RSS after importing what a rank imports (jobspec.train.worker and engine, torch,
   transformers, DeepSpeed), and with a GPU after its CUDA context's first kernel, against RUNTIME_BYTES;
 - construction: peak RSS (ru_maxrss) growth while `jobspec.model.build.build_model` builds a
-  Llama-shaped model from its config, as the ranks do, in fp32 and bf16 jobs, against the planner's
-  ZeRO-0..2 construction term (lp x parameters); and the same model from transformers'
-  `from_config(dtype=...)` built in that dtype directly, for reference;
+  Llama-shaped model from its config for the job's compiled DeepSpeed config (ZeRO-0: a full copy, as
+  the ranks build it), in fp32 and bf16 jobs, against the planner's ZeRO-0..2 construction term
+  (lp x parameters); and the same model from transformers' `from_config(dtype=...)`, for reference;
 - a DataLoader worker: unique set size (USS) of each forked worker after 50 batches of 8 x 512
   synthetic tokens, against DATALOADER_WORKER_BYTES.
 Prints one line per measurement: measured, planned, ratio.
@@ -44,9 +44,9 @@ spec = fill_defaults(json.loads(sys.argv[1]))
 how = sys.argv[2]
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 rss_before = psutil.Process().memory_info().rss
-if how == "jobspec":
+if how == "jobspec":   # as the ranks build it: for the compiled DeepSpeed config (model/construct)
     from jobspec.model.build import build_model
-    model = build_model(spec)
+    model = build_model(spec, None, json.loads(sys.argv[3]))
 else:
     from jobspec.model.build import build_config
     auto_class, config = build_config(spec)
@@ -85,6 +85,7 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=32000)
     args = parser.parse_args()
+    from jobspec.compile.compiler import compile_spec
     from jobspec.memory.host import DATALOADER_WORKER_BYTES, RUNTIME_BYTES, construction_bytes
     from jobspec.model.trace import job_profiler
     from jobspec.spec.derived import derive
@@ -111,7 +112,7 @@ def main() -> int:
         inventory = derived.profile.inventory
         planned = construction_bytes(inventory, stage=2, world=1, lp=derived.precision_bytes)
         for how in ("jobspec", "from_config"):
-            result = child(BUILD, json.dumps(spec), how)
+            result = child(BUILD, json.dumps(spec), how, json.dumps(compile_spec(spec, derived).ds_config))
             label = f"{precision} job, {result['params'] / 1e6:.0f}M params, {how} ({'/'.join(result['dtypes'])})"
             row(label, result["growth"], planned)
     uss = child(WORKERS)["uss"]
