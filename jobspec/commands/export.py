@@ -58,8 +58,11 @@ def run(args: argparse.Namespace) -> int:
     if args.format == "json":
         print(json.dumps(record, indent=2))
     else:
-        print(f"wrote {out} ({record['bytes'] / MiB:.1f} MiB, {record['dtype']}, step {record['step']}) "
+        print(f"wrote {record['path']} ({record['bytes'] / MiB:.1f} MiB, {record['dtype']}, step {record['step']}) "
               f"from {source.path} in {record['seconds']:.1f} s")
+        adapter = record.get("adapter")
+        if adapter:   # model.lora: the PEFT adapter beside the merged model (export.adapter: both)
+            print(f"wrote {adapter['path']} (PEFT adapter, {adapter['bytes'] / MiB:.1f} MiB)")
     return 0
 
 

@@ -95,8 +95,42 @@ def export_checkpoint(source: Source, out: Path, dtype: str | None = None, show_
     info = ExportInfo(name=out.name, step=step, dtype=dtype, source=f"checkpoint {source.path}",
                       metrics=_metrics_at(source.run_dir, step), notes=notes,
                       world_size=_world_size(client, source.run_dir))
+    if spec["model"].get("lora"):
+        return _export_lora(source, out, spec, state_dict, info, tokenizer, show_progress)
     return write_model_dir(out, spec, state_dict, info, tokenizer=tokenizer, show_progress=show_progress,
                            label_names=read_label_names(source.path))
+
+
+def _export_lora(source: Source, out: Path, spec: dict, state_dict: dict, info: ExportInfo, tokenizer,
+                 show_progress: bool) -> dict:
+    """A LoRA job's checkpoint: the PEFT model's weights checked against the spec's model wrapped by
+    apply_lora (count, names, shapes), then, by `export.adapter`, the merged model in `out` and the
+    PEFT adapter beside it in `<out>-adapter` (export/adapters.py). The record is the merged
+    directory's (the adapter's when only it is written), with `adapter`: the adapter's record."""
+    from jobspec.export import adapters as lora_exports
+    from jobspec.export.hf_dir import ExportFailed, describe_io_error
+
+    merged, adapter = lora_exports.wanted(spec)
+    try:
+        peft_model, _ = lora_exports.split(spec, state_dict, info.dtype, f"checkpoint {source.path}")
+    except lora_exports.GatherMismatch as err:
+        raise spec_error(str(err), path=("model", "lora"),
+                         hint="export with the spec the checkpoint was trained with (`--spec RUN_DIR/resolved.yaml`), "
+                              "or another checkpoint") from None
+    adapter_record = None
+    if adapter:
+        adapter_out = out.parent / f"{out.name}{lora_exports.ADAPTER_SUFFIX}"
+        try:
+            adapter_record = lora_exports.write_adapter_dir(
+                adapter_out, spec, peft_model, {"name": adapter_out.name, "step": info.step, "dtype": info.dtype,
+                                                "source": info.source})
+        except OSError as err:
+            raise ExportFailed(describe_io_error(adapter_out, err)) from None
+    if not merged and adapter_record is not None:
+        return adapter_record
+    record = write_model_dir(out, spec, lora_exports.merged_state_dict(peft_model), info, tokenizer=tokenizer,
+                             show_progress=show_progress, label_names=read_label_names(source.path))
+    return {**record, "adapter": adapter_record}
 
 
 def consolidated_state_dict(tag_dir: Path, client: dict, precision: str, dtype: str) -> tuple[dict, list]:

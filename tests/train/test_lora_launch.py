@@ -77,3 +77,23 @@ def test_the_merged_zero3_export_reproduces_the_engine(runs):
     with torch.no_grad():
         logits = model(input_ids=ref["input_ids"], attention_mask=ref["attention_mask"]).logits
     assert torch.allclose(logits, ref["logits"], atol=1e-4), (logits - ref["logits"]).abs().max()
+
+
+@pytest.mark.parametrize("stage", [3, 0])
+def test_jobspec_export_of_the_final_checkpoint_equals_the_ranks_exports(runs, tmp_path, stage):
+    """Offline, from the checkpoint (DeepSpeed's zero_to_fp32 for ZeRO-3: the adapters from the fp32
+    masters, the frozen base from its saved fragments): the same merged model and adapter."""
+    from pathlib import Path
+
+    from jobspec.cli import main
+
+    run_dir, _ = runs[stage]
+    exports = json.loads((run_dir / "summary.json").read_text())["exports"]
+    out = tmp_path / "offline"
+    assert main(["export", str(run_dir), "--out", str(out)]) == 0
+    pairs = ((out, exports["final"]["path"]), (tmp_path / "offline-adapter", exports["final-adapter"]["path"]))
+    for mine, ranks in pairs:
+        offline, live = _tensors(mine), _tensors(Path(ranks))
+        assert set(offline) == set(live)
+        for key in live:
+            assert torch.allclose(offline[key].float(), live[key].float(), atol=1e-5), key
