@@ -36,8 +36,10 @@ def lora_issues(r: ResolvedSpec) -> list[SpecIssue]:
                                   "be trained", "add `model.lora: {}` (LoRA on every linear layer), or remove "
                                   "model.quantization", code="quantization-needs-lora"))
         if quant["bits"] == 8:
-            for key in ("quant_type", "double_quant"):
-                if here + (key,) in r.positions:
+            # a resolved spec (resolved.yaml, an MLflow run's spec) writes every default: only a
+            # value other than the default says something bits 8 cannot honour
+            for key, default in (("quant_type", "nf4"), ("double_quant", True)):
+                if here + (key,) in r.positions and quant[key] != default:
                     issues.append(r.issue(here + (key,), f"`{key}` applies to 4-bit weights; bits is 8",
                                           f"remove `{key}`, or set `bits: 4`", code="quantization-4bit-field"))
         if importlib.util.find_spec("bitsandbytes") is None:
@@ -53,7 +55,7 @@ def lora_issues(r: ResolvedSpec) -> list[SpecIssue]:
                               "adapters and `modules_to_save` are trained",
                               "remove model.freeze (to train fewer modules, narrow model.lora.target_modules)",
                               code="lora-freeze"))
-    if lora is None and ("export", "adapter") in r.positions:
+    if lora is None and ("export", "adapter") in r.positions and r.spec["export"]["adapter"] != "both":
         issues.append(r.issue(("export", "adapter"), "export.adapter chooses between a merged model and a LoRA "
                               "adapter, and this job has no model.lora", "remove export.adapter, or add model.lora",
                               code="export-adapter"))

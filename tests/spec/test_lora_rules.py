@@ -56,6 +56,15 @@ def test_static_rules_each_positioned_with_its_code(tmp_path, capsys):
     assert code == 2 and [e["code"] for e in found] == ["lora-freeze"]
 
 
+def test_written_defaults_are_not_refused(tmp_path, capsys):
+    # resolved.yaml and an MLflow run's spec write every default: launching them again must validate
+    job = write(tmp_path, {**TINY_LLAMA, "lora": {}, "quantization": {"bits": 8, "quant_type": "nf4",
+                                                                      "double_quant": True}})
+    assert errors(capsys, "validate", job) == (0, [])
+    job = write(tmp_path, dict(TINY_LLAMA), export={"adapter": "both"})
+    assert errors(capsys, "validate", job) == (0, [])
+
+
 def test_schema_bounds(tmp_path, capsys):
     job = write(tmp_path, {**TINY_LLAMA, "lora": {"r": 0, "dropout": 1.0, "target_modules": []},
                            "quantization": {"bits": 3}})
