@@ -21,11 +21,27 @@ LORA = {"model": {"lora": {"r": 4, "alpha": 8, "dropout": 0.0}},
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def base_checkpoint(tmp_path_factory):
+    """The tiny BERT saved once, loaded by both runs: ZeRO-3 builds a model from a config under
+    zero.Init, whose random initialisation differs from a whole model's, so equal exports need
+    equal starting weights."""
+    from conftest import TINY_SPEC
+    from transformers import AutoConfig, AutoModelForTokenClassification
+    model_spec = TINY_SPEC["model"]
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("bert", num_labels=model_spec["num_labels"], **model_spec["config"])
+    path = tmp_path_factory.mktemp("lora-base") / "bert"
+    AutoModelForTokenClassification.from_config(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, base_checkpoint):
     out = {}
     for stage in (3, 0):
         root = tmp_path_factory.mktemp(f"lora-zero{stage}")
-        run_dir = make_run_dir(root, {**LORA, "memory": {"zero_stage": stage}})
+        model = {**LORA["model"], "name_or_path": str(base_checkpoint), "architecture": None}
+        run_dir = make_run_dir(root, {**LORA, "model": model, "memory": {"zero_stage": stage}})
         done = run_worker(run_dir, env={"JOBSPEC_EXPORT_REFERENCE": str(root / "ref")}, timeout=400)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         out[stage] = (run_dir, root)
