@@ -9,8 +9,11 @@ Before, every rank built the whole model in fp32 on the host and DeepSpeed parti
   through transformers' own integration: a live `HfDeepSpeedConfig` makes `is_deepspeed_zero3_enabled()`
   true, `from_config` wraps the constructor in `zero.Init` and initialises weights one gathered module
   at a time (rank 0 draws them), and `from_pretrained` copies the checkpoint into the partitions
-  layer by layer (`GatheredParameters`, rank 0 reads the safetensors files; the other ranks read only
-  their shapes). jobspec's own MLP is built under `zero.Init` directly.
+  layer by layer (`GatheredParameters`, modifier rank 0). The other ranks read only the tensors'
+  shapes (meta); rank 0 reads the values, and transformers 5 merges every shard's tensors into one
+  dict before copying, so rank 0 alone briefly holds the checkpoint in its stored dtype: on a node
+  with rank 0 that is one checkpoint more, not one per rank. jobspec's own MLP is built under
+  `zero.Init` directly.
 - **ZeRO 0/1/2** keep a full copy per rank by design (DeepSpeed partitions optimizer states and
   gradients only), built straight in the training dtype: bf16/fp16 jobs never hold an fp32 copy.
 
