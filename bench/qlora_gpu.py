@@ -50,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     planned = plan_bytes(job)
     work = Path(args.work or tempfile.mkdtemp(prefix="bench-qlora-"))
     sets = [f"training.max_steps={args.steps}", f"output_dir={work}", "logging.mlflow.enabled=false",
-            "logging.progress=lines", "checkpoint.save_final=false", "checkpoint.every_n_steps=0",
-            "export.final=false", "checkpoint.resume=never", "training.eval_every=0"]
+            "logging.progress=lines", "checkpoint.save_final=false", "checkpoint.every_n_steps=null",
+            "export.final=false", "checkpoint.resume=never", "training.eval_every=null"]
     argv_launch = [sys.executable, "-m", "jobspec", "launch", str(job), *[x for s in sets for x in ("--set", s)]]
     done = subprocess.run(argv_launch, capture_output=True, text=True, cwd=REPO, timeout=args.timeout,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
