@@ -99,7 +99,7 @@ def test_the_4bit_base_trains_on_cpu_and_is_counted_by_its_shape(tmp_path):
     assert losses[-1] < losses[0] - 0.5, losses
 
 
-@pytest.mark.parametrize("quantization", [None, {"bits": 4}], ids=["lora", "qlora"])
+@pytest.mark.parametrize("quantization", [None, {"bits": 4}, {"bits": 8}], ids=["lora", "qlora", "int8"])
 def test_merged_equals_base_plus_adapter(tmp_path, quantization):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
