@@ -160,3 +160,22 @@ def test_export_adapter_chooses_what_is_written(tmp_path):
     spec = make_spec(tmp_path, export={"adapter": "adapter"})
     spec["model"]["lora"] = None
     assert lora_exports.wanted(spec) == (True, False)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_bitsandbytes_cpu_backend_runs_here(bits):
+    from jobspec.model.quantize import bitsandbytes_problem
+    assert bitsandbytes_problem({"bits": bits, "quant_type": "nf4"}) is None
+
+
+def test_a_backend_that_cannot_quantise_is_a_spec_error_at_model_quantization(tmp_path, monkeypatch):
+    from jobspec.errors import SpecError
+    from jobspec.model import quantize
+
+    monkeypatch.setattr(quantize, "bitsandbytes_problem",
+                        lambda quant: "bitsandbytes cannot quantise 4-bit on this machine: no backend")
+    with pytest.raises(SpecError) as caught:
+        build_model(make_spec(tmp_path, quantization={"bits": 4}))
+    issue = caught.value.issues[0]
+    assert issue.path == ("model", "quantization") and "no backend" in issue.message
+    assert "pip install bitsandbytes" in issue.hint
