@@ -25,7 +25,7 @@ from jobspec.cli import main
 from tests.conftest import REPO_ROOT, deep_merge
 
 # The modules a launch runs before any rank starts (docs/architecture.md, `jobspec launch`); the
-# validation rules themselves (spec/validation.py, spec/data_rules.py, spec/rules/) are validate's.
+# validation rules themselves (spec/validation.py, spec/rules/) are validate's.
 LAUNCH_PATH = [*sorted((REPO_ROOT / "jobspec" / "launch").glob("*.py")),
                *(REPO_ROOT / "jobspec" / p for p in ("memory/at_launch.py", "job/prepare.py", "spec/inputs.py",
                                                       "compile/compiler.py", "spec/datacheck.py"))]

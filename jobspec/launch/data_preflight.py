@@ -1,6 +1,6 @@
 """The data checks that need transformers, made by `jobspec launch` (and `--dry-run`) before any rank starts.
 
-`jobspec validate` reads a local tokenizer directory as JSON (spec/data_rules.py) and spec/datacheck.py
+`jobspec validate` reads a local tokenizer directory as JSON (spec/rules/data.py) and spec/datacheck.py
 checks the records' shape without a tokenizer. What is left needs the tokenizer transformers loads, and
 would otherwise be found by every rank after DeepSpeed started:
 
@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any
 from jobspec.errors import SpecError, SpecIssue, first_line
 from jobspec.spec import datacheck
 from jobspec.spec.data_format import source_kind
-from jobspec.spec.data_rules import TokenizerFileError, read_tokenizer, tokenizer_name, vocab_issue
 from jobspec.spec.freeform import local_checkpoint_config
 from jobspec.spec.model_dims import model_dims
+from jobspec.spec.rules.data import TokenizerFileError, read_tokenizer, tokenizer_name, vocab_issue
 
 if TYPE_CHECKING:
     from jobspec.spec.validation import ResolvedSpec

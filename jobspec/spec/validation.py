@@ -20,7 +20,7 @@ from typing import Any
 from jobspec import optimizers
 from jobspec.errors import SpecError, SpecIssue
 from jobspec.export import rules as export_rules
-from jobspec.spec import data_rules, lora_rules
+from jobspec.spec import lora_rules
 from jobspec.spec.data_format import HF_PREFIX, is_hub_name
 from jobspec.spec.freeform import freeform_issues
 from jobspec.spec.loader import LoadedSpec, Position, load_spec
@@ -30,6 +30,7 @@ from jobspec.spec.rules import (
     batch,
     checkpoint,
     choices,
+    data,
     data_sources,
     offload,
     packing,
@@ -237,7 +238,7 @@ def _first_sentence(node: dict) -> str | None:
 
 # Every cross-field rule, in the order its problems are listed: each a function (ResolvedSpec) ->
 # list[SpecIssue], positioned and coded, in a module of its concern (jobspec/spec/rules/, the
-# optimizers', spec/data_rules, spec/lora_rules, export/rules). Adding a rule: its function, and one
+# optimizers', spec/lora_rules, export/rules). Adding a rule: its function, and one
 # line here (docs/architecture.md, "Adding a cross-field rule").
 CROSS_FIELD_RULES: tuple[Rule, ...] = (
     choices.steps_or_epochs,
@@ -250,7 +251,7 @@ CROSS_FIELD_RULES: tuple[Rule, ...] = (
     precision.flash_attention_issues,
     choices.warmup,
     activation_checkpointing.every_n_layers_issues,
-    data_rules.data_rule_issues,             # positions, formats, tokenizer, chat template
+    data.data_rule_issues,                   # positions, formats, tokenizer, chat template
     lora_rules.lora_issues,                  # model.lora / model.quantization / export.adapter
     quantized_base.quantized_zero_issues,    # QLoRA: ZeRO 0-2 only (spec/rules/quantized_base)
     precision.auto_cast_issues,

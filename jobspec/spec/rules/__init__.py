@@ -7,6 +7,8 @@ line there), on a written spec and again on one `memory.fit: auto` changed (`val
 
   choices                  exclusive pairs: max_steps/epochs, name_or_path/architecture, warmup
   data_sources             where the training and evaluation data come from, and that it exists
+  data                     what validate can tell of the data without reading it: positions, formats,
+                           the local tokenizer read as JSON, chat templates
   batch                    the batch split (the derived job's), positioned
   offload                  which ZeRO stage each offload needs, the NVMe path (also `offload_problems`)
   packing                  `data.packing`: task, data, a model family that keeps samples apart
@@ -18,7 +20,8 @@ line there), on a written spec and again on one `memory.fit: auto` changed (`val
   checkpoint               `checkpoint.resume`: auto, never or an existing checkpoint
 
 Other concerns keep their rules in their own module, listed in the same place: each optimizer's
-(jobspec/optimizers, `rule_issues`), the data's (spec/data_rules), LoRA's (spec/lora_rules), the
-export section's (export/rules). `base` holds what they share: paths relative to the file that wrote them, did-you-mean.
-Pure: no torch, no transformers; nothing here reads more than a file's metadata or a config.json.
+(jobspec/optimizers, `rule_issues`), LoRA's (spec/lora_rules), the export section's (export/rules).
+`base` holds what they share: paths relative to the file that wrote them, did-you-mean.
+Pure: no torch, no transformers; a rule reads at most a file's metadata or a small JSON file (a
+config.json, a tokenizer's JSON, the first record of a data file), jinja2 for a chat template.
 """

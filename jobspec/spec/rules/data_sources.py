@@ -1,6 +1,6 @@
 """Where the training and evaluation data come from: synthetic tokens or files, exactly one; evaluation
 files only beside training files; a tokenizer for file data and a fresh model; data files and
-directories that exist and hold data. (What the data holds is spec/data_rules' and spec/datacheck's.)"""
+directories that exist and hold data. (What the data holds is spec/rules/data's and spec/datacheck's.)"""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

@@ -45,7 +45,7 @@ SPECIAL_TOKENS = ("bos", "eos", "pad", "unk", "mask")
 
 
 def data_rule_issues(r: ResolvedSpec) -> list[SpecIssue]:
-    """Every data rule's problems, on the defaults-filled spec (validation.cross_field_issues calls it)."""
+    """Every data rule's problems, on the defaults-filled spec (one of validation.CROSS_FIELD_RULES)."""
     s = r.spec
     config_json = local_checkpoint_config(r)
     tokenizer, issues = _tokenizer(r)
