@@ -111,6 +111,11 @@ def _export_lora(source: Source, out: Path, spec: dict, state_dict: dict, info: 
     from jobspec.export.hf_dir import ExportFailed, describe_io_error
 
     merged, adapter = lora_exports.wanted(spec)
+    if spec["model"].get("quantization"):   # QLoRA: the saved 4-/8-bit base dequantised (model/quantize.py)
+        import torch
+
+        from jobspec.model.quantize import dequantize_saved
+        state_dict = dequantize_saved(state_dict, torch.float32)
     try:
         peft_model, _ = lora_exports.split(spec, state_dict, info.dtype, f"checkpoint {source.path}")
     except lora_exports.GatherMismatch as err:

@@ -110,3 +110,28 @@ def dequantized_state_dict(module, dtype) -> dict:
                 scb = sub.state.SCB
             state[prefix + "weight"] = (weight.data.float() * scb.float().unsqueeze(1) / 127.0).to(dtype)
     return {k: v for k, v in state.items() if not (k.endswith(_QUANT_SUFFIXES) or _QUANT_STATE_MARK in k)}
+
+
+def dequantize_saved(state_dict: dict, dtype) -> dict:
+    """A saved state dict (a checkpoint's module states) with bitsandbytes' weights dequantised to
+    `dtype` and their constants' keys dropped: what `dequantized_state_dict` gives from a live module,
+    for `jobspec export`. A 4-bit weight's constants are rebuilt by bitsandbytes' own
+    `QuantState.from_dict` from the keys saved beside it; an 8-bit weight is int8 rows times SCB / 127."""
+    import torch
+    from bitsandbytes import functional as bnbf
+
+    out = dict(state_dict)
+    for key in [k for k in state_dict if _QUANT_STATE_MARK in k]:
+        weight_key = key.split(_QUANT_STATE_MARK)[0]
+        prefix = weight_key + "."
+        parts = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+        quant_state = bnbf.QuantState.from_dict(parts, device=torch.device("cpu"))
+        packed = state_dict[weight_key].cpu()
+        out[weight_key] = bnbf.dequantize_4bit(packed, quant_state).to(dtype)
+    for key in [k for k in state_dict if k.endswith(".SCB")]:
+        # Linear8bitLt saves `<module>.SCB` beside `<module>.weight` (older versions `<module>.weight.SCB`)
+        weight_key = key[:-len(".SCB")] if key[:-len(".SCB")] in state_dict else key[:-len("SCB")] + "weight"
+        weight = state_dict[weight_key]
+        if weight.dtype == torch.int8:
+            out[weight_key] = (weight.float() * state_dict[key].float().unsqueeze(1) / 127.0).to(dtype)
+    return {k: v for k, v in out.items() if not (k.endswith(_QUANT_SUFFIXES) or _QUANT_STATE_MARK in k)}

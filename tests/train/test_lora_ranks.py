@@ -179,3 +179,21 @@ def test_a_backend_that_cannot_quantise_is_a_spec_error_at_model_quantization(tm
     issue = caught.value.issues[0]
     assert issue.path == ("model", "quantization") and "no backend" in issue.message
     assert "pip install bitsandbytes" in issue.hint
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_saved_quantised_state_dict_dequantises_like_the_live_module(tmp_path, bits):
+    """`jobspec export` of a QLoRA checkpoint: the module states DeepSpeed saved (packed weights and
+    their constants' keys) give the same dequantised base as the live module did on the ranks."""
+    from jobspec.model.quantize import dequantize_saved, dequantized_state_dict
+
+    spec = make_spec(tmp_path, quantization={"bits": bits}, memory={"precision": "bf16"})
+    model, _ = wrapped(spec)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}   # what mp_rank_00_model_states.pt holds
+    assert any(k.endswith((".absmax", ".SCB")) for k in saved)
+    offline, live = dequantize_saved(saved, torch.float32), dequantized_state_dict(model, torch.float32)
+    assert set(offline) == set(live)
+    for key in live:
+        assert offline[key].shape == live[key].shape and torch.equal(offline[key].float(), live[key].float()), key
+    q_proj = "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"
+    assert offline[q_proj].shape == (64, 64)
