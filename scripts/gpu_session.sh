@@ -2,7 +2,7 @@
 # One lent-GPU session, run from the repository root on the device (the `device` tool's run), with
 # .whl/ from scripts/gpu_wheels.sh carried along:
 #
-#   scripts/gpu_session.sh [STEP...]     # steps: probe packing qlora zero3 suite (default: all, in order)
+#   scripts/gpu_session.sh [STEP...]     # steps: probe qlora packing zero3 suite (default: all, in order)
 #
 # Installs the carried wheels (only what the image lacks: pip resolves against what is there), then
 # runs each step under its own time limit, writing its output to $OUT/<step>.txt (or /tmp/gpu-out).
@@ -27,14 +27,16 @@ step() {  # step NAME LIMIT_S COMMAND...
   echo "== $name: exit $rc in $(( $(date +%s) - t0 ))s"; tail -n 25 "$out/$name.txt"
 }
 
-steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(probe packing qlora zero3 suite)
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(probe qlora packing zero3 suite)
 install
 for s in "${steps[@]}"; do
   case "$s" in
-    probe)   step probe 60 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; $py -c 'import torch, transformers, deepspeed, datasets, peft, bitsandbytes, pyarrow; print(*(f\"{m.__name__} {m.__version__}\" for m in (torch, transformers, deepspeed, datasets, peft, bitsandbytes, pyarrow)))'; nproc; free -g" ;;
-    packing) step packing 200 "$py" -m bench.packing_gpu --out "$out/packing.md" ;;
-    qlora)   step qlora 200 "$py" -m bench.qlora_gpu --out "$out/qlora.md" ;;
-    zero3)   step zero3 240 "$py" -m bench.zero3_offload_gpu --out "$out/zero3.md" ;;
+    probe)   step probe 30 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; $py -c 'import torch, transformers, deepspeed, datasets, peft, bitsandbytes, pyarrow; print(*(f\"{m.__name__} {m.__version__}\" for m in (torch, transformers, deepspeed, datasets, peft, bitsandbytes, pyarrow)))'; nproc; free -g" ;;
+    packing) step packing 170 "$py" -m bench packing --gpu ;;
+    qlora)   step qlora 200 "$py" -m bench qlora-gpu ;;
+    # the 8B plan needs ~121 GiB of host RAM per rank (CPU Adam's fp32 states): on a smaller host the
+    # script stops before starting (exit 2) and the same job with fewer layers runs instead
+    zero3)   step zero3 200 bash -c "$py -m bench.zero3_offload_gpu --out $out/zero3.md; rc=\$?; [ \$rc = 2 ] && $py -m bench.zero3_offload_gpu --layers 20 --out $out/zero3-20layers.md || exit \$rc" ;;
     suite)   step suite 420 "$py" -m bench gpu --out "$out/gpu-suite.md" ;;
     *) echo "unknown step $s (probe packing qlora zero3 suite)"; exit 2 ;;
   esac

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import Iterable, cast
 
 import torch
 
@@ -90,12 +91,12 @@ class Renderer:
             prefix = self.render(messages[:i], add_generation_prompt=True) if i else ""
             through = self.render(messages[:i + 1])
             if through.startswith(prefix) and full.startswith(through):
-                span = (len(prefix), len(through))
+                span: tuple[int, int] | None = (len(prefix), len(through))
             else:   # a template that renders a prefix differently: find the answer in the whole text
                 added = through[_common_prefix(prefix, through):]
                 span = _find(full, added, cursor) or _find(full, message["content"].strip(), cursor)
-                if span is None:
-                    raise ValueError(f"assistant turn {i + 1} is not found in the rendered conversation")
+            if span is None:
+                raise ValueError(f"assistant turn {i + 1} is not found in the rendered conversation")
             spans.append(span)
             cursor = span[1]
         return spans
@@ -139,6 +140,7 @@ def record_columns(spec: dict, tokenizer, table, kind: str, split: str) -> tuple
     renderer = Renderer(tokenizer, template) if template is not None else None
     all_tokens = data["loss_on"] == "all"
     max_length = data["max_length"]
+    rows: Iterable[tuple]
     if kind == "chat":
         rows = ((messages,) for messages in table[data["messages_field"]])
     else:
@@ -146,7 +148,8 @@ def record_columns(spec: dict, tokenizer, table, kind: str, split: str) -> tuple
     ids_out, masks, labels_out, truncated, answerless = [], [], [], 0, 0
     for index, row in enumerate(rows):
         try:
-            ids, labels = (_chat(renderer, row[0], all_tokens, data["messages_field"]) if kind == "chat"
+            # (chat records without a template were refused above)
+            ids, labels = (_chat(cast(Renderer, renderer), row[0], all_tokens, data["messages_field"]) if kind == "chat"
                            else _prompt_completion(tokenizer, renderer, row, all_tokens, data))
         except RecordError as err:
             raise RecordError(index, err.message, err.hint) from None
