@@ -106,11 +106,16 @@ def launch(args: argparse.Namespace, variant: str, out: Path) -> dict:
     if not args.gpu:
         env["OMP_NUM_THREADS"] = str(args.threads)
     started = time.time()
-    proc = subprocess.run([sys.executable, "-m", "jobspec", "launch", str(args.job), *sets], cwd=REPO, env=env,
-                          capture_output=True, text=True)
+    # the launch's output streams to a file beside its run directory: a run cut off by a time limit
+    # still shows how far it got (a lent GPU's session ends at its limit, output captured in memory is lost)
+    out.mkdir(parents=True, exist_ok=True)
+    log_path = out / "launch-output.txt"
+    with open(log_path, "w") as log_file:
+        proc = subprocess.run([sys.executable, "-m", "jobspec", "launch", str(args.job), *sets], cwd=REPO, env=env,
+                              stdout=log_file, stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"bench packing: the {variant} launch failed (exit {proc.returncode}):\n"
-                         f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+                         f"{log_path.read_text(errors='replace')[-4000:]}")
     run_dir = max(out.glob("run-*"), key=lambda p: p.stat().st_mtime)
     summary = json.loads((run_dir / "summary.json").read_text())
     log = (run_dir / "launcher.log").read_text(errors="replace")
@@ -163,7 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     for repeat in range(args.repeats):
         for variant in args.variants:   # interleaved: a shared machine's drift hits both variants
             print(f"bench packing: {variant} {repeat + 1}/{args.repeats}", file=sys.stderr, flush=True)
-            results[variant].append(launch(args, variant, work / f"{variant}-{repeat + 1}"))
+            result = launch(args, variant, work / f"{variant}-{repeat + 1}")
+            results[variant].append(result)
+            # each launch's numbers at once, and the results so far on disk: a cut-off run keeps them
+            print(f"bench packing: {variant} {repeat + 1}: {json.dumps(result)}", file=sys.stderr, flush=True)
+            (work / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     print(render(results, args, device))
     (work / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     return 0

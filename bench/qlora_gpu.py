@@ -48,18 +48,26 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.cuda.get_device_name(0)
     job = Path(args.job).resolve()
     planned = plan_bytes(job)
+    print(f"plan: peak allocated {planned['allocated'] / GiB:.2f} GiB, reserved {planned['reserved'] / GiB:.2f} GiB",
+          flush=True)
     work = Path(args.work or tempfile.mkdtemp(prefix="bench-qlora-"))
     sets = [f"training.max_steps={args.steps}", f"output_dir={work}", "logging.mlflow.enabled=false",
             "logging.progress=lines", "checkpoint.save_final=false", "checkpoint.every_n_steps=null",
             "export.final=false", "checkpoint.resume=never", "training.eval_every=null"]
     argv_launch = [sys.executable, "-m", "jobspec", "launch", str(job), *[x for s in sets for x in ("--set", s)]]
-    done = subprocess.run(argv_launch, capture_output=True, text=True, cwd=REPO, timeout=args.timeout,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    print(done.stdout[-3000:])
+    # the launch's output streams to a file in the work directory: a run cut off by a time limit still
+    # shows how far it got (output captured in memory is lost with it)
+    work.mkdir(parents=True, exist_ok=True)
+    log_path = work / "launch-output.txt"
+    with open(log_path, "w") as log_file:
+        done = subprocess.run(argv_launch, stdout=log_file, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                              timeout=args.timeout, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    output = log_path.read_text(errors="replace")
+    print(output[-3000:])
     runs = sorted(work.glob("run-*"))
     summary_path = runs[-1] / "summary.json" if runs else None
     if done.returncode or summary_path is None or not summary_path.is_file():
-        print(f"launch failed (exit {done.returncode}): {done.stderr[-2000:]}", file=sys.stderr)
+        print(f"launch failed (exit {done.returncode}); its output: {log_path}", file=sys.stderr)
         return 1
     summary = json.loads(summary_path.read_text())
     peak = summary.get("peak_memory") or {}

@@ -32,8 +32,8 @@ install
 for s in "${steps[@]}"; do
   case "$s" in
     probe)   step probe 30 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; $py -c 'import torch, transformers, deepspeed, datasets, peft, bitsandbytes, pyarrow; print(*(f\"{m.__name__} {m.__version__}\" for m in (torch, transformers, deepspeed, datasets, peft, bitsandbytes, pyarrow)))'; nproc; free -g" ;;
-    packing) step packing 170 "$py" -m bench packing --gpu ;;
-    qlora)   step qlora 200 "$py" -m bench qlora-gpu ;;
+    packing) step packing 170 "$py" -m bench packing --gpu --work "$out/packing-work" ;;
+    qlora)   step qlora 200 "$py" -m bench qlora-gpu --work "$out/qlora-work" ;;
     # the 8B plan needs ~121 GiB of host RAM per rank (CPU Adam's fp32 states): on a smaller host the
     # script stops before starting (exit 2) and the same job with fewer layers runs instead
     zero3)   step zero3 200 bash -c "$py -m bench.zero3_offload_gpu --out $out/zero3.md; rc=\$?; [ \$rc = 2 ] && $py -m bench.zero3_offload_gpu --layers 20 --out $out/zero3-20layers.md || exit \$rc" ;;
