@@ -182,6 +182,19 @@ def _late_bad_csv(tmp_path, monkeypatch):
     return deep_merge(file_data(tmp_path, train=str(path)), {"training": {"max_steps": None, "epochs": 1}})
 
 
+def _incapable_bitsandbytes(tmp_path, monkeypatch):
+    from bitsandbytes import functional
+
+    from jobspec import hardware
+
+    def no_kernel(*args, **kwargs):   # what a backend without a 4-bit kernel raises inside bitsandbytes
+        raise NotImplementedError("no 4-bit quantisation kernel for this backend")
+
+    monkeypatch.setattr(functional, "quantize_4bit", no_kernel)
+    monkeypatch.setattr(hardware, "gpu_names", lambda: ["cpu"])   # CPU ranks, as on this machine
+    return {"model": {"lora": {"r": 4}, "quantization": {"bits": 4}}}
+
+
 EPOCHS = {"training": {"max_steps": None, "epochs": 1}}
 
 CASES = {
@@ -205,11 +218,14 @@ CASES = {
                        "training.epochs needs the number of training samples, and hf:nobody/none is a dataset by name"),
     "epochs-text": Case(lambda t, m: deep_merge(file_data(t, train=str(DATA / "corpus-sample.txt")), EPOCHS),
                         "corpus-sample.txt is text"),
+    "bnb-backend": Case(_incapable_bitsandbytes,
+                        "bitsandbytes cannot quantise 4-bit on this machine: no 4-bit quantisation kernel"),
     "ds-batch-override": Case(lambda t, m: {"deepspeed": {"train_batch_size": 64}}, "train_batch_size"),
 }
 
 REFUSALS: dict[str, Listed] = {
     "launch/data_preflight:tokenizer_issues": Listed(3, ["tokenizer-vocab", "template-render", "tokenizer-load"]),
+    "launch/pipeline:quantization_check": Listed(2, ["bnb-backend"]),
     "launch/pipeline:launch_checks": Listed(3, [
         "bad-record", "tokenizer-vocab", Covered("tests/spec/test_launch_model_config.py::"
                                                  "test_an_unknown_model_type_is_refused_at_launch")]),

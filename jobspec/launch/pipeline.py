@@ -42,7 +42,7 @@ import threading
 import time
 from pathlib import Path
 
-from jobspec import lifeline, ops, rundir, shm, trace
+from jobspec import hardware, lifeline, ops, rundir, shm, trace
 from jobspec import status as run_status
 from jobspec.errors import SpecError, SpecIssue, spec_error
 from jobspec.launch import (
@@ -250,6 +250,24 @@ def launch_checks(resolved) -> None:
     tokenizer_problems = data_preflight.tokenizer_issues(resolved)
     if tokenizer_problems:
         raise SpecError(tokenizer_problems)
+    quantization_check(resolved)
+
+
+def quantization_check(resolved) -> None:
+    """`model.quantization` that bitsandbytes' backend cannot run on this host's CPU ranks (issue 25):
+    validate only sees that the package is installed, and every rank would otherwise find it after
+    DeepSpeed started. The same one-block quantisation the ranks try (model/quantize.bitsandbytes_problem),
+    made here only where the ranks run on CPU: on a GPU host this launcher quantising on the CPU would
+    test another backend, and quantising on a GPU would hold a CUDA context beside the ranks'."""
+    quant = resolved.spec["model"]["quantization"]
+    if not quant or hardware.gpu_names() != ["cpu"]:
+        return
+    from jobspec.model.quantize import BITSANDBYTES_HINT, bitsandbytes_problem
+
+    problem = bitsandbytes_problem(quant)
+    if problem:
+        raise SpecError([resolved.issue(("model", "quantization"), problem, BITSANDBYTES_HINT,
+                                        code="quantization-backend")])
 
 
 def header(spec, derived, memory, found, patches, style: bool) -> list[str]:

@@ -122,14 +122,12 @@ def _quantized(spec: dict, model):
     import torch
 
     from jobspec.model.lora import compute_dtype, quantization_config, quantized_linear_names
-    from jobspec.model.quantize import bitsandbytes_problem, quantize_linears
+    from jobspec.model.quantize import BITSANDBYTES_HINT, bitsandbytes_problem, quantize_linears
 
     quant = spec["model"]["quantization"]
     problem = bitsandbytes_problem(quant)
     if problem:
-        raise spec_error(problem, path=("model", "quantization"),
-                         hint="pip install bitsandbytes (its CPU backend runs 4-bit and 8-bit), or drop "
-                              "model.quantization")
+        raise spec_error(problem, path=("model", "quantization"), hint=BITSANDBYTES_HINT)
     bnb_config = quantization_config(spec, model)
     # the compute dtype (model.quantization.compute_dtype, `auto`: the training precision) for the
     # layers that stay unquantised too: DeepSpeed casts them to the training precision anyway

@@ -24,6 +24,9 @@ from jobspec.errors import first_line
 # the state-dict suffixes bitsandbytes adds next to a quantised weight (Params4bit's quant_state, Int8Params' SCB)
 _QUANT_SUFFIXES = (".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map", ".SCB", ".weight_format")
 _QUANT_STATE_MARK = ".quant_state."
+# the fix for bitsandbytes_problem's refusal, said by the launcher (launch/pipeline) and the ranks (model/build)
+BITSANDBYTES_HINT = ("pip install bitsandbytes (its CPU backend runs 4-bit and 8-bit), or drop "
+                     "model.quantization")
 
 
 def bitsandbytes_problem(quant: dict) -> str | None:
