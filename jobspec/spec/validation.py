@@ -20,7 +20,6 @@ from typing import Any
 from jobspec import optimizers
 from jobspec.errors import SpecError, SpecIssue
 from jobspec.export import rules as export_rules
-from jobspec.spec import lora_rules
 from jobspec.spec.data_format import HF_PREFIX, is_hub_name
 from jobspec.spec.freeform import freeform_issues
 from jobspec.spec.loader import LoadedSpec, Position, load_spec
@@ -32,6 +31,7 @@ from jobspec.spec.rules import (
     choices,
     data,
     data_sources,
+    lora,
     offload,
     packing,
     paths,
@@ -238,7 +238,7 @@ def _first_sentence(node: dict) -> str | None:
 
 # Every cross-field rule, in the order its problems are listed: each a function (ResolvedSpec) ->
 # list[SpecIssue], positioned and coded, in a module of its concern (jobspec/spec/rules/, the
-# optimizers', spec/lora_rules, export/rules). Adding a rule: its function, and one
+# optimizers', export/rules). Adding a rule: its function, and one
 # line here (docs/architecture.md, "Adding a cross-field rule").
 CROSS_FIELD_RULES: tuple[Rule, ...] = (
     choices.steps_or_epochs,
@@ -252,7 +252,7 @@ CROSS_FIELD_RULES: tuple[Rule, ...] = (
     choices.warmup,
     activation_checkpointing.every_n_layers_issues,
     data.data_rule_issues,                   # positions, formats, tokenizer, chat template
-    lora_rules.lora_issues,                  # model.lora / model.quantization / export.adapter
+    lora.lora_issues,                        # model.lora / model.quantization / export.adapter
     quantized_base.quantized_zero_issues,    # QLoRA: ZeRO 0-2 only (spec/rules/quantized_base)
     precision.auto_cast_issues,
     export_rules.export_issues,

@@ -1,4 +1,4 @@
-"""`model.lora` / `model.quantization` / `export.adapter` in `jobspec validate` (jobspec/spec/lora_rules.py) and
+"""`model.lora` / `model.quantization` / `export.adapter` in `jobspec validate` (jobspec/spec/rules/lora.py) and
 the target-module check on the job-preparation path (compile): positioned issues, rule codes, exit 2."""
 from __future__ import annotations
 

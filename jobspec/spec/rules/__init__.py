@@ -14,13 +14,15 @@ line there), on a written spec and again on one `memory.fit: auto` changed (`val
   packing                  `data.packing`: task, data, a model family that keeps samples apart
   precision                flash attention in fp32, `fp16.auto_cast` without fp16
   activation_checkpointing `every_n_layers` against the model's layer count
+  lora                     `model.lora`, `model.quantization` and `export.adapter` (quantisation needs
+                           LoRA, 4-bit-only fields, bitsandbytes installed: found, not imported)
   quantized_base           `model.quantization` under DeepSpeed: ZeRO stages 0-2 only
   tracking                 system metrics without MLflow, the tracking URI's form
   paths                    NUL characters in paths
   checkpoint               `checkpoint.resume`: auto, never or an existing checkpoint
 
 Other concerns keep their rules in their own module, listed in the same place: each optimizer's
-(jobspec/optimizers, `rule_issues`), LoRA's (spec/lora_rules), the export section's (export/rules).
+(jobspec/optimizers, `rule_issues`) and the export section's (export/rules).
 `base` holds what they share: paths relative to the file that wrote them, did-you-mean.
 Pure: no torch, no transformers; a rule reads at most a file's metadata or a small JSON file (a
 config.json, a tokenizer's JSON, the first record of a data file), jinja2 for a chat template.

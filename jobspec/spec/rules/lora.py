@@ -3,7 +3,9 @@
 Pure: the spec and the installed packages' presence (importlib.util.find_spec, nothing imported).
 What needs the model itself (a target pattern matching no module) is checked where the model is built
 on the meta device, on the job-preparation path (model/lora.check_targets from job/prepare.py);
-what needs the ranks' hardware (bitsandbytes' CPU backend, QLoRA under ZeRO-3) is the rank side's.
+whether bitsandbytes' backend can quantise is tried by `jobspec launch` (and `--dry-run`) before any
+rank starts, where the ranks run on this host's CPU (launch/pipeline.quantization_check), and by
+each rank (model/build); QLoRA under ZeRO-3 is spec/rules/quantized_base's.
 
 Rule codes:
   quantization-needs-lora     a quantised base is frozen, so only adapters can be trained
