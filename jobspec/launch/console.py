@@ -227,9 +227,10 @@ def outcome_text(summary: RunSummary, exit_code: int, user_signal: str | None, r
 def closing_lines(summary: RunSummary | None, launch: dict, *, job_name: str, run_dir, checkpoint_dir: str,
                   exit_code: int, user_signal: str | None = None, reason: str | None = None,
                   tracking: dict | None = None, experiment: str | None = None, style: bool = False,
-                  model_tags: dict | None = None) -> list[str]:
+                  model_tags: dict | None = None, model_spec: dict | None = None) -> list[str]:
     """The block printed when the job ends, also kept in summary.json (`report`) and as the MLflow
-    run's description. `summary`: summary.json (None when no rank wrote one); `launch`: launch.json."""
+    run's description. `summary`: summary.json (None when no rank wrote one); `launch`: launch.json;
+    `model_spec`: the resolved spec's `model` section (its LoRA and quantisation settings)."""
     summary = summary or RunSummary()
     lines = [_title(f"{job_name} {outcome_text(summary, exit_code, user_signal, reason)}", style)]
     losses = [f"{name} {value:.4f}" for name, value in (("train", summary.final_loss), ("eval", summary.eval_loss))
@@ -250,6 +251,10 @@ def closing_lines(summary: RunSummary | None, launch: dict, *, job_name: str, ru
         # a frozen base (model.lora, model.freeze): what was trained of what was loaded
         lines.append(label("parameters", style) + f"{counts['trainable']:,} trainable of {counts['total']:,} "
                      f"({100 * counts['trainable'] / counts['total']:.2f}%)")
+    adapter = adapter_text(model_spec)
+    if adapter:
+        # what those trainable parameters are, so a run's report says which LoRA produced its loss
+        lines.append(label("adapter", style) + adapter)
     if summary.checkpoint:
         lines.append(label("checkpoint", style) + os.path.join(checkpoint_dir, summary.checkpoint))
     for name, record in sorted(summary.exports.items()):
@@ -269,6 +274,31 @@ def closing_lines(summary: RunSummary | None, launch: dict, *, job_name: str, ru
     lines += tracking_lines(tracking, experiment, style=style)
     lines.append(label("run dir", style) + str(run_dir))
     return lines
+
+
+def adapter_text(model_spec: dict | None) -> str:
+    """`model.lora` and `model.quantization` in one line: `LoRA r 8 · alpha 16 · targets q_proj, v_proj ·
+    base 4-bit nf4 (double quant, compute auto)`; "" without LoRA."""
+    lora = (model_spec or {}).get("lora")
+    if not lora:
+        return ""
+    targets = lora["target_modules"]
+    parts = [f"LoRA r {lora['r']}", f"alpha {lora['alpha']:g}",
+             "targets " + (targets if isinstance(targets, str) else ", ".join(targets))]
+    variants = [name for name, on in (("rsLoRA", lora.get("use_rslora")), ("DoRA", lora.get("use_dora"))) if on]
+    if variants:
+        parts.append(" + ".join(variants))
+    quant = (model_spec or {}).get("quantization")
+    if quant:
+        if quant["bits"] == 4:
+            # `auto` compute is the training precision, which the header showed: only a chosen one here
+            notes = [note for note in ("double quant" if quant.get("double_quant") else None,
+                                       None if quant.get("compute_dtype", "auto") == "auto"
+                                       else f"compute {quant['compute_dtype']}") if note]
+            parts.append(f"base 4-bit {quant.get('quant_type', 'nf4')}" + (f" ({', '.join(notes)})" if notes else ""))
+        else:
+            parts.append("base 8-bit (LLM.int8)")
+    return " · ".join(parts)
 
 
 def eval_metrics_text(metrics: dict) -> str:

@@ -290,7 +290,7 @@ def closing_block(spec, run_dir: Path, launch: dict, outcome, end, tracked, styl
                                   user_signal=signal_name, reason=outcome.reason,
                                   tracking=tracked.as_json() if tracked else None,
                                   experiment=spec["logging"]["mlflow"]["experiment"], style=style,
-                                  model_tags=model_tags)
+                                  model_tags=model_tags, model_spec=spec["model"])
     if summary is not None:
         rundir.write_summary(run_dir, dataclasses.replace(summary, report=console.plain(lines)))
     return lines

@@ -297,3 +297,25 @@ def test_compile_without_out_lists_the_patches_on_stderr(capsys):
     assert 'patch: gradient_checkpointing every_n_layers=1 use_reentrant=false  (activation checkpointing ' \
            'every layer)' in err
     assert 'patch: attention_implementation implementation="sdpa"' in err
+
+
+def test_closing_summary_shows_the_lora_settings_beside_the_trainable_parameters():
+    lora = {"r": 8, "alpha": 16, "dropout": 0.05, "target_modules": ["q_proj", "v_proj"], "modules_to_save": None,
+            "bias": "none", "use_rslora": True, "use_dora": False}
+    qlora = {"lora": lora, "quantization": {"bits": 4, "quant_type": "nf4", "compute_dtype": "bf16",
+                                            "double_quant": True}}
+    trained = {**SUMMARY, "parameters": {"trainable": 1_234, "total": 98_765}}
+    text = closing(trained, model_spec=qlora)
+    assert ("  parameters  1,234 trainable of 98,765 (1.25%)\n"
+            "  adapter     LoRA r 8 · alpha 16 · targets q_proj, v_proj · rsLoRA · base 4-bit nf4 "
+            "(double quant, compute bf16)\n") in text
+    # the defaults as the resolved spec writes them: all-linear, 8-bit, compute `auto` (the training precision)
+    int8 = {"lora": {**lora, "target_modules": "all-linear", "use_rslora": False, "alpha": 0.5},
+            "quantization": {"bits": 8, "quant_type": "nf4", "compute_dtype": "auto", "double_quant": True}}
+    assert "adapter     LoRA r 8 · alpha 0.5 · targets all-linear · base 8-bit (LLM.int8)\n" in closing(trained,
+                                                                                                      model_spec=int8)
+    assert "base 4-bit fp4\n" in closing(trained, model_spec={"lora": lora, "quantization": {
+        "bits": 4, "quant_type": "fp4", "compute_dtype": "auto", "double_quant": False}})
+    # no LoRA (a full fine-tune, model.freeze): no adapter line
+    assert "adapter" not in closing(trained, model_spec={"lora": None, "quantization": None})
+    assert "adapter" not in closing(trained)
