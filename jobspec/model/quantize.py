@@ -25,8 +25,9 @@ from jobspec.errors import first_line
 _QUANT_SUFFIXES = (".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map", ".SCB", ".weight_format")
 _QUANT_STATE_MARK = ".quant_state."
 # the fix for bitsandbytes_problem's refusal, said by the launcher (launch/pipeline) and the ranks (model/build)
-BITSANDBYTES_HINT = ("pip install bitsandbytes (its CPU backend runs 4-bit and 8-bit), or drop "
-                     "model.quantization")
+# (missing, or installed with a backend that fails: a current release's CPU backend runs 4-bit and 8-bit)
+BITSANDBYTES_HINT = ("`pip install -U bitsandbytes` (a current release's CPU backend runs 4-bit and 8-bit), or "
+                     "drop model.quantization")
 
 
 def bitsandbytes_problem(quant: dict) -> str | None:
