@@ -178,7 +178,7 @@ def test_a_backend_that_cannot_quantise_is_a_spec_error_at_model_quantization(tm
         build_model(make_spec(tmp_path, quantization={"bits": 4}))
     issue = caught.value.issues[0]
     assert issue.path == ("model", "quantization") and "no backend" in issue.message
-    assert "pip install bitsandbytes" in issue.hint
+    assert "pip install -U bitsandbytes" in issue.hint
 
 
 @pytest.mark.parametrize("bits", [4, 8])
