@@ -264,7 +264,16 @@ def quantization_check(resolved) -> None:
         return
     from jobspec.model.quantize import BITSANDBYTES_HINT, bitsandbytes_problem
 
-    problem = bitsandbytes_problem(quant)
+    # importing bitsandbytes here logs, on a CPU without its optional `kernels` package, a warning
+    # about a faster 4-bit kernel it will do without: noise in a quiet terminal (the ranks' copy of it
+    # goes to launcher.log through train/library_output)
+    bnb_logger = logging.getLogger("bitsandbytes")
+    level = bnb_logger.level
+    bnb_logger.setLevel(logging.ERROR)
+    try:
+        problem = bitsandbytes_problem(quant)
+    finally:
+        bnb_logger.setLevel(level)
     if problem:
         raise SpecError([resolved.issue(("model", "quantization"), problem, BITSANDBYTES_HINT,
                                         code="quantization-backend")])
