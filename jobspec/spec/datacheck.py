@@ -40,13 +40,13 @@ ROLES = ("system", "user", "assistant", "tool")   # a chat message's roles (sche
 def record_kind(data: dict, fields) -> str:
     """What a record holds, `text`, `chat` or `prompt_completion`: `data.records`, or for `auto` what the
     first record's `fields` (its keys, or a table's columns) show (the schema's rule)."""
-    setting = data.get("records", "auto")
+    setting = data["records"]
     if setting != "auto":
         return setting
     fields = set(fields)
-    if data.get("messages_field", "messages") in fields:
+    if data["messages_field"] in fields:
         return "chat"
-    if {data.get("prompt_field", "prompt"), data.get("completion_field", "completion")} <= fields:
+    if {data["prompt_field"], data["completion_field"]} <= fields:
         return "prompt_completion"
     return "text"
 
@@ -70,8 +70,7 @@ class Columns:
         task = model["task"]
         label = data["label_field"] if tasks.get(task).classification else None
         return cls(tuple(data.get("text_fields") or ["text"]), label, task, model["num_labels"],
-                   data.get("records", "auto"), data.get("messages_field", "messages"),
-                   data.get("prompt_field", "prompt"), data.get("completion_field", "completion"))
+                   data["records"], data["messages_field"], data["prompt_field"], data["completion_field"])
 
     def resolved(self, fields) -> "Columns":
         """These columns with `records: auto` decided by the first record's `fields`."""

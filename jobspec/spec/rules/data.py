@@ -305,8 +305,8 @@ def chat_records(r: ResolvedSpec) -> bool | None:
     """Whether the records are chat records: `data.records: chat`, or `auto` with a first jsonl record
     holding `messages_field`; None when it cannot be told here (auto on parquet or an `hf:` dataset)."""
     data = r.spec["data"]
-    records = data.get("records", "auto")
-    if data.get("synthetic") is not None or records in ("text", "prompt_completion") or data.get("format") == "text":
+    records = data["records"]
+    if data["synthetic"] is not None or records in ("text", "prompt_completion") or data["format"] == "text":
         return False
     if records == "chat":
         return True
@@ -315,7 +315,7 @@ def chat_records(r: ResolvedSpec) -> bool | None:
         return False
     row = first_record(r)
     if row is not None:
-        return data.get("messages_field", "messages") in row
+        return data["messages_field"] in row
     if train.startswith(HF_PREFIX):
         return None
     file = local_path(r, ("data", "train"))
