@@ -198,6 +198,9 @@ def plan_memory(spec: dict, job: DerivedJob, *, budget: int | None = None,
         if stage == 3:
             gpu["zero_buffers"] += lp * sizes["stage3_prefetch_bucket_size"]
         host["offloaded_optimizer"] = host_opt
+        if offload_opt != "none":
+            host.update(_offload_extras(inventory, memory, stage, world, lp, opt_states,
+                                        job.gradient_accumulation_steps, nvme=offload_opt == "nvme"))
         if offload_params != "none":
             host["offloaded_parameters"] = weights_part
             if offload_params == "nvme":
@@ -259,6 +262,24 @@ def weight_bytes(inventory: Inventory, lp: int, quantization: dict | None) -> in
     return total
 
 
+def _offload_extras(inventory, memory: dict, stage: int, world: int, lp: int, opt_states: int,
+                    accumulation: int, nvme: bool) -> dict[str, int]:
+    """The optimizer offload's host buffers beyond master, states, fp32 gradients and stage 1/2's
+    transfer buffer (`offloaded_optimizer`): see memory/host.offload_terms for the DeepSpeed code."""
+    trainable = [(shape, math.prod(shape)) for _, shape, train in inventory.tensors if train]
+    # jobspec's two parameter groups (train/patches.parameter_groups): weight-decayed matrices, then the
+    # undecayed norms and biases (1-D); ZeRO-3 forms sub-groups within each group
+    partitions = [math.ceil(n / world) for shape, n in trainable if len(shape) > 1] + \
+        [math.ceil(n / world) for shape, n in trainable if len(shape) <= 1]
+    terms = host_memory.offload_terms(
+        stage=stage, world=world, lp=lp, trainable=inventory.trainable, opt_states=opt_states,
+        largest_param=max((n for _, n in trainable), default=0),
+        sub_group_size=memory["zero"]["sub_group_size"], pinned=memory["offload"]["pin_memory"] and not nvme,
+        partitions=partitions, accumulation_steps=accumulation)
+    keep = ("offload_gradient_accumulation", "offload_temp_gradient", "pinned_rounding")
+    return {k: v for k, v in terms.items() if k in keep and (stage == 3 or not nvme)}
+
+
 def _persistent_params(inventory: Inventory, threshold: int) -> int:
     """ZeRO-3 keeps tensors of at most `threshold` elements whole on every rank (DeepSpeed's
     `ds_numel <= param_persistence_threshold`): norms, biases, tiny heads; with a threshold of 0, none."""
@@ -299,7 +320,11 @@ ROWS = (("parameters", "parameters (working copy)"), ("buffers", "buffers"), ("g
         ("zero_buffers", "ZeRO buckets"), ("dequantized_weight", "dequantised weight (bitsandbytes)"))
 
 HOST_ROWS = (("runtime", "host: the rank's process"), ("construction", "host: model construction"),
-             ("offloaded_optimizer", "host: offloaded optimizer"), ("offloaded_parameters", "host: offloaded params"),
+             ("offloaded_optimizer", "host: offloaded optimizer"),
+             ("offload_gradient_accumulation", "host: offload 16-bit gradients"),
+             ("offload_temp_gradient", "host: offload gradient buffer"),
+             ("pinned_rounding", "host: pinned power-of-2 rounding"),
+             ("offloaded_parameters", "host: offloaded params"),
              ("dataloader_workers", "host: data loader workers"))
 
 
