@@ -43,7 +43,7 @@ def construction_bytes(inventory: Inventory, stage: int, world: int, lp: int) ->
     return lp * (math.ceil(inventory.total / world) + max(inventory.layer_params, largest_tensor))
 
 
-def _pinned(nbytes: int) -> int:
+def pinned_bytes(nbytes: int) -> int:
     """What pinning `nbytes` costs on a GPU host: torch's CachingHostAllocator (ATen/core/
     CachingHostAllocator.h, `allocate`) rounds every pinned block up to a power of two
     (c10::llvm::PowerOf2Ceil; `pinned_max_round_threshold` defaults to no limit) and cudaHostAlloc
@@ -102,7 +102,7 @@ def offload_terms(stage: int, world: int, lp: int, trainable: int, opt_states: i
         # one flat group: the no-decay group (norms, biases) is a few thousandths of the parameters
         pinned_buffers = [4 * part, 4 * part, lp * part, lp * largest_param]
     if pinned:
-        terms["pinned_rounding"] = sum(_pinned(b) - b for b in pinned_buffers)
+        terms["pinned_rounding"] = sum(pinned_bytes(b) - b for b in pinned_buffers)
     return terms
 
 

@@ -203,6 +203,11 @@ def plan_memory(spec: dict, job: DerivedJob, *, budget: int | None = None,
                                         job.gradient_accumulation_steps, nvme=offload_opt == "nvme"))
         if offload_params != "none":
             host["offloaded_parameters"] = weights_part
+            if offload_params == "cpu":
+                # stage3.py `_create_param_groups_fp16_flat_cpu_memory` pins the flat partition whatever
+                # `pin_memory` says (one flat buffer: the undecayed group is counted unrounded)
+                host["pinned_rounding"] = host.get("pinned_rounding", 0) + \
+                    host_memory.pinned_bytes(weights_part) - weights_part
             if offload_params == "nvme":
                 nvme += weights_part
                 buffers = memory["offload"]["buffer_count"] * memory["offload"]["buffer_size"]
