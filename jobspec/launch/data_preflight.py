@@ -24,7 +24,8 @@ from jobspec.spec import datacheck
 from jobspec.spec.data_format import source_kind
 from jobspec.spec.freeform import local_checkpoint_config
 from jobspec.spec.model_dims import model_dims
-from jobspec.spec.rules.data import TokenizerFileError, read_tokenizer, tokenizer_name, vocab_issue
+from jobspec.spec.rules.data import vocab_issue
+from jobspec.spec.tokenizer_files import TokenizerFileError, read_tokenizer, tokenizer_name
 
 if TYPE_CHECKING:
     from jobspec.spec.validation import ResolvedSpec
