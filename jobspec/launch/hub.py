@@ -40,15 +40,24 @@ def reachable(endpoint: str, timeout_s: float = CONNECT_TIMEOUT_S) -> bool:
 def offline_if_unreachable(spec: dict, environ=os.environ) -> bool:
     """Set HF_HUB_OFFLINE=1 (and say so) when the spec names hub ids and the hub does not answer;
     True when it did. Nothing changes when the user chose offline mode or the spec names no hub id."""
-    if environ.get("HF_HUB_OFFLINE", "").upper() in TRUE or not hub_ids(spec):
+    if environ.get("HF_HUB_OFFLINE", "").upper() in TRUE:
+        _offline_in_this_process()   # huggingface_hub may have been imported before the variable was set
+        return False
+    if not hub_ids(spec):
         return False
     endpoint = environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT
     if reachable(endpoint):
         return False
     environ["HF_HUB_OFFLINE"] = "1"
-    constants = sys.modules.get("huggingface_hub.constants")
-    if constants is not None:   # read when huggingface_hub was imported: already here, set it too
-        setattr(constants, "HF_HUB_OFFLINE", True)  # noqa: B010 -- a module attribute mypy cannot see
+    _offline_in_this_process()
     print(f"jobspec: {urlsplit(endpoint).hostname} does not answer: {', '.join(hub_ids(spec))} from the local "
           "Hugging Face cache only (HF_HUB_OFFLINE=1)", flush=True)
     return True
+
+
+def _offline_in_this_process() -> None:
+    """huggingface_hub reads HF_HUB_OFFLINE once, when it is imported: an import before the variable
+    was set would go on trying the hub (25 s of retries per file), so its constant is set too."""
+    constants = sys.modules.get("huggingface_hub.constants")
+    if constants is not None:
+        setattr(constants, "HF_HUB_OFFLINE", True)  # noqa: B010 -- a module attribute mypy cannot see
