@@ -40,7 +40,7 @@ def local_modules() -> set[str]:
     tests = {path.stem for path in (REPO_ROOT / "tests").rglob("*.py")}
     test_packages = {path.name for path in (REPO_ROOT / "tests").iterdir() if path.is_dir()}  # tests/train, ...
     scripts = {path.stem for path in (REPO_ROOT / "scripts").glob("*.py")}
-    return {"jobspec", "bench", "scripts", *tests, *test_packages, *scripts}
+    return {"jobspec", "bench", "scripts", "tests", *tests, *test_packages, *scripts}
 
 
 def declared_distributions() -> set[str]:

@@ -227,7 +227,10 @@ def exporter(tmp_path: Path, export_dir: Path, **export):
     from jobspec.export.exporter import ModelExporter
     spec = fill_defaults(deep_merge(TINY_SPEC, {"export": {"dir": str(export_dir), **export},
                                                 "checkpoint": {"dir": str(tmp_path / "ckpt")}}))
-    files = SimpleNamespace(spec=spec, derived={"total_steps": 8, "world_size": 1})
+    from jobspec.spec.derived import derive
+    # launch.json's derived job, as the ranks read it (DerivedJob.from_dict)
+    derived = {**derive(spec).as_dict(), "total_steps": 8, "world_size": 1}
+    files = SimpleNamespace(spec=spec, derived=derived)
     made = ModelExporter(files, tmp_path / "run", rank=0, group=None, progress=None)
     made._broadcast = lambda obj: obj  # one rank: rank 0's outcome is everyone's
     return made
@@ -275,7 +278,7 @@ def test_jobspec_export_converts_with_the_hub_offline(tmp_path, monkeypatch):
 
     def fake_export(source, out, dtype, show_progress):  # what transformers/huggingface_hub see meanwhile
         seen.update({key: os.environ.get(key) for key in convert.OFFLINE_ENV}, flag=hub.HF_HUB_OFFLINE)
-        return {"bytes": 0, "dtype": "fp32", "step": 3, "seconds": 0.0}
+        return {"path": str(out), "bytes": 0, "dtype": "fp32", "step": 3, "seconds": 0.0}
     monkeypatch.setattr(convert, "locate", lambda source, spec: convert.Source(tmp_path / "ckpt", "step3", {}, None))
     monkeypatch.setattr(convert, "export_checkpoint", fake_export)
     assert main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "model")]) == 0
