@@ -27,6 +27,7 @@ from jobspec.tracking import orphans
 from jobspec.tracking import run as tracking
 from jobspec.cli import main
 from jobspec.errors import SpecError
+from conftest import REPO_ROOT
 
 # A stand-in for DeepSpeed's runner: starts two "ranks" (LOCAL_RANK in their env, the run dir in
 # their argv) and exits with the worst rank's code. Like DeepSpeed's runner it has no signal handlers.
@@ -373,8 +374,10 @@ def test_a_bad_data_row_found_on_the_ranks_is_exit_2_naming_file_and_line_once(t
     data.write_bytes(b"\n".join(rows) + b"\n")
     job = write_job(tmp_path)
     spec = yaml.safe_load(job.read_text())
-    spec["data"] = {"train": str(data), "tokenizer": str(tmp_path), "max_length": 64, "num_workers": 0,
-                    "pin_memory": False}
+    # a real tokenizer: launch's data pre-flight loads it before any rank starts
+    spec["data"] = {"train": str(data), "tokenizer": str(REPO_ROOT / "jobs" / "data" / "tokenizer"), "max_length": 64,
+                    "num_workers": 0, "pin_memory": False}
+    spec["model"]["config"]["vocab_size"] = 2048   # the tokenizer's (a smaller vocabulary is refused first)
     job.write_text(yaml.safe_dump(spec, sort_keys=False))
     use_fake_runner(monkeypatch, fake_runner, "dataerror")
     assert main(["launch", str(job)]) == 2
