@@ -125,18 +125,23 @@ def test_plan_shows_the_spec_as_written_even_with_fit_auto(tmp_path, capsys, cal
     assert calls[0].memory.fit is None and calls[0].spec["training"]["micro_batch_size"] == 16
 
 
+def fit_adding(fit_module, extra: dict):
+    """memory.fit's search, with `extra` (dotted key -> value) added to whatever it changes."""
+    real_fit = fit_module.fit
+
+    def fit(spec, job, budget, **kwargs):
+        result = real_fit(spec, job, budget, **kwargs)
+        changes = {**result.changes, **extra}
+        return dataclasses.replace(result, changes=changes, overrides=fit_module.to_overrides(changes))
+    return fit
+
+
 def test_a_fit_change_that_breaks_a_rule_is_refused_with_the_rules_message(tmp_path, monkeypatch):
     # implementation chooses the Adam of `adamw`: a fit that switched to 8-bit AdamW breaks that rule
     from jobspec.memory import fit as fit_module
     job = write_job(tmp_path, {"fit": "auto", "gpu_memory": FIT_BUDGET},
                     training={"optimizer": {"implementation": "torch"}})
-    real_fit = fit_module.fit
-
-    def eight_bit(spec, job, budget, **kwargs):
-        result = real_fit(spec, job, budget, **kwargs)
-        changes = {**result.changes, "training.optimizer.name": "adamw_8bit"}
-        return dataclasses.replace(result, changes=changes, overrides=fit_module.to_overrides(changes))
-    monkeypatch.setattr(fit_module, "fit", eight_bit)
+    monkeypatch.setattr(fit_module, "fit", fit_adding(fit_module, {"training.optimizer.name": "adamw_8bit"}))
     with pytest.raises(SpecError) as caught:
         prepare_job(job, host=Host())
     [issue] = caught.value.issues
@@ -194,13 +199,7 @@ def test_an_adam_implementation_a_fit_offload_cannot_run_is_refused_once(tmp_pat
     from jobspec.memory import fit as fit_module
     job = write_job(tmp_path, {"fit": "auto", "gpu_memory": FIT_BUDGET, "zero_stage": 2},
                     training={"optimizer": {"implementation": "fused"}})
-    real_fit = fit_module.fit
-
-    def offloaded(spec, job, budget, **kwargs):
-        result = real_fit(spec, job, budget, **kwargs)
-        changes = {**result.changes, "memory.offload.optimizer": "cpu"}
-        return dataclasses.replace(result, changes=changes, overrides=fit_module.to_overrides(changes))
-    monkeypatch.setattr(fit_module, "fit", offloaded)
+    monkeypatch.setattr(fit_module, "fit", fit_adding(fit_module, {"memory.offload.optimizer": "cpu"}))
     compiled = []
     monkeypatch.setattr(prepare_module, "compile_spec", lambda *a, **k: compiled.append(a))
     with pytest.raises(SpecError) as caught:
