@@ -42,6 +42,25 @@ def hidden(line: bytes) -> bool:
     return any(pattern.match(text) for pattern in HIDDEN)
 
 
+_MARKER = LOG_ONLY.strip().encode()
+_TIMESTAMP = re.compile(_DS_RECORD)
+
+
+def hidden_start(text: bytes, partial: bool = False) -> int:
+    """Where another rank's hidden line begins after a bar redraw's last carriage return, on the same
+    terminal line (the two writes arrived in one read); -1 if none does. A bar's own text never holds
+    a log record's timestamp or jobspec's log-only marker, so searching there is safe. With `partial`
+    (no newline yet), also where such a line may be starting: a record's timestamp, or the marker cut
+    by the read ("...| 3/40jobspec-lo"), so that it is held until the rest comes."""
+    after = text.rfind(b"\r") + 1
+    patterns = [*HIDDEN, _TIMESTAMP] if partial else HIDDEN
+    starts = [m.start() for m in (pattern.search(text, after) for pattern in patterns) if m]
+    if partial:
+        starts += [len(text) - size for size in range(1, min(len(_MARKER), len(text) - after + 1))
+                   if text.endswith(_MARKER[:size])]
+    return min(starts, default=-1)
+
+
 class TerminalFilter:
     """Feed it the relayed chunks; it returns what the terminal should get."""
 
@@ -58,22 +77,32 @@ class TerminalFilter:
             end = chunk.find(b"\n")
             if end < 0:
                 if self._showing:
-                    out.append(chunk)
+                    self._show_redraw(chunk, out)
                 else:
                     self._held += chunk
                     if b"\r" in self._held:  # a progress bar redraw: never a library's log line
-                        out.append(self._held)
-                        self._held, self._showing = b"", True
+                        held, self._held = self._held, b""
+                        self._show_redraw(held, out)
                 break
             piece, chunk = chunk[:end + 1], chunk[end + 1:]
-            if self._showing:
-                out.append(piece)
-            else:
-                line, self._held = self._held + piece, b""
-                if not hidden(line):
-                    out.append(line)
+            line = piece if self._showing else self._held + piece
+            self._held = b""
+            if self._showing or not hidden(line):
+                cut = hidden_start(line) if b"\r" in line else -1
+                # a hidden line after a redraw takes its newline with it: the next redraw overwrites
+                out.append(line if cut < 0 else line[:cut])
             self._showing = False
         return b"".join(out)
+
+    def _show_redraw(self, text: bytes, out: list[bytes]) -> None:
+        """Show a redraw now, all but a hidden line (or its possible start) written after it."""
+        cut = hidden_start(text, partial=True)
+        if cut < 0:
+            out.append(text)
+            self._showing = True
+        else:
+            out.append(text[:cut])
+            self._held, self._showing = text[cut:], False
 
     def flush(self) -> bytes:
         held, self._held = self._held, b""

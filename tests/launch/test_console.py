@@ -223,6 +223,25 @@ def test_a_progress_bar_redraw_passes_at_once():
     assert flt.feed(b"UserWarning: kept\n") == b"UserWarning: kept\n"
 
 
+def test_a_hidden_line_read_together_with_a_bar_redraw_is_still_left_out():
+    # two ranks share the pipe: one read can hold rank 0's redraw and rank 1's log line after it
+    log = b"jobspec-log: phase rank1 first-step 1795424177.338 5.580\n"
+    ds = b"[2026-11-23 07:40:50,915] [INFO] [engine.py:1:x] rank 1 ready\n"
+    # a redraw is one write; the read may cut the line after it anywhere (a DeepSpeed record once its
+    # timestamp is whole: rank 1's jobspec-log lines are the ones that come every step)
+    for tail, cuts in ((log, range(len(log) + 1)), (ds, range(26, len(ds) + 1))):
+        for cut in [0, *cuts]:
+            flt = TerminalFilter()
+            chunks = [b"\r 10%|#    | 4/40" + tail[:cut], tail[cut:] + b"\r 20%|##   | 8/40", b"\n"]
+            got = b"".join(flt.feed(chunk) for chunk in chunks) + flt.flush()
+            assert got == b"\r 10%|#    | 4/40\r 20%|##   | 8/40\n", (cut, got)
+    # after a redraw that was already shown, the same
+    flt = TerminalFilter()
+    assert flt.feed(b"\r  2%|         | 1/40") == b"\r  2%|         | 1/40"
+    assert flt.feed(b"\r  5%|#        | 2/40" + log) == b"\r  5%|#        | 2/40"
+    assert flt.feed(b"UserWarning: kept\n") == b"UserWarning: kept\n"
+
+
 # --- what a launch would do ----------------------------------------------------------------------
 
 def ckpt_spec(tmp_path, resume="auto"):
