@@ -69,7 +69,7 @@ class TerminalFilter:
         self._showing = False  # the current line's start was shown: show the rest as it comes
 
     def feed(self, chunk: bytes) -> bytes:
-        out = []
+        out: list[bytes] = []
         if self._showing and chunk[:1] not in (b"\r", b"\n"):
             # a bar redraw is one write: what follows it in a later write is another process's line
             self._showing = False
