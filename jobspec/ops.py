@@ -232,6 +232,31 @@ def _built_here(build_dir: Path) -> bool:
     return cpp_extension.include_paths()[0] in ninja and os.path.dirname(deepspeed.__file__) in ninja
 
 
+def import_deepspeed(without_mlflow: bool = True):
+    """`import deepspeed`, by default without the `import mlflow` its autotuner makes when MLflow is
+    installed.
+
+    jobspec never runs DeepSpeed's autotuner, and importing MLflow costs ~1.7 s of CPU per process
+    (docs/benchmarks.md), paid by DeepSpeed's launch.py and by every rank before its first step. A
+    `None` in sys.modules makes that one import fail (the autotuner then sets `has_mlflow = False`);
+    it is removed at once, so MLflow stays importable. A node's local rank 0 imports it as before
+    (`without_mlflow=False`): it needs MLflow anyway (system metrics, rank 0's metric sink), and
+    importing it there beside the model build would only move the cost. Nothing changes when
+    DeepSpeed or MLflow is already imported."""
+    import sys
+
+    if not without_mlflow or "deepspeed" in sys.modules or "mlflow" in sys.modules:
+        import deepspeed
+        return deepspeed
+    sys.modules["mlflow"] = None  # type: ignore[assignment]  # `import mlflow` then raises ImportError
+    try:
+        import deepspeed
+    finally:
+        if sys.modules.get("mlflow", ...) is None:
+            del sys.modules["mlflow"]
+    return deepspeed
+
+
 def home_relative(path: Path | None) -> str:
     """`~/...` for a path under the home directory (shorter, and the same on every user's screen)."""
     text = str(path)

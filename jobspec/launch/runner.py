@@ -1,6 +1,7 @@
 """Which DeepSpeed command starts the ranks, and the rendezvous port it gets.
 
-One node: jobspec runs DeepSpeed's per-node launcher (`python -u -m deepspeed.launcher.launch`) itself,
+One node: jobspec runs DeepSpeed's per-node launcher (launch.py, through `python -u -m
+jobspec.launch.ds_launch`, which runs it unchanged but imports DeepSpeed without MLflow) itself,
 with the arguments DeepSpeed's `deepspeed` runner would give it. On one node the runner does nothing
 else (no hostfile, no ssh, no environment changes), but it is a Python process that imports all of
 DeepSpeed, torch and mlflow (DeepSpeed's autotuner) before launch.py imports them again: ~2.7 s of CPU
@@ -20,6 +21,8 @@ import socket
 import sys
 from pathlib import Path
 
+# DeepSpeed's launch.py, run unchanged, with DeepSpeed imported without MLflow (jobspec/launch/ds_launch.py)
+NODE_LAUNCHER = "jobspec.launch.ds_launch"
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago (bind to port 0 and let the kernel choose)."""
@@ -62,7 +65,7 @@ def resolve_runner(argv: list, environ=os.environ) -> list[str]:
 
 
 def direct_launch(argv: list[str], environ=os.environ) -> list[str] | None:
-    """`python -u -m deepspeed.launcher.launch ...` for a one-node `deepspeed --num_gpus N --master_port P
+    """`python -u -m jobspec.launch.ds_launch ...` (launch.py) for a one-node `deepspeed --num_gpus N --master_port P
     [--module] SCRIPT ARGS` argv, as DeepSpeed's runner builds it; None for anything else."""
     options, rest = {}, argv[1:]
     while rest and rest[0] in ("--num_gpus", "--master_port"):
@@ -74,7 +77,7 @@ def direct_launch(argv: list[str], environ=os.environ) -> list[str] | None:
         return None  # several nodes, a hostfile, include/exclude...: the runner decides
     world_info = {"localhost": local_devices(int(options["--num_gpus"]), environ)}
     encoded = base64.urlsafe_b64encode(json.dumps(world_info).encode()).decode()
-    return [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={encoded}",
+    return [sys.executable, "-u", "-m", NODE_LAUNCHER, f"--world_info={encoded}",
             "--master_addr=127.0.0.1", f"--master_port={options['--master_port']}",
             *(["--module"] if module else []), "--enable_each_rank_log=None", "--log_level=info", *rest]
 

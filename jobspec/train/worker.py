@@ -80,10 +80,11 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
     _phase("start", _process_start(), 0.0)
     _phase("worker", started)
 
-    import deepspeed
     import torch.distributed as dist
 
     from jobspec import ops
+    # without MLflow (DeepSpeed's autotuner imports it) on the ranks that never log to it
+    deepspeed = ops.import_deepspeed(without_mlflow=int(os.environ.get("LOCAL_RANK", "0")) != 0)
     from jobspec.export.exporter import ModelExporter
     from jobspec.train import adapters
     from jobspec.train.progress import NullProgress, Progress

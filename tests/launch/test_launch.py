@@ -550,7 +550,7 @@ def test_dry_run_starts_nothing(tmp_path, monkeypatch, capsys):
     assert '"train_micro_batch_size_per_gpu": 4' in out
     command = out.strip().splitlines()[-1]
     # one node: DeepSpeed's launch.py itself, two local ranks (tests/launch/test_runner.py)
-    assert "-m deepspeed.launcher.launch" in command and "jobspec.train.worker --run-dir" in command
+    assert "-m jobspec.launch.ds_launch" in command and "jobspec.train.worker --run-dir" in command
     world_info = next(a for a in command.split() if a.startswith("--world_info=")).split("=", 1)[1]
     assert json.loads(base64.urlsafe_b64decode(world_info)) == {"localhost": [0, 1]}
     assert not (tmp_path / "out").exists() and not (tmp_path / "mlflow.db").exists()

@@ -47,8 +47,21 @@ def test_one_node_runs_the_command_the_runner_would(gpus, monkeypatch):
     compiled = list(COMPILED)
     compiled[2] = str(gpus)
     expected = runner_command(compiled[1:], monkeypatch)
-    assert runner.resolve_runner(compiled, environ={}) == expected
     assert expected[:4] == [sys.executable, "-u", "-m", "deepspeed.launcher.launch"]
+    # the same launch.py with the same arguments, run through jobspec.launch.ds_launch (tested below)
+    assert runner.resolve_runner(compiled, environ={}) == [*expected[:3], runner.NODE_LAUNCHER, *expected[4:]]
+
+
+def test_ds_launch_is_launch_py_imported_without_mlflow():
+    def run(*args):
+        return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120)
+    ours, theirs = run("-m", runner.NODE_LAUNCHER, "--help"), run("-m", "deepspeed.launcher.launch", "--help")
+    def usage(out):   # DeepSpeed's timestamped accelerator warning comes first
+        return out[out.index("usage:"):]
+    assert ours.returncode == theirs.returncode == 0 and usage(ours.stdout) == usage(theirs.stdout)
+    check = run("-c", "import sys; from jobspec.ops import import_deepspeed; import_deepspeed(); "
+                      "print('mlflow' in sys.modules); import mlflow; print(mlflow.__name__)")
+    assert check.stdout.split()[-2:] == ["False", "mlflow"], check.stderr[-2000:]   # later imports still work
 
 
 def test_visible_devices_are_the_ones_used():
