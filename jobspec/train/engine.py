@@ -14,10 +14,23 @@ from jobspec.rundir import RunFiles
 from jobspec.train.progress import RunState
 
 
+def seed_everything(seed: int) -> None:
+    """Python's, NumPy's and torch's generators from one seed (`torch.manual_seed` seeds every device's
+    too), as `transformers.set_seed` does, whose module (transformers.trainer_utils) imports PEFT and
+    bitsandbytes: ~2.5 s of CPU per rank (docs/benchmarks.md) for a job without adapters."""
+    import random
+
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
 def build_engine(files: RunFiles):
     """Seeded model with its patches, the datasets, and the DeepSpeed engine from the compiled config."""
     import deepspeed
-    from transformers import set_seed
 
     from jobspec.model.build import build_model, build_tokenizer
     from jobspec.train import adapters, packing
@@ -28,7 +41,7 @@ def build_engine(files: RunFiles):
     rank = f"rank{os.environ.get('RANK', '0')}"
     phase = trace.phase
     phase(rank, "imported-model-code")
-    set_seed(spec["training"]["seed"])  # python, numpy, torch (+cuda): same initial weights on every rank
+    seed_everything(spec["training"]["seed"])  # python, numpy, torch (+cuda): same initial weights on every rank
     tokenizer = build_tokenizer(spec)
     model = build_model(spec, tokenizer, files.ds_config)   # training dtype; ZeRO-3: zero.Init (model/construct)
     note_construction(files.ds_config, model)
