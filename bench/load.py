@@ -3,7 +3,8 @@
     python -m bench.load                 # 20 back-to-back + 4 concurrent (the issue's numbers)
     python -m bench.load --runs 5 --work /tmp/load
 
-CI runs the same check smaller (tests/tracking/test_outage.py, JOBSPEC_LOAD_RUNS back-to-back, default 3).
+CI runs the same check smaller (tests/tracking/test_outage.py: JOBSPEC_LOAD_RUNS back-to-back, default 2,
+then JOBSPEC_LOAD_CONCURRENT at once, default 2).
 Prints wall time per launch and whether each run is FINISHED with every metrics.jsonl point in MLflow.
 """
 from __future__ import annotations

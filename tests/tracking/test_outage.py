@@ -231,7 +231,11 @@ def assert_every_point_recorded(run_dir: Path) -> None:
     assert client.get_run(info["run_id"]).info.status == "FINISHED"
 
 
-BACK_TO_BACK = int(os.environ.get("JOBSPEC_LOAD_RUNS", 3))  # bench/load.py runs 20
+# 2 + 2 launches prove what this test checks: a launch right after another one against the same server,
+# and concurrent ones each on its own free port, every point recorded. More of them measure the machine,
+# not jobspec: bench/load.py runs 20 back to back + 4 at once (docs/reliability.md, "Load").
+BACK_TO_BACK = int(os.environ.get("JOBSPEC_LOAD_RUNS", 2))
+CONCURRENT = int(os.environ.get("JOBSPEC_LOAD_CONCURRENT", 2))
 
 
 @pytest.mark.slow
@@ -239,9 +243,10 @@ def test_back_to_back_and_concurrent_launches_record_every_metric(tmp_path):
     from concurrent.futures import ThreadPoolExecutor
     server = shared()
     run_dirs = [launch_tiny(tmp_path, f"seq{i}", server.uri)[1] for i in range(BACK_TO_BACK)]
-    with ThreadPoolExecutor(4) as pool:  # master_port null: each picks its own free port
-        run_dirs += [rd for _, rd in pool.map(lambda i: launch_tiny(tmp_path, f"par{i}", server.uri), range(4))]
+    with ThreadPoolExecutor(CONCURRENT) as pool:  # master_port null: each picks its own free port
+        run_dirs += [rd for _, rd in pool.map(lambda i: launch_tiny(tmp_path, f"par{i}", server.uri),
+                                              range(CONCURRENT))]
     ports = {json.loads((rd / "launch.json").read_text())["master_port"] for rd in run_dirs[BACK_TO_BACK:]}
-    assert len(ports) == 4
+    assert len(ports) == CONCURRENT
     for run_dir in run_dirs:
         assert_every_point_recorded(run_dir)
