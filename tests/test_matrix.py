@@ -4,10 +4,14 @@ Not the cross product: every value of every dimension (ZeRO stage, precision, op
 parameter offload, activation checkpointing, gradient accumulation, optimizer) appears in at least
 one launch, and the combinations that break most often (bf16 under ZeRO-3, 8-bit AdamW under ZeRO,
 activation checkpointing one-in-2 with ZeRO-3 and mid-run checkpoints, NVMe offload) are paired on
-purpose. Each launch is a few optimizer steps of a tiny BERT (hidden 32, seq 16).
+purpose. Each launch is a few optimizer steps of a tiny BERT (hidden 32, seq 16). The plain row (ZeRO 0,
+fp32, AdamW, no accumulation, no activation checkpointing) is not launched here: it is the job that
+tests/launch/test_launch.py::test_real_two_rank_launch_logs_a_finished_mlflow_run launches for real, and
+test_the_plain_row_is_the_job_test_launch_launches compiles that job in process against this row's checks.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import signal
@@ -17,8 +21,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-pytestmark = pytest.mark.slow
 
 STEPS = 4
 WORLD = 2
@@ -35,8 +37,8 @@ def combo(*, zero: int, precision: str = "fp32", optimizer: str = "adamw", offlo
 
 
 EVERY_2 = {"every_n_layers": 2}
+PLAIN = combo(zero=0)   # zero0-fp32-adamw-acc1-actckpt_off: launched by test_launch.py (see the docstring)
 MATRIX = [
-    pytest.param(combo(zero=0), id="zero0-fp32-adamw-acc1-actckpt_off"),
     pytest.param(combo(zero=1, precision="bf16", activation_checkpointing=True, accumulation=4),
                  id="zero1-bf16-adamw-acc4-actckpt_full"),
     pytest.param(combo(zero=2, precision="bf16", optimizer="adamw_8bit", activation_checkpointing=EVERY_2,
@@ -49,8 +51,8 @@ MATRIX = [
     pytest.param(combo(zero=3, offload_optimizer="nvme", offload_params="nvme", accumulation=4),
                  id="zero3-fp32-offload_opt_nvme-offload_params_nvme-acc4-actckpt_off"),
 ]
-# Every value of every dimension appears above at least once; the full cross product would cost
-# CI an hour (a launch is ~30 s here).
+# Every value of every dimension appears above (or in PLAIN) at least once; the full cross product would
+# cost CI an hour (a launch is ~30 s here).
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +133,35 @@ def check_ds_config(ds_config: dict, case: dict, batch: dict) -> None:
     assert ("optimizer" in ds_config) is (case["optimizer"] == "adamw")
 
 
+def check_patches(patches: dict, case: dict) -> None:
+    if case["activation_checkpointing"]:
+        expected_every = case["activation_checkpointing"]["every_n_layers"] if isinstance(
+            case["activation_checkpointing"], dict) else 1
+        assert patches["gradient_checkpointing"]["every_n_layers"] == expected_every
+    else:
+        assert "gradient_checkpointing" not in patches
+
+
+def test_the_plain_row_is_the_job_test_launch_launches(tmp_path):
+    """In process: test_launch's real launch is this matrix's ZeRO 0 row (its DeepSpeed config and
+    patches pass the row's checks), so the row needs no launch of its own; if that job changes, this fails."""
+    path = Path(__file__).resolve().parent / "launch" / "test_launch.py"
+    module_spec = importlib.util.spec_from_file_location("matrix_test_launch_jobs", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    job = module.write_job(tmp_path)
+    spec = yaml.safe_load(job.read_text())
+    micro, world = spec["training"]["micro_batch_size"], spec["resources"]["gpus_per_node"]
+    from jobspec.cli import main
+    assert main(["compile", str(job), "--out", str(tmp_path / "compiled")]) == 0
+    ds_config = json.loads((tmp_path / "compiled" / "ds_config.json").read_text())
+    check_ds_config(ds_config, PLAIN, {"micro": micro, "global_batch": micro * world})
+    check_patches({p["name"]: p["args"] for p in json.loads((tmp_path / "compiled" / "patches.json").read_text())},
+                  PLAIN)
+    assert ds_config["optimizer"]["type"] == "AdamW"
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("case", MATRIX)
 def test_matrix_launch_trains_and_logs(tmp_path, tracking_uri, case, request):
     if "nvme" in (case["offload_optimizer"], case["offload_params"]):
@@ -145,13 +176,7 @@ def test_matrix_launch_trains_and_logs(tmp_path, tracking_uri, case, request):
     run_dir = only_run_dir(tmp_path)
 
     check_ds_config(json.loads((run_dir / "ds_config.json").read_text()), case, batch)
-    patches = {p["name"]: p["args"] for p in json.loads((run_dir / "patches.json").read_text())}
-    if case["activation_checkpointing"]:
-        expected_every = case["activation_checkpointing"]["every_n_layers"] if isinstance(
-            case["activation_checkpointing"], dict) else 1
-        assert patches["gradient_checkpointing"]["every_n_layers"] == expected_every
-    else:
-        assert "gradient_checkpointing" not in patches
+    check_patches({p["name"]: p["args"] for p in json.loads((run_dir / "patches.json").read_text())}, case)
 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "finished", summary
