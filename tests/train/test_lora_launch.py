@@ -116,20 +116,27 @@ def test_jobspec_export_of_the_final_checkpoint_equals_the_ranks_exports(runs, t
 
 
 def test_a_lora_zero2_checkpoint_resumes_on_another_world_size(tmp_path):
-    """2 ranks stopped after step 3, resumed on 1 rank through DeepSpeed's universal checkpoint
-    (train/reshard.py): the adapters and their optimizer states come back, the frozen base is rebuilt
-    from the seed, and the losses of steps 4-6 match an uninterrupted run's (dropout off, the same
-    global batch)."""
+    """The step-3 checkpoint of an uninterrupted 2-rank run, resumed on 1 rank through DeepSpeed's
+    universal checkpoint (train/reshard.py): the adapters and their optimizer states come back, the
+    frozen base is rebuilt from the seed, and the losses of steps 4-6 match that run's (dropout off, the
+    same global batch). Two launches: the run that saved step 3 is also the reference (a stopped run's
+    checkpoint is the same save; test_reshard.py resumes one, without LoRA)."""
     import math
+    import shutil
+
+    from jobspec.train import checkpointing
 
     spec = {**LORA, "training": {"max_steps": 6, "global_batch_size": 8, "optimizer": {"lr": 1e-2}},
             "memory": {"zero_stage": 2}, "export": {"final": False},
+            "checkpoint": {"every_n_steps": 3, "keep_last": 3},
             "model": {"lora": LORA["model"]["lora"],
                       "config": {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}}}
     straight = make_run_dir(tmp_path / "a", spec)
     assert run_worker(straight, num_ranks=2).returncode == 0
-    first = make_run_dir(tmp_path / "b", spec, name="first")
-    assert run_worker(first, num_ranks=2, env={"JOBSPEC_STOP_AFTER_STEPS": "3"}).returncode == 0
+    # the requeue sees only step 3, as if the 2 ranks had stopped there
+    ckpt = tmp_path / "b" / "out" / "checkpoints"
+    shutil.copytree(tmp_path / "a" / "out" / "checkpoints" / "step3", ckpt / "step3")
+    checkpointing.publish_latest(ckpt, "step3")
     second = make_run_dir(tmp_path / "b", {**spec, "resources": {"gpus_per_node": 1}}, name="second")
     done = run_worker(second, num_ranks=1)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
