@@ -5,7 +5,10 @@ something was installed by hand fails here instead of on a user's machine.
 """
 from __future__ import annotations
 
+import ast
+import os
 import pkgutil
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,12 +35,93 @@ def test_every_package_directory_is_walked():
     assert len(MODULES) > 40
 
 
+# One interpreter that has imported the standard library and a few declared dependencies (PRELOAD),
+# and nothing of jobspec or bench, forks a child per module: each child imports its one module in that
+# untouched state (a fresh interpreter, less the start-up and the ~2 s torch import that 8 modules
+# share), so one module's imports still cannot hide another's. Preloading hides nothing: a missing
+# package fails the server itself, and what `import torch` brings is what each module's own would.
+PRELOAD = {"torch": "torch", "yaml": "pyyaml", "jsonschema": "jsonschema", "numpy": "numpy"}   # module: distribution
+FORK_SERVER = r"""
+import os, signal, sys, tempfile
+for name in sys.argv[1:]:
+    __import__(name)
+assert not [m for m in sys.modules if m.split(".")[0] in ("jobspec", "bench")], "the server imported the project"
+for line in sys.stdin:
+    module = line.strip()
+    with tempfile.TemporaryFile() as out:
+        pid = os.fork()
+        if pid == 0:
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            os.dup2(out.fileno(), 1)
+            os.dup2(out.fileno(), 2)
+            signal.alarm(120)
+            code = 0
+            try:
+                __import__(module)
+            except BaseException:
+                import traceback
+                traceback.print_exc()
+                code = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        out.seek(0)
+        text = out.read().decode(errors="replace")[-2000:]
+    print(repr((os.waitstatus_to_exitcode(status), text)), flush=True)
+"""
+
+
+PROBES = {  # the server's own check: a child sees nothing a sibling imported, and a failure comes back
+    "jobspec_import_probe_a": "import builtins\nbuiltins.JOBSPEC_PROBE_A = True\n",
+    "jobspec_import_probe_b": "import builtins\nassert not hasattr(builtins, 'JOBSPEC_PROBE_A'), 'saw a sibling'\n",
+    "jobspec_import_probe_ab": "import jobspec_import_probe_a\nimport jobspec_import_probe_b\n",
+}
+
+
+@pytest.fixture(scope="module")
+def import_in_fresh_child(tmp_path_factory):
+    probes = tmp_path_factory.mktemp("import_probes")
+    for name, text in PROBES.items():
+        (probes / f"{name}.py").write_text(text)
+    server = subprocess.Popen([sys.executable, "-c", FORK_SERVER, *PRELOAD], cwd=REPO, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                  filter(None, [str(probes), os.environ.get("PYTHONPATH")]))})
+
+    def run(module: str) -> tuple[int, str]:
+        assert server.poll() is None, "the import server died"
+        server.stdin.write(module + "\n")
+        server.stdin.flush()
+        return ast.literal_eval(server.stdout.readline())
+
+    yield run
+    server.stdin.close()
+    server.wait(timeout=60)
+
+
 @pytest.mark.parametrize("module", MODULES)
-def test_module_imports(module):
-    # a fresh interpreter each: one module's imports must not hide another's missing dependency
-    out = subprocess.run([sys.executable, "-c", f"import {module}"], cwd=REPO, capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
+def test_module_imports(module, import_in_fresh_child):
+    code, output = import_in_fresh_child(module)
+    assert code == 0, output
+
+
+def test_the_import_server_isolates_children_and_reports_failures(import_in_fresh_child):
+    assert import_in_fresh_child("jobspec_import_probe_a") == (0, "")
+    code, output = import_in_fresh_child("jobspec_import_probe_b")   # a would have failed b in one process
+    assert code == 0, output
+    code, output = import_in_fresh_child("jobspec.no_such_module_here")
+    assert code == 1 and "ModuleNotFoundError" in output and "no_such_module_here" in output
+    # and b does fail where a ran before it in the same interpreter
+    code, output = import_in_fresh_child("jobspec_import_probe_ab")
+    assert code == 1 and "saw a sibling" in output
+
+
+def test_the_preloaded_packages_are_declared_dependencies():
+    import importlib.metadata as md
+    declared = {re.split(r"[<>=!~;\[ ]", r, maxsplit=1)[0].lower() for r in md.requires("jobspec") or []
+                if "extra ==" not in r}
+    assert set(PRELOAD.values()) <= declared, declared
 
 
 def test_hf_trainer_baseline_dependency_is_declared():
@@ -49,7 +133,6 @@ def test_hf_trainer_baseline_dependency_is_declared():
 
 def _project_imports() -> list[tuple[str, int, str, str | None]]:
     """(file, line, module, name) of every import of jobspec/bench anywhere in a file, functions included."""
-    import ast
     found = []
     for folder in ("jobspec", "bench", "scripts", "tests"):
         for path in sorted((REPO / folder).rglob("*.py")):

@@ -36,6 +36,18 @@ def spec_for(architecture, task="causal-lm", config=None, attention="eager", fre
 
 
 SETTINGS = [False, True, {"every_n_layers": 2}, {"every_n_layers": 3}, {"every_n_layers": 4}]
+_TRACERS: dict = {}
+
+
+def shared_tracer(architecture, task="causal-lm", config=None, attention="eager"):
+    """One tracer per model for the whole module: its in-process cache keeps the unit traces, which the
+    checkpointing settings of one model largely share (every4's units of a 6-layer stack are every2's),
+    so each case costs its full trace and its new units only. Traces are deterministic: a shared unit is
+    the one the case would have traced itself."""
+    key = json.dumps([architecture, task, config, attention], sort_keys=True)
+    if key not in _TRACERS:
+        _TRACERS[key] = ModelTracer(spec_for(architecture, task, config, attention))
+    return _TRACERS[key]
 
 
 @pytest.mark.parametrize("checkpointing", SETTINGS, ids=["off", "every1", "every2", "every3", "every4"])
@@ -48,7 +60,7 @@ SETTINGS = [False, True, {"every_n_layers": 2}, {"every_n_layers": 3}, {"every_n
      {**BERT, "relative_attention": True, "pos_att_type": ["p2c", "c2p"]}, "eager", "fp16"),
 ], ids=["llama-sdpa", "gemma2-eager", "bert-eager", "gpt2-sdpa", "deberta-relative"])
 def test_the_composed_trace_equals_the_full_trace(architecture, task, config, attention, precision, checkpointing):
-    tracer = ModelTracer(spec_for(architecture, task, config, attention))
+    tracer = shared_tracer(architecture, task, config, attention)
     if architecture == "gemma2":
         assert tracer.inventory().layer_kinds[:2] == ("sliding_attention", "full_attention")
     # 5: every unit's timeline extrapolated from micro-batches 1 and 2 (checked on two settings: time)
@@ -62,7 +74,7 @@ def test_the_composed_trace_equals_the_full_trace(architecture, task, config, at
 
 
 def test_checkpointing_and_sequence_length_move_the_trace_as_they_should():
-    tracer = ModelTracer(spec_for("llama", config=LLAMA, attention="sdpa"))
+    tracer = shared_tracer("llama", config=LLAMA, attention="sdpa")
     off = tracer.profile("bf16", 2, 64, False).activations
     every = tracer.profile("bf16", 2, 64, True).activations
     longer = tracer.profile("bf16", 2, 128, False).activations
@@ -77,7 +89,7 @@ def test_checkpointing_and_sequence_length_move_the_trace_as_they_should():
 
 def test_eager_attention_keeps_the_scores_and_the_kernels_do_not():
     eager = ModelTracer(spec_for("llama", config=LLAMA, attention="eager")).profile("bf16", 2, 128, False)
-    sdpa = ModelTracer(spec_for("llama", config=LLAMA, attention="sdpa")).profile("bf16", 2, 128, False)
+    sdpa = shared_tracer("llama", config=LLAMA, attention="sdpa").profile("bf16", 2, 128, False)
     heads, layers = LLAMA["num_attention_heads"], LLAMA["num_hidden_layers"]
     scores = 2 * heads * 128 * 128 * layers            # batch x heads x s x s, per layer, at least 1 byte each
     assert eager.activations.regions["layers"] - sdpa.activations.regions["layers"] > scores
