@@ -1,9 +1,10 @@
 """Per-rank bytes of the model-state tensors a real DeepSpeed engine holds (for tests/memory/test_planner_engine.py).
 
 Run under the deepspeed runner:
-    deepspeed --num_gpus 2 tests/assets/engine_memory.py --run-dir DIR
-DIR holds `resolved.yaml` and `ds_config.json` (as `jobspec compile --out` writes them). The script
-builds the spec's model from its config, `deepspeed.initialize`s it, runs one full step (so the
+    deepspeed --num_gpus 2 tests/assets/engine_memory.py --run-dir DIR [--run-dir DIR2 ...]
+Each DIR holds `resolved.yaml` and `ds_config.json` (as `jobspec compile --out` writes them); one launch
+measures them one after another (one process start-up for all; put a ZeRO-3 one last). For each, the
+script builds the spec's model from its config, `deepspeed.initialize`s it, runs one full step (so the
 optimizer creates its lazily allocated state) and the forward/backward of a second one. It takes
 snapshots just before the second `engine.step()` (parameters, gradients, master weights and optimizer
 states all coexist) and, where the ZeRO optimizer reduces gradients at the boundary (stage 1), just
@@ -18,6 +19,7 @@ in the order module -> optimizer wrapper -> inner optimizer state.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 from pathlib import Path
@@ -122,12 +124,19 @@ def collect(engine) -> Collector:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--run-dir", required=True, type=Path)
+    parser.add_argument("--run-dir", required=True, type=Path, action="append")
     parser.add_argument("--local_rank", type=int, default=0)
     args = parser.parse_args()
-    spec = yaml.safe_load((args.run_dir / "resolved.yaml").read_text())
-    ds_config = json.loads((args.run_dir / "ds_config.json").read_text())
     deepspeed.init_distributed(dist_backend="gloo")
+    for run_dir in args.run_dir:
+        measure(run_dir)
+        gc.collect()
+    dist.destroy_process_group()
+
+
+def measure(run_dir: Path) -> None:
+    spec = yaml.safe_load((run_dir / "resolved.yaml").read_text())
+    ds_config = json.loads((run_dir / "ds_config.json").read_text())
     torch.manual_seed(0)
     model_spec = spec["model"]
     config = AutoConfig.for_model(model_spec["architecture"], num_labels=model_spec["num_labels"],
@@ -169,9 +178,8 @@ def main() -> None:
            "num_parameters": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel()
                                  for p in engine.module.parameters()),
            "tensors": found.where, "optimizer": type(engine.optimizer).__name__}
-    (args.run_dir / f"memory-rank{rank}.json").write_text(json.dumps(out, indent=1))
+    (run_dir / f"memory-rank{rank}.json").write_text(json.dumps(out, indent=1))
     dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

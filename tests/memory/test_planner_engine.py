@@ -1,8 +1,9 @@
 """The planner's model states against the tensors a real DeepSpeed engine holds (2 CPU ranks, ZeRO 0-3).
 
-tests/assets/engine_memory.py runs one step under the real `deepspeed --num_gpus 2` runner and dumps
-per-rank bytes of parameters, gradients, fp32 master copies and optimizer states; the planner's
-parameters + gradients + master weights + optimizer states must match the worst rank within 2%.
+tests/assets/engine_memory.py runs one step of each stage's engine, one after another in one launch of the
+real `deepspeed --num_gpus 2` runner (one start-up instead of four), and dumps per-rank bytes of parameters,
+gradients, fp32 master copies and optimizer states; the planner's parameters + gradients + master weights +
+optimizer states must match the worst rank within 2%.
 """
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import json
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -39,20 +39,23 @@ ENGINE_SPEC = {
 }
 
 
-def _run_stage(root: Path, stage: int) -> tuple[dict, list[dict]]:
-    run_dir = root / f"zero{stage}"
-    run_dir.mkdir()
-    spec = fill_defaults({**ENGINE_SPEC, "memory": {"zero_stage": stage}})
-    compiled = compile_spec(spec, derive(spec))
-    (run_dir / "resolved.yaml").write_text(yaml.safe_dump(spec))
-    (run_dir / "ds_config.json").write_text(json.dumps(compiled.ds_config))
+def _run_stages(root: Path, stages: tuple[int, ...]) -> dict[int, tuple[dict, list[dict]]]:
+    specs, run_dirs = {}, []
+    for stage in stages:   # ascending: ZeRO-3 (its partitioned parameters, its hooks) is measured last
+        run_dir = root / f"zero{stage}"
+        run_dir.mkdir()
+        spec = fill_defaults({**ENGINE_SPEC, "memory": {"zero_stage": stage}})
+        compiled = compile_spec(spec, derive(spec))
+        (run_dir / "resolved.yaml").write_text(yaml.safe_dump(spec))
+        (run_dir / "ds_config.json").write_text(json.dumps(compiled.ds_config))
+        specs[stage] = spec
+        run_dirs += ["--run-dir", str(run_dir)]
     deepspeed = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
     for attempt in (1, 2):
         port = free_port()
         try:
             proc = subprocess.run([deepspeed, "--num_gpus", "2", "--master_port", str(port), str(SCRIPT),
-                                   "--run-dir", str(run_dir)], cwd=run_dir, capture_output=True, text=True,
-                                  timeout=900)
+                                   *run_dirs], cwd=root, capture_output=True, text=True, timeout=900)
         finally:  # DeepSpeed never unlinks its 2 x 66 MB all-reduce buffers; nothing maps them now
             remove_shared_memory_buffers(port)
         # Once in CI (fresh venv, two 2-rank runs on 2 cores) a ZeRO-3 rank died in C++ mid-step,
@@ -61,16 +64,15 @@ def _run_stage(root: Path, stage: int) -> tuple[dict, list[dict]]:
         # more try, for that signature only; anything else fails at once.
         if proc.returncode == 0 or attempt == 2 or ABORT_SIGNATURE not in proc.stderr:
             break
-        print(f"zero{stage}: rank aborted ({ABORT_SIGNATURE!r}); running it once more", file=sys.stderr)
+        print(f"rank aborted ({ABORT_SIGNATURE!r}); running it once more", file=sys.stderr)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return spec, [json.loads((run_dir / f"memory-rank{r}.json").read_text()) for r in (0, 1)]
+    return {stage: (specs[stage], [json.loads((root / f"zero{stage}" / f"memory-rank{r}.json").read_text())
+                                   for r in (0, 1)]) for stage in stages}
 
 
 @pytest.fixture(scope="module")
 def engine_dumps(tmp_path_factory):
-    root = tmp_path_factory.mktemp("engine-memory")
-    with ThreadPoolExecutor(max_workers=2) as pool:   # 2 cores: two 2-rank runs at a time
-        return dict(zip(STAGES, pool.map(lambda stage: _run_stage(root, stage), STAGES)))
+    return _run_stages(tmp_path_factory.mktemp("engine-memory"), STAGES)
 
 
 @pytest.mark.slow
