@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -58,9 +59,27 @@ LAUNCH = {"argv": ["deepspeed"], "world_size": 2, "nodes": 1, "gpus_per_node": 2
 DERIVED = {"gradient_accumulation_steps": 2, "total_steps": 3, "world_size": 2}
 
 
+@pytest.fixture(scope="module")
+def empty_store(tmp_path_factory) -> Path:
+    """An empty MLflow sqlite store, its tables made once for the module: a new store runs MLflow's
+    alembic migrations (2-6 s, most of these tests' time). Each test copies it (`fresh_store`), so each
+    still starts from an empty store of its own, byte for byte what MLflow would have made."""
+    from mlflow.tracking import MlflowClient
+
+    path = tmp_path_factory.mktemp("mlflow-store") / "mlflow.db"
+    MlflowClient(f"sqlite:///{path}").search_experiments()
+    assert not list(path.parent.glob("*-wal")), "the store is not one file"
+    return path
+
+
+def fresh_store(empty_store: Path, path: Path) -> str:
+    shutil.copyfile(empty_store, path)
+    return f"sqlite:///{path}"
+
+
 @pytest.fixture
-def sqlite_run(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+def sqlite_run(tmp_path, empty_store):
+    uri = fresh_store(empty_store, tmp_path / "mlflow.db")
     spec = make_spec(tmp_path, uri)
     text = f"name: tele-job\nlogging: {{mlflow: {{tracking_uri: '{uri}'}}}}\n"
     run_dir = make_run_dir(tmp_path, spec, text)
@@ -233,8 +252,9 @@ def test_unreachable_server_fails_fast_with_a_clean_message(tmp_path, monkeypatc
 
 
 @pytest.fixture
-def mlflow_server(tmp_path):
+def mlflow_server(tmp_path, empty_store):
     port = free_port()
+    fresh_store(empty_store, tmp_path / "server.db")   # the server would migrate a new one first
     proc = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
          "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
@@ -293,9 +313,9 @@ def params_and_tags_free_of(run, secret: str) -> bool:
 # --- logging.system_metrics: MLflow's monitor records the machine in the job's run, per node ---
 
 @pytest.fixture
-def sqlite_run_dir(tmp_path, monkeypatch):
+def sqlite_run_dir(tmp_path, monkeypatch, empty_store):
     monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.2")  # MLflow's own override
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = fresh_store(empty_store, tmp_path / "mlflow.db")
     spec = make_spec(tmp_path, uri)
     text = f"name: tele-job\nlogging: {{system_metrics: true, mlflow: {{tracking_uri: '{uri}'}}}}\n"
     run_dir = make_run_dir(tmp_path, spec, text)
