@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import read_metrics
 
 STEPS = 4
 WORLD = 2
@@ -197,5 +198,15 @@ def test_matrix_launch_trains_and_logs(tmp_path, tracking_uri, case, request):
     ckpt_dir = tmp_path / "out" / "checkpoints"
     expected_tags = ["step2", "step4"] if case["checkpoint_every"] else ["step4"]
     assert sorted(p.name for p in ckpt_dir.glob("step*")) == expected_tags
+    if case["accumulation"] > 1 and case["zero"] < 3:
+        # (was tests/train/test_worker.py's accumulation test) the data position is counted in micro-batches:
+        # STEPS x accumulation consumed from this epoch on each rank
+        import torch
+        state = torch.load(ckpt_dir / "step4" / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+        assert (state["step"], state["global_steps"], state["batches_in_epoch"]) == \
+            (STEPS, STEPS, STEPS * case["accumulation"])
+    if case["zero"] == 2:   # ZeRO's optimizer reports the gradient norm at every logged step
+        rows = [r for r in read_metrics(run_dir) if "train/loss" in r]
+        assert [r["step"] for r in rows] == [2, 4] and all(r["train/grad_norm"] > 0 for r in rows), rows
     if "nvme" in (case["offload_optimizer"], case["offload_params"]):
         assert any((tmp_path / "nvme").rglob("*")), "NVMe offload wrote nothing to nvme_path"
