@@ -15,6 +15,7 @@ MLflow off the setting is off unless written, and a written `true` is refused by
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 
 from jobspec import rundir, trace
@@ -23,13 +24,20 @@ from jobspec.errors import first_line
 log = logging.getLogger("jobspec.tracking")
 
 SAMPLING_INTERVAL_S = 10.0
+START_TIMEOUT_S = 60.0   # `stop` waits this long for a monitor still starting (a slow tracking server)
 
 
 class SystemMetrics:
-    """A started monitor; `stop` flushes its last samples (call it before the run is ended)."""
+    """A monitor being started in the background; `stop` flushes its last samples (call it before the
+    run is ended).
 
-    def __init__(self, monitor):
-        self._monitor = monitor
+    Making MLflow's monitor (its client, psutil, an NVML probe) takes ~1.5 s of CPU (3 s wall at load
+    average 5 on the 2-core machine), which local rank 0 would otherwise spend before its first step:
+    a thread does it while training starts, and `stop` waits for it."""
+
+    def __init__(self):
+        self._monitor = None
+        self._starting: threading.Thread | None = None
 
     @classmethod
     def start(cls, run_dir: Path, node_index: int, nodes: int) -> "SystemMetrics | None":
@@ -37,6 +45,13 @@ class SystemMetrics:
         if info is None:
             trace.note("logging.system_metrics: no MLflow run to record system metrics into")
             return None
+        metrics = cls()
+        metrics._starting = threading.Thread(target=metrics._start, args=(info, node_index, nodes),
+                                             name="jobspec-system-metrics-start", daemon=True)
+        metrics._starting.start()
+        return metrics
+
+    def _start(self, info: dict, node_index: int, nodes: int) -> None:
         try:
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
             monitor = SystemMetricsMonitor(info["run_id"], sampling_interval=SAMPLING_INTERVAL_S,
@@ -45,13 +60,17 @@ class SystemMetrics:
             monitor.start()
         except Exception as err:  # monitoring is an extra: never the reason a training run fails
             log.warning("logging.system_metrics: MLflow's monitor did not start: %s", first_line(err))
-            return None
-        return cls(monitor)
+            return
+        self._monitor = monitor
 
     def stop(self) -> None:
         """Stop sampling, then record one last sample: MLflow's loop drops the one it was taking, so a
         run shorter than the interval would otherwise have none."""
+        if self._starting is not None:
+            self._starting.join(timeout=START_TIMEOUT_S)
         monitor = self._monitor
+        if monitor is None:   # it never started (warned), or is still starting after the timeout
+            return
         try:
             monitor.finish()
             monitor.collect_metrics()

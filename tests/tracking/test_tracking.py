@@ -350,6 +350,29 @@ def test_a_run_shorter_than_the_interval_still_gets_a_sample(sqlite_run_dir, mon
     assert "system/cpu_utilization_percentage" in system_keys(tracked)
 
 
+def test_the_monitor_starts_in_the_background_and_stop_waits_for_it(sqlite_run_dir, monkeypatch, caplog):
+    # its ~1.5 s of start-up is not spent before the rank's first step
+    from mlflow.system_metrics import system_metrics_monitor as mlflow_monitor
+    tracked, run_dir = sqlite_run_dir
+    real_init = mlflow_monitor.SystemMetricsMonitor.__init__
+
+    def slow_init(self, *args, **kwargs):
+        time.sleep(1.0)
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(mlflow_monitor.SystemMetricsMonitor, "__init__", slow_init)
+    started = time.monotonic()
+    monitor = SystemMetrics.start(run_dir, node_index=0, nodes=1)
+    assert monitor is not None and time.monotonic() - started < 0.5
+    monitor.stop()
+    assert "system/cpu_utilization_percentage" in system_keys(tracked)
+    # a monitor that cannot start: a warning, and stop() has nothing to do
+    monkeypatch.setattr(mlflow_monitor.SystemMetricsMonitor, "__init__", lambda *a, **k: 1 / 0)
+    with caplog.at_level("WARNING", logger="jobspec.tracking"):
+        SystemMetrics.start(run_dir, node_index=0, nodes=1).stop()
+    assert "MLflow's monitor did not start: division by zero" in caplog.text
+
+
 def test_a_run_dir_without_an_mlflow_run_starts_no_monitor(tmp_path, capsys):
     assert SystemMetrics.start(tmp_path, node_index=0, nodes=1) is None
     # said to launcher.log only (a `jobspec-log:` line): the terminal already said MLflow is off
