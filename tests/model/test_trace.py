@@ -26,6 +26,9 @@ BERT = {"hidden_size": 48, "num_hidden_layers": 6, "num_attention_heads": 4, "in
         "vocab_size": 3000, "max_position_embeddings": 128}
 GPT2 = {"n_embd": 32, "n_layer": 6, "n_head": 4, "vocab_size": 2000, "n_positions": 128}
 
+# one xdist worker runs the whole module: its cases share the in-process tracers of `shared_tracer`
+pytestmark = pytest.mark.xdist_group("model-tracers")
+
 
 def spec_for(architecture, task="causal-lm", config=None, attention="eager", freeze=(), num_labels=2):
     # a resolved spec has every default filled: the ranks and the tracer index it
