@@ -107,10 +107,11 @@ def test_recompute_counts_in_hardware_flops_only(architecture, task, config, eve
     gradient_checkpointing(model, every_n_layers=every_n_layers, use_reentrant=reentrant)
     counted = counted_flops_per_token(model, task, num_labels, model.config.vocab_size, seq_len)
     setting = {"every_n_layers": every_n_layers, "use_reentrant": reentrant}
-    profile = ModelTracer(spec).profile("fp32", BATCH, seq_len, setting)
+    tracer = ModelTracer(spec)   # one tracer: the plain profile below reuses the units `profile` composed
+    profile = tracer.profile("fp32", BATCH, seq_len, setting)   # for its model FLOPs (no recompute)
     assert profile.hardware_flops_per_token == pytest.approx(counted, rel=TOLERANCE)
     assert profile.model_flops_per_token == pytest.approx(
-        ModelTracer(spec).profile("fp32", BATCH, seq_len, False).model_flops_per_token, rel=TOLERANCE)
+        tracer.profile("fp32", BATCH, seq_len, False).model_flops_per_token, rel=TOLERANCE)
     assert profile.hardware_flops_per_token > profile.model_flops_per_token * 1.05
 
 
