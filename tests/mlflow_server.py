@@ -119,3 +119,32 @@ def only_run_dir(directory: Path, name: str) -> Path:
     runs = sorted((Path(directory) / f"out-{name}").glob("run-*"))
     assert len(runs) == 1, runs
     return runs[0]
+
+
+# --- one launch with credentials planted: the security test's, also one of the load test's --------
+
+TOKEN, HF, PASSWORD = "mlflow-tok-5f3a9c1e", "hf_planted_77d2e1b0", "pw-8c1d4e7f2a"
+_planted: tuple[Path, Path, str] | None = None
+
+
+def planted_launch(directory: Path) -> tuple[Path, Path, str]:
+    """(its directory, its run dir, its stdout+stderr): a tiny job (1 rank, 2 steps) against the shared
+    server, with MLFLOW_TRACKING_TOKEN, HF_TOKEN and a password in the tracking URI planted (also in the
+    description and a tag). Launched once per test process, into `directory` on the first call: the
+    security test reads everything it left for the secrets, and the load test counts it as one of its
+    launches (the same tiny job against the same server), so CI launches it once instead of twice."""
+    global _planted
+    if _planted is None:
+        server = shared()
+        uri = server.uri.replace("http://", f"http://alice:{PASSWORD}@")
+        job = write_job(directory, "secrets", uri, max_steps=2,
+                        extra={"description": f"planted {TOKEN}", "logging": {
+                            "every_n_steps": 1, "progress": "lines",
+                            "mlflow": {"tracking_uri": uri, "experiment": "security",
+                                       "tags": {"note": f"tok {HF}"}}}})
+        env = {**os.environ, **ENV, "MLFLOW_TRACKING_TOKEN": TOKEN, "HF_TOKEN": HF}
+        proc = subprocess.run(launch_argv(job), cwd=directory, capture_output=True, text=True, timeout=600,
+                              env=env)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        _planted = (Path(directory), only_run_dir(directory, "secrets"), proc.stdout + proc.stderr)
+    return _planted

@@ -3,14 +3,13 @@ relative to the spec file, and no writing into system directories."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
-from mlflow_server import ENV, launch_argv, only_run_dir, shared, write_job
+import mlflow_server
+from mlflow_server import HF, PASSWORD, TOKEN
 
 from jobspec.tracking import run as tracking
 from jobspec.cli import main
@@ -74,7 +73,6 @@ def test_spec_paths_resolve_against_the_spec_file_not_the_cwd(tmp_path, monkeypa
 
 # --- credentials planted in a real launch ------------------------------------------------------------
 
-TOKEN, HF, PASSWORD = "mlflow-tok-5f3a9c1e", "hf_planted_77d2e1b0", "pw-8c1d4e7f2a"
 
 
 def everything_recorded(tmp_path: Path, run_dir: Path, stdout: str) -> dict[str, str]:
@@ -96,18 +94,9 @@ def everything_recorded(tmp_path: Path, run_dir: Path, stdout: str) -> dict[str,
 
 @pytest.fixture(scope="module")
 def planted_launch(tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp("secrets")
-    server = shared()
-    uri = server.uri.replace("http://", f"http://alice:{PASSWORD}@")
-    job = write_job(tmp_path, "secrets", uri, max_steps=2,
-                    extra={"description": f"planted {TOKEN}", "logging": {
-                        "every_n_steps": 1, "progress": "lines",
-                        "mlflow": {"tracking_uri": uri, "experiment": "security", "tags": {"note": f"tok {HF}"}}}})
-    env = {**os.environ, **ENV, "MLFLOW_TRACKING_TOKEN": TOKEN, "HF_TOKEN": HF}
-    proc = subprocess.run(launch_argv(job), cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    run_dir = only_run_dir(tmp_path, "secrets")
-    return everything_recorded(tmp_path, run_dir, proc.stdout + proc.stderr)
+    """Everything mlflow_server.planted_launch's run left (it is also one of the load test's launches)."""
+    directory, run_dir, output = mlflow_server.planted_launch(tmp_path_factory.mktemp("secrets"))
+    return everything_recorded(tmp_path_factory.mktemp("secrets-read"), run_dir, output)
 
 
 SPEC_COPIES = ("run dir spec.yaml", "run dir resolved.yaml")  # verbatim copies of the user's own spec
