@@ -12,16 +12,16 @@ import pytest
 import torch
 
 from conftest import make_run_dir, read_metrics, run_worker
+from worker_runs import PLAIN_SPEC, plain_run
 from jobspec.errors import RunFailure
 from jobspec.train.oom import INJECT_AT_STEP_ENV, INJECT_RANK_ENV, OomGuard, halved_run_files
 from jobspec.train.progress import RunState, Window
 from jobspec.rundir import read_run_files
 
-# No dropout: a step redone with half the micro-batch then computes the same gradients (up to
-# float rounding), so the run after the OOM must follow the uninterrupted one closely.
-NO_DROPOUT = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
-OOM_SPEC = {"model": {"config": NO_DROPOUT},
-            "training": {"max_steps": 8, "global_batch_size": 16, "on_oom": "halve_micro_batch"}}
+# No dropout (a step redone with half the micro-batch then computes the same gradients), global batch 16,
+# 8 steps: the OOM run is this spec, and its uninterrupted twin is worker_runs.plain_run (which
+# tests/train/test_worker.py also checks), started once per session.
+OOM_SPEC = PLAIN_SPEC
 
 
 class OomEngine:
@@ -112,9 +112,8 @@ def _losses(run_dir: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_an_oom_on_one_rank_halves_the_micro_batch_and_redoes_the_step(tmp_path):
-    straight = make_run_dir(tmp_path / "a", OOM_SPEC)
-    assert run_worker(straight).returncode == 0
+def test_an_oom_on_one_rank_halves_the_micro_batch_and_redoes_the_step(tmp_path, tmp_path_factory):
+    straight = plain_run(tmp_path_factory.mktemp("plain"))
     run_dir = make_run_dir(tmp_path / "b", OOM_SPEC)
     # only rank 1 runs out of memory, in step 3's second (last) micro-batch: rank 0 must agree
     result = run_worker(run_dir, env={INJECT_AT_STEP_ENV: "3", INJECT_RANK_ENV: "1"})

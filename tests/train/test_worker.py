@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import make_run_dir, read_metrics, run_worker
+from worker_runs import plain_run
 from jobspec.train import checkpointing
 from jobspec.errors import SpecError
 from jobspec.train.progress import Progress, RunState, format_eta, format_line, progress_mode, summarize
@@ -21,12 +22,6 @@ from jobspec.train.worker import StopFlag
 
 GPU_ONLY_METRICS = ("mem/peak_allocated_mib_max", "mem/peak_allocated_mib_rank0", "mem/peak_reserved_mib_max",
                     "mem/peak_reserved_mib_rank0", "mem/nvml_used_mib_max", "perf/mfu", "perf/tflops_per_device")
-
-
-def _launch(run_dir: Path, env: dict | None = None, **kwargs) -> dict:
-    result = run_worker(run_dir, env=env, **kwargs)
-    assert result.returncode == 0, f"worker failed ({result.returncode}):\n{result.stdout[-6000:]}\n{result.stderr[-6000:]}"
-    return json.loads((run_dir / "summary.json").read_text())
 
 
 def _client_state(ckpt_dir: Path, tag: str) -> dict:
@@ -153,20 +148,21 @@ def test_worker_without_run_files_exits_2_with_a_clear_message(tmp_path, capsys,
 # ----------------------------------------------------------------------------- real ranks
 
 @pytest.mark.slow
-def test_trains_logs_evaluates_and_checkpoints(tmp_path):
-    run_dir = make_run_dir(tmp_path, {"training": {"max_steps": 12},
-                                      "checkpoint": {"every_n_steps": 4, "keep_last": 2}})
-    summary = _launch(run_dir)
+def test_trains_logs_evaluates_and_checkpoints(tmp_path_factory):
+    # worker_runs.plain_run: 8 steps, global batch 16, a checkpoint every 2 steps, keep_last 2 (the
+    # uninterrupted run of tests/train/test_oom.py too: started once per session)
+    run_dir = plain_run(tmp_path_factory.mktemp("plain"))
+    summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "finished"
-    assert summary["steps"] == 12
-    assert summary["samples"] == 12 * 8  # micro 4 x 2 ranks, no accumulation
+    assert summary["steps"] == 8
+    assert summary["samples"] == 8 * 16  # micro 4 x 2 ranks x 2 accumulated
     assert summary["eval_loss"] is not None and summary["samples_per_s"] > 0
     rows = [r for r in read_metrics(run_dir) if "train/loss" in r]
-    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert [r["step"] for r in rows] == list(range(1, 9))
     losses = [r["train/loss"] for r in rows]
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, losses  # learnable labels: the loss goes down
     perf_rows = [r for r in rows if "perf/samples_per_s" in r]  # at most one per logging.perf_window_s
-    assert perf_rows and perf_rows[-1]["step"] == 12  # and the last step's, whatever its window
+    assert perf_rows and perf_rows[-1]["step"] == 8  # and the last step's, whatever its window
     for row in perf_rows:
         assert row["perf/samples_per_s"] > 0 and row["perf/tokens_per_s"] > 0
         assert row["mem/host_rss_mib_max"] > 0
@@ -176,11 +172,13 @@ def test_trains_logs_evaluates_and_checkpoints(tmp_path):
     evals = [r for r in read_metrics(run_dir) if "eval/loss" in r]
     assert all(0 <= r["eval/accuracy"] <= 1 and "eval/f1" not in r for r in evals)
     assert summary["eval_metrics"] == {"eval/accuracy": evals[-1]["eval/accuracy"]}
-    ckpt_dir = Path(tmp_path / "out" / "checkpoints")
-    assert checkpointing.completed_steps(ckpt_dir) == [8, 12]  # keep_last 2 of 4, 8, 12
-    assert checkpointing.read_latest(ckpt_dir) == "step12"
-    state = _client_state(ckpt_dir, "step12")
-    assert (state["step"], state["job_name"], len(state["rng"])) == (12, "tiny", 2)
+    ckpt_dir = run_dir.parent / "out" / "checkpoints"
+    assert checkpointing.completed_steps(ckpt_dir) == [6, 8]  # keep_last 2 of 2, 4, 6, 8
+    assert checkpointing.read_latest(ckpt_dir) == "step8"
+    state = _client_state(ckpt_dir, "step8")
+    assert (state["step"], state["job_name"], len(state["rng"])) == (8, "tiny", 2)
+    # 8 steps of 2 micro-batches of 4 on each rank: 16 consumed from the epoch (128 samples, 8 steps)
+    assert (state["global_steps"], state["batches_in_epoch"]) == (8, 16)
 
 
 @pytest.mark.slow
