@@ -2,8 +2,10 @@
 # The README's test command: what the tests need from the system, the package with its test extras,
 # then the suite. `.ci/run` calls exactly this (in a brand-new virtualenv).
 #
-#   scripts/test.sh                 # everything: about 20 minutes on a 2-core machine
-#   scripts/test.sh -m "not slow"   # no real DeepSpeed launches: about 5 minutes
+#   scripts/test.sh                 # everything: about 20-25 minutes on a 2-core machine (mostly the real
+#                                   # launches, one at a time, while the other worker runs the rest)
+#   scripts/test.sh -m "not slow"   # no real DeepSpeed launches: about 5 minutes (10 serially)
+#   scripts/test.sh -n 0            # one process, serially (also: -p no:xdist)
 #
 # System packages: libaio-dev (DeepSpeed's NVMe-offload op), slurm-wlm and munge (a real two-node
 # Slurm cluster on 127.0.0.1). They are installed with apt when this runs as root (or with
@@ -34,4 +36,11 @@ PIP_DISABLE_PIP_VERSION_CHECK=1 python -m pip install -q torch==2.13.0 -e ".[dev
 # lint and types first (seconds): pyproject.toml's [tool.ruff] and [tool.mypy]
 python -m ruff check jobspec
 python -m mypy jobspec
-exec python -m pytest -q "$@"
+# Two pytest-xdist workers (the machine has 2 cores): the real launches run one at a time on one of
+# them while the other runs everything else (tests/conftest.py groups them). `-n 0` or
+# `-p no:xdist` among the arguments runs the suite serially in one process.
+xdist=(-n 2)
+for arg in "$@"; do
+  case "$arg" in no:xdist|-pno:xdist) xdist=() ;; esac
+done
+exec python -m pytest -q ${xdist[@]+"${xdist[@]}"} "$@"

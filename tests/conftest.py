@@ -158,33 +158,180 @@ def worker_run_dir(tmp_path):
 
 
 # --- DeepSpeed's JIT ops: build them in the background while the fast tests run -----------------
+#
+# Under pytest-xdist (`scripts/test.sh` runs `-n 2`) the controller process, which runs no tests,
+# starts the op prebuild and the /dev/shm guard once for the whole session; the workers do neither.
+# Every slow test (every real launch) is in one group that a single worker runs, one test at a time,
+# while the other worker runs the rest: two launches at once would share the 2 cores, the ports and
+# /dev/shm buffers, the Slurm cluster and the MLflow servers, and miss their timeouts.
+#
+# The groups: xdist's `--dist loadgroup` takes them from xdist_group marks, which its worker turns
+# into "@group" node id suffixes by setting Node._nodeid; under pytest 9.2 that has no effect (the
+# node id comes from Node._id) and the marks are ignored. So each worker writes its {node id: group}
+# map to the session directory, and the controller schedules with `_GroupScheduling` below (xdist's
+# LoadGroupScheduling reading that map).
 
 _PREBUILD = None
 _SHM_GUARD = None
+SLOW_GROUP = "launches"   # the group of every slow test (and of fast ones that share their fixtures)
+_SESSION_DIR_ENV = "JOBSPEC_TEST_SESSION_DIR"   # xdist: the controller's, shared with its workers
+_prebuild_waited = False
+_groups: dict[str, str] = {}
+
+
+def _is_xdist_worker(config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+def _is_xdist_controller(config) -> bool:
+    return not _is_xdist_worker(config) and getattr(config.option, "dist", "no") != "no" \
+        and bool(getattr(config.option, "tx", None))
+
+
+@pytest.hookimpl(tryfirst=True)   # before xdist's own pytest_configure reads the mode
+def pytest_configure(config):
+    config.addinivalue_line("markers", "xdist_group(name): run these tests on one xdist worker, in order "
+                            "(registered here too for -p no:xdist)")
+    if not _is_xdist_controller(config):
+        return   # serial (-n 0, -p no:xdist), or a worker (whose dist is "no")
+    dist = config.option.dist
+    if dist in ("load", "worksteal"):   # `-n N` alone means "load": the groups below still hold
+        config.option.dist = dist = "loadgroup"
+    if dist != "loadgroup":
+        raise pytest.UsageError(f"--dist {dist}: the slow tests (real launches) must run one at a time; "
+                                "use -n N (it schedules with the groups of tests/conftest.py), or -n 0")
+    config.option.loadscopereorder = False   # the slow group first, in collection order (see below)
+    import tempfile
+    os.environ[_SESSION_DIR_ENV] = tempfile.mkdtemp(prefix="jobspec-test-")   # before the workers start
+
+
+def _module_fixture_users(items) -> dict:
+    """item -> names of the module- (or wider-) scoped fixtures of the test files that it uses."""
+    used = {}
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        names = {name for name, defs in (info.name2fixturedefs.items() if info else ())
+                 if defs and defs[-1].scope != "function" and defs[-1].baseid}   # baseid "": pytest's own
+        if names:
+            used[item] = names
+    return used
+
+
+def _xdist_groups(items) -> dict:
+    """item -> its group: SLOW_GROUP for every slow test and every fast one sharing a module-scoped
+    fixture with one, the module for the other users of a module-scoped fixture (built once), the
+    name given by an `xdist_group` mark (tests sharing an in-process cache: tests/model/test_trace.py)."""
+    groups = {item: SLOW_GROUP for item in items if item.get_closest_marker("slow")}
+    used = _module_fixture_users(items)
+    slow_fixtures = {(item.module.__name__, name) for item in groups for name in used.get(item, ())}
+    for item, names in used.items():
+        if item not in groups:
+            shared = any((item.module.__name__, name) in slow_fixtures for name in names)
+            groups[item] = SLOW_GROUP if shared else item.module.__name__
+    for item in items:
+        mark = item.get_closest_marker("xdist_group")
+        if mark is not None and item not in groups:
+            groups[item] = str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+    return groups
 
 
 def pytest_collection_modifyitems(session, config, items):
     """Modules without slow tests first: the op builds started below (minutes on a fresh machine)
     overlap all of them instead of stalling the first slow test early in the alphabet. A module's
-    tests stay together and in order, so module-scoped fixtures are set up once."""
+    tests stay together and in order, so module-scoped fixtures are set up once.
+
+    An xdist worker puts the slow group first instead, so that one worker takes it at once (it is
+    the longest part of the run) while the other runs everything else, and writes the groups for
+    the controller."""
     slow_modules = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.module.__name__ in slow_modules)   # stable: order kept within each group
+    if not (_is_xdist_worker(config) and os.environ.get(_SESSION_DIR_ENV)):
+        return
+    groups = _xdist_groups(items)
+    items.sort(key=lambda item: groups.get(item) != SLOW_GROUP)
+    path = Path(os.environ[_SESSION_DIR_ENV]) / f"groups-{config.workerinput['workerid']}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({item.nodeid: group for item, group in groups.items()}))
+    tmp.replace(path)   # read by the controller once this worker reports its collection
 
 
-def pytest_collection_finish(session):
+def _read_groups(node) -> dict:
+    path = Path(os.environ[_SESSION_DIR_ENV]) / f"groups-{node.workerinput['workerid']}.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadGroupScheduling
+
+    class _GroupScheduling(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _groups.get(nodeid) or super()._split_scope(nodeid)
+
+    return _GroupScheduling(config, log)
+
+
+def _start_session_helpers(rootpath: Path, lock_path: str | None = None) -> None:
+    """The /dev/shm guard and `jobspec prepare --all`, once per session that launches ranks."""
     global _PREBUILD, _SHM_GUARD
-    if not any(item.get_closest_marker("slow") for item in session.items):
-        return  # only a session that will launch ranks needs the ops, or can leak their buffers
     from shm_guard import ShmGuard
-    _SHM_GUARD = ShmGuard().start()
+    _SHM_GUARD = ShmGuard().start()   # it watches this process's descendants: under xdist, the workers' too
     if os.environ.get("JOBSPEC_NO_PREBUILD"):
         return
-    log = open(Path(session.config.rootpath) / ".pytest-prebuild-ops.log", "w")  # noqa: SIM115 (lives for the session)
+    log = open(rootpath / ".pytest-prebuild-ops.log", "w")  # noqa: SIM115 (lives for the session)
     # `jobspec prepare --all`, as CI images do: the builds overlap the fast tests instead of stalling
     # the first slow test's launch past its timeout (torch's lock makes a launch that needs an op
     # being built wait for it instead of building it twice)
-    _PREBUILD = subprocess.Popen([sys.executable, "-m", "jobspec", "prepare", "--all"], cwd=REPO_ROOT,
-                                 stdout=log, stderr=subprocess.STDOUT)
+    lock_fd = None
+    if lock_path:   # xdist: the build holds this lock until it exits; the slow tests' worker waits on it
+        import fcntl
+        lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)
+    try:
+        _PREBUILD = subprocess.Popen([sys.executable, "-m", "jobspec", "prepare", "--all"], cwd=REPO_ROOT,
+                                     stdout=log, stderr=subprocess.STDOUT,
+                                     pass_fds=(lock_fd,) if lock_fd is not None else ())
+    finally:
+        if lock_fd is not None:
+            os.close(lock_fd)   # the child's copy keeps the lock
+
+
+def pytest_collection_finish(session):
+    if _is_xdist_worker(session.config):
+        return   # the controller starts them (below)
+    if not any(item.get_closest_marker("slow") for item in session.items):
+        return  # only a session that will launch ranks needs the ops, or can leak their buffers
+    _start_session_helpers(Path(session.config.rootpath))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """xdist's controller (which collects nothing itself): a worker has collected. The first to
+    report gives the groups and, if there are slow tests, starts the helpers, before any test is
+    handed out."""
+    if not _groups:
+        _groups.update(_read_groups(node))
+        if SLOW_GROUP in _groups.values():
+            lock = Path(os.environ[_SESSION_DIR_ENV]) / "prebuild.lock"
+            _start_session_helpers(Path(node.config.rootpath), str(lock))
+
+
+def _wait_for_prebuild() -> None:
+    global _prebuild_waited
+    if _PREBUILD is not None:
+        _PREBUILD.wait()
+    elif not _prebuild_waited and os.environ.get(_SESSION_DIR_ENV):   # an xdist worker
+        import fcntl
+        try:
+            fd = os.open(Path(os.environ[_SESSION_DIR_ENV]) / "prebuild.lock", os.O_RDONLY)
+        except FileNotFoundError:   # no prebuild in this session (JOBSPEC_NO_PREBUILD)
+            pass
+        else:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH)   # granted once the build has exited
+            finally:
+                os.close(fd)
+        _prebuild_waited = True
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -192,6 +339,8 @@ def pytest_sessionfinish(session, exitstatus):
     # build (so every later launch) would wait on that lock forever.
     if _PREBUILD is not None:
         _PREBUILD.wait()
+    if _is_xdist_controller(session.config) and os.environ.get(_SESSION_DIR_ENV):
+        shutil.rmtree(os.environ[_SESSION_DIR_ENV], ignore_errors=True)
     if _SHM_GUARD is not None:
         _SHM_GUARD.stop()
         leaked = _SHM_GUARD.leaks()
@@ -214,5 +363,5 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.fixture(autouse=True)
 def _ops_built_before_slow_tests(request):
     # a slow test's launch has its own timeout: let it start once the ops exist
-    if _PREBUILD is not None and request.node.get_closest_marker("slow") is not None:
-        _PREBUILD.wait()
+    if request.node.get_closest_marker("slow") is not None:
+        _wait_for_prebuild()
