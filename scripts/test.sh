@@ -4,7 +4,7 @@
 #
 #   scripts/test.sh                 # everything: about 20-25 minutes on a 2-core machine (mostly the real
 #                                   # launches, one at a time, while the other worker runs the rest)
-#   scripts/test.sh -m "not slow"   # no real DeepSpeed launches: about 5 minutes (10 serially)
+#   scripts/test.sh -m "not slow"   # no real DeepSpeed launches: about 5 minutes (8 serially)
 #   scripts/test.sh -n 0            # one process, serially (also: -p no:xdist)
 #
 # System packages: libaio-dev (DeepSpeed's NVMe-offload op), slurm-wlm and munge (a real two-node
