@@ -5,10 +5,9 @@ The runner is the fake one of test_launch.py: these tests check what launch deci
 """
 from __future__ import annotations
 
-from conftest import PROFILER
+from conftest import PROFILER, fresh_store
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -53,21 +52,10 @@ def written_spec(job: Path) -> dict:
     return load_and_validate(job).spec
 
 
-@pytest.fixture(scope="module")
-def empty_store(tmp_path_factory) -> Path:
-    """An empty MLflow sqlite store, made once: a new store runs MLflow's alembic migrations (2-6 s,
-    most of these tests' time). Test_launch.py's launches still make theirs from nothing."""
-    from mlflow.tracking import MlflowClient
-
-    path = tmp_path_factory.mktemp("mlflow-store") / "mlflow.db"
-    MlflowClient(f"sqlite:///{path}").search_experiments()
-    return path
-
-
 @pytest.fixture(autouse=True)
 def store_of_the_job(tmp_path, empty_store):
     """write_fit_job's tracking_uri, an empty store of this test's own (a copy)."""
-    shutil.copyfile(empty_store, tmp_path / "mlflow.db")
+    fresh_store(empty_store, tmp_path / "mlflow.db")
 
 
 @pytest.fixture(autouse=True)

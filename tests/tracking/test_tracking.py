@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import fresh_store
 from jobspec import rundir
 from jobspec.tracking import run as tracking
 from jobspec.tracking.sink import MetricSink
@@ -57,24 +57,6 @@ def make_run_dir(tmp_path: Path, spec: dict, text: str) -> Path:
 
 LAUNCH = {"argv": ["deepspeed"], "world_size": 2, "nodes": 1, "gpus_per_node": 2, "master_port": 29500}
 DERIVED = {"gradient_accumulation_steps": 2, "total_steps": 3, "world_size": 2}
-
-
-@pytest.fixture(scope="module")
-def empty_store(tmp_path_factory) -> Path:
-    """An empty MLflow sqlite store, its tables made once for the module: a new store runs MLflow's
-    alembic migrations (2-6 s, most of these tests' time). Each test copies it (`fresh_store`), so each
-    still starts from an empty store of its own, byte for byte what MLflow would have made."""
-    from mlflow.tracking import MlflowClient
-
-    path = tmp_path_factory.mktemp("mlflow-store") / "mlflow.db"
-    MlflowClient(f"sqlite:///{path}").search_experiments()
-    assert not list(path.parent.glob("*-wal")), "the store is not one file"
-    return path
-
-
-def fresh_store(empty_store: Path, path: Path) -> str:
-    shutil.copyfile(empty_store, path)
-    return f"sqlite:///{path}"
 
 
 @pytest.fixture
