@@ -181,6 +181,7 @@ class JobSpecMemory(TypedDict):
     gpu_memory: str | None
     tf32: bool
     zero_stage: int
+    sequence_parallel: int
     offload: JobSpecMemoryOffload
     activation_checkpointing: bool | JobSpecMemoryActivationCheckpointing
     zero: JobSpecMemoryZero
