@@ -132,6 +132,11 @@ class JobSpecMemoryFp16(TypedDict):
     auto_cast: bool
 
 
+class JobSpecMemoryTiledLoss(TypedDict):
+    """Tiled loss with a fixed number of tiles."""
+    tiles: int
+
+
 class JobSpecMemoryOffloadAio(TypedDict):
     """Asynchronous I/O tuning for NVMe offload (DeepSpeed `aio` block)."""
     block_size: int
@@ -182,6 +187,8 @@ class JobSpecMemory(TypedDict):
     tf32: bool
     zero_stage: int
     sequence_parallel: int
+    tiled_loss: bool | JobSpecMemoryTiledLoss
+    tiled_mlp: bool
     offload: JobSpecMemoryOffload
     activation_checkpointing: bool | JobSpecMemoryActivationCheckpointing
     zero: JobSpecMemoryZero
