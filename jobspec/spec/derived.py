@@ -62,10 +62,19 @@ class DerivedJob:
     # is derived by this same function from the same inputs
     config_json: dict | None = field(default=None, repr=False, compare=False)
     profiler: Callable | None = field(default=None, repr=False, compare=False)
+    # `memory.sequence_parallel`: ranks that share each sequence (Ulysses); 1 is off
+    sequence_parallel: int = 1
 
     @property
     def tokens_per_micro_batch(self) -> int:
         return self.micro_batch_size * self.seq_len
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that train on different samples: the world over `sequence_parallel` (an SP group's N ranks
+        hold one micro-batch's sequences between them, so they count once in the batch split, the sampler
+        and the samples and tokens a step consumes)."""
+        return self.world_size // self.sequence_parallel
 
     def with_spec(self, spec: dict) -> "DerivedJob":
         """The derived job of another version of the same spec (same model files, same data)."""
@@ -109,12 +118,15 @@ def derive(spec: dict, *, config_json: dict | None = None, num_train_samples: in
     notes: list[str] = []
     nodes, gpus_per_node = resources["nodes"], resources["gpus_per_node"]
     world = nodes * gpus_per_node
+    sequence_parallel = memory.get("sequence_parallel", 1)
+    data_parallel = _data_parallel_size(world, sequence_parallel)
     micro = training["micro_batch_size"]
-    global_batch, accumulation = _batch_split(micro, training["global_batch_size"], world)
+    global_batch, accumulation = _batch_split(micro, training["global_batch_size"], data_parallel,
+                                              sequence_parallel)
     synthetic = spec["data"].get("synthetic")
     if synthetic:
         num_train_samples = synthetic["num_samples"]
-    total = _total_steps(training, micro, world, accumulation, num_train_samples, notes)
+    total = _total_steps(training, micro, data_parallel, accumulation, num_train_samples, notes)
     warmup = None if total is None else _warmup_steps(training["scheduler"], total)
     dims = model_dims(spec, config_json)
     seq_len = synthetic["seq_len"] if synthetic else spec["data"]["max_length"]
@@ -138,8 +150,20 @@ def derive(spec: dict, *, config_json: dict | None = None, num_train_samples: in
         model_flops_per_token=profile.model_flops_per_token if profile else None,
         hardware_flops_per_token=profile.hardware_flops_per_token if profile else None,
         notes=tuple(notes), profile=profile, profile_error=profile_error, config_json=config_json,
-        profiler=profiler,
+        profiler=profiler, sequence_parallel=sequence_parallel,
     )
+
+
+def _data_parallel_size(world: int, sequence_parallel: int) -> int:
+    """world / sequence_parallel; refused (at the field) when N does not divide the world."""
+    if world % sequence_parallel:
+        divisors = [n for n in range(1, world + 1) if world % n == 0]
+        raise spec_error(
+            f"sequence_parallel {sequence_parallel} does not divide the world size {world} "
+            f"(resources.nodes x gpus_per_node): every rank must belong to one sequence-parallel group",
+            path=("memory", "sequence_parallel"),
+            hint=f"use one of {', '.join(map(str, divisors))}, or change resources", code="sequence-parallel-world")
+    return world // sequence_parallel
 
 
 def checkpointed_layers(num_layers: int, setting: bool | dict | None) -> int:
@@ -174,13 +198,16 @@ def zero_bucket_sizes(zero: dict, hidden_size: int | None) -> dict[str, int]:
     }
 
 
-def _batch_split(micro: int, global_batch: int | None, world: int) -> tuple[int, int]:
+def _batch_split(micro: int, global_batch: int | None, world: int, sequence_parallel: int = 1) -> tuple[int, int]:
+    """(global batch, accumulation) over `world` data-parallel ranks (the world over sequence_parallel)."""
     per_pass = micro * world
     global_batch = global_batch or per_pass
     if global_batch % per_pass:
         lower, upper = (global_batch // per_pass) * per_pass, (global_batch // per_pass + 1) * per_pass
+        ranks = "world size" if sequence_parallel == 1 else \
+            f"data-parallel ranks (world size / sequence_parallel {sequence_parallel})"
         raise spec_error(
-            f"{global_batch} is not a multiple of micro_batch_size x world size = {micro} x {world} = {per_pass}",
+            f"{global_batch} is not a multiple of micro_batch_size x {ranks} = {micro} x {world} = {per_pass}",
             path=("training", "global_batch_size"),
             hint=f"nearest valid global_batch_size: {f'{lower} or {upper}' if lower else upper}")
     return global_batch, global_batch // per_pass

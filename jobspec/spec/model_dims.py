@@ -75,6 +75,7 @@ class ModelDims:
     hidden_size: int
     num_layers: int | None = None
     num_heads: int | None = None
+    num_key_value_heads: int | None = None   # None: as many as the attention heads (no grouped-query attention)
     intermediate_size: int | None = None
     vocab_size: int | None = None
     max_position_embeddings: int | None = None
@@ -115,6 +116,7 @@ def model_dims(spec: dict, config_json: dict | None = None) -> ModelDims | None:
         hidden_size=hidden,
         num_layers=_count(values.get("num_hidden_layers")),
         num_heads=_count(values.get("num_attention_heads")),
+        num_key_value_heads=_count(values.get("num_key_value_heads")),
         intermediate_size=_count(values.get("intermediate_size")) or (4 * hidden if model_type == "gpt2" else None),
         vocab_size=_count(values.get("vocab_size")),
         max_position_embeddings=_count(values.get("max_position_embeddings"), minimum=0),

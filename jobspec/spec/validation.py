@@ -37,6 +37,7 @@ from jobspec.spec.rules import (
     paths,
     precision,
     quantized_base,
+    sequence_parallel,
     tracking,
 )
 from jobspec.spec.rules.base import Rule, base_dir, coded, did_you_mean, exists, get, local_path
@@ -248,6 +249,7 @@ CROSS_FIELD_RULES: tuple[Rule, ...] = (
     offload.offload_issues,
     optimizers.rule_issues,                  # each optimizer's own: offload, Adam fields, `momentum`
     packing.packing_issues,
+    sequence_parallel.sequence_parallel_issues,   # memory.sequence_parallel: what Ulysses can wrap
     precision.flash_attention_issues,
     choices.warmup,
     activation_checkpointing.every_n_layers_issues,
