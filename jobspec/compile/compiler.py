@@ -60,6 +60,10 @@ def compile_spec(spec: dict, job: DerivedJob, *, run_dir: str = "RUN_DIR",
     ds_config["scheduler"] = scheduler_block(training["scheduler"], optimizer["lr"], job, notes)
     ds_config.update(precision_blocks(memory))
     ds_config["zero_optimization"] = zero_block(memory, job.dims, gather_16bit=exports_during_training(spec))
+    if job.sequence_parallel > 1:
+        # DeepSpeed's batch arithmetic counts world / N data-parallel ranks: the engine learns N from the
+        # Ulysses groups (train/sequence_parallel), ZeRO-3's zero.Init, which runs before them, from here
+        ds_config["sequence_parallel_size"] = job.sequence_parallel
     if "nvme" in (memory["offload"]["optimizer"], memory["offload"]["params"]):
         ds_config["aio"] = aio_block(memory["offload"]["aio"])
     chosen = optimizers.get(optimizer["name"])
