@@ -107,6 +107,14 @@ class JobSpecTrainingScheduler(TypedDict):
     min_lr_ratio: float
 
 
+class JobSpecTrainingEvalGenerate(TypedDict):
+    """Generation at evaluation."""
+    prompts: int | str
+    max_new_tokens: int
+    temperature: float
+    seed: int | None
+
+
 class JobSpecTraining(TypedDict):
     """Steps, batch sizes, optimizer and schedule."""
     max_steps: int | None
@@ -120,6 +128,7 @@ class JobSpecTraining(TypedDict):
     on_nan: Literal["stop", "skip"]
     seed: int
     eval_every: int | None
+    eval_generate: JobSpecTrainingEvalGenerate | None
 
 
 class JobSpecMemoryFp16(TypedDict):

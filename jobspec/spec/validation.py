@@ -31,6 +31,7 @@ from jobspec.spec.rules import (
     choices,
     data,
     data_sources,
+    generation,
     lora,
     offload,
     packing,
@@ -257,6 +258,7 @@ CROSS_FIELD_RULES: tuple[Rule, ...] = (
     lora.lora_issues,                        # model.lora / model.quantization / export.adapter
     quantized_base.quantized_zero_issues,    # QLoRA: ZeRO 0-2 only (spec/rules/quantized_base)
     precision.auto_cast_issues,
+    generation.eval_generate_issues,         # training.eval_generate: causal-lm, prompts, room
     export_rules.export_issues,
     tracking.system_metrics_issues,
     tracking.tracking_uri_issues,
@@ -292,6 +294,9 @@ def resolve_paths(r: ResolvedSpec) -> None:
                 _put(s, path, HF_PREFIX + str(local))
         elif get(s, path) is not None:
             _put(s, path, str(local_path(r, path)))
+    generate = s["training"].get("eval_generate")
+    if generate and isinstance(generate["prompts"], str):   # a prompts file, relative to the spec file
+        generate["prompts"] = str(local_path(r, ("training", "eval_generate", "prompts")))
     # Hub ids and local directories look alike: only an existing local path is made absolute.
     for path in (("data", "tokenizer"), ("model", "name_or_path"), ("checkpoint", "resume")):
         value = get(s, path)
