@@ -74,6 +74,7 @@ class JobSpecData(TypedDict):
     label_field: str
     max_length: int
     padding: Literal["max_length", "longest"]
+    num_proc: int | None
     packing: bool
     tokenizer: str | None
     subset: str | None
