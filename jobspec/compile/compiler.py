@@ -250,6 +250,11 @@ def compile_patches(spec: dict) -> list[dict]:
         patches.append({"name": "gradient_checkpointing", "args": {
             "every_n_layers": settings.get("every_n_layers", 1),
             "use_reentrant": settings.get("use_reentrant", False)}})
+    if memory["tiled_mlp"]:
+        patches.append({"name": "tiled_mlp", "args": {}})
+    if memory["tiled_loss"]:   # DeepSpeed ALST tiling (model/tiling.py); tiles: null = as many as the bound needs
+        tiled = memory["tiled_loss"]
+        patches.append({"name": "tiled_loss", "args": {"tiles": tiled["tiles"] if isinstance(tiled, dict) else None}})
     if not optimizers.get(optimizer["name"]).built_by_deepspeed:  # a `client_optimizer` patch
         patches.append({"name": "client_optimizer", "args": client_optimizer_args(optimizer)})
     if model["compile"]:
@@ -352,4 +357,9 @@ def patch_text(patch: dict) -> str:
         return f"optimizer {args.get('name')}, built by jobspec"
     if name == "torch_compile":
         return "torch.compile"
+    if name == "tiled_loss":
+        tiles = args.get("tiles")
+        return "tiled loss " + (f"({tiles} tiles)" if tiles else "(tiles of at most 1 GiB of logits)")
+    if name == "tiled_mlp":
+        return "tiled MLP"
     return str(name)

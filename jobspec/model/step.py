@@ -81,15 +81,26 @@ def _traced_step(model, spec, micro_batch, seq_len, tracker, counter, params) ->
             counter.fixed_region = "embeddings"
             batch = step_inputs(spec, getattr(model, "config", None), micro_batch, seq_len)
             counter.fixed_region = None
-            output = model(**batch)
-            loss = output.loss if hasattr(output, "loss") else output["loss"]
+            loss = forward_loss(model, batch)   # the output dropped at once, as the ranks drop it
             counter.backward_at = len(counter.events)
             loss.backward()
-            del output, loss, batch
+            del loss, batch
     finally:
         for hook in hooks:
             hook.remove()
     return counter.timeline()
+
+
+def forward_loss(model, batch: dict):
+    """The loss of one micro-batch, the model's output dropped before the backward: what the ranks run
+    (train/worker.py: `loss_of(engine(**batch))`), so the trace holds the logits no longer than they do
+    (tests/model/test_tiling.py holds the two to the same peak)."""
+    return loss_of(model(**batch))
+
+
+def loss_of(outputs):
+    """The loss of a model's outputs: a ModelOutput (a dict), an object with `.loss`, or a tuple."""
+    return outputs["loss"] if isinstance(outputs, dict) else getattr(outputs, "loss", outputs[0])
 
 
 def _layer_prefix(model, stack, root: str) -> str | None:

@@ -29,8 +29,9 @@ from jobspec.errors import SpecError, first_line, spec_error
 from jobspec.model.step import extrapolate, run_step, summarize
 from jobspec.spec.model_profile import Inventory, ModelProfile, UnitTrace, compose, layer_types
 
-TRACE_VERSION = 3   # bump when what a trace measures changes: old cache entries are not read
+TRACE_VERSION = 4   # bump when what a trace measures changes: old cache entries are not read
 PRECISION_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+NO_TILING = (False, False)   # (tiled loss, tiled MLP): `tiling_setting` of a memory section without either
 # config attributes that mean tokens are routed to experts by their values
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
@@ -66,18 +67,20 @@ class ModelTracer:
                 self._store("inventory", self._inventory.as_dict())
         return self._inventory
 
-    def profile(self, precision: str, micro_batch: int, seq_len: int, checkpointing) -> ModelProfile:
+    def profile(self, precision: str, micro_batch: int, seq_len: int, checkpointing,
+                tiling: tuple = NO_TILING) -> ModelProfile:
         """The job setting's activations and FLOPs: composed from unit traces, or every layer traced when
-        the layers differ in more than their `config.layer_types` kind (or there is no layer stack)."""
+        the layers differ in more than their `config.layer_types` kind (or there is no layer stack).
+        `tiling`: `tiling_setting(spec["memory"])`, the tiled loss and MLP run as the ranks run them."""
         inv = self.inventory()
         every, reentrant = checkpoint_setting(checkpointing)
         if inv.num_layers == 0 or not inv.uniform:
-            trace = self.full(precision, micro_batch, seq_len, checkpointing)
-            model_trace = self.full(precision, micro_batch, seq_len, False) if every else trace
+            trace = self.full(precision, micro_batch, seq_len, checkpointing, tiling)
+            model_trace = self.full(precision, micro_batch, seq_len, False, tiling) if every else trace
             method = "full"
         else:
             flags = tuple(bool(every) and i % every == 0 for i in range(inv.num_layers))
-            unit = functools.partial(self.unit, precision, micro_batch, seq_len, reentrant=reentrant)
+            unit = functools.partial(self.unit, precision, micro_batch, seq_len, reentrant=reentrant, tiling=tiling)
             trace = compose(layer_types(inv.layer_kinds, flags), unit)
             plain = tuple(False for _ in flags)
             model_trace = compose(layer_types(inv.layer_kinds, plain), unit) if every else trace
@@ -86,8 +89,8 @@ class ModelTracer:
         return ModelProfile(inventory=inv, activations=trace, model_flops_per_token=model_trace.flops / tokens,
                             hardware_flops_per_token=trace.flops / tokens, method=method)
 
-    def unit(self, precision: str, micro_batch: int, seq_len: int, types: tuple, *, reentrant: bool = False
-             ) -> UnitTrace:
+    def unit(self, precision: str, micro_batch: int, seq_len: int, types: tuple, *, reentrant: bool = False,
+             tiling: tuple = NO_TILING) -> UnitTrace:
         """A trace of the model cut to `types` ((attention kind, checkpointed) per layer).
 
         Micro-batches above 2 are not traced: every tensor's size is affine in the batch (b·x + y) and
@@ -96,9 +99,9 @@ class ModelTracer:
         types = tuple(types)
 
         def timeline(batch: int) -> dict:
-            key = ("timeline", precision, batch, seq_len, types, reentrant)
+            key = ("timeline", precision, batch, seq_len, types, reentrant) + _tiling_key(tiling)
             return self._cached(key, lambda: self._trace(precision, batch, seq_len, types=types,
-                                                         reentrant=reentrant), trace=False)
+                                                         reentrant=reentrant, tiling=tiling), trace=False)
 
         def make() -> UnitTrace:
             if micro_batch > 2:
@@ -107,14 +110,15 @@ class ModelTracer:
                     return summarize(synthetic)
             return summarize(timeline(micro_batch))
 
-        return self._cached(("unit", precision, micro_batch, seq_len, types, reentrant), make)
+        return self._cached(("unit", precision, micro_batch, seq_len, types, reentrant) + _tiling_key(tiling), make)
 
-    def full(self, precision: str, micro_batch: int, seq_len: int, checkpointing) -> UnitTrace:
+    def full(self, precision: str, micro_batch: int, seq_len: int, checkpointing, tiling: tuple = NO_TILING
+             ) -> UnitTrace:
         """A trace of every layer at the micro-batch itself, checkpointed by the training patch (the
         reference the shortcuts are tested against)."""
-        key = ("full", precision, micro_batch, seq_len, json.dumps(checkpointing, sort_keys=True))
+        key = ("full", precision, micro_batch, seq_len, json.dumps(checkpointing, sort_keys=True)) + _tiling_key(tiling)
         return self._cached(key, lambda: summarize(self._trace(precision, micro_batch, seq_len,
-                                                                checkpointing=checkpointing)))
+                                                                checkpointing=checkpointing, tiling=tiling)))
 
     # ------------------------------------------------------------------ building
     def _config_for(self, kinds: tuple | None):
@@ -176,7 +180,7 @@ class ModelTracer:
 
     # ------------------------------------------------------------------ tracing
     def _trace(self, precision: str, micro_batch: int, seq_len: int, *, types: tuple | None = None,
-               reentrant: bool = False, checkpointing=None) -> dict:
+               reentrant: bool = False, checkpointing=None, tiling: tuple = NO_TILING) -> dict:
         """One traced step: its timeline (`step.run_step`)."""
         import torch
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -196,6 +200,7 @@ class ModelTracer:
                 every, reentrant = checkpoint_setting(checkpointing)
                 if every:
                     gradient_checkpointing(model, every, reentrant)
+            apply_tiling(model, tiling)   # the ranks' patches, in their order (compile/compiler.compile_patches)
             model = self._adapt(model)   # as on the ranks: PEFT wraps the model after jobspec's patches
             model = model.to(getattr(torch, PRECISION_DTYPES[precision]))   # on meta: no memory
             with FakeTensorMode(allow_non_fake_inputs=True):
@@ -304,6 +309,27 @@ def checkpoint_setting(checkpointing) -> tuple[int, bool]:
     return 1, False
 
 
+def tiling_setting(memory: dict) -> tuple:
+    """(tiled loss: False, True (tiles by the bound) or a tile count; tiled MLP) of the `memory` section."""
+    loss = memory.get("tiled_loss") or False
+    return (int(loss["tiles"]) if isinstance(loss, dict) else bool(loss), bool(memory.get("tiled_mlp")))
+
+
+def _tiling_key(tiling: tuple) -> tuple:
+    """Nothing for an untiled trace: its cache entries stay the ones traced before tiling existed."""
+    return () if tuple(tiling) == NO_TILING else ("tiling", *tiling)
+
+
+def apply_tiling(model, tiling: tuple) -> None:
+    from jobspec.model.tiling import tiled_loss, tiled_mlp
+
+    loss, mlp = tiling
+    if mlp:
+        tiled_mlp(model)
+    if loss is not False:
+        tiled_loss(model, tiles=None if loss is True else int(loss))
+
+
 def _set_layer_count(config, n: int) -> None:
     for name in ("num_hidden_layers", "num_layers", "n_layer", "n_layers"):
         if hasattr(config, name):
@@ -356,6 +382,6 @@ def job_profiler(cache_dir: Path | None = None, *, use_cache: bool = True):
         if key not in tracers:
             tracers[key] = ModelTracer(spec, directory)
         return tracers[key].profile(spec["memory"]["precision"], spec["training"]["micro_batch_size"], seq_len,
-                                    spec["memory"]["activation_checkpointing"])
+                                    spec["memory"]["activation_checkpointing"], tiling_setting(spec["memory"]))
 
     return profile

@@ -33,12 +33,14 @@ from jobspec.spec.rules import (
     data_sources,
     generation,
     lora,
+    model_type,
     offload,
     packing,
     paths,
     precision,
     quantized_base,
     sequence_parallel,
+    tiling,
     tracking,
 )
 from jobspec.spec.rules.base import Rule, base_dir, coded, did_you_mean, exists, get, local_path
@@ -105,6 +107,7 @@ def validate_spec(loaded: LoadedSpec) -> ResolvedSpec:
     if issues:
         raise SpecError(issues)
     resolved.spec = fill_defaults(loaded.spec)
+    model_type.fill_attention(resolved)   # left out: the best the model supports (sdpa, else eager)
     issues = cross_field_issues(resolved)
     if issues:
         raise SpecError(issues)
@@ -256,9 +259,11 @@ CROSS_FIELD_RULES: tuple[Rule, ...] = (
     activation_checkpointing.every_n_layers_issues,
     data.data_rule_issues,                   # positions, formats, tokenizer, chat template
     lora.lora_issues,                        # model.lora / model.quantization / export.adapter
+    model_type.model_type_issues,            # the task's head, LoRA module names, token ids (spec/model_table)
     quantized_base.quantized_zero_issues,    # QLoRA: ZeRO 0-2 only (spec/rules/quantized_base)
     precision.auto_cast_issues,
     generation.eval_generate_issues,         # training.eval_generate: causal-lm, prompts, room
+    tiling.tiled_loss_issues,                # memory.tiled_loss: causal-lm only
     export_rules.export_issues,
     tracking.system_metrics_issues,
     tracking.tracking_uri_issues,

@@ -10,6 +10,7 @@ from functools import partial
 from pathlib import Path
 
 from jobspec import trace
+from jobspec.model.step import loss_of  # noqa: F401 - the ranks' and the planner's trace's one definition
 from jobspec.rundir import RunFiles
 from jobspec.train.progress import RunState
 
@@ -33,7 +34,7 @@ def build_engine(files: RunFiles):
     import deepspeed
 
     from jobspec.model.build import build_model, build_tokenizer
-    from jobspec.train import adapters, packing
+    from jobspec.train import adapters, packing, sequence_parallel
     from jobspec.train.data import build_datasets
     from jobspec.train.patches import apply_patches, build_client_optimizer
 
@@ -60,9 +61,11 @@ def build_engine(files: RunFiles):
     if packing_note:
         patch_notes = [*patch_notes, packing_note, train_ds.packing.note()]
     phase(rank, "data")
+    # memory.sequence_parallel: Ulysses wraps the attention and builds the groups DeepSpeed reduces over
+    sp = sequence_parallel.setup(model, spec, files.ds_config["train_micro_batch_size_per_gpu"])
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-        optimizer=client_optimizer, config=files.ds_config)
+        optimizer=client_optimizer, config=files.ds_config, mpu=sp.mpu if sp else None)
     start_schedule(engine)
     phase(rank, "engine")
     return engine, train_ds, eval_ds, patch_notes
@@ -172,7 +175,3 @@ def share_cpu_threads() -> int | None:
     threads = threads_per_rank(available_cpus(), local_ranks)
     torch.set_num_threads(threads)
     return threads
-
-
-def loss_of(outputs):
-    return outputs["loss"] if isinstance(outputs, dict) else getattr(outputs, "loss", outputs[0])

@@ -13,6 +13,8 @@ Patch arguments, as the compiler writes them:
     freeze                  {patterns}
     client_optimizer        {name, lr, betas, eps, weight_decay, ...}
     torch_compile           {}  (any keyword is passed to torch.compile)
+    tiled_loss              {tiles}  (null: as many as keep one tile's logits within model/tiling.TILE_BYTES)
+    tiled_mlp               {}
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from typing import Callable
 from jobspec import optimizers
 from jobspec.errors import spec_error
 from jobspec.model.structure import attention_implementation, freeze, gradient_checkpointing
+from jobspec.model.tiling import tiled_loss, tiled_mlp
 
 
 def tf32(model, enabled: bool = True) -> str:
@@ -51,6 +54,8 @@ PATCHES: dict[str, Callable] = {
     "freeze": freeze,
     "client_optimizer": client_optimizer,
     "torch_compile": torch_compile,
+    "tiled_loss": tiled_loss,
+    "tiled_mlp": tiled_mlp,
 }
 
 

@@ -181,9 +181,10 @@ class TaskCounter:
 
 
 def logits_of(outputs):
-    """The logits of a model's outputs: a ModelOutput (a dict), or a tuple (`return_dict: false`)."""
+    """The logits of a model's outputs: a ModelOutput (a dict), or a tuple (`return_dict: false`); None
+    under `memory.tiled_loss`, which never makes them (perplexity needs only the loss)."""
     if isinstance(outputs, dict):
-        return outputs["logits"]
+        return outputs.get("logits")
     logits = getattr(outputs, "logits", None)
     return outputs[1] if logits is None else logits   # (loss, logits, ...) when labels were given
 

@@ -87,6 +87,7 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
     deepspeed = ops.import_deepspeed(without_mlflow=int(os.environ.get("LOCAL_RANK", "0")) != 0)
     from jobspec.export.exporter import ModelExporter
     from jobspec.train import adapters
+    from jobspec.train.generation import EvalGenerator
     from jobspec.train.progress import NullProgress, Progress
 
     # the libraries' records and bars to launcher.log (the quiet terminal): before they load anything
@@ -142,13 +143,15 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
         exporter = ModelExporter(files, run_dir, rank, control, progress,
                                  label_names=getattr(train_ds, "label_names", None))
         exporter.check_writable()
+        # training.eval_generate: answers to fixed prompts at every evaluation (train/generation.py)
+        generator = EvalGenerator.for_job(files, run_dir, rank, dist.get_world_size(), control, sink, progress)
         _phase("loop")
         del engine  # train_loop holds the only reference: an OOM recovery (jobspec.train.oom) must free it
         vote = StopVote(stop, control, dist.get_world_size())
         try:
             status = train_loop(telemetry.engine, files, train_ds, eval_ds, state, telemetry, progress,
                                 stop=vote, pending_rng=pending_rng, nan_guard=nan_guard, oom_guard=oom_guard,
-                                exporter=exporter)
+                                exporter=exporter, generator=generator)
         finally:
             vote.close()
         if status == "finished":  # after the final checkpoint: a failed export loses no training
@@ -166,7 +169,7 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
 
 def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, telemetry: "StepReporter", progress,
                *, stop, pending_rng: dict | None, nan_guard: NanGuard | None = None,
-               oom_guard: OomGuard | None = None, exporter=None) -> str:
+               oom_guard: OomGuard | None = None, exporter=None, generator=None) -> str:
     """Optimizer steps until `derived.total_steps` ("finished") or an agreed stop ("preempted").
 
     `stop(step)` is asked after every optimizer step (jobspec.train.stopping.StopVote). Per
@@ -209,6 +212,8 @@ def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, tele
             telemetry.log_eval(state.step, state.eval_loss, state.eval_metrics)
             if exporter is not None:
                 exporter.after_eval(engine, state)
+        if generator is not None:   # at every evaluation, with or without eval data
+            generator.run(engine, state)
 
     engine.train()
     window = Window()

@@ -1,0 +1,34 @@
+"""`memory.tiled_loss` and `memory.tiled_mlp` (jobspec/model/tiling.py): what they tile must exist.
+
+The tiled loss runs a causal LM's output projection and its next-token cross-entropy over sequence
+tiles, summing each tile's per-token losses; a task whose loss is not a per-token cross-entropy over
+that head's outputs (one label per sequence) has nothing to tile, and the masked-LM and
+token-classification heads (a transform before the decoder, a classifier of a few classes) are not
+tiled: their logits are small or their head is not one projection."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from jobspec import tasks
+from jobspec.errors import SpecIssue
+from jobspec.tasks.base import CLASS
+
+if TYPE_CHECKING:
+    from jobspec.spec.validation import ResolvedSpec
+
+TILED_TASKS = ("causal-lm",)
+
+
+def tiled_loss_issues(r: ResolvedSpec) -> list[SpecIssue]:
+    if not r.spec["memory"]["tiled_loss"]:
+        return []
+    task = r.spec["model"]["task"]
+    if task in TILED_TASKS:
+        return []
+    if tasks.get(task).labels == CLASS:
+        why = f"{task}'s loss is one cross-entropy per sequence (its pooled logits), not a per-token loss to tile"
+    else:
+        why = (f"{task}'s head is not tiled: the tiled loss runs a causal LM's output projection over its "
+               "vocabulary (the logits that grow with the sequence)")
+    return [r.issue(("memory", "tiled_loss"), why, "remove memory.tiled_loss (it is for causal-lm)",
+                    code="tiled-loss-task")]
