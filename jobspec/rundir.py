@@ -53,6 +53,7 @@ CPU_INFO = "cpu_info.json"
 LAUNCHER_LOG = "launcher.log"
 LAUNCHER = "launcher.json"
 METRICS = "metrics.jsonl"
+GENERATIONS = "generations.jsonl"   # training.eval_generate: one line per prompt per evaluation
 SUMMARY = "summary.json"
 OOM_RECOVERY = ".oom-recovery"
 MODEL_DIR = "model"
@@ -289,6 +290,29 @@ def read_metric_points(run_dir: Path) -> list[tuple[str, float, int, int]]:
     return points
 
 
+def append_generations(run_dir: Path, rows: list[dict]) -> None:
+    """generations.jsonl: rank 0's answers of one evaluation (train/generation.py), one line per prompt."""
+    with open(Path(run_dir) / GENERATIONS, "a", encoding="utf-8") as out:
+        out.write("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+
+
+def read_generations(run_dir: Path) -> list[dict]:
+    """Every row of generations.jsonl ([] without one); a torn last line is skipped."""
+    try:
+        lines = (Path(run_dir) / GENERATIONS).read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return []
+    rows = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a line cut short when the job died
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            rows.append(row)
+    return rows
+
+
 LAUNCHER_WRITER = "launcher"   # summary.json `written_by` of the launcher's fallback
 
 
@@ -322,6 +346,7 @@ class RunSummary:
     exports: dict[str, dict] = field(default_factory=dict)         # export/exporter.py's records by name
     parameters: dict[str, int] = field(default_factory=dict)       # trainable and total parameter counts
     error: str | None = None                  # why a failed run failed (rank 0)
+    generation: dict | None = None            # training.eval_generate: the last evaluation's first answer
     exit_code: int | None = None              # the launcher's fallback
     written_by: str | None = None             # LAUNCHER_WRITER for the fallback
     report: str | None = None                 # the closing block the launcher printed (plain text)
@@ -332,7 +357,7 @@ class RunSummary:
                  "tokens_per_s", "tflops_per_device", "mfu", "peak_memory", "elapsed_s", "resumed_from",
                  "checkpoint", "exports", "parameters")
     # written only when set
-    OPTIONAL_KEYS = ("error", "exit_code", "written_by", "report")
+    OPTIONAL_KEYS = ("error", "generation", "exit_code", "written_by", "report")
 
     @property
     def done(self) -> bool:

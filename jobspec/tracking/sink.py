@@ -14,7 +14,7 @@ from pathlib import Path
 from jobspec import rundir
 from jobspec.errors import first_line
 from jobspec.secrets import mask_secrets
-from jobspec.tracking import sync
+from jobspec.tracking import generations, sync
 from jobspec.tracking.run import MAX_METRICS_PER_BATCH, MAX_PARAM_VALUE_CHARS, client_for, flatten, param_batches
 
 log = logging.getLogger("jobspec.tracking")
@@ -76,6 +76,12 @@ class MetricSink:
         if self._thread is not None:
             self._queue.put(("params", flatten(params), None, None))
 
+    def log_table(self, step: int, rows: list[dict]) -> None:
+        """The answers generated at the evaluation of `step` as the run's MLflow table
+        (tracking/generations.py; generations.jsonl holds them already: rank 0 writes it)."""
+        if self._thread is not None:
+            self._queue.put(("table", [dict(row) for row in rows], int(step), None))
+
     def set_tags(self, tags: dict) -> None:
         if self._thread is not None:
             self._queue.put(("tags", {k: mask_secrets(str(v))[:MAX_PARAM_VALUE_CHARS] for k, v in tags.items()},
@@ -134,6 +140,8 @@ class MetricSink:
                         self._send(params=[Param(k, v) for k, v in batch.items()])
                 elif kind == "tags":
                     self._send(tags=[RunTag(k, v) for k, v in payload.items()])
+                elif kind == "table":
+                    self._retry(lambda rows=payload, at=step: generations.log_table(self.client, str(self.run_id), at, rows))
                 else:
                     metrics += [Metric(k, v, timestamp, step) for k, v in payload.items()]
             self._send_metrics(metrics)
@@ -150,10 +158,14 @@ class MetricSink:
 
     def _send(self, **batch) -> bool:
         """Retry one batch with backoff until it is sent (True) or `close`'s deadline passes (False)."""
+        return self._retry(lambda: self.client.log_batch(self.run_id, synchronous=True, **batch))
+
+    def _retry(self, call) -> bool:
+        """Retry `call` with backoff until it succeeds (True) or `close`'s deadline passes (False)."""
         delay, attempts = RETRY_FIRST_S, 0
         while True:
             try:
-                self.client.log_batch(self.run_id, synchronous=True, **batch)
+                call()
                 if attempts:
                     log.warning("MLflow sink: tracking server reachable again after %d failed attempts", attempts)
                 return True

@@ -10,6 +10,7 @@ from pathlib import Path
 from jobspec import rundir
 from jobspec import status as run_status
 from jobspec.errors import first_line, spec_error
+from jobspec.tracking import generations
 from jobspec.tracking import run as tracking
 from jobspec.tracking.run import MAX_METRICS_PER_BATCH
 
@@ -32,6 +33,7 @@ def sync_run(run_dir: Path, tracking_uri: str | None = None) -> SyncResult:
     try:
         tracked = open_or_create_run(run_dir, tracking_uri)
         sent = upload_missing(tracked.client, tracked.run_id, run_dir)
+        generations.upload_missing(tracked.client, tracked.run_id, run_dir)   # training.eval_generate's tables
         closed = close_if_ended(tracked, run_dir)
     except tracking.TrackingUnavailable as err:
         raise spec_error(f"MLflow tracking is unavailable: {err}", file=str(run_dir),

@@ -130,8 +130,11 @@ class Window:
     tokens: int = 0
     steps: int = 0
     started: float = field(default_factory=time.perf_counter)
-    losses: list = field(default_factory=list)       # one 0-d tensor per counted micro-batch
+    # one 0-d tensor per counted micro-batch: its summed loss over its step's labelled tokens (all
+    # ranks'), so the sum over the micro-batches and ranks of a step is the step's token-weighted loss
+    losses: list = field(default_factory=list)
     loss_steps: list = field(default_factory=list)   # the optimizer step of each
+    lr: float | None = None   # the learning rate the window's last step ran at (read before its update)
 
     def add_loss(self, loss, step: int = 0) -> None:
         self.micro_batches += 1
@@ -202,6 +205,7 @@ class RunState:
     last_checkpoint: str | None = None
     exports: dict = field(default_factory=dict)   # model directories written (jobspec/export/exporter.py)
     parameters: dict = field(default_factory=dict)   # {"trainable", "total"} (train/adapters.parameter_counts)
+    generation: dict | None = None   # the last evaluation's first answer (train/generation.py)
 
 
 class StepReporter:
@@ -244,7 +248,10 @@ class StepReporter:
         loss_sum, micro_batches, samples, tokens = (sum(r[i] for r in ranks) for i in range(4))
         if not math.isfinite(loss_sum) and nan_guard is not None and nan_guard.policy == "stop":
             raise nan_guard.failure(window.first_nonfinite_step())  # 0 where another rank had it
-        out: dict[str, float] = {"train/loss": loss_sum / micro_batches, "train/lr": float(self.engine.get_lr()[0])}
+        # the mean over the window's steps of each step's token-weighted loss (jobspec.train.token_loss);
+        # the rate the last step used (get_lr() after the update is the next step's)
+        lr = window.lr if window.lr is not None else float(self.engine.get_lr()[0])
+        out: dict[str, float] = {"train/loss": loss_sum / max(window.steps, 1), "train/lr": lr}
         grad_norm = self.engine.get_global_grad_norm()
         if grad_norm is not None:
             out["train/grad_norm"] = float(grad_norm)
@@ -316,6 +323,7 @@ def summarize(state: RunState, status: str, total_steps: int | None, started: fl
         exports=state.exports,
         parameters=state.parameters,
         error=error,
+        generation=state.generation,
     )
 
 
