@@ -19,6 +19,7 @@ examples:
   jobspec report quickstart
   jobspec report bench --format markdown --out reports/bench
   jobspec report bench --log-to-runs         # memory/throughput plots into each run's artifacts
+  jobspec report chat --generations --out reports/chat   # the runs' answers side by side (training.eval_generate)
   jobspec report xlmr-large --tracking-uri http://mlflow:5000 --format csv > runs.csv
 """
 from __future__ import annotations
@@ -44,11 +45,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-to-runs", action="store_true",
                         help="log plots/memory.png and plots/throughput.png to each run that lacks them")
     parser.add_argument("--no-plots", action="store_true", help="tables only: draw and log no plots")
+    parser.add_argument("--generations", action="store_true",
+                        help="instead of the table: each prompt of training.eval_generate with every run's latest "
+                             "answer side by side (with --out: generations.md and generations.html)")
 
 
 def run(args: argparse.Namespace) -> int:
     from jobspec.report.build import report
 
     report(args.experiment, args.tracking_uri, args.format, args.out, plots=not args.no_plots,
-           log_to_runs=args.log_to_runs)
+           log_to_runs=args.log_to_runs, generations=args.generations)
     return 0

@@ -24,6 +24,7 @@ from jobspec.errors import RunFailure
 from jobspec.export.hf_dir import dir_bytes, torch_dtype
 
 ADAPTER_SUFFIX = "-adapter"
+BASE_DIR = "base"   # inside the adapter directory: the base of a model built from a config
 
 
 class GatherMismatch(RunFailure):
@@ -96,22 +97,60 @@ def merged_state_dict(peft_model) -> dict:
     return peft_model.merge_and_unload(progressbar=False).state_dict()
 
 
-def write_adapter_dir(out: str | os.PathLike, spec: dict, peft_model, info: dict) -> dict:
+def base_state_dict(peft_model) -> dict:
+    """The frozen base's weights under the plain model's names (the adapters left out): what the
+    adapter goes onto. PEFT names a wrapped layer's own weight `<layer>.base_layer.weight` and a
+    `modules_to_save` copy's original `<module>.original_module.weight`."""
+    base = {}
+    for key, value in peft_model.state_dict().items():
+        if ".lora_" in key or ".modules_to_save." in key or "lora_magnitude_vector" in key:
+            continue
+        name = key.removeprefix("base_model.model.").replace(".base_layer.", ".").replace(".original_module.", ".")
+        base[name] = value
+    return base
+
+
+def base_readme(base: str, built: bool) -> str:
+    """The adapter README's section on its base: where it is and how to load the pair."""
+    where = (f"The base is the job's model built from its config with random weights (no hub id names it): "
+             f"its exact weights, as trained on (frozen), are exported beside the adapter in `{BASE_DIR}/` "
+             f"({base}).") if built else f"The base model is `{base}`."
+    return ("\n## Base model\n\n" + where + "\n\n```python\nfrom peft import PeftModel\n"
+            "from transformers import AutoModelForCausalLM\n\n"
+            f'base = AutoModelForCausalLM.from_pretrained("{base}")\n'
+            'model = PeftModel.from_pretrained(base, "ADAPTER_DIR")\n```\n')
+
+
+def write_adapter_dir(out: str | os.PathLike, spec: dict, peft_model, info: dict, tokenizer=None) -> dict:
     """PEFT's own `save_pretrained` (adapter weights and adapter_config.json) into `out`, built under a
-    temporary name and renamed into place; returns its record."""
+    temporary name and renamed into place; returns its record. A base built from a config (no
+    `model.name_or_path` names it) is exported into `out/base` (export/hf_dir.py, with the tokenizer)
+    and adapter_config.json's `base_model_name_or_path` names that directory: no other copy of the
+    frozen random weights exists (under ZeRO-3 they are not even the seed's whole-model init)."""
+    from jobspec.export.hf_dir import ExportInfo, write_model_dir
+
     out = Path(out)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     started = time.monotonic()
     shutil.rmtree(tmp, ignore_errors=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
+        named = spec["model"].get("name_or_path")
+        base = named or str((out / BASE_DIR).resolve())
+        if not named:   # before save_pretrained: PEFT's model card names the base too
+            base_spec = {**spec, "model": {**spec["model"], "lora": None, "quantization": None}}
+            write_model_dir(tmp / BASE_DIR, base_spec, base_state_dict(peft_model),
+                            ExportInfo(name=f"{info.get('name')} base", step=info.get("step"),
+                                       dtype=info.get("dtype", "fp32"), source="the frozen base the adapter trained on",
+                                       metrics={}, notes=[]), tokenizer=tokenizer)
         peft_model.save_pretrained(tmp)
         config_path = tmp / "adapter_config.json"
         config = json.loads(config_path.read_text(encoding="utf-8"))
-        # the base it goes on: the checkpoint the job loaded, else the merged export's sibling
-        # directory's config (an architecture with random weights has no other name)
-        config["base_model_name_or_path"] = spec["model"].get("name_or_path") or config.get("base_model_name_or_path")
+        config["base_model_name_or_path"] = base
         config_path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        readme = tmp / "README.md"
+        card = readme.read_text(encoding="utf-8") if readme.is_file() else f"# {spec['name']} adapter\n"
+        readme.write_text(card.rstrip("\n") + "\n" + base_readme(base, not named), encoding="utf-8")
         record = {**info, "job": spec["name"], "kind": "peft-adapter"}
         (tmp / "jobspec_export.json").write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
         old = out.parent / f".{out.name}.old-{os.getpid()}"

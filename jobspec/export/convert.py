@@ -128,7 +128,7 @@ def _export_lora(source: Source, out: Path, spec: dict, state_dict: dict, info: 
         try:
             adapter_record = lora_exports.write_adapter_dir(
                 adapter_out, spec, peft_model, {"name": adapter_out.name, "step": info.step, "dtype": info.dtype,
-                                                "source": info.source})
+                                                "source": info.source}, tokenizer=tokenizer)
         except OSError as err:
             raise ExportFailed(describe_io_error(adapter_out, err)) from None
     if not merged and adapter_record is not None:

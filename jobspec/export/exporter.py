@@ -156,7 +156,8 @@ class ModelExporter:
                     if adapter:
                         self._record(state, f"{name}{lora_exports.ADAPTER_SUFFIX}", lora_exports.write_adapter_dir(
                             self.base / f"{name}{lora_exports.ADAPTER_SUFFIX}", self.spec, peft_model,
-                            {"name": name, "step": state.step, "dtype": self.dtype, "source": info.source}))
+                            {"name": name, "step": state.step, "dtype": self.dtype, "source": info.source},
+                            tokenizer=self._job_tokenizer()))
                     state_dict = lora_exports.merged_state_dict(peft_model) if merged else {}
                     del peft_model
                 if merged:

@@ -3,7 +3,10 @@
     <out>/config.json             the model's config (the spec's architecture or checkpoint, and overrides;
                                   id2label/label2id: the training data's label names, when it had names)
     <out>/model*.safetensors      the weights in the chosen dtype (sharded with an index when large)
-    <out>/tokenizer files         when the job has a tokenizer (`data.tokenizer`, or the model's own)
+    <out>/generation_config.json  a model that generates: `eos_token_id` the tokenizer's EOS and the chat
+                                  template's end-of-turn token, so `generate` stops at the end of a turn
+    <out>/tokenizer files         when the job has a tokenizer (`data.tokenizer`, or the model's own;
+                                  the job's `data.chat_template` as its chat template)
     <out>/README.md               model card: how it was trained, the metrics, the job spec (secrets masked)
     <out>/jobspec_export.json     what was exported: step, dtype, source, metrics
 
@@ -93,6 +96,7 @@ def write_model_dir(out: str | os.PathLike, spec: dict, state_dict: dict, info: 
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         model = _filled_skeleton(spec, state_dict, info.dtype, tokenizer, show_progress)
+        stop_at_end_of_turn(model, spec, tokenizer)
         name_labels(model.config, label_names)
         _inject_error(tmp, info.name)
         _save_weights(model, tmp, spec)
@@ -109,6 +113,29 @@ def write_model_dir(out: str | os.PathLike, spec: dict, state_dict: dict, info: 
             raise ExportFailed(describe_io_error(out, err)) from None
         raise
     return {**record, "path": str(out), "bytes": dir_bytes(out), "seconds": round(time.monotonic() - started, 3)}
+
+
+def stop_at_end_of_turn(model, spec: dict, tokenizer) -> None:
+    """generation_config.json's `eos_token_id`: the tokenizer's EOS and the chat template's end-of-turn
+    token (model/chat_turns.py), so `generate` and pipelines stop where a trained chat model ends its
+    answer instead of writing the next turns; `pad_token_id` the tokenizer's. The job's own template
+    file (`data.chat_template`) goes into the exported tokenizer, which then renders prompts as training did."""
+    if tokenizer is None:
+        return
+    from jobspec.job.chat_render import chat_template
+    from jobspec.model.chat_turns import end_of_turn_ids
+
+    template = chat_template(spec, tokenizer)
+    if template and spec["data"].get("chat_template"):
+        tokenizer.chat_template = template
+    config = getattr(model, "generation_config", None)
+    if config is None:
+        return
+    ids = end_of_turn_ids(tokenizer, template)
+    if ids:
+        config.eos_token_id = ids[0] if len(ids) == 1 else ids
+    if getattr(config, "pad_token_id", None) is None and tokenizer.pad_token_id is not None:
+        config.pad_token_id = tokenizer.pad_token_id
 
 
 def label_maps(label_names: dict | None, num_labels: int) -> tuple[dict, dict] | None:

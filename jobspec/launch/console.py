@@ -7,6 +7,7 @@ inputs as they are (the derived job, the planner, the worker's summary), never r
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 from urllib.parse import urlsplit
@@ -69,7 +70,10 @@ def plain(lines: list[str]) -> str:
 def mlflow_open(tracking_uri: str, experiment_id: str, run_id: str) -> str:
     """How to look at the run: its URL on a tracking server, or the `mlflow ui` command for a local store."""
     parts = urlsplit(tracking_uri)
-    page = f"/#/experiments/{experiment_id}/runs/{run_id}"
+    # MLflow 3's UI opens in its GenAI mode unless told (a `workflowType` query parameter, else the
+    # browser's last choice, by default GenAI), where a run is filed under "Evaluations" and its model
+    # metrics are hidden; `machine_learning` opens the run page of model training
+    page = f"/#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"
     if parts.scheme in ("http", "https"):
         return tracking_uri.rstrip("/") + page
     if parts.scheme in ("sqlite", "file", ""):
@@ -255,6 +259,10 @@ def closing_lines(summary: RunSummary | None, launch: dict, *, job_name: str, ru
     if adapter:
         # what those trainable parameters are, so a run's report says which LoRA produced its loss
         lines.append(label("adapter", style) + adapter)
+    answer = summary.generation   # training.eval_generate: the last evaluation's first answer
+    if isinstance(answer, dict) and answer.get("generation") is not None:
+        lines.append(label("answer", style) + f"step {answer.get('step')}: {_excerpt(answer.get('prompt'))} -> "
+                     f"{_excerpt(answer.get('generation'))}")
     if summary.checkpoint:
         lines.append(label("checkpoint", style) + os.path.join(checkpoint_dir, summary.checkpoint))
     for name, record in sorted(summary.exports.items()):
@@ -274,6 +282,12 @@ def closing_lines(summary: RunSummary | None, launch: dict, *, job_name: str, ru
     lines += tracking_lines(tracking, experiment, style=style)
     lines.append(label("run dir", style) + str(run_dir))
     return lines
+
+
+def _excerpt(text, limit: int = 80) -> str:
+    """One quoted line of at most `limit` characters."""
+    flat = " ".join(str(text or "").split())
+    return json.dumps(flat if len(flat) <= limit else flat[:limit - 1] + "…", ensure_ascii=False)
 
 
 def adapter_text(model_spec: dict | None) -> str:

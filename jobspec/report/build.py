@@ -11,7 +11,7 @@ from jobspec.report import table
 
 
 def report(experiment: str, tracking_uri: str, fmt: str, out: Path | None, *, plots: bool = True,
-           log_to_runs: bool = False) -> None:
+           log_to_runs: bool = False, generations: bool = False) -> None:
     """Print the table. Files only under `out` (the table and the comparison plot); per-run plots
     logged to the MLflow runs only with `log_to_runs`: a report reads, it writes where it is told."""
     from jobspec.tracking import orphans
@@ -23,6 +23,9 @@ def report(experiment: str, tracking_uri: str, fmt: str, out: Path | None, *, pl
     if not rows:
         raise spec_error(f"experiment {experiment!r} has no runs", path=("EXPERIMENT",),
                          hint="launch a job with logging.mlflow.experiment set to it")
+    if generations:   # training.eval_generate: the runs' latest answers side by side (report/generations.py)
+        report_generations(client, reports, experiment, fmt, out)
+        return
     text = table.RENDERERS[fmt](rows)
     sys.stdout.write(text if text.endswith("\n") else text + "\n")
 
@@ -45,6 +48,22 @@ def report(experiment: str, tracking_uri: str, fmt: str, out: Path | None, *, pl
         comparison = plotting.plot_comparison(rows, out / plotting.COMPARISON_FILE, title=experiment)
         said.append(f"comparison plot {comparison}")
     print(f"jobspec: {'; '.join(said)}", file=sys.stderr)
+
+
+def report_generations(client, reports, experiment: str, fmt: str, out: Path | None) -> None:
+    """Print each prompt with every run's latest answer (markdown with `--format markdown`); with `out`,
+    generations.md and generations.html there. No run that generated: exit 2, saying how to get some."""
+    from jobspec.report import generations
+    comparison = generations.collect(client, reports)
+    if not comparison.runs:
+        raise spec_error(f"no run of experiment {experiment!r} generated answers at evaluation", path=("EXPERIMENT",),
+                         hint="launch a causal-lm job with training.eval_generate set")
+    text = generations.render_markdown(comparison) if fmt == "markdown" else generations.render_text(comparison)
+    sys.stdout.write(text + "\n")
+    if out is not None:
+        write_text(out / "generations.md", generations.render_markdown(comparison))
+        write_text(out / "generations.html", generations.render_html(comparison, experiment))
+        print(f"jobspec: generations.md and generations.html in {out}", file=sys.stderr)
 
 
 def write_text(path: Path, text: str) -> None:

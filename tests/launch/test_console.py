@@ -173,9 +173,12 @@ def test_closing_summary_says_the_exit_status_in_words():
 def test_mlflow_open_for_local_stores_and_servers(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert console.mlflow_open("sqlite:///mlflow.db", "1", "r") == \
-        f"mlflow ui --backend-store-uri sqlite:///{tmp_path}/mlflow.db  then  http://127.0.0.1:5000/#/experiments/1/runs/r"
+        f"mlflow ui --backend-store-uri sqlite:///{tmp_path}/mlflow.db  then  http://127.0.0.1:5000/#/experiments/1/runs/r" \
+        "?workflowType=machine_learning"
     assert console.mlflow_open("sqlite:////abs/m.db", "1", "r").startswith("mlflow ui --backend-store-uri sqlite:////abs/m.db ")
-    assert console.mlflow_open("https://ml.example.org/", "7", "r") == "https://ml.example.org/#/experiments/7/runs/r"
+    # the run page of model training, not MLflow 3's GenAI mode (where the run is under "Evaluations")
+    assert console.mlflow_open("https://ml.example.org/", "7", "r") == \
+        "https://ml.example.org/#/experiments/7/runs/r?workflowType=machine_learning"
 
 
 # --- the terminal filter -------------------------------------------------------------------------
