@@ -3,7 +3,10 @@
     ended                      exit code        MLflow     jobspec.status   reason tag
     finished                   0                FINISHED   finished         (both cleared)
     stopped with a checkpoint  75 (EX_TEMPFAIL) KILLED     preempted        jobspec.stop_reason
-      (SIGUSR1, SIGTERM/SIGINT, --stop-after-steps; the same command resumes it)
+      (SIGUSR1, SIGTERM/SIGINT/SIGHUP to the launcher or to every process of the job,
+       --stop-after-steps; the printed command resumes it)
+    ended at once (a second   130              KILLED     killed           jobspec.stop_reason
+      Ctrl-C), no checkpoint
     stopped before one         128+N (signal N) KILLED     killed           jobspec.stop_reason
     failed                     the ranks' (a    FAILED     failed           jobspec.failure_reason
                                rank killed by
@@ -47,14 +50,19 @@ class Ending:
 
 
 def ending(exit_code: int, user_signal: int | None, reason: str | None, summary: RunSummary | None,
-           stop_after_steps: int | None = None) -> Ending:
-    """The run's ending from the runner's outcome and rank 0's summary.json."""
+           stop_after_steps: int | None = None, at_once: bool = False) -> Ending:
+    """The run's ending from the runner's outcome and rank 0's summary.json. `at_once`: a second
+    Ctrl-C ended the job without waiting (a checkpoint the ranks finished first still counts)."""
     status = summary.status if summary else None
-    if summary and status == "preempted" and summary.checkpoint and exit_code in (0, 128 + (user_signal or 0)):
+    stopped_codes = (0, 128 + (user_signal or 0), 128 + signal.SIGINT if at_once else 0)
+    if summary and status == "preempted" and summary.checkpoint and exit_code in stopped_codes:
         return Ending("KILLED", "preempted", EXIT_PREEMPTED, stop_reason(summary, user_signal, stop_after_steps))
+    if at_once:
+        return Ending("KILLED", "killed", exit_code, "ended at once by a second SIGINT (Ctrl-C), "
+                                                     "without waiting for the checkpoint")
     if user_signal:
         return Ending("KILLED", "killed", exit_code,
-                      f"stopped by {signal.Signals(user_signal).name} before a checkpoint was saved")
+                      f"stopped by {signal_words(user_signal)} before a checkpoint was saved")
     if exit_code == 0:
         return Ending("FINISHED", "finished", 0)
     error = summary.error if summary and status == "failed" else None
@@ -77,7 +85,7 @@ def from_summary(summary: RunSummary | None) -> Ending | None:
 
 def stop_reason(summary: RunSummary, user_signal: int | None, stop_after_steps: int | None) -> str:
     if user_signal:
-        why = f"{signal.Signals(user_signal).name} from the user"
+        why = signal_words(user_signal)
     elif stop_after_steps and (summary.steps or 0) >= stop_after_steps:
         why = f"--stop-after-steps {stop_after_steps}"
     else:
@@ -86,20 +94,36 @@ def stop_reason(summary: RunSummary, user_signal: int | None, stop_after_steps: 
             f"checkpoint {summary.checkpoint}")
 
 
-def resume_command(job: str, overrides: list[str], resume_setting: str) -> str:
-    """The command that continues a stopped run: the same one, `checkpoint.resume=auto` if it was not."""
+def signal_words(sig: int) -> str:
+    """A stop signal and where it usually comes from, for the run's record."""
+    name = signal.Signals(sig).name
+    return {signal.SIGINT: f"{name} (Ctrl-C)", signal.SIGHUP: f"{name} (the terminal hung up)"}.get(
+        signal.Signals(sig), f"{name} from the user")
+
+
+def resume_command(job: str, overrides: list[str], resume_setting: str, checkpoint_dir: str | None = None) -> str:
+    """The command that continues a stopped run: the same one, `checkpoint.resume=auto` if it was not,
+    and `checkpoint.dir=DIR` when a plain relaunch would pick another of the spec's checkpoint
+    directories (`checkpoint_dir`: the one to continue; launch/lineage.choose decides which)."""
     kept = [o for o in overrides if resume_setting == "auto" or not o.startswith("checkpoint.resume=")]
     if resume_setting != "auto":
         kept.append("checkpoint.resume=auto")
+    if checkpoint_dir is not None:
+        kept = [o for o in kept if not o.startswith("checkpoint.dir=")] + [f"checkpoint.dir={checkpoint_dir}"]
     return shlex.join(["jobspec", "launch", job, *[a for o in kept for a in ("--set", o)]])
 
 
-def closing_line(end: Ending, run_dir, resume: str) -> str:
-    """The launcher's last line."""
+def closing_line(end: Ending, run_dir, resume: str, resumes_from: str | None = None) -> str:
+    """The launcher's last lines. `resumes_from`: what `resume` would start from now ("checkpoint
+    DIR/stepK (step K of N)", or None: no checkpoint of this run exists, it starts at step 0)."""
     if end.label == "preempted":
         return (f"jobspec: stopped, not finished (exit {end.exit_code}): {end.reason}; run directory {run_dir}\n"
                 f"jobspec: resume with: {resume}")
     text = f"jobspec: {end.label} (exit {end.exit_code}); run directory {run_dir}"
     if end.reason and end.label != "finished":
         text += f"\njobspec: {end.reason.strip().splitlines()[0]}"
+    if end.label == "killed":   # stopped by the user before a checkpoint: say plainly what a relaunch does
+        text += ("\njobspec: no checkpoint was saved by this stop; " +
+                 (f"{resume} resumes from the last one saved before it, {resumes_from}" if resumes_from
+                  else f"no checkpoint of this run exists, so {resume} starts it again from step 0"))
     return text

@@ -216,10 +216,11 @@ def outcome_text(summary: RunSummary, exit_code: int, user_signal: str | None, r
     """The exit status in words."""
     steps, total = summary.steps, summary.total_steps
     at = f" at step {steps} of {total}" if steps is not None and total else ""
-    if user_signal:
-        return f"stopped by {user_signal}{at} (exit {exit_code}); the same command resumes from the last checkpoint"
-    if summary.status == "preempted":   # --stop-after-steps, SIGUSR1: a stop with a checkpoint
-        return f"stopped{at} with a checkpoint (exit {exit_code}); the same command continues from it"
+    if summary.status == "preempted":   # a signal, --stop-after-steps: the ranks saved a checkpoint first
+        by = f" by {user_signal}" if user_signal else ""
+        return f"stopped{by}{at} with a checkpoint (exit {exit_code}); the command below continues from it"
+    if user_signal:   # ended before the ranks saved one (a second Ctrl-C, the grace ran out)
+        return f"stopped by {user_signal}{at} before a checkpoint was saved (exit {exit_code})"
     if exit_code == 0:
         done = f": {steps}/{total} steps" if steps is not None and total else ""
         elapsed = summary.elapsed_s

@@ -72,9 +72,11 @@ def writer_run_dir(ckpt_dir: str | Path) -> Path | None:
     return Path(last) if last and Path(last).is_dir() else None
 
 
-def complete_lines(spec: dict, intent: Intent) -> list[str]:
+def complete_lines(spec: dict, intent: Intent, unfinished: list[tuple[Path, int, str]] | None = None) -> list[str]:
     """What `jobspec launch` says instead of launching a complete job: the run that wrote the
-    checkpoint (not merely the newest run directory: a --from-run or --new-run child may be newer)."""
+    checkpoint (not merely the newest run directory: a --from-run or --new-run child may be newer),
+    and each unfinished checkpoint directory of the same spec `unfinished` names (directory, step,
+    the command that resumes it)."""
     from jobspec.launch.console import mlflow_open
 
     ckpt_dir = spec["checkpoint"]["dir"]
@@ -91,6 +93,9 @@ def complete_lines(spec: dict, intent: Intent) -> list[str]:
         owner = ownership.read_owner(Path(ckpt_dir)) if Path(ckpt_dir).is_dir() else None
         if owner and owner.get("mlflow_run_id"):
             lines.append(f"  MLflow      run {owner['mlflow_run_id']}")
+    for directory, step, command in unfinished or []:
+        lines.append(f"  unfinished  {directory} holds a run of the same spec stopped at step {step} of "
+                     f"{intent.total_steps}; resume it with: {command}")
     lines += ["  to train again from scratch: add --new-run (fresh checkpoints beside these, which stay), or "
               "--set output_dir=<a new directory>",
               f"  to train longer: --set training.max_steps=N with N > {intent.step} --continue goes on from step "

@@ -4,6 +4,9 @@ A job's checkpoints live in `checkpoint.dir`; `--new-run` starts a new line of c
 them, in `<checkpoint.dir>-2`, `-3`, ..., and never touches the old ones. A relaunch looks through
 these for the one trained under the same fingerprint (launch/fingerprint.py) and resumes it, so
 a sweep over learning rates resumes each variant in its own directory without a new output_dir.
+When several directories were trained under the same spec (a finished run, then a `--new-run` of
+it that was stopped), the newest unfinished one is resumed: the command a stopped launch prints
+continues that launch's checkpoints, and a finished directory has nothing left to train.
 
 When none matches, the launch is refused (exit 2) with every changed field, old -> new, at its place
 in the spec, and the choices: a new `output_dir`; `--new-run`; and `--continue` when every change is
@@ -20,7 +23,7 @@ from pathlib import Path
 
 from jobspec.errors import SpecError, SpecIssue
 from jobspec.launch import fingerprint as fp
-from jobspec.launch import ownership
+from jobspec.launch import intent, ownership
 from jobspec.secrets import mask_tree
 
 LINEAGE_SUFFIX = re.compile(r"^-(\d+)$")
@@ -79,9 +82,11 @@ def choose(resolved, derived: dict, *, new_run: bool = False, continue_run: bool
         scored.append((directory, owner, changes))
     if not scored:
         return Lineage(base, prints, _flat(spec, base))
-    for directory, owner, changes in scored:
-        if not changes:
-            return _continuing(directory, base, owner, prints, spec, ())
+    same = [(directory, owner) for directory, owner, changes in scored if not changes]
+    if same:
+        unfinished = [item for item in same if not _complete(spec, item[0], derived)]
+        directory, owner = unfinished[-1] if unfinished else same[0]
+        return _continuing(directory, base, owner, prints, spec, ())
     directory, owner, changes = min(scored, key=lambda item: (not all(c.continuable for c in item[2]), len(item[2])))
     if continue_run and all(c.continuable for c in changes):
         return _continuing(directory, base, owner, prints, spec, tuple(changes))
@@ -103,6 +108,33 @@ def _continuing(directory: Path, base: Path, owner: dict, prints: dict, spec: di
         lines.append("--continue: " + "; ".join(c.describe(40) for c in shown))
     segment = len(segments) + 1 if recorded or not segments else len(segments)
     return Lineage(directory, prints, spec_flat, continued, recorded, segment, tuple(lines))
+
+
+def unfinished_of_same_spec(spec: dict, derived: dict) -> list[tuple[Path, int]]:
+    """(directory, step) of each checkpoint directory of this lineage trained under this spec that
+    holds a checkpoint short of the job's last step: what "already complete" points at."""
+    base = Path(spec["checkpoint"]["dir"])
+    prints = fp.fingerprint(spec, derived)
+    found = []
+    for directory in lineage_dirs(base):
+        owner = ownership.read_owner(directory) if _has_checkpoints(directory) else None
+        if not owner or owner.get("job") not in (None, spec["name"]):
+            continue
+        if owner.get("fingerprint") is not None and fp.compare(owner["fingerprint"], prints):
+            continue
+        what = _intent(spec, directory, derived)
+        if what.action == "resume":
+            found.append((directory, what.step))
+    return found
+
+
+def _intent(spec: dict, directory: Path, derived: dict) -> intent.Intent:
+    return intent.decide({**spec, "checkpoint": {**spec["checkpoint"], "dir": str(directory), "resume": "auto"}},
+                         derived.get("total_steps"))
+
+
+def _complete(spec: dict, directory: Path, derived: dict) -> bool:
+    return _intent(spec, directory, derived).action == "complete"
 
 
 def _flat(spec: dict, directory: Path) -> dict[str, str]:

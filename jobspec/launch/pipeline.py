@@ -124,15 +124,20 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
         if again.checkpoint_dir != chosen.checkpoint_dir:
             raise spec_error(f"the checkpoints of {spec['name']!r} changed while this launch started",
                              path=("checkpoint", "dir"), hint="run the same command again")
-        return _launch_holding(job, overrides, prepared, again, held, resume_run_id, port,
-                               found, gpu_free, style, phases, stop_after_steps=stop_after_steps,
-                               ignore_preflight=ignore_preflight, kill_grace_s=kill_grace_s, verbose=verbose)
+        # a stop signal interrupts the start (nothing half-made is left), and once the ranks run it
+        # stops them gracefully (launch/supervise.py); the run's ending is then written whole
+        with supervise.HeldStops() as stops:
+            return _launch_holding(job, overrides, prepared, again, held, resume_run_id, port,
+                                   found, gpu_free, style, phases, stop_after_steps=stop_after_steps,
+                                   ignore_preflight=ignore_preflight, kill_grace_s=kill_grace_s, verbose=verbose,
+                                   as_written=as_written, stops=stops)
     finally:
         held.release()
 
 
 def _launch_holding(job, overrides, prepared, chosen, held, resume_run_id, port, found, gpu_free,
-                    style, phases, *, stop_after_steps, ignore_preflight, kill_grace_s, verbose) -> int:
+                    style, phases, *, stop_after_steps, ignore_preflight, kill_grace_s, verbose,
+                    as_written, stops) -> int:
     """The launch, from the intent on, while it holds the checkpoint directory's lease."""
     resolved, derived, memory = prepared.resolved, prepared.derived, prepared.memory
     spec = resolved.spec
@@ -140,7 +145,10 @@ def _launch_holding(job, overrides, prepared, chosen, held, resume_run_id, port,
     for line in chosen.lines:
         print(f"jobspec: {line}", flush=True)
     if what.action == "complete":  # training again would only overwrite the finished run's results
-        _print_lines(intent.complete_lines(spec, what))
+        unfinished = [(directory, step, resume_hint(job, overrides, as_written, derived, directory))
+                      for directory, step in lineage.unfinished_of_same_spec(as_written.spec, derived.as_dict())
+                      if directory != chosen.checkpoint_dir]
+        _print_lines(intent.complete_lines(spec, what, unfinished))
         return 0
 
     orphans.close_orphans_under(spec["output_dir"])  # runs a SIGKILLed launcher left RUNNING here
@@ -178,6 +186,7 @@ def _launch_holding(job, overrides, prepared, chosen, held, resume_run_id, port,
         resolved, compiled, run_dir, resume_run_id, launch_memory.mlflow_params(memory, spec["memory"]["fit"]),
         verbose=verbose, announce=announce, done=terminal.release, lineage=chosen, start_step=what.step)
     phases.append(("runner", time.time(), trace.cpu_seconds()))
+    stops.running(run_dir)
     tracking.start()
     # read once here, while the runner starts, instead of twice per op load on every rank
     threading.Thread(target=ops.write_cpu_info, args=(run_dir / rundir.CPU_INFO,), daemon=True).start()
@@ -191,7 +200,7 @@ def _launch_holding(job, overrides, prepared, chosen, held, resume_run_id, port,
         shutil.rmtree(run_dir, ignore_errors=True)  # the job was stopped before it trained
         raise
     end = run_status.ending(outcome.exit_code, outcome.user_signal, outcome.reason, rundir.read_summary(run_dir),
-                            stop_after_steps)
+                            stop_after_steps, at_once=outcome.at_once)
     rundir.write_fallback_summary(run_dir, end.status, end.exit_code)
     model_tags = {}
     if tracked is not None:   # before the closing block, which says where MLflow has the models
@@ -205,10 +214,31 @@ def _launch_holding(job, overrides, prepared, chosen, held, resume_run_id, port,
     _write_phases(run_dir, phases)
     _print_lines(closing)
     if end.label != "finished":   # a stop says it is not done and how to go on; a failure, why
-        print(run_status.closing_line(end, run_dir, run_status.resume_command(job, overrides,
-                                                                              spec["checkpoint"]["resume"])),
+        checkpoint_dir = Path(spec["checkpoint"]["dir"])
+        resume_from = intent.decide({**spec, "checkpoint": {**spec["checkpoint"], "resume": "auto"}},
+                                    derived.total_steps)
+        print(run_status.closing_line(end, run_dir, resume_hint(job, overrides, as_written, derived, checkpoint_dir),
+                                      f"checkpoint {resume_from.checkpoint} (step {resume_from.step} of "
+                                      f"{resume_from.total_steps})" if resume_from.action == "resume" else None),
               flush=True)
     return end.exit_code
+
+
+def resume_hint(job: str, overrides: list[str], as_written, derived, checkpoint_dir: Path) -> str:
+    """The command that continues the checkpoints in `checkpoint_dir`: the launch's own command
+    (`checkpoint.resume=auto` added if it was not) when a relaunch of it picks that directory
+    (launch/lineage.choose: the newest unfinished one of the same spec), else with the directory named.
+    A `--new-run` flag is never part of it: it would start yet another line of checkpoints."""
+    plain = run_status.resume_command(job, overrides, as_written.spec["checkpoint"]["resume"])
+    resumed = dataclasses.replace(as_written, spec={**as_written.spec, "checkpoint": {
+        **as_written.spec["checkpoint"], "resume": "auto"}})
+    try:
+        picked = lineage.choose(resumed, derived.as_dict()).checkpoint_dir
+    except SpecError:
+        picked = None
+    if picked is not None and Path(picked).resolve() == Path(checkpoint_dir).resolve():
+        return plain
+    return run_status.resume_command(job, overrides, as_written.spec["checkpoint"]["resume"], str(checkpoint_dir))
 
 
 def host_checks(resolved, derived, run_dir: Path, memory, gpu_free, compiled, ignore_preflight: bool) -> None:

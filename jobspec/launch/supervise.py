@@ -15,6 +15,15 @@ Design decisions (why):
   collective ignores the SIGTERM (the worker turns it into a flag) until `launch.py` SIGKILLs it 30 s
   later; the watchdog here tears the group down sooner when a rank is gone and no summary says
   the job finished.
+- Every stop is graceful (docs/reliability.md, "Stopping"): the first SIGINT, SIGTERM or SIGHUP
+  is forwarded to the group as SIGTERM, whether it reached only this process (a terminal's Ctrl-C:
+  the runner has its own session) or every process of the job at once (`scancel`, `kill -- -PGID`);
+  the ranks treat every stop signal as a flag (jobspec/train/stopping.py), finish the step and save
+  a checkpoint; DeepSpeed's launch.py, which would answer a SIGINT like a SIGTERM anyway, gets the
+  signal it handles. Repeats of SIGTERM/SIGHUP keep waiting (`scancel` signals every task, and
+  launch.sh passes a TERM on); a second SIGINT is a person pressing Ctrl-C again: the job ends at
+  once (SIGKILL), without a checkpoint. SIGHUP means the terminal is gone: what would have been
+  written to it goes to launcher.log from then on (a write to a hung-up terminal fails).
 """
 from __future__ import annotations
 
@@ -38,12 +47,16 @@ LEFTOVER_GRACE_S = 5.0    # runner exited: group members still alive get this lo
 TAIL_LINES = 30
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 @dataclass
 class Outcome:
     exit_code: int                 # what `jobspec launch` returns
-    user_signal: int | None        # SIGINT/SIGTERM received from the user, if any
+    user_signal: int | None        # SIGINT/SIGTERM/SIGHUP received from the user, if any
     reason: str | None             # why it failed (None on success)
     log_tail: list[str]
+    at_once: bool = False          # a second Ctrl-C ended the job without waiting for its checkpoint
 
 
 def exit_code_of(returncode: int, rank_signal: int | None = None) -> int:
@@ -104,9 +117,12 @@ def _relay(fd: int, run_dir: Path, tail: collections.deque, echo, seen: dict, ec
             log_file.write(chunk)
             log_file.flush()
             shown = echo_filter.feed(chunk) if echo_filter is not None else chunk
-            if echo is not None and shown:
-                echo.write(shown)
-                echo.flush()
+            if echo is not None and shown and not seen.get("hung_up"):
+                try:
+                    echo.write(shown)
+                    echo.flush()
+                except OSError:   # the terminal is gone (EIO): keep draining the pipe into the log
+                    seen["hung_up"] = True
             lines = (partial + chunk).replace(b"\r", b"\n").split(b"\n")
             partial = lines.pop()
             for line in lines:
@@ -116,9 +132,12 @@ def _relay(fd: int, run_dir: Path, tail: collections.deque, echo, seen: dict, ec
     if partial.strip():
         tail.append(partial.decode("utf-8", "replace"))
     rest = echo_filter.flush() if echo_filter is not None else b""
-    if echo is not None and rest:
-        echo.write(rest)
-        echo.flush()
+    if echo is not None and rest and not seen.get("hung_up"):
+        try:
+            echo.write(rest)
+            echo.flush()
+        except OSError:
+            seen["hung_up"] = True
     os.close(fd)
 
 
@@ -150,26 +169,42 @@ def run(argv: list[str], env: dict, run_dir: Path, *, echo=None, kill_grace_s: f
     if started is not None:
         started(proc.pid)
 
-    state = {"user_signal": None, "kill_at": None}
+    state: dict = {"user_signal": None, "kill_at": None, "at_once": False, "notice": None}
 
     def forward(sig, _frame):
-        _signal_group(proc.pid, sig)
-        if sig in (signal.SIGINT, signal.SIGTERM):
-            if state["user_signal"] is not None:  # a second Ctrl-C: stop waiting
-                state["kill_at"] = time.monotonic()
-            else:
-                state["user_signal"] = sig
-                state["kill_at"] = time.monotonic() + kill_grace_s
+        if sig == signal.SIGUSR1:   # Slurm's warning: the ranks checkpoint and stop; nothing else changes
+            _signal_group(proc.pid, sig)
+            return
+        if sig == signal.SIGHUP:
+            seen["hung_up"] = True   # the relay stops writing to the terminal at once
+        if state["user_signal"] is None:
+            state["user_signal"] = sig
+            state["kill_at"] = time.monotonic() + kill_grace_s
+            state["notice"] = sig
+            _signal_group(proc.pid, signal.SIGTERM)
+        elif sig == signal.SIGINT and not state["at_once"]:   # Ctrl-C again: do not wait for the checkpoint
+            state["at_once"] = True
+            state["kill_at"] = time.monotonic()
+            state["notice"] = sig
 
-    handled = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+    handled = (*STOP_SIGNALS, signal.SIGUSR1)
     previous = {sig: signal.signal(sig, forward) for sig in handled}
     reason = None
     try:
         seen_ranks: set[int] = set()
         partial_since = None
         next_watch = 0.0
+        def tell() -> None:   # in the main loop, not the handler: a write may be under way
+            if seen.get("hung_up") and not seen.get("detached"):
+                detach_from_terminal(run_dir)
+                seen["detached"] = True
+            if state["notice"] is not None:
+                _notify(echo, seen, stop_notice(state["notice"], state["at_once"], kill_grace_s))
+                state["notice"] = None
+
         while proc.poll() is None:
             now = time.monotonic()
+            tell()
             if state["kill_at"] is not None and now >= state["kill_at"]:
                 _signal_group(proc.pid, signal.SIGKILL)
             elif now >= next_watch:
@@ -184,19 +219,96 @@ def run(argv: list[str], env: dict, run_dir: Path, *, echo=None, kill_grace_s: f
                         _signal_group(proc.pid, signal.SIGKILL)
             time.sleep(poll_s)
         returncode = proc.returncode
-        deadline = state["kill_at"] or (time.monotonic() + leftover_grace_s)
-        while group_members(proc.pid) and time.monotonic() < deadline:
+        # the runner is gone (DeepSpeed's launch.py may exit before its ranks): the ranks still get
+        # the stop's grace, which a second Ctrl-C meanwhile cuts short (kill_at is read each time)
+        leftover_deadline = time.monotonic() + leftover_grace_s
+        while group_members(proc.pid) and time.monotonic() < (state["kill_at"] or leftover_deadline):
+            tell()
             time.sleep(poll_s)
         _signal_group(proc.pid, signal.SIGKILL)
+        tell()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     relay.join(timeout=10)
+    if seen.get("hung_up") and not seen.get("detached"):
+        detach_from_terminal(run_dir)
 
     user_signal = state["user_signal"]
-    exit_code = 128 + user_signal if user_signal else exit_code_of(returncode, seen.get("rank_signal"))
+    if state["at_once"]:   # what a shell reports for Ctrl-C: 130, whatever the first signal was
+        exit_code = 128 + signal.SIGINT
+    else:
+        exit_code = 128 + user_signal if user_signal else exit_code_of(returncode, seen.get("rank_signal"))
     if user_signal:
         reason = f"stopped by {signal.Signals(user_signal).name} from the user"
     elif exit_code != 0:
         reason = "\n".join([reason or f"runner exited with code {exit_code}", *list(tail)[-15:]])
-    return Outcome(exit_code, user_signal, reason, list(tail))
+    return Outcome(exit_code, user_signal, reason, list(tail), at_once=state["at_once"])
+
+
+def stop_notice(sig: int, at_once: bool, kill_grace_s: float) -> str:
+    """What the terminal is told the moment a stop signal arrives."""
+    name = signal.Signals(sig).name
+    if at_once:
+        return f"jobspec: {name} again: ending the job now, without a checkpoint"
+    return (f"jobspec: {name}: the ranks finish the current step and save a checkpoint "
+            f"(at most {kill_grace_s:.0f} s); Ctrl-C again ends the job at once, without one")
+
+
+def _notify(echo, seen: dict, text: str) -> None:
+    if seen.get("hung_up"):
+        return
+    try:
+        echo.write(b"\n" + text.encode() + b"\n")
+        echo.flush()
+    except OSError:
+        seen["hung_up"] = True
+
+
+def detach_from_terminal(run_dir: Path) -> None:
+    """The terminal hung up (SIGHUP: a closed tab, a dropped ssh session): this process's stdout and
+    stderr go to launcher.log from now on, so the closing summary is written somewhere and no write
+    to the dead terminal fails (EIO) on the way to the checkpoint's exit 75."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    log_fd = os.open(Path(run_dir) / rundir.LAUNCHER_LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        for fd in (1, 2):
+            os.dup2(log_fd, fd)
+    finally:
+        os.close(log_fd)
+
+
+class HeldStops:
+    """The launcher's stop signals around the supervised runner, as a context manager.
+
+    Before `running()`: SIGTERM and SIGHUP interrupt like Ctrl-C (KeyboardInterrupt: the launch
+    removes the run directory it was making; nothing is left half-made). While supervise.run runs,
+    its own handlers apply. After it: a stop signal is only noted (SIGHUP also detaches from the
+    terminal) so that the run's ending is written whole -- MLflow's status, summary.json, the
+    closing lines -- instead of leaving a run RUNNING with a traceback."""
+
+    def __init__(self, run_dir: Path | None = None):
+        self.run_dir, self._running = run_dir, False
+        self._previous: dict = {}
+
+    def __enter__(self) -> "HeldStops":
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
+        return self
+
+    def running(self, run_dir: Path) -> None:
+        """From now on the ranks run (or ran): signals no longer interrupt the launcher."""
+        self.run_dir, self._running = run_dir, True
+
+    def _handle(self, sig, _frame) -> None:
+        if not self._running:
+            raise KeyboardInterrupt(signal.Signals(sig).name)
+        if sig == signal.SIGHUP and self.run_dir is not None:
+            detach_from_terminal(self.run_dir)
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)

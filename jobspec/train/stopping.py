@@ -1,4 +1,14 @@
-"""When the ranks stop early: a signal (Slurm's warning, a preemption) or JOBSPEC_STOP_AFTER_STEPS.
+"""When the ranks stop early: a signal (Slurm's warning, a preemption, a user's Ctrl-C, `scancel`, a
+closed terminal) or JOBSPEC_STOP_AFTER_STEPS.
+
+Every stop signal is only a flag on the ranks: SIGUSR1 (Slurm's time-limit warning), SIGTERM (the
+launcher's forward, DeepSpeed's launch.py, `scancel`, `docker stop`), SIGINT (a terminal's Ctrl-C
+or `kill -INT` to the job's process group) and SIGHUP (a dropped ssh session). Python's default for
+SIGINT would raise KeyboardInterrupt wherever the rank happens to be (a traceback, no checkpoint),
+and SIGHUP's would end it silently; a flag lets the step finish and the checkpoint be written. The
+flag's handler is inherited by DataLoader workers forked after it is installed, so a signal to every
+process of the job does not kill them mid-batch either. A second signal changes nothing here: the
+launcher decides whether to wait for the checkpoint or end the job at once (a second Ctrl-C).
 
 All ranks must stop after the same optimizer step, so a signal that reached one rank has to be
 agreed on. A blocking vote at every step would make every step wait for the slowest rank's host
@@ -17,20 +27,26 @@ from typing import Any
 STOP_AFTER_ENV = "JOBSPEC_STOP_AFTER_STEPS"
 
 
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
 class StopFlag:
-    """Set by SIGUSR1/SIGTERM (Slurm's warning, a preemption); acted on at a step boundary."""
+    """Set by any of STOP_SIGNALS; acted on at a step boundary. `signum`: the first one received."""
 
     def __init__(self):
         self.requested = False
+        self.signum: int | None = None
 
     def install(self) -> None:
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
+        for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
         # Only a flag, also on repeats: a SIGTERM to the job's process group reaches a rank twice
         # (directly and from DeepSpeed's launch.py); the launcher escalates to SIGKILL itself.
         self.requested = True
+        if self.signum is None:
+            self.signum = signum
 
 
 class StopVote:

@@ -157,11 +157,16 @@ def test_closing_summary_says_where_mlflow_has_each_exported_model():
 def test_closing_summary_says_the_exit_status_in_words():
     stopped = closing({**SUMMARY, "status": "preempted", "steps": 12, "checkpoint": "step12"})
     assert stopped.startswith("jobspec: quickstart stopped at step 12 of 40 with a checkpoint (exit 0); "
-                              "the same command continues from it")
+                              "the command below continues from it")
     by_flag = closing({**SUMMARY, "status": "preempted", "steps": 4}, exit_code=75)   # --stop-after-steps
     assert by_flag.startswith("jobspec: quickstart stopped at step 4 of 40 with a checkpoint (exit 75)")
-    interrupted = closing({**SUMMARY, "status": "preempted", "steps": 7}, exit_code=130, user_signal="SIGINT")
-    assert interrupted.startswith("jobspec: quickstart stopped by SIGINT at step 7 of 40 (exit 130)")
+    interrupted = closing({**SUMMARY, "status": "preempted", "steps": 7, "checkpoint": "step7"}, exit_code=75,
+                          user_signal="SIGINT")
+    assert interrupted.startswith("jobspec: quickstart stopped by SIGINT at step 7 of 40 with a checkpoint (exit 75)")
+    # a second Ctrl-C ended it before the ranks saved: no promise of a resume from this stop
+    at_once = closing({"status": "killed", "total_steps": 40}, exit_code=130, user_signal="SIGINT")
+    assert at_once.splitlines()[0] == "jobspec: quickstart stopped by SIGINT before a checkpoint was saved (exit 130)"
+    assert "resume" not in at_once
     failed = closing({"status": "failed", "error": "CUDA out of memory\nTraceback ..."}, exit_code=1,
                      reason="runner exited with code 1\nlast lines")
     assert failed.splitlines()[0] == "jobspec: quickstart FAILED (exit 1): runner exited with code 1"

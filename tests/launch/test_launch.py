@@ -183,6 +183,64 @@ def test_sigint_then_grace_then_sigkill_leaves_no_orphans(tmp_path, fake_runner)
     assert survivors(tmp_path) == []
 
 
+def test_a_second_sigint_ends_the_job_at_once_as_130(tmp_path, fake_runner):
+    """Ctrl-C, then Ctrl-C again: the second one does not wait out the checkpoint's grace (60 s here)."""
+    send_when_ready(tmp_path, signal.SIGINT, times=2)
+    started = time.monotonic()
+    outcome, echoed = supervise(fake_runner(tmp_path, "stubborn"), tmp_path, kill_grace_s=60)
+    assert time.monotonic() - started < 15   # bound: the 0.2 s between the signals, the 0.2 s poll, the kill
+    assert outcome.exit_code == 130 and outcome.at_once and outcome.user_signal == signal.SIGINT
+    assert "the ranks finish the current step and save a checkpoint" in echoed
+    assert "SIGINT again: ending the job now, without a checkpoint" in echoed
+    assert survivors(tmp_path) == []
+    end = run_status.ending(outcome.exit_code, outcome.user_signal, outcome.reason, None, at_once=True)
+    assert (end.label, end.exit_code) == ("killed", 130)
+    line = run_status.closing_line(end, tmp_path, "jobspec launch job.yaml", "checkpoint /c/step4 (step 4 of 9)")
+    assert "no checkpoint was saved by this stop; jobspec launch job.yaml resumes from the last one saved " \
+           "before it, checkpoint /c/step4 (step 4 of 9)" in line
+    assert "starts it again from step 0" in run_status.closing_line(end, tmp_path, "jobspec launch job.yaml")
+
+
+def test_repeated_sigterms_keep_waiting_for_the_checkpoint(tmp_path, fake_runner):
+    """`scancel` signals every task, launch.sh passes a TERM on: a repeat is not a second Ctrl-C."""
+    send_when_ready(tmp_path, signal.SIGTERM, times=3)
+    started = time.monotonic()
+    outcome, _ = supervise(fake_runner(tmp_path, "stubborn"), tmp_path, kill_grace_s=3)
+    assert outcome.exit_code == 128 + signal.SIGTERM and not outcome.at_once
+    assert time.monotonic() - started >= 3   # the repeats did not cut the grace short (a second SIGINT would)
+    assert survivors(tmp_path) == []
+
+
+HANGUP = textwrap.dedent('''
+    import os, sys
+    from pathlib import Path
+    from jobspec.launch import supervise
+    run_dir = Path(sys.argv[1])
+    with supervise.HeldStops() as stops:
+        stops.running(run_dir)
+        outcome = supervise.run(sys.argv[2:], {**os.environ}, run_dir, kill_grace_s=60)
+        print(f"closing: exit {outcome.exit_code} user_signal {outcome.user_signal}", flush=True)
+''')
+
+
+def test_sighup_stops_gracefully_and_what_follows_goes_to_launcher_log(tmp_path, fake_runner):
+    """A closed terminal or a dropped ssh session (SIGHUP): the ranks checkpoint as for SIGTERM, and the
+    launcher's later output (the closing lines) lands in launcher.log instead of a dead terminal."""
+    script = tmp_path / "hangup.py"
+    script.write_text(HANGUP)
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path), *fake_runner(tmp_path, "wait")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    wait_for(lambda: (tmp_path / "ready-0").exists() and (tmp_path / "ready-1").exists())
+    time.sleep(0.3)   # the fake ranks print "ready" after writing the file: let the relay pass it on
+    proc.send_signal(signal.SIGHUP)
+    out = proc.communicate(timeout=60)[0].decode()
+    assert proc.returncode == 0 and "closing" not in out and "Traceback" not in out, out
+    assert (tmp_path / "SIGTERM-0").exists() and (tmp_path / "SIGTERM-1").exists()  # forwarded as SIGTERM
+    assert f"closing: exit {128 + signal.SIGHUP} user_signal {int(signal.SIGHUP)}" in \
+        (tmp_path / rundir.LAUNCHER_LOG).read_text()
+    assert survivors(tmp_path) == []
+
+
 def test_a_dead_rank_brings_the_job_down(tmp_path, fake_runner):
     started = time.monotonic()
     outcome, _ = supervise(fake_runner(tmp_path, "one-dies"), tmp_path, rank_exit_grace_s=2)

@@ -159,3 +159,28 @@ def test_the_owner_record_holds_no_credentials(tmp_path):
     base = trained(resolved, derived, lineage.choose(resolved, derived), 8)
     assert "s3cret-pw" not in (base / ownership.OWNER_FILE).read_text()
     assert choose(job).checkpoint_dir == base and not choose(job).recorded   # the same spec still matches
+
+
+def test_a_relaunch_resumes_the_newest_unfinished_run_of_the_same_spec(tmp_path):
+    """A finished run, then a `--new-run` of the same spec stopped at step 4: the plain relaunch (the
+    command the stop printed) continues checkpoints-2, not "already complete" at checkpoints."""
+    job = write_job(tmp_path)
+    resolved, derived = resolve(job)
+    base = trained(resolved, derived, lineage.choose(resolved, derived), derived["total_steps"])
+    assert choose(job).checkpoint_dir == base   # finished, and nothing else: already complete
+    assert lineage.unfinished_of_same_spec(resolved.spec, derived) == []
+    stopped = trained(resolved, derived, choose(job, new_run=True), 4)
+    assert stopped == base.with_name("checkpoints-2")
+    again = choose(job)
+    assert again.checkpoint_dir == stopped and "earlier --new-run" in again.lines[0]
+    assert lineage.unfinished_of_same_spec(resolved.spec, derived) == [(stopped, 4)]
+    # another spec's unfinished run is not offered to this one
+    other, other_derived = resolve(job, "training.optimizer.lr=1e-3")
+    assert lineage.unfinished_of_same_spec(other.spec, other_derived) == []
+    # "already complete" (a launch pinned to the finished directory) names the unfinished one
+    spec = {**resolved.spec, "checkpoint": {**resolved.spec["checkpoint"], "dir": str(base)}}
+    what = intent.decide(spec, derived["total_steps"])
+    lines = intent.complete_lines(spec, what, [(stopped, 4, "jobspec launch job.yaml")])
+    assert what.action == "complete" and any(
+        f"{stopped} holds a run of the same spec stopped at step 4 of {derived['total_steps']}; resume it with: "
+        "jobspec launch job.yaml" in line for line in lines)
