@@ -1,4 +1,11 @@
-"""Build the DeepSpeed ops a job needs ahead of time, so its first launch starts training at once.
+"""Build what a job needs ahead of time, so its first launch starts training at once: the DeepSpeed ops
+and the tokenised data.
+
+The tokenised data: a job's chat and prompt/completion records are tokenised once into the data cache
+(JOBSPEC_CACHE_DIR, beside the planner's traces; jobspec/job/data_cache.py) that every launch with the
+same data, tokenizer, template and data settings reuses; `prepare` builds it (every record checked: a
+bad one is named at its file:line, exit 2), on a login node or in CI, with the same cache directory
+as the launch.
 
 DeepSpeed compiles some C++ ops (its fused Adam, CPU Adam for optimizer offload, NVMe I/O) the
 first time a process loads them: 15 s to minutes each, cached afterwards in TORCH_EXTENSIONS_DIR
@@ -12,6 +19,7 @@ one of them is needed by a JOB.
 examples:
   jobspec prepare jobs/quickstart.yaml
   jobspec prepare --all          # every op a jobspec job can load (CI, images)
+  jobspec prepare JOB --data-only   # just the tokenised data
 """
 from __future__ import annotations
 
@@ -19,13 +27,14 @@ import argparse
 import sys
 
 from jobspec.commands import add_set_argument
-from jobspec.errors import RunFailure, spec_error
+from jobspec.errors import RunFailure, SpecError, spec_error
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("jobs", nargs="*", metavar="JOB", help="job spec YAML file(s)")
     add_set_argument(parser)
     parser.add_argument("--all", action="store_true", help="build every op a jobspec job can load")
+    parser.add_argument("--data-only", action="store_true", help="build the jobs' tokenised data, not the ops")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -35,6 +44,10 @@ def run(args: argparse.Namespace) -> int:
     if not args.jobs and not args.all:
         raise spec_error("name a job to prepare, or pass --all", path=("JOB",),
                          hint="e.g. jobspec prepare jobs/quickstart.yaml")
+    for job in args.jobs:
+        prepare_data(job, args.overrides)
+    if args.data_only:
+        return 0
     needed = list(dict.fromkeys(op for job in args.jobs for op in job_ops(job, args.overrides)))
     wanted = list(dict.fromkeys(needed + (list(ops.ALL_OPS) if args.all else [])))
     states = ops.ensure_built(wanted, announce=lambda text: print(f"jobspec: {text}", flush=True))
@@ -53,3 +66,17 @@ def run(args: argparse.Namespace) -> int:
                          "machine (reasons above)")
     return 0
 
+
+
+def prepare_data(job: str, overrides: list[str]) -> None:
+    """The job's tokenised data, built into the cache (nothing for synthetic data or text files)."""
+    from jobspec.job.data_prep import prepare_data as build
+    from jobspec.spec.validation import load_and_validate
+
+    resolved = load_and_validate(job, overrides)
+    try:
+        lines, _ = build(resolved.spec, build=True, show="bar" if sys.stdout.isatty() else "lines")
+    except SpecError as err:
+        raise resolved.locate(err) from None
+    for line in lines:
+        print(f"jobspec: {line}", flush=True)

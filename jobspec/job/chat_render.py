@@ -1,4 +1,5 @@
-"""Chat and prompt/completion records → token ids with the loss on the answers.
+"""Chat and prompt/completion records → token ids with the loss on the answers (torch-free: the data
+preparation pass, jobspec/job/data_prep.py, runs it in the launcher's worker processes).
 
 Chat records (`data.messages_field`, a list of {role, content}) are rendered with the chat template
 (`data.chat_template`, a Jinja file, else the tokenizer's own). With `data.loss_on: answers` only the
@@ -11,38 +12,36 @@ so any template works without `{% generation %}` markers: for the assistant mess
 and the answer is the text `through` adds to `prefix` (its content and the template's end-of-turn
 marker, e.g. `<|eot_id|>`, so the model learns to stop). Where a template renders a prefix differently
 from the whole conversation (one that rewrites earlier turns), that text, else the message's content,
-is found in the whole rendering after the previous answer. The whole rendering is tokenized once
-(no special tokens added: the template writes them) with character offsets, and a token is an
-answer token when its characters overlap an answer span; every other token's label is -100.
+is found in the whole rendering after the previous answer. The whole rendering is tokenized (no special
+tokens added: the template writes them) with character offsets, in batches with the fast tokenizer,
+and a token is an answer token when its characters overlap an answer span; every other token's
+label is -100.
 
 Prompt/completion records (`prompt_field`, `completion_field`) train on the completion only (`loss_on:
 all`: on both). With a chat template (data.chat_template or the tokenizer's) they are rendered as the
 conversation [user: prompt, assistant: completion], the way a chat model is prompted; without one the
 text is the prompt followed directly by the completion and the tokenizer's EOS, with the tokenizer's
 own special tokens (BOS) added.
-
-Records longer than `max_length` are truncated (counted, one warning per split).
 """
 from __future__ import annotations
 
-import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, cast
 
-import torch
+import numpy as np
 
-from jobspec.errors import SpecError, first_line, spec_error
+from jobspec.errors import first_line, spec_error
 from jobspec.spec.datacheck import messages_problem
 
 IGNORE_INDEX = -100
 
 
 class RecordError(ValueError):
-    """A record the loader cannot take: its 0-based index and the reason (train/data.py names the row)."""
+    """A record the pass cannot take: the reason and a hint (the caller knows where the record is)."""
 
-    def __init__(self, index: int, message: str, hint: str):
+    def __init__(self, message: str, hint: str):
         super().__init__(message)
-        self.index, self.message, self.hint = index, message, hint
+        self.message, self.hint = message, hint
 
 
 def chat_template(spec: dict, tokenizer) -> str | None:
@@ -57,23 +56,20 @@ def chat_template(spec: dict, tokenizer) -> str | None:
     return getattr(tokenizer, "chat_template", None) or None
 
 
-def _template_field(spec: dict) -> tuple:
-    return ("data", "chat_template") if spec["data"].get("chat_template") else ("data", "tokenizer")
-
-
-def check_template(spec: dict, tokenizer, template: str) -> None:
+def check_template(spec: dict, template: str) -> None:
     """A template that does not compile is the spec's problem, at data.chat_template (or data.tokenizer)."""
     import jinja2
 
     try:
         jinja2.Environment().parse(template)
     except jinja2.TemplateSyntaxError as err:
+        where = ("data", "chat_template") if spec["data"].get("chat_template") else ("data", "tokenizer")
         raise spec_error(f"the chat template does not compile: {err.message} (line {err.lineno})",
-                         path=_template_field(spec), hint="fix the Jinja template") from None
+                         path=where, hint="fix the Jinja template") from None
 
 
 class Renderer:
-    """Renders conversations with one template and finds the answers' token positions."""
+    """Renders conversations with one template and finds the answers' character spans."""
 
     def __init__(self, tokenizer, template: str):
         self.tokenizer, self.template = tokenizer, template
@@ -101,16 +97,6 @@ class Renderer:
             cursor = span[1]
         return spans
 
-    def encode(self, text: str, spans: list[tuple[int, int]], all_tokens: bool) -> tuple[list, list]:
-        """Token ids of `text` and their labels: the id inside a span (everywhere with `all_tokens`), else -100."""
-        encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
-        ids = list(encoded["input_ids"])
-        if all_tokens:
-            return ids, list(ids)
-        labels = [token if any(start < end_ and end > start_ for start_, end_ in spans) else IGNORE_INDEX
-                  for token, (start, end) in zip(ids, encoded["offset_mapping"])]
-        return ids, labels
-
 
 def _common_prefix(a: str, b: str) -> int:
     n = 0
@@ -126,84 +112,87 @@ def _find(text: str, piece: str, start: int) -> tuple[int, int] | None:
     return (at, at + len(piece)) if at >= 0 else None
 
 
-def record_columns(spec: dict, tokenizer, table, kind: str, split: str) -> tuple[list, list, list]:
-    """(input ids, attention masks, labels) of a table's chat or prompt/completion records, as unpadded
-    1-D LongTensors of at most `max_length` tokens. RecordError names the first record it cannot take."""
-    data = spec["data"]
-    template = chat_template(spec, tokenizer)
-    if kind == "chat" and template is None:
-        raise spec_error("chat records need a chat template, and the tokenizer has none",
-                         path=("data", "chat_template"),
-                         hint="set data.chat_template to a Jinja template file, or use a tokenizer with one")
-    if template is not None:
-        check_template(spec, tokenizer, template)
-    renderer = Renderer(tokenizer, template) if template is not None else None
-    all_tokens = data["loss_on"] == "all"
-    max_length = data["max_length"]
-    rows: Iterable[tuple]
-    if kind == "chat":
-        rows = ((messages,) for messages in table[data["messages_field"]])
-    else:
-        rows = zip(table[data["prompt_field"]], table[data["completion_field"]])
-    ids_out, masks, labels_out, truncated, answerless = [], [], [], 0, 0
-    for index, row in enumerate(rows):
+@dataclass(frozen=True)
+class Text:
+    """One record ready to tokenize: its text, the character spans its labels keep, how to tokenize it."""
+
+    text: str
+    spans: tuple            # ((start, end), ...); ignored with `all_tokens`
+    special_tokens: bool    # the tokenizer's own special tokens (prompt/completion without a template)
+    after: int = -1         # prompt/completion without a template: label the tokens ending after this
+    eos: int | None = None  # ... and end with this EOS id
+
+
+class RecordText:
+    """A record (chat messages or a (prompt, completion) pair) → its `Text`; RecordError when it cannot."""
+
+    def __init__(self, spec: dict, tokenizer, kind: str, template: str | None):
+        data = spec["data"]
+        self.kind, self.tokenizer = kind, tokenizer
+        self.all_tokens = data["loss_on"] == "all"
+        self.fields: tuple[str, ...] = (data["messages_field"],) if kind == "chat" else \
+            (data["prompt_field"], data["completion_field"])
+        self.renderer = Renderer(tokenizer, template) if template is not None else None
+
+    def __call__(self, record) -> Text:
+        if not isinstance(record, dict):
+            raise RecordError(f"the record is {type(record).__name__}, an object expected",
+                              "write one JSON object per line")
+        for name in self.fields:
+            if name not in record:
+                raise RecordError(f"no {name!r} field (it has: {', '.join(map(str, record)) or 'nothing'})",
+                                  f"every record needs {' and '.join(repr(f) for f in self.fields)}")
+        if self.kind == "chat":
+            problem = messages_problem(record[self.fields[0]], self.fields[0])
+            if problem is not None:
+                raise RecordError(*problem)
+            messages = [{"role": m["role"], "content": m["content"]} for m in record[self.fields[0]]]
+        else:
+            prompt, completion = record[self.fields[0]], record[self.fields[1]]
+            for name, value in zip(self.fields, (prompt, completion)):
+                if not isinstance(value, str):
+                    kind = "null" if value is None else type(value).__name__
+                    raise RecordError(f"{name!r} is {kind}, text expected", "every record needs both texts")
+            if self.renderer is None:
+                return Text(prompt + completion, (), True, after=len(prompt), eos=self.tokenizer.eos_token_id)
+            messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
+        assert self.renderer is not None   # chat records without a template are refused before the pass
         try:
-            # (chat records without a template were refused above)
-            ids, labels = (_chat(cast(Renderer, renderer), row[0], all_tokens, data["messages_field"]) if kind == "chat"
-                           else _prompt_completion(tokenizer, renderer, row, all_tokens, data))
-        except RecordError as err:
-            raise RecordError(index, err.message, err.hint) from None
+            full = self.renderer.render(messages)
+            spans = () if self.all_tokens else tuple(self.renderer.answer_spans(messages, full))
         except Exception as err:   # the template failing on this record (raise_exception, an undefined name)
-            if isinstance(err, SpecError):
-                raise
-            raise RecordError(index, f"the chat template failed on this record: {first_line(err)}",
+            raise RecordError(f"the chat template failed on this record: {first_line(err)}",
                               "fix the record, or the template (data.chat_template)") from None
-        if len(ids) > max_length:
-            truncated += 1
-            ids, labels = ids[:max_length], labels[:max_length]
-        if all(label == IGNORE_INDEX for label in labels):
-            answerless += 1
-        ids_out.append(torch.tensor(ids, dtype=torch.long))
-        labels_out.append(torch.tensor(labels, dtype=torch.long))
-        masks.append(torch.ones(len(ids), dtype=torch.long))
-    what = "chat" if kind == "chat" else "prompt/completion"
-    if truncated:
-        warnings.warn(f"data.{split}: {truncated} of {len(ids_out)} {what} records are longer than data.max_length "
-                      f"({max_length} tokens) and were truncated", stacklevel=2)
-    if answerless and not all_tokens:
-        warnings.warn(f"data.{split}: {answerless} of {len(ids_out)} {what} records have no answer token within "
-                      f"data.max_length ({max_length}): they add no loss", stacklevel=2)
-    return ids_out, masks, labels_out
+        return Text(full, spans, False)
 
 
-def _chat(renderer: Renderer, messages, all_tokens: bool, field: str) -> tuple[list, list]:
-    problem = messages_problem(messages, field)
-    if problem is not None:
-        raise RecordError(-1, *problem)
-    messages = [{"role": m["role"], "content": m["content"]} for m in messages]   # parquet adds null keys
-    full = renderer.render(messages)
-    spans = [] if all_tokens else renderer.answer_spans(messages, full)
-    return renderer.encode(full, spans, all_tokens)
+def encode(tokenizer, texts: list[Text], all_tokens: bool) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(ids, labels) per text as int32 arrays, untruncated: one batched call of the fast tokenizer per
+    kind of text, labels from the offsets (a token overlapping a span keeps its id, else -100)."""
+    out: list = [None] * len(texts)
+    for special in (False, True):
+        chosen = [i for i, t in enumerate(texts) if t.special_tokens == special]
+        if not chosen:
+            continue
+        encoded = tokenizer([texts[i].text for i in chosen], add_special_tokens=special,
+                            return_offsets_mapping=True, verbose=False)
+        for i, ids, offsets in zip(chosen, encoded["input_ids"], encoded["offset_mapping"]):
+            out[i] = _labelled(texts[i], np.asarray(ids, dtype=np.int32),
+                               np.asarray(offsets, dtype=np.int64).reshape(-1, 2), all_tokens)
+    return out
 
 
-def _prompt_completion(tokenizer, renderer: Renderer | None, row: tuple, all_tokens: bool,
-                       data: dict) -> tuple[list, list]:
-    prompt, completion = row
-    for name, value in ((data["prompt_field"], prompt), (data["completion_field"], completion)):
-        if not isinstance(value, str):
-            kind = "null" if value is None else type(value).__name__
-            raise RecordError(-1, f"{name!r} is {kind}, text expected", "every record needs both texts")
-    if renderer is not None:
-        messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
-        full = renderer.render(messages)
-        return renderer.encode(full, [] if all_tokens else renderer.answer_spans(messages, full), all_tokens)
-    text = prompt + completion
-    encoded = tokenizer(text, add_special_tokens=True, return_offsets_mapping=True, verbose=False)
-    ids = list(encoded["input_ids"])
-    # special tokens the tokenizer adds at the end (BERT's [SEP]) have empty offsets: not the completion
-    labels = [token if all_tokens or (end > len(prompt) and end > start) else IGNORE_INDEX
-              for token, (start, end) in zip(ids, encoded["offset_mapping"])]
-    if tokenizer.eos_token_id is not None and ids[-1:] != [tokenizer.eos_token_id]:
-        ids.append(tokenizer.eos_token_id)
-        labels.append(tokenizer.eos_token_id)
-    return ids, labels
+def _labelled(text: Text, ids: np.ndarray, offsets: np.ndarray, all_tokens: bool) -> tuple[np.ndarray, np.ndarray]:
+    start, end = offsets[:, 0], offsets[:, 1]
+    if text.after >= 0:   # prompt + completion without a template; special tokens at the end (BERT's
+        # [SEP]) have empty offsets: not the completion
+        keep = np.ones(len(ids), dtype=bool) if all_tokens else (end > text.after) & (end > start)
+        if text.eos is not None and (len(ids) == 0 or ids[-1] != text.eos):
+            ids, keep = np.append(ids, np.int32(text.eos)), np.append(keep, True)
+    elif all_tokens:
+        keep = np.ones(len(ids), dtype=bool)
+    else:
+        keep = np.zeros(len(ids), dtype=bool)
+        for span_start, span_end in text.spans:
+            keep |= (start < span_end) & (end > span_start)
+    return ids, np.where(keep, ids, np.int32(IGNORE_INDEX)).astype(np.int32)

@@ -45,6 +45,7 @@ from pathlib import Path
 from jobspec import hardware, lifeline, ops, rundir, shm, trace
 from jobspec import status as run_status
 from jobspec.errors import SpecError, SpecIssue, spec_error
+from jobspec.job import data_prep
 from jobspec.launch import (
     console,
     data_preflight,
@@ -97,6 +98,14 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
     found = host.probe(spec["resources"]["gpus_per_node"], gpu_free)
     style = progress_mode(spec["logging"]["progress"]) == "bar"
     phases.append(("planned", time.time(), trace.cpu_seconds()))
+    # chat and prompt/completion records tokenised once into the data cache (job/data_prep), before any
+    # rank: every record is checked (a bad one refuses the launch at its file:line); --dry-run says
+    # whether the cache is warm, else how long building it would take
+    data_lines, _ = _located(resolved, lambda: data_prep.prepare_data(
+        spec, build=not dry_run, show=progress_mode(spec["logging"]["progress"])))
+    for line in data_lines:
+        print(f"jobspec: {line}", flush=True)
+    phases.append(("data", time.time(), trace.cpu_seconds()))
 
     if dry_run:  # nothing is created: the run dir in the command is the name it would get
         _located(resolved, ownership.check_checkpoints, spec)  # a launch would refuse another job's checkpoints

@@ -1,6 +1,6 @@
 """Training and evaluation data: records (jsonl/csv/parquet files, `hf:` datasets, saved datasets;
-train/hf_data.py), text files (train/text_data.py), chat and prompt/completion records
-(train/chat_data.py), or synthetic tokens.
+job/hf_data.py), text files (train/text_data.py), chat and prompt/completion records (tokenised once
+into the data cache by job/data_prep.py, memory-mapped here: `CachedDataset`), or synthetic tokens.
 
 Every dataset is map-style and yields dicts of LongTensors `input_ids`, `attention_mask`, `labels`:
 - sequence-classification: `labels` is the class id (a 0-d tensor, stacked to (batch,));
@@ -24,10 +24,11 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from jobspec import tasks
 from jobspec.errors import SpecError, spec_error
+from jobspec.job import data_prep, hf_data
 from jobspec.spec import datacheck
 from jobspec.spec.data_format import source_kind
 from jobspec.tasks.base import CLASS, MASKED_TOKENS, NEXT_TOKENS, TOKEN_CLASS
-from jobspec.train import chat_data, hf_data, text_data
+from jobspec.train import text_data
 
 IGNORE_INDEX = -100  # the label value transformers' losses skip
 MLM_PROBABILITY = 0.15
@@ -52,6 +53,33 @@ class TensorDictDataset(Dataset):
 
     def __getitem__(self, index: int) -> dict:
         return {name: column[index] for name, column in self.columns.items()}
+
+
+class CachedDataset(Dataset):
+    """A split's tokenised records memory-mapped from the data cache (jobspec/job/data_cache.py): a sample
+    is read from the mapped arrays when it is asked for, so a rank holds only the pages it reads."""
+
+    def __init__(self, cached, pad_to: int | None, pad_token_id: int):
+        self.cached, self.pad_to, self.pad_token_id = cached, pad_to, pad_token_id
+        self.label_names: dict | None = None   # records of a causal-lm have no label names
+
+    def __len__(self) -> int:
+        return len(self.cached)
+
+    def lengths(self) -> np.ndarray:
+        return self.cached.lengths()
+
+    def __getitem__(self, index: int) -> dict:
+        ids, labels = self.cached.sample(int(index))
+        sample = {"input_ids": torch.from_numpy(ids.astype(np.int64)),
+                  "attention_mask": torch.ones(len(ids), dtype=torch.long),
+                  "labels": torch.from_numpy(labels.astype(np.int64))}
+        extra = (self.pad_to or 0) - len(ids)
+        if extra > 0:
+            pads = {"input_ids": self.pad_token_id, "attention_mask": 0, "labels": IGNORE_INDEX}
+            sample = {name: torch.cat([value, torch.full((extra,), pads[name], dtype=torch.long)])
+                      for name, value in sample.items()}
+        return sample
 
 
 class PadCollator:
@@ -199,7 +227,7 @@ def _mask_tokens(ids, attention_mask, special, mask_id: int, vocab: tuple[int, i
 
 # ---- file data --------------------------------------------------------------------------------
 
-def _file_dataset(spec: dict, tokenizer, split: str, label_names: dict) -> TensorDictDataset:
+def _file_dataset(spec: dict, tokenizer, split: str, label_names: dict) -> TensorDictDataset | CachedDataset:
     """The samples of `data.<split>`. A row datasets, pyarrow, the tokenizer or the chat template cannot
     take is named by file and line (jobspec.spec.datacheck scans the file for it): exit 2, not a rank
     traceback."""
@@ -219,19 +247,18 @@ def _file_dataset(spec: dict, tokenizer, split: str, label_names: dict) -> Tenso
         else:
             labels = [row.clone() for row in ids]
         return _samples(spec, tokenizer, ids, mask, labels)
+    if data_prep.cached_kind(spec, split):
+        # chat and prompt/completion records: tokenised once into the data cache (by the launcher before
+        # the ranks started, else here by one process of this host while the others wait) and mapped
+        entry = data_prep.prepare(spec, split, tokenizer)
+        assert entry.data is not None
+        pad_to = data["max_length"] if data["padding"] == "max_length" else None
+        return CachedDataset(entry.data, pad_to, tokenizer.pad_token_id or 0)
     table = hf_data.load_table(spec, split, kind)
     records = datacheck.record_kind(data, table.column_names)
-    if records != "text":
-        if shape != NEXT_TOKENS:
-            raise spec_error(f"{records.replace('_', '/')} records train a causal-lm, not a {task}",
-                             path=("data", "records"), hint="set model.task: causal-lm, or data.records: text")
-        needed = [data["messages_field"]] if records == "chat" else [data["prompt_field"], data["completion_field"]]
-        _check_columns(spec, table, split, needed, records)
-        try:
-            ids, mask, labels = chat_data.record_columns(spec, tokenizer, table, records, split)
-        except chat_data.RecordError as err:
-            raise _record_error(spec, split, kind, err) from None
-        return _samples(spec, tokenizer, ids, mask, labels)
+    if records != "text":   # chat or prompt/completion records of another task than causal-lm
+        raise spec_error(f"{records.replace('_', '/')} records train a causal-lm, not a {task}",
+                         path=("data", "records"), hint="set model.task: causal-lm, or data.records: text")
     needed = list(data["text_fields"])
     if tasks.get(task).classification:
         needed.append(data["label_field"])
@@ -257,20 +284,6 @@ def _check_columns(spec: dict, table, split: str, needed: list, records: str) ->
             raise spec_error(f"column {column!r} not in {Path(data[split]).name} (columns: "
                              f"{', '.join(table.column_names)})", path=("data", field),
                              hint="name one of the data's columns")
-
-
-def _record_error(spec: dict, split: str, kind: str, err: chat_data.RecordError) -> SpecError:
-    """A record the chat loader refused: the first bad row of the file by line (a full scan), else the
-    record's own line (a template failing on a well-formed record), else its row number."""
-    source = spec["data"][split]
-    if kind in ("hub", "saved"):
-        where = f"{source} [{hf_data.split_name(spec, split)}] row {err.index + 1}"
-    else:
-        located = datacheck.locate_error(spec, split)
-        if located is not None:
-            return located
-        where = datacheck.row_location(source, spec["data"]["format"], err.index)
-    return spec_error(f"{where}: {err.message}", path=("data", split), hint=err.hint)
 
 
 def _unlocated(spec: dict, split: str) -> SpecError:

@@ -126,13 +126,22 @@ def pad_row(row: dict, length: int, pad_token_id: int) -> dict:
             for name, tensor in row.items()}
 
 
-def pack_dataset(dataset, max_length: int, seed: int, pad_to: int | None = None) -> "PackedDataset":
+def pack_dataset(dataset, max_length: int, seed: int, pad_to: int | None = None) -> "PackedDataset | LazyPackedDataset":
     """The packed rows of `dataset` (see the module's docstring), keeping its `pad_token_id` and
-    `label_names`. `pad_to`: pad every row to that length (fixed shapes)."""
-    samples = [real_tokens(dataset[i]) for i in range(len(dataset))]
-    samples = [s for s in samples if len(s["input_ids"])]   # an empty sample has nothing to train on
-    bins = pack_order([len(s["input_ids"]) for s in samples], max_length, seed)
+    `label_names`. `pad_to`: pad every row to that length (fixed shapes). A dataset that knows its
+    samples' lengths (the data cache's, train/data.CachedDataset) is packed from them: the rows are
+    joined when they are read, so a rank holds no copy of the data."""
     pad_token_id = getattr(dataset, "pad_token_id", 0) or 0
+    label_names = getattr(dataset, "label_names", None)
+    if hasattr(dataset, "lengths"):
+        lengths = [int(n) for n in dataset.lengths()]
+        kept = [i for i, n in enumerate(lengths) if n]   # an empty sample has nothing to train on
+        bins = [[kept[i] for i in members] for members in pack_order([lengths[i] for i in kept], max_length, seed)]
+        stats = PackingStats(samples=len(kept), rows=len(bins), tokens=sum(lengths), max_length=max_length)
+        return LazyPackedDataset(dataset, bins, stats, pad_to, pad_token_id, label_names)
+    samples = [real_tokens(dataset[i]) for i in range(len(dataset))]
+    samples = [s for s in samples if len(s["input_ids"])]
+    bins = pack_order([len(s["input_ids"]) for s in samples], max_length, seed)
     rows = [pack_rows([samples[i] for i in members]) for members in bins]
     if pad_to:
         rows = [pad_row(row, pad_to, pad_token_id) for row in rows]
@@ -142,7 +151,7 @@ def pack_dataset(dataset, max_length: int, seed: int, pad_to: int | None = None)
         columns = {name: torch.stack(values) for name, values in columns.items()}
     stats = PackingStats(samples=len(samples), rows=len(rows), tokens=sum(len(s["input_ids"]) for s in samples),
                          max_length=max_length)
-    return PackedDataset(columns, stats, pad_token_id=pad_token_id, label_names=getattr(dataset, "label_names", None))
+    return PackedDataset(columns, stats, pad_token_id=pad_token_id, label_names=label_names)
 
 
 class PackingStats:
@@ -166,6 +175,22 @@ class PackedDataset(TensorDictDataset):
     def __init__(self, columns: dict, packing: PackingStats, pad_token_id: int = 0, label_names: dict | None = None):
         super().__init__(columns, pad_token_id=pad_token_id, label_names=label_names)
         self.packing = packing
+
+
+class LazyPackedDataset(torch.utils.data.Dataset):
+    """Packed rows joined from `dataset`'s samples when they are read (the bins are decided up front)."""
+
+    def __init__(self, dataset, bins: list, packing: "PackingStats", pad_to: int | None, pad_token_id: int,
+                 label_names: dict | None):
+        self.dataset, self.bins, self.packing, self.pad_to = dataset, bins, packing, pad_to
+        self.pad_token_id, self.label_names = pad_token_id, label_names
+
+    def __len__(self) -> int:
+        return len(self.bins)
+
+    def __getitem__(self, index: int) -> dict:
+        row = pack_rows([real_tokens(self.dataset[i]) for i in self.bins[index]])
+        return pad_row(row, self.pad_to, self.pad_token_id) if self.pad_to else row
 
 
 def pack_datasets(spec: dict, train, evaluation):

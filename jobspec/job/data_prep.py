@@ -1,0 +1,532 @@
+"""The data preparation pass: chat and prompt/completion records tokenised once, in parallel, into the
+tokenised-data cache (jobspec/job/data_cache.py), which the ranks memory-map.
+
+`jobspec launch` runs it before any rank starts (`jobspec prepare JOB` ahead of time); a rank that
+finds no entry (a worker started by hand) builds it under a file lock while the other ranks wait.
+The pass is also the full data check: every record is read, checked (its fields, the chat messages'
+shape: spec/datacheck.messages_problem), rendered with the chat template and tokenised; every bad
+record is reported at its file:line (MAX_REPORTED of them, then a count), exit 2, before any rank
+starts and before anything is written into the cache.
+
+The work is split into chunks (CHUNK_BYTES of a jsonl file, read and parsed by the worker; CHUNK_ROWS
+rows of a table `datasets` loads: csv, parquet, `hf:` names, saved datasets) over `data.num_proc`
+forked processes (default: the CPUs this process may use); each renders its records and tokenises
+them in one batched call of the fast tokenizer. The parent writes the chunks' arrays in order.
+
+Records longer than `max_length` are truncated (one line: how many, and the longest); records with no
+token to train on within `max_length` (no answer token left, or nothing at all) are dropped: a
+micro-batch of them would have no loss.
+"""
+from __future__ import annotations
+
+import abc
+import fcntl
+import json
+import os
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from jobspec.errors import SpecError, SpecIssue, spec_error
+from jobspec.job import data_cache
+from jobspec.job.chat_render import IGNORE_INDEX, RecordError, RecordText, chat_template, check_template, encode
+from jobspec.spec import datacheck
+from jobspec.spec.data_format import source_kind
+from jobspec.units import MiB
+
+CHUNK_BYTES = 1 * MiB
+CHUNK_ROWS = 1000
+MAX_REPORTED = 20
+ESTIMATE_RECORDS = 200   # records tokenised to estimate a cold pass (`--dry-run`)
+TABLE_KINDS = ("csv", "parquet", "hub", "saved")
+
+
+def cached_kind(spec: dict, split: str) -> str | None:
+    """`chat` or `prompt_completion` when `data.<split>` goes through the cache; None otherwise (synthetic
+    data, text files, text records: tokenised by the ranks, train/data.py)."""
+    data = spec["data"]
+    if data.get("synthetic") is not None or not data.get(split) or spec["model"]["task"] != "causal-lm":
+        return None
+    try:
+        kind = source_kind(data[split], data["format"])
+    except SpecError:
+        return None
+    if kind not in ("jsonl", *TABLE_KINDS):
+        return None
+    if data["records"] != "auto":
+        return data["records"] if data["records"] in ("chat", "prompt_completion") else None
+    fields = _source(spec, split, kind).fields()
+    if fields is None:
+        return None
+    records = datacheck.record_kind(data, fields)
+    return records if records in ("chat", "prompt_completion") else None
+
+
+def cached_splits(spec: dict) -> list[str]:
+    return [split for split in datacheck.SPLITS if cached_kind(spec, split)]
+
+
+@dataclass
+class Entry:
+    """A split's cache entry: its key, the entry when it is built, and where its records come from."""
+
+    split: str
+    kind: str
+    key: str
+    source: "_Source"
+    data: data_cache.CachedData | None
+
+
+def find(spec: dict, split: str, tokenizer) -> Entry:
+    """The split's cache key and its entry if built (nothing is tokenised)."""
+    kind = cached_kind(spec, split)
+    if kind is None:
+        raise ValueError(f"data.{split} does not go through the data cache")
+    template = chat_template(spec, tokenizer)
+    if kind == "chat" and template is None:
+        raise spec_error("chat records need a chat template, and the tokenizer has none",
+                         path=("data", "chat_template"),
+                         hint="set data.chat_template to a Jinja template file, or use a tokenizer with one")
+    if template is not None:
+        check_template(spec, template)
+    source = _source(spec, split, source_kind(spec["data"][split], spec["data"]["format"]))
+    data = spec["data"]
+    fields = {"source": source.fingerprint(), "tokenizer": data_cache.tokenizer_fingerprint(tokenizer),
+              "template": template, "kind": kind, "loss_on": data["loss_on"], "max_length": data["max_length"],
+              "fields": [data["messages_field"]] if kind == "chat" else
+              [data["prompt_field"], data["completion_field"]]}
+    key = data_cache.entry_key(fields)
+    return Entry(split, kind, key, source, data_cache.open_entry(key))
+
+
+def prepare(spec: dict, split: str, tokenizer, *, num_proc: int | None = None, show: str | None = None) -> Entry:
+    """The split's entry, built when there is none (under a lock: one builder per key on this host).
+    `show`: "bar" (a progress bar), "lines" (a line every few seconds) or None (quiet)."""
+    entry = find(spec, split, tokenizer)
+    if entry.data is not None:
+        return entry
+    with _build_lock(entry.key):
+        entry.data = data_cache.open_entry(entry.key)   # built by another process while this one waited
+        if entry.data is None:
+            entry.data = _build(spec, entry, tokenizer, num_proc or default_num_proc(spec), show)
+    return entry
+
+
+def default_num_proc(spec: dict) -> int:
+    from jobspec import hardware
+
+    return spec["data"].get("num_proc") or hardware.available_cpus()
+
+
+@contextmanager
+def _build_lock(key: str):
+    root = data_cache.cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".lock-{key}", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+# ---- sources ------------------------------------------------------------------------------------
+
+class _Source(abc.ABC):
+    """Where a split's records come from: the first record's fields, a fingerprint of the content, the
+    chunks of work and their records as [(where, record or RecordError)]."""
+
+    @abc.abstractmethod
+    def fields(self): ...
+
+    @abc.abstractmethod
+    def fingerprint(self) -> dict: ...
+
+    @abc.abstractmethod
+    def chunks(self) -> list: ...
+
+    @abc.abstractmethod
+    def total(self) -> int: ...
+
+    @abc.abstractmethod
+    def read(self, chunk) -> list: ...
+
+
+def _source(spec: dict, split: str, kind: str) -> _Source:
+    return _JsonlSource(Path(spec["data"][split])) if kind == "jsonl" else _TableSource(spec, split, kind)
+
+
+class _JsonlSource(_Source):
+    """A local jsonl file, split into byte ranges the workers read and parse themselves (file:line exact)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._chunks: list | None = None
+
+    def fields(self):
+        with open(self.path, "rb") as fh:
+            for line in fh:
+                if line.strip():
+                    try:
+                        record = json.loads(line)
+                    except ValueError:
+                        return None
+                    return record.keys() if isinstance(record, dict) else None
+        return None
+
+    def fingerprint(self) -> dict:
+        return data_cache.file_fingerprint(self.path)
+
+    def chunks(self) -> list:
+        """(byte offset, byte length, first line number, lines) per chunk, cut at line ends."""
+        if self._chunks is None:
+            self._chunks = []
+            offset, line = 0, 1
+            with open(self.path, "rb") as fh:
+                while True:
+                    block = fh.read(CHUNK_BYTES)
+                    if not block:
+                        break
+                    block += fh.readline()
+                    lines = block.count(b"\n") + (not block.endswith(b"\n"))
+                    self._chunks.append((offset, len(block), line, lines))
+                    offset, line = offset + len(block), line + lines
+        return self._chunks
+
+    def total(self) -> int:
+        return sum(chunk[3] for chunk in self.chunks())
+
+    def read(self, chunk) -> list:
+        offset, length, first, _ = chunk
+        with open(self.path, "rb") as fh:
+            fh.seek(offset)
+            block = fh.read(length)
+        out = []
+        for number, line in enumerate(block.split(b"\n"), start=first):
+            if not line.strip():
+                continue
+            where = f"{self.path}:{number}"
+            try:
+                out.append((where, json.loads(line)))
+            except UnicodeDecodeError:
+                out.append((where, RecordError("the line is not UTF-8 text", "save the file as UTF-8")))
+            except ValueError as err:
+                out.append((where, RecordError(f"not valid JSON: {err}", "write one JSON object per line")))
+        return out
+
+
+class _TableSource(_Source):
+    """Rows of a table `datasets` loads (csv, parquet, `hf:` names, saved datasets), in row ranges."""
+
+    def __init__(self, spec: dict, split: str, kind: str):
+        self.spec, self.split, self.kind = spec, split, kind
+        self.source = spec["data"][split]
+        self._table = None
+
+    @property
+    def table(self):
+        if self._table is None:
+            from jobspec.job import hf_data
+
+            self._table = hf_data.load_table(self.spec, self.split, self.kind)
+        return self._table
+
+    def fields(self):
+        return self.table.column_names
+
+    def fingerprint(self) -> dict:
+        if self.kind in ("csv", "parquet"):
+            return data_cache.file_fingerprint(Path(self.source))
+        from jobspec.job import hf_data
+
+        data = self.spec["data"]
+        # datasets' fingerprint of the loaded table: its Arrow files in the local cache (hub), or the
+        # saved directory's state
+        return {"name": self.source, "subset": data.get("subset"), "split": hf_data.split_name(self.spec, self.split),
+                "fingerprint": getattr(self.table, "_fingerprint", None), "rows": len(self.table)}
+
+    def chunks(self) -> list:
+        return [(start, min(start + CHUNK_ROWS, len(self.table))) for start in range(0, len(self.table), CHUNK_ROWS)]
+
+    def total(self) -> int:
+        return len(self.table)
+
+    def read(self, chunk) -> list:
+        start, stop = chunk
+        columns = self.table[start:stop]
+        names = list(columns)
+        rows = [dict(zip(names, values)) for values in zip(*(columns[n] for n in names))]
+        return [(self.where(start + i), row) for i, row in enumerate(rows)]
+
+    def where(self, index: int) -> str:
+        if self.kind in ("hub", "saved"):
+            from jobspec.job import hf_data
+
+            return f"{self.source} [{hf_data.split_name(self.spec, self.split)}] row {index + 1}"
+        return datacheck.row_location(self.source, self.spec["data"]["format"], index)
+
+
+# ---- the pass -----------------------------------------------------------------------------------
+
+@dataclass
+class _Chunk:
+    """What a worker hands back for one chunk."""
+
+    ids: np.ndarray
+    labels: np.ndarray
+    lengths: np.ndarray
+    records: int = 0
+    truncated: int = 0
+    dropped: int = 0
+    longest: tuple = (0, "")     # (tokens before truncation, where)
+    errors: list = field(default_factory=list)   # (where, message, hint), at most MAX_REPORTED
+    bad: int = 0
+
+
+_WORK: dict = {}   # the forked workers' state, set before the pool forks
+
+
+def _encode_chunk(chunk) -> _Chunk:
+    source, record_text, tokenizer = _WORK["source"], _WORK["record_text"], _WORK["tokenizer"]
+    max_length, all_tokens = _WORK["max_length"], _WORK["all_tokens"]
+    texts, places, result = [], [], _Chunk(np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int64))
+    for where, record in source.read(chunk):
+        result.records += 1
+        try:
+            if isinstance(record, RecordError):
+                raise record
+            texts.append(record_text(record))
+            places.append(where)
+        except RecordError as err:
+            result.bad += 1
+            if len(result.errors) < MAX_REPORTED:
+                result.errors.append((where, err.message, err.hint))
+    if result.bad:
+        return result   # nothing of a chunk with a bad record is kept: the pass refuses the data
+    ids_out, labels_out, lengths = [], [], []
+    for where, (ids, labels) in zip(places, encode(tokenizer, texts, all_tokens)):
+        if len(ids) > result.longest[0]:
+            result.longest = (len(ids), where)
+        if len(ids) > max_length:
+            result.truncated += 1
+            ids, labels = ids[:max_length], labels[:max_length]
+        if not len(ids) or (not all_tokens and bool((labels == IGNORE_INDEX).all())):
+            result.dropped += 1
+            continue
+        ids_out.append(ids)
+        labels_out.append(labels)
+        lengths.append(len(ids))
+    if ids_out:
+        result.ids, result.labels = np.concatenate(ids_out), np.concatenate(labels_out)
+        result.lengths = np.asarray(lengths, dtype=np.int64)
+    return result
+
+
+def _build(spec: dict, entry: Entry, tokenizer, num_proc: int, show: str | None) -> data_cache.CachedData:
+    data = spec["data"]
+    template = chat_template(spec, tokenizer)
+    _WORK.update(source=entry.source, record_text=RecordText(spec, tokenizer, entry.kind, template),
+                 tokenizer=tokenizer, max_length=data["max_length"], all_tokens=data["loss_on"] == "all")
+    chunks = entry.source.chunks()
+    progress = Progress(f"data.{entry.split}", entry.source.total(), show)
+    writer = data_cache.EntryWriter(entry.key)
+    totals = _Chunk(np.zeros(0), np.zeros(0), np.zeros(0))
+    started = time.time()
+    try:
+        with _results(chunks, num_proc) as results:
+            for result in results:
+                progress.update(result.records)
+                _add(totals, result)
+                if not totals.bad:
+                    writer.append(result.ids, result.labels, result.lengths)
+        progress.close()
+        if totals.bad:
+            raise SpecError(_bad_record_issues(totals, entry.split))
+        meta = {"split": entry.split, "kind": entry.kind, "source": data[entry.split], "records": totals.records,
+                "tokens": writer.tokens, "truncated": totals.truncated, "dropped": totals.dropped,
+                "longest": totals.longest[0], "longest_where": totals.longest[1], "max_length": data["max_length"],
+                "seconds": round(time.time() - started, 2), "num_proc": min(num_proc, len(chunks)) or 1}
+        path = writer.commit(meta)
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        _WORK.clear()
+    opened = data_cache.open_entry(path.name, path.parent)
+    assert opened is not None
+    return opened
+
+
+@contextmanager
+def _results(chunks: list, num_proc: int):
+    """The chunks' results in order: in this process, or over `num_proc` forked workers."""
+    if num_proc <= 1 or len(chunks) <= 1:
+        yield (_encode_chunk(chunk) for chunk in chunks)
+        return
+    import multiprocessing
+
+    # tokenizers' own thread pool must not be live across the fork (it warns and deadlocks otherwise);
+    # each worker encodes its batches on one core, the workers fill the others
+    previous = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        with multiprocessing.get_context("fork").Pool(min(num_proc, len(chunks))) as pool:
+            yield pool.imap(_encode_chunk, chunks)
+    finally:
+        if previous is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = previous
+
+
+def _add(totals: _Chunk, result: _Chunk) -> None:
+    totals.records += result.records
+    totals.truncated += result.truncated
+    totals.dropped += result.dropped
+    totals.bad += result.bad
+    totals.errors += result.errors[:MAX_REPORTED - len(totals.errors)]
+    if result.longest[0] > totals.longest[0]:
+        totals.longest = result.longest
+
+
+def _bad_record_issues(totals: _Chunk, split: str) -> list[SpecIssue]:
+    issues = [SpecIssue(("data", split), f"{where}: {message}", hint) for where, message, hint in totals.errors]
+    if totals.bad > len(totals.errors):
+        issues.append(SpecIssue(("data", split), f"... and {totals.bad - len(totals.errors)} more bad records "
+                                f"({totals.bad} of {totals.records})", "fix the records above and run again"))
+    return issues
+
+
+# ---- the launcher's side -------------------------------------------------------------------
+
+def prepare_data(spec: dict, *, build: bool, show: str | None = None, num_proc: int | None = None) -> tuple[list, dict]:
+    """The tokenised-data cache of the spec's chat and prompt/completion records (this module):
+    built now with `build` (the full data check: a bad record refuses the launch, exit 2, before any rank
+    starts), else (`--dry-run`) whether it is built and how long building it would take. Returns the
+    lines to print and the counts (data.<split>.records, tokens, ...) for launch.json and MLflow."""
+    splits = cached_splits(spec)
+    if not splits:
+        return [], {}
+    from jobspec.model.build import build_tokenizer
+
+    tokenizer = build_tokenizer(spec)
+    lines, entries = [], []
+    for split in splits:
+        if build:
+            entry = prepare(spec, split, tokenizer, num_proc=num_proc, show=show)
+            entries.append(entry)
+            lines.append(summary_line(entry))
+            truncated = truncation_line(entry)
+            if truncated:
+                lines.append(truncated)
+            continue
+        entry = find(spec, split, tokenizer)
+        if entry.data is not None:
+            entries.append(entry)
+            lines.append(f"tokenised data cached (warm): {summary_line(entry)}")
+            continue
+        processes = num_proc or default_num_proc(spec)
+        records, seconds = estimate(spec, entry, tokenizer, processes)
+        lines.append(f"data.{split}: not tokenised yet (cold): about {records:,} records, preparation about "
+                     f"{seconds:,.0f} s on {processes} process(es) (estimated from {ESTIMATE_RECORDS} "
+                     f"records; `jobspec prepare` builds it ahead)")
+    return lines, counts(entries)
+
+
+# ---- what is said about it ----------------------------------------------------------------------
+
+def summary_line(entry: Entry) -> str:
+    """`data.train: 100,000 chat records -> 99,990 samples, 21.3M tokens (cached, 163 MiB)`."""
+    assert entry.data is not None
+    meta = entry.data.meta
+    dropped = f", {meta['dropped']:,} dropped (no token to train on)" if meta["dropped"] else ""
+    what = entry.kind.replace("_", "/")
+    return (f"data.{entry.split}: {meta['records']:,} {what} records -> {meta['samples']:,} samples, "
+            f"{meta['tokens']:,} tokens{dropped} (tokenised data {entry.data.nbytes / MiB:,.1f} MiB, "
+            f"{entry.data.path})")
+
+
+def truncation_line(entry: Entry) -> str | None:
+    assert entry.data is not None
+    meta = entry.data.meta
+    if not meta["truncated"]:
+        return None
+    return (f"data.{entry.split}: {meta['truncated']:,} of {meta['records']:,} records are longer than "
+            f"data.max_length ({meta['max_length']:,} tokens) and were truncated; the longest has "
+            f"{meta['longest']:,} tokens ({meta['longest_where']})")
+
+
+def counts(entries: list[Entry]) -> dict:
+    """data.<split>.records/samples/tokens/truncated/dropped, for the header, summary and MLflow params."""
+    out = {}
+    for entry in entries:
+        assert entry.data is not None
+        for name in ("records", "samples", "tokens", "truncated", "dropped"):
+            out[f"data.{entry.split}.{name}"] = entry.data.meta[name]
+        out[f"data.{entry.split}.cache_mib"] = round(entry.data.nbytes / MiB, 1)
+    return out
+
+
+def estimate(spec: dict, entry: Entry, tokenizer, num_proc: int) -> tuple[int, float]:
+    """(records, seconds) a cold pass of the split would take: ESTIMATE_RECORDS records tokenised here,
+    the rate scaled by the processes (the records of a jsonl file: its line count)."""
+    data = spec["data"]
+    source = entry.source
+    total = source.total()
+    _WORK.update(source=source, record_text=RecordText(spec, tokenizer, entry.kind, chat_template(spec, tokenizer)),
+                 tokenizer=tokenizer, max_length=data["max_length"], all_tokens=data["loss_on"] == "all")
+    try:
+        sampled, started = 0, time.perf_counter()
+        for chunk in source.chunks():
+            if isinstance(source, _TableSource):
+                chunk = (chunk[0], min(chunk[1], chunk[0] + ESTIMATE_RECORDS))
+            sampled += _encode_chunk(chunk).records
+            if sampled >= ESTIMATE_RECORDS:
+                break
+        rate = sampled / max(time.perf_counter() - started, 1e-6)
+    finally:
+        _WORK.clear()
+    return total, total / rate / max(1, min(num_proc, len(source.chunks())))
+
+
+class Progress:
+    """The pass's progress on the launcher's terminal: a bar with records/s and the ETA (a terminal), a
+    line every LINE_EVERY_S seconds (logging.progress: lines), or nothing; a closing line either way."""
+
+    LINE_EVERY_S = 10.0
+
+    def __init__(self, label: str, total: int, show: str | None):
+        self.label, self.total, self.show = label, total, show
+        self.done, self.started, self.last = 0, time.time(), time.time()
+        self.bar = None
+        if show == "bar":
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit=" records", desc=f"jobspec: tokenising {label}", file=sys.stdout,
+                            dynamic_ncols=True, smoothing=0.1, unit_scale=False)
+        elif show == "lines":
+            print(f"jobspec: tokenising {label}: {total:,} records", flush=True)
+
+    def update(self, records: int) -> None:
+        self.done += records
+        if self.bar is not None:
+            self.bar.update(records)
+        elif self.show == "lines" and time.time() - self.last >= self.LINE_EVERY_S:
+            self.last = time.time()
+            rate = self.done / max(self.last - self.started, 1e-6)
+            eta = (self.total - self.done) / rate if rate else 0
+            print(f"jobspec: tokenising {self.label}: {self.done:,}/{self.total:,} records, {rate:,.0f} records/s, "
+                  f"ETA {eta:.0f} s", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.show:
+            elapsed = time.time() - self.started
+            print(f"jobspec: tokenised {self.label}: {self.done:,} records in {elapsed:.1f} s "
+                  f"({self.done / max(elapsed, 1e-6):,.0f} records/s)", flush=True)
+
