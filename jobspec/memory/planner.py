@@ -25,6 +25,13 @@ from jobspec.units import MiB, fmt_mib_gib
 CUDA_CONTEXT_BYTES = 500 * MiB   # CUDA 12 context + cuBLAS/cuDNN workspaces with lazy module loading
 ALLOCATOR_BLOCK = 2 * MiB        # the caching allocator's large-segment granularity
 FRAGMENTATION = 0.07             # reserved - allocated at peak, as a fraction (calibrated by bench/)
+# The ranks run PyTorch's allocator with expandable segments (ALLOCATOR_CONF, unless the user set
+# PYTORCH_CUDA_ALLOC_CONF): a segment grows by mapping 2 MiB pages instead of a new cudaMalloc per size
+# class, so blocks freed between sizes are reused; what remains is the unused tail of the last page and
+# freed blocks between live ones. An estimate, not yet measured on a GPU (docs/memory-planner.md).
+EXPANDABLE_FRAGMENTATION = 0.03
+ALLOCATOR_CONF = "expandable_segments:True"
+ALLOCATOR_VARIABLE = "PYTORCH_CUDA_ALLOC_CONF"
 
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(i?)B\s*$")
 
@@ -122,11 +129,24 @@ def export_bytes(spec: dict, job: DerivedJob) -> int | None:
     return job.profile.inventory.total * PRECISION_BYTES[resolve_dtype(spec)]
 
 
+def allocator_conf(environ) -> tuple[str, bool]:
+    """(PYTORCH_CUDA_ALLOC_CONF the GPU ranks run with, whether jobspec chose it): the user's value when
+    set, else expandable segments."""
+    value = environ.get(ALLOCATOR_VARIABLE)
+    return (value, False) if value else (ALLOCATOR_CONF, True)
+
+
+def expandable(conf: str) -> bool:
+    """Whether an allocator configuration turns expandable segments on."""
+    options = dict(part.split(":", 1) for part in conf.replace(" ", "").split(",") if ":" in part)
+    return options.get("expandable_segments", "").lower() == "true"
+
+
 def plan_memory(spec: dict, job: DerivedJob, *, budget: int | None = None,
-                host_budget: int | None = None) -> MemoryPlan:
+                host_budget: int | None = None, expandable_segments: bool = True) -> MemoryPlan:
     """Predicted per-rank peak memory of `spec` (a resolved spec with defaults filled) and its derived job
     (derived with a profiler: `job.profile` holds the measured model); `budget` per GPU, `host_budget`
-    per node."""
+    per node; `expandable_segments`: the allocator the ranks run (`allocator_conf`)."""
     profile = job.profile
     if profile is None:
         if job.profile_error is not None:
@@ -230,20 +250,55 @@ def plan_memory(spec: dict, job: DerivedJob, *, budget: int | None = None,
     static = sum(gpu[k] for k in ("parameters", "buffers", "gradients", "master_weights", "optimizer_states",
                                   "zero_buffers", "gathered_parameters"))
     allocated = static + max(forward_backward, gpu["step_gradients"])
-    reserved = _round_up(allocated, ALLOCATOR_BLOCK) + int(FRAGMENTATION * allocated)
+    fragmentation = EXPANDABLE_FRAGMENTATION if expandable_segments else FRAGMENTATION
+    reserved = _round_up(allocated, ALLOCATOR_BLOCK) + int(fragmentation * allocated)
     host["dataloader_workers"] = host_memory.worker_bytes(spec["data"]["num_workers"])
     host_total = host_memory.host_peak(host)
     settings = {"world_size": world, "zero_stage": stage, "precision": precision, "micro_batch_size": micro,
                 "seq_len": seq, "parameters": psi, "trainable_parameters": trainable,
                 "optimizer": optimizer["name"], "checkpointed_layers": job.checkpointed_layers,
                 "layers": inventory.num_layers, "offload_optimizer": offload_opt, "offload_params": offload_params,
-                "attention": model["attention"], "trace": profile.method}
+                "attention": model["attention"], "trace": profile.method,
+                "tiled_loss": _tiled_loss_text(memory["tiled_loss"]), "tiled_mlp": bool(memory["tiled_mlp"]),
+                "allocator": "expandable segments" if expandable_segments else "caching (no expandable segments)"}
     return MemoryPlan(breakdown=gpu, host=host, peak_allocated=allocated, peak_reserved=reserved,
                       nvml_total=reserved + CUDA_CONTEXT_BYTES, host_total=host_total, nvme_total=nvme,
                       budget=budget, settings=settings, notes=notes,
                       compute={"model_flops_per_token": job.model_flops_per_token,
                                "hardware_flops_per_token": job.hardware_flops_per_token},
                       host_budget=host_budget, ranks_per_node=job.gpus_per_node)
+
+
+def _tiled_loss_text(setting) -> str:
+    if not setting:
+        return "off"
+    return f"{setting['tiles']} tiles" if isinstance(setting, dict) else "on"
+
+
+# What moves each GPU term when a job does not fit: the technique, as the `--set` that turns it on.
+REMEDIES = {
+    "logits_and_loss": "--set memory.tiled_loss=true (the logits one tile at a time)",
+    "activations": "--set memory.activation_checkpointing=true, --set memory.tiled_mlp=true or "
+                   "memory.sequence_parallel (ranks share the sequence)",
+    "embeddings_activations": "a shorter sequence or memory.sequence_parallel",
+    "optimizer_states": "a higher memory.zero_stage or --set memory.offload.optimizer=cpu",
+    "master_weights": "a higher memory.zero_stage or --set memory.offload.optimizer=cpu",
+    "gradients": "--set memory.zero_stage=2 (gradients partitioned)",
+    "step_gradients": "a higher memory.zero_stage or --set memory.offload.optimizer=cpu",
+    "parameters": "--set memory.zero_stage=3 or model.quantization (QLoRA)",
+    "gathered_parameters": "smaller memory.zero.stage3_prefetch_bucket_size",
+    "zero_buffers": "smaller memory.zero.reduce_bucket_size",
+}
+
+
+def advice(plan: MemoryPlan) -> str | None:
+    """For a plan over its GPU budget: the largest term and what moves it (`jobspec plan --fit` searches)."""
+    if plan.gpu_fits is not False:
+        return None
+    term = max(REMEDIES, key=lambda key: plan.breakdown.get(key, 0))
+    label = dict(ROWS)[term]
+    return (f"over by {fmt_mib_gib(-(plan.headroom or 0))}; the largest term is {label} "
+            f"({fmt_mib_gib(plan.breakdown[term])}): {REMEDIES[term]}; `jobspec plan --fit` searches them all")
 
 
 def weight_bytes(inventory: Inventory, lp: int, quantization: dict | None) -> int:
@@ -344,9 +399,10 @@ def render_plan(plan: MemoryPlan, title: str = "") -> str:
                  f"ZeRO-{s['zero_stage']} x {s['world_size']} rank(s), micro-batch {s['micro_batch_size']} "
                  f"x seq {s['seq_len']}, optimizer {s['optimizer']}, checkpointing {ckpt}, "
                  f"attention {s['attention']}, offload optimizer={s['offload_optimizer']} "
-                 f"params={s['offload_params']}")
+                 f"params={s['offload_params']}, tiled loss {s['tiled_loss']}, tiled MLP "
+                 f"{'on' if s['tiled_mlp'] else 'off'}")
     rows = [(label, plan.breakdown[key]) for key, label in ROWS if plan.breakdown[key]]
-    totals = [("peak allocated", plan.peak_allocated), ("peak reserved (allocator)", plan.peak_reserved),
+    totals = [("peak allocated", plan.peak_allocated), (f"peak reserved ({s['allocator']})", plan.peak_reserved),
               ("GPU total incl. CUDA context", plan.nvml_total)]
     if plan.nvme_total:
         totals.append(("NVMe per rank", plan.nvme_total))
@@ -362,6 +418,8 @@ def render_plan(plan: MemoryPlan, title: str = "") -> str:
     if plan.budget is not None and plan.headroom is not None:   # both or neither
         verdict = "fits" if plan.gpu_fits else "does NOT fit"
         lines.append(f"{verdict} in {fmt_mib_gib(plan.budget)}: headroom {fmt_mib_gib(plan.headroom)}")
+        if (hint := advice(plan)) is not None:
+            lines.append(f"advice: {hint}")
     if plan.host_budget is not None:
         verdict = "fits" if plan.host_fits else "does NOT fit"
         lines.append(f"host: {verdict} in {fmt_mib_gib(plan.host_budget)} per node: headroom "
