@@ -95,6 +95,7 @@ class JobSpecTrainingOptimizer(TypedDict):
     eps: float
     bias_correction: bool
     weight_decay: float
+    weight_decay_on: Literal["matrices", "all"]
     momentum: float
 
 
@@ -171,6 +172,7 @@ class JobSpecMemoryActivationCheckpointing(TypedDict):
     """Checkpoint every k-th transformer layer."""
     every_n_layers: int
     use_reentrant: bool
+    offload: Literal["none", "cpu"]
 
 
 class JobSpecMemoryZero(TypedDict):
