@@ -45,7 +45,8 @@ SAMPLE_HASH_LIMIT = 64 * MiB   # files up to this size are hashed whole; larger 
 SAMPLE_BLOCKS = 16
 SAMPLE_BLOCK = 1 * MiB
 ARRAYS = {"input_ids": np.int32, "labels": np.int32, "offsets": np.int64}
-CODE_MODULES = ("chat_render.py", "data_prep.py", "data_cache.py")   # jobspec/job/: their bytes are the code version
+# jobspec/job/'s modules whose bytes are the code version: a change to how records become tokens
+CODE_MODULES = ("chat_render.py", "data_prep.py", "data_sources.py", "data_cache.py")
 
 
 def cache_root() -> Path:

@@ -8,9 +8,9 @@ shape: spec/datacheck.messages_problem), rendered with the chat template and tok
 record is reported at its file:line (MAX_REPORTED of them, then a count), exit 2, before any rank
 starts and before anything is written into the cache.
 
-The work is split into chunks (CHUNK_BYTES of a jsonl file, read and parsed by the worker; CHUNK_ROWS
-rows of a table `datasets` loads: csv, parquet, `hf:` names, saved datasets) over `data.num_proc`
-forked processes (default: the CPUs this process may use); each renders its records and tokenises
+The work is split into chunks (job/data_sources.py: byte ranges of a jsonl file, read and parsed by the
+worker; row ranges of a table `datasets` loads: csv, parquet, `hf:` names, saved datasets) over
+`data.num_proc` forked processes (default: the CPUs this process may use); each renders its records and tokenises
 them in one batched call of the fast tokenizer. The parent writes the chunks' arrays in order.
 
 Records longer than `max_length` are truncated (one line: how many, and the longest); records with no
@@ -19,30 +19,25 @@ micro-batch of them would have no loss.
 """
 from __future__ import annotations
 
-import abc
 import fcntl
-import json
 import os
 import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
 from jobspec.errors import SpecError, SpecIssue, spec_error
 from jobspec.job import data_cache
 from jobspec.job.chat_render import IGNORE_INDEX, RecordError, RecordText, chat_template, check_template, encode
+from jobspec.job.data_sources import TABLE_KINDS, Source, TableSource, source_for
 from jobspec.spec import datacheck
 from jobspec.spec.data_format import source_kind
 from jobspec.units import MiB
 
-CHUNK_BYTES = 1 * MiB
-CHUNK_ROWS = 1000
 MAX_REPORTED = 20
 ESTIMATE_RECORDS = 200   # records tokenised to estimate a cold pass (`--dry-run`)
-TABLE_KINDS = ("csv", "parquet", "hub", "saved")
 
 
 def cached_kind(spec: dict, split: str) -> str | None:
@@ -59,7 +54,7 @@ def cached_kind(spec: dict, split: str) -> str | None:
         return None
     if data["records"] != "auto":
         return data["records"] if data["records"] in ("chat", "prompt_completion") else None
-    fields = _source(spec, split, kind).fields()
+    fields = source_for(spec, split, kind).fields()
     if fields is None:
         return None
     records = datacheck.record_kind(data, fields)
@@ -77,7 +72,7 @@ class Entry:
     split: str
     kind: str
     key: str
-    source: "_Source"
+    source: "Source"
     data: data_cache.CachedData | None
 
 
@@ -93,7 +88,7 @@ def find(spec: dict, split: str, tokenizer) -> Entry:
                          hint="set data.chat_template to a Jinja template file, or use a tokenizer with one")
     if template is not None:
         check_template(spec, template)
-    source = _source(spec, split, source_kind(spec["data"][split], spec["data"]["format"]))
+    source = source_for(spec, split, source_kind(spec["data"][split], spec["data"]["format"]))
     data = spec["data"]
     fields = {"source": source.fingerprint(), "tokenizer": data_cache.tokenizer_fingerprint(tokenizer),
               "template": template, "kind": kind, "loss_on": data["loss_on"], "max_length": data["max_length"],
@@ -132,142 +127,6 @@ def _build_lock(key: str):
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-# ---- sources ------------------------------------------------------------------------------------
-
-class _Source(abc.ABC):
-    """Where a split's records come from: the first record's fields, a fingerprint of the content, the
-    chunks of work and their records as [(where, record or RecordError)]."""
-
-    @abc.abstractmethod
-    def fields(self): ...
-
-    @abc.abstractmethod
-    def fingerprint(self) -> dict: ...
-
-    @abc.abstractmethod
-    def chunks(self) -> list: ...
-
-    @abc.abstractmethod
-    def total(self) -> int: ...
-
-    @abc.abstractmethod
-    def read(self, chunk) -> list: ...
-
-
-def _source(spec: dict, split: str, kind: str) -> _Source:
-    return _JsonlSource(Path(spec["data"][split])) if kind == "jsonl" else _TableSource(spec, split, kind)
-
-
-class _JsonlSource(_Source):
-    """A local jsonl file, split into byte ranges the workers read and parse themselves (file:line exact)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self._chunks: list | None = None
-
-    def fields(self):
-        with open(self.path, "rb") as fh:
-            for line in fh:
-                if line.strip():
-                    try:
-                        record = json.loads(line)
-                    except ValueError:
-                        return None
-                    return record.keys() if isinstance(record, dict) else None
-        return None
-
-    def fingerprint(self) -> dict:
-        return data_cache.file_fingerprint(self.path)
-
-    def chunks(self) -> list:
-        """(byte offset, byte length, first line number, lines) per chunk, cut at line ends."""
-        if self._chunks is None:
-            self._chunks = []
-            offset, line = 0, 1
-            with open(self.path, "rb") as fh:
-                while True:
-                    block = fh.read(CHUNK_BYTES)
-                    if not block:
-                        break
-                    block += fh.readline()
-                    lines = block.count(b"\n") + (not block.endswith(b"\n"))
-                    self._chunks.append((offset, len(block), line, lines))
-                    offset, line = offset + len(block), line + lines
-        return self._chunks
-
-    def total(self) -> int:
-        return sum(chunk[3] for chunk in self.chunks())
-
-    def read(self, chunk) -> list:
-        offset, length, first, _ = chunk
-        with open(self.path, "rb") as fh:
-            fh.seek(offset)
-            block = fh.read(length)
-        out = []
-        for number, line in enumerate(block.split(b"\n"), start=first):
-            if not line.strip():
-                continue
-            where = f"{self.path}:{number}"
-            try:
-                out.append((where, json.loads(line)))
-            except UnicodeDecodeError:
-                out.append((where, RecordError("the line is not UTF-8 text", "save the file as UTF-8")))
-            except ValueError as err:
-                out.append((where, RecordError(f"not valid JSON: {err}", "write one JSON object per line")))
-        return out
-
-
-class _TableSource(_Source):
-    """Rows of a table `datasets` loads (csv, parquet, `hf:` names, saved datasets), in row ranges."""
-
-    def __init__(self, spec: dict, split: str, kind: str):
-        self.spec, self.split, self.kind = spec, split, kind
-        self.source = spec["data"][split]
-        self._table = None
-
-    @property
-    def table(self):
-        if self._table is None:
-            from jobspec.job import hf_data
-
-            self._table = hf_data.load_table(self.spec, self.split, self.kind)
-        return self._table
-
-    def fields(self):
-        return self.table.column_names
-
-    def fingerprint(self) -> dict:
-        if self.kind in ("csv", "parquet"):
-            return data_cache.file_fingerprint(Path(self.source))
-        from jobspec.job import hf_data
-
-        data = self.spec["data"]
-        # datasets' fingerprint of the loaded table: its Arrow files in the local cache (hub), or the
-        # saved directory's state
-        return {"name": self.source, "subset": data.get("subset"), "split": hf_data.split_name(self.spec, self.split),
-                "fingerprint": getattr(self.table, "_fingerprint", None), "rows": len(self.table)}
-
-    def chunks(self) -> list:
-        return [(start, min(start + CHUNK_ROWS, len(self.table))) for start in range(0, len(self.table), CHUNK_ROWS)]
-
-    def total(self) -> int:
-        return len(self.table)
-
-    def read(self, chunk) -> list:
-        start, stop = chunk
-        columns = self.table[start:stop]
-        names = list(columns)
-        rows = [dict(zip(names, values)) for values in zip(*(columns[n] for n in names))]
-        return [(self.where(start + i), row) for i, row in enumerate(rows)]
-
-    def where(self, index: int) -> str:
-        if self.kind in ("hub", "saved"):
-            from jobspec.job import hf_data
-
-            return f"{self.source} [{hf_data.split_name(self.spec, self.split)}] row {index + 1}"
-        return datacheck.row_location(self.source, self.spec["data"]["format"], index)
 
 
 # ---- the pass -----------------------------------------------------------------------------------
@@ -461,13 +320,20 @@ def truncation_line(entry: Entry) -> str | None:
 
 
 def counts(entries: list[Entry]) -> dict:
-    """data.<split>.records/samples/tokens/truncated/dropped, for the header, summary and MLflow params."""
-    out = {}
+    """The entries' `data_counts` together."""
+    out: dict = {}
     for entry in entries:
         assert entry.data is not None
-        for name in ("records", "samples", "tokens", "truncated", "dropped"):
-            out[f"data.{entry.split}.{name}"] = entry.data.meta[name]
-        out[f"data.{entry.split}.cache_mib"] = round(entry.data.nbytes / MiB, 1)
+        out.update(data_counts(entry.data))
+    return out
+
+
+def data_counts(cached: data_cache.CachedData) -> dict:
+    """data.<split>.records/samples/tokens/truncated/dropped/cache_mib of an entry (MLflow params)."""
+    split = cached.meta["split"]
+    names = ("records", "samples", "tokens", "truncated", "dropped")
+    out = {f"data.{split}.{name}": cached.meta[name] for name in names}
+    out[f"data.{split}.cache_mib"] = round(cached.nbytes / MiB, 1)
     return out
 
 
@@ -482,7 +348,7 @@ def estimate(spec: dict, entry: Entry, tokenizer, num_proc: int) -> tuple[int, f
     try:
         sampled, started = 0, time.perf_counter()
         for chunk in source.chunks():
-            if isinstance(source, _TableSource):
+            if isinstance(source, TableSource):
                 chunk = (chunk[0], min(chunk[1], chunk[0] + ESTIMATE_RECORDS))
             sampled += _encode_chunk(chunk).records
             if sampled >= ESTIMATE_RECORDS:

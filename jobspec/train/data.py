@@ -119,6 +119,17 @@ def build_datasets(spec: dict, tokenizer):
     return train, evaluation
 
 
+def data_params(*datasets) -> dict:
+    """The tokenised data's counts for MLflow (`data.<split>.records`, `samples`, `tokens`, `truncated`,
+    `dropped`, `cache_mib`) of the datasets read from the data cache (a packed one through its samples)."""
+    params: dict = {}
+    for dataset in datasets:
+        dataset = getattr(dataset, "dataset", dataset)   # packing.LazyPackedDataset: its samples
+        if isinstance(dataset, CachedDataset):
+            params.update(data_prep.data_counts(dataset.cached))
+    return params
+
+
 def make_loader(dataset, *, micro_batch_size: int, rank: int, world_size: int, seed: int, epoch: int,
                 shuffle: bool, num_workers: int, pin_memory: bool, skip_batches: int = 0) -> DataLoader:
     """A DataLoader over this rank's shard of `dataset` for one epoch.

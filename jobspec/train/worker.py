@@ -122,6 +122,8 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
     sink = _open_sink(run_dir, files.launch) if rank == 0 else None
     if sink is not None:
         sink.log_params(adapters.params_for_mlflow(files.spec, state.parameters))
+        from jobspec.train.data import data_params
+        sink.log_params(data_params(train_ds, eval_ds))   # data.<split>.records, tokens, ... (the data cache)
     system_metrics = _start_system_metrics(run_dir, files, rank)
     _phase("sink")
     try:

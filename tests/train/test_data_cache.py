@@ -15,7 +15,7 @@ import torch
 
 from jobspec.cli import main
 from jobspec.errors import SpecError
-from jobspec.job import data_cache, data_prep
+from jobspec.job import data_cache, data_prep, data_sources
 from jobspec.model.build import build_tokenizer
 from jobspec.spec.schema import fill_defaults
 from jobspec.train import packing
@@ -160,7 +160,7 @@ def test_a_damaged_entry_is_rebuilt():
 
 
 def test_parallel_chunks_write_what_one_process_writes(monkeypatch):
-    monkeypatch.setattr(data_prep, "CHUNK_BYTES", 16 * 1024)   # several chunks of the sample file
+    monkeypatch.setattr(data_sources, "CHUNK_BYTES", 16 * 1024)   # several chunks of the sample file
     spec = make_spec(CHAT, records="chat")
     tokenizer = build_tokenizer(spec)
     serial = data_prep.prepare(spec, "train", tokenizer, num_proc=1)
@@ -260,3 +260,30 @@ def test_prepare_builds_the_data_and_refuses_a_bad_record_past_the_launch_prefli
     data.write_text("".join(good[i % len(good)] + "\n" for i in range(1100)))
     assert main(["prepare", str(job), "--data-only"]) == 0
     assert "jobspec: data.train: 1,100 chat records -> " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("form", ["parquet", "saved", "hf-dir"])
+def test_tables_and_datasets_by_name_go_through_the_same_cache(tmp_path, form):
+    """parquet, a save_to_disk directory and `hf:` + that directory: the jsonl file's samples, cached."""
+    import datasets
+
+    table = datasets.Dataset.from_list([{"messages": m} for m in chat_records()[:40]])
+    if form == "parquet":
+        source = str(tmp_path / "chat.parquet")
+        table.to_parquet(source)
+    else:
+        table.save_to_disk(str(tmp_path / "saved"))
+        source = ("hf:" if form == "hf-dir" else "") + str(tmp_path / "saved")
+    jsonl = tmp_path / "chat.jsonl"
+    jsonl.write_text("".join(line + "\n" for line in CHAT.read_text().splitlines()[:40]))
+    tokenizer = build_tokenizer(make_spec(CHAT))
+    expected, _ = build_datasets(make_spec(jsonl, records="chat"), tokenizer)
+    spec = make_spec(CHAT, records="chat")
+    spec["data"]["train"] = source
+    got, _ = build_datasets(spec, tokenizer)
+    assert type(got).__name__ == "CachedDataset" and len(got) == len(expected) > 30
+    for i in range(len(got)):
+        assert torch.equal(got[i]["input_ids"], expected[i]["input_ids"])
+        assert torch.equal(got[i]["labels"], expected[i]["labels"])
+    entry = data_prep.find(spec, "train", tokenizer)
+    assert entry.data is not None and entry.data.meta["records"] == 40
