@@ -7,7 +7,7 @@ else ~/.cache/jobspec, beside the planner's traces) holding
     input_ids.bin   int32, every sample's token ids one after the other
     labels.bin      int32, their labels (-100 outside the answers)
     offsets.bin     int64, sample i is [offsets[i], offsets[i + 1]) of both (its length: the difference)
-    meta.json       the counts (records, samples, tokens, truncated, dropped, longest) and the arrays' sizes;
+    meta.json       the counts (records, samples, tokens, truncated, no_answer, longest) and the arrays' sizes;
                     written last: an entry without it, or whose files disagree with it, is damaged
 
 NumPy memmaps rather than Arrow (docs/benchmarks.md, "Data preparation"): opening one costs three

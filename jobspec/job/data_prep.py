@@ -13,9 +13,9 @@ worker; row ranges of a table `datasets` loads: csv, parquet, `hf:` names, saved
 `data.num_proc` forked processes (default: the CPUs this process may use); each renders its records and tokenises
 them in one batched call of the fast tokenizer. The parent writes the chunks' arrays in order.
 
-Records longer than `max_length` are truncated (one line: how many, and the longest); records with no
-token to train on within `max_length` (no answer token left, or nothing at all) are dropped: a
-micro-batch of them would have no loss.
+Records longer than `max_length` are truncated (one line: how many, and the longest). Every record
+stays a sample, as it was before the cache (the derived job counts a file's rows as its samples):
+those with no answer token left within `max_length` are counted (`no_answer`: they add no loss).
 """
 from __future__ import annotations
 
@@ -140,7 +140,7 @@ class _Chunk:
     lengths: np.ndarray
     records: int = 0
     truncated: int = 0
-    dropped: int = 0
+    no_answer: int = 0
     longest: tuple = (0, "")     # (tokens before truncation, where)
     errors: list = field(default_factory=list)   # (where, message, hint), at most MAX_REPORTED
     bad: int = 0
@@ -173,9 +173,8 @@ def _encode_chunk(chunk) -> _Chunk:
         if len(ids) > max_length:
             result.truncated += 1
             ids, labels = ids[:max_length], labels[:max_length]
-        if not len(ids) or (not all_tokens and bool((labels == IGNORE_INDEX).all())):
-            result.dropped += 1
-            continue
+        if not all_tokens and bool((labels == IGNORE_INDEX).all()):
+            result.no_answer += 1
         ids_out.append(ids)
         labels_out.append(labels)
         lengths.append(len(ids))
@@ -206,7 +205,7 @@ def _build(spec: dict, entry: Entry, tokenizer, num_proc: int, show: str | None)
         if totals.bad:
             raise SpecError(_bad_record_issues(totals, entry.split))
         meta = {"split": entry.split, "kind": entry.kind, "source": data[entry.split], "records": totals.records,
-                "tokens": writer.tokens, "truncated": totals.truncated, "dropped": totals.dropped,
+                "tokens": writer.tokens, "truncated": totals.truncated, "no_answer": totals.no_answer,
                 "longest": totals.longest[0], "longest_where": totals.longest[1], "max_length": data["max_length"],
                 "seconds": round(time.time() - started, 2), "num_proc": min(num_proc, len(chunks)) or 1}
         path = writer.commit(meta)
@@ -245,7 +244,7 @@ def _results(chunks: list, num_proc: int):
 def _add(totals: _Chunk, result: _Chunk) -> None:
     totals.records += result.records
     totals.truncated += result.truncated
-    totals.dropped += result.dropped
+    totals.no_answer += result.no_answer
     totals.bad += result.bad
     totals.errors += result.errors[:MAX_REPORTED - len(totals.errors)]
     if result.longest[0] > totals.longest[0]:
@@ -302,10 +301,11 @@ def summary_line(entry: Entry) -> str:
     """`data.train: 100,000 chat records -> 99,990 samples, 21.3M tokens (cached, 163 MiB)`."""
     assert entry.data is not None
     meta = entry.data.meta
-    dropped = f", {meta['dropped']:,} dropped (no token to train on)" if meta["dropped"] else ""
+    no_answer = f", {meta['no_answer']:,} with no answer token within data.max_length (no loss)" \
+        if meta["no_answer"] else ""
     what = entry.kind.replace("_", "/")
     return (f"data.{entry.split}: {meta['records']:,} {what} records -> {meta['samples']:,} samples, "
-            f"{meta['tokens']:,} tokens{dropped} (tokenised data {entry.data.nbytes / MiB:,.1f} MiB, "
+            f"{meta['tokens']:,} tokens{no_answer} (tokenised data {entry.data.nbytes / MiB:,.1f} MiB, "
             f"{entry.data.path})")
 
 
@@ -329,9 +329,9 @@ def counts(entries: list[Entry]) -> dict:
 
 
 def data_counts(cached: data_cache.CachedData) -> dict:
-    """data.<split>.records/samples/tokens/truncated/dropped/cache_mib of an entry (MLflow params)."""
+    """data.<split>.records/samples/tokens/truncated/no_answer/cache_mib of an entry (MLflow params)."""
     split = cached.meta["split"]
-    names = ("records", "samples", "tokens", "truncated", "dropped")
+    names = ("records", "samples", "tokens", "truncated", "no_answer")
     out = {f"data.{split}.{name}": cached.meta[name] for name in names}
     out[f"data.{split}.cache_mib"] = round(cached.nbytes / MiB, 1)
     return out

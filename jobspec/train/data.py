@@ -121,7 +121,7 @@ def build_datasets(spec: dict, tokenizer):
 
 def data_params(*datasets) -> dict:
     """The tokenised data's counts for MLflow (`data.<split>.records`, `samples`, `tokens`, `truncated`,
-    `dropped`, `cache_mib`) of the datasets read from the data cache (a packed one through its samples)."""
+    `no_answer`, `cache_mib`) of the datasets read from the data cache (a packed one through its samples)."""
     params: dict = {}
     for dataset in datasets:
         dataset = getattr(dataset, "dataset", dataset)   # packing.LazyPackedDataset: its samples

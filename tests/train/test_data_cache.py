@@ -45,7 +45,7 @@ def make_spec(train: Path, **data) -> dict:
 def reference(tokenizer, records: list, max_length: int, loss_on: str) -> list[tuple[list, list]]:
     """Record by record, the way a reader of the docs would do it by hand: the whole conversation
     rendered, each assistant turn's span from its prefix and the conversation through it, one tokenizer
-    call per record; a record with nothing to train on is left out."""
+    call per record."""
     def render(messages, prompt=False):
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
 
@@ -58,9 +58,7 @@ def reference(tokenizer, records: list, max_length: int, loss_on: str) -> list[t
         ids = list(encoded["input_ids"])
         labels = [t if loss_on == "all" or any(s < e2 and e > s2 for s2, e2 in spans) else IGNORE_INDEX
                   for t, (s, e) in zip(ids, encoded["offset_mapping"])]
-        ids, labels = ids[:max_length], labels[:max_length]
-        if any(label != IGNORE_INDEX for label in labels):
-            out.append((ids, labels))
+        out.append((ids[:max_length], labels[:max_length]))
     return out
 
 
@@ -74,12 +72,16 @@ def test_cached_chat_samples_are_the_record_by_record_tokens(loss_on):
     tokenizer = build_tokenizer(spec)
     train, _ = build_datasets(spec, tokenizer)
     expected = reference(tokenizer, chat_records(), 96, loss_on)
-    assert len(train) == len(expected) > 250
+    assert len(train) == len(expected) == 300
     for i in range(len(train)):
         sample = train[i]
         assert sample["input_ids"].tolist() == expected[i][0]
         assert sample["labels"].tolist() == expected[i][1]
         assert sample["attention_mask"].tolist() == [1] * len(expected[i][0])
+    # every record is a sample (the derived job counts rows); those without an answer token are counted
+    no_answer = sum(all(label == IGNORE_INDEX for label in labels) for _, labels in expected)
+    assert train.cached.meta["no_answer"] == (no_answer if loss_on == "answers" else 0)
+    assert loss_on == "all" or no_answer > 0
 
 
 def test_the_answer_tokens_decode_to_the_assistant_turns():
@@ -259,7 +261,7 @@ def test_prepare_builds_the_data_and_refuses_a_bad_record_past_the_launch_prefli
     assert f"{data}:1101: 'messages' is a list of 0" in err and "Traceback" not in err
     data.write_text("".join(good[i % len(good)] + "\n" for i in range(1100)))
     assert main(["prepare", str(job), "--data-only"]) == 0
-    assert "jobspec: data.train: 1,100 chat records -> " in capsys.readouterr().out
+    assert "jobspec: data.train: 1,100 chat records -> 1,100 samples" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("form", ["parquet", "saved", "hf-dir"])
