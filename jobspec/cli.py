@@ -11,7 +11,7 @@ import importlib
 import os
 import sys
 
-from jobspec import __version__
+from jobspec import __version__, library_log
 from jobspec.errors import EXIT_INVALID, EXIT_RUN_FAILED, RunFailure, SpecError
 
 # name -> module under jobspec.commands; the one-line help lives here so `jobspec --help`
@@ -40,6 +40,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             p = sub.add_parser(name, help=help_line, description=module.__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
             module.add_arguments(p)
+            if name in library_log.QUIET_COMMANDS:
+                p.add_argument("--verbose", "-v", action="store_true",
+                               help="show the libraries' warnings and log lines (else kept in "
+                                    f"{library_log.log_path(name)})")
             p.set_defaults(_module=module)
         else:
             sub.add_parser(name, help=help_line, add_help=False)
@@ -55,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0 if not argv else EXIT_INVALID
     try:
-        return int(args._module.run(args) or 0)
+        with library_log.quiet(args.command, getattr(args, "verbose", False)):
+            return int(args._module.run(args) or 0)
     except SpecError as err:
         print(err.render(fmt=getattr(args, "format", "text")), file=sys.stderr)
         return EXIT_INVALID

@@ -27,8 +27,9 @@ from tests.conftest import REPO_ROOT, deep_merge
 # The modules a launch runs before any rank starts (docs/architecture.md, `jobspec launch`); the
 # validation rules themselves (spec/validation.py, spec/rules/) are validate's.
 LAUNCH_PATH = [*sorted((REPO_ROOT / "jobspec" / "launch").glob("*.py")),
-               *(REPO_ROOT / "jobspec" / p for p in ("memory/at_launch.py", "job/prepare.py", "spec/inputs.py",
-                                                      "compile/compiler.py", "spec/datacheck.py"))]
+               *(REPO_ROOT / "jobspec" / p for p in ("memory/at_launch.py", "job/prepare.py", "job/checks.py",
+                                                      "job/model_config.py", "job/data_preflight.py",
+                                                      "spec/inputs.py", "compile/compiler.py", "spec/datacheck.py"))]
 BUILDERS = {"spec_error", "SpecError", "SpecIssue"}
 
 
@@ -89,6 +90,7 @@ class Case:
     setup: Callable
     expected: str
     label: str = ""
+    unrefused: dict = field(default_factory=dict)   # command -> why it passes what the others refuse
 
 
 @dataclass
@@ -195,6 +197,8 @@ def _incapable_bitsandbytes(tmp_path, monkeypatch):
     return {"model": {"lora": {"r": 4}, "quantization": {"bits": 4}}}
 
 
+HOST_ONLY = "the launching host's, not the job's: plan and compile describe the job on any machine"
+LAUNCH_ONLY = {"plan": HOST_ONLY, "compile": HOST_ONLY}
 EPOCHS = {"training": {"max_steps": None, "epochs": 1}}
 
 CASES = {
@@ -205,30 +209,37 @@ CASES = {
                        "rows.jsonl:2: message 1 has role 'bot'"),
     "text-dir": Case(lambda t, m: (t / "empty").mkdir() or file_data(t, train=str(t / "empty")),
                      "is a directory, not a data file"),
-    "ranks": Case(lambda t, m: {"resources": {"gpus_per_node": 512}}, "512 ranks per node but this host has"),
-    "port": Case(_held_port, "is already in use on this host"),
-    "disk": Case(_small_disk, "share a disk with 1.0 KiB free"),
-    "op-build": Case(_no_compiler, "CPUAdamBuilder cannot be built here"),
-    "lease": Case(_live_lease, "is already being launched into"),
-    "owner-unreadable": Case(_unreadable_owner, "jobspec_job.json is unreadable"),
-    "unclaimed": Case(_unclaimed_files, "already holds files that no jobspec job claims"),
-    "fit-nothing": Case(lambda t, m: {"memory": {"fit": "auto", "gpu_memory": "1MiB"}}, "nothing fits in 1.0 MiB"),
+    "ranks": Case(lambda t, m: {"resources": {"gpus_per_node": 512}}, "512 ranks per node but this host has", unrefused=LAUNCH_ONLY),
+    "port": Case(_held_port, "is already in use on this host", unrefused=LAUNCH_ONLY),
+    "disk": Case(_small_disk, "share a disk with 1.0 KiB free", unrefused=LAUNCH_ONLY),
+    "op-build": Case(_no_compiler, "CPUAdamBuilder cannot be built here", unrefused=LAUNCH_ONLY),
+    "lease": Case(_live_lease, "is already being launched into", unrefused=LAUNCH_ONLY),
+    "owner-unreadable": Case(_unreadable_owner, "jobspec_job.json is unreadable", unrefused=LAUNCH_ONLY),
+    "unclaimed": Case(_unclaimed_files, "already holds files that no jobspec job claims", unrefused=LAUNCH_ONLY),
+    "fit-nothing": Case(lambda t, m: {"memory": {"fit": "auto", "gpu_memory": "1MiB"}}, "nothing fits in 1.0 MiB",
+                        unrefused={"plan": "plan shows the spec as written (memory.fit is not applied: --fit shows "
+                                           "what it would change), and says it does not fit"}),
     "row-count": Case(_late_bad_csv, "cannot count the rows of"),
     "epochs-hub": Case(lambda t, m: deep_merge(file_data(t, train="hf:nobody/none"), EPOCHS),
                        "training.epochs needs the number of training samples, and hf:nobody/none is a dataset by name"),
     "epochs-text": Case(lambda t, m: deep_merge(file_data(t, train=str(DATA / "corpus-sample.txt")), EPOCHS),
                         "corpus-sample.txt is text"),
     "bnb-backend": Case(_incapable_bitsandbytes,
-                        "bitsandbytes cannot quantise 4-bit on this machine: no 4-bit quantisation kernel"),
+                        "bitsandbytes cannot quantise 4-bit on this machine: no 4-bit quantisation kernel", unrefused=LAUNCH_ONLY),
+    "config-typo": Case(lambda t, m: {"model": {"config": {**GPT2, "n_emdb": 32}}},
+                        "unknown key `n_emdb` for GPT2Config (gpt2)"),
+    "lora-typo": Case(lambda t, m: {"model": {"lora": {"r": 4, "target_modules": ["c_atn"]}}},
+                      "target module pattern 'c_atn' matches no module LoRA can adapt in GPT2LMHeadModel"),
+    "pad-beyond-vocab": Case(lambda t, m: {"model": {"config": {**GPT2, "pad_token_id": 4096}}},
+                             "pad_token_id 4096 (model.config) is not below vocab_size 2048"),
     "ds-batch-override": Case(lambda t, m: {"deepspeed": {"train_batch_size": 64}}, "train_batch_size"),
 }
 
 REFUSALS: dict[str, Listed] = {
-    "launch/data_preflight:tokenizer_issues": Listed(3, ["tokenizer-vocab", "template-render", "tokenizer-load"]),
+    "job/data_preflight:tokenizer_issues": Listed(3, ["tokenizer-vocab", "template-render", "tokenizer-load"]),
+    "job/checks:model_data_checks": Listed(3, ["bad-record", "tokenizer-vocab", Covered(
+        "tests/spec/test_job_model_config.py::test_an_unknown_model_type_is_refused_before_anything_is_derived")]),
     "launch/pipeline:quantization_check": Listed(2, ["bnb-backend"]),
-    "launch/pipeline:launch_checks": Listed(3, [
-        "bad-record", "tokenizer-vocab", Covered("tests/spec/test_launch_model_config.py::"
-                                                 "test_an_unknown_model_type_is_refused_at_launch")]),
     "launch/pipeline:host_checks": Listed(2, ["ranks", "op-build"]),
     "launch/pipeline:launch": Listed(1, [NotVisible(
         "the checkpoints changed between the lineage choice and the lease: a race between two launches")]),
@@ -244,9 +255,10 @@ REFUSALS: dict[str, Listed] = {
     "launch/ownership:read_owner": Listed(1, ["owner-unreadable"]),
     "launch/ownership:check_checkpoints": Listed(3, ["unclaimed", Covered(
         "tests/launch/test_launch_ux.py::test_dry_run_refuses_what_a_launch_would_refuse")]),
-    "launch/model_config:launch_model_config_issues": Listed(2, [
-        Covered("tests/spec/test_launch_model_config.py::test_unknown_key_and_wrong_type_are_positioned_at_launch"),
-        Covered("tests/spec/test_launch_model_config.py::test_an_unknown_model_type_is_refused_at_launch")]),
+    "job/model_config:job_model_config_issues": Listed(2, [
+        Covered("tests/spec/test_job_model_config.py::test_a_hub_config_that_cannot_be_read_is_a_positioned_error"),
+        Covered("tests/spec/test_job_model_config.py::"
+                "test_an_unknown_model_type_is_refused_before_anything_is_derived")]),
     "launch/from_run:fetch_spec": Listed(5, [Covered("tests/launch/test_from_run.py::"
                                                      "test_unknown_run_and_run_without_spec_exit_2")]),
     "launch/from_run:relaunch_spec": Listed(2, [Covered("tests/launch/test_from_run.py::"
@@ -303,22 +315,32 @@ def test_the_named_tests_exist_and_go_through_the_cli_or_prepare_job(proof):
     assert "'--dry-run'" in source or "'validate'" in source or "prepare_job" in source, proof
 
 
+COMMANDS = {"validate": ["validate"], "plan": ["plan"], "compile": ["compile"], "dry-run": ["launch", "--dry-run"]}
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_validate_or_dry_run_reports_the_refusal(name, tmp_path, monkeypatch, capsys):
+def test_validate_plan_compile_and_dry_run_refuse_alike(name, tmp_path, monkeypatch, capsys):
+    """The column: each case through all four commands. validate refusing means all four refuse (the
+    others validate first); else plan, compile and --dry-run all refuse it, the same words at the
+    spec's line, unless the case says why only a launch can (the host's port, disk, lease, ...)."""
     monkeypatch.chdir(tmp_path)
     case = CASES[name]
     spec = deep_merge(base_spec(tmp_path), case.setup(tmp_path, monkeypatch))
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(spec, sort_keys=False))
-    said = ""
-    for argv in (["validate", str(job)], ["launch", str(job), "--dry-run"]):
-        code = main(argv)
+    refused = {}
+    for command, argv in COMMANDS.items():
+        code = main([argv[0], str(job), *argv[1:]])
         out = capsys.readouterr()
         said = out.err + out.out
-        assert "Traceback" not in said
-        if code != 0:
-            break
-    assert code == 2, said
-    assert case.expected in said, said
-    assert "job.yaml:" in said or "<--set>" in said   # at the spec's line
+        assert "Traceback" not in said, (command, said)
+        assert code in (0, 2), (command, code, said)
+        if code == 2:
+            assert case.expected in said, (command, said)
+            assert "job.yaml:" in said or "<--set>" in said, (command, said)   # at the spec's line
+            refused[command] = said
+    if "validate" in refused:
+        assert set(refused) == set(COMMANDS), (name, sorted(refused))
+    else:
+        assert set(refused) == {"plan", "compile", "dry-run"} - set(case.unrefused), (name, sorted(refused))
     assert not (tmp_path / "out").exists()

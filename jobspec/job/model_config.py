@@ -1,10 +1,11 @@
 """transformers' config classes read as a table of `model.config` keys and their JSON types.
 
-Two users: scripts/gen_transformers_configs.py writes the table of the supported architectures
-(schemas/transformers-configs.json, what `jobspec validate` checks against without importing
-transformers), and `jobspec launch` checks here, with the same positioned errors and before any
-rank starts, what validate could not: an architecture outside that table, and a hub id's
-`model.config` once its config.json (Hugging Face cache, else the hub) names the model type.
+Two users: scripts/gen_transformers_configs.py writes the table of every model type transformers
+registers (schemas/transformers-configs/, what `jobspec validate` checks against without importing
+transformers), and `plan`, `compile` and `launch` (dry or not) check here, through job/checks, with
+the same positioned errors, what validate could not: a type outside that table (a newer
+transformers), and a hub id's `model.config` once its config.json (Hugging Face cache, else the
+hub) names the model type.
 transformers 5 config classes are dataclasses that take any keyword: an unknown one becomes a stray
 attribute, so this is the only thing that catches a typo.
 """
@@ -143,7 +144,8 @@ def transformers_entry(model_type: str, common: dict) -> dict:
         fields.update(ROPE_KEYWORDS)
     own = {name: entry for name, entry in fields.items() if common.get(name) != entry}
     aliases = {alias: target for alias, target in cls.attribute_map.items() if alias not in fields}
-    return {"class": f"{cls.__module__}.{cls.__qualname__}", "common": True, "fields": own, "aliases": aliases}
+    return {"class": f"{cls.__module__}.{cls.__qualname__}", "common": True, "fields": dict(sorted(own.items())),
+            "aliases": dict(sorted(aliases.items()))}
 
 
 def common_fields() -> dict:
@@ -154,39 +156,38 @@ def common_fields() -> dict:
     return {**dataclass_fields(PreTrainedConfig), **POST_INIT_KEYWORDS}
 
 
-def launch_model_config_issues(resolved) -> list[SpecIssue]:
-    """`model.config` problems `jobspec validate` could not see, found before any rank starts.
+def job_model_config_issues(resolved) -> list[SpecIssue]:
+    """`model.config` and `model.lora`'s module names that validate could not check, found by `plan`,
+    `compile` and `launch --dry-run` alike (job/checks), before anything is derived.
 
-    Validate checks `model.config` when it knows the model type without transformers or the network
-    (`model.architecture`, or a local checkpoint's config.json) and the type is in the shipped table;
-    those give nothing here. What is left:
+    Validate checks them when it knows the model type without transformers or the network
+    (`model.architecture`, a local checkpoint's config.json, a hub id's in the local cache) and the
+    type is in the generated table; those give nothing here. What is left:
 
-    - a type outside the table: checked against transformers' config class;
+    - a type outside the table (a transformers newer than it): checked against transformers' class;
     - a hub id: its config.json (`hub_config`: the local Hugging Face cache, else the hub, at
-      `model.revision`) names the type, and the keys are checked against the shipped table for a
-      type in it, against transformers' class for another; either way the same positioned errors,
-      "did you mean" included, and the checkpoint's own keys accepted as for a local directory.
+      `model.revision`) names the type, and the keys are checked against its generated entry, the
+      checkpoint's own keys accepted as for a local directory.
 
     A hub config that cannot be read (no network and not cached, an unknown id or revision, a gated
     repository without a token) is a positioned error on `model.name_or_path`, not a skipped check:
     the ranks start by reading that same file (`AutoConfig.from_pretrained`) with the same cache,
-    token and network, so they would fail on it too, only later (after DeepSpeed and the MLflow run
-    have started); refusing now is the same outcome sooner, and a typo in `model.config` never goes
-    through unchecked. A model type only the repository's own code defines (`trust_remote_code`)
-    cannot be checked without running that code here: a warning line says so.
+    token and network, so they would fail on it too, only later; refusing now is the same outcome
+    sooner, and a typo in `model.config` never goes through unchecked. A model type only the
+    repository's own code defines (`trust_remote_code`) cannot be checked without running that code
+    here: a notice line says so.
     """
-    from jobspec.spec.freeform import TRANSFORMERS_TABLE, load_table
+    from jobspec.spec import model_table
 
     model = resolved.spec["model"]
     if not model.get("config"):
         return []
-    in_table = load_table(TRANSFORMERS_TABLE)["architectures"]
     checkpoint = local_checkpoint_config(resolved)
     if model.get("architecture") or checkpoint is not None:
-        model_type = model.get("architecture") or (checkpoint or {}).get("model_type")
-        if model_type is None or model_type in in_table:
+        model_type = model_table.model_type(resolved.spec, checkpoint)
+        if model_type is None or model_table.entry(model_type) is not None:
             return []   # checked by validate (or no type to check against: the ranks' AutoConfig decides)
-    else:   # a hub id: validate could not know its type
+    else:   # a hub id outside the local cache: validate could not know its type
         name = model["name_or_path"]
         try:
             checkpoint = hub_config(name, model.get("revision"))
@@ -199,21 +200,21 @@ def launch_model_config_issues(resolved) -> list[SpecIssue]:
         model_type = checkpoint.get("model_type")
         if model_type is None:
             return []
-        if model_type in in_table:
+        if model_table.entry(model_type) is not None:
             return model_config_issues({"model": {**model, "architecture": model_type}}, resolved.issue, checkpoint)
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     if model_type not in CONFIG_MAPPING:
         if model.get("trust_remote_code"):
-            print(f"jobspec: WARNING: model.config is not checked: model type `{model_type}` is defined by the "
+            print(f"jobspec: model.config is not checked: model type `{model_type}` is defined by the "
                   "repository's own code (trust_remote_code), which runs only on the ranks", file=sys.stderr,
                   flush=True)
             return []
         return [resolved.issue(("model", "architecture") if model.get("architecture") else ("model", "name_or_path"),
                                f"transformers {_version()} has no model type `{model_type}`",
                                "use a model_type transformers knows (its AutoConfig names)")]
-    table = {"common": common_fields(), "architectures": {model_type: transformers_entry(model_type, common_fields())}}
+    entry = transformers_entry(model_type, common_fields())
     return model_config_issues({"model": {**model, "architecture": model_type}}, resolved.issue, checkpoint,
-                               table=table)
+                               entry=entry)
 
 
 def hub_config(name: str, revision: str | None = None) -> dict:

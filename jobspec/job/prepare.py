@@ -3,8 +3,10 @@
     prepare_job(path, overrides, host)  ->  PreparedJob(resolved, derived, memory, compiled, host)
 
     resolve    spec/validation.load_and_validate: every problem at once (SpecError, exit 2)
-    checks     the caller's, on the resolved spec before anything is derived (launch: model.config
-               of a hub id, the data files' first rows)
+    checks     the caller's, on the resolved spec before anything is derived (launch: the hub's
+               reachability, bitsandbytes' backend on CPU ranks); then job/checks.model_data_checks,
+               the same model and data refusals for every command (model.config of a hub id, the
+               config transformers builds, the tokenizer and chat template), and the LoRA targets
     derive     spec/inputs.derive_job; with the model's traced profile (model/trace.job_profiler)
                when memory is planned
     memory     memory/at_launch.prepare: `memory.fit: auto` rewrites the spec and its derived job
@@ -83,7 +85,8 @@ class PreparedJob:
 def prepare_job(source: str | os.PathLike | ResolvedSpec, overrides: Iterable[str] = (), host: Host | None = None,
                 *, plan: bool = False, apply_fit: bool = True, budget: tuple[int, str] | None = None,
                 host_budget: tuple[int, str] | None = None,
-                checks: Iterable[Callable[[ResolvedSpec], None]] = (), compile: bool = True,
+                checks: Iterable[Callable[[ResolvedSpec], None]] = (), model_checks: bool = True,
+                compile: bool = True,
                 run_dir: str | os.PathLike = "RUN_DIR", master_port: int | None = None) -> PreparedJob:
     """The job a spec file (or an already resolved spec) describes, as `jobspec launch` would run it.
 
@@ -93,7 +96,8 @@ def prepare_job(source: str | os.PathLike | ResolvedSpec, overrides: Iterable[st
     budget is known), as the compiled config depends on it. `apply_fit=False` keeps the spec as
     written (`jobspec plan`); `budget`: (bytes, where from) replacing `memory.gpu_memory` and the free
     GPU memory; `host_budget`: the same for a node's RAM (`resources.host_mem`, the host's).
-    `checks`: called with the resolved spec before anything is derived. `compile`:
+    `checks`: called with the resolved spec before anything is derived, then (`model_checks`) the
+    model and data refusals every command makes alike (job/checks). `compile`:
     compile for `run_dir` and `master_port`.
 
     Raises SpecError (exit 2): the spec's problems, a check's, nothing fitting the budget, a fit
@@ -102,6 +106,9 @@ def prepare_job(source: str | os.PathLike | ResolvedSpec, overrides: Iterable[st
     resolved = source if isinstance(source, ResolvedSpec) else load_and_validate(source, list(overrides))
     for check in checks:
         check(resolved)
+    if model_checks:
+        from jobspec.job.checks import model_data_checks
+        model_data_checks(resolved)
     if resolved.spec["model"]["lora"] is not None:
         # the target patterns against the model's real module names, on the meta device (validate cannot
         # know them without building the model): refused here, before anything is derived or launched
@@ -119,14 +126,21 @@ def prepare_job(source: str | os.PathLike | ResolvedSpec, overrides: Iterable[st
     if plan or (apply_fit and spec["memory"]["fit"] == "auto" and (budget or spec["memory"]["gpu_memory"])):
         from jobspec.model.trace import job_profiler
         host = host or Host.probe(spec["resources"]["gpus_per_node"])
-        derived = derive_job(spec, profiler=job_profiler())
-        resolved, derived, memory = at_launch.prepare(resolved, derived, host.gpu_free,
-                                                      bf16_supported=host.bf16_supported,
-                                                      apply_fit=apply_fit, budget=budget, host_ram=host.ram_total,
-                                                      host_budget=host_budget)
+        derived = _located(resolved, lambda: derive_job(spec, profiler=job_profiler()))
+        resolved, derived, memory = _located(resolved, lambda: at_launch.prepare(
+            resolved, derived, host.gpu_free, bf16_supported=host.bf16_supported, apply_fit=apply_fit,
+            budget=budget, host_ram=host.ram_total, host_budget=host_budget))
     else:
-        derived = derive_job(spec)
+        derived = _located(resolved, lambda: derive_job(spec))
     prepared = PreparedJob(resolved, derived, memory, host=host)
     if compile:
         prepared.compiled = prepared.compile(run_dir, master_port)
     return prepared
+
+
+def _located(resolved: ResolvedSpec, function: Callable):
+    """`function()`, its SpecError at the spec's lines (the data file's row count, read when deriving)."""
+    try:
+        return function()
+    except SpecError as err:
+        raise resolved.locate(err) from None

@@ -3,9 +3,9 @@
 
     prepare        job/prepare.prepare_job, the path `jobspec compile` and `plan` take too:
       resolve        spec/validation.load_and_validate (exit 2 on any problem)
-      model.config   launch/model_config: an architecture outside the shipped table, or a hub id's config
-      data           spec/datacheck.preflight_issues: the data files' first rows (exit 2, at data.train/eval);
-                     launch/data_preflight: the tokenizer transformers loads, the chat template on the records
+      model.config   job/model_config (through prepare_job's job/checks): a hub id's config, a type outside the table
+      data           spec/datacheck: every data record (validate), exit 2 at data.train/eval file:line;
+                     job/data_preflight: the tokenizer transformers loads, the chat template on the records
       derive         spec/inputs.derive_job: every derived number, once (config.json, row count read here)
       memory         memory/at_launch.prepare: `memory.fit: auto` rewrites the spec (every rule runs
                      again on it); the plan
@@ -48,7 +48,6 @@ from jobspec.errors import SpecError, SpecIssue, spec_error
 from jobspec.job import data_prep
 from jobspec.launch import (
     console,
-    data_preflight,
     host,
     hub,
     intent,
@@ -64,7 +63,6 @@ from jobspec.launch import (
 from jobspec.launch import tracking as launch_tracking
 from jobspec.memory import at_launch as launch_memory
 from jobspec.secrets import mask_secrets
-from jobspec.spec import datacheck
 from jobspec.tracking import orphans
 from jobspec.tracking import run as tracking_run
 
@@ -273,22 +271,9 @@ def _located(resolved, function, *args):
 
 
 def launch_checks(resolved) -> None:
-    """What a launch checks of a valid spec before anything is derived from it (prepare_job's `checks`)."""
-    from jobspec.launch.model_config import launch_model_config_issues
-
+    """What only a launch checks of a valid spec, before prepare_job's model and data checks
+    (job/checks, which `plan` and `compile` make too): the hub's reachability, bitsandbytes' backend."""
     hub.offline_if_unreachable(resolved.spec)   # no hub: the cache at once, not 25 s of retries per file
-    # `model.config` validate could not check (an architecture outside the shipped table, a hub id):
-    # checked now, before anything starts, with the same positioned errors validate gives
-    model_config_problems = launch_model_config_issues(resolved)
-    if model_config_problems:
-        raise SpecError(model_config_problems)
-    data_issues = datacheck.preflight_issues(resolved.spec)  # before any rank (or row count) reads them
-    if data_issues:
-        raise resolved.locate(SpecError(data_issues))
-    # the records' shape is right: what needs the tokenizer (its size, the chat template on the records)
-    tokenizer_problems = data_preflight.tokenizer_issues(resolved)
-    if tokenizer_problems:
-        raise SpecError(tokenizer_problems)
     quantization_check(resolved)
 
 

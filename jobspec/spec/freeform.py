@@ -5,8 +5,9 @@ keyword as a stray attribute (`hiddne_size: 1024` trains a 768-wide model); Deep
 unknown top-level keys and refuses unknown nested ones only inside the ranks. So each block is
 checked against a table generated from the installed library and shipped under schemas/:
 
-- schemas/transformers-configs.json (scripts/gen_transformers_configs.py): per architecture,
-  the config class's fields with their types, its aliases, and the common keywords;
+- schemas/transformers-configs/ (scripts/gen_transformers_configs.py): per model type transformers
+  registers, the config class's fields with their types, its aliases, and the common keywords
+  (read through spec/model_table, one small file per type);
 - schemas/deepspeed-config.schema.json (scripts/gen_deepspeed_schema.py): every key DeepSpeed
   reads, as JSON Schema.
 
@@ -19,17 +20,18 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
 from jobspec.errors import SpecIssue
+from jobspec.spec import model_table
 from jobspec.spec.loader import SET_FILE
 
 IssueFn = Callable[..., SpecIssue]
 Problem = tuple   # (path inside the block, message, hint, whether to point at the key)
 
-TRANSFORMERS_TABLE = "transformers-configs.json"
 DEEPSPEED_SCHEMA = "deepspeed-config.schema.json"
 
 # DeepSpeed keys a spec field decides, and that field. The planner, --fit, the GPU pre-flight,
@@ -103,25 +105,24 @@ def load_table(name: str) -> dict:
 # ---------------------------------------------------------------- model.config
 
 def model_config_issues(spec: dict, issue: IssueFn, checkpoint_config: dict | None = None,
-                        table: dict | None = None) -> list[SpecIssue]:
-    """Unknown keys and wrong types in `model.config`, for the architectures in the table.
+                        entry: dict | None = None) -> list[SpecIssue]:
+    """Unknown keys and wrong types in `model.config`, for every model type in the generated table.
 
     `checkpoint_config`: the parsed config.json of a local `model.name_or_path` directory; its keys
-    are accepted too, and its `model_type` names the architecture. `table`: the shipped table by
-    default; `jobspec launch` passes one read from transformers for an architecture outside it.
+    are accepted too, and its `model_type` names the architecture. `entry`: the type's generated
+    entry by default (spec/model_table); job/model_config passes one read from transformers for a
+    type the table does not list (a transformers newer than the table).
     """
     model = spec.get("model") if isinstance(spec, dict) else None
     config = model.get("config") if isinstance(model, dict) else None
     if not isinstance(model, dict) or not isinstance(config, dict) or not config:
         return []
     checkpoint_config = checkpoint_config if isinstance(checkpoint_config, dict) else {}
-    architecture = model.get("architecture")
-    model_type = architecture if isinstance(architecture, str) else checkpoint_config.get("model_type")
-    table = table or load_table(TRANSFORMERS_TABLE)
-    entry = table["architectures"].get(model_type)
+    model_type = model_table.model_type(spec, checkpoint_config)
+    entry = entry or model_table.entry(model_type)
     if entry is None:
-        return []   # not in the table: left to launch, where transformers builds the config
-    fields = {**(table["common"] if entry["common"] else {}), **entry["fields"]}
+        return []   # no type known here (a hub id), or one transformers lacks: plan, compile, --dry-run check it
+    fields = {**(model_table.index()["common"] if entry["common"] else {}), **entry["fields"]}
     aliases = entry["aliases"]
     owner = entry["class"].rsplit(".", 1)[-1]
     issues = []
@@ -137,7 +138,8 @@ def model_config_issues(spec: dict, issue: IssueFn, checkpoint_config: dict | No
         if expected is None:
             choices = sorted(set(fields) | set(aliases) | set(checkpoint_config))
             issues.append(issue(path, f"unknown key `{key}` for {owner} ({model_type})",
-                                _did_you_mean(str(key), choices, f"{owner}'s keys", TRANSFORMERS_TABLE), key=True))
+                                _did_you_mean(str(key), choices, f"{owner}'s keys",
+                                              f"{model_table.TABLE_DIR}/{model_type}.json"), key=True))
             continue
         walker = _Walker(auto_is_wrong=False)
         walker.walk(value, expected, path)
@@ -316,19 +318,23 @@ def freeform_issues(resolved) -> list[SpecIssue]:
 
 
 def unchecked_model_config(resolved) -> str | None:
-    """Why `model.config` was not checked here, or None when it was. `jobspec launch` checks it
-    (jobspec/launch/model_config.py): an architecture outside the shipped table against transformers'
-    config class; a hub id once its config.json (local Hugging Face cache, else the hub) names the type."""
+    """Why validate did not check `model.config` and `model.lora`'s module names, or None when it did:
+    a hub id not in the local Hugging Face cache names its model type only in its config.json, which
+    `plan`, `compile` and `launch --dry-run` read (job/model_config); a type the generated table lacks
+    (a transformers newer than schemas/transformers-configs/) is checked there against transformers."""
     model = resolved.spec.get("model") or {}
-    if not model.get("config"):
+    if not model.get("config") and not model.get("lora"):
         return None
-    model_type = model.get("architecture") or (local_checkpoint_config(resolved) or {}).get("model_type")
-    if model_type in load_table(TRANSFORMERS_TABLE)["architectures"]:
+    model_type = model_table.model_type(resolved.spec, local_checkpoint_config(resolved))
+    if model_table.entry(model_type) is not None:
         return None
+    what = " and ".join(n for n, v in (("model.config", model.get("config")), ("model.lora's module names",
+                                                                              model.get("lora"))) if v)
     if model_type:
-        return f"model.config of architecture `{model_type}` is checked at launch (not in schemas/{TRANSFORMERS_TABLE})"
-    return (f"model.config of `{model.get('name_or_path')}` is checked at launch, against the model type "
-            "its config.json names (read from the Hugging Face cache or the hub)")
+        return (f"{what} of model type `{model_type}` not checked here (not in schemas/{model_table.TABLE_DIR}/): "
+                "plan, compile and launch --dry-run check it against transformers")
+    return (f"{what} of `{model.get('name_or_path')}` not checked here (its model type is in its config.json, "
+            "not in the local cache): plan, compile and launch --dry-run read it and check them")
 
 
 def local_checkpoint_config(resolved) -> dict | None:
@@ -343,12 +349,34 @@ def local_checkpoint_config(resolved) -> dict | None:
         base = Path.cwd()
     else:
         base = Path(where.file if where is not None else resolved.source).resolve().parent
+    text: str | None
     try:
         text = (base / os.path.expanduser(name) / "config.json").read_text(encoding="utf-8")
-        config = json.loads(text)
-    except (OSError, ValueError):   # a hub id, or no readable config.json: checked at launch
+    except OSError:   # a hub id, or no readable config.json: the Hugging Face cache, else plan/--dry-run
+        text = _cached_hub_file(name, model.get("revision") if isinstance(model, dict) else None, "config.json")
+    try:
+        config = json.loads(text) if text is not None else None
+    except ValueError:
         return None
     return config if isinstance(config, dict) else None
+
+
+def _cached_hub_file(name: str, revision: object, filename: str) -> str | None:
+    """A hub repository's file from the local Hugging Face cache, read as huggingface_hub lays it out
+    (hub/models--org--name/refs/<revision> -> snapshots/<commit>/<file>), without importing it; None
+    when it is not there (then plan, compile and --dry-run read it through transformers)."""
+    if name.count("/") > 1 or name.startswith((".", "/")) or ".." in name:
+        return None
+    cache = os.environ.get("HF_HUB_CACHE") or os.path.join(
+        os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface"), "hub")
+    repo = Path(cache) / ("models--" + name.replace("/", "--"))
+    revision = revision if isinstance(revision, str) and revision else "main"
+    try:
+        commit = revision if re.fullmatch(r"[0-9a-f]{40}", revision) else \
+            (repo / "refs" / revision).read_text(encoding="utf-8").strip()
+        return (repo / "snapshots" / commit / filename).read_text(encoding="utf-8")
+    except (OSError, ValueError):
+        return None
 
 
 # ---------------------------------------------------------------- words

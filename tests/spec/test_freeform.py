@@ -376,21 +376,50 @@ def _get(config: dict, path: tuple):
 
 # ---------------------------------------------------------------- generated tables: fresh and light
 
-@pytest.mark.parametrize("script, shipped, library", [
-    ("gen_transformers_configs.py", "transformers-configs.json", "transformers"),
-    ("gen_deepspeed_schema.py", "deepspeed-config.schema.json", "deepspeed"),
-])
-def test_generated_table_is_up_to_date(tmp_path, script, shipped, library):
-    if importlib.util.find_spec(library) is None:
-        pytest.skip(f"{library} is not installed")
-    out = tmp_path / shipped
-    done = subprocess.run([sys.executable, str(REPO / "scripts" / script), "--out", str(out)],
+def test_deepspeed_schema_is_up_to_date(tmp_path):
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed")
+    out = tmp_path / "deepspeed-config.schema.json"
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "gen_deepspeed_schema.py"), "--out", str(out)],
                           capture_output=True, text=True, cwd=REPO, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     # The library's version is recorded for the reader, not compared: a fresh environment takes the
     # newest release within pyproject's range, and a release that changes no field leaves the table valid.
-    fresh, ours = (_without_versions(json.loads(p.read_text())) for p in (out, REPO / "schemas" / shipped))
-    assert fresh == ours, f"schemas/{shipped} is stale: run `python scripts/{script}`"
+    fresh, ours = (_without_versions(json.loads(p.read_text())) for p in (out, REPO / "schemas" / out.name))
+    assert fresh == ours, "schemas/deepspeed-config.schema.json is stale: run `python scripts/gen_deepspeed_schema.py`"
+
+
+# The transformers table: every model type's config keys are regenerated (no model is built: ~15 s),
+# and the module names (a meta build per head, ~80 s for all 800+ types) for a sample: the types of
+# the shipped jobs and a few more of each kind (encoder, decoder, MoE, a head-less type). The keys of
+# every type are what a transformers upgrade changes most; a module rename in a type outside the
+# sample is still caught by plan/compile/--dry-run's meta build (model/lora.check_targets).
+MODULE_SAMPLE = ["bert", "gpt2", "llama", "qwen2", "gemma2", "phi3", "xlm-roberta", "mistral", "mixtral", "t5",
+                 "mlp", "clip"]
+TABLE = REPO / "schemas" / "transformers-configs"
+
+
+def test_transformers_table_is_up_to_date(tmp_path):
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("transformers is not installed")
+    script = str(REPO / "scripts" / "gen_transformers_configs.py")
+    for args in (["--configs-only"], ["--only", *MODULE_SAMPLE]):
+        out = tmp_path / args[0]
+        done = subprocess.run([sys.executable, script, "--out", str(out), *args],
+                              capture_output=True, text=True, cwd=REPO, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        fresh = {p.name: json.loads(p.read_text()) for p in out.glob("*.json")}
+        assert _without_versions(fresh.pop("index.json")) == _without_versions(json.loads((TABLE / "index.json").read_text())), \
+            "schemas/transformers-configs/index.json is stale: run `python scripts/gen_transformers_configs.py`"
+        if args[0] == "--configs-only":
+            assert len(fresh) == len(list(TABLE.glob("*.json"))) - 1   # every type, and no file of a dropped one
+        for name, content in fresh.items():
+            shipped = json.loads((TABLE / name).read_text())
+            if args[0] == "--configs-only":
+                shipped, content = ({k: v for k, v in c.items() if k not in ("heads", "positions")}
+                                    for c in (shipped, content))
+            assert content == shipped, f"schemas/transformers-configs/{name} is stale: run " \
+                                       "`python scripts/gen_transformers_configs.py`"
 
 
 def _without_versions(table: dict) -> dict:
@@ -399,24 +428,27 @@ def _without_versions(table: dict) -> dict:
 
 def test_a_changed_field_makes_the_table_stale():
     """The comparison above would catch a real change (guards `_without_versions` dropping too much)."""
-    table = json.loads((REPO / "schemas" / "transformers-configs.json").read_text())
+    table = json.loads((TABLE / "index.json").read_text())
     changed = json.loads(json.dumps(table))
-    changed["architectures"]["bert"]["fields"].pop("hidden_size")
+    changed["common"].pop("vocab_size", None) or changed["model_types"].pop()
     assert _without_versions(changed) != _without_versions(table)
     assert _without_versions({**table, "transformers_version": "0"}) == _without_versions(table)
 
 
-def test_table_covers_every_architecture_jobspec_knows():
-    table = freeform.load_table(freeform.TRANSFORMERS_TABLE)
-    assert set(table["architectures"]) == set(ARCHITECTURE_DEFAULTS)
-    description = subschema_at(("model", "config"))["description"]
-    assert all(name in description for name in table["architectures"])
+def test_table_covers_every_model_type_transformers_registers():
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("transformers is not installed")
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from jobspec.spec import model_table
+    assert set(model_table.model_types()) == set(CONFIG_MAPPING_NAMES) | set(ARCHITECTURE_DEFAULTS)
+    assert {p.stem for p in TABLE.glob("*.json")} == set(model_table.model_types()) | {"index"}
 
 
 def test_pyproject_ships_both_tables():
     text = (REPO / "pyproject.toml").read_text()
-    for name in (freeform.TRANSFORMERS_TABLE, freeform.DEEPSPEED_SCHEMA):
-        assert f'"schemas/{name}" = "jobspec/_schemas/{name}"' in text
+    assert f'"schemas/{freeform.DEEPSPEED_SCHEMA}" = "jobspec/_schemas/{freeform.DEEPSPEED_SCHEMA}"' in text
+    assert '"schemas/transformers-configs" = "jobspec/_schemas/transformers-configs"' in text
 
 
 def test_validate_with_both_blocks_imports_no_heavy_library(tmp_path):

@@ -1,5 +1,6 @@
-"""`model.config` validate could not check (an architecture outside the shipped table, a hub id) is
-checked at launch, before any rank."""
+"""`model.config` of every model type transformers registers is checked by validate (the generated
+table), and the same refusal comes from plan, compile and launch --dry-run; a hub id's, which validate
+cannot type, is checked by all three (job/model_config through job/checks) before anything is derived."""
 from __future__ import annotations
 
 import json
@@ -21,16 +22,15 @@ logging: {mlflow: {enabled: false}}
 """
 
 
-def test_unknown_key_and_wrong_type_are_positioned_at_launch(tmp_path, capsys):
+def test_unknown_key_and_wrong_type_are_refused_by_every_command_alike(tmp_path, capsys):
     job = tmp_path / "t5.yaml"
     job.write_text(T5_JOB)
-    assert main(["validate", str(job)]) == 0          # t5 is not in schemas/transformers-configs.json
-    assert "checked at launch" in capsys.readouterr().out
-    assert main(["launch", str(job), "--dry-run"]) == 2
-    err = capsys.readouterr().err
-    assert f"{job}:5:5: model.config.d_modle: unknown key `d_modle` for T5Config (t5)" in err
-    assert "did you mean `d_model`?" in err
-    assert f"{job}:6:17: model.config.num_layers: expected an integer, got list" in err
+    for command in (["validate"], ["plan"], ["compile"], ["launch", "--dry-run"]):
+        assert main([command[0], str(job), *command[1:]]) == 2, command
+        err = capsys.readouterr().err
+        assert f"{job}:5:5: model.config.d_modle: unknown key `d_modle` for T5Config (t5)" in err, command
+        assert "did you mean `d_model`?" in err
+        assert f"{job}:6:17: model.config.num_layers: expected an integer, got list" in err
     assert not (tmp_path / "runs").exists()
 
 
@@ -57,7 +57,7 @@ def test_a_correct_config_passes_and_a_local_checkpoint_names_the_type(tmp_path,
     assert "did you mean `dropout_rate`?" in err
 
 
-def test_an_unknown_model_type_is_refused_at_launch(tmp_path, capsys):
+def test_an_unknown_model_type_is_refused_before_anything_is_derived(tmp_path, capsys):
     job = tmp_path / "job.yaml"
     job.write_text(T5_JOB.replace("architecture: t5", "architecture: someformer").replace(
         "    d_modle: 64\n    num_layers: [2]\n", "    hidden_size: 64\n"))
@@ -80,7 +80,7 @@ logging: {mlflow: {enabled: false}}
 
 
 def _hub(monkeypatch, config=None, error=None):
-    from jobspec.launch import model_config
+    from jobspec.job import model_config
     asked = []
 
     def fake(name, revision=None):
@@ -94,11 +94,11 @@ def _hub(monkeypatch, config=None, error=None):
 
 
 def _issues(tmp_path, text=HUB_JOB):
-    from jobspec.launch.model_config import launch_model_config_issues
+    from jobspec.job.model_config import job_model_config_issues
     from jobspec.spec.validation import load_and_validate
     job = tmp_path / "job.yaml"
     job.write_text(text)
-    return job, [issue.render() for issue in launch_model_config_issues(load_and_validate(job))]
+    return job, [issue.render() for issue in job_model_config_issues(load_and_validate(job))]
 
 
 def test_a_hub_id_of_a_type_in_the_table_is_checked_against_the_table(tmp_path, monkeypatch, capsys):
@@ -106,7 +106,7 @@ def test_a_hub_id_of_a_type_in_the_table_is_checked_against_the_table(tmp_path, 
     job = tmp_path / "job.yaml"
     job.write_text(HUB_JOB)
     assert main(["validate", str(job)]) == 0          # the type is unknown without the hub's config.json
-    assert "checked at launch" in capsys.readouterr().out
+    assert "plan, compile and launch --dry-run read it" in capsys.readouterr().out
     assert main(["launch", str(job), "--dry-run"]) == 2
     err = capsys.readouterr().err
     # the positioned error validate gives for a bert architecture; the checkpoint's own keys pass
@@ -129,9 +129,12 @@ def test_a_hub_id_outside_the_table_is_checked_against_transformers(tmp_path, mo
     assert asked == [("someone/tiny-model", "v1.0")]
 
 
-def test_a_hub_config_that_cannot_be_read_is_a_positioned_error(tmp_path, monkeypatch):
+def test_a_hub_config_that_cannot_be_read_is_a_positioned_error(tmp_path, monkeypatch, capsys):
     _hub(monkeypatch, error=OSError("We couldn't connect to 'https://huggingface.co' to load the files"))
     job, issues = _issues(tmp_path)
+    for command in (["plan"], ["compile"], ["launch", "--dry-run"]):   # the same refusal from each
+        assert main([command[0], str(job), *command[1:]]) == 2
+        assert "model.name_or_path: cannot read the config.json of `someone/tiny-model`" in capsys.readouterr().err
     assert len(issues) == 1
     assert issues[0].startswith(f"{job}:2:17: model.name_or_path: cannot read the config.json of "
                                 "`someone/tiny-model`, so model.config cannot be checked: We couldn't connect")
@@ -147,13 +150,13 @@ def test_no_model_config_reads_nothing(tmp_path, monkeypatch):
 def test_a_type_only_remote_code_defines_is_a_warning(tmp_path, monkeypatch, capsys):
     _hub(monkeypatch, {"model_type": "someones-own-former", "auto_map": {}})
     assert _issues(tmp_path, HUB_JOB.replace("  config:", "  trust_remote_code: true\n  config:"))[1] == []
-    assert "WARNING: model.config is not checked: model type `someones-own-former`" in capsys.readouterr().err
+    assert "jobspec: model.config is not checked: model type `someones-own-former`" in capsys.readouterr().err
 
 
 def test_hub_config_reads_the_cache_before_the_hub(monkeypatch):
     from transformers import PreTrainedConfig
 
-    from jobspec.launch.model_config import hub_config
+    from jobspec.job.model_config import hub_config
     calls = []
 
     def get_config_dict(name, **kwargs):

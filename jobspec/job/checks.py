@@ -1,0 +1,63 @@
+"""The model and data refusals `plan`, `compile` and `launch` (dry or not) make before anything is derived.
+
+One function, `model_data_checks(resolved)`, run by job/prepare.prepare_job on every path
+(`jobspec plan`, `jobspec compile`, `jobspec launch` and `--dry-run`, `jobspec prepare`), so none of
+them can plan, compile or start a model other than the one written. What it adds to validate's
+rules is what needs transformers or the network (validate imports neither):
+
+- `model.config` of a hub id (its config.json names the type) or of a type the generated table
+  lacks: job/model_config, with the positioned errors validate gives;
+- the config transformers builds from it, refused at the keys involved (model/build.build_config:
+  `pad_token_id` beyond `vocab_size`, ...), never as a later failure of another field;
+- `model.attention` left out for a hub id: the best the head supports, now that its type is known;
+- the tokenizer transformers loads, its size against the vocabulary, the chat template rendered on
+  the records (job/data_preflight).
+
+LoRA target modules against the meta-built model stay in prepare_job (model/lora.check_targets).
+What only a launch checks is the host's (port, GPUs, disk, lease, bitsandbytes' CPU backend):
+launch/pipeline.launch_checks and host_checks, and tests/test_refusals.py says so per site.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from jobspec.errors import SpecError
+from jobspec.job import data_preflight
+from jobspec.job.model_config import job_model_config_issues
+from jobspec.spec import datacheck
+
+if TYPE_CHECKING:
+    from jobspec.spec.validation import ResolvedSpec
+
+
+def model_data_checks(resolved: ResolvedSpec) -> None:
+    """Raise SpecError (positioned) for the first group of problems found; may set `model.attention`
+    of a hub id whose config.json shows a head without sdpa (the spec left it out)."""
+    problems = job_model_config_issues(resolved)
+    if problems:
+        raise SpecError(problems)
+    config_check(resolved)
+    data_problems = datacheck.preflight_issues(resolved.spec)   # the records' shape, before the tokenizer
+    if data_problems:
+        raise resolved.locate(SpecError(data_problems))
+    tokenizer_problems = data_preflight.tokenizer_issues(resolved)
+    if tokenizer_problems:
+        raise SpecError(tokenizer_problems)
+
+
+def config_check(resolved: ResolvedSpec) -> None:
+    """The config transformers builds from the spec (AutoConfig with `model.config`), and the model
+    built from it on the meta device (embeddings and heads check ids against sizes), refused at the
+    config keys involved. Architectures only: a checkpoint's config is the ranks' to load (its
+    weights decide), and jobspec's mlp is checked by validate."""
+    model = resolved.spec["model"]
+    if not model.get("architecture") or model["architecture"] == "mlp" or model.get("name_or_path"):
+        return
+    from jobspec.model.build import build_config, loading_error
+
+    try:
+        build_config(resolved.spec)
+    except SpecError as err:
+        raise resolved.locate(err) from None
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise resolved.locate(loading_error(model, model["task"], model["attention"], err)) from None

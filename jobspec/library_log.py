@@ -1,0 +1,94 @@
+"""What the libraries print during `plan`, `compile`, `export` and `report`: kept in a log file, off the
+terminal (`--verbose` shows it), as `jobspec launch` keeps its ranks' in launcher.log (launch/quiet.py,
+train/library_output.py).
+
+transformers' deprecation notices (`is_gradient_checkpointing is deprecated`), its config warnings
+(`eos_token_id must be ...`), huggingface_hub's retries, datasets' and the hub's progress bars and
+Python warnings with their source lines are the libraries' business: the command's own output is its
+table or its error. A warning raised from jobspec's own code is one plain `jobspec: ...` line.
+The log is ~/.cache/jobspec/logs/<command>.log (JOBSPEC_LOG_DIR), rewritten by each run.
+
+Neutral ground (like trace.py): cli.py wraps those commands in it. It imports transformers' logging
+module (no torch: ~0.3 s), so that transformers' own stderr handler exists to be replaced.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Iterator
+
+QUIET_COMMANDS = ("plan", "compile", "export", "report")
+LOGGERS = ("transformers", "datasets", "huggingface_hub", "peft", "bitsandbytes", "torch", "deepspeed",
+           "accelerate", "DeepSpeed")
+PROGRESS_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+                "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
+JOBSPEC_PACKAGE = str(Path(__file__).resolve().parent)
+
+
+def log_path(command: str) -> Path:
+    base = os.environ.get("JOBSPEC_LOG_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "jobspec", "logs")
+    return Path(base) / f"{command}.log"
+
+
+@contextlib.contextmanager
+def quiet(command: str, verbose: bool = False) -> Iterator[Path | None]:
+    """Library log records and warnings to the command's log while the block runs (nothing when
+    `verbose`); yields the log's path. Restores every logger and the warning hook afterwards."""
+    if verbose or command not in QUIET_COMMANDS:
+        yield None
+        return
+    path = log_path(command)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        stream = open(path, "w", encoding="utf-8")
+    except OSError:   # no writable cache: the records are dropped rather than shown
+        stream = open(os.devnull, "w", encoding="utf-8")
+    saved_env = {key: os.environ.get(key) for key in PROGRESS_ENV}
+    for key, value in PROGRESS_ENV.items():
+        os.environ.setdefault(key, value)
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("[%(name)s] %(levelname)s %(message)s"))
+    _configure_transformers_logging()
+    saved = {}
+    for name in LOGGERS:
+        logger = logging.getLogger(name)
+        saved[name] = (list(logger.handlers), logger.propagate)
+        logger.handlers = [handler]
+        logger.propagate = False
+    show = warnings.showwarning
+    warnings.showwarning = _to_log(stream)
+    try:
+        yield path
+    finally:
+        warnings.showwarning = show
+        for logger_name, (handlers, propagate) in saved.items():
+            logger = logging.getLogger(logger_name)
+            logger.handlers, logger.propagate = handlers, propagate
+        for key, before in saved_env.items():
+            if before is None:
+                os.environ.pop(key, None)
+        handler.close()
+        stream.close()
+
+
+def _configure_transformers_logging() -> None:
+    """transformers installs its stderr handler on its first log call: have it installed now, to be replaced."""
+    try:
+        from transformers.utils import logging as transformers_logging
+        transformers_logging.get_logger("transformers")
+    except Exception:  # noqa: BLE001 - transformers missing or broken: nothing to route
+        pass
+
+
+def _to_log(stream):
+    def show(message, category, filename, lineno, file=None, line=None):
+        if str(filename).startswith(JOBSPEC_PACKAGE):   # jobspec's own notice: one plain line
+            print(f"jobspec: {message}", file=sys.stderr)
+            return
+        stream.write(warnings.formatwarning(message, category, filename, lineno, line))
+        stream.flush()
+    return show
