@@ -6,13 +6,17 @@ total including the CUDA context, host RAM per rank and per node, and whether th
 (--gpu-mem, else `memory.gpu_memory`; --host-mem, else `resources.host_mem`).
 With --fit it searches micro-batch / accumulation, bf16, checkpointing one
 layer in k, 8-bit AdamW, ZeRO stage and offload, keeping the global batch, and prints the cheapest
-configuration that fits as --set overrides with its estimated step-time cost. The cost model is in
-docs/memory-planner.md. Exit code 2 on bad input and for a node whose RAM cannot hold its ranks' host
-memory (with what to change), 1 when --fit finds nothing that fits the GPU.
+configuration that fits as --set overrides with its estimated step-time cost (for causal LMs also the
+tiled loss, the tiled MLP and checkpoint inputs offloaded to the host). With --longest it prints the
+longest sequence that fits the budgets (GPU and host), for the job as written and for the configuration
+--fit finds. The cost model is in docs/memory-planner.md. Exit code 2 on bad input and for a node whose
+RAM cannot hold its ranks' host memory (with what to change); 1 when the job does not fit its GPU budget
+(with --fit: when nothing fits), the advice naming the term over budget and the technique that moves it.
 
 examples:
   jobspec plan jobs/xlmr-large.yaml --gpu-mem 24GiB
   jobspec plan jobs/gpt2-xl-12gb.yaml --fit --gpu-mem 12GiB
+  jobspec plan jobs/llama-8b-qlora-32k-24gb.yaml --longest
   jobspec plan jobs/llama-70b-zero3.yaml --host-mem 1TiB
   jobspec plan jobs/quickstart.yaml --format json
 """
@@ -36,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="RAM of one node, e.g. 1TiB or 512GB (default: resources.host_mem)")
     parser.add_argument("--fit", action="store_true",
                         help="search for the fastest settings that fit the budget (global batch unchanged)")
+    parser.add_argument("--longest", action="store_true",
+                        help="the longest sequence that fits the budgets, as written and with --fit's settings")
     parser.add_argument("--no-bf16", action="store_true",
                         help="with --fit: the GPU lacks bf16 (pre-Ampere), so try fp16 instead")
     add_format_argument(parser, {"text": "aligned table", "json": "one object (errors too)"})
@@ -43,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from jobspec.job.prepare import Host, prepare_job
-    from jobspec.memory.fit import fit
+    from jobspec.memory.fit import fit, longest_sequence
     from jobspec.memory.planner import parse_bytes, render_plan
 
     cli_budget = (parse_bytes(args.gpu_mem, path=("--gpu-mem",)), "--gpu-mem") if args.gpu_mem is not None else None
@@ -51,8 +57,9 @@ def run(args: argparse.Namespace) -> int:
         else None
 
     def needs_budget(resolved) -> None:   # before the model is traced
-        if args.fit and cli_budget is None and not resolved.spec["memory"]["gpu_memory"]:
-            raise spec_error("--fit needs a memory budget", path=("memory", "gpu_memory"),
+        if (args.fit or args.longest) and cli_budget is None and not resolved.spec["memory"]["gpu_memory"]:
+            option = "--fit" if args.fit else "--longest"
+            raise spec_error(f"{option} needs a memory budget", path=("memory", "gpu_memory"),
                              hint="pass --gpu-mem 24GiB or set memory.gpu_memory in the spec")
 
     # the spec as written (memory.fit is not applied: --fit shows what it would change); no host
@@ -67,11 +74,18 @@ def run(args: argparse.Namespace) -> int:
             raise job.memory.plan_error
         plan = job.memory.plan
         assert plan is not None   # no plan_error: the planner counted the model
-        result = None
-        if args.fit:
-            assert budget is not None   # needs_budget refuses --fit without one
+        result = longest = None
+        if args.fit or args.longest:
+            assert budget is not None   # needs_budget refuses --fit and --longest without one
             result = fit(spec, job.derived, budget, bf16_supported=not args.no_bf16,
                          host_budget=job.memory.host_budget)
+        if args.longest:
+            assert budget is not None and result is not None
+            longest = [("as written", longest_sequence(spec, job.derived, budget,
+                                                       host_budget=job.memory.host_budget)),
+                       ("with --fit's settings", longest_sequence(spec, job.derived, budget,
+                                                                   host_budget=job.memory.host_budget,
+                                                                   changes=result.changes))]
     except SpecError as err:   # the model could not be built or traced: say where in the file
         raise resolved.locate(err) from None
 
@@ -86,12 +100,15 @@ def run(args: argparse.Namespace) -> int:
         if problem is not None:
             raise problem
         out = {"job": str(resolved.source), "plan": plan.as_dict()}
-        if result is not None:
+        if result is not None and args.fit:
             out["fit"] = result.as_dict()
+        if longest is not None:
+            out["longest"] = {"as_written": longest[0][1].as_dict(),
+                              "fitted": {**longest[1][1].as_dict(), "overrides": result.overrides if result else []}}
         print(json.dumps(out, indent=2))
     else:
         print(render_plan(plan, title=f"{spec['name']}: predicted memory per rank (as written)"))
-        if result is not None:
+        if result is not None and args.fit:
             print()
             if result.fits:
                 print(f"fit: {result.reason}")
@@ -104,9 +121,29 @@ def run(args: argparse.Namespace) -> int:
             for note in result.notes:
                 print(f"note: {note}")
             print(f"({result.considered} configurations considered)")
+        if longest is not None:
+            print()
+            for what, found in longest:
+                print(longest_line(what, found, result.overrides if result is not None and what != "as written"
+                                   else []))
     if problem is not None:
         raise problem
-    return EXIT_NOTHING_FITS if result is not None and not result.fits else 0
+    if args.fit:
+        return EXIT_NOTHING_FITS if result is not None and not result.fits else 0
+    return EXIT_NOTHING_FITS if plan.fits is False else 0
+
+
+def longest_line(what: str, found, overrides: list) -> str:
+    """One line of --longest: the length, its peak and host RAM, the settings it needs."""
+    from jobspec.units import fmt_mib_gib
+
+    settings = (" (" + " ".join(f"--set {o}" for o in overrides) + ")") if overrides else ""
+    if found.seq_len is None:
+        return f"longest sequence {what}: none fits, not even 64 tokens{settings}"
+    plan = found.plan
+    limit = " (the model's positions)" if found.seq_len == found.ceiling else ""
+    return (f"longest sequence {what}: {found.seq_len:,} tokens{limit}: {fmt_mib_gib(plan.nvml_total)} per GPU, "
+            f"host {fmt_mib_gib(plan.host_per_node)} per node{settings}")
 
 
 def result_issue(result, source: str | None):

@@ -255,6 +255,9 @@ def compile_patches(spec: dict) -> list[dict]:
     if memory["tiled_loss"]:   # DeepSpeed ALST tiling (model/tiling.py); tiles: null = as many as the bound needs
         tiled = memory["tiled_loss"]
         patches.append({"name": "tiled_loss", "args": {"tiles": tiled["tiles"] if isinstance(tiled, dict) else None}})
+    if checkpointing and isinstance(checkpointing, dict) and checkpointing.get("offload", "none") == "cpu":
+        every = checkpointing.get("every_n_layers", 1)
+        patches.append({"name": "activation_offload", "args": {"every_n_layers": every}})
     if not optimizers.get(optimizer["name"]).built_by_deepspeed:  # a `client_optimizer` patch
         patches.append({"name": "client_optimizer", "args": client_optimizer_args(optimizer)})
     if model["compile"]:
@@ -363,3 +366,5 @@ def patch_text(patch: dict) -> str:
     if name == "tiled_mlp":
         return "tiled MLP"
     return str(name)
+    if name == "activation_offload":
+        return "checkpointed inputs offloaded to pinned host memory"

@@ -6,7 +6,10 @@ and returns the cheapest one that fits, as `--set` overrides plus a one-line rea
 
   micro-batch down / accumulation up, bf16 (fp16 where bf16 is unsupported), checkpointing one layer
   in k (k down to 1), 8-bit AdamW, a higher ZeRO stage, CPU optimizer offload, CPU parameter
-  offload, NVMe offload (only when `memory.offload.nvme_path` is set).
+  offload, NVMe offload (only when `memory.offload.nvme_path` is set); for causal LMs the long-sequence
+  techniques on top of checkpointing every layer, in order of cost: the tiled loss, the tiled MLP, the
+  checkpointed inputs offloaded to the host (their recomputes are in the traced FLOPs, the offload's
+  copies in PCIe time).
 Pure: no torch, no I/O.
 """
 from __future__ import annotations
@@ -31,6 +34,10 @@ INTERCONNECT_BYTES_PER_S = 50e9  # GPU <-> GPU all-gathers of ZeRO-3
 NVME_BYTES_PER_S = 3e9
 CPU_ADAM_PARAMS_PER_S = 0.5e9   # DeepSpeedCPUAdam on a typical host
 CHECKPOINT_EVERY = (8, 6, 4, 3, 2, 1)
+# The long-sequence techniques (docs/memory-planner.md), each level adding one: tried with every layer
+# checkpointed, the first thing a long sequence needs
+TECHNIQUES = ("memory.tiled_loss", "memory.tiled_mlp", "offload")
+OFFLOAD_OVERLAP = 0.5   # DeepSpeed copies checkpoint inputs on a side stream: half hidden behind compute
 # Achieved training FLOP/s of one CPU core (fp32 or bf16, one thread per core): 50-80 GFLOP/s
 # measured for encoder steps with hidden sizes 256-1024 on an AMD EPYC core (docs/benchmarks.md,
 # "CPU ranks"); the low end, as a loaded machine and DeepSpeed's overhead only slow a step down.
@@ -129,8 +136,11 @@ def candidate_changes(spec: dict, job: DerivedJob, bf16_supported: bool):
     current_layout = (memory["zero_stage"], memory["offload"]["optimizer"], memory["offload"]["params"])
     if current_layout not in layouts:
         layouts.insert(0, current_layout)
-    for m, precision, ckpt, optimizer, layout in itertools.product(
-            micros, precisions, checkpointing, names, layouts):
+    levels = technique_levels(spec)
+    for m, precision, ckpt, optimizer, layout, level in itertools.product(
+            micros, precisions, checkpointing, names, layouts, levels):
+        if level and ckpt is not True:
+            continue   # the techniques come after checkpointing every layer
         stage, off_opt, off_params = layout
         if optimizers.get(optimizer).offload != DEEPSPEED_CPU_ADAM and off_opt != "none":
             continue   # the fast optimizer offload is DeepSpeed's own CPU Adam
@@ -147,16 +157,37 @@ def candidate_changes(spec: dict, job: DerivedJob, bf16_supported: bool):
                   "memory.activation_checkpointing": _normal_ckpt(ckpt), "training.optimizer.name": optimizer,
                   "memory.zero_stage": stage, "memory.offload.optimizer": off_opt,
                   "memory.offload.params": off_params}
-        changes = {k: v for k, v in wanted.items() if _normal_ckpt(_get(spec, k)) != v}
+        for technique in level:
+            if technique == "offload":
+                wanted["memory.activation_checkpointing"] = {"every_n_layers": 1, "offload": "cpu"}
+            else:
+                wanted[technique] = True
+        changes = {k: v for k, v in wanted.items() if _normal_ckpt(_get(spec, k)) != _normal_ckpt(v)}
         if "training.micro_batch_size" in changes and training["global_batch_size"] is None:
             changes["training.global_batch_size"] = global_batch
         yield changes
 
 
+def technique_levels(spec: dict) -> list[tuple]:
+    """The long-sequence technique sets to try: none, then one more at a time (causal LMs: the tasks whose
+    head tiles); a technique the spec already has stays on."""
+    if spec["model"]["task"] != "causal-lm":
+        return [()]
+    memory = spec["memory"]
+    ckpt = memory["activation_checkpointing"]
+    on = {"memory.tiled_loss": bool(memory["tiled_loss"]), "memory.tiled_mlp": bool(memory["tiled_mlp"]),
+          "offload": isinstance(ckpt, dict) and ckpt.get("offload", "none") == "cpu"}
+    levels = [TECHNIQUES[:n] for n in range(len(TECHNIQUES) + 1)]
+    return [level for level in levels if all(t in level for t, v in on.items() if v)]
+
+
 def _normal_ckpt(value):
-    """Checkpointing settings compared by meaning: `{every_n_layers: 1}` is `true`."""
+    """Checkpointing settings compared by meaning: `{every_n_layers: 1}` is `true`; an offload is kept."""
     if isinstance(value, dict):
-        return True if value.get("every_n_layers", 1) == 1 else {"every_n_layers": value["every_n_layers"]}
+        every = value.get("every_n_layers", 1)
+        if value.get("offload", "none") == "cpu":
+            return {"every_n_layers": every, "offload": "cpu"}
+        return True if every == 1 else {"every_n_layers": every}
     return value
 
 
@@ -199,8 +230,15 @@ def describe(changes: dict) -> str:
         elif dotted == "memory.precision":
             words.append(value)
         elif dotted == "memory.activation_checkpointing":
-            words.append("no checkpointing" if value is False else "checkpoint every layer" if value is True
-                         else f"checkpoint every {value['every_n_layers']} layers")
+            offload = isinstance(value, dict) and value.get("offload") == "cpu"
+            every = value.get("every_n_layers", 1) if isinstance(value, dict) else 1
+            words.append("no checkpointing" if value is False else
+                         ("checkpoint every layer" if every == 1 else f"checkpoint every {every} layers") +
+                         (", inputs offloaded to the host" if offload else ""))
+        elif dotted == "memory.tiled_loss":
+            words.append("tiled loss")
+        elif dotted == "memory.tiled_mlp":
+            words.append("tiled MLP")
         elif dotted == "training.optimizer.name":
             words.append(optimizers.get(value).label or value)
         elif dotted == "memory.zero_stage":
@@ -271,6 +309,7 @@ def step_time(spec: dict, job: DerivedJob) -> float:
     if offload_params != "none":
         speed = PCIE_BYTES_PER_S if offload_params == "cpu" else NVME_BYTES_PER_S
         per_micro += 2 * lp * shard / speed
+    per_micro += OFFLOAD_OVERLAP * 2 * _offloaded_bytes(spec, job) / PCIE_BYTES_PER_S   # out and back
     step = per_micro * job.gradient_accumulation_steps
     offload_opt = memory["offload"]["optimizer"]
     if offload_opt != "none":
@@ -281,6 +320,15 @@ def step_time(spec: dict, job: DerivedJob) -> float:
     return step
 
 
+def _offloaded_bytes(spec: dict, job: DerivedJob) -> int:
+    """Bytes the checkpoint-input offload copies each way per micro-batch (unrounded)."""
+    setting = spec["memory"]["activation_checkpointing"]
+    hidden = job.profile.inventory.hidden_size if job.profile is not None else None
+    if not (isinstance(setting, dict) and setting.get("offload", "none") == "cpu") or not hidden:
+        return 0
+    return max(0, job.checkpointed_layers - 1) * job.tokens_per_micro_batch * hidden * job.precision_bytes
+
+
 def cpu_step_time(job: DerivedJob, cpus: int) -> float | None:
     """Estimated seconds per optimizer step when the job's ranks share `cpus` CPU cores; None when
     the FLOPs per token are unknown. Every rank's work (the global batch, checkpoint recompute
@@ -289,3 +337,79 @@ def cpu_step_time(job: DerivedJob, cpus: int) -> float | None:
         return None
     tokens = job.global_batch_size * job.seq_len
     return job.hardware_flops_per_token * tokens / (max(1, cpus) * CPU_FLOPS_PER_CORE)
+
+
+LONGEST_STEP = 64          # the lengths --longest reports are multiples of this many tokens
+LONGEST_CAP = 1 << 20      # the search's ceiling when the model's positions are unknown
+
+
+@dataclass
+class Longest:
+    """`jobspec plan --longest`: the longest sequence that fits, and its plan (None: not even one step)."""
+
+    seq_len: int | None
+    plan: MemoryPlan | None
+    ceiling: int               # the longest the search tried (the model's positions, or LONGEST_CAP)
+    planned: int = 0           # sequence lengths planned
+
+    def as_dict(self) -> dict:
+        return {"seq_len": self.seq_len, "ceiling": self.ceiling, "planned": self.planned,
+                "plan": self.plan.as_dict() if self.plan is not None else None}
+
+
+def seq_len_path(spec: dict) -> str:
+    """The field that sets the sequence length: synthetic data's, else `data.max_length`."""
+    return "data.synthetic.seq_len" if spec["data"].get("synthetic") else "data.max_length"
+
+
+def longest_sequence(spec: dict, job: DerivedJob, budget_bytes: int, *, host_budget: int | None = None,
+                     changes: dict | None = None) -> Longest:
+    """The longest sequence (a multiple of LONGEST_STEP, up to the model's positions) whose plan fits
+    the GPU budget and, when known, the node's RAM, for `spec` with `changes` applied (the fitted
+    configuration) and everything else as written. Planned lengths: doubling from the written one (or
+    halving when it does not fit), then bisection; activations grow with the sequence, so the
+    verdicts are monotone."""
+    base = apply_changes(spec, changes or {})
+    positions = job.dims.max_position_embeddings if job.dims is not None else None
+    ceiling = max(LONGEST_STEP, (positions or LONGEST_CAP) // LONGEST_STEP * LONGEST_STEP)
+    plans: dict[int, MemoryPlan] = {}
+
+    def plan_at(length: int) -> MemoryPlan:
+        if length not in plans:
+            candidate = apply_changes(base, {seq_len_path(base): length})
+            plans[length] = plan_memory(candidate, job.with_spec(candidate), budget=budget_bytes,
+                                        host_budget=host_budget)
+        return plans[length]
+
+    def fits(length: int) -> bool:
+        return bool(plan_at(length).fits)
+
+    start = min(ceiling, max(LONGEST_STEP, job.seq_len // LONGEST_STEP * LONGEST_STEP))
+    if fits(start):
+        low, high = start, None
+        while high is None and low < ceiling:
+            nxt = min(ceiling, low * 2)
+            if fits(nxt):
+                low = nxt
+            else:
+                high = nxt
+        if high is None:
+            return Longest(low, plan_at(low), ceiling, len(plans))
+    else:
+        high, low = start, None
+        while low is None and high > LONGEST_STEP:
+            nxt = max(LONGEST_STEP, high // 2 // LONGEST_STEP * LONGEST_STEP)
+            if fits(nxt):
+                low = nxt
+            else:
+                high = nxt
+        if low is None:
+            return Longest(None, None, ceiling, len(plans))
+    assert low is not None and high is not None   # each branch above returns or sets both
+    while high - low > LONGEST_STEP:
+        middle = (low + high) // 2 // LONGEST_STEP * LONGEST_STEP
+        if fits(middle):
+            low = middle
+        else:
+            high = middle
+    return Longest(low, plan_at(low), ceiling, len(plans))

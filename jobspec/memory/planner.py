@@ -253,6 +253,7 @@ def plan_memory(spec: dict, job: DerivedJob, *, budget: int | None = None,
     fragmentation = EXPANDABLE_FRAGMENTATION if expandable_segments else FRAGMENTATION
     reserved = _round_up(allocated, ALLOCATOR_BLOCK) + int(fragmentation * allocated)
     host["dataloader_workers"] = host_memory.worker_bytes(spec["data"]["num_workers"])
+    host["offloaded_activations"] = offloaded_activation_bytes(spec, job)
     host_total = host_memory.host_peak(host)
     settings = {"world_size": world, "zero_stage": stage, "precision": precision, "micro_batch_size": micro,
                 "seq_len": seq, "parameters": psi, "trainable_parameters": trainable,
@@ -267,6 +268,22 @@ def plan_memory(spec: dict, job: DerivedJob, *, budget: int | None = None,
                       compute={"model_flops_per_token": job.model_flops_per_token,
                                "hardware_flops_per_token": job.hardware_flops_per_token},
                       host_budget=host_budget, ranks_per_node=job.gpus_per_node)
+
+
+OFFLOAD_KEPT = 1   # DeepSpeed CheckpointHiddenStatesOffload's keep_last_count: the newest input stays on the GPU
+
+
+def offloaded_activation_bytes(spec: dict, job: DerivedJob) -> int:
+    """Pinned host bytes of `activation_checkpointing.offload: cpu` on one rank: one pinned buffer
+    (power-of-2 rounded, memory/host.pinned_bytes) per checkpointed layer's input but the newest, each
+    micro-batch x this rank's share of the sequence x hidden size in the working precision."""
+    setting = spec["memory"]["activation_checkpointing"]
+    hidden = job.profile.inventory.hidden_size if job.profile is not None else None
+    if not (isinstance(setting, dict) and setting.get("offload", "none") == "cpu") or not hidden:
+        return 0
+    tokens = job.micro_batch_size * math.ceil(job.seq_len / getattr(job, "sequence_parallel", 1))
+    buffers = max(0, job.checkpointed_layers - OFFLOAD_KEPT)
+    return buffers * host_memory.pinned_bytes(tokens * hidden * job.precision_bytes)
 
 
 def _tiled_loss_text(setting) -> str:
@@ -385,6 +402,7 @@ HOST_ROWS = (("runtime", "host: the rank's process"), ("construction", "host: mo
              ("offload_temp_gradient", "host: offload gradient buffer"),
              ("pinned_rounding", "host: pinned power-of-2 rounding"),
              ("offloaded_parameters", "host: offloaded params"),
+             ("offloaded_activations", "host: offloaded checkpoint inputs"),
              ("dataloader_workers", "host: data loader workers"))
 
 

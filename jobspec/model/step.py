@@ -22,6 +22,7 @@ import weakref
 from typing import Any
 
 from jobspec import tasks
+from jobspec.model.activation_offload import OFFLOAD_ATTRIBUTE
 from jobspec.model.kernels import sdpa_stand_in
 from jobspec.spec.model_profile import REGIONS, UnitTrace
 from jobspec.tasks.base import CLASS, TOKEN_CLASS
@@ -58,6 +59,9 @@ def run_step(model, spec: dict, micro_batch: int, seq_len: int, stack) -> dict:
     layer_prefix = _layer_prefix(model, stack, root)
     counter: Any = _LiveStorages(lambda: _region(tracker.parents, root, base, layer_prefix))
     counter.ignore(params + list(model.buffers()))
+    offload = getattr(model, OFFLOAD_ATTRIBUTE, None)
+    if offload is not None:   # memory.activation_checkpointing.offload: an input on the host leaves the GPU count
+        offload.settle = counter.settle
     # No garbage collection while tracing: a collection frees tensors held in reference cycles at
     # whatever moment it happens to run, which would make the peak depend on the interpreter's timing.
     collecting = gc.isenabled()

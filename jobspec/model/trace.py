@@ -31,7 +31,7 @@ from jobspec.spec.model_profile import Inventory, ModelProfile, UnitTrace, compo
 
 TRACE_VERSION = 4   # bump when what a trace measures changes: old cache entries are not read
 PRECISION_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
-NO_TILING = (False, False)   # (tiled loss, tiled MLP): `tiling_setting` of a memory section without either
+NO_TILING = (False, False, False)   # (tiled loss, tiled MLP, offloaded checkpoints): `tiling_setting`
 # config attributes that mean tokens are routed to experts by their values
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
@@ -74,16 +74,20 @@ class ModelTracer:
         `tiling`: `tiling_setting(spec["memory"])`, the tiled loss and MLP run as the ranks run them."""
         inv = self.inventory()
         every, reentrant = checkpoint_setting(checkpointing)
+        # the model's FLOPs (MFU's numerator) are those of the plain step: no recompute of checkpointed
+        # layers, tiles or offloaded inputs
+        recomputes = bool(every) or tuple(tiling) != NO_TILING
         if inv.num_layers == 0 or not inv.uniform:
             trace = self.full(precision, micro_batch, seq_len, checkpointing, tiling)
-            model_trace = self.full(precision, micro_batch, seq_len, False, tiling) if every else trace
+            model_trace = self.full(precision, micro_batch, seq_len, False) if recomputes else trace
             method = "full"
         else:
             flags = tuple(bool(every) and i % every == 0 for i in range(inv.num_layers))
             unit = functools.partial(self.unit, precision, micro_batch, seq_len, reentrant=reentrant, tiling=tiling)
             trace = compose(layer_types(inv.layer_kinds, flags), unit)
             plain = tuple(False for _ in flags)
-            model_trace = compose(layer_types(inv.layer_kinds, plain), unit) if every else trace
+            plain_unit = functools.partial(self.unit, precision, micro_batch, seq_len, reentrant=reentrant)
+            model_trace = compose(layer_types(inv.layer_kinds, plain), plain_unit) if recomputes else trace
             method = "composed"
         tokens = micro_batch * seq_len
         return ModelProfile(inventory=inv, activations=trace, model_flops_per_token=model_trace.flops / tokens,
@@ -200,7 +204,9 @@ class ModelTracer:
                 every, reentrant = checkpoint_setting(checkpointing)
                 if every:
                     gradient_checkpointing(model, every, reentrant)
-            apply_tiling(model, tiling)   # the ranks' patches, in their order (compile/compiler.compile_patches)
+                stack = find_layer_stack(model)
+                chosen = [i for i in range(len(stack) if stack is not None else 0) if every and i % every == 0]
+            apply_tiling(model, tiling, chosen)
             model = self._adapt(model)   # as on the ranks: PEFT wraps the model after jobspec's patches
             model = model.to(getattr(torch, PRECISION_DTYPES[precision]))   # on meta: no memory
             with FakeTensorMode(allow_non_fake_inputs=True):
@@ -310,9 +316,12 @@ def checkpoint_setting(checkpointing) -> tuple[int, bool]:
 
 
 def tiling_setting(memory: dict) -> tuple:
-    """(tiled loss: False, True (tiles by the bound) or a tile count; tiled MLP) of the `memory` section."""
+    """The long-sequence techniques of a `memory` section as the trace runs them: (tiled loss: False, True
+    (tiles by the bound) or a tile count; tiled MLP; the checkpointed layers' inputs offloaded to the host)."""
     loss = memory.get("tiled_loss") or False
-    return (int(loss["tiles"]) if isinstance(loss, dict) else bool(loss), bool(memory.get("tiled_mlp")))
+    checkpointing = memory.get("activation_checkpointing")
+    offload = isinstance(checkpointing, dict) and checkpointing.get("offload", "none") == "cpu"
+    return (int(loss["tiles"]) if isinstance(loss, dict) else bool(loss), bool(memory.get("tiled_mlp")), offload)
 
 
 def _tiling_key(tiling: tuple) -> tuple:
@@ -320,14 +329,18 @@ def _tiling_key(tiling: tuple) -> tuple:
     return () if tuple(tiling) == NO_TILING else ("tiling", *tiling)
 
 
-def apply_tiling(model, tiling: tuple) -> None:
+def apply_tiling(model, tiling: tuple, checkpointed: list[int]) -> None:
+    """The ranks' patches of the techniques, in their order (compile/compiler.compile_patches)."""
+    from jobspec.model.activation_offload import offload_checkpoints
     from jobspec.model.tiling import tiled_loss, tiled_mlp
 
-    loss, mlp = tiling
+    loss, mlp, offload = tiling
     if mlp:
         tiled_mlp(model)
     if loss is not False:
         tiled_loss(model, tiles=None if loss is True else int(loss))
+    if offload and checkpointed:
+        offload_checkpoints(model, indices=checkpointed, traced=True)
 
 
 def _set_layer_count(config, n: int) -> None:

@@ -18,6 +18,7 @@ Patch arguments, as the compiler writes them:
 """
 from __future__ import annotations
 
+    activation_offload      {every_n_layers}
 from typing import Callable
 
 from jobspec import optimizers
@@ -25,6 +26,7 @@ from jobspec.errors import spec_error
 from jobspec.model.structure import attention_implementation, freeze, gradient_checkpointing
 from jobspec.model.tiling import tiled_loss, tiled_mlp
 
+from jobspec.model.activation_offload import offload_checkpoints
 
 def tf32(model, enabled: bool = True) -> str:
     """Allow TF32 tensor cores for fp32 matmuls and convolutions (a no-op on CPU)."""
@@ -65,6 +67,7 @@ def apply_patches(model, patches: list[dict], before_compile: Callable | None = 
     `before_compile(model) -> (model, note)` runs once after every other patch and before
     `torch_compile` (which must see the final module): PEFT's adapters (train/adapters.wrap).
     """
+    "activation_offload": offload_checkpoints,
     import torch.nn as nn
 
     notes: list[str] = []
