@@ -97,7 +97,7 @@ def check_targets(spec: dict) -> None:
     except SpecError as err:
         if spec["model"]["name_or_path"] and all(i.path == ("model", "name_or_path") for i in err.issues):
             # a hub id this machine cannot read (offline, say): `compile` still works as without LoRA; a
-            # launch refuses it before any rank (launch/model_config), and the ranks' apply_lora checks
+            # launch refuses it before any rank (job/model_config via job/checks), and the ranks' apply_lora checks
             # the patterns against the loaded model all the same
             return
         raise

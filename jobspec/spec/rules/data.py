@@ -20,7 +20,7 @@ later (the ranks' loaders, the model build) or crash on:
 
 A local tokenizer directory is read as JSON (tokenizer.json, tokenizer_config.json): no transformers.
 What needs transformers (a hub tokenizer, a tokenizer without tokenizer.json) is checked by
-`jobspec launch` before any rank starts (launch/data_preflight.tokenizer_issues), `--dry-run` included.
+plan, compile and `jobspec launch` before any rank starts (job/data_preflight.tokenizer_issues), `--dry-run` included.
 Pure: no torch, no transformers; jinja2 only when a template is checked.
 """
 from __future__ import annotations
