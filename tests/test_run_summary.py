@@ -31,7 +31,8 @@ def test_the_ranks_summary_round_trips_key_for_key(tmp_path):
 
 
 def test_summarize_writes_every_key_the_ranks_always_wrote_and_the_error_only_when_failed(tmp_path):
-    state = RunState(step=3, samples=96, last_loss=0.5, samples_per_s=[1.0, 2.0], last_checkpoint="step3")
+    state = RunState(step=3, samples=96, last_loss=0.5, samples_per_s=[1.0, 2.0], last_checkpoint="step3",
+                     run_perf={"perf/run_samples_per_s": 2.0})
     rundir.write_summary(tmp_path, summarize(state, "finished", 3, started=0.0))
     written = json.loads((tmp_path / rundir.SUMMARY).read_text())
     assert list(written) == list(RANK_FILE) and written["samples_per_s"] == 2.0 and written["eval_loss"] is None

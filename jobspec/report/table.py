@@ -1,6 +1,9 @@
-"""One row per MLflow run of an experiment: the settings that explain it, the final train and eval
-loss and the task metrics of the last evaluation, steady-state throughput, measured peak memory and
-the planner's prediction; rendered as an aligned table, markdown or CSV.
+"""One row per MLflow run of an experiment: the settings that explain it, every spec field whose value
+differs between the experiment's runs (`model.lora.r` for two LoRA variants), trainable and total
+parameters, how the run ended, the final train and eval loss and the task metrics of the last
+evaluation, the run's throughput (its perf/run_* average: the number summary.json and the closing
+summary show, docs/metrics.md), measured peak memory beside the planner's prediction; rendered as an
+aligned table, markdown or CSV.
 
 Reads what the launcher and worker log (see jobspec.tracking.run and jobspec.tracking.sink): params are
 the flattened resolved spec plus `derived.*`, metrics use the shared names (`perf/samples_per_s`, `mem/...`), artifacts
@@ -25,6 +28,8 @@ from jobspec.spec import eval_metrics
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"  # the schema's logging.mlflow.tracking_uri default
 
 THROUGHPUT_METRICS = ("perf/samples_per_s", "perf/tokens_per_s", "perf/tflops_per_device", "perf/mfu")
+# the launch's averages over its training time (train/progress.StepReporter.finish), logged at its end
+RUN_THROUGHPUT_METRICS = tuple(name.replace("perf/", "perf/run_") for name in THROUGHPUT_METRICS)
 MEMORY_METRICS = ("mem/peak_allocated_mib_max", "mem/peak_allocated_mib_rank0", "mem/peak_reserved_mib_max",
                   "mem/peak_reserved_mib_rank0", "mem/nvml_used_mib_max", "mem/host_rss_mib_max")
 LOSS_METRICS = ("train/loss", "eval/loss")
@@ -44,6 +49,8 @@ COLUMNS = (
     ("checkpointing", "ckpt", str),
     ("optimizer", "optimizer", str),
     ("world", "world", str),
+    ("trainable", "trainable", "{:,.0f}".format),
+    ("parameters", "params", "{:,.0f}".format),
     ("train_loss", "train loss", "{:.4f}".format),
     ("eval_loss", "eval loss", "{:.4f}".format),
     ("accuracy", "accuracy", "{:.4f}".format),
@@ -54,14 +61,23 @@ COLUMNS = (
     ("tflops", "TFLOP/s", "{:.2f}".format),
     ("mfu", "MFU", "{:.1%}".format),
     ("peak_allocated_mib", "peak alloc MiB", "{:.0f}".format),
+    ("predicted_mib", "plan MiB", "{:.0f}".format),   # beside the measured peak it predicts
     ("nvml_used_mib", "NVML MiB", "{:.0f}".format),
     ("host_rss_mib", "host RSS MiB", "{:.0f}".format),
-    ("predicted_mib", "predicted MiB", "{:.0f}".format),
 )
+# a spec field that differs between the experiment's runs gets a column "spec.<field>" after `status`;
+# these do not: what the fixed columns show already, and what names, places or logs a run
+SHOWN_FIELDS = {"memory.precision", "memory.zero_stage", "training.micro_batch_size", "training.global_batch_size",
+                "training.optimizer.name", "memory.activation_checkpointing",
+                "memory.activation_checkpointing.every_n_layers"}
+UNTRAINED_PREFIXES = ("name", "description", "output_dir", "checkpoint.", "logging.", "export.", "derived.", "plan.",
+                      "fit.", "params.", "lora.summary", "quantization.summary", "resources.master_port")
+SPEC_COLUMN = "spec."
 # task metric columns: shown only when some run of the report has the metric (a classification
 # experiment has no perplexity column)
 OPTIONAL_COLUMNS = set(eval_metrics.TASK_ONLY)
-NUMERIC_ALIGN = {"zero", "micro", "global", "accum", "world", "train_loss", "eval_loss", *OPTIONAL_COLUMNS,
+NUMERIC_ALIGN = {"zero", "micro", "global", "accum", "world", "trainable", "parameters", "train_loss", "eval_loss",
+                 *OPTIONAL_COLUMNS,
                  "samples_per_s", "tokens_per_s", "tflops", "mfu", "peak_allocated_mib", "nvml_used_mib",
                  "host_rss_mib", "predicted_mib"}
 
@@ -83,6 +99,13 @@ def steady_state(points: list) -> float | None:
     if not values:
         return None
     return statistics.median(values[1:] or values)
+
+
+def run_rate(series: dict, name: str) -> float | None:
+    """The run's `perf/<name>`: its perf/run_<name> average (the last launch's, for a resumed run);
+    for a run logged before that metric existed, the steady state of the per-window series."""
+    average = series.get(f"perf/run_{name}")
+    return series_last(average) if average else steady_state(series.get(f"perf/{name}", []))
 
 
 def series_max(points: list) -> float | None:
@@ -113,6 +136,40 @@ def settings_from_params(params: dict) -> dict:
     }
 
 
+def _number(text: str | None) -> float | None:
+    try:
+        return float(text) if text is not None else None
+    except ValueError:
+        return None
+
+
+def differing_fields(params_of_runs: list[dict]) -> list[str]:
+    """The spec fields (flattened param names) whose values differ between the runs, in name order:
+    what sets the runs apart beyond the fixed columns. A field a run lacks counts as differing."""
+    if len(params_of_runs) < 2:
+        return []
+    names = set().union(*params_of_runs)
+    return sorted(name for name in names
+                  if name not in SHOWN_FIELDS and not name.startswith(UNTRAINED_PREFIXES)
+                  and len({params.get(name) for params in params_of_runs}) > 1)
+
+
+def add_differing_fields(rows: list[dict], params_of_runs: list[dict]) -> list[str]:
+    """Each row gets `spec.<field>` for every field differing between the runs; returns the fields."""
+    fields = differing_fields(params_of_runs)
+    for row, params in zip(rows, params_of_runs):
+        row.update({SPEC_COLUMN + name: params.get(name) for name in fields})
+    return fields
+
+
+def status_text(run) -> str:
+    """MLflow's status, with jobspec's word where it says more (KILLED: preempted with a checkpoint,
+    or killed before one)."""
+    label = run.data.tags.get("jobspec.status")
+    status = run.info.status
+    return f"{status} ({label})" if label and label.upper() != status and status != "FINISHED" else status
+
+
 def _checkpointing(params: dict) -> str | None:
     every = params.get("memory.activation_checkpointing.every_n_layers")
     if every is not None:
@@ -130,10 +187,12 @@ def build_row(run_name: str, status: str, params: dict, series: dict, predicted_
         "train_loss": series_last(series.get("train/loss", [])),
         "eval_loss": series_last(series.get("eval/loss", [])),
         **{name: series_last(series.get(eval_metrics.key(name), [])) for name in eval_metrics.TASK_ONLY},
-        "samples_per_s": steady_state(series.get("perf/samples_per_s", [])),
-        "tokens_per_s": steady_state(series.get("perf/tokens_per_s", [])),
-        "tflops": steady_state(series.get("perf/tflops_per_device", [])),
-        "mfu": steady_state(series.get("perf/mfu", [])),
+        "samples_per_s": run_rate(series, "samples_per_s"),
+        "tokens_per_s": run_rate(series, "tokens_per_s"),
+        "tflops": run_rate(series, "tflops_per_device"),
+        "mfu": run_rate(series, "mfu"),
+        "trainable": _number(params.get("params.trainable")),
+        "parameters": _number(params.get("params.total")),
         "peak_allocated_mib": series_max(series.get("mem/peak_allocated_mib_max", [])),
         "nvml_used_mib": series_max(series.get("mem/nvml_used_mib_max", [])),
         "host_rss_mib": series_max(series.get("mem/host_rss_mib_max", [])),
@@ -220,7 +279,8 @@ def open_experiment(tracking_uri: str, experiment: str):
 
 
 def metric_series(client, run_id: str,
-                  names=THROUGHPUT_METRICS + MEMORY_METRICS + LOSS_METRICS + TASK_METRICS) -> dict:
+                  names=THROUGHPUT_METRICS + RUN_THROUGHPUT_METRICS + MEMORY_METRICS + LOSS_METRICS + TASK_METRICS
+                  ) -> dict:
     series = {}
     for name in names:
         history = client.get_metric_history(run_id, name)
@@ -238,9 +298,10 @@ def collect(tracking_uri: str, experiment: str) -> tuple[object, list[RunReport]
     reports = []
     for run in runs:
         series = metric_series(client, run.info.run_id)
-        row = build_row(run.info.run_name or run.info.run_id[:8], run.info.status, run.data.params, series,
+        row = build_row(run.info.run_name or run.info.run_id[:8], status_text(run), run.data.params, series,
                         _prediction_of_run(client, run))
         reports.append(RunReport(run.info.run_id, row, series))
+    add_differing_fields([r.row for r in reports], [run.data.params for run in runs])
     _disambiguate([r.row for r in reports], [r.run_id for r in reports])
     return client, reports
 
@@ -264,8 +325,14 @@ def _cell(key: str, value, fmt) -> str:
 
 
 def columns(rows: list[dict]) -> list[tuple]:
-    """COLUMNS less the task metric columns no row has."""
-    return [c for c in COLUMNS if c[0] not in OPTIONAL_COLUMNS or any(row.get(c[0]) is not None for row in rows)]
+    """COLUMNS less the task metric and parameter-count columns no row has, with a column for each
+    spec field that differs between the rows (add_differing_fields) after `status`."""
+    fields = sorted({key for row in rows for key in row if key.startswith(SPEC_COLUMN)})
+    spec_columns = [(key, key[len(SPEC_COLUMN):], str) for key in fields]
+    shown = [c for c in COLUMNS if c[0] not in OPTIONAL_COLUMNS | {"trainable", "parameters"}
+             or any(row.get(c[0]) is not None for row in rows)]
+    at = [key for key, _, _ in shown].index("status") + 1
+    return shown[:at] + spec_columns + shown[at:]
 
 
 def _text_cells(rows: list[dict]) -> tuple[list[str], list[list[str]]]:

@@ -135,6 +135,16 @@ class Window:
     losses: list = field(default_factory=list)
     loss_steps: list = field(default_factory=list)   # the optimizer step of each
     lr: float | None = None   # the learning rate the window's last step ran at (read before its update)
+    # what happened before start_timing(): the launch's first step, start-up, not training time
+    untimed_steps: int = 0
+    untimed_samples: int = 0
+    untimed_tokens: int = 0
+
+    def start_timing(self) -> None:
+        """The launch's first optimizer step just ended (start-up ends there: allocation, lazy
+        initialisation, JIT): the rates count from now; its samples still count as trained."""
+        self.started = time.perf_counter()
+        self.untimed_steps, self.untimed_samples, self.untimed_tokens = self.steps, self.samples, self.tokens
 
     def add_loss(self, loss, step: int = 0) -> None:
         self.micro_batches += 1
@@ -178,7 +188,8 @@ class PerfWindow:
     memory: dict = field(default_factory=dict)
 
     def add(self, window: Window, samples: float, tokens: float, memory: dict) -> "PerfWindow":
-        self.steps += window.steps
+        """`samples`, `tokens`: every rank's, timed ones only (Window.start_timing)."""
+        self.steps += window.steps - window.untimed_steps
         self.samples += samples
         self.tokens += tokens
         self.elapsed += time.perf_counter() - window.started  # windows follow each other: no gap lost
@@ -200,6 +211,12 @@ class RunState:
     eval_metrics: dict = field(default_factory=dict)   # the last evaluation's task metrics: accuracy, f1, ...
     samples_per_s: list = field(default_factory=list)
     rates: dict = field(default_factory=dict)   # tokens_per_s, tflops_per_device, mfu: one value per window
+    # the launch's training time and what it trained in it (docs/metrics.md, "Throughput"): summed
+    # over the perf windows, so the first step, evaluation and checkpoints are left out
+    train_time_s: float = 0.0
+    train_samples: float = 0.0
+    train_tokens: float = 0.0
+    run_perf: dict = field(default_factory=dict)   # perf/run_*: the launch's averages, for summary.json
     peak_memory: dict = field(default_factory=dict)
     resumed_from: str | None = None
     last_checkpoint: str | None = None
@@ -238,7 +255,8 @@ class StepReporter:
         local_loss = torch.stack(window.losses).float().sum()  # non-finite if any loss was
         snapshot = self.metrics.memory_snapshot(device, self._rss)
         keys = sorted(snapshot)
-        host = [window.micro_batches, window.samples, window.tokens, *(snapshot[k] for k in keys)]
+        host = [window.micro_batches, window.samples, window.tokens, *(snapshot[k] for k in keys),
+                window.untimed_samples, window.untimed_tokens]
         if self.world == 1:
             ranks = [[float(local_loss), *host]]
         else:
@@ -260,8 +278,9 @@ class StepReporter:
                        if k in snapshot})
         for name, value in memory.items():
             self.state.peak_memory[name] = max(value, self.state.peak_memory.get(name, value))
-        perf = self._perf.add(window, samples, tokens, memory)
-        if final or perf.elapsed >= self.perf_window_s:
+        untimed_samples, untimed_tokens = (sum(r[-2 + i] for r in ranks) for i in range(2))
+        perf = self._perf.add(window, samples - untimed_samples, tokens - untimed_tokens, memory)
+        if (final or perf.elapsed >= self.perf_window_s) and perf.steps:
             out.update(self._perf_metrics(perf))
             self._perf = PerfWindow()
         self.state.last_loss = out["train/loss"]
@@ -274,20 +293,40 @@ class StepReporter:
     def _perf_metrics(self, perf: "PerfWindow") -> dict:
         """perf/* rates over the accumulated windows and their mem/* maxima; kept for summary.json too."""
         elapsed = max(perf.elapsed, 1e-9)
-        out = {
-            "perf/step_time_s": elapsed / perf.steps,
-            "perf/samples_per_s": perf.samples / elapsed,
-            "perf/tokens_per_s": perf.tokens / elapsed,
-        }
-        if self.model_flops_per_token and self.hardware_flops_per_token and self.peak_flops:  # no peak on CPU
-            tokens_per_s_device = perf.tokens / elapsed / self.world
-            out["perf/tflops_per_device"] = self.hardware_flops_per_token * tokens_per_s_device / 1e12
-            out["perf/mfu"] = self.model_flops_per_token * tokens_per_s_device / self.peak_flops
+        out = {"perf/step_time_s": elapsed / perf.steps, **self._rates("perf/", perf.samples, perf.tokens, elapsed)}
         self.state.samples_per_s.append(out["perf/samples_per_s"])
         for key in ("tokens_per_s", "tflops_per_device", "mfu"):
             if f"perf/{key}" in out:
                 self.state.rates.setdefault(key, []).append(out[f"perf/{key}"])
+        state = self.state
+        state.train_time_s += perf.elapsed
+        state.train_samples += perf.samples
+        state.train_tokens += perf.tokens
+        state.run_perf = self._rates("perf/run_", state.train_samples, state.train_tokens, state.train_time_s)
         return {**out, **perf.memory}
+
+    def _rates(self, prefix: str, samples: float, tokens: float, seconds: float) -> dict:
+        """samples/s, tokens/s and (GPU ranks) TFLOP/s per device and MFU over `seconds` of training."""
+        seconds = max(seconds, 1e-9)
+        out = {f"{prefix}samples_per_s": samples / seconds, f"{prefix}tokens_per_s": tokens / seconds}
+        if self.model_flops_per_token and self.hardware_flops_per_token and self.peak_flops:  # no peak on CPU
+            tokens_per_s_device = tokens / seconds / self.world
+            out[f"{prefix}tflops_per_device"] = self.hardware_flops_per_token * tokens_per_s_device / 1e12
+            out[f"{prefix}mfu"] = self.model_flops_per_token * tokens_per_s_device / self.peak_flops
+        return out
+
+    def finish(self, step: int) -> dict:
+        """At the launch's end (finished or stopped; every rank, no collective): the perf window still
+        open becomes a last perf/* point, and the launch's averages perf/run_* are logged beside the
+        series -- the numbers summary.json, the closing summary and `jobspec report` show."""
+        if self._perf.steps:
+            out = self._perf_metrics(self._perf)
+            self._perf = PerfWindow()
+            if self.rank == 0:
+                self.sink.log(out, step=step)
+        if self.rank == 0 and self.state.run_perf:
+            self.sink.log(self.state.run_perf, step=step)
+        return self.state.run_perf
 
     def log_eval(self, step: int, loss: float, metrics: dict | None = None) -> None:
         """`metrics`: the task metrics by name (accuracy, f1, perplexity), logged as eval/<name>."""
@@ -298,11 +337,11 @@ class StepReporter:
 
 def summarize(state: RunState, status: str, total_steps: int | None, started: float,
               error: str | None = None) -> RunSummary:
-    """summary.json's content (rundir.RunSummary) from what the run measured."""
-    def steady(values: list) -> float | None:
-        # the first window pays for warm-up (allocation, JIT); leave it out when there are others
-        values = values[1:] or values
-        return sum(values) / len(values) if values else None
+    """summary.json's content (rundir.RunSummary) from what the run measured. The rates are the
+    launch's averages over its training time (StepReporter: perf/run_*), the numbers MLflow and
+    `jobspec report` show too."""
+    def steady(key: str) -> float | None:
+        return state.run_perf.get(f"perf/run_{key}")
 
     return RunSummary(
         status=status,
@@ -312,10 +351,10 @@ def summarize(state: RunState, status: str, total_steps: int | None, started: fl
         final_loss=state.last_loss,
         eval_loss=state.eval_loss,
         eval_metrics={f"eval/{k}": v for k, v in state.eval_metrics.items()},
-        samples_per_s=steady(state.samples_per_s),
-        tokens_per_s=steady(state.rates.get("tokens_per_s", [])),
-        tflops_per_device=steady(state.rates.get("tflops_per_device", [])),
-        mfu=steady(state.rates.get("mfu", [])),
+        samples_per_s=steady("samples_per_s"),
+        tokens_per_s=steady("tokens_per_s"),
+        tflops_per_device=steady("tflops_per_device"),
+        mfu=steady("mfu"),
         peak_memory=state.peak_memory,
         elapsed_s=round(time.time() - started, 3),
         resumed_from=state.resumed_from,

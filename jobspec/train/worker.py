@@ -156,6 +156,7 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
                                 exporter=exporter, generator=generator)
         finally:
             vote.close()
+        telemetry.finish(state.step)   # the launch's throughput, as summary.json states it
         if status == "finished":  # after the final checkpoint: a failed export loses no training
             exporter.final(telemetry.engine, state)
         if rank == 0:
@@ -255,6 +256,8 @@ def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, tele
             window.steps += 1
             if state.step == first_step:
                 _phase("first-step")
+                if state.step < total_steps:   # throughput counts from here (docs/metrics.md, "Throughput")
+                    window.start_timing()
             progress.update(state.step)
             last = state.step >= total_steps
             if (state.step % every_log == 0 or last) and window.micro_batches:

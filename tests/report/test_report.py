@@ -208,6 +208,35 @@ def test_steady_state_and_checkpointing_labels():
     assert report.predicted_peak_mib({"model": {"architecture": "no-such-model"}}) is None
 
 
+def test_a_column_for_each_spec_field_that_differs_the_parameter_counts_and_the_plan_beside_the_peak():
+    lora8 = {"model.lora.r": "8", "model.lora.alpha": "16", "name": "lora-8", "output_dir": "/runs/a",
+             "memory.zero_stage": "0", "logging.every_n_steps": "5", "checkpoint.dir": "/runs/a/ckpt",
+             "derived.total_steps": "40", "params.trainable": "1024", "params.total": "65536"}
+    lora16 = {**lora8, "model.lora.r": "16", "name": "lora-16", "output_dir": "/runs/b", "memory.zero_stage": "2",
+              "logging.every_n_steps": "1", "checkpoint.dir": "/runs/b/ckpt", "params.trainable": "2048"}
+    series = {"mem/peak_allocated_mib_max": [(5, 38.0), (10, 40.5)]}
+    rows = [report.build_row("lora-8", "FINISHED", lora8, series, 42.0),
+            report.build_row("lora-16", "KILLED (preempted)", lora16, series, 44.0)]
+    # model.lora.r only: zero has its own column; names, places, logging and derived numbers are not settings
+    assert report.add_differing_fields(rows, [lora8, lora16]) == ["model.lora.r"]
+    keys = [key for key, _, _ in report.columns(rows)]
+    assert keys[:3] == ["run", "status", "spec.model.lora.r"]
+    assert keys.index("world") < keys.index("trainable") < keys.index("parameters") < keys.index("train_loss")
+    assert keys.index("predicted_mib") == keys.index("peak_allocated_mib") + 1
+    header, _, first, second = report.render_table(rows).splitlines()
+    assert header.split()[:3] == ["run", "status", "model.lora.r"] and "plan MiB" in header
+    assert second.split()[:4] == ["lora-16", "KILLED", "(preempted)", "16"]
+    assert " 2,048 " in second and " 65,536 " in second and " 1,024 " in first
+    assert report.differing_fields([lora8]) == []   # one run: nothing differs
+
+
+def test_the_reported_throughput_is_the_runs_average_and_older_runs_fall_back_to_the_series():
+    series = {"perf/samples_per_s": [(5, 10.0), (10, 100.0), (15, 120.0)], "perf/run_samples_per_s": [(15, 97.25)]}
+    assert report.build_row("r", "FINISHED", {}, series, None)["samples_per_s"] == 97.25
+    del series["perf/run_samples_per_s"]   # logged before perf/run_* existed: the steady state
+    assert report.build_row("r", "FINISHED", {}, series, None)["samples_per_s"] == 110.0
+
+
 @pytest.mark.slow
 def test_report_of_a_real_quickstart_launch(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -234,6 +263,18 @@ def test_report_of_a_real_quickstart_launch(tmp_path):
     (row,) = list(csv.DictReader(io.StringIO(result.stdout)))
     assert (row["run"], row["status"], row["world"], row["micro"]) == ("quickstart", "FINISHED", "2", "16")
     assert float(row["samples_per_s"]) > 0 and float(row["host_rss_mib"]) > 0 and float(row["predicted_mib"]) > 0
+    # one throughput (docs/metrics.md): summary.json, MLflow's run average, the report and the closing
+    # summary show the same number, exactly (one float, written and read back, never recomputed)
+    summary = json.loads((run_dir / rundir.SUMMARY).read_text())
+    tracked = json.loads((run_dir / "mlflow_run.json").read_text())
+    history = tracking.client_for(uri).get_metric_history(tracked["run_id"], "perf/run_samples_per_s")
+    assert [m.value for m in history] == [summary["samples_per_s"]] == [float(row["samples_per_s"])]
+    tokens = tracking.client_for(uri).get_metric_history(tracked["run_id"], "perf/run_tokens_per_s")
+    assert [m.value for m in tokens] == [summary["tokens_per_s"]] == [float(row["tokens_per_s"])]
+    assert f"{summary['samples_per_s']:.1f} samples/s · {summary['tokens_per_s']:,.0f} tokens/s" in launch.stdout
+    # and it is the training time's: samples after the first step over less than the launch's wall time
+    trained = (40 - 1) * 32   # 40 steps of the global batch 32, the first left out
+    assert trained / summary["samples_per_s"] < summary["elapsed_s"]
     assert row["peak_allocated_mib"] == "" and row["mfu"] == ""   # CPU ranks
     # the final losses, and the task metrics of the last evaluation (over both ranks' 32 samples each)
     assert float(row["eval_loss"]) == evals[-1][1] and float(row["train_loss"]) > 0

@@ -12,7 +12,7 @@ import torch
 
 from jobspec.spec.derived import DerivedJob
 from jobspec.train.faults import NanGuard, NonFiniteLoss
-from jobspec.train.progress import Progress, RunState, StepReporter, Window
+from jobspec.train.progress import Progress, RunState, StepReporter, Window, summarize
 from jobspec.train.stopping import STOP_AFTER_ENV, StopFlag, StopVote
 
 
@@ -87,10 +87,12 @@ def test_log_window_reduces_once_and_logs_the_shared_metrics(tmp_path):
     fresh = steps.log_window(2, window, guard)
     assert fresh.micro_batches == 0 and fresh.losses == []
     (step, metrics), = sink.logged
-    assert step == 2 and metrics["train/loss"] == 3.0 and metrics["train/lr"] == 0.25
+    # each loss is a micro-batch's share of its step's token-weighted loss (jobspec.train.token_loss):
+    # steps of 1 + 2 and 3 + 6, logged as their mean
+    assert step == 2 and metrics["train/loss"] == 6.0 and metrics["train/lr"] == 0.25
     assert metrics["train/grad_norm"] == 3.0 and metrics["mem/host_rss_mib_max"] > 0
     assert metrics["perf/samples_per_s"] > 0 and "perf/mfu" not in metrics  # no peak FLOP/s on a CPU
-    assert steps.state.samples == 32 and steps.state.last_loss == 3.0
+    assert steps.state.samples == 32 and steps.state.last_loss == 6.0
     json.dumps(metrics)  # plain floats
 
 
@@ -174,3 +176,35 @@ def test_stop_policy_adds_no_work_per_micro_batch_and_confirm_votes_once():
     other = NanGuard("stop", vote=lambda flag: True)  # another rank saw it
     with pytest.raises(NonFiniteLoss, match="on another rank"):
         other.confirm(Window())
+
+
+def test_the_run_average_is_the_training_samples_over_the_training_time_without_the_first_step(tmp_path,
+                                                                                                  monkeypatch):
+    """One definition of throughput (docs/metrics.md): samples (tokens) trained after the launch's first
+    step over the time of those steps, evaluation left out; the same number as perf/run_* in MLflow
+    (finish) and in summary.json (summarize). The reference is the arithmetic by hand: exact, the
+    floats divided once each in the same order."""
+    from jobspec.train import progress
+    # start_timing, window 1's log, an evaluation's pause (10 s), window 2's log
+    clock = iter([105.0, 106.0, 107.0, 117.0, 118.0])
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: next(clock))
+    sink = Sink()
+    steps = reporter(tmp_path, sink)
+    first = Window(samples=8, tokens=80, steps=1, started=100.0)   # step 1: 5 s of start-up
+    first.add_loss(torch.tensor(1.0), 1)
+    first.start_timing()
+    first.samples, first.tokens, first.steps = 16, 160, 2          # step 2: 1 s, 8 samples
+    first.add_loss(torch.tensor(1.0), 2)
+    steps.log_window(2, first)
+    second = Window(samples=24, tokens=240, steps=2, started=106.0)   # steps 3-4: 2 s of 12 s, 24 samples
+    second.add_loss(torch.tensor(1.0), 4)
+    with second.paused():
+        pass
+    steps.log_window(4, second)
+    assert [m["perf/samples_per_s"] for _, m in sink.logged] == [8.0, 12.0]
+    run = steps.finish(4)
+    assert run == {"perf/run_samples_per_s": 32 / 3, "perf/run_tokens_per_s": 320 / 3}
+    assert sink.logged[-1] == (4, run)   # MLflow's run average, at the last step
+    assert steps.state.samples == 40     # every sample trained, the first step's included
+    summary = summarize(steps.state, "finished", 4, started=0.0)
+    assert (summary.samples_per_s, summary.tokens_per_s) == (32 / 3, 320 / 3)

@@ -112,24 +112,27 @@ def test_read_run_dir_names_the_missing_files(tmp_path):
         read_run_files(tmp_path)
 
 
-def test_summary_leaves_the_warmup_window_out_of_throughput():
+def test_summary_throughput_is_the_launchs_average_not_a_mean_of_windows():
     state = RunState(step=3, samples_per_s=[1.0, 10.0, 20.0], last_loss=0.5,
-                     rates={"tokens_per_s": [16.0, 160.0, 320.0], "mfu": [0.1]})
+                     rates={"tokens_per_s": [16.0, 160.0, 320.0], "mfu": [0.1]},
+                     run_perf={"perf/run_samples_per_s": 12.5, "perf/run_tokens_per_s": 200.0, "perf/run_mfu": 0.1})
     summary = summarize(state, "finished", 3, started=0.0)
-    assert summary.samples_per_s == 15.0 and summary.tokens_per_s == 240.0
-    assert summary.mfu == 0.1 and summary.tflops_per_device is None  # one window: kept; none: None
+    assert summary.samples_per_s == 12.5 and summary.tokens_per_s == 200.0   # not the windows' mean 15.0
+    assert summary.mfu == 0.1 and summary.tflops_per_device is None  # measured: kept; none (CPU): None
     assert summary.status == "finished" and summary.steps == 3 and summary.final_loss == 0.5
 
 
-@pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGTERM])
+@pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_stop_flag_is_set_by_slurms_warning_and_by_preemption(signum):
-    before = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGTERM)}
+    """SIGUSR1 (Slurm's warning), SIGTERM (scancel, launch.py), SIGINT (Ctrl-C to the group: no
+    KeyboardInterrupt mid-step), SIGHUP (a dropped session): each only a flag, the first one kept."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
         flag = StopFlag()
         flag.install()
         assert not flag.requested
         os.kill(os.getpid(), signum)
-        assert flag.requested
+        assert flag.requested and flag.signum == signum
         os.kill(os.getpid(), signum)  # a repeat (group signal + launch.py's) must not kill the rank
         assert flag.requested
     finally:
