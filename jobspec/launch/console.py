@@ -13,6 +13,7 @@ import re
 from urllib.parse import urlsplit
 
 from jobspec.compile.compiler import patch_text
+from jobspec.memory.planner import ALLOCATOR_VARIABLE, allocator_conf, expandable
 from jobspec.rundir import RunSummary
 from jobspec.spec import eval_metrics
 from jobspec.units import MiB, fmt_mib_gib
@@ -131,6 +132,15 @@ def header_lines(spec: dict, job, memory, host, patches: list, *, style: bool = 
     return lines
 
 
+def allocator_text(environ) -> str:
+    """The CUDA allocator the GPU ranks run (launch/pipeline.child_env sets it, the plan models it)."""
+    conf, chosen = allocator_conf(environ)
+    if chosen:
+        return f"allocator {ALLOCATOR_VARIABLE}={conf} (set by jobspec; set the variable to choose another)"
+    modelled = "expandable segments" if expandable(conf) else "no expandable segments: the plan assumes them"
+    return f"allocator {ALLOCATOR_VARIABLE}={conf} (yours; {modelled})"
+
+
 def hardware_text(job, host) -> str:
     per_node = job.gpus_per_node
     nodes = f" per node x {job.nodes} nodes" if job.nodes > 1 else ""
@@ -155,7 +165,7 @@ def memory_text(job, memory, host) -> str:
             text += f" · {fmt_mib_gib(host.gpu_free)} free{total}: {verdict}"
         if memory.budget is not None and memory.budget_source == "memory.gpu_memory":
             text += f" · budget {fmt_mib_gib(memory.budget)} (memory.gpu_memory)"
-        return text
+        return text + " · " + allocator_text(os.environ)
     per_rank = plan.peak_reserved + plan.host_total
     node = per_rank * job.gpus_per_node
     text = f"plan {fmt_mib_gib(per_rank)} per rank (tensors and the process)"

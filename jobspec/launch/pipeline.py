@@ -62,6 +62,7 @@ from jobspec.launch import (
 )
 from jobspec.launch import tracking as launch_tracking
 from jobspec.memory import at_launch as launch_memory
+from jobspec.memory.planner import ALLOCATOR_VARIABLE, allocator_conf
 from jobspec.secrets import mask_secrets
 from jobspec.tracking import orphans
 from jobspec.tracking import run as tracking_run
@@ -360,6 +361,8 @@ def child_env(spec: dict, stop_after_steps: int | None) -> dict:
     tracking_run.apply_http_env(env)
     env["JOBSPEC_PROGRESS"] = progress_mode(spec["logging"]["progress"])
     env["PYTHONUNBUFFERED"] = "1"  # ranks' output must reach the relay (and launcher.log) as it happens
+    # GPU ranks: PyTorch's allocator with expandable segments unless the user chose (the plan models it)
+    env[ALLOCATOR_VARIABLE] = allocator_conf(env)[0]
     if sys.stdout.isatty():  # the bar writes into a pipe: tell it the terminal's width
         env.setdefault("COLUMNS", str(shutil.get_terminal_size().columns))
     if stop_after_steps is not None:
