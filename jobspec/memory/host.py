@@ -11,7 +11,8 @@ builds the optimizer, so the two never coincide):
 - training: the CPU offload buffers (fp32 master partition, optimizer states, the fp32 gradient
   partition, stage 1/2's 16-bit transfer buffer, the offloaded parameter partition; beside them ZeRO-3's
   16-bit gradient partition and stage 1/2's gradient buffer of the largest parameter, and the power-of-2
-  rounding of every pinned one: `offload_terms`) and the data loader's worker processes.
+  rounding of every pinned one: `offload_terms`), the data loader's worker processes and the training
+  data's index (`data_bytes`: the records themselves are memory-mapped).
 
 Plus the rank's process itself (Python, torch, transformers, DeepSpeed imported). A node holds
 `gpus_per_node` ranks. The budget is the node's RAM: `resources.host_mem`, else the launching host's
@@ -33,6 +34,14 @@ RUNTIME_BYTES = 1024 * MiB
 # One DataLoader worker (a forked copy of the rank: its own pages only, the prefetched batches):
 # bench/host_memory.py measured 12 MiB USS per worker after 50 batches of 8 x 512 tokens.
 DATALOADER_WORKER_BYTES = 32 * MiB
+# The training data a rank holds per sample: the records are memory-mapped from the data cache
+# (jobspec/job/data_cache.py; their pages are file-backed, shared by the node's ranks through the page
+# cache and reclaimable, so not counted here), but the sampler's shuffled index list is a Python int
+# and a pointer per sample (49 B measured for 10^6 samples, DistributedSampler on 2 ranks), beside the
+# entry's offsets (8 B); packing adds the lengths, their sort and the bins (183 B per sample at its peak,
+# 10^6 samples of 50-256 tokens into rows of 256).
+DATA_BYTES_PER_SAMPLE = 64
+PACKING_BYTES_PER_SAMPLE = 192
 
 
 def construction_bytes(inventory: Inventory, stage: int, world: int, lp: int) -> int:
@@ -115,3 +124,8 @@ def host_peak(host: dict) -> int:
 
 def worker_bytes(num_workers: int) -> int:
     return num_workers * DATALOADER_WORKER_BYTES
+
+
+def data_bytes(samples: int, packing: bool) -> int:
+    """Host bytes of a rank's data index over `samples` training samples (see DATA_BYTES_PER_SAMPLE)."""
+    return samples * (DATA_BYTES_PER_SAMPLE + (PACKING_BYTES_PER_SAMPLE if packing else 0))

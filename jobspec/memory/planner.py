@@ -253,6 +253,8 @@ def plan_memory(spec: dict, job: DerivedJob, *, budget: int | None = None,
     fragmentation = EXPANDABLE_FRAGMENTATION if expandable_segments else FRAGMENTATION
     reserved = _round_up(allocated, ALLOCATOR_BLOCK) + int(fragmentation * allocated)
     host["dataloader_workers"] = host_memory.worker_bytes(spec["data"]["num_workers"])
+    # the data's index on the rank (its records are memory-mapped): the samples a derived job counted
+    host["data_index"] = host_memory.data_bytes(job.num_train_samples or 0, bool(spec["data"].get("packing")))
     host["offloaded_activations"] = offloaded_activation_bytes(spec, job)
     host_total = host_memory.host_peak(host)
     settings = {"world_size": world, "zero_stage": stage, "precision": precision, "micro_batch_size": micro,
@@ -403,7 +405,7 @@ HOST_ROWS = (("runtime", "host: the rank's process"), ("construction", "host: mo
              ("pinned_rounding", "host: pinned power-of-2 rounding"),
              ("offloaded_parameters", "host: offloaded params"),
              ("offloaded_activations", "host: offloaded checkpoint inputs"),
-             ("dataloader_workers", "host: data loader workers"))
+             ("dataloader_workers", "host: data loader workers"), ("data_index", "host: data index (samples)"))
 
 
 def render_plan(plan: MemoryPlan, title: str = "") -> str:

@@ -279,3 +279,18 @@ def test_launch_dry_run_warns_as_written_and_refuses_under_fit_auto(tmp_path, mo
     assert main(["launch", str(job), "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert f"{job}:" in err and "resources.host_mem: the plan needs" in err and "Traceback" not in err
+
+
+def test_the_data_index_is_counted_per_sample_and_more_with_packing():
+    """The records are memory-mapped (not counted); the index over them is, per counted sample."""
+    from jobspec.memory.host import DATA_BYTES_PER_SAMPLE, PACKING_BYTES_PER_SAMPLE
+
+    spec = load_and_validate(REPO / "jobs" / "llama-instruct-packing.yaml", overrides=[]).spec
+    plain = plan_memory(spec, derive(spec, profiler=PROFILER))
+    assert "data_index" not in plain.host or plain.host["data_index"] == 0   # max_steps: no samples counted
+    counted = derive(spec, profiler=PROFILER, num_train_samples=300)
+    packed = plan_memory(spec, counted)
+    assert packed.host["data_index"] == 300 * (DATA_BYTES_PER_SAMPLE + PACKING_BYTES_PER_SAMPLE)
+    unpacked = plan_memory({**spec, "data": {**spec["data"], "packing": False}}, counted)
+    assert unpacked.host["data_index"] == 300 * DATA_BYTES_PER_SAMPLE
+    assert packed.host_total - unpacked.host_total in (0, 300 * PACKING_BYTES_PER_SAMPLE)
