@@ -347,6 +347,7 @@ class RunSummary:
     parameters: dict[str, int] = field(default_factory=dict)       # trainable and total parameter counts
     error: str | None = None                  # why a failed run failed (rank 0)
     generation: dict | None = None            # training.eval_generate: the last evaluation's first answer
+    data: dict | None = None                  # the tokenised data's counts (data.<split>.records, tokens, ...)
     exit_code: int | None = None              # the launcher's fallback
     written_by: str | None = None             # LAUNCHER_WRITER for the fallback
     report: str | None = None                 # the closing block the launcher printed (plain text)
@@ -357,7 +358,7 @@ class RunSummary:
                  "tokens_per_s", "tflops_per_device", "mfu", "peak_memory", "elapsed_s", "resumed_from",
                  "checkpoint", "exports", "parameters")
     # written only when set
-    OPTIONAL_KEYS = ("error", "generation", "exit_code", "written_by", "report")
+    OPTIONAL_KEYS = ("error", "generation", "data", "exit_code", "written_by", "report")
 
     @property
     def done(self) -> bool:

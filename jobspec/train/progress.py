@@ -222,6 +222,7 @@ class RunState:
     last_checkpoint: str | None = None
     exports: dict = field(default_factory=dict)   # model directories written (jobspec/export/exporter.py)
     parameters: dict = field(default_factory=dict)   # {"trainable", "total"} (train/adapters.parameter_counts)
+    data: dict | None = None   # the tokenised data's counts (train/data.data_params), for summary.json
     generation: dict | None = None   # the last evaluation's first answer (train/generation.py)
 
 
@@ -361,6 +362,7 @@ def summarize(state: RunState, status: str, total_steps: int | None, started: fl
         checkpoint=state.last_checkpoint,
         exports=state.exports,
         parameters=state.parameters,
+        data=state.data,
         error=error,
         generation=state.generation,
     )

@@ -123,7 +123,8 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
     if sink is not None:
         sink.log_params(adapters.params_for_mlflow(files.spec, state.parameters))
         from jobspec.train.data import data_params
-        sink.log_params(data_params(train_ds, eval_ds))   # data.<split>.records, tokens, ... (the data cache)
+        state.data = data_params(train_ds, eval_ds) or None   # data.<split>.records, tokens, ... (the data cache)
+        sink.log_params(state.data or {})
     system_metrics = _start_system_metrics(run_dir, files, rank)
     _phase("sink")
     try:

@@ -289,3 +289,18 @@ def test_tables_and_datasets_by_name_go_through_the_same_cache(tmp_path, form):
         assert torch.equal(got[i]["labels"], expected[i]["labels"])
     entry = data_prep.find(spec, "train", tokenizer)
     assert entry.data is not None and entry.data.meta["records"] == 40
+
+
+def test_the_counts_go_to_mlflow_params_and_summary_json():
+    from jobspec.rundir import RunSummary
+    from jobspec.train.data import data_params
+
+    spec = make_spec(CHAT, records="chat", packing=True)
+    train, _ = build_datasets(spec, build_tokenizer(spec))
+    params = data_params(packing.pack_dataset(train, 96, seed=0), None)   # a packed set: through its samples
+    meta = train.cached.meta
+    assert params == {"data.train.records": 300, "data.train.samples": 300, "data.train.tokens": meta["tokens"],
+                      "data.train.truncated": meta["truncated"], "data.train.no_answer": meta["no_answer"],
+                      "data.train.cache_mib": round(train.cached.nbytes / 2**20, 1)}
+    summary = RunSummary(status="finished", data=params)
+    assert RunSummary.from_dict(summary.to_dict()).data == params and "data" not in RunSummary("x").to_dict()
