@@ -108,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
     else:
         print(render_plan(plan, title=f"{spec['name']}: predicted memory per rank (as written)"))
+        for line in data_lines(resolved):   # the tokenised data's size: cached, else estimated
+            print(f"data: {line}")
         if result is not None and args.fit:
             print()
             if result.fits:
@@ -153,3 +155,14 @@ def result_issue(result, source: str | None):
     return SpecIssue(("resources", "host_mem"), result.reason,
                      hint=f"host budget from {source}; a node with more RAM, fewer ranks per node, or the "
                           "settings above with more GPUs")
+
+
+def data_lines(resolved) -> list[str]:
+    """The tokenised data of chat and prompt/completion records: its size when the data cache holds it,
+    else about how big it will be and how long preparing it takes (job/data_prep.py)."""
+    from jobspec.job.data_prep import prepare_data
+
+    try:
+        return prepare_data(resolved.spec, build=False)[0]
+    except SpecError as err:
+        raise resolved.locate(err) from None

@@ -31,7 +31,7 @@ import numpy as np
 from jobspec.errors import SpecError, SpecIssue, spec_error
 from jobspec.job import data_cache
 from jobspec.job.chat_render import IGNORE_INDEX, RecordError, RecordText, chat_template, check_template, encode
-from jobspec.job.data_sources import TABLE_KINDS, Source, TableSource, source_for
+from jobspec.job.data_sources import TABLE_KINDS, Source, source_for
 from jobspec.spec import datacheck
 from jobspec.spec.data_format import source_kind
 from jobspec.units import MiB
@@ -288,10 +288,10 @@ def prepare_data(spec: dict, *, build: bool, show: str | None = None, num_proc: 
             lines.append(f"tokenised data cached (warm): {summary_line(entry)}")
             continue
         processes = num_proc or default_num_proc(spec)
-        records, seconds = estimate(spec, entry, tokenizer, processes)
-        lines.append(f"data.{split}: not tokenised yet (cold): about {records:,} records, preparation about "
-                     f"{seconds:,.0f} s on {processes} process(es) (estimated from {ESTIMATE_RECORDS} "
-                     f"records; `jobspec prepare` builds it ahead)")
+        records, seconds, size = estimate(spec, entry, tokenizer, processes)
+        lines.append(f"data.{split}: not tokenised yet (cold): about {records:,} records, {size / MiB:,.0f} MiB "
+                     f"tokenised, preparation about {seconds:,.0f} s on {processes} process(es) (estimated from "
+                     f"the first {min(records, ESTIMATE_RECORDS)} records; `jobspec prepare` builds it ahead)")
     return lines, counts(entries)
 
 
@@ -337,26 +337,25 @@ def data_counts(cached: data_cache.CachedData) -> dict:
     return out
 
 
-def estimate(spec: dict, entry: Entry, tokenizer, num_proc: int) -> tuple[int, float]:
-    """(records, seconds) a cold pass of the split would take: ESTIMATE_RECORDS records tokenised here,
-    the rate scaled by the processes (the records of a jsonl file: its line count)."""
+def estimate(spec: dict, entry: Entry, tokenizer, num_proc: int) -> tuple[int, float, int]:
+    """(records, seconds, bytes) of a cold pass of the split: the first ESTIMATE_RECORDS records tokenised
+    here, their rate scaled by the processes and the records (a jsonl file's: its line count), their
+    tokens per record by the records (8 bytes a token: ids and labels, int32)."""
     data = spec["data"]
     source = entry.source
     total = source.total()
     _WORK.update(source=source, record_text=RecordText(spec, tokenizer, entry.kind, chat_template(spec, tokenizer)),
                  tokenizer=tokenizer, max_length=data["max_length"], all_tokens=data["loss_on"] == "all")
     try:
-        sampled, started = 0, time.perf_counter()
-        for chunk in source.chunks():
-            if isinstance(source, TableSource):
-                chunk = (chunk[0], min(chunk[1], chunk[0] + ESTIMATE_RECORDS))
-            sampled += _encode_chunk(chunk).records
-            if sampled >= ESTIMATE_RECORDS:
-                break
-        rate = sampled / max(time.perf_counter() - started, 1e-6)
+        started = time.perf_counter()
+        result = _encode_chunk(source.head(ESTIMATE_RECORDS))
+        seconds = time.perf_counter() - started
     finally:
         _WORK.clear()
-    return total, total / rate / max(1, min(num_proc, len(source.chunks())))
+    sampled = max(result.records, 1)
+    processes = max(1, min(num_proc, len(source.chunks())))
+    tokens = int(result.lengths.sum()) * total / sampled
+    return total, seconds * total / sampled / processes, int(8 * tokens + 8 * total)
 
 
 class Progress:

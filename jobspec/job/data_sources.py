@@ -44,6 +44,9 @@ class Source(abc.ABC):
     @abc.abstractmethod
     def read(self, chunk) -> list: ...
 
+    @abc.abstractmethod
+    def head(self, records: int): ...   # a chunk of the first `records` records
+
 
 def source_for(spec: dict, split: str, kind: str) -> Source:
     return JsonlSource(Path(spec["data"][split])) if kind == "jsonl" else TableSource(spec, split, kind)
@@ -88,6 +91,16 @@ class JsonlSource(Source):
 
     def total(self) -> int:
         return sum(chunk[3] for chunk in self.chunks())
+
+    def head(self, records: int):
+        with open(self.path, "rb") as fh:
+            block = fh.read(CHUNK_BYTES)
+        end, count = 0, 0
+        while count < records and end < len(block):
+            found = block.find(b"\n", end)
+            end = len(block) if found < 0 else found + 1
+            count += 1
+        return (0, end, 1, count)
 
     def read(self, chunk) -> list:
         offset, length, first, _ = chunk
@@ -143,6 +156,9 @@ class TableSource(Source):
 
     def total(self) -> int:
         return len(self.table)
+
+    def head(self, records: int):
+        return (0, min(records, len(self.table)))
 
     def read(self, chunk) -> list:
         start, stop = chunk

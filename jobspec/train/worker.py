@@ -257,7 +257,7 @@ def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, tele
             window.steps += 1
             if state.step == first_step:
                 _phase("first-step")
-                if state.step < total_steps:   # throughput counts from here (docs/metrics.md, "Throughput")
+                if state.step < total_steps:   # throughput counts from here (docs/architecture.md, "Throughput")
                     window.start_timing()
             progress.update(state.step)
             last = state.step >= total_steps

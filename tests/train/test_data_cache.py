@@ -238,7 +238,8 @@ def test_packing_the_mapped_samples_gives_the_in_memory_rows():
 def test_dry_run_says_cold_with_an_estimate_then_warm():
     spec = make_spec(CHAT, records="chat")
     cold, _ = data_prep.prepare_data(spec, build=False)
-    assert len(cold) == 1 and "not tokenised yet (cold): about 300 records, preparation about" in cold[0]
+    assert len(cold) == 1 and "not tokenised yet (cold): about 300 records, " in cold[0]
+    assert "MiB tokenised, preparation about" in cold[0] and "estimated from the first 200 records" in cold[0]
     built, counts = data_prep.prepare_data(spec, build=True)
     assert counts["data.train.records"] == 300 and counts["data.train.tokens"] > 0
     warm, _ = data_prep.prepare_data(spec, build=False)
@@ -304,3 +305,17 @@ def test_the_counts_go_to_mlflow_params_and_summary_json():
                       "data.train.cache_mib": round(train.cached.nbytes / 2**20, 1)}
     summary = RunSummary(status="finished", data=params)
     assert RunSummary.from_dict(summary.to_dict()).data == params and "data" not in RunSummary("x").to_dict()
+
+
+def test_plan_says_how_big_the_tokenised_data_is(tmp_path, capsys):
+    import yaml
+
+    spec = make_spec(CHAT, records="chat")
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({k: spec[k] for k in ("name", "model", "data", "training")}))
+    assert main(["plan", str(job)]) == 0
+    assert "data: data.train: not tokenised yet (cold): about 300 records, " in capsys.readouterr().out
+    data_prep.prepare(spec, "train", build_tokenizer(spec))
+    assert main(["plan", str(job)]) == 0
+    out = capsys.readouterr().out
+    assert "data: tokenised data cached (warm): data.train: 300 chat records -> 300 samples" in out
