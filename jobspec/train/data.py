@@ -260,8 +260,9 @@ def _file_dataset(spec: dict, tokenizer, split: str, label_names: dict) -> Tenso
         return _samples(spec, tokenizer, ids, mask, labels)
     if data_prep.cached_kind(spec, split):
         # chat and prompt/completion records: tokenised once into the data cache (by the launcher before
-        # the ranks started, else here by one process of this host while the others wait) and mapped
-        entry = data_prep.prepare(spec, split, tokenizer)
+        # the ranks started, else here by one process of this host while the others wait) and mapped;
+        # a rank builds in its own process: forking one that holds gloo's threads is not safe
+        entry = data_prep.prepare(spec, split, tokenizer, num_proc=1)
         assert entry.data is not None
         pad_to = data["max_length"] if data["padding"] == "max_length" else None
         return CachedDataset(entry.data, pad_to, tokenizer.pad_token_id or 0)
