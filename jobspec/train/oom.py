@@ -98,11 +98,14 @@ class OomGuard:
         return loss
 
     def backward(self, engine, loss, step: int) -> bool:
-        """`engine.backward(loss)`; False when some rank ran out of memory (as `forward`'s None)."""
+        """jobspec.train.token_loss.backward(engine, loss); False when some rank ran out of memory (as
+        `forward`'s None)."""
         import torch
+
+        from jobspec.train import token_loss
         oom = None
         try:
-            engine.backward(loss)
+            token_loss.backward(engine, loss)
         except torch.OutOfMemoryError as err:
             if self.policy != "halve_micro_batch":
                 raise self._failure(step, "backward", err, "training.on_oom is 'fail'") from None

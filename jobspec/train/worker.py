@@ -25,7 +25,7 @@ from jobspec.export.hf_dir import ExportFailed
 from jobspec.rundir import RunFiles
 from jobspec.spec.derived import DerivedJob
 from jobspec.train import library_output
-from jobspec.train.engine import build_engine, loss_of, reshard_plan, resume, share_cpu_threads
+from jobspec.train.engine import build_engine, reshard_plan, resume, share_cpu_threads
 from jobspec.train.faults import NanGuard, NonFiniteLoss
 from jobspec.train.oom import OomGuard
 from jobspec.train.progress import RunState, StepReporter, Window, summarize
@@ -154,7 +154,7 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
         try:
             status = train_loop(telemetry.engine, files, train_ds, eval_ds, state, telemetry, progress,
                                 stop=vote, pending_rng=pending_rng, nan_guard=nan_guard, oom_guard=oom_guard,
-                                exporter=exporter, generator=generator)
+                                exporter=exporter, generator=generator, count_groups=(control,))
         finally:
             vote.close()
         telemetry.finish(state.step)   # the launch's throughput, as summary.json states it
@@ -173,25 +173,35 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
 
 def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, telemetry: "StepReporter", progress,
                *, stop, pending_rng: dict | None, nan_guard: NanGuard | None = None,
-               oom_guard: OomGuard | None = None, exporter=None, generator=None) -> str:
+               oom_guard: OomGuard | None = None, exporter=None, generator=None, count_groups=()) -> str:
     """Optimizer steps until `derived.total_steps` ("finished") or an agreed stop ("preempted").
+
+    Each step takes its micro-batches first and back-propagates their summed loss over the labelled
+    tokens of the whole global batch, counted over `count_groups` (none: every rank; the worker passes
+    its gloo control group, so the count never syncs a GPU): jobspec.train.token_loss.
 
     `stop(step)` is asked after every optimizer step (jobspec.train.stopping.StopVote). Per
     micro-batch the loop does only host-side bookkeeping (counts, the loss appended to the window):
     what needs the device's values is read at log and checkpoint steps."""
+    from functools import partial
+
     import torch.distributed as dist
 
-    from jobspec.train import checkpointing
+    from jobspec import tasks
+    from jobspec.train import checkpointing, sequence_parallel, token_loss
     from jobspec.train.data import make_loader
+    from jobspec.train.step_batches import StepBatches
     from jobspec.train.task_metrics import counter_for
 
     spec, derived = files.spec, DerivedJob.from_dict(files.derived)
     training, data, ckpt = spec["training"], spec["data"], spec["checkpoint"]
     total_steps, every_log, every_ckpt = derived.total_steps, spec["logging"]["every_n_steps"], ckpt["every_n_steps"]
     assert total_steps is not None   # rundir.read_run_files refuses a launch.json without it
-    loader_args = dict(micro_batch_size=derived.micro_batch_size, rank=dist.get_rank(),
-                       world_size=dist.get_world_size(), seed=training["seed"], num_workers=data["num_workers"],
-                       pin_memory=data["pin_memory"])
+    # memory.sequence_parallel: the N ranks of a group load the same micro-batches (train/sequence_parallel)
+    sp = sequence_parallel.active()
+    loader_args = dict(micro_batch_size=derived.micro_batch_size, rank=sp.data_rank if sp else dist.get_rank(),
+                       world_size=sp.data_world if sp else dist.get_world_size(), seed=training["seed"],
+                       num_workers=data["num_workers"], pin_memory=data["pin_memory"])
 
     def save_checkpoint():
         if nan_guard:
@@ -221,99 +231,130 @@ def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, tele
 
     engine.train()
     window = Window()
-    empty_epochs = 0
     first_step = state.step + 1  # its end is the start-up's end (bench/startup.py)
+    task = tasks.of(spec)
+
+    def step_batches(rng: dict | None) -> StepBatches:   # from the run's data position (after an OOM: rewound)
+        return StepBatches(lambda epoch, skip: make_loader(train_ds, epoch=epoch, shuffle=data["shuffle"],
+                                                           skip_batches=skip, **loader_args),
+                           state.epoch, state.batches_in_epoch,
+                           # after iter(): see checkpointing.rng_state_of_this_rank
+                           after_first_iter=None if rng is None else partial(checkpointing.restore_rng_state, rng))
+    stream = step_batches(pending_rng)
     while state.step < total_steps:
-        batches = iter(make_loader(train_ds, epoch=state.epoch, shuffle=data["shuffle"],
-                                   skip_batches=state.batches_in_epoch, **loader_args))
-        if pending_rng is not None:  # after iter(): see checkpointing.rng_state_of_this_rank
-            checkpointing.restore_rng_state(pending_rng)
-            pending_rng = None
-        yielded = False
-        for batch in batches:
-            yielded = True
-            if oom_guard:
-                oom_guard.mark(state, window)  # where this optimizer step began, to redo it after an OOM
-            window.tokens += telemetry.count_tokens(batch)  # on the host batch: no device sync
-            window.samples += int(batch["input_ids"].shape[0])
-            batch = {k: v.to(engine.device, non_blocking=True) for k, v in batch.items()}
+        if oom_guard:
+            oom_guard.mark(state, window)  # where this optimizer step began, to redo it after an OOM
+        # the step's micro-batches and their labelled tokens over every rank, before its first forward
+        micro_batches = stream.take(engine.gradient_accumulation_steps())
+        parts = [_loss_inputs(task, sp, micro.batch) for micro in micro_batches]
+        step_tokens = token_loss.global_count(sum(token_loss.labelled_count(task, labels, shift)
+                                                  for _, labels, shift in parts), count_groups)
+        # DeepSpeed averages the gradients over the data-parallel ranks: under Ulysses world / N (its
+        # engine.dp_world_size is None then; the N ranks of a group are summed)
+        scale = token_loss.backward_scale(step_tokens, engine.dp_world_size if sp is None else sp.data_world)
+        for micro, (inputs, labels, shift) in zip(micro_batches, parts):
+            if sp is None or sp.counts_data:   # a sequence-parallel group's samples count once
+                window.tokens += telemetry.count_tokens(micro.batch)  # on the host batch: no device sync
+                window.samples += int(micro.batch["input_ids"].shape[0])
+            inputs = {k: v.to(engine.device, non_blocking=True) for k, v in inputs.items()}
+            labels = labels.to(engine.device, non_blocking=True)
             boundary = engine.is_gradient_accumulation_boundary()  # ask before step() advances it
+            if boundary:   # the rate this step runs at (step() moves the schedule on)
+                window.lr = float(engine.get_lr()[0])
+            summed = partial(token_loss.summed_loss, task, labels=labels, shift=shift)
             if oom_guard is None:
-                loss = loss_of(engine(**batch))
-            elif (loss := oom_guard.forward(engine, batch, state.step + 1, loss_of)) is None:
+                loss = summed(engine(**inputs))
+            elif (loss := oom_guard.forward(engine, inputs, state.step + 1, summed)) is None:
                 break  # out of memory on some rank: every rank redoes the step below, micro-batch halved
-            loss, nonfinite = nan_guard.check(loss, state.step + 1) if nan_guard else (loss, False)
+            reported = loss.detach() / step_tokens if step_tokens else loss.detach() * 0.0
+            loss, nonfinite = nan_guard.check(loss * scale, state.step + 1) if nan_guard else (loss * scale, False)
             if oom_guard is None:
-                engine.backward(loss)
+                token_loss.backward(engine, loss)
             elif not oom_guard.backward(engine, loss, state.step + 1):
                 break  # as above
             nan_guard.step(engine, boundary, state.step + 1) if nan_guard else engine.step()
-            state.batches_in_epoch += 1
+            state.epoch, state.batches_in_epoch = micro.epoch, micro.batches_in_epoch
             if not nonfinite:  # a skipped micro-batch has no loss to report
-                window.add_loss(loss, state.step + 1)
-            if not boundary:
-                continue
-            state.step += 1
-            window.steps += 1
-            if state.step == first_step:
-                _phase("first-step")
-                if state.step < total_steps:   # throughput counts from here (docs/architecture.md, "Throughput")
-                    window.start_timing()
-            progress.update(state.step)
-            last = state.step >= total_steps
-            if (state.step % every_log == 0 or last) and window.micro_batches:
-                # also where training.on_nan: stop finds a non-finite loss of the window (any rank)
-                window = telemetry.log_window(state.step, window, nan_guard, final=last)
-            if (training["eval_every"] and state.step % training["eval_every"] == 0) or last:
-                with window.paused():
-                    run_eval()
-            if last:
-                if ckpt["save_final"] or (every_ckpt and state.step % every_ckpt == 0):
-                    save_checkpoint()
-                return "finished"
-            if stop(state.step):
-                if window.steps and window.micro_batches:
-                    window = telemetry.log_window(state.step, window, nan_guard, final=True)
-                save_checkpoint()
-                return "preempted"
-            if every_ckpt and state.step % every_ckpt == 0:
-                with window.paused():
-                    save_checkpoint()
+                window.add_loss(reported, state.step + 1)   # its share of the step's token mean
         if oom_guard and oom_guard.pending:  # every rank agreed on an OOM in this optimizer step
             saved = oom_guard.save_and_release(engine, state)
-            engine = batch = loss = None  # the old engine's last references: free its memory first
+            engine = inputs = labels = loss = None  # the old engine's last references: free its memory first
             engine, window = oom_guard.rebuild(saved, state, loader_args)
+            sp = sequence_parallel.active()   # registered again by the rebuilt engine
+            stream = step_batches(None)
             continue
-        # the epoch is used up: the next one, reshuffled
-        empty_epochs = 0 if yielded else empty_epochs + 1
-        if empty_epochs > 1:
-            raise RunFailure("the training data yields no batches on this rank: check the data files, "
-                             "training.micro_batch_size and the number of ranks")
-        state.epoch += 1
-        state.batches_in_epoch = 0
+        state.step += 1
+        window.steps += 1
+        if state.step == first_step:
+            _phase("first-step")
+            if state.step < total_steps:   # throughput counts from here (docs/architecture.md, "Throughput")
+                window.start_timing()
+        progress.update(state.step)
+        last = state.step >= total_steps
+        if (state.step % every_log == 0 or last) and window.micro_batches:
+            # also where training.on_nan: stop finds a non-finite loss of the window (any rank)
+            window = telemetry.log_window(state.step, window, nan_guard, final=last)
+        if (training["eval_every"] and state.step % training["eval_every"] == 0) or last:
+            with window.paused():
+                run_eval()
+        if last:
+            if ckpt["save_final"] or (every_ckpt and state.step % every_ckpt == 0):
+                save_checkpoint()
+            return "finished"
+        if stop(state.step):
+            if window.steps and window.micro_batches:
+                window = telemetry.log_window(state.step, window, nan_guard, final=True)
+            save_checkpoint()
+            return "preempted"
+        if every_ckpt and state.step % every_ckpt == 0:
+            with window.paused():
+                save_checkpoint()
     return "finished"  # resumed from a checkpoint of the last step: nothing left to do
 
 
-def evaluate(engine, loader, counter=None) -> tuple[float, dict]:
-    """(mean eval loss over every rank's samples, the task metrics of `counter` by name).
+def _loss_inputs(task, sp, batch: dict):
+    """(the model's inputs, the labels its summed loss is taken against, their shift) of one host
+    micro-batch; under sequence parallelism this rank's 1/N of the sequence and its next-token labels
+    (shifted already: jobspec.train.sequence_parallel)."""
+    if sp is not None:
+        inputs, next_labels = sp.shard(batch)
+        return inputs, next_labels, 0
+    return batch, batch["labels"], task.shift
 
-    The metrics come from counts summed over the ranks (jobspec.train.task_metrics), never from a
-    mean of the ranks' own metrics; the loss keeps its own reduction (bit-exact resume compares it)."""
+
+def evaluate(engine, loader, counter=None, task=None) -> tuple[float, dict]:
+    """(the eval loss: per labelled token over every rank's batches, the task metrics of `counter` by name).
+
+    The loss is the summed per-token loss of every rank's batches over their labelled tokens
+    (jobspec.train.token_loss: the training loss's definition), so a perplexity is exp of it whatever
+    the eval micro-batch and the ranks. The metrics come from counts summed over the ranks
+    (jobspec.train.task_metrics), never from a mean of the ranks' own metrics. With sequence
+    parallelism the group's ranks evaluate the same batches, each its shard of the tokens (counted
+    once in the loss; the task metrics count the group's batch once, by its rank 0)."""
     import torch
     import torch.distributed as dist
 
-    from jobspec.train.task_metrics import logits_of
-    totals = torch.zeros(2, device=engine.device)
+    from jobspec import tasks
+    from jobspec.train import sequence_parallel, token_loss
+    from jobspec.train.task_metrics import logits_of, perplexity
+    sp = sequence_parallel.active()
+    task = tasks.get(counter.task if counter is not None else task)
+    totals = torch.zeros(2, dtype=torch.float64, device=engine.device)   # summed loss, labelled tokens
     engine.eval()
     with torch.no_grad():
         for batch in loader:
-            n = batch["input_ids"].shape[0]
-            batch = {k: v.to(engine.device, non_blocking=True) for k, v in batch.items()}
-            outputs = engine(**batch)
-            loss = loss_of(outputs)
-            totals += torch.stack([loss.float() * n, torch.tensor(float(n), device=engine.device)])
-            if counter is not None:
-                counter.update(loss, logits_of(outputs), batch["labels"])
+            inputs, labels, shift = _loss_inputs(task, sp, batch)
+            count = token_loss.labelled_count(task, labels, shift)
+            inputs = {k: v.to(engine.device, non_blocking=True) for k, v in inputs.items()}
+            outputs = engine(**inputs)
+            summed = token_loss.summed_loss(task, outputs, labels.to(engine.device, non_blocking=True), shift)
+            totals += torch.stack([summed.double(), torch.tensor(float(count), dtype=torch.float64,
+                                                                 device=engine.device)])
+            if counter is not None and (sp is None or sp.counts_data):
+                # a shard's logits are not the batch's: under sequence parallelism only the loss counts
+                mean = summed / count if count else summed
+                counter.update(mean, logits_of(outputs) if sp is None else None,
+                               batch["labels"].to(engine.device, non_blocking=True))
     engine.train()
     dist.all_reduce(totals)
     loss = float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")
@@ -321,7 +362,10 @@ def evaluate(engine, loader, counter=None) -> tuple[float, dict]:
         return loss, {}
     counts = counter.vector(engine.device)
     dist.all_reduce(counts)
-    return loss, counter.finish(counts.tolist())
+    metrics = counter.finish(counts.tolist())
+    if "perplexity" in metrics:   # exp(eval/loss) exactly: the same sums (the counter's come back from means)
+        metrics.update(perplexity(float(totals[0]), float(totals[1])))
+    return loss, metrics
 
 
 def _write_failure(run_dir: Path, state: RunState, started: float, error: str) -> None:
