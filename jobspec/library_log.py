@@ -9,7 +9,8 @@ table or its error. A warning raised from jobspec's own code is one plain `jobsp
 The log is ~/.cache/jobspec/logs/<command>.log (JOBSPEC_LOG_DIR), rewritten by each run.
 
 Neutral ground (like trace.py): cli.py wraps those commands in it. It imports transformers' logging
-module (no torch: ~0.3 s), so that transformers' own stderr handler exists to be replaced.
+module (no torch), so that transformers' own stderr handler exists to be replaced; `compile` stays
+torch- and transformers-free unless its checks need transformers (job/checks calls `adopt_transformers`).
 """
 from __future__ import annotations
 
@@ -52,7 +53,10 @@ def quiet(command: str, verbose: bool = False) -> Iterator[Path | None]:
         os.environ.setdefault(key, value)
     handler = logging.StreamHandler(stream)
     handler.setFormatter(logging.Formatter("[%(name)s] %(levelname)s %(message)s"))
-    _configure_transformers_logging()
+    global _active
+    _active = handler
+    if command != "compile" or "transformers" in sys.modules:   # compile stays torch-free: adopt() later
+        _configure_transformers_logging()
     saved = {}
     for name in LOGGERS:
         logger = logging.getLogger(name)
@@ -64,6 +68,7 @@ def quiet(command: str, verbose: bool = False) -> Iterator[Path | None]:
     try:
         yield path
     finally:
+        _active = None
         warnings.showwarning = show
         for logger_name, (handlers, propagate) in saved.items():
             logger = logging.getLogger(logger_name)
@@ -73,6 +78,19 @@ def quiet(command: str, verbose: bool = False) -> Iterator[Path | None]:
                 os.environ.pop(key, None)
         handler.close()
         stream.close()
+
+
+_active: logging.Handler | None = None   # the running quiet block's handler
+
+
+def adopt_transformers() -> None:
+    """Call where a command is about to import transformers (job/checks): inside a quiet block, its
+    stderr handler (installed on import) is replaced by the block's log; outside one, nothing."""
+    if _active is None:
+        return
+    _configure_transformers_logging()
+    logger = logging.getLogger("transformers")
+    logger.handlers, logger.propagate = [_active], False
 
 
 def _configure_transformers_logging() -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from jobspec import library_log
 from jobspec.errors import SpecError
 from jobspec.job import data_preflight
 from jobspec.job.model_config import job_model_config_issues
@@ -30,13 +31,19 @@ if TYPE_CHECKING:
     from jobspec.spec.validation import ResolvedSpec
 
 
-def model_data_checks(resolved: ResolvedSpec) -> None:
-    """Raise SpecError (positioned) for the first group of problems found; may set `model.attention`
-    of a hub id whose config.json shows a head without sdpa (the spec left it out)."""
+def model_data_checks(resolved: ResolvedSpec, plan: bool = True) -> None:
+    """Raise SpecError (positioned) for the first group of problems found. `plan`: the model will be
+    built (plan, launch): the config transformers builds is checked first, at the config keys.
+    `jobspec compile` (no plan) leaves that one out: AutoConfig imports torch (~8 s), compile stays
+    light, and validate has checked every key, type and the padding id against the generated table."""
+    model = resolved.spec["model"]
+    if model.get("config") and model.get("name_or_path"):
+        library_log.adopt_transformers()   # a hub config read: its log lines to the command's log
     problems = job_model_config_issues(resolved)
     if problems:
         raise SpecError(problems)
-    config_check(resolved)
+    if plan:
+        config_check(resolved)
     data_problems = datacheck.preflight_issues(resolved.spec)   # the records' shape, before the tokenizer
     if data_problems:
         raise resolved.locate(SpecError(data_problems))

@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from jobspec import library_log
 from jobspec.errors import SpecError, SpecIssue, first_line
 from jobspec.spec import datacheck
 from jobspec.spec.data_format import source_kind
@@ -49,6 +50,7 @@ def tokenizer_issues(r: ResolvedSpec) -> list[SpecIssue]:
         return []   # validate read everything there is to check
     from jobspec.model.build import build_tokenizer
 
+    library_log.adopt_transformers()   # transformers' log lines to the command's log (plan, compile)
     try:
         tokenizer = build_tokenizer(spec)
     except SpecError as err:

@@ -108,11 +108,13 @@ def prepare_job(source: str | os.PathLike | ResolvedSpec, overrides: Iterable[st
         check(resolved)
     if model_checks:
         from jobspec.job.checks import model_data_checks
-        model_data_checks(resolved)
+        model_data_checks(resolved, plan=plan or spec_fits(resolved.spec, apply_fit, budget))
     if resolved.spec["model"]["lora"] is not None:
         # the target patterns against the model's real module names, on the meta device (validate cannot
         # know them without building the model): refused here, before anything is derived or launched
+        from jobspec import library_log
         from jobspec.model.lora import check_targets
+        library_log.adopt_transformers()   # transformers' log lines to the command's log (plan, compile)
         try:
             check_targets(resolved.spec)
         except SpecError as err:
@@ -136,6 +138,11 @@ def prepare_job(source: str | os.PathLike | ResolvedSpec, overrides: Iterable[st
     if compile:
         prepared.compiled = prepared.compile(run_dir, master_port)
     return prepared
+
+
+def spec_fits(spec: dict, apply_fit: bool, budget) -> bool:
+    """Whether `memory.fit: auto` will be decided with a known budget (then the model is built and traced)."""
+    return apply_fit and spec["memory"]["fit"] == "auto" and bool(budget or spec["memory"]["gpu_memory"])
 
 
 def _located(resolved: ResolvedSpec, function: Callable):

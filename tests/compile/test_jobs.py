@@ -169,7 +169,8 @@ def test_compile_counts_rows_for_epochs(tmp_path, capsys):
     rows = [{"text": f"sample {i}", "label": i % 2} for i in range(37)]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     job = tmp_path / "job.yaml"
-    job.write_text("model: {architecture: bert}\ndata: {train: train.jsonl, tokenizer: bert-base-uncased}\n"
+    # a local tokenizer: compile loads it as --dry-run does (job/checks), and a hub id needs the network
+    job.write_text(f"model: {{architecture: bert}}\ndata: {{train: train.jsonl, tokenizer: {REPO / 'jobs/data/tokenizer'}}}\n"
                    "training: {epochs: 2, micro_batch_size: 8}\n")
     assert main(["compile", str(job), "--format", "json"]) == 0
     assert json.loads(capsys.readouterr().out)["derived"]["total_steps"] == 2 * 4  # 37 // 8 full micro-batches per epoch
