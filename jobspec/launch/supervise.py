@@ -250,7 +250,7 @@ def stop_notice(sig: int, at_once: bool, kill_grace_s: float) -> str:
     """What the terminal is told the moment a stop signal arrives."""
     name = signal.Signals(sig).name
     if at_once:
-        return f"jobspec: {name} again: ending the job now, without a checkpoint"
+        return f"jobspec: {name} again: ending the job now, without waiting for the checkpoint"
     return (f"jobspec: {name}: the ranks finish the current step and save a checkpoint "
             f"(at most {kill_grace_s:.0f} s); Ctrl-C again ends the job at once, without one")
 

@@ -88,7 +88,7 @@ def plot_comparison(rows: list[dict], path: Path, title: str = "") -> Path | Non
     memory_key, memory_label = (("peak_allocated_mib", "peak allocated (MiB)") if gpu
                                 else ("host_rss_mib", "peak host RSS (MiB)"))
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 0.5 * len(rows) + 1.8), sharey=True)
-    for ax, key, label, color in ((left, "samples_per_s", "samples/s (steady state)", "tab:blue"),
+    for ax, key, label, color in ((left, "samples_per_s", "samples/s (run average)", "tab:blue"),
                                   (right, memory_key, memory_label, "tab:orange")):
         values = [row.get(key) or 0.0 for row in rows]
         bars = ax.barh(range(len(rows)), values, color=color)

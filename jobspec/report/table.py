@@ -2,7 +2,7 @@
 differs between the experiment's runs (`model.lora.r` for two LoRA variants), trainable and total
 parameters, how the run ended, the final train and eval loss and the task metrics of the last
 evaluation, the run's throughput (its perf/run_* average: the number summary.json and the closing
-summary show, docs/metrics.md), measured peak memory beside the planner's prediction; rendered as an
+summary show, docs/architecture.md, "Throughput"), measured peak memory beside the planner's prediction; rendered as an
 aligned table, markdown or CSV.
 
 Reads what the launcher and worker log (see jobspec.tracking.run and jobspec.tracking.sink): params are

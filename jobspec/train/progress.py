@@ -211,7 +211,7 @@ class RunState:
     eval_metrics: dict = field(default_factory=dict)   # the last evaluation's task metrics: accuracy, f1, ...
     samples_per_s: list = field(default_factory=list)
     rates: dict = field(default_factory=dict)   # tokens_per_s, tflops_per_device, mfu: one value per window
-    # the launch's training time and what it trained in it (docs/metrics.md, "Throughput"): summed
+    # the launch's training time and what it trained in it (docs/architecture.md, "Throughput"): summed
     # over the perf windows, so the first step, evaluation and checkpoints are left out
     train_time_s: float = 0.0
     train_samples: float = 0.0

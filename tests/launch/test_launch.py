@@ -191,7 +191,7 @@ def test_a_second_sigint_ends_the_job_at_once_as_130(tmp_path, fake_runner):
     assert time.monotonic() - started < 15   # bound: the 0.2 s between the signals, the 0.2 s poll, the kill
     assert outcome.exit_code == 130 and outcome.at_once and outcome.user_signal == signal.SIGINT
     assert "the ranks finish the current step and save a checkpoint" in echoed
-    assert "SIGINT again: ending the job now, without a checkpoint" in echoed
+    assert "SIGINT again: ending the job now, without waiting for the checkpoint" in echoed
     assert survivors(tmp_path) == []
     end = run_status.ending(outcome.exit_code, outcome.user_signal, outcome.reason, None, at_once=True)
     assert (end.label, end.exit_code) == ("killed", 130)

@@ -263,7 +263,7 @@ def test_report_of_a_real_quickstart_launch(tmp_path):
     (row,) = list(csv.DictReader(io.StringIO(result.stdout)))
     assert (row["run"], row["status"], row["world"], row["micro"]) == ("quickstart", "FINISHED", "2", "16")
     assert float(row["samples_per_s"]) > 0 and float(row["host_rss_mib"]) > 0 and float(row["predicted_mib"]) > 0
-    # one throughput (docs/metrics.md): summary.json, MLflow's run average, the report and the closing
+    # one throughput (docs/architecture.md, "Throughput"): summary.json, MLflow's run average, the report and the closing
     # summary show the same number, exactly (one float, written and read back, never recomputed)
     summary = json.loads((run_dir / rundir.SUMMARY).read_text())
     tracked = json.loads((run_dir / "mlflow_run.json").read_text())

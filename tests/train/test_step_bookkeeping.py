@@ -180,7 +180,7 @@ def test_stop_policy_adds_no_work_per_micro_batch_and_confirm_votes_once():
 
 def test_the_run_average_is_the_training_samples_over_the_training_time_without_the_first_step(tmp_path,
                                                                                                   monkeypatch):
-    """One definition of throughput (docs/metrics.md): samples (tokens) trained after the launch's first
+    """One definition of throughput (docs/architecture.md, "Throughput"): samples (tokens) trained after the launch's first
     step over the time of those steps, evaluation left out; the same number as perf/run_* in MLflow
     (finish) and in summary.json (summarize). The reference is the arithmetic by hand: exact, the
     floats divided once each in the same order."""

@@ -96,7 +96,16 @@ def test_zero3_export_equals_zero0_export_and_starts_from_the_checkpoint(runs):
     assert set(zero3) == set(zero0)
     for name, tensor in zero3.items():
         assert tensor.shape == zero0[name].shape, name
-        assert (tensor - zero0[name]).abs().max().item() <= 1e-6, name
+        # The bound, derived: both runs take one AdamW step from the same weights, whose update per
+        # element is lr * m/(sqrt(v)+eps) = lr * g/(|g|+eps) at the first step (bias-corrected), at most
+        # lr in magnitude in either run. The gradients are summed in another order under ZeRO-3
+        # (reduce-scatter over partitions) than under ZeRO-0 (all-reduce of buckets), and near g = 0
+        # (|g| ~ eps = 1e-8) that order alone moves g/(|g|+eps) by any amount up to 2: one CPU measured
+        # 1.05e-6, another less. So: two updates' difference (2 lr) plus the rounding of w - update in
+        # each run (half an ulp of the weight, twice). A gather that misplaced or dropped a partition is
+        # off by the weights' own spread (initialised with std 0.02, LayerNorm at 1): far outside it.
+        bound = 2 * LR + torch.finfo(torch.float32).eps * tensor.abs().max().item()
+        assert (tensor - zero0[name]).abs().max().item() <= bound, name
     trained = 0
     for name, tensor in zero3.items():
         start = original[name]
@@ -104,6 +113,9 @@ def test_zero3_export_equals_zero0_export_and_starts_from_the_checkpoint(runs):
         if name.startswith("bert.embeddings.word_embeddings"):
             assert moved == 0.0, name            # model.freeze held under zero.Init
         else:
-            assert moved <= 1.5 * LR, name       # one Adam step from the checkpoint's values
+            # one AdamW step from the checkpoint's values: |update| <= lr (first step: |g|/(|g|+eps) < 1)
+            # plus the decoupled decay lr * weight_decay * |w| (weight_decay is 0 here) plus rounding:
+            # under 1.5 lr; a weight not loaded from the checkpoint is off by its init spread (~0.02)
+            assert moved <= 1.5 * LR, name
             trained += moved > 0
     assert trained > 0
