@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ import torch
 from tests.conftest import REPO_ROOT
 
 JOB = REPO_ROOT / "jobs" / "llama-instruct-packing.yaml"
+DATA = REPO_ROOT / "jobs" / "data" / "instruct-sample.jsonl"
 TINY = ["model.config={hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, num_attention_heads: 4, "
         "num_key_value_heads: 2, max_position_embeddings: 256, vocab_size: 2048, tie_word_embeddings: true}",
         "memory.precision=fp32", "data.max_length=256", "training.max_steps=4", "training.micro_batch_size=2",
@@ -38,6 +40,14 @@ def test_the_instruction_job_trains_packed_with_the_loss_on_the_completions(tmp_
     log = (run_dir / "launcher.log").read_text(errors="replace")
     assert "packing: 300 samples in " in log and "rows of at most 256 tokens" in log
     assert "Traceback" not in proc.stderr
+    # the records were tokenised once, by the launcher before the ranks (one cache entry, its counts in
+    # the launch's output and summary.json), and the ranks mapped that entry
+    assert "jobspec: tokenised data.train: 300 records in " in proc.stdout
+    assert "jobspec: data.train: 300 prompt/completion records -> 300 samples, " in proc.stdout
+    entries = [p for p in (Path(os.environ["JOBSPEC_CACHE_DIR"]) / "data").iterdir() if not p.name.startswith(".")]
+    built = [p for p in entries if json.loads((p / "meta.json").read_text())["source"] == str(DATA)]
+    assert len(built) == 1 and summary["data"]["data.train.records"] == 300
+    assert summary["data"]["data.train.tokens"] == json.loads((built[0] / "meta.json").read_text())["tokens"]
 
     # ... built from the records as the ranks build them from the run's spec: through the tokenizer's
     # chat template, labels -100 on the prompt and its headers, the completion's tokens trained on
@@ -51,7 +61,8 @@ def test_the_instruction_job_trains_packed_with_the_loss_on_the_completions(tmp_
         ("prompt_completion", "answers", True)
     tokenizer = build_tokenizer(spec)
     train, _ = build_datasets(spec, tokenizer)
-    first = json.loads((REPO_ROOT / "jobs" / "data" / "instruct-sample.jsonl").read_text().splitlines()[0])
+    assert train.cached.path == built[0]   # the launch's entry, found again by its key
+    first = json.loads(DATA.read_text().splitlines()[0])
     sample = train[0]
     real = sample["attention_mask"].bool()
     ids, labels = sample["input_ids"][real], sample["labels"][real]

@@ -5,6 +5,8 @@ function `fn(model, **args)` that changes the model in place and returns a note 
 that has to replace the module (torch.compile) returns `(new_model, note)` instead.
 `client_optimizer` builds an optimizer rather than changing the model: `apply_patches` skips it and
 the worker calls `build_client_optimizer(model, args)` to pass the result to `deepspeed.initialize`.
+`parameter_groups` likewise: the worker passes `optimizer_parameters(model, patches)` (the decayed
+matrices and the undecayed biases and norms) to the client optimizer or to `deepspeed.initialize`.
 
 Patch arguments, as the compiler writes them:
     attention_implementation {implementation}
@@ -12,21 +14,22 @@ Patch arguments, as the compiler writes them:
     tf32                    {enabled}
     freeze                  {patterns}
     client_optimizer        {name, lr, betas, eps, weight_decay, ...}
+    parameter_groups        {weight_decay, no_decay}  (`training.optimizer.weight_decay_on: matrices`)
     torch_compile           {}  (any keyword is passed to torch.compile)
     tiled_loss              {tiles}  (null: as many as keep one tile's logits within model/tiling.TILE_BYTES)
     tiled_mlp               {}
+    activation_offload      {every_n_layers}
 """
 from __future__ import annotations
 
-    activation_offload      {every_n_layers}
 from typing import Callable
 
 from jobspec import optimizers
 from jobspec.errors import spec_error
+from jobspec.model.activation_offload import offload_checkpoints
 from jobspec.model.structure import attention_implementation, freeze, gradient_checkpointing
 from jobspec.model.tiling import tiled_loss, tiled_mlp
 
-from jobspec.model.activation_offload import offload_checkpoints
 
 def tf32(model, enabled: bool = True) -> str:
     """Allow TF32 tensor cores for fp32 matmuls and convolutions (a no-op on CPU)."""
@@ -42,6 +45,11 @@ def client_optimizer(model, name: str = "adamw", **_hyper) -> str:
     return f"optimizer: {name} (client optimizer built by jobspec)"
 
 
+def parameter_groups_note(model, weight_decay: float = 0.0, no_decay: str = "") -> str:
+    """Registry entry only: the groups are built by `optimizer_parameters`."""
+    return f"weight decay {weight_decay} on matrices only (none on {no_decay})"
+
+
 def torch_compile(model, **compile_kwargs):
     """Wrap the model in torch.compile; returns the compiled module, which replaces the model."""
     import torch
@@ -55,9 +63,11 @@ PATCHES: dict[str, Callable] = {
     "tf32": tf32,
     "freeze": freeze,
     "client_optimizer": client_optimizer,
+    "parameter_groups": parameter_groups_note,
     "torch_compile": torch_compile,
     "tiled_loss": tiled_loss,
     "tiled_mlp": tiled_mlp,
+    "activation_offload": offload_checkpoints,
 }
 
 
@@ -67,7 +77,6 @@ def apply_patches(model, patches: list[dict], before_compile: Callable | None = 
     `before_compile(model) -> (model, note)` runs once after every other patch and before
     `torch_compile` (which must see the final module): PEFT's adapters (train/adapters.wrap).
     """
-    "activation_offload": offload_checkpoints,
     import torch.nn as nn
 
     notes: list[str] = []
@@ -77,7 +86,7 @@ def apply_patches(model, patches: list[dict], before_compile: Callable | None = 
         if name not in PATCHES:
             raise spec_error(f"unknown patch {name!r} in patches.json (entry {index})",
                              hint=f"known patches: {', '.join(PATCHES)}")
-        if name == "client_optimizer":
+        if name in ("client_optimizer", "parameter_groups"):   # the optimizer's, built by the worker
             continue
         if name == "torch_compile" and pending is not None:
             model, note = pending(model)
@@ -98,12 +107,25 @@ def apply_patches(model, patches: list[dict], before_compile: Callable | None = 
     return model, notes
 
 
-def build_client_optimizer(model, args: dict):
+def optimizer_parameters(model, patches: list[dict], weight_decay: float = 0.0) -> list:
+    """What the optimizer gets (`deepspeed.initialize`'s `model_parameters`, a client optimizer's
+    groups): with a `parameter_groups` patch, the trainable matrices decayed by its `weight_decay` and
+    the biases and normalisation weights not at all; without one (`weight_decay` 0, or
+    `weight_decay_on: all`), one group of every trainable parameter at `weight_decay` (DeepSpeed's
+    optimizers take their config's)."""
+    for patch in patches:
+        if patch.get("name") == "parameter_groups":
+            return parameter_groups(model, float((patch.get("args") or {}).get("weight_decay", 0.0)))
+    return [{"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": weight_decay}]
+
+
+def build_client_optimizer(model, args: dict, groups: list | None = None):
     """The optimizer DeepSpeed cannot build from its config (bitsandbytes AdamW8bit, Adafactor): its
     module's `build` (jobspec/optimizers) with the patch's args as patches.json shows them.
 
-    Returns None for optimizers DeepSpeed builds itself (adamw, sgd). Weight decay goes to every
-    trainable parameter except biases and normalisation weights (the Hugging Face Trainer grouping).
+    Returns None for optimizers DeepSpeed builds itself (adamw, sgd). `groups`: `optimizer_parameters`'
+    (None: the Hugging Face Trainer grouping, weight decay on every trainable parameter except biases
+    and normalisation weights).
     """
     name = args.get("name", "adamw")
     if name not in optimizers.OPTIMIZERS:
@@ -114,7 +136,8 @@ def build_client_optimizer(model, args: dict):
         return None
     if optimizer.build is None:
         raise TypeError(f"optimizer {name}: a client optimizer without `build`")
-    groups = parameter_groups(model, float(args.get("weight_decay", 0.0)))
+    if groups is None:
+        groups = parameter_groups(model, float(args.get("weight_decay", 0.0)))
     return optimizer.build(model, groups, args)
 
 
