@@ -69,7 +69,7 @@ def conversation(record, data: dict) -> tuple[list[dict], str | None]:
         return [{"role": "user", "content": record}], None
     if not isinstance(record, dict):
         raise ValueError(f"a prompt is a chat record, a prompt record or a string, not {type(record).__name__}")
-    if data["messages_field"] in record:
+    if record.get(data["messages_field"]) is not None:   # (a table of mixed records has it null elsewhere)
         messages = [{"role": m["role"], "content": m["content"]} for m in record[data["messages_field"]] or []
                     if isinstance(m, dict) and isinstance(m.get("content"), str)]
         users = [i for i, m in enumerate(messages) if m["role"] == "user"]
