@@ -24,6 +24,17 @@ from jobspec.train.task_metrics import (
 )
 
 
+# Tolerances, derived: the metrics are ratios of integer counts (exact in float64 below 2**53) and sums
+# of a few such ratios, so the code's formula and the hand-written one differ only by their float64
+# roundings, at most one half-ulp (2**-53 relative) per operation and under 8 operations each: 16 of them.
+# Counts that pass through float32 tensors (the counters' vectors, a float32 loss) are integers or
+# dyadic values exact in float32: compared exactly; a float32 loss and what is computed from it (the
+# mean of float32 losses, the exponential of a ratio of them) carry float32's rounding, 2**-24 per
+# operation, under 8 operations.
+FLOAT64_FORMULA = 16 * 2**-53
+FLOAT32_FORMULA = 8 * 2**-24
+
+
 def one_hot_logits(predicted: list, classes: int) -> torch.Tensor:
     """Logits whose argmax is `predicted` (any shape of class ids)."""
     ids = torch.tensor(predicted)
@@ -37,16 +48,16 @@ def test_accuracy_and_macro_f1_of_a_hand_computed_confusion_matrix():
                  [0, 2, 2],   # true 1
                  [1, 0, 1]]   # true 2
     metrics = classification_metrics(confusion)
-    assert metrics["accuracy"] == pytest.approx(6 / 10)
+    assert metrics["accuracy"] == pytest.approx(6 / 10, rel=FLOAT64_FORMULA)
     # F1 per class = 2TP / (true + predicted): 6/8, 4/7, 2/5
-    assert metrics["f1"] == pytest.approx((6 / 8 + 4 / 7 + 2 / 5) / 3)
+    assert metrics["f1"] == pytest.approx((6 / 8 + 4 / 7 + 2 / 5) / 3, rel=FLOAT64_FORMULA)
 
 
 def test_macro_f1_leaves_out_a_class_absent_from_labels_and_predictions():
     metrics = classification_metrics([[2, 0, 0], [1, 1, 0], [0, 0, 0]])
-    assert metrics["f1"] == pytest.approx((4 / 5 + 2 / 3) / 2)
+    assert metrics["f1"] == pytest.approx((4 / 5 + 2 / 3) / 2, rel=FLOAT64_FORMULA)
     # present among the predictions only: it counts, with F1 0
-    assert classification_metrics([[1, 1], [0, 0]])["f1"] == pytest.approx((2 / 3 + 0) / 2)
+    assert classification_metrics([[1, 1], [0, 0]])["f1"] == pytest.approx((2 / 3 + 0) / 2, rel=FLOAT64_FORMULA)
 
 
 def test_no_samples_give_no_metrics():
@@ -60,7 +71,7 @@ def test_the_counter_builds_the_confusion_matrix_from_logits():
     counter.update(None, one_hot_logits([0], 3), torch.tensor([2]))
     summed = counter.vector().tolist()
     assert summed == [1, 0, 0, 0, 1, 1, 1, 0, 1]
-    assert counter.finish(summed)["accuracy"] == pytest.approx(3 / 5)
+    assert counter.finish(summed)["accuracy"] == pytest.approx(3 / 5, rel=FLOAT64_FORMULA)
 
 
 def test_ranks_counts_are_summed_not_their_metrics_averaged():
@@ -75,13 +86,13 @@ def test_ranks_counts_are_summed_not_their_metrics_averaged():
         ranks.append(counter.vector().tolist())
     job = TaskCounter("sequence-classification", 2)
     metrics = job.finish(sum_vectors(ranks))
-    assert metrics["accuracy"] == pytest.approx(0.8)
+    assert metrics["accuracy"] == pytest.approx(0.8, rel=FLOAT64_FORMULA)
     per_rank = [job.finish(v)["accuracy"] for v in ranks]
-    assert sum(per_rank) / 2 == pytest.approx(0.5)   # what a mean of means would have logged
+    assert sum(per_rank) / 2 == pytest.approx(0.5, rel=FLOAT64_FORMULA)   # what a mean of means would have logged
     whole = TaskCounter("sequence-classification", 2)
     whole.update(None, one_hot_logits([p for rank in predicted for p in rank], 2),
                  torch.tensor([y for rank in labels for y in rank]))
-    assert job.finish(whole.vector().tolist()) == pytest.approx(metrics)
+    assert job.finish(whole.vector().tolist()) == metrics   # the same counts: the same floats
 
 
 def test_a_rank_without_batches_adds_zeros_of_the_same_shape():
@@ -110,7 +121,7 @@ def test_entity_f1_needs_type_and_both_boundaries():
     assert span_counts(gold, guess) == (2, 3, 3)
     assert span_counts(["B-PER", "I-PER"], ["B-PER", "O"]) == (0, 1, 1)   # a short span is a miss
     # 2 hits of 3 predicted and 3 gold: precision = recall = 2/3
-    assert token_metrics(5, 6, [2, 3, 3])["f1"] == pytest.approx(2 / 3)
+    assert token_metrics(5, 6, [2, 3, 3])["f1"] == pytest.approx(2 / 3, rel=FLOAT64_FORMULA)
 
 
 def test_is_bio():
@@ -132,7 +143,7 @@ def test_token_counter_counts_first_sub_words_only_and_spans_per_sequence():
     summed = counter.vector().tolist()
     assert summed == [4, 5, 2, 3, 2]   # correct, labelled, true positive, predicted, gold
     metrics = counter.finish(summed)
-    assert metrics == pytest.approx({"accuracy": 4 / 5, "f1": 2 * 2 / 5})
+    assert metrics == pytest.approx({"accuracy": 4 / 5, "f1": 2 * 2 / 5}, rel=FLOAT64_FORMULA)
 
 
 def test_token_counter_without_bio_names_reports_token_accuracy_only():
@@ -151,14 +162,14 @@ def test_perplexity_weighs_batches_by_their_predicted_tokens():
     counter.update(torch.tensor(1.0), None, torch.tensor([[x, 4, x, x]]))   # 1 token, mean loss 1
     counter.update(torch.tensor(float("nan")), None, torch.tensor([[x, x]]))   # none: transformers' 0/0
     summed = counter.vector().tolist()
-    assert summed == pytest.approx([7.0, 4.0])
-    assert counter.finish(summed)["perplexity"] == pytest.approx(math.exp(7 / 4))
+    assert summed == [7.0, 4.0]   # 2*3 + 1*1 and 3 + 1: exact in float32
+    assert counter.finish(summed)["perplexity"] == pytest.approx(math.exp(7 / 4), rel=FLOAT64_FORMULA)
 
 
 def test_causal_lm_counts_the_shifted_targets():
     counter = TaskCounter("causal-lm", 2)
     counter.update(torch.tensor(0.5), None, torch.tensor([[1, 2, 3, IGNORE_INDEX]]))   # predicts 2 and 3
-    assert counter.vector().tolist() == pytest.approx([1.0, 2.0])
+    assert counter.vector().tolist() == [1.0, 2.0]   # 0.5 * 2 and 2: exact
     assert perplexity(1e6, 1)["perplexity"] == math.inf
 
 
@@ -207,9 +218,9 @@ def test_evaluate_returns_the_loss_and_the_reduced_task_metrics(one_rank_group):
     batches = [{"input_ids": torch.tensor([[0, 9], [1, 9]]), "labels": torch.tensor([0, 0])},
                {"input_ids": torch.tensor([[1, 9], [1, 9]]), "labels": torch.tensor([1, 1])}]
     loss, metrics = evaluate(FakeEngine(), batches, TaskCounter("sequence-classification", 2))
-    assert loss == pytest.approx(0.25)
-    assert metrics == pytest.approx({"accuracy": 0.75, "f1": (2 / 3 + 4 / 5) / 2})
-    assert evaluate(FakeEngine(), batches) == (pytest.approx(0.25), {})
+    assert loss == pytest.approx(0.25, rel=FLOAT32_FORMULA)
+    assert metrics == pytest.approx({"accuracy": 0.75, "f1": (2 / 3 + 4 / 5) / 2}, rel=FLOAT64_FORMULA)
+    assert evaluate(FakeEngine(), batches) == (pytest.approx(0.25, rel=FLOAT32_FORMULA), {})
 
 
 # --- label names in the exported config, the BIO check of best_metric ---------------------------------
