@@ -260,6 +260,11 @@ def compile_patches(spec: dict) -> list[dict]:
         patches.append({"name": "activation_offload", "args": {"every_n_layers": every}})
     if not optimizers.get(optimizer["name"]).built_by_deepspeed:  # a `client_optimizer` patch
         patches.append({"name": "client_optimizer", "args": client_optimizer_args(optimizer)})
+    if optimizer["weight_decay"] and optimizer["weight_decay_on"] == "matrices":
+        # the optimizer's parameter groups (DeepSpeed's config has no field for them): the decay on
+        # matrices only, as transformers' Trainer groups them (train/patches.parameter_groups)
+        patches.append({"name": "parameter_groups", "args": {
+            "weight_decay": optimizer["weight_decay"], "no_decay": "biases and normalisation weights"}})
     if model["compile"]:
         patches.append({"name": "torch_compile", "args": {}})
     return patches
@@ -358,6 +363,8 @@ def patch_text(patch: dict) -> str:
         return f"frozen: {', '.join(patterns)}"
     if name == "client_optimizer":
         return f"optimizer {args.get('name')}, built by jobspec"
+    if name == "parameter_groups":
+        return f"weight decay {args.get('weight_decay')} on matrices, none on {args.get('no_decay')}"
     if name == "torch_compile":
         return "torch.compile"
     if name == "tiled_loss":
@@ -365,6 +372,6 @@ def patch_text(patch: dict) -> str:
         return "tiled loss " + (f"({tiles} tiles)" if tiles else "(tiles of at most 1 GiB of logits)")
     if name == "tiled_mlp":
         return "tiled MLP"
-    return str(name)
     if name == "activation_offload":
         return "checkpointed inputs offloaded to pinned host memory"
+    return str(name)

@@ -36,7 +36,7 @@ def build_engine(files: RunFiles):
     from jobspec.model.build import build_model, build_tokenizer
     from jobspec.train import adapters, packing, sequence_parallel
     from jobspec.train.data import build_datasets
-    from jobspec.train.patches import apply_patches, build_client_optimizer
+    from jobspec.train.patches import apply_patches, build_client_optimizer, optimizer_parameters
 
     spec = files.spec
     rank = f"rank{os.environ.get('RANK', '0')}"
@@ -51,9 +51,13 @@ def build_engine(files: RunFiles):
     lora = partial(adapters.wrap, spec=spec, checkpointing=checkpointing) if adapters.lora_enabled(spec) else None
     model, patch_notes = apply_patches(model, files.patches, before_compile=lora)
     client_optimizer = None
+    # training.optimizer.weight_decay_on: matrices -- the `parameter_groups` patch's groups, for every optimizer
+    parameters = optimizer_parameters(model, files.patches) if any(
+        p["name"] == "parameter_groups" for p in files.patches) else [p for p in model.parameters() if p.requires_grad]
     for patch in files.patches:
         if patch["name"] == "client_optimizer":
-            client_optimizer = build_client_optimizer(model, patch["args"])
+            client_optimizer = build_client_optimizer(model, patch["args"], optimizer_parameters(
+                model, files.patches, float(patch["args"].get("weight_decay", 0.0))))
     packing_note = packing.prepare_model(model, spec)   # data.packing: the model's side (train/packing.py)
     phase(rank, "model")
     train_ds, eval_ds = build_datasets(spec, tokenizer)
@@ -64,7 +68,7 @@ def build_engine(files: RunFiles):
     # memory.sequence_parallel: Ulysses wraps the attention and builds the groups DeepSpeed reduces over
     sp = sequence_parallel.setup(model, spec, files.ds_config["train_micro_batch_size_per_gpu"])
     engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+        model=model, model_parameters=parameters,
         optimizer=client_optimizer, config=files.ds_config, mpu=sp.mpu if sp else None)
     start_schedule(engine)
     phase(rank, "engine")

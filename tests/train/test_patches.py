@@ -44,7 +44,8 @@ def tiny_batch(seed: int = 1) -> dict:
 
 def test_registry_names_are_the_compilers():
     assert set(PATCHES) == {"attention_implementation", "gradient_checkpointing", "tf32", "freeze",
-                            "client_optimizer", "torch_compile"}
+                            "client_optimizer", "parameter_groups", "torch_compile", "tiled_loss", "tiled_mlp",
+                            "activation_offload"}
 
 
 def test_every_schema_optimizer_is_built_somewhere():
