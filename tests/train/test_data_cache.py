@@ -319,3 +319,24 @@ def test_plan_says_how_big_the_tokenised_data_is(tmp_path, capsys):
     assert main(["plan", str(job)]) == 0
     out = capsys.readouterr().out
     assert "data: tokenised data cached (warm): data.train: 300 chat records -> 300 samples" in out
+
+
+def test_launch_refuses_a_bad_record_before_anything_is_created(tmp_path, capsys):
+    """The launch's preparation pass is the full data check: a bad record after the rows the pre-flight
+    reads is named at its line, exit 2, and no run directory (nor cache entry) is left."""
+    import yaml
+
+    good = CHAT.read_text().splitlines()
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(good[i % len(good)] + "\n" for i in range(1200)) +
+                    json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "asistant", "content": "x"}]})
+                    + "\n")
+    spec = make_spec(data, records="chat")
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({**{k: spec[k] for k in ("name", "model", "data", "training")},
+                                   "output_dir": str(tmp_path / "out"), "logging": {"mlflow": {"enabled": False}}}))
+    assert main(["launch", str(job)]) == 2
+    captured = capsys.readouterr()
+    assert f"{data}:1201: message 2 has role 'asistant'" in captured.err and "did you mean 'assistant'?" in captured.err
+    assert "Traceback" not in captured.err + captured.out
+    assert not list((tmp_path / "out").glob("run-*")) and not list((tmp_path / "cache" / "data").glob("[!.]*"))
