@@ -268,7 +268,8 @@ class _NoHook:
         pass
 
 
-def memtracker_peak(spec: dict, precision: str, micro: int, seq: int, checkpointing, *, amp: bool = False) -> dict:
+def memtracker_peak(spec: dict, precision: str, micro: int, seq: int, checkpointing, *, amp: bool = False,
+                    tiling: tuple = (False, False, False), hold_output: bool = False) -> dict:
     """One forward + backward of the whole model under torch's MemTracker, on fake CPU tensors, built
     and fed as the planner's tracer does; parameter gradients dropped as soon as they are accumulated
     (ZeRO's hooks do that; the planner counts gradients apart). Returns MemTracker's peak snapshot
@@ -276,7 +277,10 @@ def memtracker_peak(spec: dict, precision: str, micro: int, seq: int, checkpoint
     `without_gradients`: the same peak over MemTracker's own updates with the storages that became
     parameter gradients left out for their whole life, in flight included (what the planner's trace
     leaves out: `_GradientLedger`). `amp`: fp32 weights, the forward under `_AutocastEmulation` (for
-    `--seeds`, whose mixed precision is torch AMP, not a 16-bit model)."""
+    `--seeds`, whose mixed precision is torch AMP, not a 16-bit model). `tiling`: the tiled loss and MLP
+    (model/trace.tiling_setting; not the offload, whose host copies MemTracker would count on the one
+    CPU device). The model output is dropped before the backward as the ranks drop it, or with
+    `hold_output` kept alive through it (what the trace did before issue 33)."""
     import contextlib
 
     import torch
@@ -286,13 +290,16 @@ def memtracker_peak(spec: dict, precision: str, micro: int, seq: int, checkpoint
     from jobspec.model.structure import gradient_checkpointing
     from jobspec.model.kernels import sdpa_stand_in as _sdpa_stand_in
     from jobspec.model.step import step_inputs as _inputs
-    from jobspec.model.trace import PRECISION_DTYPES, ModelTracer, checkpoint_setting
+    from jobspec.model.trace import PRECISION_DTYPES, ModelTracer, apply_tiling, checkpoint_setting
 
     model = ModelTracer(spec)._build(layers=None)
     model.train()
     every, reentrant = checkpoint_setting(checkpointing)
     if every:
         gradient_checkpointing(model, every, reentrant)
+    if tiling[2]:
+        raise ValueError("memtracker_peak: the checkpoint-input offload is not measured here")
+    apply_tiling(model, tiling, [])
     model = ModelTracer(spec)._adapt(model)   # model.lora: PEFT's wrap, after the patches as on the ranks
     model = model.to(getattr(torch, PRECISION_DTYPES[precision]))   # on meta: no memory
     tracker = MemTracker()
@@ -315,6 +322,9 @@ def memtracker_peak(spec: dict, precision: str, micro: int, seq: int, checkpoint
                 with _AutocastEmulation() if amp else contextlib.nullcontext():
                     output = model(**batch)
                     loss = output.loss if hasattr(output, "loss") else output["loss"]
+                    if not hold_output:
+                        del output   # as the ranks (train/worker: `loss_of(engine(**batch))`)
+                        output = None
                 # after the forward: MemTracker's own post-accumulate hooks (installed at each module's
                 # first forward) read p.grad, so they must run before this one drops it
                 for p in model.parameters():
