@@ -31,6 +31,7 @@ FREE = (
     "data.num_workers", "data.pin_memory",
     "training.micro_batch_size",                             # the global batch is what counts (below)
     "training.optimizer.implementation", "training.on_oom", "training.on_nan", "training.eval_every",
+    "training.eval_generate",                                # training is bit-identical with it (train/generation)
     "memory", "resources", "logging", "checkpoint", "export",
 )
 # ... except these, which change the numbers a step computes.
