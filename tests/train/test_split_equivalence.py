@@ -175,3 +175,35 @@ def test_two_ranks_train_what_one_rank_trains(one_rank, tmp_path):
         reference, reference_loss = trained(task, 16, int(zero.removeprefix("zero")))
         assert worst_relative_difference(weights, reference, start(task)) < bound(task), case
         assert loss == pytest.approx(reference_loss, rel=1e-6), case
+
+
+@pytest.mark.parametrize("task", ["chat", "mlm"])
+def test_eval_loss_is_token_weighted_whatever_the_eval_micro_batch(one_rank, task):
+    """eval/loss over the same 48 samples at eval micro-batches of 16, 4 and 3: one number, the summed
+    cross-entropy over every labelled token computed here in float64; eval/perplexity its exp."""
+    import torch.nn.functional as F
+
+    from jobspec.train.data import PadCollator, make_loader
+    from jobspec.train.engine import build_engine
+    from jobspec.train.task_metrics import counter_for
+    from jobspec.train.worker import evaluate
+    files = run_files(task, world=1, micro=16, zero=0)
+    engine, train_ds, _, _ = build_engine(files)
+    subset = torch.utils.data.Subset(train_ds, range(48))
+    subset.pad_token_id = getattr(train_ds, "pad_token_id", 0)
+    losses = {}
+    for micro in (16, 4, 3):
+        loader = make_loader(subset, micro_batch_size=micro, rank=0, world_size=1, seed=0, epoch=0, shuffle=False,
+                             num_workers=0, pin_memory=False)
+        losses[micro] = evaluate(engine, loader, counter_for(files.spec, engine.module.config, None))
+    batch = PadCollator(subset.pad_token_id or 0)([subset[i] for i in range(48)])
+    with torch.no_grad():
+        logits = engine.module.double()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    engine.destroy()
+    labels = batch["labels"]
+    if task == "chat":
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    expected = float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)))
+    for micro, (loss, metrics) in losses.items():
+        assert loss == pytest.approx(expected, rel=1e-6), micro
+        assert metrics["perplexity"] == pytest.approx(math.exp(loss), rel=1e-12), micro
