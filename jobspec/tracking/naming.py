@@ -10,6 +10,9 @@ differ only there trained the same way.
 The experiment is marked `mlflow.experimentKind: custom_model_development`, which MLflow 3's UI
 reads to open it as model training (runs, metrics, system metrics) instead of guessing a GenAI
 experiment and showing its "Evaluation runs". An experiment that already says what it is keeps it.
+MLflow 3.17's UI puts a global GenAI / Model training switch above that (the URL's `workflowType`,
+else the browser's last choice, GenAI by default): the run link jobspec prints carries
+`?workflowType=machine_learning` (launch/console.mlflow_open; checked in a browser, issue 37).
 """
 from __future__ import annotations
 
