@@ -28,6 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from jobspec.spec import datacheck
     from jobspec.spec.derived import derive
     from jobspec.spec.freeform import unchecked_model_config
     from jobspec.spec.validation import load_and_validate
@@ -45,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
             continue
         spec = resolved.spec
         world = derive(spec).world_size
-        notes = [note for note in (unchecked_model_config(resolved),) if note]
+        notes = [note for note in (unchecked_model_config(resolved),) if note] + datacheck.unread(spec)
         if args.format == "json":
             reports.append({"valid": True, "file": job, "name": spec["name"], "world_size": world,
                             "notes": notes, "spec": spec})

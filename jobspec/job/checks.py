@@ -10,6 +10,7 @@ rules is what needs transformers or the network (validate imports neither):
 - the config transformers builds from it, refused at the keys involved (model/build.build_config:
   `pad_token_id` beyond `vocab_size`, ...), never as a later failure of another field;
 - `model.attention` left out for a hub id: the best the head supports, now that its type is known;
+- (the records' shape: validate, spec/datacheck.record_issues, every bad record at its file:line)
 - the tokenizer transformers loads, its size against the vocabulary, the chat template rendered on
   the records (job/data_preflight).
 
@@ -25,7 +26,6 @@ from jobspec import library_log
 from jobspec.errors import SpecError
 from jobspec.job import data_preflight
 from jobspec.job.model_config import job_model_config_issues
-from jobspec.spec import datacheck
 
 if TYPE_CHECKING:
     from jobspec.spec.validation import ResolvedSpec
@@ -44,9 +44,6 @@ def model_data_checks(resolved: ResolvedSpec, plan: bool = True) -> None:
         raise SpecError(problems)
     if plan:
         config_check(resolved)
-    data_problems = datacheck.preflight_issues(resolved.spec)   # the records' shape, before the tokenizer
-    if data_problems:
-        raise resolved.locate(SpecError(data_problems))
     tokenizer_problems = data_preflight.tokenizer_issues(resolved)
     if tokenizer_problems:
         raise SpecError(tokenizer_problems)

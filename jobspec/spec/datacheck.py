@@ -1,6 +1,9 @@
 """Data files checked before any rank starts, and located when a rank trips over one later.
 
-`preflight_issues(spec)` runs in `jobspec launch` before anything is created: for `data.train` and
+`record_issues(spec)` is validate's (so plan's, compile's and launch's) read of the local data files:
+every bad record, up to MAX_REPORTED per file and then a count, each at its file:line, in the first
+PREFLIGHT_BYTES of a file (`unread` says what was left). `RecordChecker.problem` is one record's check,
+for the data preparation pass too. `preflight_issues(spec)`, the first problem of each file: for `data.train` and
 `data.eval`, the path is a readable, non-empty regular file, its first PREFLIGHT_ROWS rows are
 valid UTF-8 and parse in `data.format`, they hold the columns the task needs, and their labels are
 valid class ids (or at most `model.num_labels` class names). It reads at most PREFLIGHT_BYTES of a
@@ -29,10 +32,12 @@ from pathlib import Path
 from jobspec import tasks
 from jobspec.errors import SpecError, SpecIssue, first_line, spec_error
 from jobspec.spec.data_format import TEXT_SUFFIXES, data_format, source_kind, text_files
-from jobspec.units import MiB
+from jobspec.units import MiB, fmt_bytes_any_unit
 
 PREFLIGHT_ROWS = 1000
 PREFLIGHT_BYTES = 32 * MiB
+MAX_REPORTED = 20          # bad records listed per file by validate; the rest are counted
+PARQUET_ROWS = 200_000     # validate reads a parquet file's first rows (its bytes are compressed)
 SPLITS = ("train", "eval")
 ROLES = ("system", "user", "assistant", "tool")   # a chat message's roles (schema: data.messages_field)
 
@@ -106,6 +111,78 @@ def preflight_issues(spec: dict) -> list[SpecIssue]:
     return issues
 
 
+def record_issues(spec: dict, limit: int = MAX_REPORTED) -> list[SpecIssue]:
+    """Validate's read of the local data files: every bad record (up to `limit` per file, then a count),
+    each at its file:line, in the first PREFLIGHT_BYTES of a jsonl/csv file (PARQUET_ROWS rows of a
+    parquet file); unpositioned (`ResolvedSpec.locate` them). `unread` says what it left out."""
+    data = spec["data"]
+    if data.get("synthetic") is not None:
+        return []
+    issues: list[SpecIssue] = []
+    for split in SPLITS:
+        if not data.get(split):
+            continue
+        try:
+            kind = source_kind(data[split], data["format"])
+            if kind in ("hub", "saved"):
+                continue
+            paths = text_files(data[split], data["format"]) if kind == "text_dir" else [data[split]]
+        except SpecError as err:   # data.format cannot be told from the extension
+            issues.extend(err.issues)
+            continue
+        if kind == "text_dir" and not paths:
+            issues.append(check_source(data[split], data["format"], Columns.of(spec), split) or
+                          SpecIssue(path=("data", split), message=f"{data[split]} holds no text files"))
+            continue
+        for path in paths:
+            fmt = "text" if kind == "text_dir" else data["format"]
+            rows = PARQUET_ROWS if _is_parquet(path, fmt) else None
+            found = file_issues(path, fmt, Columns.of(spec), split, max_rows=rows, limit=limit)
+            issues += [i for i in found if not i.message.endswith("has no text")] if kind == "text_dir" else found
+    return issues
+
+
+def unread(spec: dict) -> list[str]:
+    """What `record_issues` did not read, one line per file (the launch's data pass and the ranks read it)."""
+    data = spec["data"]
+    if data.get("synthetic") is not None:
+        return []
+    lines = []
+    for split in SPLITS:
+        source = data.get(split)
+        if not source:
+            continue
+        try:
+            kind = source_kind(source, data["format"])
+            if kind in ("hub", "saved"):
+                lines.append(f"data.{split}: {source} is read by the ranks (a dataset by name or a saved one): "
+                             "its records are not checked here")
+                continue
+            if kind == "text_dir":
+                continue
+            size = Path(source).stat().st_size
+            if _is_parquet(source, data["format"]):
+                import pyarrow.parquet as pq  # only for parquet data
+                total = pq.ParquetFile(source).metadata.num_rows
+                if total > PARQUET_ROWS:
+                    lines.append(f"data.{split}: the first {PARQUET_ROWS:,} of {total:,} rows checked; "
+                                 "the rest when the ranks read them")
+            elif size > PREFLIGHT_BYTES:
+                lines.append(f"data.{split}: the first {fmt_bytes_any_unit(PREFLIGHT_BYTES)} of "
+                             f"{fmt_bytes_any_unit(size)} checked; the rest when the launch's data pass or the ranks "
+                             "read them")
+        except Exception:  # noqa: BLE001 - OSError, SpecError, pyarrow's: record_issues reported the file
+            continue
+    return lines
+
+
+def _is_parquet(path: str | os.PathLike, fmt: str) -> bool:
+    try:
+        return data_format(Path(path), fmt) == "parquet"
+    except SpecError:
+        return False
+
+
 def check_source(source: str, fmt: str, columns: Columns, split: str, *, max_rows: int | None = PREFLIGHT_ROWS,
                  max_bytes: int | None = PREFLIGHT_BYTES) -> SpecIssue | None:
     """`check_file` for a file, the text files of a directory; nothing for `hf:` or saved datasets."""
@@ -137,24 +214,50 @@ class _Bad(Exception):
 def check_file(path: str | os.PathLike, fmt: str, columns: Columns, split: str, *,
                max_rows: int | None = PREFLIGHT_ROWS, max_bytes: int | None = PREFLIGHT_BYTES) -> SpecIssue | None:
     """The first problem in `path` (None: none in the rows read). `max_rows=None` reads the whole file."""
+    issues = file_issues(path, fmt, columns, split, max_rows=max_rows, max_bytes=max_bytes, limit=1, count_rest=False)
+    return issues[0] if issues else None
+
+
+def file_issues(path: str | os.PathLike, fmt: str, columns: Columns, split: str, *,
+                max_rows: int | None = None, max_bytes: int | None = PREFLIGHT_BYTES, limit: int = MAX_REPORTED,
+                count_rest: bool = True) -> list[SpecIssue]:
+    """Every bad record of `path` among those read, each at its file:line: the first `limit`, then (with
+    `count_rest`) one more issue counting the others. A problem of the whole file (missing, empty, not
+    UTF-8 in a csv, a missing column) ends the reading. The record checks are `RecordChecker`'s."""
     path = Path(path)
     fmt = data_format(path, fmt)
+    found: list[SpecIssue] = []
+    more = 0
+
+    def bad(problem: _Bad) -> bool:   # whether to go on reading
+        nonlocal more
+        if len(found) < limit:
+            found.append(SpecIssue(path=problem.field, message=problem.message, hint=problem.hint))
+        else:
+            more += 1
+        return count_rest or len(found) < limit
+
     try:
         _check_stat(path, split)
         if fmt == "text":
             _check_text(path, split, max_bytes)
-            return None
+            return []
         reader = {"jsonl": _jsonl_rows, "csv": _csv_rows, "parquet": _parquet_rows}[fmt]
-        rows = _RowChecker(path, columns, split)
+        rows = RecordChecker(columns, split)
         count = 0
         for where, row in reader(path, columns, split, max_rows, max_bytes):
-            rows.check(where, row)
             count += 1
+            problem = row if isinstance(row, _Bad) else rows.problem(where, row)
+            if problem is not None and not bad(problem):
+                break
         if count == 0:
             raise _Bad(("data", split), f"{path} has no rows", "a data file needs at least one row")
-    except _Bad as bad:
-        return SpecIssue(path=bad.field, message=bad.message, hint=bad.hint)
-    return None
+    except _Bad as problem:
+        bad(problem)
+    if more:
+        found.append(SpecIssue(path=("data", split), message=f"{path}: {more:,} more bad records after these "
+                               f"{limit}", hint="fix the records above first; validate lists the next ones then"))
+    return found
 
 
 def _check_stat(path: Path, split: str) -> None:
@@ -206,24 +309,38 @@ def _lines(path: Path, split: str, max_lines: int | None, max_bytes: int | None)
 
 
 def _jsonl_rows(path: Path, columns: Columns, split: str, max_rows: int | None, max_bytes: int | None):
+    """(file:line, record), or (file:line, _Bad) for a line that is not UTF-8, not JSON or not an object:
+    the reading goes on with the next line (every bad record is reported)."""
     rows = 0
-    for number, line in _lines(path, split, None, max_bytes):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError as err:
-            where = f", column {err.colno}" if isinstance(err, json.JSONDecodeError) else ""
-            message = err.msg if isinstance(err, json.JSONDecodeError) else str(err)
-            raise _Bad(("data", split), f"{path}:{number}: not valid JSON ({message}{where})",
-                       "each line of a jsonl file must be one JSON object") from None
-        if not isinstance(row, dict):
-            raise _Bad(("data", split), f"{path}:{number}: a JSON object per line expected, found "
-                       f"{_kind(row)}", "each line of a jsonl file must be one JSON object")
-        yield f"{path}:{number}", row
-        rows += 1
-        if max_rows is not None and rows >= max_rows:
-            return
+    read = 0
+    with open(path, "rb") as fh:
+        for number, raw in enumerate(fh, start=1):
+            read += len(raw)
+            if raw.strip():
+                yield f"{path}:{number}", _json_record(path, number, raw, split)
+                rows += 1
+            if (max_rows is not None and rows >= max_rows) or (max_bytes is not None and read >= max_bytes):
+                return
+
+
+def _json_record(path: Path, number: int, raw: bytes, split: str):
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return _Bad(("data", split), f"{path}:{number}: byte {err.start + 1} of the line "
+                    f"(0x{raw[err.start]:02x}) is not valid UTF-8",
+                    "save the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`)")
+    try:
+        row = json.loads(line)
+    except ValueError as err:
+        where = f", column {err.colno}" if isinstance(err, json.JSONDecodeError) else ""
+        message = err.msg if isinstance(err, json.JSONDecodeError) else str(err)
+        return _Bad(("data", split), f"{path}:{number}: not valid JSON ({message}{where})",
+                    "each line of a jsonl file must be one JSON object")
+    if not isinstance(row, dict):
+        return _Bad(("data", split), f"{path}:{number}: a JSON object per line expected, found {_kind(row)}",
+                    "each line of a jsonl file must be one JSON object")
+    return row
 
 
 def _csv_rows(path: Path, columns: Columns, split: str, max_rows: int | None, max_bytes: int | None):
@@ -253,8 +370,10 @@ def _csv_rows(path: Path, columns: Columns, split: str, max_rows: int | None, ma
             if not fields:
                 continue
             if len(fields) != len(header):
-                raise _Bad(("data", split), f"{where}: {len(fields)} fields, the header names {len(header)}",
-                           "quote fields that contain commas or line breaks")
+                yield where, _Bad(("data", split), f"{where}: {len(fields)} fields, the header names {len(header)}",
+                                  "quote fields that contain commas or line breaks")
+                rows += 1
+                continue
             # what pandas (datasets' csv reader) makes of a field: missing when empty; labels that are
             # all integers become class ids
             row = {name: (EMPTY if fields[i] == "" else fields[i]) for name, i in index.items()}
@@ -315,20 +434,31 @@ def _parquet_rows(path: Path, columns: Columns, split: str, max_rows: int | None
                 try:
                     row = batch.slice(offset, 1).to_pylist()[0]
                 except UnicodeDecodeError as err:
-                    raise _Bad(("data", split), f"{path}: row {number} holds a string that is not valid UTF-8 "
-                               f"({err})", "rewrite the file with UTF-8 strings") from None
+                    row = _Bad(("data", split), f"{path}: row {number} holds a string that is not valid UTF-8 "
+                               f"({err})", "rewrite the file with UTF-8 strings")
             yield f"{path}: row {number}", row
             if max_rows is not None and number >= max_rows:
                 return
 
 
-class _RowChecker:
-    """The columns and label values of each row, with what earlier rows established (label kind, names)."""
+class RecordChecker:
+    """The checks of one data record: its columns (or chat messages, or prompt and completion) and label
+    values, with what earlier records established (`records: auto` decided by the first, the label
+    kind, the label names seen). Torch-free; `problem(where, record)` is the importable entry point
+    (validate's full read here; the data preparation pass, job/data_prep, checks records the same way)."""
 
-    def __init__(self, path: Path, columns: Columns, split: str):
-        self.path, self.columns, self.split = path, columns, split
+    def __init__(self, columns: Columns, split: str):
+        self.columns, self.split = columns, split
         self.label_kind: str | None = None   # "id" or "name", from the first label seen
         self.names: set = set()
+
+    def problem(self, where: str, row: dict) -> _Bad | None:
+        """What is wrong with this record (None: nothing), at `where` (its file:line)."""
+        try:
+            self.check(where, row)
+        except _Bad as bad:
+            return bad
+        return None
 
     def check(self, where: str, row: dict) -> None:
         if self.columns.records == "auto":   # decided by the first record
