@@ -45,6 +45,8 @@ def run(args: argparse.Namespace) -> int:
                 print(err.render(), file=sys.stderr)
             continue
         spec = resolved.spec
+        for warning in resolved.warnings:
+            print(f"warning: {warning.render()}", file=sys.stderr)
         world = derive(spec).world_size
         notes = [note for note in (unchecked_model_config(resolved),) if note] + datacheck.unread(spec)
         if args.format == "json":

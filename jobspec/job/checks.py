@@ -20,6 +20,7 @@ launch/pipeline.launch_checks and host_checks, and tests/test_refusals.py says s
 """
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING
 
 from jobspec import library_log
@@ -36,6 +37,8 @@ def model_data_checks(resolved: ResolvedSpec, plan: bool = True) -> None:
     built (plan, launch): the config transformers builds is checked first, at the config keys.
     `jobspec compile` (no plan) leaves that one out: AutoConfig imports torch (~8 s), compile stays
     light, and validate has checked every key, type and the padding id against the generated table."""
+    for warning in resolved.warnings:   # validate's, said by plan, compile and launch too
+        print(f"jobspec: warning: {warning.render()}", file=sys.stderr)
     model = resolved.spec["model"]
     if model.get("config") and model.get("name_or_path"):
         library_log.adopt_transformers()   # a hub config read: its log lines to the command's log

@@ -67,6 +67,9 @@ class ResolvedSpec:
     text: str
     positions: dict[tuple, Position] = field(default_factory=dict)
     key_positions: dict[tuple, Position] = field(default_factory=dict)
+    # what the rules found worth saying without refusing (a rotary model past its trained length):
+    # positioned, printed as `warning:` lines by validate, plan, compile and launch
+    warnings: list[SpecIssue] = field(default_factory=list)
 
     def position(self, path: tuple | list, key: bool = False) -> Position:
         """Where `path` was written; for a defaulted field, its nearest written ancestor.

@@ -124,3 +124,21 @@ def test_plan_and_compile_keep_library_output_in_a_log(tmp_path, monkeypatch, ca
     err = capsys.readouterr().err
     assert "Warning" not in err and "warnings.warn" not in err and "[transformers]" not in err, err
     assert (tmp_path / "logs" / f"{command}.log").exists()
+
+
+def test_a_sequence_past_a_rotary_models_positions_is_a_warning_at_the_field(tmp_path, capsys):
+    config = {**TINY, "max_position_embeddings": 8}
+    path = job(tmp_path, {"architecture": "qwen2", "config": config})
+    assert main(["validate", path]) == 0
+    err = capsys.readouterr().err
+    assert "warning: " in err and "data.synthetic.seq_len: 16 tokens per sequence, beyond the 8 positions qwen2 " \
+           "is trained for (max_position_embeddings; rotary, no rope_scaling)" in err
+    assert "rope_type: yarn, factor: 2.0" in err
+    scaled = job(tmp_path, {"architecture": "qwen2",
+                            "config": {**config, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}}}, "scaled.yaml")
+    assert main(["validate", scaled]) == 0
+    assert "warning" not in capsys.readouterr().err
+    learned = job(tmp_path, {"architecture": "gpt2", "config": {"n_positions": 8, "n_embd": 16, "n_layer": 1,
+                                                                "n_head": 2, "vocab_size": 512}}, "gpt2.yaml")
+    assert main(["validate", learned]) == 2   # a learned table stays refused
+    assert "position table has 8" in capsys.readouterr().err

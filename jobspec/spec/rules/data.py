@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jobspec.errors import SpecError, SpecIssue
+from jobspec.spec import model_table
 from jobspec.spec.data_format import data_format
 from jobspec.spec.freeform import local_checkpoint_config
 from jobspec.spec.loader import SET_FILE
@@ -111,7 +112,8 @@ def positions_issues(r: ResolvedSpec, dims: ModelDims | None, tokenizer: Tokeniz
                      config_json: dict | None = None) -> list[SpecIssue]:
     """Every sample is at most `data.max_length` tokens (text blocks are exactly that long, records are
     truncated to it, packed sequences filled up to it), or `data.synthetic.seq_len`: at most the
-    model's learned positions."""
+    model's learned positions (refused); beyond a rotary model's max_position_embeddings without
+    rope_scaling, a warning (`r.warnings`)."""
     s = r.spec
     if dims is None:
         return []
@@ -121,12 +123,21 @@ def positions_issues(r: ResolvedSpec, dims: ModelDims | None, tokenizer: Tokeniz
         # built from the architecture: the model takes the tokenizer's pad id (model/build.py), and
         # RoBERTa's positions start after it
         dims = ModelDims(**{**dims.__dict__, "pad_token_id": tokenizer.pad_id})
-    positions = dims.usable_positions
-    if positions is None:
-        return []
     synthetic = s["data"].get("synthetic")
     seq_path, seq_len = ((("data", "synthetic", "seq_len"), synthetic["seq_len"]) if synthetic
                          else (("data", "max_length"), s["data"]["max_length"]))
+    trained = dims.max_position_embeddings
+    if trained and seq_len > trained and _rotary(dims.model_type) and not _rope_scaled(model_config, config_json):
+        # rotary positions are computed, not a table: the model runs past max_position_embeddings, but
+        # out of the length it was trained for (quality drops) unless RoPE is scaled: a warning
+        r.warnings.append(r.issue(seq_path, f"{seq_len} tokens per sequence, beyond the {trained} positions "
+                                  f"{dims.model_type} is trained for (max_position_embeddings; rotary, no "
+                                  "rope_scaling)", f"set model.config.rope_scaling (e.g. {{rope_type: yarn, "
+                                  f"factor: {-(-seq_len // trained)}.0}}), or use at most {trained}",
+                                  code="seq-len-rotary"))
+    positions = dims.usable_positions
+    if positions is None:
+        return []
     if seq_len <= positions:
         return []
     key = next((k for k in ("max_position_embeddings", "n_positions") if k in model_config),
@@ -145,6 +156,21 @@ def positions_issues(r: ResolvedSpec, dims: ModelDims | None, tokenizer: Tokeniz
     return [r.issue(seq_path, f"{seq_len} tokens per sequence, but the model's position table has {positions}"
                     f"{offset}", hint,
                     code="seq-len-positions")]
+
+
+def _rotary(model_type: str | None) -> bool:
+    return (model_table.entry(model_type) or {}).get("positions") == "rotary"
+
+
+def _rope_scaled(model_config: dict, config_json: dict | None) -> bool:
+    for config in (model_config, config_json or {}):
+        scaling = config.get("rope_scaling")
+        parameters = config.get("rope_parameters")
+        if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
+            return True
+        if isinstance(parameters, dict) and parameters.get("rope_type") not in (None, "default"):
+            return True
+    return False
 
 
 # ---------------------------------------------------------------- data files
