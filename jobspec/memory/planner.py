@@ -18,6 +18,7 @@ from jobspec import optimizers
 from jobspec.errors import spec_error
 from jobspec.export.rules import resolve_dtype
 from jobspec.memory import host as host_memory
+from jobspec.memory.sequence_parallel import all_to_all_bytes
 from jobspec.spec.derived import PRECISION_BYTES, DerivedJob, zero_bucket_sizes
 from jobspec.spec.model_profile import Inventory
 from jobspec.units import MiB, fmt_mib_gib
@@ -166,7 +167,7 @@ def plan_memory(spec: dict, job: DerivedJob, *, budget: int | None = None,
     opt_states = optimizer_state_bytes(optimizer, inventory)
     gpu = dict.fromkeys(("parameters", "buffers", "gradients", "master_weights", "optimizer_states", "step_gradients",
                          "gathered_parameters", "activations", "embeddings_activations", "logits_and_loss",
-                         "zero_buffers", "dequantized_weight"), 0)
+                         "zero_buffers", "dequantized_weight", "all_to_all_buffers"), 0)
     # the process, then the model as this rank builds it (memory/host.py); offload buffers and workers below
     host = {"runtime": host_memory.RUNTIME_BYTES,
             "construction": host_memory.construction_bytes(inventory, stage, world, lp)}
@@ -246,7 +247,9 @@ def plan_memory(spec: dict, job: DerivedJob, *, budget: int | None = None,
         gpu["dequantized_weight"] = compute * max(math.prod(s) for s in inventory.quantized_shapes())
         notes.append(f"{sum(math.prod(s) for s in inventory.quantized_shapes()) / 1e6:.1f}M base weights in "
                      f"{quant['bits']}-bit with their quantisation constants")
-    forward_backward = profile.activations.peak + gpu["dequantized_weight"]
+    # memory.sequence_parallel: the trace is one rank's shard (spec/derived); Ulysses' exchange comes on top
+    gpu["all_to_all_buffers"] = all_to_all_bytes(job)
+    forward_backward = profile.activations.peak + gpu["dequantized_weight"] + gpu["all_to_all_buffers"]
     static = sum(gpu[k] for k in ("parameters", "buffers", "gradients", "master_weights", "optimizer_states",
                                   "zero_buffers", "gathered_parameters"))
     allocated = static + max(forward_backward, gpu["step_gradients"])
@@ -263,6 +266,7 @@ def plan_memory(spec: dict, job: DerivedJob, *, budget: int | None = None,
                 "layers": inventory.num_layers, "offload_optimizer": offload_opt, "offload_params": offload_params,
                 "attention": model["attention"], "trace": profile.method,
                 "tiled_loss": _tiled_loss_text(memory["tiled_loss"]), "tiled_mlp": bool(memory["tiled_mlp"]),
+                "sequence_parallel": job.sequence_parallel,
                 "allocator": "expandable segments" if expandable_segments else "caching (no expandable segments)"}
     return MemoryPlan(breakdown=gpu, host=host, peak_allocated=allocated, peak_reserved=reserved,
                       nvml_total=reserved + CUDA_CONTEXT_BYTES, host_total=host_total, nvme_total=nvme,
@@ -396,7 +400,8 @@ ROWS = (("parameters", "parameters (working copy)"), ("buffers", "buffers"), ("g
         ("activations", "layer activations (traced)"),
         ("embeddings_activations", "embedding activations (traced)"),
         ("logits_and_loss", "head, logits and loss (traced)"),
-        ("zero_buffers", "ZeRO buckets"), ("dequantized_weight", "dequantised weight (bitsandbytes)"))
+        ("zero_buffers", "ZeRO buckets"), ("dequantized_weight", "dequantised weight (bitsandbytes)"),
+        ("all_to_all_buffers", "Ulysses all-to-all buffers (one layer)"))
 
 HOST_ROWS = (("runtime", "host: the rank's process"), ("construction", "host: model construction"),
              ("offloaded_optimizer", "host: offloaded optimizer"),

@@ -134,7 +134,7 @@ def derive(spec: dict, *, config_json: dict | None = None, num_train_samples: in
     profile, profile_error = None, None
     if profiler is not None:
         try:
-            profile = profiler(spec, seq_len)
+            profile = _profile(profiler, spec, seq_len, sequence_parallel)
         except SpecError as err:
             profile_error = err
     num_layers = profile.inventory.num_layers if profile else (dims.num_layers if dims else None)
@@ -152,6 +152,21 @@ def derive(spec: dict, *, config_json: dict | None = None, num_train_samples: in
         notes=tuple(notes), profile=profile, profile_error=profile_error, config_json=config_json,
         profiler=profiler, sequence_parallel=sequence_parallel,
     )
+
+
+def _profile(profiler: Callable, spec: dict, seq_len: int, sequence_parallel: int) -> ModelProfile:
+    """The model's profile at the job's setting. With sequence parallelism a rank holds 1/N of each
+    sequence outside attention (memory/sequence_parallel.py): its activations are the trace at
+    seq_len / N, while a token's FLOPs are the whole sequence's (each rank attends over all of it, for
+    heads / N heads), which MFU counts."""
+    if sequence_parallel == 1:
+        return profiler(spec, seq_len)
+    tokens = math.ceil(seq_len / sequence_parallel)
+    shard, whole = profiler(spec, tokens), profiler(spec, seq_len)
+    return dataclasses.replace(
+        shard, model_flops_per_token=whole.model_flops_per_token,
+        hardware_flops_per_token=whole.hardware_flops_per_token,
+        notes=(*shard.notes, f"activations traced per rank: 1/{sequence_parallel} of the sequence ({tokens} tokens)"))
 
 
 def _data_parallel_size(world: int, sequence_parallel: int) -> int:
