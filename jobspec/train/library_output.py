@@ -28,6 +28,7 @@ PROGRESS_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_DATASETS_DISABLE_PROGRE
 # backend warns about an optional kernels package on every import)
 LIBRARY_LOGGERS = ("transformers", "datasets", "huggingface_hub", "peft", "bitsandbytes")
 DEPRECATIONS = (DeprecationWarning, PendingDeprecationWarning, FutureWarning)
+JOBSPEC_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # warnings jobspec raises itself
 
 
 def log_only(text: str, stream=None) -> None:
@@ -63,8 +64,13 @@ def before_imports(rank: int) -> None:
         os.environ.setdefault(key, value)
 
     def show(message, category, filename, lineno, file=None, line=None):
-        text = warnings.formatwarning(message, category, filename, lineno, line).rstrip("\n")
-        if issubclass(category, DEPRECATIONS) or rank != 0:
+        if str(filename).startswith(JOBSPEC_PACKAGE):   # jobspec's own notice: one plain line
+            text = f"jobspec: {message}"
+            deprecation = False
+        else:
+            text = warnings.formatwarning(message, category, filename, lineno, line).rstrip("\n")
+            deprecation = issubclass(category, DEPRECATIONS)
+        if deprecation or rank != 0:
             log_only(text)
         else:
             (file or sys.stderr).write(text + "\n")
