@@ -37,7 +37,7 @@ def test_fit_finds_a_config_that_fits_validates_and_compiles(job, budget):
 
 def test_fit_prefers_the_written_spec_when_it_is_already_fastest_and_fits():
     spec, dims, result = fitted("bert-large-4-fp16.yaml", "80GiB")
-    assert result.fits and result.changes == {} and result.slowdown == pytest.approx(1.0)
+    assert result.fits and result.changes == {} and result.slowdown == 1.0   # its own step time over itself
 
 
 def test_fit_returns_the_cheapest_fitting_candidate():
