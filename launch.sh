@@ -66,8 +66,9 @@ on_usr1() {
 }
 
 on_term() {
-  # Inside Slurm every process of the job already got the SIGTERM (a second one would make
-  # jobspec skip its checkpoint grace): just keep waiting. Outside Slurm, pass it on.
+  # Inside Slurm every process of the job already got the SIGTERM (`scancel`): just keep waiting
+  # for jobspec's checkpoint. Outside Slurm, pass it on (a repeat is harmless: jobspec keeps waiting
+  # for the checkpoint; only a second SIGINT, a second Ctrl-C, ends the job at once).
   if [ "$in_slurm" = 0 ] && [ -n "$child" ]; then kill -TERM "$child" 2>/dev/null || true; fi
 }
 
