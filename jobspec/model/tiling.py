@@ -59,15 +59,19 @@ def tiled_loss(model, tiles: int | None = None, tile_bytes: int = TILE_BYTES) ->
     untiled = model.forward
 
     @functools.wraps(untiled)
-    def forward(input_ids=None, attention_mask=None, labels=None, **kwargs):
-        if labels is None:
+    def forward(input_ids=None, attention_mask=None, labels=None, shift_labels=None, **kwargs):
+        # `shift_labels`: labels already aligned with the positions that predict them (transformers' name
+        # for them): a sequence-parallel shard's next tokens (train/sequence_parallel), whose last label is
+        # the next shard's first token
+        if labels is None and shift_labels is None:
             return untiled(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         kwargs.pop("logits_to_keep", None)
         kwargs.pop("num_items_in_batch", None)
         kwargs.setdefault("return_dict", True)
         outputs = base(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         hidden = outputs[0]
-        loss_sum, count = tiled_cross_entropy(head, hidden, next_token_labels(labels), tiles=tiles, vocab=vocab,
+        targets = shift_labels if labels is None else next_token_labels(labels)
+        loss_sum, count = tiled_cross_entropy(head, hidden, targets, tiles=tiles, vocab=vocab,
                                               softcap=softcap, tile_bytes=tile_bytes)
         return TiledLossOutput(loss=loss_sum / count.to(loss_sum.dtype), loss_sum=loss_sum, loss_tokens=count)
 

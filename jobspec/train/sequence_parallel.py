@@ -22,7 +22,9 @@ The world is split into groups of N consecutive ranks (DeepSpeed's parallel_stat
   all-to-all returns to the sequence shards. It also builds the process groups (the mpu that
   `deepspeed.initialize` takes: DeepSpeed then reduces gradients over the whole world and divides by
   world / N, and counts world / N data-parallel ranks in its batch arithmetic).
-- Loss: the model gets no labels; each rank sums the cross-entropy of its shard's labelled next tokens,
+- Loss: the model gets no labels (with `memory.tiled_loss`, the shard's next-token labels as
+  `shift_labels`, which the tiled head takes: model/tiling.py); each rank sums the cross-entropy of its
+  shard's labelled next tokens,
   and the step's loss divides by the labelled tokens of the global batch counted over every rank,
   each rank its shard (jobspec.train.token_loss: `labelled_count(..., shift=0)`, `summed_loss`).
   DeepSpeed sums the gradients of a group's ranks and averages over world / N (`data_world`: its
@@ -54,6 +56,7 @@ class SequenceParallel:
     data_rank: int         # the group's index: the sampler's rank
     data_world: int        # world / N: the sampler's world
     mpu: Any               # deepspeed.runtime.sequence_parallel.parallel_state_sp, for deepspeed.initialize
+    tiled_loss: bool = False   # memory.tiled_loss: the model takes the shard's labels (`shift_labels`)
 
     @property
     def counts_data(self) -> bool:
@@ -81,6 +84,8 @@ class SequenceParallel:
         chunk = (length + pad) // self.size
         part = slice(self.rank * chunk, (self.rank + 1) * chunk)
         inputs = {"input_ids": ids[:, part].contiguous(), "position_ids": positions[:, part].contiguous()}
+        if self.tiled_loss:   # the tiled head computes the shard's summed loss itself (model/tiling.py)
+            inputs["shift_labels"] = next_labels[:, part].contiguous()
         return inputs, next_labels[:, part].contiguous()
 
 
@@ -117,7 +122,8 @@ def setup(model, spec: dict, micro_batch_size: int) -> SequenceParallel | None:
                          path=("memory", "sequence_parallel"), hint="set `memory.sequence_parallel: 1`") from err
     world = dist.get_world_size()
     sp = SequenceParallel(size=size, rank=mpu.get_sequence_parallel_rank(), group=mpu.get_sequence_parallel_group(),
-                          data_rank=dist.get_rank() // size, data_world=world // size, mpu=mpu)
+                          data_rank=dist.get_rank() // size, data_world=world // size, mpu=mpu,
+                          tiled_loss=bool(spec["memory"].get("tiled_loss")))
     _ACTIVE[0] = sp
     return sp
 

@@ -78,39 +78,53 @@ def _family_worker(rank: int, world: int, port: int, out: str, families: list[st
     from jobspec.train import sequence_parallel
     deepspeed.init_distributed(dist_backend="gloo")
     results = {}
-    for family in families:
+    for case in families:
+        family, _, tiled = case.partition("+")
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(_tiny_config(family), attn_implementation="sdpa").float()
+        if tiled:   # memory.tiled_loss: the head and loss over 3 tiles of each shard (model/tiling.py)
+            from jobspec.model.tiling import tiled_loss
+            tiled_loss(model, tiles=3)
         generator = torch.Generator().manual_seed(1)
         ids = torch.randint(3, 96, (2, 23), generator=generator)     # 23 tokens: padded to 24 for N = 2
         labels = ids.clone()
         labels[0, :9] = -100                                         # rows with different labelled counts
         labels[1, 15:] = -100
         full = model(input_ids=ids, labels=labels)
+        with torch.no_grad():
+            full_logits = full.logits if not tiled else model.lm_head(model.model(input_ids=ids).last_hidden_state)
         full.loss.backward()
         expected = {n: p.grad.clone() for n, p in model.named_parameters()}
         model.zero_grad()
-        sp = sequence_parallel.setup(model, {"memory": {"sequence_parallel": world}}, micro_batch_size=2)
+        sp = sequence_parallel.setup(model, {"memory": {"sequence_parallel": world, "tiled_loss": bool(tiled)}},
+                                     micro_batch_size=2)
         try:
             inputs, next_labels = sp.shard({"input_ids": ids, "labels": labels})
-            logits = model(**inputs).logits
+            outputs = model(**inputs)
             # the training loss's arithmetic (train/token_loss): the shard's summed cross-entropy over the
             # labelled tokens counted on every rank
-            summed = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                                                       next_labels.reshape(-1), ignore_index=-100, reduction="sum")
+            if tiled:
+                with torch.no_grad():
+                    logits = model.lm_head(model.model(**inputs).last_hidden_state)
+                summed = outputs.loss_sum
+            else:
+                logits = outputs.logits
+                summed = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                                           next_labels.reshape(-1), ignore_index=-100,
+                                                           reduction="sum")
             totals = torch.stack([summed.detach(), (next_labels != -100).sum().float()])
             dist.all_reduce(totals)
             (summed / totals[1]).backward()
         finally:
             sequence_parallel.restore()
         chunk = logits.shape[1]
-        want_logits = torch.nn.functional.pad(full.logits.detach(), (0, 0, 0, 1))[:, rank * chunk:(rank + 1) * chunk]
+        want_logits = torch.nn.functional.pad(full_logits.detach(), (0, 0, 0, 1))[:, rank * chunk:(rank + 1) * chunk]
         logits_error = (logits.detach() - want_logits)[:, :ids.shape[1] - rank * chunk].abs().max()
         grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
         dist.all_reduce(grads)     # DeepSpeed sums the group's gradients (and divides by world / N = 1)
         want = torch.cat([expected[n].reshape(-1) for n, _ in model.named_parameters()])
-        results[family] = {"loss": float(totals[0] / totals[1]), "reference": float(full.loss),
-                           "logits_error": float(logits_error / full.logits.abs().max()),
+        results[case] = {"loss": float(totals[0] / totals[1]), "reference": float(full.loss),
+                           "logits_error": float(logits_error / full_logits.abs().max()),
                            "grad_error": float((grads - want).abs().max() / want.abs().max())}
     if rank == 0:
         with open(out, "w") as f:
@@ -122,12 +136,13 @@ def _family_worker(rank: int, world: int, port: int, out: str, families: list[st
 
 @pytest.mark.slow   # two spawned gloo ranks (~20 s of imports on a small machine)
 def test_each_family_with_two_shards_has_the_loss_and_gradients_of_one_rank(tmp_path):
-    """For every family validation lets through: each rank's logits are the model's on its half of the
-    whole sequence, the shards' summed loss over the sequence's labelled tokens is the model's own loss,
-    and the two ranks' gradients summed (DeepSpeed's reduction) are its gradients."""
+    """For every family validation lets through, and llama with `memory.tiled_loss`: each rank's logits
+    are the model's on its half of the whole sequence, the shards' summed loss over the sequence's
+    labelled tokens is the model's own loss, and the two ranks' gradients summed (DeepSpeed's reduction)
+    are its gradients."""
     import torch.multiprocessing as mp
     out = tmp_path / "families.json"
-    families = sorted(ULYSSES_FAMILIES)
+    families = [*sorted(ULYSSES_FAMILIES), "llama+tiled_loss"]
     mp.spawn(_family_worker, args=(2, free_port(), str(out), families), nprocs=2, join=True)
     results = json.loads(out.read_text())
     for family in families:
@@ -135,3 +150,20 @@ def test_each_family_with_two_shards_has_the_loss_and_gradients_of_one_rank(tmp_
         assert abs(got["loss"] - got["reference"]) <= FP32_TOLERANCE * abs(got["reference"]), (family, got)
         assert got["logits_error"] <= FP32_TOLERANCE, (family, got)
         assert got["grad_error"] <= FP32_TOLERANCE, (family, got)
+
+
+@pytest.mark.parametrize("saved, now, batches, expected", [
+    ((2, 2), (1, 1), 6, 6),     # 2 shards of 1 data-parallel rank -> 1 rank: the same samples per rank
+    ((4, 2), (4, 1), 6, 3),     # 2 data-parallel ranks -> 4: each skips half as many micro-batches
+    ((2, 1), (4, 4), 6, 12),    # 2 data-parallel ranks -> 4 shards of 1: twice as many
+])
+def test_a_resume_counts_the_data_position_in_data_parallel_ranks(saved, now, batches, expected):
+    """train/reshard's data position: samples consumed = batches x micro x (world / N), saved and resumed."""
+    from jobspec.train.progress import RunState
+    from jobspec.train.reshard import Reshard
+    reshard = Reshard("direct", "/nowhere", "step3", saved[0], now[0], 2, saved_sequence_parallel=saved[1],
+                      sequence_parallel=now[1])
+    state = RunState(step=3, batches_in_epoch=batches)
+    reshard.adjust(state, micro_batch_size=2, seed=1, rank=0)
+    assert state.batches_in_epoch == expected
+    assert "sequence_parallel" in reshard.message(3)

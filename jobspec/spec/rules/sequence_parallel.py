@@ -16,8 +16,7 @@ to the attention heads with an all-to-all (deepspeed.runtime.sequence_parallel.u
   over the gathered sequence, which eager cannot do (DeepSpeed refuses it);
 - no `data.packing`: sdpa would attend across the packed samples once their mask is dropped, and the
   flash-attention packing path flattens a micro-batch into one row before the sequence is gathered;
-- no `model.compile` (the all-to-all inside a compiled attention is untested here); no `memory.tiled_loss`
-  yet (it computes the loss from the full labels; the shards' loss is computed on the ranks).
+- no `model.compile` (the all-to-all inside a compiled attention is untested here).
 
 Pure: `sequence_parallel_issues` is one of validation's CROSS_FIELD_RULES.
 """
@@ -56,7 +55,8 @@ def sequence_parallel_problems(spec: dict, config_json: dict | None = None) -> l
     problems: list[tuple[tuple, str, str, str]] = []
     if model["task"] != "causal-lm":
         problems.append((field, f"sequence parallelism is for causal-lm (the loss is summed over the shards' next "
-                         f"tokens); the task is {model['task']}", off.replace("or set", "set"), "sequence-parallel-task"))
+                         f"tokens); the task is {model['task']}", "set `memory.sequence_parallel: 1`",
+                         "sequence-parallel-task"))
     if model["attention"] not in ULYSSES_ATTENTIONS:
         problems.append((("model", "attention"), f"sequence parallelism cannot wrap {model['attention']} attention: "
                          "Ulysses drops the model's 4-D mask and attends causally over the gathered sequence, which "
@@ -83,10 +83,6 @@ def sequence_parallel_problems(spec: dict, config_json: dict | None = None) -> l
         problems.append((("model", "compile"), "torch.compile with sequence parallelism is not supported "
                          "here (the all-to-all inside compiled attention is untested)",
                          f"set `model.compile: false`, {off}", "sequence-parallel-compile"))
-    if spec["memory"].get("tiled_loss"):
-        problems.append((("memory", "tiled_loss"), "the tiled loss does not yet take the sequence shards' labels: "
-                         "with sequence parallelism each rank computes its shard's loss from its logits",
-                         f"set `memory.tiled_loss: false`, {off}", "sequence-parallel-tiled-loss"))
     return problems
 
 
