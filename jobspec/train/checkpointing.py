@@ -71,7 +71,10 @@ def save(engine, ckpt_dir: str | os.PathLike, *, step: int, epoch: int, batches_
     and the OS error, the incomplete `step<N>` is removed and `latest` keeps naming the previous one."""
     ckpt_dir = str(ckpt_dir)
     tag = tag_for(step)
-    layout = {"world_size": dist.get_world_size(), "zero_stage": zero_stage, "micro_batch_size": micro_batch_size}
+    from jobspec.train import sequence_parallel
+    sp = sequence_parallel.active()   # its groups read the same samples: train/reshard counts world / N
+    layout = {"world_size": dist.get_world_size(), "zero_stage": zero_stage, "micro_batch_size": micro_batch_size,
+              "sequence_parallel": sp.size if sp else 1}
     client_state = {
         **layout,
         "step": step,

@@ -151,7 +151,7 @@ def resume_threads(saved: int, share: int) -> tuple[int, str | None]:
                    "the losses will differ from an uninterrupted run in the last bits")
 
 
-def reshard_plan(ckpt: dict, world_size: int, group):
+def reshard_plan(ckpt: dict, world_size: int, group, sequence_parallel: int = 1):
     """jobspec.train.reshard.plan with rank 0's conversion result shared over the gloo `group`."""
     import torch.distributed as dist
 
@@ -161,7 +161,7 @@ def reshard_plan(ckpt: dict, world_size: int, group):
         box = [obj]
         dist.broadcast_object_list(box, src=0, group=group)
         return box[0]
-    return reshard.plan(ckpt, world_size, broadcast)
+    return reshard.plan(ckpt, world_size, broadcast, sequence_parallel)
 
 
 def share_cpu_threads() -> int | None:

@@ -116,6 +116,10 @@ class Reshard:
     saved_world_size: int
     world_size: int
     saved_micro_batch_size: int | None
+    # memory.sequence_parallel then and now: the data-parallel ranks, which the data position counts, are
+    # the world over it (the N ranks of a group read the same samples)
+    saved_sequence_parallel: int = 1
+    sequence_parallel: int = 1
 
     @property
     def checkpoint_section(self) -> dict:
@@ -130,23 +134,30 @@ class Reshard:
 
     def message(self, step: int) -> str:
         how = "via universal checkpoint" if self.mode == "universal" else "directly (unpartitioned optimizer state)"
-        return f"resuming step {step} from world size {self.saved_world_size} on {self.world_size} {how}"
+        if self.saved_world_size == self.world_size:
+            how = "directly (the same ZeRO partitions)"
+        split = "" if self.saved_sequence_parallel == self.sequence_parallel == 1 else \
+            f" (sequence_parallel {self.saved_sequence_parallel} -> {self.sequence_parallel})"
+        return f"resuming step {step} from world size {self.saved_world_size} on {self.world_size}{split} {how}"
 
     def adjust(self, state, micro_batch_size: int, seed: int, rank: int) -> dict:
         """Move `state` to the data position at this world size; this rank's reseeded RNG state."""
+        saved_ranks = self.saved_world_size // self.saved_sequence_parallel   # the data-parallel ranks
+        ranks = self.world_size // self.sequence_parallel
         samples = global_samples_consumed(state.batches_in_epoch, self.saved_micro_batch_size or micro_batch_size,
-                                          self.saved_world_size)
-        state.batches_in_epoch, repeated = batches_to_skip(samples, micro_batch_size, self.world_size)
+                                          saved_ranks)
+        state.batches_in_epoch, repeated = batches_to_skip(samples, micro_batch_size, ranks)
         if repeated and rank == 0:
-            print(f"WARNING: {samples} samples of epoch {state.epoch} were consumed at world size "
-                  f"{self.saved_world_size}, not a multiple of {micro_batch_size} x {self.world_size}: "
+            print(f"WARNING: {samples} samples of epoch {state.epoch} were consumed by {saved_ranks} data-parallel "
+                  f"ranks, not a multiple of {micro_batch_size} x {ranks}: "
                   f"the last {repeated} of them are trained again", file=sys.stderr, flush=True)
         state.resumed_from = str(Path(self.load_dir) / self.tag)
         return reseeded_rng_state(reseed_value(seed, state.step, rank))
 
 
-def plan(ckpt: dict, world_size: int, broadcast) -> Reshard | None:
-    """None when the resume (if any) is at the same world size; else what to do, conversion done.
+def plan(ckpt: dict, world_size: int, broadcast, sequence_parallel: int = 1) -> Reshard | None:
+    """None when the resume (if any) is at the same world size and `sequence_parallel`; else what to do,
+    conversion done.
 
     Collective: every rank calls it; `broadcast(obj)` returns rank 0's `obj` on every rank.
     """
@@ -155,10 +166,21 @@ def plan(ckpt: dict, world_size: int, broadcast) -> Reshard | None:
     if target is None:
         return None
     layout = saved_layout(*target)
+    saved_sp = int(layout.get("sequence_parallel") or 1)
     mode = resume_mode(layout["world_size"], world_size, layout["optimizer_partitioned"])
     if mode == "same":
-        return None
-    reshard = Reshard(mode, target[0], target[1], int(layout["world_size"]), world_size, layout["micro_batch_size"])
+        if saved_sp == sequence_parallel:
+            return None
+        mode = "direct"   # DeepSpeed's partitions span the whole world either way; only the data split moved
+    if mode == "universal" and max(saved_sp, sequence_parallel) > 1:
+        # DeepSpeed's converter reads the Ulysses ranks' files as tensor-parallel slices: not converted here
+        raise spec_error(f"a ZeRO checkpoint cannot move between world sizes with sequence parallelism (saved on "
+                         f"{layout['world_size']} ranks with sequence_parallel {saved_sp}, resumed on {world_size} "
+                         f"with {sequence_parallel})", path=("checkpoint", "resume"),
+                         hint=f"resume on {layout['world_size']} ranks (resources.nodes x resources.gpus_per_node), "
+                              "or start fresh (`checkpoint.resume: never`)")
+    reshard = Reshard(mode, target[0], target[1], int(layout["world_size"]), world_size, layout["micro_batch_size"],
+                      saved_sequence_parallel=saved_sp, sequence_parallel=sequence_parallel)
     if mode == "universal":
         error = None
         if int(os.environ.get("RANK", "0")) == 0:

@@ -106,7 +106,8 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
     # Stop votes go over gloo on the host: an NCCL vote would sync the GPU at every step.
     control = dist.new_group(backend="gloo")
     # a checkpoint of another world size: converted (rank 0) and loaded via DeepSpeed's universal format
-    reshard = reshard_plan(files.spec["checkpoint"], dist.get_world_size(), control)
+    reshard = reshard_plan(files.spec["checkpoint"], dist.get_world_size(), control,
+                           files.spec["memory"].get("sequence_parallel", 1))
     engine, train_ds, eval_ds, patch_notes = build_engine(replace_ds_config(files, reshard))
     state.parameters = adapters.parameter_counts(engine.module)   # summary.json, MLflow: LoRA's share
     passed_over: list[str] = []  # corrupt checkpoints skipped on resume (reported below and as a tag)
