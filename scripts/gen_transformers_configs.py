@@ -54,7 +54,8 @@ def model_types() -> list[str]:
 
 
 def defaults(model_type: str, fields: dict) -> dict:
-    """The config's JSON-scalar values as the class builds them by default (post-init included)."""
+    """The config's JSON-scalar values as the class builds them by default (post-init included), for
+    the keys of `fields` (the class's and the common ones)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     try:
@@ -63,7 +64,7 @@ def defaults(model_type: str, fields: dict) -> dict:
         return {}
     scalar = (bool, int, float, str, type(None))
     return {key: value for key, value in sorted(values.items())
-            if (key in fields or key in common_fields()) and not key.startswith("_")
+            if key in fields and not key.startswith("_")
             and key not in ("transformers_version", "architectures", "dtype")
             and (isinstance(value, scalar) or (key.endswith("_token_id") and isinstance(value, list)
                                                and all(isinstance(v, int) for v in value)))
