@@ -189,11 +189,14 @@ def test_budget_fits_and_headroom():
 
 @pytest.mark.parametrize("job", JOBS, ids=lambda p: p.stem)
 def test_plan_command_prints_a_breakdown_for_every_job(job, capsys):
-    assert main(["plan", str(job), "--gpu-mem", "24GiB"]) == 0
+    code = main(["plan", str(job), "--gpu-mem", "24GiB"])
     out = capsys.readouterr().out
     for row in ("parameters (working copy)", "peak allocated", "GPU total incl. CUDA context", "host RAM"):
         assert row in out
     assert ("fits in 24.00 GiB" in out) or ("does NOT fit in 24.00 GiB" in out)
+    # exit 1 when it does not fit (scripts and CI rely on it), with the term over and what moves it
+    assert code == (1 if "does NOT fit in 24.00 GiB" in out else 0)
+    assert ("advice: over by" in out) == (code == 1)
 
 
 def test_plan_command_json(capsys):
