@@ -232,6 +232,10 @@ CASES = {
                       "target module pattern 'c_atn' matches no module LoRA can adapt in GPT2LMHeadModel"),
     "pad-beyond-vocab": Case(lambda t, m: {"model": {"config": {**GPT2, "pad_token_id": 4096}}},
                              "pad_token_id 4096 (model.config) is not below vocab_size 2048"),
+    "model-unbuildable": Case(lambda t, m: {"model": {"config": {**GPT2, "n_head": 3}}},
+                              "model.config.n_embd: transformers cannot build 'gpt2' from this model.config",
+                              unrefused={"compile": "compile builds no model (it stays torch-free): the keys, "
+                                                    "types and ids are validate's, the build is plan's and launch's"}),
     "ds-batch-override": Case(lambda t, m: {"deepspeed": {"train_batch_size": 64}}, "train_batch_size"),
 }
 

@@ -105,6 +105,8 @@ def prepare(resolved, job, gpu_free: int | None, *, bf16_supported: bool = True,
     try:
         memory.plan = plan_memory(spec, job, budget=memory.budget, host_budget=memory.host_budget)
     except SpecError as err:  # an architecture the planner cannot count: launch anyway, unplanned
+        if any(issue.code == "model-build" for issue in err.issues):
+            raise resolved.locate(err) from None   # the model itself cannot be built: every rank would fail
         memory.plan_error = err
         memory.lines.append(f"memory plan unavailable ({err.issues[0].message}): no plan.* params, no "
                             "memory pre-flight")

@@ -267,13 +267,31 @@ def loading_error(model_spec: dict, task: str, attention: str, err: Exception) -
         text = text.split(". ")[0]   # transformers goes on with a paragraph of advice
         return spec_error(f"attention {attention!r} is not supported by this model: {text}",
                           path=("model", "attention"),
-                          hint="use eager" if attention != "eager" else "use sdpa")
+                          hint="use eager" if attention != "eager" else "use sdpa", code="model-build")
     if model_spec.get("name_or_path"):
         return spec_error(f"cannot load {model_spec['name_or_path']!r} for {task}: {text}",
                           path=("model", "name_or_path"),
-                          hint="give a local checkpoint directory, or a hub id reachable from here")
-    return spec_error(f"cannot build {model_spec.get('architecture')!r} for {task}: {text}",
-                      path=("model", "task"), hint="pick a task this architecture has a head for")
+                          hint="give a local checkpoint directory, or a hub id reachable from here", code="model-build")
+    from jobspec.spec import model_table
+
+    architecture = model_spec.get("architecture")
+    if model_table.head(architecture, task):   # the type has this head: its config is what failed
+        written = [str(key) for key in (model_spec.get("config") or {})]
+        named = [key for key in written if key in text] or [key for key in written if _mentions(text, key)]
+        return spec_error(f"transformers cannot build {architecture!r} from this model.config: {text}",
+                          path=("model", "config", named[0]) if named else ("model", "config"),
+                          hint=f"change {', '.join(named)} (the values transformers names)" if named else
+                          "change the model.config values transformers names", code="model-build")
+    return spec_error(f"cannot build {architecture!r} for {task}: {text}",
+                      path=("model", "task"), hint="pick a task this architecture has a head for", code="model-build")
+
+
+def _mentions(text: str, key: str) -> bool:
+    """Whether transformers' message names `key` by another of its usual spellings (GPT-2's `n_head` as
+    `num_heads`, `n_embd` as `embed_dim`)."""
+    spellings = {"n_head": ("num_heads", "num_attention_heads"), "n_embd": ("embed_dim", "hidden_size"),
+                 "hidden_size": ("embed_dim",), "num_attention_heads": ("num_heads",), "n_layer": ("num_layers",)}
+    return any(word in text for word in spellings.get(key, ()))
 
 
 def _warn_remote_code(model_spec: dict) -> None:
