@@ -116,7 +116,8 @@ def test_zero_partitions_shrink_with_world_size(stage):
     overrides = [f"memory.zero_stage={stage}", "memory.precision=bf16"]
     one = planned(overrides=overrides, world_size=1)[2]
     eight = planned(overrides=overrides, world_size=8)[2]
-    assert eight.breakdown["optimizer_states"] * 8 == pytest.approx(one.breakdown["optimizer_states"], rel=1e-6)
+    # each rank's partition is ceil(bytes / 8): eight of them exceed the whole by 0 to 7 bytes, exactly
+    assert 0 <= eight.breakdown["optimizer_states"] * 8 - one.breakdown["optimizer_states"] <= 7
     assert eight.breakdown["master_weights"] < one.breakdown["master_weights"] / 7
     assert (eight.breakdown["parameters"] < one.breakdown["parameters"] / 4) == (stage == 3)
 
