@@ -118,14 +118,3 @@ def fill_attention(r: ResolvedSpec) -> None:
     _, head = _type_and_head(r)
     if head:
         r.spec["model"]["attention"] = model_table.best_attention(head)
-
-
-def attention_note(spec: dict, checkpoint_config: dict | None, written: bool) -> str | None:
-    """`attention: eager (...)` for the header and plan when the default was not sdpa; None otherwise."""
-    if written:
-        return None
-    head = model_table.head(model_table.model_type(spec, checkpoint_config), spec["model"]["task"])
-    if head and spec["model"]["attention"] != "sdpa":
-        return (f"model.attention: {spec['model']['attention']} (left out: {head.get('class')} does not "
-                "support sdpa)")
-    return None
