@@ -10,8 +10,8 @@ GPUs and `memory.fit` (the bug transformers' Trainer fixed in 4.46 with `num_ite
 
 So each rank, before the first forward of an optimizer step, counts the labelled tokens of the step's
 micro-batches on the host (`labelled_count`), sums the counts over the ranks that hold the global
-batch's tokens (`global_count`: one host all-reduce per step; sequence parallelism passes the group
-whose ranks hold distinct tokens), and back-propagates each micro-batch's SUMMED loss times
+batch's tokens (`global_count`: one host all-reduce per step over the groups it is given; under
+sequence parallelism each rank counts its own shard's labels), and back-propagates each micro-batch's SUMMED loss times
 `backward_scale`, which undoes DeepSpeed's averaging of the gradients over the data-parallel ranks
 (`engine.backward(..., scale_wrt_gas=False)` skips its 1/accumulation): the accumulated, averaged
 gradient is then exactly the gradient of loss(step). fp16 loss scaling and gradient clipping act on
