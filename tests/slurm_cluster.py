@@ -91,7 +91,7 @@ SlurmdDebug=info
 SlurmctldTimeout=30
 SlurmdTimeout=30
 InactiveLimit=0
-KillWait=10
+KillWait=30
 MinJobAge=600
 {node_lines}
 PartitionName={PARTITION} Nodes={",".join(node_ports)} Default=YES MaxTime=INFINITE State=UP

@@ -73,7 +73,10 @@ class MetricSink:
         self._queue.put(("metrics", clean, int(step), timestamp))
 
     def log_params(self, params: dict) -> None:
-        if self._thread is not None:
+        # nothing to log is nothing sent: flatten({}) is {"": "{}"}, a key MLflow rejects, and the
+        # sender would retry it until close() gives up (30 s at the end of every run, past the SIGKILL
+        # Slurm sends KillWait seconds after a scancel's SIGTERM)
+        if self._thread is not None and params:
             self._queue.put(("params", flatten(params), None, None))
 
     def log_table(self, step: int, rows: list[dict]) -> None:

@@ -152,7 +152,10 @@ def test_metric_sink_sends_off_thread_and_flushes(sqlite_run):
         sink.log({"train/loss": 1.0 / step, "perf/samples_per_s": 10.0 * step, "mem/nvml_used_mib_max": None},
                  step=step)
     sink.log_params({"plan": {"note": "x"}})
+    sink.log_params({})   # no data params (a run without the data cache): nothing to send, nothing to retry
+    started = time.monotonic()
     sink.close(timeout=30)
+    assert time.monotonic() - started < 20   # bound: the sender's 5 s batching, not the 30 s give-up
     history = tracked.client.get_metric_history(tracked.run_id, "train/loss")
     assert [(m.step, m.value) for m in history] == [(s, 1.0 / s) for s in range(1, 6)]
     assert tracked.client.get_run(tracked.run_id).data.params["plan.note"] == "x"
