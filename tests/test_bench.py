@@ -136,8 +136,9 @@ def test_gpu_suite_mfu_uses_model_flops_and_the_datasheet_peak():
     derived = {"seq_len": 512, "world_size": 1, "precision": "bf16",
                "model_flops_per_token": 1.963e9, "hardware_flops_per_token": 2.617e9}
     got = gpu.flops_of(derived, 20.0, "NVIDIA H100 80GB HBM3")  # 20 samples/s = 10240 tokens/s
-    assert got["tflops"] == pytest.approx(2.617e9 * 10240 / 1e12)
-    assert got["mfu"] == pytest.approx(1.963e9 * 10240 / 989.5e12)
+    # at most four float64 products and quotients on each side: 8 roundings of 2**-53 between them
+    assert got["tflops"] == pytest.approx(2.617e9 * 10240 / 1e12, rel=8 * 2**-53)
+    assert got["mfu"] == pytest.approx(1.963e9 * 10240 / 989.5e12, rel=8 * 2**-53)
     assert gpu.flops_of(derived, 20.0, "cpu")["mfu"] is None
 
 
