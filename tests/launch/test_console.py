@@ -79,7 +79,7 @@ def test_a_gpu_sized_job_on_cpu_ranks_is_said_with_the_planners_step_time():
     spec, job, memory, _ = prepared("xlmr-large.yaml")
     step = cpu_step_time(job, 2)
     # the derived job's FLOPs for the whole global batch, over the cores at the assumed CPU rate
-    assert step == pytest.approx(job.hardware_flops_per_token * 8 * 512 / (2 * 50e9), rel=4 * 2**-53)   # 4 ops
+    assert step == pytest.approx(job.hardware_flops_per_token * 8 * 512 / (2 * 50e9), rel=8 * 2**-53)   # <= 4 ops each side
     warning = "\n".join(console.gpu_sized_warning(spec, job, memory, CPU_HOST, step))
     assert warning.startswith("WARNING: xlmr-large is sized for GPUs and this host has none: the planner "
                               f"estimates {console.fmt_duration(step)} per step on these 2 CPU cores")
