@@ -144,7 +144,8 @@ class MetricSink:
                 elif kind == "tags":
                     self._send(tags=[RunTag(k, v) for k, v in payload.items()])
                 elif kind == "table":
-                    self._retry(lambda rows=payload, at=step: generations.log_table(self.client, str(self.run_id), at, rows))
+                    self._retry(lambda rows=payload, at=step: generations.log_table(self.client, str(self.run_id),
+                                                                                      at, rows))
                 else:
                     metrics += [Metric(k, v, timestamp, step) for k, v in payload.items()]
             self._send_metrics(metrics)
