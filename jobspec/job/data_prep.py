@@ -104,10 +104,16 @@ def prepare(spec: dict, split: str, tokenizer, *, num_proc: int | None = None, s
     entry = find(spec, split, tokenizer)
     if entry.data is not None:
         return entry
-    with _build_lock(entry.key):
-        entry.data = data_cache.open_entry(entry.key)   # built by another process while this one waited
-        if entry.data is None:
-            entry.data = _build(spec, entry, tokenizer, num_proc or default_num_proc(spec), show)
+    try:
+        with _build_lock(entry.key):
+            entry.data = data_cache.open_entry(entry.key)   # built by another process while this one waited
+            if entry.data is None:
+                entry.data = _build(spec, entry, tokenizer, num_proc or default_num_proc(spec), show)
+    except OSError as err:   # a read-only or full cache directory: the tokens have nowhere to go
+        raise spec_error(f"cannot write the tokenised data of data.{split} into {data_cache.cache_root()}: "
+                         f"{err.strerror or err}", path=("data", split),
+                         hint="set JOBSPEC_CACHE_DIR to a writable directory with room for it "
+                              "(`jobspec plan` says how big it is)") from None
     return entry
 
 
@@ -193,7 +199,7 @@ def _build(spec: dict, entry: Entry, tokenizer, num_proc: int, show: str | None)
     progress = Progress(f"data.{entry.split}", entry.source.total(), show)
     writer = data_cache.EntryWriter(entry.key)
     totals = _Chunk(np.zeros(0), np.zeros(0), np.zeros(0))
-    started = time.time()
+    started, cpu_started = time.time(), _cpu_seconds()
     try:
         with _results(chunks, num_proc) as results:
             for result in results:
@@ -207,7 +213,8 @@ def _build(spec: dict, entry: Entry, tokenizer, num_proc: int, show: str | None)
         meta = {"split": entry.split, "kind": entry.kind, "source": data[entry.split], "records": totals.records,
                 "tokens": writer.tokens, "truncated": totals.truncated, "no_answer": totals.no_answer,
                 "longest": totals.longest[0], "longest_where": totals.longest[1], "max_length": data["max_length"],
-                "seconds": round(time.time() - started, 2), "num_proc": min(num_proc, len(chunks)) or 1}
+                "seconds": round(time.time() - started, 2),
+                "cpu_seconds": round(_cpu_seconds() - cpu_started, 2), "num_proc": min(num_proc, len(chunks)) or 1}
         path = writer.commit(meta)
     except BaseException:
         writer.abort()
@@ -217,6 +224,14 @@ def _build(spec: dict, entry: Entry, tokenizer, num_proc: int, show: str | None)
     opened = data_cache.open_entry(path.name, path.parent)
     assert opened is not None
     return opened
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds of this process and of its children waited for (the pool's workers, once it closed)."""
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 @contextmanager

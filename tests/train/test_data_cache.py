@@ -174,8 +174,8 @@ def test_parallel_chunks_write_what_one_process_writes(monkeypatch):
     assert parallel.data.meta["num_proc"] == 2
     for name, values in arrays.items():
         assert np.array_equal(np.array(getattr(parallel.data, name)), values)
-    assert {k: v for k, v in parallel.data.meta.items() if k not in ("seconds", "num_proc")} == \
-        {k: v for k, v in meta.items() if k not in ("seconds", "num_proc")}
+    assert {k: v for k, v in parallel.data.meta.items() if k not in ("seconds", "cpu_seconds", "num_proc")} == \
+        {k: v for k, v in meta.items() if k not in ("seconds", "cpu_seconds", "num_proc")}
 
 
 def test_every_bad_record_is_named_at_its_line_and_nothing_is_cached(tmp_path):
@@ -340,3 +340,15 @@ def test_launch_refuses_a_bad_record_before_anything_is_created(tmp_path, capsys
     assert f"{data}:1201: message 2 has role 'asistant'" in captured.err and "did you mean 'assistant'?" in captured.err
     assert "Traceback" not in captured.err + captured.out
     assert not list((tmp_path / "out").glob("run-*")) and not list((tmp_path / "cache" / "data").glob("[!.]*"))
+
+
+def test_a_cache_that_cannot_be_written_is_a_clear_error(tmp_path, monkeypatch):
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the cache directory would be")
+    monkeypatch.setenv("JOBSPEC_CACHE_DIR", str(blocked))
+    spec = make_spec(CHAT, records="chat")
+    with pytest.raises(SpecError) as caught:
+        data_prep.prepare(spec, "train", build_tokenizer(spec))
+    issue = caught.value.issues[0]
+    assert issue.message.startswith(f"cannot write the tokenised data of data.train into {blocked}/data: ")
+    assert "JOBSPEC_CACHE_DIR" in issue.hint
