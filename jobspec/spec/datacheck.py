@@ -137,7 +137,8 @@ def record_issues(spec: dict, limit: int = MAX_REPORTED) -> list[SpecIssue]:
         for path in paths:
             fmt = "text" if kind == "text_dir" else data["format"]
             rows = PARQUET_ROWS if _is_parquet(path, fmt) else None
-            found = file_issues(path, fmt, Columns.of(spec), split, max_rows=rows, limit=limit)
+            found = file_issues(path, fmt, Columns.of(spec), split, max_rows=rows, max_bytes=PREFLIGHT_BYTES,
+                                limit=limit)
             issues += [i for i in found if not i.message.endswith("has no text")] if kind == "text_dir" else found
     return issues
 
