@@ -120,7 +120,8 @@ def fit(spec: dict, job: DerivedJob, budget_bytes: int, *, bf16_supported: bool 
 def candidate_changes(spec: dict, job: DerivedJob, bf16_supported: bool):
     """Every combination of knob settings, as {dotted path: value} relative to `spec`."""
     training, memory = spec["training"], spec["memory"]
-    micro, global_batch, world = job.micro_batch_size, job.global_batch_size, job.world_size
+    # the batch split counts data-parallel ranks: world / memory.sequence_parallel
+    micro, global_batch, world = job.micro_batch_size, job.global_batch_size, job.data_parallel_size
     micros = [m for m in range(micro, 0, -1) if micro % m == 0 and global_batch % (m * world) == 0]
     half = "bf16" if bf16_supported else "fp16"
     precisions = [memory["precision"]] + ([half] if memory["precision"] == "fp32" else [])

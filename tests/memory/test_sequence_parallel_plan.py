@@ -42,3 +42,13 @@ def test_a_rank_plans_its_shard_of_the_sequence_and_the_exchange():
     assert plan.settings["sequence_parallel"] == 4
     assert plan_memory(_spec(512, 1), whole).breakdown["all_to_all_buffers"] == 0
     assert plan.breakdown["activations"] < plan_memory(_spec(512, 1), whole).breakdown["activations"]
+
+
+def test_the_fit_search_splits_the_batch_over_the_data_parallel_ranks():
+    """plan --fit (and --longest) under SP: micro-batches that divide the global batch over world / N ranks."""
+    from jobspec.memory.fit import candidate_changes
+    spec = _spec(512, 4)
+    spec["training"]["global_batch_size"] = 2    # micro 2 x (4 / 4 = 1 data-parallel rank) x 1
+    job = derive(spec)
+    micros = {changes.get("training.micro_batch_size", 2) for changes in candidate_changes(spec, job, True)}
+    assert micros == {2, 1}
