@@ -160,7 +160,8 @@ def test_zero3_matches_deepspeed_estimator(world, offload_opt, offload_params):
         + b["step_gradients"]
     left_out = 0 if offload_opt else b["gradients"]     # the 16-bit gradient partition
     assert ours == pytest.approx(gpu, rel=0.03)
-    assert left_out == pytest.approx(2 * plan.settings["parameters"] / world, rel=0.01) or offload_opt
+    # the 16-bit gradient partition is 2 * ceil(P / world) bytes: 0 to 2 bytes over 2 P / world
+    assert offload_opt or 0 <= left_out - 2 * plan.settings["parameters"] / world < 2
 
 
 def test_an_explicit_zero_size_reaches_the_compiled_config_and_the_plan():
