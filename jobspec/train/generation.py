@@ -11,7 +11,10 @@ At each evaluation (worker.train_loop's run_eval, and at the end) every rank gen
 (prompt i on rank i mod world), `micro_batch_size` prompts per `generate` call, left-padded. Under
 ZeRO-3 each rank holds a slice of every weight: all ranks make the same number of calls (a rank
 without prompts of its own repeats one and drops the answer) with `synced_gpus=True`, so every
-forward is collective and DeepSpeed gathers the partitioned weights as the layers run. LoRA/QLoRA
+forward is collective and DeepSpeed gathers the partitioned weights as the layers run; and every rank
+stops at the same token (`AllRanksEnded`), so that none runs as transformers' idle peer (an idle peer's
+forwards did not pair their weight gathers with the working ranks': a rank's answer went wrong after
+another rank's rows had ended, seen on 2 CPU ranks). LoRA/QLoRA
 adapters stay active (PEFT's `generate`). Generation stops at the tokenizer's EOS or the template's
 end-of-turn token (model/chat_turns.py), else after `max_new_tokens`: the cost's bound.
 
@@ -207,6 +210,29 @@ def left_padded(rows: list[list[int]], pad_id: int):
     return ids, mask
 
 
+class AllRanksEnded:
+    """A `generate` stopping criterion for ZeRO-3's lockstep: every row of every rank stops together,
+    once each has written an end token (the answers are cut there: `decode_answer`). With per-row EOS
+    stopping a rank whose rows ended first runs the remaining steps as `synced_gpus`' idle peer, whose
+    forwards need not fetch the partitioned weights as the working ranks' do; one small all-reduce per
+    token (over the worker's gloo group) keeps all ranks generating the same way instead."""
+
+    def __init__(self, end_ids: list[int], prompt_length: int, group=None):
+        self.end_ids, self.prompt_length, self.group = list(end_ids), prompt_length, group
+
+    def __call__(self, input_ids, scores, **kwargs):
+        import torch
+        import torch.distributed as dist
+
+        new = input_ids[:, self.prompt_length:].cpu()
+        ended = bool(torch.isin(new, torch.tensor(self.end_ids, dtype=new.dtype)).any(dim=1).all()) \
+            if self.end_ids and new.shape[1] else False
+        running = torch.tensor([0 if ended else 1], dtype=torch.int32)
+        dist.all_reduce(running, op=dist.ReduceOp.MAX, group=self.group)
+        return torch.full((input_ids.shape[0],), bool(running.item() == 0), dtype=torch.bool,
+                          device=input_ids.device)
+
+
 def generating_module(engine):
     """The model `generate` belongs to: the engine's module, without torch.compile's wrapper."""
     module = engine.module
@@ -266,13 +292,15 @@ class EvalGenerator:
     def generate(self, engine) -> dict[int, Answer]:
         """This rank's answers by prompt index. Collective under ZeRO-3."""
         import torch
+        from transformers import StoppingCriteriaList
 
         module = generating_module(engine)
         was_training = module.training
         answers: dict[int, Answer] = {}
         sampling = self.temperature > 0
+        lockstep = self.zero3 and self.world > 1
         options = dict(max_new_tokens=self.max_new_tokens, do_sample=sampling, eos_token_id=self.end_ids or None,
-                       pad_token_id=self.pad_id, use_cache=True, synced_gpus=self.zero3 and self.world > 1)
+                       pad_token_id=self.pad_id, use_cache=True, synced_gpus=lockstep)
         if sampling:
             options.update(temperature=self.temperature, top_k=0, top_p=1.0)
         engine.eval()
@@ -282,6 +310,9 @@ class EvalGenerator:
                 for batch in self.shares():
                     rows = [self.prompts[i if i >= 0 else -i - 1].ids for i in batch]
                     ids, mask = left_padded(rows, self.pad_id)
+                    if lockstep:   # every rank stops at the same token (AllRanksEnded), none idles
+                        options.update(eos_token_id=None, stopping_criteria=StoppingCriteriaList(
+                            [AllRanksEnded(self.end_ids, ids.shape[1], self.group)]))
                     out = module.generate(input_ids=ids.to(engine.device), attention_mask=mask.to(engine.device),
                                           **options)
                     new = out[:, ids.shape[1]:].tolist()

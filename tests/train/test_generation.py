@@ -260,3 +260,29 @@ def test_the_report_puts_answers_side_by_side_and_the_summary_shows_the_first():
     summary = RunSummary(status="finished", generation={"step": 8, "prompt": "red cat", "generation": "cat\nred"})
     lines = console.closing_lines(summary, {}, job_name="j", run_dir="/r", checkpoint_dir="/c", exit_code=0)
     assert any(line.strip() == 'answer      step 8: "red cat" -> "cat red"' for line in lines)
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_zero3_lockstep_stops_every_row_together_and_answers_as_per_row_stopping(tmp_path, tokenizer, one_rank_group):
+    """Under ZeRO-3 no rank idles while another generates (AllRanksEnded): the rows that ended keep
+    going until all have, and the answers, cut at their first end token, are those of per-row stopping."""
+    spec = job(tmp_path, max_new_tokens=12)
+    records = ["red cat", "sun moon tree fish", "a", "hello there"]
+    model = model_of(spec, tokenizer)
+    per_row = generator_of(spec, tokenizer, records, world_size=2, batch_size=2, zero3=False)
+    lockstep = generator_of(spec, tokenizer, records, world_size=2, batch_size=2, zero3=True)
+    first = per_row.generate(Engine(model))
+    # an end token the untrained model writes early in prompt 0's answer, so that one row stops first
+    early = tokenizer(first[0].text, add_special_tokens=False)["input_ids"][2]
+    per_row.end_ids = lockstep.end_ids = [*per_row.end_ids, early]
+    expected, found = per_row.generate(Engine(model)), lockstep.generate(Engine(model))
+    assert expected[0].stop_reason == generation.STOP and expected[2].stop_reason == generation.LENGTH
+    assert {i: (a.text, a.tokens, a.stop_reason) for i, a in found.items()} == \
+        {i: (a.text, a.tokens, a.stop_reason) for i, a in expected.items()}
