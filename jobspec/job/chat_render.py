@@ -25,13 +25,13 @@ own special tokens (BOS) added.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 from jobspec.errors import first_line, spec_error
-from jobspec.spec.datacheck import messages_problem
+from jobspec.spec import datacheck
 
 IGNORE_INDEX = -100
 
@@ -85,7 +85,8 @@ class Renderer:
             if message["role"] != "assistant":
                 continue
             prefix = self.render(messages[:i], add_generation_prompt=True) if i else ""
-            through = self.render(messages[:i + 1])
+            # the last turn's conversation through it is the whole one, rendered already
+            through = full if i == len(messages) - 1 else self.render(messages[:i + 1])
             if through.startswith(prefix) and full.startswith(through):
                 span: tuple[int, int] | None = (len(prefix), len(through))
             else:   # a template that renders a prefix differently: find the answer in the whole text
@@ -124,35 +125,29 @@ class Text:
 
 
 class RecordText:
-    """A record (chat messages or a (prompt, completion) pair) → its `Text`; RecordError when it cannot."""
+    """A record (chat messages or a (prompt, completion) pair) → its `Text`; RecordError when it cannot:
+    validate's check of the record (spec/datacheck.RecordChecker), then the template on it."""
 
-    def __init__(self, spec: dict, tokenizer, kind: str, template: str | None):
+    def __init__(self, spec: dict, tokenizer, kind: str, template: str | None, split: str):
         data = spec["data"]
         self.kind, self.tokenizer = kind, tokenizer
         self.all_tokens = data["loss_on"] == "all"
         self.fields: tuple[str, ...] = (data["messages_field"],) if kind == "chat" else \
             (data["prompt_field"], data["completion_field"])
         self.renderer = Renderer(tokenizer, template) if template is not None else None
+        self.checker = datacheck.RecordChecker(replace(datacheck.Columns.of(spec), records=kind), split)
 
-    def __call__(self, record) -> Text:
+    def __call__(self, record, where: str) -> Text:
         if not isinstance(record, dict):
             raise RecordError(f"the record is {type(record).__name__}, an object expected",
                               "write one JSON object per line")
-        for name in self.fields:
-            if name not in record:
-                raise RecordError(f"no {name!r} field (it has: {', '.join(map(str, record)) or 'nothing'})",
-                                  f"every record needs {' and '.join(repr(f) for f in self.fields)}")
+        bad = self.checker.problem(where, record)   # validate's own record check (spec/datacheck.py)
+        if bad is not None:
+            raise RecordError(bad.message.removeprefix(f"{where}: "), bad.hint)
         if self.kind == "chat":
-            problem = messages_problem(record[self.fields[0]], self.fields[0])
-            if problem is not None:
-                raise RecordError(*problem)
             messages = [{"role": m["role"], "content": m["content"]} for m in record[self.fields[0]]]
         else:
             prompt, completion = record[self.fields[0]], record[self.fields[1]]
-            for name, value in zip(self.fields, (prompt, completion)):
-                if not isinstance(value, str):
-                    kind = "null" if value is None else type(value).__name__
-                    raise RecordError(f"{name!r} is {kind}, text expected", "every record needs both texts")
             if self.renderer is None:
                 return Text(prompt + completion, (), True, after=len(prompt), eos=self.tokenizer.eos_token_id)
             messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]

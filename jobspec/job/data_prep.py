@@ -164,7 +164,7 @@ def _encode_chunk(chunk) -> _Chunk:
         try:
             if isinstance(record, RecordError):
                 raise record
-            texts.append(record_text(record))
+            texts.append(record_text(record, where))
             places.append(where)
         except RecordError as err:
             result.bad += 1
@@ -193,7 +193,7 @@ def _encode_chunk(chunk) -> _Chunk:
 def _build(spec: dict, entry: Entry, tokenizer, num_proc: int, show: str | None) -> data_cache.CachedData:
     data = spec["data"]
     template = chat_template(spec, tokenizer)
-    _WORK.update(source=entry.source, record_text=RecordText(spec, tokenizer, entry.kind, template),
+    _WORK.update(source=entry.source, record_text=RecordText(spec, tokenizer, entry.kind, template, entry.split),
                  tokenizer=tokenizer, max_length=data["max_length"], all_tokens=data["loss_on"] == "all")
     chunks = entry.source.chunks()
     progress = Progress(f"data.{entry.split}", entry.source.total(), show)
@@ -359,7 +359,8 @@ def estimate(spec: dict, entry: Entry, tokenizer, num_proc: int) -> tuple[int, f
     data = spec["data"]
     source = entry.source
     total = source.total()
-    _WORK.update(source=source, record_text=RecordText(spec, tokenizer, entry.kind, chat_template(spec, tokenizer)),
+    _WORK.update(source=source, record_text=RecordText(spec, tokenizer, entry.kind, chat_template(spec, tokenizer),
+                                                        entry.split),
                  tokenizer=tokenizer, max_length=data["max_length"], all_tokens=data["loss_on"] == "all")
     try:
         started = time.perf_counter()

@@ -352,3 +352,20 @@ def test_a_cache_that_cannot_be_written_is_a_clear_error(tmp_path, monkeypatch):
     issue = caught.value.issues[0]
     assert issue.message.startswith(f"cannot write the tokenised data of data.train into {blocked}/data: ")
     assert "JOBSPEC_CACHE_DIR" in issue.hint
+
+
+def test_prompt_completion_records_are_checked_as_validate_checks_them(tmp_path):
+    """The pass takes validate's record check (spec/datacheck.RecordChecker): the same words at the same line."""
+    from jobspec.spec import datacheck
+
+    lines = INSTRUCT.read_text().splitlines()[:20]
+    lines[7] = json.dumps({"prompt": 3, "completion": "x"})
+    data = tmp_path / "instruct.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    spec = make_spec(data, records="prompt_completion")
+    with pytest.raises(SpecError) as caught:
+        data_prep.prepare(spec, "train", build_tokenizer(spec))
+    checker = datacheck.RecordChecker(datacheck.Columns.of(spec), "train")
+    expected = checker.problem(f"{data}:8", json.loads(lines[7]))
+    assert [(i.message, i.hint) for i in caught.value.issues] == [(expected.message, expected.hint)]
+    assert expected.message == f"{data}:8: 'prompt' is a number (3), text expected"
