@@ -3,6 +3,7 @@
     python -m bench.data_prep                               # 10^4 and 10^5 records, 1 and 2 ranks
     python -m bench.data_prep --records 1000000 --ranks 2   # one size, one world size
     python -m bench.data_prep --prepare-only --records 100000 --num-proc 1 2   # records/s of the pass alone
+    python -m bench.data_prep --arrow CACHE_ENTRY_DIR   # the entry's NumPy memmaps against the same columns in Arrow
 
 For each size, synthetic chat records (bench/chat_data.py: 1-3 exchanges, questions of 10-60 words,
 answers of 20-200) and a tiny Qwen2-shaped LoRA job on the shipped sample tokenizer (jobs/data/tokenizer,
@@ -116,7 +117,8 @@ def prepare_only(work: Path, records: int, num_procs: list[int]) -> None:
     """The pass alone (jobspec prepare --data-only), each process count with an empty cache."""
     data = data_file(work, records)
     job = write_job(work, data, 1)
-    print("| records | processes | seconds | records/s | load before |\n| ---: | ---: | ---: | ---: | --- |")
+    print("| records | processes | seconds | records/s | CPU seconds | records per CPU second | load before |\n"
+          "| ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for procs in num_procs:
         cache = Path(tempfile.mkdtemp(dir=work, prefix="cache-"))
         load = load_average()
@@ -124,8 +126,57 @@ def prepare_only(work: Path, records: int, num_procs: list[int]) -> None:
                         "--set", f"data.num_proc={procs}"], check=True, capture_output=True,
                        env={**os.environ, "JOBSPEC_CACHE_DIR": str(cache)})
         meta = json.loads(next(cache.glob("data/[!.]*/meta.json")).read_text())
-        print(f"| {records:,} | {procs} | {meta['seconds']:.1f} | {records / meta['seconds']:,.0f} | {load} |",
-              flush=True)
+        cpu = meta["cpu_seconds"]
+        print(f"| {records:,} | {procs} | {meta['seconds']:.1f} | {records / meta['seconds']:,.0f} | {cpu:.1f} | "
+              f"{records / cpu:,.0f} | {load} |", flush=True)
+
+
+def compare_arrow(entry: Path, work: Path, samples: int = 2000) -> None:
+    """Open an entry and read `samples` random samples: its memmaps (this process) against the same
+    columns saved by `datasets` (save_to_disk / load_from_disk, numpy format) in a fresh process, whose
+    `import datasets` a rank would pay too."""
+    import random
+
+    import numpy as np
+
+    from jobspec.job import data_cache
+
+    started = time.perf_counter()
+    cached = data_cache.open_entry(entry.name, entry.parent)
+    assert cached is not None, f"{entry} is not a cache entry"
+    opened = time.perf_counter() - started
+    chosen = random.Random(0).sample(range(len(cached)), samples)
+    started = time.perf_counter()
+    for i in chosen:
+        ids, labels = cached.sample(i)
+        ids.astype(np.int64), labels.astype(np.int64)
+    read = time.perf_counter() - started
+    print(f"memmap: open {opened * 1e3:.1f} ms, {samples} random samples {read * 1e3:.0f} ms, "
+          f"{cached.nbytes / 2**20:.0f} MiB")
+    arrow = work / f"arrow-{entry.name}"
+    if not arrow.exists():
+        import datasets
+
+        offsets = np.asarray(cached.offsets)
+        columns = {name: [np.asarray(getattr(cached, name)[offsets[i]:offsets[i + 1]]) for i in range(len(cached))]
+                   for name in ("input_ids", "labels")}
+        datasets.Dataset.from_dict(columns).save_to_disk(str(arrow))
+    code = f"""
+import random, time
+started = time.perf_counter(); import datasets; imported = time.perf_counter() - started
+started = time.perf_counter(); table = datasets.load_from_disk({str(arrow)!r}).with_format("numpy")
+opened = time.perf_counter() - started
+chosen = random.Random(0).sample(range(len(table)), {samples})
+started = time.perf_counter()
+for i in chosen:
+    table[i]
+read = time.perf_counter() - started
+print(f"arrow: import datasets {{imported * 1e3:.0f}} ms, open {{opened * 1e3:.1f}} ms, {samples} random samples "
+      f"{{read * 1e3:.0f}} ms")
+"""
+    print(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip())
+    size = sum(f.stat().st_size for f in arrow.rglob("*") if f.is_file())
+    print(f"arrow: {size / 2**20:.0f} MiB on disk; load {load_average()}")
 
 
 def main(argv=None) -> int:
@@ -135,8 +186,13 @@ def main(argv=None) -> int:
     parser.add_argument("--work", type=Path, default=REPO / "bench" / "work" / "data_prep")
     parser.add_argument("--prepare-only", action="store_true")
     parser.add_argument("--num-proc", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--arrow", type=Path, metavar="CACHE_ENTRY_DIR",
+                        help="compare an entry's memmaps with the same columns in Arrow (datasets)")
     args = parser.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
+    if args.arrow:
+        compare_arrow(args.arrow, args.work)
+        return 0
     if args.prepare_only:
         for records in args.records:
             prepare_only(args.work, records, args.num_proc)
