@@ -10,9 +10,10 @@ else ~/.cache/jobspec, beside the planner's traces) holding
     meta.json       the counts (records, samples, tokens, truncated, no_answer, longest) and the arrays' sizes;
                     written last: an entry without it, or whose files disagree with it, is damaged
 
-NumPy memmaps rather than Arrow (docs/benchmarks.md, "Data preparation"): opening one costs three
-`mmap` calls and no `datasets` import on the ranks (1-2 s of CPU each), a sample is two slices, and
-the pages a rank reads are shared with every other rank of the node through the page cache.
+NumPy memmaps rather than Arrow (docs/benchmarks.md, "Data at scale", `bench/data_prep.py --arrow`):
+opening one costs three `mmap` calls and no `datasets` import on the ranks (1.5 s each), a random
+sample is two slices (9-14x faster than `datasets`' row read), and the pages a rank reads are shared
+with every other rank of the node through the page cache.
 
 The key is a hash of everything that changes the tokens: the source's content (a local file's size,
 mtime and a hash of its bytes, sampled above SAMPLE_HASH_LIMIT; a dataset by name or a saved one: the
