@@ -186,6 +186,7 @@ def run(argv: list[str], env: dict, run_dir: Path, *, echo=None, kill_grace_s: f
             state["at_once"] = True
             state["kill_at"] = time.monotonic()
             state["notice"] = sig
+            _signal_group(proc.pid, signal.SIGKILL)   # now, not at the loop's next tick
 
     handled = (*STOP_SIGNALS, signal.SIGUSR1)
     previous = {sig: signal.signal(sig, forward) for sig in handled}
