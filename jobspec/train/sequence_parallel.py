@@ -58,6 +58,17 @@ class SequenceParallel:
     mpu: Any               # deepspeed.runtime.sequence_parallel.parallel_state_sp, for deepspeed.initialize
     tiled_loss: bool = False   # memory.tiled_loss: the model takes the shard's labels (`shift_labels`)
 
+    def averaged_over(self, engine) -> int:
+        """The ranks DeepSpeed divides the summed gradients by (what the token loss's scale undoes): the
+        data-parallel world, world / N -- except ZeRO-3 with reduce-scatter (its default), whose
+        reduce_scatter_coalesced averages over every rank of the group without DeepSpeed's correction for
+        the sequence-parallel ranks (stage3.__avg_scatter_grads; the contiguous all-reduce path has it).
+        Measured against one rank in docs/benchmarks.md (sequence parallelism, ZeRO-3)."""
+        optimizer = getattr(engine, "optimizer", None)
+        if engine.zero_optimization_stage() == 3 and getattr(optimizer, "reduce_scatter", False):
+            return self.data_world * self.size
+        return self.data_world
+
     @property
     def counts_data(self) -> bool:
         """Whether this rank counts the group's samples and tokens (once per group)."""

@@ -252,7 +252,7 @@ def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, tele
                                                   for _, labels, shift in parts), count_groups)
         # DeepSpeed averages the gradients over the data-parallel ranks: under Ulysses world / N (its
         # engine.dp_world_size is None then; the N ranks of a group are summed)
-        scale = token_loss.backward_scale(step_tokens, engine.dp_world_size if sp is None else sp.data_world)
+        scale = token_loss.backward_scale(step_tokens, engine.dp_world_size if sp is None else sp.averaged_over(engine))
         for micro, (inputs, labels, shift) in zip(micro_batches, parts):
             if sp is None or sp.counts_data:   # a sequence-parallel group's samples count once
                 window.tokens += telemetry.count_tokens(micro.batch)  # on the host batch: no device sync
