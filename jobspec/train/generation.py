@@ -12,9 +12,9 @@ At each evaluation (worker.train_loop's run_eval, and at the end) every rank gen
 ZeRO-3 each rank holds a slice of every weight: all ranks make the same number of calls (a rank
 without prompts of its own repeats one and drops the answer) with `synced_gpus=True`, so every
 forward is collective and DeepSpeed gathers the partitioned weights as the layers run; and every rank
-stops at the same token (`AllRanksEnded`), so that none runs as transformers' idle peer (an idle peer's
-forwards did not pair their weight gathers with the working ranks': a rank's answer went wrong after
-another rank's rows had ended, seen on 2 CPU ranks). LoRA/QLoRA
+stops at the same token (`AllRanksEnded`), so that none runs as transformers' idle `synced_gpus` peer
+(a path DeepSpeed users report hangs with ZeRO-3, deepspeedai/DeepSpeed#8262), at no extra cost:
+`synced_gpus` runs every rank to the slowest one's end anyway. LoRA/QLoRA
 adapters stay active (PEFT's `generate`). Generation stops at the tokenizer's EOS or the template's
 end-of-turn token (model/chat_turns.py), else after `max_new_tokens`: the cost's bound.
 
@@ -213,9 +213,8 @@ def left_padded(rows: list[list[int]], pad_id: int):
 class AllRanksEnded:
     """A `generate` stopping criterion for ZeRO-3's lockstep: every row of every rank stops together,
     once each has written an end token (the answers are cut there: `decode_answer`). With per-row EOS
-    stopping a rank whose rows ended first runs the remaining steps as `synced_gpus`' idle peer, whose
-    forwards need not fetch the partitioned weights as the working ranks' do; one small all-reduce per
-    token (over the worker's gloo group) keeps all ranks generating the same way instead."""
+    stopping a rank whose rows ended first runs the remaining steps as `synced_gpus`' idle peer; one
+    small all-reduce per token (over the worker's gloo group) keeps every rank generating instead."""
 
     def __init__(self, end_ids: list[int], prompt_length: int, group=None):
         self.end_ids, self.prompt_length, self.group = list(end_ids), prompt_length, group

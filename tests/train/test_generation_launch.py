@@ -139,9 +139,10 @@ def test_each_evaluation_is_recorded_once_and_the_answers_change_as_the_model_le
     assert "answers generated" in launched["stdout"]
 
 
-@pytest.mark.xfail(strict=False, reason="2026-11-27, issue 37: rank 1's answer to prompt 1 at step 8 ran on "
-                   "('esunesunes', 8 tokens) where the whole-weight reference stops after 'e' (rank 0's prompts "
-                   "matched); not diagnosed yet (ZeRO-3 generate on CPU ranks, after a resume)")
+@pytest.mark.xfail(strict=False, reason="open (issue 37, 2026-11-27): at step 8 of this trained and resumed run rank "
+                   "1 answers prompt 1 'esunesunes' (8 tokens) where the whole-weight reference answers 'e' and "
+                   "stops; rank 0's prompts match, and a fresh ZeRO-3 engine's answers (no training) match the "
+                   "consolidated weights' on both ranks")
 def test_the_zero3_answers_equal_transformers_generate_on_the_exported_adapter(launched):
     """The step-8 answers of the 2 ZeRO-3 ranks against transformers' `generate` of the exported base +
     adapter, every weight whole (what a ZeRO-0 rank computes with), prompted in the same left-padded
