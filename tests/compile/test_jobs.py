@@ -52,7 +52,8 @@ def test_job_validates_compiles_and_deepspeed_accepts_it(job, deepspeed_config):
         if spec["data"]["synthetic"] is None and spec["data"].get(key):
             assert Path(spec["data"][key]).resolve().is_relative_to(REPO / "jobs" / "data"), key
     assert find_auto(c.ds_config) == []
-    config = deepspeed_config(c.ds_config, c.derived.world_size)
+    # DeepSpeed's batch check counts data-parallel ranks (world / memory.sequence_parallel under Ulysses' mpu)
+    config = deepspeed_config(c.ds_config, c.derived.data_parallel_size)
     assert config.train_batch_size == c.derived.global_batch_size
     assert config.gradient_accumulation_steps == c.derived.gradient_accumulation_steps
     check_scheduler_constructs(c.ds_config)
