@@ -57,6 +57,8 @@ def tiled_loss(model, tiles: int | None = None, tile_bytes: int = TILE_BYTES) ->
     softcap = getattr(config, "final_logit_softcapping", None)
     vocab = int(getattr(config, "vocab_size", 0) or head.weight.shape[0])
     untiled = model.forward
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    tied = embeddings is not None and getattr(embeddings, "weight", None) is getattr(head, "weight", False)
 
     @functools.wraps(untiled)
     def forward(input_ids=None, attention_mask=None, labels=None, shift_labels=None, **kwargs):
@@ -72,7 +74,7 @@ def tiled_loss(model, tiles: int | None = None, tile_bytes: int = TILE_BYTES) ->
         hidden = outputs[0]
         targets = shift_labels if labels is None else next_token_labels(labels)
         loss_sum, count = tiled_cross_entropy(head, hidden, targets, tiles=tiles, vocab=vocab,
-                                              softcap=softcap, tile_bytes=tile_bytes)
+                                              softcap=softcap, tile_bytes=tile_bytes, tied=tied)
         return TiledLossOutput(loss=loss_sum / count.to(loss_sum.dtype), loss_sum=loss_sum, loss_tokens=count)
 
     model.forward = forward
@@ -89,7 +91,7 @@ def next_token_labels(labels):
 
 
 def tiled_cross_entropy(head, hidden, targets, *, tiles: int | None, vocab: int, softcap=None,
-                        tile_bytes: int = TILE_BYTES):
+                        tile_bytes: int = TILE_BYTES, tied: bool = False):
     """(summed cross-entropy of the labelled positions in fp32, their count) of `head(hidden)` against
     `targets` ([batch, seq], -100 skipped), computed over sequence tiles."""
     import torch
@@ -112,6 +114,13 @@ def tiled_cross_entropy(head, hidden, targets, *, tiles: int | None, vocab: int,
                                ignore_index=IGNORE_INDEX, reduction="sum")
 
     params = [p for p in head.parameters() if p.requires_grad]
+    if tied and any(hasattr(p, "ds_id") for p in params):
+        # ZeRO-3 partitions the weight: a head tied to the input embeddings gets one gradient more, later in
+        # the same backward, and DeepSpeed's stage 3 then loses a contribution (`ds_grad_is_ready` held for
+        # the tiles) or fails (not held): measured on 2 CPU ranks; spec/rules/tiling.py refuses it up front
+        raise spec_error("the tiled loss cannot train a head tied to the input embeddings under ZeRO-3",
+                         path=("memory", "tiled_loss"),
+                         hint="memory.zero_stage 0-2, or model.config.tie_word_embeddings: false")
     if not torch.is_grad_enabled():   # evaluation: no backward, a plain loop over the tiles
         step = math.ceil(seq / shards)
         total = sum((tile_loss(hidden[:, i:i + step], targets[:, i:i + step]) for i in range(0, seq, step)),

@@ -24,6 +24,12 @@ def tiled_loss_issues(r: ResolvedSpec) -> list[SpecIssue]:
         return []
     task = r.spec["model"]["task"]
     if task in TILED_TASKS:
+        if r.spec["memory"]["zero_stage"] == 3 and tied_embeddings(r.spec["model"]):
+            return [r.issue(("memory", "tiled_loss"), "the tiled loss cannot train a head tied to the input "
+                            "embeddings under ZeRO-3 (DeepSpeed's stage 3 loses one of the tied weight's "
+                            "gradient contributions when the head runs in tiles)",
+                            "memory.zero_stage 0-2, or model.config.tie_word_embeddings: false",
+                            code="tiled-loss-tied-zero3")]
         return []
     if tasks.get(task).labels == CLASS:
         why = f"{task}'s loss is one cross-entropy per sequence (its pooled logits), not a per-token loss to tile"
@@ -32,3 +38,14 @@ def tiled_loss_issues(r: ResolvedSpec) -> list[SpecIssue]:
                "vocabulary (the logits that grow with the sequence)")
     return [r.issue(("memory", "tiled_loss"), why, "remove memory.tiled_loss (it is for causal-lm)",
                     code="tiled-loss-task")]
+
+
+def tied_embeddings(model: dict) -> bool:
+    """Whether the spec's model ties its head to the input embeddings: `model.config`, else the
+    architecture's default (spec/model_dims); a local checkpoint's config.json is checked by the ranks."""
+    from jobspec.spec.model_dims import ARCHITECTURE_DEFAULTS
+
+    value = (model.get("config") or {}).get("tie_word_embeddings")
+    if value is None and model.get("architecture"):
+        value = ARCHITECTURE_DEFAULTS.get(model["architecture"], {}).get("tie_word_embeddings")
+    return bool(value)
