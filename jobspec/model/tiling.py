@@ -115,12 +115,12 @@ def tiled_cross_entropy(head, hidden, targets, *, tiles: int | None, vocab: int,
 
     params = [p for p in head.parameters() if p.requires_grad]
     if tied and any(hasattr(p, "ds_id") for p in params):
-        # ZeRO-3 partitions the weight: a head tied to the input embeddings gets one gradient more, later in
-        # the same backward, and DeepSpeed's stage 3 then loses a contribution (`ds_grad_is_ready` held for
-        # the tiles) or fails (not held): measured on 2 CPU ranks; spec/rules/tiling.py refuses it up front
-        raise spec_error("the tiled loss cannot train a head tied to the input embeddings under ZeRO-3",
+        # a head tied to the input embeddings: the tiles' backward stores its gradient before the embeddings
+        # add theirs, and ZeRO reduces the two apart: stage 3 loses one, stages 1-2 refuse the second
+        # ("Gradient computed twice"); measured on 2 CPU ranks, refused up front by spec/rules/tiling.py
+        raise spec_error("the tiled loss cannot train a head tied to the input embeddings under ZeRO 1-3",
                          path=("memory", "tiled_loss"),
-                         hint="memory.zero_stage 0-2, or model.config.tie_word_embeddings: false")
+                         hint="memory.zero_stage: 0, or model.config.tie_word_embeddings: false")
     if not torch.is_grad_enabled():   # evaluation: no backward, a plain loop over the tiles
         step = math.ceil(seq / shards)
         total = sum((tile_loss(hidden[:, i:i + step], targets[:, i:i + step]) for i in range(0, seq, step)),

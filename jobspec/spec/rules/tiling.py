@@ -24,12 +24,15 @@ def tiled_loss_issues(r: ResolvedSpec) -> list[SpecIssue]:
         return []
     task = r.spec["model"]["task"]
     if task in TILED_TASKS:
-        if r.spec["memory"]["zero_stage"] == 3 and tied_embeddings(r.spec["model"]):
+        model = r.spec["model"]
+        if r.spec["memory"]["zero_stage"] >= 1 and tied_embeddings(model) and model["lora"] is None:
+            # the tiles' backward stores the tied weight's gradient before the embeddings add theirs: ZeRO 1-2
+            # refuse a second reduction ("Gradient computed twice"), ZeRO-3 loses one (2 CPU ranks)
             return [r.issue(("memory", "tiled_loss"), "the tiled loss cannot train a head tied to the input "
-                            "embeddings under ZeRO-3 (DeepSpeed's stage 3 loses one of the tied weight's "
-                            "gradient contributions when the head runs in tiles)",
-                            "memory.zero_stage 0-2, or model.config.tie_word_embeddings: false",
-                            code="tiled-loss-tied-zero3")]
+                            "embeddings under ZeRO 1-3 (the tiles and the embeddings reduce the tied weight's "
+                            "gradient separately, which DeepSpeed's ZeRO refuses or gets wrong)",
+                            "memory.zero_stage: 0, or model.config.tie_word_embeddings: false",
+                            code="tiled-loss-tied-zero")]
         return []
     if tasks.get(task).labels == CLASS:
         why = f"{task}'s loss is one cross-entropy per sequence (its pooled logits), not a per-token loss to tile"
