@@ -126,7 +126,7 @@ def derive(spec: dict, *, config_json: dict | None = None, num_train_samples: in
     synthetic = spec["data"].get("synthetic")
     if synthetic:
         num_train_samples = synthetic["num_samples"]
-    total = _total_steps(training, micro, data_parallel, accumulation, num_train_samples, notes)
+    total = _total_steps(training, global_batch, num_train_samples, notes)
     warmup = None if total is None else _warmup_steps(training["scheduler"], total)
     dims = model_dims(spec, config_json)
     seq_len = synthetic["seq_len"] if synthetic else spec["data"]["max_length"]
@@ -228,8 +228,15 @@ def _batch_split(micro: int, global_batch: int | None, world: int, sequence_para
     return global_batch, global_batch // per_pass
 
 
-def _total_steps(training: dict, micro: int, world: int, accumulation: int, samples: int | None,
-                 notes: list[str]) -> int | None:
+def _total_steps(training: dict, global_batch: int, samples: int | None, notes: list[str]) -> int | None:
+    if samples is not None and samples < global_batch:
+        # the loader trains whole global batches only (jobspec/train/data.py epoch_samples)
+        explicit = training["global_batch_size"] is not None
+        raise spec_error(f"{samples} training samples do not fill one global batch of {global_batch}",
+                         path=("training", "global_batch_size" if explicit else "micro_batch_size"),
+                         hint="use more data, or a smaller "
+                              + ("training.global_batch_size" if explicit else
+                                 "training.micro_batch_size or fewer ranks"))
     if training["max_steps"] is not None:
         return training["max_steps"]
     epochs = training["epochs"]
@@ -238,14 +245,11 @@ def _total_steps(training: dict, micro: int, world: int, accumulation: int, samp
         notes.append("neither training.max_steps nor training.epochs is set: training for 1 epoch")
     if samples is None:
         return None
-    # Count as the loader runs: each rank gets floor(samples / world) samples and drops its last
-    # incomplete micro-batch, so an epoch is that many micro-batches over the accumulation.
-    micro_batches_per_rank = (samples // world) // micro
-    if micro_batches_per_rank == 0:
-        raise spec_error(f"{samples} training samples give no micro-batch of {micro} on each of {world} ranks",
-                         path=("training", "micro_batch_size"),
-                         hint="use more data, a smaller training.micro_batch_size, or fewer ranks")
-    return max(1, math.ceil(epochs * micro_batches_per_rank / accumulation))
+    # Count as the loader runs: an epoch is the whole global batches of the shuffled samples, the same
+    # for every split of the global batch (train/data.epoch_samples; the tail of each epoch's order is
+    # left out). This module is pure, so the count is written here rather than imported.
+    steps_per_epoch = samples // global_batch
+    return max(1, math.ceil(epochs * steps_per_epoch))
 
 
 def _warmup_steps(scheduler: dict, total_steps: int) -> int:

@@ -10,7 +10,8 @@ Every dataset is map-style and yields dicts of LongTensors `input_ids`, `attenti
   prompt/completion records: -100 also outside the answers (`data.loss_on: answers`).
 With `padding: max_length` samples are padded to `max_length`; with `longest` they are unpadded 1-D
 tensors, padded per batch by `PadCollator`.
-`make_loader` shards a dataset over ranks deterministically and can resume mid-epoch.
+`make_loader` shards a dataset over ranks deterministically, takes whole global batches per training
+epoch, and can resume mid-epoch.
 """
 from __future__ import annotations
 
@@ -131,27 +132,45 @@ def data_params(*datasets) -> dict:
 
 
 def make_loader(dataset, *, micro_batch_size: int, rank: int, world_size: int, seed: int, epoch: int,
-                shuffle: bool, num_workers: int, pin_memory: bool, skip_batches: int = 0) -> DataLoader:
+                shuffle: bool, num_workers: int, pin_memory: bool, skip_batches: int = 0,
+                global_batch_size: int | None = None) -> DataLoader:
     """A DataLoader over this rank's shard of `dataset` for one epoch.
 
-    The order depends only on (seed, epoch), so every rank agrees on it; the tail that does not
-    fill a batch on every rank is dropped, so all ranks take the same number of steps.
+    The order depends only on (seed, epoch), so every rank agrees on it. Training passes the global
+    batch: an epoch is then the first `epoch_samples(len(dataset), global_batch_size)` samples of that
+    order, whatever the split -- which samples train must not depend on the micro-batch, the ranks or
+    the accumulation (docs/loss.md). Sample i of the epoch goes to rank i % world_size, and a rank's
+    micro-batches are consecutive runs of its share, so optimizer step k trains samples
+    [k G, (k + 1) G) of the order on any split. Evaluation passes none: the tail that does not fill a
+    micro-batch on every rank is dropped, so all ranks take the same number of batches.
     `skip_batches` starts the epoch that many batches in (resuming at the exact data position).
     """
+    samples = None if global_batch_size is None else epoch_samples(len(dataset), global_batch_size)
     sampler = _ResumableSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed,
-                                drop_last=True, skip=skip_batches * micro_batch_size)
+                                drop_last=True, skip=skip_batches * micro_batch_size, epoch_samples=samples)
     sampler.set_epoch(epoch)
     return DataLoader(dataset, batch_size=micro_batch_size, sampler=sampler, drop_last=True,
                       num_workers=num_workers, pin_memory=pin_memory and torch.cuda.is_available(),
                       collate_fn=PadCollator(getattr(dataset, "pad_token_id", 0) or 0))
 
 
-class _ResumableSampler(DistributedSampler):
-    """DistributedSampler that can start `skip` samples into its shard."""
+def epoch_samples(num_samples: int, global_batch_size: int) -> int:
+    """The samples one training epoch uses: whole global batches (the same count for every split;
+    jobspec.spec.derived counts an epoch's steps from it)."""
+    return num_samples // global_batch_size * global_batch_size
 
-    def __init__(self, *args, skip: int = 0, **kwargs):
+
+class _ResumableSampler(DistributedSampler):
+    """DistributedSampler that can start `skip` samples into its shard, over the first `epoch_samples`
+    samples of the epoch's order (DistributedSampler's drop_last keeps `total_size` of them and deals
+    them out rank by rank; a multiple of world_size keeps that exact)."""
+
+    def __init__(self, *args, skip: int = 0, epoch_samples: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.skip = skip
+        if epoch_samples is not None:
+            assert epoch_samples % self.num_replicas == 0, (epoch_samples, self.num_replicas)
+            self.total_size, self.num_samples = epoch_samples, epoch_samples // self.num_replicas
 
     def __iter__(self):
         return itertools.islice(super().__iter__(), self.skip, None)

@@ -236,8 +236,10 @@ def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, tele
     task = tasks.of(spec)
 
     def step_batches(rng: dict | None) -> StepBatches:   # from the run's data position (after an OOM: rewound)
+        # an epoch: whole global batches of the shuffled order, the same samples on every split
         return StepBatches(lambda epoch, skip: make_loader(train_ds, epoch=epoch, shuffle=data["shuffle"],
-                                                           skip_batches=skip, **loader_args),
+                                                           skip_batches=skip, **loader_args,
+                                                           global_batch_size=derived.global_batch_size),
                            state.epoch, state.batches_in_epoch,
                            # after iter(): see checkpointing.rng_state_of_this_rank
                            after_first_iter=None if rng is None else partial(checkpointing.restore_rng_state, rng))

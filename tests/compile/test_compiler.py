@@ -97,16 +97,32 @@ def test_epochs_with_too_few_samples_for_one_micro_batch_is_an_error():
     assert err.value.issues[0].path == ("training", "micro_batch_size")
 
 
-def test_epochs_count_steps_per_rank_with_accumulation():
-    # 2 ranks x micro 4 x accumulation 2: 100 samples -> 50 per rank -> 12 micro-batches -> 6 steps
-    spec = make_spec(data={"synthetic": {"num_samples": 100}}, resources={"gpus_per_node": 2},
+@pytest.mark.parametrize("samples, expected", [
+    (100, 6),   # 6 whole global batches of 16
+    (110, 6),   # 55 per rank would be 13 micro-batches, ceil(13 / 2) = 7 steps: an epoch is whole global batches
+])
+def test_epochs_count_whole_global_batches(samples, expected):
+    # 2 ranks x micro 4 x accumulation 2 = global batch 16: the loader's epoch (train/data.epoch_samples)
+    # is the same samples for every split, floor(samples / 16) steps
+    spec = make_spec(data={"synthetic": {"num_samples": samples}}, resources={"gpus_per_node": 2},
                      training={"max_steps": None, "epochs": 1, "micro_batch_size": 4, "global_batch_size": 16})
-    assert compile_(spec).derived.total_steps == 6
+    assert compile_(spec).derived.total_steps == expected
+
+
+@pytest.mark.parametrize("training", [{"max_steps": None, "epochs": 1}, {"max_steps": 3}])
+def test_fewer_samples_than_one_global_batch_is_an_error(training):
+    # 12 samples: 3 micro-batches of 4 on 1 rank, but not one global batch of 16 (accumulation 4)
+    spec = make_spec(data={"synthetic": {"num_samples": 12}},
+                     training={**training, "micro_batch_size": 4, "global_batch_size": 16})
+    with pytest.raises(SpecError) as err:
+        compile_(spec)
+    issue = err.value.issues[0]
+    assert issue.path == ("training", "global_batch_size") and "12 training samples" in issue.message
 
 
 @pytest.mark.parametrize("epochs, samples, global_batch, expected", [
     (1, 512, 4, 128),
-    (1, 100, 8, 12),      # the loader drops the incomplete last micro-batch: 12 steps, not 13
+    (1, 100, 8, 12),      # the loader drops the incomplete last global batch: 12 steps, not 13
     (2, 100, 8, 24),
     (0.5, 100, 8, 6),
     (1.1, 100, 8, 14),    # ceil(1.1 * 12)

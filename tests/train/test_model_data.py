@@ -259,3 +259,34 @@ def test_loader_shards_ranks_evenly_and_deterministically():
     assert rank0 == _order(dataset, rank=0, world_size=3, seed=1, epoch=0)
     assert rank0 != _order(dataset, rank=0, world_size=3, seed=1, epoch=1)
     assert _order(dataset, rank=0, world_size=3, seed=1, epoch=0, skip_batches=1) == rank0[3:]
+
+
+def test_a_training_epoch_is_the_same_whole_global_batches_on_every_split():
+    """46 samples, global batch 16: every split (micro-batch x ranks x accumulation, the OOM-halved one
+    included) trains the same 2 steps of the same 16 samples per epoch, the first 32 of the epoch's order;
+    a rank resumed mid-epoch continues its share. (Dropping each rank's incomplete micro-batch instead
+    kept 44 samples at micro-batch 4 and 40 at 8: the samples of an epoch depended on the split.)"""
+    from jobspec.train.data import TensorDictDataset, epoch_samples
+
+    dataset = TensorDictDataset({"input_ids": torch.zeros(46, 2, dtype=torch.long), "labels": torch.arange(46)})
+    assert epoch_samples(46, 16) == 32
+
+    def steps(micro: int, world: int, epoch: int) -> list[set]:
+        accumulation = 16 // (micro * world)
+        per_rank = [[[int(x) for x in batch["labels"]] for batch in make_loader(
+            dataset, micro_batch_size=micro, rank=rank, world_size=world, seed=5, epoch=epoch, shuffle=True,
+            num_workers=0, pin_memory=False, global_batch_size=16)] for rank in range(world)]
+        assert len({len(batches) for batches in per_rank}) == 1      # every rank takes the same steps
+        assert len(per_rank[0]) % accumulation == 0                   # an epoch ends where a step ends
+        return [{x for batches in per_rank for batch in batches[k * accumulation:(k + 1) * accumulation]
+                 for x in batch} for k in range(len(per_rank[0]) // accumulation)]
+
+    for epoch in (0, 1):
+        reference = steps(16, 1, epoch)
+        assert [len(s) for s in reference] == [16, 16]
+        for micro, world in [(8, 1), (4, 1), (2, 1), (8, 2), (4, 2), (2, 2), (2, 4), (1, 4)]:
+            assert steps(micro, world, epoch) == reference, (micro, world, epoch)
+    assert steps(4, 1, 0) != steps(4, 1, 1)   # reshuffled: another 32 of the 46 samples
+    rank1 = _order(dataset, rank=1, world_size=2, seed=5, epoch=0, global_batch_size=12)
+    assert len(rank1) == 18   # 36 = 3 global batches of 12, 18 per rank
+    assert _order(dataset, rank=1, world_size=2, seed=5, epoch=0, global_batch_size=12, skip_batches=2) == rank1[6:]
