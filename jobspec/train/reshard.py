@@ -16,8 +16,9 @@ shard of an epoch is a stride over ONE permutation fixed by (seed, epoch), so th
 consumed at W1 are the first G of the permutation, and W2 skips exactly those: no sample of the
 epoch is repeated or lost when G is a multiple of micro x W2 (always true when the global batch
 is unchanged). Otherwise the remainder (< micro x W2 samples) is trained a second time. The sample
-ORDER after a reshard differs from an uninterrupted W2 run (another stride over the permutation),
-and the last few samples of an epoch that `drop_last` leaves out depend on the world size.
+ORDER after a reshard differs from an uninterrupted W2 run (another stride over the permutation).
+An epoch's samples do not depend on the world size: whole global batches of the permutation
+(jobspec.train.data.epoch_samples).
 
 RNG: per-rank states cannot map onto another number of ranks, so every rank is reseeded from
 (seed, step, rank): dropout masks after a reshard are deterministic but not those of any
