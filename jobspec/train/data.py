@@ -11,7 +11,7 @@ Every dataset is map-style and yields dicts of LongTensors `input_ids`, `attenti
 With `padding: max_length` samples are padded to `max_length`; with `longest` they are unpadded 1-D
 tensors, padded per batch by `PadCollator`.
 `make_loader` shards a dataset over ranks deterministically, takes whole global batches per training
-epoch, and can resume mid-epoch.
+epoch, evaluates every eval sample exactly once, and can resume mid-epoch.
 """
 from __future__ import annotations
 
@@ -141,17 +141,25 @@ def make_loader(dataset, *, micro_batch_size: int, rank: int, world_size: int, s
     order, whatever the split -- which samples train must not depend on the micro-batch, the ranks or
     the accumulation (docs/loss.md). Sample i of the epoch goes to rank i % world_size, and a rank's
     micro-batches are consecutive runs of its share, so optimizer step k trains samples
-    [k G, (k + 1) G) of the order on any split. Evaluation passes none: the tail that does not fill a
-    micro-batch on every rank is dropped, so all ranks take the same number of batches.
+    [k G, (k + 1) G) of the order on any split. Evaluation passes none: then every sample is evaluated
+    exactly once (`_EvalBatches`: a rank's last batch may be short, and a rank with fewer batches ends
+    with a padding batch whose labels are all ignored, so every rank runs the same number of forward
+    passes -- ZeRO-3's forward gathers parameters collectively).
     `skip_batches` starts the epoch that many batches in (resuming at the exact data position).
     """
-    samples = None if global_batch_size is None else epoch_samples(len(dataset), global_batch_size)
+    collate = PadCollator(getattr(dataset, "pad_token_id", 0) or 0)
+    pin_memory = pin_memory and torch.cuda.is_available()
+    if global_batch_size is None:
+        batches = _EvalBatches(_order(len(dataset), shuffle, seed, epoch), micro_batch_size=micro_batch_size,
+                               rank=rank, world_size=world_size, skip=skip_batches)
+        return DataLoader(_WithPadding(dataset), batch_sampler=batches, num_workers=num_workers,
+                          pin_memory=pin_memory, collate_fn=collate)
+    samples = epoch_samples(len(dataset), global_batch_size)
     sampler = _ResumableSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed,
                                 drop_last=True, skip=skip_batches * micro_batch_size, epoch_samples=samples)
     sampler.set_epoch(epoch)
     return DataLoader(dataset, batch_size=micro_batch_size, sampler=sampler, drop_last=True,
-                      num_workers=num_workers, pin_memory=pin_memory and torch.cuda.is_available(),
-                      collate_fn=PadCollator(getattr(dataset, "pad_token_id", 0) or 0))
+                      num_workers=num_workers, pin_memory=pin_memory, collate_fn=collate)
 
 
 def epoch_samples(num_samples: int, global_batch_size: int) -> int:
@@ -177,6 +185,57 @@ class _ResumableSampler(DistributedSampler):
 
     def __len__(self) -> int:
         return max(0, self.num_samples - self.skip)
+
+
+PADDING_INDEX = -1   # an eval batch sampler's stand-in for "a sample whose labels count nothing"
+
+
+def _order(num_samples: int, shuffle: bool, seed: int, epoch: int) -> list[int]:
+    """The epoch's sample order: DistributedSampler's (a permutation seeded by seed + epoch)."""
+    if not shuffle:
+        return list(range(num_samples))
+    generator = torch.Generator().manual_seed(seed + epoch)
+    return torch.randperm(num_samples, generator=generator).tolist()
+
+
+class _EvalBatches:
+    """An eval batch sampler: rank r takes samples r, r + W, ... of `order` (each sample on exactly one
+    rank, none repeated: DistributedSampler would repeat some to even the shares out), in micro-batches,
+    the last one short. Ranks whose share fills fewer batches than rank 0's (at most one fewer) end with
+    one batch of `PADDING_INDEX`, which `_WithPadding` turns into a sample whose labels are all ignored:
+    a forward pass that adds nothing to the loss sums, the labelled-token counts or the task metrics'
+    counts (jobspec.train.token_loss, jobspec.train.task_metrics)."""
+
+    def __init__(self, order: list[int], *, micro_batch_size: int, rank: int, world_size: int, skip: int = 0):
+        share = order[rank::world_size]
+        batches = [share[i:i + micro_batch_size] for i in range(0, len(share), micro_batch_size)]
+        most = -(-len(order[::world_size]) // micro_batch_size)   # rank 0's share is the largest
+        self.batches = (batches + [[PADDING_INDEX]] * (most - len(batches)))[skip:]
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+class _WithPadding(Dataset):
+    """`dataset`, and at `PADDING_INDEX` its first sample with every label ignored (-100: a token task's
+    labels, and a sequence classification's one label, which jobspec.train.token_loss then counts as
+    no sample) -- real inputs, so the padding batch's forward runs what any batch runs."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict:
+        if index != PADDING_INDEX:
+            return self.dataset[index]
+        sample = dict(self.dataset[0])
+        sample["labels"] = torch.full_like(torch.as_tensor(sample["labels"]), IGNORE_INDEX)
+        return sample
 
 
 # ---- synthetic data ---------------------------------------------------------------------------

@@ -40,10 +40,13 @@ def labelled_count(task: Task, labels, shift: int | None = None) -> int:
     """The labelled tokens of one host micro-batch (its samples for a per-sample task). `shift`
     (default: the task's) drops the first `shift` labels of each sequence, which no logit predicts;
     sequence parallelism passes 0 for labels it shifted before splitting the sequence."""
-    if per_sample(task):
-        return int(labels.shape[0])
-    shift = task.shift if shift is None else shift
-    return int((labels[..., shift:] != IGNORE_INDEX).sum())
+    return int(_counted(task, labels, task.shift if shift is None else shift).sum())
+
+
+def _counted(task: Task, labels, shift: int):
+    """Which labels the loss counts: -100 is ignored -- on tokens, and on a sequence's class too (no
+    training sample has it; evaluation's padding batch, jobspec.train.data._WithPadding, has only it)."""
+    return labels != IGNORE_INDEX if per_sample(task) else labels[..., shift:] != IGNORE_INDEX
 
 
 def global_count(local: int, groups=()) -> int:
@@ -95,8 +98,7 @@ def summed_loss(task: Task, outputs, labels, shift: int | None = None):
     if loss is None and isinstance(outputs, tuple) and outputs[0].dim() == 0:
         loss = outputs[0]   # `return_dict: false` with labels: (loss, logits, ...)
     if loss is not None:
-        shift = task.shift if shift is None else shift
-        count = labels.shape[0] if per_sample(task) else (labels[..., shift:] != IGNORE_INDEX).sum()
+        count = _counted(task, labels, task.shift if shift is None else shift).sum()
         # a micro-batch without a labelled token: the mean is 0/0; its gradient is zero all the same
         return torch.where(torch.as_tensor(count, device=loss.device) > 0, loss.float() * count,
                            torch.nan_to_num(loss.float()) * 0.0)

@@ -251,14 +251,41 @@ def test_loader_shards_ranks_evenly_and_deterministically():
 
     dataset = TensorDictDataset({"input_ids": torch.zeros(20, 2, dtype=torch.long),
                                  "labels": torch.arange(20)})
-    rank0 = _order(dataset, rank=0, world_size=3, seed=1, epoch=0)
-    rank1 = _order(dataset, rank=1, world_size=3, seed=1, epoch=0)
-    rank2 = _order(dataset, rank=2, world_size=3, seed=1, epoch=0)
-    assert len(rank0) == len(rank1) == len(rank2) == 6                 # 20 // 3 = 6 per rank, 2 batches
+    rank0 = _order(dataset, rank=0, world_size=3, seed=1, epoch=0, global_batch_size=9)
+    rank1 = _order(dataset, rank=1, world_size=3, seed=1, epoch=0, global_batch_size=9)
+    rank2 = _order(dataset, rank=2, world_size=3, seed=1, epoch=0, global_batch_size=9)
+    assert len(rank0) == len(rank1) == len(rank2) == 6                 # 20 // 9 = 2 global batches of 9
     assert not set(rank0) & set(rank1) and not set(rank1) & set(rank2)
-    assert rank0 == _order(dataset, rank=0, world_size=3, seed=1, epoch=0)
-    assert rank0 != _order(dataset, rank=0, world_size=3, seed=1, epoch=1)
-    assert _order(dataset, rank=0, world_size=3, seed=1, epoch=0, skip_batches=1) == rank0[3:]
+    assert rank0 == _order(dataset, rank=0, world_size=3, seed=1, epoch=0, global_batch_size=9)
+    assert rank0 != _order(dataset, rank=0, world_size=3, seed=1, epoch=1, global_batch_size=9)
+    assert _order(dataset, rank=0, world_size=3, seed=1, epoch=0, skip_batches=1, global_batch_size=9) == rank0[3:]
+
+
+@pytest.mark.parametrize("samples", [1, 2, 7, 20, 41, 46])
+@pytest.mark.parametrize("micro, world", [(16, 1), (4, 1), (3, 1), (4, 2), (3, 3), (2, 4), (1, 4)])
+def test_evaluation_takes_every_sample_once_in_the_same_number_of_batches_per_rank(samples, micro, world):
+    """The eval loader (no global batch): every sample on exactly one rank, once; every rank the same
+    number of batches (ZeRO-3's forward is collective), a rank short of one ending with a padding batch
+    whose labels -- token labels, or a sequence class -- are all ignored."""
+    from jobspec.train.data import TensorDictDataset
+
+    for label_shape in ((), (5,)):   # a sequence classification's class; a token task's labels
+        labels = torch.arange(samples).reshape(-1, *[1] * len(label_shape)).expand(samples, *label_shape)
+        dataset = TensorDictDataset({"input_ids": torch.ones(samples, 5, dtype=torch.long), "labels": labels})
+        per_rank = [[batch["labels"] for batch in make_loader(
+            dataset, micro_batch_size=micro, rank=rank, world_size=world, seed=5, epoch=0, shuffle=shuffle,
+            num_workers=0, pin_memory=False)] for rank in range(world) for shuffle in (False, True)]
+        assert len({len(batches) for batches in per_rank}) == 1
+        assert len(per_rank[0]) == -(-(-(-samples // world)) // micro)   # rank 0's share, in micro-batches
+        for shuffle in (0, 1):
+            seen = [int(b.reshape(len(b), -1)[i, 0]) for batches in per_rank[shuffle::2] for b in batches
+                    for i in range(len(b)) if b.reshape(len(b), -1)[i, 0] != IGNORE_INDEX]
+            assert sorted(seen) == list(range(samples))
+            for batches in per_rank[shuffle::2]:
+                assert all(b.shape[1:] == label_shape and len(b) <= micro for b in batches)
+                padding = [b for b in batches if (b == IGNORE_INDEX).all()]
+                assert len(padding) <= 1 and all(len(b) == 1 for b in padding)
+                assert len(padding) == 0 or batches[-1] is padding[0]
 
 
 def test_a_training_epoch_is_the_same_whole_global_batches_on_every_split():

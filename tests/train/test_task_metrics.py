@@ -223,6 +223,41 @@ def test_evaluate_returns_the_loss_and_the_reduced_task_metrics(one_rank_group):
     assert evaluate(FakeEngine(), batches) == (pytest.approx(0.25, rel=FLOAT32_FORMULA), {})
 
 
+@pytest.mark.parametrize("task, names, labels", [
+    ("sequence-classification", None, torch.tensor([IGNORE_INDEX])),
+    ("token-classification", None, torch.full((1, 4), IGNORE_INDEX)),
+    ("token-classification", {"B-PER": 0, "I-PER": 1, "O": 2}, torch.full((1, 4), IGNORE_INDEX)),
+    ("causal-lm", None, torch.full((1, 4), IGNORE_INDEX)),
+    ("masked-lm", None, torch.full((1, 4), IGNORE_INDEX))])
+def test_an_all_ignored_padding_batch_counts_nothing(task, names, labels):
+    """Evaluation's padding batch (jobspec.train.data._WithPadding: a rank with fewer eval batches still
+    runs the collective forward) adds zeros to every counter: the confusion matrix, correct/labelled
+    tokens and entity spans, the token-loss sum and count -- even where the model's mean is NaN (0/0)."""
+    counter = TaskCounter(task, 3, names)
+    logits = one_hot_logits([[0, 1, 2, 0]] if labels.dim() == 2 else [0], 3)
+    counter.update(torch.tensor(float("nan")), logits, labels)
+    assert counter.vector().tolist() == [0.0] * counter.size
+
+
+def test_evaluate_ignores_a_padding_batch(one_rank_group):
+    """The sums of test_evaluate_returns_the_loss_and_the_reduced_task_metrics's batches, with a padding
+    batch after them: the same loss and metrics (the model's loss on it is transformers' 0/0)."""
+    from jobspec.train.worker import evaluate
+
+    class PaddedEngine(FakeEngine):
+        def __call__(self, input_ids, attention_mask=None, labels=None):
+            outputs = super().__call__(input_ids)
+            if labels is not None and (labels == IGNORE_INDEX).all():
+                outputs.loss = torch.tensor(float("nan"))
+            return outputs
+    batches = [{"input_ids": torch.tensor([[0, 9], [1, 9]]), "labels": torch.tensor([0, 0])},
+               {"input_ids": torch.tensor([[1, 9], [1, 9]]), "labels": torch.tensor([1, 1])},
+               {"input_ids": torch.tensor([[0, 9]]), "labels": torch.tensor([IGNORE_INDEX])}]
+    loss, metrics = evaluate(PaddedEngine(), batches, TaskCounter("sequence-classification", 2))
+    assert loss == pytest.approx(0.25, rel=FLOAT32_FORMULA)
+    assert metrics == pytest.approx({"accuracy": 0.75, "f1": (2 / 3 + 4 / 5) / 2}, rel=FLOAT64_FORMULA)
+
+
 # --- label names in the exported config, the BIO check of best_metric ---------------------------------
 
 def test_label_maps_cover_every_class_of_the_head():
