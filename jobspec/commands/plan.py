@@ -11,7 +11,8 @@ tiled loss, the tiled MLP and checkpoint inputs offloaded to the host). With --l
 longest sequence that fits the budgets (GPU and host), for the job as written and for the configuration
 --fit finds. The cost model is in docs/memory-planner.md. Exit code 2 on bad input and for a node whose
 RAM cannot hold its ranks' host memory (with what to change); 1 when the job does not fit its GPU budget
-(with --fit: when nothing fits), the advice naming the term over budget and the technique that moves it.
+(with --fit, or with `memory.fit: auto`, whose launch runs the fitted settings: when nothing fits), the
+advice naming the term over budget and the technique that moves it.
 
 examples:
   jobspec plan jobs/xlmr-large.yaml --gpu-mem 24GiB
@@ -132,6 +133,14 @@ def run(args: argparse.Namespace) -> int:
         raise problem
     if args.fit:
         return EXIT_NOTHING_FITS if result is not None and not result.fits else 0
+    if plan.fits is False and spec["memory"]["fit"] == "auto" and budget is not None:
+        # a launch runs what memory.fit: auto finds, not the spec as written: that is what must fit
+        fitted = result if result is not None else fit(spec, job.derived, budget, bf16_supported=not args.no_bf16,
+                                                       host_budget=job.memory.host_budget)
+        if args.format != "json":
+            print(f"memory.fit: auto: {fitted.reason}" + ("" if not fitted.fits else
+                  " (a launch applies: " + " ".join(f"--set {o}" for o in fitted.overrides) + ")"))
+        return 0 if fitted.fits else EXIT_NOTHING_FITS
     return EXIT_NOTHING_FITS if plan.fits is False else 0
 
 

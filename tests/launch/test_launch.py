@@ -425,7 +425,10 @@ def test_sigterm_with_a_checkpoint_is_exit_75_killed_preempted_and_says_how_to_r
 
 def test_a_bad_data_row_found_on_the_ranks_is_exit_2_naming_file_and_line_once(tmp_path, fake_runner,
                                                                               monkeypatch, capsys):
-    # 1,500 rows, a non-UTF-8 byte in row 1,200: past the rows the launcher's pre-flight reads
+    # 1,500 rows, a non-UTF-8 byte in row 1,200: past the bytes the pre-launch data check reads (made
+    # 4 KiB here, as a file past its 32 MiB would be), so the ranks are the ones that find it
+    from jobspec.spec import datacheck
+    monkeypatch.setattr(datacheck, "PREFLIGHT_BYTES", 4096)
     rows = [json.dumps({"text": f"row {i}", "label": i % 2}).encode() for i in range(1500)]
     rows[1199] = b'{"text": "b\xffd", "label": 0}'
     data = tmp_path / "train.jsonl"

@@ -228,5 +228,5 @@ def test_unknown_architecture_is_a_clean_error(tmp_path, capsys):
                    "training: {max_steps: 1}\n")
     assert main(["plan", str(job)]) == 2
     err = capsys.readouterr().err
-    assert f"{job}:1:" in err and "model.architecture: unknown architecture 'mystery'" in err
+    assert f"{job}:1:" in err and "model.architecture: transformers" in err and "has no model type `mystery`" in err
     assert "Traceback" not in err

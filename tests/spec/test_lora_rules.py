@@ -87,7 +87,10 @@ def test_missing_bitsandbytes_is_refused_without_importing_it(tmp_path, capsys, 
 
 def test_compile_refuses_a_misspelt_target_at_its_line_with_did_you_mean(tmp_path, capsys):
     job = write(tmp_path, {**TINY_LLAMA, "lora": {"target_modules": ["v_proj", "q_prj"]}})
-    assert errors(capsys, "validate", job) == (0, [])   # validate does not build the model
+    # validate knows the model type's module names (schemas/transformers-configs/), compile too
+    code, (found,) = errors(capsys, "validate", job)
+    assert code == 2 and found["line"] == line_of(job, "q_prj") and found["file"].endswith("job.yaml")
+    assert found["dotted_path"] == "model.lora.target_modules[1]" and "'q_proj'" in found["hint"]
     code, (report,) = errors(capsys, "compile", job)
     assert code == 2
     text = report["text"]

@@ -62,7 +62,7 @@ def test_valid_spec_is_filled_and_resolved(tmp_path, monkeypatch):
     assert spec["output_dir"] == str(tmp_path / "runs" / "tiny-bert")
     assert spec["checkpoint"]["dir"] == str((VALID / "ckpt").resolve())
     assert spec["training"]["scheduler"]["name"] == "linear"          # a default
-    assert spec["memory"]["activation_checkpointing"] == {"every_n_layers": 2, "use_reentrant": False}
+    assert spec["memory"]["activation_checkpointing"] == {"every_n_layers": 2, "use_reentrant": False, "offload": "none"}
     assert resolved.text == (VALID / "tiny-bert.yaml").read_text()
 
 
