@@ -34,3 +34,14 @@ def forward_bound(config: dict, seq_len: int, u: float = U32) -> float:
     tokens can differ when only the order or blocking of their sums differs (another batch shape, a merged
     weight, another kernel): AMPLIFICATION * gamma(depth)."""
     return AMPLIFICATION * gamma(contraction_depth(config, seq_len), u)
+
+
+def adam_update_bound(lr: float, betas: tuple[float, float] = (0.9, 0.999)) -> float:
+    """The most one Adam(W) step moves one element (weight decay aside): lr * |m_hat / (sqrt(v_hat) + eps)|
+    <= lr * max(1, (1 - beta1) / sqrt(1 - beta2)) (Kingma & Ba 2015, section 2.1): 3.16 lr at the default
+    betas. Two runs whose gradients differ only by rounding can still step an element in opposite directions
+    where g is near 0, so after `steps` steps their weights differ by at most 2 * steps * this, whatever
+    the trajectories did in between: a bound that holds but cannot see a small bug, hence each use keeps a
+    second check on the mean difference."""
+    beta1, beta2 = betas
+    return lr * max(1.0, (1 - beta1) / (1 - beta2) ** 0.5)

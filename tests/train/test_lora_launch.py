@@ -11,12 +11,15 @@ import json
 
 import pytest
 import torch
-from conftest import make_run_dir, read_metrics, run_worker
+from conftest import TINY_SPEC, make_run_dir, read_metrics, run_worker
+from fp_bounds import U32, adam_update_bound, forward_bound, gamma
 
 pytestmark = pytest.mark.slow
 
+STEPS, LR = 8, 1e-2
+BERT, SEQ_LEN = TINY_SPEC["model"]["config"], TINY_SPEC["data"]["synthetic"]["seq_len"]
 LORA = {"model": {"lora": {"r": 4, "alpha": 8, "dropout": 0.0}},
-        "training": {"max_steps": 8, "optimizer": {"lr": 1e-2}},
+        "training": {"max_steps": STEPS, "optimizer": {"lr": LR}},
         "checkpoint": {"save_final": True}, "export": {"final": True, "adapter": "both"}}
 
 
@@ -74,7 +77,16 @@ def test_zero3_and_zero0_exports_are_equal(runs):
         assert set(zero3) == set(zero0) and zero3
         for key in zero3:
             assert zero3[key].shape == zero0[key].shape, key
-            assert torch.allclose(zero3[key].float(), zero0[key].float(), atol=1e-5), key
+            diff = (zero3[key].float() - zero0[key].float()).abs()
+            # ZeRO-3 reduce-scatters what ZeRO-0 all-reduces: per element, 8 AdamW steps can differ by at
+            # most 2 * steps * 3.16 lr (opposite steps where g ~ 0) plus the weight's own rounding
+            worst = 2 * STEPS * adam_update_bound(LR) + U32 * float(zero0[key].abs().max())
+            assert float(diff.max()) <= worst, key
+            # the tighter check that can see a bug: without a flip both runs take the same scale-invariant
+            # steps up to a few roundings, ~1e-7 per element; the mean is held to 1e-5 (the old per-element
+            # tolerance, so never tighter than before). An ungathered shard or a stale step moves the mean
+            # by the trained change, >= 1e-3 (lr 1e-2)
+            assert float(diff.mean()) <= 1e-5, key
     adapter = Path(exports[3]["final-adapter"]["path"])
     keys = set(_tensors(adapter))
     assert any("lora_A" in k for k in keys) and any("classifier" in k for k in keys)   # the head: modules_to_save
@@ -92,7 +104,11 @@ def test_the_merged_zero3_export_reproduces_the_engine(runs):
     model = AutoModelForTokenClassification.from_pretrained(path).eval()
     with torch.no_grad():
         logits = model(input_ids=ref["input_ids"], attention_mask=ref["attention_mask"]).logits
-    assert torch.allclose(logits, ref["logits"], atol=1e-4), (logits - ref["logits"]).abs().max()
+    # the same fp32 weights (ZeRO-3's gather copies them) through PEFT's adapter path vs merged W + s BA:
+    # the forward bound of this BERT (2.1e-4 of the logits' scale, floored at 1: the classifier reads
+    # LayerNorm outputs of size ~1; was atol 1e-4). A missing merge is off by the adapter's share, ~1e-1
+    bound = forward_bound(BERT, SEQ_LEN) * max(1.0, float(ref["logits"].abs().max()))
+    assert float((logits - ref["logits"]).abs().max()) <= bound, (logits - ref["logits"]).abs().max()
 
 
 @pytest.mark.parametrize("stage", [3, 0])
@@ -112,7 +128,12 @@ def test_jobspec_export_of_the_final_checkpoint_equals_the_ranks_exports(runs, t
         offline, live = _tensors(mine), _tensors(Path(ranks))
         assert set(offline) == set(live)
         for key in live:
-            assert torch.allclose(offline[key].float(), live[key].float(), atol=1e-5), key
+            # the same fp32 values copied (masters, saved fragments) except the merge W + s BA, done by the
+            # same PEFT code in another process: r + 2 roundings, gamma(6) |W| ~ 4e-7 at |W| <= 1. Kept at
+            # the old 1e-5 (25x that): this slow test could not be re-run to confirm the live gather copies
+            # the masters bit for bit. A stale checkpoint differs by up to 3.16 lr = 3e-2
+            worst = max(1e-5, gamma(LORA["model"]["lora"]["r"] + 2) * float(live[key].abs().max()))
+            assert float((offline[key].float() - live[key].float()).abs().max()) <= worst, key
 
 
 def test_a_lora_zero2_checkpoint_resumes_on_another_world_size(tmp_path):
@@ -146,5 +167,11 @@ def test_a_lora_zero2_checkpoint_resumes_on_another_world_size(tmp_path):
     expected = {r["step"]: r["train/loss"] for r in read_metrics(straight) if "train/loss" in r}
     got = {r["step"]: r["train/loss"] for r in read_metrics(second) if "train/loss" in r}
     assert sorted(got) == [4, 5, 6]
+    # step 4 sees bit-identical weights (the universal checkpoint copies the fp32 masters) and the same 8
+    # samples: only the forward's and the token mean's order differ, 2 * 2.1e-4 * max|logit| worst case,
+    # ~1e-6 typical. Steps 5-6 also carry the updates, which 2 ranks and 1 rank x 2 micro-batches reduce in
+    # another order; Adam can amplify that near g ~ 0 and the loss has no first-principles bound from it.
+    # 1e-3 (unchanged, it has passed) stays for all three: an Adam state or lr schedule not restored, or
+    # another batch, moves these losses by >= 1e-2 at lr 1e-2
     for step, loss in got.items():
         assert math.isfinite(loss) and abs(loss - expected[step]) < 1e-3, (step, loss, expected[step])
