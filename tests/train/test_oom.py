@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_run_dir, read_metrics, run_worker
+from conftest import TINY_SPEC, make_run_dir, read_metrics, run_worker
+from fp_bounds import gamma
 from worker_runs import PLAIN_SPEC, plain_run
 from jobspec.errors import RunFailure
 from jobspec.train.oom import INJECT_AT_STEP_ENV, INJECT_RANK_ENV, OomGuard, halved_run_files
@@ -129,9 +130,20 @@ def test_an_oom_on_one_rank_halves_the_micro_batch_and_redoes_the_step(tmp_path,
             for r in oom_rows] == [(3, 2, 4, 1)]
     expected, got = _losses(straight), _losses(run_dir)
     assert sorted(got) == list(range(1, 9))
+    # steps 1-2 run before the OOM: the same code on the same samples and weights in both launches, so
+    # only a kernel's choice of blocking could reorder the token mean's sum: gamma(tokens) x loss, 1.5e-5 x
+    # loss for the 16 x 16 tokens of a step (was abs 1e-6, kept as the floor; bit-equal in practice:
+    # test_slurm compares resumed losses exactly). Other samples or weights change the loss by far more
+    tokens = OOM_SPEC["training"]["global_batch_size"] * TINY_SPEC["data"]["synthetic"]["seq_len"]
     for step in (1, 2):
-        assert got[step] == pytest.approx(expected[step], abs=1e-6), step
-    for step in range(3, 9):  # same samples, same global batch, weights and Adam state carried over
+        assert abs(got[step] - expected[step]) <= max(1e-6, gamma(tokens) * expected[step]), step
+    # steps 3-8: the same samples and global batch at micro-batch 2 x 4 instead of 4 x 2, weights and Adam
+    # state carried over. Step 3's loss is the same weights' forward in another batch shape (2 x 2.1e-4 x
+    # max|logit| worst case); from step 4 the summed gradients differ by rounding, which Adam can amplify
+    # near g ~ 0 (up to 2 x 3.16 lr per element per step): no first-principles loss bound, so 2e-3
+    # (unchanged, it has passed) stays. A micro-batch dropped or counted twice, or lost Adam state,
+    # changes the step's gradient by O(1/8) and the weights by O(lr), not by rounding
+    for step in range(3, 9):
         assert got[step] == pytest.approx(expected[step], abs=2e-3), (step, got, expected)
 
     # the engine really ran with the halved split to the end; the data position is in compiled units
