@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import REPO_ROOT
+from fp_bounds import forward_bound
 
 pytestmark = pytest.mark.slow
 
@@ -60,10 +61,21 @@ def exported_logits(model_dir: Path, ref: dict):
         return model(input_ids=ref["input_ids"], attention_mask=ref["attention_mask"]).logits, model.dtype
 
 
+# the quickstart model's sizes (jobs/quickstart.yaml; test_compile's job tests keep that file valid)
+QUICKSTART_MODEL = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128}
+QUICKSTART_SEQ_LEN = 64
+
+
 def assert_fp32_match(model_dir: Path, ref: dict) -> None:
+    """The gathered (or converted) fp32 weights are copies of the engine's, so only the forward can differ:
+    the same model code in another process, where a kernel may block its sums otherwise: forward_bound,
+    4.7e-4 of max(1, max|logit|) (was 1e-5, which this bound always exceeds; typically bit-equal). A stale
+    export (another step's weights) differs by > 1e-3 (test_zero2_exports_reproduce_the_engine checks it
+    for step 3 vs 6), 2x this bound for logits of size <= 1."""
     logits, dtype = exported_logits(model_dir, ref)
     assert dtype == torch.float32
-    assert (logits - ref["logits"]).abs().max().item() <= 1e-5
+    bound = forward_bound(QUICKSTART_MODEL, QUICKSTART_SEQ_LEN) * max(1.0, ref["logits"].abs().max().item())
+    assert (logits - ref["logits"]).abs().max().item() <= bound
 
 
 def assert_bf16_match(model_dir: Path, ref: dict, dtype=torch.bfloat16) -> None:
