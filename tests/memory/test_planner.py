@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -86,6 +87,12 @@ def test_traced_layer_activations_agree_with_korthikanti_for_eager_16bit_with_dr
     s, b, h, a = 512, 4, job.dims.hidden_size, job.dims.num_heads
     formula = job.num_layers * (34 * s * b * h + 5 * a * s * s * b)
     fp32_softmax = job.num_layers * 2 * a * s * s * b
+    # A model against a published count, not arithmetic: the formula counts every saved tensor per op;
+    # autograd keeps a tensor once where one op's output is the next one's input, and transformers' BERT
+    # differs in such sharing. Measured: the trace is 6.2 % under formula + fp32 softmax (5.6 s·b·h per
+    # layer less; not broken down further). 10 % of the total is ~9 s·b·h per layer here: above that gap,
+    # under a missing attention-score tensor (a·s²·b, 9 % of a layer) once added to it, and the lower
+    # check below (> the 16-bit formula) catches the fp32 softmax (2·a·s²·b, 18 %) left out
     assert plan.breakdown["activations"] == pytest.approx(formula + fp32_softmax, rel=0.10)
     assert plan.breakdown["activations"] > formula
 
@@ -131,15 +138,26 @@ def test_cpu_offload_moves_optimizer_states_to_host():
 
 
 # DeepSpeed's estimators assume mixed-precision Adam: exactly our bf16 + adamw case.
+ROUNDING_BYTES = 32   # our ceil(bytes / world) per breakdown term against the estimator's one int()
+
+
 @pytest.mark.parametrize("world,offload", [(1, False), (4, False), (8, True), (2, True)])
 def test_zero2_matches_deepspeed_estimator(world, offload):
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
     overrides = ["memory.zero_stage=2", "memory.precision=bf16"] + (["memory.offload.optimizer=cpu"] if offload else [])
-    _, _, plan = planned(overrides=overrides, world_size=world)
+    _, job, plan = planned(overrides=overrides, world_size=world)
     _, gpu = estimate_zero2_model_states_mem_needs(plan.settings["parameters"], num_gpus_per_node=world,
                                                    cpu_offload=offload)
     ours = plan.model_states + plan.breakdown["step_gradients"]
-    assert ours == pytest.approx(gpu, rel=0.03)
+    # A model against DeepSpeed's estimator (was rel 0.03). The one term the estimator leaves out: ZeRO-2's
+    # gradient partition buffer holds whole parameters, so the ones cut by a rank's partition edges (at
+    # most 2) come in full: at most 2 x the largest parameter at 16 bits when the gradients stay on the
+    # device. The rest differs by rounding only: our ceil(x / world) per term against its int(18 P /
+    # world), under 32 bytes. Measured: equal at world 1 and with offload, +8.8 MB at world 4 (a cut FFN
+    # weight). A term left out (master weights 4P/world, gradients 2P/world) is >= 167 MB here, outside
+    largest = max(math.prod(shape) for _, shape, trainable in job.profile.inventory.tensors if trainable)
+    straddle = 0 if world == 1 or offload else 2 * 2 * largest
+    assert 0 <= ours - gpu <= straddle + ROUNDING_BYTES, (ours, gpu, straddle)
 
 
 @pytest.mark.parametrize("world,offload_opt,offload_params", [(8, True, True), (4, True, False), (4, False, False)])
@@ -159,7 +177,16 @@ def test_zero3_matches_deepspeed_estimator(world, offload_opt, offload_params):
     ours = b["parameters"] + b["gathered_parameters"] + b["master_weights"] + b["optimizer_states"] \
         + b["step_gradients"]
     left_out = 0 if offload_opt else b["gradients"]     # the 16-bit gradient partition
-    assert ours == pytest.approx(gpu, rel=0.03)
+    # A model against DeepSpeed's estimator (was rel 0.03). Besides that partition it leaves out the
+    # parameters ZeRO-3 keeps whole on every rank (numel <= DeepSpeed's param_persistence_threshold:
+    # norms, biases, the tiny head), 16-bit; the rest is rounding (ceil per term vs its int(), < 32
+    # bytes). Measured: exactly those 653,316 bytes plus 0-5. A partition counted whole or a copy left out
+    # is >= P/world = 84 MB here, outside
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    threshold = DeepSpeedZeroConfig().param_persistence_threshold
+    persistent = 2 * sum(n for n in (math.prod(shape) for _, shape, _ in job.profile.inventory.tensors)
+                         if n <= threshold)
+    assert 0 <= ours - gpu - persistent <= ROUNDING_BYTES, (ours, gpu, persistent)
     # the 16-bit gradient partition is 2 * ceil(P / world) bytes: 0 to 2 bytes over 2 P / world
     assert offload_opt or 0 <= left_out - 2 * plan.settings["parameters"] / world < 2
 
