@@ -82,5 +82,11 @@ def test_model_states_match_the_engine(engine_dumps, stage):
     plan = plan_memory(spec, derive(spec, profiler=PROFILER))
     assert ranks[0]["num_parameters"] == plan.settings["parameters"]   # same model on both sides
     measured = max(sum(v for k, v in r["bytes"].items() if k in plan.breakdown) for r in ranks)
+    # A model against the engine's tensors, not arithmetic. What the planner leaves out: ZeRO's alignment
+    # padding of the flat groups (stages 1-2: < 2 x world elements per group; stage 3: < world elements per
+    # parameter, < 100 parameters here), under 2 KB of the 2-4 MB per rank (< 0.1 %). 2 % (unchanged: this
+    # slow test could not be re-run here to measure the gap) is 20x that. A term left out is >= 1/8 of the
+    # states (16-bit gradients 2 of 16 bytes per parameter at bf16, 4 of 16 at fp32); a straddling
+    # parameter mis-counted is up to the 1000 x 64 embedding, 256 KB = 6 %: both outside
     assert plan.model_states == pytest.approx(measured, rel=0.02), \
         f"ZeRO-{stage}: planner {plan.breakdown} vs engine {[r['bytes'] for r in ranks]}"
