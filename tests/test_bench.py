@@ -174,5 +174,12 @@ def test_planner_activations_match_torch_memtracker_on_a_tiny_model(capsys):
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| llama-tiny")]
     assert len(rows) == 1
     planner_mib, memtracker_mib, error = (rows[0].split("|")[i].strip() for i in (2, 3, 4))
-    assert float(memtracker_mib) > 1 and abs(float(error.rstrip("%"))) <= 5.0
-    assert abs(float(planner_mib) / float(memtracker_mib) - 1) <= 0.05
+    # A model against an independent measurement, not arithmetic. Traced at their own micro-batch the two
+    # agree exactly (docs/benchmarks.md: 12 of 12 real-size rows at 0.00%; fake tensors, so deterministic);
+    # here the planner extrapolates micro-batch 3 linearly from its traces at 1 and 2 while MemTracker
+    # traces 3, so the gap is what is not affine in the batch: measured +0.09% (2026-11-27). The bench's own
+    # line (its exit code) stays 5%; this row is held to 1% (was 5%): the last real error the comparison
+    # found was 5.45% (a head's gradient in flight), and one of the 6 layers' activations left out is ~1/6
+    assert float(memtracker_mib) > 1 and abs(float(error.rstrip("%"))) <= 1.0
+    # the MiB columns are printed to 0.1 MiB: their ratio carries up to 2 x 0.05 MiB of display rounding
+    assert abs(float(planner_mib) / float(memtracker_mib) - 1) <= 0.01 + 0.1 / float(memtracker_mib)
