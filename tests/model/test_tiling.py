@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+from fp_bounds import forward_bound, gamma
 
 from jobspec.errors import SpecError
 from jobspec.model.trace import NO_TILING, ModelTracer, tiling_setting
@@ -50,10 +51,19 @@ def losses_and_grads(model, ids, labels, **kwargs):
     return out, grads
 
 
-def assert_close(a, b, rel=1e-5):
+def tiling_bound(seq: int, tokens: int) -> float:
+    """Tiled and plain runs compute the same products with the sums split or blocked otherwise: the loss
+    and gradients' token sums (gamma(tokens)) and, worst case, every contraction of the forward and its
+    backward (forward_bound): 2.8e-4 of the largest |value| at 2 x 50 tokens (was rel 1e-5, an empirical
+    number; measured at most 3.7e-7). A tile dropped, shifted by a token or scaled twice is off by O(1)."""
+    return forward_bound(LLAMA, seq) + gamma(tokens)
+
+
+def assert_close(a, b, rel=None):
     import torch
 
     a, b = a.detach(), b.detach()
+    rel = tiling_bound(50, 2 * 50) if rel is None else rel   # batch_of()'s default sizes
     scale = max(float(b.abs().max()), 1e-12)
     assert float((a - b).abs().max()) <= rel * scale, (a, b)
     assert torch.isfinite(a).all()
@@ -106,10 +116,10 @@ def test_the_tiled_loss_with_lora_and_packed_position_ids():
     labels[0, 25] = -100
     expected, expected_grads = losses_and_grads(plain, ids, labels, position_ids=positions)
     got, grads = losses_and_grads(tiled, ids, labels, position_ids=positions)
-    assert_close(got.loss, expected.loss)
+    assert_close(got.loss, expected.loss, rel=tiling_bound(40, 40))
     assert grads and all("lora" in name for name in grads)
     for name, grad in grads.items():
-        assert_close(grad, expected_grads[name])
+        assert_close(grad, expected_grads[name], rel=tiling_bound(40, 40))
 
 
 def test_deepspeeds_fused_tiled_loss_gets_the_head_gradient_wrong_under_a_scaled_loss():
@@ -206,6 +216,9 @@ def test_the_traced_step_holds_what_the_ranks_hold(tiling=NO_TILING):
     traced = tracer().full("bf16", 1, seq, False, tiling).peak
     dropped = memtracker_peak(spec, "bf16", 1, seq, False, tiling=tiling)["without_gradients"]
     held = memtracker_peak(spec, "bf16", 1, seq, False, tiling=tiling, hold_output=True)["without_gradients"]
+    # A model (composed trace) against MemTracker, not arithmetic: measured 5 KB apart (0.015 %, 34.39 MB;
+    # not broken down). 2 % (unchanged) keeps 6x below what this test tells apart: the logits held through
+    # the backward, >= seq x 4000 x 2 bytes = 4.1 MB (12 %)
     assert abs(traced - dropped) <= 0.02 * dropped, (traced, dropped)   # bench/long_sequence.py: tiled too
     assert held - dropped >= seq * 4000 * 2   # the bf16 logits the output kept
 
