@@ -114,10 +114,14 @@ def test_checkpointing_keeps_loss_and_gradients(arch, use_reentrant, native):
     ref_loss, loss = reference(**batch).loss, patched(**batch).loss
     ref_loss.backward()
     loss.backward()
-    assert torch.allclose(loss, ref_loss)
+    # the same process, code and inputs: the recomputed forward repeats the first one op for op (dropout
+    # from the restored RNG state) and each backward op sees the same operands, so the loss and gradients
+    # are bit-equal (were allclose, atol 1e-6); a layer recomputed without the RNG state or skipped in
+    # the backward differs at the dropout rate's scale
+    assert torch.equal(loss, ref_loss)
     for (name, p_ref), (_, p) in zip(reference.named_parameters(), patched.named_parameters()):
         assert p.grad is not None, name
-        assert torch.allclose(p.grad, p_ref.grad, atol=1e-6), name
+        assert torch.equal(p.grad, p_ref.grad), (name, (p.grad - p_ref.grad).abs().max())
 
 
 def test_checkpointing_refuses_a_model_without_layers():
