@@ -57,6 +57,10 @@ def ending(exit_code: int, user_signal: int | None, reason: str | None, summary:
     stopped_codes = (0, 128 + (user_signal or 0), 128 + signal.SIGINT if at_once else 0)
     if summary and status == "preempted" and summary.checkpoint and exit_code in stopped_codes:
         return Ending("KILLED", "preempted", EXIT_PREEMPTED, stop_reason(summary, user_signal, stop_after_steps))
+    if summary and status == "finished" and (user_signal or at_once):
+        # rank 0 writes "finished" after the last step, its checkpoint and the export: a stop that came
+        # later ended only the processes' teardown, so the run is what it says
+        return Ending("FINISHED", "finished", 0)
     if at_once:
         return Ending("KILLED", "killed", exit_code, "ended at once by a second SIGINT (Ctrl-C), "
                                                      "without waiting for the checkpoint")

@@ -384,3 +384,19 @@ def _ops_built_before_slow_tests(request):
     # a slow test's launch has its own timeout: let it start once the ops exist
     if request.node.get_closest_marker("slow") is not None:
         _wait_for_prebuild()
+
+
+@pytest.fixture(autouse=True)
+def _no_stale_deepspeed_groups():
+    """A test that runs DeepSpeed on a process group of this process and destroys it leaves DeepSpeed's
+    module globals (world and data-parallel groups, an mpu) pointing at the dead group: the next engine
+    built in this worker would broadcast over it ("Group ... is not registered"). Forget them after each
+    test once no process group is alive."""
+    yield
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is None:
+        return
+    import torch.distributed as dist
+    if not dist.is_initialized():   # as tests/train/split_runs.forget_deepspeed_groups
+        groups._WORLD_GROUP = groups._DATA_PARALLEL_GROUP = groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
+        groups.mpu = groups.mesh_device = None

@@ -211,7 +211,9 @@ CASES = {
                        "rows.jsonl:2: message 1 has role 'bot'"),
     "text-dir": Case(lambda t, m: (t / "empty").mkdir() or file_data(t, train=str(t / "empty")),
                      "is a directory, not a data file"),
-    "ranks": Case(lambda t, m: {"resources": {"gpus_per_node": 512}}, "512 ranks per node but this host has", unrefused=LAUNCH_ONLY),
+    # enough samples for one global batch of 512 ranks' micro-batches (fewer are refused by validate)
+    "ranks": Case(lambda t, m: {"resources": {"gpus_per_node": 512}, "data": {"synthetic": {"num_samples": 2048}}},
+                  "512 ranks per node but this host has", unrefused=LAUNCH_ONLY),
     "port": Case(_held_port, "is already in use on this host", unrefused=LAUNCH_ONLY),
     "disk": Case(_small_disk, "share a disk with 1.0 KiB free", unrefused=LAUNCH_ONLY),
     "op-build": Case(_no_compiler, "CPUAdamBuilder cannot be built here", unrefused=LAUNCH_ONLY),

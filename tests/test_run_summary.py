@@ -73,3 +73,14 @@ def test_a_stop_with_a_checkpoint_is_read_from_the_typed_summary():
     assert ending.reason == "stopped by --stop-after-steps 12 at step 12 of 40; checkpoint step12"
     failed = RunSummary(status="failed", steps=4, error="CUDA out of memory")
     assert run_status.ending(1, None, None, failed).reason == "CUDA out of memory"
+
+
+def test_a_stop_that_comes_after_the_ranks_finished_is_a_finished_run():
+    import signal
+    done = RunSummary(status="finished", steps=12, total_steps=12, checkpoint="step12")
+    for code, sig, at_once in ((128 + signal.SIGTERM, signal.SIGTERM, False), (130, signal.SIGINT, True)):
+        ending = run_status.ending(code, sig, None, done, at_once=at_once)
+        assert (ending.status, ending.label, ending.exit_code, ending.reason) == ("FINISHED", "finished", 0, None)
+    # the same signal before the ranks finished still says it stopped them
+    running = RunSummary(status="running", steps=3, total_steps=12)
+    assert run_status.ending(143, signal.SIGTERM, None, running).label == "killed"

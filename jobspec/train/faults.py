@@ -38,11 +38,17 @@ class NanGuard:
         self.skipped = 0              # optimizer steps whose update was dropped
         self._step_is_bad = False     # a micro-batch of the current optimizer step was non-finite
 
+    def inject(self, loss, step: int):
+        """The model's loss, NaN in optimizer step `step` under JOBSPEC_INJECT_NAN_AT_STEP: applied where a
+        real NaN would appear (straight after the forward), so the reported loss carries it too."""
+        if self.inject_at and step == self.inject_at:
+            import torch
+            return loss + torch.full_like(loss, float("nan"))  # a constant: the graph below stays finite
+        return loss
+
     def check(self, loss, step: int):
         """The loss to back-propagate for micro-batch of optimizer step `step`, and whether it was bad."""
         import torch
-        if self.inject_at and step == self.inject_at:
-            loss = loss + torch.full_like(loss, float("nan"))  # a constant: the graph below stays finite
         if self.policy == "stop":
             # Nothing per micro-batch (a host read would stall a GPU's kernel queue): the loop's Window
             # keeps every loss on the device, and the log step (StepReporter.log_window) or confirm()

@@ -269,6 +269,8 @@ def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, tele
                 loss = summed(engine(**inputs))
             elif (loss := oom_guard.forward(engine, inputs, state.step + 1, summed)) is None:
                 break  # out of memory on some rank: every rank redoes the step below, micro-batch halved
+            if nan_guard:   # a test's injected NaN, where a real one would come from
+                loss = nan_guard.inject(loss, state.step + 1)
             reported = loss.detach() / step_tokens if step_tokens else loss.detach() * 0.0
             loss, nonfinite = nan_guard.check(loss * scale, state.step + 1) if nan_guard else (loss * scale, False)
             if oom_guard is None:

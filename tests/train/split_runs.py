@@ -93,15 +93,13 @@ def one_rank_process_group(store: Path):
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
+    forget_deepspeed_groups()   # an earlier test of this process may have left its groups behind
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     try:
         yield
     finally:
         dist.destroy_process_group()
-        # DeepSpeed keeps the groups it made (data parallel, world) in module globals: forget them, so
-        # an engine built on a later process group of this process does not reach for the old ones
-        from deepspeed.utils import groups
-        groups._WORLD_GROUP = groups._DATA_PARALLEL_GROUP = groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
+        forget_deepspeed_groups()
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -192,3 +190,11 @@ def timed(fn, *args, **kwargs):
     began = time.perf_counter()
     out = fn(*args, **kwargs)
     return out, time.perf_counter() - began
+
+
+def forget_deepspeed_groups() -> None:
+    """DeepSpeed keeps the groups it made (world, data parallel, an mpu's) in module globals: forget them,
+    so that an engine built on a later process group of this process does not reach for destroyed ones."""
+    from deepspeed.utils import groups
+    groups._WORLD_GROUP = groups._DATA_PARALLEL_GROUP = groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
+    groups.mpu = groups.mesh_device = None
