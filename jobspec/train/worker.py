@@ -387,11 +387,13 @@ def _print_spec_error(text: str) -> None:
     files: rank 0 prints it; the others write theirs to launcher.log only (`jobspec-log:` lines, kept off
     the terminal), where it still shows should some rank fail alone."""
     rank = int(os.environ.get("RANK", "0"))
+    # one write each: the ranks share the pipe, and print()'s separate "\n" let another rank's line in
+    # before it (rank 0's last line and rank 1's log-only line then reached the terminal as one line)
     if rank == 0:
-        print(text, file=sys.stderr, flush=True)
-    else:  # one write: the ranks share the pipe
+        sys.stderr.write(text.rstrip("\n") + "\n")
+    else:
         sys.stderr.write("".join(f"{trace.LOG_ONLY}rank {rank}: {line}\n" for line in text.splitlines()))
-        sys.stderr.flush()
+    sys.stderr.flush()
 
 
 def _any_rank(flag: bool, group) -> bool:
