@@ -242,9 +242,18 @@ class JobSpecLoggingMlflow(TypedDict):
     required: bool
 
 
+class JobSpecLoggingTensorboard(TypedDict):
+    """TensorBoard event files, written beside MLflow (or instead of it) for `tensorboard --logdir`: every
+    metric row as scalars by step (rank 0's metrics.jsonl, the same points MLflow gets), the resolved
+    spec and the DeepSpeed config as text, and the run's settings and final status in the HParams tab.
+    """
+    enabled: bool
+
+
 class JobSpecLogging(TypedDict):
     """Experiment tracking and progress output."""
     mlflow: JobSpecLoggingMlflow
+    tensorboard: JobSpecLoggingTensorboard
     every_n_steps: int
     perf_window_s: float
     system_metrics: bool
