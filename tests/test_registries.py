@@ -51,3 +51,15 @@ def test_each_task_module_declares_everything():
         assert set(task.metrics) <= set(eval_metrics.DIRECTION), name
         assert set(task.metric_labels) | set(task.bio_only) <= set(task.metrics), name
         assert task.loss, name
+
+
+def test_tracker_registry_is_the_schema_logging_sections_with_a_switch():
+    from jobspec.tracking import trackers
+    from jobspec.tracking.base import Tracker
+    logging_fields = subschema_at(("logging",))["properties"]
+    switched = [name for name, node in logging_fields.items() if "enabled" in node.get("properties", {})]
+    assert list(trackers.TRACKERS) == switched
+    for name, tracker in trackers.TRACKERS.items():
+        assert tracker.name == name and isinstance(tracker, Tracker), name
+    # the default is on unless switched off; every other tracker is off unless switched on
+    assert [n for n in switched if logging_fields[n]["properties"]["enabled"]["default"]] == [trackers.DEFAULT]

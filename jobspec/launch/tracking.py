@@ -1,4 +1,5 @@
-"""The launch's MLflow run, created while DeepSpeed's runner starts the ranks.
+"""The launch's trackers (jobspec/tracking/trackers.py), started while DeepSpeed's runner starts the
+ranks and ended after them; MLflow's run is the one the launcher waits on.
 
 Importing MLflow and creating the run take 2 s (8 s when a new SQLite store gets its tables), and
 the runner, DeepSpeed's launch.py and the ranks take longer than that to start: done one after the
@@ -15,49 +16,37 @@ import os
 import signal
 import threading
 from pathlib import Path
+from typing import Any
 
 from jobspec import rundir
-from jobspec.errors import RunFailure, first_line
+from jobspec.errors import first_line
 from jobspec.launch import ownership
 from jobspec.secrets import mask_secrets
-from jobspec.tracking import orphans
+from jobspec.status import Ending
 from jobspec.tracking import run as tracking_run
+from jobspec.tracking import trackers
+from jobspec.tracking.base import RunStart
+from jobspec.tracking.run import TrackedRun
 
 log = logging.getLogger("jobspec.launch")
 PENDING = "pending"   # launch.json `mlflow_run` while the launcher creates the run
 
 
-def start_tracking(resolved, compiled, run_dir: Path, resume_run_id: str | None):
-    """The MLflow run, or None when MLflow is off or (with `required: false`) unreachable."""
-    settings = resolved.spec["logging"]["mlflow"]
-    if not settings["enabled"]:
-        return None
-    try:
-        tracking_run.probe(settings["tracking_uri"])
-        return tracking_run.start_run(resolved.spec, compiled.launch, compiled.derived.as_dict(), resolved.text,
-                                      run_dir, resume_run_id=resume_run_id)
-    except tracking_run.TrackingUnavailable as err:
-        uri = mask_secrets(settings["tracking_uri"])
-        if settings["required"]:
-            raise RunFailure(f"MLflow tracking at {uri} is unavailable: {err}; start the server, fix "
-                             "logging.mlflow.tracking_uri, or set logging.mlflow.required: false to run with "
-                             "metrics kept in metrics.jsonl")
-        log.warning("MLflow tracking at %s is unavailable (%s); continuing, metrics go to %s", uri, err,
-                    run_dir / rundir.METRICS)
-        return None
-
-
 class BackgroundTracking:
-    """Creates the run (plan params, checkpoint owner record) in a thread; `wait` returns it."""
+    """Starts the enabled trackers (MLflow's run with the plan params) and writes the checkpoint owner
+    record, in a thread; `wait` returns the MLflow run, `end` ends every tracker that started."""
 
     def __init__(self, resolved, compiled, run_dir: Path, resume_run_id: str | None, plan_params: dict,
-                 *, verbose: bool = False, announce=None, done=None, lineage=None, start_step: int = 0):
+                 *, launch: dict | None = None, verbose: bool = False, announce=None, done=None, lineage=None,
+                 start_step: int = 0):
         self.resolved, self.compiled, self.run_dir = resolved, compiled, Path(run_dir)
+        self.launch = launch if launch is not None else compiled.launch   # launch.json's content
         self.resume_run_id, self.plan_params, self.verbose = resume_run_id, plan_params, verbose
         self.lineage, self.start_step = lineage, start_step   # launch/lineage.py: the owner record's history
         self.announce = announce or (lambda info: None)   # called with mlflow_run.json's content
         self.done = done or (lambda: None)                  # called last, whatever happened
-        self.tracked = None
+        self.tracked: TrackedRun | None = None   # MLflow's run, for the launcher's MLflow-only steps
+        self.started: dict[str, Any] = {}   # tracker name -> what its `start` returned
         self.failure: BaseException | None = None
         self._runner_pid: int | None = None
         self._lock = threading.Lock()
@@ -87,10 +76,13 @@ class BackgroundTracking:
                 tracking_run.import_mlflow()   # installs MLflow's log handlers, which route_library_logs re-routes
                 from jobspec.launch.quiet import route_library_logs
                 route_library_logs(self.run_dir / rundir.LAUNCHER_LOG, self.verbose)
-            self.tracked = start_tracking(self.resolved, self.compiled, self.run_dir, self.resume_run_id)
-            if self.tracked is not None:  # next to the ranks' measured mem/* series: prediction error per run
-                tracking_run.log_params(self.tracked, self.plan_params)
-                orphans.tag_run(self.tracked, self.run_dir)   # `report` finds the run dir to check its launcher
+            run = RunStart(self.run_dir, spec, self.resolved.text, self.launch,
+                           self.compiled.derived.as_dict(), self.plan_params, self.resume_run_id)
+            for tracker in trackers.enabled(spec):
+                started = tracker.start(run)
+                if started is not None:
+                    self.started[tracker.name] = started
+            self.tracked = self.started.get("mlflow")
             ownership.write_owner(spec, self.resolved.source, self.tracked.run_id if self.tracked else None,
                                   lineage=self.lineage, run_dir=self.run_dir, start_step=self.start_step)
             if self.tracked is not None:
@@ -103,6 +95,11 @@ class BackgroundTracking:
             if self.tracked is None:
                 rundir.write_tracking_off(self.run_dir)  # rank 0 stops waiting for mlflow_run.json
             self.done()
+
+    def end(self, ending: Ending) -> None:
+        """End every tracker that started, with the run's final status (after `wait`)."""
+        for name, started in self.started.items():
+            trackers.TRACKERS[name].end(started, self.run_dir, ending)
 
     def _stop_runner(self) -> None:
         if self._runner_pid is not None:

@@ -15,7 +15,8 @@ import pytest
 from mlflow_server import ENV, launch_argv, only_run_dir, planted_launch, shared, write_job
 
 from jobspec.tracking import run as tracking
-from jobspec.tracking import sink as sink_module
+from jobspec.tracking import mlflow_sender
+from jobspec.tracking.mlflow_sender import MlflowSender
 from jobspec.tracking.sink import MetricSink
 from jobspec.cli import main
 from jobspec.status import EXIT_PREEMPTED
@@ -39,13 +40,14 @@ class FlakyClient:
 
 @pytest.fixture
 def fast_backoff(monkeypatch):
-    monkeypatch.setattr(sink_module, "RETRY_FIRST_S", 0.01)
-    monkeypatch.setattr(sink_module, "RETRY_MAX_S", 0.05)
+    monkeypatch.setattr(mlflow_sender, "RETRY_FIRST_S", 0.01)
+    monkeypatch.setattr(mlflow_sender, "RETRY_MAX_S", 0.05)
 
 
 def test_sink_keeps_retrying_until_the_server_returns(tmp_path, fast_backoff):
     client = FlakyClient(down=True)
-    sink = MetricSink(tmp_path, client=client, run_id="r")
+    sender = MlflowSender(tmp_path, client=client, run_id="r")
+    sink = MetricSink(tmp_path, [sender])
     for step in range(1, 6):
         sink.log({"train/loss": 1.0 / step}, step=step)
     deadline = time.monotonic() + 60
@@ -56,29 +58,31 @@ def test_sink_keeps_retrying_until_the_server_returns(tmp_path, fast_backoff):
     client.down = False
     sink.close(timeout=10)
     assert sorted(m.step for m in client.sent) == [1, 2, 3, 4, 5]
-    assert sink.dropped == 0 and sink.sent == 5
+    assert sender.dropped == 0 and sender.sent == 5
 
 
 def test_sink_memory_is_bounded_and_spilled_points_are_uploaded_at_close(tmp_path, fast_backoff, monkeypatch):
-    monkeypatch.setattr(sink_module, "MAX_PENDING_POINTS", 4)
+    monkeypatch.setattr(mlflow_sender, "MAX_PENDING_POINTS", 4)
     client = FlakyClient(down=True)
-    sink = MetricSink(tmp_path, client=client, run_id="r")
+    sender = MlflowSender(tmp_path, client=client, run_id="r")
+    sink = MetricSink(tmp_path, [sender])
     for step in range(1, 11):
         sink.log({"train/loss": float(step), "train/lr": 0.1}, step=step)
-    assert sink.spilled == 16  # 2 steps (4 points) queued, 8 steps only in metrics.jsonl
+    assert sender.spilled == 16  # 2 steps (4 points) queued, 8 steps only in metrics.jsonl
     client.down = False
     sink.close(timeout=10)
     assert sorted((m.key, m.step) for m in client.sent) == sorted(
         (k, s) for s in range(1, 11) for k in ("train/loss", "train/lr"))
-    assert sink.spilled == 0 and sink.dropped == 0
+    assert sender.spilled == 0 and sender.dropped == 0
 
 
 def test_sink_close_gives_up_at_its_deadline_and_says_how_to_sync(tmp_path, fast_backoff, caplog):
-    sink = MetricSink(tmp_path, client=FlakyClient(down=True), run_id="r")
+    sender = MlflowSender(tmp_path, client=FlakyClient(down=True), run_id="r")
+    sink = MetricSink(tmp_path, [sender])
     sink.log({"train/loss": 3.0}, step=2)
     started = time.monotonic()
     sink.close(timeout=0.5)
-    assert time.monotonic() - started < 5 and sink.dropped == 1
+    assert time.monotonic() - started < 5 and sender.dropped == 1
     assert "jobspec sync" in caplog.text
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["train/loss"] == 3.0
 

@@ -17,6 +17,7 @@ import yaml
 from conftest import fresh_store
 from jobspec import rundir
 from jobspec.tracking import run as tracking
+from jobspec.tracking.mlflow_sender import MlflowSender
 from jobspec.tracking.sink import MetricSink
 from jobspec.tracking.system import SystemMetrics
 from jobspec.secrets import mask_secrets, split_credentials
@@ -182,7 +183,8 @@ class SlowFlakyClient:
 
 def test_metric_sink_log_never_blocks_on_a_slow_server(tmp_path):
     client = SlowFlakyClient(delay=0.3)
-    sink = MetricSink(tmp_path, client=client, run_id="r")
+    sender = MlflowSender(tmp_path, client=client, run_id="r")
+    sink = MetricSink(tmp_path, [sender])
     started = time.perf_counter()
     for step in range(5):
         sink.log({"train/loss": 1.0}, step=step)
@@ -191,24 +193,26 @@ def test_metric_sink_log_never_blocks_on_a_slow_server(tmp_path):
     assert [m.step for batch in client.batches for m in batch] == [0, 1, 2, 3, 4]
     assert threading.get_ident() not in client.thread_ids
     # coalesced: the first point goes at once, the rest wait for SEND_INTERVAL_S in one log_batch
-    assert len(client.batches) <= 2 and sink.sent == 5
+    assert len(client.batches) <= 2 and sender.sent == 5
 
 
 def test_metric_sink_retries_then_drops_and_close_is_bounded(tmp_path, monkeypatch):
     monkeypatch.setattr(time, "sleep", lambda s: None)
     client = SlowFlakyClient(failures=2)
-    sink = MetricSink(tmp_path, client=client, run_id="r")
+    sender = MlflowSender(tmp_path, client=client, run_id="r")
+    sink = MetricSink(tmp_path, [sender])
     sink.log({"train/loss": 2.0}, step=1)
     sink.close(timeout=30)
-    assert [m.value for m in client.batches[0]] == [2.0] and sink.dropped == 0
+    assert [m.value for m in client.batches[0]] == [2.0] and sender.dropped == 0
 
     dead = SlowFlakyClient(failures=10**6)
-    sink = MetricSink(tmp_path, client=dead, run_id="r")
+    sender = MlflowSender(tmp_path, client=dead, run_id="r")
+    sink = MetricSink(tmp_path, [sender])
     sink.log({"train/loss": 3.0}, step=2)
     started = time.monotonic()
     sink.close(timeout=1)
     assert time.monotonic() - started < 10  # a dead server cannot hold the end of training
-    assert dead.batches == [] and sink.dropped == 1
+    assert dead.batches == [] and sender.dropped == 1
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2  # both points kept locally
 
 
