@@ -39,8 +39,8 @@ from torch.utils._pytree import tree_leaves  # noqa: E402
 from torch.utils.weak import WeakIdKeyDictionary  # noqa: E402
 
 from jobspec.model.mlp import MLPClassifier, MLPConfig  # noqa: E402
-from jobspec.units import MiB  # noqa: E402
 from jobspec.model.structure import checkpoint_every_nth_layer  # noqa: E402
+from jobspec.units import MiB  # noqa: E402
 
 VOCAB, LABELS = 1024, 2
 
@@ -188,7 +188,7 @@ def measure(model, batch, repeats: int) -> dict:
 
 def planner_activations(hidden: int, layers: int, batch: int, seq: int, every: int | None) -> int:
     """What jobspec's planner predicts for the same model and batch (the traced activation peak)."""
-    from jobspec.model.trace import ModelTracer
+    from jobspec.model.planner_trace import ModelTracer
     from jobspec.spec.schema import fill_defaults
 
     spec = fill_defaults({"model": {"architecture": "mlp", "num_labels": LABELS,

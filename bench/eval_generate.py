@@ -74,7 +74,7 @@ def rank_main(run_dir: Path, tokens: list[int], repeats: int) -> None:
     import torch.distributed as dist
 
     from jobspec import ops, rundir
-    from jobspec.train.data import make_loader
+    from jobspec.data.loaders import make_loader
     from jobspec.train.engine import build_engine, share_cpu_threads
     from jobspec.train.generation import EvalGenerator
     from jobspec.train.progress import RunState

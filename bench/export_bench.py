@@ -102,7 +102,7 @@ def export(source: Path, out: Path, log: Path, *options: str) -> dict:
 
 
 def parameters(job: Path, overrides=()) -> int:
-    from jobspec.model.trace import ModelTracer
+    from jobspec.model.planner_trace import ModelTracer
     from jobspec.spec.validation import load_and_validate
     spec = load_and_validate(job, list(overrides)).spec
     return ModelTracer(spec).inventory().total

@@ -6,7 +6,7 @@
 Each row builds the model jobspec trains (jobspec.model.build.build_model, eager attention) from its config,
 runs one forward + backward under torch.utils.flop_counter.FlopCounterMode (matrix products only;
 on the meta device it counts from the shapes, nothing is computed) and divides by the tokens.
-Columns, in GFLOP per trained token: jobspec (jobspec.model.trace: fake tensors, layers composed from
+Columns, in GFLOP per trained token: jobspec (jobspec.model.planner_trace: fake tensors, layers composed from
 short units; model FLOPs, hardware FLOPs on the checkpointed rows, which the counter sees recomputed), the old formula (6N + 12Lhs, N counting the embeddings, plus
 its recompute term), torch, and the ratios to torch.
 """
@@ -25,8 +25,8 @@ import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from jobspec.model.build import build_model  # noqa: E402
+from jobspec.model.planner_trace import ModelTracer  # noqa: E402
 from jobspec.model.structure import gradient_checkpointing  # noqa: E402
-from jobspec.model.trace import ModelTracer  # noqa: E402
 from jobspec.spec.model_dims import model_dims  # noqa: E402
 from jobspec.spec.schema import fill_defaults  # noqa: E402
 

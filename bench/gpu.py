@@ -79,7 +79,7 @@ def _tag(label: str) -> str:
 def derived_of(job: str, sets: list[str]):
     """(resolved spec, derived job, memory plan) of a launch row, as `jobspec launch` would compute them."""
     from jobspec.memory.planner import plan_memory
-    from jobspec.model.trace import job_profiler
+    from jobspec.model.planner_trace import job_profiler
     from jobspec.spec.inputs import derive_job
     from jobspec.spec.validation import load_and_validate
     resolved = load_and_validate(str(REPO / job), sets)

@@ -5,7 +5,7 @@
 
 What someone would write by hand for the same job: the model built from its config with transformers
 (random init, same seed and attention implementation as the worker), the job's synthetic samples
-(`jobspec.train.data.synthetic_dataset`: the same token ids), a plain DataLoader with a DistributedSampler,
+(`jobspec.data.loaders.synthetic_dataset`: the same token ids), a plain DataLoader with a DistributedSampler,
 `deepspeed.initialize` with the SAME compiled `ds_config.json`, and forward / backward / step for
 `derived.total_steps` optimizer steps. No telemetry, no checkpoints, no stop votes.
 
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     import yaml
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from jobspec.train.data import synthetic_dataset
+    from jobspec.data.loaders import synthetic_dataset
 
     spec = yaml.safe_load((args.run_dir / "resolved.yaml").read_text(encoding="utf-8"))
     ds_config = json.loads((args.run_dir / "ds_config.json").read_text(encoding="utf-8"))

@@ -62,7 +62,7 @@ WORKERS = """
 import json, psutil
 import jobspec.train.worker
 from jobspec.spec.schema import fill_defaults
-from jobspec.train.data import make_loader, synthetic_dataset
+from jobspec.data.loaders import make_loader, synthetic_dataset
 spec = fill_defaults({"model": {"architecture": "llama"}, "data": {"synthetic": {"num_samples": 4096, "seq_len": 512}}})
 loader = make_loader(synthetic_dataset(spec, 4096, 0), micro_batch_size=8, rank=0, world_size=1, seed=0, epoch=0,
                      shuffle=True, num_workers=2, pin_memory=True)
@@ -87,7 +87,7 @@ def main() -> int:
     args = parser.parse_args()
     from jobspec.compile.compiler import compile_spec
     from jobspec.memory.host import DATALOADER_WORKER_BYTES, RUNTIME_BYTES, construction_bytes
-    from jobspec.model.trace import job_profiler
+    from jobspec.model.planner_trace import job_profiler
     from jobspec.spec.derived import derive
     from jobspec.spec.schema import fill_defaults
     from jobspec.units import MiB

@@ -164,7 +164,7 @@ def run_jobspec(job: Path, work: Path, tag: str, args, log) -> dict:
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     stamps = [(r["step"], r["timestamp"]) for r in lines if "train/loss" in r]
     launcher_log = (run_dir / "launcher.log").read_text(errors="replace")
-    # rank 0's end of its first optimizer step (jobspec/trace.py), logged or not: the point where the
+    # rank 0's end of its first optimizer step (jobspec/launcher_log.py), logged or not: the point where the
     # hand loop prints its first step line
     first = FIRST_STEP.search(launcher_log)
     return {"first_step_s": float(first.group(1)) - started if first else None,
@@ -218,11 +218,11 @@ def probe(run_dir: Path, steps: int, block: int, warmup: int) -> dict:
     import deepspeed
 
     from jobspec import rundir
+    from jobspec.data.loaders import make_loader
     from jobspec.spec.derived import DerivedJob
-    from jobspec.train import engine as rank_engine
-    from jobspec.train.data import make_loader
-    from jobspec.train.progress import Progress, RunState, StepReporter, Window
     from jobspec.tracking.sink import MetricSink
+    from jobspec.train import engine as rank_engine
+    from jobspec.train.progress import Progress, RunState, StepReporter, Window
 
     files = rundir.read_run_files(run_dir)
     deepspeed.init_distributed()

@@ -9,7 +9,7 @@ steps of one micro-batch as the ranks run them (`loss_of(model(**batch))`, then 
 The process's peak RSS (ru_maxrss) less its RSS before the first step is the step's memory; the step
 time is the median of the last two steps. The planner's prediction of the saving is the difference of
 its traced activations (`plan_memory`: layers + embeddings + logits-and-loss terms) between the two
-settings. `--trace` compares the trace (model/trace.ModelTracer.full) with MemTracker over the same step
+settings. `--trace` compares the trace (model/planner_trace.ModelTracer.full) with MemTracker over the same step
 on fake tensors (bench/planner_accuracy.memtracker_peak), for each technique.
 """
 from __future__ import annotations
@@ -81,7 +81,7 @@ def one_row(payload: str) -> None:
 
 def predicted_activations(spec: dict) -> int:
     from jobspec.memory.planner import plan_memory
-    from jobspec.model.trace import job_profiler
+    from jobspec.model.planner_trace import job_profiler
     from jobspec.spec.derived import derive
 
     plan = plan_memory(spec, derive(spec, profiler=job_profiler()))
@@ -111,7 +111,7 @@ def run_measured() -> None:
 
 def run_trace() -> None:
     from bench.planner_accuracy import memtracker_peak
-    from jobspec.model.trace import ModelTracer, tiling_setting
+    from jobspec.model.planner_trace import ModelTracer, tiling_setting
 
     print("| setting (bf16, checkpointing off) | trace MiB | MemTracker MiB | error |")
     print("|---|---|---|---|")

@@ -102,7 +102,7 @@ def measured_states(spec: dict) -> dict:
 
 def state_rows() -> list[dict]:
     from jobspec.memory.planner import plan_memory
-    from jobspec.model.trace import job_profiler
+    from jobspec.model.planner_trace import job_profiler
     from jobspec.spec.derived import derive
 
     profiler, rows = job_profiler(), []
@@ -119,7 +119,7 @@ def state_rows() -> list[dict]:
 
 def activation_rows() -> list[dict]:
     from bench.planner_accuracy import MT_MODELS, memtracker_peak, mt_spec
-    from jobspec.model.trace import ModelTracer
+    from jobspec.model.planner_trace import ModelTracer
 
     rows = []
     for model, layers, attention, precision, micro, seq, ckpt, lora in ACTIVATION_ROWS:

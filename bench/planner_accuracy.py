@@ -36,11 +36,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from jobspec.compile.compiler import compile_spec  # noqa: E402
-from jobspec.spec.derived import derive  # noqa: E402
 from jobspec.memory.planner import CUDA_CONTEXT_BYTES, plan_memory  # noqa: E402
-from jobspec.model.trace import job_profiler  # noqa: E402
-from jobspec.units import MiB  # noqa: E402
+from jobspec.model.planner_trace import job_profiler  # noqa: E402
+from jobspec.spec.derived import derive  # noqa: E402
 from jobspec.spec.schema import fill_defaults  # noqa: E402
+from jobspec.units import MiB  # noqa: E402
 
 PROFILER = job_profiler()   # the planner's traced model profile, unit traces cached on disk
 
@@ -278,7 +278,7 @@ def memtracker_peak(spec: dict, precision: str, micro: int, seq: int, checkpoint
     parameter gradients left out for their whole life, in flight included (what the planner's trace
     leaves out: `_GradientLedger`). `amp`: fp32 weights, the forward under `_AutocastEmulation` (for
     `--seeds`, whose mixed precision is torch AMP, not a 16-bit model). `tiling`: the tiled loss and MLP
-    (model/trace.tiling_setting; not the offload, whose host copies MemTracker would count on the one
+    (model/planner_trace.tiling_setting; not the offload, whose host copies MemTracker would count on the one
     CPU device). The model output is dropped before the backward as the ranks drop it, or with
     `hold_output` kept alive through it (what the trace did before issue 33)."""
     import contextlib
@@ -287,10 +287,10 @@ def memtracker_peak(spec: dict, precision: str, micro: int, seq: int, checkpoint
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from jobspec.model.structure import gradient_checkpointing
     from jobspec.model.kernels import sdpa_stand_in as _sdpa_stand_in
+    from jobspec.model.planner_trace import PRECISION_DTYPES, ModelTracer, apply_tiling, checkpoint_setting
     from jobspec.model.step import step_inputs as _inputs
-    from jobspec.model.trace import PRECISION_DTYPES, ModelTracer, apply_tiling, checkpoint_setting
+    from jobspec.model.structure import gradient_checkpointing
 
     model = ModelTracer(spec)._build(layers=None)
     model.train()
@@ -470,7 +470,7 @@ def memtracker_row(setting: tuple) -> dict:
     """The planner's composed activation peak and MemTracker's full-model peak for one setting."""
     import time
 
-    from jobspec.model.trace import ModelTracer
+    from jobspec.model.planner_trace import ModelTracer
 
     model, layers, attention, precision, micro, seq, ckpt = setting
     spec = mt_spec(model, layers, attention)
@@ -524,6 +524,7 @@ def measure(spec: dict, steps: int = 3) -> tuple[int, int | None]:
     """(peak allocated bytes, NVML used bytes) of a few real steps on cuda:0 (single rank, DeepSpeed engine)."""
     import deepspeed
     import torch
+
     from jobspec.hardware import nvml_used_bytes
     from jobspec.model.build import build_model
     from jobspec.train.patches import apply_patches, build_client_optimizer

@@ -49,7 +49,7 @@ LAUNCH_JOB = {
 
 def plans(job: Path, seq_len: int | None, sizes: list[int]) -> None:
     from jobspec.memory.planner import plan_memory
-    from jobspec.model.trace import job_profiler
+    from jobspec.model.planner_trace import job_profiler
     from jobspec.spec.inputs import derive_job
     from jobspec.spec.validation import load_and_validate
 

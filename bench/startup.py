@@ -8,7 +8,7 @@
 
 Each launch runs in a new output directory with its own SQLite store (a launch that finds a new
 store pays for creating its tables: the `cold store` row). The phases are timestamps the launcher
-and rank 0 write to launcher.log (`jobspec-log: phase ...`, jobspec/trace.py), the bench's own
+and rank 0 write to launcher.log (`jobspec-log: phase ...`, jobspec/launcher_log.py), the bench's own
 clock before the command, and the end of the whole command. Rank 0's phases are the critical path:
 rank 1 runs the same steps at the same time. The load average of the machine is printed next to
 each launch: on a shared machine, other work slows every phase.

@@ -4,7 +4,7 @@
     deepspeed --num_gpus N --module bench.trainer_baseline --run-dir DIR --out result.json   # ZeRO >= 1
 
 DIR is a `jobspec compile --out` directory. The baseline builds the same model from the same config
-and seed (`jobspec.model.build.build_model`), the same synthetic samples (`jobspec.train.data.synthetic_dataset`:
+and seed (`jobspec.model.build.build_model`), the same synthetic samples (`jobspec.data.loaders.synthetic_dataset`:
 same seed, same token ids), and `TrainingArguments` with the job's micro/global batch, accumulation,
 precision, gradient checkpointing, optimizer, schedule, clipping and max_steps; with ZeRO >= 1 it
 passes the compiled `ds_config.json` as `deepspeed=`, so both sides run the same DeepSpeed config.
@@ -143,9 +143,9 @@ def run(run_dir: Path, out: Path) -> dict:
     import torch.distributed as dist
     from transformers import Trainer, TrainingArguments, set_seed
 
-    from jobspec.train import metrics
-    from jobspec.train.data import synthetic_dataset
+    from jobspec.data.loaders import synthetic_dataset
     from jobspec.model.build import build_model
+    from jobspec.train import metrics
 
     spec, ds_config, derived = read_run_dir(run_dir)
     if spec["data"].get("synthetic") is None:

@@ -59,7 +59,7 @@ def planned(job_path: Path) -> dict:
     """The plan `jobspec launch` prints in its header, from the same functions."""
     from jobspec.hardware import gpu_free_bytes
     from jobspec.memory.planner import plan_memory
-    from jobspec.model.trace import job_profiler
+    from jobspec.model.planner_trace import job_profiler
     from jobspec.spec.inputs import derive_job
     from jobspec.spec.validation import load_and_validate
 

@@ -8,7 +8,7 @@ Python warnings with their source lines are the libraries' business: the command
 table or its error. A warning raised from jobspec's own code is one plain `jobspec: ...` line.
 The log is ~/.cache/jobspec/logs/<command>.log (JOBSPEC_LOG_DIR), rewritten by each run.
 
-Neutral ground (like trace.py): cli.py wraps those commands in it. It imports transformers' logging
+Neutral ground (like launcher_log.py): cli.py wraps those commands in it. It imports transformers' logging
 module (no torch), so that transformers' own stderr handler exists to be replaced; `compile` stays
 torch- and transformers-free unless its checks need transformers (job/checks calls `adopt_transformers`).
 """

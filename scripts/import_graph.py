@@ -34,12 +34,16 @@ from pathlib import Path
 
 HEAVY = ("torch", "deepspeed", "transformers", "mlflow")
 LIGHT_PATH = ("optimizers", "tasks", "spec", "compile", "memory", "job", "errors", "cli", "commands")
-LAYERS = ("optimizers", "tasks", "spec", "compile", "model", "memory", "job", "tracking", "export", "launch", "train", "report", "commands", "cli", "__main__")
-# Single modules placed in another layer than their package's. export/ sits between tracking and
-# launch (below the ranks that export and the launcher that records the exports), but its pure rules
-# are on the validate path (spec/validation, the planner, the pre-flight read them), and its checkpoint
-# converter reads what train/checkpointing wrote (`jobspec export` only).
-MODULE_LAYERS = {"export.rules": "spec", "export.convert": "train"}
+# The data flow, bottom up: a file -> spec -> compiled plan; the model and its memory plan; the data
+# (loaders, checks, the preparation pass); the derived job; tracking; checkpoints (save/load, reshard);
+# exports (read checkpoints); launch; the ranks; reports; the commands.
+LAYERS = ("optimizers", "tasks", "spec", "compile", "model", "memory", "data", "job", "tracking", "checkpoint",
+          "export", "launch", "train", "report", "commands", "cli", "__main__")
+# Single modules placed in another layer than their package's: pure modules on the validate path
+# (spec/validation, the planner, the pre-flight read them). export/ sits between tracking and launch
+# (below the ranks that export and the launcher that records the exports), but its pure rules are read
+# by validate; data/'s formats and record checks are validate's read of the data files.
+MODULE_LAYERS = {"export.rules": "spec", "data.data_format": "spec", "data.datacheck": "spec"}
 MLFLOW_LAYER = "tracking"   # the only subpackage that imports mlflow
 READ_ONLY_COMMANDS = ("validate", "compile", "plan", "report", "schema", "sync", "export")
 
@@ -231,7 +235,7 @@ def problems(modules: dict[str, Module], package: str) -> list[str]:
         imports = module.eager | module.lazy
         if module.name.startswith(f"{package}.train"):
             for target in sorted(imports):
-                if target.startswith(f"{package}.launch"):
+                if target == f"{package}.launch" or target.startswith(f"{package}.launch."):
                     found.append(f"{module.name} (rank side) imports {target} (launch side)")
         for target in sorted(imports):
             if target in modules and layer(target, modules) > layer(module.name, modules):

@@ -18,7 +18,7 @@ from jobspec.spec.schema import fill_defaults
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-# The planner's trace cache (jobspec/model/trace.py): one per test session, shared by every test and
+# The planner's trace cache (jobspec/model/planner_trace.py): one per test session, shared by every test and
 # the processes they start, so a model is traced once and ~/.cache is left alone.
 if not os.environ.get("JOBSPEC_CACHE_DIR"):
     import tempfile
@@ -27,7 +27,7 @@ if not os.environ.get("JOBSPEC_CACHE_DIR"):
 
 
 def _profiler():
-    from jobspec.model.trace import job_profiler
+    from jobspec.model.planner_trace import job_profiler
     return job_profiler()
 
 

@@ -183,3 +183,16 @@ def test_every_function_and_class_the_architecture_doc_cites_exists():
         if first not in defined:
             problems.append(f"{module}{attrs}: jobspec/{module}.py defines no {first!r}")
     assert problems == [], "docs/architecture.md cites names the code does not have:\n" + "\n".join(problems)
+
+
+def test_bench_has_no_import_cycle_and_the_package_never_imports_bench():
+    """The same cycle rule over bench/ (its scripts import jobspec, never the reverse)."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import import_graph
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    bench = import_graph.build(REPO_ROOT, "bench")
+    assert import_graph.cycles(bench) == []
+    package = import_graph.build(REPO_ROOT, "jobspec")
+    assert not any("bench" in module.external for module in package.values())

@@ -130,7 +130,7 @@ def test_compile_counts_csv_rows_and_resolves_paths_against_the_spec(project, tm
 def test_jsonl_csv_and_parquet_give_the_same_tensors(project):
     import torch
 
-    from jobspec.train.data import build_datasets
+    from jobspec.data.loaders import build_datasets
     from jobspec.model.build import build_tokenizer
     from jobspec.spec.validation import load_and_validate
 

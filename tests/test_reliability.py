@@ -21,7 +21,7 @@ from mlflow_server import ENV, launch_argv, only_run_dir, write_job
 
 from jobspec.memory.planner import checkpoint_bytes
 from jobspec.spec.derived import derive
-from jobspec.train import checkpointing
+from jobspec.checkpoint import save_load
 
 from jobspec.launch import preflight, supervise as supervision
 
@@ -150,23 +150,23 @@ def one_rank_group(tmp_path):
 
 
 def save(ckpt: Path, step: int) -> str:
-    return checkpointing.save(FakeEngine(), ckpt, step=step, epoch=0, batches_in_epoch=step, job_name="j",
+    return save_load.save(FakeEngine(), ckpt, step=step, epoch=0, batches_in_epoch=step, job_name="j",
                               keep_last=5)
 
 
 def test_a_crash_after_deepspeed_wrote_the_tag_leaves_latest_on_the_previous_checkpoint(
         tmp_path, one_rank_group, monkeypatch):
     ckpt = tmp_path / "ckpt"
-    assert save(ckpt, 2) == "step2" and checkpointing.read_latest(ckpt) == "step2"
+    assert save(ckpt, 2) == "step2" and save_load.read_latest(ckpt) == "step2"
 
     def crash(*args):
         raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(checkpointing, "write_manifest", crash)
+    monkeypatch.setattr(save_load, "write_manifest", crash)
     with pytest.raises(RunFailure, match="No space left on device"):
         save(ckpt, 4)
     assert not (ckpt / "step4").exists()  # DeepSpeed's part was written; the torn directory is removed
-    assert checkpointing.read_latest(ckpt) == "step2"
-    assert checkpointing.resume_candidates("auto", ckpt) == [(str(ckpt), "step2")]
+    assert save_load.read_latest(ckpt) == "step2"
+    assert save_load.resume_candidates("auto", ckpt) == [(str(ckpt), "step2")]
     assert not list(ckpt.glob(".latest.tmp*"))
 
 
@@ -194,7 +194,7 @@ class DeepSpeedLikeEngine:
 
 
 def deepspeed_save(ckpt: Path, step: int, nbytes: int, legacy: bool = False) -> str:
-    return checkpointing.save(DeepSpeedLikeEngine(nbytes, legacy), ckpt, step=step, epoch=0, batches_in_epoch=step,
+    return save_load.save(DeepSpeedLikeEngine(nbytes, legacy), ckpt, step=step, epoch=0, batches_in_epoch=step,
                               job_name="j", keep_last=5)
 
 
@@ -203,26 +203,26 @@ def assert_clean_failure(failure, ckpt: Path, tag: str, latest: str):
     assert len(text.splitlines()) == 1 and failure.collective
     assert f"checkpoint {tag} could not be saved to {ckpt}: No space left on device (writing {ckpt / tag}/" in text
     assert f"the incomplete {tag} was removed and `latest` still names {latest}" in text
-    assert not (ckpt / tag).exists() and checkpointing.read_latest(ckpt) == latest
-    assert checkpointing.completed_steps(ckpt) == [int(latest[4:])]
+    assert not (ckpt / tag).exists() and save_load.read_latest(ckpt) == latest
+    assert save_load.completed_steps(ckpt) == [int(latest[4:])]
 
 
 def test_a_full_disk_during_a_save_is_one_line_and_leaves_the_previous_checkpoint(tmp_path, one_rank_group,
                                                                                    monkeypatch):
     ckpt = tmp_path / "ckpt"
     assert deepspeed_save(ckpt, 2, 4096) == "step2"
-    real_save = checkpointing.torch.save
+    real_save = save_load.torch.save
 
     def half_then_enospc(obj, fh, **kwargs):  # what a write into a full disk does: part lands, then ENOSPC
         if not str(getattr(fh, "name", "")).startswith(str(ckpt)):
             return real_save(obj, fh, **kwargs)  # torch.distributed pickles objects with torch.save too
         fh.write(b"x" * 100)
         raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(checkpointing.torch, "save", half_then_enospc)
+    monkeypatch.setattr(save_load.torch, "save", half_then_enospc)
     with pytest.raises(RunFailure) as failure:
         deepspeed_save(ckpt, 4, 4096)
     assert_clean_failure(failure.value, ckpt, "step4", "step2")
-    monkeypatch.setattr(checkpointing.torch, "save", real_save)
+    monkeypatch.setattr(save_load.torch, "save", real_save)
     assert deepspeed_save(ckpt, 6, 4096) == "step6"  # room again: the next save works
 
 
@@ -249,17 +249,17 @@ def test_a_really_full_tmpfs_during_a_save(small_tmpfs, one_rank_group, legacy):
     with pytest.raises(RunFailure) as failure:
         deepspeed_save(ckpt, 4, 600 * 1024, legacy)                          # 2 x 600 KiB do not
     assert_clean_failure(failure.value, ckpt, "step4", "step2")
-    assert checkpointing.verify(ckpt, "step2") is None               # the previous checkpoint is intact
+    assert save_load.verify(ckpt, "step2") is None               # the previous checkpoint is intact
 
 
 def test_a_truncated_file_makes_verification_fail(tmp_path, one_rank_group):
     ckpt = tmp_path / "ckpt"
     save(ckpt, 2), save(ckpt, 4)
-    assert checkpointing.verify(ckpt, "step4") is None
+    assert save_load.verify(ckpt, "step4") is None
     with open(ckpt / "step4" / "mp_rank_00_model_states.pt", "r+b") as fh:
         fh.truncate(10)
-    assert "10 bytes, 1000 were written" in checkpointing.verify(ckpt, "step4")
-    assert checkpointing.resume_candidates("auto", ckpt) == [(str(ckpt), "step4"), (str(ckpt), "step2")]
+    assert "10 bytes, 1000 were written" in save_load.verify(ckpt, "step4")
+    assert save_load.resume_candidates("auto", ckpt) == [(str(ckpt), "step4"), (str(ckpt), "step2")]
 
 
 # --- real 2-rank launches --------------------------------------------------------------------------
@@ -297,7 +297,7 @@ def test_nan_stop_keeps_the_last_good_checkpoint_and_a_corrupt_one_is_passed_ove
     assert "training loss is not finite at optimizer step 5" in first.stderr + first.stdout
     assert "Traceback" not in first.stderr + first.stdout
     ckpt = tmp_path / "out-nan-stop" / "checkpoints"
-    assert checkpointing.read_latest(ckpt) == "step4" and checkpointing.completed_steps(ckpt) == [2, 4]
+    assert save_load.read_latest(ckpt) == "step4" and save_load.completed_steps(ckpt) == [2, 4]
     run_dir = only_run_dir(tmp_path, "nan-stop")
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed" and "on_nan: stop" in summary["error"] and summary["steps"] == 4

@@ -35,7 +35,7 @@ from conftest import TINY_SPEC, deep_merge, make_run_dir, read_metrics, run_work
 from mlflow_server import ENV
 
 from jobspec.tracking.run import client_for
-from jobspec.train import checkpointing
+from jobspec.checkpoint import save_load
 
 pytestmark = pytest.mark.slow
 
@@ -154,7 +154,7 @@ def test_stopped_by_sigusr1_exits_75_and_the_printed_command_resumes_bit_identic
     summary = json.loads((first / "summary.json").read_text())
     stopped = summary["steps"]
     assert summary["status"] == "preempted" and 3 <= stopped < 30 and summary["checkpoint"] == f"step{stopped}"
-    assert checkpointing.read_latest(tmp_path / "out" / "checkpoints") == f"step{stopped}"
+    assert save_load.read_latest(tmp_path / "out" / "checkpoints") == f"step{stopped}"
     assert f"jobspec: stopped, not finished (exit 75): stopped by SIGUSR1 (Slurm's time-limit warning or a " \
            f"preemption) at step {stopped} of 30; checkpoint step{stopped}" in out
     resume = re.search(r"^jobspec: resume with: (.+)$", out, re.M).group(1)
@@ -208,7 +208,7 @@ def test_zero2_disk_full_then_launcher_killed_then_resumed_bit_identically(tmp_p
             f"/step4/")
     assert f"jobspec: {line}" in full.stdout and "Traceback" not in output
     assert "the incomplete step4 was removed and `latest` still names step2" in output
-    assert not (small_disk / "step4").exists() and checkpointing.read_latest(small_disk) == "step2"
+    assert not (small_disk / "step4").exists() and save_load.read_latest(small_disk) == "step2"
     first = newest_run(tmp_path)
     assert json.loads((first / "summary.json").read_text())["error"].startswith(line)
     run = mlflow_run(first)
@@ -241,7 +241,7 @@ def test_zero2_disk_full_then_launcher_killed_then_resumed_bit_identically(tmp_p
     assert job_processes(second) == [] and gone_after < 10, gone_after
     assert mlflow_run(second).info.status == "RUNNING"  # nothing closed it yet
     assert_bit_identical(losses(second), straight, 2)
-    latest = int(checkpointing.read_latest(small_disk)[4:])
+    latest = int(save_load.read_latest(small_disk)[4:])
 
     # 3. the next launch closes the orphaned run, resumes from the newest checkpoint, finishes
     done = launch(argv, tmp_path)

@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jobspec.export.convert import export_checkpoint, hub_offline, locate
+    from jobspec.export.from_checkpoint import export_checkpoint, hub_offline, locate
     from jobspec.export.hf_dir import ExportFailed
 
     out = args.out.expanduser().resolve()

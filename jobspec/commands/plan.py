@@ -168,8 +168,8 @@ def result_issue(result, source: str | None):
 
 def data_lines(resolved) -> list[str]:
     """The tokenised data of chat and prompt/completion records: its size when the data cache holds it,
-    else about how big it will be and how long preparing it takes (job/data_prep.py)."""
-    from jobspec.job.data_prep import prepare_data
+    else about how big it will be and how long preparing it takes (data/data_prep.py)."""
+    from jobspec.data.data_prep import prepare_data
 
     try:
         return prepare_data(resolved.spec, build=False)[0]

@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jobspec.spec import datacheck
+    from jobspec.data import datacheck
     from jobspec.spec.derived import derive
     from jobspec.spec.freeform import unchecked_model_config
     from jobspec.spec.validation import load_and_validate

@@ -120,7 +120,7 @@ def rebatched(ds_config: dict, micro_batch_size: int, gradient_accumulation_step
 
 
 def with_universal_load(ds_config: dict) -> dict:
-    """A copy of a compiled config that loads DeepSpeed's universal checkpoint format (train/reshard:
+    """A copy of a compiled config that loads DeepSpeed's universal checkpoint format (checkpoint/reshard:
     a checkpoint saved at another world size)."""
     out = copy.deepcopy(ds_config)
     out["checkpoint"] = {**out.get("checkpoint", {}), "load_universal": True}

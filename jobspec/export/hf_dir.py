@@ -81,7 +81,7 @@ def write_model_dir(out: str | os.PathLike, spec: dict, state_dict: dict, info: 
                     show_progress: bool = False, label_names: dict | None = None) -> dict:
     """Write the directory `out` (replacing one that exists); returns its record (path, bytes, ...).
 
-    `label_names`: the training data's string labels -> class ids (jobspec.train.data), written as the
+    `label_names`: the training data's string labels -> class ids (jobspec.data.loaders), written as the
     config's label2id/id2label so that `pipeline(...)` answers "positive", not "LABEL_1".
 
     `state_dict` values may be tensors or DeepSpeed's lazy `GatheredTensor`s; they are materialised
@@ -122,7 +122,7 @@ def stop_at_end_of_turn(model, spec: dict, tokenizer) -> None:
     file (`data.chat_template`) goes into the exported tokenizer, which then renders prompts as training did."""
     if tokenizer is None:
         return
-    from jobspec.job.chat_render import chat_template
+    from jobspec.data.chat_render import chat_template
     from jobspec.model.chat_turns import end_of_turn_ids
 
     template = chat_template(spec, tokenizer)

@@ -10,9 +10,9 @@ rules is what needs transformers or the network (validate imports neither):
 - the config transformers builds from it, refused at the keys involved (model/build.build_config:
   `pad_token_id` beyond `vocab_size`, ...), never as a later failure of another field;
 - `model.attention` left out for a hub id: the best the head supports, now that its type is known;
-- (the records' shape: validate, spec/datacheck.record_issues, every bad record at its file:line)
+- (the records' shape: validate, data/datacheck.record_issues, every bad record at its file:line)
 - the tokenizer transformers loads, its size against the vocabulary, the chat template rendered on
-  the records (job/data_preflight).
+  the records (data/data_preflight).
 
 LoRA target modules against the meta-built model stay in prepare_job (model/lora.check_targets).
 What only a launch checks is the host's (port, GPUs, disk, lease, bitsandbytes' CPU backend):
@@ -24,8 +24,8 @@ import sys
 from typing import TYPE_CHECKING
 
 from jobspec import library_log
+from jobspec.data import data_preflight
 from jobspec.errors import SpecError
-from jobspec.job import data_preflight
 from jobspec.job.model_config import job_model_config_issues
 
 if TYPE_CHECKING:

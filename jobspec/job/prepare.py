@@ -7,9 +7,9 @@
                reachability, bitsandbytes' backend on CPU ranks); then job/checks.model_data_checks,
                the same model and data refusals for every command (model.config of a hub id, the
                config transformers builds, the tokenizer and chat template), and the LoRA targets
-    derive     spec/inputs.derive_job; with the model's traced profile (model/trace.job_profiler)
+    derive     spec/inputs.derive_job; with the model's traced profile (model/planner_trace.job_profiler)
                when memory is planned
-    memory     memory/at_launch.prepare: `memory.fit: auto` rewrites the spec and its derived job
+    memory     memory/at_launch.plan_at_launch: `memory.fit: auto` rewrites the spec and its derived job
                (and every validation rule runs again on the result), the plan of what runs
     compile    compile/compiler.compile_spec: the DeepSpeed config, patches and argv
 
@@ -126,10 +126,10 @@ def prepare_job(source: str | os.PathLike | ResolvedSpec, overrides: Iterable[st
         host = host or Host.probe(spec["resources"]["gpus_per_node"])
         plan = host.gpu_free is not None   # a budget: the fit may rewrite the spec, so decide it
     if plan or (apply_fit and spec["memory"]["fit"] == "auto" and (budget or spec["memory"]["gpu_memory"])):
-        from jobspec.model.trace import job_profiler
+        from jobspec.model.planner_trace import job_profiler
         host = host or Host.probe(spec["resources"]["gpus_per_node"])
         derived = _located(resolved, lambda: derive_job(spec, profiler=job_profiler()))
-        resolved, derived, memory = _located(resolved, lambda: at_launch.prepare(
+        resolved, derived, memory = _located(resolved, lambda: at_launch.plan_at_launch(
             resolved, derived, host.gpu_free, bf16_supported=host.bf16_supported, apply_fit=apply_fit,
             budget=budget, host_ram=host.ram_total, host_budget=host_budget))
     else:

@@ -121,7 +121,7 @@ def _has_checkpoints(ckpt_dir: Path) -> bool:
         return False
 
 
-def prepare(run_id: str, tracking_uri: str | None, overrides: list[str]) -> tuple[Path, list[str]]:
+def spec_file_of_run(run_id: str, tracking_uri: str | None, overrides: list[str]) -> tuple[Path, list[str]]:
     """Fetch and adapt the spec of `run_id`: (spec file to launch, notes). The file lives in a private
     temp dir removed at exit (the run directory keeps its text, masked, as spec.yaml)."""
     uri = tracking_uri_or_default(tracking_uri)
@@ -142,7 +142,7 @@ def job_argument(args) -> str:
             raise spec_error("--tracking-uri names the store of --from-run",
                              hint="a spec file sets its store in logging.mlflow.tracking_uri (or --set it)")
         return args.job
-    path, notes = prepare(args.from_run, args.tracking_uri, args.overrides)
+    path, notes = spec_file_of_run(args.from_run, args.tracking_uri, args.overrides)
     for note in notes:
         print(f"jobspec: from run {args.from_run}: {note}", flush=True)
     return str(path)

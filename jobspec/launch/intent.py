@@ -3,7 +3,7 @@ nothing because the job is complete. `jobspec launch` stops before creating anyt
 complete (so the finished run's summary and MLflow run are never overwritten by an empty one), and
 `--dry-run` says which of the three a launch would do.
 
-Reads the checkpoint directory only (no torch). The layout is jobspec/train/checkpointing.py's:
+Reads the checkpoint directory only (no torch). The layout is jobspec/checkpoint/save_load.py's:
 `<dir>/latest` names the newest complete checkpoint `step<N>`, whose `jobspec_manifest.json` is
 written last.
 """
@@ -17,7 +17,7 @@ from jobspec import rundir
 from jobspec.launch import ownership
 
 LATEST = "latest"                       # checkpointing.LATEST
-MANIFEST = "jobspec_manifest.json"      # checkpointing.MANIFEST
+MANIFEST = "jobspec_manifest.json"      # checkpoint/save_load.MANIFEST
 STEP_TAG = re.compile(r"^step(\d+)$")   # checkpointing.tag_for
 
 

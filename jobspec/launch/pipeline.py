@@ -4,10 +4,10 @@
     prepare        job/prepare.prepare_job, the path `jobspec compile` and `plan` take too:
       resolve        spec/validation.load_and_validate (exit 2 on any problem)
       model.config   job/model_config (through prepare_job's job/checks): a hub id's config, a type outside the table
-      data           spec/datacheck: every data record (validate), exit 2 at data.train/eval file:line;
-                     job/data_preflight: the tokenizer transformers loads, the chat template on the records
+      data           data/datacheck: every data record (validate), exit 2 at data.train/eval file:line;
+                     data/data_preflight: the tokenizer transformers loads, the chat template on the records
       derive         spec/inputs.derive_job: every derived number, once (config.json, row count read here)
-      memory         memory/at_launch.prepare: `memory.fit: auto` rewrites the spec (every rule runs
+      memory         memory/at_launch.plan_at_launch: `memory.fit: auto` rewrites the spec (every rule runs
                      again on it); the plan
     claim          launch/ownership.claim_checkpoints: refuse another job's checkpoints; resume id
     intent         launch/intent.decide: fresh, resume at step K, or complete (then nothing starts)
@@ -42,10 +42,10 @@ import threading
 import time
 from pathlib import Path
 
-from jobspec import hardware, lifeline, ops, rundir, shm, trace
+from jobspec import hardware, launcher_log, lifeline, ops, rundir, shm
 from jobspec import status as run_status
+from jobspec.data import data_prep
 from jobspec.errors import SpecError, SpecIssue, spec_error
-from jobspec.job import data_prep
 from jobspec.launch import (
     console,
     host,
@@ -96,15 +96,15 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
     port = spec["resources"]["master_port"] or runner.free_port()
     found = host.probe(spec["resources"]["gpus_per_node"], gpu_free)
     style = progress_mode(spec["logging"]["progress"]) == "bar"
-    phases.append(("planned", time.time(), trace.cpu_seconds()))
-    # chat and prompt/completion records tokenised once into the data cache (job/data_prep), before any
+    phases.append(("planned", time.time(), launcher_log.cpu_seconds()))
+    # chat and prompt/completion records tokenised once into the data cache (data/data_prep), before any
     # rank: every record is checked (a bad one refuses the launch at its file:line); --dry-run says
     # whether the cache is warm, else how long building it would take
     data_lines, _ = _located(resolved, lambda: data_prep.prepare_data(
         spec, build=not dry_run, show=progress_mode(spec["logging"]["progress"])))
     for line in data_lines:
         print(f"jobspec: {line}", flush=True)
-    phases.append(("data", time.time(), trace.cpu_seconds()))
+    phases.append(("data", time.time(), launcher_log.cpu_seconds()))
 
     if dry_run:  # nothing is created: the run dir in the command is the name it would get
         _located(resolved, ownership.check_checkpoints, spec)  # a launch would refuse another job's checkpoints
@@ -193,7 +193,7 @@ def _launch_holding(job, overrides, prepared, chosen, held, resume_run_id, port,
     tracking = launch_tracking.BackgroundTracking(
         resolved, compiled, run_dir, resume_run_id, launch_memory.mlflow_params(memory, spec["memory"]["fit"]),
         verbose=verbose, announce=announce, done=terminal.release, lineage=chosen, start_step=what.step)
-    phases.append(("runner", time.time(), trace.cpu_seconds()))
+    phases.append(("runner", time.time(), launcher_log.cpu_seconds()))
     stops.running(run_dir)
     tracking.start()
     # read once here, while the runner starts, instead of twice per op load on every rank
@@ -345,7 +345,7 @@ def _write_phases(run_dir: Path, phases: list) -> None:
 
     text = io.StringIO()
     for name, at, cpu in phases:
-        trace.phase("launcher", name, at, cpu, stream=text)
+        launcher_log.phase("launcher", name, at, cpu, stream=text)
     with rundir.open_launcher_log(run_dir) as log_file:
         log_file.write(text.getvalue().encode())
 

@@ -4,7 +4,7 @@ launcher.log always gets every byte. The terminal gets jobspec's own lines, the 
 lines, and every warning and error, but not the chatter of the libraries under it: DeepSpeed's
 INFO/DEBUG log records (accelerator, world info, spawn commands), its warnings that say nothing
 about the job ("Setting accelerator to CPU", no hostfile on a single node), torch's extension-loading
-lines, MLflow's and alembic's INFO records, and jobspec's launcher.log-only lines (jobspec/trace.py).
+lines, MLflow's and alembic's INFO records, and jobspec's launcher.log-only lines (jobspec/launcher_log.py).
 `--verbose` shows it all.
 
 Output is relayed in chunks, so a line is held until its end is seen; a line that holds a carriage
@@ -19,7 +19,7 @@ import logging
 import re
 import threading
 
-from jobspec.trace import LOG_ONLY
+from jobspec.launcher_log import LOG_ONLY
 
 ANSI = re.compile(rb"\x1b\[[0-9;]*[A-Za-z]")
 _DS_RECORD = rb"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}\] "

@@ -42,7 +42,7 @@ class LaunchMemory:
     host_problem: SpecError | None = None   # the node cannot hold its ranks' host memory (and what to change)
 
 
-def prepare(resolved, job, gpu_free: int | None, *, bf16_supported: bool = True, apply_fit: bool = True,
+def plan_at_launch(resolved, job, gpu_free: int | None, *, bf16_supported: bool = True, apply_fit: bool = True,
             budget: tuple[int, str] | None = None, host_ram: int | None = None,
             host_budget: tuple[int, str] | None = None):
     """(resolved spec to run, its derived job, LaunchMemory): `memory.fit: auto` applied, the plan of the result.

@@ -1,7 +1,7 @@
 """Per-rank GPU memory of a job: the cost model of docs/memory-planner.md over the model's measured profile.
 
 Pure: spec + DerivedJob (its `profile`: the parameter inventory and the traced activations of
-jobspec/model/trace.py) in, bytes out; no torch. Which copies exist follows DeepSpeed 0.19's own
+jobspec/model/planner_trace.py) in, bytes out; no torch. Which copies exist follows DeepSpeed 0.19's own
 optimizer wrappers (engine.py picks them): ZeRO-0 fp32 runs the bare optimizer; ZeRO-0 fp16/bf16 wraps
 it in FP16_Optimizer (flat fp32 master + a flat fp32 gradient built at step time); ZeRO-1/2
 (stage_1_and_2.py) keep the full 16/32-bit parameters, a fp32 master *partition* (a clone even for
@@ -153,7 +153,7 @@ def plan_memory(spec: dict, job: DerivedJob, *, budget: int | None = None,
         if job.profile_error is not None:
             raise job.profile_error
         raise spec_error("the planner needs the model's profile (the job was derived without a profiler)",
-                         path=("model",), hint="derive the job with jobspec.model.trace.job_profiler()")
+                         path=("model",), hint="derive the job with jobspec.model.planner_trace.job_profiler()")
     memory, training, model = spec["memory"], spec["training"], spec["model"]
     world = job.world_size
     inventory = profile.inventory

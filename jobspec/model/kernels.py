@@ -1,4 +1,4 @@
-"""The GPU attention kernels' stand-in for the planner's trace (jobspec/model/trace.py).
+"""The GPU attention kernels' stand-in for the planner's trace (jobspec/model/planner_trace.py).
 
 SDPA cannot reach the GPU kernels in a CPU torch, and the CPU kernels keep other tensors. While tracing,
 `torch.nn.functional.scaled_dot_product_attention` is replaced by `_attention`, which calls the GPU

@@ -2,7 +2,7 @@
 the target patterns checked against the model's real module names, bitsandbytes' quantisation config.
 
 One code path for everyone who needs the adapted model: the ranks (train/ wraps the model after
-jobspec's patches), the planner's trace (model/trace.py wraps its meta model with the same
+jobspec's patches), the planner's trace (model/planner_trace.py wraps its meta model with the same
 `apply_lora`, so the plan counts exactly the adapters PEFT makes) and the job-preparation check
 (`check_targets`, on the meta device: compile, plan, launch and `--dry-run` refuse a pattern that
 matches nothing before any rank starts, positioned at `model.lora.target_modules[i]`).

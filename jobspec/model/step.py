@@ -1,4 +1,4 @@
-"""One training step of a model traced under fake tensors: what the planner measures (jobspec/model/trace.py).
+"""One training step of a model traced under fake tensors: what the planner measures (jobspec/model/planner_trace.py).
 
 `run_step` runs forward + backward on a micro-batch shaped as the data loader gives it (`step_inputs`),
 inside the caller's FakeTensorMode, under `_LiveStorages`: a dispatch mode that sees every storage an op
@@ -31,7 +31,7 @@ ALLOCATOR_ROUND = 512          # the CUDA caching allocator's smallest block
 
 
 def step_inputs(spec: dict, config, micro_batch: int, seq_len: int) -> dict:
-    """What the data loader gives a micro-batch (train/data.py): ids, attention mask, labels."""
+    """What the data loader gives a micro-batch (data/loaders.py): ids, attention mask, labels."""
     import torch
 
     vocab = int(getattr(config, "vocab_size", 0) or 1000)

@@ -2,7 +2,7 @@
 one in k, or any chosen layers), freezing by name pattern and the attention implementation.
 
 Shared by the ranks (train/patches.py registers these as patches) and the planner's trace
-(model/trace.py), so the plan measures the model exactly as training will run it.
+(model/planner_trace.py), so the plan measures the model exactly as training will run it.
 """
 from __future__ import annotations
 

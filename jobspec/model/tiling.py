@@ -1,6 +1,6 @@
 """DeepSpeed's long-sequence tiling (ALST) on a Hugging Face model: `memory.tiled_loss`, `memory.tiled_mlp`.
 
-Shared by the ranks (train/patches.py registers both as patches) and the planner's trace (model/trace.py),
+Shared by the ranks (train/patches.py registers both as patches) and the planner's trace (model/planner_trace.py),
 so the plan measures the tiles the ranks run.
 
 Tiled loss. A causal LM's head turns every position's hidden state into vocabulary logits (128,256 per

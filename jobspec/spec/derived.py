@@ -9,7 +9,7 @@ instead of recomputing it.
 
 Pure: no torch, no I/O. What a derivation needs from disk (a local checkpoint's config.json, the
 training file's row count) is read at the edge by `jobspec.spec.inputs.derive_job` and passed in; the
-model's profile comes from a `profiler` passed in the same way (`jobspec.model.trace.job_profiler`: the
+model's profile comes from a `profiler` passed in the same way (`jobspec.model.planner_trace.job_profiler`: the
 model built and traced under fake tensors, cached), which `jobspec validate` does not use.
 """
 from __future__ import annotations
@@ -230,7 +230,7 @@ def _batch_split(micro: int, global_batch: int | None, world: int, sequence_para
 
 def _total_steps(training: dict, global_batch: int, samples: int | None, notes: list[str]) -> int | None:
     if samples is not None and samples < global_batch:
-        # the loader trains whole global batches only (jobspec/train/data.py epoch_samples)
+        # the loader trains whole global batches only (jobspec/data/loaders.py epoch_samples)
         explicit = training["global_batch_size"] is not None
         raise spec_error(f"{samples} training samples do not fill one global batch of {global_batch}",
                          path=("training", "global_batch_size" if explicit else "micro_batch_size"),
@@ -246,7 +246,7 @@ def _total_steps(training: dict, global_batch: int, samples: int | None, notes: 
     if samples is None:
         return None
     # Count as the loader runs: an epoch is the whole global batches of the shuffled samples, the same
-    # for every split of the global batch (train/data.epoch_samples; the tail of each epoch's order is
+    # for every split of the global batch (data/loaders.epoch_samples; the tail of each epoch's order is
     # left out). This module is pure, so the count is written here rather than imported.
     steps_per_epoch = samples // global_batch
     return max(1, math.ceil(epochs * steps_per_epoch))

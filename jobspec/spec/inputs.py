@@ -8,15 +8,15 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+from jobspec.data.data_format import data_format, source_kind
 from jobspec.errors import spec_error
-from jobspec.spec.data_format import data_format, source_kind
 from jobspec.spec.derived import DerivedJob, derive
 from jobspec.spec.model_dims import read_local_config
 
 
 def derive_job(spec: dict, profiler=None) -> DerivedJob:
     """The derived job of a resolved spec, with the model's config.json and the row count read here;
-    `profiler` (`jobspec.model.trace.job_profiler()`) adds the model's measured profile."""
+    `profiler` (`jobspec.model.planner_trace.job_profiler()`) adds the model's measured profile."""
     config_json = read_local_config(spec["model"]["name_or_path"])
     num_train_samples = None
     if spec["training"]["max_steps"] is None and spec["data"]["train"] \

@@ -11,7 +11,7 @@ come from, lowest priority first:
 
 Unknown architectures still work when the config names a hidden size; otherwise `model_dims`
 returns None and the compiler writes DeepSpeed's own defaults. Parameters, activations and FLOPs are not
-computed here: the planner measures them from the model itself (jobspec/model/trace.py).
+computed here: the planner measures them from the model itself (jobspec/model/planner_trace.py).
 """
 from __future__ import annotations
 

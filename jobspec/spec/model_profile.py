@@ -1,4 +1,4 @@
-"""What the planner knows of a model, measured from the model itself (`jobspec/model/trace.py`): pure data.
+"""What the planner knows of a model, measured from the model itself (`jobspec/model/planner_trace.py`): pure data.
 
 - `Inventory`: every parameter tensor of the model as training builds it (names, shapes, trainable or
   frozen by `model.freeze`; tied weights once), its buffers, the layer stack's size and its largest layer.

@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from jobspec import optimizers
+from jobspec.data import datacheck
+from jobspec.data.data_format import HF_PREFIX, is_hub_name
 from jobspec.errors import SpecError, SpecIssue
 from jobspec.export import rules as export_rules
-from jobspec.spec import datacheck
-from jobspec.spec.data_format import HF_PREFIX, is_hub_name
 from jobspec.spec.freeform import freeform_issues
 from jobspec.spec.loader import LoadedSpec, Position, load_spec
 from jobspec.spec.overrides import apply_overrides
@@ -119,7 +119,7 @@ def validate_spec(loaded: LoadedSpec) -> ResolvedSpec:
     issues = system_location_issues(resolved)
     if issues:
         raise SpecError(issues)
-    # every record of the local data files (spec/datacheck: each bad one at its file:line, up to 20 a
+    # every record of the local data files (data/datacheck: each bad one at its file:line, up to 20 a
     # file): what --dry-run read before, now read once here, so plan, compile and launch see it too
     issues = coded(datacheck.record_issues(resolved.spec), "data-record")
     if issues:

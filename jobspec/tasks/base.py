@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# `labels`: the data's label shape, which the loaders (jobspec/train/data.py), the planner's traced step
+# `labels`: the data's label shape, which the loaders (jobspec/data/loaders.py), the planner's traced step
 # (jobspec/model/step.py) and the metric counter (jobspec/train/task_metrics.py) produce and read
 CLASS = "class"              # one class id per sample: labels (batch,)
 TOKEN_CLASS = "token-class"  # one class id per token (each word's first sub-word), -100 elsewhere: (batch, seq)

@@ -18,7 +18,7 @@ import logging
 import threading
 from pathlib import Path
 
-from jobspec import rundir, trace
+from jobspec import launcher_log, rundir
 from jobspec.errors import first_line
 
 log = logging.getLogger("jobspec.tracking")
@@ -43,7 +43,7 @@ class SystemMetrics:
     def start(cls, run_dir: Path, node_index: int, nodes: int) -> "SystemMetrics | None":
         info = rundir.read_mlflow_run(run_dir)
         if info is None:
-            trace.note("logging.system_metrics: no MLflow run to record system metrics into")
+            launcher_log.note("logging.system_metrics: no MLflow run to record system metrics into")
             return None
         metrics = cls()
         metrics._starting = threading.Thread(target=metrics._start, args=(info, node_index, nodes),

@@ -9,7 +9,7 @@ import sys
 from functools import partial
 from pathlib import Path
 
-from jobspec import trace
+from jobspec import launcher_log
 from jobspec.model.step import loss_of  # noqa: F401 - the ranks' and the planner's trace's one definition
 from jobspec.rundir import RunFiles
 from jobspec.train.progress import RunState
@@ -33,22 +33,24 @@ def build_engine(files: RunFiles):
     """Seeded model with its patches, the datasets, and the DeepSpeed engine from the compiled config."""
     import deepspeed
 
+    from jobspec.data import sample_packing
+    from jobspec.data.loaders import build_datasets
     from jobspec.model.build import build_model, build_tokenizer
-    from jobspec.train import adapters, packing, sequence_parallel
-    from jobspec.train.data import build_datasets
+    from jobspec.train import lora_adapters, sequence_parallel
     from jobspec.train.patches import apply_patches, build_client_optimizer, optimizer_parameters
 
     spec = files.spec
     rank = f"rank{os.environ.get('RANK', '0')}"
-    phase = trace.phase
+    phase = launcher_log.phase
     phase(rank, "imported-model-code")
     seed_everything(spec["training"]["seed"])  # python, numpy, torch (+cuda): same initial weights on every rank
     tokenizer = build_tokenizer(spec)
     model = build_model(spec, tokenizer, files.ds_config)   # training dtype; ZeRO-3: zero.Init (model/construct)
     note_construction(files.ds_config, model)
     checkpointing = any(p["name"] == "gradient_checkpointing" for p in files.patches)
-    # PEFT's adapters after jobspec's patches, before torch.compile (train/adapters.py)
-    lora = partial(adapters.wrap, spec=spec, checkpointing=checkpointing) if adapters.lora_enabled(spec) else None
+    # PEFT's adapters after jobspec's patches, before torch.compile (train/lora_adapters.py)
+    lora = partial(lora_adapters.wrap, spec=spec, checkpointing=checkpointing) \
+        if lora_adapters.lora_enabled(spec) else None
     model, patch_notes = apply_patches(model, files.patches, before_compile=lora)
     client_optimizer = None
     # training.optimizer.weight_decay_on: matrices -- the `parameter_groups` patch's groups, for every optimizer
@@ -58,10 +60,10 @@ def build_engine(files: RunFiles):
         if patch["name"] == "client_optimizer":
             client_optimizer = build_client_optimizer(model, patch["args"], optimizer_parameters(
                 model, files.patches, float(patch["args"].get("weight_decay", 0.0))))
-    packing_note = packing.prepare_model(model, spec)   # data.packing: the model's side (train/packing.py)
+    packing_note = sample_packing.prepare_model(model, spec)   # data.packing: the model's side (data/sample_packing.py)
     phase(rank, "model")
     train_ds, eval_ds = build_datasets(spec, tokenizer)
-    train_ds, eval_ds = packing.pack_datasets(spec, train_ds, eval_ds)   # data.packing: the rows
+    train_ds, eval_ds = sample_packing.pack_datasets(spec, train_ds, eval_ds)   # data.packing: the rows
     if packing_note:
         patch_notes = [*patch_notes, packing_note, train_ds.packing.note()]
     phase(rank, "data")
@@ -83,7 +85,7 @@ def note_construction(ds_config: dict, model) -> None:
     from jobspec.model.construct import construction_for, construction_line, count_partitions
 
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # KiB on Linux
-    trace.note(construction_line(int(os.environ.get("RANK", "0")), construction_for(ds_config),
+    launcher_log.note(construction_line(int(os.environ.get("RANK", "0")), construction_for(ds_config),
                                  count_partitions(model), peak_mib))
 
 
@@ -108,8 +110,9 @@ def resume(engine, ckpt: dict, state: RunState, any_rank=lambda flag: flag,
 
     A corrupt newest checkpoint is passed over for the previous one, loudly (`passed_over` gets why).
     """
-    from jobspec.train import adam_replay, checkpointing
-    client_state, target, skipped = checkpointing.load_with_fallback(engine, ckpt["resume"], ckpt["dir"], any_rank)
+    from jobspec.checkpoint import save_load
+    from jobspec.train import adam_replay
+    client_state, target, skipped = save_load.load_with_fallback(engine, ckpt["resume"], ckpt["dir"], any_rank)
     for problem in skipped:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"WARNING: checkpoint passed over on resume: {problem}", file=sys.stderr, flush=True)
@@ -123,7 +126,7 @@ def resume(engine, ckpt: dict, state: RunState, any_rank=lambda flag: flag,
     state.resumed_from = str(Path(target[0]) / target[1])
     keep_checkpoint_threads(client_state.get("cpu_threads"))
     adam_replay.replay(engine.optimizer)  # DeepSpeed's CPU Adam: state the checkpoint cannot hold
-    return checkpointing.rng_state_of_this_rank(client_state)
+    return save_load.rng_state_of_this_rank(client_state)
 
 
 def keep_checkpoint_threads(saved: int | None) -> None:
@@ -152,10 +155,10 @@ def resume_threads(saved: int, share: int) -> tuple[int, str | None]:
 
 
 def reshard_plan(ckpt: dict, world_size: int, group, sequence_parallel: int = 1):
-    """jobspec.train.reshard.plan with rank 0's conversion result shared over the gloo `group`."""
+    """jobspec.checkpoint.reshard.plan with rank 0's conversion result shared over the gloo `group`."""
     import torch.distributed as dist
 
-    from jobspec.train import reshard
+    from jobspec.checkpoint import reshard
 
     def broadcast(obj):
         box = [obj]

@@ -40,9 +40,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jobspec import rundir
+from jobspec.data.data_format import source_kind
+from jobspec.data.datacheck import record_kind
 from jobspec.errors import first_line, spec_error
-from jobspec.spec.data_format import source_kind
-from jobspec.spec.datacheck import record_kind
 
 FIELD = ("training", "eval_generate")
 STOP, LENGTH = "stop", "length"   # an end token ended the answer; max_new_tokens did
@@ -105,7 +105,7 @@ def source_records(spec: dict) -> list:
     if kind in ("text", "text_dir"):
         raise spec_error("text records have no prompt and answer to generate from", path=(*FIELD, "prompts"),
                          hint="give a prompts file, or evaluate on chat or prompt/completion records")
-    from jobspec.job.hf_data import load_table
+    from jobspec.data.hf_data import load_table
     table = load_table(spec, "eval", kind)
     records = record_kind(data, table.column_names)
     if records == "text":
@@ -261,7 +261,7 @@ class EvalGenerator:
         spec = files.spec
         if not spec["training"].get("eval_generate"):
             return None
-        from jobspec.job.chat_render import chat_template
+        from jobspec.data.chat_render import chat_template
         from jobspec.model.build import build_tokenizer
         from jobspec.model.chat_turns import end_of_turn_ids
         from jobspec.spec.derived import DerivedJob

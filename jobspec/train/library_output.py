@@ -20,7 +20,7 @@ import os
 import sys
 import warnings
 
-from jobspec.trace import LOG_ONLY
+from jobspec.launcher_log import LOG_ONLY
 
 # read by huggingface_hub, transformers and datasets when they are imported
 PROGRESS_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}

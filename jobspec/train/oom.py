@@ -126,8 +126,8 @@ class OomGuard:
         step = state.step + 1
         if self.micro == 1:
             raise self._failure(step, self.pending, None, "the micro-batch is already 1 and cannot be halved")
-        from jobspec.train import checkpointing
-        rng = checkpointing.capture_rng_state()
+        from jobspec.checkpoint import save_load
+        rng = save_load.capture_rng_state()
         save_dir = self.run_dir / rundir.OOM_RECOVERY
         engine.zero_grad()   # the interrupted step's partial gradients are not part of the state
         engine.save_checkpoint(str(save_dir), tag=RECOVERY_TAG, client_state={}, save_latest=False)
@@ -142,7 +142,7 @@ class OomGuard:
         saved state; the data rewound to where the interrupted step began. Returns (engine, window)."""
         import torch
 
-        from jobspec.train import checkpointing
+        from jobspec.checkpoint import save_load
         gc.collect()   # the old engine's last references went with save_and_release's caller
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -150,9 +150,9 @@ class OomGuard:
         self.micro, self.accumulation = old_micro // 2, old_accumulation * 2
         self.files = halved_run_files(self.files, self.micro, self.accumulation)
         engine, _, _, _ = self.build_engine(self.files)   # datasets rebuilt too: same content, unused
-        checkpointing.load(engine, str(saved["dir"]), RECOVERY_TAG)
+        save_load.load(engine, str(saved["dir"]), RECOVERY_TAG)
         engine.train()
-        checkpointing.restore_rng_state(saved["rng"])     # build_engine re-seeded: keep the run's stream
+        save_load.restore_rng_state(saved["rng"])     # build_engine re-seeded: keep the run's stream
         _barrier()
         if self.rank == 0:
             shutil.rmtree(saved["dir"], ignore_errors=True)

@@ -75,7 +75,7 @@ def apply_patches(model, patches: list[dict], before_compile: Callable | None = 
     """Apply the compiled patches in order; returns (model, notes). `client_optimizer` is skipped.
 
     `before_compile(model) -> (model, note)` runs once after every other patch and before
-    `torch_compile` (which must see the final module): PEFT's adapters (train/adapters.wrap).
+    `torch_compile` (which must see the final module): PEFT's adapters (train/lora_adapters.wrap).
     """
     import torch.nn as nn
 

@@ -2,7 +2,7 @@
 
 The loss of a step is normalised by the labelled tokens of the whole step (jobspec.train.token_loss),
 so the step's micro-batches are taken from the loader before its first forward: host batches of token
-ids, a few KiB each. A training epoch is whole global batches (jobspec.train.data.epoch_samples), so its
+ids, a few KiB each. A training epoch is whole global batches (jobspec.data.loaders.epoch_samples), so its
 micro-batches on a rank are a multiple of the accumulation and a step ends where an epoch ends; a run
 resumed at an epoch's end opens that epoch's (empty) rest and goes on with the next epoch, reshuffled.
 Should a step still reach past an epoch's end, its last micro-batches come from the next epoch.

@@ -18,7 +18,7 @@ from jobspec import tasks
 from jobspec.spec.eval_metrics import BIO_ONLY, is_bio
 from jobspec.tasks.base import CONFUSION, TOKENS
 
-IGNORE_INDEX = -100  # the label value transformers' losses skip (jobspec.train.data.IGNORE_INDEX)
+IGNORE_INDEX = -100  # the label value transformers' losses skip (jobspec.data.loaders.IGNORE_INDEX)
 
 
 # --- metrics from summed counts (pure) --------------------------------------------------------------
@@ -101,7 +101,7 @@ class TaskCounter:
     """Counts one task's metrics over the batches of one rank (`update`), as a vector every rank
     shapes alike (`vector`); `finish` turns the summed vector into the metrics.
 
-    `label_names`: the training data's string labels -> ids (jobspec.train.data), for BIO tags."""
+    `label_names`: the training data's string labels -> ids (jobspec.data.loaders), for BIO tags."""
 
     def __init__(self, task: str, num_labels: int, label_names: dict | None = None):
         self.task, self.num_labels = task, num_labels

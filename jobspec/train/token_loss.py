@@ -28,7 +28,7 @@ from typing import Any
 
 from jobspec.tasks.base import CLASS, Task
 
-IGNORE_INDEX = -100   # the label value the losses skip (jobspec.train.data.IGNORE_INDEX)
+IGNORE_INDEX = -100   # the label value the losses skip (jobspec.data.loaders.IGNORE_INDEX)
 
 
 def per_sample(task: Task) -> bool:
@@ -45,7 +45,7 @@ def labelled_count(task: Task, labels, shift: int | None = None) -> int:
 
 def _counted(task: Task, labels, shift: int):
     """Which labels the loss counts: -100 is ignored -- on tokens, and on a sequence's class too (no
-    training sample has it; evaluation's padding batch, jobspec.train.data._WithPadding, has only it)."""
+    training sample has it; evaluation's padding batch, jobspec.data.loaders._WithPadding, has only it)."""
     return labels != IGNORE_INDEX if per_sample(task) else labels[..., shift:] != IGNORE_INDEX
 
 

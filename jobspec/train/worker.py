@@ -19,7 +19,8 @@ import time
 import traceback
 from pathlib import Path
 
-from jobspec import lifeline, rundir, trace
+from jobspec import launcher_log, lifeline, rundir
+from jobspec.checkpoint.reshard import replace_ds_config
 from jobspec.errors import EXIT_INVALID, EXIT_RUN_FAILED, RunFailure, SpecError
 from jobspec.export.hf_dir import ExportFailed
 from jobspec.rundir import RunFiles
@@ -29,7 +30,6 @@ from jobspec.train.engine import build_engine, reshard_plan, resume, share_cpu_t
 from jobspec.train.faults import NanGuard, NonFiniteLoss
 from jobspec.train.oom import OomGuard
 from jobspec.train.progress import RunState, StepReporter, Window, summarize
-from jobspec.train.reshard import replace_ds_config
 from jobspec.train.stopping import StopFlag, StopVote
 
 TRACKING_WAIT_S = 120.0  # then metrics.jsonl only (`jobspec sync` uploads it later)
@@ -86,7 +86,7 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
     # without MLflow (DeepSpeed's autotuner imports it) on the ranks that never log to it
     deepspeed = ops.import_deepspeed(without_mlflow=int(os.environ.get("LOCAL_RANK", "0")) != 0)
     from jobspec.export.exporter import ModelExporter
-    from jobspec.train import adapters
+    from jobspec.train import lora_adapters
     from jobspec.train.generation import EvalGenerator
     from jobspec.train.progress import NullProgress, Progress
 
@@ -109,7 +109,7 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
     reshard = reshard_plan(files.spec["checkpoint"], dist.get_world_size(), control,
                            files.spec["memory"].get("sequence_parallel", 1))
     engine, train_ds, eval_ds, patch_notes = build_engine(replace_ds_config(files, reshard))
-    state.parameters = adapters.parameter_counts(engine.module)   # summary.json, MLflow: LoRA's share
+    state.parameters = lora_adapters.parameter_counts(engine.module)   # summary.json, MLflow: LoRA's share
     passed_over: list[str] = []  # corrupt checkpoints skipped on resume (reported below and as a tag)
     pending_rng = resume(engine, reshard.checkpoint_section if reshard else files.spec["checkpoint"], state,
                          lambda flag: _any_rank(flag, control), passed_over)
@@ -122,8 +122,8 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
     progress = Progress(total_steps, state.step) if rank == 0 else NullProgress()
     sink = _open_sink(run_dir, files.launch) if rank == 0 else None
     if sink is not None:
-        sink.log_params(adapters.params_for_mlflow(files.spec, state.parameters))
-        from jobspec.train.data import data_params
+        sink.log_params(lora_adapters.params_for_mlflow(files.spec, state.parameters))
+        from jobspec.data.loaders import data_params
         state.data = data_params(train_ds, eval_ds) or None   # data.<split>.records, tokens, ... (the data cache)
         sink.log_params(state.data or {})
     system_metrics = _start_system_metrics(run_dir, files, rank)
@@ -131,7 +131,7 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
     try:
         for note in patch_notes:  # the launch header lists the patches; the details go to launcher.log
             if rank == 0:
-                trace.note(note)
+                launcher_log.note(note)
         if reshard is not None:
             progress.message(reshard.message(state.step))
         if state.resumed_from:
@@ -189,8 +189,9 @@ def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, tele
     import torch.distributed as dist
 
     from jobspec import tasks
-    from jobspec.train import checkpointing, sequence_parallel, token_loss
-    from jobspec.train.data import make_loader
+    from jobspec.checkpoint import save_load
+    from jobspec.data.loaders import make_loader
+    from jobspec.train import sequence_parallel, token_loss
     from jobspec.train.step_batches import StepBatches
     from jobspec.train.task_metrics import counter_for
 
@@ -207,13 +208,13 @@ def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, tele
     def save_checkpoint():
         if nan_guard:
             nan_guard.confirm(window)  # never save a state that followed a non-finite loss
-        state.last_checkpoint = checkpointing.save(
+        state.last_checkpoint = save_load.save(
             engine, ckpt["dir"], step=state.step, epoch=state.epoch,
             batches_in_epoch=oom_guard.batches_in_compiled_units(state.batches_in_epoch) if oom_guard
             else state.batches_in_epoch,
             job_name=spec["name"], keep_last=ckpt["keep_last"],
             zero_stage=files.ds_config.get("zero_optimization", {}).get("stage", 0),
-            micro_batch_size=derived.micro_batch_size)
+            micro_batch_size=derived.micro_batch_size, sequence_parallel=sp.size if sp else 1)
         progress.message(f"checkpoint {state.last_checkpoint} saved to {ckpt['dir']}")
         if exporter is not None:
             exporter.after_checkpoint(engine, state, ckpt["dir"])
@@ -242,7 +243,7 @@ def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, tele
                                                            global_batch_size=derived.global_batch_size),
                            state.epoch, state.batches_in_epoch,
                            # after iter(): see checkpointing.rng_state_of_this_rank
-                           after_first_iter=None if rng is None else partial(checkpointing.restore_rng_state, rng))
+                           after_first_iter=None if rng is None else partial(save_load.restore_rng_state, rng))
     stream = step_batches(pending_rng)
     while state.step < total_steps:
         if oom_guard:
@@ -392,7 +393,7 @@ def _print_spec_error(text: str) -> None:
     if rank == 0:
         sys.stderr.write(text.rstrip("\n") + "\n")
     else:
-        sys.stderr.write("".join(f"{trace.LOG_ONLY}rank {rank}: {line}\n" for line in text.splitlines()))
+        sys.stderr.write("".join(f"{launcher_log.LOG_ONLY}rank {rank}: {line}\n" for line in text.splitlines()))
     sys.stderr.flush()
 
 
@@ -407,7 +408,7 @@ def _any_rank(flag: bool, group) -> bool:
 
 def _phase(name: str, at: float | None = None, cpu: float | None = None) -> None:
     """Start-up timestamps of this rank, for launcher.log (bench/startup.py)."""
-    trace.phase(f"rank{os.environ.get('RANK', '0')}", name, at, cpu)
+    launcher_log.phase(f"rank{os.environ.get('RANK', '0')}", name, at, cpu)
 
 
 def _process_start() -> float:

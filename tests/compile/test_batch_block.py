@@ -1,5 +1,5 @@
 """The compiler is the one writer of DeepSpeed's batch keys: compile_spec, and the ranks through
-`rebatched` (train/oom) and `with_universal_load` (train/reshard), never by hand."""
+`rebatched` (train/oom) and `with_universal_load` (checkpoint/reshard), never by hand."""
 from __future__ import annotations
 
 from pathlib import Path

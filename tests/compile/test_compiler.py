@@ -102,7 +102,7 @@ def test_epochs_with_too_few_samples_for_one_micro_batch_is_an_error():
     (110, 6),   # 55 per rank would be 13 micro-batches, ceil(13 / 2) = 7 steps: an epoch is whole global batches
 ])
 def test_epochs_count_whole_global_batches(samples, expected):
-    # 2 ranks x micro 4 x accumulation 2 = global batch 16: the loader's epoch (train/data.epoch_samples)
+    # 2 ranks x micro 4 x accumulation 2 = global batch 16: the loader's epoch (data/loaders.epoch_samples)
     # is the same samples for every split, floor(samples / 16) steps
     spec = make_spec(data={"synthetic": {"num_samples": samples}}, resources={"gpus_per_node": 2},
                      training={"max_steps": None, "epochs": 1, "micro_batch_size": 4, "global_batch_size": 16})
@@ -540,8 +540,8 @@ def _transformers_count(architecture: str, config: dict, task: str, num_labels: 
 @pytest.mark.parametrize("architecture", sorted(TINY_CONFIGS))
 @pytest.mark.parametrize("task", ["sequence-classification", "token-classification", "lm"])
 def test_num_parameters_tiny(architecture, task):
-    """The planner's inventory (jobspec.model.trace) is the task model transformers builds, tied weights once."""
-    from jobspec.model.trace import ModelTracer
+    """The planner's inventory (jobspec.model.planner_trace) is the task model transformers builds, tied weights once."""
+    from jobspec.model.planner_trace import ModelTracer
     task = LM_TASK[architecture] if task == "lm" else task
     config = TINY_CONFIGS[architecture]
     spec = fill_defaults({"model": {"architecture": architecture, "config": config, "task": task, "num_labels": 3}})
@@ -551,7 +551,7 @@ def test_num_parameters_tiny(architecture, task):
 @pytest.mark.parametrize("architecture, config", REAL_CONFIGS)
 @pytest.mark.parametrize("task", ["sequence-classification", "lm"])
 def test_num_parameters_real_sizes(architecture, config, task):
-    from jobspec.model.trace import ModelTracer
+    from jobspec.model.planner_trace import ModelTracer
     task = LM_TASK[architecture] if task == "lm" else task
     spec = fill_defaults({"model": {"architecture": architecture, "config": config, "task": task, "num_labels": 2}})
     assert ModelTracer(spec).inventory().total == _transformers_count(architecture, config, task, 2)

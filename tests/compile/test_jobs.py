@@ -121,7 +121,7 @@ def test_gpt2_xl_offloads_the_optimizer():
 
 def _parameters(job: str) -> int:
     """The job's parameter count as the planner has it: from its model, built on the meta device."""
-    from jobspec.model.trace import ModelTracer
+    from jobspec.model.planner_trace import ModelTracer
     return ModelTracer(load(REPO / "jobs" / job).spec).inventory().total
 
 

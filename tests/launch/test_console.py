@@ -30,7 +30,7 @@ H100 = Host(gpu_names=("NVIDIA H100 80GB HBM3",), gpu_free=79 * GiB, gpu_total=8
 
 def prepared(job: str, *overrides: str, gpu_free=None):
     resolved = load_and_validate(REPO / "jobs" / job, list(overrides))
-    resolved, derived, memory = at_launch.prepare(resolved, derive_job(resolved.spec, profiler=PROFILER), gpu_free)
+    resolved, derived, memory = at_launch.plan_at_launch(resolved, derive_job(resolved.spec, profiler=PROFILER), gpu_free)
     from jobspec.compile.compiler import compile_spec
     return resolved.spec, derived, memory, compile_spec(resolved.spec, derived, run_dir="RUN").patches
 

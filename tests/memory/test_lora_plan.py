@@ -12,7 +12,7 @@ from jobspec.memory.fit import fit
 from jobspec.memory.planner import plan_memory, weight_bytes
 from jobspec.model.build import build_skeleton
 from jobspec.model.lora import apply_lora, parameter_counts
-from jobspec.model.trace import job_profiler
+from jobspec.model.planner_trace import job_profiler
 from jobspec.spec.derived import derive
 from jobspec.spec.schema import fill_defaults
 
@@ -105,7 +105,7 @@ def test_fit_of_a_lora_job_changes_micro_batch_or_checkpointing_not_the_quantise
 @pytest.mark.parametrize("checkpointing", [False, {"every_n_layers": 2}])
 def test_the_composed_trace_of_an_adapted_model_equals_its_full_trace(checkpointing):
     """Unit traces of the cut, PEFT-wrapped model compose to the whole wrapped model's trace."""
-    from jobspec.model.trace import ModelTracer
+    from jobspec.model.planner_trace import ModelTracer
 
     spec = llama_spec({"r": 8, "target_modules": ["q_proj", "v_proj", "up_proj"]})
     tracer = ModelTracer(spec)

@@ -12,7 +12,7 @@ from jobspec.errors import SpecError
 from jobspec.spec.derived import derive
 from jobspec.memory.planner import parse_bytes, plan_memory
 from jobspec.model.build import build_skeleton
-from jobspec.model.trace import job_profiler
+from jobspec.model.planner_trace import job_profiler
 from jobspec.units import GiB
 from jobspec.spec.validation import load_and_validate
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from jobspec.memory.planner import plan_memory
 from jobspec.memory.sequence_parallel import all_to_all_bytes
-from jobspec.model.trace import job_profiler
+from jobspec.model.planner_trace import job_profiler
 from jobspec.spec.derived import derive
 from jobspec.spec.schema import fill_defaults
 

@@ -14,7 +14,7 @@ import pytest
 from fp_bounds import forward_bound, gamma
 
 from jobspec.errors import SpecError
-from jobspec.model.trace import NO_TILING, ModelTracer, tiling_setting
+from jobspec.model.planner_trace import NO_TILING, ModelTracer, tiling_setting
 from jobspec.spec.schema import fill_defaults
 
 LLAMA = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -226,7 +226,7 @@ def test_the_traced_step_holds_what_the_ranks_hold(tiling=NO_TILING):
 def test_plan_fit_and_longest_choose_the_techniques():
     from jobspec.memory.fit import fit, longest_sequence
     from jobspec.memory.planner import plan_memory
-    from jobspec.model.trace import job_profiler
+    from jobspec.model.planner_trace import job_profiler
     from jobspec.spec.derived import derive
 
     # 2048 tokens x 64K vocabulary: two tiles by the default 1 GiB bound

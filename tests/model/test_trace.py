@@ -1,4 +1,4 @@
-"""jobspec.model.trace: the model's inventory, the composed trace against the full one, errors, the cache.
+"""jobspec.model.planner_trace: the model's inventory, the composed trace against the full one, errors, the cache.
 
 The full trace runs every layer of the model with the training patch itself (transformers'
 gradient_checkpointing_enable, or jobspec's one-in-k wrapper); the composed one traces units of at
@@ -15,7 +15,7 @@ import pytest
 
 from jobspec.errors import SpecError
 from jobspec.model.build import build_model
-from jobspec.model.trace import ModelTracer, job_profiler, model_key
+from jobspec.model.planner_trace import ModelTracer, job_profiler, model_key
 from jobspec.spec.schema import fill_defaults
 
 LLAMA = {"hidden_size": 64, "num_hidden_layers": 6, "num_attention_heads": 8, "num_key_value_heads": 2,
@@ -151,13 +151,13 @@ def test_a_model_that_cannot_be_built_is_a_positioned_one_line_error(architectur
 def test_the_disk_cache_answers_without_tracing_and_keys_on_what_changes_a_trace(tmp_path, monkeypatch):
     spec = spec_for("llama", config={**LLAMA, "num_hidden_layers": 3}, attention="sdpa")
     first = ModelTracer(spec, tmp_path).profile("bf16", 2, 32, True)
-    from jobspec.model import trace
+    from jobspec.model import planner_trace
 
     def no_tracing(*_a, **_k):
         raise AssertionError("traced although cached")
 
-    monkeypatch.setattr(trace.ModelTracer, "_trace", no_tracing)
-    monkeypatch.setattr(trace.ModelTracer, "_build", no_tracing)
+    monkeypatch.setattr(planner_trace.ModelTracer, "_trace", no_tracing)
+    monkeypatch.setattr(planner_trace.ModelTracer, "_build", no_tracing)
     again = ModelTracer(spec, tmp_path).profile("bf16", 2, 32, True)
     assert again == first
     with pytest.raises(AssertionError, match="traced although cached"):
@@ -182,7 +182,7 @@ def test_concurrent_launches_leave_whole_entries(tmp_path):
 
     script = (
         "import json, sys\n"
-        "from jobspec.model.trace import ModelTracer\n"
+        "from jobspec.model.planner_trace import ModelTracer\n"
         f"spec = {spec_for('gpt2', config={**GPT2, 'n_layer': 4})!r}\n"
         "p = ModelTracer(spec, __import__('pathlib').Path(sys.argv[1])).profile('fp32', 1, 16, {'every_n_layers': 2})\n"
         "print(p.activations.peak)\n")

@@ -2,7 +2,7 @@
 
 Each case builds the model the worker trains (jobspec.model.build.build_model) with real CPU tensors,
 runs one forward + backward under torch.utils.flop_counter.FlopCounterMode and compares FLOPs per token
-with what the planner's trace says (jobspec.model.trace: fake tensors, the layers composed from short
+with what the planner's trace says (jobspec.model.planner_trace: fake tensors, the layers composed from short
 units, the SDPA stand-in). The shapes are tiny but keep the real models' proportions where a term depends
 on them: XLM-R's vocabulary is 250 x its hidden size, llama has 4 query heads per KV head, gemma2
 alternates sliding-window and global layers.
@@ -15,7 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from jobspec.model.build import build_model
 from jobspec.model.structure import gradient_checkpointing
-from jobspec.model.trace import ModelTracer
+from jobspec.model.planner_trace import ModelTracer
 from jobspec.spec.schema import fill_defaults
 
 # the trace runs the same ops: the counts are equal integers; per token they are divided by the

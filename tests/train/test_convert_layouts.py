@@ -51,7 +51,7 @@ def test_every_optimizer_layout_converts_to_the_engines_weights(tmp_path, one_ra
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param
 
-    from jobspec.export.convert import export_checkpoint, locate
+    from jobspec.export.from_checkpoint import export_checkpoint, locate
     from jobspec.model.build import build_model
     spec = fill_defaults({"name": "layouts", "model": {"architecture": "bert", "config": BERT,
                                                        "task": "token-classification"},

@@ -1,6 +1,6 @@
-"""The tokenised-data cache (jobspec/job/data_cache.py, data_prep.py): records tokenised once, the same
+"""The tokenised-data cache (jobspec/data/data_cache.py, data_prep.py): records tokenised once, the same
 tokens as a record-by-record reference, reused by key, rebuilt when damaged, every bad record named,
-memory-mapped and packed on the ranks (train/data.CachedDataset, train/packing.LazyPackedDataset).
+memory-mapped and packed on the ranks (data/loaders.CachedDataset, data/sample_packing.LazyPackedDataset).
 
 In process, on the shipped sample data and tokenizer (jobs/data), each test with its own cache directory."""
 from __future__ import annotations
@@ -15,11 +15,13 @@ import torch
 
 from jobspec.cli import main
 from jobspec.errors import SpecError
-from jobspec.job import data_cache, data_prep, data_sources
+from jobspec.data import data_cache
+from jobspec.data import data_prep
+from jobspec.data import record_sources
 from jobspec.model.build import build_tokenizer
 from jobspec.spec.schema import fill_defaults
-from jobspec.train import packing
-from jobspec.train.data import IGNORE_INDEX, TensorDictDataset, build_datasets
+from jobspec.data import sample_packing
+from jobspec.data.loaders import IGNORE_INDEX, TensorDictDataset, build_datasets
 from tests.conftest import REPO_ROOT
 
 DATA = REPO_ROOT / "jobs" / "data"
@@ -121,7 +123,7 @@ def test_the_cache_is_reused_and_what_changes_the_tokens_rebuilds_it(tmp_path, m
     data.write_bytes(CHAT.read_bytes())
     spec = make_spec(data, records="chat")
     tokenizer = build_tokenizer(spec)
-    first = data_prep.prepare(spec, "train", tokenizer)
+    first = data_prep.prepare_split(spec, "train", tokenizer)
 
     def no_build(*args, **kwargs):
         raise AssertionError("built again")
@@ -131,16 +133,16 @@ def test_the_cache_is_reused_and_what_changes_the_tokens_rebuilds_it(tmp_path, m
         # another world size, output directory, padding or packing: the same tokens
         same = make_spec(data, records="chat", padding="max_length", packing=True)
         same["output_dir"], same["resources"]["gpus_per_node"] = str(tmp_path / "elsewhere"), 4
-        assert data_prep.prepare(same, "train", tokenizer).key == first.key
+        assert data_prep.prepare_split(same, "train", tokenizer).key == first.key
     keys = {first.key}
     for changed in (make_spec(data, records="chat", max_length=64), make_spec(data, records="chat", loss_on="all")):
-        keys.add(data_prep.prepare(changed, "train", tokenizer).key)
+        keys.add(data_prep.prepare_split(changed, "train", tokenizer).key)
     template = tmp_path / "template.jinja"
     template.write_text(tokenizer.chat_template.replace("\\n\\n", "\\n"))
-    keys.add(data_prep.prepare(make_spec(data, records="chat", chat_template=str(template)), "train", tokenizer).key)
+    keys.add(data_prep.prepare_split(make_spec(data, records="chat", chat_template=str(template)), "train", tokenizer).key)
     with open(data, "a") as fh:   # one more record: the content changed
         fh.write(data.read_text().splitlines()[0] + "\n")
-    grown = data_prep.prepare(spec, "train", tokenizer)
+    grown = data_prep.prepare_split(spec, "train", tokenizer)
     keys.add(grown.key)
     assert len(keys) == 5
     assert len(grown.data) == len(first.data) + 1
@@ -149,28 +151,28 @@ def test_the_cache_is_reused_and_what_changes_the_tokens_rebuilds_it(tmp_path, m
 def test_a_damaged_entry_is_rebuilt():
     spec = make_spec(CHAT, records="chat")
     tokenizer = build_tokenizer(spec)
-    entry = data_prep.prepare(spec, "train", tokenizer)
+    entry = data_prep.prepare_split(spec, "train", tokenizer)
     assert entry.data is not None
     tokens = entry.data.meta["tokens"]
     with open(entry.data.path / "input_ids.bin", "r+b") as fh:   # a write cut short
         fh.truncate(100)
     assert data_cache.open_entry(entry.key) is None and not entry.data.path.exists()
-    rebuilt = data_prep.prepare(spec, "train", tokenizer)
+    rebuilt = data_prep.prepare_split(spec, "train", tokenizer)
     assert rebuilt.data is not None and rebuilt.data.meta["tokens"] == tokens
     (rebuilt.data.path / "meta.json").write_text("{")   # and a torn meta.json
-    assert data_prep.prepare(spec, "train", tokenizer).data.meta["tokens"] == tokens
+    assert data_prep.prepare_split(spec, "train", tokenizer).data.meta["tokens"] == tokens
 
 
 def test_parallel_chunks_write_what_one_process_writes(monkeypatch):
-    monkeypatch.setattr(data_sources, "CHUNK_BYTES", 16 * 1024)   # several chunks of the sample file
+    monkeypatch.setattr(record_sources, "CHUNK_BYTES", 16 * 1024)   # several chunks of the sample file
     spec = make_spec(CHAT, records="chat")
     tokenizer = build_tokenizer(spec)
-    serial = data_prep.prepare(spec, "train", tokenizer, num_proc=1)
+    serial = data_prep.prepare_split(spec, "train", tokenizer, num_proc=1)
     assert len(serial.source.chunks()) > 3
     arrays = {name: np.array(getattr(serial.data, name)) for name in ("input_ids", "labels", "offsets")}
     meta = dict(serial.data.meta)
     shutil.rmtree(serial.data.path)
-    parallel = data_prep.prepare(spec, "train", tokenizer, num_proc=2)
+    parallel = data_prep.prepare_split(spec, "train", tokenizer, num_proc=2)
     assert parallel.data.meta["num_proc"] == 2
     for name, values in arrays.items():
         assert np.array_equal(np.array(getattr(parallel.data, name)), values)
@@ -188,7 +190,7 @@ def test_every_bad_record_is_named_at_its_line_and_nothing_is_cached(tmp_path):
     data.write_text("\n".join(lines) + "\n")
     spec = make_spec(data, records="chat")
     with pytest.raises(SpecError) as caught:
-        data_prep.prepare(spec, "train", build_tokenizer(spec), num_proc=2)
+        data_prep.prepare_split(spec, "train", build_tokenizer(spec), num_proc=2)
     messages = [issue.message for issue in caught.value.issues]
     assert [m.split(": ")[0] for m in messages] == [f"{data}:{i + 1}" for i in sorted(bad)]
     assert "not valid JSON" in messages[0] and "content is a number (7)" in messages[1]
@@ -202,7 +204,7 @@ def test_past_the_limit_bad_records_are_counted(tmp_path):
     data.write_text("".join((good if i % 3 else "[]") + "\n" for i in range(90)))
     spec = make_spec(data, records="chat")
     with pytest.raises(SpecError) as caught:
-        data_prep.prepare(spec, "train", build_tokenizer(spec))
+        data_prep.prepare_split(spec, "train", build_tokenizer(spec))
     issues = caught.value.issues
     assert len(issues) == data_prep.MAX_REPORTED + 1
     assert issues[-1].message == f"... and {30 - data_prep.MAX_REPORTED} more bad records (30 of 90)"
@@ -210,7 +212,7 @@ def test_past_the_limit_bad_records_are_counted(tmp_path):
 
 def test_truncation_is_one_plain_line_with_the_longest_record(recwarn):
     spec = make_spec(CHAT, records="chat", max_length=48)
-    entry = data_prep.prepare(spec, "train", build_tokenizer(spec))
+    entry = data_prep.prepare_split(spec, "train", build_tokenizer(spec))
     line = data_prep.truncation_line(entry)
     meta = entry.data.meta
     assert meta["truncated"] > 0 and meta["longest"] > 48
@@ -225,10 +227,10 @@ def test_packing_the_mapped_samples_gives_the_in_memory_rows():
     spec = make_spec(CHAT, records="chat", packing=True)
     tokenizer = build_tokenizer(spec)
     train, _ = build_datasets(spec, tokenizer)
-    lazy = packing.pack_dataset(train, 96, seed=3)
+    lazy = sample_packing.pack_dataset(train, 96, seed=3)
     samples = [train[i] for i in range(len(train))]
     columns = {name: [s[name] for s in samples] for name in ("input_ids", "attention_mask", "labels")}
-    eager = packing.pack_dataset(TensorDictDataset(columns, pad_token_id=train.pad_token_id), 96, seed=3)
+    eager = sample_packing.pack_dataset(TensorDictDataset(columns, pad_token_id=train.pad_token_id), 96, seed=3)
     assert len(lazy) == len(eager) and lazy.packing.fill == eager.packing.fill
     for i in range(len(lazy)):
         for name in ("input_ids", "labels", "position_ids", "attention_mask"):
@@ -294,11 +296,11 @@ def test_tables_and_datasets_by_name_go_through_the_same_cache(tmp_path, form):
 
 def test_the_counts_go_to_mlflow_params_and_summary_json():
     from jobspec.rundir import RunSummary
-    from jobspec.train.data import data_params
+    from jobspec.data.loaders import data_params
 
     spec = make_spec(CHAT, records="chat", packing=True)
     train, _ = build_datasets(spec, build_tokenizer(spec))
-    params = data_params(packing.pack_dataset(train, 96, seed=0), None)   # a packed set: through its samples
+    params = data_params(sample_packing.pack_dataset(train, 96, seed=0), None)   # a packed set: through its samples
     meta = train.cached.meta
     assert params == {"data.train.records": 300, "data.train.samples": 300, "data.train.tokens": meta["tokens"],
                       "data.train.truncated": meta["truncated"], "data.train.no_answer": meta["no_answer"],
@@ -315,7 +317,7 @@ def test_plan_says_how_big_the_tokenised_data_is(tmp_path, capsys):
     job.write_text(yaml.safe_dump({k: spec[k] for k in ("name", "model", "data", "training")}))
     assert main(["plan", str(job)]) == 0
     assert "data: data.train: not tokenised yet (cold): about 300 records, " in capsys.readouterr().out
-    data_prep.prepare(spec, "train", build_tokenizer(spec))
+    data_prep.prepare_split(spec, "train", build_tokenizer(spec))
     assert main(["plan", str(job)]) == 0
     out = capsys.readouterr().out
     assert "data: tokenised data cached (warm): data.train: 300 chat records -> 300 samples" in out
@@ -348,15 +350,15 @@ def test_a_cache_that_cannot_be_written_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("JOBSPEC_CACHE_DIR", str(blocked))
     spec = make_spec(CHAT, records="chat")
     with pytest.raises(SpecError) as caught:
-        data_prep.prepare(spec, "train", build_tokenizer(spec))
+        data_prep.prepare_split(spec, "train", build_tokenizer(spec))
     issue = caught.value.issues[0]
     assert issue.message.startswith(f"cannot write the tokenised data of data.train into {blocked}/data: ")
     assert "JOBSPEC_CACHE_DIR" in issue.hint
 
 
 def test_prompt_completion_records_are_checked_as_validate_checks_them(tmp_path):
-    """The pass takes validate's record check (spec/datacheck.RecordChecker): the same words at the same line."""
-    from jobspec.spec import datacheck
+    """The pass takes validate's record check (data/datacheck.RecordChecker): the same words at the same line."""
+    from jobspec.data import datacheck
 
     lines = INSTRUCT.read_text().splitlines()[:20]
     lines[7] = json.dumps({"prompt": 3, "completion": "x"})
@@ -364,7 +366,7 @@ def test_prompt_completion_records_are_checked_as_validate_checks_them(tmp_path)
     data.write_text("\n".join(lines) + "\n")
     spec = make_spec(data, records="prompt_completion")
     with pytest.raises(SpecError) as caught:
-        data_prep.prepare(spec, "train", build_tokenizer(spec))
+        data_prep.prepare_split(spec, "train", build_tokenizer(spec))
     checker = datacheck.RecordChecker(datacheck.Columns.of(spec), "train")
     expected = checker.problem(f"{data}:8", json.loads(lines[7]))
     assert [(i.message, i.hint) for i in caught.value.issues] == [(expected.message, expected.hint)]

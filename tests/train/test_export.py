@@ -191,7 +191,7 @@ def test_full_disk_at_the_end_is_one_line_exit_1_and_loses_no_checkpoint(zero2, 
     import yaml
     from mlflow import MlflowClient
 
-    from jobspec.train.checkpointing import read_latest, verify
+    from jobspec.checkpoint.save_load import read_latest, verify
     proc = zero3_child.proc
     finished(proc, 1)
     output = proc.stdout + proc.stderr
@@ -284,17 +284,17 @@ def test_jobspec_export_converts_with_the_hub_offline(tmp_path, monkeypatch):
     import huggingface_hub.constants as hub
 
     from jobspec.cli import main
-    from jobspec.export import convert
-    for key in convert.OFFLINE_ENV:
+    from jobspec.export import from_checkpoint
+    for key in from_checkpoint.OFFLINE_ENV:
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setattr(hub, "HF_HUB_OFFLINE", False)
     seen = {}
 
     def fake_export(source, out, dtype, show_progress):  # what transformers/huggingface_hub see meanwhile
-        seen.update({key: os.environ.get(key) for key in convert.OFFLINE_ENV}, flag=hub.HF_HUB_OFFLINE)
+        seen.update({key: os.environ.get(key) for key in from_checkpoint.OFFLINE_ENV}, flag=hub.HF_HUB_OFFLINE)
         return {"path": str(out), "bytes": 0, "dtype": "fp32", "step": 3, "seconds": 0.0}
-    monkeypatch.setattr(convert, "locate", lambda source, spec: convert.Source(tmp_path / "ckpt", "step3", {}, None))
-    monkeypatch.setattr(convert, "export_checkpoint", fake_export)
+    monkeypatch.setattr(from_checkpoint, "locate", lambda source, spec: from_checkpoint.Source(tmp_path / "ckpt", "step3", {}, None))
+    monkeypatch.setattr(from_checkpoint, "export_checkpoint", fake_export)
     assert main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "model")]) == 0
     assert seen == {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "flag": True}
-    assert not any(key in os.environ for key in convert.OFFLINE_ENV) and hub.HF_HUB_OFFLINE is False  # restored
+    assert not any(key in os.environ for key in from_checkpoint.OFFLINE_ENV) and hub.HF_HUB_OFFLINE is False  # restored

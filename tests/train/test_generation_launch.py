@@ -152,7 +152,7 @@ def test_the_zero3_answers_equal_transformers_generate_on_the_exported_adapter(l
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from jobspec.job.chat_render import chat_template
+    from jobspec.data.chat_render import chat_template
     from jobspec.model.build import build_tokenizer
     from jobspec.train import generation
     run_dir, spec = launched["run_dir"], launched["spec"]

@@ -229,7 +229,7 @@ def test_export_cli_bad_input_exit_2(zero0_checkpoint, tmp_path, capsys, case, p
     elif case == "inside":
         out = str(tag_dir.parent)
     elif case == "truncated":
-        from jobspec.train.checkpointing import write_manifest
+        from jobspec.checkpoint.save_load import write_manifest
         write_manifest(tag_dir.parent, "step4")
         with open(tag_dir / "mp_rank_00_model_states.pt", "r+b") as fh:
             fh.truncate(100)
@@ -268,7 +268,7 @@ def test_string_labels_become_the_exported_configs_label_names(tmp_path, task, r
     from transformers import pipeline
 
     from jobspec.model.build import build_tokenizer
-    from jobspec.train.data import build_datasets
+    from jobspec.data.loaders import build_datasets
     word_tokenizer(tmp_path / "tok")
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     data = {"train": str(tmp_path / "train.jsonl"), "tokenizer": str(tmp_path / "tok"), "max_length": 8}

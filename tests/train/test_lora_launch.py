@@ -138,14 +138,14 @@ def test_jobspec_export_of_the_final_checkpoint_equals_the_ranks_exports(runs, t
 
 def test_a_lora_zero2_checkpoint_resumes_on_another_world_size(tmp_path):
     """The step-3 checkpoint of an uninterrupted 2-rank run, resumed on 1 rank through DeepSpeed's
-    universal checkpoint (train/reshard.py): the adapters and their optimizer states come back, the
+    universal checkpoint (checkpoint/reshard.py): the adapters and their optimizer states come back, the
     frozen base is rebuilt from the seed, and the losses of steps 4-6 match that run's (dropout off, the
     same global batch). Two launches: the run that saved step 3 is also the reference (a stopped run's
     checkpoint is the same save; test_reshard.py resumes one, without LoRA)."""
     import math
     import shutil
 
-    from jobspec.train import checkpointing
+    from jobspec.checkpoint import save_load
 
     spec = {**LORA, "training": {"max_steps": 6, "global_batch_size": 8, "optimizer": {"lr": 1e-2}},
             "memory": {"zero_stage": 2}, "export": {"final": False},
@@ -157,7 +157,7 @@ def test_a_lora_zero2_checkpoint_resumes_on_another_world_size(tmp_path):
     # the requeue sees only step 3, as if the 2 ranks had stopped there
     ckpt = tmp_path / "b" / "out" / "checkpoints"
     shutil.copytree(tmp_path / "a" / "out" / "checkpoints" / "step3", ckpt / "step3")
-    checkpointing.publish_latest(ckpt, "step3")
+    save_load.publish_latest(ckpt, "step3")
     second = make_run_dir(tmp_path / "b", {**spec, "resources": {"gpus_per_node": 1}}, name="second")
     done = run_worker(second, num_ranks=1)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

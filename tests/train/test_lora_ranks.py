@@ -11,11 +11,11 @@ import pytest
 import torch
 from fp_bounds import U_BF16, forward_bound
 
-from jobspec.export import adapters as lora_exports
+from jobspec.export import lora_export as lora_exports
 from jobspec.export.hf_dir import ExportInfo, write_model_dir
 from jobspec.model.build import build_model
 from jobspec.spec.schema import fill_defaults
-from jobspec.train import adapters
+from jobspec.train import lora_adapters
 from jobspec.train.patches import apply_patches, build_client_optimizer
 
 # widths multiples of 64: bitsandbytes' CPU inference kernel repacks 4-bit weights in blocks of 64 inputs
@@ -40,7 +40,7 @@ def batch(seed: int = 0) -> torch.Tensor:
 def wrapped(spec: dict, patches: list[dict] | None = None):
     checkpointing = any(p["name"] == "gradient_checkpointing" for p in patches or [])
     return apply_patches(build_model(spec), patches or [],
-                         before_compile=lambda m: adapters.wrap(m, spec, checkpointing=checkpointing))
+                         before_compile=lambda m: lora_adapters.wrap(m, spec, checkpointing=checkpointing))
 
 
 def train(model, steps: int = 12, lr: float = 5e-3) -> list[float]:
@@ -80,11 +80,11 @@ def test_peft_wraps_after_the_patches_and_only_adapters_train(tmp_path):
 def test_parameter_counts_and_params_for_mlflow(tmp_path):
     spec = make_spec(tmp_path, lora={"target_modules": ["q_proj", "v_proj"]})
     model, _ = wrapped(spec)
-    counts = adapters.parameter_counts(model)
+    counts = lora_adapters.parameter_counts(model)
     r, layers, hidden, kv = 4, LLAMA["num_hidden_layers"], LLAMA["hidden_size"], 2 * 16   # 2 kv heads of 16
     assert counts["trainable"] == layers * (r * hidden + hidden * r + r * hidden + kv * r)
     assert counts["total"] == counts["trainable"] + sum(p.numel() for p in build_model(spec).parameters())
-    params = adapters.params_for_mlflow(spec, counts)
+    params = lora_adapters.params_for_mlflow(spec, counts)
     assert params["params.trainable"] == counts["trainable"] and "r=4 alpha=8" in params["lora.summary"]
 
 
@@ -95,7 +95,7 @@ def test_the_4bit_base_trains_on_cpu_and_is_counted_by_its_shape(tmp_path):
     assert type(q_proj).__name__ == "Linear4bit" and q_proj.weight.dtype == torch.bfloat16   # quant_storage
     assert q_proj.weight.numel() * 2 == 64 * 64 // 2   # two 4-bit values a byte, in bf16-wide storage
     plain = sum(p.numel() for p in build_model(make_spec(tmp_path)).parameters())
-    assert adapters.parameter_counts(model)["total"] - adapters.parameter_counts(model)["trainable"] == plain
+    assert lora_adapters.parameter_counts(model)["total"] - lora_adapters.parameter_counts(model)["trainable"] == plain
     losses = train(model, lr=1e-2)
     assert losses[-1] < losses[0] - 0.5, losses
 

@@ -12,7 +12,7 @@ from jobspec.compile.compiler import compile_spec
 from jobspec.errors import SpecError
 from jobspec.model.mlp import MLPClassifier, MLPConfig, build_mlp
 from jobspec.model.build import build_model
-from jobspec.model.trace import ModelTracer
+from jobspec.model.planner_trace import ModelTracer
 from jobspec.spec.derived import derive
 from jobspec.spec.model_dims import model_dims
 from jobspec.spec.schema import fill_defaults

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from jobspec.train.data import IGNORE_INDEX, build_datasets, make_loader
+from jobspec.data.loaders import IGNORE_INDEX, build_datasets, make_loader
 from jobspec.errors import SpecError
 from jobspec.model.build import build_model, build_tokenizer
 from jobspec.spec.schema import fill_defaults
@@ -247,7 +247,7 @@ def _order(dataset, **kwargs) -> list[int]:
 
 
 def test_loader_shards_ranks_evenly_and_deterministically():
-    from jobspec.train.data import TensorDictDataset
+    from jobspec.data.loaders import TensorDictDataset
 
     dataset = TensorDictDataset({"input_ids": torch.zeros(20, 2, dtype=torch.long),
                                  "labels": torch.arange(20)})
@@ -267,7 +267,7 @@ def test_evaluation_takes_every_sample_once_in_the_same_number_of_batches_per_ra
     """The eval loader (no global batch): every sample on exactly one rank, once; every rank the same
     number of batches (ZeRO-3's forward is collective), a rank short of one ending with a padding batch
     whose labels -- token labels, or a sequence class -- are all ignored."""
-    from jobspec.train.data import TensorDictDataset
+    from jobspec.data.loaders import TensorDictDataset
 
     for label_shape in ((), (5,)):   # a sequence classification's class; a token task's labels
         labels = torch.arange(samples).reshape(-1, *[1] * len(label_shape)).expand(samples, *label_shape)
@@ -293,7 +293,7 @@ def test_a_training_epoch_is_the_same_whole_global_batches_on_every_split():
     included) trains the same 2 steps of the same 16 samples per epoch, the first 32 of the epoch's order;
     a rank resumed mid-epoch continues its share. (Dropping each rank's incomplete micro-batch instead
     kept 44 samples at micro-batch 4 and 40 at 8: the samples of an epoch depended on the split.)"""
-    from jobspec.train.data import TensorDictDataset, epoch_samples
+    from jobspec.data.loaders import TensorDictDataset, epoch_samples
 
     dataset = TensorDictDataset({"input_ids": torch.zeros(46, 2, dtype=torch.long), "labels": torch.arange(46)})
     assert epoch_samples(46, 16) == 32

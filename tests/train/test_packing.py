@@ -1,4 +1,4 @@
-"""`data.packing` (jobspec/train/packing.py): the bins, the rows, and what the model makes of them.
+"""`data.packing` (jobspec/data/sample_packing.py): the bins, the rows, and what the model makes of them.
 
 The check that matters: a sample's logits packed between others (in a padded batch of packed rows, in
 training mode, through the forward pre-hook) equal its logits alone, for sdpa and eager; with the
@@ -16,8 +16,8 @@ from fp_bounds import forward_bound, gamma
 
 from jobspec.errors import SpecError
 from jobspec.spec.rules import packing as packing_rules
-from jobspec.train import packing
-from jobspec.train.data import IGNORE_INDEX, PadCollator, TensorDictDataset
+from jobspec.data import sample_packing
+from jobspec.data.loaders import IGNORE_INDEX, PadCollator, TensorDictDataset
 from jobspec.train.metrics import count_tokens
 
 VOCAB = 300
@@ -67,18 +67,18 @@ def alone_logits(model, sample: dict) -> torch.Tensor:
 def test_bins_hold_every_sample_once_within_max_length_deterministically():
     rng = random.Random(3)
     lengths = [rng.randint(1, 100) for _ in range(500)]
-    bins = packing.pack_order(lengths, 128, seed=11)
+    bins = sample_packing.pack_order(lengths, 128, seed=11)
     assert sorted(i for b in bins for i in b) == list(range(500))
     assert all(sum(lengths[i] for i in b) <= 128 for b in bins)
-    assert bins == packing.pack_order(lengths, 128, seed=11)
+    assert bins == sample_packing.pack_order(lengths, 128, seed=11)
     # first-fit decreasing: within a few rows of the lower bound
     assert len(bins) <= sum(lengths) / 128 * 1.05 + 1
 
 
 def test_the_seed_orders_equal_lengths_and_a_long_sample_gets_a_row_of_its_own():
     lengths = [4] * 12
-    assert packing.pack_order(lengths, 8, seed=1) != packing.pack_order(lengths, 8, seed=2)
-    bins = packing.pack_order([200, 3, 5], 64, seed=0)
+    assert sample_packing.pack_order(lengths, 8, seed=1) != sample_packing.pack_order(lengths, 8, seed=2)
+    bins = sample_packing.pack_order([200, 3, 5], 64, seed=0)
     assert [0] in bins and sorted(map(sorted, bins)) == [[0], [1, 2]]
 
 
@@ -86,7 +86,7 @@ def test_the_seed_orders_equal_lengths_and_a_long_sample_gets_a_row_of_its_own()
 
 def test_a_row_restarts_positions_and_masks_each_first_label():
     a, b, c = samples([3, 4, 2])
-    row = packing.pack_rows([a, b, c])
+    row = sample_packing.pack_rows([a, b, c])
     assert row["position_ids"].tolist() == [0, 1, 2, 0, 1, 2, 3, 0, 1]
     assert row["input_ids"].tolist() == torch.cat([a["input_ids"], b["input_ids"], c["input_ids"]]).tolist()
     # the model trains position t on label t+1: A's last token must not learn B's first, etc.
@@ -101,24 +101,24 @@ def test_padded_samples_lose_their_padding_and_max_length_rows_are_padded_at_the
     padded = {name: torch.stack([torch.cat([r[name], torch.full((12 - len(r[name]),), fill)]) for r in rows])
               for name, fill in (("input_ids", 0), ("attention_mask", 0), ("labels", IGNORE_INDEX))}
     source = TensorDictDataset(padded, pad_token_id=0)
-    packed = packing.pack_dataset(source, max_length=12, seed=0, pad_to=12)
+    packed = sample_packing.pack_dataset(source, max_length=12, seed=0, pad_to=12)
     assert packed.columns["input_ids"].shape == (len(packed), 12)
     assert int(packed.columns["attention_mask"].sum()) == 24 == packed.packing.tokens
     assert packed.packing.samples == 4 and packed.packing.rows == 2 and packed.packing.fill == 1.0
-    unpadded = packing.pack_dataset(dataset(rows), max_length=12, seed=0)
+    unpadded = sample_packing.pack_dataset(dataset(rows), max_length=12, seed=0)
     assert sorted(len(r) for r in unpadded.columns["input_ids"]) == [12, 12]
     assert "4 samples in 2 rows" in unpadded.packing.note()
 
 
 def test_only_the_training_set_is_packed():
     train, evaluation = dataset(samples([4, 4, 4])), dataset(samples([4, 4]))
-    packed, kept = packing.pack_datasets(spec_of(max_length=8), train, evaluation)
+    packed, kept = sample_packing.pack_datasets(spec_of(max_length=8), train, evaluation)
     assert len(packed) == 2 and kept is evaluation
-    assert packing.pack_datasets(spec_of(packing_on=False), train, evaluation) == (train, evaluation)
+    assert sample_packing.pack_datasets(spec_of(packing_on=False), train, evaluation) == (train, evaluation)
 
 
 def test_the_token_count_of_a_padded_packed_batch_is_its_real_tokens():
-    packed = packing.pack_dataset(dataset(samples([10, 7, 5, 12, 3])), max_length=16, seed=0)
+    packed = sample_packing.pack_dataset(dataset(samples([10, 7, 5, 12, 3])), max_length=16, seed=0)
     batch = PadCollator(0)([packed[i] for i in range(len(packed))])
     assert batch["position_ids"].shape == batch["input_ids"].shape
     assert count_tokens(batch) == 37 < batch["input_ids"].numel()
@@ -127,7 +127,7 @@ def test_the_token_count_of_a_padded_packed_batch_is_its_real_tokens():
 # ---- the model -------------------------------------------------------------------------------------
 
 def packed_batch(rows: list[dict], max_length: int):
-    packed = packing.pack_dataset(dataset(rows), max_length=max_length, seed=5)
+    packed = sample_packing.pack_dataset(dataset(rows), max_length=max_length, seed=5)
     return packed, PadCollator(0)([packed[i] for i in range(len(packed))])
 
 
@@ -153,7 +153,7 @@ def test_a_sample_packed_with_others_has_its_logits_alone(attention):
     packed, batch = packed_batch(rows, max_length=24)
     assert len(packed) >= 2 and any(len(packed[i]["input_ids"]) < 24 for i in range(len(packed)))  # padded
     model = tiny_llama(attention)
-    assert "packing" in packing.prepare_model(model, spec_of(attention))
+    assert "packing" in sample_packing.prepare_model(model, spec_of(attention))
     model.train()   # as in training: config.use_cache is on, and the hook turns the cache off
     with torch.no_grad():
         logits = model(**batch).logits
@@ -183,7 +183,7 @@ def test_flattened_to_one_row_as_for_flash_attention_the_samples_stay_apart():
     rows = samples([9, 4, 13, 6, 2, 11, 7], seed=3)
     packed, batch = packed_batch(rows, max_length=24)
     model = tiny_llama("sdpa")
-    model.register_forward_pre_hook(packing.packed_forward_hook(flatten=True), with_kwargs=True)
+    model.register_forward_pre_hook(sample_packing.packed_forward_hook(flatten=True), with_kwargs=True)
     model.train()
     with torch.no_grad():
         out = model(**batch)
@@ -201,7 +201,7 @@ def test_the_packed_loss_is_the_token_mean_of_the_samples_alone(flatten):
     rows = samples([9, 4, 13, 6, 2, 11, 7], seed=4, prompt=2)   # answer-only labels
     packed, batch = packed_batch(rows, max_length=24)
     model = tiny_llama("sdpa")
-    model.register_forward_pre_hook(packing.packed_forward_hook(flatten=flatten), with_kwargs=True)
+    model.register_forward_pre_hook(sample_packing.packed_forward_hook(flatten=flatten), with_kwargs=True)
     with torch.no_grad():
         packed_loss = model(**batch).loss
         total, count, scale = 0.0, 0, 0.0
@@ -220,7 +220,7 @@ def test_the_packed_loss_is_the_token_mean_of_the_samples_alone(flatten):
 
 
 def test_unpacked_batches_pass_the_hook_untouched():
-    hook = packing.packed_forward_hook(flatten=True)
+    hook = sample_packing.packed_forward_hook(flatten=True)
     kwargs = {"input_ids": torch.ones(2, 3, dtype=torch.long), "attention_mask": torch.ones(2, 3)}
     assert hook(None, (), kwargs) is None
     _, changed = hook(None, (), {**kwargs, "position_ids": torch.zeros(2, 3, dtype=torch.long)})
@@ -234,9 +234,9 @@ def test_the_ranks_refuse_a_family_validation_could_not_see():
                                                        num_attention_heads=2, vocab_size=VOCAB,
                                                        word_embed_proj_dim=32))
     with pytest.raises(SpecError) as caught:
-        packing.prepare_model(model, spec_of())
+        sample_packing.prepare_model(model, spec_of())
     assert caught.value.issues[0].path == ("data", "packing") and "opt" in caught.value.issues[0].message
-    assert packing.prepare_model(model, spec_of(packing_on=False)) is None
+    assert sample_packing.prepare_model(model, spec_of(packing_on=False)) is None
 
 
 # ---- every listed family, on the installed transformers ---------------------------------------------

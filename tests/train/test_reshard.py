@@ -1,4 +1,4 @@
-"""Resuming a checkpoint on another world size (jobspec/train/reshard.py): decisions, data position, the
+"""Resuming a checkpoint on another world size (jobspec/checkpoint/reshard.py): decisions, data position, the
 universal-checkpoint path through the real deepspeed runner."""
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import pytest
 import torch
 from conftest import make_run_dir, read_metrics, run_worker
 
-from jobspec.train import checkpointing
+from jobspec.checkpoint import save_load
 
-from jobspec.train import reshard
-from jobspec.train.data import TensorDictDataset, make_loader
+from jobspec.checkpoint import reshard
+from jobspec.data.loaders import TensorDictDataset, make_loader
 from jobspec.errors import SpecError
 
 # ----------------------------------------------------------------------------- fast, no ranks
@@ -66,7 +66,7 @@ def test_a_position_that_does_not_fill_a_round_at_the_new_size_trains_the_remain
 
 def test_reseeding_is_deterministic_per_rank_and_leaves_the_current_stream_alone():
     random.seed(1)
-    before = checkpointing.capture_rng_state()
+    before = save_load.capture_rng_state()
     a = reshard.reseeded_rng_state(reshard.reseed_value(7, 3, 0))
     b = reshard.reseeded_rng_state(reshard.reseed_value(7, 3, 0))
     other_rank = reshard.reseeded_rng_state(reshard.reseed_value(7, 3, 1))
@@ -82,8 +82,8 @@ def _fake_checkpoint(ckpt: Path, tag: str, layout: dict | None, optim_shards: in
                ckpt / tag / reshard.MODEL_STATES)
     for rank in range(optim_shards):
         (ckpt / tag / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(b"not a torch file")
-    checkpointing.write_manifest(ckpt, tag, layout)
-    checkpointing.publish_latest(ckpt, tag)
+    save_load.write_manifest(ckpt, tag, layout)
+    save_load.publish_latest(ckpt, tag)
 
 
 def test_saved_layout_comes_from_the_manifest_or_deepspeeds_model_states(tmp_path):
@@ -129,8 +129,8 @@ def test_pruning_a_checkpoint_also_removes_its_universal_conversion(tmp_path):
         (tmp_path / f"step{step}").mkdir()
     (tmp_path / "step2_universal").mkdir()
     (tmp_path / "step4_universal").mkdir()
-    checkpointing.publish_latest(tmp_path, "step4")
-    assert checkpointing.prune(tmp_path, keep_last=1) == ["step2"]
+    save_load.publish_latest(tmp_path, "step4")
+    assert save_load.prune(tmp_path, keep_last=1) == ["step2"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step4", "step4_universal"]
 
 
@@ -164,7 +164,7 @@ def test_a_two_rank_zero2_checkpoint_resumes_on_one_rank_via_a_universal_checkpo
     assert "resuming step 3 from world size 2 on 1 via universal checkpoint" in stdout
     assert (resumed["status"], resumed["steps"], resumed["resumed_from"]) == ("finished", 6, str(ckpt / "step3"))
     assert resumed["samples"] == 3 * 8
-    assert checkpointing.verify(ckpt, "step3_universal") is None and checkpointing.verify(ckpt, "step3") is None
+    assert save_load.verify(ckpt, "step3_universal") is None and save_load.verify(ckpt, "step3") is None
 
     expected = {r["step"]: r for r in read_metrics(straight) if "train/loss" in r}
     got = {r["step"]: r for r in read_metrics(second) if "train/loss" in r}

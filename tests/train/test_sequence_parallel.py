@@ -158,9 +158,9 @@ def test_each_family_with_two_shards_has_the_loss_and_gradients_of_one_rank(tmp_
     ((2, 1), (4, 4), 6, 12),    # 2 data-parallel ranks -> 4 shards of 1: twice as many
 ])
 def test_a_resume_counts_the_data_position_in_data_parallel_ranks(saved, now, batches, expected):
-    """train/reshard's data position: samples consumed = batches x micro x (world / N), saved and resumed."""
+    """checkpoint/reshard's data position: samples consumed = batches x micro x (world / N), saved and resumed."""
     from jobspec.train.progress import RunState
-    from jobspec.train.reshard import Reshard
+    from jobspec.checkpoint.reshard import Reshard
     reshard = Reshard("direct", "/nowhere", "step3", saved[0], now[0], 2, saved_sequence_parallel=saved[1],
                       sequence_parallel=now[1])
     state = RunState(step=3, batches_in_epoch=batches)

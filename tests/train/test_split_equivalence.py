@@ -79,7 +79,7 @@ def test_train_loss_is_the_token_weighted_loss_of_the_global_batch(one_rank, tas
     import torch.nn.functional as F
 
     from jobspec.model.build import build_model, build_tokenizer
-    from jobspec.train.data import PadCollator, build_datasets
+    from jobspec.data.loaders import PadCollator, build_datasets
     from jobspec.train.engine import seed_everything
     files = run_files(task, world=1, micro=4, zero=0)
     seed_everything(files.spec["training"]["seed"])
@@ -200,7 +200,7 @@ def eval_on_ranks(engine, dataset, counter_of, micro: int, world: int):
     all-reduce, as gloo's would), so rank 0 returns what every rank of a real launch returns."""
     import torch.distributed as dist
 
-    from jobspec.train.data import make_loader
+    from jobspec.data.loaders import make_loader
     from jobspec.train.worker import evaluate
     real_all_reduce, others = dist.all_reduce, []
     forwards = []
@@ -241,7 +241,7 @@ def test_eval_covers_every_sample_once_whatever_the_eval_micro_batch_and_ranks(o
     nothing, so both ranks run the same number of (under ZeRO-3 collective) forward passes."""
     import torch.nn.functional as F
 
-    from jobspec.train.data import PadCollator
+    from jobspec.data.loaders import PadCollator
     from jobspec.train.engine import build_engine
     from jobspec.train.task_metrics import counter_for
     classify = {"model": {"task": "sequence-classification", "num_labels": 3}}

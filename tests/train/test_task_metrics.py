@@ -230,7 +230,7 @@ def test_evaluate_returns_the_loss_and_the_reduced_task_metrics(one_rank_group):
     ("causal-lm", None, torch.full((1, 4), IGNORE_INDEX)),
     ("masked-lm", None, torch.full((1, 4), IGNORE_INDEX))])
 def test_an_all_ignored_padding_batch_counts_nothing(task, names, labels):
-    """Evaluation's padding batch (jobspec.train.data._WithPadding: a rank with fewer eval batches still
+    """Evaluation's padding batch (jobspec.data.loaders._WithPadding: a rank with fewer eval batches still
     runs the collective forward) adds zeros to every counter: the confusion matrix, correct/labelled
     tokens and entity spans, the token-loss sum and count -- even where the model's mean is NaN (0/0)."""
     counter = TaskCounter(task, 3, names)

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import make_run_dir, read_metrics, run_worker
 from worker_runs import plain_run
-from jobspec.train import checkpointing
+from jobspec.checkpoint import save_load
 from jobspec.errors import SpecError
 from jobspec.train.progress import Progress, RunState, format_eta, format_line, progress_mode, summarize
 from jobspec.rundir import read_run_files
@@ -62,37 +62,37 @@ def test_progress_modes_print_what_they_promise(mode):
 
 def test_prune_keeps_the_newest_and_never_the_one_latest_names(tmp_path):
     for step in (10, 20, 30, 40):
-        (tmp_path / checkpointing.tag_for(step)).mkdir()
-    checkpointing.publish_latest(tmp_path, "step40")
-    assert checkpointing.prune(tmp_path, keep_last=2) == ["step10", "step20"]
-    assert checkpointing.completed_steps(tmp_path) == [30, 40]
+        (tmp_path / save_load.tag_for(step)).mkdir()
+    save_load.publish_latest(tmp_path, "step40")
+    assert save_load.prune(tmp_path, keep_last=2) == ["step10", "step20"]
+    assert save_load.completed_steps(tmp_path) == [30, 40]
     # `latest` still points at an older one (a newer save did not complete): it survives
     (tmp_path / "step50").mkdir()
     (tmp_path / "step60").mkdir()
-    checkpointing.publish_latest(tmp_path, "step30")
-    checkpointing.prune(tmp_path, keep_last=1)
-    assert checkpointing.completed_steps(tmp_path) == [30, 60]
+    save_load.publish_latest(tmp_path, "step30")
+    save_load.prune(tmp_path, keep_last=1)
+    assert save_load.completed_steps(tmp_path) == [30, 60]
 
 
 def test_publish_latest_replaces_without_leaving_temp_files(tmp_path):
-    checkpointing.publish_latest(tmp_path, "step1")
-    checkpointing.publish_latest(tmp_path, "step2")
-    assert checkpointing.read_latest(tmp_path) == "step2"
+    save_load.publish_latest(tmp_path, "step1")
+    save_load.publish_latest(tmp_path, "step2")
+    assert save_load.read_latest(tmp_path) == "step2"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest"]
 
 
 def test_resume_target_auto_never_and_paths(tmp_path):
     ckpt = tmp_path / "ckpt"
-    assert checkpointing.resume_target("auto", ckpt) is None
+    assert save_load.resume_target("auto", ckpt) is None
     (ckpt / "step4").mkdir(parents=True)
-    assert checkpointing.resume_target("auto", ckpt) is None  # a save without `latest` is incomplete
-    checkpointing.publish_latest(ckpt, "step4")
-    assert checkpointing.resume_target("auto", ckpt) == (str(ckpt), "step4")
-    assert checkpointing.resume_target("never", ckpt) is None
-    assert checkpointing.resume_target(str(ckpt), tmp_path / "other") == (str(ckpt), "step4")
-    assert checkpointing.resume_target(str(ckpt / "step4"), tmp_path / "other") == (str(ckpt), "step4")
+    assert save_load.resume_target("auto", ckpt) is None  # a save without `latest` is incomplete
+    save_load.publish_latest(ckpt, "step4")
+    assert save_load.resume_target("auto", ckpt) == (str(ckpt), "step4")
+    assert save_load.resume_target("never", ckpt) is None
+    assert save_load.resume_target(str(ckpt), tmp_path / "other") == (str(ckpt), "step4")
+    assert save_load.resume_target(str(ckpt / "step4"), tmp_path / "other") == (str(ckpt), "step4")
     with pytest.raises(SpecError, match="checkpoint.resume"):
-        checkpointing.resume_target(str(tmp_path / "nope"), ckpt)
+        save_load.resume_target(str(tmp_path / "nope"), ckpt)
 
 
 def test_rng_state_round_trip():
@@ -100,9 +100,9 @@ def test_rng_state_round_trip():
 
     import numpy as np
     import torch
-    state = checkpointing.capture_rng_state()
+    state = save_load.capture_rng_state()
     first = (random.random(), np.random.rand(), torch.rand(1).item())
-    checkpointing.restore_rng_state(state)
+    save_load.restore_rng_state(state)
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == first
 
 
@@ -176,8 +176,8 @@ def test_trains_logs_evaluates_and_checkpoints(tmp_path_factory):
     assert all(0 <= r["eval/accuracy"] <= 1 and "eval/f1" not in r for r in evals)
     assert summary["eval_metrics"] == {"eval/accuracy": evals[-1]["eval/accuracy"]}
     ckpt_dir = run_dir.parent / "out" / "checkpoints"
-    assert checkpointing.completed_steps(ckpt_dir) == [6, 8]  # keep_last 2 of 2, 4, 6, 8
-    assert checkpointing.read_latest(ckpt_dir) == "step8"
+    assert save_load.completed_steps(ckpt_dir) == [6, 8]  # keep_last 2 of 2, 4, 6, 8
+    assert save_load.read_latest(ckpt_dir) == "step8"
     state = _client_state(ckpt_dir, "step8")
     assert (state["step"], state["job_name"], len(state["rng"])) == (8, "tiny", 2)
     # 8 steps of 2 micro-batches of 4 on each rank: 16 consumed from the epoch (128 samples, 8 steps)

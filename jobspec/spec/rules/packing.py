@@ -4,7 +4,7 @@ Packed samples share one row; only the model keeps them from attending to each o
 5.x the decoder families below do so when the forward gets `position_ids` that restart per sample,
 no 2-D attention mask and no KV cache (masking_utils.find_packed_sequence_indices: sdpa and eager get
 a causal mask cut at the samples' boundaries; modeling_flash_attention_utils: flash_attention_2 takes
-its varlen kernel from the position ids of a one-row batch, which jobspec.train.packing makes by
+its varlen kernel from the position ids of a one-row batch, which jobspec.data.sample_packing makes by
 flattening the micro-batch). Each family here was checked on the installed transformers: a sample's
 logits packed between others equal its logits alone, sdpa and eager, and the position ids reach
 the attention function, as flash attention needs (tests/train/test_packing.py runs those checks on

@@ -1,4 +1,4 @@
-"""Where the data preparation pass (job/data_prep.py) reads a split's records, in chunks of work:
+"""Where the data preparation pass (data/data_prep.py) reads a split's records, in chunks of work:
 
 - a local jsonl file: byte ranges of about CHUNK_BYTES cut at line ends, each read and parsed by the
   worker that encodes it, so a bad line is named exactly (`file:line`) and the parent reads nothing but
@@ -7,7 +7,7 @@
   Arrow table, which the forked workers share (memory-mapped).
 
 Each source also gives the first record's fields (`data.records: auto`) and a fingerprint of its
-content for the cache key (job/data_cache.py).
+content for the cache key (data/data_cache.py).
 """
 from __future__ import annotations
 
@@ -15,9 +15,8 @@ import abc
 import json
 from pathlib import Path
 
-from jobspec.job import data_cache
-from jobspec.job.chat_render import RecordError
-from jobspec.spec import datacheck
+from jobspec.data import data_cache, datacheck
+from jobspec.data.chat_render import RecordError
 from jobspec.units import MiB
 
 CHUNK_BYTES = 1 * MiB
@@ -132,7 +131,7 @@ class TableSource(Source):
     @property
     def table(self):
         if self._table is None:
-            from jobspec.job import hf_data
+            from jobspec.data import hf_data
 
             self._table = hf_data.load_table(self.spec, self.split, self.kind)
         return self._table
@@ -143,7 +142,7 @@ class TableSource(Source):
     def fingerprint(self) -> dict:
         if self.kind in ("csv", "parquet"):
             return data_cache.file_fingerprint(Path(self.source))
-        from jobspec.job import hf_data
+        from jobspec.data import hf_data
 
         data = self.spec["data"]
         # datasets' fingerprint of the loaded table: its Arrow files in the local cache (hub), or the
@@ -169,7 +168,7 @@ class TableSource(Source):
 
     def where(self, index: int) -> str:
         if self.kind in ("hub", "saved"):
-            from jobspec.job import hf_data
+            from jobspec.data import hf_data
 
             return f"{self.source} [{hf_data.split_name(self.spec, self.split)}] row {index + 1}"
         return datacheck.row_location(self.source, self.spec["data"]["format"], index)

@@ -1,6 +1,6 @@
 """The data checks that need transformers, made by `jobspec launch` (and `--dry-run`) before any rank starts.
 
-`jobspec validate` reads a local tokenizer directory as JSON (spec/rules/data.py) and spec/datacheck.py
+`jobspec validate` reads a local tokenizer directory as JSON (spec/rules/data.py) and data/datacheck.py
 checks the records' shape without a tokenizer. What is left needs the tokenizer transformers loads, and
 would otherwise be found by every rank after DeepSpeed started:
 
@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jobspec import library_log
+from jobspec.data import datacheck
+from jobspec.data.data_format import source_kind
 from jobspec.errors import SpecError, SpecIssue, first_line
-from jobspec.spec import datacheck
-from jobspec.spec.data_format import source_kind
 from jobspec.spec.freeform import local_checkpoint_config
 from jobspec.spec.model_dims import model_dims
 from jobspec.spec.rules.data import vocab_issue

@@ -43,7 +43,7 @@ class Source:
 
 def locate(source: str | Path, spec_file: str | Path | None = None) -> Source:
     """The checkpoint a run directory, a checkpoint directory (its `latest`) or a step<N> directory names."""
-    from jobspec.train import checkpointing
+    from jobspec.checkpoint import save_load
     path = Path(source).expanduser().resolve()
     if not path.exists():
         raise spec_error(f"{source} does not exist", hint="give a run directory, a checkpoint directory "
@@ -53,11 +53,11 @@ def locate(source: str | Path, spec_file: str | Path | None = None) -> Source:
         run_dir = path
         spec = _read_spec(path / rundir.RESOLVED)
         load_dir = Path(spec["checkpoint"]["dir"])
-        tag = checkpointing.read_latest(load_dir)
+        tag = save_load.read_latest(load_dir)
         if tag is None:
             raise spec_error(f"run directory {path} has no checkpoint: {load_dir} holds no `latest` file",
                              hint="export a run that saved a checkpoint (checkpoint.save_final or every_n_steps)")
-    elif (latest := checkpointing.read_latest(path)) and not _has_model_states(path):
+    elif (latest := save_load.read_latest(path)) and not _has_model_states(path):
         load_dir, tag = path, latest
     elif _has_model_states(path):
         load_dir, tag = path.parent, path.name
@@ -69,7 +69,7 @@ def locate(source: str | Path, spec_file: str | Path | None = None) -> Source:
         raise spec_error(f"checkpoint {load_dir / tag} has no DeepSpeed model states ({' or '.join(MODEL_STATES)})",
                          hint="a `_universal` directory is a conversion for resuming: export the step<N> "
                               "checkpoint it was made from")
-    problem = checkpointing.verify(load_dir, tag) if (load_dir / tag / checkpointing.MANIFEST).is_file() else None
+    problem = save_load.verify(load_dir, tag) if (load_dir / tag / save_load.MANIFEST).is_file() else None
     if problem:
         raise spec_error(f"checkpoint {load_dir / tag} is incomplete: {problem}",
                          hint="export an older checkpoint of the job (its step<N> directory)")
@@ -105,9 +105,9 @@ def _export_lora(source: Source, out: Path, spec: dict, state_dict: dict, info: 
                  show_progress: bool) -> dict:
     """A LoRA job's checkpoint: the PEFT model's weights checked against the spec's model wrapped by
     apply_lora (count, names, shapes), then, by `export.adapter`, the merged model in `out` and the
-    PEFT adapter beside it in `<out>-adapter` (export/adapters.py). The record is the merged
+    PEFT adapter beside it in `<out>-adapter` (export/lora_export.py). The record is the merged
     directory's (the adapter's when only it is written), with `adapter`: the adapter's record."""
-    from jobspec.export import adapters as lora_exports
+    from jobspec.export import lora_export as lora_exports
     from jobspec.export.hf_dir import ExportFailed, describe_io_error
 
     merged, adapter = lora_exports.wanted(spec)

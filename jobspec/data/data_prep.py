@@ -1,14 +1,14 @@
 """The data preparation pass: chat and prompt/completion records tokenised once, in parallel, into the
-tokenised-data cache (jobspec/job/data_cache.py), which the ranks memory-map.
+tokenised-data cache (jobspec/data/data_cache.py), which the ranks memory-map.
 
 `jobspec launch` runs it before any rank starts (`jobspec prepare JOB` ahead of time); a rank that
 finds no entry (a worker started by hand) builds it under a file lock while the other ranks wait.
 The pass is also the full data check: every record is read, checked (its fields, the chat messages'
-shape: spec/datacheck.messages_problem), rendered with the chat template and tokenised; every bad
+shape: data/datacheck.messages_problem), rendered with the chat template and tokenised; every bad
 record is reported at its file:line (MAX_REPORTED of them, then a count), exit 2, before any rank
 starts and before anything is written into the cache.
 
-The work is split into chunks (job/data_sources.py: byte ranges of a jsonl file, read and parsed by the
+The work is split into chunks (data/record_sources.py: byte ranges of a jsonl file, read and parsed by the
 worker; row ranges of a table `datasets` loads: csv, parquet, `hf:` names, saved datasets) over
 `data.num_proc` forked processes (default: the CPUs this process may use); each renders its records and tokenises
 them in one batched call of the fast tokenizer. The parent writes the chunks' arrays in order.
@@ -28,12 +28,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from jobspec.data import data_cache, datacheck
+from jobspec.data.chat_render import IGNORE_INDEX, RecordError, RecordText, chat_template, check_template, encode
+from jobspec.data.data_format import source_kind
+from jobspec.data.record_sources import TABLE_KINDS, Source, source_for
 from jobspec.errors import SpecError, SpecIssue, spec_error
-from jobspec.job import data_cache
-from jobspec.job.chat_render import IGNORE_INDEX, RecordError, RecordText, chat_template, check_template, encode
-from jobspec.job.data_sources import TABLE_KINDS, Source, source_for
-from jobspec.spec import datacheck
-from jobspec.spec.data_format import source_kind
 from jobspec.units import MiB
 
 MAX_REPORTED = 20
@@ -42,7 +41,7 @@ ESTIMATE_RECORDS = 200   # records tokenised to estimate a cold pass (`--dry-run
 
 def cached_kind(spec: dict, split: str) -> str | None:
     """`chat` or `prompt_completion` when `data.<split>` goes through the cache; None otherwise (synthetic
-    data, text files, text records: tokenised by the ranks, train/data.py)."""
+    data, text files, text records: tokenised by the ranks, data/loaders.py)."""
     data = spec["data"]
     if data.get("synthetic") is not None or not data.get(split) or spec["model"]["task"] != "causal-lm":
         return None
@@ -98,7 +97,7 @@ def find(spec: dict, split: str, tokenizer) -> Entry:
     return Entry(split, kind, key, source, data_cache.open_entry(key))
 
 
-def prepare(spec: dict, split: str, tokenizer, *, num_proc: int | None = None, show: str | None = None) -> Entry:
+def prepare_split(spec: dict, split: str, tokenizer, *, num_proc: int | None = None, show: str | None = None) -> Entry:
     """The split's entry, built when there is none (under a lock: one builder per key on this host).
     `show`: "bar" (a progress bar), "lines" (a line every few seconds) or None (quiet)."""
     entry = find(spec, split, tokenizer)
@@ -290,7 +289,7 @@ def prepare_data(spec: dict, *, build: bool, show: str | None = None, num_proc: 
     lines, entries = [], []
     for split in splits:
         if build:
-            entry = prepare(spec, split, tokenizer, num_proc=num_proc, show=show)
+            entry = prepare_split(spec, split, tokenizer, num_proc=num_proc, show=show)
             entries.append(entry)
             lines.append(summary_line(entry))
             truncated = truncation_line(entry)

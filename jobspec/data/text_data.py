@@ -10,7 +10,7 @@ tokenizer without one) unless it already does. Then, so that no token is thrown 
 - `chunking: per_document`: each document cut into pieces of at most `max_length`, none spanning two
   documents.
 
-Causal LM trains on every token (labels = ids); masked LM masks the same blocks (train/data.py).
+Causal LM trains on every token (labels = ids); masked LM masks the same blocks (data/loaders.py).
 """
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
+from jobspec.data.data_format import TEXT_SUFFIXES, source_kind, text_files
 from jobspec.errors import spec_error
-from jobspec.spec.data_format import TEXT_SUFFIXES, source_kind, text_files
 from jobspec.tasks.base import MASKED_TOKENS, NEXT_TOKENS
 
 
@@ -42,7 +42,7 @@ def _read(path: Path, split: str) -> str:
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
-        raise ValueError(f"{path} is not UTF-8") from None   # located by line in train/data.py
+        raise ValueError(f"{path} is not UTF-8") from None   # located by line in data/loaders.py
     except OSError as err:
         raise spec_error(f"cannot read {path} ({err.strerror or err})", path=("data", split),
                          hint="check the path and its permissions") from None

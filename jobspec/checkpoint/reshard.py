@@ -18,7 +18,7 @@ epoch is repeated or lost when G is a multiple of micro x W2 (always true when t
 is unchanged). Otherwise the remainder (< micro x W2 samples) is trained a second time. The sample
 ORDER after a reshard differs from an uninterrupted W2 run (another stride over the permutation).
 An epoch's samples do not depend on the world size: whole global batches of the permutation
-(jobspec.train.data.epoch_samples).
+(jobspec.data.loaders.epoch_samples).
 
 RNG: per-rank states cannot map onto another number of ranks, so every rank is reseeded from
 (seed, step, rank): dropout masks after a reshard are deterministic but not those of any
@@ -162,8 +162,8 @@ def plan(ckpt: dict, world_size: int, broadcast, sequence_parallel: int = 1) -> 
 
     Collective: every rank calls it; `broadcast(obj)` returns rank 0's `obj` on every rank.
     """
-    from jobspec.train import checkpointing
-    target = _first_usable(checkpointing, ckpt)
+    from jobspec.checkpoint import save_load
+    target = _first_usable(save_load, ckpt)
     if target is None:
         return None
     layout = saved_layout(*target)
@@ -198,12 +198,12 @@ def plan(ckpt: dict, world_size: int, broadcast, sequence_parallel: int = 1) -> 
     return reshard
 
 
-def _first_usable(checkpointing, ckpt: dict) -> tuple[str, str] | None:
+def _first_usable(save_load, ckpt: dict) -> tuple[str, str] | None:
     # the checkpoint the usual path would load first: the newest that passes verification
-    candidates = checkpointing.resume_candidates(ckpt["resume"], ckpt["dir"])
+    candidates = save_load.resume_candidates(ckpt["resume"], ckpt["dir"])
     for load_dir, tag in candidates:
-        has_manifest = (Path(load_dir) / tag / checkpointing.MANIFEST).is_file()
-        if (ckpt["resume"] != "auto" and not has_manifest) or checkpointing.verify(load_dir, tag) is None:
+        has_manifest = (Path(load_dir) / tag / save_load.MANIFEST).is_file()
+        if (ckpt["resume"] != "auto" and not has_manifest) or save_load.verify(load_dir, tag) is None:
             return load_dir, tag
     return None
 
@@ -214,10 +214,10 @@ def convert_to_universal(load_dir: str | os.PathLike, tag: str) -> Path:
     Built in a temp dir and renamed into place, with a manifest: a crash mid-way leaves no
     half-converted directory that a later resume would trust.
     """
-    from jobspec.train import checkpointing
+    from jobspec.checkpoint import save_load
     root, name = Path(load_dir), universal_tag(tag)
     final = root / name
-    if final.is_dir() and checkpointing.verify(root, name) is None:
+    if final.is_dir() and save_load.verify(root, name) is None:
         return final
     scratch = root / f".{name}.tmp-{os.getpid()}"
     shutil.rmtree(scratch, ignore_errors=True)
@@ -232,7 +232,7 @@ def convert_to_universal(load_dir: str | os.PathLike, tag: str) -> Path:
             reason = ((done.stderr or done.stdout).strip().splitlines() or ["no output"])[-1]
             raise RuntimeError(f"converting checkpoint {root / tag} to the universal format failed "
                                f"(`{CONVERTER}` exit {done.returncode}): {reason}")
-        checkpointing.write_manifest(scratch, name)
+        save_load.write_manifest(scratch, name)
         if final.exists():  # an unverifiable leftover of an earlier conversion: ours replaces it
             shutil.rmtree(final)
         os.replace(scratch / name, final)
@@ -246,13 +246,13 @@ def reseeded_rng_state(value: int) -> dict:
     import numpy as np
     import torch
 
-    from jobspec.train import checkpointing
-    current = checkpointing.capture_rng_state()
+    from jobspec.checkpoint import save_load
+    current = save_load.capture_rng_state()
     random.seed(value)
     np.random.seed(value)
     torch.manual_seed(value)
-    seeded = checkpointing.capture_rng_state()
-    checkpointing.restore_rng_state(current)
+    seeded = save_load.capture_rng_state()
+    save_load.restore_rng_state(current)
     return seeded
 
 

@@ -1,7 +1,7 @@
 """Records as a `datasets.Dataset`: a local jsonl/csv/parquet file, a dataset by name, a saved dataset.
 
 - a file: `datasets.load_dataset(<builder>, data_files=...)`; a row it cannot read is named by file
-  and line (jobspec.spec.datacheck scans the file for it);
+  and line (jobspec.data.datacheck scans the file for it);
 - `hf:org/name`: `datasets.load_dataset(name, data.subset, split=data.train_split / data.eval_split)`,
   through the Hugging Face cache; offline (HF_DATASETS_OFFLINE=1 or HF_HUB_OFFLINE=1) it reads the
   cache only, as datasets does. `hf:` followed by a local directory (relative to the spec file) loads
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from jobspec.data import datacheck
+from jobspec.data.data_format import HF_PREFIX, is_saved_dataset
 from jobspec.errors import first_line, spec_error
-from jobspec.spec import datacheck
-from jobspec.spec.data_format import HF_PREFIX, is_saved_dataset
 
 DATASETS_BUILDER = {"jsonl": "json", "csv": "csv", "parquet": "parquet"}  # data.format -> datasets.load_dataset's
 

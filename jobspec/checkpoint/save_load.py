@@ -8,7 +8,7 @@ save with `save_latest=False` and publish it ourselves after a barrier, with a r
 publishing, rank 0 writes `<tag>/jobspec_manifest.json` (every file's size): resuming checks it
 and, with `resume: auto`, falls back to the previous complete checkpoint when a file is truncated.
 The client state and the manifest also record the world size, ZeRO stage and micro-batch size, so
-that a resume on another world size can be detected before the engine exists (jobspec/train/reshard.py).
+that a resume on another world size can be detected before the engine exists (jobspec/checkpoint/reshard.py).
 """
 from __future__ import annotations
 
@@ -63,18 +63,18 @@ def _all_ranks_rng_states() -> list[dict]:
 
 def save(engine, ckpt_dir: str | os.PathLike, *, step: int, epoch: int, batches_in_epoch: int,
          job_name: str, keep_last: int, zero_stage: int | None = None,
-         micro_batch_size: int | None = None) -> str:
+         micro_batch_size: int | None = None, sequence_parallel: int = 1) -> str:
     """Save on every rank (collective); returns the tag. Older checkpoints beyond `keep_last` go.
 
-    `micro_batch_size` is the unit `batches_in_epoch` counts in. A write the OS refuses (disk full,
+    `micro_batch_size` is the unit `batches_in_epoch` counts in; `sequence_parallel` the size of the
+    rank's sequence-parallel group (its ranks read the same samples: checkpoint/reshard counts world / N).
+    A write the OS refuses (disk full,
     permissions) on any rank: every rank raises the same one-line RunFailure naming the directory
     and the OS error, the incomplete `step<N>` is removed and `latest` keeps naming the previous one."""
     ckpt_dir = str(ckpt_dir)
     tag = tag_for(step)
-    from jobspec.train import sequence_parallel
-    sp = sequence_parallel.active()   # its groups read the same samples: train/reshard counts world / N
     layout = {"world_size": dist.get_world_size(), "zero_stage": zero_stage, "micro_batch_size": micro_batch_size,
-              "sequence_parallel": sp.size if sp else 1}
+              "sequence_parallel": sequence_parallel}
     client_state = {
         **layout,
         "step": step,

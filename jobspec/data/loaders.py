@@ -1,6 +1,6 @@
 """Training and evaluation data: records (jsonl/csv/parquet files, `hf:` datasets, saved datasets;
-job/hf_data.py), text files (train/text_data.py), chat and prompt/completion records (tokenised once
-into the data cache by job/data_prep.py, memory-mapped here: `CachedDataset`), or synthetic tokens.
+data/hf_data.py), text files (data/text_data.py), chat and prompt/completion records (tokenised once
+into the data cache by data/data_prep.py, memory-mapped here: `CachedDataset`), or synthetic tokens.
 
 Every dataset is map-style and yields dicts of LongTensors `input_ids`, `attention_mask`, `labels`:
 - sequence-classification: `labels` is the class id (a 0-d tensor, stacked to (batch,));
@@ -24,12 +24,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from jobspec import tasks
+from jobspec.data import data_prep, datacheck, hf_data, text_data
+from jobspec.data.data_format import source_kind
 from jobspec.errors import SpecError, spec_error
-from jobspec.job import data_prep, hf_data
-from jobspec.spec import datacheck
-from jobspec.spec.data_format import source_kind
 from jobspec.tasks.base import CLASS, MASKED_TOKENS, NEXT_TOKENS, TOKEN_CLASS
-from jobspec.train import text_data
 
 IGNORE_INDEX = -100  # the label value transformers' losses skip
 MLM_PROBABILITY = 0.15
@@ -57,7 +55,7 @@ class TensorDictDataset(Dataset):
 
 
 class CachedDataset(Dataset):
-    """A split's tokenised records memory-mapped from the data cache (jobspec/job/data_cache.py): a sample
+    """A split's tokenised records memory-mapped from the data cache (jobspec/data/data_cache.py): a sample
     is read from the mapped arrays when it is asked for, so a rank holds only the pages it reads."""
 
     def __init__(self, cached, pad_to: int | None, pad_token_id: int):
@@ -318,7 +316,7 @@ def _mask_tokens(ids, attention_mask, special, mask_id: int, vocab: tuple[int, i
 
 def _file_dataset(spec: dict, tokenizer, split: str, label_names: dict) -> TensorDictDataset | CachedDataset:
     """The samples of `data.<split>`. A row datasets, pyarrow, the tokenizer or the chat template cannot
-    take is named by file and line (jobspec.spec.datacheck scans the file for it): exit 2, not a rank
+    take is named by file and line (jobspec.data.datacheck scans the file for it): exit 2, not a rank
     traceback."""
     data, task = spec["data"], spec["model"]["task"]
     if tokenizer is None:
@@ -340,7 +338,7 @@ def _file_dataset(spec: dict, tokenizer, split: str, label_names: dict) -> Tenso
         # chat and prompt/completion records: tokenised once into the data cache (by the launcher before
         # the ranks started, else here by one process of this host while the others wait) and mapped;
         # a rank builds in its own process: forking one that holds gloo's threads is not safe
-        entry = data_prep.prepare(spec, split, tokenizer, num_proc=1)
+        entry = data_prep.prepare_split(spec, split, tokenizer, num_proc=1)
         assert entry.data is not None
         pad_to = data["max_length"] if data["padding"] == "max_length" else None
         return CachedDataset(entry.data, pad_to, tokenizer.pad_token_id or 0)

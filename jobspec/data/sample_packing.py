@@ -35,9 +35,9 @@ import random
 
 import torch
 
+from jobspec.data.loaders import IGNORE_INDEX, TensorDictDataset
 from jobspec.errors import spec_error
 from jobspec.spec.rules import packing as packing_rules
-from jobspec.train.data import IGNORE_INDEX, TensorDictDataset
 
 
 def pack_order(lengths: list[int], max_length: int, seed: int) -> list[list[int]]:
@@ -129,7 +129,7 @@ def pad_row(row: dict, length: int, pad_token_id: int) -> dict:
 def pack_dataset(dataset, max_length: int, seed: int, pad_to: int | None = None) -> "PackedDataset | LazyPackedDataset":
     """The packed rows of `dataset` (see the module's docstring), keeping its `pad_token_id` and
     `label_names`. `pad_to`: pad every row to that length (fixed shapes). A dataset that knows its
-    samples' lengths (the data cache's, train/data.CachedDataset) is packed from them: the rows are
+    samples' lengths (the data cache's, data/loaders.CachedDataset) is packed from them: the rows are
     joined when they are read, so a rank holds no copy of the data."""
     pad_token_id = getattr(dataset, "pad_token_id", 0) or 0
     label_names = getattr(dataset, "label_names", None)

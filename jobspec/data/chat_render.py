@@ -1,5 +1,5 @@
 """Chat and prompt/completion records → token ids with the loss on the answers (torch-free: the data
-preparation pass, jobspec/job/data_prep.py, runs it in the launcher's worker processes).
+preparation pass, jobspec/data/data_prep.py, runs it in the launcher's worker processes).
 
 Chat records (`data.messages_field`, a list of {role, content}) are rendered with the chat template
 (`data.chat_template`, a Jinja file, else the tokenizer's own). With `data.loss_on: answers` only the
@@ -30,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from jobspec.data import datacheck
 from jobspec.errors import first_line, spec_error
-from jobspec.spec import datacheck
 
 IGNORE_INDEX = -100
 
@@ -126,7 +126,7 @@ class Text:
 
 class RecordText:
     """A record (chat messages or a (prompt, completion) pair) → its `Text`; RecordError when it cannot:
-    validate's check of the record (spec/datacheck.RecordChecker), then the template on it."""
+    validate's check of the record (data/datacheck.RecordChecker), then the template on it."""
 
     def __init__(self, spec: dict, tokenizer, kind: str, template: str | None, split: str):
         data = spec["data"]
@@ -141,7 +141,7 @@ class RecordText:
         if not isinstance(record, dict):
             raise RecordError(f"the record is {type(record).__name__}, an object expected",
                               "write one JSON object per line")
-        bad = self.checker.problem(where, record)   # validate's own record check (spec/datacheck.py)
+        bad = self.checker.problem(where, record)   # validate's own record check (data/datacheck.py)
         if bad is not None:
             raise RecordError(bad.message.removeprefix(f"{where}: "), bad.hint)
         if self.kind == "chat":

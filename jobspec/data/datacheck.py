@@ -9,7 +9,7 @@ valid UTF-8 and parse in `data.format`, they hold the columns the task needs, an
 valid class ids (or at most `model.num_labels` class names). It reads at most PREFLIGHT_BYTES of a
 file, so a 100 GB file costs what a small one does; the rows after those are read by the ranks,
 and when datasets/pyarrow or the tokenizer fail on one, the rank calls `check_file(..., max_rows=None)`
-to name the file and line of the first bad row (jobspec/train/data.py).
+to name the file and line of the first bad row (jobspec/data/loaders.py).
 
 Records are of the kind `data.records` says (`record_kind`: `auto` looks at the first row's fields):
 `text` rows hold `text_fields` (and a label); `chat` rows a `messages_field` list of {role, content}
@@ -30,8 +30,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from jobspec import tasks
+from jobspec.data.data_format import TEXT_SUFFIXES, data_format, source_kind, text_files
 from jobspec.errors import SpecError, SpecIssue, first_line, spec_error
-from jobspec.spec.data_format import TEXT_SUFFIXES, data_format, source_kind, text_files
 from jobspec.units import MiB, fmt_bytes_any_unit
 
 PREFLIGHT_ROWS = 1000
@@ -446,7 +446,7 @@ class RecordChecker:
     """The checks of one data record: its columns (or chat messages, or prompt and completion) and label
     values, with what earlier records established (`records: auto` decided by the first, the label
     kind, the label names seen). Torch-free; `problem(where, record)` is the importable entry point
-    (validate's full read here; the data preparation pass, job/data_prep, checks records the same way)."""
+    (validate's full read here; the data preparation pass, data/data_prep, checks records the same way)."""
 
     def __init__(self, columns: Columns, split: str):
         self.columns, self.split = columns, split

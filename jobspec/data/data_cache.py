@@ -51,7 +51,7 @@ CODE_MODULES = ("chat_render.py", "data_prep.py", "data_sources.py", "data_cache
 
 
 def cache_root() -> Path:
-    from jobspec.model.trace import default_cache_dir
+    from jobspec.model.planner_trace import default_cache_dir
 
     return default_cache_dir() / "data"
 
