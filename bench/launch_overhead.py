@@ -220,6 +220,7 @@ def probe(run_dir: Path, steps: int, block: int, warmup: int) -> dict:
     from jobspec import rundir
     from jobspec.data.loaders import make_loader
     from jobspec.spec.derived import DerivedJob
+    from jobspec.tracking.mlflow_sender import MlflowSender
     from jobspec.tracking.sink import MetricSink
     from jobspec.train import engine as rank_engine
     from jobspec.train.progress import Progress, RunState, StepReporter, Window
@@ -228,6 +229,7 @@ def probe(run_dir: Path, steps: int, block: int, warmup: int) -> dict:
     deepspeed.init_distributed()
     engine, train_ds, _, _ = rank_engine.build_engine(files)
     sink = MetricSink.open(run_dir)  # MLflow on: mlflow_run.json names a live run
+    sender = next(w for w in sink.writers if isinstance(w, MlflowSender))   # MLflow's writer in the sink
     devnull = open(os.devnull, "w")  # the console line rank 0 prints per log step: formatted, not shown
     progress = Progress(steps, mode="lines", stream=devnull)
     job = DerivedJob.from_dict(files.derived)
@@ -237,10 +239,10 @@ def probe(run_dir: Path, steps: int, block: int, warmup: int) -> dict:
         make_loader(train_ds, micro_batch_size=mb, rank=0, world_size=1, seed=0, epoch=e, shuffle=True,
                     num_workers=0, pin_memory=False) for e in itertools.count())
     deadline = time.monotonic() + 120
-    while sink.client is None and time.monotonic() < deadline:  # the sender makes its MLflow client
+    while sender.client is None and time.monotonic() < deadline:  # the sender makes its MLflow client
         time.sleep(0.05)                                         # (imports mlflow) before its first send
     time.sleep(0.5)
-    sender_cpu_before_s = _thread_cpu_s(sink._thread)  # that one-off cost is start-up, not telemetry
+    sender_cpu_before_s = _thread_cpu_s(sender._thread)  # that one-off cost is start-up, not telemetry
     records = []
     window = Window()
     engine.train()
@@ -267,11 +269,11 @@ def probe(run_dir: Path, steps: int, block: int, warmup: int) -> dict:
                             "accounting": (t1 - t0) + (t3 - t2), "log": t4 - t3})
         previous_end, previous_cpu = t4, cpu
     deadline = time.monotonic() + 60
-    while not sink._queue.empty() and time.monotonic() < deadline:  # let the sender drain the queue
+    while not sender._queue.empty() and time.monotonic() < deadline:  # let the sender drain the queue
         time.sleep(0.05)
     time.sleep(0.5)  # the last batch in flight
     # while it still lives: a finished thread's time is gone
-    sender_cpu_s = _thread_cpu_s(sink._thread) - sender_cpu_before_s
+    sender_cpu_s = _thread_cpu_s(sender._thread) - sender_cpu_before_s
     sink.close(timeout=60)
     on = [r for r in records if r["on"]]
     off = [r for r in records if not r["on"]]
@@ -282,7 +284,7 @@ def probe(run_dir: Path, steps: int, block: int, warmup: int) -> dict:
             "accounting_s": statistics.median(r["accounting"] for r in records),
             "cycle_on_s": statistics.median(r["cycle"] for r in on),
             "cycle_off_s": step_s, "cpu_on_s": statistics.fmean(r["cpu"] for r in on),
-            "cpu_off_s": statistics.fmean(r["cpu"] for r in off), "steps_on": len(on), "steps_off": len(off), "dropped": sink.dropped,
+            "cpu_off_s": statistics.fmean(r["cpu"] for r in off), "steps_on": len(on), "steps_off": len(off), "dropped": sender.dropped,
             "sender_cpu_per_log_s": sender_cpu_s / max(1, sum(1 for i in range(steps) if (i // block) % 2 == 0))}
 
 

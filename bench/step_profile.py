@@ -161,10 +161,11 @@ def instrument_worker(sender_profiler: cProfile.Profile | None = None, profile_f
     MLflow sender's log_batch calls in the sender thread (profiled there from step `profile_from` on,
     with a `sender_profiler`)."""
     from jobspec.train.progress import StepReporter
+    from jobspec.tracking.mlflow_sender import MlflowSender
     from jobspec.tracking.sink import MetricSink
     time_calls(StepReporter, "log_window", "log_window")
     if sender_profiler is not None:
-        send = MetricSink._send
+        send = MlflowSender._send
 
         def profiled_send(*args, **kwargs):
             if len(RECORDS) < profile_from:
@@ -174,8 +175,8 @@ def instrument_worker(sender_profiler: cProfile.Profile | None = None, profile_f
                 return send(*args, **kwargs)
             finally:
                 sender_profiler.disable()
-        MetricSink._send = profiled_send
-    time_calls(MetricSink, "_send", "sender_log_batch")
+        MlflowSender._send = profiled_send
+    time_calls(MlflowSender, "_send", "sender_log_batch")
     if os.environ.get("STEP_PROFILE_DETAIL"):  # the log step's parts
         from jobspec.train import metrics, progress
         time_calls(MetricSink, "log", "sink_log")

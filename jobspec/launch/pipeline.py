@@ -217,7 +217,7 @@ def _launch_holding(job, overrides, prepared, chosen, held, resume_run_id, port,
     closing = closing_block(spec, run_dir, compiled.launch, outcome, end, tracked, style, model_tags)
     if tracked is not None:
         launch_tracking.describe_run(tracked, spec.get("description"), console.plain(closing))
-        tracking_run.end_run(tracked, run_dir, status=end.status, exit_code=end.exit_code, tags=end.tags())
+    tracking.end(end)   # every tracker that started: MLflow's status and tags, TensorBoard's session end
     rundir.mark_launcher_ended(run_dir, end.status, end.exit_code)
     _write_phases(run_dir, phases)
     _print_lines(closing)

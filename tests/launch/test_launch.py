@@ -16,6 +16,7 @@ import time
 from io import BytesIO
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 import yaml
@@ -631,11 +632,28 @@ def test_resume_never_over_existing_checkpoints_refuses(tmp_path, fake_runner, m
 
 # --- the real thing ------------------------------------------------------------------------------
 
+def tensorboard_events(run_dir: Path):
+    """The run's TensorBoard directory as TensorBoard's own reader loads it."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    return events
+
+
+def tensorboard_status(events) -> str:
+    """The final status of the run's HParams session (written by the launcher when the ranks are gone)."""
+    from tensorboard.plugins.hparams import api_pb2
+    from tensorboard.plugins.hparams import metadata as hparams
+    content = events.PluginTagToContent(hparams.PLUGIN_NAME)[hparams.SESSION_END_INFO_TAG]
+    return api_pb2.Status.Name(hparams.parse_session_end_info_plugin_data(content).status)
+
+
 @pytest.mark.slow
 def test_real_two_rank_launch_logs_a_finished_mlflow_run(tmp_path):
     job = write_job(tmp_path)
     env = {**os.environ, "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "0.2"}  # MLflow's 10 s, for a short run
-    proc = subprocess.run([sys.executable, "-m", "jobspec", "launch", str(job), "--set", "logging.system_metrics=true"],
+    proc = subprocess.run([sys.executable, "-m", "jobspec", "launch", str(job), "--set", "logging.system_metrics=true",
+                           "--set", "logging.tensorboard.enabled=true"],   # the second tracker beside MLflow
                           cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_dir = only_run_dir(tmp_path)
@@ -650,6 +668,14 @@ def test_real_two_rank_launch_logs_a_finished_mlflow_run(tmp_path):
     assert rss and all(m.value > 0 for m in rss)
     assert not client.get_metric_history(run.info.run_id, "mem/peak_allocated_mib_max")  # no GPU here
     assert survivors(run_dir) == []
+    # TensorBoard, fed by the same sink: every point of metrics.jsonl at its step, MLflow's values, the end
+    events = tensorboard_events(run_dir)
+    assert sorted((tag, e.step) for tag in events.Tags()["scalars"] for e in events.Scalars(tag)) == \
+        sorted((key, step) for key, _, _, step in rundir.read_metric_points(run_dir))
+    assert [(e.step, e.value) for e in events.Scalars("perf/samples_per_s")] == \
+        [(m.step, float(np.float32(m.value))) for m in samples]   # event files hold float32
+    assert "tiny-launch" in events.Tensors("jobspec/resolved_spec")[0].tensor_proto.string_val[0].decode()
+    assert tensorboard_status(events) == "STATUS_SUCCESS"
     # what the user saw: the header, no DeepSpeed INFO lines, the closing summary (also in summary.json)
     out = proc.stdout
     assert out.startswith("jobspec: tiny-launch: bert sequence-classification, ") and "no GPU: 2 CPU ranks" in out
