@@ -4,7 +4,7 @@
 
 Each variant runs in its own process (so each peak RSS is its own): a Llama-shape causal LM built
 from a config by jobspec's own `model/build.build_model` (random weights, the spec's seed), the
-adapters put on by the ranks' `train/lora_adapters.wrap` (model/lora.apply_lora), the base quantised by
+adapters put on by the ranks' `lora` patch (train/lora_adapters.lora, model/lora.adapt), the base quantised by
 model/quantize (bitsandbytes' CPU backend) for QLoRA; then forward, backward and a torch AdamW step
 over the trainable parameters only (what DeepSpeed's engine is given). Step time: the median over the
 steps after the first two; peak memory: the process's peak RSS (`ru_maxrss`), and on a GPU
@@ -43,13 +43,14 @@ def run_one(name: str, args) -> dict:
     """One variant in this process: the numbers as a dict."""
     import torch
 
+    from jobspec.compile.compiler import lora_patch_args
     from jobspec.model.build import build_model
     from jobspec.train import lora_adapters
 
     spec = spec_for(VARIANTS[name], args)
     model = build_model(spec).to(torch.bfloat16)
-    if spec["model"]["lora"]:
-        model, _ = lora_adapters.wrap(model, spec, checkpointing=False)
+    if spec["model"]["lora"]:   # the ranks' `lora` patch with the compiler's settings (no checkpointing here)
+        model, _ = lora_adapters.lora(model, **lora_patch_args(spec))
     counts = lora_adapters.parameter_counts(model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     ids = torch.randint(5, 8192, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))

@@ -525,6 +525,7 @@ def measure(spec: dict, steps: int = 3) -> tuple[int, int | None]:
     import deepspeed
     import torch
 
+    from jobspec import optimizers
     from jobspec.hardware import nvml_used_bytes
     from jobspec.model.build import build_model
     from jobspec.train.patches import apply_patches, build_client_optimizer
@@ -537,9 +538,9 @@ def measure(spec: dict, steps: int = 3) -> tuple[int, int | None]:
     torch.cuda.reset_peak_memory_stats()
     leftover = torch.cuda.memory_allocated()  # anything an earlier row left behind is not this row's
     model = build_model(spec)
-    client = next((p for p in compiled.patches if p["name"] == "client_optimizer"), None)
-    apply_patches(model, [p for p in compiled.patches if p["name"] != "client_optimizer"])
-    optimizer = build_client_optimizer(model, client["args"]) if client else None
+    model, _ = apply_patches(model, compiled.patches)
+    client_args = optimizers.get(spec["training"]["optimizer"]["name"]).client_args
+    optimizer = build_client_optimizer(model, client_args(spec["training"]["optimizer"])) if client_args else None
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, model_parameters=model.parameters(),
                                       config=compiled.ds_config)
     micro, seq = spec["training"]["micro_batch_size"], spec["data"]["synthetic"]["seq_len"]

@@ -1,7 +1,8 @@
 """Compile a job spec into the exact DeepSpeed config, model patches and command it will run.
 
 Without --out, prints the DeepSpeed config (JSON on stdout) and, on stderr, the model patches
-(patches.json: gradient checkpointing, attention, tf32, freezing, a client optimizer) and the notes.
+(patches.json: attention, tf32, freezing, checkpointing, LoRA, ...), an optimizer jobspec builds
+on the ranks, and the notes.
 With --out DIR, writes the run-directory files a launch would use:
 
   spec.yaml        the spec exactly as written
@@ -67,11 +68,24 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(json.dumps(compiled.ds_config, indent=2))
         # Patches and notes go to stderr so stdout stays a valid ds_config.json.
-        for line in patch_lines(compiled.patches) + fit_lines:
+        for line in [*patch_lines(compiled.patches), *optimizer_lines(resolved.spec), *fit_lines]:
             print(line, file=sys.stderr)
         for note in compiled.notes:
             print(f"note: {note}", file=sys.stderr)
     return 0
+
+
+def optimizer_lines(spec: dict) -> list[str]:
+    """The optimizer the ranks build themselves (DeepSpeed's config has no block for it), with the args
+    its module's `build` gets (jobspec/optimizers: `client_args`); none for DeepSpeed's own."""
+    from jobspec import optimizers
+
+    section = spec["training"]["optimizer"]
+    chosen = optimizers.get(section["name"])
+    if chosen.client_args is None:
+        return []
+    args = " ".join(f"{k}={json.dumps(v)}" for k, v in chosen.client_args(section).items())
+    return [f"optimizer: {args}  (built by jobspec on the ranks)"]
 
 
 def patch_lines(patches: list) -> list[str]:

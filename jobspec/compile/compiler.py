@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from jobspec import optimizers
+from jobspec import optimizers, tasks
 from jobspec.errors import spec_error
 from jobspec.spec.derived import DerivedJob, zero_bucket_sizes
 from jobspec.spec.model_dims import ModelDims
@@ -94,15 +94,6 @@ def optimizer_block(optimizer: dict, offload_optimizer: str = "none") -> dict:
     if block is None:
         raise TypeError(f"optimizer {optimizer['name']} is not built by DeepSpeed")
     return block(optimizer, offload_optimizer)
-
-
-def client_optimizer_args(optimizer: dict) -> dict:
-    """Every hyper-parameter of the optimizer the worker builds itself (not in DeepSpeed's config):
-    its module's `client_args`, which its `build` passes to the optimizer as written."""
-    client_args = optimizers.get(optimizer["name"]).client_args
-    if client_args is None:
-        raise TypeError(f"optimizer {optimizer['name']} is built by DeepSpeed, not by the worker")
-    return client_args(optimizer)
 
 
 def batch_block(global_batch_size: int, micro_batch_size: int, gradient_accumulation_steps: int) -> dict:
@@ -258,16 +249,32 @@ def compile_patches(spec: dict) -> list[dict]:
     if checkpointing and isinstance(checkpointing, dict) and checkpointing.get("offload", "none") == "cpu":
         every = checkpointing.get("every_n_layers", 1)
         patches.append({"name": "activation_offload", "args": {"every_n_layers": every}})
-    if not optimizers.get(optimizer["name"]).built_by_deepspeed:  # a `client_optimizer` patch
-        patches.append({"name": "client_optimizer", "args": client_optimizer_args(optimizer)})
     if optimizer["weight_decay"] and optimizer["weight_decay_on"] == "matrices":
         # the optimizer's parameter groups (DeepSpeed's config has no field for them): the decay on
         # matrices only, as transformers' Trainer groups them (train/patches.parameter_groups)
         patches.append({"name": "parameter_groups", "args": {
             "weight_decay": optimizer["weight_decay"], "no_decay": "biases and normalisation weights"}})
+    if model["lora"]:   # PEFT's adapters on the patched model, before torch.compile (which must see them)
+        patches.append({"name": "lora", "args": {**lora_patch_args(spec), "enable_input_require_grads":
+                                                 bool(checkpointing)}})
     if model["compile"]:
         patches.append({"name": "torch_compile", "args": {}})
     return patches
+
+
+def lora_patch_args(spec: dict) -> dict:
+    """`model.lora` as the `lora` patch gives it to PEFT's LoraConfig (model/lora.adapt): the loader's
+    defaults filled, `modules_to_save` resolved (null: the task's head modules, each kept where the
+    model has it: the head's name depends on the architecture). The target patterns stay as written
+    (`all-linear` is PEFT's own keyword): they are matched against the built model's module names,
+    which this pure step cannot see (job/checks refuses a pattern matching nothing before launch)."""
+    lora = spec["model"]["lora"]
+    target = lora["target_modules"]
+    saved = lora["modules_to_save"]
+    return {"r": lora["r"], "alpha": lora["alpha"], "dropout": lora["dropout"],
+            "target_modules": target if isinstance(target, str) else list(target),
+            "modules_to_save": list(tasks.get(spec["model"]["task"]).head_modules if saved is None else saved),
+            "bias": lora["bias"], "use_rslora": lora["use_rslora"], "use_dora": lora["use_dora"]}
 
 
 def assert_deepspeed_accepts(ds_config: dict) -> None:
@@ -361,8 +368,12 @@ def patch_text(patch: dict) -> str:
     if name == "freeze":
         patterns = args.get("patterns") or []
         return f"frozen: {', '.join(patterns)}"
-    if name == "client_optimizer":
-        return f"optimizer {args.get('name')}, built by jobspec"
+    if name == "lora":
+        target = args.get("target_modules")
+        variants = [v for v, on in (("rsLoRA", args.get("use_rslora")), ("DoRA", args.get("use_dora"))) if on]
+        return (f"LoRA r {args.get('r')} alpha {args.get('alpha')} on "
+                f"{target if isinstance(target, str) else ', '.join(target or [])}"
+                + "".join(f" {v}" for v in variants))
     if name == "parameter_groups":
         return f"weight decay {args.get('weight_decay')} on matrices, none on {args.get('no_decay')}"
     if name == "torch_compile":

@@ -14,7 +14,8 @@ rules is what needs transformers or the network (validate imports neither):
 - the tokenizer transformers loads, its size against the vocabulary, the chat template rendered on
   the records (data/data_preflight).
 
-LoRA target modules against the meta-built model stay in prepare_job (model/lora.check_targets).
+`lora_target_check`, run by prepare_job whether or not the other checks are: `model.lora`'s target
+patterns against the meta-built model (model/lora.check_targets).
 What only a launch checks is the host's (port, GPUs, disk, lease, bitsandbytes' CPU backend):
 launch/pipeline.launch_checks and host_checks, and tests/test_refusals.py says so per site.
 """
@@ -68,3 +69,29 @@ def config_check(resolved: ResolvedSpec) -> None:
         raise resolved.locate(err) from None
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise resolved.locate(loading_error(model, model["task"], model["attention"], err)) from None
+
+
+def lora_target_check(resolved: ResolvedSpec) -> None:
+    """`model.lora`'s target patterns and `modules_to_save` against the model's real module names, on the
+    meta device (validate cannot know them without building the model): refused, positioned, before
+    anything is derived or launched."""
+    spec = resolved.spec
+    if spec["model"]["lora"] is None:
+        return
+    from jobspec.model.build import build_skeleton
+    from jobspec.model.lora import check_targets
+
+    library_log.adopt_transformers()   # transformers' log lines to the command's log (plan, compile)
+    try:
+        try:
+            model = build_skeleton(spec)
+        except SpecError as err:
+            if spec["model"]["name_or_path"] and all(i.path == ("model", "name_or_path") for i in err.issues):
+                # a hub id this machine cannot read (offline, say): `compile` still works as without LoRA; a
+                # launch refuses it before any rank (job/model_config via job/checks), and the ranks' `lora`
+                # patch checks the patterns against the loaded model all the same
+                return
+            raise
+        check_targets(spec, model)
+    except SpecError as err:
+        raise resolved.locate(err) from None

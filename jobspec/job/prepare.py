@@ -110,15 +110,8 @@ def prepare_job(source: str | os.PathLike | ResolvedSpec, overrides: Iterable[st
         from jobspec.job.checks import model_data_checks
         model_data_checks(resolved, plan=plan or spec_fits(resolved.spec, apply_fit, budget))
     if resolved.spec["model"]["lora"] is not None:
-        # the target patterns against the model's real module names, on the meta device (validate cannot
-        # know them without building the model): refused here, before anything is derived or launched
-        from jobspec import library_log
-        from jobspec.model.lora import check_targets
-        library_log.adopt_transformers()   # transformers' log lines to the command's log (plan, compile)
-        try:
-            check_targets(resolved.spec)
-        except SpecError as err:
-            raise resolved.locate(err) from None
+        from jobspec.job.checks import lora_target_check
+        lora_target_check(resolved)   # the target patterns against the meta model's module names
     spec = resolved.spec
     memory = None
     if not plan and apply_fit and spec["memory"]["fit"] == "auto" and budget is None \

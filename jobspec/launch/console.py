@@ -12,6 +12,7 @@ import os
 import re
 from urllib.parse import urlsplit
 
+from jobspec import optimizers
 from jobspec.compile.compiler import patch_text
 from jobspec.memory.planner import ALLOCATOR_VARIABLE, allocator_conf, expandable
 from jobspec.rundir import RunSummary
@@ -127,6 +128,11 @@ def header_lines(spec: dict, job, memory, host, patches: list, *, style: bool = 
         lines.append(f"  It may be killed by the kernel's OOM killer. Change: {issue.hint}; memory.fit: auto refuses "
                      "such a launch.")
     described = [patch_text(p) for p in patches]
+    if not optimizers.get(spec["training"]["optimizer"]["name"]).built_by_deepspeed:
+        # the ranks build it (train/patches.client_optimizer): said where its patch used to be
+        later = [i for i, p in enumerate(patches) if p["name"] in ("parameter_groups", "lora", "torch_compile")]
+        described.insert(later[0] if later else len(described),
+                         f"optimizer {spec['training']['optimizer']['name']}, built by jobspec")
     if described:
         lines.append(label("model", style) + " · ".join(d for d in described if d))
     return lines

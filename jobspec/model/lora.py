@@ -1,11 +1,12 @@
 """`model.lora` and `model.quantization` on the torch side: PEFT's LoraConfig, the adapters put on a model,
 the target patterns checked against the model's real module names, bitsandbytes' quantisation config.
 
-One code path for everyone who needs the adapted model: the ranks (train/ wraps the model after
-jobspec's patches), the planner's trace (model/planner_trace.py wraps its meta model with the same
-`apply_lora`, so the plan counts exactly the adapters PEFT makes) and the job-preparation check
-(`check_targets`, on the meta device: compile, plan, launch and `--dry-run` refuse a pattern that
-matches nothing before any rank starts, positioned at `model.lora.target_modules[i]`).
+One code path for everyone who needs the adapted model, `adapt(model, settings)` with the settings of
+patches.json's `lora` patch (compile/compiler.lora_patch_args): the ranks (train/lora_adapters, the
+patch in the compiler's order), the planner's trace (model/planner_trace.py wraps its meta model through
+`apply_lora`, so the plan counts exactly the adapters PEFT makes), the export, and the job-preparation
+check (`check_targets` on the meta model job/checks builds: compile, plan, launch and `--dry-run` refuse
+a pattern that matches nothing before any rank starts, positioned at `model.lora.target_modules[i]`).
 
 Matching is PEFT's (peft.tuners.tuners_utils.check_target_module_exists): a list entry matches a
 module whose dotted name equals it or ends with `.<entry>`; `all-linear` is every linear layer but
@@ -29,24 +30,36 @@ ADAPTABLE = ("Linear", "Embedding", "Conv1d", "Conv2d", "Conv3d", "Conv1D", "Mul
 COMPUTE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
+def settings(spec: dict) -> dict:
+    """`model.lora` as patches.json's `lora` patch carries it (compile/compiler.lora_patch_args)."""
+    from jobspec.compile.compiler import lora_patch_args
+
+    return lora_patch_args(spec)
+
+
 def modules_to_save(spec: dict, model) -> list[str]:
     """`model.lora.modules_to_save`, or (null) the task's head modules the model has (tasks/: the
     classification heads are new, randomly initialised, and must be trained)."""
-    lora = spec["model"]["lora"]
-    if lora is None:
+    if spec["model"]["lora"] is None:
         return []
-    if lora["modules_to_save"] is not None:
-        return list(lora["modules_to_save"])
-    names = {name for name, _ in model.named_modules()}
-    return [head for head in tasks.get(spec["model"]["task"]).head_modules
-            if any(_matches(name, head) for name in names)]
+    return saved_modules(settings(spec), model)
+
+
+def saved_modules(lora: dict, model) -> list[str]:
+    """The `modules_to_save` of the patch's settings that `model` has (PEFT passes over the others)."""
+    names = [name for name, _ in model.named_modules()]
+    return [entry for entry in lora["modules_to_save"] if any(_matches(name, entry) for name in names)]
 
 
 def resolve_targets(spec: dict, model) -> list[str]:
     """The dotted names of the modules that get adapters, as PEFT will pick them; SpecError (every bad
     pattern at once) when a pattern matches no adaptable module, with the nearest module names."""
-    lora = spec["model"]["lora"]
-    saved = modules_to_save(spec, model)
+    return targets_of(settings(spec), model)
+
+
+def targets_of(lora: dict, model) -> list[str]:
+    """`resolve_targets` of the patch's settings."""
+    saved = saved_modules(lora, model)
     kinds = {name: type(module).__name__ for name, module in model.named_modules() if name}
     adaptable = [name for name, kind in kinds.items() if kind in ADAPTABLE and not _saved(name, saved)]
     if lora["target_modules"] == ALL_LINEAR:
@@ -85,30 +98,19 @@ def resolve_targets(spec: dict, model) -> list[str]:
     return chosen
 
 
-def check_targets(spec: dict) -> None:
-    """The job-preparation check: `model.lora`'s patterns against the spec's model built on the meta
-    device (no weights, no memory); SpecError without file positions (the caller locates it)."""
+def check_targets(spec: dict, model) -> None:
+    """The job-preparation check (job/checks.lora_target_check builds `model` on the meta device: no
+    weights, no memory): `model.lora`'s patterns and `modules_to_save` entries against its module
+    names; SpecError without file positions (the caller locates it)."""
     if spec["model"]["lora"] is None:
         return
-    from jobspec.model.build import build_skeleton
-
-    try:
-        model = build_skeleton(spec)
-    except SpecError as err:
-        if spec["model"]["name_or_path"] and all(i.path == ("model", "name_or_path") for i in err.issues):
-            # a hub id this machine cannot read (offline, say): `compile` still works as without LoRA; a
-            # launch refuses it before any rank (job/model_config via job/checks), and the ranks' apply_lora checks
-            # the patterns against the loaded model all the same
-            return
-        raise
-    saved = modules_to_save(spec, model)
-    lora = spec["model"]["lora"]
-    if lora["modules_to_save"]:
+    written = spec["model"]["lora"]["modules_to_save"]
+    if written:
         names = [name for name, _ in model.named_modules() if name]
         issues = [SpecIssue(path=("model", "lora", "modules_to_save", i),
                             message=f"modules_to_save entry {entry!r} matches no module of {type(model).__name__}",
                             hint=_did_you_mean(entry, names), code="lora-modules-to-save")
-                  for i, entry in enumerate(saved) if not any(_matches(n, entry) for n in names)]
+                  for i, entry in enumerate(written) if not any(_matches(n, entry) for n in names)]
         if issues:
             raise SpecError(issues)
     resolve_targets(spec, model)
@@ -116,25 +118,34 @@ def check_targets(spec: dict) -> None:
 
 def lora_config(spec: dict, model) -> Any:
     """`peft.LoraConfig` of `model.lora` for `model` (its head modules resolved against the model)."""
+    return config_of(settings(spec), model)
+
+
+def config_of(lora: dict, model) -> Any:
+    """`peft.LoraConfig` of the patch's settings for `model`."""
     from peft import LoraConfig
 
-    lora = spec["model"]["lora"]
     target = lora["target_modules"]
-    resolve_targets(spec, model)   # refuse here what PEFT would refuse with a traceback
+    targets_of(lora, model)   # refuse here what PEFT would refuse with a traceback
     return LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
                       target_modules=target if target == ALL_LINEAR else list(target),
-                      modules_to_save=modules_to_save(spec, model) or None, bias=lora["bias"],
+                      modules_to_save=saved_modules(lora, model) or None, bias=lora["bias"],
                       use_rslora=lora["use_rslora"], use_dora=lora["use_dora"])
 
 
-def apply_lora(model, spec: dict):
-    """`model` wrapped by `peft.get_peft_model` with `model.lora` (the model itself when it is null):
-    the base frozen, the adapters and `modules_to_save` trainable."""
-    if spec["model"]["lora"] is None:
-        return model
+def adapt(model, lora: dict):
+    """`model` wrapped by `peft.get_peft_model` with the `lora` patch's settings: the base frozen, the
+    adapters and `modules_to_save` trainable."""
     from peft import get_peft_model
 
-    return get_peft_model(model, lora_config(spec, model))
+    return get_peft_model(model, config_of(lora, model))
+
+
+def apply_lora(model, spec: dict):
+    """`adapt` with `model.lora` (the model itself when it is null)."""
+    if spec["model"]["lora"] is None:
+        return model
+    return adapt(model, settings(spec))
 
 
 def compute_dtype(spec: dict) -> str:

@@ -1,12 +1,12 @@
 """The optimizers a spec can name (`training.optimizer.name`): one module each, registered here.
 
 Each module (adamw, adamw_8bit, adafactor, sgd) declares an `Optimizer` (jobspec/optimizers/base.py):
-how it is built (DeepSpeed's config block, or a client optimizer the ranks build from exactly the
-args patches.json shows), its state bytes per parameter for the planner, whether DeepSpeed's
-optimizer offload can hold it, the spec fields it reads and its cross-field rules. The compiler,
-the planner, the fit search, validation and the ranks read it from `OPTIMIZERS`; a test keeps the
-keys equal to the schema's enum (tests/test_registries.py). Adding one: the schema's enum, one module
-here, one line below (docs/architecture.md, "Adding an optimizer").
+how it is built (DeepSpeed's config block, or a client optimizer the ranks build from exactly the args
+its `client_args` writes from the resolved spec, which `jobspec compile` prints), its state bytes per
+parameter for the planner, whether DeepSpeed's optimizer offload can hold it, the spec fields it reads
+and its cross-field rules. The compiler, the planner, the fit search, validation and the ranks read it
+from `OPTIMIZERS`; a test keeps the keys equal to the schema's enum (tests/test_registries.py). Adding
+one: the schema's enum, one module here, one line below (docs/architecture.md, "Adding an optimizer").
 
 Pure: no torch at import (the client optimizers' `build` imports it on the ranks).
 """
@@ -33,7 +33,7 @@ def deepspeed_built() -> tuple[str, ...]:
 
 
 def client_built() -> tuple[str, ...]:
-    """The optimizers the ranks build (a `client_optimizer` patch) and DeepSpeed wraps."""
+    """The optimizers the ranks build (train/patches.client_optimizer) and DeepSpeed wraps."""
     return tuple(name for name, o in OPTIMIZERS.items() if not o.built_by_deepspeed)
 
 

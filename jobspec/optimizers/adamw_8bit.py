@@ -1,4 +1,4 @@
-"""`adamw_8bit`: bitsandbytes' 8-bit AdamW, built on the ranks (a `client_optimizer` patch).
+"""`adamw_8bit`: bitsandbytes' 8-bit AdamW, built on the ranks (train/patches.client_optimizer).
 
 2 bytes of state per trainable parameter (two 8-bit moments); embeddings keep 32-bit state, as the
 Hugging Face Trainer does. Not offloadable: DeepSpeed's optimizer offload steps with its own CPU Adam.
@@ -27,7 +27,7 @@ def build(model, groups: list[dict], args: dict):
                          hint="pip install 'jobspec[bnb]' (bitsandbytes), or use adamw") from None
     import torch.nn as nn
 
-    # exactly the args patches.json shows (client_args writes every one): no default of our own
+    # exactly the args `jobspec compile` prints (client_args writes every one): no default of our own
     optimizer = bnb.optim.AdamW8bit(groups, lr=float(args["lr"]), betas=tuple(args["betas"]), eps=float(args["eps"]),
                                     weight_decay=float(args["weight_decay"]))
     # Embedding rows are updated sparsely and 8-bit state quantises them badly: keep their

@@ -29,8 +29,8 @@ class Optimizer:
     """One value of the schema's `training.optimizer.name`.
 
     Built either by DeepSpeed from the ds_config `optimizer` block (`deepspeed_block`) or by the ranks,
-    as a client optimizer passed to `deepspeed.initialize` (`client_args` writes patches.json's
-    `client_optimizer` args, `build` turns exactly those args into the optimizer). Exactly one of the
+    as a client optimizer passed to `deepspeed.initialize` (`client_args` writes its args from the resolved
+    spec, `build` turns exactly those args into the optimizer). Exactly one of the
     two ways is set.
     """
 
@@ -43,7 +43,7 @@ class Optimizer:
     args: tuple[str, ...]
     # (the spec's `training.optimizer`, memory.offload.optimizer) -> ds_config["optimizer"]
     deepspeed_block: Callable[[dict, str], dict] | None = None
-    # the spec's `training.optimizer` -> the `client_optimizer` patch's args (patches.json)
+    # the spec's `training.optimizer` -> the args `build` gets (on the ranks; `jobspec compile` prints them)
     client_args: Callable[[dict], dict] | None = None
     # (model, parameter groups, the patch's args) -> the torch optimizer; on the ranks
     build: Callable[[Any, list, dict], Any] | None = None

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import sys
-from functools import partial
 from pathlib import Path
 
 from jobspec import launcher_log
@@ -36,8 +35,8 @@ def build_engine(files: RunFiles):
     from jobspec.data import sample_packing
     from jobspec.data.loaders import build_datasets
     from jobspec.model.build import build_model, build_tokenizer
-    from jobspec.train import lora_adapters, sequence_parallel
-    from jobspec.train.patches import apply_patches, build_client_optimizer, optimizer_parameters
+    from jobspec.train import sequence_parallel
+    from jobspec.train.patches import apply_patches, client_optimizer, optimizer_parameters
 
     spec = files.spec
     rank = f"rank{os.environ.get('RANK', '0')}"
@@ -47,19 +46,13 @@ def build_engine(files: RunFiles):
     tokenizer = build_tokenizer(spec)
     model = build_model(spec, tokenizer, files.ds_config)   # training dtype; ZeRO-3: zero.Init (model/construct)
     note_construction(files.ds_config, model)
-    checkpointing = any(p["name"] == "gradient_checkpointing" for p in files.patches)
-    # PEFT's adapters after jobspec's patches, before torch.compile (train/lora_adapters.py)
-    lora = partial(lora_adapters.wrap, spec=spec, checkpointing=checkpointing) \
-        if lora_adapters.lora_enabled(spec) else None
-    model, patch_notes = apply_patches(model, files.patches, before_compile=lora)
-    client_optimizer = None
+    # patches.json's patches in the compiler's order: `lora` (PEFT's adapters) after the base's, before torch.compile
+    model, patch_notes = apply_patches(model, files.patches)
     # training.optimizer.weight_decay_on: matrices -- the `parameter_groups` patch's groups, for every optimizer
     parameters = optimizer_parameters(model, files.patches) if any(
         p["name"] == "parameter_groups" for p in files.patches) else [p for p in model.parameters() if p.requires_grad]
-    for patch in files.patches:
-        if patch["name"] == "client_optimizer":
-            client_optimizer = build_client_optimizer(model, patch["args"], optimizer_parameters(
-                model, files.patches, float(patch["args"].get("weight_decay", 0.0))))
+    # an optimizer DeepSpeed cannot build from its config (training.optimizer): built here, None otherwise
+    built = client_optimizer(model, spec["training"]["optimizer"], files.patches)
     packing_note = sample_packing.prepare_model(model, spec)   # data.packing: the model's side (data/sample_packing.py)
     phase(rank, "model")
     train_ds, eval_ds = build_datasets(spec, tokenizer)
@@ -71,7 +64,7 @@ def build_engine(files: RunFiles):
     sp = sequence_parallel.setup(model, spec, files.ds_config["train_micro_batch_size_per_gpu"])
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=parameters,
-        optimizer=client_optimizer, config=files.ds_config, mpu=sp.mpu if sp else None)
+        optimizer=built, config=files.ds_config, mpu=sp.mpu if sp else None)
     start_schedule(engine)
     phase(rank, "engine")
     return engine, train_ds, eval_ds, patch_notes

@@ -1,32 +1,29 @@
-"""LoRA / QLoRA on the ranks (spec `model.lora`, `model.quantization`): the adapters wrapped after
-jobspec's patches, and the parameter counts the closing summary and MLflow record.
+"""LoRA / QLoRA on the ranks (spec `model.lora`, `model.quantization`): the `lora` patch that puts
+PEFT's adapters on the model, and the parameter counts the closing summary and MLflow record.
 
 Order on a rank (train/engine.build_engine): the model is built (quantised by model/build when
-`model.quantization` is set), jobspec's patches run (attention, checkpointing, freeze, ...), then
-`wrap` puts PEFT's adapters on it through model/lora.apply_lora (the planner traces the same call),
-then torch.compile, then `deepspeed.initialize` gets only the trainable parameters.
+`model.quantization` is set: bitsandbytes replaces whole weights, so before anything else sees them),
+then patches.json's patches run in the compiler's order (attention, checkpointing, freeze, ..., `lora`,
+torch.compile), then `deepspeed.initialize` gets only the trainable parameters.
 """
 from __future__ import annotations
 
 
-def lora_enabled(spec: dict) -> bool:
-    return bool(spec["model"].get("lora"))
+def lora(model, *, enable_input_require_grads: bool = False, **settings):
+    """The `lora` patch: (the PEFT-wrapped model, a note), `settings` as the compiler writes them
+    (compile/compiler.lora_patch_args) given to model/lora.adapt, the call the planner's trace and the
+    export make too. With activation checkpointing and a frozen base the first layer's inputs carry no
+    gradient, so a reentrant checkpoint would cut the adapters off from backward (and the non-reentrant
+    one warns): `enable_input_require_grads` (the compiler sets it with checkpointing) makes the
+    embeddings' output require grad, through transformers', as PEFT's `prepare_model_for_kbit_training`
+    does."""
+    from jobspec.model.lora import adapt
 
-
-def wrap(model, spec: dict, *, checkpointing: bool):
-    """(the PEFT-wrapped model, a note). With activation checkpointing and a frozen base the first
-    layer's inputs carry no gradient, so a reentrant checkpoint would cut the adapters off from
-    backward (and the non-reentrant one warns): transformers' `enable_input_require_grads` makes the
-    embeddings' output require grad, as PEFT's `prepare_model_for_kbit_training` does."""
-    from jobspec.model.lora import apply_lora
-
-    if checkpointing and hasattr(model, "enable_input_require_grads"):
+    if enable_input_require_grads and hasattr(model, "enable_input_require_grads"):
         model.enable_input_require_grads()
-    model = apply_lora(model, spec)
-    counts = parameter_counts(model)
-    lora = spec["model"]["lora"]
-    return model, (f"LoRA: r={lora['r']} alpha={lora['alpha']} dropout={lora['dropout']} "
-                   f"target_modules={lora['target_modules']}: {fmt_counts(counts)}")
+    model = adapt(model, settings)
+    return model, (f"LoRA: r={settings['r']} alpha={settings['alpha']} dropout={settings['dropout']} "
+                   f"target_modules={settings['target_modules']}: {fmt_counts(parameter_counts(model))}")
 
 
 def parameter_counts(model) -> dict:

@@ -3,18 +3,19 @@
 `PATCHES` maps each patch name the compiler emits (`Compiled.patches`: `[{"name", "args"}]`) to a
 function `fn(model, **args)` that changes the model in place and returns a note (or None). A patch
 that has to replace the module (torch.compile) returns `(new_model, note)` instead.
-`client_optimizer` builds an optimizer rather than changing the model: `apply_patches` skips it and
-the worker calls `build_client_optimizer(model, args)` to pass the result to `deepspeed.initialize`.
-`parameter_groups` likewise: the worker passes `optimizer_parameters(model, patches)` (the decayed
-matrices and the undecayed biases and norms) to the client optimizer or to `deepspeed.initialize`.
+`parameter_groups` shapes the optimizer rather than the model: `apply_patches` skips it and the
+worker passes `optimizer_parameters(model, patches)` (the decayed matrices and the undecayed biases and
+norms) to a client optimizer or to `deepspeed.initialize`. The optimizer DeepSpeed cannot build from
+its config is no patch: the worker builds it from the resolved spec (`client_optimizer`).
 
 Patch arguments, as the compiler writes them:
     attention_implementation {implementation}
     gradient_checkpointing  {every_n_layers, use_reentrant}
     tf32                    {enabled}
     freeze                  {patterns}
-    client_optimizer        {name, lr, betas, eps, weight_decay, ...}
     parameter_groups        {weight_decay, no_decay}  (`training.optimizer.weight_decay_on: matrices`)
+    lora                    {r, alpha, dropout, target_modules, modules_to_save, bias, use_rslora, use_dora,
+                             enable_input_require_grads}  (PEFT's adapters: train/lora_adapters.lora)
     torch_compile           {}  (any keyword is passed to torch.compile)
     tiled_loss              {tiles}  (null: as many as keep one tile's logits within model/tiling.TILE_BYTES)
     tiled_mlp               {}
@@ -22,6 +23,7 @@ Patch arguments, as the compiler writes them:
 """
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 from jobspec import optimizers
@@ -29,6 +31,7 @@ from jobspec.errors import spec_error
 from jobspec.model.activation_offload import offload_checkpoints
 from jobspec.model.structure import attention_implementation, freeze, gradient_checkpointing
 from jobspec.model.tiling import tiled_loss, tiled_mlp
+from jobspec.train.lora_adapters import lora
 
 
 def tf32(model, enabled: bool = True) -> str:
@@ -38,11 +41,6 @@ def tf32(model, enabled: bool = True) -> str:
     torch.backends.cuda.matmul.allow_tf32 = enabled
     torch.backends.cudnn.allow_tf32 = enabled
     return f"tf32: {'on' if enabled else 'off'}"
-
-
-def client_optimizer(model, name: str = "adamw", **_hyper) -> str:
-    """Registry entry only: the optimizer itself is built by `build_client_optimizer`."""
-    return f"optimizer: {name} (client optimizer built by jobspec)"
 
 
 def parameter_groups_note(model, weight_decay: float = 0.0, no_decay: str = "") -> str:
@@ -62,8 +60,8 @@ PATCHES: dict[str, Callable] = {
     "gradient_checkpointing": gradient_checkpointing,
     "tf32": tf32,
     "freeze": freeze,
-    "client_optimizer": client_optimizer,
     "parameter_groups": parameter_groups_note,
+    "lora": lora,
     "torch_compile": torch_compile,
     "tiled_loss": tiled_loss,
     "tiled_mlp": tiled_mlp,
@@ -71,39 +69,32 @@ PATCHES: dict[str, Callable] = {
 }
 
 
-def apply_patches(model, patches: list[dict], before_compile: Callable | None = None):
-    """Apply the compiled patches in order; returns (model, notes). `client_optimizer` is skipped.
-
-    `before_compile(model) -> (model, note)` runs once after every other patch and before
-    `torch_compile` (which must see the final module): PEFT's adapters (train/lora_adapters.wrap).
+def apply_patches(model, patches: list[dict]):
+    """Apply the compiled patches in order; returns (model, notes). `parameter_groups` is skipped (the
+    worker's `optimizer_parameters` reads it). The order is the compiler's: `lora` wraps the model after
+    every patch of the base and before `torch_compile`, which must see the final module.
     """
     import torch.nn as nn
 
     notes: list[str] = []
-    pending = before_compile
     for index, patch in enumerate(patches):
         name, args = patch.get("name"), dict(patch.get("args") or {})
         if name not in PATCHES:
             raise spec_error(f"unknown patch {name!r} in patches.json (entry {index})",
                              hint=f"known patches: {', '.join(PATCHES)}")
-        if name in ("client_optimizer", "parameter_groups"):   # the optimizer's, built by the worker
+        if name == "parameter_groups":   # the optimizer's groups, built by the worker
             continue
-        if name == "torch_compile" and pending is not None:
-            model, note = pending(model)
-            notes.append(note)
-            pending = None
-        try:
-            result = PATCHES[name](model, **args)
+        patch_fn = PATCHES[name]
+        try:   # the arguments checked apart from the call: a TypeError from inside a patch is its own
+            inspect.signature(patch_fn).bind(model, **args)
         except TypeError as err:
             raise spec_error(f"patch {name!r} got bad arguments {args}: {err}",
                              hint="recompile the job: patches.json is written by `jobspec compile`") from None
+        result = patch_fn(model, **args)
         if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module):
             model, result = result
         if result:
             notes.append(str(result))
-    if pending is not None:
-        model, note = pending(model)
-        notes.append(note)
     return model, notes
 
 
@@ -119,9 +110,21 @@ def optimizer_parameters(model, patches: list[dict], weight_decay: float = 0.0) 
     return [{"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": weight_decay}]
 
 
+def client_optimizer(model, optimizer: dict, patches: list[dict]):
+    """The optimizer of the spec's `training.optimizer` that DeepSpeed cannot build from its config
+    (bitsandbytes AdamW8bit, Adafactor), None for DeepSpeed's own: `build_client_optimizer` with its
+    module's `client_args` (what `jobspec compile` prints on its `optimizer:` line), over
+    `optimizer_parameters` of the compiled patches."""
+    chosen = optimizers.get(optimizer["name"])
+    if chosen.client_args is None:
+        return None
+    args = chosen.client_args(optimizer)
+    return build_client_optimizer(model, args, optimizer_parameters(model, patches, float(args["weight_decay"])))
+
+
 def build_client_optimizer(model, args: dict, groups: list | None = None):
     """The optimizer DeepSpeed cannot build from its config (bitsandbytes AdamW8bit, Adafactor): its
-    module's `build` (jobspec/optimizers) with the patch's args as patches.json shows them.
+    module's `build` (jobspec/optimizers) with `args` as its `client_args` writes them.
 
     Returns None for optimizers DeepSpeed builds itself (adamw, sgd). `groups`: `optimizer_parameters`'
     (None: the Hugging Face Trainer grouping, weight decay on every trainable parameter except biases

@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from jobspec.compile.compiler import compile_spec, find_auto
+from jobspec import optimizers
+from jobspec.compile.compiler import compile_spec, find_auto, patch_text
 from jobspec.spec.derived import derive
 from jobspec.errors import SpecError
 from jobspec.spec.model_dims import model_dims
@@ -155,7 +156,8 @@ def test_adamw_block():
     assert c.ds_config["optimizer"] == {"type": "AdamW", "params": {
         "lr": 3e-4, "betas": [0.8, 0.95], "eps": 1e-6, "weight_decay": 0.1, "torch_adam": True, "fused": True,
         "adam_w_mode": True}}
-    assert not [p for p in c.patches if p["name"] == "client_optimizer"]
+    # DeepSpeed builds it: nothing in the patches but the decay groups (no optimizer entry)
+    assert [p["name"] for p in c.patches] == ["attention_implementation", "parameter_groups"]
     import torch
     accepted = inspect.signature(torch.optim.AdamW).parameters
     assert set(c.ds_config["optimizer"]["params"]) - {"torch_adam", "adam_w_mode"} <= set(accepted)
@@ -251,20 +253,21 @@ def test_sgd_block_builds_torch_sgd(deepspeed_config):
     ("adafactor", {"name", "lr", "eps", "clip_threshold", "decay_rate", "beta1", "weight_decay",
                    "scale_parameter", "relative_step", "warmup_init"}),
 ])
-def test_client_optimizers_become_a_patch(name, expected_keys):
-    c = compile_(make_spec(training={"max_steps": 10, "optimizer": {"name": name, "lr": 2e-4}},
-                           memory={"zero_stage": 1}))
+def test_client_optimizers_are_built_by_the_ranks_from_the_spec(name, expected_keys):
+    spec = make_spec(training={"max_steps": 10, "optimizer": {"name": name, "lr": 2e-4}}, memory={"zero_stage": 1})
+    c = compile_(spec)
     assert "optimizer" not in c.ds_config
-    patch = [p for p in c.patches if p["name"] == "client_optimizer"]
-    assert len(patch) == 1 and set(patch[0]["args"]) == expected_keys
-    assert patch[0]["args"]["name"] == name and patch[0]["args"]["lr"] == 2e-4
+    # no patch: the ranks build it from the resolved spec with its module's client_args (train/patches.client_optimizer)
+    assert [p["name"] for p in c.patches] == ["attention_implementation"]
+    args = optimizers.get(name).client_args(spec["training"]["optimizer"])
+    assert set(args) == expected_keys and args["name"] == name and args["lr"] == 2e-4
     assert c.ds_config["zero_allow_untested_optimizer"] is True
 
 
 def test_adafactor_args_match_transformers_signature():
     from transformers.optimization import Adafactor
-    c = compile_(make_spec(training={"max_steps": 10, "optimizer": {"name": "adafactor"}}))
-    args = next(p["args"] for p in c.patches if p["name"] == "client_optimizer")
+    spec = make_spec(training={"max_steps": 10, "optimizer": {"name": "adafactor"}})
+    args = optimizers.get("adafactor").client_args(spec["training"]["optimizer"])
     assert set(args) - {"name"} <= set(inspect.signature(Adafactor).parameters)
 
 
@@ -429,12 +432,35 @@ def test_sweep_is_explicit_and_accepted(stage, precision, offload, checkpointing
 def test_patches_in_order():
     spec = make_spec(model={**TINY_MODEL, "attention": "eager", "freeze": ["embeddings.*"], "compile": True},
                      memory={"tf32": True, "activation_checkpointing": {"every_n_layers": 2, "use_reentrant": True}},
-                     training={"max_steps": 10, "optimizer": {"name": "adamw_8bit"}})
+                     training={"max_steps": 10, "optimizer": {"name": "adamw_8bit", "weight_decay": 0.1}})
+    spec["model"]["lora"] = fill_defaults({"model": {"lora": {}}})["model"]["lora"]
     names = [p["name"] for p in compile_(spec).patches]
-    assert names == ["attention_implementation", "tf32", "freeze", "gradient_checkpointing", "client_optimizer",
-                     "torch_compile"]
+    # PEFT's adapters on the patched base, before torch.compile; the optimizer is no patch (no-op entry gone)
+    assert names == ["attention_implementation", "tf32", "freeze", "gradient_checkpointing", "parameter_groups",
+                     "lora", "torch_compile"]
     plain = [p["name"] for p in compile_(make_spec()).patches]
     assert plain == ["attention_implementation"]
+
+
+def test_lora_is_a_patch_with_its_resolved_settings():
+    spec = make_spec(model={**TINY_MODEL, "task": "sequence-classification"},
+                     memory={"activation_checkpointing": True})
+    spec["model"]["lora"] = fill_defaults({"model": {"lora": {
+        "r": 4, "target_modules": ["query", "value"], "use_rslora": True}}})["model"]["lora"]
+    (lora,) = [p for p in compile_(spec).patches if p["name"] == "lora"]
+    # every LoraConfig field said, defaults filled; modules_to_save null: the task's head modules (the
+    # ranks keep those the model has); checkpointing with a frozen base: the embeddings' output needs grad
+    assert lora["args"] == {"r": 4, "alpha": 16, "dropout": 0.05, "target_modules": ["query", "value"],
+                            "modules_to_save": ["pre_classifier", "classifier", "score"], "bias": "none",
+                            "use_rslora": True, "use_dora": False, "enable_input_require_grads": True}
+    assert patch_text(lora) == "LoRA r 4 alpha 16 on query, value rsLoRA"
+    spec["model"]["lora"].update(modules_to_save=[], target_modules="all-linear")
+    spec["memory"]["activation_checkpointing"] = False
+    (lora,) = [p for p in compile_(spec).patches if p["name"] == "lora"]
+    assert lora["args"]["modules_to_save"] == [] and lora["args"]["target_modules"] == "all-linear"
+    assert lora["args"]["enable_input_require_grads"] is False
+    spec["model"]["lora"] = None
+    assert [p["name"] for p in compile_(spec).patches] == ["attention_implementation"]
 
 
 def test_launch_argv_single_and_multi_node():

@@ -67,7 +67,7 @@ def _summary(job: str) -> dict:
             "stage": cfg["zero_optimization"]["stage"], "world": c.derived.world_size,
             "checkpointing": any(p["name"] == "gradient_checkpointing" for p in c.patches),
             "optimizer": cfg["optimizer"]["type"] if "optimizer" in cfg else
-            next(p["args"]["name"] for p in c.patches if p["name"] == "client_optimizer"),
+            spec["training"]["optimizer"]["name"],   # built by the ranks from the spec (no patch)
             "steps": c.derived.total_steps, "seq": spec["data"]["synthetic"]["seq_len"]}
 
 
@@ -156,6 +156,19 @@ def test_compile_out_writes_the_run_files(tmp_path, capsys):
     capsys.readouterr()
     assert main(["compile", str(job), "--out", str(out)]) == 2
     assert "summary.json" in capsys.readouterr().err
+
+
+def test_compile_out_lists_lora_in_patches_json(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["compile", str(REPO / "jobs" / "lora-classification.yaml"), "--out", str(out)]) == 0
+    patches = json.loads((out / "patches.json").read_text())
+    assert [p["name"] for p in patches] == ["attention_implementation", "lora"]
+    assert patches[1]["args"] == {"r": 8, "alpha": 16, "dropout": 0.1, "target_modules": ["query", "value"],
+                                  "modules_to_save": ["pre_classifier", "classifier", "score"], "bias": "none",
+                                  "use_rslora": False, "use_dora": False, "enable_input_require_grads": False}
+    capsys.readouterr()
+    assert main(["compile", str(REPO / "jobs" / "lora-classification.yaml")]) == 0
+    assert "patch: lora r=8 alpha=16 dropout=0.1" in capsys.readouterr().err
 
 
 def test_compile_bad_spec_exits_2(tmp_path, capsys):

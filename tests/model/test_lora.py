@@ -38,7 +38,7 @@ def make_spec(architecture="llama", task="causal-lm", config=LLAMA, lora=None, q
 def test_a_misspelt_pattern_is_refused_at_its_index_with_did_you_mean():
     spec = make_spec(lora={"target_modules": ["v_proj", "q_prj", "self_attn"]})
     with pytest.raises(SpecError) as err:
-        check_targets(spec)
+        check_targets(spec, build_skeleton(spec))
     issues = {issue.path: issue for issue in err.value.issues}
     assert set(issues) == {("model", "lora", "target_modules", 1), ("model", "lora", "target_modules", 2)}
     assert "'q_proj'" in issues[("model", "lora", "target_modules", 1)].hint
@@ -88,7 +88,7 @@ def test_the_classification_head_is_trained_by_default_and_not_adapted():
 def test_a_modules_to_save_entry_naming_nothing_is_refused():
     spec = make_spec("bert", "sequence-classification", BERT, lora={"modules_to_save": ["clasifier"]})
     with pytest.raises(SpecError) as err:
-        check_targets(spec)
+        check_targets(spec, build_skeleton(spec))
     (issue,) = err.value.issues
     assert issue.path == ("model", "lora", "modules_to_save", 0) and "'classifier'" in issue.hint
 
@@ -118,3 +118,21 @@ def test_quantization_config_and_the_layers_it_quantises():
     assert "classifier" in quantization_config(spec, model).llm_int8_skip_modules
     assert not any("classifier" in n for n in quantized_linear_names(spec, model))
     assert make_spec()["model"]["quantization"] is None and quantization_config(make_spec()) is None
+
+
+def test_build_and_lora_import_each_other_in_one_direction_only():
+    """model/build quantises a QLoRA base with model/lora's config; the meta build the target check needs
+    is job/checks' (lora_target_check), so model/lora imports no model/build, not even inside a function."""
+    import ast
+    from pathlib import Path
+
+    import jobspec.model.build
+    import jobspec.model.lora
+
+    def imported(module) -> set[str]:
+        tree = ast.parse(Path(module.__file__).read_text(encoding="utf-8"))
+        return {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module} | \
+            {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+
+    assert "jobspec.model.lora" in imported(jobspec.model.build)
+    assert not {"jobspec.model.build", "jobspec.model"} & imported(jobspec.model.lora)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from fp_bounds import U_BF16, forward_bound
 
+from jobspec.compile.compiler import lora_patch_args
 from jobspec.export import lora_export as lora_exports
 from jobspec.export.hf_dir import ExportInfo, write_model_dir
 from jobspec.model.build import build_model
@@ -38,9 +39,13 @@ def batch(seed: int = 0) -> torch.Tensor:
 
 
 def wrapped(spec: dict, patches: list[dict] | None = None):
-    checkpointing = any(p["name"] == "gradient_checkpointing" for p in patches or [])
-    return apply_patches(build_model(spec), patches or [],
-                         before_compile=lambda m: lora_adapters.wrap(m, spec, checkpointing=checkpointing))
+    """The ranks' model: built, then `patches` with the `lora` patch where the compiler puts it (after the
+    base's patches, before torch_compile), its args as compile_patches writes them."""
+    patches = patches or []
+    checkpointing = any(p["name"] == "gradient_checkpointing" for p in patches)
+    lora = {"name": "lora", "args": {**lora_patch_args(spec), "enable_input_require_grads": checkpointing}}
+    base = [p for p in patches if p["name"] != "torch_compile"]
+    return apply_patches(build_model(spec), [*base, lora, *[p for p in patches if p["name"] == "torch_compile"]])
 
 
 def train(model, steps: int = 12, lr: float = 5e-3) -> list[float]:

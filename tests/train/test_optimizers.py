@@ -1,10 +1,12 @@
-"""Each client optimizer is built from exactly the args patches.json shows (jobspec/optimizers)."""
+"""Each client optimizer is built from exactly the args its module's `client_args` writes from the resolved
+spec, as the ranks compute them (jobspec/optimizers, train/patches.client_optimizer)."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
+from jobspec import optimizers
 from jobspec.compile.compiler import compile_spec
 from jobspec.spec.derived import derive
 from jobspec.spec.schema import fill_defaults
@@ -21,14 +23,15 @@ def tiny_model(arch: str = "bert"):
 
 
 def patch_args(optimizer: dict) -> dict:
-    """The `client_optimizer` args as the ranks read them from patches.json."""
+    """The client optimizer's args as the ranks compute them from the resolved spec (resolved.yaml, here a
+    JSON round trip), with no `client_optimizer` patch in the compiled patches."""
     spec = fill_defaults({"model": {"architecture": "bert", "config": {"hidden_size": 64, "num_hidden_layers": 2,
                                                                         "num_attention_heads": 4, "vocab_size": 1000}},
                           "data": {"synthetic": {"num_samples": 100}},
                           "training": {"max_steps": 10, "optimizer": optimizer}})
-    compiled = compile_spec(spec, derive(spec))
-    patches = json.loads(json.dumps(compiled.patches))
-    return next(p["args"] for p in patches if p["name"] == "client_optimizer")
+    assert not [p for p in compile_spec(spec, derive(spec)).patches if p["name"] == "client_optimizer"]
+    section = json.loads(json.dumps(spec["training"]["optimizer"]))
+    return optimizers.get(section["name"]).client_args(section)
 
 
 def as_written(defaults: dict) -> dict:

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from jobspec.errors import SpecError
-from jobspec import optimizers
 from jobspec.optimizers import deepspeed_built
 from jobspec.model.structure import checkpoint_every_nth_layer, find_layer_stack
-from jobspec.train.patches import PATCHES, apply_patches, build_client_optimizer
+from jobspec.compile.compiler import compile_patches
+from jobspec.train.patches import PATCHES, apply_patches, build_client_optimizer, client_optimizer
 from jobspec.spec.schema import enum_values, fill_defaults
 
 NUM_LAYERS = 4
@@ -44,8 +44,15 @@ def tiny_batch(seed: int = 1) -> dict:
 
 def test_registry_names_are_the_compilers():
     assert set(PATCHES) == {"attention_implementation", "gradient_checkpointing", "tf32", "freeze",
-                            "client_optimizer", "parameter_groups", "torch_compile", "tiled_loss", "tiled_mlp",
+                            "parameter_groups", "lora", "torch_compile", "tiled_loss", "tiled_mlp",
                             "activation_offload"}
+    # and exactly what the compiler emits with every technique on (the optimizer is no patch)
+    spec = fill_defaults({"model": {"architecture": "bert", "freeze": ["embeddings.*"], "compile": True, "lora": {}},
+                          "memory": {"tf32": True, "tiled_mlp": True, "tiled_loss": True,
+                                     "activation_checkpointing": {"offload": "cpu"}},
+                          "training": {"optimizer": {"name": "adafactor", "weight_decay": 0.1}}})
+    spec["model"]["lora"] = fill_defaults({"model": {"lora": {}}})["model"]["lora"]
+    assert {p["name"] for p in compile_patches(spec)} == set(PATCHES)
 
 
 def test_every_schema_optimizer_is_built_somewhere():
@@ -54,9 +61,7 @@ def test_every_schema_optimizer_is_built_somewhere():
         if name == "adamw_8bit":
             pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed")
         section = fill_defaults({"training": {"optimizer": {"name": name, "lr": 1e-3}}})["training"]["optimizer"]
-        chosen = optimizers.get(name)   # the patch's args as the compiler writes them (client_args)
-        args = chosen.client_args(section) if chosen.client_args else {"name": name, "lr": 1e-3}
-        optimizer = build_client_optimizer(model, args)
+        optimizer = client_optimizer(model, section, [])   # the ranks' call (train/engine.build_engine)
         if name in deepspeed_built():
             assert optimizer is None
         else:
@@ -166,11 +171,14 @@ def test_attention_patch_verifies_the_implementation():
 def test_apply_patches_skips_the_optimizer_and_rejects_unknown_names():
     model = tiny_model("bert")
     before = {n: p.clone() for n, p in model.named_parameters()}
-    same, notes = apply_patches(model, [{"name": "client_optimizer", "args": {"name": "adafactor", "lr": 1.0}}])
+    same, notes = apply_patches(model, [{"name": "parameter_groups", "args": {
+        "weight_decay": 0.1, "no_decay": "biases and normalisation weights"}}])
     assert same is model and notes == []
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
     with pytest.raises(SpecError, match="unknown patch"):
         apply_patches(model, [{"name": "fuse_everything", "args": {}}])
+    with pytest.raises(SpecError, match="unknown patch"):   # the optimizer's no-op entry is gone
+        apply_patches(model, [{"name": "client_optimizer", "args": {"name": "adafactor", "lr": 1.0}}])
     with pytest.raises(SpecError, match="bad arguments"):
         apply_patches(model, [{"name": "tf32", "args": {"enabeld": True}}])
 

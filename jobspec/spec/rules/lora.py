@@ -2,7 +2,7 @@
 
 Pure: the spec and the installed packages' presence (importlib.util.find_spec, nothing imported).
 What needs the model itself (a target pattern matching no module) is checked where the model is built
-on the meta device, on the job-preparation path (model/lora.check_targets from job/prepare.py);
+on the meta device, on the job-preparation path (job/checks.lora_target_check from job/prepare.py);
 whether bitsandbytes' backend can quantise is tried by `jobspec launch` (and `--dry-run`) before any
 rank starts, where the ranks run on this host's CPU (launch/pipeline.quantization_check), and by
 each rank (model/build); QLoRA under ZeRO-3 is spec/rules/quantized_base's.
