@@ -47,7 +47,7 @@ SAMPLE_BLOCKS = 16
 SAMPLE_BLOCK = 1 * MiB
 ARRAYS = {"input_ids": np.int32, "labels": np.int32, "offsets": np.int64}
 # jobspec/job/'s modules whose bytes are the code version: a change to how records become tokens
-CODE_MODULES = ("chat_render.py", "data_prep.py", "data_sources.py", "data_cache.py")
+CODE_MODULES = ("chat_render.py", "data_prep.py", "record_sources.py", "data_cache.py")
 
 
 def cache_root() -> Path:
