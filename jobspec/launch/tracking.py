@@ -78,7 +78,9 @@ class BackgroundTracking:
                 route_library_logs(self.run_dir / rundir.LAUNCHER_LOG, self.verbose)
             run = RunStart(self.run_dir, spec, self.resolved.text, self.launch,
                            self.compiled.derived.as_dict(), self.plan_params, self.resume_run_id)
-            for tracker in trackers.enabled(spec):
+            # the default (MLflow) last: rank 0 opens its sink once mlflow_run.json exists, and by then
+            # every other tracker has started (TensorBoard's start file is then the directory's first)
+            for tracker in sorted(trackers.enabled(spec), key=lambda t: t.name == trackers.DEFAULT):
                 started = tracker.start(run)
                 if started is not None:
                     self.started[tracker.name] = started

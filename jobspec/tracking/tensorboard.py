@@ -22,12 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from jobspec import rundir
+from jobspec.errors import RunFailure, first_line
 from jobspec.secrets import mask_secrets
 from jobspec.spec.loader import dotted_leaves
 from jobspec.status import Ending
 from jobspec.tracking.base import RunStart
 
-log = logging.getLogger("jobspec.launch")
+log = logging.getLogger("jobspec.tracking")
 
 LOG_DIR = "tensorboard"
 FLUSH_S = 10          # rank 0's events reach the file at least this often (a live `tensorboard` sees them)
@@ -61,12 +62,17 @@ class TensorBoardTracker:
                           metadata=metadata.create_summary_metadata(
                               plugin_data_pb2.HParamsPluginData(session_start_info=session)))
         texts = {"jobspec/resolved_spec": rundir.RESOLVED, "jobspec/ds_config": rundir.DS_CONFIG}
-        with _Events(run.run_dir, "launcher") as events:
-            events.summary(summary, step=0)
-            for tag, name in texts.items():
-                path = run.run_dir / name
-                if path.is_file():
-                    events.text(tag, _code(mask_secrets(path.read_text(encoding="utf-8"))), step=0)
+        try:
+            with _Events(run.run_dir, "launcher") as events:
+                events.summary(summary, step=0)
+                for tag, name in texts.items():
+                    path = run.run_dir / name
+                    if path.is_file():
+                        events.text(tag, _code(mask_secrets(path.read_text(encoding="utf-8"))), step=0)
+        except OSError as err:   # before any rank trains: a clear refusal, not a run without its events
+            raise RunFailure(f"TensorBoard: cannot write event files in {log_dir(run.run_dir)}: "
+                             f"{err.strerror or first_line(err)}; free space or fix the permissions there, or set "
+                             "logging.tensorboard.enabled: false") from None
         return log_dir(run.run_dir)
 
     def end(self, started: Any, run_dir: Path, ending: Ending) -> None:
@@ -96,35 +102,59 @@ class TensorBoardTracker:
 
 
 class TensorBoardWriter:
-    """Rank 0's event file: scalars by step, the ranks' params, tags and generation tables as text."""
+    """Rank 0's event file: scalars by step, the ranks' params, tags and generation tables as text.
+
+    A write that fails (a full disk) is warned about once and ends this writer, never the training:
+    metrics.jsonl, written first, still holds every point."""
 
     def __init__(self, run_dir: Path):
-        self._events = _Events(run_dir, "rank0")
         self._last_step = 0
+        self._events: _Events | None = None
+        try:
+            self._events = _Events(run_dir, "rank0")
+        except OSError as err:
+            self._give_up(err)
 
     def log_metrics(self, metrics: dict[str, float], step: int, timestamp_ms: int) -> None:
         from tensorboard.compat.proto import summary_pb2
         summary = summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag=key, simple_value=value)
                                              for key, value in metrics.items()])
-        self._events.summary(summary, step=step, wall_time=timestamp_ms / 1000)
+        self._write(lambda events: events.summary(summary, step=step, wall_time=timestamp_ms / 1000))
         self._last_step = step
 
     def log_params(self, params: dict) -> None:
         if params:
             rows = [(key, value if isinstance(value, str) else json.dumps(value))
                     for key, value in dotted_leaves(params, "").items()]
-            self._events.text("jobspec/params", _table(("param", "value"), rows), step=self._last_step)
+            self._write(lambda events: events.text("jobspec/params", _table(("param", "value"), rows),
+                                                   step=self._last_step))
 
     def set_tags(self, tags: dict[str, str]) -> None:
         if tags:
-            self._events.text("jobspec/tags", _table(("tag", "value"), list(tags.items())), step=self._last_step)
+            self._write(lambda events: events.text("jobspec/tags", _table(("tag", "value"), list(tags.items())),
+                                                   step=self._last_step))
 
     def log_table(self, step: int, rows: list[dict]) -> None:
         cells = [tuple(row.get(column) for column in TABLE_COLUMNS) for row in rows]
-        self._events.text("eval/generations", _table(TABLE_COLUMNS, cells), step=step)
+        self._write(lambda events: events.text("eval/generations", _table(TABLE_COLUMNS, cells), step=step))
 
     def close(self, timeout: float) -> None:
-        self._events.close()
+        self._write(lambda events: events.close())
+        self._events = None
+
+    def _write(self, write) -> None:
+        """`write(events)`, unless the file never opened, failed before or is closed; a failure ends it."""
+        if self._events is None:
+            return
+        try:
+            write(self._events)
+        except Exception as err:   # the event writer's thread re-raises its own failure on the next write
+            self._give_up(err)
+
+    def _give_up(self, err: Exception) -> None:
+        log.warning("TensorBoard: writing %s failed (%s); the run's metrics from here on are in %s only",
+                    LOG_DIR, first_line(err), rundir.METRICS)
+        self._events = None
 
 
 class _Events:

@@ -120,7 +120,7 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
         pending_rng = reshard.adjust(state, job.micro_batch_size, files.spec["training"]["seed"], rank)
     _phase("resumed")
     progress = Progress(total_steps, state.step) if rank == 0 else NullProgress()
-    sink = _open_sink(run_dir, files.launch) if rank == 0 else None
+    sink = _open_sink(run_dir, files) if rank == 0 else None
     if sink is not None:
         sink.log_params(lora_adapters.params_for_mlflow(files.spec, state.parameters))
         from jobspec.data.loaders import data_params
@@ -422,10 +422,11 @@ def _node_leader_says(text: str) -> None:
         sys.stdout.flush()
 
 
-def _open_sink(run_dir: Path, launch: dict):
+def _open_sink(run_dir: Path, files: RunFiles):
+    """metrics.jsonl and a writer for each tracker the spec enables (jobspec/tracking/trackers.py)."""
     from jobspec.tracking.sink import MetricSink
-    _wait_for_the_mlflow_run(run_dir, launch)
-    return MetricSink.open(run_dir)
+    _wait_for_the_mlflow_run(run_dir, files.launch)
+    return MetricSink.open(run_dir, files.spec)
 
 
 def _wait_for_the_mlflow_run(run_dir: Path, launch: dict) -> None:

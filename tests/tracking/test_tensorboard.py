@@ -10,16 +10,18 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import api_pb2
 from tensorboard.plugins.hparams import metadata as hparams_metadata
 from tensorboard.util import tensor_util
 
+from jobspec.errors import RunFailure
 from jobspec.spec.schema import fill_defaults
 from jobspec.status import Ending
 from jobspec.tracking import tensorboard, trackers
-from jobspec.tracking.base import RunStart
+from jobspec.tracking.base import MetricWriter, RunStart
 from jobspec.tracking.mlflow_sender import MlflowSender
 from jobspec.tracking.sink import MetricSink
 
@@ -65,6 +67,7 @@ def test_metric_rows_reach_metrics_jsonl_mlflow_and_tensorboard_alike(tmp_path):
     client = RecordingClient()
     sender = MlflowSender(tmp_path, client=client, run_id="r")
     sink = MetricSink(tmp_path, [sender, tensorboard.TRACKER.writer(tmp_path, make_spec(True))])
+    assert all(isinstance(writer, MetricWriter) for writer in sink.writers)
     for metrics, step in ROWS:
         sink.log(metrics, step=step)
     sink.log_params({"lora": {"trainable": 1024}})
@@ -151,3 +154,15 @@ def test_nothing_imports_tensorboard_unless_it_is_enabled(tmp_path):
             "print([m for m in ('tensorboard', 'mlflow') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_event_files_that_cannot_be_written_refuse_the_start_and_never_stop_training(tmp_path, caplog):
+    (tmp_path / tensorboard.LOG_DIR).write_text("a file where the directory goes")
+    spec = make_spec(True)
+    with pytest.raises(RunFailure, match="logging.tensorboard.enabled: false"):
+        tensorboard.TRACKER.start(RunStart(tmp_path, spec, "", {}, {}))
+    sink = MetricSink(tmp_path, [tensorboard.TRACKER.writer(tmp_path, spec)])   # on rank 0: a warning
+    sink.log({"train/loss": 1.0}, step=1)
+    sink.close()
+    assert "metrics.jsonl only" in caplog.text
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["train/loss"] == 1.0
