@@ -31,6 +31,7 @@ import json
 import os
 import secrets
 import shlex
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -119,14 +120,18 @@ def ensure_writable(directory: str | Path, field: tuple) -> None:
 
 # --- compile outputs --------------------------------------------------------------------------
 
-def launch_record(resolved, compiled) -> dict:
-    """What launch.json holds: the compiled launch section, the derived numbers, notes and the source."""
-    return {**compiled.launch, "derived": compiled.derived.as_dict(), "notes": compiled.notes,
-            "source": str(resolved.source.resolve())}
+def launch_record(resolved, compiled, argv: Sequence[str] | None = None, launched: Mapping | None = None) -> dict:
+    """What launch.json holds: the launch plan's record with the command that runs (`argv`; default the
+    plan's `deepspeed` command), what the launcher adds (`launched`: plan, fit, mlflow_run, overrides,
+    segment), the derived numbers, notes and the source."""
+    return {**compiled.plan.record(argv), **(launched or {}), "derived": compiled.derived.as_dict(),
+            "notes": compiled.notes, "source": str(resolved.source.resolve())}
 
 
-def write_compiled(out: Path, resolved, compiled) -> None:
-    """Write the compile files into `out`; refuse a non-empty directory holding anything else."""
+def write_compiled(out: Path, resolved, compiled, argv: Sequence[str] | None = None,
+                   launched: Mapping | None = None) -> None:
+    """Write the compile files into `out`; refuse a non-empty directory holding anything else.
+    command.txt and launch.json's `argv` are `argv` (what a launch runs), else the plan's `deepspeed` command."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise spec_error(f"--out {out} exists and is not a directory", hint="choose a directory path")
@@ -138,17 +143,18 @@ def write_compiled(out: Path, resolved, compiled) -> None:
             raise spec_error(f"--out {out} is not empty and is not a previous compile output (has {shown})",
                              hint="choose a new or empty directory; compile only overwrites its own files")
     out.mkdir(parents=True, exist_ok=True)
+    record = launch_record(resolved, compiled, argv, launched)   # one argv for command.txt and launch.json
     contents = {
         # a password in a tracking URI or a planted token must not reach files that become artifacts
         SPEC: mask_secrets(resolved.text),
         RESOLVED: yaml.safe_dump(mask_tree(resolved.spec), sort_keys=False),
         DS_CONFIG: _json_text(compiled.ds_config),
         PATCHES: _json_text(compiled.patches),
-        COMMAND: shlex.join(compiled.launch["argv"]) + "\n",
+        COMMAND: shlex.join(record["argv"]) + "\n",
     }
     for name, text in contents.items():
         (out / name).write_text(text, encoding="utf-8")
-    write_launch(out, launch_record(resolved, compiled))
+    write_launch(out, record)
 
 
 def write_launch(run_dir: Path, launch: dict) -> None:

@@ -275,7 +275,7 @@ REFUSALS: dict[str, Listed] = {
                                                        "test_unknown_run_and_run_without_spec_exit_2")]),
     "launch/slurm:expand_hostlist": Listed(1, [NotVisible("SLURM_JOB_NODELIST of the allocation the launch runs "
                                                           "in; a dry run on a login node has none")]),
-    "launch/slurm:launch_argv": Listed(1, [NotVisible("resources.nodes against the Slurm allocation the launch "
+    "launch/slurm:allocation_backend": Listed(1, [NotVisible("resources.nodes against the Slurm allocation the launch "
                                                       "runs in (jobspec sbatch writes the matching --nodes)")]),
     "launch/slurm:_directive_value": Listed(1, [NotVisible("`jobspec sbatch`'s, not launch's")]),
     "launch/slurm:sbatch_directives": Listed(1, [NotVisible("`jobspec sbatch`'s, not launch's")]),

@@ -42,12 +42,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     # Imported here so `jobspec compile --help` stays instant.
     from jobspec import rundir
-    from jobspec.job.prepare import prepare_job
+    from jobspec.job.prepare import Preparation, prepare_job
 
     run_dir = str(args.out.resolve()) if args.out else "RUN_DIR"
-    job = prepare_job(args.job, args.overrides, run_dir=run_dir)   # memory.fit: auto applied as launch does
+    # memory.fit: auto applied as launch does
+    job = prepare_job(args.job, args.overrides, how=Preparation(run_dir=run_dir))
     resolved, compiled = job.resolved, job.compiled
-    assert compiled is not None   # prepare_job compiles by default
+    assert compiled is not None   # compiled for run_dir
     fit_lines = [f"note: {line}" for line in (job.memory.lines if job.memory else [])]
 
     if args.out:
@@ -56,15 +57,16 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps({"out": run_dir, "files": list(rundir.COMPILE_FILES), "notes": compiled.notes}, indent=2))
         else:
             print(f"wrote {', '.join(rundir.COMPILE_FILES)} to {run_dir}")
-            print(f"command: {shlex.join(compiled.launch['argv'])}")
+            print(f"command: {shlex.join(compiled.plan.command)}")
             for line in fit_lines:
                 print(line)
             for note in compiled.notes:
                 print(f"note: {note}")
         return 0
     if args.format == "json":
-        print(json.dumps({"ds_config": compiled.ds_config, "patches": compiled.patches, "launch": compiled.launch,
-                          "derived": compiled.derived.as_dict(), "notes": compiled.notes}, indent=2))
+        print(json.dumps({"ds_config": compiled.ds_config, "patches": compiled.patches,
+                          "launch": compiled.plan.record(), "derived": compiled.derived.as_dict(),
+                          "notes": compiled.notes}, indent=2))
     else:
         print(json.dumps(compiled.ds_config, indent=2))
         # Patches and notes go to stderr so stdout stays a valid ds_config.json.

@@ -75,12 +75,12 @@ def run(args) -> int:
     import logging
 
     from jobspec.launch import pipeline
+    from jobspec.launch.context import LaunchOptions
     from jobspec.launch.from_run import job_argument
 
     logging.basicConfig(level=logging.INFO, format="jobspec: %(message)s")
     if args.stop_after_steps is not None and args.stop_after_steps < 1:
         raise spec_error("--stop-after-steps must be >= 1", hint="e.g. --stop-after-steps 5")
-    return pipeline.launch(job_argument(args), args.overrides, dry_run=args.dry_run,
-                           stop_after_steps=args.stop_after_steps, ignore_preflight=args.ignore_preflight,
-                           kill_grace_s=args.kill_grace, verbose=args.verbose, new_run=args.new_run,
-                           continue_run=args.continue_run)
+    return pipeline.launch(job_argument(args), args.overrides, LaunchOptions(
+        dry_run=args.dry_run, stop_after_steps=args.stop_after_steps, ignore_preflight=args.ignore_preflight,
+        kill_grace_s=args.kill_grace, verbose=args.verbose, new_run=args.new_run, continue_run=args.continue_run))

@@ -24,6 +24,7 @@ examples:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 from jobspec.commands import add_format_argument, add_set_argument
@@ -49,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jobspec.job.prepare import Host, prepare_job
+    from jobspec.job.prepare import AS_WRITTEN, Host, prepare_job
     from jobspec.memory.fit import fit, longest_sequence
     from jobspec.memory.planner import parse_bytes, render_plan
 
@@ -65,10 +66,10 @@ def run(args: argparse.Namespace) -> int:
 
     # the spec as written (memory.fit is not applied: --fit shows what it would change); no host
     # probed: the budget is --gpu-mem or memory.gpu_memory
-    job = prepare_job(args.job, args.overrides, Host(gpu_free=None, bf16_supported=not args.no_bf16), plan=True,
-                      apply_fit=False, budget=cli_budget, host_budget=host_budget, checks=[needs_budget],
-                      compile=False)
-    assert job.memory is not None   # plan=True decides it
+    job = prepare_job(args.job, args.overrides, Host(gpu_free=None, bf16_supported=not args.no_bf16),
+                      dataclasses.replace(AS_WRITTEN, budget=cli_budget, host_budget=host_budget),
+                      checks=[needs_budget])
+    assert job.memory is not None   # AS_WRITTEN plans it
     resolved, spec, budget = job.resolved, job.spec, job.memory.budget
     try:
         if job.memory.plan_error is not None:

@@ -1,4 +1,4 @@
-"""Resolved spec -> the complete DeepSpeed config, the model patches and the launch command.
+"""Resolved spec -> the complete DeepSpeed config, the model patches and the launch plan.
 
 Pure: no I/O, no torch. Every value DeepSpeed reads is written out explicitly (never "auto"), so
 `ds_config.json` is the whole truth about a run. DeepSpeed knobs whose defaults are worth knowing:
@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jobspec import optimizers, tasks
+from jobspec.compile.launch_plan import DEFAULT_MASTER_PORT, LaunchPlan
 from jobspec.errors import spec_error
 from jobspec.spec.derived import DerivedJob, zero_bucket_sizes
 from jobspec.spec.model_dims import ModelDims
 
-DEFAULT_MASTER_PORT = 29500  # placeholder: the launcher passes a free port when the spec names none
 STEPS_PER_PRINT = 1_000_000_000  # jobspec logs progress itself; keep DeepSpeed's own prints quiet
 
 SCHEDULERS = {"constant": "WarmupLR", "linear": "WarmupDecayLR", "cosine": "WarmupCosineLR"}
@@ -30,7 +30,7 @@ BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_ac
 class Compiled:
     ds_config: dict
     patches: list[dict]
-    launch: dict
+    plan: LaunchPlan   # what runs: the ranks, their environment, the run directory (compile/launch_plan)
     derived: DerivedJob
     notes: list[str] = field(default_factory=list)
 
@@ -38,7 +38,7 @@ class Compiled:
 def compile_spec(spec: dict, job: DerivedJob, *, run_dir: str = "RUN_DIR",
                  master_port: int | None = None) -> Compiled:
     """Compile a resolved spec (all defaults filled) and its derived job into a DeepSpeed config,
-    patches and launch argv."""
+    patches and launch plan."""
     notes: list[str] = list(job.notes)
     training, memory, resources = spec["training"], spec["memory"], spec["resources"]
     if job.total_steps is None:
@@ -81,7 +81,7 @@ def compile_spec(spec: dict, job: DerivedJob, *, run_dir: str = "RUN_DIR",
     return Compiled(
         ds_config=ds_config,
         patches=compile_patches(spec),
-        launch=launch_command(resources, job, run_dir, master_port),
+        plan=launch_plan(resources, job, run_dir, master_port),
         derived=job,
         notes=notes,
     )
@@ -290,18 +290,11 @@ def assert_deepspeed_accepts(ds_config: dict) -> None:
                          hint=hint or "change the spec field that sets it")
 
 
-def launch_command(resources: dict, job: DerivedJob, run_dir: str, master_port: int | None) -> dict:
-    """The `deepspeed` runner argv. Multi-node: the runner reads its hostfile; we only pass counts."""
-    port = master_port or resources["master_port"] or DEFAULT_MASTER_PORT
-    argv = ["deepspeed"]
-    if job.nodes > 1:
-        argv += ["--num_nodes", str(job.nodes)]
-        if resources["master_addr"]:
-            argv += ["--master_addr", resources["master_addr"]]
-    argv += ["--num_gpus", str(job.gpus_per_node), "--master_port", str(port),
-             "--module", "jobspec.train.worker", "--run-dir", str(run_dir)]
-    return {"argv": argv, "world_size": job.world_size, "nodes": job.nodes,
-            "gpus_per_node": job.gpus_per_node, "master_port": port}
+def launch_plan(resources: dict, job: DerivedJob, run_dir: str, master_port: int | None) -> LaunchPlan:
+    """The ranks of the job: `master_port` (the launcher's free port), else the spec's, else the default."""
+    return LaunchPlan(nodes=job.nodes, gpus_per_node=job.gpus_per_node, world_size=job.world_size,
+                      master_port=master_port or resources["master_port"] or DEFAULT_MASTER_PORT,
+                      run_dir=str(run_dir), master_addr=resources["master_addr"] or None)
 
 
 _NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")

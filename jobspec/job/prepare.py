@@ -1,6 +1,9 @@
 """One path from a spec file to the job that runs: load, validate, derive, the memory decisions, compile.
 
-    prepare_job(path, overrides, host)  ->  PreparedJob(resolved, derived, memory, compiled, host)
+    prepare_job(path, overrides, host, how)  ->  PreparedJob(resolved, derived, memory, compiled, host)
+
+`how` (a Preparation; COMPILE, PLANNED, AS_WRITTEN name the usual ones) says how far: the memory plan
+or not, memory.fit applied or not, which budgets, compiled for which run directory or not.
 
     resolve    spec/validation.load_and_validate: every problem at once (SpecError, exit 2)
     checks     the caller's, on the resolved spec before anything is derived (launch: the hub's
@@ -70,7 +73,7 @@ class PreparedJob:
         return self.resolved.spec
 
     def compile(self, run_dir: str | os.PathLike = "RUN_DIR", master_port: int | None = None) -> Compiled:
-        """The compiled config, patches and argv of this job for a run directory and port."""
+        """The compiled config, patches and launch plan of this job for a run directory and port."""
         return compile_spec(self.resolved.spec, self.derived, run_dir=str(run_dir), master_port=master_port)
 
     def in_checkpoint_dir(self, checkpoint_dir: str | os.PathLike) -> PreparedJob:
@@ -82,23 +85,39 @@ class PreparedJob:
                                    derived=self.derived.with_spec(spec), compiled=None)
 
 
+@dataclass(frozen=True)
+class Preparation:
+    """What a command asks of prepare_job beyond the spec and the host (the presets below name the usual ones).
+
+    `plan`: derive with the model's traced profile and plan the memory (launch, plan, prepare, report);
+    without it memory is decided only when `memory.fit: auto` may rewrite the spec (a budget is known),
+    as the compiled config depends on it. `apply_fit=False` keeps the spec as written (`jobspec plan`,
+    report); `budget`: (bytes, where from) replacing `memory.gpu_memory` and the free GPU memory;
+    `host_budget`: the same for a node's RAM (`resources.host_mem`, the host's). `run_dir`: compile
+    for this run directory and `master_port` (None: not compiled; PreparedJob.compile does it later).
+    """
+
+    plan: bool = False
+    apply_fit: bool = True
+    budget: tuple[int, str] | None = None
+    host_budget: tuple[int, str] | None = None
+    run_dir: str | None = "RUN_DIR"
+    master_port: int | None = None
+
+
+COMPILE = Preparation()                                        # `jobspec compile`: the config that runs
+PLANNED = Preparation(plan=True, run_dir=None)                 # launch: the memory plan, compiled per run dir
+AS_WRITTEN = Preparation(plan=True, apply_fit=False, run_dir=None)   # plan, report: memory.fit not applied
+
+
 def prepare_job(source: str | os.PathLike | ResolvedSpec, overrides: Iterable[str] = (), host: Host | None = None,
-                *, plan: bool = False, apply_fit: bool = True, budget: tuple[int, str] | None = None,
-                host_budget: tuple[int, str] | None = None,
-                checks: Iterable[Callable[[ResolvedSpec], None]] = (), model_checks: bool = True,
-                compile: bool = True,
-                run_dir: str | os.PathLike = "RUN_DIR", master_port: int | None = None) -> PreparedJob:
-    """The job a spec file (or an already resolved spec) describes, as `jobspec launch` would run it.
+                how: Preparation = COMPILE, *, checks: Iterable[Callable[[ResolvedSpec], None]] = ()) -> PreparedJob:
+    """The job a spec file (or an already resolved spec) describes, as `jobspec launch` would run it,
+    prepared as `how` says (COMPILE, PLANNED, AS_WRITTEN or a Preparation of its own).
 
     `host`: the machine's numbers (None: `Host.probe` of this one, read only when memory is
-    decided). `plan`: derive with the model's traced profile and plan the memory (launch, plan,
-    prepare); without it memory is decided only when `memory.fit: auto` may rewrite the spec (a
-    budget is known), as the compiled config depends on it. `apply_fit=False` keeps the spec as
-    written (`jobspec plan`); `budget`: (bytes, where from) replacing `memory.gpu_memory` and the free
-    GPU memory; `host_budget`: the same for a node's RAM (`resources.host_mem`, the host's).
-    `checks`: called with the resolved spec before anything is derived, then (`model_checks`) the
-    model and data refusals every command makes alike (job/checks). `compile`:
-    compile for `run_dir` and `master_port`.
+    decided). `checks`: called with the resolved spec before anything is derived, then the model and
+    data refusals every command makes alike (job/checks).
 
     Raises SpecError (exit 2): the spec's problems, a check's, nothing fitting the budget, a fit
     change that breaks a rule, a compile refusal.
@@ -106,30 +125,30 @@ def prepare_job(source: str | os.PathLike | ResolvedSpec, overrides: Iterable[st
     resolved = source if isinstance(source, ResolvedSpec) else load_and_validate(source, list(overrides))
     for check in checks:
         check(resolved)
-    if model_checks:
-        from jobspec.job.checks import model_data_checks
-        model_data_checks(resolved, plan=plan or spec_fits(resolved.spec, apply_fit, budget))
+    from jobspec.job.checks import model_data_checks
+    model_data_checks(resolved, plan=how.plan or spec_fits(resolved.spec, how.apply_fit, how.budget))
     if resolved.spec["model"]["lora"] is not None:
         from jobspec.job.checks import lora_target_check
         lora_target_check(resolved)   # the target patterns against the meta model's module names
     spec = resolved.spec
     memory = None
-    if not plan and apply_fit and spec["memory"]["fit"] == "auto" and budget is None \
+    plan = how.plan
+    if not plan and how.apply_fit and spec["memory"]["fit"] == "auto" and how.budget is None \
             and not spec["memory"]["gpu_memory"]:
         host = host or Host.probe(spec["resources"]["gpus_per_node"])
         plan = host.gpu_free is not None   # a budget: the fit may rewrite the spec, so decide it
-    if plan or (apply_fit and spec["memory"]["fit"] == "auto" and (budget or spec["memory"]["gpu_memory"])):
+    if plan or spec_fits(spec, how.apply_fit, how.budget):
         from jobspec.model.planner_trace import job_profiler
         host = host or Host.probe(spec["resources"]["gpus_per_node"])
         derived = _located(resolved, lambda: derive_job(spec, profiler=job_profiler()))
         resolved, derived, memory = _located(resolved, lambda: at_launch.plan_at_launch(
-            resolved, derived, host.gpu_free, bf16_supported=host.bf16_supported, apply_fit=apply_fit,
-            budget=budget, host_ram=host.ram_total, host_budget=host_budget))
+            resolved, derived, host.gpu_free, bf16_supported=host.bf16_supported, apply_fit=how.apply_fit,
+            budget=how.budget, host_ram=host.ram_total, host_budget=how.host_budget))
     else:
         derived = _located(resolved, lambda: derive_job(spec))
     prepared = PreparedJob(resolved, derived, memory, host=host)
-    if compile:
-        prepared.compiled = prepared.compile(run_dir, master_port)
+    if how.run_dir is not None:
+        prepared.compiled = prepared.compile(how.run_dir, how.master_port)
     return prepared
 
 

@@ -14,8 +14,10 @@
     orphans        tracking/orphans: close runs of output_dir whose launcher died without closing them
     run dir        rundir.create_run_dir, then compile/compiler.compile_spec into it
     pre-flight     launch/preflight + memory/at_launch.preflight_problems (--ignore-preflight: warn)
-    argv           launch/runner.resolve_runner, launch/slurm.launch_argv (srun per node in Slurm)
-    write          rundir.write_compiled (spec.yaml ... launch.json, `plan`/`fit` included); launcher.json
+    argv           launch/backends.backend_for: the plan's argv, built once (one node: DeepSpeed's
+                   launch.py; several: its runner; inside Slurm: srun, one runner per node)
+    write          rundir.write_compiled (spec.yaml ... launch.json, `plan`/`fit` included, command.txt =
+                   the argv that runs); launcher.json
     header         report/console.header_lines: job, model, settings, hardware, memory plan vs device
     supervise      launch/supervise.run: ranks run, output to launcher.log, the terminal gets what
                    launch/quiet.TerminalFilter keeps (all of it with --verbose)
@@ -44,9 +46,12 @@ from pathlib import Path
 
 from jobspec import hardware, launcher_log, lifeline, ops, rundir, shm
 from jobspec import status as run_status
+from jobspec.compile.compiler import Compiled
+from jobspec.compile.launch_plan import LaunchPlan
 from jobspec.data import data_prep
 from jobspec.errors import SpecError, SpecIssue, spec_error
 from jobspec.launch import (
+    backends,
     console,
     host,
     hub,
@@ -57,11 +62,12 @@ from jobspec.launch import (
     preflight,
     quiet,
     runner,
-    slurm,
     supervise,
 )
 from jobspec.launch import tracking as launch_tracking
+from jobspec.launch.context import LaunchContext, LaunchOptions
 from jobspec.memory import at_launch as launch_memory
+from jobspec.memory.at_launch import LaunchMemory
 from jobspec.memory.planner import ALLOCATOR_VARIABLE, allocator_conf
 from jobspec.secrets import mask_secrets
 from jobspec.tracking import orphans
@@ -70,26 +76,24 @@ from jobspec.tracking import run as tracking_run
 log = logging.getLogger("jobspec.launch")
 
 
-def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_steps: int | None = None,
-           ignore_preflight: bool = False, kill_grace_s: float = supervise.KILL_GRACE_S,
-           verbose: bool = False, new_run: bool = False, continue_run: bool = False) -> int:
+def launch(job: str, overrides: list[str], options: LaunchOptions = LaunchOptions()) -> int:
     """Run the job; its exit status (jobspec/status.py: 0 finished, 75 stopped with a checkpoint,
     128+N stopped or killed by signal N, else the ranks')."""
-    from jobspec.job.prepare import prepare_job
+    from jobspec.job.prepare import PLANNED, prepare_job
     from jobspec.spec.validation import load_and_validate
 
     phases = [("start", _process_start(), 0.0)]
     resolved = load_and_validate(job, overrides)
     # memory.fit: auto rewrites the spec (and its derived job) here, so everything below sees what runs;
     # every refusal of preparing it is at its field's line (a fit that finds nothing, a row count)
-    prepared = _located(resolved, lambda: prepare_job(resolved, plan=True, checks=[launch_checks], compile=False))
-    assert prepared.memory is not None and prepared.host is not None   # plan=True decides both
+    prepared = _located(resolved, lambda: prepare_job(resolved, how=PLANNED, checks=[launch_checks]))
+    assert prepared.memory is not None and prepared.host is not None   # PLANNED decides both
     resolved, derived, memory, gpu_free = prepared.resolved, prepared.derived, prepared.memory, prepared.host.gpu_free
     for line in memory.lines:
         print(f"jobspec: {line}", flush=True)
     # which checkpoints this launch trains into, by what it trains (exit 2 for a changed spec)
     as_written = resolved
-    chosen = lineage.choose(resolved, derived.as_dict(), new_run=new_run, continue_run=continue_run)
+    chosen = lineage.choose(resolved, derived.as_dict(), new_run=options.new_run, continue_run=options.continue_run)
     prepared = prepared.in_checkpoint_dir(chosen.checkpoint_dir)
     resolved, derived = prepared.resolved, prepared.derived
     spec = resolved.spec
@@ -101,20 +105,20 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
     # rank: every record is checked (a bad one refuses the launch at its file:line); --dry-run says
     # whether the cache is warm, else how long building it would take
     data_lines, _ = _located(resolved, lambda: data_prep.prepare_data(
-        spec, build=not dry_run, show=progress_mode(spec["logging"]["progress"])))
+        spec, build=not options.dry_run, show=progress_mode(spec["logging"]["progress"])))
     for line in data_lines:
         print(f"jobspec: {line}", flush=True)
     phases.append(("data", time.time(), launcher_log.cpu_seconds()))
 
-    if dry_run:  # nothing is created: the run dir in the command is the name it would get
+    if options.dry_run:  # nothing is created: the run dir in the command is the name it would get
         _located(resolved, ownership.check_checkpoints, spec)  # a launch would refuse another job's checkpoints
         _located(resolved, lease.check, chosen.checkpoint_dir, spec["name"])  # ... and a running launch of it
         what = intent.decide(spec, derived.total_steps)
         run_dir = rundir.new_run_dir_path(spec["output_dir"])
         compiled = prepared.compile(run_dir, port)
         # the host checks a launch makes (port, ranks, disk, GPU memory, ops): refused here as there
-        host_checks(resolved, derived, run_dir, memory, gpu_free, compiled, ignore_preflight)
-        argv = runner.resolve_runner(compiled.launch["argv"])
+        host_checks(resolved, derived, run_dir, memory, gpu_free, compiled, options.ignore_preflight)
+        argv = backends.backend_for(compiled.plan).argv(compiled.plan)   # what a launch would run
         _print_lines(header(spec, derived, memory, found, compiled.patches, style))
         for line in chosen.lines:
             print(f"jobspec: {line}")
@@ -128,85 +132,120 @@ def launch(job: str, overrides: list[str], *, dry_run: bool = False, stop_after_
     held = _located(resolved, lease.acquire, chosen.checkpoint_dir, spec["name"])  # a running launch: exit 2
     try:
         # decided again under the lease: a launch that ended meanwhile may have moved the checkpoints on
-        again = lineage.choose(as_written, derived.as_dict(), new_run=new_run, continue_run=continue_run)
+        again = lineage.choose(as_written, derived.as_dict(), new_run=options.new_run,
+                               continue_run=options.continue_run)
         if again.checkpoint_dir != chosen.checkpoint_dir:
             raise spec_error(f"the checkpoints of {spec['name']!r} changed while this launch started",
                              path=("checkpoint", "dir"), hint="run the same command again")
         # a stop signal interrupts the start (nothing half-made is left), and once the ranks run it
         # stops them gracefully (launch/supervise.py); the run's ending is then written whole
         with supervise.HeldStops() as stops:
-            return _launch_holding(job, overrides, prepared, again, held, resume_run_id, port,
-                                   found, gpu_free, style, phases, stop_after_steps=stop_after_steps,
-                                   ignore_preflight=ignore_preflight, kill_grace_s=kill_grace_s, verbose=verbose,
-                                   as_written=as_written, stops=stops)
+            return _launch_holding(LaunchContext(
+                job=job, overrides=tuple(overrides), options=options, as_written=as_written, prepared=prepared,
+                chosen=again, held=held, stops=stops, resume_run_id=resume_run_id, port=port, found=found,
+                style=style, phases=phases))
     finally:
         held.release()
 
 
-def _launch_holding(job, overrides, prepared, chosen, held, resume_run_id, port, found, gpu_free,
-                    style, phases, *, stop_after_steps, ignore_preflight, kill_grace_s, verbose,
-                    as_written, stops) -> int:
+def _launch_holding(ctx: LaunchContext) -> int:
     """The launch, from the intent on, while it holds the checkpoint directory's lease."""
-    resolved, derived, memory = prepared.resolved, prepared.derived, prepared.memory
-    spec = resolved.spec
-    what = intent.decide(spec, derived.total_steps)
-    for line in chosen.lines:
+    spec = ctx.spec
+    what = intent.decide(spec, ctx.prepared.derived.total_steps)
+    for line in ctx.chosen.lines:
         print(f"jobspec: {line}", flush=True)
     if what.action == "complete":  # training again would only overwrite the finished run's results
-        unfinished = [(directory, step, resume_hint(job, overrides, as_written, derived, directory))
-                      for directory, step in lineage.unfinished_of_same_spec(as_written.spec, derived.as_dict())
-                      if directory != chosen.checkpoint_dir]
+        unfinished = [(directory, step, ctx.resume_hint(directory))
+                      for directory, step in lineage.unfinished_of_same_spec(ctx.as_written.spec,
+                                                                             ctx.prepared.derived.as_dict())
+                      if directory != ctx.chosen.checkpoint_dir]
         _print_lines(intent.complete_lines(spec, what, unfinished))
         return 0
 
     orphans.close_orphans_under(spec["output_dir"])  # runs a SIGKILLed launcher left RUNNING here
-    run_dir = rundir.create_run_dir(spec["output_dir"])
+    run_dir, compiled, launched = _create_run(ctx, what)
+    ctx.held.update(run_dir=run_dir)
+    _print_lines(header(spec, ctx.prepared.derived, ctx.prepared.memory, ctx.found, compiled.patches, ctx.style) +
+                 [console.label("run dir", ctx.style) + str(run_dir)])
+    return _run(ctx, what, run_dir, compiled, launched)
+
+
+def _create_run(ctx: LaunchContext, what: intent.Intent) -> tuple[Path, Compiled, dict]:
+    """A new run directory holding what the ranks read, and the launch record (launch.json's launch
+    fields: the argv that runs, written to command.txt too). Anything failing removes the directory."""
+    resolved, memory = ctx.prepared.resolved, ctx.prepared.memory
+    assert memory is not None   # PLANNED decides it
+    run_dir = rundir.create_run_dir(ctx.spec["output_dir"])
     try:
-        compiled = prepared.compile(run_dir, port)   # what `jobspec compile` shows, for this run dir and port
-        host_checks(resolved, derived, run_dir, memory, gpu_free, compiled, ignore_preflight)
-        compiled.launch.update(launch_memory.plan_record(memory))  # launch.json: `plan` (MiB), `fit`
-        compiled.launch["argv"] = runner.resolve_runner(compiled.launch["argv"])  # command.txt stays true
-        # inside a multi-node Slurm allocation: one runner per node through srun (docs/slurm.md)
-        compiled.launch["argv"] = slurm.launch_argv(compiled.launch, run_dir)
-        if spec["logging"]["mlflow"]["enabled"]:  # rank 0 waits for the run created meanwhile
-            compiled.launch["mlflow_run"] = launch_tracking.PENDING
-        compiled.launch["overrides"] = [mask_secrets(item) for item in overrides]  # the MLflow run's name
-        if chosen.recorded:   # a continued run with a changed spec: a new segment of its MLflow run
-            compiled.launch["segment"] = {"number": chosen.segment, "start_step": what.step,
-                                          "changes": [c.describe() for c in chosen.recorded]}
-        rundir.write_compiled(run_dir, resolved, compiled)
+        compiled = ctx.prepared.compile(run_dir, ctx.port)   # what `jobspec compile` shows, for this run dir and port
+        host_checks(resolved, ctx.prepared.derived, run_dir, memory, ctx.found.gpu_free, compiled,
+                    ctx.options.ignore_preflight)
+        # one node: DeepSpeed's launch.py; several: its runner, or inside Slurm one runner per node (docs/slurm.md)
+        backend = backends.backend_for(compiled.plan)
+        argv = backend.argv(compiled.plan)
+        hostfile = backend.hostfile_text(compiled.plan)
+        if hostfile is not None:
+            rundir.write_hostfile(run_dir, hostfile)
+        launched = _launched(ctx, what, memory)
+        rundir.write_compiled(run_dir, resolved, compiled, argv, launched)   # command.txt: `argv`, what runs
         rundir.write_launcher(run_dir, lifeline.identity())  # who to ask whether this run still runs
     except BaseException:
         shutil.rmtree(run_dir, ignore_errors=True)  # nothing ran: leave no half-made run behind
         raise
-    held.update(run_dir=run_dir)
+    return run_dir, compiled, {**compiled.plan.record(argv), **launched}
 
-    _print_lines(header(spec, derived, memory, found, compiled.patches, style) +
-                 [console.label("run dir", style) + str(run_dir)])
+
+def _launched(ctx: LaunchContext, what: intent.Intent, memory: LaunchMemory) -> dict:
+    """What the launcher adds to launch.json beside the plan: the memory plan (MiB) and fit, whether rank 0
+    waits for an MLflow run, the overrides (the MLflow run's name), a continued run's new segment."""
+    launched = launch_memory.plan_record(memory)
+    if ctx.spec["logging"]["mlflow"]["enabled"]:  # rank 0 waits for the run created meanwhile
+        launched["mlflow_run"] = launch_tracking.PENDING
+    launched["overrides"] = [mask_secrets(item) for item in ctx.overrides]
+    if ctx.chosen.recorded:   # a continued run with a changed spec: a new segment of its MLflow run
+        launched["segment"] = {"number": ctx.chosen.segment, "start_step": what.step,
+                               "changes": [c.describe() for c in ctx.chosen.recorded]}
+    return launched
+
+
+def _run(ctx: LaunchContext, what: intent.Intent, run_dir: Path, compiled: Compiled, launched: dict) -> int:
+    """The ranks, supervised, with the MLflow run created meanwhile; then the run's ending, written whole."""
+    spec, memory, options = ctx.spec, ctx.prepared.memory, ctx.options
+    assert memory is not None   # PLANNED decides it
     experiment = spec["logging"]["mlflow"]["experiment"]
     terminal = quiet.HeldOutput(sys.stdout.buffer)  # the ranks' output waits for the header's MLflow lines
 
     def announce(info: dict) -> None:
-        held.update(mlflow_run_id=info["run_id"])
-        _print_lines(console.tracking_lines(info, experiment, style=style))
+        ctx.held.update(mlflow_run_id=info["run_id"])
+        _print_lines(console.tracking_lines(info, experiment, style=ctx.style))
 
     tracking = launch_tracking.BackgroundTracking(
-        resolved, compiled, run_dir, resume_run_id, launch_memory.mlflow_params(memory, spec["memory"]["fit"]),
-        verbose=verbose, announce=announce, done=terminal.release, lineage=chosen, start_step=what.step)
-    phases.append(("runner", time.time(), launcher_log.cpu_seconds()))
-    stops.running(run_dir)
+        ctx.prepared.resolved, compiled, run_dir, ctx.resume_run_id,
+        launch_memory.mlflow_params(memory, spec["memory"]["fit"]), launch=launched, verbose=options.verbose,
+        announce=announce, done=terminal.release, lineage=ctx.chosen, start_step=what.step)
+    ctx.phases.append(("runner", time.time(), launcher_log.cpu_seconds()))
+    ctx.stops.running(run_dir)
     tracking.start()
     # read once here, while the runner starts, instead of twice per op load on every rank
     threading.Thread(target=ops.write_cpu_info, args=(run_dir / rundir.CPU_INFO,), daemon=True).start()
-    outcome = supervise.run(compiled.launch["argv"], child_env(spec, stop_after_steps), run_dir,
-                            kill_grace_s=kill_grace_s, echo=terminal,
-                            echo_filter=None if verbose else quiet.TerminalFilter(), started=tracking.runner_started)
-    shm.remove_shared_memory_buffers(compiled.launch.get("master_port"))  # every rank is gone now
+    outcome = supervise.run(launched["argv"], child_env(spec, compiled.plan, options.stop_after_steps), run_dir,
+                            kill_grace_s=options.kill_grace_s, echo=terminal,
+                            echo_filter=None if options.verbose else quiet.TerminalFilter(),
+                            started=tracking.runner_started)
+    shm.remove_shared_memory_buffers(compiled.plan.master_port)  # every rank is gone now
     try:
-        tracked = tracking.wait()
+        tracking.wait()
     except BaseException:
         shutil.rmtree(run_dir, ignore_errors=True)  # the job was stopped before it trained
         raise
+    return _close(ctx, run_dir, launched, outcome, tracking)
+
+
+def _close(ctx: LaunchContext, run_dir: Path, launched: dict, outcome: supervise.Outcome,
+           tracking: launch_tracking.BackgroundTracking) -> int:
+    """The run's ending: status files, MLflow status and models, the closing summary and how to go on."""
+    tracked = tracking.tracked
+    spec, stop_after_steps = ctx.spec, ctx.options.stop_after_steps
     end = run_status.ending(outcome.exit_code, outcome.user_signal, outcome.reason, rundir.read_summary(run_dir),
                             stop_after_steps, at_once=outcome.at_once)
     rundir.write_fallback_summary(run_dir, end.status, end.exit_code)
@@ -214,39 +253,22 @@ def _launch_holding(job, overrides, prepared, chosen, held, resume_run_id, port,
     if tracked is not None:   # before the closing block, which says where MLflow has the models
         from jobspec.export.artifacts import log_exported_models
         model_tags = log_exported_models(tracked, run_dir, spec)
-    closing = closing_block(spec, run_dir, compiled.launch, outcome, end, tracked, style, model_tags)
+    closing = closing_block(spec, run_dir, launched, outcome, end, tracked, ctx.style, model_tags)
     if tracked is not None:
         launch_tracking.describe_run(tracked, spec.get("description"), console.plain(closing))
     tracking.end(end)   # every tracker that started: MLflow's status and tags, TensorBoard's session end
     rundir.mark_launcher_ended(run_dir, end.status, end.exit_code)
-    _write_phases(run_dir, phases)
+    _write_phases(run_dir, ctx.phases)
     _print_lines(closing)
     if end.label != "finished":   # a stop says it is not done and how to go on; a failure, why
         checkpoint_dir = Path(spec["checkpoint"]["dir"])
         resume_from = intent.decide({**spec, "checkpoint": {**spec["checkpoint"], "resume": "auto"}},
-                                    derived.total_steps)
-        print(run_status.closing_line(end, run_dir, resume_hint(job, overrides, as_written, derived, checkpoint_dir),
+                                    ctx.prepared.derived.total_steps)
+        print(run_status.closing_line(end, run_dir, ctx.resume_hint(checkpoint_dir),
                                       f"checkpoint {resume_from.checkpoint} (step {resume_from.step} of "
                                       f"{resume_from.total_steps})" if resume_from.action == "resume" else None),
               flush=True)
     return end.exit_code
-
-
-def resume_hint(job: str, overrides: list[str], as_written, derived, checkpoint_dir: Path) -> str:
-    """The command that continues the checkpoints in `checkpoint_dir`: the launch's own command
-    (`checkpoint.resume=auto` added if it was not) when a relaunch of it picks that directory
-    (launch/lineage.choose: the newest unfinished one of the same spec), else with the directory named.
-    A `--new-run` flag is never part of it: it would start yet another line of checkpoints."""
-    plain = run_status.resume_command(job, overrides, as_written.spec["checkpoint"]["resume"])
-    resumed = dataclasses.replace(as_written, spec={**as_written.spec, "checkpoint": {
-        **as_written.spec["checkpoint"], "resume": "auto"}})
-    try:
-        picked = lineage.choose(resumed, derived.as_dict()).checkpoint_dir
-    except SpecError:
-        picked = None
-    if picked is not None and Path(picked).resolve() == Path(checkpoint_dir).resolve():
-        return plain
-    return run_status.resume_command(job, overrides, as_written.spec["checkpoint"]["resume"], str(checkpoint_dir))
 
 
 def host_checks(resolved, derived, run_dir: Path, memory, gpu_free, compiled, ignore_preflight: bool) -> None:
@@ -356,11 +378,13 @@ def progress_mode(setting: str, stdout=None) -> str:
     return "bar" if (stdout or sys.stdout).isatty() else "lines"
 
 
-def child_env(spec: dict, stop_after_steps: int | None) -> dict:
+def child_env(spec: dict, plan: LaunchPlan, stop_after_steps: int | None) -> dict:
+    """The ranks' environment: the launcher's, the plan's (PYTHONUNBUFFERED: their output reaches the
+    relay and launcher.log as it happens), then what this host decides."""
     env = dict(os.environ)
     tracking_run.apply_http_env(env)
+    env.update(plan.environment)
     env["JOBSPEC_PROGRESS"] = progress_mode(spec["logging"]["progress"])
-    env["PYTHONUNBUFFERED"] = "1"  # ranks' output must reach the relay (and launcher.log) as it happens
     # GPU ranks: PyTorch's allocator with expandable segments unless the user chose (the plan models it)
     env[ALLOCATOR_VARIABLE] = allocator_conf(env)[0]
     if sys.stdout.isatty():  # the bar writes into a pipe: tell it the terminal's width

@@ -1,4 +1,4 @@
-"""Which DeepSpeed command starts the ranks, and the rendezvous port it gets.
+"""Two ways of starting a launch plan's ranks (launch/backends.py chooses), and the rendezvous port.
 
 One node: jobspec runs DeepSpeed's per-node launcher (launch.py, through `python -u -m
 jobspec.launch.ds_launch`, which runs it unchanged but imports DeepSpeed without MLflow) itself,
@@ -19,10 +19,15 @@ import os
 import shutil
 import socket
 import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from jobspec.compile.launch_plan import LaunchPlan
 
 # DeepSpeed's launch.py, run unchanged, with DeepSpeed imported without MLflow (jobspec/launch/ds_launch.py)
 NODE_LAUNCHER = "jobspec.launch.ds_launch"
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago (bind to port 0 and let the kernel choose)."""
@@ -53,36 +58,43 @@ def runner_prefix() -> list[str]:
     return [sys.executable, "-m", "deepspeed.launcher.runner"]
 
 
-def resolve_runner(argv: list, environ=os.environ) -> list[str]:
-    """What runs the compiled `deepspeed ...` argv: DeepSpeed's launch.py directly for one node
-    (see the module doc), its runner with this interpreter otherwise; any other argv unchanged."""
-    argv = [str(a) for a in argv]
-    if not argv or argv[0] != "deepspeed":
-        return argv
-    if environ.get("JOBSPEC_DEEPSPEED_RUNNER") == "1":
-        return runner_prefix() + argv[1:]
-    return direct_launch(argv, environ) or runner_prefix() + argv[1:]
+@dataclass(frozen=True)
+class DeepSpeedRunner:
+    """Backend: DeepSpeed's runner with this interpreter (several nodes: its hostfile, pdsh; or any
+    launch with JOBSPEC_DEEPSPEED_RUNNER=1), given the plan's runner arguments."""
+
+    prefix: tuple[str, ...] = field(default_factory=lambda: tuple(runner_prefix()))
+
+    def argv(self, plan: LaunchPlan) -> list[str]:
+        return [*self.prefix, *plan.runner_arguments()]
+
+    def hostfile_text(self, plan: LaunchPlan) -> str | None:
+        return None   # the runner reads the hostfile the user keeps (DeepSpeed's default /job/hostfile)
 
 
-def direct_launch(argv: list[str], environ=os.environ) -> list[str] | None:
-    """`python -u -m jobspec.launch.ds_launch ...` (launch.py) for a one-node `deepspeed --num_gpus N --master_port P
-    [--module] SCRIPT ARGS` argv, as DeepSpeed's runner builds it; None for anything else."""
-    options, rest = {}, argv[1:]
-    while rest and rest[0] in ("--num_gpus", "--master_port"):
-        options[rest[0]] = rest[1]
-        rest = rest[2:]
-    module = bool(rest) and rest[0] == "--module"
-    rest = rest[1:] if module else rest
-    if set(options) != {"--num_gpus", "--master_port"} or not rest or rest[0].startswith("-"):
-        return None  # several nodes, a hostfile, include/exclude...: the runner decides
-    world_info = {"localhost": local_devices(int(options["--num_gpus"]), environ)}
-    encoded = base64.urlsafe_b64encode(json.dumps(world_info).encode()).decode()
-    return [sys.executable, "-u", "-m", NODE_LAUNCHER, f"--world_info={encoded}",
-            "--master_addr=127.0.0.1", f"--master_port={options['--master_port']}",
-            *(["--module"] if module else []), "--enable_each_rank_log=None", "--log_level=info", *rest]
+@dataclass(frozen=True)
+class NodeLauncher:
+    """Backend: DeepSpeed's launch.py on this one node (see the module doc), with the arguments its
+    runner would give it (tests/launch/test_runner.py compares them with the runner's own)."""
+
+    devices: tuple[int, ...]   # the device ids of the node's ranks (`local_devices`)
+
+    @classmethod
+    def for_plan(cls, plan: LaunchPlan, environ: Mapping[str, str] = os.environ) -> NodeLauncher:
+        return cls(tuple(local_devices(plan.gpus_per_node, environ)))
+
+    def argv(self, plan: LaunchPlan) -> list[str]:
+        world_info = {"localhost": list(self.devices)}
+        encoded = base64.urlsafe_b64encode(json.dumps(world_info).encode()).decode()
+        return [sys.executable, "-u", "-m", NODE_LAUNCHER, f"--world_info={encoded}",
+                "--master_addr=127.0.0.1", f"--master_port={plan.master_port}",
+                "--module", "--enable_each_rank_log=None", "--log_level=info", plan.module, *plan.worker_args]
+
+    def hostfile_text(self, plan: LaunchPlan) -> str | None:
+        return None
 
 
-def local_devices(count: int, environ=os.environ) -> list[int]:
+def local_devices(count: int, environ: Mapping[str, str] = os.environ) -> list[int]:
     """The first `count` devices CUDA_VISIBLE_DEVICES lists (integer ids), else 0..count-1."""
     listed = [v.strip() for v in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
     if len(listed) >= count and all(v.isdigit() for v in listed[:count]):

@@ -9,7 +9,7 @@ torch's usual env:// rendezvous, exactly like a single-node launch. SLURM_NODEID
 runs `python -m jobspec.launch.slurm node-runner RUNNER...`, which inserts `--node_rank` from its own
 environment; no value is ever interpolated into a shell string.
 
-Nothing here imports torch; `detect_allocation` and `launch_argv` only run `scontrol`.
+Nothing here imports torch; `detect_allocation` and `allocation_backend` only run `scontrol`.
 """
 from __future__ import annotations
 
@@ -18,10 +18,12 @@ import re
 import shlex
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from jobspec import rundir
+from jobspec.compile.launch_plan import LaunchPlan
 from jobspec.errors import RunFailure, SpecError, SpecIssue, spec_error
 
 # launch.sh ships inside the wheel (pyproject's force-include); a source checkout has it at its root.
@@ -86,49 +88,44 @@ def hostfile_text(hosts, slots: int) -> str:
     return "".join(f"{host} slots={slots}\n" for host in hosts)
 
 
-def allocation_argv(compiled_launch: dict, allocation: Allocation, run_dir, hostfile_path, *,
-                    master_addr: str | None = None, runner: list[str] | None = None) -> list[str]:
-    """`srun` starting one DeepSpeed runner per node of the allocation (see the module doc for why).
+@dataclass(frozen=True)
+class SrunPerNode:
+    """Backend: `srun` starting one DeepSpeed runner per node of the allocation (see the module doc for
+    why), from `<run_dir>/hostfile` listing the plan's first `nodes` hosts of the allocation."""
 
-    `compiled_launch` is `Compiled.launch` (nodes, gpus_per_node, master_port). The hostfile must
-    list the first `nodes` hosts of the allocation (`write_hostfile`). `master_addr` defaults to
-    the first host's NodeAddr; `runner` to the DeepSpeed runner of this interpreter.
-    """
-    nodes = compiled_launch["nodes"]
-    hosts = allocation.hosts[:nodes]
-    if runner is None:
-        from jobspec.launch.runner import resolve_runner
-        runner = resolve_runner(["deepspeed"])
-    return ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1",
-            "--kill-on-bad-exit=1",  # one node's runner failing ends the step instead of a hang
-            sys.executable, "-m", "jobspec.launch.slurm", "node-runner",
-            *runner, "--no_ssh", "--hostfile", str(hostfile_path),
-            "--num_nodes", str(nodes), "--num_gpus", str(compiled_launch["gpus_per_node"]),
-            "--master_addr", master_addr or node_address(hosts[0]),
-            "--master_port", str(compiled_launch["master_port"]),
-            "--module", "jobspec.train.worker", "--run-dir", str(run_dir)]
+    allocation: Allocation
+    master_addr: str              # where rank 0's node is reachable (its NodeAddr)
+    runner: tuple[str, ...]       # DeepSpeed's runner of this interpreter (launch/runner.runner_prefix)
 
+    def hostfile_text(self, plan: LaunchPlan) -> str | None:
+        return hostfile_text(self.allocation.hosts[:plan.nodes], plan.gpus_per_node)
 
-def write_hostfile(allocation: Allocation, nodes: int, slots: int, run_dir) -> Path:
-    """`<run_dir>/hostfile` listing the first `nodes` hosts of the allocation."""
-    return rundir.write_hostfile(run_dir, hostfile_text(allocation.hosts[:nodes], slots))
+    def argv(self, plan: LaunchPlan) -> list[str]:
+        nodes = plan.nodes
+        return ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1",
+                "--kill-on-bad-exit=1",  # one node's runner failing ends the step instead of a hang
+                sys.executable, "-m", "jobspec.launch.slurm", "node-runner",
+                *self.runner, "--no_ssh", "--hostfile", str(Path(plan.run_dir) / rundir.HOSTFILE),
+                "--num_nodes", str(nodes), "--num_gpus", str(plan.gpus_per_node),
+                "--master_addr", self.master_addr, "--master_port", str(plan.master_port),
+                "--module", plan.module, *plan.worker_args]
 
 
-def launch_argv(compiled_launch: dict, run_dir, env=None, *, master_addr: str | None = None) -> list[str]:
-    """The argv `jobspec launch` should run: `compiled_launch["argv"]` unchanged outside Slurm or for
-    one node; inside an allocation with nodes > 1, the per-node `srun` (writes `<run_dir>/hostfile`)."""
-    nodes = compiled_launch["nodes"]
+def allocation_backend(plan: LaunchPlan, runner: Sequence[str], env=None, *,
+                       master_addr: str | None = None) -> SrunPerNode | None:
+    """The srun backend for a multi-node plan inside a Slurm allocation; None for one node or outside
+    Slurm (DeepSpeed's runner then starts the ranks). `master_addr` defaults to the first host's NodeAddr."""
+    nodes = plan.nodes
     if nodes <= 1:
-        return list(compiled_launch["argv"])
+        return None
     allocation = detect_allocation(env)
     if allocation is None:
-        return list(compiled_launch["argv"])
+        return None
     if allocation.num_nodes < nodes:
         raise spec_error(f"resources.nodes is {nodes} but Slurm job {allocation.job_id} has "
                          f"{allocation.num_nodes} node(s)", path=("resources", "nodes"),
                          hint=f"submit with --nodes={nodes} (jobspec sbatch does), or lower resources.nodes")
-    hostfile = write_hostfile(allocation, nodes, compiled_launch["gpus_per_node"], run_dir)
-    return allocation_argv(compiled_launch, allocation, run_dir, hostfile, master_addr=master_addr)
+    return SrunPerNode(allocation, master_addr or node_address(allocation.hosts[0]), tuple(runner))
 
 
 # --- sbatch scripts ---------------------------------------------------------------------------

@@ -206,13 +206,13 @@ def build_row(run_name: str, status: str, params: dict, series: dict, predicted_
 def predicted_peak_mib(spec: dict) -> float | None:
     """The planned peak allocated MiB of a run's resolved spec (the spec that ran: `memory.fit` is
     not applied again), prepared as a launch prepares it; None when the planner cannot tell."""
-    from jobspec.job.prepare import Host, prepare_job
+    from jobspec.job.prepare import AS_WRITTEN, Host, prepare_job
     from jobspec.spec.schema import fill_defaults
     from jobspec.spec.validation import ResolvedSpec
     from jobspec.units import MiB
     try:
         resolved = ResolvedSpec(fill_defaults(spec), Path(rundir.RESOLVED), "")
-        memory = prepare_job(resolved, host=Host(), plan=True, apply_fit=False, compile=False).memory
+        memory = prepare_job(resolved, host=Host(), how=AS_WRITTEN).memory
         assert memory is not None   # plan=True decides it
         plan = memory.plan
         return plan.peak_allocated / MiB if plan is not None else None

@@ -1,6 +1,7 @@
 """compile_spec: batch arithmetic, steps, optimizer/scheduler/precision/ZeRO blocks, patches, overrides."""
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import itertools
 import math
@@ -79,7 +80,7 @@ def test_batch_fields_are_explicit(micro, global_batch, gpus, nodes, accumulatio
     assert c.ds_config["train_micro_batch_size_per_gpu"] == micro
     assert c.ds_config["gradient_accumulation_steps"] == accumulation
     assert c.derived.world_size == gpus * nodes
-    assert c.launch["world_size"] == gpus * nodes
+    assert c.plan.world_size == gpus * nodes
 
 
 def test_global_batch_not_a_multiple_is_a_spec_error():
@@ -464,16 +465,26 @@ def test_lora_is_a_patch_with_its_resolved_settings():
 
 
 def test_launch_argv_single_and_multi_node():
-    one = compile_(make_spec(resources={"gpus_per_node": 2}), run_dir="/runs/x").launch
-    assert one["argv"] == ["deepspeed", "--num_gpus", "2", "--master_port", "29500", "--module", "jobspec.train.worker",
+    one = compile_(make_spec(resources={"gpus_per_node": 2}), run_dir="/runs/x").plan
+    assert one.command == ["deepspeed", "--num_gpus", "2", "--master_port", "29500", "--module", "jobspec.train.worker",
                            "--run-dir", "/runs/x"]
-    fixed = compile_(make_spec(resources={"master_port": 31000}), master_port=None).launch
-    assert fixed["master_port"] == 31000 and "31000" in fixed["argv"]
-    given = compile_(make_spec(resources={"master_port": 31000}), master_port=40000).launch
-    assert given["master_port"] == 40000
-    multi = compile_(make_spec(resources={"nodes": 2, "gpus_per_node": 4, "master_addr": "node1"})).launch
-    assert multi["argv"][:5] == ["deepspeed", "--num_nodes", "2", "--master_addr", "node1"]
-    assert (multi["world_size"], multi["nodes"], multi["gpus_per_node"]) == (8, 2, 4)
+    fixed = compile_(make_spec(resources={"master_port": 31000}), master_port=None).plan
+    assert fixed.master_port == 31000 and "31000" in fixed.command
+    given = compile_(make_spec(resources={"master_port": 31000}), master_port=40000).plan
+    assert given.master_port == 40000
+    multi = compile_(make_spec(resources={"nodes": 2, "gpus_per_node": 4, "master_addr": "node1"})).plan
+    assert multi.command[:5] == ["deepspeed", "--num_nodes", "2", "--master_addr", "node1"]
+    assert (multi.world_size, multi.nodes, multi.gpus_per_node) == (8, 2, 4)
+
+
+def test_the_launch_plan_is_frozen_and_its_record_is_launch_json_s_launch_fields():
+    plan = compile_(make_spec(resources={"gpus_per_node": 2}), run_dir="/runs/x", master_port=29517).plan
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.master_port = 1   # type: ignore[misc]
+    assert plan.environment["PYTHONUNBUFFERED"] == "1"   # the ranks' output reaches the launcher as it happens
+    assert plan.record() == {"argv": plan.command, "world_size": 2, "nodes": 1, "gpus_per_node": 2,
+                             "master_port": 29517}
+    assert plan.record(["python", "-m", "x"])["argv"] == ["python", "-m", "x"]   # the argv that runs, when given
 
 
 # ----------------------------------------------------------------- overrides and "auto"

@@ -23,7 +23,7 @@ import yaml
 
 from jobspec import lifeline, rundir
 from jobspec import status as run_status
-from jobspec.launch import ownership, runner, supervise as supervision
+from jobspec.launch import backends, ownership, runner, supervise as supervision
 from jobspec.tracking import orphans
 from jobspec.tracking import run as tracking
 from jobspec.cli import main
@@ -324,8 +324,21 @@ def only_run_dir(tmp_path: Path, name: str = "tiny-launch") -> Path:
     return runs[0]
 
 
+class ScriptedBackend:
+    """A launch backend (launch/backends.Backend) starting a given command instead of DeepSpeed's."""
+
+    def __init__(self, argv: list[str]):
+        self.command = argv
+
+    def argv(self, plan) -> list[str]:
+        return self.command
+
+    def hostfile_text(self, plan) -> None:
+        return None
+
+
 def use_fake_runner(monkeypatch, fake_runner, mode):
-    monkeypatch.setattr(runner, "resolve_runner", lambda argv: fake_runner(argv[argv.index("--run-dir") + 1], mode))
+    monkeypatch.setattr(backends, "backend_for", lambda plan: ScriptedBackend(fake_runner(plan.run_dir, mode)))
 
 
 def mlflow_run_of(run_dir: Path):

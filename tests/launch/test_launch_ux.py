@@ -14,9 +14,10 @@ import yaml
 
 from jobspec import rundir
 from jobspec.cli import main
-from jobspec.launch import runner
+from jobspec.launch import backends
 from jobspec.tracking import run as telemetry
 from conftest import REPO_ROOT
+from test_launch import ScriptedBackend
 
 # Prints what DeepSpeed's runner, launch.py and two ranks print, then writes what rank 0 writes:
 # metrics, summary.json and a complete final checkpoint.
@@ -51,8 +52,8 @@ FAKE_DEEPSPEED = textwrap.dedent('''
 def job(tmp_path, monkeypatch):
     script = tmp_path / "fake_deepspeed.py"
     script.write_text(FAKE_DEEPSPEED)
-    monkeypatch.setattr(runner, "resolve_runner",
-                        lambda argv: [sys.executable, str(script), argv[argv.index("--run-dir") + 1]])
+    monkeypatch.setattr(backends, "backend_for",
+                        lambda plan: ScriptedBackend([sys.executable, str(script), plan.run_dir]))
     monkeypatch.chdir(tmp_path)
     spec = yaml.safe_load((REPO_ROOT / "jobs" / "quickstart.yaml").read_text())
     spec.update(output_dir=str(tmp_path / "out"))

@@ -6,16 +6,24 @@ replaced by a recorder: whatever the runner would have started, jobspec starts, 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import subprocess
 import sys
 
 import pytest
 
-from jobspec.launch import runner
+from jobspec.compile.launch_plan import LaunchPlan
+from jobspec.launch import backends, runner, slurm
 
+PLAN = LaunchPlan(nodes=1, gpus_per_node=2, world_size=2, master_port=29517, run_dir="/runs/job/run-1")
 COMPILED = ["deepspeed", "--num_gpus", "2", "--master_port", "29517", "--module", "jobspec.train.worker",
             "--run-dir", "/runs/job/run-1"]
+
+
+def launched(plan: LaunchPlan, environ: dict) -> list[str]:
+    """The argv a launch of `plan` runs in `environ` (the backend launch/backends chooses)."""
+    return backends.backend_for(plan, environ).argv(plan)
 
 
 def runner_command(argv: list[str], monkeypatch) -> list[str]:
@@ -44,12 +52,14 @@ def runner_command(argv: list[str], monkeypatch) -> list[str]:
 @pytest.mark.parametrize("gpus", [1, 2])
 def test_one_node_runs_the_command_the_runner_would(gpus, monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    plan = dataclasses.replace(PLAN, gpus_per_node=gpus, world_size=gpus)
     compiled = list(COMPILED)
     compiled[2] = str(gpus)
+    assert plan.command == compiled   # what `jobspec compile` shows, given to the real runner below
     expected = runner_command(compiled[1:], monkeypatch)
     assert expected[:4] == [sys.executable, "-u", "-m", "deepspeed.launcher.launch"]
     # the same launch.py with the same arguments, run through jobspec.launch.ds_launch (tested below)
-    assert runner.resolve_runner(compiled, environ={}) == [*expected[:3], runner.NODE_LAUNCHER, *expected[4:]]
+    assert launched(plan, {}) == [*expected[:3], runner.NODE_LAUNCHER, *expected[4:]]
 
 
 def test_ds_launch_is_launch_py_imported_without_mlflow():
@@ -66,7 +76,7 @@ def test_ds_launch_is_launch_py_imported_without_mlflow():
 
 def test_visible_devices_are_the_ones_used():
     # the GPU pre-flight measured the devices CUDA_VISIBLE_DEVICES lists; the ranks get those
-    argv = runner.resolve_runner(COMPILED, environ={"CUDA_VISIBLE_DEVICES": "4,6,7"})
+    argv = launched(PLAN, {"CUDA_VISIBLE_DEVICES": "4,6,7"})
     encoded = next(a for a in argv if a.startswith("--world_info=")).split("=", 1)[1]
     world = json.loads(base64.urlsafe_b64decode(encoded))  # as launch.py decodes it
     assert world == {"localhost": [4, 6]}
@@ -77,12 +87,34 @@ def test_visible_devices_are_the_ones_used():
 def test_several_nodes_keep_the_runner():
     argv = ["deepspeed", "--num_nodes", "2", "--num_gpus", "4", "--master_port", "29500",
             "--module", "jobspec.train.worker", "--run-dir", "/r"]
-    resolved = runner.resolve_runner(argv, environ={})
+    plan = LaunchPlan(nodes=2, gpus_per_node=4, world_size=8, master_port=29500, run_dir="/r")
+    assert plan.command == argv
+    backend = backends.backend_for(plan, {})   # outside Slurm: the runner reads the user's hostfile
+    resolved = backend.argv(plan)
     assert resolved[:len(runner.runner_prefix())] == runner.runner_prefix()
     assert resolved[len(runner.runner_prefix()):] == argv[1:]
-    assert runner.resolve_runner(["python", "x.py"]) == ["python", "x.py"]  # not a deepspeed argv: as is
-    forced = runner.resolve_runner(COMPILED, environ={"JOBSPEC_DEEPSPEED_RUNNER": "1"})
+    assert backend.hostfile_text(plan) is None
+    named = dataclasses.replace(plan, master_addr="node1")   # resources.master_addr reaches the runner
+    assert launched(named, {})[len(runner.runner_prefix()):][:4] == ["--num_nodes", "2", "--master_addr", "node1"]
+    forced = launched(PLAN, {"JOBSPEC_DEEPSPEED_RUNNER": "1"})
     assert forced == runner.runner_prefix() + COMPILED[1:]
+
+
+def test_inside_slurm_several_nodes_run_srun_one_runner_per_node(monkeypatch):
+    from test_slurm import fake_scontrol
+    monkeypatch.setattr(slurm.subprocess, "run", fake_scontrol({"n1": "10.0.0.5", "n2": "10.0.0.6"}))
+    env = {"SLURM_JOB_ID": "5", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_NUM_NODES": "2"}
+    plan = LaunchPlan(nodes=2, gpus_per_node=4, world_size=8, master_port=29123, run_dir="/runs/r 1")
+    backend = backends.backend_for(plan, env)
+    assert backend.argv(plan) == [
+        "srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+        sys.executable, "-m", "jobspec.launch.slurm", "node-runner", *runner.runner_prefix(),
+        "--no_ssh", "--hostfile", "/runs/r 1/hostfile", "--num_nodes", "2", "--num_gpus", "4",
+        "--master_addr", "10.0.0.5", "--master_port", "29123", "--module", "jobspec.train.worker",
+        "--run-dir", "/runs/r 1"]
+    assert backend.hostfile_text(plan) == "n1 slots=4\nn2 slots=4\n"   # written into the run dir first
+    one = LaunchPlan(nodes=1, gpus_per_node=2, world_size=2, master_port=29123, run_dir="/r")
+    assert launched(one, env)[3] == runner.NODE_LAUNCHER   # one node in an allocation: launch.py as anywhere
 
 
 @pytest.mark.slow
@@ -93,9 +125,10 @@ def test_the_direct_command_starts_ranks(tmp_path):
     # two ranks' words interleave in the shared pipe ("RANKRANK 0 2 ...")
     script.write_text("import os, sys\nos.write(1, ' '.join(['RANK', os.environ['RANK'], os.environ['WORLD_SIZE'], "
                       "os.environ['MASTER_PORT'], str(sys.argv[1:])]).encode() + b'\\n')\n")
-    argv = runner.resolve_runner(["deepspeed", "--num_gpus", "2", "--master_port", str(runner.free_port()),
-                                  str(script), "--run-dir", "x"], environ={})
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    plan = LaunchPlan(nodes=1, gpus_per_node=2, world_size=2, master_port=runner.free_port(), run_dir="x",
+                      module="rank")
+    argv = launched(plan, {})
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     ranks = sorted(line for line in out.stdout.splitlines() if line.startswith("RANK"))
     assert [line.split()[1:3] for line in ranks] == [["0", "2"], ["1", "2"]]

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO_ROOT as REPO
+from jobspec import rundir
+from jobspec.compile.launch_plan import LaunchPlan
 from jobspec.launch import slurm
 from jobspec.errors import SpecError
 
@@ -50,24 +52,24 @@ def test_allocation_from_environment():
     assert run.calls == [["scontrol", "show", "hostnames", "gpu-a[1-2],gpu-b7"]]
 
 
-def _launch(nodes=2, gpus=4, port=29123):
-    return {"argv": ["deepspeed", "--num_nodes", str(nodes), "--num_gpus", str(gpus), "--master_port", str(port),
-                     "--module", "jobspec.train.worker", "--run-dir", "/r"],
-            "nodes": nodes, "gpus_per_node": gpus, "master_port": port, "world_size": nodes * gpus}
+def _launch(nodes=2, gpus=4, port=29123, run_dir="/r"):
+    return LaunchPlan(nodes=nodes, gpus_per_node=gpus, world_size=nodes * gpus, master_port=port, run_dir=run_dir)
 
 
 def test_allocation_argv_runs_one_runner_per_node_without_a_shell(tmp_path):
     alloc = slurm.Allocation("9", ("n1", "n2", "n3"), 0, 3)
-    hostfile = slurm.write_hostfile(alloc, 2, 4, tmp_path)
-    assert hostfile == tmp_path / "hostfile"
+    backend = slurm.SrunPerNode(alloc, "10.0.0.1", ("deepspeed",))
+    plan = _launch(run_dir=str(tmp_path / "r 1"))
+    Path(plan.run_dir).mkdir()
+    hostfile = rundir.write_hostfile(plan.run_dir, backend.hostfile_text(plan))
+    assert hostfile == tmp_path / "r 1" / "hostfile"
     assert hostfile.read_text() == "n1 slots=4\nn2 slots=4\n"
-    argv = slurm.allocation_argv(_launch(), alloc, "/runs/r 1", hostfile, master_addr="10.0.0.1",
-                                 runner=["deepspeed"])
+    argv = backend.argv(plan)
     assert argv[:5] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
     tail = argv[argv.index("node-runner") + 1:]
     assert tail == ["deepspeed", "--no_ssh", "--hostfile", str(hostfile), "--num_nodes", "2", "--num_gpus", "4",
                     "--master_addr", "10.0.0.1", "--master_port", "29123", "--module", "jobspec.train.worker",
-                    "--run-dir", "/runs/r 1"]
+                    "--run-dir", plan.run_dir]
     assert not any(a in ("bash", "sh", "-c") for a in argv)
 
 
@@ -82,14 +84,15 @@ def test_node_runner_takes_the_node_rank_from_its_own_task():
 def test_launch_argv_changes_only_multi_node_launches_in_an_allocation(tmp_path, monkeypatch):
     env = {"SLURM_JOB_ID": "5", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_NUM_NODES": "2"}
     monkeypatch.setattr(slurm.subprocess, "run", fake_scontrol({"n1": "127.0.0.5", "n2": "127.0.0.6"}))
-    one = _launch(nodes=1)
-    assert slurm.launch_argv(one, tmp_path, env) == one["argv"]
-    assert slurm.launch_argv(_launch(), tmp_path, {}) == _launch()["argv"]  # no allocation
-    argv = slurm.launch_argv(_launch(), tmp_path, env)
+    assert slurm.allocation_backend(_launch(nodes=1), ["deepspeed"], env) is None   # one node: launch.py
+    assert slurm.allocation_backend(_launch(), ["deepspeed"], {}) is None  # no allocation: the runner
+    plan = _launch(run_dir=str(tmp_path))
+    backend = slurm.allocation_backend(plan, ["deepspeed"], env)
+    argv = backend.argv(plan)
     assert argv[0] == "srun" and argv[argv.index("--master_addr") + 1] == "127.0.0.5"
-    assert (tmp_path / "hostfile").read_text() == "n1 slots=4\nn2 slots=4\n"
+    assert backend.hostfile_text(plan) == "n1 slots=4\nn2 slots=4\n"
     with pytest.raises(SpecError) as caught:
-        slurm.launch_argv(_launch(nodes=3), tmp_path, env)
+        slurm.allocation_backend(_launch(nodes=3), ["deepspeed"], env)
     assert caught.value.issues[0].path == ("resources", "nodes")
 
 

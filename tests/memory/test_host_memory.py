@@ -16,7 +16,7 @@ from conftest import PROFILER, REPO_ROOT as REPO
 from conftest import free_port
 from jobspec.cli import main
 from jobspec.errors import SpecError
-from jobspec.job.prepare import Host, prepare_job
+from jobspec.job.prepare import PLANNED, Host, prepare_job
 from jobspec.launch import console
 from jobspec.launch.host import Host as FoundHost
 from jobspec.memory.fit import fit
@@ -247,17 +247,17 @@ def write_job(tmp_path, **sections):
 def test_fit_auto_refuses_a_node_that_cannot_hold_the_job(tmp_path):
     job = write_job(tmp_path, memory={"fit": "auto"}, resources={"host_mem": "600MiB"})
     with pytest.raises(SpecError) as raised:
-        prepare_job(job, host=Host(gpu_free=parse_bytes("80GiB")), plan=True, compile=False)
+        prepare_job(job, host=Host(gpu_free=parse_bytes("80GiB")), how=PLANNED)
     issue = raised.value.issues[0]
     assert issue.dotted_path == "resources.host_mem" and issue.line is not None
     # a CPU host (no GPU budget: the fit is skipped) is refused too
     with pytest.raises(SpecError):
-        prepare_job(job, host=Host(), plan=True, compile=False)
+        prepare_job(job, host=Host(), how=PLANNED)
 
 
 def test_as_written_the_header_warns(tmp_path):
     job = write_job(tmp_path, resources={"host_mem": "600MiB"})
-    prepared = prepare_job(job, host=Host(), plan=True, compile=False)
+    prepared = prepare_job(job, host=Host(), how=PLANNED)
     memory = prepared.memory
     assert memory.plan.host_fits is False and memory.host_problem is not None
     found = FoundHost(cpus=2, ram_total=16 * GiB, ram_available=12 * GiB)
@@ -268,10 +268,9 @@ def test_as_written_the_header_warns(tmp_path):
 
 
 def test_the_launching_hosts_ram_is_the_budget_of_a_one_node_job_only(tmp_path):
-    one = prepare_job(write_job(tmp_path), host=Host(ram_total=64 * GiB), plan=True, compile=False).memory
+    one = prepare_job(write_job(tmp_path), host=Host(ram_total=64 * GiB), how=PLANNED).memory
     assert one.host_budget == 64 * GiB and one.host_budget_source == "this host's RAM" and one.plan.host_fits
-    two = prepare_job(write_job(tmp_path, resources={"nodes": 2}), host=Host(ram_total=64 * GiB), plan=True,
-                      compile=False).memory
+    two = prepare_job(write_job(tmp_path, resources={"nodes": 2}), host=Host(ram_total=64 * GiB), how=PLANNED).memory
     assert two.host_budget is None and two.plan.host_fits is None
     assert one.plan.host_total >= RUNTIME_BYTES and one.plan.host_total < RUNTIME_BYTES + 64 * MiB
 

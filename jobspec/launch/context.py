@@ -1,0 +1,76 @@
+"""One launch's context: what the command line asked (LaunchOptions) and what the launcher holds and
+found while it runs the job (LaunchContext), passed whole through launch/pipeline instead of a
+dozen parameters; and the command that continues a job's checkpoints (`resume_hint`)."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from jobspec import status as run_status
+from jobspec.errors import SpecError
+from jobspec.launch import host, lease, lineage, supervise
+
+if TYPE_CHECKING:
+    from jobspec.job.prepare import PreparedJob
+    from jobspec.spec.validation import ResolvedSpec
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """What the command line asks of a launch (`jobspec launch`'s flags)."""
+
+    dry_run: bool = False
+    stop_after_steps: int | None = None
+    ignore_preflight: bool = False
+    kill_grace_s: float = supervise.KILL_GRACE_S
+    verbose: bool = False
+    new_run: bool = False
+    continue_run: bool = False
+
+
+@dataclass(frozen=True)
+class LaunchContext:
+    """One launch from its intent on, while it holds the checkpoint directory's lease: what was asked
+    (the job argument, overrides, options), the spec as written, the job prepared for the chosen
+    checkpoints, what the launcher holds (the lease, the stop handler) and what it found (host, port)."""
+
+    job: str
+    overrides: tuple[str, ...]
+    options: LaunchOptions
+    as_written: ResolvedSpec          # before memory.fit and the checkpoint directory chosen
+    prepared: PreparedJob             # what runs
+    chosen: lineage.Lineage
+    held: lease.Lease
+    stops: supervise.HeldStops
+    resume_run_id: str | None
+    port: int
+    found: host.Host
+    style: bool                       # the progress bar's bold labels
+    phases: list[tuple[str, float, float]]   # start-up timestamps, appended as it goes (launcher.log)
+
+    @property
+    def spec(self) -> dict:
+        return self.prepared.resolved.spec
+
+    def resume_hint(self, checkpoint_dir: Path) -> str:
+        """The command that continues the checkpoints in `checkpoint_dir` (`resume_hint`)."""
+        return resume_hint(self.job, list(self.overrides), self.as_written, self.prepared.derived, checkpoint_dir)
+
+
+def resume_hint(job: str, overrides: list[str], as_written, derived, checkpoint_dir: Path) -> str:
+    """The command that continues the checkpoints in `checkpoint_dir`: the launch's own command
+    (`checkpoint.resume=auto` added if it was not) when a relaunch of it picks that directory
+    (launch/lineage.choose: the newest unfinished one of the same spec), else with the directory named.
+    A `--new-run` flag is never part of it: it would start yet another line of checkpoints."""
+    plain = run_status.resume_command(job, overrides, as_written.spec["checkpoint"]["resume"])
+    resumed = dataclasses.replace(as_written, spec={**as_written.spec, "checkpoint": {
+        **as_written.spec["checkpoint"], "resume": "auto"}})
+    try:
+        picked = lineage.choose(resumed, derived.as_dict()).checkpoint_dir
+    except SpecError:
+        picked = None
+    if picked is not None and Path(picked).resolve() == Path(checkpoint_dir).resolve():
+        return plain
+    return run_status.resume_command(job, overrides, as_written.spec["checkpoint"]["resume"], str(checkpoint_dir))
