@@ -63,8 +63,8 @@ def write_run_dir(spec: dict, run_dir: Path) -> None:
     (run_dir / "resolved.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
     (run_dir / "ds_config.json").write_text(json.dumps(compiled.ds_config))
     (run_dir / "patches.json").write_text(json.dumps(compiled.patches))
-    (run_dir / "launch.json").write_text(json.dumps({**compiled.launch, "derived": compiled.derived.as_dict(),
-                                                     "notes": [], "source": str(run_dir)}))
+    launch = {**compiled.plan.record(), "derived": compiled.derived.as_dict(), "notes": [], "source": str(run_dir)}
+    (run_dir / "launch.json").write_text(json.dumps(launch))
 
 
 def rank_main(run_dir: Path, tokens: list[int], repeats: int) -> None:

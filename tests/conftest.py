@@ -101,7 +101,7 @@ def make_run_dir(root: Path, overrides: dict | None = None, name: str = "run") -
         from jobspec.spec.derived import derive
         compiled = compile_spec(spec, derive(spec, num_train_samples=num_samples), run_dir=str(run_dir))
         ds_config, patches, derived = compiled.ds_config, compiled.patches, compiled.derived.as_dict()
-        launch = dict(compiled.launch)
+        launch = compiled.plan.record()
     else:
         training = spec["training"]
         micro = training["micro_batch_size"]

@@ -37,10 +37,10 @@ class BackgroundTracking:
     record, in a thread; `wait` returns the MLflow run, `end` ends every tracker that started."""
 
     def __init__(self, resolved, compiled, run_dir: Path, resume_run_id: str | None, plan_params: dict,
-                 *, launch: dict | None = None, verbose: bool = False, announce=None, done=None, lineage=None,
+                 *, launch: dict, verbose: bool = False, announce=None, done=None, lineage=None,
                  start_step: int = 0):
         self.resolved, self.compiled, self.run_dir = resolved, compiled, Path(run_dir)
-        self.launch = launch if launch is not None else compiled.launch   # launch.json's content
+        self.launch = launch   # launch.json's launch fields: the argv that runs, counts, overrides, segment
         self.resume_run_id, self.plan_params, self.verbose = resume_run_id, plan_params, verbose
         self.lineage, self.start_step = lineage, start_step   # launch/lineage.py: the owner record's history
         self.announce = announce or (lambda info: None)   # called with mlflow_run.json's content

@@ -78,7 +78,7 @@ def run_files(task: str, *, world: int, micro: int, zero: int, overrides: dict |
     spec["output_dir"] = "/nonexistent-split-run"   # nothing is written: no checkpoint, no export
     spec["checkpoint"]["dir"] = spec["output_dir"] + "/checkpoints"
     compiled = compile_spec(spec, derive(spec, num_train_samples=TRAIN_ROWS[task]))
-    launch = {**compiled.launch, "derived": compiled.derived.as_dict(), "notes": []}
+    launch = {**compiled.plan.record(), "derived": compiled.derived.as_dict(), "notes": []}
     return RunFiles(copy.deepcopy(spec), compiled.ds_config, compiled.patches, launch)
 
 

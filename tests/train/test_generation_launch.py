@@ -53,7 +53,7 @@ def make_run_dir(root: Path, spec: dict, name: str) -> Path:
     run_dir = root / name
     run_dir.mkdir(parents=True)
     compiled = compile_spec(spec, derive(spec, num_train_samples=64), run_dir=str(run_dir))
-    launch = {**compiled.launch, "derived": compiled.derived.as_dict(), "notes": [],
+    launch = {**compiled.plan.record(), "derived": compiled.derived.as_dict(), "notes": [],
               "source": str(run_dir / "spec.yaml")}
     (run_dir / "resolved.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
     (run_dir / "ds_config.json").write_text(json.dumps(compiled.ds_config, indent=2))
