@@ -45,11 +45,13 @@ MATRIX = [
     pytest.param(combo(zero=2, precision="bf16", optimizer="adamw_8bit", activation_checkpointing=EVERY_2,
                        accumulation=4), id="zero2-bf16-adamw8bit-acc4-actckpt_every2"),
     pytest.param(combo(zero=2, offload_optimizer="cpu", activation_checkpointing=True),
-                 id="zero2-fp32-offload_opt_cpu-acc1-actckpt_full"),
+                 marks=pytest.mark.jit_ops("CPUAdamBuilder"), id="zero2-fp32-offload_opt_cpu-acc1-actckpt_full"),
     pytest.param(combo(zero=3, precision="bf16", offload_optimizer="cpu", offload_params="cpu",
                        activation_checkpointing=EVERY_2, checkpoint_every=2),
+                 marks=pytest.mark.jit_ops("CPUAdamBuilder"),
                  id="zero3-bf16-offload_opt_cpu-offload_params_cpu-acc1-actckpt_every2-save_every2"),
     pytest.param(combo(zero=3, offload_optimizer="nvme", offload_params="nvme", accumulation=4),
+                 marks=pytest.mark.jit_ops("CPUAdamBuilder", "AsyncIOBuilder"),
                  id="zero3-fp32-offload_opt_nvme-offload_params_nvme-acc4-actckpt_off"),
 ]
 # Every value of every dimension appears above (or in PLAIN) at least once; the full cross product would

@@ -127,6 +127,8 @@ def main() -> None:
     parser.add_argument("--run-dir", required=True, type=Path, action="append")
     parser.add_argument("--local_rank", type=int, default=0)
     args = parser.parse_args()
+    from jobspec import ops
+    ops.skip_unused_ops()   # as the worker: DeepSpeed's shm all-reduce op, unused in training, not built
     deepspeed.init_distributed(dist_backend="gloo")
     for run_dir in args.run_dir:
         measure(run_dir)

@@ -124,6 +124,7 @@ def test_sub_groups_follow_deepspeeds_rule():
 
 
 @pytest.mark.slow
+@pytest.mark.jit_ops("CPUAdamBuilder")   # optimizer offload's CPU Adam
 @pytest.mark.parametrize("stage", [2, 3])
 def test_offload_terms_match_deepspeeds_host_tensors(stage):
     """bench/offload_host.py on one CPU rank: the host tensors DeepSpeed's ZeRO optimizer holds after a

@@ -74,6 +74,8 @@ ZERO3_SCRIPT = textwrap.dedent("""
     from jobspec.model.build import build_model
     from jobspec.model.construct import count_partitions
     from transformers.integrations import is_deepspeed_zero3_enabled
+    from jobspec import ops
+    ops.skip_unused_ops()   # as the worker: DeepSpeed's shm all-reduce op (minutes to build on a new machine)
     deepspeed.init_distributed(dist_backend="gloo")
     specs, config = json.loads(sys.argv[1]), json.loads(sys.argv[2])
     out = {}

@@ -42,6 +42,7 @@ def train(kind: str, start: torch.Tensor, grads, state: dict | None = None, repl
     return weight.detach().clone(), optimizer
 
 
+@pytest.mark.jit_ops("FusedAdamBuilder", "CPUAdamBuilder")   # loaded in this process
 @pytest.mark.parametrize("kind", ["fused", "cpu"])  # the CPU accelerator's FusedAdam; optimizer offload's
 def test_a_resumed_cpu_adam_steps_exactly_like_an_uninterrupted_one_after_the_replay(kind):
     generator = torch.Generator().manual_seed(0)

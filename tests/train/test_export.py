@@ -174,6 +174,7 @@ def test_zero2_records_the_models_in_summary_and_mlflow(zero2, tmp_path):
 
 # --- ZeRO-3 with CPU offload, launched again from the MLflow run, full disk at the end ---------------
 
+@pytest.mark.jit_ops("CPUAdamBuilder")   # zero3_child: optimizer offload
 def test_from_run_child_is_tagged_and_keeps_the_parents_checkpoints(zero2, zero3_child):
     import yaml
     from mlflow import MlflowClient
@@ -187,6 +188,7 @@ def test_from_run_child_is_tagged_and_keeps_the_parents_checkpoints(zero2, zero3
     assert f"from run {zero2.run_id}: checkpoint.dir" in zero3_child.proc.stdout
 
 
+@pytest.mark.jit_ops("CPUAdamBuilder")   # zero3_child: optimizer offload
 def test_full_disk_at_the_end_is_one_line_exit_1_and_loses_no_checkpoint(zero2, zero3_child):
     import yaml
     from mlflow import MlflowClient
@@ -208,6 +210,7 @@ def test_full_disk_at_the_end_is_one_line_exit_1_and_loses_no_checkpoint(zero2, 
     assert MlflowClient(tracking_uri=zero2.uri).get_run(zero3_child.run_id).info.status == "FAILED"
 
 
+@pytest.mark.jit_ops("CPUAdamBuilder")   # zero3_child: optimizer offload
 def test_zero3_offload_exports_reproduce_the_engine(zero3_child, tmp_path):
     # the rank-side export at the step-3 checkpoint: DeepSpeed's gather of offloaded parameters
     assert_fp32_match(zero3_child.run_dir / "model" / "step3", reference(zero3_child.ref, "step3"))

@@ -75,7 +75,9 @@ def _family_worker(rank: int, world: int, port: int, out: str, families: list[st
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
+    from jobspec import ops
     from jobspec.train import sequence_parallel
+    ops.skip_unused_ops()   # as the worker: DeepSpeed's shm all-reduce op, unused in training, not built
     deepspeed.init_distributed(dist_backend="gloo")
     results = {}
     for case in families:
