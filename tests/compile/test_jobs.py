@@ -171,6 +171,13 @@ def test_compile_out_lists_lora_in_patches_json(tmp_path, capsys):
     assert "patch: lora r=8 alpha=16 dropout=0.1" in capsys.readouterr().err
 
 
+def test_compile_prints_the_optimizer_the_ranks_build(capsys):
+    assert main(["compile", str(REPO / "jobs" / "quickstart.yaml"), "--set", "training.optimizer.name=adafactor"]) == 0
+    err = capsys.readouterr().err
+    assert 'optimizer: name="adafactor" lr=0.003 eps=[1e-30, 0.001]' in err and "(built by jobspec on the ranks)" in err
+    assert "client_optimizer" not in err   # no patch: the ranks build it from the resolved spec
+
+
 def test_compile_bad_spec_exits_2(tmp_path, capsys):
     job = tmp_path / "bad.yaml"
     job.write_text("model: {architecture: bert}\ndata: {synthetic: {}}\ntraining: {max_steps: 1}\n"

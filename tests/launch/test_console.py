@@ -349,3 +349,13 @@ def test_closing_summary_shows_the_lora_settings_beside_the_trainable_parameters
     # no LoRA (a full fine-tune, model.freeze): no adapter line
     assert "adapter" not in closing(trained, model_spec={"lora": None, "quantization": None})
     assert "adapter" not in closing(trained)
+
+
+def test_header_says_the_lora_patch_and_the_optimizer_the_ranks_build():
+    # LoRA is a compiled patch like the others; the optimizer jobspec builds is no patch but still said
+    spec, job, memory, patches = prepared("quickstart.yaml", "training.optimizer.name=adafactor", "model.lora.r=4",
+                                          "model.lora.target_modules=[query, value]")
+    assert [p["name"] for p in patches] == ["attention_implementation", "lora"]
+    text = "\n".join(console.header_lines(spec, job, memory, CPU_HOST, patches))
+    assert ("model       attention sdpa · optimizer adafactor, built by jobspec · LoRA r 4 alpha 16 on query, "
+            "value") in text
