@@ -32,6 +32,8 @@ log = logging.getLogger("jobspec.tracking")
 
 LOG_DIR = "tensorboard"
 FLUSH_S = 10          # rank 0's events reach the file at least this often (a live `tensorboard` sees them)
+QUEUED_EVENTS = 1000  # events waiting for the writer's thread before a log call waits (its default, 10, would
+                      # make the training loop wait on a slow disk after 10 logging steps)
 TABLE_COLUMNS = ("prompt", "reference", "generation", "exact_match")
 TABLE_CELL_CHARS = 500
 STATUS = {"FINISHED": "STATUS_SUCCESS", "FAILED": "STATUS_FAILURE"}   # KILLED (stopped): STATUS_UNKNOWN
@@ -162,7 +164,8 @@ class _Events:
 
     def __init__(self, run_dir: Path, writer: str):
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
-        self._file = EventFileWriter(str(log_dir(run_dir)), flush_secs=FLUSH_S, filename_suffix=f".{writer}")
+        self._file = EventFileWriter(str(log_dir(run_dir)), max_queue_size=QUEUED_EVENTS, flush_secs=FLUSH_S,
+                                     filename_suffix=f".{writer}")
 
     def summary(self, summary, step: int, wall_time: float | None = None) -> None:
         from tensorboard.compat.proto import event_pb2
