@@ -166,3 +166,29 @@ def test_event_files_that_cannot_be_written_refuse_the_start_and_never_stop_trai
     sink.close()
     assert "metrics.jsonl only" in caplog.text
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["train/loss"] == 1.0
+
+
+def test_the_launcher_starts_and_ends_tensorboard_without_mlflow(tmp_path):
+    from types import SimpleNamespace
+
+    from jobspec.launch.tracking import BackgroundTracking
+
+    spec = make_spec(True)
+    spec["logging"]["mlflow"]["enabled"] = False
+    spec["checkpoint"]["dir"] = str(tmp_path / "checkpoints")
+    (tmp_path / "checkpoints").mkdir()
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "resolved.yaml").write_text(yaml.safe_dump(spec))
+    resolved = SimpleNamespace(spec=spec, text="name: tb-job\n", source=tmp_path / "job.yaml")
+    compiled = SimpleNamespace(derived=SimpleNamespace(as_dict=lambda: {"world_size": 2}))
+    tracking = BackgroundTracking(resolved, compiled, run_dir, None, {"plan.peak_mib": 1.0}, launch={}).start()
+    assert tracking.wait() is None and list(tracking.started) == ["tensorboard"]
+    assert (run_dir / "mlflow_off").exists()   # rank 0 does not wait for an MLflow run
+    tracking.end(Ending("KILLED", "preempted", 75, "stopped by SIGTERM with a checkpoint at step 4"))
+    events = read_events(run_dir)
+    content = events.PluginTagToContent(hparams_metadata.PLUGIN_NAME)
+    end = hparams_metadata.parse_session_end_info_plugin_data(content[hparams_metadata.SESSION_END_INFO_TAG])
+    assert end.status == api_pb2.Status.Value("STATUS_UNKNOWN")   # stopped: neither a success nor a failure
+    assert text_of(events, "jobspec/ending") == [(0, "**KILLED** (preempted), exit code 75\n\n"
+                                                     "stopped by SIGTERM with a checkpoint at step 4")]
