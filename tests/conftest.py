@@ -1,7 +1,6 @@
 """Shared test helpers: free ports, run directories for the worker, launching the real runner."""
 from __future__ import annotations
 
-import copy
 import json
 import os
 import shutil
@@ -12,9 +11,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from spec_builder import TINY_JOB as TINY_SPEC
+from spec_builder import deep_merge, write_job  # noqa: F401 - tests import deep_merge from conftest
 
+from jobspec.compile.compiler import compile_spec
 from jobspec.shm import remove_shared_memory_buffers
-from jobspec.spec.schema import fill_defaults
+from jobspec.spec.derived import derive
+from jobspec.spec.validation import load_and_validate
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,81 +46,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def deep_merge(base: dict, over: dict) -> dict:
-    out = copy.deepcopy(base)
-    for key, value in over.items():
-        out[key] = deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
-
-
-# A model small enough that 2 CPU ranks train it in seconds; dropout stays on so that
-# resume tests also check the RNG restore. Token classification over 64 ids (label: which half
-# of the range) is learnable within a dozen steps.
-TINY_SPEC = {
-    "name": "tiny",
-    "model": {"architecture": "bert", "task": "token-classification", "num_labels": 2,
-              "config": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
-                         "intermediate_size": 64, "vocab_size": 512, "max_position_embeddings": 64}},
-    "data": {"synthetic": {"num_samples": 128, "eval_samples": 16, "seq_len": 16, "vocab_range": [5, 69],
-                           "labels": "learnable"},
-             "num_workers": 0, "pin_memory": False},
-    "training": {"max_steps": 8, "micro_batch_size": 4, "seed": 7,
-                 "optimizer": {"lr": 2e-3}, "scheduler": {"name": "linear", "warmup_steps": 2}},
-    "logging": {"every_n_steps": 1, "mlflow": {"enabled": False}, "progress": "lines"},
-    "resources": {"gpus_per_node": 2},
-}
-
-
-def _hand_written_ds_config(spec: dict, derived: dict) -> dict:
-    training = spec["training"]
-    opt = training["optimizer"]
-    return {
-        "train_batch_size": derived["global_batch_size"],
-        "train_micro_batch_size_per_gpu": derived["micro_batch_size"],
-        "gradient_accumulation_steps": derived["gradient_accumulation_steps"],
-        "gradient_clipping": training["gradient_clipping"],
-        "optimizer": {"type": "AdamW", "params": {"lr": opt["lr"], "betas": opt["betas"], "eps": opt["eps"],
-                                                  "weight_decay": opt["weight_decay"], "torch_adam": True}},
-        "scheduler": {"type": "WarmupDecayLR", "params": {
-            "warmup_min_lr": 0.0, "warmup_max_lr": opt["lr"], "warmup_num_steps": derived["warmup_steps"],
-            "total_num_steps": derived["total_steps"], "warmup_type": "linear"}},
-        "zero_optimization": {"stage": spec["memory"]["zero_stage"]},
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
-
-
 def make_run_dir(root: Path, overrides: dict | None = None, name: str = "run") -> Path:
-    """A run directory as `jobspec compile --out` writes it (compiler used when it exists)."""
+    """A run directory as `jobspec compile --out` writes it: TINY_SPEC with `overrides` merged in, written as
+    spec.yaml, resolved by the loader (tests/spec_builder.py; output_dir root/out unless overridden) and
+    compiled."""
     run_dir = Path(root) / name
     run_dir.mkdir(parents=True)
-    spec = fill_defaults(deep_merge(TINY_SPEC, overrides or {}))
-    spec["output_dir"] = spec["output_dir"] or str(Path(root) / "out")
-    spec["checkpoint"]["dir"] = spec["checkpoint"]["dir"] or str(Path(spec["output_dir"]) / "checkpoints")
-    world = spec["resources"]["nodes"] * spec["resources"]["gpus_per_node"]
-    num_samples = spec["data"]["synthetic"]["num_samples"]
-    try:
-        from jobspec.compile.compiler import compile_spec
-    except ImportError:
-        compile_spec = None
-    if compile_spec is not None:
-        from jobspec.spec.derived import derive
-        compiled = compile_spec(spec, derive(spec, num_train_samples=num_samples), run_dir=str(run_dir))
-        ds_config, patches, derived = compiled.ds_config, compiled.patches, compiled.derived.as_dict()
-        launch = compiled.plan.record()
-    else:
-        training = spec["training"]
-        micro = training["micro_batch_size"]
-        global_batch = training["global_batch_size"] or micro * world
-        derived = {"micro_batch_size": micro, "global_batch_size": global_batch, "world_size": world,
-                   "gradient_accumulation_steps": global_batch // (micro * world),
-                   "total_steps": training["max_steps"],
-                   "warmup_steps": training["scheduler"]["warmup_steps"]}
-        ds_config, patches, launch = _hand_written_ds_config(spec, derived), [], {"world_size": world}
-    launch.update(derived=derived, notes=[], source=str(run_dir / "spec.yaml"))
+    source = write_job(run_dir, TINY_SPEC, "spec.yaml", **{"output_dir": str(Path(root) / "out"), **(overrides or {})})
+    spec = load_and_validate(source).spec
+    compiled = compile_spec(spec, derive(spec, num_train_samples=spec["data"]["synthetic"]["num_samples"]),
+                            run_dir=str(run_dir))
+    launch = compiled.plan.record()
+    launch.update(derived=compiled.derived.as_dict(), notes=[], source=str(source))
     (run_dir / "resolved.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
-    (run_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2))
-    (run_dir / "patches.json").write_text(json.dumps(patches))
+    (run_dir / "ds_config.json").write_text(json.dumps(compiled.ds_config, indent=2))
+    (run_dir / "patches.json").write_text(json.dumps(compiled.patches))
     (run_dir / "launch.json").write_text(json.dumps(launch, indent=2))
     return run_dir
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY_SPEC, make_run_dir, run_worker
+from spec_builder import DROP
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +40,7 @@ def save_sharded_checkpoint(path: Path) -> dict[str, torch.Tensor]:
 
 def launch(root: Path, ckpt: Path, stage: int, name: str):
     run_dir = make_run_dir(root, {
-        "model": {"architecture": None, "name_or_path": str(ckpt), "config": None,
+        "model": {"architecture": None, "name_or_path": str(ckpt), "config": DROP,
                   "freeze": ["bert.embeddings.word_embeddings.*"]},
         "memory": {"zero_stage": stage, "activation_checkpointing": True},
         "training": {"max_steps": 1, "optimizer": {"lr": LR}, "scheduler": {"name": "constant", "warmup_steps": 0}},
