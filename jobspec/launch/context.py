@@ -54,6 +54,12 @@ class LaunchContext:
     def spec(self) -> dict:
         return self.prepared.resolved.spec
 
+    @property
+    def gpu_free(self) -> int | None:
+        """The free GPU memory the plan was made against (prepare_job's Host: JOBSPEC_FAKE_GPU_FREE_BYTES
+        in tests), which `found` (the host as the header shows it) leaves out where it sees no GPU."""
+        return self.prepared.host.gpu_free if self.prepared.host is not None else None
+
     def resume_hint(self, checkpoint_dir: Path) -> str:
         """The command that continues the checkpoints in `checkpoint_dir` (`resume_hint`)."""
         return resume_hint(self.job, list(self.overrides), self.as_written, self.prepared.derived, checkpoint_dir)

@@ -178,7 +178,7 @@ def _create_run(ctx: LaunchContext, what: intent.Intent) -> tuple[Path, Compiled
     run_dir = rundir.create_run_dir(ctx.spec["output_dir"])
     try:
         compiled = ctx.prepared.compile(run_dir, ctx.port)   # what `jobspec compile` shows, for this run dir and port
-        host_checks(resolved, ctx.prepared.derived, run_dir, memory, ctx.found.gpu_free, compiled,
+        host_checks(resolved, ctx.prepared.derived, run_dir, memory, ctx.gpu_free, compiled,
                     ctx.options.ignore_preflight)
         # one node: DeepSpeed's launch.py; several: its runner, or inside Slurm one runner per node (docs/slurm.md)
         backend = backends.backend_for(compiled.plan)
