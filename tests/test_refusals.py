@@ -280,7 +280,7 @@ REFUSALS: dict[str, Listed] = {
     "launch/slurm:_directive_value": Listed(1, [NotVisible("`jobspec sbatch`'s, not launch's")]),
     "launch/slurm:sbatch_directives": Listed(1, [NotVisible("`jobspec sbatch`'s, not launch's")]),
     "launch/slurm:submit": Listed(2, [NotVisible("`jobspec sbatch --submit`'s, not launch's")]),
-    "memory/at_launch:prepare": Listed(2, ["fit-nothing"]),
+    "memory/at_launch:plan_at_launch": Listed(2, ["fit-nothing"]),
     "memory/at_launch:_rechecked": Listed(1, [Covered(
         "tests/test_prepare_job.py::test_a_fit_change_that_breaks_a_rule_is_refused_with_the_rules_message")]),
     "spec/inputs:count_rows": Listed(1, ["row-count"]),
