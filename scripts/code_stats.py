@@ -1,0 +1,160 @@
+"""The shape of a jobspec source tree in numbers: what docs/architecture.md's "Before and after issue 38" shows.
+
+    python scripts/code_stats.py                      # this checkout
+    python scripts/code_stats.py --root /tmp/before   # another tree (a `git worktree add` of an old commit)
+    python scripts/code_stats.py --format markdown    # the tables docs/architecture.md holds
+
+Prints: the package's module count and lines (total, the largest modules), the longest functions, the
+import graph (module-level cycles and imports that run up the layers, judged by THIS checkout's
+scripts/import_graph.py rules so two trees are measured by one ruler), the `spec: dict` annotations
+(as the issue counted them), the share of fully
+annotated functions (every parameter but self/cls and the return), and [tool.mypy] from pyproject.toml.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import re
+import sys
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import import_graph  # noqa: E402  (the script beside this one)
+
+PACKAGE = "jobspec"
+# a `spec: dict` annotation, counted as issue 38 counted them (123 at 460d9ff)
+SPEC_DICT = re.compile(r"\bspec: dict\b")
+
+
+@dataclass
+class Stats:
+    root: Path
+    modules: int = 0
+    lines: int = 0
+    largest: list[tuple[int, str]] = field(default_factory=list)
+    over_400: int = 0
+    functions: int = 0
+    fully_annotated: int = 0
+    longest: list[tuple[int, str]] = field(default_factory=list)
+    spec_dict: int = 0
+    cycles: list[list[str]] = field(default_factory=list)
+    upward: list[str] = field(default_factory=list)
+    imports: int = 0
+    mypy: dict = field(default_factory=dict)
+
+
+def _fully_annotated(node: ast.FunctionDef | ast.AsyncFunctionDef, in_class: bool) -> bool:
+    a = node.args
+    params = a.posonlyargs + a.args + a.kwonlyargs
+    if in_class and params and params[0].arg in ("self", "cls") and \
+            not any(isinstance(d, ast.Name) and d.id == "staticmethod" for d in node.decorator_list):
+        params = params[1:]
+    params += [p for p in (a.vararg, a.kwarg) if p is not None]
+    if node.name == "__init__" and in_class and params and node.returns is None:
+        return all(p.annotation is not None for p in params)   # mypy: typed without `-> None`
+    return node.returns is not None and all(p.annotation is not None for p in params)
+
+
+def _functions(tree: ast.Module, module: str):
+    """(qualified name, node, defined directly in a class) of every function in a module."""
+    def walk(node: ast.AST, prefix: str, in_class: bool):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield f"{prefix}{child.name}", child, in_class
+                yield from walk(child, f"{prefix}{child.name}.", False)
+            elif isinstance(child, ast.ClassDef):
+                yield from walk(child, f"{prefix}{child.name}.", True)
+            else:
+                yield from walk(child, prefix, in_class)
+    yield from walk(tree, f"{module}:", False)
+
+
+def measure(root: Path, top: int = 10) -> Stats:
+    stats = Stats(root)
+    sizes, lengths = [], []
+    for path in sorted((root / PACKAGE).rglob("*.py")):
+        text = path.read_text()
+        rel = path.relative_to(root / PACKAGE).as_posix()
+        count = len(text.splitlines())
+        stats.modules += 1
+        stats.lines += count
+        stats.over_400 += count > 400
+        sizes.append((count, rel))
+        stats.spec_dict += len(SPEC_DICT.findall(text))
+        for name, node, in_class in _functions(ast.parse(text), rel):
+            stats.functions += 1
+            stats.fully_annotated += _fully_annotated(node, in_class)
+            lengths.append((node.end_lineno - node.lineno + 1, name))
+    stats.largest = sorted(sizes, key=lambda s: (-s[0], s[1]))[:top]
+    stats.longest = sorted(lengths, key=lambda s: (-s[0], s[1]))[:top]
+    graph = import_graph.build(root, PACKAGE)
+    stats.imports = sum(len(m.eager) + len(m.lazy - m.eager) for m in graph.values())
+    stats.cycles = import_graph.cycles(graph)
+    stats.upward = [p for p in import_graph.problems(graph, PACKAGE) if "from a layer above it" in p]
+    pyproject = root / "pyproject.toml"
+    if pyproject.exists():
+        stats.mypy = tomllib.loads(pyproject.read_text()).get("tool", {}).get("mypy", {})
+    return stats
+
+
+def _mypy_text(mypy: dict) -> str:
+    flags = [f"{k} = {v!r}" for k, v in mypy.items() if k not in ("overrides", "files", "python_version")]
+    for override in mypy.get("overrides", []):
+        rest = {k: v for k, v in override.items() if k != "module"}
+        flags.append(f"[{override['module']}] " + ", ".join(f"{k} = {v!r}" for k, v in rest.items()))
+    return "; ".join(flags) or "(none)"
+
+
+def render_text(s: Stats) -> str:
+    share = s.fully_annotated / s.functions if s.functions else 0.0
+    lines = [
+        f"tree: {s.root}",
+        f"modules: {s.modules}   lines: {s.lines}   modules over 400 lines: {s.over_400}",
+        "largest modules: " + ", ".join(f"{name} {n}" for n, name in s.largest),
+        "longest functions:",
+        *[f"  {n:4d}  {name}" for n, name in s.longest],
+        f"imports (package edges): {s.imports}   module-level cycles: {len(s.cycles)}   "
+        f"upward imports: {len(s.upward)}",
+        *[f"  cycle: {' <-> '.join(c)}" for c in s.cycles],
+        *[f"  upward: {u}" for u in s.upward],
+        f"`spec: dict` annotations: {s.spec_dict}",
+        f"fully annotated functions: {s.fully_annotated}/{s.functions} ({share:.0%})",
+        f"mypy: {_mypy_text(s.mypy)}",
+    ]
+    return "\n".join(lines)
+
+
+def render_markdown(s: Stats) -> str:
+    share = s.fully_annotated / s.functions if s.functions else 0.0
+    rows = [
+        ("modules", f"{s.modules} ({s.over_400} over 400 lines)"),
+        ("lines", str(s.lines)),
+        ("largest modules", ", ".join(f"`{name}` {n}" for n, name in s.largest[:5])),
+        ("longest functions", ", ".join(f"`{name}` {n}" for n, name in s.longest)),
+        ("import graph", f"{s.imports} package imports, {len(s.cycles)} module-level cycles"
+         + "".join(f" (`{' <-> '.join(c)}`)" for c in s.cycles)
+         + f", {len(s.upward)} upward imports"
+         + "".join(f" (`{u.split(' (')[0]} -> {u.split(' imports ')[1].split(' from')[0]}`)" for u in s.upward)),
+        ("`spec: dict` annotations", str(s.spec_dict)),
+        ("fully annotated functions", f"{s.fully_annotated} of {s.functions} ({share:.0%})"),
+        ("mypy flags", _mypy_text(s.mypy)),
+    ]
+    return "| measure | value |\n| --- | --- |\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1],
+                        help="the tree to measure (default: this checkout)")
+    parser.add_argument("--top", type=int, default=10, help="how many largest modules / longest functions")
+    parser.add_argument("--format", choices=("text", "markdown"), default="text")
+    args = parser.parse_args(argv)
+    stats = measure(args.root, args.top)
+    print(render_markdown(stats) if args.format == "markdown" else render_text(stats))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
