@@ -40,6 +40,7 @@ class Stats:
     longest: list[tuple[int, str]] = field(default_factory=list)
     spec_dict: int = 0
     cycles: list[list[str]] = field(default_factory=list)
+    lazy_cycles: list[list[str]] = field(default_factory=list)   # imports inside functions included
     upward: list[str] = field(default_factory=list)
     imports: int = 0
     mypy: dict = field(default_factory=dict)
@@ -92,6 +93,9 @@ def measure(root: Path, top: int = 10) -> Stats:
     graph = import_graph.build(root, PACKAGE)
     stats.imports = sum(len(m.eager) + len(m.lazy - m.eager) for m in graph.values())
     stats.cycles = import_graph.cycles(graph)
+    for module in graph.values():   # the same graph with the imports inside functions as edges too
+        module.eager = module.eager | module.lazy
+    stats.lazy_cycles = [c for c in import_graph.cycles(graph) if c not in stats.cycles]
     stats.upward = [p for p in import_graph.problems(graph, PACKAGE) if "from a layer above it" in p]
     pyproject = root / "pyproject.toml"
     if pyproject.exists():
@@ -118,12 +122,20 @@ def render_text(s: Stats) -> str:
         f"imports (package edges): {s.imports}   module-level cycles: {len(s.cycles)}   "
         f"upward imports: {len(s.upward)}",
         *[f"  cycle: {' <-> '.join(c)}" for c in s.cycles],
+        f"cycles through imports inside functions: {len(s.lazy_cycles)}",
+        *[f"  cycle: {' <-> '.join(c)}" for c in s.lazy_cycles],
         *[f"  upward: {u}" for u in s.upward],
         f"`spec: dict` annotations: {s.spec_dict}",
         f"fully annotated functions: {s.fully_annotated}/{s.functions} ({share:.0%})",
         f"mypy: {_mypy_text(s.mypy)}",
     ]
     return "\n".join(lines)
+
+
+def _cycle_text(component: list[str]) -> str:
+    names = [c.removeprefix(f"{PACKAGE}.") for c in component]
+    shown = " <-> ".join(names[:3]) + (f" <-> ... ({len(names)} modules)" if len(names) > 3 else "")
+    return f" (`{shown}`)"
 
 
 def render_markdown(s: Stats) -> str:
@@ -134,7 +146,9 @@ def render_markdown(s: Stats) -> str:
         ("largest modules", ", ".join(f"`{name}` {n}" for n, name in s.largest[:5])),
         ("longest functions", ", ".join(f"`{name}` {n}" for n, name in s.longest)),
         ("import graph", f"{s.imports} package imports, {len(s.cycles)} module-level cycles"
-         + "".join(f" (`{' <-> '.join(c)}`)" for c in s.cycles)
+         + "".join(_cycle_text(c) for c in s.cycles)
+         + f", {len(s.lazy_cycles)} more through imports inside functions"
+         + "".join(_cycle_text(c) for c in s.lazy_cycles)
          + f", {len(s.upward)} upward imports"
          + "".join(f" (`{u.split(' (')[0]} -> {u.split(' imports ')[1].split(' from')[0]}`)" for u in s.upward)),
         ("`spec: dict` annotations", str(s.spec_dict)),
