@@ -7,11 +7,12 @@ import itertools
 import math
 
 import pytest
+from spec_builder import build_spec
 
 from jobspec import optimizers
 from jobspec.compile.compiler import compile_spec, find_auto, patch_text
-from jobspec.spec.derived import derive
 from jobspec.errors import SpecError
+from jobspec.spec.derived import derive
 from jobspec.spec.model_dims import model_dims
 from jobspec.spec.schema import fill_defaults
 
@@ -19,11 +20,21 @@ TINY_MODEL = {"architecture": "bert", "config": {"hidden_size": 64, "num_hidden_
                                                  "num_attention_heads": 4, "vocab_size": 1000}}
 
 
-def make_spec(**sections) -> dict:
+def _written(**sections) -> dict:
     raw = {"model": TINY_MODEL, "data": {"synthetic": {"num_samples": 100}}, "training": {"max_steps": 10}}
     for key, value in sections.items():
         raw[key] = {**raw.get(key, {}), **value} if isinstance(value, dict) else value
-    return fill_defaults(raw)
+    return raw
+
+
+def make_spec(**sections) -> dict:
+    """The job resolved as the loader resolves it (tests/spec_builder.py)."""
+    return build_spec(base=_written(**sections))
+
+
+def unchecked_spec(**sections) -> dict:
+    """Defaults filled, no rule run: a job the loader refuses, for compile's own guards against it."""
+    return fill_defaults(_written(**sections))
 
 
 def compile_(spec: dict, num_train_samples: int | None = None, **kwargs):
@@ -84,7 +95,7 @@ def test_batch_fields_are_explicit(micro, global_batch, gpus, nodes, accumulatio
 
 
 def test_global_batch_not_a_multiple_is_a_spec_error():
-    spec = make_spec(training={"max_steps": 10, "micro_batch_size": 3, "global_batch_size": 10})
+    spec = unchecked_spec(training={"max_steps": 10, "micro_batch_size": 3, "global_batch_size": 10})
     with pytest.raises(SpecError) as err:
         compile_(spec)
     assert err.value.issues[0].path == ("training", "global_batch_size")
@@ -92,8 +103,8 @@ def test_global_batch_not_a_multiple_is_a_spec_error():
 
 
 def test_epochs_with_too_few_samples_for_one_micro_batch_is_an_error():
-    spec = make_spec(data={"synthetic": {"num_samples": 5}},
-                     training={"max_steps": None, "epochs": 3, "micro_batch_size": 8})
+    spec = unchecked_spec(data={"synthetic": {"num_samples": 5}},
+                          training={"max_steps": None, "epochs": 3, "micro_batch_size": 8})
     with pytest.raises(SpecError) as err:
         compile_(spec)
     assert err.value.issues[0].path == ("training", "micro_batch_size")
@@ -114,8 +125,8 @@ def test_epochs_count_whole_global_batches(samples, expected):
 @pytest.mark.parametrize("training", [{"max_steps": None, "epochs": 1}, {"max_steps": 3}])
 def test_fewer_samples_than_one_global_batch_is_an_error(training):
     # 12 samples: 3 micro-batches of 4 on 1 rank, but not one global batch of 16 (accumulation 4)
-    spec = make_spec(data={"synthetic": {"num_samples": 12}},
-                     training={**training, "micro_batch_size": 4, "global_batch_size": 16})
+    spec = unchecked_spec(data={"synthetic": {"num_samples": 12}},
+                          training={**training, "micro_batch_size": 4, "global_batch_size": 16})
     with pytest.raises(SpecError) as err:
         compile_(spec)
     issue = err.value.issues[0]
@@ -130,17 +141,17 @@ def test_fewer_samples_than_one_global_batch_is_an_error(training):
     (1.1, 100, 8, 14),    # ceil(1.1 * 12)
 ])
 def test_epochs_to_total_steps(epochs, samples, global_batch, expected):
-    synthetic = make_spec(data={"synthetic": {"num_samples": samples}},
-                          training={"max_steps": None, "epochs": epochs, "micro_batch_size": global_batch})
+    synthetic = unchecked_spec(data={"synthetic": {"num_samples": samples}},
+                               training={"max_steps": None, "epochs": epochs, "micro_batch_size": global_batch})
     assert compile_(synthetic).derived.total_steps == expected
-    files = make_spec(data={"synthetic": None, "train": "/data/train.jsonl"},
-                      training={"max_steps": None, "epochs": epochs, "micro_batch_size": global_batch})
+    files = unchecked_spec(data={"synthetic": None, "train": "/data/train.jsonl"},
+                           training={"max_steps": None, "epochs": epochs, "micro_batch_size": global_batch})
     assert compile_(files, num_train_samples=samples).derived.total_steps == expected
 
 
 def test_epochs_with_files_and_no_sample_count_is_a_spec_error():
-    spec = make_spec(data={"synthetic": None, "train": "/data/train.jsonl"},
-                     training={"max_steps": None, "epochs": 1})
+    spec = unchecked_spec(data={"synthetic": None, "train": "/data/train.jsonl"},
+                          training={"max_steps": None, "epochs": 1})
     with pytest.raises(SpecError) as err:
         compile_(spec)
     assert err.value.issues[0].path == ("training", "epochs")
@@ -229,11 +240,11 @@ def test_fp16_auto_cast(deepspeed_config):
     ({"final": False, "at_checkpoints": True}, True),
 ])
 def test_zero3_gathers_16bit_weights_when_the_job_exports(export, gathered, deepspeed_config):
-    c = compile_(make_spec(memory={"zero_stage": 3}, export=export))
+    c = compile_(unchecked_spec(memory={"zero_stage": 3}, export=export))
     assert c.ds_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is gathered
     assert deepspeed_config(c.ds_config, 1).zero_config.gather_16bit_weights_on_model_save is gathered
     assert "stage3_gather_16bit_weights_on_model_save" not in \
-        compile_(make_spec(memory={"zero_stage": 2}, export=export)).ds_config["zero_optimization"]
+        compile_(unchecked_spec(memory={"zero_stage": 2}, export=export)).ds_config["zero_optimization"]
 
 
 def test_sgd_block_builds_torch_sgd(deepspeed_config):
@@ -431,10 +442,12 @@ def test_sweep_is_explicit_and_accepted(stage, precision, offload, checkpointing
 # ----------------------------------------------------------------- patches and launch
 
 def test_patches_in_order():
-    spec = make_spec(model={**TINY_MODEL, "attention": "eager", "freeze": ["embeddings.*"], "compile": True},
-                     memory={"tf32": True, "activation_checkpointing": {"every_n_layers": 2, "use_reentrant": True}},
-                     training={"max_steps": 10, "optimizer": {"name": "adamw_8bit", "weight_decay": 0.1}})
-    spec["model"]["lora"] = fill_defaults({"model": {"lora": {}}})["model"]["lora"]
+    # every patch at once: model.freeze with model.lora is a combination the loader refuses
+    spec = unchecked_spec(model={**TINY_MODEL, "attention": "eager", "freeze": ["embeddings.*"], "compile": True,
+                                 "lora": {}},
+                          memory={"tf32": True,
+                                  "activation_checkpointing": {"every_n_layers": 2, "use_reentrant": True}},
+                          training={"max_steps": 10, "optimizer": {"name": "adamw_8bit", "weight_decay": 0.1}})
     names = [p["name"] for p in compile_(spec).patches]
     # PEFT's adapters on the patched base, before torch.compile; the optimizer is no patch (no-op entry gone)
     assert names == ["attention_implementation", "tf32", "freeze", "gradient_checkpointing", "parameter_groups",
@@ -444,10 +457,9 @@ def test_patches_in_order():
 
 
 def test_lora_is_a_patch_with_its_resolved_settings():
-    spec = make_spec(model={**TINY_MODEL, "task": "sequence-classification"},
+    spec = make_spec(model={**TINY_MODEL, "task": "sequence-classification",
+                            "lora": {"r": 4, "target_modules": ["query", "value"], "use_rslora": True}},
                      memory={"activation_checkpointing": True})
-    spec["model"]["lora"] = fill_defaults({"model": {"lora": {
-        "r": 4, "target_modules": ["query", "value"], "use_rslora": True}}})["model"]["lora"]
     (lora,) = [p for p in compile_(spec).patches if p["name"] == "lora"]
     # every LoraConfig field said, defaults filled; modules_to_save null: the task's head modules (the
     # ranks keep those the model has); checkpointing with a frozen base: the embeddings' output needs grad
@@ -490,9 +502,9 @@ def test_the_launch_plan_is_frozen_and_its_record_is_launch_json_s_launch_fields
 # ----------------------------------------------------------------- overrides and "auto"
 
 def test_override_replaces_and_notes():
-    spec = make_spec(memory={"zero_stage": 2},
-                     deepspeed={"zero_optimization": {"reduce_bucket_size": "5e8"}, "steps_per_print": 1,
-                                "comms_logger": {"enabled": True}})
+    spec = unchecked_spec(memory={"zero_stage": 2},
+                          deepspeed={"zero_optimization": {"reduce_bucket_size": "5e8"}, "steps_per_print": 1,
+                                     "comms_logger": {"enabled": True}})
     c = compile_(spec)
     assert c.ds_config["zero_optimization"]["reduce_bucket_size"] == 500_000_000
     assert c.ds_config["zero_optimization"]["overlap_comm"] is True  # siblings survive the deep merge
@@ -507,7 +519,7 @@ def test_override_replaces_and_notes():
 ])
 def test_auto_override_is_refused(override):
     with pytest.raises(SpecError) as err:
-        compile_(make_spec(memory={"zero_stage": 2}, deepspeed=override))
+        compile_(unchecked_spec(memory={"zero_stage": 2}, deepspeed=override))
     assert "silently" in str(err.value) and '"auto"' in str(err.value)
 
 
