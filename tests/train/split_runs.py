@@ -83,6 +83,24 @@ def run_files(task: str, *, world: int, micro: int, zero: int, overrides: dict |
 
 
 @contextlib.contextmanager
+def without_unused_ops():
+    """DeepSpeed's shm all-reduce op off while engines are built in this process, as on the worker's ranks
+    (`ops.skip_unused_ops`): never built (minutes on a new machine) nor loaded; DeepSpeed's table restored
+    after (tests/launch/test_ops.py reads it)."""
+    import deepspeed.ops
+
+    from jobspec import ops
+    table = deepspeed.ops.__compatible_ops__
+    saved = dict(table)
+    ops.skip_unused_ops()
+    try:
+        yield
+    finally:
+        table.clear()
+        table.update(saved)
+
+
+@contextlib.contextmanager
 def one_rank_process_group(store: Path):
     """A one-rank gloo process group in this process, with the env the deepspeed runner would set."""
     import torch.distributed as dist
@@ -96,7 +114,8 @@ def one_rank_process_group(store: Path):
     forget_deepspeed_groups()   # an earlier test of this process may have left its groups behind
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     try:
-        yield
+        with without_unused_ops():
+            yield
     finally:
         dist.destroy_process_group()
         forget_deepspeed_groups()

@@ -12,6 +12,7 @@ import os
 import socket
 
 import pytest
+import split_runs
 import torch
 import yaml
 
@@ -31,7 +32,8 @@ def one_rank():
         port = sock.getsockname()[1]
     saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    yield
+    with split_runs.without_unused_ops():
+        yield
     if dist.is_initialized():
         dist.destroy_process_group()
     for key, value in saved.items():
