@@ -21,6 +21,8 @@ import re
 from functools import lru_cache
 from pathlib import Path
 
+from jobspec import tasks
+
 TABLE_DIR = "transformers-configs"
 INDEX = "index.json"
 ATTENTION_ORDER = ("sdpa", "eager")   # the default's preference: flash-attn needs a package and half precision
@@ -70,7 +72,14 @@ def head(model_type_name: str | None, task: str) -> dict | None:
     found = entry(model_type_name)
     if found is None or "heads" not in found:
         return None
-    return found["heads"].get(task, {})
+    heads = found["heads"]
+    if task in heads:
+        return heads[task]
+    # A head is its auto class's: a task added after the tables were generated (scripts/gen_transformers_configs.py)
+    # reads the head of a registered task with the same auto class, so adding a task needs no regeneration.
+    auto_class = tasks.get(task).auto_class if task in tasks.TASKS else None
+    return next((heads[name] for name, other in tasks.TASKS.items()
+                 if other.auto_class == auto_class and name in heads), {})
 
 
 def best_attention(head_entry: dict | None) -> str:
