@@ -35,11 +35,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import cast
 
 import yaml
 
 from jobspec.errors import spec_error
 from jobspec.secrets import mask_secrets, mask_tree
+from jobspec.spec.types import JobSpec
 
 SPEC = "spec.yaml"
 RESOLVED = "resolved.yaml"
@@ -66,7 +68,7 @@ END_ARTIFACTS = (SUMMARY, LAUNCHER_LOG)                  # logged when it ends
 DONE_STATUSES = ("finished", "preempted")                # summary.json statuses of a job that ended well
 
 
-def export_dir(spec: dict, run_dir: Path) -> Path:
+def export_dir(spec: JobSpec, run_dir: Path) -> Path:
     """Where the job's exported models go: `export.dir`, else `<run dir>/model`."""
     return Path(spec["export"]["dir"] or Path(run_dir) / MODEL_DIR)
 
@@ -165,8 +167,15 @@ def read_launch(run_dir: Path) -> dict:
     return json.loads((Path(run_dir) / LAUNCH).read_text(encoding="utf-8"))
 
 
-def read_resolved(run_dir: Path) -> dict:
-    return yaml.safe_load((Path(run_dir) / RESOLVED).read_text(encoding="utf-8"))
+def read_resolved(run_dir: Path) -> JobSpec:
+    return read_resolved_file(Path(run_dir) / RESOLVED)
+
+
+def read_resolved_file(path: Path) -> JobSpec:
+    """A resolved.yaml: the run directory's, or the copy a checkpoint keeps. The compiler wrote it from a
+    validated spec with every field filled, so it is read as the JobSpec it was: the one place outside the
+    loader (spec/validation.validate_spec) where a plain dict becomes a JobSpec."""
+    return cast(JobSpec, yaml.safe_load(Path(path).read_text(encoding="utf-8")))
 
 
 def read_spec_text(run_dir: Path) -> str:
@@ -177,7 +186,7 @@ def read_spec_text(run_dir: Path) -> str:
 class RunFiles:
     """What a rank reads from the run directory."""
 
-    spec: dict        # resolved.yaml
+    spec: JobSpec     # resolved.yaml
     ds_config: dict
     patches: list
     launch: dict

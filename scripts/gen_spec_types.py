@@ -11,7 +11,9 @@ The types describe a spec after validation (`fill_defaults` + `resolve_paths`): 
 present, so every key is required; a field whose schema allows null is `X | None`; `enum`s become
 `Literal`s; an object with free-form keys (`model.config`, `logging.mlflow.tags`, `deepspeed`)
 is `dict[str, Any]`; `oneOf` (e.g. `memory.activation_checkpointing: bool | {every_n_layers}`)
-becomes the union of its branches.
+becomes the union of its branches. The fields validation fills when the schema's default is null
+(FILLED_BY_LOADER: the job name from the file, the output and checkpoint directories, the MLflow
+experiment) are never null after it, so they are typed without `None`.
 """
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = ROOT / "schemas" / "jobspec.schema.json"
 DEFAULT_OUT = ROOT / "jobspec" / "spec" / "types.py"
 SCALARS = {"string": "str", "integer": "int", "number": "float", "boolean": "bool", "null": "None"}
+# null in the schema, set by jobspec/spec/validation.resolve_paths on every resolved spec
+FILLED_BY_LOADER = {("name",), ("output_dir",), ("checkpoint", "dir"), ("logging", "mlflow", "experiment")}
 
 HEADER = '''"""The resolved job spec's types, generated from schemas/jobspec.schema.json by
 scripts/gen_spec_types.py: do not edit by hand (tests/spec/test_spec_types.py keeps it in step).
@@ -42,12 +46,18 @@ class Generator:
     def __init__(self) -> None:
         self.classes: list[str] = []   # class definitions, dependencies first
 
-    def type_of(self, node: dict, name: str) -> str:
-        """The annotation for a schema node; object nodes become TypedDicts named `name`."""
+    def type_of(self, node: dict, name: str, path: tuple = ()) -> str:
+        """The annotation for the schema node at `path`; object nodes become TypedDicts named `name`."""
+        annotation = self._type_of(node, name, path)
+        if path in FILLED_BY_LOADER:
+            annotation = " | ".join(part for part in annotation.split(" | ") if part != "None")
+        return annotation
+
+    def _type_of(self, node: dict, name: str, path: tuple) -> str:
         if "oneOf" in node or "anyOf" in node:
             branches = node.get("oneOf") or node.get("anyOf")
             # one branch at most is an object (the others scalars): it gets the field's name
-            return _union([self.type_of(branch, name) for branch in branches])
+            return _union([self.type_of(branch, name, path) for branch in branches])
         if "enum" in node:
             return _union([f"Literal[{', '.join(json.dumps(v) for v in node['enum'] if v is not None)}]"]
                           + (["None"] if None in node["enum"] else []))
@@ -55,9 +65,9 @@ class Generator:
         kinds = kinds if isinstance(kinds, list) else [kinds] if kinds else []
         if not kinds:
             return "Any"
-        return _union([self._one(kind, node, name) for kind in kinds])
+        return _union([self._one(kind, node, name, path) for kind in kinds])
 
-    def _one(self, kind: str, node: dict, name: str) -> str:
+    def _one(self, kind: str, node: dict, name: str, path: tuple) -> str:
         if kind in SCALARS:
             return SCALARS[kind]
         if kind == "array":
@@ -67,7 +77,8 @@ class Generator:
             properties = node.get("properties")
             if not properties:
                 return "dict[str, Any]"
-            fields = [(key, self.type_of(child, name + _camel(key))) for key, child in properties.items()]
+            fields = [(key, self.type_of(child, name + _camel(key), path + (key,)))
+                      for key, child in properties.items()]
             doc = (node.get("description") or "").split(". ")[0].strip().rstrip(".")
             lines = [f"class {name}(TypedDict):"]
             if doc:

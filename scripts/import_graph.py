@@ -17,7 +17,7 @@ function (it runs only when the function is called) or under `if TYPE_CHECKING:`
    (importing `a.b.c` also runs `a` and `a.b`), so `jobspec validate` stays light;
 6. a module imports only from its own layer or the layers below it (LAYERS, bottom up; the
    top-level modules not listed there, such as errors, rundir or units, are neutral ground below all;
-   MODULE_LAYERS places a single module in another layer than its package's);
+   MODULE_LAYERS places a single module in another layer than its package's, or on neutral ground);
 7. only tracking/ imports mlflow, at any level: every other module reaches MLflow through
    jobspec.tracking's functions (or the client a tracked run holds);
 8. a read-only command (READ_ONLY_COMMANDS) reaches nothing in launch/ through its imports, the ones
@@ -43,7 +43,10 @@ LAYERS = ("optimizers", "tasks", "spec", "compile", "model", "memory", "data", "
 # (spec/validation, the planner, the pre-flight read them). export/ sits between tracking and launch
 # (below the ranks that export and the launcher that records the exports), but its pure rules are read
 # by validate; data/'s formats and record checks are validate's read of the data files.
-MODULE_LAYERS = {"export.rules": "spec", "data.data_format": "spec", "data.datacheck": "spec"}
+# spec/types.py (the spec's generated TypedDicts, pure typing) is neutral ground: every layer's signatures
+# name the spec's sections, optimizers/ and tasks/ below spec/ included.
+MODULE_LAYERS = {"export.rules": "spec", "data.data_format": "spec", "data.datacheck": "spec",
+                 "spec.types": "neutral"}
 MLFLOW_LAYER = "tracking"   # the only subpackage that imports mlflow
 READ_ONLY_COMMANDS = ("validate", "compile", "plan", "report", "schema", "sync", "export")
 

@@ -37,7 +37,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from jobspec.compile.compiler import with_universal_load
 from jobspec.errors import spec_error
@@ -109,6 +109,13 @@ def _layout_from_model_states(path: Path) -> dict:
 
 # --- the plan the worker follows --------------------------------------------------------------------
 
+class ResumeFrom(TypedDict):
+    """What a resume reads of the `checkpoint` section: the spec's JobSpecCheckpoint is one (it has these
+    keys, of these types), and so is a Reshard's `checkpoint_section`."""
+    resume: str
+    dir: str
+
+
 @dataclass
 class Reshard:
     mode: str                 # `universal` or `direct`
@@ -123,7 +130,7 @@ class Reshard:
     sequence_parallel: int = 1
 
     @property
-    def checkpoint_section(self) -> dict:
+    def checkpoint_section(self) -> ResumeFrom:
         """`checkpoint` spec section pointing the resume at what to load (an explicit path: no fallback)."""
         loaded = universal_tag(self.tag) if self.mode == "universal" else self.tag
         return {"resume": str(Path(self.load_dir) / loaded), "dir": self.load_dir}
@@ -156,7 +163,7 @@ class Reshard:
         return reseeded_rng_state(reseed_value(seed, state.step, rank))
 
 
-def plan(ckpt: dict, world_size: int, broadcast, sequence_parallel: int = 1) -> Reshard | None:
+def plan(ckpt: ResumeFrom, world_size: int, broadcast, sequence_parallel: int = 1) -> Reshard | None:
     """None when the resume (if any) is at the same world size and `sequence_parallel`; else what to do,
     conversion done.
 
@@ -198,7 +205,7 @@ def plan(ckpt: dict, world_size: int, broadcast, sequence_parallel: int = 1) -> 
     return reshard
 
 
-def _first_usable(save_load, ckpt: dict) -> tuple[str, str] | None:
+def _first_usable(save_load, ckpt: ResumeFrom) -> tuple[str, str] | None:
     # the checkpoint the usual path would load first: the newest that passes verification
     candidates = save_load.resume_candidates(ckpt["resume"], ckpt["dir"])
     for load_dir, tag in candidates:

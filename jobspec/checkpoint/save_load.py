@@ -19,6 +19,7 @@ import re
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -142,7 +143,7 @@ def guarded_writes(engine, failure: WriteFailure):
         return
     original_save = checkpoint_engine.save
     original_makedirs = checkpoint_engine.makedirs
-    original_script = getattr(engine, "_copy_recovery_script", None)
+    original_script: Any = getattr(engine, "_copy_recovery_script", None)   # called only when not None
     native = type(checkpoint_engine).__name__ == "TorchCheckpointEngine"
 
     def save(state_dict, path):

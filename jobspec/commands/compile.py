@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 
 from jobspec.commands import add_format_argument, add_set_argument
+from jobspec.spec.types import JobSpec
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def optimizer_lines(spec: dict) -> list[str]:
+def optimizer_lines(spec: JobSpec) -> list[str]:
     """The optimizer the ranks build themselves (DeepSpeed's config has no block for it), with the args
     its module's `build` gets (jobspec/optimizers: `client_args`); none for DeepSpeed's own."""
     from jobspec import optimizers

@@ -18,6 +18,15 @@ from jobspec.compile.launch_plan import DEFAULT_MASTER_PORT, LaunchPlan
 from jobspec.errors import spec_error
 from jobspec.spec.derived import DerivedJob, zero_bucket_sizes
 from jobspec.spec.model_dims import ModelDims
+from jobspec.spec.types import (
+    JobSpec,
+    JobSpecMemory,
+    JobSpecMemoryOffload,
+    JobSpecMemoryOffloadAio,
+    JobSpecResources,
+    JobSpecTrainingOptimizer,
+    JobSpecTrainingScheduler,
+)
 
 STEPS_PER_PRINT = 1_000_000_000  # jobspec logs progress itself; keep DeepSpeed's own prints quiet
 
@@ -35,7 +44,7 @@ class Compiled:
     notes: list[str] = field(default_factory=list)
 
 
-def compile_spec(spec: dict, job: DerivedJob, *, run_dir: str = "RUN_DIR",
+def compile_spec(spec: JobSpec, job: DerivedJob, *, run_dir: str = "RUN_DIR",
                  master_port: int | None = None) -> Compiled:
     """Compile a resolved spec (all defaults filled) and its derived job into a DeepSpeed config,
     patches and launch plan."""
@@ -75,7 +84,7 @@ def compile_spec(spec: dict, job: DerivedJob, *, run_dir: str = "RUN_DIR",
         ds_config["zero_force_ds_cpu_optimizer"] = False
         notes.append(f"{slow_step} runs its step on the CPU with offload (no DeepSpeedCPUAdam): slow")
 
-    ds_config = apply_overrides(ds_config, spec.get("deepspeed") or {}, notes)
+    ds_config = apply_overrides(ds_config, spec["deepspeed"], notes)
     assert_no_auto(ds_config)
     assert_deepspeed_accepts(ds_config)
     return Compiled(
@@ -87,7 +96,7 @@ def compile_spec(spec: dict, job: DerivedJob, *, run_dir: str = "RUN_DIR",
     )
 
 
-def optimizer_block(optimizer: dict, offload_optimizer: str = "none") -> dict:
+def optimizer_block(optimizer: JobSpecTrainingOptimizer, offload_optimizer: str = "none") -> dict:
     """ds_config["optimizer"] of an optimizer DeepSpeed builds (jobspec/optimizers: its module's
     `deepspeed_block`)."""
     block = optimizers.get(optimizer["name"]).deepspeed_block
@@ -118,7 +127,7 @@ def with_universal_load(ds_config: dict) -> dict:
     return out
 
 
-def scheduler_block(scheduler: dict, lr: float, job: DerivedJob, notes: list[str]) -> dict:
+def scheduler_block(scheduler: JobSpecTrainingScheduler, lr: float, job: DerivedJob, notes: list[str]) -> dict:
     """DeepSpeed's scheduler for the spec's schedule, started at iteration 0 (`last_batch_iteration`):
     from its default -1 the constructor warns and the first two steps share the starting lr. The
     worker sets the optimizer to the step-0 lr (jobspec/train/engine.start_schedule)."""
@@ -127,7 +136,7 @@ def scheduler_block(scheduler: dict, lr: float, job: DerivedJob, notes: list[str
     return block
 
 
-def _scheduler_block(scheduler: dict, lr: float, job: DerivedJob, notes: list[str]) -> dict:
+def _scheduler_block(scheduler: JobSpecTrainingScheduler, lr: float, job: DerivedJob, notes: list[str]) -> dict:
     name = scheduler["name"]
     warmup = job.warmup_steps
     total = job.total_steps
@@ -158,7 +167,7 @@ def _scheduler_block(scheduler: dict, lr: float, job: DerivedJob, notes: list[st
         "warmup_num_steps": warmup_num_steps, "warmup_type": "linear"}}
 
 
-def precision_blocks(memory: dict) -> dict:
+def precision_blocks(memory: JobSpecMemory) -> dict:
     precision = memory["precision"]
     fp16: dict[str, Any] = {"enabled": precision == "fp16"}
     if precision == "fp16":
@@ -168,7 +177,7 @@ def precision_blocks(memory: dict) -> dict:
     return {"fp16": fp16, "bf16": {"enabled": precision == "bf16"}}
 
 
-def zero_block(memory: dict, dims: ModelDims | None, gather_16bit: bool = False) -> dict:
+def zero_block(memory: JobSpecMemory, dims: ModelDims | None, gather_16bit: bool = False) -> dict:
     stage = memory["zero_stage"]
     offload = memory["offload"]   # its rules (spec/rules/offload) hold: validated, again after memory.fit
     if stage == 0:
@@ -202,7 +211,7 @@ def zero_block(memory: dict, dims: ModelDims | None, gather_16bit: bool = False)
     return block
 
 
-def _offload_block(offload: dict, device: str, *, params: bool) -> dict:
+def _offload_block(offload: JobSpecMemoryOffload, device: str, *, params: bool) -> dict:
     block: dict[str, Any] = {"device": device, "pin_memory": offload["pin_memory"]}
     if device == "nvme":   # nvme_path is set: spec/rules/offload
         block["nvme_path"] = offload["nvme_path"]
@@ -212,20 +221,20 @@ def _offload_block(offload: dict, device: str, *, params: bool) -> dict:
     return block
 
 
-def aio_block(aio: dict) -> dict:
+def aio_block(aio: JobSpecMemoryOffloadAio) -> dict:
     # DeepSpeed 0.19 calls the thread count `intra_op_parallelism`; `thread_count` would be ignored.
     return {"block_size": aio["block_size"], "queue_depth": aio["queue_depth"],
             "intra_op_parallelism": aio["thread_count"], "single_submit": aio["single_submit"],
             "overlap_events": aio["overlap_events"]}
 
 
-def exports_during_training(spec: dict) -> bool:
+def exports_during_training(spec: JobSpec) -> bool:
     """Whether rank 0 writes a Hugging Face model directory while the job runs (`export` section)."""
     export = spec["export"]
     return bool(export["final"] or export["at_checkpoints"] or export["best_eval"])
 
 
-def compile_patches(spec: dict) -> list[dict]:
+def compile_patches(spec: JobSpec) -> list[dict]:
     """Model changes the worker applies in order (DeepSpeed's config cannot express them for HF models)."""
     model, memory, optimizer = spec["model"], spec["memory"], spec["training"]["optimizer"]
     patches = [{"name": "attention_implementation", "args": {"implementation": model["attention"]}}]
@@ -235,20 +244,19 @@ def compile_patches(spec: dict) -> list[dict]:
         patches.append({"name": "freeze", "args": {"patterns": list(model["freeze"])}})
     checkpointing = memory["activation_checkpointing"]
     if checkpointing:
-        settings = checkpointing if isinstance(checkpointing, dict) else {}
+        every, reentrant = ((checkpointing["every_n_layers"], checkpointing["use_reentrant"])
+                            if isinstance(checkpointing, dict) else (1, False))
         # HF's gradient_checkpointing_enable, not DeepSpeed's activation_checkpointing block,
         # which only affects models that call deepspeed.checkpointing themselves.
         patches.append({"name": "gradient_checkpointing", "args": {
-            "every_n_layers": settings.get("every_n_layers", 1),
-            "use_reentrant": settings.get("use_reentrant", False)}})
+            "every_n_layers": every, "use_reentrant": reentrant}})
     if memory["tiled_mlp"]:
         patches.append({"name": "tiled_mlp", "args": {}})
     if memory["tiled_loss"]:   # DeepSpeed ALST tiling (model/tiling.py); tiles: null = as many as the bound needs
         tiled = memory["tiled_loss"]
         patches.append({"name": "tiled_loss", "args": {"tiles": tiled["tiles"] if isinstance(tiled, dict) else None}})
-    if checkpointing and isinstance(checkpointing, dict) and checkpointing.get("offload", "none") == "cpu":
-        every = checkpointing.get("every_n_layers", 1)
-        patches.append({"name": "activation_offload", "args": {"every_n_layers": every}})
+    if isinstance(checkpointing, dict) and checkpointing["offload"] == "cpu":
+        patches.append({"name": "activation_offload", "args": {"every_n_layers": checkpointing["every_n_layers"]}})
     if optimizer["weight_decay"] and optimizer["weight_decay_on"] == "matrices":
         # the optimizer's parameter groups (DeepSpeed's config has no field for them): the decay on
         # matrices only, as transformers' Trainer groups them (train/patches.parameter_groups)
@@ -262,13 +270,14 @@ def compile_patches(spec: dict) -> list[dict]:
     return patches
 
 
-def lora_patch_args(spec: dict) -> dict:
+def lora_patch_args(spec: JobSpec) -> dict:
     """`model.lora` as the `lora` patch gives it to PEFT's LoraConfig (model/lora.adapt): the loader's
     defaults filled, `modules_to_save` resolved (null: the task's head modules, each kept where the
     model has it: the head's name depends on the architecture). The target patterns stay as written
     (`all-linear` is PEFT's own keyword): they are matched against the built model's module names,
     which this pure step cannot see (job/checks refuses a pattern matching nothing before launch)."""
     lora = spec["model"]["lora"]
+    assert lora is not None, "lora_patch_args needs model.lora"
     target = lora["target_modules"]
     saved = lora["modules_to_save"]
     return {"r": lora["r"], "alpha": lora["alpha"], "dropout": lora["dropout"],
@@ -290,7 +299,7 @@ def assert_deepspeed_accepts(ds_config: dict) -> None:
                          hint=hint or "change the spec field that sets it")
 
 
-def launch_plan(resources: dict, job: DerivedJob, run_dir: str, master_port: int | None) -> LaunchPlan:
+def launch_plan(resources: JobSpecResources, job: DerivedJob, run_dir: str, master_port: int | None) -> LaunchPlan:
     """The ranks of the job: `master_port` (the launcher's free port), else the spec's, else the default."""
     return LaunchPlan(nodes=job.nodes, gpus_per_node=job.gpus_per_node, world_size=job.world_size,
                       master_port=master_port or resources["master_port"] or DEFAULT_MASTER_PORT,

@@ -32,6 +32,7 @@ import numpy as np
 
 from jobspec.data import datacheck
 from jobspec.errors import first_line, spec_error
+from jobspec.spec.types import JobSpec
 
 IGNORE_INDEX = -100
 
@@ -44,7 +45,7 @@ class RecordError(ValueError):
         self.message, self.hint = message, hint
 
 
-def chat_template(spec: dict, tokenizer) -> str | None:
+def chat_template(spec: JobSpec, tokenizer) -> str | None:
     """The template chat records are rendered with: the `data.chat_template` file's, else the tokenizer's."""
     path = spec["data"].get("chat_template")
     if path:
@@ -56,7 +57,7 @@ def chat_template(spec: dict, tokenizer) -> str | None:
     return getattr(tokenizer, "chat_template", None) or None
 
 
-def check_template(spec: dict, template: str) -> None:
+def check_template(spec: JobSpec, template: str) -> None:
     """A template that does not compile is the spec's problem, at data.chat_template (or data.tokenizer)."""
     import jinja2
 
@@ -128,7 +129,7 @@ class RecordText:
     """A record (chat messages or a (prompt, completion) pair) → its `Text`; RecordError when it cannot:
     validate's check of the record (data/datacheck.RecordChecker), then the template on it."""
 
-    def __init__(self, spec: dict, tokenizer, kind: str, template: str | None, split: str):
+    def __init__(self, spec: JobSpec, tokenizer, kind: str, template: str | None, split: str):
         data = spec["data"]
         self.kind, self.tokenizer = kind, tokenizer
         self.all_tokens = data["loss_on"] == "all"

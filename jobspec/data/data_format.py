@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from jobspec.errors import spec_error
+from jobspec.spec.types import JobSpecData
 
 FORMATS = ("jsonl", "csv", "parquet", "text")
 FORMAT_BY_SUFFIX = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet", ".pq": "parquet",
@@ -16,6 +17,14 @@ TEXT_SUFFIXES = tuple(suffix for suffix, fmt in FORMAT_BY_SUFFIX.items() if fmt 
 HF_PREFIX = "hf:"
 # what datasets' save_to_disk leaves in a directory (a Dataset, a DatasetDict)
 SAVED_DATASET_MARKERS = ("state.json", "dataset_dict.json")
+
+
+def split_source(data: JobSpecData, split: str) -> str:
+    """`data.<split>` ("train" or "eval"): the file, directory or hub name of a split the spec has."""
+    source = data["train"] if split == "train" else data["eval"] if split == "eval" else None
+    if source is None:
+        raise ValueError(f"the spec has no data.{split}")
+    return source
 
 
 def data_format(path: str | Path, fmt: str = "auto") -> str:

@@ -21,12 +21,13 @@ from typing import TYPE_CHECKING, Any
 
 from jobspec import library_log
 from jobspec.data import datacheck
-from jobspec.data.data_format import source_kind
+from jobspec.data.data_format import source_kind, split_source
 from jobspec.errors import SpecError, SpecIssue, first_line
 from jobspec.spec.freeform import local_checkpoint_config
 from jobspec.spec.model_dims import model_dims
 from jobspec.spec.rules.data import vocab_issue
 from jobspec.spec.tokenizer_files import TokenizerFileError, read_tokenizer, tokenizer_name
+from jobspec.spec.types import JobSpec
 
 if TYPE_CHECKING:
     from jobspec.spec.validation import ResolvedSpec
@@ -75,7 +76,7 @@ def tokenizer_issues(r: ResolvedSpec) -> list[SpecIssue]:
     return issues
 
 
-def _record_kind(spec: dict, split: str) -> str | None:
+def _record_kind(spec: JobSpec, split: str) -> str | None:
     """`text`, `chat` or `prompt_completion` for a local jsonl/parquet file; None for anything else."""
     data = spec["data"]
     if data["format"] == "text":
@@ -86,10 +87,10 @@ def _record_kind(spec: dict, split: str) -> str | None:
     return datacheck.record_kind(data, rows[0][1].keys()) if rows else None
 
 
-def _first_rows(spec: dict, split: str, limit: int) -> list[tuple[int, dict]] | None:
+def _first_rows(spec: JobSpec, split: str, limit: int) -> list[tuple[int, dict]] | None:
     """(0-based record index, record) of the file's first `limit` records; None: not a local jsonl/parquet."""
     data = spec["data"]
-    source = data[split]
+    source = split_source(data, split)
     try:
         fmt = source_kind(source, data["format"])
         if fmt == "jsonl":
@@ -106,7 +107,7 @@ def _first_rows(spec: dict, split: str, limit: int) -> list[tuple[int, dict]] | 
     return None
 
 
-def _template(spec: dict, tokenizer) -> str | None:
+def _template(spec: JobSpec, tokenizer) -> str | None:
     path = spec["data"].get("chat_template")
     if path:
         try:
@@ -116,7 +117,7 @@ def _template(spec: dict, tokenizer) -> str | None:
     return getattr(tokenizer, "chat_template", None) or None
 
 
-def _render_problem(spec: dict, split: str, kind: str, tokenizer, template: str) -> tuple[str, str] | None:
+def _render_problem(spec: JobSpec, split: str, kind: str, tokenizer, template: str) -> tuple[str, str] | None:
     """(message, hint) for the first record the template fails on, at its file:line."""
     data = spec["data"]
     for index, row in _first_rows(spec, split, RENDER_ROWS) or []:
@@ -133,7 +134,7 @@ def _render_problem(spec: dict, split: str, kind: str, tokenizer, template: str)
         try:
             _render_like_the_ranks(tokenizer, template, messages)
         except Exception as err:  # noqa: BLE001 - jinja2's errors, TemplateError from raise_exception, TypeError
-            where = datacheck.row_location(data[split], data["format"], index)
+            where = datacheck.row_location(split_source(data, split), data["format"], index)
             source = "data.chat_template" if data.get("chat_template") else "the tokenizer's chat template"
             return (f"{where}: the chat template failed on this record: {first_line(err)}",
                     f"fix the record, or the template ({source})")

@@ -30,23 +30,24 @@ import numpy as np
 
 from jobspec.data import data_cache, datacheck
 from jobspec.data.chat_render import IGNORE_INDEX, RecordError, RecordText, chat_template, check_template, encode
-from jobspec.data.data_format import source_kind
+from jobspec.data.data_format import source_kind, split_source
 from jobspec.data.record_sources import TABLE_KINDS, Source, source_for
 from jobspec.errors import SpecError, SpecIssue, spec_error
+from jobspec.spec.types import JobSpec
 from jobspec.units import MiB
 
 MAX_REPORTED = 20
 ESTIMATE_RECORDS = 200   # records tokenised to estimate a cold pass (`--dry-run`)
 
 
-def cached_kind(spec: dict, split: str) -> str | None:
+def cached_kind(spec: JobSpec, split: str) -> str | None:
     """`chat` or `prompt_completion` when `data.<split>` goes through the cache; None otherwise (synthetic
     data, text files, text records: tokenised by the ranks, data/loaders.py)."""
     data = spec["data"]
     if data.get("synthetic") is not None or not data.get(split) or spec["model"]["task"] != "causal-lm":
         return None
     try:
-        kind = source_kind(data[split], data["format"])
+        kind = source_kind(split_source(data, split), data["format"])
     except SpecError:
         return None
     if kind not in ("jsonl", *TABLE_KINDS):
@@ -60,7 +61,7 @@ def cached_kind(spec: dict, split: str) -> str | None:
     return records if records in ("chat", "prompt_completion") else None
 
 
-def cached_splits(spec: dict) -> list[str]:
+def cached_splits(spec: JobSpec) -> list[str]:
     return [split for split in datacheck.SPLITS if cached_kind(spec, split)]
 
 
@@ -75,7 +76,7 @@ class Entry:
     data: data_cache.CachedData | None
 
 
-def find(spec: dict, split: str, tokenizer) -> Entry:
+def find(spec: JobSpec, split: str, tokenizer) -> Entry:
     """The split's cache key and its entry if built (nothing is tokenised)."""
     kind = cached_kind(spec, split)
     if kind is None:
@@ -87,7 +88,7 @@ def find(spec: dict, split: str, tokenizer) -> Entry:
                          hint="set data.chat_template to a Jinja template file, or use a tokenizer with one")
     if template is not None:
         check_template(spec, template)
-    source = source_for(spec, split, source_kind(spec["data"][split], spec["data"]["format"]))
+    source = source_for(spec, split, source_kind(split_source(spec["data"], split), spec["data"]["format"]))
     data = spec["data"]
     fields = {"source": source.fingerprint(), "tokenizer": data_cache.tokenizer_fingerprint(tokenizer),
               "template": template, "kind": kind, "loss_on": data["loss_on"], "max_length": data["max_length"],
@@ -97,7 +98,8 @@ def find(spec: dict, split: str, tokenizer) -> Entry:
     return Entry(split, kind, key, source, data_cache.open_entry(key))
 
 
-def prepare_split(spec: dict, split: str, tokenizer, *, num_proc: int | None = None, show: str | None = None) -> Entry:
+def prepare_split(spec: JobSpec, split: str, tokenizer, *, num_proc: int | None = None,
+                  show: str | None = None) -> Entry:
     """The split's entry, built when there is none (under a lock: one builder per key on this host).
     `show`: "bar" (a progress bar), "lines" (a line every few seconds) or None (quiet)."""
     entry = find(spec, split, tokenizer)
@@ -116,10 +118,10 @@ def prepare_split(spec: dict, split: str, tokenizer, *, num_proc: int | None = N
     return entry
 
 
-def default_num_proc(spec: dict) -> int:
+def default_num_proc(spec: JobSpec) -> int:
     from jobspec import hardware
 
-    return spec["data"].get("num_proc") or hardware.available_cpus()
+    return spec["data"]["num_proc"] or hardware.available_cpus()
 
 
 @contextmanager
@@ -189,7 +191,7 @@ def _encode_chunk(chunk) -> _Chunk:
     return result
 
 
-def _build(spec: dict, entry: Entry, tokenizer, num_proc: int, show: str | None) -> data_cache.CachedData:
+def _build(spec: JobSpec, entry: Entry, tokenizer, num_proc: int, show: str | None) -> data_cache.CachedData:
     data = spec["data"]
     template = chat_template(spec, tokenizer)
     _WORK.update(source=entry.source, record_text=RecordText(spec, tokenizer, entry.kind, template, entry.split),
@@ -209,7 +211,8 @@ def _build(spec: dict, entry: Entry, tokenizer, num_proc: int, show: str | None)
         progress.close()
         if totals.bad:
             raise SpecError(_bad_record_issues(totals, entry.split))
-        meta = {"split": entry.split, "kind": entry.kind, "source": data[entry.split], "records": totals.records,
+        meta = {"split": entry.split, "kind": entry.kind, "source": split_source(data, entry.split),
+                "records": totals.records,
                 "tokens": writer.tokens, "truncated": totals.truncated, "no_answer": totals.no_answer,
                 "longest": totals.longest[0], "longest_where": totals.longest[1], "max_length": data["max_length"],
                 "seconds": round(time.time() - started, 2),
@@ -275,7 +278,8 @@ def _bad_record_issues(totals: _Chunk, split: str) -> list[SpecIssue]:
 
 # ---- the launcher's side -------------------------------------------------------------------
 
-def prepare_data(spec: dict, *, build: bool, show: str | None = None, num_proc: int | None = None) -> tuple[list, dict]:
+def prepare_data(spec: JobSpec, *, build: bool, show: str | None = None,
+                 num_proc: int | None = None) -> tuple[list, dict]:
     """The tokenised-data cache of the spec's chat and prompt/completion records (this module):
     built now with `build` (the full data check: a bad record refuses the launch, exit 2, before any rank
     starts), else (`--dry-run`) whether it is built and how long building it would take. Returns the
@@ -351,7 +355,7 @@ def data_counts(cached: data_cache.CachedData) -> dict:
     return out
 
 
-def estimate(spec: dict, entry: Entry, tokenizer, num_proc: int) -> tuple[int, float, int]:
+def estimate(spec: JobSpec, entry: Entry, tokenizer, num_proc: int) -> tuple[int, float, int]:
     """(records, seconds, bytes) of a cold pass of the split: the first ESTIMATE_RECORDS records tokenised
     here, their rate scaled by the processes and the records (a jsonl file's: its line count), their
     tokens per record by the records (8 bytes a token: ids and labels, int32)."""

@@ -30,8 +30,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from jobspec import tasks
-from jobspec.data.data_format import TEXT_SUFFIXES, data_format, source_kind, text_files
+from jobspec.data.data_format import TEXT_SUFFIXES, data_format, source_kind, split_source, text_files
 from jobspec.errors import SpecError, SpecIssue, first_line, spec_error
+from jobspec.spec.types import JobSpec, JobSpecData
 from jobspec.units import MiB, fmt_bytes_any_unit
 
 PREFLIGHT_ROWS = 1000
@@ -42,16 +43,20 @@ SPLITS = ("train", "eval")
 ROLES = ("system", "user", "assistant", "tool")   # a chat message's roles (schema: data.messages_field)
 
 
-def record_kind(data: dict, fields) -> str:
+def record_kind(data: JobSpecData, fields) -> str:
     """What a record holds, `text`, `chat` or `prompt_completion`: `data.records`, or for `auto` what the
     first record's `fields` (its keys, or a table's columns) show (the schema's rule)."""
-    setting = data["records"]
+    return _record_kind(data["records"], data["messages_field"], data["prompt_field"], data["completion_field"],
+                        fields)
+
+
+def _record_kind(setting: str, messages_field: str, prompt_field: str, completion_field: str, fields) -> str:
     if setting != "auto":
         return setting
     fields = set(fields)
-    if data["messages_field"] in fields:
+    if messages_field in fields:
         return "chat"
-    if {data["prompt_field"], data["completion_field"]} <= fields:
+    if {prompt_field, completion_field} <= fields:
         return "prompt_completion"
     return "text"
 
@@ -70,20 +75,19 @@ class Columns:
     completion_field: str = "completion"
 
     @classmethod
-    def of(cls, spec: dict) -> "Columns":
+    def of(cls, spec: JobSpec) -> "Columns":
         data, model = spec["data"], spec["model"]
         task = model["task"]
         label = data["label_field"] if tasks.get(task).classification else None
-        return cls(tuple(data.get("text_fields") or ["text"]), label, task, model["num_labels"],
+        return cls(tuple(data["text_fields"] or ["text"]), label, task, model["num_labels"],
                    data["records"], data["messages_field"], data["prompt_field"], data["completion_field"])
 
     def resolved(self, fields) -> "Columns":
         """These columns with `records: auto` decided by the first record's `fields`."""
         if self.records != "auto":
             return self
-        return replace(self, records=record_kind({"records": "auto", "messages_field": self.messages_field,
-                                                  "prompt_field": self.prompt_field,
-                                                  "completion_field": self.completion_field}, fields))
+        return replace(self, records=_record_kind("auto", self.messages_field, self.prompt_field,
+                                                  self.completion_field, fields))
 
     def needed(self) -> list[str]:
         if self.records == "chat":
@@ -93,7 +97,7 @@ class Columns:
         return [*self.text_fields, *([self.label_field] if self.label_field else [])]
 
 
-def preflight_issues(spec: dict) -> list[SpecIssue]:
+def preflight_issues(spec: JobSpec) -> list[SpecIssue]:
     """The first problem of each data file the spec names (unpositioned: `ResolvedSpec.locate` them)."""
     data = spec["data"]
     if data.get("synthetic") is not None:
@@ -102,7 +106,7 @@ def preflight_issues(spec: dict) -> list[SpecIssue]:
     for split in SPLITS:
         if data.get(split):
             try:
-                issue = check_source(data[split], data["format"], Columns.of(spec), split)
+                issue = check_source(split_source(data, split), data["format"], Columns.of(spec), split)
             except SpecError as err:  # data.format cannot be told from the extension
                 issues.extend(err.issues)
                 continue
@@ -111,7 +115,7 @@ def preflight_issues(spec: dict) -> list[SpecIssue]:
     return issues
 
 
-def record_issues(spec: dict, limit: int = MAX_REPORTED) -> list[SpecIssue]:
+def record_issues(spec: JobSpec, limit: int = MAX_REPORTED) -> list[SpecIssue]:
     """Validate's read of the local data files: every bad record (up to `limit` per file, then a count),
     each at its file:line, in the first PREFLIGHT_BYTES of a jsonl/csv file (PARQUET_ROWS rows of a
     parquet file); unpositioned (`ResolvedSpec.locate` them). `unread` says what it left out."""
@@ -122,17 +126,18 @@ def record_issues(spec: dict, limit: int = MAX_REPORTED) -> list[SpecIssue]:
     for split in SPLITS:
         if not data.get(split):
             continue
+        source = split_source(data, split)
         try:
-            kind = source_kind(data[split], data["format"])
+            kind = source_kind(source, data["format"])
             if kind in ("hub", "saved"):
                 continue
-            paths = text_files(data[split], data["format"]) if kind == "text_dir" else [data[split]]
+            paths = text_files(source, data["format"]) if kind == "text_dir" else [source]
         except SpecError as err:   # data.format cannot be told from the extension
             issues.extend(err.issues)
             continue
         if kind == "text_dir" and not paths:
-            issues.append(check_source(data[split], data["format"], Columns.of(spec), split) or
-                          SpecIssue(path=("data", split), message=f"{data[split]} holds no text files"))
+            issues.append(check_source(source, data["format"], Columns.of(spec), split) or
+                          SpecIssue(path=("data", split), message=f"{source} holds no text files"))
             continue
         for path in paths:
             fmt = "text" if kind == "text_dir" else data["format"]
@@ -143,16 +148,16 @@ def record_issues(spec: dict, limit: int = MAX_REPORTED) -> list[SpecIssue]:
     return issues
 
 
-def unread(spec: dict) -> list[str]:
+def unread(spec: JobSpec) -> list[str]:
     """What `record_issues` did not read, one line per file (the launch's data pass and the ranks read it)."""
     data = spec["data"]
     if data.get("synthetic") is not None:
         return []
     lines = []
     for split in SPLITS:
-        source = data.get(split)
-        if not source:
+        if not data.get(split):
             continue
+        source = split_source(data, split)
         try:
             kind = source_kind(source, data["format"])
             if kind in ("hub", "saved"):
@@ -584,11 +589,12 @@ def _kind(value) -> str:
     return f"an object ({type(value).__name__})" if not isinstance(value, dict) else "an object"
 
 
-def locate_error(spec: dict, split: str) -> SpecError | None:
+def locate_error(spec: JobSpec, split: str) -> SpecError | None:
     """A rank's failure on a data file turned into the first bad row's file:line (None when the whole
     file checks out: the failure was not the data's)."""
     data = spec["data"]
-    issue = check_source(data[split], data["format"], Columns.of(spec), split, max_rows=None, max_bytes=None)
+    issue = check_source(split_source(data, split), data["format"], Columns.of(spec), split,
+                         max_rows=None, max_bytes=None)
     return SpecError([issue]) if issue is not None else None
 
 
@@ -617,8 +623,8 @@ def row_location(path: str | os.PathLike, fmt: str, index: int) -> str:
     return f"{path}: row {index + 1}"
 
 
-def unreadable(spec: dict, split: str, fmt: str, err: BaseException) -> SpecError:
+def unreadable(spec: JobSpec, split: str, fmt: str, err: BaseException) -> SpecError:
     """A data file datasets could not read, where the row check found nothing more precise."""
-    path = spec["data"][split]
+    path = split_source(spec["data"], split)
     return spec_error(f"cannot read {path} as {fmt}: {first_line(err)}", path=("data", split),
                       hint="check the file and data.format")

@@ -14,16 +14,17 @@ from __future__ import annotations
 from pathlib import Path
 
 from jobspec.data import datacheck
-from jobspec.data.data_format import HF_PREFIX, is_saved_dataset
+from jobspec.data.data_format import HF_PREFIX, is_saved_dataset, split_source
 from jobspec.errors import first_line, spec_error
+from jobspec.spec.types import JobSpec
 
 DATASETS_BUILDER = {"jsonl": "json", "csv": "csv", "parquet": "parquet"}  # data.format -> datasets.load_dataset's
 
 
-def load_table(spec: dict, split: str, kind: str):
+def load_table(spec: JobSpec, split: str, kind: str):
     """`data.<split>` as a datasets.Dataset; `kind` is datacheck's source kind (a file format, hub, saved)."""
     data = spec["data"]
-    source = data[split]
+    source = split_source(data, split)
     if kind == "hub":
         return _by_name(spec, split, source[len(HF_PREFIX):])
     if kind == "saved":
@@ -31,11 +32,11 @@ def load_table(spec: dict, split: str, kind: str):
     return _file(spec, split, source, kind)
 
 
-def split_name(spec: dict, split: str) -> str:
+def split_name(spec: JobSpec, split: str) -> str:
     return spec["data"]["train_split" if split == "train" else "eval_split"]
 
 
-def _file(spec: dict, split: str, path: str, fmt: str):
+def _file(spec: JobSpec, split: str, path: str, fmt: str):
     import datasets
 
     if not Path(path).is_file():
@@ -46,7 +47,7 @@ def _file(spec: dict, split: str, path: str, fmt: str):
         raise datacheck.locate_error(spec, split) or datacheck.unreadable(spec, split, fmt, err) from None
 
 
-def _saved(spec: dict, split: str, path: str):
+def _saved(spec: JobSpec, split: str, path: str):
     import datasets
 
     try:
@@ -59,7 +60,7 @@ def _saved(spec: dict, split: str, path: str):
     return loaded
 
 
-def _by_name(spec: dict, split: str, name: str):
+def _by_name(spec: JobSpec, split: str, name: str):
     import datasets
 
     local = Path(name).expanduser()
@@ -81,7 +82,7 @@ def _by_name(spec: dict, split: str, name: str):
                          hint=hint) from None
 
 
-def _pick(loaded, spec: dict, split: str, source: str):
+def _pick(loaded, spec: JobSpec, split: str, source: str):
     wanted = split_name(spec, split)
     if wanted not in loaded:
         field = "train_split" if split == "train" else "eval_split"

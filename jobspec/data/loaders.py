@@ -25,8 +25,9 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from jobspec import tasks
 from jobspec.data import data_prep, datacheck, hf_data, text_data
-from jobspec.data.data_format import source_kind
+from jobspec.data.data_format import source_kind, split_source
 from jobspec.errors import SpecError, spec_error
+from jobspec.spec.types import JobSpec
 from jobspec.tasks.base import CLASS, MASKED_TOKENS, NEXT_TOKENS, TOKEN_CLASS
 
 IGNORE_INDEX = -100  # the label value transformers' losses skip
@@ -101,7 +102,7 @@ class PadCollator:
         return batch
 
 
-def build_datasets(spec: dict, tokenizer):
+def build_datasets(spec: JobSpec, tokenizer):
     """(train, eval or None) for the spec's data section and model task."""
     data = spec["data"]
     if data.get("synthetic") is not None:
@@ -238,8 +239,9 @@ class _WithPadding(Dataset):
 
 # ---- synthetic data ---------------------------------------------------------------------------
 
-def _synthetic_datasets(spec: dict):
+def _synthetic_datasets(spec: JobSpec):
     synthetic = spec["data"]["synthetic"]
+    assert synthetic is not None, "synthetic data needs data.synthetic"
     seed = spec["training"]["seed"]
     train = synthetic_dataset(spec, synthetic["num_samples"], seed)
     eval_samples = synthetic["eval_samples"]
@@ -248,9 +250,10 @@ def _synthetic_datasets(spec: dict):
     return train, evaluation
 
 
-def synthetic_dataset(spec: dict, num_samples: int, seed: int) -> TensorDictDataset:
+def synthetic_dataset(spec: JobSpec, num_samples: int, seed: int) -> TensorDictDataset:
     """Random token ids in `vocab_range`; `labels: learnable` derives the labels from the tokens."""
     synthetic = spec["data"]["synthetic"]
+    assert synthetic is not None, "synthetic data needs data.synthetic"
     shape = tasks.of(spec).labels   # the task's label shape (jobspec/tasks)
     num_labels = spec["model"]["num_labels"]
     low, high = synthetic["vocab_range"]
@@ -314,7 +317,7 @@ def _mask_tokens(ids, attention_mask, special, mask_id: int, vocab: tuple[int, i
 
 # ---- file data --------------------------------------------------------------------------------
 
-def _file_dataset(spec: dict, tokenizer, split: str, label_names: dict) -> TensorDictDataset | CachedDataset:
+def _file_dataset(spec: JobSpec, tokenizer, split: str, label_names: dict) -> TensorDictDataset | CachedDataset:
     """The samples of `data.<split>`. A row datasets, pyarrow, the tokenizer or the chat template cannot
     take is named by file and line (jobspec.data.datacheck scans the file for it): exit 2, not a rank
     traceback."""
@@ -322,7 +325,7 @@ def _file_dataset(spec: dict, tokenizer, split: str, label_names: dict) -> Tenso
     if tokenizer is None:
         raise spec_error("file data needs a tokenizer", path=("data", "tokenizer"),
                          hint="set data.tokenizer (or use model.name_or_path)")
-    kind = source_kind(data[split], data["format"])
+    kind = source_kind(split_source(data, split), data["format"])
     shape = tasks.get(task).labels
     if kind in ("text", "text_dir"):
         try:
@@ -360,7 +363,7 @@ def _file_dataset(spec: dict, tokenizer, split: str, label_names: dict) -> Tenso
         raise located from err
 
 
-def _check_columns(spec: dict, table, split: str, needed: list, records: str) -> None:
+def _check_columns(spec: JobSpec, table, split: str, needed: list, records: str) -> None:
     data = spec["data"]
     for column in needed:
         if column not in table.column_names:
@@ -369,16 +372,17 @@ def _check_columns(spec: dict, table, split: str, needed: list, records: str) ->
                 if records == "prompt_completion" else
                 "label_field" if column == data["label_field"] and column not in data["text_fields"]
                 else "text_fields")
-            raise spec_error(f"column {column!r} not in {Path(data[split]).name} (columns: "
+            raise spec_error(f"column {column!r} not in {Path(split_source(data, split)).name} (columns: "
                              f"{', '.join(table.column_names)})", path=("data", field),
                              hint="name one of the data's columns")
 
 
-def _unlocated(spec: dict, split: str) -> SpecError:
-    return spec_error(f"{spec['data'][split]} is not UTF-8 text", path=("data", split), hint="save it as UTF-8")
+def _unlocated(spec: JobSpec, split: str) -> SpecError:
+    return spec_error(f"{split_source(spec['data'], split)} is not UTF-8 text", path=("data", split),
+                      hint="save it as UTF-8")
 
 
-def _samples(spec: dict, tokenizer, ids: list, mask: list, labels: list) -> TensorDictDataset:
+def _samples(spec: JobSpec, tokenizer, ids: list, mask: list, labels: list) -> TensorDictDataset:
     """Rows of 1-D tensors, padded to `max_length` and stacked with `padding: max_length`."""
     pad_id = tokenizer.pad_token_id or 0
     columns: dict[str, Any] = {"input_ids": ids, "attention_mask": mask, "labels": labels}
@@ -391,7 +395,7 @@ def _samples(spec: dict, tokenizer, ids: list, mask: list, labels: list) -> Tens
     return TensorDictDataset(columns, pad_token_id=pad_id)
 
 
-def _tokenize(spec: dict, tokenizer, table, split: str, label_names: dict) -> TensorDictDataset:
+def _tokenize(spec: JobSpec, tokenizer, table, split: str, label_names: dict) -> TensorDictDataset:
     data, model = spec["data"], spec["model"]
     task, fields = model["task"], data["text_fields"]
     fixed = data["padding"] == "max_length"

@@ -17,6 +17,8 @@ from pathlib import Path
 
 from jobspec.data import data_cache, datacheck
 from jobspec.data.chat_render import RecordError
+from jobspec.data.data_format import split_source
+from jobspec.spec.types import JobSpec
 from jobspec.units import MiB
 
 CHUNK_BYTES = 1 * MiB
@@ -47,8 +49,8 @@ class Source(abc.ABC):
     def head(self, records: int): ...   # a chunk of the first `records` records
 
 
-def source_for(spec: dict, split: str, kind: str) -> Source:
-    return JsonlSource(Path(spec["data"][split])) if kind == "jsonl" else TableSource(spec, split, kind)
+def source_for(spec: JobSpec, split: str, kind: str) -> Source:
+    return JsonlSource(Path(split_source(spec["data"], split))) if kind == "jsonl" else TableSource(spec, split, kind)
 
 
 class JsonlSource(Source):
@@ -123,9 +125,9 @@ class JsonlSource(Source):
 class TableSource(Source):
     """Rows of a table `datasets` loads (csv, parquet, `hf:` names, saved datasets), in row ranges."""
 
-    def __init__(self, spec: dict, split: str, kind: str):
+    def __init__(self, spec: JobSpec, split: str, kind: str):
         self.spec, self.split, self.kind = spec, split, kind
-        self.source = spec["data"][split]
+        self.source = split_source(spec["data"], split)
         self._table = None
 
     @property

@@ -38,6 +38,7 @@ import torch
 from jobspec.data.loaders import IGNORE_INDEX, TensorDictDataset
 from jobspec.errors import spec_error
 from jobspec.spec.rules import packing as packing_rules
+from jobspec.spec.types import JobSpec
 
 
 def pack_order(lengths: list[int], max_length: int, seed: int) -> list[list[int]]:
@@ -193,7 +194,7 @@ class LazyPackedDataset(torch.utils.data.Dataset):
         return pad_row(row, self.pad_to, self.pad_token_id) if self.pad_to else row
 
 
-def pack_datasets(spec: dict, train, evaluation):
+def pack_datasets(spec: JobSpec, train, evaluation):
     """(train, eval) with the training set packed when `data.packing` is on. Evaluation stays unpacked:
     its loss and metrics are then the same numbers with packing on or off."""
     data = spec["data"]
@@ -203,7 +204,7 @@ def pack_datasets(spec: dict, train, evaluation):
     return pack_dataset(train, data["max_length"], spec["training"]["seed"], pad_to=pad_to), evaluation
 
 
-def prepare_model(model, spec: dict) -> str | None:
+def prepare_model(model, spec: JobSpec) -> str | None:
     """With `data.packing`: refuse a model whose forward does not keep packed samples apart (a hub id
     validation could not look into), and register the forward pre-hook that hands it packed batches
     (see the module's docstring). Returns a note for the run's notes, or None without packing."""

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 
-from jobspec.data.data_format import TEXT_SUFFIXES, source_kind, text_files
+from jobspec.data.data_format import TEXT_SUFFIXES, source_kind, split_source, text_files
 from jobspec.errors import spec_error
+from jobspec.spec.types import JobSpec
 from jobspec.tasks.base import MASKED_TOKENS, NEXT_TOKENS
 
 
@@ -68,16 +69,16 @@ def blocks(documents: list[list[int]], max_length: int, chunking: str) -> list[l
     return [ids[i:i + max_length] for ids in documents for i in range(0, len(ids), max_length)]
 
 
-def text_columns(spec: dict, tokenizer, split: str, shape: str) -> tuple[list, list]:
+def text_columns(spec: JobSpec, tokenizer, split: str, shape: str) -> tuple[list, list]:
     """(input ids, attention masks) of `data.<split>`'s text as 1-D LongTensors, unpadded."""
     data = spec["data"]
     if shape not in (NEXT_TOKENS, MASKED_TOKENS):
         raise spec_error(f"text files have no labels; {spec['model']['task']} needs records with "
                          f"{data['label_field']!r}", path=("data", split),
                          hint="use a jsonl/csv/parquet file with text and label columns, or a language-model task")
-    documents = read_documents(data[split], data["format"], data["document"], split)
+    documents = read_documents(split_source(data, split), data["format"], data["document"], split)
     if not documents:
-        raise spec_error(f"{data[split]} has no text", path=("data", split),
+        raise spec_error(f"{split_source(data, split)} has no text", path=("data", split),
                          hint="a text file needs at least one non-blank line")
     cut = blocks(document_ids(tokenizer, documents), data["max_length"], data["chunking"])
     ids = [torch.tensor(block, dtype=torch.long) for block in cut]

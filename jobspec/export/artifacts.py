@@ -14,6 +14,7 @@ from pathlib import Path
 
 from jobspec import rundir
 from jobspec.errors import first_line
+from jobspec.spec.types import JobSpec
 from jobspec.tracking import run as tracking_run
 
 log = logging.getLogger("jobspec.export.artifacts")
@@ -27,7 +28,7 @@ def exported_models(run_dir: Path) -> dict:
     return exports if isinstance(exports, dict) else {}
 
 
-def log_exported_models(tracked, run_dir: Path, spec: dict) -> dict[str, str]:
+def log_exported_models(tracked, run_dir: Path, spec: JobSpec) -> dict[str, str]:
     """Upload / tag every exported directory that still exists; returns the tags set. Never raises:
     a tracking problem here must not turn a finished training into a failed launch."""
     limit_bytes = float(spec["export"]["mlflow_max_mb"]) * 1e6

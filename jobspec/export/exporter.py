@@ -42,6 +42,7 @@ from jobspec.export.hf_dir import ExportFailed, ExportInfo, describe_io_error, j
 from jobspec.export.rules import resolve_dtype
 from jobspec.spec import eval_metrics
 from jobspec.spec.derived import DerivedJob
+from jobspec.spec.types import JobSpec
 from jobspec.units import MiB
 
 CHECKPOINT_SPEC = "jobspec_resolved.yaml"
@@ -150,7 +151,7 @@ class ModelExporter:
                 raise RuntimeError("rank 0 gathered no state dict")   # gather_state_dict gives rank 0 one
             try:
                 merged, adapter = lora_exports.wanted(self.spec)
-                if self.spec["model"].get("lora"):   # the PEFT model: checked, then split (export/lora_export.py)
+                if self.spec["model"]["lora"]:   # the PEFT model: checked, then split (export/lora_export.py)
                     peft_model, _ = lora_exports.split(self.spec, state_dict, self.dtype,
                                                        f"the ranks (ZeRO stage {self.spec['memory']['zero_stage']})")
                     if adapter:
@@ -203,7 +204,7 @@ class ModelExporter:
                                f"(`jobspec export` converts one later)")
 
 
-def check_best_metric(spec: dict, label_names: dict | None) -> None:
+def check_best_metric(spec: JobSpec, label_names: dict | None) -> None:
     """What validation could not tell before the data was read: the entity F1 of token
     classification needs BIO tags among the training data's labels. SpecError otherwise (exit 2)."""
     task, name = spec["model"]["task"], spec["export"]["best_metric"]
@@ -283,10 +284,10 @@ def _copy_spec(run_dir: Path, tag_dir: Path) -> None:
         pass   # `jobspec export` also finds the spec through the run directories (or --spec)
 
 
-def reference_batch(spec: dict, vocab_size: int, batch: int = 4):
+def reference_batch(spec: JobSpec, vocab_size: int, batch: int = 4):
     """A fixed batch, the same in every process: token ids inside the training data's range."""
     import torch
-    synthetic = spec["data"].get("synthetic")
+    synthetic = spec["data"]["synthetic"]
     seq_len = synthetic["seq_len"] if synthetic else min(spec["data"]["max_length"], 32)
     low, high = synthetic["vocab_range"] if synthetic else (5, vocab_size)
     generator = torch.Generator().manual_seed(1234)
@@ -294,7 +295,7 @@ def reference_batch(spec: dict, vocab_size: int, batch: int = 4):
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
-def _save_reference(engine, spec: dict, name: str, rank: int) -> None:
+def _save_reference(engine, spec: JobSpec, name: str, rank: int) -> None:
     directory = os.environ.get(REFERENCE_ENV)
     if not directory:
         return

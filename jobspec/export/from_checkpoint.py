@@ -25,6 +25,7 @@ from jobspec.errors import first_line, spec_error
 from jobspec.export.exporter import CHECKPOINT_SPEC, read_label_names
 from jobspec.export.hf_dir import ExportInfo, job_tokenizer, write_model_dir
 from jobspec.export.rules import resolve_dtype
+from jobspec.spec.types import JobSpec
 
 MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
 
@@ -33,7 +34,7 @@ MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_s
 class Source:
     load_dir: Path          # the checkpoint directory (holds `latest` and the step<N> tags)
     tag: str
-    spec: dict
+    spec: JobSpec
     run_dir: Path | None    # a run directory of the job, for the metrics of the model card
 
     @property
@@ -95,13 +96,13 @@ def export_checkpoint(source: Source, out: Path, dtype: str | None = None, show_
     info = ExportInfo(name=out.name, step=step, dtype=dtype, source=f"checkpoint {source.path}",
                       metrics=_metrics_at(source.run_dir, step), notes=notes,
                       world_size=_world_size(client, source.run_dir))
-    if spec["model"].get("lora"):
+    if spec["model"]["lora"]:
         return _export_lora(source, out, spec, state_dict, info, tokenizer, show_progress)
     return write_model_dir(out, spec, state_dict, info, tokenizer=tokenizer, show_progress=show_progress,
                            label_names=read_label_names(source.path))
 
 
-def _export_lora(source: Source, out: Path, spec: dict, state_dict: dict, info: ExportInfo, tokenizer,
+def _export_lora(source: Source, out: Path, spec: JobSpec, state_dict: dict, info: ExportInfo, tokenizer,
                  show_progress: bool) -> dict:
     """A LoRA job's checkpoint: the PEFT model's weights checked against the spec's model wrapped by
     apply_lora (count, names, shapes), then, by `export.adapter`, the merged model in `out` and the
@@ -111,7 +112,7 @@ def _export_lora(source: Source, out: Path, spec: dict, state_dict: dict, info: 
     from jobspec.export.hf_dir import ExportFailed, describe_io_error
 
     merged, adapter = lora_exports.wanted(spec)
-    if spec["model"].get("quantization"):   # QLoRA: the saved 4-/8-bit base dequantised (model/quantize.py)
+    if spec["model"]["quantization"]:   # QLoRA: the saved 4-/8-bit base dequantised (model/quantize.py)
         import torch
 
         from jobspec.model.quantize import dequantize_saved
@@ -211,7 +212,7 @@ def _has_model_states(path: Path) -> bool:
     return any((path / name).is_file() for name in MODEL_STATES)
 
 
-def _read_spec(path: Path) -> dict:
+def _read_spec(path: Path) -> JobSpec:
     try:
         spec = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError) as err:
@@ -220,11 +221,11 @@ def _read_spec(path: Path) -> dict:
     if not isinstance(spec, dict) or not isinstance(spec.get("model"), dict) or "memory" not in spec:
         raise spec_error(f"{path} is not a resolved job spec (resolved.yaml of a run directory)",
                          hint="pass RUN_DIR/resolved.yaml with --spec; `jobspec compile --out DIR` writes one")
-    from jobspec.spec.schema import fill_defaults
-    return fill_defaults(spec)   # a spec of an older jobspec lacks the newer sections
+    from jobspec.spec.schema import filled_spec
+    return filled_spec(spec)   # a spec of an older jobspec lacks the newer sections
 
 
-def _spec_of_checkpoint(load_dir: Path, tag: str) -> dict:
+def _spec_of_checkpoint(load_dir: Path, tag: str) -> JobSpec:
     copy = load_dir / tag / CHECKPOINT_SPEC
     if copy.is_file():
         return _read_spec(copy)
@@ -239,7 +240,7 @@ def _candidate_run_dirs(load_dir: Path) -> list[Path]:
     found = []
     for run_dir in rundir.run_dirs(load_dir.parent, newest_first=True):
         try:
-            spec = yaml.safe_load((run_dir / rundir.RESOLVED).read_text(encoding="utf-8"))
+            spec = rundir.read_resolved(run_dir)
             if Path(spec["checkpoint"]["dir"]).resolve() == load_dir.resolve():
                 found.append(run_dir)
         except (OSError, yaml.YAMLError, KeyError, TypeError):
@@ -247,8 +248,8 @@ def _candidate_run_dirs(load_dir: Path) -> list[Path]:
     return found
 
 
-def _run_dirs(spec: dict, load_dir: Path) -> list[Path]:
-    output_dir = Path(spec.get("output_dir") or load_dir.parent)
+def _run_dirs(spec: JobSpec, load_dir: Path) -> list[Path]:
+    output_dir = Path(spec["output_dir"] or load_dir.parent)
     return _candidate_run_dirs(load_dir) or [d for d in rundir.run_dirs(output_dir, newest_first=True)
                                              if (d / rundir.RESOLVED).is_file()]
 

@@ -32,6 +32,7 @@ from pathlib import Path
 import yaml
 
 from jobspec.errors import RunFailure, first_line, spec_error
+from jobspec.spec.types import JobSpec
 
 EXPORT_RECORD = "jobspec_export.json"
 DTYPES = ("fp32", "bf16", "fp16")
@@ -63,12 +64,12 @@ class ExportInfo:
     world_size: int | None = None  # the ranks that trained it (the derived job's); None: unknown
 
 
-def job_tokenizer(spec: dict):
+def job_tokenizer(spec: JobSpec):
     """(tokenizer or None, note or None): the job's `data.tokenizer`, else the model checkpoint's own one."""
     from jobspec.model.build import build_tokenizer
-    if spec["data"].get("synthetic") is None:
+    if spec["data"]["synthetic"] is None:
         return build_tokenizer(spec), None   # file data: the tokenizer that made the batches
-    name = spec["data"].get("tokenizer") or spec["model"].get("name_or_path")
+    name = spec["data"]["tokenizer"] or spec["model"]["name_or_path"]
     if not name:
         return None, None   # an architecture trained on synthetic tokens has no tokenizer
     try:
@@ -77,7 +78,7 @@ def job_tokenizer(spec: dict):
         return None, f"no tokenizer saved: {first_line(err, limit=200)}"
 
 
-def write_model_dir(out: str | os.PathLike, spec: dict, state_dict: dict, info: ExportInfo, *, tokenizer=None,
+def write_model_dir(out: str | os.PathLike, spec: JobSpec, state_dict: dict, info: ExportInfo, *, tokenizer=None,
                     show_progress: bool = False, label_names: dict | None = None) -> dict:
     """Write the directory `out` (replacing one that exists); returns its record (path, bytes, ...).
 
@@ -115,7 +116,7 @@ def write_model_dir(out: str | os.PathLike, spec: dict, state_dict: dict, info: 
     return {**record, "path": str(out), "bytes": dir_bytes(out), "seconds": round(time.monotonic() - started, 3)}
 
 
-def stop_at_end_of_turn(model, spec: dict, tokenizer) -> None:
+def stop_at_end_of_turn(model, spec: JobSpec, tokenizer) -> None:
     """generation_config.json's `eos_token_id`: the tokenizer's EOS and the chat template's end-of-turn
     token (model/chat_turns.py), so `generate` and pipelines stop where a trained chat model ends its
     answer instead of writing the next turns; `pad_token_id` the tokenizer's. The job's own template
@@ -126,7 +127,7 @@ def stop_at_end_of_turn(model, spec: dict, tokenizer) -> None:
     from jobspec.model.chat_turns import end_of_turn_ids
 
     template = chat_template(spec, tokenizer)
-    if template and spec["data"].get("chat_template"):
+    if template and spec["data"]["chat_template"]:
         tokenizer.chat_template = template
     config = getattr(model, "generation_config", None)
     if config is None:
@@ -172,7 +173,7 @@ def _is_io_error(err: BaseException) -> bool:
     return type(err).__name__ == "SafetensorError" and "I/O error" in str(err)
 
 
-def _filled_skeleton(spec: dict, state_dict: dict, dtype: str, tokenizer, show_progress: bool):
+def _filled_skeleton(spec: JobSpec, state_dict: dict, dtype: str, tokenizer, show_progress: bool):
     from jobspec.model.build import build_skeleton
 
     model = build_skeleton(spec, tokenizer)
@@ -202,7 +203,7 @@ def _filled_skeleton(spec: dict, state_dict: dict, dtype: str, tokenizer, show_p
     return model
 
 
-def _check_keys(spec: dict, expected: set, found: set) -> None:
+def _check_keys(spec: JobSpec, expected: set, found: set) -> None:
     missing, unexpected = sorted(expected - found), sorted(found - expected)
     if not (missing or unexpected):
         return
@@ -216,7 +217,7 @@ def _check_keys(spec: dict, expected: set, found: set) -> None:
                                             "(`jobspec export --spec RUN_DIR/resolved.yaml`)")
 
 
-def _save_weights(model, directory: Path, spec: dict) -> None:
+def _save_weights(model, directory: Path, spec: JobSpec) -> None:
     shard = spec["export"]["max_shard_size"]
     if hasattr(model, "save_pretrained"):
         from transformers.utils import logging as hf_logging
@@ -270,7 +271,7 @@ def _progress(total: int, show: bool):
 
 # --- the model card -------------------------------------------------------------------------------
 
-def model_card(spec: dict, info: ExportInfo, model, tokenizer) -> str:
+def model_card(spec: JobSpec, info: ExportInfo, model, tokenizer) -> str:
     from jobspec import __version__
     from jobspec.model.build import TASK_MODEL_CLASSES
     from jobspec.secrets import mask_secrets
@@ -279,10 +280,10 @@ def model_card(spec: dict, info: ExportInfo, model, tokenizer) -> str:
     hf = hasattr(model, "save_pretrained")
     auto_class = TASK_MODEL_CLASSES.get(model_spec["task"], "AutoModel")
     ranks = f", {info.world_size} rank(s)" if info.world_size else ""
-    base = model_spec.get("name_or_path") or f"a fresh `{model_spec.get('architecture')}` (random initialisation)"
+    base = model_spec["name_or_path"] or f"a fresh `{model_spec['architecture']}` (random initialisation)"
     lines = ["---", f"library_name: {'transformers' if hf else 'jobspec'}", "tags:", "- jobspec", "- deepspeed",
              "---", "", f"# {spec['name']}", ""]
-    if spec.get("description"):
+    if spec["description"]:
         lines += [spec["description"], ""]
     lines += [f"Trained with jobspec {__version__} from {base}: task `{model_spec['task']}`, "
               f"{memory['precision']} training, ZeRO stage {memory['zero_stage']}{ranks}. "

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from jobspec.errors import RunFailure
 from jobspec.export.hf_dir import dir_bytes, torch_dtype
+from jobspec.spec.types import JobSpec
 
 ADAPTER_SUFFIX = "-adapter"
 BASE_DIR = "base"   # inside the adapter directory: the base of a model built from a config
@@ -31,15 +32,15 @@ class GatherMismatch(RunFailure):
     """The gathered weights are not the model's: missing, unexpected or wrongly shaped tensors."""
 
 
-def wanted(spec: dict) -> tuple[bool, bool]:
+def wanted(spec: JobSpec) -> tuple[bool, bool]:
     """(merged, adapter): what `export.adapter` asks for; without model.lora, the merged (plain) model only."""
-    if not spec["model"].get("lora"):
+    if not spec["model"]["lora"]:
         return True, False
     choice = spec["export"]["adapter"]
     return choice in ("merged", "both"), choice in ("adapter", "both")
 
 
-def peft_skeleton(spec: dict, tokenizer=None):
+def peft_skeleton(spec: JobSpec, tokenizer=None):
     """The spec's model on the meta device, wrapped with the job's adapters (no weights anywhere)."""
     import torch
 
@@ -71,7 +72,7 @@ def check_gathered(model, state_dict: dict, source: str) -> int:
     return len(expected)
 
 
-def split(spec: dict, state_dict: dict, dtype: str, source: str, tokenizer=None):
+def split(spec: JobSpec, state_dict: dict, dtype: str, source: str, tokenizer=None):
     """(the PEFT model holding the gathered weights cast to `dtype`, the tensor count). Consumes `state_dict`."""
     model = peft_skeleton(spec, tokenizer)
     count = check_gathered(model, state_dict, source)
@@ -121,7 +122,7 @@ def base_readme(base: str, built: bool) -> str:
             'model = PeftModel.from_pretrained(base, "ADAPTER_DIR")\n```\n')
 
 
-def write_adapter_dir(out: str | os.PathLike, spec: dict, peft_model, info: dict, tokenizer=None) -> dict:
+def write_adapter_dir(out: str | os.PathLike, spec: JobSpec, peft_model, info: dict, tokenizer=None) -> dict:
     """PEFT's own `save_pretrained` (adapter weights and adapter_config.json) into `out`, built under a
     temporary name and renamed into place; returns its record. A base built from a config (no
     `model.name_or_path` names it) is exported into `out/base` (export/hf_dir.py, with the tokenizer)
@@ -135,10 +136,10 @@ def write_adapter_dir(out: str | os.PathLike, spec: dict, peft_model, info: dict
     shutil.rmtree(tmp, ignore_errors=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
-        named = spec["model"].get("name_or_path")
+        named = spec["model"]["name_or_path"]
         base = named or str((out / BASE_DIR).resolve())
         if not named:   # before save_pretrained: PEFT's model card names the base too
-            base_spec = {**spec, "model": {**spec["model"], "lora": None, "quantization": None}}
+            base_spec: JobSpec = {**spec, "model": {**spec["model"], "lora": None, "quantization": None}}
             write_model_dir(tmp / BASE_DIR, base_spec, base_state_dict(peft_model),
                             ExportInfo(name=f"{info.get('name')} base", step=info.get("step"),
                                        dtype=info.get("dtype", "fp32"), source="the frozen base the adapter trained on",

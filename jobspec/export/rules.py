@@ -10,11 +10,12 @@ from __future__ import annotations
 import difflib
 
 from jobspec.spec import eval_metrics
+from jobspec.spec.types import JobSpec
 
 CODE = "export-best"   # the rule code of every rule below (`validate --format json`)
 
 
-def resolve_dtype(spec: dict, requested: str | None = None) -> str:
+def resolve_dtype(spec: JobSpec, requested: str | None = None) -> str:
     """fp32 | bf16 | fp16: `requested` (CLI), else `export.dtype`, whose `auto` follows `memory.precision`."""
     choice = requested or spec["export"]["dtype"]
     if choice == "auto":

@@ -41,7 +41,7 @@ def model_data_checks(resolved: ResolvedSpec, plan: bool = True) -> None:
     for warning in resolved.warnings:   # validate's, said by plan, compile and launch too
         print(f"jobspec: warning: {warning.render()}", file=sys.stderr)
     model = resolved.spec["model"]
-    if model.get("config") and model.get("name_or_path"):
+    if model["config"] and model["name_or_path"]:
         library_log.adopt_transformers()   # a hub config read: its log lines to the command's log
     problems = job_model_config_issues(resolved)
     if problems:
@@ -59,7 +59,7 @@ def config_check(resolved: ResolvedSpec) -> None:
     config keys involved. Architectures only: a checkpoint's config is the ranks' to load (its
     weights decide), and jobspec's mlp is checked by validate."""
     model = resolved.spec["model"]
-    if not model.get("architecture") or model["architecture"] == "mlp" or model.get("name_or_path"):
+    if not model["architecture"] or model["architecture"] == "mlp" or model["name_or_path"]:
         return
     from jobspec.model.build import build_config, loading_error
 

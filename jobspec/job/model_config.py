@@ -22,6 +22,9 @@ import typing
 from jobspec.errors import SpecIssue, first_line
 from jobspec.spec.freeform import local_checkpoint_config, model_config_issues
 
+if typing.TYPE_CHECKING:
+    from jobspec.spec.validation import ResolvedSpec
+
 # Keywords PreTrainedConfig accepts without a dataclass field (consumed in __post_init__ or by a
 # property setter). Left out on purpose: `name_or_path` and `attn_implementation`, which
 # `model.name_or_path` and `model.attention` set, and the generation parameters (max_length, ...)
@@ -156,7 +159,7 @@ def common_fields() -> dict:
     return {**dataclass_fields(PreTrainedConfig), **POST_INIT_KEYWORDS}
 
 
-def job_model_config_issues(resolved) -> list[SpecIssue]:
+def job_model_config_issues(resolved: ResolvedSpec) -> list[SpecIssue]:
     """`model.config` and `model.lora`'s module names that validate could not check, found by `plan`,
     `compile` and `launch --dry-run` alike (job/checks), before anything is derived.
 
@@ -180,17 +183,18 @@ def job_model_config_issues(resolved) -> list[SpecIssue]:
     from jobspec.spec import model_table
 
     model = resolved.spec["model"]
-    if not model.get("config"):
+    if not model["config"]:
         return []
     checkpoint = local_checkpoint_config(resolved)
-    if model.get("architecture") or checkpoint is not None:
+    if model["architecture"] or checkpoint is not None:
         model_type = model_table.model_type(resolved.spec, checkpoint)
         if model_type is None or model_table.entry(model_type) is not None:
             return []   # checked by validate (or no type to check against: the ranks' AutoConfig decides)
     else:   # a hub id outside the local cache: validate could not know its type
         name = model["name_or_path"]
+        assert name is not None   # the schema requires model.architecture or model.name_or_path
         try:
-            checkpoint = hub_config(name, model.get("revision"))
+            checkpoint = hub_config(name, model["revision"])
         except Exception as err:   # whatever stops this read stops the ranks' from_pretrained too
             return [resolved.issue(("model", "name_or_path"),
                                    f"cannot read the config.json of `{name}`, so model.config cannot be checked: "
@@ -201,20 +205,21 @@ def job_model_config_issues(resolved) -> list[SpecIssue]:
         if model_type is None:
             return []
         if model_table.entry(model_type) is not None:
-            return model_config_issues({"model": {**model, "architecture": model_type}}, resolved.issue, checkpoint)
+            return model_config_issues({**resolved.spec, "model": {**model, "architecture": model_type}},
+                                       resolved.issue, checkpoint)
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     if model_type not in CONFIG_MAPPING:
-        if model.get("trust_remote_code"):
+        if model["trust_remote_code"]:
             print(f"jobspec: model.config is not checked: model type `{model_type}` is defined by the "
                   "repository's own code (trust_remote_code), which runs only on the ranks", file=sys.stderr,
                   flush=True)
             return []
-        return [resolved.issue(("model", "architecture") if model.get("architecture") else ("model", "name_or_path"),
+        return [resolved.issue(("model", "architecture") if model["architecture"] else ("model", "name_or_path"),
                                f"transformers {_version()} has no model type `{model_type}`",
                                "use a model_type transformers knows (its AutoConfig names)")]
     entry = transformers_entry(model_type, common_fields())
-    return model_config_issues({"model": {**model, "architecture": model_type}}, resolved.issue, checkpoint,
-                               entry=entry)
+    return model_config_issues({**resolved.spec, "model": {**model, "architecture": model_type}}, resolved.issue,
+                               checkpoint, entry=entry)
 
 
 def hub_config(name: str, revision: str | None = None) -> dict:

@@ -35,6 +35,7 @@ from jobspec.memory import at_launch
 from jobspec.memory.at_launch import LaunchMemory
 from jobspec.spec.derived import DerivedJob
 from jobspec.spec.inputs import derive_job
+from jobspec.spec.types import JobSpec
 from jobspec.spec.validation import ResolvedSpec, load_and_validate
 
 
@@ -69,7 +70,7 @@ class PreparedJob:
     host: Host | None = None
 
     @property
-    def spec(self) -> dict:
+    def spec(self) -> JobSpec:
         return self.resolved.spec
 
     def compile(self, run_dir: str | os.PathLike = "RUN_DIR", master_port: int | None = None) -> Compiled:
@@ -80,7 +81,7 @@ class PreparedJob:
         """This job training into `checkpoint_dir` (a --new-run's, or an earlier one's); not compiled."""
         if Path(self.spec["checkpoint"]["dir"]) == Path(checkpoint_dir):
             return self
-        spec = {**self.spec, "checkpoint": {**self.spec["checkpoint"], "dir": str(checkpoint_dir)}}
+        spec: JobSpec = {**self.spec, "checkpoint": {**self.spec["checkpoint"], "dir": str(checkpoint_dir)}}
         return dataclasses.replace(self, resolved=dataclasses.replace(self.resolved, spec=spec),
                                    derived=self.derived.with_spec(spec), compiled=None)
 
@@ -152,7 +153,7 @@ def prepare_job(source: str | os.PathLike | ResolvedSpec, overrides: Iterable[st
     return prepared
 
 
-def spec_fits(spec: dict, apply_fit: bool, budget) -> bool:
+def spec_fits(spec: JobSpec, apply_fit: bool, budget) -> bool:
     """Whether `memory.fit: auto` will be decided with a known budget (then the model is built and traced)."""
     return apply_fit and spec["memory"]["fit"] == "auto" and bool(budget or spec["memory"]["gpu_memory"])
 

@@ -17,6 +17,7 @@ from jobspec.compile.compiler import patch_text
 from jobspec.memory.planner import ALLOCATOR_VARIABLE, allocator_conf, expandable
 from jobspec.rundir import RunSummary
 from jobspec.spec import eval_metrics
+from jobspec.spec.types import JobSpec, JobSpecModel
 from jobspec.units import MiB, fmt_mib_gib
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -103,11 +104,11 @@ def tracking_lines(info: dict | None, experiment: str | None = None, *, style: b
 
 # --- the header ----------------------------------------------------------------------------------
 
-def header_lines(spec: dict, job, memory, host, patches: list, *, style: bool = False) -> list[str]:
+def header_lines(spec: JobSpec, job, memory, host, patches: list, *, style: bool = False) -> list[str]:
     """The lines printed before anything starts. `job`: DerivedJob; `memory`: memory.at_launch.LaunchMemory;
     `host`: launch.host.Host; `patches`: the compiled patches.json entries."""
     model = spec["model"]
-    name = model.get("name_or_path") or model.get("architecture") or "?"
+    name = model["name_or_path"] or model["architecture"] or "?"
     lines = [_title(f"{spec['name']}: {name} {model['task']}, {fmt_count(job.num_parameters)} parameters", style)]
     mem = spec["memory"]
     offload = [f"{what} to {where}" for what, where in (("optimizer", mem["offload"]["optimizer"]),
@@ -194,7 +195,7 @@ def host_memory_text(memory) -> str:
     return text + f" · node RAM {fmt_mib_gib(memory.host_budget)} ({memory.host_budget_source}): {verdict}"
 
 
-def gpu_sized_warning(spec: dict, job, memory, host, step_time_s: float | None) -> list[str]:
+def gpu_sized_warning(spec: JobSpec, job, memory, host, step_time_s: float | None) -> list[str]:
     """On a host without GPUs, why this job is sized for GPUs ([] when CPU ranks suit it).
 
     `step_time_s`: the planner's estimate of one optimizer step on this host's CPU cores. The rule:
@@ -248,7 +249,7 @@ def outcome_text(summary: RunSummary, exit_code: int, user_signal: str | None, r
 def closing_lines(summary: RunSummary | None, launch: dict, *, job_name: str, run_dir, checkpoint_dir: str,
                   exit_code: int, user_signal: str | None = None, reason: str | None = None,
                   tracking: dict | None = None, experiment: str | None = None, style: bool = False,
-                  model_tags: dict | None = None, model_spec: dict | None = None) -> list[str]:
+                  model_tags: dict | None = None, model_spec: JobSpecModel | None = None) -> list[str]:
     """The block printed when the job ends, also kept in summary.json (`report`) and as the MLflow
     run's description. `summary`: summary.json (None when no rank wrote one); `launch`: launch.json;
     `model_spec`: the resolved spec's `model` section (its LoRA and quantisation settings)."""
@@ -307,26 +308,26 @@ def _excerpt(text, limit: int = 80) -> str:
     return json.dumps(flat if len(flat) <= limit else flat[:limit - 1] + "…", ensure_ascii=False)
 
 
-def adapter_text(model_spec: dict | None) -> str:
+def adapter_text(model_spec: JobSpecModel | None) -> str:
     """`model.lora` and `model.quantization` in one line: `LoRA r 8 · alpha 16 · targets q_proj, v_proj ·
     base 4-bit nf4 (double quant, compute auto)`; "" without LoRA."""
-    lora = (model_spec or {}).get("lora")
+    lora = model_spec["lora"] if model_spec is not None else None
     if not lora:
         return ""
     targets = lora["target_modules"]
     parts = [f"LoRA r {lora['r']}", f"alpha {lora['alpha']:g}",
              "targets " + (targets if isinstance(targets, str) else ", ".join(targets))]
-    variants = [name for name, on in (("rsLoRA", lora.get("use_rslora")), ("DoRA", lora.get("use_dora"))) if on]
+    variants = [name for name, on in (("rsLoRA", lora["use_rslora"]), ("DoRA", lora["use_dora"])) if on]
     if variants:
         parts.append(" + ".join(variants))
-    quant = (model_spec or {}).get("quantization")
+    quant = model_spec["quantization"] if model_spec is not None else None
     if quant:
         if quant["bits"] == 4:
             # `auto` compute is the training precision, which the header showed: only a chosen one here
-            notes = [note for note in ("double quant" if quant.get("double_quant") else None,
-                                       None if quant.get("compute_dtype", "auto") == "auto"
+            notes = [note for note in ("double quant" if quant["double_quant"] else None,
+                                       None if quant["compute_dtype"] == "auto"
                                        else f"compute {quant['compute_dtype']}") if note]
-            parts.append(f"base 4-bit {quant.get('quant_type', 'nf4')}" + (f" ({', '.join(notes)})" if notes else ""))
+            parts.append(f"base 4-bit {quant['quant_type']}" + (f" ({', '.join(notes)})" if notes else ""))
         else:
             parts.append("base 8-bit (LLM.int8)")
     return " · ".join(parts)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from jobspec import status as run_status
 from jobspec.errors import SpecError
 from jobspec.launch import host, lease, lineage, supervise
+from jobspec.spec.types import JobSpec
 
 if TYPE_CHECKING:
     from jobspec.job.prepare import PreparedJob
@@ -51,7 +52,7 @@ class LaunchContext:
     phases: list[tuple[str, float, float]]   # start-up timestamps, appended as it goes (launcher.log)
 
     @property
-    def spec(self) -> dict:
+    def spec(self) -> JobSpec:
         return self.prepared.resolved.spec
 
     @property

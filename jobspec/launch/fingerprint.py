@@ -22,6 +22,7 @@ from pathlib import Path
 
 from jobspec.secrets import mask_tree
 from jobspec.spec.loader import dotted_leaves
+from jobspec.spec.types import JobSpec
 
 # Fields (dotted prefixes) that do not change what is trained: never in the fingerprint. A change to
 # them is still recorded when a run continues (lineage.record_changes), as is every other change.
@@ -56,18 +57,17 @@ class Change:
         return f"{self.field}: {_short(self.old, width)} -> {_short(self.new, width)}"
 
 
-def fingerprint(spec: dict, derived: dict) -> dict[str, str]:
+def fingerprint(spec: JobSpec, derived: dict) -> dict[str, str]:
     """{dotted field: canonical JSON text} of everything that determines training. Reads the data
     files' content (or size + mtime) and a local model directory's config.json."""
     # masked like every other record jobspec writes: the owner record sits beside the checkpoints
     prints = {k: v for k, v in flat(mask_tree(spec)).items() if _counts(k)}
     for field in ("global_batch_size", "total_steps"):
         prints[f"derived.{field}"] = _canon(derived.get(field))
-    for field in ("train", "eval"):
-        path = spec["data"].get(field)
+    for field, path in (("train", spec["data"]["train"]), ("eval", spec["data"]["eval"])):
         if path:
             prints[f"data.{field}.content"] = _canon(content_digest(Path(path)))
-    model_dir = spec["model"].get("name_or_path")
+    model_dir = spec["model"]["name_or_path"]
     if model_dir and (Path(model_dir) / "config.json").is_file():
         prints["model.config.json"] = _canon(content_digest(Path(model_dir) / "config.json"))
     return prints

@@ -16,14 +16,16 @@ import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from jobspec.spec.types import JobSpec
+
 DEFAULT_ENDPOINT = "https://huggingface.co"
 CONNECT_TIMEOUT_S = 3.0
 TRUE = {"1", "ON", "YES", "TRUE"}
 
 
-def hub_ids(spec: dict) -> list[str]:
+def hub_ids(spec: JobSpec) -> list[str]:
     """The spec's names that are hub ids, not local paths (validate made existing paths absolute)."""
-    names = [spec["model"].get("name_or_path"), spec["data"].get("tokenizer")]
+    names = [spec["model"]["name_or_path"], spec["data"]["tokenizer"]]
     return [n for n in names if n and not Path(n).is_absolute() and not Path(n).exists()]
 
 
@@ -37,7 +39,7 @@ def reachable(endpoint: str, timeout_s: float = CONNECT_TIMEOUT_S) -> bool:
     return True
 
 
-def offline_if_unreachable(spec: dict, environ=os.environ) -> bool:
+def offline_if_unreachable(spec: JobSpec, environ=os.environ) -> bool:
     """Set HF_HUB_OFFLINE=1 (and say so) when the spec names hub ids and the hub does not answer;
     True when it did. Nothing changes when the user chose offline mode or the spec names no hub id."""
     if environ.get("HF_HUB_OFFLINE", "").upper() in TRUE:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from jobspec import rundir
 from jobspec.launch import ownership
+from jobspec.spec.types import JobSpec
 
 LATEST = "latest"                       # checkpointing.LATEST
 MANIFEST = "jobspec_manifest.json"      # checkpoint/save_load.MANIFEST
@@ -38,7 +39,7 @@ class Intent:
         return f"start fresh and train steps 1-{self.total_steps}"
 
 
-def decide(spec: dict, total_steps: int | None) -> Intent:
+def decide(spec: JobSpec, total_steps: int | None) -> Intent:
     """The intent of a launch of `spec` now (`checkpoint.resume`: auto, never, or a checkpoint path)."""
     resume, ckpt_dir = spec["checkpoint"]["resume"], Path(spec["checkpoint"]["dir"])
     if resume == "never":
@@ -72,7 +73,7 @@ def writer_run_dir(ckpt_dir: str | Path) -> Path | None:
     return Path(last) if last and Path(last).is_dir() else None
 
 
-def complete_lines(spec: dict, intent: Intent, unfinished: list[tuple[Path, int, str]] | None = None) -> list[str]:
+def complete_lines(spec: JobSpec, intent: Intent, unfinished: list[tuple[Path, int, str]] | None = None) -> list[str]:
     """What `jobspec launch` says instead of launching a complete job: the run that wrote the
     checkpoint (not merely the newest run directory: a --from-run or --new-run child may be newer),
     and each unfinished checkpoint directory of the same spec `unfinished` names (directory, step,

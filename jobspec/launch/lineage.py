@@ -25,6 +25,7 @@ from jobspec.errors import SpecError, SpecIssue
 from jobspec.launch import fingerprint as fp
 from jobspec.launch import intent, ownership
 from jobspec.secrets import mask_tree
+from jobspec.spec.types import JobSpec
 
 LINEAGE_SUFFIX = re.compile(r"^-(\d+)$")
 
@@ -93,7 +94,7 @@ def choose(resolved, derived: dict, *, new_run: bool = False, continue_run: bool
     raise _refusal(resolved, directory, changes, continue_run)
 
 
-def _continuing(directory: Path, base: Path, owner: dict, prints: dict, spec: dict,
+def _continuing(directory: Path, base: Path, owner: dict, prints: dict, spec: JobSpec,
                 continued: tuple[fp.Change, ...]) -> Lineage:
     segments = owner.get("segments") or []
     previous = owner.get("spec_flat") or {}
@@ -110,7 +111,7 @@ def _continuing(directory: Path, base: Path, owner: dict, prints: dict, spec: di
     return Lineage(directory, prints, spec_flat, continued, recorded, segment, tuple(lines))
 
 
-def unfinished_of_same_spec(spec: dict, derived: dict) -> list[tuple[Path, int]]:
+def unfinished_of_same_spec(spec: JobSpec, derived: dict) -> list[tuple[Path, int]]:
     """(directory, step) of each checkpoint directory of this lineage trained under this spec that
     holds a checkpoint short of the job's last step: what "already complete" points at."""
     base = Path(spec["checkpoint"]["dir"])
@@ -128,16 +129,16 @@ def unfinished_of_same_spec(spec: dict, derived: dict) -> list[tuple[Path, int]]
     return found
 
 
-def _intent(spec: dict, directory: Path, derived: dict) -> intent.Intent:
+def _intent(spec: JobSpec, directory: Path, derived: dict) -> intent.Intent:
     return intent.decide({**spec, "checkpoint": {**spec["checkpoint"], "dir": str(directory), "resume": "auto"}},
                          derived.get("total_steps"))
 
 
-def _complete(spec: dict, directory: Path, derived: dict) -> bool:
+def _complete(spec: JobSpec, directory: Path, derived: dict) -> bool:
     return _intent(spec, directory, derived).action == "complete"
 
 
-def _flat(spec: dict, directory: Path) -> dict[str, str]:
+def _flat(spec: JobSpec, directory: Path) -> dict[str, str]:
     # credentials masked (a tracking URI with a password): it is stored in the owner record
     return fp.flat(mask_tree({**spec, "checkpoint": {**spec["checkpoint"], "dir": str(directory)}}))
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from jobspec import rundir
 from jobspec.errors import spec_error
+from jobspec.spec.types import JobSpec
 
 OWNER_FILE = "jobspec_job.json"
 LEASE_FILE = "jobspec_lease.json"   # launch/lease.py
@@ -34,14 +35,14 @@ def read_owner(ckpt_dir: Path) -> dict | None:
                          hint="fix or delete that file, or point checkpoint.dir elsewhere")
 
 
-def claim_checkpoints(spec: dict) -> str | None:
+def claim_checkpoints(spec: JobSpec) -> str | None:
     """Refuse to touch another job's checkpoints; the MLflow run id to continue when resuming ours.
     Makes `checkpoint.dir` (and proves it writable) first."""
     rundir.ensure_writable(Path(spec["checkpoint"]["dir"]), ("checkpoint", "dir"))
     return check_checkpoints(spec)
 
 
-def check_checkpoints(spec: dict) -> str | None:
+def check_checkpoints(spec: JobSpec) -> str | None:
     """claim_checkpoints without touching the disk (`launch --dry-run`): the same refusals, the same
     run id. Checkpoints exist when the directory has anything besides the ownership file."""
     ckpt_dir = Path(spec["checkpoint"]["dir"])
@@ -66,7 +67,7 @@ def check_checkpoints(spec: dict) -> str | None:
     return owner.get("mlflow_run_id") if (owner and has_checkpoints) else None
 
 
-def write_owner(spec: dict, source: Path, mlflow_run_id: str | None, *, lineage=None,
+def write_owner(spec: JobSpec, source: Path, mlflow_run_id: str | None, *, lineage=None,
                 run_dir: Path | None = None, start_step: int = 0) -> None:
     """Record (or update) the owner of `checkpoint.dir`: the job, its MLflow run, and, given the
     launch's `lineage` (launch/lineage.py), its fingerprint and a new segment when the spec changed."""

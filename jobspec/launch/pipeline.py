@@ -70,6 +70,7 @@ from jobspec.memory import at_launch as launch_memory
 from jobspec.memory.at_launch import LaunchMemory
 from jobspec.memory.planner import ALLOCATOR_VARIABLE, allocator_conf
 from jobspec.secrets import mask_secrets
+from jobspec.spec.types import JobSpec
 from jobspec.tracking import orphans
 from jobspec.tracking import run as tracking_run
 
@@ -255,7 +256,7 @@ def _close(ctx: LaunchContext, run_dir: Path, launched: dict, outcome: supervise
         model_tags = log_exported_models(tracked, run_dir, spec)
     closing = closing_block(spec, run_dir, launched, outcome, end, tracked, ctx.style, model_tags)
     if tracked is not None:
-        launch_tracking.describe_run(tracked, spec.get("description"), console.plain(closing))
+        launch_tracking.describe_run(tracked, spec["description"], console.plain(closing))
     tracking.end(end)   # every tracker that started: MLflow's status and tags, TensorBoard's session end
     rundir.mark_launcher_ended(run_dir, end.status, end.exit_code)
     _write_phases(run_dir, ctx.phases)
@@ -378,7 +379,7 @@ def progress_mode(setting: str, stdout=None) -> str:
     return "bar" if (stdout or sys.stdout).isatty() else "lines"
 
 
-def child_env(spec: dict, plan: LaunchPlan, stop_after_steps: int | None) -> dict:
+def child_env(spec: JobSpec, plan: LaunchPlan, stop_after_steps: int | None) -> dict:
     """The ranks' environment: the launcher's, the plan's (PYTHONUNBUFFERED: their output reaches the
     relay and launcher.log as it happens), then what this host decides."""
     env = dict(os.environ)

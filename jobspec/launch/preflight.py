@@ -14,12 +14,13 @@ from jobspec import hardware, rundir
 from jobspec.errors import SpecError, SpecIssue
 from jobspec.export.rules import resolve_dtype
 from jobspec.launch.runner import port_in_use
+from jobspec.spec.types import JobSpec, JobSpecExport
 from jobspec.units import fmt_bytes_any_unit
 
 IGNORE_HINT = "or pass --ignore-preflight"
 
 
-def preflight_issues(spec: dict, derived, run_dir: Path) -> list[SpecIssue]:
+def preflight_issues(spec: JobSpec, derived, run_dir: Path) -> list[SpecIssue]:
     """Every failed host check (empty when all pass)."""
     issues = []
     res = spec["resources"]
@@ -54,7 +55,7 @@ def op_build_issues(ds_config: dict) -> list[SpecIssue]:
     return [SpecIssue(OP_FIELDS.get(builder, ()), text) for builder, text in ops.build_problems(needed)]
 
 
-def disk_space_issues(spec: dict, derived, run_dir: Path) -> list[SpecIssue]:
+def disk_space_issues(spec: JobSpec, derived, run_dir: Path) -> list[SpecIssue]:
     """Refuse before training when a disk cannot hold what the job first writes there: one checkpoint
     (`checkpoint.dir`) and one exported model (`export.dir`, else the run directory), the two added up
     when they share a disk. The sizes are estimates: DeepSpeed and safetensors add a little."""
@@ -96,15 +97,17 @@ def disk_space_issues(spec: dict, derived, run_dir: Path) -> list[SpecIssue]:
     return issues
 
 
-def _space_hint(field: tuple, export: dict) -> str:
+def _space_hint(field: tuple, export: JobSpecExport) -> str:
     if field == ("checkpoint", "dir"):
         return "free space or point checkpoint.dir at a larger disk"
     return "free space, point export.dir at a larger disk, or " + _no_export_hint(export)
 
 
-def _no_export_hint(export: dict) -> str:
+def _no_export_hint(export: JobSpecExport) -> str:
     """How to export nothing: turn off each export setting that is on (`final` is on by default)."""
-    on = [f"export.{key}: false" for key in ("final", "at_checkpoints", "best_eval") if export[key]]
+    settings = (("final", export["final"]), ("at_checkpoints", export["at_checkpoints"]),
+                ("best_eval", export["best_eval"]))
+    on = [f"export.{key}: false" for key, value in settings if value]
     return "set " + " and ".join(on)
 
 

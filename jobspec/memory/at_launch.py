@@ -25,6 +25,8 @@ from jobspec.units import MiB, fmt_mib_gib
 if TYPE_CHECKING:
     from jobspec.memory.fit import FitResult
     from jobspec.memory.planner import MemoryPlan
+    from jobspec.spec.derived import DerivedJob
+    from jobspec.spec.validation import ResolvedSpec
 
 
 @dataclass
@@ -42,9 +44,9 @@ class LaunchMemory:
     host_problem: SpecError | None = None   # the node cannot hold its ranks' host memory (and what to change)
 
 
-def plan_at_launch(resolved, job, gpu_free: int | None, *, bf16_supported: bool = True, apply_fit: bool = True,
-            budget: tuple[int, str] | None = None, host_ram: int | None = None,
-            host_budget: tuple[int, str] | None = None):
+def plan_at_launch(resolved: ResolvedSpec, job: DerivedJob, gpu_free: int | None, *, bf16_supported: bool = True,
+                   apply_fit: bool = True, budget: tuple[int, str] | None = None, host_ram: int | None = None,
+                   host_budget: tuple[int, str] | None = None) -> tuple[ResolvedSpec, DerivedJob, LaunchMemory]:
     """(resolved spec to run, its derived job, LaunchMemory): `memory.fit: auto` applied, the plan of the result.
 
     `gpu_free`: the least free memory of this host's GPUs (None without GPUs), the budget when
@@ -118,7 +120,7 @@ def plan_at_launch(resolved, job, gpu_free: int | None, *, bf16_supported: bool 
     return resolved, job, memory
 
 
-def _rechecked(resolved, overrides: list[str]):
+def _rechecked(resolved: ResolvedSpec, overrides: list[str]) -> ResolvedSpec:
     """`resolved` (changed by the fit) through every validation rule again; a broken rule's issue
     says which changes the fit made."""
     from jobspec.spec.validation import recheck

@@ -17,13 +17,17 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from jobspec import optimizers
 from jobspec.errors import SpecError, spec_error
 from jobspec.memory.planner import MemoryPlan, plan_memory
 from jobspec.optimizers.base import DEEPSPEED_CPU_ADAM
 from jobspec.spec.derived import DerivedJob
+from jobspec.spec.schema import filled_spec
+from jobspec.spec.types import JobSpec
 from jobspec.units import fmt_mib_gib
 
 # Reference device for the slowdown model: only ratios between candidates are reported.
@@ -62,7 +66,7 @@ class FitResult:
                 "notes": self.notes, "host_limited": self.host_limited, "plan": self.plan.as_dict()}
 
 
-def fit(spec: dict, job: DerivedJob, budget_bytes: int, *, bf16_supported: bool = True,
+def fit(spec: JobSpec, job: DerivedJob, budget_bytes: int, *, bf16_supported: bool = True,
         host_budget: int | None = None) -> FitResult:
     """The fastest configuration of `spec` predicted to fit `budget_bytes` per GPU (NVML-style total)
     and, when `host_budget` is known, a node's RAM with all its ranks."""
@@ -117,7 +121,7 @@ def fit(spec: dict, job: DerivedJob, budget_bytes: int, *, bf16_supported: bool 
     return FitResult(True, to_overrides(changes), changes, plan, cost, reason, considered, notes)
 
 
-def candidate_changes(spec: dict, job: DerivedJob, bf16_supported: bool):
+def candidate_changes(spec: JobSpec, job: DerivedJob, bf16_supported: bool) -> Iterator[dict[str, Any]]:
     """Every combination of knob settings, as {dotted path: value} relative to `spec`."""
     training, memory = spec["training"], spec["memory"]
     # the batch split counts data-parallel ranks: world / memory.sequence_parallel
@@ -169,7 +173,7 @@ def candidate_changes(spec: dict, job: DerivedJob, bf16_supported: bool):
         yield changes
 
 
-def technique_levels(spec: dict) -> list[tuple]:
+def technique_levels(spec: JobSpec) -> list[tuple]:
     """The long-sequence technique sets to try: none, then one more at a time (causal LMs: the tasks whose
     head tiles); a technique the spec already has stays on."""
     if spec["model"]["task"] != "causal-lm":
@@ -177,12 +181,12 @@ def technique_levels(spec: dict) -> list[tuple]:
     memory = spec["memory"]
     ckpt = memory["activation_checkpointing"]
     on = {"memory.tiled_loss": bool(memory["tiled_loss"]), "memory.tiled_mlp": bool(memory["tiled_mlp"]),
-          "offload": isinstance(ckpt, dict) and ckpt.get("offload", "none") == "cpu"}
+          "offload": isinstance(ckpt, dict) and ckpt["offload"] == "cpu"}
     levels = [TECHNIQUES[:n] for n in range(len(TECHNIQUES) + 1)]
     return [level for level in levels if all(t in level for t, v in on.items() if v)]
 
 
-def _normal_ckpt(value):
+def _normal_ckpt(value: Any) -> Any:
     """Checkpointing settings compared by meaning: `{every_n_layers: 1}` is `true`; an offload is kept."""
     if isinstance(value, dict):
         every = value.get("every_n_layers", 1)
@@ -192,27 +196,29 @@ def _normal_ckpt(value):
     return value
 
 
-def _get(spec: dict, dotted: str):
-    node = spec
+def _get(spec: JobSpec, dotted: str) -> Any:
+    node: Any = spec   # a dotted path of the search's changes: any field
     for key in dotted.split("."):
         node = node[key]
     return node
 
 
-def apply_changes(spec: dict, changes: dict) -> dict:
+def apply_changes(spec: JobSpec, changes: dict) -> JobSpec:
+    """A copy of `spec` with `changes` ({dotted path: value}) set, defaults filled: a change writes
+    only what it changes (`{every_n_layers: 2}`), the loader's defaults fill the rest of that object."""
     out = copy.deepcopy(spec)
     for dotted, value in changes.items():
         *parents, last = dotted.split(".")
-        node = out
+        node: Any = out
         for key in parents:
             node = node[key]
         node[last] = copy.deepcopy(value)
-    return out
+    return filled_spec(out)
 
 
 def to_overrides(changes: dict) -> list:
     """`--set` arguments: YAML values (`{every_n_layers: 2}`, `true`, `bf16`)."""
-    def text(value):
+    def text(value: Any) -> str:
         if isinstance(value, dict):
             return "{" + ", ".join(f"{k}: {json.dumps(v)}" for k, v in value.items()) + "}"
         return json.dumps(value) if not isinstance(value, str) else value
@@ -251,7 +257,7 @@ def describe(changes: dict) -> str:
     return " + ".join(words)
 
 
-def host_refusal(spec: dict, job: DerivedJob, plan: MemoryPlan, source: str) -> SpecError:
+def host_refusal(spec: JobSpec, job: DerivedJob, plan: MemoryPlan, source: str) -> SpecError:
     """Exit 2 at `resources.host_mem` for a plan whose node does not hold its ranks' host memory: the
     numbers, the largest part, and the changes (each replanned) that bring it within the budget."""
     budget = plan.host_budget
@@ -266,7 +272,7 @@ def host_refusal(spec: dict, job: DerivedJob, plan: MemoryPlan, source: str) -> 
     return spec_error(message, path=("resources", "host_mem"), hint="; ".join([*fixes, need]))
 
 
-def host_remedies(spec: dict, job: DerivedJob, host_budget: int) -> list[str]:
+def host_remedies(spec: JobSpec, job: DerivedJob, host_budget: int) -> list[str]:
     """The single changes (each planned again) after which a node holds its ranks' host memory."""
     memory = spec["memory"]
     tries: list[tuple[dict[str, object], str]] = []
@@ -289,7 +295,7 @@ def host_remedies(spec: dict, job: DerivedJob, host_budget: int) -> list[str]:
     return found
 
 
-def step_time(spec: dict, job: DerivedJob) -> float:
+def step_time(spec: JobSpec, job: DerivedJob) -> float:
     """Estimated seconds per optimizer step on the reference device (docs: "Slowdown model")."""
     memory = spec["memory"]
     plan = plan_memory(spec, job)
@@ -321,11 +327,11 @@ def step_time(spec: dict, job: DerivedJob) -> float:
     return step
 
 
-def _offloaded_bytes(spec: dict, job: DerivedJob) -> int:
+def _offloaded_bytes(spec: JobSpec, job: DerivedJob) -> int:
     """Bytes the checkpoint-input offload copies each way per micro-batch (unrounded)."""
     setting = spec["memory"]["activation_checkpointing"]
     hidden = job.profile.inventory.hidden_size if job.profile is not None else None
-    if not (isinstance(setting, dict) and setting.get("offload", "none") == "cpu") or not hidden:
+    if not (isinstance(setting, dict) and setting["offload"] == "cpu") or not hidden:
         return 0
     return max(0, job.checkpointed_layers - 1) * job.tokens_per_micro_batch * hidden * job.precision_bytes
 
@@ -358,12 +364,12 @@ class Longest:
                 "plan": self.plan.as_dict() if self.plan is not None else None}
 
 
-def seq_len_path(spec: dict) -> str:
+def seq_len_path(spec: JobSpec) -> str:
     """The field that sets the sequence length: synthetic data's, else `data.max_length`."""
     return "data.synthetic.seq_len" if spec["data"].get("synthetic") else "data.max_length"
 
 
-def longest_sequence(spec: dict, job: DerivedJob, budget_bytes: int, *, host_budget: int | None = None,
+def longest_sequence(spec: JobSpec, job: DerivedJob, budget_bytes: int, *, host_budget: int | None = None,
                      changes: dict | None = None) -> Longest:
     """The longest sequence (a multiple of LONGEST_STEP, up to the model's positions) whose plan fits
     the GPU budget and, when known, the node's RAM, for `spec` with `changes` applied (the fitted

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
 from jobspec import optimizers
@@ -21,6 +22,13 @@ from jobspec.memory import host as host_memory
 from jobspec.memory.sequence_parallel import all_to_all_bytes
 from jobspec.spec.derived import PRECISION_BYTES, DerivedJob, zero_bucket_sizes
 from jobspec.spec.model_profile import Inventory
+from jobspec.spec.types import (
+    JobSpec,
+    JobSpecMemory,
+    JobSpecMemoryTiledLoss,
+    JobSpecModelQuantization,
+    JobSpecTrainingOptimizer,
+)
 from jobspec.units import MiB, fmt_mib_gib
 
 CUDA_CONTEXT_BYTES = 500 * MiB   # CUDA 12 context + cuBLAS/cuDNN workspaces with lazy module loading
@@ -102,14 +110,14 @@ def parse_bytes(text: str, *, path: tuple = ("memory", "gpu_memory")) -> int:
     return int(float(number) * (1024 if binary else 1000) ** power)
 
 
-def optimizer_state_bytes(optimizer: dict, inventory: Inventory) -> int:
+def optimizer_state_bytes(optimizer: JobSpecTrainingOptimizer, inventory: Inventory) -> int:
     """Optimizer state of all trainable parameters, unpartitioned, for the spec's `training.optimizer`:
     its module (jobspec/optimizers) counts it from the inventory (fp32 states, whatever the training
     precision)."""
     return optimizers.get(optimizer["name"]).state_bytes(optimizer, inventory)
 
 
-def checkpoint_bytes(spec: dict, job: DerivedJob) -> int | None:
+def checkpoint_bytes(spec: JobSpec, job: DerivedJob) -> int | None:
     """One checkpoint, all ranks' files together: the working weights, the fp32 master copy (mixed
     precision) and the optimizer state, by the planner's bytes per parameter; None when the model's
     parameters cannot be counted."""
@@ -122,7 +130,7 @@ def checkpoint_bytes(spec: dict, job: DerivedJob) -> int | None:
         optimizer_state_bytes(optimizer, inventory)
 
 
-def export_bytes(spec: dict, job: DerivedJob) -> int | None:
+def export_bytes(spec: JobSpec, job: DerivedJob) -> int | None:
     """One exported model directory: every parameter once, in the export's dtype (safetensors adds a
     header of a few KiB); None when the model's parameters cannot be counted."""
     if job.profile is None:
@@ -130,7 +138,7 @@ def export_bytes(spec: dict, job: DerivedJob) -> int | None:
     return job.profile.inventory.total * PRECISION_BYTES[resolve_dtype(spec)]
 
 
-def allocator_conf(environ) -> tuple[str, bool]:
+def allocator_conf(environ: Mapping[str, str]) -> tuple[str, bool]:
     """(PYTORCH_CUDA_ALLOC_CONF the GPU ranks run with, whether jobspec chose it): the user's value when
     set, else expandable segments."""
     value = environ.get(ALLOCATOR_VARIABLE)
@@ -143,7 +151,7 @@ def expandable(conf: str) -> bool:
     return options.get("expandable_segments", "").lower() == "true"
 
 
-def plan_memory(spec: dict, job: DerivedJob, *, budget: int | None = None,
+def plan_memory(spec: JobSpec, job: DerivedJob, *, budget: int | None = None,
                 host_budget: int | None = None, expandable_segments: bool = True) -> MemoryPlan:
     """Predicted per-rank peak memory of `spec` (a resolved spec with defaults filled) and its derived job
     (derived with a profiler: `job.profile` holds the measured model); `budget` per GPU, `host_budget`
@@ -243,6 +251,7 @@ def plan_memory(spec: dict, job: DerivedJob, *, budget: int | None = None,
         # bitsandbytes dequantises one weight at a time to the compute dtype for its matmul (forward and
         # backward): the largest such copy lives beside the traced activations
         quant = model["quantization"]
+        assert quant is not None, "quantized weights come from model.quantization"
         compute = PRECISION_BYTES[precision if quant["compute_dtype"] == "auto" else quant["compute_dtype"]]
         gpu["dequantized_weight"] = compute * max(math.prod(s) for s in inventory.quantized_shapes())
         notes.append(f"{sum(math.prod(s) for s in inventory.quantized_shapes()) / 1e6:.1f}M base weights in "
@@ -279,20 +288,20 @@ def plan_memory(spec: dict, job: DerivedJob, *, budget: int | None = None,
 OFFLOAD_KEPT = 1   # DeepSpeed CheckpointHiddenStatesOffload's keep_last_count: the newest input stays on the GPU
 
 
-def offloaded_activation_bytes(spec: dict, job: DerivedJob) -> int:
+def offloaded_activation_bytes(spec: JobSpec, job: DerivedJob) -> int:
     """Pinned host bytes of `activation_checkpointing.offload: cpu` on one rank: one pinned buffer
     (power-of-2 rounded, memory/host.pinned_bytes) per checkpointed layer's input but the newest, each
     micro-batch x this rank's share of the sequence x hidden size in the working precision."""
     setting = spec["memory"]["activation_checkpointing"]
     hidden = job.profile.inventory.hidden_size if job.profile is not None else None
-    if not (isinstance(setting, dict) and setting.get("offload", "none") == "cpu") or not hidden:
+    if not (isinstance(setting, dict) and setting["offload"] == "cpu") or not hidden:
         return 0
     tokens = job.micro_batch_size * math.ceil(job.seq_len / getattr(job, "sequence_parallel", 1))
     buffers = max(0, job.checkpointed_layers - OFFLOAD_KEPT)
     return buffers * host_memory.pinned_bytes(tokens * hidden * job.precision_bytes)
 
 
-def _tiled_loss_text(setting) -> str:
+def _tiled_loss_text(setting: bool | JobSpecMemoryTiledLoss) -> str:
     if not setting:
         return "off"
     return f"{setting['tiles']} tiles" if isinstance(setting, dict) else "on"
@@ -324,7 +333,7 @@ def advice(plan: MemoryPlan) -> str | None:
             f"({fmt_mib_gib(plan.breakdown[term])}): {REMEDIES[term]}; `jobspec plan --fit` searches them all")
 
 
-def weight_bytes(inventory: Inventory, lp: int, quantization: dict | None) -> int:
+def weight_bytes(inventory: Inventory, lp: int, quantization: JobSpecModelQuantization | None) -> int:
     """Bytes of every parameter's working copy: `lp` each, and for the weights bitsandbytes quantises
     (`inventory.quantized`) what it stores, as measured from bitsandbytes 0.49's QuantState on this box:
     4-bit: the packed weights (n/2) + an absmax per block of 64 (fp32; with double quantisation uint8,
@@ -345,7 +354,7 @@ def weight_bytes(inventory: Inventory, lp: int, quantization: dict | None) -> in
     return total
 
 
-def _offload_extras(inventory, memory: dict, stage: int, world: int, lp: int, opt_states: int,
+def _offload_extras(inventory: Inventory, memory: JobSpecMemory, stage: int, world: int, lp: int, opt_states: int,
                     accumulation: int, nvme: bool) -> dict[str, int]:
     """The optimizer offload's host buffers beyond master, states, fp32 gradients and stage 1/2's
     transfer buffer (`offloaded_optimizer`): see memory/host.offload_terms for the DeepSpeed code."""

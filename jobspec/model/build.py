@@ -11,12 +11,13 @@ import sys
 
 from jobspec import tasks
 from jobspec.errors import SpecError, first_line, spec_error
+from jobspec.spec.types import JobSpec, JobSpecModel
 
 # model.task -> the transformers auto class that puts the right head (and loss) on the model (jobspec/tasks)
 TASK_MODEL_CLASSES: dict[str, str] = {name: task.auto_class for name, task in tasks.TASKS.items()}
 
 
-def build_tokenizer(spec: dict):
+def build_tokenizer(spec: JobSpec):
     """The tokenizer named by `data.tokenizer` (or `model.name_or_path`); None for synthetic data."""
     data, model = spec["data"], spec["model"]
     if data.get("synthetic") is not None:
@@ -47,7 +48,7 @@ def build_tokenizer(spec: dict):
     return tokenizer
 
 
-def build_model(spec: dict, tokenizer=None, ds_config: dict | None = None):
+def build_model(spec: JobSpec, tokenizer=None, ds_config: dict | None = None):
     """`AutoModelFor<task>` from `model.name_or_path` (weights loaded) or `model.architecture` (random init).
 
     Random initialisation is seeded by `training.seed`, so every rank builds the same weights.
@@ -113,7 +114,7 @@ def build_model(spec: dict, tokenizer=None, ds_config: dict | None = None):
     return model
 
 
-def _quantized(spec: dict, model):
+def _quantized(spec: JobSpec, model):
     """QLoRA's frozen base: the linear layers quantised by bitsandbytes on this rank's device
     (model/quantize.py), the rest in the compute dtype. bitsandbytes missing or unable to run here
     is a SpecError at model.quantization, never a rank's traceback."""
@@ -125,6 +126,7 @@ def _quantized(spec: dict, model):
     from jobspec.model.quantize import BITSANDBYTES_HINT, bitsandbytes_problem, quantize_linears
 
     quant = spec["model"]["quantization"]
+    assert quant is not None, "quantize needs model.quantization"
     problem = bitsandbytes_problem(quant)
     if problem:
         raise spec_error(problem, path=("model", "quantization"), hint=BITSANDBYTES_HINT)
@@ -139,7 +141,7 @@ def _quantized(spec: dict, model):
     return model.to(device)
 
 
-def build_config(spec: dict, tokenizer=None):
+def build_config(spec: JobSpec, tokenizer=None):
     """(the `AutoModelFor<task>` class, the model's config) exactly as `build_model` makes them.
 
     Loading errors propagate as transformers raises them; `build_model` turns them into SpecErrors.
@@ -149,13 +151,14 @@ def build_config(spec: dict, tokenizer=None):
     model_spec = spec["model"]
     task = model_spec["task"]
     auto_class = getattr(transformers, tasks.get(task).auto_class)
-    overrides = dict(model_spec.get("config") or {})
+    overrides = dict(model_spec["config"])
     if tasks.get(task).classification:
         overrides.setdefault("num_labels", model_spec["num_labels"])
-    if model_spec.get("name_or_path"):
+    name_or_path = model_spec["name_or_path"]
+    if name_or_path:
         config = transformers.AutoConfig.from_pretrained(
-            model_spec["name_or_path"], revision=model_spec.get("revision"),
-            trust_remote_code=bool(model_spec.get("trust_remote_code")), **overrides)
+            name_or_path, revision=model_spec["revision"],
+            trust_remote_code=model_spec["trust_remote_code"], **overrides)
     else:
         for key, value in tokenizer_token_ids(spec, tokenizer).items():
             overrides.setdefault(key, value)   # what model.config writes wins
@@ -164,7 +167,7 @@ def build_config(spec: dict, tokenizer=None):
     return auto_class, config
 
 
-def tokenizer_token_ids(spec: dict, tokenizer=None) -> dict[str, int | None]:
+def tokenizer_token_ids(spec: JobSpec, tokenizer=None) -> dict[str, int | None]:
     """bos/eos/pad ids for a model built from an architecture: the tokenizer's (`build_tokenizer`'s
     object, else the local tokenizer directory read as JSON, so the planner's trace and export build the
     same config the ranks do); {} for synthetic data or a tokenizer only transformers reads.
@@ -188,7 +191,7 @@ def tokenizer_token_ids(spec: dict, tokenizer=None) -> dict[str, int | None]:
     return {"bos_token_id": facts.ids["bos"], "eos_token_id": facts.ids["eos"], "pad_token_id": facts.pad_id}
 
 
-def build_skeleton(spec: dict, tokenizer=None):
+def build_skeleton(spec: JobSpec, tokenizer=None):
     """The spec's model on the meta device: its config, parameter names and shapes, no weights.
 
     What an export fills with saved weights (`load_state_dict(assign=True)`): nothing is read from a
@@ -244,7 +247,7 @@ def _set_pad_token(config, tokenizer) -> None:
         config.pad_token_id = eos[0] if isinstance(eos, (list, tuple)) else eos
 
 
-def _check_vocab(spec: dict, model, tokenizer) -> None:
+def _check_vocab(spec: JobSpec, model, tokenizer) -> None:
     vocab_size = getattr(model.config, "vocab_size", None)
     if not vocab_size:
         return
@@ -261,7 +264,7 @@ def _check_vocab(spec: dict, model, tokenizer) -> None:
                          hint=f"set model.config.vocab_size to at least {len(tokenizer)}")
 
 
-def loading_error(model_spec: dict, task: str, attention: str, err: Exception) -> SpecError:
+def loading_error(model_spec: JobSpecModel, task: str, attention: str, err: Exception) -> SpecError:
     text = first_line(err)
     if "attn" in text.lower() or "attention" in text.lower():
         text = text.split(". ")[0]   # transformers goes on with a paragraph of advice
@@ -276,7 +279,7 @@ def loading_error(model_spec: dict, task: str, attention: str, err: Exception) -
 
     architecture = model_spec.get("architecture")
     if model_table.head(architecture, task):   # the type has this head: its config is what failed
-        written = [str(key) for key in (model_spec.get("config") or {})]
+        written = [str(key) for key in model_spec["config"]]
         named = [key for key in written if key in text] or [key for key in written if _mentions(text, key)]
         return spec_error(f"transformers cannot build {architecture!r} from this model.config: {text}",
                           path=("model", "config", named[0]) if named else ("model", "config"),
@@ -294,7 +297,7 @@ def _mentions(text: str, key: str) -> bool:
     return any(word in text for word in spellings.get(key, ()))
 
 
-def _warn_remote_code(model_spec: dict) -> None:
+def _warn_remote_code(model_spec: JobSpecModel) -> None:
     if model_spec.get("trust_remote_code"):
         print(f"WARNING: model.trust_remote_code is true: Python code from {model_spec.get('name_or_path')!r} "
               "will run on this machine with your permissions. Only do this for repositories you trust.",

@@ -71,6 +71,7 @@ def _kernel_class():
             dropout_p, is_causal, scale, use_flash, has_bias = ctx.settings
             b, h, s, d = q.shape
             rounded = -(-s // 128) * 128
+            scratch: tuple[torch.Tensor, ...]
             if use_flash:   # FlashAttention-2's backward scratch: fp32 dq accumulator and softmax_d
                 scratch = (torch.empty(b, rounded, h, d, dtype=torch.float32),
                            torch.empty(b, h, rounded, dtype=torch.float32))

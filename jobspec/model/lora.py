@@ -20,6 +20,7 @@ from typing import Any
 
 from jobspec import tasks
 from jobspec.errors import SpecError, SpecIssue, spec_error
+from jobspec.spec.types import JobSpec
 
 ALL_LINEAR = "all-linear"
 # PEFT's LoRA layer kinds by torch / transformers class name (peft.tuners.lora.model dispatchers):
@@ -30,14 +31,14 @@ ADAPTABLE = ("Linear", "Embedding", "Conv1d", "Conv2d", "Conv3d", "Conv1D", "Mul
 COMPUTE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
-def settings(spec: dict) -> dict:
+def settings(spec: JobSpec) -> dict:
     """`model.lora` as patches.json's `lora` patch carries it (compile/compiler.lora_patch_args)."""
     from jobspec.compile.compiler import lora_patch_args
 
     return lora_patch_args(spec)
 
 
-def modules_to_save(spec: dict, model) -> list[str]:
+def modules_to_save(spec: JobSpec, model) -> list[str]:
     """`model.lora.modules_to_save`, or (null) the task's head modules the model has (tasks/: the
     classification heads are new, randomly initialised, and must be trained)."""
     if spec["model"]["lora"] is None:
@@ -51,7 +52,7 @@ def saved_modules(lora: dict, model) -> list[str]:
     return [entry for entry in lora["modules_to_save"] if any(_matches(name, entry) for name in names)]
 
 
-def resolve_targets(spec: dict, model) -> list[str]:
+def resolve_targets(spec: JobSpec, model) -> list[str]:
     """The dotted names of the modules that get adapters, as PEFT will pick them; SpecError (every bad
     pattern at once) when a pattern matches no adaptable module, with the nearest module names."""
     return targets_of(settings(spec), model)
@@ -98,7 +99,7 @@ def targets_of(lora: dict, model) -> list[str]:
     return chosen
 
 
-def check_targets(spec: dict, model) -> None:
+def check_targets(spec: JobSpec, model) -> None:
     """The job-preparation check (job/checks.lora_target_check builds `model` on the meta device: no
     weights, no memory): `model.lora`'s patterns and `modules_to_save` entries against its module
     names; SpecError without file positions (the caller locates it)."""
@@ -116,7 +117,7 @@ def check_targets(spec: dict, model) -> None:
     resolve_targets(spec, model)
 
 
-def lora_config(spec: dict, model) -> Any:
+def lora_config(spec: JobSpec, model) -> Any:
     """`peft.LoraConfig` of `model.lora` for `model` (its head modules resolved against the model)."""
     return config_of(settings(spec), model)
 
@@ -141,14 +142,14 @@ def adapt(model, lora: dict):
     return get_peft_model(model, config_of(lora, model))
 
 
-def apply_lora(model, spec: dict):
+def apply_lora(model, spec: JobSpec):
     """`adapt` with `model.lora` (the model itself when it is null)."""
     if spec["model"]["lora"] is None:
         return model
     return adapt(model, settings(spec))
 
 
-def compute_dtype(spec: dict) -> str:
+def compute_dtype(spec: JobSpec) -> str:
     """The torch dtype name 4-bit weights are dequantised to: `compute_dtype`, `auto` = the training
     precision."""
     quant = spec["model"]["quantization"]
@@ -156,7 +157,7 @@ def compute_dtype(spec: dict) -> str:
     return COMPUTE_DTYPES[spec["memory"]["precision"] if chosen == "auto" else chosen]
 
 
-def quantization_config(spec: dict, model=None) -> Any:
+def quantization_config(spec: JobSpec, model=None) -> Any:
     """`transformers.BitsAndBytesConfig` of `model.quantization` (None when null).
 
     The trained head (`modules_to_save`) stays unquantised: bitsandbytes' layers cannot be trained.
@@ -188,7 +189,7 @@ def quantization_config(spec: dict, model=None) -> Any:
                               bnb_4bit_quant_storage=dtype, llm_int8_skip_modules=skip)
 
 
-def quantized_linear_names(spec: dict, model) -> list[str]:
+def quantized_linear_names(spec: JobSpec, model) -> list[str]:
     """The base's linear layers bitsandbytes replaces when the model loads with `quantization_config`
     (transformers' rule: nn.Linear outside the skip modules), for the planner's byte count."""
     if spec["model"]["quantization"] is None:

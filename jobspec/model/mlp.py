@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from jobspec.errors import spec_error
+from jobspec.spec.types import JobSpec
 
 ARCHITECTURE = "mlp"
 CONFIG_KEYS = ("hidden_size", "num_layers", "vocab_size", "num_labels")   # what `model.config` may set
@@ -81,14 +82,14 @@ class MLPClassifier(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
-def build_mlp(spec: dict) -> MLPClassifier:
+def build_mlp(spec: JobSpec) -> MLPClassifier:
     """The spec's mlp with seeded random weights; config errors name `model.config`."""
     model_spec = spec["model"]
     task = model_spec["task"]
     if task != "sequence-classification":
         raise spec_error(f"architecture mlp only has a sequence-classification head, not {task!r}",
                          path=("model", "task"), hint="set model.task: sequence-classification")
-    values = dict(model_spec.get("config") or {})
+    values = dict(model_spec["config"])
     values.setdefault("num_labels", model_spec["num_labels"])
     known = set(CONFIG_KEYS)
     unknown = sorted(set(values) - known)

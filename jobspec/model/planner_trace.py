@@ -28,6 +28,7 @@ from typing import Any
 from jobspec.errors import SpecError, first_line, spec_error
 from jobspec.model.step import extrapolate, run_step, summarize
 from jobspec.spec.model_profile import Inventory, ModelProfile, UnitTrace, compose, layer_types
+from jobspec.spec.types import JobSpec, JobSpecMemory
 
 TRACE_VERSION = 4   # bump when what a trace measures changes: old cache entries are not read
 PRECISION_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -39,7 +40,7 @@ _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num
 class ModelTracer:
     """Builds, traces and caches one spec model (its `model` section); settings vary per call."""
 
-    def __init__(self, spec: dict, cache_dir: Path | None = None):
+    def __init__(self, spec: JobSpec, cache_dir: Path | None = None):
         self.spec = spec
         self.model_key = model_key(spec)
         self.cache_dir = cache_dir
@@ -279,13 +280,14 @@ def default_cache_dir() -> Path:
     return Path(base) / "jobspec"
 
 
-def model_key(spec: dict) -> str:
+def model_key(spec: JobSpec) -> str:
     """A hash of everything that changes a trace besides the job setting: the model section, a local
     checkpoint's config.json, and the versions of torch, transformers and this tracer."""
     model = spec["model"]
     fields = {k: model.get(k) for k in ("name_or_path", "architecture", "config", "revision", "task", "num_labels",
                                         "attention", "trust_remote_code", "freeze", "lora", "quantization")}
-    config_file = Path(model["name_or_path"]) / "config.json" if model.get("name_or_path") else None
+    name_or_path = model["name_or_path"]
+    config_file = Path(name_or_path) / "config.json" if name_or_path else None
     if config_file is not None and config_file.is_file():
         fields["config.json"] = hashlib.sha256(config_file.read_bytes()).hexdigest()
     text = json.dumps({"model": fields, "versions": _versions(), "tracer": TRACE_VERSION}, sort_keys=True, default=str)
@@ -315,13 +317,13 @@ def checkpoint_setting(checkpointing) -> tuple[int, bool]:
     return 1, False
 
 
-def tiling_setting(memory: dict) -> tuple:
+def tiling_setting(memory: JobSpecMemory) -> tuple:
     """The long-sequence techniques of a `memory` section as the trace runs them: (tiled loss: False, True
     (tiles by the bound) or a tile count; tiled MLP; the checkpointed layers' inputs offloaded to the host)."""
-    loss = memory.get("tiled_loss") or False
-    checkpointing = memory.get("activation_checkpointing")
-    offload = isinstance(checkpointing, dict) and checkpointing.get("offload", "none") == "cpu"
-    return (int(loss["tiles"]) if isinstance(loss, dict) else bool(loss), bool(memory.get("tiled_mlp")), offload)
+    loss = memory["tiled_loss"]
+    checkpointing = memory["activation_checkpointing"]
+    offload = isinstance(checkpointing, dict) and checkpointing["offload"] == "cpu"
+    return (int(loss["tiles"]) if isinstance(loss, dict) else bool(loss), memory["tiled_mlp"], offload)
 
 
 def _tiling_key(tiling: tuple) -> tuple:
@@ -390,7 +392,7 @@ def job_profiler(cache_dir: Path | None = None, *, use_cache: bool = True):
     directory = (cache_dir or default_cache_dir()) if use_cache else None
     tracers: dict[str, ModelTracer] = {}
 
-    def profile(spec: dict, seq_len: int) -> ModelProfile:
+    def profile(spec: JobSpec, seq_len: int) -> ModelProfile:
         key = model_key(spec)
         if key not in tracers:
             tracers[key] = ModelTracer(spec, directory)

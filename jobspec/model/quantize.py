@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from jobspec.errors import first_line
+from jobspec.spec.types import JobSpecModelQuantization
 
 # the state-dict suffixes bitsandbytes adds next to a quantised weight (Params4bit's quant_state, Int8Params' SCB)
 _QUANT_SUFFIXES = (".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map", ".SCB", ".weight_format")
@@ -30,7 +31,7 @@ BITSANDBYTES_HINT = ("`pip install -U bitsandbytes` (a current release's CPU bac
                      "drop model.quantization")
 
 
-def bitsandbytes_problem(quant: dict) -> str | None:
+def bitsandbytes_problem(quant: JobSpecModelQuantization) -> str | None:
     """Why bitsandbytes cannot quantise on this machine (None: it can): it is missing, or its native
     backend fails on a 64-value block. Imports torch and bitsandbytes: ranks and launch side only."""
     import importlib.util
@@ -42,7 +43,7 @@ def bitsandbytes_problem(quant: dict) -> str | None:
         from bitsandbytes import functional as bnbf
         block = torch.linspace(-1, 1, 64)
         if quant["bits"] == 4:
-            bnbf.quantize_4bit(block, quant_type=quant.get("quant_type") or "nf4")
+            bnbf.quantize_4bit(block, quant_type=quant["quant_type"])
         else:
             bnbf.int8_vectorwise_quant(block.reshape(1, 64).half())
     except Exception as err:  # noqa: BLE001 -- any backend failure here is what every rank would meet

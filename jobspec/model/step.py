@@ -25,12 +25,13 @@ from jobspec import tasks
 from jobspec.model.activation_offload import OFFLOAD_ATTRIBUTE
 from jobspec.model.kernels import sdpa_stand_in
 from jobspec.spec.model_profile import REGIONS, UnitTrace
+from jobspec.spec.types import JobSpec
 from jobspec.tasks.base import CLASS, TOKEN_CLASS
 
 ALLOCATOR_ROUND = 512          # the CUDA caching allocator's smallest block
 
 
-def step_inputs(spec: dict, config, micro_batch: int, seq_len: int) -> dict:
+def step_inputs(spec: JobSpec, config, micro_batch: int, seq_len: int) -> dict:
     """What the data loader gives a micro-batch (data/loaders.py): ids, attention mask, labels."""
     import torch
 
@@ -48,7 +49,7 @@ def step_inputs(spec: dict, config, micro_batch: int, seq_len: int) -> dict:
     return batch
 
 
-def run_step(model, spec: dict, micro_batch: int, seq_len: int, stack) -> dict:
+def run_step(model, spec: JobSpec, micro_batch: int, seq_len: int, stack) -> dict:
     """One forward + backward under the counters (inside the caller's FakeTensorMode)."""
     from torch.distributed._tools.mod_tracker import ModTracker
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 from jobspec.optimizers.base import NOT_OFFLOADABLE, Optimizer
+from jobspec.spec.types import JobSpecTrainingOptimizer
 
 NAME = "adafactor"
 # Adafactor's settings that the spec does not expose: in `client_args` (`jobspec compile` prints them),
@@ -20,7 +21,7 @@ _ORDER = ("lr", "eps", "clip_threshold", "decay_rate", "beta1", "weight_decay", 
           "relative_step", "warmup_init")
 
 
-def client_args(optimizer: dict) -> dict:
+def client_args(optimizer: JobSpecTrainingOptimizer) -> dict:
     args = {**FIXED, "lr": optimizer["lr"], "weight_decay": optimizer["weight_decay"]}
     return {"name": NAME, **{key: args[key] for key in _ORDER}}
 
@@ -39,7 +40,7 @@ def build(model, groups: list[dict], args: dict):
     return Adafactor(groups, **adafactor_kwargs(args))
 
 
-def state_bytes(optimizer: dict, inventory) -> int:
+def state_bytes(optimizer: JobSpecTrainingOptimizer, inventory) -> int:
     # beta1=None: a row and a column statistic per matrix (its last two dimensions), a full second
     # moment for vectors, all fp32.
     return 4 * sum(factored_elements(shape) for shape in inventory.trainable_shapes())

@@ -6,14 +6,15 @@ offload steps with its own CPU Adam.
 from __future__ import annotations
 
 from jobspec.optimizers.base import DEEPSPEED_CPU_ADAM, Optimizer
+from jobspec.spec.types import JobSpecTrainingOptimizer
 
 NAME = "adamw"
 WHERE = ("training", "optimizer")
 CODE = "adam-settings"   # the rule code of every rule below (`validate --format json`)
 
 
-def deepspeed_block(optimizer: dict, offload_optimizer: str = "none") -> dict:
-    implementation = optimizer["implementation"]
+def deepspeed_block(optimizer: JobSpecTrainingOptimizer, offload_optimizer: str = "none") -> dict:
+    implementation: str = optimizer["implementation"]
     offloaded = offload_optimizer != "none"
     # DeepSpeed has no switch between its two Adams: optimizer offload means CPU Adam, else FusedAdam
     # (deepspeed/runtime/engine.py get_optimizer_configuration). An `implementation` the offload
@@ -37,7 +38,7 @@ def deepspeed_block(optimizer: dict, offload_optimizer: str = "none") -> dict:
     return {"type": "AdamW", "params": params}
 
 
-def auto_adam(optimizer: dict, offloaded: bool) -> str:
+def auto_adam(optimizer: JobSpecTrainingOptimizer, offloaded: bool) -> str:
     """`implementation: auto`: the Adam that needs no op build wherever it can honour the spec.
 
     torch's AdamW, except with optimizer offload (DeepSpeed's CPU Adam is the one that steps there
@@ -50,11 +51,11 @@ def auto_adam(optimizer: dict, offloaded: bool) -> str:
     return "torch"
 
 
-def state_bytes(optimizer: dict, inventory) -> int:
+def state_bytes(optimizer: JobSpecTrainingOptimizer, inventory) -> int:
     return 8 * inventory.trainable
 
 
-def offload_step(optimizer: dict) -> str | None:
+def offload_step(optimizer: JobSpecTrainingOptimizer) -> str | None:
     """With optimizer offload DeepSpeed's CPU Adam steps, unless `implementation: torch` asks for torch's."""
     return "torch.optim.AdamW" if optimizer["implementation"] == "torch" else None
 

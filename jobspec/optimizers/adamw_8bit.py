@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from jobspec.errors import spec_error
 from jobspec.optimizers.base import NOT_OFFLOADABLE, Optimizer
+from jobspec.spec.types import JobSpecTrainingOptimizer
 
 NAME = "adamw_8bit"
 EIGHT_BIT_OVERHEAD = 0.01       # (de)quantising optimizer states: prefer plain AdamW on ties
 
 
-def client_args(optimizer: dict) -> dict:
+def client_args(optimizer: JobSpecTrainingOptimizer) -> dict:
     return {"name": NAME, "lr": optimizer["lr"], "betas": list(optimizer["betas"]), "eps": optimizer["eps"],
             "weight_decay": optimizer["weight_decay"]}
 
@@ -39,7 +40,7 @@ def build(model, groups: list[dict], args: dict):
     return optimizer
 
 
-def state_bytes(optimizer: dict, inventory) -> int:
+def state_bytes(optimizer: JobSpecTrainingOptimizer, inventory) -> int:
     return 2 * inventory.trainable
 
 

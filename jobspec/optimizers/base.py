@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from jobspec.spec.types import JobSpecTrainingOptimizer
+
 # `offload`: what runs the step when DeepSpeed's optimizer offload holds the states on the CPU
 DEEPSPEED_CPU_ADAM = "deepspeed"   # DeepSpeed's own CPU Adam: the fast path, what `plan --fit` tries
 TORCH_ON_CPU = "torch"             # the torch optimizer steps on the CPU (zero_force_ds_cpu_optimizer off): slow
@@ -18,7 +20,7 @@ def no_issues(r) -> list:
     return []
 
 
-def steps_on_cpu(optimizer: dict) -> str | None:
+def steps_on_cpu(optimizer: JobSpecTrainingOptimizer) -> str | None:
     """What runs the step on the CPU without DeepSpeed's CPU Adam when the optimizer is offloaded
     (for the compiler's note), None when DeepSpeed's CPU Adam runs it: any optimizer but adamw's."""
     return f"optimizer {optimizer['name']}"
@@ -37,14 +39,14 @@ class Optimizer:
     name: str
     # bytes of optimizer state of all trainable parameters, unpartitioned, for the planner:
     # (the spec's `training.optimizer`, the model's Inventory: `.trainable`, `.trainable_shapes()`)
-    state_bytes: Callable[[dict, Any], int]
+    state_bytes: Callable[[JobSpecTrainingOptimizer, Any], int]
     offload: str | None
     # the spec fields (`training.optimizer.<field>`) this optimizer reads; the others are ignored
     args: tuple[str, ...]
     # (the spec's `training.optimizer`, memory.offload.optimizer) -> ds_config["optimizer"]
-    deepspeed_block: Callable[[dict, str], dict] | None = None
+    deepspeed_block: Callable[[JobSpecTrainingOptimizer, str], dict] | None = None
     # the spec's `training.optimizer` -> the args `build` gets (on the ranks; `jobspec compile` prints them)
-    client_args: Callable[[dict], dict] | None = None
+    client_args: Callable[[JobSpecTrainingOptimizer], dict] | None = None
     # (model, parameter groups, the patch's args) -> the torch optimizer; on the ranks
     build: Callable[[Any, list, dict], Any] | None = None
     # cross-field rules while this optimizer is chosen: r (a ResolvedSpec) -> [SpecIssue]
@@ -55,7 +57,7 @@ class Optimizer:
     zero_tested: bool = False
     # the spec's `training.optimizer` -> what steps on the CPU without DeepSpeed's CPU Adam when the
     # optimizer is offloaded (the config then says zero_force_ds_cpu_optimizer: false), None: its CPU Adam
-    offload_step: Callable[[dict], str | None] = steps_on_cpu
+    offload_step: Callable[[JobSpecTrainingOptimizer], str | None] = steps_on_cpu
     # what `plan --fit` may try instead of it (cheaper states)
     fit_alternatives: tuple[str, ...] = ()
     # how `plan --fit` names it when it proposes it (default: its name)

@@ -6,17 +6,18 @@ optimizer offload torch's SGD steps on the CPU (no DeepSpeed CPU kernel): allowe
 from __future__ import annotations
 
 from jobspec.optimizers.base import TORCH_ON_CPU, Optimizer
+from jobspec.spec.types import JobSpecTrainingOptimizer
 
 NAME = "sgd"
 
 
-def deepspeed_block(optimizer: dict, offload_optimizer: str = "none") -> dict:
+def deepspeed_block(optimizer: JobSpecTrainingOptimizer, offload_optimizer: str = "none") -> dict:
     # Not a DeepSpeed optimizer: DeepSpeed builds torch.optim.SGD from this name.
     return {"type": "SGD", "params": {"lr": optimizer["lr"], "momentum": optimizer["momentum"],
                                       "weight_decay": optimizer["weight_decay"]}}
 
 
-def state_bytes(optimizer: dict, inventory) -> int:
+def state_bytes(optimizer: JobSpecTrainingOptimizer, inventory) -> int:
     return 4 * inventory.trainable if optimizer["momentum"] > 0 else 0
 
 

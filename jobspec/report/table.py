@@ -17,8 +17,10 @@ import io
 import json
 import statistics
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 from jobspec import rundir
@@ -203,15 +205,16 @@ def build_row(run_name: str, status: str, params: dict, series: dict, predicted_
 
 # --- the planner's prediction --------------------------------------------------------------------
 
-def predicted_peak_mib(spec: dict) -> float | None:
+def predicted_peak_mib(spec: Mapping[str, Any]) -> float | None:
     """The planned peak allocated MiB of a run's resolved spec (the spec that ran: `memory.fit` is
-    not applied again), prepared as a launch prepares it; None when the planner cannot tell."""
+    not applied again), prepared as a launch prepares it; None when the planner cannot tell. `spec` is
+    resolved.yaml as read back (an MLflow artifact), maybe of an older jobspec: its defaults are filled."""
     from jobspec.job.prepare import AS_WRITTEN, Host, prepare_job
-    from jobspec.spec.schema import fill_defaults
+    from jobspec.spec.schema import filled_spec
     from jobspec.spec.validation import ResolvedSpec
     from jobspec.units import MiB
     try:
-        resolved = ResolvedSpec(fill_defaults(spec), Path(rundir.RESOLVED), "")
+        resolved = ResolvedSpec(filled_spec(spec), Path(rundir.RESOLVED), "")
         memory = prepare_job(resolved, host=Host(), how=AS_WRITTEN).memory
         assert memory is not None   # plan=True decides it
         plan = memory.plan

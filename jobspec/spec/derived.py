@@ -22,6 +22,13 @@ from typing import Callable
 from jobspec.errors import SpecError, spec_error
 from jobspec.spec.model_dims import ModelDims, model_dims
 from jobspec.spec.model_profile import ModelProfile
+from jobspec.spec.types import (
+    JobSpec,
+    JobSpecMemoryActivationCheckpointing,
+    JobSpecMemoryZero,
+    JobSpecTraining,
+    JobSpecTrainingScheduler,
+)
 
 # Bytes per element of the training precision: parameters, gradients and activations of a
 # mixed-precision run are 16-bit; fp32 master weights and optimizer states are counted separately.
@@ -76,7 +83,7 @@ class DerivedJob:
         and the samples and tokens a step consumes)."""
         return self.world_size // self.sequence_parallel
 
-    def with_spec(self, spec: dict) -> "DerivedJob":
+    def with_spec(self, spec: JobSpec) -> "DerivedJob":
         """The derived job of another version of the same spec (same model files, same data)."""
         return derive(spec, config_json=self.config_json, num_train_samples=self.num_train_samples,
                       profiler=self.profiler)
@@ -105,7 +112,7 @@ class DerivedJob:
         return cls(**values)
 
 
-def derive(spec: dict, *, config_json: dict | None = None, num_train_samples: int | None = None,
+def derive(spec: JobSpec, *, config_json: dict | None = None, num_train_samples: int | None = None,
            profiler: Callable | None = None) -> DerivedJob:
     """Every derived number of a resolved spec (defaults filled); SpecError on inconsistent batches.
 
@@ -118,7 +125,7 @@ def derive(spec: dict, *, config_json: dict | None = None, num_train_samples: in
     notes: list[str] = []
     nodes, gpus_per_node = resources["nodes"], resources["gpus_per_node"]
     world = nodes * gpus_per_node
-    sequence_parallel = memory.get("sequence_parallel", 1)
+    sequence_parallel = memory["sequence_parallel"]
     data_parallel = _data_parallel_size(world, sequence_parallel)
     micro = training["micro_batch_size"]
     global_batch, accumulation = _batch_split(micro, training["global_batch_size"], data_parallel,
@@ -154,7 +161,7 @@ def derive(spec: dict, *, config_json: dict | None = None, num_train_samples: in
     )
 
 
-def _profile(profiler: Callable, spec: dict, seq_len: int, sequence_parallel: int) -> ModelProfile:
+def _profile(profiler: Callable, spec: JobSpec, seq_len: int, sequence_parallel: int) -> ModelProfile:
     """The model's profile at the job's setting. With sequence parallelism a rank holds 1/N of each
     sequence outside attention (memory/sequence_parallel.py): its activations are the trace at
     seq_len / N, while a token's FLOPs are the whole sequence's (each rank attends over all of it, for
@@ -181,15 +188,15 @@ def _data_parallel_size(world: int, sequence_parallel: int) -> int:
     return world // sequence_parallel
 
 
-def checkpointed_layers(num_layers: int, setting: bool | dict | None) -> int:
+def checkpointed_layers(num_layers: int, setting: bool | JobSpecMemoryActivationCheckpointing | None) -> int:
     """Layers whose forward is recomputed in backward: all, one in k (layers i % k == 0), or none."""
     if setting is None or setting is False:
         return 0
-    every = setting.get("every_n_layers", 1) if isinstance(setting, dict) else 1
+    every = setting["every_n_layers"] if isinstance(setting, dict) else 1
     return math.ceil(num_layers / every)
 
 
-def zero_bucket_sizes(zero: dict, hidden_size: int | None) -> dict[str, int]:
+def zero_bucket_sizes(zero: JobSpecMemoryZero, hidden_size: int | None) -> dict[str, int]:
     """The ZeRO sizes of `memory.zero` as DeepSpeed gets them (the compiler) and as the planner counts them.
 
     A value the spec sets is kept, 0 included (`stage3_prefetch_bucket_size: 0` turns prefetching
@@ -197,19 +204,19 @@ def zero_bucket_sizes(zero: dict, hidden_size: int | None) -> dict[str, int]:
     stage-3 prefetch 0.9·h², persistence threshold 10·h), or DeepSpeed's default when h is unknown.
     The HF Trainer derives no allgather size, so a null one is DeepSpeed's default.
     """
-    def sized(key: str, from_hidden, ds_default: int) -> int:
-        if zero.get(key) is not None:
-            return zero[key]
+    def sized(value: int | None, from_hidden: Callable[[int], float], ds_default: int) -> int:
+        if value is not None:
+            return value
         return int(from_hidden(hidden_size)) if hidden_size else ds_default
 
+    allgather = zero["allgather_bucket_size"]
     return {
-        "reduce_bucket_size": sized("reduce_bucket_size", lambda h: h * h, DS_REDUCE_BUCKET_SIZE),
-        "allgather_bucket_size": zero["allgather_bucket_size"] if zero.get("allgather_bucket_size") is not None
-        else DS_ALLGATHER_BUCKET_SIZE,
-        "stage3_prefetch_bucket_size": sized("stage3_prefetch_bucket_size", lambda h: 0.9 * h * h,
+        "reduce_bucket_size": sized(zero["reduce_bucket_size"], lambda h: h * h, DS_REDUCE_BUCKET_SIZE),
+        "allgather_bucket_size": allgather if allgather is not None else DS_ALLGATHER_BUCKET_SIZE,
+        "stage3_prefetch_bucket_size": sized(zero["stage3_prefetch_bucket_size"], lambda h: 0.9 * h * h,
                                              DS_STAGE3_PREFETCH_BUCKET_SIZE),
-        "stage3_param_persistence_threshold": sized("stage3_param_persistence_threshold", lambda h: 10 * h,
-                                                    DS_STAGE3_PARAM_PERSISTENCE_THRESHOLD),
+        "stage3_param_persistence_threshold": sized(zero["stage3_param_persistence_threshold"],
+                                                    lambda h: 10 * h, DS_STAGE3_PARAM_PERSISTENCE_THRESHOLD),
     }
 
 
@@ -228,7 +235,7 @@ def _batch_split(micro: int, global_batch: int | None, world: int, sequence_para
     return global_batch, global_batch // per_pass
 
 
-def _total_steps(training: dict, global_batch: int, samples: int | None, notes: list[str]) -> int | None:
+def _total_steps(training: JobSpecTraining, global_batch: int, samples: int | None, notes: list[str]) -> int | None:
     if samples is not None and samples < global_batch:
         # the loader trains whole global batches only (jobspec/data/loaders.py epoch_samples)
         explicit = training["global_batch_size"] is not None
@@ -252,7 +259,7 @@ def _total_steps(training: dict, global_batch: int, samples: int | None, notes: 
     return max(1, math.ceil(epochs * steps_per_epoch))
 
 
-def _warmup_steps(scheduler: dict, total_steps: int) -> int:
+def _warmup_steps(scheduler: JobSpecTrainingScheduler, total_steps: int) -> int:
     if scheduler["warmup_steps"]:
         return scheduler["warmup_steps"]
     return math.ceil(scheduler["warmup_ratio"] * total_steps)

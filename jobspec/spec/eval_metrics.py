@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 
 from jobspec import tasks
 
@@ -62,7 +63,7 @@ def improves(name: str, value: float | None, best: float | None) -> bool:
 _BIO_TAG = re.compile(r"^(?:O|[BI]-.+)$")
 
 
-def is_bio(names) -> bool:
+def is_bio(names: Iterable[str]) -> bool:
     """Whether label names are BIO (IOB2) tags: each `O`, `B-<type>` or `I-<type>`, at least one `B-`."""
     names = list(names)
     return bool(names) and all(isinstance(n, str) and _BIO_TAG.match(n) for n in names) \

@@ -23,11 +23,15 @@ import os
 import re
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from jobspec.errors import SpecIssue
 from jobspec.spec import model_table
 from jobspec.spec.loader import SET_FILE
+from jobspec.spec.types import JobSpec
+
+if TYPE_CHECKING:
+    from jobspec.spec.validation import ResolvedSpec
 
 IssueFn = Callable[..., SpecIssue]
 Problem = tuple   # (path inside the block, message, hint, whether to point at the key)
@@ -104,7 +108,7 @@ def load_table(name: str) -> dict:
 
 # ---------------------------------------------------------------- model.config
 
-def model_config_issues(spec: dict, issue: IssueFn, checkpoint_config: dict | None = None,
+def model_config_issues(spec: JobSpec, issue: IssueFn, checkpoint_config: dict | None = None,
                         entry: dict | None = None) -> list[SpecIssue]:
     """Unknown keys and wrong types in `model.config`, for every model type in the generated table.
 
@@ -149,7 +153,7 @@ def model_config_issues(spec: dict, issue: IssueFn, checkpoint_config: dict | No
 
 # ---------------------------------------------------------------- deepspeed
 
-def deepspeed_issues(spec: dict, issue: IssueFn) -> list[SpecIssue]:
+def deepspeed_issues(spec: JobSpec, issue: IssueFn) -> list[SpecIssue]:
     """Keys a spec field owns, unknown keys and wrong types in the `deepspeed:` section."""
     section = spec.get("deepspeed") if isinstance(spec, dict) else None
     if not isinstance(section, dict) or not section:
@@ -198,7 +202,7 @@ def _owned_problems(section: dict) -> tuple[list[Problem], set]:
 class _Walker:
     """Checks a value against a JSON Schema node (the subset the generated tables use), collecting Problems."""
 
-    def __init__(self, auto_is_wrong: bool, skip: frozenset | set = frozenset()):
+    def __init__(self, auto_is_wrong: bool, skip: frozenset | set = frozenset()) -> None:
         self.auto_is_wrong = auto_is_wrong   # DeepSpeed takes "auto" as text and falls back to its default
         self.skip = skip                      # paths already reported (owned keys): nothing below them
         self.problems: list[Problem] = []
@@ -310,14 +314,14 @@ def _key_index() -> dict:
 
 # ---------------------------------------------------------------- both, for a loaded spec
 
-def freeform_issues(resolved) -> list[SpecIssue]:
+def freeform_issues(resolved: ResolvedSpec) -> list[SpecIssue]:
     """`model.config` and `deepspeed:` issues of a loaded spec (anything with `.spec`, `.issue`,
     `.positions` and `.source`, e.g. a ResolvedSpec before defaults are filled)."""
     return (model_config_issues(resolved.spec, resolved.issue, local_checkpoint_config(resolved))
             + deepspeed_issues(resolved.spec, resolved.issue))
 
 
-def unchecked_model_config(resolved) -> str | None:
+def unchecked_model_config(resolved: ResolvedSpec) -> str | None:
     """Why validate did not check `model.config` and `model.lora`'s module names, or None when it did:
     a hub id not in the local Hugging Face cache names its model type only in its config.json, which
     `plan`, `compile` and `launch --dry-run` read (job/model_config); a type the generated table lacks
@@ -337,7 +341,7 @@ def unchecked_model_config(resolved) -> str | None:
             "not in the local cache): plan, compile and launch --dry-run read it and check them")
 
 
-def local_checkpoint_config(resolved) -> dict | None:
+def local_checkpoint_config(resolved: ResolvedSpec) -> dict | None:
     """The config.json of `model.name_or_path` when it names a local directory (relative to the file
     that wrote it, or to the current directory for --set), else None."""
     model = resolved.spec.get("model") if isinstance(resolved.spec, dict) else None

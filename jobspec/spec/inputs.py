@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import csv
 from pathlib import Path
+from typing import Any, Callable
 
 from jobspec.data.data_format import data_format, source_kind
 from jobspec.errors import spec_error
 from jobspec.spec.derived import DerivedJob, derive
 from jobspec.spec.model_dims import read_local_config
+from jobspec.spec.types import JobSpec
 
 
-def derive_job(spec: dict, profiler=None) -> DerivedJob:
+def derive_job(spec: JobSpec, profiler: Callable[..., Any] | None = None) -> DerivedJob:
     """The derived job of a resolved spec, with the model's config.json and the row count read here;
     `profiler` (`jobspec.model.planner_trace.job_profiler()`) adds the model's measured profile."""
     config_json = read_local_config(spec["model"]["name_or_path"])

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import yaml
 from yaml.constructor import SafeConstructor
-from yaml.nodes import MappingNode, ScalarNode, SequenceNode
+from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from jobspec.errors import SpecError, first_line, spec_error
 from jobspec.spec.schema import type_name
@@ -128,7 +129,7 @@ def parse_yaml(text: str, display: str) -> tuple[Any, dict, dict]:
 
 
 class _TooDeep(Exception):
-    def __init__(self, mark):
+    def __init__(self, mark: Any) -> None:
         self.mark = mark
 
 
@@ -165,7 +166,7 @@ class _DepthCheckedLoader(yaml.SafeLoader):
 
     _depth = 0
 
-    def compose_node(self, parent, index):
+    def compose_node(self, parent: Any, index: Any) -> Any:
         self._depth += 1
         try:
             if self._depth > MAX_DEPTH:
@@ -175,7 +176,7 @@ class _DepthCheckedLoader(yaml.SafeLoader):
             self._depth -= 1
 
 
-def _nesting_error(display: str, mark) -> SpecError:
+def _nesting_error(display: str, mark: Any) -> SpecError:
     return spec_error(f"nested more than {MAX_DEPTH} levels deep", file=display, line=mark.line + 1,
                       column=mark.column + 1,
                       hint="a job spec needs a few levels; check for runaway brackets or recursive aliases")
@@ -193,21 +194,21 @@ def _reject_tab_indentation(text: str, display: str) -> None:
 class _Builder:
     """Node tree -> plain Python values, recording positions and refusing unsafe YAML."""
 
-    def __init__(self, display: str):
+    def __init__(self, display: str) -> None:
         self.display = display
         self.positions: dict[tuple, Position] = {}
         self.key_positions: dict[tuple, Position] = {}
         self.visited = 0
         self.scalars = SafeConstructor()
 
-    def pos(self, node) -> Position:
+    def pos(self, node: Node) -> Position:
         return Position(self.display, node.start_mark.line + 1, node.start_mark.column + 1)
 
-    def fail(self, node, message: str, hint: str | None = None, path: tuple = ()) -> SpecError:
+    def fail(self, node: Node, message: str, hint: str | None = None, path: tuple = ()) -> SpecError:
         p = self.pos(node)
         return spec_error(message, path=path, file=p.file, line=p.line, column=p.col, hint=hint)
 
-    def build(self, node, path: tuple, depth: int = 0):
+    def build(self, node: Node, path: tuple, depth: int = 0) -> Any:
         self.visited += 1
         if self.visited > MAX_NODES:
             top = self.key_positions.get(path[:1]) or self.pos(node)
@@ -228,12 +229,12 @@ class _Builder:
             return self.mapping(node, path, depth)
         raise self.fail(node, "unsupported YAML node", path=path)
 
-    def check_tag(self, node, expected: str, path: tuple) -> None:
+    def check_tag(self, node: Node, expected: str, path: tuple) -> None:
         if node.tag != expected:
             raise self.fail(node, f"YAML tag `{_short_tag(node.tag)}` is not allowed", path=path,
                             hint="job specs hold plain mappings, lists, strings, numbers, booleans and null")
 
-    def scalar(self, node: ScalarNode, path: tuple):
+    def scalar(self, node: ScalarNode, path: tuple) -> Any:
         if node.tag == _TIMESTAMP:
             return node.value
         if node.tag == _CORE + "str" and not node.style and _YAML12_FLOAT.fullmatch(node.value):
@@ -276,7 +277,7 @@ class _Builder:
                         out[key] = self.build(sub_value_node, path + (key,), depth + 1)
         return out
 
-    def key(self, key_node, path: tuple) -> str:
+    def key(self, key_node: Node, path: tuple) -> str:
         if not isinstance(key_node, ScalarNode):
             raise self.fail(key_node, "mapping keys must be plain words, not lists or mappings", path=path)
         if key_node.tag not in _SCALAR_TAGS | {_TIMESTAMP}:
@@ -357,7 +358,7 @@ def dotted_leaves(value: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix: value}
 
 
-def iter_paths(value: Any, path: tuple = ()):
+def iter_paths(value: Any, path: tuple = ()) -> Iterator[tuple]:
     yield path
     if isinstance(value, dict):
         for key, sub in value.items():

@@ -19,6 +19,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from jobspec.spec.types import JobSpec
+
 # transformers' config defaults per model_type, under the canonical names below.
 ARCHITECTURE_DEFAULTS: dict[str, dict] = {
     "bert": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
@@ -96,7 +98,7 @@ def _canonical(config: dict) -> dict:
     return {_ALIASES.get(k, k): v for k, v in config.items()}
 
 
-def model_dims(spec: dict, config_json: dict | None = None) -> ModelDims | None:
+def model_dims(spec: JobSpec, config_json: dict | None = None) -> ModelDims | None:
     """Dimensions of the spec's model: architecture defaults, then `config_json`, then `model.config`.
 
     `spec` is a resolved spec (or any dict with a `model` mapping); `config_json` is the parsed
@@ -124,7 +126,7 @@ def model_dims(spec: dict, config_json: dict | None = None) -> ModelDims | None:
     )
 
 
-def _count(value, minimum: int = 1) -> int | None:
+def _count(value: object, minimum: int = 1) -> int | None:
     """A dimension as an int; anything else (a list, a string: reported by the model.config check) is unknown."""
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= minimum else None
 

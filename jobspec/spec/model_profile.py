@@ -24,6 +24,7 @@ No torch here: the planner (pure) reads these, and the trace cache stores them a
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
 REGIONS = ("layers", "embeddings", "logits_and_loss")
@@ -139,7 +140,7 @@ def layer_types(kinds: tuple, checkpointed: tuple) -> tuple:
 TAIL = 2   # layers every unit ends with (tests/model/test_trace.py: 1 is not exact for DeBERTa-v2)
 
 
-def compose(types: tuple, unit) -> UnitTrace:
+def compose(types: tuple, unit: Callable[[tuple], UnitTrace]) -> UnitTrace:
     """The trace of a stack of layers of these types from `unit(types_tuple) -> UnitTrace` (see above).
 
     Every unit keeps the first layer (what it does with the embeddings' output), the last two (the turn
@@ -193,7 +194,7 @@ class ModelProfile:
                 "notes": list(self.notes)}
 
 
-def _numel(shape) -> int:
+def _numel(shape: Iterable[int]) -> int:
     n = 1
     for d in shape:
         n *= int(d)

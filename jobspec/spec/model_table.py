@@ -20,12 +20,15 @@ import json
 import re
 from functools import lru_cache
 from pathlib import Path
+from typing import Any, Literal
 
 from jobspec import tasks
+from jobspec.spec.types import JobSpec, JobSpecModelLora
 
 TABLE_DIR = "transformers-configs"
 INDEX = "index.json"
-ATTENTION_ORDER = ("sdpa", "eager")   # the default's preference: flash-attn needs a package and half precision
+# the default's preference: flash-attn needs a package and half precision
+ATTENTION_ORDER: tuple[Literal["sdpa"], Literal["eager"]] = ("sdpa", "eager")
 LINEAR_KINDS = ("Linear", "Conv1D", "Linear4bit", "Linear8bitLt")   # what PEFT's `all-linear` adapts
 
 
@@ -56,7 +59,7 @@ def model_types() -> list[str]:
     return list(index()["model_types"])
 
 
-def model_type(spec: dict, checkpoint_config: dict | None) -> str | None:
+def model_type(spec: JobSpec, checkpoint_config: dict | None) -> str | None:
     """The spec's model type when validate can know it: `architecture`, else a local config.json's."""
     model = spec.get("model") if isinstance(spec, dict) else None
     if not isinstance(model, dict):
@@ -82,7 +85,7 @@ def head(model_type_name: str | None, task: str) -> dict | None:
                  if other.auto_class == auto_class and name in heads), {})
 
 
-def best_attention(head_entry: dict | None) -> str:
+def best_attention(head_entry: dict | None) -> Literal["sdpa", "eager"]:
     """sdpa where the head supports it, else eager; sdpa when the head is not known (the ranks decide)."""
     supported = (head_entry or {}).get("attention")
     if not supported:
@@ -90,7 +93,7 @@ def best_attention(head_entry: dict | None) -> str:
     return next(name for name in ATTENTION_ORDER if supported.get(name, name == "eager"))
 
 
-def config_default(model_type_name: str | None, key: str):
+def config_default(model_type_name: str | None, key: str) -> Any:
     """The config class's default value of `key` (the generated `defaults`), None when not recorded."""
     found = entry(model_type_name)
     return (found or {}).get("defaults", {}).get(key)
@@ -107,7 +110,8 @@ def matches(module_pattern: str, entry_text: str) -> bool:
     return module_pattern == wanted or module_pattern.endswith(f".{wanted}")
 
 
-def lora_target_problems(head_entry: dict, lora: dict, task: str, owner: str) -> list[tuple[tuple, str, str]]:
+def lora_target_problems(head_entry: dict, lora: JobSpecModelLora, task: str,
+                         owner: str) -> list[tuple[tuple, str, str]]:
     """(path, message, hint) per `model.lora` entry that matches no module of the head: the checks of
     model/lora.check_targets on the generated module table (the meta build's names), for validate."""
     modules: dict[str, str] = head_entry.get("modules") or {}

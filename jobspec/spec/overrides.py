@@ -6,6 +6,7 @@ the string "007"; a number field given `abc` is an error; an unknown key gets "d
 from __future__ import annotations
 
 import difflib
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from jobspec.errors import SpecError, SpecIssue, spec_error
@@ -21,7 +22,7 @@ from jobspec.spec.schema import (
 )
 
 
-def apply_overrides(loaded: LoadedSpec, overrides) -> LoadedSpec:
+def apply_overrides(loaded: LoadedSpec, overrides: Iterable[str]) -> LoadedSpec:
     """Apply `a.b.c=VALUE` overrides to `loaded` in order (it is changed and returned); every bad one
     is reported, together."""
     issues: list[SpecIssue] = []
@@ -39,7 +40,7 @@ def apply_overrides(loaded: LoadedSpec, overrides) -> LoadedSpec:
 
 def parse_override(override: str, where: Position) -> tuple[tuple, Any]:
     """`a.b.c=VALUE` -> (("a","b","c"), VALUE typed by the schema at that path)."""
-    def fail(message, hint, path=()):
+    def fail(message: str, hint: str | None, path: tuple = ()) -> SpecError:
         return spec_error(f"{message} (from --set {override})", path=path, hint=hint,
                           file=where.file, line=where.line, column=where.col)
 
@@ -55,7 +56,7 @@ def parse_override(override: str, where: Position) -> tuple[tuple, Any]:
     return keys, _typed(value, raw, node, keys, fail)
 
 
-def _schema_for_override(keys: tuple, fail) -> dict:
+def _schema_for_override(keys: tuple, fail: Callable[..., SpecError]) -> dict:
     node = shared_schema()   # the schema at ()
     for depth, key in enumerate(keys):
         branch = object_branch(node) or node
@@ -77,7 +78,7 @@ def _schema_for_override(keys: tuple, fail) -> dict:
     return node
 
 
-def _typed(value: Any, raw: str, node: dict, keys: tuple, fail) -> Any:
+def _typed(value: Any, raw: str, node: dict, keys: tuple, fail: Callable[..., SpecError]) -> Any:
     types = schema_types(node)
     if not types or has_type(value, types):
         return value

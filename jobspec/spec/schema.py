@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
+
+from jobspec.spec.types import JobSpec
 
 _CANDIDATES = (
     Path(__file__).resolve().parents[2] / "schemas" / "jobspec.schema.json",  # source checkout
@@ -71,7 +74,13 @@ def subschema_at(path: tuple | list, schema: dict | None = None) -> dict | None:
     return node
 
 
-def fill_defaults(spec: dict, schema: dict | None = None) -> dict:
+def filled_spec(spec: Mapping[str, Any]) -> JobSpec:
+    """`spec` (a spec as written, or a resolved.yaml an older jobspec wrote) with every default filled:
+    the one way a plain mapping becomes a JobSpec (jobspec/spec/types.py)."""
+    return cast(JobSpec, fill_defaults(spec))
+
+
+def fill_defaults(spec: Mapping[str, Any], schema: dict | None = None) -> dict:
     """A copy of `spec` with every missing field set to its schema default, recursively.
 
     Objects that are present (or default to `{}`) get their own fields' defaults filled;

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from jobspec.spec.types import JobSpec
+
 SPECIAL_TOKENS = ("bos", "eos", "pad", "unk", "mask")
 
 
@@ -33,7 +35,7 @@ class TokenizerFacts:
 class TokenizerFileError(ValueError):
     """A tokenizer file that does not parse: (file, what)."""
 
-    def __init__(self, file: Path, what: str):
+    def __init__(self, file: Path, what: str) -> None:
         super().__init__(f"{file}: {what}")
         self.file, self.what = file, what
 
@@ -111,7 +113,7 @@ def _own_template(directory: Path, config: dict, config_file: Path) -> tuple[str
     return None, None
 
 
-def tokenizer_name(spec: dict) -> str | None:
+def tokenizer_name(spec: JobSpec) -> str | None:
     """The tokenizer the ranks load: `data.tokenizer`, else `model.name_or_path`; None for synthetic data."""
     data = spec["data"]
     if data.get("synthetic") is not None:

@@ -236,7 +236,7 @@ class JobSpecLoggingMlflow(TypedDict):
     """MLflow tracking."""
     enabled: bool
     tracking_uri: str
-    experiment: str | None
+    experiment: str
     run_name: str | None
     tags: dict[str, Any]
     required: bool
@@ -262,7 +262,7 @@ class JobSpecLogging(TypedDict):
 
 class JobSpecCheckpoint(TypedDict):
     """Checkpoints and resume."""
-    dir: str | None
+    dir: str
     every_n_steps: int | None
     keep_last: int
     save_final: bool
@@ -287,10 +287,10 @@ class JobSpecExport(TypedDict):
 
 class JobSpec(TypedDict):
     """A resolved job spec."""
-    name: str | None
+    name: str
     description: str
     extends: str | None
-    output_dir: str | None
+    output_dir: str
     model: JobSpecModel
     data: JobSpecData
     training: JobSpecTraining

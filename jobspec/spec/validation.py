@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from jobspec import optimizers
 from jobspec.data import datacheck
@@ -46,7 +47,7 @@ from jobspec.spec.rules import (
 )
 from jobspec.spec.rules.base import Rule, base_dir, coded, did_you_mean, exists, get, local_path
 from jobspec.spec.schema import (
-    fill_defaults,
+    filled_spec,
     has_type,
     schema_types,
     shared_schema,
@@ -54,6 +55,7 @@ from jobspec.spec.schema import (
     type_name,
     types_text,
 )
+from jobspec.spec.types import JobSpec
 
 _NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
@@ -62,7 +64,7 @@ _NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 class ResolvedSpec:
     """A valid spec: defaults filled, `extends` merged, paths absolute (docs/architecture.md)."""
 
-    spec: dict
+    spec: JobSpec
     source: Path
     text: str
     positions: dict[tuple, Position] = field(default_factory=dict)
@@ -99,18 +101,20 @@ class ResolvedSpec:
         return SpecError(located)
 
 
-def load_and_validate(path: str | os.PathLike, overrides=()) -> ResolvedSpec:
+def load_and_validate(path: str | os.PathLike, overrides: Iterable[str] = ()) -> ResolvedSpec:
     """Load, merge, override, validate and resolve one spec file."""
     return validate_spec(apply_overrides(load_spec(path), overrides))
 
 
 def validate_spec(loaded: LoadedSpec) -> ResolvedSpec:
     """Schema errors first (all of them); cross-field rules only on a schema-valid spec."""
-    resolved = ResolvedSpec(loaded.spec, loaded.source, loaded.text, loaded.positions, loaded.key_positions)
+    # the schema checks run on the spec as written (not yet a JobSpec: filled_spec makes it one below)
+    resolved = ResolvedSpec(cast(JobSpec, loaded.spec), loaded.source, loaded.text, loaded.positions,
+                            loaded.key_positions)
     issues = schema_issues(resolved) + coded(freeform_issues(resolved), "freeform")
     if issues:
         raise SpecError(issues)
-    resolved.spec = fill_defaults(loaded.spec)
+    resolved.spec = filled_spec(loaded.spec)
     model_type.fill_attention(resolved)   # left out: the best the model supports (sdpa, else eager)
     issues = cross_field_issues(resolved)
     if issues:
@@ -142,7 +146,7 @@ def recheck(resolved: ResolvedSpec) -> ResolvedSpec:
 # ---------------------------------------------------------------- JSON Schema
 
 @lru_cache(maxsize=1)
-def _validator():
+def _validator() -> Any:
     import jsonschema  # ~60 ms; only paid by commands that validate
 
     base = jsonschema.Draft202012Validator
@@ -166,13 +170,13 @@ _SCHEMA_CODES = {"additionalProperties": "unknown-key", "enum": "enum", "type": 
                  "pattern": "pattern"}
 
 
-def _explain(error, resolved: ResolvedSpec) -> list[SpecIssue]:
+def _explain(error: Any, resolved: ResolvedSpec) -> list[SpecIssue]:
     """The issues of one schema error, coded `schema-<code>` by the keyword that failed (a oneOf's by
     its branch's)."""
     return coded(_explain_error(error, resolved), f"schema-{_SCHEMA_CODES.get(error.validator, 'other')}")
 
 
-def _explain_error(error, resolved: ResolvedSpec) -> list[SpecIssue]:
+def _explain_error(error: Any, resolved: ResolvedSpec) -> list[SpecIssue]:
     path = tuple(error.absolute_path)
     kind, value, schema = error.validator, error.instance, error.schema
     if kind == "additionalProperties":
@@ -211,7 +215,7 @@ def _explain_error(error, resolved: ResolvedSpec) -> list[SpecIssue]:
     return [resolved.issue(path, error.message[:200], _first_sentence(field_schema))]
 
 
-def _explain_one_of(error, resolved: ResolvedSpec) -> list[SpecIssue]:
+def _explain_one_of(error: Any, resolved: ResolvedSpec) -> list[SpecIssue]:
     # jsonschema reports "not valid under any of the given schemas"; the useful errors are those of
     # the branch whose type the value has (e.g. the mapping branch for a mapping).
     path, value = tuple(error.absolute_path), error.instance
@@ -296,8 +300,9 @@ def job_name(source: Path) -> str:
 
 def resolve_paths(r: ResolvedSpec) -> None:
     s = r.spec
-    if s["name"] is None:
-        s["name"] = job_name(r.source)
+    name = s["name"]
+    if name is None:
+        name = s["name"] = job_name(r.source)
     s["extends"] = None
     for path in (("data", "train"), ("data", "eval"), ("data", "chat_template"), ("output_dir",),
                  ("checkpoint", "dir"), ("memory", "offload", "nvme_path"), ("export", "dir")):
@@ -320,10 +325,11 @@ def resolve_paths(r: ResolvedSpec) -> None:
         s["logging"]["mlflow"]["experiment"] = s["name"]
     if not s["logging"]["mlflow"]["enabled"]:   # the schema's default (true) is for a job with a run
         s["logging"]["system_metrics"] = False
-    if s["output_dir"] is None:
-        s["output_dir"] = str(Path.cwd() / "runs" / s["name"])
+    output_dir = s["output_dir"]
+    if output_dir is None:
+        output_dir = s["output_dir"] = str(Path.cwd() / "runs" / name)
     if s["checkpoint"]["dir"] is None:
-        s["checkpoint"]["dir"] = str(Path(s["output_dir"]) / "checkpoints")
+        s["checkpoint"]["dir"] = str(Path(output_dir) / "checkpoints")
 
 
 # Writing checkpoints or runs here would damage the system (or, as root, succeed at it).
@@ -350,5 +356,5 @@ def system_location_issues(r: ResolvedSpec) -> list[SpecIssue]:
     return issues
 
 
-def _put(spec: dict, path: tuple, value) -> None:
+def _put(spec: JobSpec, path: tuple, value: Any) -> None:
     get(spec, path[:-1])[path[-1]] = value

@@ -9,6 +9,7 @@ rules and the report read them from `TASKS`; a test keeps the keys equal to the 
 """
 from __future__ import annotations
 
+from jobspec.spec.types import JobSpec
 from jobspec.tasks import causal_lm, masked_lm, sequence_classification, token_classification
 from jobspec.tasks.base import Task
 
@@ -26,6 +27,6 @@ def get(name: str | None) -> Task:
     return TASKS[name or DEFAULT]
 
 
-def of(spec: dict) -> Task:
+def of(spec: JobSpec) -> Task:
     """The task of a spec (defaults filled or not)."""
-    return get(spec["model"].get("task"))
+    return get(spec["model"]["task"])

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from jobspec.spec.types import JobSpec
 from jobspec.status import Ending
 
 
@@ -24,7 +25,7 @@ from jobspec.status import Ending
 class RunStart:
     """What the launcher knows when the run starts: its files are written (rundir.write_compiled)."""
     run_dir: Path
-    spec: dict                 # the resolved spec, defaults filled
+    spec: JobSpec              # the resolved spec, defaults filled
     spec_text: str             # the job file as written
     launch: dict               # launch.json
     derived: dict              # spec/derived.DerivedJob.as_dict()
@@ -67,5 +68,6 @@ class Tracker(Protocol):
         """On the launcher, after the ranks: the final status (`ending.status`: FINISHED, KILLED or
         FAILED, with its exit code and reason). Never raises: the run's files say how it ended."""
 
-    def writer(self, run_dir: Path, spec: dict) -> MetricWriter | None:
-        """On rank 0: the writer its metric rows go to (None: this run has none to write to)."""
+    def writer(self, run_dir: Path, spec: JobSpec | None) -> MetricWriter | None:
+        """On rank 0: the writer its metric rows go to (None: this run has none to write to). `spec`: the
+        run's resolved spec; None when its directory has no resolved.yaml (then only the default tracker is asked)."""

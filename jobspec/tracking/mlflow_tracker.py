@@ -13,6 +13,7 @@ from pathlib import Path
 from jobspec import rundir
 from jobspec.errors import RunFailure
 from jobspec.secrets import mask_secrets
+from jobspec.spec.types import JobSpec
 from jobspec.status import Ending
 from jobspec.tracking import orphans
 from jobspec.tracking import run as tracking_run
@@ -50,7 +51,7 @@ class MlflowTracker:
     def end(self, started: tracking_run.TrackedRun, run_dir: Path, ending: Ending) -> None:
         tracking_run.end_run(started, run_dir, status=ending.status, exit_code=ending.exit_code, tags=ending.tags())
 
-    def writer(self, run_dir: Path, spec: dict) -> MlflowSender | None:
+    def writer(self, run_dir: Path, spec: JobSpec | None) -> MlflowSender | None:
         """The sender into the run of mlflow_run.json (rank 0 has waited for the launcher to write it,
         or `mlflow_off`); None without a run."""
         return MlflowSender.for_run_dir(run_dir)

@@ -16,6 +16,8 @@ else the browser's last choice, GenAI by default): the run link jobspec prints c
 """
 from __future__ import annotations
 
+from jobspec.spec.types import JobSpec
+
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"   # the value MLflow 3's UI shows as "Machine learning"
 
@@ -78,11 +80,11 @@ def differing_pairs(params: dict[str, str], previous: dict[str, str]) -> list[tu
             if not ignored(key) and key in previous and previous[key] != value]
 
 
-def run_name(spec: dict, overrides=(), params: dict[str, str] | None = None,
+def run_name(spec: JobSpec, overrides=(), params: dict[str, str] | None = None,
              previous: dict[str, str] | None = None) -> str:
     """The run's name (module docstring). `params`: the flattened spec as it will be logged;
     `previous`: the params of the experiment's earlier run of this job, if any."""
-    explicit = spec["logging"]["mlflow"].get("run_name")
+    explicit = spec["logging"]["mlflow"]["run_name"]
     if explicit:
         return explicit
     pairs = override_pairs(overrides)
@@ -92,10 +94,10 @@ def run_name(spec: dict, overrides=(), params: dict[str, str] | None = None,
     return name if len(name) <= MAX_RUN_NAME_CHARS else name[:MAX_RUN_NAME_CHARS - 1] + "…"
 
 
-def new_run_name(client, experiment_id: str, spec: dict, overrides, params: dict[str, str]) -> str:
+def new_run_name(client, experiment_id: str, spec: JobSpec, overrides, params: dict[str, str]) -> str:
     """`run_name`, asking the store for the job's previous run only when nothing else names this one."""
     previous = None
-    if not spec["logging"]["mlflow"].get("run_name") and not override_pairs(overrides):
+    if not spec["logging"]["mlflow"]["run_name"] and not override_pairs(overrides):
         previous = previous_params(client, experiment_id, spec["name"])
     return run_name(spec, overrides, params, previous)
 

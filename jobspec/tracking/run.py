@@ -22,6 +22,7 @@ from jobspec import hardware, rundir
 from jobspec.errors import first_line
 from jobspec.secrets import mask_secrets, split_credentials
 from jobspec.spec.loader import dotted_leaves
+from jobspec.spec.types import JobSpec
 from jobspec.tracking import naming
 
 log = logging.getLogger("jobspec.tracking")
@@ -74,7 +75,7 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
-def run_tags(spec: dict, launch: dict, spec_text: str) -> dict[str, str]:
+def run_tags(spec: JobSpec, launch: dict, spec_text: str) -> dict[str, str]:
     tags = {f"jobspec.version.{name}": v for name, v in package_versions().items()}
     tags.update({
         "jobspec.job": spec["name"],
@@ -84,7 +85,7 @@ def run_tags(spec: dict, launch: dict, spec_text: str) -> dict[str, str]:
         "jobspec.gpus": ",".join(sorted(set(hardware.gpu_names()))),
         "jobspec.spec_sha256": hashlib.sha256(spec_text.encode("utf-8")).hexdigest(),
     })
-    if spec.get("description"):
+    if spec["description"]:
         tags["mlflow.note.content"] = spec["description"]
     for key, value in spec["logging"]["mlflow"]["tags"].items():
         tags[str(key)] = str(value)
@@ -128,7 +129,7 @@ def client_for(tracking_uri: str):
     return MlflowClient(tracking_uri=tracking_uri)
 
 
-def start_run(spec: dict, launch: dict, derived: dict, spec_text: str, run_dir: Path,
+def start_run(spec: JobSpec, launch: dict, derived: dict, spec_text: str, run_dir: Path,
               resume_run_id: str | None = None) -> TrackedRun:
     """Create (or reopen, for a resumed job) the MLflow run, log params/tags/artifacts, write mlflow_run.json.
 
@@ -169,7 +170,7 @@ def _reopen(client, run_id: str | None):
         return None
 
 
-def _log_start(tracked: TrackedRun, spec: dict, launch: dict, derived: dict, spec_text: str,
+def _log_start(tracked: TrackedRun, spec: JobSpec, launch: dict, derived: dict, spec_text: str,
                run_dir: Path) -> None:
     """Params, tags and the start artifacts. A continued run (launch.json `segment`, launch/lineage.py)
     keeps its first segment's params (MLflow params cannot change) and records the new segment beside

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from jobspec import rundir
 from jobspec.errors import first_line
+from jobspec.spec.types import JobSpec
 from jobspec.tracking.base import MetricWriter
 
 log = logging.getLogger("jobspec.tracking")
@@ -26,7 +27,7 @@ class MetricSink:
         self._jsonl = rundir.open_metrics(self.run_dir)
 
     @classmethod
-    def open(cls, run_dir, spec: dict | None = None) -> "MetricSink":
+    def open(cls, run_dir, spec: JobSpec | None = None) -> "MetricSink":
         """The sink of the run in `run_dir`: a writer for each tracker the spec enables that has
         somewhere to write (jobspec/tracking/trackers.py). `spec` defaults to the run's resolved.yaml;
         without one, only the default tracker's (MLflow's, where mlflow_run.json names a run)."""
@@ -35,7 +36,7 @@ class MetricSink:
         if spec is None and (run_dir / rundir.RESOLVED).is_file():
             spec = rundir.read_resolved(run_dir)
         chosen = trackers.enabled(spec) if spec is not None else [trackers.TRACKERS[trackers.DEFAULT]]
-        writers = [tracker.writer(run_dir, spec or {}) for tracker in chosen]
+        writers = [tracker.writer(run_dir, spec) for tracker in chosen]
         return cls(run_dir, [w for w in writers if w is not None])
 
     def log(self, metrics: dict, step: int) -> None:

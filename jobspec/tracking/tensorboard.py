@@ -25,6 +25,7 @@ from jobspec import rundir
 from jobspec.errors import RunFailure, first_line
 from jobspec.secrets import mask_secrets
 from jobspec.spec.loader import dotted_leaves
+from jobspec.spec.types import JobSpec
 from jobspec.status import Ending
 from jobspec.tracking.base import RunStart
 
@@ -99,7 +100,7 @@ class TensorBoardTracker:
         except OSError as err:   # the run is over and its files say how: a full disk is not a new failure
             log.warning("TensorBoard: could not write the run's end: %s", err)
 
-    def writer(self, run_dir: Path, spec: dict) -> "TensorBoardWriter":
+    def writer(self, run_dir: Path, spec: JobSpec | None) -> "TensorBoardWriter":
         return TensorBoardWriter(run_dir)
 
 

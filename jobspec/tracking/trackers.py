@@ -11,6 +11,10 @@ Light: no tracker's library at import (each imports its own where it is enabled)
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
+from jobspec.spec.types import JobSpec
 from jobspec.tracking import mlflow_tracker, tensorboard
 from jobspec.tracking.base import Tracker
 
@@ -22,6 +26,7 @@ TRACKERS: dict[str, Tracker] = {t.name: t for t in (
 )}
 
 
-def enabled(spec: dict) -> list[Tracker]:
+def enabled(spec: JobSpec) -> list[Tracker]:
     """The trackers the (defaults-filled) spec switches on, in registry order."""
-    return [tracker for name, tracker in TRACKERS.items() if spec["logging"][name]["enabled"]]
+    sections: Mapping[str, Any] = spec["logging"]   # a tracker's name is its logging section (test_registries)
+    return [tracker for name, tracker in TRACKERS.items() if sections[name]["enabled"]]

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from jobspec import launcher_log
+from jobspec.checkpoint.reshard import ResumeFrom
 from jobspec.model.step import loss_of  # noqa: F401 - the ranks' and the planner's trace's one definition
 from jobspec.rundir import RunFiles
 from jobspec.train.progress import RunState
@@ -97,7 +98,7 @@ def start_schedule(engine) -> None:
         scheduler._last_lr = update_lr(scheduler.optimizer.param_groups, scheduler.get_lr())
 
 
-def resume(engine, ckpt: dict, state: RunState, any_rank=lambda flag: flag,
+def resume(engine, ckpt: ResumeFrom, state: RunState, any_rank=lambda flag: flag,
            passed_over: list | None = None) -> dict | None:
     """Load the checkpoint `checkpoint.resume` names into the engine and `state`; this rank's RNG state.
 
@@ -147,7 +148,7 @@ def resume_threads(saved: int, share: int) -> tuple[int, str | None]:
                    "the losses will differ from an uninterrupted run in the last bits")
 
 
-def reshard_plan(ckpt: dict, world_size: int, group, sequence_parallel: int = 1):
+def reshard_plan(ckpt: ResumeFrom, world_size: int, group, sequence_parallel: int = 1):
     """jobspec.checkpoint.reshard.plan with rank 0's conversion result shared over the gloo `group`."""
     import torch.distributed as dist
 

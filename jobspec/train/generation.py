@@ -43,6 +43,7 @@ from jobspec import rundir
 from jobspec.data.data_format import source_kind
 from jobspec.data.datacheck import record_kind
 from jobspec.errors import first_line, spec_error
+from jobspec.spec.types import JobSpec, JobSpecData, JobSpecTrainingEvalGenerate
 
 FIELD = ("training", "eval_generate")
 STOP, LENGTH = "stop", "length"   # an end token ended the answer; max_new_tokens did
@@ -65,7 +66,7 @@ class Answer:
 
 # --- the prompts ---------------------------------------------------------------------------------
 
-def conversation(record, data: dict) -> tuple[list[dict], str | None]:
+def conversation(record, data: JobSpecData) -> tuple[list[dict], str | None]:
     """(messages up to the last user turn, the assistant answer after it or None) of one record: a chat
     record, a prompt (/completion) record, or a plain string."""
     if isinstance(record, str):
@@ -95,12 +96,23 @@ def shown_text(messages: list[dict]) -> str:
     return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
 
 
-def source_records(spec: dict) -> list:
+def settings(spec: JobSpec) -> JobSpecTrainingEvalGenerate:
+    """`training.eval_generate`, of a job that has it: what every function here is given
+    (EvalGenerator.for_job returns None without it)."""
+    generate = spec["training"]["eval_generate"]
+    if generate is None:
+        raise ValueError("training.eval_generate is not set: the job generates nothing")
+    return generate
+
+
+def source_records(spec: JobSpec) -> list:
     """The records the prompts come from: the prompts file's, or the first N of `data.eval`."""
-    generate, data = spec["training"]["eval_generate"], spec["data"]
-    source = generate["prompts"]
+    data = spec["data"]
+    source = settings(spec)["prompts"]
     if isinstance(source, str):
         return file_records(Path(source))
+    if data["eval"] is None:   # validation refuses a count of prompts without data.eval (eval-generate-no-eval)
+        raise ValueError("training.eval_generate.prompts counts evaluation records, but data.eval is not set")
     kind = source_kind(data["eval"], data["format"])
     if kind in ("text", "text_dir"):
         raise spec_error("text records have no prompt and answer to generate from", path=(*FIELD, "prompts"),
@@ -136,9 +148,9 @@ def file_records(path: Path) -> list:
     return records
 
 
-def build_prompts(spec: dict, tokenizer, template: str | None, records: list) -> list[Prompt]:
+def build_prompts(spec: JobSpec, tokenizer, template: str | None, records: list) -> list[Prompt]:
     """The records rendered as the model is prompted (module docstring). SpecError names a bad record."""
-    data, generate = spec["data"], spec["training"]["eval_generate"]
+    data, generate = spec["data"], settings(spec)
     keep = max(1, data["max_length"] - generate["max_new_tokens"])
     prompts = []
     for index, record in enumerate(records):
@@ -241,10 +253,10 @@ def generating_module(engine):
 class EvalGenerator:
     """One rank's part of `training.eval_generate` (module docstring). `run` is collective."""
 
-    def __init__(self, spec: dict, tokenizer, prompts: list[Prompt], end_ids: list[int], *, rank: int,
+    def __init__(self, spec: JobSpec, tokenizer, prompts: list[Prompt], end_ids: list[int], *, rank: int,
                  world_size: int, batch_size: int, zero3: bool, group=None, run_dir: Path | None = None,
                  sink=None, progress=None):
-        generate = spec["training"]["eval_generate"]
+        generate = settings(spec)
         self.tokenizer, self.prompts, self.end_ids = tokenizer, prompts, end_ids
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (end_ids or [0])[0]
         self.max_new_tokens, self.temperature = generate["max_new_tokens"], float(generate["temperature"])
@@ -259,7 +271,7 @@ class EvalGenerator:
     def for_job(cls, files, run_dir: Path, rank: int, world_size: int, group, sink, progress):
         """The generator of the job in `files` (rundir.RunFiles), or None without `training.eval_generate`."""
         spec = files.spec
-        if not spec["training"].get("eval_generate"):
+        if not spec["training"]["eval_generate"]:
             return None
         from jobspec.data.chat_render import chat_template
         from jobspec.model.build import build_tokenizer

@@ -8,6 +8,8 @@ torch.compile), then `deepspeed.initialize` gets only the trainable parameters.
 """
 from __future__ import annotations
 
+from jobspec.spec.types import JobSpec
+
 
 def lora(model, *, enable_input_require_grads: bool = False, **settings):
     """The `lora` patch: (the PEFT-wrapped model, a note), `settings` as the compiler writes them
@@ -54,14 +56,14 @@ def fmt_counts(counts: dict) -> str:
     return f"{counts['trainable']:,} trainable of {counts['total']:,} parameters ({share:.2f}%)"
 
 
-def params_for_mlflow(spec: dict, counts: dict) -> dict:
+def params_for_mlflow(spec: JobSpec, counts: dict) -> dict:
     """The MLflow params a rank adds to the launch's (the flattened spec has model.lora.* already)."""
     params = {"params.trainable": counts["trainable"], "params.total": counts["total"]}
-    lora = spec["model"].get("lora")
+    lora = spec["model"]["lora"]
     if lora:
         params["lora.summary"] = (f"r={lora['r']} alpha={lora['alpha']} dropout={lora['dropout']} "
                                   f"rslora={lora['use_rslora']} dora={lora['use_dora']}")
-    quant = spec["model"].get("quantization")
+    quant = spec["model"]["quantization"]
     if quant:
-        params["quantization.summary"] = f"{quant['bits']}-bit {quant.get('quant_type', '')}".strip()
+        params["quantization.summary"] = f"{quant['bits']}-bit {quant['quant_type']}"
     return params

@@ -31,6 +31,7 @@ from jobspec.errors import spec_error
 from jobspec.model.activation_offload import offload_checkpoints
 from jobspec.model.structure import attention_implementation, freeze, gradient_checkpointing
 from jobspec.model.tiling import tiled_loss, tiled_mlp
+from jobspec.spec.types import JobSpecTrainingOptimizer
 from jobspec.train.lora_adapters import lora
 
 
@@ -110,7 +111,7 @@ def optimizer_parameters(model, patches: list[dict], weight_decay: float = 0.0) 
     return [{"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": weight_decay}]
 
 
-def client_optimizer(model, optimizer: dict, patches: list[dict]):
+def client_optimizer(model, optimizer: JobSpecTrainingOptimizer, patches: list[dict]):
     """The optimizer of the spec's `training.optimizer` that DeepSpeed cannot build from its config
     (bitsandbytes AdamW8bit, Adafactor), None for DeepSpeed's own: `build_client_optimizer` with its
     module's `client_args` (what `jobspec compile` prints on its `optimizer:` line), over

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from jobspec.rundir import RunSummary
 from jobspec.spec.derived import DerivedJob
+from jobspec.spec.types import JobSpec
 
 MODES = ("bar", "lines", "none")
 
@@ -229,7 +230,7 @@ class RunState:
 class StepReporter:
     """Turns windows of steps into the shared metric names; collectives run on every rank."""
 
-    def __init__(self, engine, spec, derived: DerivedJob, patches, sink, progress, rank, state: RunState):
+    def __init__(self, engine, spec: JobSpec, derived: DerivedJob, patches, sink, progress, rank, state: RunState):
         from jobspec import hardware
         from jobspec.train import metrics
         self.engine, self.sink, self.progress, self.rank, self.state = engine, sink, progress, rank, state

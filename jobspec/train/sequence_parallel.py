@@ -39,6 +39,7 @@ from typing import Any
 
 from jobspec.errors import spec_error
 from jobspec.spec.rules import sequence_parallel as rules
+from jobspec.spec.types import JobSpec
 
 IGNORE_INDEX = -100  # the label value the loss skips (jobspec.data.loaders.IGNORE_INDEX)
 
@@ -105,10 +106,10 @@ def active() -> SequenceParallel | None:
     return _ACTIVE[0]
 
 
-def setup(model, spec: dict, micro_batch_size: int) -> SequenceParallel | None:
+def setup(model, spec: JobSpec, micro_batch_size: int) -> SequenceParallel | None:
     """Register Ulysses for `model`'s attention and build the sequence-parallel groups (collective:
     every rank calls it); None when `memory.sequence_parallel` is 1."""
-    size = spec["memory"].get("sequence_parallel", 1)
+    size = spec["memory"]["sequence_parallel"]
     if size == 1:
         _ACTIVE[0] = None
         return None
@@ -134,7 +135,7 @@ def setup(model, spec: dict, micro_batch_size: int) -> SequenceParallel | None:
     world = dist.get_world_size()
     sp = SequenceParallel(size=size, rank=mpu.get_sequence_parallel_rank(), group=mpu.get_sequence_parallel_group(),
                           data_rank=dist.get_rank() // size, data_world=world // size, mpu=mpu,
-                          tiled_loss=bool(spec["memory"].get("tiled_loss")))
+                          tiled_loss=bool(spec["memory"]["tiled_loss"]))
     _ACTIVE[0] = sp
     return sp
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from jobspec import tasks
 from jobspec.spec.eval_metrics import BIO_ONLY, is_bio
+from jobspec.spec.types import JobSpec
 from jobspec.tasks.base import CONFUSION, TOKENS
 
 IGNORE_INDEX = -100  # the label value transformers' losses skip (jobspec.data.loaders.IGNORE_INDEX)
@@ -189,7 +190,7 @@ def logits_of(outputs):
     return outputs[1] if logits is None else logits   # (loss, logits, ...) when labels were given
 
 
-def counter_for(spec: dict, model_config, label_names: dict | None) -> TaskCounter:
+def counter_for(spec: JobSpec, model_config, label_names: dict | None) -> TaskCounter:
     """The counter of the job's task; the class count is the model's (its head), else the spec's."""
     task = spec["model"]["task"]
     num_labels = getattr(model_config, "num_labels", None) or spec["model"]["num_labels"]

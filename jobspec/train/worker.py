@@ -18,6 +18,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 from jobspec import launcher_log, lifeline, rundir
 from jobspec.checkpoint.reshard import replace_ds_config
@@ -92,8 +93,8 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
 
     # the libraries' records and bars to launcher.log (the quiet terminal): before they load anything
     library_output.route_library_logs(int(os.environ.get("RANK", "0")),
-                                      transformers=files.spec["model"].get("architecture") != "mlp",
-                                      datasets=bool(files.spec["data"].get("train")))
+                                      transformers=files.spec["model"]["architecture"] != "mlp",
+                                      datasets=bool(files.spec["data"]["train"]))
     _phase("imported")
     ops.share_cpu_info(run_dir / rundir.CPU_INFO)
     # first-run op compiles happen here, announced, instead of in silence inside DeepSpeed
@@ -107,7 +108,7 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
     control = dist.new_group(backend="gloo")
     # a checkpoint of another world size: converted (rank 0) and loaded via DeepSpeed's universal format
     reshard = reshard_plan(files.spec["checkpoint"], dist.get_world_size(), control,
-                           files.spec["memory"].get("sequence_parallel", 1))
+                           files.spec["memory"]["sequence_parallel"])
     engine, train_ds, eval_ds, patch_notes = build_engine(replace_ds_config(files, reshard))
     state.parameters = lora_adapters.parameter_counts(engine.module)   # summary.json, MLflow: LoRA's share
     passed_over: list[str] = []  # corrupt checkpoints skipped on resume (reported below and as a tag)
@@ -201,9 +202,11 @@ def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, tele
     assert total_steps is not None   # rundir.read_run_files refuses a launch.json without it
     # memory.sequence_parallel: the N ranks of a group load the same micro-batches (train/sequence_parallel)
     sp = sequence_parallel.active()
-    loader_args = dict(micro_batch_size=derived.micro_batch_size, rank=sp.data_rank if sp else dist.get_rank(),
-                       world_size=sp.data_world if sp else dist.get_world_size(), seed=training["seed"],
-                       num_workers=data["num_workers"], pin_memory=data["pin_memory"])
+    # make_loader's keywords of this run (an OOM retry halves micro_batch_size in place: OomGuard.rebuild)
+    loader_args: dict[str, Any] = dict(
+        micro_batch_size=derived.micro_batch_size, rank=sp.data_rank if sp else dist.get_rank(),
+        world_size=sp.data_world if sp else dist.get_world_size(), seed=training["seed"],
+        num_workers=data["num_workers"], pin_memory=data["pin_memory"])
 
     def save_checkpoint():
         if nan_guard:

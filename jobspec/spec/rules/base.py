@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from jobspec.errors import SpecIssue
 from jobspec.spec.loader import SET_FILE
+from jobspec.spec.types import JobSpec
 
 if TYPE_CHECKING:
     from jobspec.spec.validation import ResolvedSpec
@@ -22,10 +23,12 @@ def coded(issues: list[SpecIssue], code: str) -> list[SpecIssue]:
     return [issue if issue.code else replace(issue, code=code) for issue in issues]
 
 
-def get(spec: dict, path: tuple) -> Any:
+def get(spec: JobSpec, path: tuple) -> Any:
+    """The value at `path` (a field's keys, as in SpecIssue.path)."""
+    node: Any = spec
     for key in path:
-        spec = spec[key]
-    return spec
+        node = node[key]
+    return node
 
 
 def base_dir(r: ResolvedSpec, path: tuple) -> Path:

@@ -5,13 +5,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from jobspec.errors import SpecIssue
+from jobspec.spec.rules.base import get
 
 if TYPE_CHECKING:
     from jobspec.spec.validation import ResolvedSpec
 
 
 def _exactly_one(r: ResolvedSpec, section: str, a: str, b: str, what: str, code: str) -> list[SpecIssue]:
-    values = r.spec[section]
+    values = get(r.spec, (section,))
     if values[a] is None and values[b] is None:
         return [r.issue((section,), f"set either `{a}` or `{b}`", what, key=True, code=code)]
     if values[a] is not None and values[b] is not None:

@@ -344,7 +344,7 @@ def template_problem(text: str, source: str) -> str | None:
     class Generation(Extension):   # transformers marks the assistant's tokens with it
         tags = {"generation"}
 
-        def parse(self, parser):
+        def parse(self, parser: Any) -> Any:
             lineno = next(parser.stream).lineno
             body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
             return jinja2.nodes.Scope(body, lineno=lineno)

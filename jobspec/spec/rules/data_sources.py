@@ -32,7 +32,8 @@ def data_source_issues(r: ResolvedSpec) -> list[SpecIssue]:
                               "set `data.tokenizer` to a hub id or a local tokenizer directory", key=True,
                               code="file-data-tokenizer"))
     for key in ("train", "eval"):
-        if isinstance(data[key], str) and not is_hub_name(data[key]):   # hf:name is no path of the spec's
+        source = data["train"] if key == "train" else data["eval"]
+        if isinstance(source, str) and not is_hub_name(source):   # hf:name is no path of the spec's
             issues += _file_issues(r, key)
     return issues
 

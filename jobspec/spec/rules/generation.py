@@ -31,7 +31,7 @@ def eval_generate_issues(r: ResolvedSpec) -> list[SpecIssue]:
                         "tokenizer (data.train, data.tokenizer), or remove training.eval_generate",
                         code="eval-generate-synthetic")]
     issues = []
-    if (r.spec["memory"].get("sequence_parallel") or 1) > 1:
+    if r.spec["memory"]["sequence_parallel"] > 1:
         issues.append(r.issue(FIELD, "generation runs whole sequences on each rank; Ulysses sequence parallelism "
                               "shards them between ranks", "remove training.eval_generate, or set "
                               "memory.sequence_parallel: 1", code="eval-generate-sequence-parallel"))

@@ -21,6 +21,7 @@ import importlib.util
 from typing import TYPE_CHECKING
 
 from jobspec.errors import SpecIssue
+from jobspec.spec.rules.base import get
 
 if TYPE_CHECKING:
     from jobspec.spec.validation import ResolvedSpec
@@ -41,7 +42,7 @@ def lora_issues(r: ResolvedSpec) -> list[SpecIssue]:
             # a resolved spec (resolved.yaml, an MLflow run's spec) writes every default: only a
             # value other than the default says something bits 8 cannot honour
             for key, default in (("quant_type", "nf4"), ("double_quant", True)):
-                if here + (key,) in r.positions and quant[key] != default:
+                if here + (key,) in r.positions and get(r.spec, here + (key,)) != default:
                     issues.append(r.issue(here + (key,), f"`{key}` applies to 4-bit weights; bits is 8",
                                           f"remove `{key}`, or set `bits: 4`", code="quantization-4bit-field"))
         if importlib.util.find_spec("bitsandbytes") is None:

@@ -7,12 +7,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from jobspec.errors import SpecIssue
+from jobspec.spec.types import JobSpecMemory
 
 if TYPE_CHECKING:
     from jobspec.spec.validation import ResolvedSpec
 
 
-def offload_problems(memory: dict) -> list[tuple[tuple, str, str]]:
+def offload_problems(memory: JobSpecMemory) -> list[tuple[tuple, str, str]]:
     """(path, message, hint) of each offload rule `memory` (defaults filled) breaks."""
     offload, stage = memory["offload"], memory["zero_stage"]
     problems = []

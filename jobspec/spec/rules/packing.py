@@ -16,7 +16,14 @@ model's type, for a hub id whose type validation could not read.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from jobspec.errors import SpecIssue
 from jobspec.spec.freeform import local_checkpoint_config
+from jobspec.spec.types import JobSpec
+
+if TYPE_CHECKING:
+    from jobspec.spec.validation import ResolvedSpec
 
 ATTENTIONS = frozenset({"sdpa", "eager", "flash_attention_2"})
 # transformers model_type -> the `model.attention` values whose forward keeps packed samples apart
@@ -44,7 +51,7 @@ def model_problem(model_type: str | None, attention: str) -> tuple[str, str] | N
     return None
 
 
-def packing_problems(spec: dict, config_json: dict | None = None) -> list[tuple[tuple, str, str, str]]:
+def packing_problems(spec: JobSpec, config_json: dict | None = None) -> list[tuple[tuple, str, str, str]]:
     """(path, message, hint, code) of each packing rule `spec` (defaults filled) breaks. `config_json`:
     the parsed config.json of a local `model.name_or_path`, where the model type is read otherwise."""
     data, model = spec["data"], spec["model"]
@@ -70,7 +77,7 @@ def packing_problems(spec: dict, config_json: dict | None = None) -> list[tuple[
     return problems
 
 
-def packing_issues(r) -> list:
+def packing_issues(r: ResolvedSpec) -> list[SpecIssue]:
     """`packing_problems` of a ResolvedSpec, positioned and coded."""
     return [r.issue(path, message, hint, code=code)
             for path, message, hint, code in packing_problems(r.spec, local_checkpoint_config(r))]

@@ -22,8 +22,15 @@ Pure: `sequence_parallel_issues` is one of validation's CROSS_FIELD_RULES.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from jobspec.errors import SpecIssue
 from jobspec.spec.freeform import local_checkpoint_config
 from jobspec.spec.model_dims import model_dims
+from jobspec.spec.types import JobSpec
+
+if TYPE_CHECKING:
+    from jobspec.spec.validation import ResolvedSpec
 
 # transformers model_type -> decoder families whose attention Ulysses wraps: attention through
 # ALL_ATTENTION_FUNCTIONS with (batch, heads, seq, head_dim) tensors, `num_key_value_heads` in the
@@ -43,10 +50,10 @@ def model_problem(model_type: str | None) -> tuple[str, str] | None:
             f"use a model of family {', '.join(sorted(ULYSSES_FAMILIES))}, or set `memory.sequence_parallel: 1`")
 
 
-def sequence_parallel_problems(spec: dict, config_json: dict | None = None) -> list[tuple[tuple, str, str, str]]:
+def sequence_parallel_problems(spec: JobSpec, config_json: dict | None = None) -> list[tuple[tuple, str, str, str]]:
     """(path, message, hint, code) of each rule `spec` (defaults filled) breaks; none when N is 1.
     N against the world size is the derived job's refusal (spec/derived), reported by the batch rule."""
-    n = spec["memory"].get("sequence_parallel", 1)
+    n = spec["memory"]["sequence_parallel"]
     if n == 1:
         return []
     field = ("memory", "sequence_parallel")
@@ -67,7 +74,8 @@ def sequence_parallel_problems(spec: dict, config_json: dict | None = None) -> l
     if problem is not None:
         problems.append((field, *problem, "sequence-parallel-model"))
     problems += _head_problems(spec, config_json, n, field)
-    seq_path, seq_len = (("data", "synthetic", "seq_len"), data["synthetic"]["seq_len"]) if data.get("synthetic") \
+    synthetic = data["synthetic"]
+    seq_path, seq_len = (("data", "synthetic", "seq_len"), synthetic["seq_len"]) if synthetic \
         else (("data", "max_length"), data["max_length"])
     if isinstance(seq_len, int) and seq_len % n:
         lower, upper = seq_len // n * n, (seq_len // n + 1) * n
@@ -86,7 +94,7 @@ def sequence_parallel_problems(spec: dict, config_json: dict | None = None) -> l
     return problems
 
 
-def _head_problems(spec: dict, config_json: dict | None, n: int, field: tuple) -> list:
+def _head_problems(spec: JobSpec, config_json: dict | None, n: int, field: tuple) -> list:
     dims = model_dims(spec, config_json)
     if dims is None or dims.num_heads is None:
         return []   # a hub id: the ranks' UlyssesSPAttentionHF refuses it with DeepSpeed's message
@@ -107,7 +115,7 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
-def sequence_parallel_issues(r) -> list:
+def sequence_parallel_issues(r: ResolvedSpec) -> list[SpecIssue]:
     """`sequence_parallel_problems` of a ResolvedSpec, positioned and coded."""
     return [r.issue(path, message, hint, code=code)
             for path, message, hint, code in sequence_parallel_problems(r.spec, local_checkpoint_config(r))]

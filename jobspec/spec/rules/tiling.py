@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from jobspec import tasks
 from jobspec.errors import SpecIssue
+from jobspec.spec.types import JobSpecModel
 from jobspec.tasks.base import CLASS
 
 if TYPE_CHECKING:
@@ -43,12 +44,13 @@ def tiled_loss_issues(r: ResolvedSpec) -> list[SpecIssue]:
                     code="tiled-loss-task")]
 
 
-def tied_embeddings(model: dict) -> bool:
+def tied_embeddings(model: JobSpecModel) -> bool:
     """Whether the spec's model ties its head to the input embeddings: `model.config`, else the
     architecture's default (spec/model_dims); a local checkpoint's config.json is checked by the ranks."""
     from jobspec.spec.model_dims import ARCHITECTURE_DEFAULTS
 
-    value = (model.get("config") or {}).get("tie_word_embeddings")
-    if value is None and model.get("architecture"):
-        value = ARCHITECTURE_DEFAULTS.get(model["architecture"], {}).get("tie_word_embeddings")
+    value = model["config"].get("tie_word_embeddings")
+    architecture = model["architecture"]
+    if value is None and architecture:
+        value = ARCHITECTURE_DEFAULTS.get(architecture, {}).get("tie_word_embeddings")
     return bool(value)
