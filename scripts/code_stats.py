@@ -2,7 +2,8 @@
 
     python scripts/code_stats.py                      # this checkout
     python scripts/code_stats.py --root /tmp/before   # another tree (a `git worktree add` of an old commit)
-    python scripts/code_stats.py --format markdown    # the tables docs/architecture.md holds
+    python scripts/code_stats.py --format markdown --tree before=/tmp/before --tree after=.
+                                                      # the tables docs/architecture.md holds, a column per tree
 
 Prints: the package's module count and lines (total, the largest modules), the longest functions, the
 import graph (module-level cycles and imports that run up the layers, judged by THIS checkout's
@@ -40,7 +41,7 @@ class Stats:
     longest: list[tuple[int, str]] = field(default_factory=list)
     spec_dict: int = 0
     cycles: list[list[str]] = field(default_factory=list)
-    lazy_cycles: list[list[str]] = field(default_factory=list)   # imports inside functions included
+    lazy_cycles: list[list[str]] = field(default_factory=list)   # through imports in functions (not TYPE_CHECKING)
     upward: list[str] = field(default_factory=list)
     imports: int = 0
     mypy: dict = field(default_factory=dict)
@@ -93,9 +94,18 @@ def measure(root: Path, top: int = 10) -> Stats:
     graph = import_graph.build(root, PACKAGE)
     stats.imports = sum(len(m.eager) + len(m.lazy - m.eager) for m in graph.values())
     stats.cycles = import_graph.cycles(graph)
-    for module in graph.values():   # the same graph with the imports inside functions as edges too
-        module.eager = module.eager | module.lazy
-    stats.lazy_cycles = [c for c in import_graph.cycles(graph) if c not in stats.cycles]
+    # the imports under `if TYPE_CHECKING:` never run: the graph read again with them as module-level ones
+    # tells them apart from the imports inside functions
+    original = import_graph._type_checking
+    import_graph._type_checking = lambda test: False
+    try:
+        typing_only = {name: m.eager - graph[name].eager for name, m in import_graph.build(root, PACKAGE).items()}
+    finally:
+        import_graph._type_checking = original
+    for name, module in graph.items():   # the same graph with the imports inside functions as edges too
+        module.eager = module.eager | (module.lazy - typing_only[name])
+    stats.lazy_cycles = sorted((c for c in import_graph.cycles(graph) if c not in stats.cycles),
+                               key=lambda c: (len(c), c))
     stats.upward = [p for p in import_graph.problems(graph, PACKAGE) if "from a layer above it" in p]
     pyproject = root / "pyproject.toml"
     if pyproject.exists():
@@ -138,35 +148,62 @@ def _cycle_text(component: list[str]) -> str:
     return f" (`{shown}`)"
 
 
-def render_markdown(s: Stats) -> str:
-    share = s.fully_annotated / s.functions if s.functions else 0.0
-    rows = [
-        ("modules", f"{s.modules} ({s.over_400} over 400 lines)"),
-        ("lines", str(s.lines)),
-        ("largest modules", ", ".join(f"`{name}` {n}" for n, name in s.largest[:5])),
-        ("longest functions", ", ".join(f"`{name}` {n}" for n, name in s.longest)),
-        ("import graph", f"{s.imports} package imports, {len(s.cycles)} module-level cycles"
-         + "".join(_cycle_text(c) for c in s.cycles)
-         + f", {len(s.lazy_cycles)} more through imports inside functions"
-         + "".join(_cycle_text(c) for c in s.lazy_cycles)
-         + f", {len(s.upward)} upward imports"
-         + "".join(f" (`{u.split(' (')[0]} -> {u.split(' imports ')[1].split(' from')[0]}`)" for u in s.upward)),
-        ("`spec: dict` annotations", str(s.spec_dict)),
-        ("fully annotated functions", f"{s.fully_annotated} of {s.functions} ({share:.0%})"),
-        ("mypy flags", _mypy_text(s.mypy)),
+def _upward_text(problem: str) -> str:
+    source = problem.split(" (")[0].removeprefix(f"{PACKAGE}.")
+    target = problem.split(" imports ")[1].split(" from")[0].removeprefix(f"{PACKAGE}.")
+    return f"`{source} -> {target}`"
+
+
+def render_markdown(trees: list[tuple[str, Stats]]) -> str:
+    """Three tables, a column per tree: the measures, the largest modules, the longest functions."""
+    def table(header: str, rows: list[tuple[str, list[str]]]) -> str:
+        lines = [f"| {header} | " + " | ".join(label for label, _ in trees) + " |",
+                 "| --- |" + " --- |" * len(trees)]
+        return "\n".join(lines + [f"| {name} | " + " | ".join(cells) + " |" for name, cells in rows])
+
+    def each(value) -> list[str]:
+        return [value(s) for _, s in trees]
+
+    measures = [
+        ("modules", each(lambda s: str(s.modules))),
+        ("modules over 400 lines", each(lambda s: str(s.over_400))),
+        ("lines", each(lambda s: str(s.lines))),
+        ("imports between package modules", each(lambda s: str(s.imports))),
+        ("module-level import cycles", each(lambda s: str(len(s.cycles)) + "".join(_cycle_text(c) for c in s.cycles))),
+        ("cycles through imports inside functions",
+         each(lambda s: str(len(s.lazy_cycles)) + "".join(_cycle_text(c) for c in s.lazy_cycles))),
+        ("upward imports (this checkout's layer rules)",
+         each(lambda s: str(len(s.upward)) + "".join(f" ({_upward_text(u)})" for u in s.upward))),
+        ("`spec: dict` annotations", each(lambda s: str(s.spec_dict))),
+        ("fully annotated functions", each(lambda s: f"{s.fully_annotated} of {s.functions} "
+                                           f"({s.fully_annotated / max(s.functions, 1):.0%})")),
+        ("mypy flags ([tool.mypy])", each(lambda s: _mypy_text(s.mypy))),
     ]
-    return "| measure | value |\n| --- | --- |\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
+    top = max(len(s.longest) for _, s in trees)
+    largest = [(str(i + 1), each(lambda s, i=i: f"`{s.largest[i][1]}` {s.largest[i][0]}" if i < len(s.largest) else ""))
+               for i in range(max(len(s.largest) for _, s in trees))]
+    longest = [(str(i + 1), each(lambda s, i=i: f"`{s.longest[i][1]}` {s.longest[i][0]}" if i < len(s.longest) else ""))
+               for i in range(top)]
+    return "\n\n".join((table("measure", measures), table("largest modules (lines)", largest),
+                         table("longest functions (lines)", longest)))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1],
                         help="the tree to measure (default: this checkout)")
+    parser.add_argument("--tree", action="append", default=[], metavar="LABEL=PATH",
+                        help="measure several trees side by side (markdown: a column each); repeatable")
     parser.add_argument("--top", type=int, default=10, help="how many largest modules / longest functions")
     parser.add_argument("--format", choices=("text", "markdown"), default="text")
     args = parser.parse_args(argv)
-    stats = measure(args.root, args.top)
-    print(render_markdown(stats) if args.format == "markdown" else render_text(stats))
+    trees = [(label, Path(path)) for label, _, path in (t.partition("=") for t in args.tree)] or \
+        [(str(args.root), args.root)]
+    measured = [(label, measure(root, args.top)) for label, root in trees]
+    if args.format == "markdown":
+        print(render_markdown(measured))
+    else:
+        print("\n\n".join(render_text(stats) for _, stats in measured))
     return 0
 
 
