@@ -2,8 +2,9 @@
 # The README's test command: what the tests need from the system, the package with its test extras,
 # then the suite. `.ci/run` calls exactly this (in a brand-new virtualenv).
 #
-#   scripts/test.sh                 # everything: about 20-25 minutes on a 2-core machine (mostly the real
-#                                   # launches, one at a time, while the other worker runs the rest)
+#   scripts/test.sh                 # everything: about 27 minutes on a 2-core machine with DeepSpeed's ops
+#                                   # built, ~34 on a fresh one (docs/reliability.md "CI time"; mostly the
+#                                   # real launches, one at a time, while the other worker runs the rest)
 #   scripts/test.sh -m "not slow"   # no real DeepSpeed launches: about 5 minutes (8 serially)
 #   scripts/test.sh -n 0            # one process, serially (also: -p no:xdist)
 #
@@ -37,7 +38,7 @@ PIP_DISABLE_PIP_VERSION_CHECK=1 python -m pip install -q torch==2.13.0 -e ".[dev
 python -m ruff check jobspec
 python -m mypy jobspec
 # Two pytest-xdist workers (the machine has 2 cores): the real launches run one at a time on one of
-# them while the other runs everything else (tests/conftest.py groups them). `-n 0` or
+# them while the other runs everything else (tests/xdist_schedule.py groups them). `-n 0` or
 # `-p no:xdist` among the arguments runs the suite serially in one process.
 xdist=(-n 2)
 for arg in "$@"; do
