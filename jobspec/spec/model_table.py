@@ -75,7 +75,7 @@ def head(model_type_name: str | None, task: str) -> dict | None:
     found = entry(model_type_name)
     if found is None or "heads" not in found:
         return None
-    heads = found["heads"]
+    heads: dict[str, dict] = found["heads"]
     if task in heads:
         return heads[task]
     # A head is its auto class's: a task added after the tables were generated (scripts/gen_transformers_configs.py)
