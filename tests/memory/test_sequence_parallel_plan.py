@@ -3,18 +3,19 @@ sequence (spec/derived), its FLOPs per token the whole sequence's, and Ulysses' 
 (memory/sequence_parallel.py) come on top of the forward/backward peak."""
 from __future__ import annotations
 
+from spec_builder import build_spec
+
 from jobspec.memory.planner import plan_memory
 from jobspec.memory.sequence_parallel import all_to_all_bytes
 from jobspec.model.planner_trace import job_profiler
 from jobspec.spec.derived import derive
-from jobspec.spec.schema import fill_defaults
 
 PROFILER = job_profiler()
 HIDDEN, HEADS, KV = 64, 4, 2
 
 
 def _spec(seq_len: int, n: int) -> dict:
-    return fill_defaults({
+    return build_spec(base={
         "model": {"architecture": "llama", "task": "causal-lm",
                   "config": {"hidden_size": HIDDEN, "intermediate_size": 128, "num_hidden_layers": 2,
                              "num_attention_heads": HEADS, "num_key_value_heads": KV, "vocab_size": 512,

@@ -10,11 +10,11 @@ import textwrap
 
 import pytest
 import torch
-from conftest import REPO_ROOT, TINY_SPEC, deep_merge, free_port
+from conftest import REPO_ROOT, free_port
+from spec_builder import build_spec, replace
 
 from jobspec.model.build import build_model
 from jobspec.model.construct import FP32, construction_for, count_partitions
-from jobspec.spec.schema import fill_defaults
 
 LLAMA = {"architecture": "llama", "task": "causal-lm",
          "config": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -24,10 +24,8 @@ MLP = {"architecture": "mlp", "task": "sequence-classification",
 
 
 def spec_of(model: dict) -> dict:
-    spec = deep_merge(TINY_SPEC, {"model": {**model, "num_labels": 2}})
-    spec["model"]["config"] = model["config"]
-    spec["data"]["synthetic"]["vocab_range"] = [5, 69]
-    return fill_defaults(spec)
+    """TINY_SPEC with `model` (its config whole, not merged into the tiny BERT's)."""
+    return build_spec(model={**model, "num_labels": 2, "config": replace(model["config"])})
 
 
 def ds(stage: int, precision: str) -> dict:

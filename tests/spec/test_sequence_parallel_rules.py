@@ -8,11 +8,11 @@ import json
 import pytest
 import yaml
 from conftest import REPO_ROOT
+from spec_builder import BARE, build_spec
 
 from jobspec.cli import main
 from jobspec.compile.compiler import compile_spec
 from jobspec.spec.derived import derive
-from jobspec.spec.schema import fill_defaults
 
 TOKENIZER = REPO_ROOT / "jobs" / "data" / "tokenizer"
 TINY_LLAMA = {"architecture": "llama", "task": "causal-lm",
@@ -97,9 +97,9 @@ def test_the_messages_say_why_and_how(tmp_path, capsys):
 
 
 def _spec(**memory) -> dict:
-    return fill_defaults({"model": TINY_LLAMA, "data": {"synthetic": {"num_samples": 64, "seq_len": 64}},
-                          "training": {"max_steps": 2, "micro_batch_size": 2, "global_batch_size": 8},
-                          "memory": memory, "resources": {"gpus_per_node": 4}})
+    return build_spec(base=BARE, model=TINY_LLAMA, data={"synthetic": {"num_samples": 64, "seq_len": 64}},
+                      training={"max_steps": 2, "micro_batch_size": 2, "global_batch_size": 8},
+                      memory=memory, resources={"gpus_per_node": 4})
 
 
 def test_the_data_parallel_world_is_the_world_over_n():
