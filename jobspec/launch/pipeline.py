@@ -327,7 +327,7 @@ def quantization_check(resolved) -> None:
                                         code="quantization-backend")])
 
 
-def header(spec, derived, memory, found, patches, style: bool) -> list[str]:
+def header(spec: JobSpec, derived, memory, found, patches, style: bool) -> list[str]:
     """The launch header, and the warning for a GPU-sized job on CPU ranks (before any op is built)."""
     from jobspec.memory.fit import cpu_step_time
 
@@ -337,7 +337,7 @@ def header(spec, derived, memory, found, patches, style: bool) -> list[str]:
     return lines + warning
 
 
-def closing_block(spec, run_dir: Path, launch: dict, outcome, end, tracked, style: bool,
+def closing_block(spec: JobSpec, run_dir: Path, launch: dict, outcome, end, tracked, style: bool,
                   model_tags: dict | None = None) -> list[str]:
     """The closing summary; also stored in summary.json as `report` (plain text)."""
     summary = rundir.read_summary(run_dir)
