@@ -6,6 +6,7 @@ import base64
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -681,6 +682,10 @@ def test_real_two_rank_launch_logs_a_finished_mlflow_run(tmp_path):
     assert rss and all(m.value > 0 for m in rss)
     assert not client.get_metric_history(run.info.run_id, "mem/peak_allocated_mib_max")  # no GPU here
     assert survivors(run_dir) == []
+    # command.txt is the argv that ran, as launch.json records it: one node, DeepSpeed's launch.py itself
+    command = shlex.split((run_dir / "command.txt").read_text())
+    assert command == json.loads((run_dir / "launch.json").read_text())["argv"]
+    assert command[:4] == [sys.executable, "-u", "-m", runner.NODE_LAUNCHER] and command[-2:] == ["--run-dir", str(run_dir)]
     # TensorBoard, fed by the same sink: every point of metrics.jsonl at its step, MLflow's values, the end
     events = tensorboard_events(run_dir)
     assert sorted((tag, e.step) for tag in events.Tags()["scalars"] for e in events.Scalars(tag)) == \
