@@ -3,6 +3,7 @@ module names (did-you-mean), the classification head trained by default, bitsand
 from __future__ import annotations
 
 import pytest
+from spec_builder import BARE, build_spec
 
 from jobspec.errors import SpecError
 from jobspec.model.build import build_skeleton
@@ -25,18 +26,21 @@ BERT = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num
 
 
 def make_spec(architecture="llama", task="causal-lm", config=LLAMA, lora=None, quantization=None):
-    spec = fill_defaults({"model": {"architecture": architecture, "task": task, "config": config,
-                                    "lora": lora if lora is not None else {}},
-                          "data": {"synthetic": {}}})
+    return build_spec(base=BARE, model={"architecture": architecture, "task": task, "config": config,
+                                        "lora": lora if lora is not None else {}, "quantization": quantization},
+                      data={"synthetic": {}}, training={"max_steps": 1})
+
+
+def unchecked_spec(architecture="llama", task="causal-lm", config=LLAMA, lora=None) -> dict:
+    """Defaults filled, no rule run: a job whose targets the loader refuses, for check_targets itself."""
+    spec = fill_defaults({"model": {"architecture": architecture, "task": task, "config": config, "lora": lora or {}},
+                          "data": {"synthetic": {}}, "training": {"max_steps": 1}})
     spec["model"]["lora"] = fill_defaults({"model": {"lora": spec["model"]["lora"]}})["model"]["lora"]
-    if quantization is not None:
-        spec["model"]["quantization"] = {"quant_type": "nf4", "compute_dtype": "auto", "double_quant": True,
-                                         **quantization}
     return spec
 
 
 def test_a_misspelt_pattern_is_refused_at_its_index_with_did_you_mean():
-    spec = make_spec(lora={"target_modules": ["v_proj", "q_prj", "self_attn"]})
+    spec = unchecked_spec(lora={"target_modules": ["v_proj", "q_prj", "self_attn"]})
     with pytest.raises(SpecError) as err:
         check_targets(spec, build_skeleton(spec))
     issues = {issue.path: issue for issue in err.value.issues}
@@ -86,7 +90,7 @@ def test_the_classification_head_is_trained_by_default_and_not_adapted():
 
 
 def test_a_modules_to_save_entry_naming_nothing_is_refused():
-    spec = make_spec("bert", "sequence-classification", BERT, lora={"modules_to_save": ["clasifier"]})
+    spec = unchecked_spec("bert", "sequence-classification", BERT, lora={"modules_to_save": ["clasifier"]})
     with pytest.raises(SpecError) as err:
         check_targets(spec, build_skeleton(spec))
     (issue,) = err.value.issues

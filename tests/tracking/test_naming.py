@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import yaml
+from spec_builder import build_spec
 
 from jobspec.spec.schema import fill_defaults
 from jobspec.tracking import naming
@@ -14,15 +15,13 @@ LAUNCH = {"argv": ["deepspeed"], "world_size": 2, "nodes": 1, "gpus_per_node": 2
 
 
 def spec_of(tmp_path, uri: str, name: str = "sentiment", **changes) -> dict:
-    spec = fill_defaults({"name": name, "model": {"architecture": "bert"}, "data": {"synthetic": {}},
-                          "training": {"max_steps": 3},
-                          "logging": {"mlflow": {"tracking_uri": uri, "experiment": "names"}}})
-    spec["output_dir"] = str(tmp_path / "out")
-    spec["checkpoint"]["dir"] = str(tmp_path / "out" / "checkpoints")
+    sections: dict = {}
     for key, value in changes.items():
         section, field = key.split("__")
-        spec[section][field] = value
-    return spec
+        sections.setdefault(section, {})[field] = value
+    return build_spec(base={"name": name, "model": {"architecture": "bert"}, "data": {"synthetic": {}},
+                            "training": {"max_steps": 3}, "output_dir": str(tmp_path / "out"),
+                            "logging": {"mlflow": {"tracking_uri": uri, "experiment": "names"}}}, **sections)
 
 
 def start(tmp_path, spec: dict, overrides=(), n: int = 0):

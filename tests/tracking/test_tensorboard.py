@@ -12,13 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from spec_builder import build_spec
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import api_pb2
 from tensorboard.plugins.hparams import metadata as hparams_metadata
 from tensorboard.util import tensor_util
 
 from jobspec.errors import RunFailure
-from jobspec.spec.schema import fill_defaults
 from jobspec.status import Ending
 from jobspec.tracking import tensorboard, trackers
 from jobspec.tracking.base import MetricWriter, RunStart
@@ -56,11 +56,10 @@ def text_of(events: EventAccumulator, tag: str) -> list[tuple[int, str]]:
 
 
 def make_spec(tensorboard_on: bool) -> dict:
-    spec = fill_defaults({"name": "tb-job", "model": {"architecture": "bert"}, "data": {"synthetic": {}},
-                          "training": {"max_steps": 5},
-                          "logging": {"mlflow": {"tracking_uri": f"http://alice:{SECRET}@127.0.0.1:5000"},
-                                      "tensorboard": {"enabled": tensorboard_on}}})
-    return spec
+    return build_spec(base={"name": "tb-job", "model": {"architecture": "bert"}, "data": {"synthetic": {}},
+                            "training": {"max_steps": 5},
+                            "logging": {"mlflow": {"tracking_uri": f"http://alice:{SECRET}@127.0.0.1:5000"},
+                                        "tensorboard": {"enabled": tensorboard_on}}})
 
 
 def test_metric_rows_reach_metrics_jsonl_mlflow_and_tensorboard_alike(tmp_path):

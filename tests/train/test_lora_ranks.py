@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 from fp_bounds import U_BF16, forward_bound
+from spec_builder import BARE, build_spec
 
 from jobspec.compile.compiler import lora_patch_args
 from jobspec.export import lora_export as lora_exports
 from jobspec.export.hf_dir import ExportInfo, write_model_dir
 from jobspec.model.build import build_model
-from jobspec.spec.schema import fill_defaults
 from jobspec.train import lora_adapters
 from jobspec.train.patches import apply_patches, build_client_optimizer
 
@@ -27,11 +27,9 @@ LLAMA = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "n
 def make_spec(tmp_path: Path, lora: dict | None = None, quantization: dict | None = None, **sections) -> dict:
     model = {"architecture": "llama", "task": "causal-lm", "config": LLAMA,
              "lora": {"r": 4, "alpha": 8, "dropout": 0.0, **(lora or {})}, "quantization": quantization}
-    spec = fill_defaults({"name": "lora-unit", "model": model, "training": {"max_steps": 1, "seed": 3},
-                          "data": {"synthetic": {"vocab_range": [5, 128], "seq_len": 16}}, **sections})
-    spec["output_dir"] = str(tmp_path / "out")
-    spec["checkpoint"]["dir"] = str(tmp_path / "out" / "checkpoints")
-    return spec
+    return build_spec(base=BARE, name="lora-unit", model=model, training={"max_steps": 1, "seed": 3},
+                      data={"synthetic": {"vocab_range": [5, 128], "seq_len": 16}}, output_dir=str(tmp_path / "out"),
+                      **sections)
 
 
 def batch(seed: int = 0) -> torch.Tensor:
