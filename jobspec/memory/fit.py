@@ -81,7 +81,9 @@ def fit(spec: JobSpec, job: DerivedJob, budget_bytes: int, *, bf16_supported: bo
         if smallest is None or plan.nvml_total < smallest[1].nvml_total:
             smallest = (changes, plan, cost)
         entry = (changes, plan, cost)
-        faster = lambda held: held is None or (cost, len(changes)) < (held[2], len(held[0]))  # noqa: E731
+        def faster(held: tuple[dict, MemoryPlan, float] | None) -> bool:
+            return held is None or (cost, len(changes)) < (held[2], len(held[0]))
+
         if plan.gpu_fits and faster(gpu_best):
             gpu_best = entry
         if plan.gpu_fits and (host_least is None or plan.host_total < host_least[1].host_total):

@@ -119,7 +119,7 @@ def host_peak(host: dict) -> int:
     """A rank's peak host bytes from its components: the process, plus the larger of construction and
     what training keeps (offload buffers, data loader workers)."""
     training = sum(v for k, v in host.items() if k not in ("runtime", "construction"))
-    return host.get("runtime", 0) + max(host.get("construction", 0), training)
+    return int(host.get("runtime", 0) + max(host.get("construction", 0), training))
 
 
 def worker_bytes(num_workers: int) -> int:

@@ -171,7 +171,9 @@ def plan_memory(spec: JobSpec, job: DerivedJob, *, budget: int | None = None,
     optimizer = training["optimizer"]
     notes: list[str] = list(profile.notes)
 
-    part = lambda n: math.ceil(n / world) if stage >= 1 else n   # noqa: E731 - the ZeRO partition of n
+    def part(n: int) -> int:   # the ZeRO partition of n
+        return math.ceil(n / world) if stage >= 1 else n
+
     opt_states = optimizer_state_bytes(optimizer, inventory)
     gpu = dict.fromkeys(("parameters", "buffers", "gradients", "master_weights", "optimizer_states", "step_gradients",
                          "gathered_parameters", "activations", "embeddings_activations", "logits_and_loss",

@@ -83,7 +83,7 @@ def _allowed(node: dict) -> str:
 
 
 def _description(node: dict) -> str:
-    text = node.get("description", "")
+    text: str = node.get("description", "")
     branch = object_branch(node)
     if branch is not None and branch is not node and branch.get("description"):
         text += f" (mapping form: {branch['description']})"

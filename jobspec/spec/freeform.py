@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import operator
 import os
 import re
 from functools import lru_cache
@@ -103,7 +104,8 @@ def schema_file(name: str) -> Path:
 
 @lru_cache(maxsize=None)
 def load_table(name: str) -> dict:
-    return json.loads(schema_file(name).read_text(encoding="utf-8"))
+    table: dict = json.loads(schema_file(name).read_text(encoding="utf-8"))
+    return table
 
 
 # ---------------------------------------------------------------- model.config
@@ -267,8 +269,8 @@ def _value_problem(value: Any, node: dict) -> tuple[str, str] | None:
         allowed = list(dict.fromkeys(v for v in node["enum"] if v is not None))
         return f"`{value}` is not an allowed value", _did_you_mean(str(value), [str(v) for v in allowed], "allowed")
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        bounds = (("minimum", ">=", lambda v, b: v >= b), ("exclusiveMinimum", ">", lambda v, b: v > b),
-                  ("maximum", "<=", lambda v, b: v <= b), ("exclusiveMaximum", "<", lambda v, b: v < b))
+        bounds = (("minimum", ">=", operator.ge), ("exclusiveMinimum", ">", operator.gt),
+                  ("maximum", "<=", operator.le), ("exclusiveMaximum", "<", operator.lt))
         for keyword, sign, ok in bounds:
             if keyword in node and not ok(value, node[keyword]):
                 return f"must be {sign} {node[keyword]}, got {value}", "the library refuses this value"

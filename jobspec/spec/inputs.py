@@ -41,7 +41,7 @@ def count_rows(path: str | Path, fmt: str = "auto") -> int:
             with path.open(newline="", encoding="utf-8") as f:
                 return max(0, sum(1 for _ in csv.reader(f)) - 1)  # csv.reader: quoted newlines stay one row
         import pyarrow.parquet as pq  # only for parquet data; metadata holds the row count
-        return pq.ParquetFile(path).metadata.num_rows
+        return int(pq.ParquetFile(path).metadata.num_rows)
     except (OSError, UnicodeDecodeError, csv.Error, ValueError, ImportError) as err:
         raise spec_error(f"cannot count the rows of {path}: {err}", path=("data", "train"),
                          hint="check the file and data.format") from None

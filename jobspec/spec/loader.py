@@ -284,7 +284,7 @@ class _Builder:
             self.check_tag(key_node, _CORE + "str", path)
         self.visited += 1
         # `1:` or `on:` are still the key the user typed, not an int or a YAML 1.1 boolean.
-        return key_node.value
+        return str(key_node.value)
 
 
 def _short_tag(tag: str) -> str:

@@ -139,6 +139,7 @@ def read_local_config(name_or_path: str | None) -> dict | None:
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        config: dict = json.loads(path.read_text(encoding="utf-8"))
+        return config
     except (OSError, ValueError):
         return None

@@ -43,7 +43,8 @@ def _table_dir() -> Path:
 
 @lru_cache(maxsize=1)
 def index() -> dict:
-    return json.loads((_table_dir() / INDEX).read_text(encoding="utf-8"))
+    table: dict = json.loads((_table_dir() / INDEX).read_text(encoding="utf-8"))
+    return table
 
 
 @lru_cache(maxsize=None)
@@ -52,7 +53,8 @@ def entry(model_type: object) -> dict | None:
     when the table was generated (never a path outside the table: only listed names are read)."""
     if not isinstance(model_type, str) or model_type not in set(index()["model_types"]):
         return None
-    return json.loads((_table_dir() / f"{model_type}.json").read_text(encoding="utf-8"))
+    found: dict = json.loads((_table_dir() / f"{model_type}.json").read_text(encoding="utf-8"))
+    return found
 
 
 def model_types() -> list[str]:

@@ -30,7 +30,8 @@ def schema_path() -> Path:
 @lru_cache(maxsize=1)
 def shared_schema() -> dict:
     """The schema, parsed once per process and shared: read it, never change it (load_schema copies)."""
-    return json.loads(schema_path().read_text(encoding="utf-8"))
+    schema: dict = json.loads(schema_path().read_text(encoding="utf-8"))
+    return schema
 
 
 def load_schema() -> dict:
@@ -42,7 +43,8 @@ def object_branch(node: dict) -> dict | None:
     """The object-typed schema of `node`, looking inside oneOf/anyOf (e.g. `null | {..}`)."""
     if "properties" in node:
         return node
-    for alt in node.get("oneOf", []) + node.get("anyOf", []):
+    alternatives: list[dict] = node.get("oneOf", []) + node.get("anyOf", [])
+    for alt in alternatives:
         if "properties" in alt:
             return alt
     return None
@@ -87,7 +89,8 @@ def fill_defaults(spec: Mapping[str, Any], schema: dict | None = None) -> dict:
     a field whose value is null or a non-object (e.g. `activation_checkpointing: true`) is left as is.
     """
     node = shared_schema() if schema is None else schema
-    return _fill(copy.deepcopy(spec), node)
+    filled: dict = _fill(copy.deepcopy(spec), node)
+    return filled
 
 
 def _fill(value: Any, node: dict) -> Any:
