@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import spec_builder
 import yaml
 
 from jobspec import hardware
@@ -34,9 +35,7 @@ def write_job(tmp_path: Path, memory: dict | None = None, training: dict | None 
         "output_dir": "out",
         "logging": {"progress": "lines", "mlflow": {"enabled": False}},
     }
-    path = tmp_path / "prepared.yaml"
-    path.write_text(yaml.safe_dump(spec, sort_keys=False))
-    return path
+    return spec_builder.write_job(tmp_path, base=spec, filename="prepared.yaml")
 
 
 @pytest.fixture(autouse=True)

@@ -9,8 +9,8 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
-from conftest import TINY_SPEC, deep_merge
+import spec_builder
+from conftest import TINY_SPEC
 
 from jobspec.cli import main
 from jobspec.errors import SpecError
@@ -23,10 +23,7 @@ def write_job(tmp_path: Path, **over) -> Path:
     data = tmp_path / "train.jsonl"
     if not data.exists():
         data.write_text("".join(json.dumps({"text": f"row {i}", "label": i % 2}) + "\n" for i in range(32)))
-    spec = deep_merge(TINY_SPEC, {"output_dir": str(tmp_path / "out"), **over})
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(spec, sort_keys=False))
-    return path
+    return spec_builder.write_job(tmp_path, **{"output_dir": str(tmp_path / "out"), **over})
 
 
 def resolve(job: Path, *overrides: str):
@@ -129,7 +126,7 @@ def test_new_run_starts_beside_and_a_relaunch_finds_each_variant(tmp_path):
 
 
 def test_the_fingerprint_covers_what_trains_and_nothing_else():
-    spec = deep_merge(TINY_SPEC, {"output_dir": "/o"})
+    spec = spec_builder.build_spec(output_dir="/o")   # as the loader gives it: every field the fingerprint reads
     derived = {"global_batch_size": 8, "total_steps": 8}
     prints = fingerprint.fingerprint(spec, derived)
     assert {"model.config.hidden_size", "training.optimizer.lr", "training.seed", "derived.global_batch_size",

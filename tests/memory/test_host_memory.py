@@ -10,10 +10,10 @@ import subprocess
 import sys
 
 import pytest
-import yaml
+import spec_builder
+from conftest import PROFILER, free_port
+from conftest import REPO_ROOT as REPO
 
-from conftest import PROFILER, REPO_ROOT as REPO
-from conftest import free_port
 from jobspec.cli import main
 from jobspec.errors import SpecError
 from jobspec.job.prepare import PLANNED, Host, prepare_job
@@ -240,9 +240,7 @@ def write_job(tmp_path, **sections):
         "output_dir": "out", "logging": {"mlflow": {"enabled": False}}}
     for name, values in sections.items():
         spec[name] = {**spec.get(name, {}), **values}
-    path = tmp_path / "host.yaml"
-    path.write_text(yaml.safe_dump(spec, sort_keys=False))
-    return path
+    return spec_builder.write_job(tmp_path, base=spec, filename="host.yaml")
 
 
 def test_fit_auto_refuses_a_node_that_cannot_hold_the_job(tmp_path):

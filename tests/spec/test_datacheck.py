@@ -8,15 +8,16 @@ import os
 import time
 
 import pytest
+import spec_builder
 import yaml
 from train.test_model_data import BERT, SENTENCES, make_spec, tokenizer_dir  # noqa: F401 (a fixture)
 
-from jobspec.data import datacheck
 from jobspec.cli import main
+from jobspec.data import datacheck
 from jobspec.data.datacheck import Columns, check_file
+from jobspec.data.loaders import build_datasets
 from jobspec.errors import SpecError
 from jobspec.launch import supervise
-from jobspec.data.loaders import build_datasets
 from jobspec.model.build import build_tokenizer
 
 SEQ = Columns(("text",), "label", "sequence-classification", 2)
@@ -168,9 +169,7 @@ def write_job(tmp_path, train: str, **data) -> str:
                      **data},
             "training": {"max_steps": 2, "micro_batch_size": 2}, "resources": {"gpus_per_node": 1},
             "output_dir": "out", "logging": {"mlflow": {"enabled": False}}}
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(spec, sort_keys=False))
-    return str(path)
+    return str(spec_builder.write_job(tmp_path, base=spec))
 
 
 @pytest.mark.parametrize("max_steps", [2, None])  # None: epochs, so the launcher counts rows first
