@@ -88,7 +88,7 @@ def shared() -> MlflowServer:
 def write_job(directory: Path, name: str, tracking_uri: str, *, ranks: int = 1, max_steps: int = 3,
               hidden: int = 32, seq_len: int = 16, micro: int = 4, extra: dict | None = None) -> Path:
     """A spec file for the tiniest real job (1 rank, a 2-layer BERT on synthetic tokens)."""
-    import yaml
+    import spec_builder
     spec = {
         "name": name,
         "model": {"architecture": "bert", "task": "token-classification",
@@ -106,9 +106,7 @@ def write_job(directory: Path, name: str, tracking_uri: str, *, ranks: int = 1, 
     }
     for section, values in (extra or {}).items():
         spec[section] = {**spec.get(section, {}), **values} if isinstance(values, dict) else values
-    path = Path(directory) / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(spec, sort_keys=False))
-    return path
+    return spec_builder.write_job(directory, base=spec, filename=f"{name}.yaml")
 
 
 def launch_argv(job: Path, *args: str) -> list[str]:
