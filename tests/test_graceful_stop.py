@@ -30,8 +30,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-import yaml
-from conftest import TINY_SPEC, deep_merge, read_metrics
+import spec_builder
+from conftest import read_metrics
 from mlflow_server import ENV
 
 from jobspec.tracking.run import client_for
@@ -50,14 +50,11 @@ def file_store(monkeypatch):
 
 
 def write_job(tmp_path: Path, zero_stage: int, max_steps: int = MAX_STEPS) -> Path:
-    spec = deep_merge(TINY_SPEC, {"training": {"max_steps": max_steps}, "memory": {"zero_stage": zero_stage},
-                                  "output_dir": str(tmp_path / "out"),
-                                  "logging": {"progress": "auto", "mlflow": {
+    return spec_builder.write_job(tmp_path, training={"max_steps": max_steps}, memory={"zero_stage": zero_stage},
+                                  output_dir=str(tmp_path / "out"),
+                                  logging={"progress": "auto", "mlflow": {
                                       "enabled": True, "tracking_uri": str(tmp_path / "mlruns"),
-                                      "experiment": "stop"}}})
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(spec, sort_keys=False))
-    return path
+                                      "experiment": "stop"}})
 
 
 def env() -> dict:
