@@ -30,12 +30,12 @@ from pathlib import Path
 
 import psutil
 import pytest
-import yaml
-from conftest import TINY_SPEC, deep_merge, make_run_dir, read_metrics, run_worker
+import spec_builder
+from conftest import make_run_dir, read_metrics, run_worker
 from mlflow_server import ENV
 
-from jobspec.tracking.run import client_for
 from jobspec.checkpoint import save_load
+from jobspec.tracking.run import client_for
 
 pytestmark = pytest.mark.slow
 
@@ -63,15 +63,13 @@ def straight_run(tmp_path: Path, overrides: dict) -> Path:
 
 
 def write_job(tmp_path: Path, overrides: dict, ckpt_dir: Path | None = None) -> Path:
-    spec = deep_merge(TINY_SPEC, overrides)
+    spec = spec_builder.job(**overrides)
     spec["output_dir"] = str(tmp_path / "out")
     spec["logging"] = {**spec["logging"], "mlflow": {"tracking_uri": str(tmp_path / "mlruns"),
                                                      "experiment": "resume"}}
     if ckpt_dir is not None:
         spec["checkpoint"] = {**spec.get("checkpoint", {}), "dir": str(ckpt_dir)}
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(spec, sort_keys=False))
-    return path
+    return spec_builder.write_job(tmp_path, base=spec)
 
 
 def env() -> dict:
