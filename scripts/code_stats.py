@@ -113,11 +113,16 @@ def measure(root: Path, top: int = 10) -> Stats:
     return stats
 
 
+def _toml(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else repr(value)
+
+
 def _mypy_text(mypy: dict) -> str:
-    flags = [f"{k} = {v!r}" for k, v in mypy.items() if k not in ("overrides", "files", "python_version")]
+    flags = [f"{k} = {_toml(v)}" for k, v in mypy.items() if k not in ("overrides", "files", "python_version")]
     for override in mypy.get("overrides", []):
-        rest = {k: v for k, v in override.items() if k != "module"}
-        flags.append(f"[{override['module']}] " + ", ".join(f"{k} = {v!r}" for k, v in rest.items()))
+        modules = override["module"] if isinstance(override["module"], list) else [override["module"]]
+        rest = ", ".join(f"{k} = {_toml(v)}" for k, v in override.items() if k != "module")
+        flags.append(f"for {', '.join(modules)}: {rest}")
     return "; ".join(flags) or "(none)"
 
 
