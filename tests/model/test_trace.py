@@ -197,7 +197,9 @@ def test_concurrent_launches_leave_whole_entries(tmp_path):
 
 def test_the_job_profiler_reads_the_spec_setting(tmp_path):
     spec = spec_for("gpt2", config={**GPT2, "n_layer": 2})
-    spec["memory"] = {"precision": "fp32", "activation_checkpointing": {"every_n_layers": 1}}
+    # a resolved memory section (every field filled, as the loader leaves it)
+    memory = {"precision": "fp32", "activation_checkpointing": {"every_n_layers": 1}}
+    spec["memory"] = fill_defaults({"memory": memory})["memory"]
     profile = job_profiler(tmp_path)(spec, 16)
     assert profile == ModelTracer(spec, tmp_path).profile("fp32", 2, 16, {"every_n_layers": 1})
 
