@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jobspec.report.build import report
+    from jobspec.report.experiment import report
 
     report(args.experiment, args.tracking_uri, args.format, args.out, plots=not args.no_plots,
            log_to_runs=args.log_to_runs, generations=args.generations)

@@ -184,7 +184,7 @@ def memory_text(job, memory, host) -> str:
 
 
 def host_memory_text(memory) -> str:
-    """The plan's host RAM per rank and per node against the node's RAM (memory/host.py)."""
+    """The plan's host RAM per rank and per node against the node's RAM (memory/host_memory.py)."""
     plan = memory.plan
     text = f"plan {fmt_mib_gib(plan.host_total)} per rank"
     if plan.ranks_per_node > 1:

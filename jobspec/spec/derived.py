@@ -164,7 +164,7 @@ def derive(spec: JobSpec, *, config_json: dict | None = None, num_train_samples:
 def _profile(profiler: Callable[[JobSpec, int], ModelProfile], spec: JobSpec, seq_len: int,
              sequence_parallel: int) -> ModelProfile:
     """The model's profile at the job's setting. With sequence parallelism a rank holds 1/N of each
-    sequence outside attention (memory/sequence_parallel.py): its activations are the trace at
+    sequence outside attention (memory/ulysses_buffers.py): its activations are the trace at
     seq_len / N, while a token's FLOPs are the whole sequence's (each rank attends over all of it, for
     heads / N heads), which MFU counts."""
     if sequence_parallel == 1:

@@ -1,12 +1,12 @@
 """The planner under `memory.sequence_parallel: N`: a rank's activations are the trace of its 1/N of the
 sequence (spec/derived), its FLOPs per token the whole sequence's, and Ulysses' all-to-all buffers
-(memory/sequence_parallel.py) come on top of the forward/backward peak."""
+(memory/ulysses_buffers.py) come on top of the forward/backward peak."""
 from __future__ import annotations
 
 from spec_builder import build_spec
 
 from jobspec.memory.planner import plan_memory
-from jobspec.memory.sequence_parallel import all_to_all_bytes
+from jobspec.memory.ulysses_buffers import all_to_all_bytes
 from jobspec.model.planner_trace import job_profiler
 from jobspec.spec.derived import derive
 

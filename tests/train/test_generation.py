@@ -243,7 +243,7 @@ def test_validate_refuses_what_cannot_generate(tmp_path, capsys, change, code):
 
 def test_the_report_puts_answers_side_by_side_and_the_summary_shows_the_first():
     from jobspec.launch import console
-    from jobspec.report import generations as report
+    from jobspec.report import generation_table as report
     from jobspec.rundir import RunSummary
     one = [{"prompt": "red cat", "reference": "cat red", "generation": "cat red"},
            {"prompt": "sun | moon", "reference": None, "generation": "moon\nsun"}]

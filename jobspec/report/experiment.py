@@ -23,7 +23,7 @@ def report(experiment: str, tracking_uri: str, fmt: str, out: Path | None, *, pl
     if not rows:
         raise spec_error(f"experiment {experiment!r} has no runs", path=("EXPERIMENT",),
                          hint="launch a job with logging.mlflow.experiment set to it")
-    if generations:   # training.eval_generate: the runs' latest answers side by side (report/generations.py)
+    if generations:   # training.eval_generate: the runs' latest answers side by side (report/generation_table.py)
         report_generations(client, reports, experiment, fmt, out)
         return
     text = table.RENDERERS[fmt](rows)
@@ -53,7 +53,7 @@ def report(experiment: str, tracking_uri: str, fmt: str, out: Path | None, *, pl
 def report_generations(client, reports, experiment: str, fmt: str, out: Path | None) -> None:
     """Print each prompt with every run's latest answer (markdown with `--format markdown`); with `out`,
     generations.md and generations.html there. No run that generated: exit 2, saying how to get some."""
-    from jobspec.report import generations
+    from jobspec.report import generation_table as generations
     comparison = generations.collect(client, reports)
     if not comparison.runs:
         raise spec_error(f"no run of experiment {experiment!r} generated answers at evaluation", path=("EXPERIMENT",),
