@@ -26,6 +26,7 @@ import difflib
 import json
 import os
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -100,19 +101,25 @@ class Columns:
 def preflight_issues(spec: JobSpec) -> list[SpecIssue]:
     """The first problem of each data file the spec names (unpositioned: `ResolvedSpec.locate` them)."""
     data = spec["data"]
-    if data.get("synthetic") is not None:
-        return []
     issues = []
+    for split, source in named_sources(data):
+        try:
+            issue = check_source(source, data["format"], Columns.of(spec), split)
+        except SpecError as err:  # data.format cannot be told from the extension
+            issues.extend(err.issues)
+            continue
+        if issue is not None:
+            issues.append(issue)
+    return issues
+
+
+def named_sources(data: JobSpecData) -> Iterator[tuple[str, str]]:
+    """(split, source) for each split the spec names data for; none for synthetic data."""
+    if data.get("synthetic") is not None:
+        return
     for split in SPLITS:
         if data.get(split):
-            try:
-                issue = check_source(split_source(data, split), data["format"], Columns.of(spec), split)
-            except SpecError as err:  # data.format cannot be told from the extension
-                issues.extend(err.issues)
-                continue
-            if issue is not None:
-                issues.append(issue)
-    return issues
+            yield split, split_source(data, split)
 
 
 def record_issues(spec: JobSpec, limit: int = MAX_REPORTED) -> list[SpecIssue]:
@@ -120,13 +127,8 @@ def record_issues(spec: JobSpec, limit: int = MAX_REPORTED) -> list[SpecIssue]:
     each at its file:line, in the first PREFLIGHT_BYTES of a jsonl/csv file (PARQUET_ROWS rows of a
     parquet file); unpositioned (`ResolvedSpec.locate` them). `unread` says what it left out."""
     data = spec["data"]
-    if data.get("synthetic") is not None:
-        return []
     issues: list[SpecIssue] = []
-    for split in SPLITS:
-        if not data.get(split):
-            continue
-        source = split_source(data, split)
+    for split, source in named_sources(data):
         try:
             kind = source_kind(source, data["format"])
             if kind in ("hub", "saved"):
@@ -151,13 +153,8 @@ def record_issues(spec: JobSpec, limit: int = MAX_REPORTED) -> list[SpecIssue]:
 def unread(spec: JobSpec) -> list[str]:
     """What `record_issues` did not read, one line per file (the launch's data pass and the ranks read it)."""
     data = spec["data"]
-    if data.get("synthetic") is not None:
-        return []
     lines = []
-    for split in SPLITS:
-        if not data.get(split):
-            continue
-        source = split_source(data, split)
+    for split, source in named_sources(data):
         try:
             kind = source_kind(source, data["format"])
             if kind in ("hub", "saved"):
