@@ -3,7 +3,7 @@
 # then the suite. `.ci/run` calls exactly this (in a brand-new virtualenv).
 #
 #   scripts/test.sh                 # everything: about 27 minutes on a 2-core machine with DeepSpeed's ops
-#                                   # built, ~34 on a fresh one (docs/reliability.md "CI time"; mostly the
+#                                   # built, 36 on a fresh one, as CI (docs/reliability.md "CI time"; mostly the
 #                                   # real launches, one at a time, while the other worker runs the rest)
 #   scripts/test.sh -m "not slow"   # no real DeepSpeed launches: about 5 minutes (8 serially)
 #   scripts/test.sh -n 0            # one process, serially (also: -p no:xdist)
