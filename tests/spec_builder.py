@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import os
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import yaml
 
@@ -106,4 +106,4 @@ def resolve(base: dict = TINY_JOB, directory: str | os.PathLike | None = None, *
 
 def build_spec(base: dict = TINY_JOB, directory: str | os.PathLike | None = None, **sections: Any) -> JobSpec:
     """`resolve(...).spec`: the spec every stage after the loader takes."""
-    return cast(JobSpec, resolve(base, directory, **sections).spec)
+    return resolve(base, directory, **sections).spec
