@@ -177,7 +177,8 @@ def plan_memory(spec: JobSpec, job: DerivedJob, *, budget: int | None = None,
     opt_states = optimizer_state_bytes(optimizer, inventory)
     gpu = dict.fromkeys(("parameters", "buffers", "gradients", "master_weights", "optimizer_states", "step_gradients",
                          "gathered_parameters", "activations", "embeddings_activations", "logits_and_loss",
-                         "zero_buffers", "dequantized_weight", "all_to_all_buffers"), 0)
+                         "zero_buffers", "dequantized_weight", "all_to_all_buffers",
+                         "gradients_at_peak"), 0)
     # the process, then the model as this rank builds it (memory/host_memory.py); offload buffers and workers below
     host = {"runtime": host_memory.RUNTIME_BYTES,
             "construction": host_memory.construction_bytes(inventory, stage, world, lp)}
@@ -245,9 +246,15 @@ def plan_memory(spec: JobSpec, job: DerivedJob, *, budget: int | None = None,
                 host["offloaded_parameters"] = lp * buffers
 
     micro, seq = job.micro_batch_size, job.seq_len
-    regions = profile.activations.regions
+    # ZeRO-0 sets every gradient to None after the step (engine.zero_grad / the optimizer's
+    # zero_grad(set_to_none=True)): a step of one micro-batch makes them during its backward, so its
+    # peak holds the gradients made by then, not all of them. With accumulation, or under ZeRO 1-3
+    # (gradient partitions and buckets), they are held through the forward.
+    grads_made = stage == 0 and job.gradient_accumulation_steps == 1
+    trace = profile.activations.with_gradients() if grads_made else profile.activations
+    regions = trace.regions
     gpu.update(activations=regions["layers"], embeddings_activations=regions["embeddings"],
-               logits_and_loss=regions["logits_and_loss"])
+               logits_and_loss=regions["logits_and_loss"], gradients_at_peak=regions["gradients"])
     # The step-time fp32 gradient copy exists only while the activations are already freed.
     if inventory.quantized:
         # bitsandbytes dequantises one weight at a time to the compute dtype for its matmul (forward and
@@ -260,10 +267,15 @@ def plan_memory(spec: JobSpec, job: DerivedJob, *, budget: int | None = None,
                      f"{quant['bits']}-bit with their quantisation constants")
     # memory.sequence_parallel: the trace is one rank's shard (spec/derived); Ulysses' exchange comes on top
     gpu["all_to_all_buffers"] = all_to_all_bytes(job)
-    forward_backward = profile.activations.peak + gpu["dequantized_weight"] + gpu["all_to_all_buffers"]
-    static = sum(gpu[k] for k in ("parameters", "buffers", "gradients", "master_weights", "optimizer_states",
+    forward_backward = trace.peak + gpu["dequantized_weight"] + gpu["all_to_all_buffers"]
+    static = sum(gpu[k] for k in ("parameters", "buffers", "master_weights", "optimizer_states",
                                   "zero_buffers", "gathered_parameters"))
-    allocated = static + max(forward_backward, gpu["step_gradients"])
+    held = 0 if grads_made else gpu["gradients"]   # the gradients through forward and backward
+    allocated = static + max(held + forward_backward, gpu["gradients"] + gpu["step_gradients"])
+    if grads_made:
+        notes.append(f"gradients are made during the backward (ZeRO-0, one micro-batch per step): "
+                     f"{fmt_mib_gib(regions['gradients'])} of them exist at the activations' peak, all "
+                     f"{fmt_mib_gib(gpu['gradients'])} at the optimizer step")
     fragmentation = EXPANDABLE_FRAGMENTATION if expandable_segments else FRAGMENTATION
     reserved = _round_up(allocated, ALLOCATOR_BLOCK) + int(fragmentation * allocated)
     host["dataloader_workers"] = host_memory.worker_bytes(spec["data"]["num_workers"])
@@ -408,6 +420,7 @@ def _round_up(n: int, block: int) -> int:
 ROWS = (("parameters", "parameters (working copy)"), ("buffers", "buffers"), ("gradients", "gradients"),
         ("master_weights", "fp32 master weights"), ("optimizer_states", "optimizer states"),
         ("step_gradients", "fp32 gradients at step"), ("gathered_parameters", "ZeRO-3 gathered layers"),
+        ("gradients_at_peak", "gradients made by the peak (traced)"),
         ("activations", "layer activations (traced)"),
         ("embeddings_activations", "embedding activations (traced)"),
         ("logits_and_loss", "head, logits and loss (traced)"),

@@ -8,6 +8,18 @@ with no mask and 16-bit inputs (what PyTorch's dispatcher picks on an Ampere+ GP
 v, the output, the fp32 log-sum-exp); backward calls their backward meta functions and allocates
 their fp32 scratch (flash: the dq accumulator and softmax_d; efficient: delta). Their FLOPs are the
 kernels' (torch's counter formulas for these ops).
+
+Dropout likewise: on a CUDA tensor `torch.dropout` runs the fused `native_dropout`, which keeps a
+one-byte boolean mask for the backward; on a CPU tensor it multiplies by a mask in the input's dtype
+(four bytes per element in fp32). `dropout_stand_in` routes `torch.nn.functional.dropout` to
+`native_dropout` while tracing, so the trace keeps the GPU's mask.
+
+And the mask decision: without a padding mask, transformers hands SDPA no mask (`is_causal`: the flash
+kernel, nothing of seq² size) once it has read the cache position and found no packed sequences in the
+position ids, both tensors. A fake tensor counts as tracing there, which would build the full causal
+mask; `mask_skip_stand_in` decides with the values a training forward has: offsets 0 (no cache), and
+packed sequences only when the step hands the model position ids (`data.packing`). A padding mask is
+still kept (its values are unknown to the trace: the worst case, a padded batch).
 """
 from __future__ import annotations
 
@@ -29,6 +41,90 @@ class sdpa_stand_in:
 
         F.scaled_dot_product_attention = self._original
         return False
+
+
+class mask_skip_stand_in:
+    """Wraps transformers' mask decisions while tracing (see the module docstring); `packed`: the step
+    hands the model position ids that restart per sample."""
+
+    def __init__(self, packed: bool = False):
+        self.packed = packed
+        self._originals: dict = {}
+
+    def __enter__(self):
+        try:
+            from transformers import masking_utils
+        except ImportError:   # a transformers without it builds masks its own way
+            return self
+        wrappers = {"_ignore_causal_mask_sdpa": _skip_decision}
+        if not self.packed:
+            wrappers["find_packed_sequence_indices"] = lambda original: _not_packed
+        for name, wrap in wrappers.items():
+            original = getattr(masking_utils, name, None)
+            if original is not None:
+                self._originals[name] = original
+                setattr(masking_utils, name, wrap(original))
+        return self
+
+    def __exit__(self, *exc):
+        if self._originals:
+            from transformers import masking_utils
+
+            for name, original in self._originals.items():
+                setattr(masking_utils, name, original)
+        return False
+
+
+def _not_packed(position_ids):
+    """One sequence per row: the position ids the model makes itself (0 .. seq - 1)."""
+    return None
+
+
+def _skip_decision(original):
+    import inspect
+
+    import torch
+
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def decide(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        for name in ("q_offset", "kv_offset"):
+            if isinstance(bound.arguments.get(name), torch.Tensor):
+                bound.arguments[name] = 0   # a training forward: no cache, positions from 0
+        return original(*bound.args, **bound.kwargs)
+
+    return decide
+
+
+class dropout_stand_in:
+    """Replaces torch.nn.functional.dropout while tracing (see the module docstring)."""
+
+    def __enter__(self):
+        import torch.nn.functional as F
+
+        self._original = F.dropout
+        F.dropout = _dropout
+        return self
+
+    def __exit__(self, *exc):
+        import torch.nn.functional as F
+
+        F.dropout = self._original
+        return False
+
+
+def _dropout(input, p=0.5, training=True, inplace=False):
+    """CUDA's dropout: the fused kernel where it applies (0 < p < 1, training), else as torch does."""
+    import torch
+
+    if not training or p == 0.0:
+        return input
+    if p == 1.0 or input.numel() == 0:
+        return input.mul_(0.0) if inplace else input * 0.0
+    output, _ = torch.native_dropout(input, p, True)
+    return input.copy_(output) if inplace else output
 
 
 def _attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):

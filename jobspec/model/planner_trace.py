@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from jobspec.errors import SpecError, first_line, spec_error
-from jobspec.model.step import extrapolate, run_step, summarize
+from jobspec.model.step import extrapolate, mask_of, run_step, summarize
 from jobspec.spec.model_profile import Inventory, ModelProfile, UnitTrace, compose, layer_types
 from jobspec.spec.types import JobSpec, JobSpecMemory
 
-TRACE_VERSION = 4   # bump when what a trace measures changes: old cache entries are not read
+TRACE_VERSION = 5   # bump when what a trace measures changes: old cache entries are not read
 PRECISION_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 NO_TILING = (False, False, False)   # (tiled loss, tiled MLP, offloaded checkpoints): `tiling_setting`
 # config attributes that mean tokens are routed to experts by their values
@@ -286,6 +286,8 @@ def model_key(spec: JobSpec) -> str:
     model = spec["model"]
     fields = {k: model.get(k) for k in ("name_or_path", "architecture", "config", "revision", "task", "num_labels",
                                         "attention", "trust_remote_code", "freeze", "lora", "quantization")}
+    # the one data fact a trace depends on: whether the model gets a padding mask (model/padding_mask.py)
+    fields["attention_mask"] = mask_of(spec)
     name_or_path = model["name_or_path"]
     config_file = Path(name_or_path) / "config.json" if name_or_path else None
     if config_file is not None and config_file.is_file():

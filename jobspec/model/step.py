@@ -23,7 +23,8 @@ from typing import Any
 
 from jobspec import tasks
 from jobspec.model.activation_offload import OFFLOAD_ATTRIBUTE
-from jobspec.model.kernels import sdpa_stand_in
+from jobspec.model.kernels import dropout_stand_in, mask_skip_stand_in, sdpa_stand_in
+from jobspec.model.padding_mask import PACKED, PADDING, trace_mask
 from jobspec.spec.model_profile import REGIONS, UnitTrace
 from jobspec.spec.types import JobSpec
 from jobspec.tasks.base import CLASS, TOKEN_CLASS
@@ -32,13 +33,20 @@ ALLOCATOR_ROUND = 512          # the CUDA caching allocator's smallest block
 
 
 def step_inputs(spec: JobSpec, config, micro_batch: int, seq_len: int) -> dict:
-    """What the data loader gives a micro-batch (data/loaders.py): ids, attention mask, labels."""
+    """What a micro-batch hands the model on the ranks (data/loaders.py, then
+    model/padding_mask.model_inputs): ids, labels and, where the ranks keep one, the attention mask."""
     import torch
 
     vocab = int(getattr(config, "vocab_size", 0) or 1000)
     ids = torch.randint(0, vocab, (micro_batch, seq_len))
-    batch = {"input_ids": ids, "attention_mask": torch.ones(micro_batch, seq_len, dtype=torch.long)}
-    labels = tasks.of(spec).labels   # the task's label shape (jobspec/tasks)
+    batch = {"input_ids": ids}
+    task = tasks.of(spec)
+    mask = mask_of(spec)
+    if mask == PADDING:
+        batch["attention_mask"] = torch.ones(micro_batch, seq_len, dtype=torch.long)
+    elif mask == PACKED:
+        batch["position_ids"] = torch.arange(seq_len).expand(micro_batch, seq_len)
+    labels = task.labels   # the task's label shape (jobspec/tasks)
     labels_count = int(spec["model"]["num_labels"])
     if labels == CLASS:
         batch["labels"] = torch.randint(0, labels_count, (micro_batch,))
@@ -47,6 +55,13 @@ def step_inputs(spec: JobSpec, config, micro_batch: int, seq_len: int) -> dict:
     else:
         batch["labels"] = ids.clone()
     return batch
+
+
+def mask_of(spec: JobSpec) -> str:
+    """The attention mask the ranks hand the model (model/padding_mask.trace_mask) for this spec."""
+    data = spec["data"]
+    return trace_mask(causal=tasks.of(spec).shift > 0, fixed_length=bool(data.get("synthetic")),
+                      packed=bool(data.get("packing")))
 
 
 def run_step(model, spec: JobSpec, micro_batch: int, seq_len: int, stack) -> dict:
@@ -62,7 +77,7 @@ def run_step(model, spec: JobSpec, micro_batch: int, seq_len: int, stack) -> dic
     counter.ignore(params + list(model.buffers()))
     offload = getattr(model, OFFLOAD_ATTRIBUTE, None)
     if offload is not None:   # memory.activation_checkpointing.offload: an input on the host leaves the GPU count
-        offload.settle = counter.settle
+        offload.settle = functools.partial(counter.settle, gradient=False)
     # No garbage collection while tracing: a collection frees tensors held in reference cycles at
     # whatever moment it happens to run, which would make the peak depend on the interpreter's timing.
     collecting = gc.isenabled()
@@ -82,7 +97,8 @@ def _traced_step(model, spec, micro_batch, seq_len, tracker, counter, params) ->
     hooks = [p.register_post_accumulate_grad_hook(lambda p: counter.settle(p.grad)) for p in params
              if p.requires_grad]
     try:
-        with sdpa_stand_in(), tracker, counter:
+        with sdpa_stand_in(), dropout_stand_in(), mask_skip_stand_in(packed=mask_of(spec) == PACKED), \
+                tracker, counter:
             counter.fixed_region = "embeddings"
             batch = step_inputs(spec, getattr(model, "config", None), micro_batch, seq_len)
             counter.fixed_region = None
@@ -137,7 +153,7 @@ class _LiveStorages:
                 super().__init__()
                 self.region_of = region_of
                 self.fixed_region = None
-                self.events: list = []      # (serial, +bytes | -bytes, region)
+                self.events: list = []      # (serial, +bytes | -bytes, region, a gradient landing)
                 self.sizes: dict = {}       # serial -> (bytes, region)
                 self.backward_at = 0        # index of the first event of the backward pass
                 self.flops = 0
@@ -164,7 +180,7 @@ class _LiveStorages:
                 serial = len(self.events)
                 size = storage.nbytes()
                 region = self.fixed_region or self.region_of()
-                self.events.append((serial, size, region))
+                self.events.append((serial, size, region, False))
                 self.sizes[serial] = (size, region)
                 self.seen[id(storage)] = (serial, weakref.ref(
                     storage, functools.partial(self._freed, id(storage), serial, size, region)))
@@ -178,10 +194,11 @@ class _LiveStorages:
 
             def _freed(self, key, serial, size, region, _ref) -> None:
                 self.seen.pop(key, None)
-                self.events.append((serial, -size, region))
+                self.events.append((serial, -size, region, False))
 
-            def settle(self, grad) -> None:
-                """A gradient stored in `.grad`: from now on a model state, not a live temporary."""
+            def settle(self, grad, *, gradient: bool = True) -> None:
+                """A gradient stored in `.grad`: from now on a model state, not a live temporary
+                (`gradient=False`: a tensor that leaves the GPU, an offloaded checkpoint input)."""
                 if grad is None:
                     return
                 storage = grad.untyped_storage()
@@ -190,13 +207,15 @@ class _LiveStorages:
                     return   # already settled (a shared weight's later contributions add in place)
                 serial, _ = entry
                 size, region = self.sizes[serial]
-                self.events.append((serial, -size, region))
+                self.events.append((serial, -size, region, gradient))
                 self.seen[id(storage)] = (-1, storage)   # its real free, later, is not an event
 
             def timeline(self) -> dict:
-                """The step as allocations (+bytes) and frees (-bytes) in order, with their regions."""
-                kept = [(size, region) for _, size, region in self.events]
-                return {"sizes": [size for size, _ in kept], "regions": "".join(REGION_CODES[r] for _, r in kept),
+                """The step as allocations (+bytes) and frees (-bytes) in order, with their regions (a
+                gradient landing in `.grad`: its region's code in upper case)."""
+                codes = "".join(REGION_CODES[r].upper() if landed else REGION_CODES[r]
+                                for _, _, r, landed in self.events)
+                return {"sizes": [size for _, size, _, _ in self.events], "regions": codes,
                         "backward": self.backward_at, "flops": float(self.flops)}
 
         return Mode()
@@ -208,8 +227,10 @@ _REGION_OF_CODE = {code: region for region, code in REGION_CODES.items()}
 
 def summarize(timeline: dict) -> UnitTrace:
     """The peak of live bytes over a timeline (each storage rounded to the allocator's 512-byte
-    blocks), phase by phase (`UnitTrace`), with each region's live bytes at each phase's peak."""
-    from jobspec.spec.model_profile import Phase
+    blocks), phase by phase (`UnitTrace`), with each region's live bytes at each phase's peak; twice:
+    each gradient leaving the count as it lands in `.grad` (PHASES), and every gradient kept, in the
+    "gradients" region from then on (GRADIENT_PHASES)."""
+    from jobspec.spec.model_profile import GRADIENT_PHASES, PHASES, Phase
 
     codes = timeline["regions"]
     backward = timeline["backward"]
@@ -223,17 +244,27 @@ def summarize(timeline: dict) -> UnitTrace:
             return "outside"
         return "turn" if forward_end < i < backward_start else "stack"
 
-    live = dict.fromkeys(REGIONS, 0)
-    total = 0
-    peaks = {name: Phase(0, dict(live)) for name in ("outside", "stack", "turn")}
-    for i, (size, code) in enumerate(zip(timeline["sizes"], codes)):
-        rounded = -(-abs(size) // ALLOCATOR_ROUND) * ALLOCATOR_ROUND
-        rounded = rounded if size >= 0 else -rounded
-        live[_REGION_OF_CODE[code]] += rounded
-        total += rounded
-        name = phase_of(i)
-        if total > peaks[name].peak:
-            peaks[name] = Phase(total, dict(live))
+    peaks = {}
+    for names, keep in ((PHASES, False), (GRADIENT_PHASES, True)):
+        live = dict.fromkeys(REGIONS, 0)
+        total = 0
+        found = {name: Phase(0, dict(live)) for name in PHASES}
+        for i, (size, code) in enumerate(zip(timeline["sizes"], codes)):
+            rounded = -(-abs(size) // ALLOCATOR_ROUND) * ALLOCATOR_ROUND
+            region = _REGION_OF_CODE[code.lower()]
+            if size >= 0:
+                live[region] += rounded
+            elif keep and code.isupper():   # a gradient landing: kept, as a gradient
+                live[region] -= rounded
+                live["gradients"] += rounded
+                continue
+            else:
+                live[region] -= rounded
+            total += rounded if size >= 0 else -rounded
+            name = phase_of(i)
+            if total > found[name].peak:
+                found[name] = Phase(total, dict(live))
+        peaks.update({kept_name: found[name] for name, kept_name in zip(PHASES, names)})
     return UnitTrace.of_phases(peaks, timeline["flops"])
 
 

@@ -27,7 +27,7 @@ import functools
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
-REGIONS = ("layers", "embeddings", "logits_and_loss")
+REGIONS = ("layers", "embeddings", "logits_and_loss", "gradients")
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,10 @@ class Inventory:
 
 
 PHASES = ("outside", "stack", "turn")
+# The same phases with every parameter gradient kept from the moment it is made: a step that starts
+# without gradients (ZeRO-0 with one micro-batch per step: the engine sets them to None after each
+# step) holds at its peak the activations and the gradients made so far ("gradients" region).
+GRADIENT_PHASES = tuple(f"{name}+gradients" for name in PHASES)
 
 
 @dataclass(frozen=True)
@@ -127,9 +131,18 @@ class UnitTrace:
 
     @classmethod
     def of_phases(cls, phases: dict, flops: float) -> "UnitTrace":
-        """The step's peak is its highest phase's."""
-        top = max(phases.values(), key=lambda phase: phase.peak)
+        """The step's peak is its highest phase's (of PHASES: each gradient leaves the activations as it
+        lands in `.grad`)."""
+        top = max((phases[name] for name in PHASES if name in phases), key=lambda phase: phase.peak)
         return cls(peak=top.peak, regions=dict(top.regions), flops=flops, phases=phases)
+
+    def with_gradients(self) -> "UnitTrace":
+        """The trace of a step that keeps every gradient it makes (GRADIENT_PHASES): its peak and each
+        region's bytes then, the "gradients" made by that moment included."""
+        if not all(name in self.phases for name in GRADIENT_PHASES):
+            raise ValueError("this trace has no gradient phases (traced before they were recorded)")
+        top = max((self.phases[name] for name in GRADIENT_PHASES), key=lambda phase: phase.peak)
+        return UnitTrace(peak=top.peak, regions=dict(top.regions), flops=self.flops, phases=self.phases)
 
 
 def layer_types(kinds: tuple, checkpointed: tuple) -> tuple:
@@ -169,7 +182,9 @@ def compose(types: tuple, unit: Callable[[tuple], UnitTrace]) -> UnitTrace:
             continue
         grown = unit(first + context + (layer_type,) + last)
         flops += grown.flops - base.flops
-        for name in ("stack", "turn"):   # "outside" does not grow: no layer keeps anything then
+        # "outside" does not grow: no layer keeps anything then (but its gradients, which are kept)
+        growing = ("stack", "turn", "stack+gradients", "turn+gradients", "outside+gradients")
+        for name in (name for name in growing if name in phases):
             phases[name] = phases[name] + (grown.phases[name] - base.phases[name])
     return UnitTrace.of_phases(phases, flops)
 

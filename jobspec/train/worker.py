@@ -24,6 +24,7 @@ from jobspec import launcher_log, lifeline, rundir
 from jobspec.checkpoint.reshard import replace_ds_config
 from jobspec.errors import EXIT_INVALID, EXIT_RUN_FAILED, RunFailure, SpecError
 from jobspec.export.hf_dir import ExportFailed
+from jobspec.model.padding_mask import model_inputs
 from jobspec.rundir import RunFiles
 from jobspec.spec.derived import DerivedJob
 from jobspec.train import library_output
@@ -328,7 +329,7 @@ def _loss_inputs(task, sp, batch: dict):
     if sp is not None:
         inputs, next_labels = sp.shard(batch)
         return inputs, next_labels, 0
-    return batch, batch["labels"], task.shift
+    return model_inputs(batch, causal=task.shift > 0), batch["labels"], task.shift
 
 
 def evaluate(engine, loader, counter=None, task=None) -> tuple[float, dict]:
