@@ -36,7 +36,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from jobspec.compile.compiler import compile_spec  # noqa: E402
-from jobspec.memory.planner import CUDA_CONTEXT_BYTES, plan_memory  # noqa: E402
+from jobspec.memory.gpu_overheads import cuda_context  # noqa: E402
+from jobspec.memory.planner import plan_memory  # noqa: E402
+
+CUDA_CONTEXT_BYTES = cuda_context(None, None).bytes   # the planner's figure for an unknown GPU
 from jobspec.model.planner_trace import job_profiler  # noqa: E402
 from jobspec.spec.derived import derive  # noqa: E402
 from jobspec.spec.schema import fill_defaults  # noqa: E402

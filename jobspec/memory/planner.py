@@ -19,6 +19,7 @@ from jobspec import optimizers
 from jobspec.errors import spec_error
 from jobspec.export.rules import resolve_dtype
 from jobspec.memory import host_memory
+from jobspec.memory.gpu_overheads import ContextFigure, cuda_context
 from jobspec.memory.ulysses_buffers import all_to_all_bytes
 from jobspec.spec.derived import PRECISION_BYTES, DerivedJob, zero_bucket_sizes
 from jobspec.spec.model_profile import Inventory
@@ -31,7 +32,6 @@ from jobspec.spec.types import (
 )
 from jobspec.units import MiB, fmt_mib_gib
 
-CUDA_CONTEXT_BYTES = 500 * MiB   # CUDA 12 context + cuBLAS/cuDNN workspaces with lazy module loading
 ALLOCATOR_BLOCK = 2 * MiB        # the caching allocator's large-segment granularity
 FRAGMENTATION = 0.07             # reserved - allocated at peak, as a fraction (calibrated by bench/)
 # The ranks run PyTorch's allocator with expandable segments (ALLOCATOR_CONF, unless the user set
@@ -152,10 +152,12 @@ def expandable(conf: str) -> bool:
 
 
 def plan_memory(spec: JobSpec, job: DerivedJob, *, budget: int | None = None,
-                host_budget: int | None = None, expandable_segments: bool = True) -> MemoryPlan:
+                host_budget: int | None = None, expandable_segments: bool = True,
+                context: ContextFigure | None = None) -> MemoryPlan:
     """Predicted per-rank peak memory of `spec` (a resolved spec with defaults filled) and its derived job
     (derived with a profiler: `job.profile` holds the measured model); `budget` per GPU, `host_budget`
-    per node; `expandable_segments`: the allocator the ranks run (`allocator_conf`)."""
+    per node; `expandable_segments`: the allocator the ranks run (`allocator_conf`); `context`: the
+    CUDA context of the GPU it runs on (memory/gpu_overheads.cuda_context; default: GPU unknown)."""
     profile = job.profile
     if profile is None:
         if job.profile_error is not None:
@@ -283,6 +285,7 @@ def plan_memory(spec: JobSpec, job: DerivedJob, *, budget: int | None = None,
     host["data_index"] = host_memory.data_bytes(job.num_train_samples or 0, bool(spec["data"].get("packing")))
     host["offloaded_activations"] = offloaded_activation_bytes(spec, job)
     host_total = host_memory.host_peak(host)
+    figure = context if context is not None else cuda_context(None, None)
     settings = {"world_size": world, "zero_stage": stage, "precision": precision, "micro_batch_size": micro,
                 "seq_len": seq, "parameters": psi, "trainable_parameters": trainable,
                 "optimizer": optimizer["name"], "checkpointed_layers": job.checkpointed_layers,
@@ -290,9 +293,10 @@ def plan_memory(spec: JobSpec, job: DerivedJob, *, budget: int | None = None,
                 "attention": model["attention"], "trace": profile.method,
                 "tiled_loss": _tiled_loss_text(memory["tiled_loss"]), "tiled_mlp": bool(memory["tiled_mlp"]),
                 "sequence_parallel": job.sequence_parallel,
-                "allocator": "expandable segments" if expandable_segments else "caching (no expandable segments)"}
+                "allocator": "expandable segments" if expandable_segments else "caching (no expandable segments)",
+                "cuda_context": f"{fmt_mib_gib(figure.bytes)}, {figure.source}"}
     return MemoryPlan(breakdown=gpu, host=host, peak_allocated=allocated, peak_reserved=reserved,
-                      nvml_total=reserved + CUDA_CONTEXT_BYTES, host_total=host_total, nvme_total=nvme,
+                      nvml_total=reserved + figure.bytes, host_total=host_total, nvme_total=nvme,
                       budget=budget, settings=settings, notes=notes,
                       compute={"model_flops_per_token": job.model_flops_per_token,
                                "hardware_flops_per_token": job.hardware_flops_per_token},
@@ -452,7 +456,7 @@ def render_plan(plan: MemoryPlan, title: str = "") -> str:
                  f"{'on' if s['tiled_mlp'] else 'off'}")
     rows = [(label, plan.breakdown[key]) for key, label in ROWS if plan.breakdown[key]]
     totals = [("peak allocated", plan.peak_allocated), (f"peak reserved ({s['allocator']})", plan.peak_reserved),
-              ("GPU total incl. CUDA context", plan.nvml_total)]
+              (f"GPU total incl. CUDA context ({s['cuda_context'].split(',')[0]})", plan.nvml_total)]
     if plan.nvme_total:
         totals.append(("NVMe per rank", plan.nvme_total))
     host_rows = [(label, plan.host[key]) for key, label in HOST_ROWS if plan.host.get(key)]
@@ -474,4 +478,5 @@ def render_plan(plan: MemoryPlan, title: str = "") -> str:
         lines.append(f"host: {verdict} in {fmt_mib_gib(plan.host_budget)} per node: headroom "
                      f"{fmt_mib_gib(plan.host_budget - plan.host_per_node)}")
     lines += [f"note: {n}" for n in plan.notes]
+    lines.append(f"note: CUDA context {s['cuda_context']}")
     return "\n".join(lines)
