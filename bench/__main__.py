@@ -4,6 +4,7 @@
     python -m bench --repeats 3 --out bench/results/cpu.md
     python -m bench --full --out bench/results/gpu.md # bert-large guide + XLM-R rows (CUDA GPU)
     python -m bench gpu [--dry-run]                   # the GPU acceptance suite (bench/gpu.py)
+    python -m bench gpu-calibrate [--dry-run]         # the memory planner against one GPU (bench/gpu_calibrate.py)
     python -m bench packing [--gpu]                   # tokens/s with and without data.packing (bench/packing.py)
     python -m bench lora                              # full vs LoRA vs QLoRA: step time, memory (bench/lora.py)
     python -m bench qlora-gpu                         # the 8B QLoRA job on one GPU vs its plan (bench/qlora_gpu.py)
@@ -170,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["gpu"]:
         from bench import gpu
         return gpu.main(argv[1:])
+    if argv[:1] == ["gpu-calibrate"]:
+        from bench import gpu_calibrate
+        return gpu_calibrate.main(argv[1:])
     if argv[:1] == ["packing"]:
         from bench import packing
         return packing.main(argv[1:])

@@ -3,6 +3,7 @@
 # .whl/ from scripts/gpu_wheels.sh carried along:
 #
 #   scripts/gpu_session.sh [STEP...]     # steps: probe qlora packing zero3 suite (default: all, in order)
+#   scripts/gpu_session.sh probe calibrate  # the planner's calibration (6 min: a session of its own)
 #
 # Installs the carried wheels (only what the image lacks: pip resolves against what is there), then
 # runs each step under its own time limit, writing its output to $OUT/<step>.txt (or /tmp/gpu-out).
@@ -38,6 +39,9 @@ for s in "${steps[@]}"; do
     # script stops before starting (exit 2) and the same job with fewer layers runs instead
     zero3)   step zero3 200 bash -c "$py -m bench.zero3_offload_gpu --out $out/zero3.md; rc=\$?; [ \$rc = 2 ] && $py -m bench.zero3_offload_gpu --layers 20 --out $out/zero3-20layers.md || exit \$rc" ;;
     suite)   step suite 420 "$py" -m bench gpu --out "$out/gpu-suite.md" ;;
-    *) echo "unknown step $s (probe packing qlora zero3 suite)"; exit 2 ;;
+    # no job starts after 330 s; the file is written after every job (peaks/ beside it: the breakdowns);
+    # the run dirs stay in /tmp ($OUT brings back only a few files)
+    calibrate) step calibrate 420 "$py" -m bench gpu-calibrate --out "$out/calibration.json" --work /tmp/calibrate-work ;;
+    *) echo "unknown step $s (probe packing qlora zero3 suite calibrate)"; exit 2 ;;
   esac
 done
