@@ -26,6 +26,7 @@ from jobspec.errors import SpecError, spec_error
 from jobspec.memory.planner import MemoryPlan, plan_memory
 from jobspec.optimizers.base import DEEPSPEED_CPU_ADAM
 from jobspec.spec.derived import DerivedJob
+from jobspec.spec.rules import tiling as tiling_rules
 from jobspec.spec.schema import filled_spec
 from jobspec.spec.types import JobSpec
 from jobspec.units import fmt_mib_gib
@@ -169,6 +170,9 @@ def candidate_changes(spec: JobSpec, job: DerivedJob, bf16_supported: bool) -> I
                 wanted["memory.activation_checkpointing"] = {"every_n_layers": 1, "offload": "cpu"}
             else:
                 wanted[technique] = True
+        if (wanted.get("memory.tiled_loss") or spec["memory"]["tiled_loss"]) and stage >= 1 \
+                and tiling_rules.trains_tied_head(spec["model"]):
+            continue   # validation refuses a tied head's tiled loss under ZeRO 1-3
         changes = {k: v for k, v in wanted.items() if _normal_ckpt(_get(spec, k)) != _normal_ckpt(v)}
         if "training.micro_batch_size" in changes and training["global_batch_size"] is None:
             changes["training.global_batch_size"] = global_batch

@@ -251,8 +251,11 @@ def plan_memory(spec: JobSpec, job: DerivedJob, *, budget: int | None = None,
     # ZeRO-0 sets every gradient to None after the step (engine.zero_grad / the optimizer's
     # zero_grad(set_to_none=True)): a step of one micro-batch makes them during its backward, so its
     # peak holds the gradients made by then, not all of them. With accumulation, or under ZeRO 1-3
-    # (gradient partitions and buckets), they are held through the forward.
-    grads_made = stage == 0 and job.gradient_accumulation_steps == 1
+    # (gradient partitions and buckets), they are held through the forward. The composed trace of that
+    # peak is exact for a stack whose layers are alike (every layer checkpointed, or none); with one in
+    # k checkpointed the peak's place depends on which layers are where, so all are held (an upper bound).
+    alike = job.checkpointed_layers in (0, inventory.num_layers) or profile.method == "full"
+    grads_made = stage == 0 and job.gradient_accumulation_steps == 1 and alike
     trace = profile.activations.with_gradients() if grads_made else profile.activations
     regions = trace.regions
     gpu.update(activations=regions["layers"], embeddings_activations=regions["embeddings"],
@@ -294,7 +297,8 @@ def plan_memory(spec: JobSpec, job: DerivedJob, *, budget: int | None = None,
                 "tiled_loss": _tiled_loss_text(memory["tiled_loss"]), "tiled_mlp": bool(memory["tiled_mlp"]),
                 "sequence_parallel": job.sequence_parallel,
                 "allocator": "expandable segments" if expandable_segments else "caching (no expandable segments)",
-                "cuda_context": f"{fmt_mib_gib(figure.bytes)}, {figure.source}"}
+                "cuda_context": f"{fmt_mib_gib(figure.bytes)}, {figure.source}",
+                "gradients_held": not grads_made}
     return MemoryPlan(breakdown=gpu, host=host, peak_allocated=allocated, peak_reserved=reserved,
                       nvml_total=reserved + figure.bytes, host_total=host_total, nvme_total=nvme,
                       budget=budget, settings=settings, notes=notes,

@@ -25,8 +25,7 @@ def tiled_loss_issues(r: ResolvedSpec) -> list[SpecIssue]:
         return []
     task = r.spec["model"]["task"]
     if task in TILED_TASKS:
-        model = r.spec["model"]
-        if r.spec["memory"]["zero_stage"] >= 1 and tied_embeddings(model) and model["lora"] is None:
+        if r.spec["memory"]["zero_stage"] >= 1 and trains_tied_head(r.spec["model"]):
             # the tiles' backward stores the tied weight's gradient before the embeddings add theirs: ZeRO 1-2
             # refuse a second reduction ("Gradient computed twice"), ZeRO-3 loses one (2 CPU ranks)
             return [r.issue(("memory", "tiled_loss"), "the tiled loss cannot train a head tied to the input "
@@ -42,6 +41,12 @@ def tiled_loss_issues(r: ResolvedSpec) -> list[SpecIssue]:
                "vocabulary (the logits that grow with the sequence)")
     return [r.issue(("memory", "tiled_loss"), why, "remove memory.tiled_loss (it is for causal-lm)",
                     code="tiled-loss-task")]
+
+
+def trains_tied_head(model: JobSpecModel) -> bool:
+    """Whether the tiled loss would train a head tied to the input embeddings (no LoRA): refused under
+    ZeRO 1-3 (`tiled_loss_issues`), so `--fit` (memory/fit.py) does not try that combination."""
+    return tied_embeddings(model) and model["lora"] is None
 
 
 def tied_embeddings(model: JobSpecModel) -> bool:
