@@ -53,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
     from jobspec.job.prepare import AS_WRITTEN, Host, prepare_job
     from jobspec.memory.fit import fit, longest_sequence
     from jobspec.memory.planner import parse_bytes, render_plan
+    from jobspec.memory.remedies import advice
 
     cli_budget = (parse_bytes(args.gpu_mem, path=("--gpu-mem",)), "--gpu-mem") if args.gpu_mem is not None else None
     host_budget = (parse_bytes(args.host_mem, path=("--host-mem",)), "--host-mem") if args.host_mem is not None \
@@ -109,7 +110,8 @@ def run(args: argparse.Namespace) -> int:
                               "fitted": {**longest[1][1].as_dict(), "overrides": result.overrides if result else []}}
         print(json.dumps(out, indent=2))
     else:
-        print(render_plan(plan, title=f"{spec['name']}: predicted memory per rank (as written)"))
+        print(render_plan(plan, title=f"{spec['name']}: predicted memory per rank (as written)",
+                          advice=advice(plan, spec)))
         for line in data_lines(resolved):   # the tokenised data's size: cached, else estimated
             print(f"data: {line}")
         if result is not None and args.fit:

@@ -329,32 +329,6 @@ def _tiled_loss_text(setting: bool | JobSpecMemoryTiledLoss) -> str:
     return f"{setting['tiles']} tiles" if isinstance(setting, dict) else "on"
 
 
-# What moves each GPU term when a job does not fit: the technique, as the `--set` that turns it on.
-REMEDIES = {
-    "logits_and_loss": "--set memory.tiled_loss=true (the logits one tile at a time)",
-    "activations": "--set memory.activation_checkpointing=true, --set memory.tiled_mlp=true or "
-                   "memory.sequence_parallel (ranks share the sequence)",
-    "embeddings_activations": "a shorter sequence or memory.sequence_parallel",
-    "optimizer_states": "a higher memory.zero_stage or --set memory.offload.optimizer=cpu",
-    "master_weights": "a higher memory.zero_stage or --set memory.offload.optimizer=cpu",
-    "gradients": "--set memory.zero_stage=2 (gradients partitioned)",
-    "step_gradients": "a higher memory.zero_stage or --set memory.offload.optimizer=cpu",
-    "parameters": "--set memory.zero_stage=3 or model.quantization (QLoRA)",
-    "gathered_parameters": "smaller memory.zero.stage3_prefetch_bucket_size",
-    "zero_buffers": "smaller memory.zero.reduce_bucket_size",
-}
-
-
-def advice(plan: MemoryPlan) -> str | None:
-    """For a plan over its GPU budget: the largest term and what moves it (`jobspec plan --fit` searches)."""
-    if plan.gpu_fits is not False:
-        return None
-    term = max(REMEDIES, key=lambda key: plan.breakdown.get(key, 0))
-    label = dict(ROWS)[term]
-    return (f"over by {fmt_mib_gib(-(plan.headroom or 0))}; the largest term is {label} "
-            f"({fmt_mib_gib(plan.breakdown[term])}): {REMEDIES[term]}; `jobspec plan --fit` searches them all")
-
-
 def weight_bytes(inventory: Inventory, lp: int, quantization: JobSpecModelQuantization | None) -> int:
     """Bytes of every parameter's working copy: `lp` each, and for the weights bitsandbytes quantises
     (`inventory.quantized`) what it stores, as measured from bitsandbytes 0.49's QuantState on this box:
@@ -445,8 +419,9 @@ HOST_ROWS = (("runtime", "host: the rank's process"), ("construction", "host: mo
              ("dataloader_workers", "host: data loader workers"), ("data_index", "host: data index (samples)"))
 
 
-def render_plan(plan: MemoryPlan, title: str = "") -> str:
-    """The plain-text table `jobspec plan` prints."""
+def render_plan(plan: MemoryPlan, title: str = "", advice: str | None = None) -> str:
+    """The plain-text table `jobspec plan` prints; `advice`: what moves a plan over budget
+    (memory/remedies.advice)."""
     s = plan.settings
     lines = [title] if title else []
     ckpt = f"{s['checkpointed_layers']}/{s['layers']} layers" if s["checkpointed_layers"] else "off"
@@ -475,8 +450,8 @@ def render_plan(plan: MemoryPlan, title: str = "") -> str:
     if plan.budget is not None and plan.headroom is not None:   # both or neither
         verdict = "fits" if plan.gpu_fits else "does NOT fit"
         lines.append(f"{verdict} in {fmt_mib_gib(plan.budget)}: headroom {fmt_mib_gib(plan.headroom)}")
-        if (hint := advice(plan)) is not None:
-            lines.append(f"advice: {hint}")
+        if advice is not None:
+            lines.append(f"advice: {advice}")
     if plan.host_budget is not None:
         verdict = "fits" if plan.host_fits else "does NOT fit"
         lines.append(f"host: {verdict} in {fmt_mib_gib(plan.host_budget)} per node: headroom "
