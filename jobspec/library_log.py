@@ -9,8 +9,12 @@ table or its error. A warning raised from jobspec's own code is one plain `jobsp
 The log is ~/.cache/jobspec/logs/<command>.log (JOBSPEC_LOG_DIR), rewritten by each run.
 
 Neutral ground (like launcher_log.py): cli.py wraps those commands in it. It imports transformers' logging
-module (no torch), so that transformers' own stderr handler exists to be replaced; `compile` stays
-torch- and transformers-free unless its checks need transformers (job/checks calls `adopt_transformers`).
+module (no torch), so that transformers' own stderr handler exists to be replaced; `compile` and
+`plan` (LAZY_COMMANDS) do not: a warm `plan` (memory/plan_cache) imports neither torch nor
+transformers. While the block runs, a handler a library adds to its logger is dropped
+(`_dropped`): transformers' stderr handler, installed when a check or the planner's trace first
+imports it, and DeepSpeed's stdout handler, which would print "Setting accelerator to CPU" into
+`plan`'s output when the trace of a tiled job imports DeepSpeed.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from pathlib import Path
 from typing import Iterator
 
 QUIET_COMMANDS = ("plan", "compile", "export", "report")
+LAZY_COMMANDS = ("plan", "compile")   # transformers is imported by what needs it, not up front
 LOGGERS = ("transformers", "datasets", "huggingface_hub", "peft", "bitsandbytes", "torch", "deepspeed",
            "accelerate", "DeepSpeed")
 PROGRESS_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
@@ -55,7 +60,7 @@ def quiet(command: str, verbose: bool = False) -> Iterator[Path | None]:
     handler.setFormatter(logging.Formatter("[%(name)s] %(levelname)s %(message)s"))
     global _active
     _active = handler
-    if command != "compile" or "transformers" in sys.modules:   # compile stays torch-free: adopt() later
+    if command not in LAZY_COMMANDS or "transformers" in sys.modules:
         _configure_transformers_logging()
     saved = {}
     for name in LOGGERS:
@@ -63,6 +68,7 @@ def quiet(command: str, verbose: bool = False) -> Iterator[Path | None]:
         saved[name] = (list(logger.handlers), logger.propagate)
         logger.handlers = [handler]
         logger.propagate = False
+        setattr(logger, "addHandler", _dropped)   # a library's own, added when it is imported
     show = warnings.showwarning
     warnings.showwarning = _to_log(stream)
     try:
@@ -72,6 +78,7 @@ def quiet(command: str, verbose: bool = False) -> Iterator[Path | None]:
         warnings.showwarning = show
         for logger_name, (handlers, propagate) in saved.items():
             logger = logging.getLogger(logger_name)
+            logger.__dict__.pop("addHandler", None)
             logger.handlers, logger.propagate = handlers, propagate
         for key, before in saved_env.items():
             if before is None:
@@ -81,6 +88,10 @@ def quiet(command: str, verbose: bool = False) -> Iterator[Path | None]:
 
 
 _active: logging.Handler | None = None   # the running quiet block's handler
+
+
+def _dropped(handler: logging.Handler) -> None:
+    """A quiet block's library loggers' addHandler: their records go to the block's log only."""
 
 
 def adopt_transformers() -> None:

@@ -81,8 +81,9 @@ def test_compile_out_writes_the_fitted_spec(tmp_path, capsys):
 
 
 def test_fit_off_compiles_without_tracing_the_model(tmp_path, monkeypatch):
-    import jobspec.model.planner_trace as trace
-    monkeypatch.setattr(trace, "job_profiler", lambda: pytest.fail("traced a job whose memory is not decided"))
+    from jobspec.memory import plan_cache
+    monkeypatch.setattr(plan_cache.CachedProfiler, "__init__",
+                        lambda *a, **k: pytest.fail("profiled a job whose memory is not decided"))
     prepared = prepare_job(write_job(tmp_path), host=Host())
     assert prepared.memory is None and prepared.compiled.ds_config["train_micro_batch_size_per_gpu"] == 16
     # memory.fit: auto with no budget at all (no memory.gpu_memory, no GPU): the spec as written

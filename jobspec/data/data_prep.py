@@ -25,6 +25,7 @@ import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -33,6 +34,8 @@ from jobspec.data.chat_render import IGNORE_INDEX, RecordError, RecordText, chat
 from jobspec.data.data_format import source_kind, split_source
 from jobspec.data.record_sources import TABLE_KINDS, Source, source_for
 from jobspec.errors import SpecError, SpecIssue, spec_error
+from jobspec.memory.plan_cache import digest, path_state, read_entry, write_entry
+from jobspec.spec.tokenizer_files import tokenizer_name
 from jobspec.spec.types import JobSpec
 from jobspec.units import MiB
 
@@ -78,10 +81,15 @@ class Entry:
 
 def find(spec: JobSpec, split: str, tokenizer) -> Entry:
     """The split's cache key and its entry if built (nothing is tokenised)."""
+    fingerprint = data_cache.tokenizer_fingerprint(tokenizer)
+    return locate(spec, split, fingerprint, chat_template(spec, tokenizer))
+
+
+def locate(spec: JobSpec, split: str, tokenizer_fingerprint: str, template: str | None) -> Entry:
+    """`find` from what the key needs of the tokenizer: its fingerprint and the chat template."""
     kind = cached_kind(spec, split)
     if kind is None:
         raise ValueError(f"data.{split} does not go through the data cache")
-    template = chat_template(spec, tokenizer)
     if kind == "chat" and template is None:
         raise spec_error("chat records need a chat template, and the tokenizer has none",
                          path=("data", "chat_template"),
@@ -90,7 +98,7 @@ def find(spec: JobSpec, split: str, tokenizer) -> Entry:
         check_template(spec, template)
     source = source_for(spec, split, source_kind(split_source(spec["data"], split), spec["data"]["format"]))
     data = spec["data"]
-    fields = {"source": source.fingerprint(), "tokenizer": data_cache.tokenizer_fingerprint(tokenizer),
+    fields = {"source": source.fingerprint(), "tokenizer": tokenizer_fingerprint,
               "template": template, "kind": kind, "loss_on": data["loss_on"], "max_length": data["max_length"],
               "fields": [data["messages_field"]] if kind == "chat" else
               [data["prompt_field"], data["completion_field"]]}
@@ -282,35 +290,109 @@ def prepare_data(spec: JobSpec, *, build: bool, show: str | None = None,
                  num_proc: int | None = None) -> tuple[list, dict]:
     """The tokenised-data cache of the spec's chat and prompt/completion records (this module):
     built now with `build` (the full data check: a bad record refuses the launch, exit 2, before any rank
-    starts), else (`--dry-run`) whether it is built and how long building it would take. Returns the
-    lines to print and the counts (data.<split>.records, tokens, ...) for launch.json and MLflow."""
+    starts), else (`--dry-run`, `plan`) whether it is built and how long building it would take.
+    Returns the lines to print and the counts (data.<split>.records, tokens, ...) for launch.json
+    and MLflow."""
     splits = cached_splits(spec)
     if not splits:
         return [], {}
+    if not build:
+        remembered = dry_lines(spec, splits, None, num_proc)
+        if remembered is not None:   # the tokenizer's facts were remembered: no transformers
+            return remembered
     from jobspec.model.build import build_tokenizer
 
     tokenizer = build_tokenizer(spec)
+    if not build:
+        found = dry_lines(spec, splits, tokenizer, num_proc)
+        assert found is not None   # with the tokenizer every line can be made
+        return found
     lines, entries = [], []
     for split in splits:
-        if build:
-            entry = prepare_split(spec, split, tokenizer, num_proc=num_proc, show=show)
-            entries.append(entry)
-            lines.append(summary_line(entry))
-            truncated = truncation_line(entry)
-            if truncated:
-                lines.append(truncated)
-            continue
-        entry = find(spec, split, tokenizer)
+        entry = prepare_split(spec, split, tokenizer, num_proc=num_proc, show=show)
+        entries.append(entry)
+        lines.append(summary_line(entry))
+        truncated = truncation_line(entry)
+        if truncated:
+            lines.append(truncated)
+    return lines, counts(entries)
+
+
+def dry_lines(spec: JobSpec, splits: list[str], tokenizer,
+              num_proc: int | None) -> tuple[list, dict] | None:
+    """A split's entry when it is built, else the estimate of building it. Without a tokenizer
+    (None): from what the plan cache remembers of it and of the estimates made before; None when
+    that is not enough (then the caller loads the tokenizer)."""
+    facts = tokenizer_facts(spec, tokenizer)
+    if facts is None:
+        return None
+    lines, entries = [], []
+    for split in splits:
+        entry = locate(spec, split, *facts)
         if entry.data is not None:
             entries.append(entry)
             lines.append(f"tokenised data cached (warm): {summary_line(entry)}")
             continue
         processes = num_proc or default_num_proc(spec)
-        records, seconds, size = estimate(spec, entry, tokenizer, processes)
+        guess = remembered_estimate(spec, entry, tokenizer, processes)
+        if guess is None:
+            return None
+        records, seconds, size = guess
         lines.append(f"data.{split}: not tokenised yet (cold): about {records:,} records, {size / MiB:,.0f} MiB "
                      f"tokenised, preparation about {seconds:,.0f} s on {processes} process(es) (estimated from "
                      f"the first {min(records, ESTIMATE_RECORDS)} records; `jobspec prepare` builds it ahead)")
     return lines, counts(entries)
+
+
+# ---- what the plan cache remembers (memory/plan_cache: <cache>/plans/) --------------------
+
+def tokenizer_facts(spec: JobSpec, tokenizer) -> tuple[str, str | None] | None:
+    """(fingerprint, chat template): what an entry's key needs of the tokenizer. Computed from
+    `tokenizer` and remembered by the tokenizer directory's and the template file's state, the
+    versions and the code (`_tokenizer_key`); with `tokenizer` None the remembered ones, or None."""
+    key = _tokenizer_key(spec)
+    path = _memo_path("tokenizers", key) if key is not None else None
+    if tokenizer is None:
+        kept = read_entry(path)
+        if kept is None or kept.get("key") != key:
+            return None
+        return kept["fingerprint"], kept["template"]
+    facts = data_cache.tokenizer_fingerprint(tokenizer), chat_template(spec, tokenizer)
+    if path is not None:
+        write_entry(path, {"key": key, "fingerprint": facts[0], "template": facts[1]})
+    return facts
+
+
+def remembered_estimate(spec: JobSpec, entry: Entry, tokenizer,
+                        processes: int) -> tuple[int, float, int] | None:
+    """`estimate`, made once per entry key and process count and remembered (a plan says the same
+    numbers each time); None when it was not made before and there is no tokenizer to make it."""
+    path = _memo_path("estimates", f"{entry.key}-{processes}")
+    kept = read_entry(path)
+    if kept is not None and kept.get("key") == entry.key:
+        return int(kept["records"]), float(kept["seconds"]), int(kept["bytes"])
+    if tokenizer is None:
+        return None
+    records, seconds, size = estimate(spec, entry, tokenizer, processes)
+    write_entry(path, {"key": entry.key, "records": records, "seconds": seconds, "bytes": size})
+    return records, seconds, size
+
+
+def _tokenizer_key(spec: JobSpec) -> str | None:
+    """None for a tokenizer named by hub id: its files are the hub's to change."""
+    name = tokenizer_name(spec)
+    if not name or not Path(name).is_dir():
+        return None
+    model, template = spec["model"], spec["data"]["chat_template"]
+    return digest({"tokenizer": [name, path_state(name)],
+                   "trust_remote_code": model["trust_remote_code"],
+                   "revision": model["revision"] if name == model["name_or_path"] else None,
+                   "chat_template": [template, path_state(template)] if template else None,
+                   "data_cache": data_cache.code_version()})
+
+
+def _memo_path(kind: str, name: str) -> Path:
+    return data_cache.cache_root().parent / "plans" / kind / f"{name}.json"
 
 
 # ---- what is said about it ----------------------------------------------------------------------

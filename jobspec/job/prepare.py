@@ -9,9 +9,10 @@ or not, memory.fit applied or not, which budgets, compiled for which run directo
     checks     the caller's, on the resolved spec before anything is derived (launch: the hub's
                reachability, bitsandbytes' backend on CPU ranks); then job/checks.model_data_checks,
                the same model and data refusals for every command (model.config of a hub id, the
-               config transformers builds, the tokenizer and chat template), and the LoRA targets
-    derive     spec/inputs.derive_job; with the model's traced profile (model/planner_trace.job_profiler)
-               when memory is planned
+               config transformers builds, the tokenizer and chat template), and the LoRA targets;
+               skipped for a spec the plan cache marks as checked (job/checks.checks_passed)
+    derive     spec/inputs.derive_job; with the model's traced profile when memory is planned
+               (memory/plan_cache.CachedProfiler: the plan cache, else the tracer)
     memory     memory/at_launch.plan_at_launch: `memory.fit: auto` rewrites the spec and its derived job
                (and every validation rule runs again on the result), the plan of what runs
     compile    compile/compiler.compile_spec: the DeepSpeed config, patches and argv
@@ -126,11 +127,14 @@ def prepare_job(source: str | os.PathLike | ResolvedSpec, overrides: Iterable[st
     resolved = source if isinstance(source, ResolvedSpec) else load_and_validate(source, list(overrides))
     for check in checks:
         check(resolved)
-    from jobspec.job.checks import model_data_checks
-    model_data_checks(resolved, plan=how.plan or spec_fits(resolved.spec, how.apply_fit, how.budget))
-    if resolved.spec["model"]["lora"] is not None:
-        from jobspec.job.checks import lora_target_check
-        lora_target_check(resolved)   # the target patterns against the meta model's module names
+    from jobspec.job import checks as job_checks
+    full = how.plan or spec_fits(resolved.spec, how.apply_fit, how.budget)
+    passed = job_checks.checks_passed(resolved.spec)   # an earlier plan or launch of this spec
+    job_checks.model_data_checks(resolved, plan=full, passed=passed)
+    if resolved.spec["model"]["lora"] is not None and not passed:
+        job_checks.lora_target_check(resolved)   # the target patterns against the model's modules
+    if full and not passed:
+        job_checks.record_checks(resolved.spec)
     spec = resolved.spec
     memory = None
     plan = how.plan
@@ -139,9 +143,9 @@ def prepare_job(source: str | os.PathLike | ResolvedSpec, overrides: Iterable[st
         host = host or Host.probe(spec["resources"]["gpus_per_node"])
         plan = host.gpu_free is not None   # a budget: the fit may rewrite the spec, so decide it
     if plan or spec_fits(spec, how.apply_fit, how.budget):
-        from jobspec.model.planner_trace import job_profiler
+        from jobspec.memory.plan_cache import CachedProfiler
         host = host or Host.probe(spec["resources"]["gpus_per_node"])
-        derived = _located(resolved, lambda: derive_job(spec, profiler=job_profiler()))
+        derived = _located(resolved, lambda: derive_job(spec, profiler=CachedProfiler()))
         resolved, derived, memory = _located(resolved, lambda: at_launch.plan_at_launch(
             resolved, derived, host.gpu_free, bf16_supported=host.bf16_supported, apply_fit=how.apply_fit,
             budget=how.budget, host_ram=host.ram_total, host_budget=how.host_budget))
