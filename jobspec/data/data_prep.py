@@ -234,11 +234,12 @@ def _build(spec: JobSpec, entry: Entry, tokenizer, num_proc: int, show: str | No
 
 def check_prompts(entry: Entry, record_text: RecordText, tokenizer) -> str | None:
     """The first PROMPT_CHECK_RECORDS records' assistant turns against the prompts the model is
-    served (chat_render.prompt_check). Training ids that differ where the template renders the same
-    text refuse the data, naming the record and its first such turn (the segments make them equal
-    unless the tokenizer splits the text at a cut one way where it ends and another where it goes
-    on); a template that renders earlier turns differently gets a note (no ids can follow both
-    renderings), returned."""
+    served (chat_render.prompt_check), returning a note or None. The first answer's prompt is the
+    served one by construction: ids that differ there refuse the data, naming the record. A later
+    answer's served prompt holds the earlier answers, which training tokenised as answers: a
+    tokenizer that splits the text at the cut one way where an answer ends and another where the
+    conversation goes on cannot give both (GPT-2's pre-tokenizer before a blank line), and a
+    template that renders earlier turns differently cannot either: a note, saying which."""
     if record_text.renderer is None:
         return None
     issues, note = [], None
@@ -248,8 +249,18 @@ def check_prompts(entry: Entry, record_text: RecordText, tokenizer) -> str | Non
         except RecordError:
             continue   # the pass names it
         segments = chat_render.segment_ids(tokenizer, [text.segments()])[0]
+        messages = record_text.messages(record)
+        first = next((i + 1 for i, m in enumerate(messages) if m.get("role") == "assistant"), None)
         for difference in chat_render.prompt_check(tokenizer, record_text.renderer.template,
-                                                   record_text.messages(record), text, segments):
+                                                   messages, text, segments):
+            if difference.turn != first and not difference.rewritten:
+                note = note or (
+                    f"data.{entry.split}: the tokenizer splits the text after an answer one way where "
+                    f"the answer ends and another where the conversation goes on ({where}, message "
+                    f"{difference.turn}: {difference.message}); answers after the first are trained "
+                    f"after the earlier answers as trained, which a served conversation tokenises "
+                    f"otherwise (a pre-tokenizer that splits both alike, as Llama 3's, avoids it)")
+                continue
             if difference.rewritten:
                 note = note or (
                     f"data.{entry.split}: the chat template renders the turns before an answer "
