@@ -7,8 +7,9 @@
 - chat-sample.jsonl     chat records {"messages": [{role, content}, ...]}: system/user/assistant, some multi-turn
 - instruct-sample.jsonl prompt/completion records {"prompt", "completion"} of mixed lengths
 - tokenizer/            a byte-level BPE (vocabulary VOCAB_SIZE, special tokens included) trained on the
-                        text above, saved as a Hugging Face fast tokenizer with bos/eos/pad tokens and a
-                        Llama-3-style chat template in tokenizer_config.json
+                        text above with Llama 3's pre-tokenizer, saved as a Hugging Face fast
+                        tokenizer with bos/eos/pad tokens and a Llama-3-style chat template in
+                        tokenizer_config.json
 
 The text is synthetic but readable: templates filled from word lists with a seeded random generator, so
 no download is needed and the same run always writes the same bytes.
@@ -30,6 +31,10 @@ OUT = Path(__file__).resolve().parent.parent / "jobs" / "data"
 BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
 HEADER_START, HEADER_END, EOT = "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"
 SPECIAL_TOKENS = [BOS, EOS, PAD, HEADER_START, HEADER_END, EOT]
+# Llama 3's pre-tokenizer pattern (its tokenizer.json): contractions, words with one leading
+# non-letter, numbers of up to 3 digits, punctuation with the newlines after it, runs of newlines
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 # Llama 3's template: BOS, then each message as a header with its role, a blank line, the trimmed
 # content and <|eot_id|>; the generation prompt is the assistant header
 CHAT_TEMPLATE = (
@@ -264,11 +269,16 @@ def instruct_records(rng: random.Random) -> list[dict]:
 
 
 def train_tokenizer(texts: list[str], out: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok = Tokenizer(models.BPE(ignore_merges=True))
+    # Llama 3's: its regex split (newlines kept together, apart from the words after them), then
+    # bytes: the blank line after a header is the token 'ĊĊ' whether an answer follows it (training)
+    # or the text ends there (the prompt the model is served)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())

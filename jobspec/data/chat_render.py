@@ -12,19 +12,38 @@ so any template works without `{% generation %}` markers: for the assistant mess
 and the answer is the text `through` adds to `prefix` (its content and the template's end-of-turn
 marker, e.g. `<|eot_id|>`, so the model learns to stop). Where a template renders a prefix differently
 from the whole conversation (one that rewrites earlier turns), that text, else the message's content,
-is found in the whole rendering after the previous answer. The whole rendering is tokenized (no special
-tokens added: the template writes them) with character offsets, in batches with the fast tokenizer,
-and a token is an answer token when its characters overlap an answer span; every other token's
-label is -100.
+is found in the whole rendering after the previous answer.
+
+One prompt for training and serving: the model is served `generation_prompt_ids`, the prefix
+tokenised alone with no special tokens added (the template writes them), as train/generation.py and
+`apply_chat_template(..., add_generation_prompt=True, tokenize=True)` give it. The whole rendering
+tokenised at once can differ where the prefix ends (GPT-2's pre-tokenizer splits '\n\n' before a
+word into 'Ċ' 'Ċ', the prefix alone ends 'ĊĊ'), so the rendering is cut into segments (the text
+before the first answer, the first answer, the text up to the next answer, ..., the text after the
+last) and tokenised segment by segment, the ids concatenated: the ids before the first answer are
+its served prompt's, whatever the tokenizer. A later segment is tokenised after its context (the
+previous segment from its last added token, such as `<|eot_id|>`) and keeps the ids it has there
+(a SentencePiece tokenizer puts '▁' before a text that starts the input, not after a prompt), or is
+tokenised alone where it would change its context's ids.
+
+The ids before a later answer are its served prompt's where the tokenizer tokenises the text on
+either side of each cut apart (Llama 3's, Qwen2's, Gemma's and Mistral's do with their templates);
+`prompt_check` finds the turns where they are not, and the data preparation pass runs it on its
+first records. A template that renders the turns before an answer differently inside the whole
+conversation (Mistral's puts the system message in the last user turn only) cannot give that answer
+its served prompt: it is trained after the whole rendering, and the check says so. Labels are -100
+on the prompt segments and the ids on the answers; with `loss_on: all` the ids everywhere (the same
+segments, so the same ids).
 
 Prompt/completion records (`prompt_field`, `completion_field`) train on the completion only (`loss_on:
 all`: on both). With a chat template (data.chat_template or the tokenizer's) they are rendered as the
 conversation [user: prompt, assistant: completion], the way a chat model is prompted; without one the
 text is the prompt followed directly by the completion and the tokenizer's EOS, with the tokenizer's
-own special tokens (BOS) added.
+own special tokens (BOS) added, tokenised at once with character offsets.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -91,13 +110,40 @@ class Renderer:
             if through.startswith(prefix) and full.startswith(through):
                 span: tuple[int, int] | None = (len(prefix), len(through))
             else:   # a template that renders a prefix differently: find the answer in the whole text
-                added = through[_common_prefix(prefix, through):]
+                added = _added_text(prefix, through)
                 span = _find(full, added, cursor) or _find(full, message["content"].strip(), cursor)
             if span is None:
                 raise ValueError(f"assistant turn {i + 1} is not found in the rendered conversation")
             spans.append(span)
             cursor = span[1]
         return spans
+
+
+def generation_prompt_ids(tokenizer, template: str, messages: list) -> list[int]:
+    """The ids the model is served to write the next assistant turn after `messages`: the rendering
+    with the generation prompt tokenised with no special tokens added (the template writes them), as
+    `apply_chat_template(..., add_generation_prompt=True, tokenize=True)` does."""
+    text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                         add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _added_text(prefix: str, through: str) -> str:
+    """The answer `through` adds to `prefix`: what follows it, or where the template renders the
+    turns before the answer otherwise (Mistral's system message in the last user turn), what follows
+    the longest end of `prefix` found in `through` (its last place there)."""
+    if through.startswith(prefix):
+        return through[len(prefix):]
+    low, high = 0, len(prefix)   # a longer end is found only if every shorter one is: a bisection
+    while low < high:
+        mid = (low + high + 1) // 2
+        if prefix[len(prefix) - mid:] in through:
+            low = mid
+        else:
+            high = mid - 1
+    if low == 0:
+        return through[_common_prefix(prefix, through):]
+    return through[through.rfind(prefix[len(prefix) - low:]) + low:]
 
 
 def _common_prefix(a: str, b: str) -> int:
@@ -116,13 +162,20 @@ def _find(text: str, piece: str, start: int) -> tuple[int, int] | None:
 
 @dataclass(frozen=True)
 class Text:
-    """One record ready to tokenize: its text, the character spans its labels keep, how to tokenize it."""
+    """One record ready to tokenize: its text, the answers' character spans, how to tokenize it."""
 
     text: str
-    spans: tuple            # ((start, end), ...); ignored with `all_tokens`
+    spans: tuple            # ((start, end), ...): a rendered record's answers, in order
     special_tokens: bool    # the tokenizer's own special tokens (prompt/completion without a template)
     after: int = -1         # prompt/completion without a template: label the tokens ending after this
     eos: int | None = None  # ... and end with this EOS id
+
+    def segments(self) -> list[str]:
+        """A rendered record's text cut where its answers start and end: the text before the
+        first answer, the first answer, the text up to the next answer, ..., the text after the last
+        (maybe empty)."""
+        cuts = [0, *(at for span in self.spans for at in span), len(self.text)]
+        return [self.text[a:b] for a, b in zip(cuts, cuts[1:])]
 
 
 class RecordText:
@@ -138,6 +191,13 @@ class RecordText:
         self.renderer = Renderer(tokenizer, template) if template is not None else None
         self.checker = datacheck.RecordChecker(replace(datacheck.Columns.of(spec), records=kind), split)
 
+    def messages(self, record: dict) -> list:
+        """The conversation a checked record is rendered as."""
+        if self.kind == "chat":
+            return [{"role": m["role"], "content": m["content"]} for m in record[self.fields[0]]]
+        return [{"role": "user", "content": record[self.fields[0]]},
+                {"role": "assistant", "content": record[self.fields[1]]}]
+
     def __call__(self, record, where: str) -> Text:
         if not isinstance(record, dict):
             raise RecordError(f"the record is {type(record).__name__}, an object expected",
@@ -145,50 +205,165 @@ class RecordText:
         bad = self.checker.problem(where, record)   # validate's own record check (data/datacheck.py)
         if bad is not None:
             raise RecordError(bad.message.removeprefix(f"{where}: "), bad.hint)
-        if self.kind == "chat":
-            messages = [{"role": m["role"], "content": m["content"]} for m in record[self.fields[0]]]
-        else:
+        if self.renderer is None and self.kind != "chat":
             prompt, completion = record[self.fields[0]], record[self.fields[1]]
-            if self.renderer is None:
-                return Text(prompt + completion, (), True, after=len(prompt), eos=self.tokenizer.eos_token_id)
-            messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
+            return Text(prompt + completion, (), True, after=len(prompt),
+                        eos=self.tokenizer.eos_token_id)
         assert self.renderer is not None   # chat records without a template are refused before the pass
+        messages = self.messages(record)
         try:
             full = self.renderer.render(messages)
-            spans = () if self.all_tokens else tuple(self.renderer.answer_spans(messages, full))
+            spans = tuple(self._spans(messages, full))
         except Exception as err:   # the template failing on this record (raise_exception, an undefined name)
             raise RecordError(f"the chat template failed on this record: {first_line(err)}",
                               "fix the record, or the template (data.chat_template)") from None
         return Text(full, spans, False)
 
+    def _spans(self, messages: list, full: str) -> list[tuple[int, int]]:
+        assert self.renderer is not None
+        try:
+            return self.renderer.answer_spans(messages, full)
+        except ValueError:
+            if self.all_tokens:   # every token is trained on: the text is one segment
+                return []
+            raise
+
 
 def encode(tokenizer, texts: list[Text], all_tokens: bool) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(ids, labels) per text as int32 arrays, untruncated: one batched call of the fast tokenizer per
-    kind of text, labels from the offsets (a token overlapping a span keeps its id, else -100)."""
+    """(ids, labels) per text as int32 arrays, untruncated, in batched calls of the fast tokenizer:
+    a rendered record segment by segment (`segment_ids`), its labels the answers' ids; a prompt and
+    completion without a template at once, its labels from the offsets (the completion's tokens)."""
     out: list = [None] * len(texts)
-    for special in (False, True):
-        chosen = [i for i, t in enumerate(texts) if t.special_tokens == special]
-        if not chosen:
-            continue
-        encoded = tokenizer([texts[i].text for i in chosen], add_special_tokens=special,
+    rendered = [i for i, t in enumerate(texts) if not t.special_tokens]
+    segmented = segment_ids(tokenizer, [texts[i].segments() for i in rendered])
+    for i, segments in zip(rendered, segmented):
+        out[i] = _joined(segments, all_tokens)
+    plain = [i for i, t in enumerate(texts) if t.special_tokens]
+    if plain:
+        encoded = tokenizer([texts[i].text for i in plain], add_special_tokens=True,
                             return_offsets_mapping=True, verbose=False)
-        for i, ids, offsets in zip(chosen, encoded["input_ids"], encoded["offset_mapping"]):
-            out[i] = _labelled(texts[i], np.asarray(ids, dtype=np.int32),
-                               np.asarray(offsets, dtype=np.int64).reshape(-1, 2), all_tokens)
+        for i, ids, offsets in zip(plain, encoded["input_ids"], encoded["offset_mapping"]):
+            out[i] = _completion(texts[i], np.asarray(ids, dtype=np.int32),
+                                 np.asarray(offsets, dtype=np.int64).reshape(-1, 2), all_tokens)
     return out
 
 
-def _labelled(text: Text, ids: np.ndarray, offsets: np.ndarray, all_tokens: bool) -> tuple[np.ndarray, np.ndarray]:
+def _joined(segments: list[list[int]], all_tokens: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The segments' ids one after the other; the labels keep the answers' (the odd segments)."""
+    ids, labels = [], []
+    for index, part in enumerate(segments):
+        ids += part
+        labels += part if all_tokens or index % 2 else [IGNORE_INDEX] * len(part)
+    return np.asarray(ids, dtype=np.int32), np.asarray(labels, dtype=np.int32)
+
+
+def _completion(text: Text, ids: np.ndarray, offsets: np.ndarray,
+                all_tokens: bool) -> tuple[np.ndarray, np.ndarray]:
+    """A prompt + completion without a template: the tokens ending after the prompt are the
+    completion's (special tokens at the end, BERT's [SEP], have empty offsets: not the completion),
+    then the EOS."""
     start, end = offsets[:, 0], offsets[:, 1]
-    if text.after >= 0:   # prompt + completion without a template; special tokens at the end (BERT's
-        # [SEP]) have empty offsets: not the completion
-        keep = np.ones(len(ids), dtype=bool) if all_tokens else (end > text.after) & (end > start)
-        if text.eos is not None and (len(ids) == 0 or ids[-1] != text.eos):
-            ids, keep = np.append(ids, np.int32(text.eos)), np.append(keep, True)
-    elif all_tokens:
-        keep = np.ones(len(ids), dtype=bool)
-    else:
-        keep = np.zeros(len(ids), dtype=bool)
-        for span_start, span_end in text.spans:
-            keep |= (start < span_end) & (end > span_start)
+    keep = np.ones(len(ids), dtype=bool) if all_tokens else (end > text.after) & (end > start)
+    if text.eos is not None and (len(ids) == 0 or ids[-1] != text.eos):
+        ids, keep = np.append(ids, np.int32(text.eos)), np.append(keep, True)
     return ids, np.where(keep, ids, np.int32(IGNORE_INDEX)).astype(np.int32)
+
+
+def segment_ids(tokenizer, records: list[list[str]]) -> list[list[list[int]]]:
+    """Each record's segments tokenised (no special tokens added): the first alone, every later one
+    after its context (`_context`), keeping the ids it has there where the context keeps its own
+    ids, else alone. Two or three batched calls in all."""
+    added = _added_tokens(tokenizer)
+    jobs = [(r, s, _context(segments[s - 1], added) if s else "")
+            for r, segments in enumerate(records) for s in range(len(segments)) if segments[s]]
+    contexts = sorted({context for _, _, context in jobs if context})
+    encoded = _ids(tokenizer, [context + records[r][s] for r, s, context in jobs] + contexts)
+    context_ids = dict(zip(contexts, encoded[len(jobs):]))
+    out: list[list] = [[[] for _ in segments] for segments in records]   # an empty one: no ids
+    alone = []
+    for (r, s, context), ids in zip(jobs, encoded):
+        before = context_ids[context] if context else []
+        if ids[:len(before)] == before:
+            out[r][s] = ids[len(before):]
+        else:   # the segment changed its context's ids (a merge across the cut): tokenised alone
+            alone.append((r, s))
+    for (r, s), ids in zip(alone, _ids(tokenizer, [records[r][s] for r, s in alone])):
+        out[r][s] = ids
+    return out
+
+
+def _ids(tokenizer, texts: list[str]) -> list[list[int]]:
+    """The texts' ids as `tokenizer(text, add_special_tokens=False)` gives them, in one call."""
+    if not texts:
+        return []
+    encoded = tokenizer(texts, add_special_tokens=False, return_attention_mask=False,
+                        return_token_type_ids=False, verbose=False)
+    return encoded["input_ids"]
+
+
+def _added_tokens(tokenizer) -> re.Pattern | None:
+    """A pattern that finds the last of the tokenizer's added tokens in a text (special or not: the
+    tokenizer splits the text at them before anything else), longest first."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    names = sorted({str(token) for token in decoder.values()} | set(tokenizer.all_special_tokens),
+                   key=len, reverse=True)
+    names = [name for name in names if name]
+    return re.compile("(?s:.*)(" + "|".join(map(re.escape, names)) + ")") if names else None
+
+
+def _context(previous: str, added: re.Pattern | None) -> str:
+    """What a segment is tokenised after: the previous segment from its last added token (the
+    tokenizer's ids restart there), else the whole previous segment."""
+    last = added.match(previous) if added is not None else None
+    return previous[last.start(1):] if last is not None else previous
+
+
+@dataclass(frozen=True)
+class PromptDifference:
+    """An assistant turn whose training ids before the answer are not the ids it is served."""
+
+    turn: int         # the assistant message's number in the conversation, from 1
+    rewritten: bool   # the template renders the turns before it otherwise: no ids can match
+    message: str      # which tokens (or characters) differ, and where
+
+
+def prompt_check(tokenizer, template: str, messages: list, text: Text,
+                 segments: list[list[int]]) -> list[PromptDifference]:
+    """Every assistant turn of a rendered record (`text`, its `segment_ids`) whose training ids
+    before the answer differ from `generation_prompt_ids` of the turns before it."""
+    differences, trained = [], []
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    for n, (i, span) in enumerate(zip(turns, text.spans)):
+        trained += segments[2 * n]
+        if i == 0:   # an answer that opens the conversation is never served a prompt
+            trained += segments[2 * n + 1]
+            continue
+        served_text = tokenizer.apply_chat_template(messages[:i], chat_template=template,
+                                                    tokenize=False, add_generation_prompt=True)
+        before = text.text[:span[0]]
+        if served_text != before:
+            at = _common_prefix(served_text, before)
+            differences.append(PromptDifference(i + 1, True, (
+                f"character {at + 1} differs: trained {before[at:at + 40]!r}, "
+                f"served {served_text[at:at + 40]!r}")))
+        else:
+            served = generation_prompt_ids(tokenizer, template, messages[:i])
+            if served != trained:
+                differences.append(PromptDifference(i + 1, False, _token_difference(
+                    tokenizer, trained, served)))
+        trained += segments[2 * n + 1]
+    return differences
+
+
+def _token_difference(tokenizer, trained: list[int], served: list[int]) -> str:
+    """Where two id lists part, as token strings around that place."""
+    at = next((k for k, (a, b) in enumerate(zip(trained, served)) if a != b),
+              min(len(trained), len(served)))
+
+    def shown(ids: list[int]) -> str:
+        window = ids[max(0, at - 3):at + 4]
+        names = tokenizer.convert_ids_to_tokens(window)
+        return " ".join(repr(str(name)) for name in names) or "(nothing)"
+
+    return (f"token {at + 1} of {len(served)} differs: trained {shown(trained)}, "
+            f"served {shown(served)}")

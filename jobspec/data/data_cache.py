@@ -41,7 +41,8 @@ import numpy as np
 
 from jobspec.units import MiB
 
-CACHE_FORMAT = 1
+# 2: a rendered record is tokenised segment by segment (data/chat_render.py), its prompts as served
+CACHE_FORMAT = 2
 SAMPLE_HASH_LIMIT = 64 * MiB   # files up to this size are hashed whole; larger ones by SAMPLE_BLOCKS blocks
 SAMPLE_BLOCKS = 16
 SAMPLE_BLOCK = 1 * MiB

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jobspec.data import data_cache, datacheck
+from jobspec.data import chat_render, data_cache, datacheck
 from jobspec.data.chat_render import IGNORE_INDEX, RecordError, RecordText, chat_template, check_template, encode
 from jobspec.data.data_format import source_kind, split_source
 from jobspec.data.record_sources import TABLE_KINDS, Source, source_for
@@ -41,6 +41,7 @@ from jobspec.units import MiB
 
 MAX_REPORTED = 20
 ESTIMATE_RECORDS = 200   # records tokenised to estimate a cold pass (`--dry-run`)
+PROMPT_CHECK_RECORDS = 8   # records whose answers are checked against the prompts they are served
 
 
 def cached_kind(spec: JobSpec, split: str) -> str | None:
@@ -202,7 +203,9 @@ def _encode_chunk(chunk) -> _Chunk:
 def _build(spec: JobSpec, entry: Entry, tokenizer, num_proc: int, show: str | None) -> data_cache.CachedData:
     data = spec["data"]
     template = chat_template(spec, tokenizer)
-    _WORK.update(source=entry.source, record_text=RecordText(spec, tokenizer, entry.kind, template, entry.split),
+    record_text = RecordText(spec, tokenizer, entry.kind, template, entry.split)
+    note = check_prompts(entry, record_text, tokenizer)
+    _WORK.update(source=entry.source, record_text=record_text,
                  tokenizer=tokenizer, max_length=data["max_length"], all_tokens=data["loss_on"] == "all")
     chunks = entry.source.chunks()
     progress = Progress(f"data.{entry.split}", entry.source.total(), show)
@@ -224,7 +227,8 @@ def _build(spec: JobSpec, entry: Entry, tokenizer, num_proc: int, show: str | No
                 "tokens": writer.tokens, "truncated": totals.truncated, "no_answer": totals.no_answer,
                 "longest": totals.longest[0], "longest_where": totals.longest[1], "max_length": data["max_length"],
                 "seconds": round(time.time() - started, 2),
-                "cpu_seconds": round(_cpu_seconds() - cpu_started, 2), "num_proc": min(num_proc, len(chunks)) or 1}
+                "cpu_seconds": round(_cpu_seconds() - cpu_started, 2),
+                "num_proc": min(num_proc, len(chunks)) or 1, "prompt_note": note}
         path = writer.commit(meta)
     except BaseException:
         writer.abort()
@@ -234,6 +238,56 @@ def _build(spec: JobSpec, entry: Entry, tokenizer, num_proc: int, show: str | No
     opened = data_cache.open_entry(path.name, path.parent)
     assert opened is not None
     return opened
+
+
+def check_prompts(entry: Entry, record_text: RecordText, tokenizer) -> str | None:
+    """The first PROMPT_CHECK_RECORDS records' assistant turns against the prompts the model is
+    served (chat_render.prompt_check), returning a note or None. The first answer's prompt is the
+    served one by construction: ids that differ there refuse the data, naming the record. A later
+    answer's served prompt holds the earlier answers, which training tokenised as answers: a
+    tokenizer that splits the text at the cut one way where an answer ends and another where the
+    conversation goes on cannot give both (GPT-2's pre-tokenizer before a blank line), and a
+    template that renders earlier turns differently cannot either: a note, saying which."""
+    if record_text.renderer is None:
+        return None
+    issues, note = [], None
+    for where, record in entry.source.read(entry.source.head(PROMPT_CHECK_RECORDS)):
+        try:
+            text = record_text(record, where)
+        except RecordError:
+            continue   # the pass names it
+        segments = chat_render.segment_ids(tokenizer, [text.segments()])[0]
+        messages = record_text.messages(record)
+        first = next((i + 1 for i, m in enumerate(messages) if m.get("role") == "assistant"), None)
+        for difference in chat_render.prompt_check(tokenizer, record_text.renderer.template,
+                                                   messages, text, segments):
+            if difference.turn != first and not difference.rewritten:
+                note = note or (
+                    f"data.{entry.split}: the tokenizer splits the text after an answer one way where "
+                    f"the answer ends and another where the conversation goes on ({where}, message "
+                    f"{difference.turn}: {difference.message}); answers after the first are trained "
+                    f"after the earlier answers as trained, which a served conversation tokenises "
+                    f"otherwise (a pre-tokenizer that splits both alike, as Llama 3's, avoids it)")
+                continue
+            if difference.rewritten:
+                note = note or (
+                    f"data.{entry.split}: the chat template renders the turns before an answer "
+                    f"differently inside the whole conversation ({where}, message "
+                    f"{difference.turn}: {difference.message}); such answers are trained after the "
+                    f"whole conversation's rendering, not after the prompt the model is served")
+                continue
+            issues.append(SpecIssue(
+                ("data", entry.split),
+                f"{where}: message {difference.turn}: the ids training puts before this answer are "
+                f"not the prompt the model is served (the turns before it rendered with "
+                f"add_generation_prompt=True, tokenised): {difference.message}",
+                "the tokenizer splits the text before an earlier answer one way where a prompt "
+                "ends there and another where the answer follows it (its pre-tokenizer): use one "
+                "that splits both alike, as Llama 3's does, or give each answer its own record"))
+            break   # a record's first such turn: the later ones hold the same text
+    if issues:
+        raise SpecError(issues)
+    return note
 
 
 def _cpu_seconds() -> float:
@@ -312,9 +366,7 @@ def prepare_data(spec: JobSpec, *, build: bool, show: str | None = None,
         entry = prepare_split(spec, split, tokenizer, num_proc=num_proc, show=show)
         entries.append(entry)
         lines.append(summary_line(entry))
-        truncated = truncation_line(entry)
-        if truncated:
-            lines.append(truncated)
+        lines += [line for line in (truncation_line(entry), prompt_note_line(entry)) if line]
     return lines, counts(entries)
 
 
@@ -332,6 +384,7 @@ def dry_lines(spec: JobSpec, splits: list[str], tokenizer,
         if entry.data is not None:
             entries.append(entry)
             lines.append(f"tokenised data cached (warm): {summary_line(entry)}")
+            lines += [line for line in (prompt_note_line(entry),) if line]
             continue
         processes = num_proc or default_num_proc(spec)
         guess = remembered_estimate(spec, entry, tokenizer, processes)
@@ -417,6 +470,12 @@ def truncation_line(entry: Entry) -> str | None:
     return (f"data.{entry.split}: {meta['truncated']:,} of {meta['records']:,} records are longer than "
             f"data.max_length ({meta['max_length']:,} tokens) and were truncated; the longest has "
             f"{meta['longest']:,} tokens ({meta['longest_where']})")
+
+
+def prompt_note_line(entry: Entry) -> str | None:
+    """What the check of the served prompts noted (`check_prompts`), or None."""
+    assert entry.data is not None
+    return entry.data.meta.get("prompt_note")
 
 
 def counts(entries: list[Entry]) -> dict:

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jobspec import rundir
+from jobspec.data.chat_render import generation_prompt_ids
 from jobspec.data.data_format import source_kind
 from jobspec.data.datacheck import record_kind
 from jobspec.errors import first_line, spec_error
@@ -156,10 +157,8 @@ def build_prompts(spec: JobSpec, tokenizer, template: str | None, records: list)
     for index, record in enumerate(records):
         try:
             messages, reference = conversation(record, data)
-            if template is not None:
-                text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                                     add_generation_prompt=True)
-                ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if template is not None:   # what training puts before an answer (data/chat_render)
+                ids = generation_prompt_ids(tokenizer, template, messages)
             elif len(messages) == 1:   # prompt records of a tokenizer without a template: as training renders them
                 ids = tokenizer(messages[0]["content"], add_special_tokens=True)["input_ids"]
             else:

@@ -47,7 +47,8 @@ def make_spec(train: Path, **data) -> dict:
 def reference(tokenizer, records: list, max_length: int, loss_on: str) -> list[tuple[list, list]]:
     """Record by record, the way a reader of the docs would do it by hand: the whole conversation
     rendered, each assistant turn's span from its prefix and the conversation through it, one tokenizer
-    call per record."""
+    call per record. The pass tokenises segment by segment (test_served_prompt.py); the shipped
+    tokenizer splits as Llama 3's does, so at once gives the same ids."""
     def render(messages, prompt=False):
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
 
