@@ -49,6 +49,7 @@ class Host:
     gpu_free: int | None = None
     bf16_supported: bool = True
     ram_total: int | None = None
+    gpu_name: str | None = None   # NVML's name of its GPUs: the plan adds that GPU's measured CUDA context
 
     @classmethod
     def probe(cls, gpus_per_node: int) -> Host:
@@ -56,7 +57,9 @@ class Host:
         import psutil
 
         from jobspec import hardware
-        return cls(hardware.gpu_free_bytes(gpus_per_node), hardware.bf16_supported(), psutil.virtual_memory().total)
+        name = next((n for n in hardware.gpu_names() if n != "cpu"), None)
+        return cls(hardware.gpu_free_bytes(gpus_per_node), hardware.bf16_supported(), psutil.virtual_memory().total,
+                   gpu_name=name)
 
 
 @dataclass
@@ -148,7 +151,7 @@ def prepare_job(source: str | os.PathLike | ResolvedSpec, overrides: Iterable[st
         derived = _located(resolved, lambda: derive_job(spec, profiler=CachedProfiler()))
         resolved, derived, memory = _located(resolved, lambda: at_launch.plan_at_launch(
             resolved, derived, host.gpu_free, bf16_supported=host.bf16_supported, apply_fit=how.apply_fit,
-            budget=how.budget, host_ram=host.ram_total, host_budget=how.host_budget))
+            budget=how.budget, host_ram=host.ram_total, host_budget=how.host_budget, gpu_name=host.gpu_name))
     else:
         derived = _located(resolved, lambda: derive_job(spec))
     prepared = PreparedJob(resolved, derived, memory, host=host)

@@ -46,8 +46,10 @@ class LaunchMemory:
 
 def plan_at_launch(resolved: ResolvedSpec, job: DerivedJob, gpu_free: int | None, *, bf16_supported: bool = True,
                    apply_fit: bool = True, budget: tuple[int, str] | None = None, host_ram: int | None = None,
-                   host_budget: tuple[int, str] | None = None) -> tuple[ResolvedSpec, DerivedJob, LaunchMemory]:
+                   host_budget: tuple[int, str] | None = None, gpu_name: str | None = None
+                   ) -> tuple[ResolvedSpec, DerivedJob, LaunchMemory]:
     """(resolved spec to run, its derived job, LaunchMemory): `memory.fit: auto` applied, the plan of the result.
+    `gpu_name`: this host's GPU (NVML's name), whose measured CUDA context the plan adds.
 
     `gpu_free`: the least free memory of this host's GPUs (None without GPUs), the budget when
     `memory.gpu_memory` is not set; `bf16_supported`: whether fitting may switch to bf16;
@@ -63,10 +65,12 @@ def plan_at_launch(resolved: ResolvedSpec, job: DerivedJob, gpu_free: int | None
     one is refused with the rule's own message, at the field.
     """
     from jobspec.memory.fit import apply_changes, fit, host_refusal
+    from jobspec.memory.gpu_overheads import cuda_context, torch_cuda_version
     from jobspec.memory.planner import parse_bytes, plan_memory
 
     spec = resolved.spec
     memory = LaunchMemory()
+    context = cuda_context(gpu_name, torch_cuda_version())   # the GPU's own figure, when measured
     if host_budget is not None:
         memory.host_budget, memory.host_budget_source = host_budget
     elif spec["resources"]["host_mem"]:
@@ -86,7 +90,8 @@ def plan_at_launch(resolved: ResolvedSpec, job: DerivedJob, gpu_free: int | None
             memory.lines.append("fit: skipped (memory.fit is auto, but this host has no GPU and "
                                 "memory.gpu_memory is not set): running the spec as written")
         else:
-            result = fit(spec, job, memory.budget, bf16_supported=bf16_supported, host_budget=memory.host_budget)
+            result = fit(spec, job, memory.budget, bf16_supported=bf16_supported, host_budget=memory.host_budget,
+                         context=context)
             if result.host_limited:
                 raise resolved.locate(spec_error(
                     f"memory.fit is auto and {result.reason}", path=("resources", "host_mem"),
@@ -105,7 +110,8 @@ def plan_at_launch(resolved: ResolvedSpec, job: DerivedJob, gpu_free: int | None
                 job = job.with_spec(spec)
                 memory.lines.append("fit: applied " + " ".join(f"--set {o}" for o in result.overrides))
     try:
-        memory.plan = plan_memory(spec, job, budget=memory.budget, host_budget=memory.host_budget)
+        memory.plan = plan_memory(spec, job, budget=memory.budget, host_budget=memory.host_budget,
+                                  context=context)
     except SpecError as err:  # an architecture the planner cannot count: launch anyway, unplanned
         if any(issue.code == "model-build" for issue in err.issues):
             raise resolved.locate(err) from None   # the model itself cannot be built: every rank would fail
@@ -154,7 +160,8 @@ def plan_record(memory: LaunchMemory) -> dict:
         mib = {f"{k}_mib": _mib(v) for k, v in plan.breakdown.items()}
         mib.update(peak_allocated_mib=_mib(plan.peak_allocated), peak_reserved_mib=_mib(plan.peak_reserved),
                    nvml_total_mib=_mib(plan.nvml_total), host_total_mib=_mib(plan.host_total),
-                   host_per_node_mib=_mib(plan.host_per_node))
+                   host_per_node_mib=_mib(plan.host_per_node),
+                   cuda_context_mib=_mib(plan.nvml_total - plan.peak_reserved))   # the figure the plan used
         mib.update({f"host_{k}_mib": _mib(v) for k, v in plan.host.items()})
         if memory.host_budget is not None:
             mib["host_budget_mib"] = _mib(memory.host_budget)

@@ -23,6 +23,7 @@ from typing import Any
 
 from jobspec import optimizers
 from jobspec.errors import SpecError, spec_error
+from jobspec.memory.gpu_overheads import ContextFigure
 from jobspec.memory.planner import MemoryPlan, plan_memory
 from jobspec.optimizers.base import DEEPSPEED_CPU_ADAM
 from jobspec.spec.derived import DerivedJob
@@ -68,15 +69,17 @@ class FitResult:
 
 
 def fit(spec: JobSpec, job: DerivedJob, budget_bytes: int, *, bf16_supported: bool = True,
-        host_budget: int | None = None) -> FitResult:
+        host_budget: int | None = None, context: ContextFigure | None = None) -> FitResult:
     """The fastest configuration of `spec` predicted to fit `budget_bytes` per GPU (NVML-style total)
-    and, when `host_budget` is known, a node's RAM with all its ranks."""
+    and, when `host_budget` is known, a node's RAM with all its ranks; `context`: the GPU's CUDA
+    context (planner.plan_memory)."""
     baseline = step_time(spec, job)
     best, gpu_best, smallest, host_least, considered = None, None, None, None, 0
     for changes in candidate_changes(spec, job, bf16_supported):
         candidate = apply_changes(spec, changes)
         candidate_job = job.with_spec(candidate)
-        plan = plan_memory(candidate, candidate_job, budget=budget_bytes, host_budget=host_budget)
+        plan = plan_memory(candidate, candidate_job, budget=budget_bytes, host_budget=host_budget,
+                           context=context)
         considered += 1
         cost = step_time(candidate, candidate_job) / baseline
         if smallest is None or plan.nvml_total < smallest[1].nvml_total:

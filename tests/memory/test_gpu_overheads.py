@@ -33,3 +33,26 @@ def test_the_cuda_version_comes_from_torchs_version_without_importing_torch(monk
 
     monkeypatch.setattr(gpu_overheads.metadata, "version", missing)
     assert torch_cuda_version() is None
+
+
+def test_the_launch_plans_with_this_hosts_gpu_and_records_the_figure(tmp_path, monkeypatch):
+    """`jobspec launch` probes the GPU's name (NVML): its plan adds that GPU's measured context, and
+    launch.json's plan says how much it added."""
+    from jobspec.job.prepare import AS_WRITTEN, Host, prepare_job
+    from jobspec.memory.at_launch import plan_record
+    from tests.spec_builder import write_job
+
+    monkeypatch.setenv("JOBSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(gpu_overheads, "torch_cuda_version", lambda: "13.0")
+    job = write_job(tmp_path)
+    plans = {}
+    for name in ("NVIDIA H200", None):
+        prepared = prepare_job(job, host=Host(gpu_free=None, gpu_name=name), how=AS_WRITTEN)
+        plans[name] = prepared.memory.plan
+    h200 = plans["NVIDIA H200"]
+    assert "measured on H200, CUDA 13" in h200.settings["cuda_context"]
+    assert h200.nvml_total - h200.peak_reserved == 1940 * MiB
+    assert "unknown GPU" in plans[None].settings["cuda_context"]
+    record = plan_record(type("Memory", (), {"plan": h200, "host_budget": None, "budget": None,
+                                             "fit": None})())
+    assert record["plan"]["cuda_context_mib"] == 1940.0
