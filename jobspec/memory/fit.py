@@ -135,7 +135,9 @@ def candidate_changes(spec: JobSpec, job: DerivedJob, bf16_supported: bool) -> I
     micros = [m for m in range(micro, 0, -1) if micro % m == 0 and global_batch % (m * world) == 0]
     half = "bf16" if bf16_supported else "fp16"
     precisions = [memory["precision"]] + ([half] if memory["precision"] == "fp32" else [])
-    checkpointing = [False] + [{"every_n_layers": k} for k in CHECKPOINT_EVERY if k > 1] + [True]
+    # one layer in k, for the k validation accepts (at most the model's layers)
+    layers = job.num_layers or 0
+    checkpointing = [False] + [{"every_n_layers": k} for k in CHECKPOINT_EVERY if 1 < k <= layers] + [True]
     names = [training["optimizer"]["name"], *optimizers.get(training["optimizer"]["name"]).fit_alternatives]
     nvme = bool(memory["offload"]["nvme_path"])
     layouts = [(stage, "none", "none") for stage in range(memory["zero_stage"], 4)]

@@ -30,7 +30,7 @@ from jobspec.model.step import extrapolate, mask_of, run_step, summarize
 from jobspec.spec.model_profile import Inventory, ModelProfile, UnitTrace, compose, layer_types
 from jobspec.spec.types import JobSpec, JobSpecMemory
 
-TRACE_VERSION = 5   # bump when what a trace measures changes: old cache entries are not read
+TRACE_VERSION = 6   # bump when what a trace measures changes: old cache entries are not read
 PRECISION_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 NO_TILING = (False, False, False)   # (tiled loss, tiled MLP, offloaded checkpoints): `tiling_setting`
 # config attributes that mean tokens are routed to experts by their values

@@ -85,7 +85,7 @@ PHASES = ("outside", "stack", "turn")
 # The same phases with every parameter gradient kept from the moment it is made: a step that starts
 # without gradients (ZeRO-0 with one micro-batch per step: the engine sets them to None after each
 # step) holds at its peak the activations and the gradients made so far ("gradients" region).
-GRADIENT_PHASES = tuple(f"{name}+gradients" for name in PHASES)
+GRADIENT_PHASES = tuple(f"{name}_with_gradients" for name in PHASES)
 
 
 @dataclass(frozen=True)
@@ -183,7 +183,7 @@ def compose(types: tuple, unit: Callable[[tuple], UnitTrace]) -> UnitTrace:
         grown = unit(first + context + (layer_type,) + last)
         flops += grown.flops - base.flops
         # "outside" does not grow: no layer keeps anything then (but its gradients, which are kept)
-        growing = ("stack", "turn", "stack+gradients", "turn+gradients", "outside+gradients")
+        growing = ("stack", "turn", *GRADIENT_PHASES)
         for name in (name for name in growing if name in phases):
             phases[name] = phases[name] + (grown.phases[name] - base.phases[name])
     return UnitTrace.of_phases(phases, flops)
