@@ -5,9 +5,10 @@ One row per run: name, status, precision, ZeRO stage, micro/global batch, accumu
 checkpointing, optimizer, world size; the final train and eval loss, and the last evaluation's task
 metrics (accuracy, F1, perplexity: a column only when some run has it); steady-state samples/s,
 tokens/s, TFLOP/s and MFU (median of the logged series after its first point, which pays for
-warm-up); peak allocated / NVML / host RSS memory (max of the series); and the memory planner's
-predicted peak allocated memory ('-' when it cannot be computed). GPU-only values are '-' on CPU
-runs.
+warm-up); peak allocated, GPU total (NVML) and host RSS memory (max of the series), each beside
+the plan the launch logged for it (its `plan.*` params; recomputed from resolved.yaml for a run
+without them; '-' when it cannot be computed). GPU values are '-' on CPU ranks, whose plan is
+their host RAM (the process and the tensors).
 
 A report only reads unless told where to write: with --out DIR, report.<md|csv|txt> and
 `comparison.png` (samples/s and peak memory per run) go to DIR; with --log-to-runs,

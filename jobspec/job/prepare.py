@@ -50,16 +50,19 @@ class Host:
     bf16_supported: bool = True
     ram_total: int | None = None
     gpu_name: str | None = None   # NVML's name of its GPUs: the plan adds that GPU's measured CUDA context
+    cpu_ranks: bool = False       # its ranks run on CPUs: the plan puts their tensors in host RAM
 
     @classmethod
     def probe(cls, gpus_per_node: int) -> Host:
-        """This machine's (NVML, through jobspec.hardware; JOBSPEC_FAKE_GPU_FREE_BYTES in tests)."""
+        """This machine's (NVML, through jobspec.hardware; JOBSPEC_FAKE_GPU_FREE_BYTES in tests, which
+        plans GPU ranks)."""
         import psutil
 
         from jobspec import hardware
         name = next((n for n in hardware.gpu_names() if n != "cpu"), None)
-        return cls(hardware.gpu_free_bytes(gpus_per_node), hardware.bf16_supported(), psutil.virtual_memory().total,
-                   gpu_name=name)
+        free = hardware.gpu_free_bytes(gpus_per_node)
+        return cls(free, hardware.bf16_supported(), psutil.virtual_memory().total, gpu_name=name,
+                   cpu_ranks=name is None and free is None)
 
 
 @dataclass
@@ -151,7 +154,8 @@ def prepare_job(source: str | os.PathLike | ResolvedSpec, overrides: Iterable[st
         derived = _located(resolved, lambda: derive_job(spec, profiler=CachedProfiler()))
         resolved, derived, memory = _located(resolved, lambda: at_launch.plan_at_launch(
             resolved, derived, host.gpu_free, bf16_supported=host.bf16_supported, apply_fit=how.apply_fit,
-            budget=how.budget, host_ram=host.ram_total, host_budget=how.host_budget, gpu_name=host.gpu_name))
+            budget=how.budget, host_ram=host.ram_total, host_budget=how.host_budget, gpu_name=host.gpu_name,
+            cpu_ranks=host.cpu_ranks))
     else:
         derived = _located(resolved, lambda: derive_job(spec))
     prepared = PreparedJob(resolved, derived, memory, host=host)

@@ -14,6 +14,8 @@ from urllib.parse import urlsplit
 
 from jobspec import optimizers
 from jobspec.compile.compiler import patch_text
+from jobspec.memory import plan_figures
+from jobspec.memory.plan_figures import GPU_TOTAL, HOST_RAM, PEAK_ALLOCATED
 from jobspec.memory.planner import ALLOCATOR_VARIABLE, allocator_conf, expandable
 from jobspec.rundir import RunSummary
 from jobspec.spec import eval_metrics
@@ -120,9 +122,10 @@ def header_lines(spec: JobSpec, job, memory, host, patches: list, *, style: bool
                  f"{_ranks(job.world_size)}{accumulation}) · "
                  f"{job.total_steps} steps · sequence length {job.seq_len}")
     lines.append(label("hardware", style) + hardware_text(job, host))
-    lines.append(label("memory", style) + memory_text(job, memory, host))
+    if memory.plan is None or not memory.plan.cpu_ranks:   # CPU ranks: their tensors are host RAM
+        lines.append(label("memory", style) + memory_text(memory, host))
     if memory.plan is not None:
-        lines.append(label("host RAM", style) + host_memory_text(memory))
+        lines.append(label(HOST_RAM.label, style) + host_memory_text(memory, host))
     if memory.host_problem is not None:   # memory.fit: auto refused it already; as written, say so
         issue = memory.host_problem.issues[0]
         lines.append(f"WARNING: the nodes cannot hold this job: {issue.message}.")
@@ -159,40 +162,39 @@ def hardware_text(job, host) -> str:
            f"CPU core{'s' if host.cpus != 1 else ''}; world size {job.world_size}"
 
 
-def memory_text(job, memory, host) -> str:
+def memory_text(memory, host) -> str:
+    """The plan's GPU figures (memory/plan_figures: `GPU total`, `peak allocated`) against the GPU."""
     plan = memory.plan
     if plan is None:
         return "no plan for this model (see the line above)"
-    if host.has_gpu:
-        text = (f"plan {fmt_mib_gib(plan.nvml_total)} per GPU (peak allocated {fmt_mib_gib(plan.peak_allocated)} "
-                f"+ allocator and CUDA context)")
-        if host.gpu_free is not None:
-            verdict = "fits" if plan.nvml_total <= host.gpu_free else "DOES NOT FIT"
-            total = f" of {fmt_mib_gib(host.gpu_total)}" if host.gpu_total else ""
-            text += f" · {fmt_mib_gib(host.gpu_free)} free{total}: {verdict}"
-        if memory.budget is not None and memory.budget_source == "memory.gpu_memory":
-            text += f" · budget {fmt_mib_gib(memory.budget)} (memory.gpu_memory)"
-        return text + " · " + allocator_text(os.environ)
-    per_rank = plan.peak_reserved + plan.host_total
-    node = per_rank * job.gpus_per_node
-    text = f"plan {fmt_mib_gib(per_rank)} per rank (tensors and the process)"
-    if job.gpus_per_node > 1:
-        text += f", {fmt_mib_gib(node)} for {_ranks(job.gpus_per_node)}"
-    if host.ram_available is not None:
-        text += f" · host RAM {fmt_mib_gib(host.ram_available)} available of {fmt_mib_gib(host.ram_total)}"
-    return text
+    text = (f"{GPU_TOTAL.label} plan {fmt_mib_gib(plan.nvml_total)} per GPU ({PEAK_ALLOCATED.label} "
+            f"{fmt_mib_gib(plan.peak_allocated)} + allocator and CUDA context)")
+    if host.gpu_free is not None:
+        verdict = "fits" if plan.nvml_total <= host.gpu_free else "DOES NOT FIT"
+        total = f" of {fmt_mib_gib(host.gpu_total)}" if host.gpu_total else ""
+        text += f" · {fmt_mib_gib(host.gpu_free)} free{total}: {verdict}"
+    if memory.budget is not None and memory.budget_source == "memory.gpu_memory":
+        text += f" · budget {fmt_mib_gib(memory.budget)} (memory.gpu_memory)"
+    return text + " · " + allocator_text(os.environ)
 
 
-def host_memory_text(memory) -> str:
-    """The plan's host RAM per rank and per node against the node's RAM (memory/host_memory.py)."""
+def host_memory_text(memory, host) -> str:
+    """The plan's host RAM (memory/plan_figures.HOST_RAM) per rank and per node against the node's
+    RAM; on CPU ranks it holds the rank's tensors too, and the RAM available now is said."""
     plan = memory.plan
     text = f"plan {fmt_mib_gib(plan.host_total)} per rank"
+    if plan.cpu_ranks:
+        text += f" (the process and its tensors: {fmt_mib_gib(plan.host.get('tensors', 0))} at the peak)"
     if plan.ranks_per_node > 1:
         text += f", {fmt_mib_gib(plan.host_per_node)} per node ({_ranks(plan.ranks_per_node)})"
     if memory.host_budget is None:
-        return text + " · node RAM unknown (set resources.host_mem to check it)"
-    verdict = "fits" if plan.host_fits else "DOES NOT FIT"
-    return text + f" · node RAM {fmt_mib_gib(memory.host_budget)} ({memory.host_budget_source}): {verdict}"
+        text += " · node RAM unknown (set resources.host_mem to check it)"
+    else:
+        verdict = "fits" if plan.host_fits else "DOES NOT FIT"
+        text += f" · node RAM {fmt_mib_gib(memory.host_budget)} ({memory.host_budget_source}): {verdict}"
+    if plan.cpu_ranks and host.ram_available is not None:
+        text += f" · {fmt_mib_gib(host.ram_available)} available now"
+    return text
 
 
 def gpu_sized_warning(spec: JobSpec, job, memory, host, step_time_s: float | None) -> list[str]:
@@ -210,7 +212,8 @@ def gpu_sized_warning(spec: JobSpec, job, memory, host, step_time_s: float | Non
                        f"for {job.total_steps} steps)")
     plan = memory.plan
     if plan is not None and host.ram_available is not None:
-        node = (plan.peak_reserved + plan.host_total) * job.gpus_per_node
+        # the node's ranks: CPU ranks hold their tensors in host RAM (a GPU plan: beside it)
+        node = plan.host_per_node + (0 if plan.cpu_ranks else plan.peak_allocated * job.gpus_per_node)
         if node > host.ram_available:
             reasons.append(f"its plan needs {fmt_mib_gib(node)} for {_ranks(job.gpus_per_node)}, more than the "
                            f"{fmt_mib_gib(host.ram_available)} of RAM available")
@@ -265,9 +268,7 @@ def closing_lines(summary: RunSummary | None, launch: dict, *, job_name: str, ru
     speed = throughput_text(summary)
     if speed:
         lines.append(label("throughput", style) + speed)
-    memory = peak_memory_text(summary.peak_memory, launch.get("plan") or {})
-    if memory:
-        lines.append(label("memory", style) + memory)
+    lines += memory_lines(summary.peak_memory, launch.get("plan") or {}, style)
     counts = summary.parameters
     if counts.get("total") and counts.get("trainable") is not None and counts["trainable"] < counts["total"]:
         # a frozen base (model.lora, model.freeze): what was trained of what was loaded
@@ -359,24 +360,22 @@ def throughput_text(summary: RunSummary) -> str:
     return " · ".join(parts)
 
 
-def peak_memory_text(peaks: dict, plan: dict) -> str:
-    """Measured peaks (max over ranks and windows, MiB) next to the plan (launch.json `plan`, MiB)."""
-    def versus(measured_key: str, plan_key: str, what: str) -> str | None:
-        if measured_key not in peaks:
-            return None
-        planned = f" (plan {fmt_mib(plan[plan_key])})" if plan.get(plan_key) is not None else ""
-        return f"{what} {fmt_mib(peaks[measured_key])}{planned}"
+def memory_lines(peaks: dict, plan: dict, style: bool) -> list[str]:
+    """Each measured peak (max over ranks and windows, MiB) beside its plan (launch.json `plan`, MiB),
+    by memory/plan_figures: the GPU's on a `memory` line, host RAM (RSS) on its own, as in the header."""
+    planned = plan_figures.planned(plan)
 
-    parts = [versus("mem/peak_allocated_mib_max", "peak_allocated_mib", "peak allocated"),
-             versus("mem/peak_reserved_mib_max", "peak_reserved_mib", "reserved"),
-             versus("mem/nvml_used_mib_max", "nvml_total_mib", "GPU total")]
-    shown = [p for p in parts if p]
-    if shown:
-        return " · ".join(shown) + " per GPU"
-    if "mem/host_rss_mib_max" in peaks:   # CPU ranks: the process, Python and torch included
-        planned = ""
-        if plan.get("peak_reserved_mib") is not None:
-            total = plan["peak_reserved_mib"] + plan.get("host_total_mib", 0)
-            planned = f" (plan: {fmt_mib(total)}, tensors and the process)"
-        return f"peak host RSS {fmt_mib(peaks['mem/host_rss_mib_max'])} per rank{planned}"
-    return ""
+    def versus(figure, what: str) -> str | None:
+        if figure.metric not in peaks:
+            return None
+        shown = f" (plan {fmt_mib(planned[figure.metric])})" if figure.metric in planned else ""
+        return f"{what} {fmt_mib(peaks[figure.metric])}{shown}"
+
+    lines = []
+    gpu = [text for text in (versus(f, f.label) for f in plan_figures.GPU_FIGURES) if text]
+    if gpu:
+        lines.append(label("memory", style) + " · ".join(gpu) + " per GPU")
+    host = versus(HOST_RAM, "peak RSS")
+    if host:
+        lines.append(label(HOST_RAM.label, style) + host + " per rank")
+    return lines

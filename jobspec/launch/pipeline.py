@@ -67,6 +67,7 @@ from jobspec.launch import (
 from jobspec.launch import tracking as launch_tracking
 from jobspec.launch.context import LaunchContext, LaunchOptions
 from jobspec.memory import at_launch as launch_memory
+from jobspec.memory import plan_figures
 from jobspec.memory.at_launch import LaunchMemory
 from jobspec.memory.planner import ALLOCATOR_VARIABLE, allocator_conf
 from jobspec.secrets import mask_secrets
@@ -349,7 +350,9 @@ def closing_block(spec: JobSpec, run_dir: Path, launch: dict, outcome, end, trac
                                   experiment=spec["logging"]["mlflow"]["experiment"], style=style,
                                   model_tags=model_tags, model_spec=spec["model"])
     if summary is not None:
-        rundir.write_summary(run_dir, dataclasses.replace(summary, report=console.plain(lines)))
+        planned = plan_figures.planned(launch.get("plan") or {}) or None
+        rundir.write_summary(run_dir, dataclasses.replace(summary, report=console.plain(lines),
+                                                          planned_memory=planned))
     return lines
 
 

@@ -62,6 +62,7 @@ class MemoryPlan:
     compute: dict = field(default_factory=dict)   # FLOPs per trained token, from the derived job
     host_budget: int | None = None   # a node's RAM (resources.host_mem, else the launching host's)
     ranks_per_node: int = 1
+    cpu_ranks: bool = False   # the ranks run on CPUs: their tensors are in host RAM (host["tensors"])
 
     @property
     def gpu_fits(self) -> bool | None:
@@ -153,11 +154,13 @@ def expandable(conf: str) -> bool:
 
 def plan_memory(spec: JobSpec, job: DerivedJob, *, budget: int | None = None,
                 host_budget: int | None = None, expandable_segments: bool = True,
-                context: ContextFigure | None = None) -> MemoryPlan:
+                context: ContextFigure | None = None, cpu_ranks: bool = False) -> MemoryPlan:
     """Predicted per-rank peak memory of `spec` (a resolved spec with defaults filled) and its derived job
     (derived with a profiler: `job.profile` holds the measured model); `budget` per GPU, `host_budget`
     per node; `expandable_segments`: the allocator the ranks run (`allocator_conf`); `context`: the
-    CUDA context of the GPU it runs on (memory/gpu_overheads.cuda_context; default: GPU unknown)."""
+    CUDA context of the GPU it runs on (memory/gpu_overheads.cuda_context; default: GPU unknown);
+    `cpu_ranks`: the ranks run on CPUs, where the tensors a GPU would hold (`peak_allocated`) are in
+    the rank's host RAM beside its process (host["tensors"]: no CUDA allocator rounds them)."""
     profile = job.profile
     if profile is None:
         if job.profile_error is not None:
@@ -287,6 +290,8 @@ def plan_memory(spec: JobSpec, job: DerivedJob, *, budget: int | None = None,
     # the data's index on the rank (its records are memory-mapped): the samples a derived job counted
     host["data_index"] = host_memory.data_bytes(job.num_train_samples or 0, bool(spec["data"].get("packing")))
     host["offloaded_activations"] = offloaded_activation_bytes(spec, job)
+    if cpu_ranks:
+        host["tensors"] = allocated
     host_total = host_memory.host_peak(host)
     figure = context if context is not None else cuda_context(None, None)
     settings = {"world_size": world, "zero_stage": stage, "precision": precision, "micro_batch_size": micro,
@@ -304,7 +309,7 @@ def plan_memory(spec: JobSpec, job: DerivedJob, *, budget: int | None = None,
                       budget=budget, settings=settings, notes=notes,
                       compute={"model_flops_per_token": job.model_flops_per_token,
                                "hardware_flops_per_token": job.hardware_flops_per_token},
-                      host_budget=host_budget, ranks_per_node=job.gpus_per_node)
+                      host_budget=host_budget, ranks_per_node=job.gpus_per_node, cpu_ranks=cpu_ranks)
 
 
 OFFLOAD_KEPT = 1   # DeepSpeed CheckpointHiddenStatesOffload's keep_last_count: the newest input stays on the GPU

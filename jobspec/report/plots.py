@@ -85,8 +85,9 @@ def plot_comparison(rows: list[dict], path: Path, title: str = "") -> Path | Non
     plt = _pyplot()
     names = [row["run"] for row in rows]
     gpu = any(row.get("peak_allocated_mib") is not None for row in rows)
-    memory_key, memory_label = (("peak_allocated_mib", "peak allocated (MiB)") if gpu
-                                else ("host_rss_mib", "peak host RSS (MiB)"))
+    # the measured peak and its plan's column (report/table.PLAN_COLUMNS)
+    memory_key, plan_key, memory_label = (("peak_allocated_mib", "predicted_mib", "peak allocated (MiB)") if gpu
+                                          else ("host_rss_mib", "host_plan_mib", "peak host RSS (MiB)"))
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 0.5 * len(rows) + 1.8), sharey=True)
     for ax, key, label, color in ((left, "samples_per_s", "samples/s (run average)", "tab:blue"),
                                   (right, memory_key, memory_label, "tab:orange")):
@@ -99,9 +100,9 @@ def plot_comparison(rows: list[dict], path: Path, title: str = "") -> Path | Non
         ax.set_xlabel(label)
         ax.margins(x=0.2)
         ax.grid(axis="x", alpha=0.3)
-    if gpu and any(row.get("predicted_mib") for row in rows):
-        ys = [i for i, row in enumerate(rows) if row.get("predicted_mib")]
-        right.scatter([rows[i]["predicted_mib"] for i in ys], ys, marker="|", s=300, color="black",
+    if any(row.get(plan_key) for row in rows):
+        ys = [i for i, row in enumerate(rows) if row.get(plan_key)]
+        right.scatter([rows[i][plan_key] for i in ys], ys, marker="|", s=300, color="black",
                       label="planner prediction", zorder=3)
         right.legend(fontsize=8, loc="lower right")
     left.set_yticks(range(len(rows)), names, fontsize=8)

@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 
 from jobspec import rundir
 from jobspec.errors import first_line, spec_error
+from jobspec.memory import plan_figures
 from jobspec.spec import eval_metrics
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"  # the schema's logging.mlflow.tracking_uri default
@@ -36,8 +37,6 @@ MEMORY_METRICS = ("mem/peak_allocated_mib_max", "mem/peak_allocated_mib_rank0", 
                   "mem/peak_reserved_mib_rank0", "mem/nvml_used_mib_max", "mem/host_rss_mib_max")
 LOSS_METRICS = ("train/loss", "eval/loss")
 TASK_METRICS = tuple(eval_metrics.key(name) for name in eval_metrics.TASK_ONLY)   # eval/accuracy, ...
-# A launcher may log the planner's prediction itself; it wins over recomputing it from resolved.yaml.
-PREDICTION_PARAMS = ("plan.peak_allocated_mib",)
 
 # (key, header, how the text formats show it)
 COLUMNS = (
@@ -62,11 +61,18 @@ COLUMNS = (
     ("tokens_per_s", "tokens/s", "{:.0f}".format),
     ("tflops", "TFLOP/s", "{:.2f}".format),
     ("mfu", "MFU", "{:.1%}".format),
+    # each measured peak beside its plan (memory/plan_figures: the figures the launch showed)
     ("peak_allocated_mib", "peak alloc MiB", "{:.0f}".format),
-    ("predicted_mib", "plan MiB", "{:.0f}".format),   # beside the measured peak it predicts
-    ("nvml_used_mib", "NVML MiB", "{:.0f}".format),
+    ("predicted_mib", "plan alloc MiB", "{:.0f}".format),
+    ("nvml_used_mib", "GPU total MiB", "{:.0f}".format),
+    ("gpu_total_plan_mib", "plan GPU total MiB", "{:.0f}".format),
     ("host_rss_mib", "host RSS MiB", "{:.0f}".format),
+    ("host_plan_mib", "plan host RAM MiB", "{:.0f}".format),
 )
+# a row's plan key for each figure (memory/plan_figures' metric names)
+PLAN_COLUMNS = {"predicted_mib": plan_figures.PEAK_ALLOCATED.metric,
+                "gpu_total_plan_mib": plan_figures.GPU_TOTAL.metric,
+                "host_plan_mib": plan_figures.HOST_RAM.metric}
 # a spec field that differs between the experiment's runs gets a column "spec.<field>" after `status`;
 # these do not: what the fixed columns show already, and what names, places or logs a run
 SHOWN_FIELDS = {"memory.precision", "memory.zero_stage", "training.micro_batch_size", "training.global_batch_size",
@@ -81,7 +87,7 @@ OPTIONAL_COLUMNS = set(eval_metrics.TASK_ONLY)
 NUMERIC_ALIGN = {"zero", "micro", "global", "accum", "world", "trainable", "parameters", "train_loss", "eval_loss",
                  *OPTIONAL_COLUMNS,
                  "samples_per_s", "tokens_per_s", "tflops", "mfu", "peak_allocated_mib", "nvml_used_mib",
-                 "host_rss_mib", "predicted_mib"}
+                 "host_rss_mib", *PLAN_COLUMNS}
 
 
 @dataclass
@@ -182,8 +188,10 @@ def _checkpointing(params: dict) -> str | None:
     return {"true": "all", "false": "off", "{}": "all"}.get(value, value)
 
 
-def build_row(run_name: str, status: str, params: dict, series: dict, predicted_mib: float | None) -> dict:
-    """A table row from a run's params and metric series (pure: the unit the tests pin down)."""
+def build_row(run_name: str, status: str, params: dict, series: dict,
+              planned: Mapping[str, float] | None) -> dict:
+    """A table row from a run's params, metric series and planned memory figures ({metric: MiB},
+    memory/plan_figures.planned) (pure: the unit the tests pin down)."""
     row = {"run": run_name, "status": status, **settings_from_params(params)}
     row.update({
         "train_loss": series_last(series.get("train/loss", [])),
@@ -198,47 +206,59 @@ def build_row(run_name: str, status: str, params: dict, series: dict, predicted_
         "peak_allocated_mib": series_max(series.get("mem/peak_allocated_mib_max", [])),
         "nvml_used_mib": series_max(series.get("mem/nvml_used_mib_max", [])),
         "host_rss_mib": series_max(series.get("mem/host_rss_mib_max", [])),
-        "predicted_mib": predicted_mib,
+        **{key: (planned or {}).get(metric) for key, metric in PLAN_COLUMNS.items()},
     })
     return row
 
 
 # --- the planner's prediction --------------------------------------------------------------------
 
-def predicted_peak_mib(spec: Mapping[str, Any]) -> float | None:
-    """The planned peak allocated MiB of a run's resolved spec (the spec that ran: `memory.fit` is
-    not applied again), prepared as a launch prepares it; None when the planner cannot tell. `spec` is
+def _launch_memory(spec: Mapping[str, Any], cpu_ranks: bool):
+    """The LaunchMemory of a run's resolved spec (the spec that ran: `memory.fit` is not applied
+    again), prepared as a launch prepares it; None when the planner cannot tell. `spec` is
     resolved.yaml as read back (an MLflow artifact), maybe of an older jobspec: its defaults are filled."""
     from jobspec.job.prepare import AS_WRITTEN, Host, prepare_job
     from jobspec.spec.schema import filled_spec
     from jobspec.spec.validation import ResolvedSpec
-    from jobspec.units import MiB
     try:
         resolved = ResolvedSpec(filled_spec(spec), Path(rundir.RESOLVED), "")
-        memory = prepare_job(resolved, host=Host(), how=AS_WRITTEN).memory
-        assert memory is not None   # plan=True decides it
-        plan = memory.plan
-        return plan.peak_allocated / MiB if plan is not None else None
+        memory = prepare_job(resolved, host=Host(cpu_ranks=cpu_ranks), how=AS_WRITTEN).memory
     except Exception:  # an unknown architecture, an old resolved.yaml: a '-' in the table, not a crash
         return None
+    return memory if memory is not None and memory.plan is not None else None
 
 
-def _prediction_of_run(client, run) -> float | None:
+def planned_of_spec(spec: Mapping[str, Any], cpu_ranks: bool = False) -> dict[str, float]:
+    """The planned memory figures ({metric: MiB}, memory/plan_figures) of a run's resolved spec on CPU
+    ranks or GPUs, as its launch would have logged them; {} when the planner cannot tell."""
+    from jobspec.memory.at_launch import plan_record
+    memory = _launch_memory(spec, cpu_ranks)
+    return plan_figures.planned(plan_record(memory)["plan"]) if memory is not None else {}
+
+
+def predicted_peak_mib(spec: Mapping[str, Any]) -> float | None:
+    """The planned peak allocated MiB per GPU of a run's resolved spec (unrounded); None when the
+    planner cannot tell."""
+    from jobspec.units import MiB
+    memory = _launch_memory(spec, cpu_ranks=False)
+    return memory.plan.peak_allocated / MiB if memory is not None else None
+
+
+def _planned_of_run(client, run, series: dict) -> dict[str, float]:
+    """The run's planned figures: the `plan.*` params its launcher logged, else (a launcher that logged
+    none) recomputed from its resolved.yaml, on CPU ranks when it measured no GPU."""
     params = run.data.params
-    for key in PREDICTION_PARAMS:
-        if key in params:
-            try:
-                return float(params[key])
-            except ValueError:
-                pass
+    if any(key.startswith("plan.") for key in params):
+        return plan_figures.from_params(params)
     try:
         import yaml
         with tempfile.TemporaryDirectory(prefix="jobspec-report-") as tmp:
             local = client.download_artifacts(run.info.run_id, rundir.RESOLVED, tmp)
             spec = yaml.safe_load(Path(local).read_text(encoding="utf-8"))
     except Exception:  # no such artifact, unreadable store: the prediction is optional
-        return None
-    return predicted_peak_mib(spec)
+        return {}
+    gpu = any(f.metric in series for f in plan_figures.GPU_FIGURES)
+    return planned_of_spec(spec, cpu_ranks=not gpu and plan_figures.HOST_RAM.metric in series)
 
 
 # --- reading MLflow ------------------------------------------------------------------------------
@@ -302,7 +322,7 @@ def collect(tracking_uri: str, experiment: str) -> tuple[object, list[RunReport]
     for run in runs:
         series = metric_series(client, run.info.run_id)
         row = build_row(run.info.run_name or run.info.run_id[:8], status_text(run), run.data.params, series,
-                        _prediction_of_run(client, run))
+                        _planned_of_run(client, run, series))
         reports.append(RunReport(run.info.run_id, row, series))
     add_differing_fields([r.row for r in reports], [run.data.params for run in runs])
     _disambiguate([r.row for r in reports], [r.run_id for r in reports])

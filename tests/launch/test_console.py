@@ -28,9 +28,10 @@ H100 = Host(gpu_names=("NVIDIA H100 80GB HBM3",), gpu_free=79 * GiB, gpu_total=8
             ram_total=128 * GiB, ram_available=120 * GiB)
 
 
-def prepared(job: str, *overrides: str, gpu_free=None):
+def prepared(job: str, *overrides: str, gpu_free=None, cpu_ranks=False):
     resolved = load_and_validate(REPO / "jobs" / job, list(overrides))
-    resolved, derived, memory = at_launch.plan_at_launch(resolved, derive_job(resolved.spec, profiler=PROFILER), gpu_free)
+    resolved, derived, memory = at_launch.plan_at_launch(resolved, derive_job(resolved.spec, profiler=PROFILER),
+                                                         gpu_free, cpu_ranks=cpu_ranks)
     from jobspec.compile.compiler import compile_spec
     return resolved.spec, derived, memory, compile_spec(resolved.spec, derived, run_dir="RUN").patches
 
@@ -45,7 +46,7 @@ def both_modes(render):
 
 
 def test_header_on_cpu_ranks_names_the_job_model_settings_hardware_and_plan():
-    spec, job, memory, patches = prepared("quickstart.yaml")
+    spec, job, memory, patches = prepared("quickstart.yaml", cpu_ranks=True)
     text = both_modes(lambda style: console.header_lines(spec, job, memory, CPU_HOST, patches, style=style))
     assert text.startswith(f"jobspec: quickstart: xlm-roberta sequence-classification, "
                            f"{console.fmt_count(job.num_parameters)} parameters")
@@ -54,9 +55,15 @@ def test_header_on_cpu_ranks_names_the_job_model_settings_hardware_and_plan():
     assert f"global batch {job.global_batch_size} ({job.micro_batch_size} per rank x 2 ranks)" in text
     assert f"{job.total_steps} steps · sequence length {job.seq_len}" in text
     assert "no GPU: 2 CPU ranks on 2 CPU cores; world size 2" in text
-    per_rank = memory.plan.peak_reserved + memory.plan.host_total
-    assert f"plan {fmt_mib_gib(per_rank)} per rank (tensors and the process)" in text
-    assert "host RAM 12.00 GiB available of 16.00 GiB" in text
+    # one figure on CPU ranks: host RAM, the process and the tensors a GPU would hold
+    plan = memory.plan
+    assert plan.cpu_ranks and plan.host["tensors"] == plan.peak_allocated
+    assert plan.host_total == plan.host["runtime"] + max(plan.host["construction"], sum(
+        v for k, v in plan.host.items() if k not in ("runtime", "construction")))
+    assert f"host RAM    plan {fmt_mib_gib(plan.host_total)} per rank (the process and its tensors: " \
+           f"{fmt_mib_gib(plan.peak_allocated)} at the peak), {fmt_mib_gib(2 * plan.host_total)} per node" in text
+    assert "12.00 GiB available now" in text
+    assert "\n  memory " not in text and "per GPU" not in text
     assert "model       attention sdpa" in text  # what the ranks used to print as "attention: sdpa"
     assert console.gpu_sized_warning(spec, job, memory, CPU_HOST, cpu_step_time(job, 2)) == []
 
@@ -96,7 +103,8 @@ SUMMARY = {"status": "finished", "steps": 40, "total_steps": 40, "samples": 1280
            "mfu": None, "peak_memory": {"mem/host_rss_mib_max": 613.8}, "elapsed_s": 34.2,
            "checkpoint": "step40"}
 LAUNCH = {"plan": {"peak_allocated_mib": 9.3, "peak_reserved_mib": 10.7, "nvml_total_mib": 510.7,
-                   "host_total_mib": 0.5}}
+                   "host_total_mib": 1034.5}}
+CPU_LAUNCH = {"plan": {"host_total_mib": 1034.5, "host_tensors_mib": 9.3}}   # CPU ranks: no GPU figure
 TRACKING = {"tracking_uri": "sqlite:///mlflow.db", "experiment_id": "3", "run_id": "abc123"}
 
 
@@ -104,17 +112,18 @@ def closing(summary, **kw):
     args = dict(job_name="quickstart", run_dir="/r/run-1", checkpoint_dir="/r/checkpoints", exit_code=0,
                 tracking=TRACKING, experiment="quickstart")
     args.update(kw)
+    launch = args.pop("launch", LAUNCH)
     typed = RunSummary.from_dict(summary) if summary is not None else None   # summary.json as the launcher reads it
-    return both_modes(lambda style: console.closing_lines(typed, LAUNCH, style=style, **args))
+    return both_modes(lambda style: console.closing_lines(typed, launch, style=style, **args))
 
 
 def test_closing_summary_of_a_finished_cpu_run():
-    text = closing(SUMMARY)
+    text = closing(SUMMARY, launch=CPU_LAUNCH)
     lines = text.splitlines()
     assert lines[0] == "jobspec: quickstart finished: 40/40 steps in 34 s (exit 0)"
     assert "loss        train 0.0155 · eval 0.0135" in text
     assert "throughput  432.2 samples/s · 27,659 tokens/s" in text and "TFLOP/s" not in text
-    assert "peak host RSS 613.8 MiB per rank (plan: 11.2 MiB, tensors and the process)" in text
+    assert "host RAM    peak RSS 613.8 MiB (plan 1.01 GiB) per rank" in text and "memory " not in text
     assert "checkpoint  /r/checkpoints/step40" in text and "run dir     /r/run-1" in text
     assert "MLflow      run abc123 in experiment 'quickstart'" in text
     assert f"mlflow ui --backend-store-uri sqlite:///{Path('mlflow.db').resolve()}  then  " \
@@ -130,11 +139,14 @@ def test_closing_summary_shows_the_last_evaluations_task_metrics():
 
 def test_closing_summary_on_gpu_has_tflops_mfu_and_memory_next_to_the_plan():
     gpu = {**SUMMARY, "tflops_per_device": 151.234, "mfu": 0.3712,
-           "peak_memory": {"mem/peak_allocated_mib_max": 9.8, "mem/nvml_used_mib_max": 520.0},
+           "peak_memory": {"mem/peak_allocated_mib_max": 9.8, "mem/nvml_used_mib_max": 520.0,
+                           "mem/host_rss_mib_max": 613.8},
            "exports": {"final": {"path": "/r/model", "step": 40}}}
     text = closing(gpu, tracking={**TRACKING, "tracking_uri": "http://mlflow:5000/"})
     assert "151.2 TFLOP/s per GPU · MFU 37.1%" in text
-    assert "peak allocated 9.8 MiB (plan 9.3 MiB) · GPU total 520.0 MiB (plan 510.7 MiB) per GPU" in text
+    assert "memory      peak allocated 9.8 MiB (plan 9.3 MiB) · GPU total 520.0 MiB (plan 510.7 MiB) per GPU" \
+        in text
+    assert "host RAM    peak RSS 613.8 MiB (plan 1.01 GiB) per rank" in text   # the host's figure too
     assert "model       final: /r/model (step 40)" in text
     assert "http://mlflow:5000/#/experiments/3/runs/abc123" in text and "mlflow ui" not in text
 

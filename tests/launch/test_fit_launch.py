@@ -179,7 +179,8 @@ def test_preflight_passes_when_the_plan_fits_and_on_cpu_hosts(tmp_path, fake_run
 
 # ----------------------------------------------------------------------------- plan params
 
-def test_plain_launch_records_the_plan_in_launch_json_and_mlflow(tmp_path, fake_runner, monkeypatch):
+def test_plain_launch_records_the_plan_in_launch_json_and_mlflow(tmp_path, fake_runner, monkeypatch, fake_gpu):
+    fake_gpu("80GiB")   # GPU ranks (a CPU rank's plan has no GPU figure: the test below)
     job = write_fit_job(tmp_path)
     use_fake_runner(monkeypatch, fake_runner, "quick")
     assert main(["launch", str(job)]) == 0
@@ -194,6 +195,24 @@ def test_plain_launch_records_the_plan_in_launch_json_and_mlflow(tmp_path, fake_
     assert params["plan.nvml_total_mib"] == f"{expected.nvml_total / MiB:.1f}"
     assert {f"plan.{k}_mib" for k in expected.breakdown} <= set(params)
     assert not [k for k in params if k.startswith("fit.")]  # memory.fit is off
+
+
+def test_a_launch_on_cpu_ranks_records_their_host_ram_with_the_tensors_and_no_gpu_figure(
+        tmp_path, fake_runner, monkeypatch):
+    job = write_fit_job(tmp_path)
+    use_fake_runner(monkeypatch, fake_runner, "quick")
+    assert main(["launch", str(job)]) == 0
+    run_dir = only_run_dir(tmp_path)
+    spec = written_spec(job)
+    expected = plan_memory(spec, derive(spec, profiler=PROFILER), cpu_ranks=True)
+    assert expected.host["tensors"] == expected.peak_allocated > 0
+    record = json.loads((run_dir / "launch.json").read_text())["plan"]
+    assert record["host_total_mib"] == round(expected.host_total / MiB, 1)
+    assert record["host_tensors_mib"] == round(expected.peak_allocated / MiB, 1)
+    assert not {"peak_allocated_mib", "peak_reserved_mib", "nvml_total_mib", "cuda_context_mib"} & set(record)
+    _, run = mlflow_run_of(run_dir)
+    assert run.data.params["plan.host_total_mib"] == f"{expected.host_total / MiB:.1f}"
+    assert not [k for k in run.data.params if k in ("plan.nvml_total_mib", "plan.peak_allocated_mib")]
 
 
 def test_gpu_free_bytes_hook_and_cpu_hosts():

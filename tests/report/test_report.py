@@ -97,13 +97,18 @@ def test_csv_rows_hold_the_settings_steady_throughput_and_peaks(experiment, caps
     assert float(cpu["train_loss"]) == 0.4 and cpu["eval_loss"] == ""   # the last point; no evaluation
     assert "accuracy" not in cpu and "perplexity" not in cpu             # no run has a task metric
     spec = yaml.safe_load((experiment["tmp"] / "cpu-run" / "resolved.yaml").read_text())
-    assert float(cpu["predicted_mib"]) == report.predicted_peak_mib(spec)   # the same float, through the CSV
+    # no plan.* params (a launcher that logged none): the plan recomputed, on CPU ranks as it measured no
+    # GPU, whose one figure is host RAM beside the RSS; the same float, through the CSV
+    planned = report.planned_of_spec(spec, cpu_ranks=True)
+    assert list(planned) == ["mem/host_rss_mib_max"]
+    assert float(cpu["host_plan_mib"]) == planned["mem/host_rss_mib_max"] and cpu["predicted_mib"] == ""
 
     gpu = rows["gpu-ckpt"]
     assert (gpu["zero"], gpu["micro"], gpu["global"], gpu["accum"], gpu["checkpointing"]) == ("2", "4", "16", "2", "all")
     assert float(gpu["samples_per_s"]) == 31.0 and float(gpu["mfu"]) == pytest.approx(0.41)
     assert float(gpu["peak_allocated_mib"]) == 9500.0 and float(gpu["nvml_used_mib"]) == 11800.0
     assert float(gpu["predicted_mib"]) == 9876.5          # the logged plan.* param wins
+    assert gpu["gpu_total_plan_mib"] == gpu["host_plan_mib"] == ""   # and nothing else is recomputed
 
     broken = rows["broken"]
     assert broken["status"] == "FAILED" and broken["samples_per_s"] == "" and broken["host_rss_mib"] == ""
@@ -215,16 +220,17 @@ def test_a_column_for_each_spec_field_that_differs_the_parameter_counts_and_the_
     lora16 = {**lora8, "model.lora.r": "16", "name": "lora-16", "output_dir": "/runs/b", "memory.zero_stage": "2",
               "logging.every_n_steps": "1", "checkpoint.dir": "/runs/b/ckpt", "params.trainable": "2048"}
     series = {"mem/peak_allocated_mib_max": [(5, 38.0), (10, 40.5)]}
-    rows = [report.build_row("lora-8", "FINISHED", lora8, series, 42.0),
-            report.build_row("lora-16", "KILLED (preempted)", lora16, series, 44.0)]
+    rows = [report.build_row("lora-8", "FINISHED", lora8, series, {"mem/peak_allocated_mib_max": 42.0}),
+            report.build_row("lora-16", "KILLED (preempted)", lora16, series, {"mem/peak_allocated_mib_max": 44.0})]
     # model.lora.r only: zero has its own column; names, places, logging and derived numbers are not settings
     assert report.add_differing_fields(rows, [lora8, lora16]) == ["model.lora.r"]
     keys = [key for key, _, _ in report.columns(rows)]
     assert keys[:3] == ["run", "status", "spec.model.lora.r"]
     assert keys.index("world") < keys.index("trainable") < keys.index("parameters") < keys.index("train_loss")
     assert keys.index("predicted_mib") == keys.index("peak_allocated_mib") + 1
+    assert rows[0]["predicted_mib"] == 42.0
     header, _, first, second = report.render_table(rows).splitlines()
-    assert header.split()[:3] == ["run", "status", "model.lora.r"] and "plan MiB" in header
+    assert header.split()[:3] == ["run", "status", "model.lora.r"] and "peak alloc MiB  plan alloc MiB" in header
     assert second.split()[:4] == ["lora-16", "KILLED", "(preempted)", "16"]
     assert " 2,048 " in second and " 65,536 " in second and " 1,024 " in first
     assert report.differing_fields([lora8]) == []   # one run: nothing differs
@@ -235,6 +241,28 @@ def test_the_reported_throughput_is_the_runs_average_and_older_runs_fall_back_to
     assert report.build_row("r", "FINISHED", {}, series, None)["samples_per_s"] == 97.25
     del series["perf/run_samples_per_s"]   # logged before perf/run_* existed: the steady state
     assert report.build_row("r", "FINISHED", {}, series, None)["samples_per_s"] == 110.0
+
+
+def assert_one_memory_figure(terminal: str, run_dir: Path, uri: str, row: dict) -> None:
+    """CPU ranks: one planned figure, host RAM (the process and the tensors), the same MiB in the
+    header, the closing block, summary.json, the MLflow params and the report, each beside the RSS."""
+    from jobspec.units import fmt_mib_gib
+    plan = json.loads((run_dir / rundir.LAUNCH).read_text())["plan"]
+    host = plan["host_total_mib"]
+    assert "nvml_total_mib" not in plan and "peak_allocated_mib" not in plan   # no GPU figure
+    assert host >= plan["host_runtime_mib"] + plan["host_tensors_mib"] > plan["host_runtime_mib"]
+    shown = fmt_mib_gib(host * 2**20)
+    assert f"host RAM    plan {shown} per rank (the process and its tensors: " in terminal
+    summary = json.loads((run_dir / rundir.SUMMARY).read_text())
+    rss = summary["peak_memory"]["mem/host_rss_mib_max"]
+    assert f"host RAM    peak RSS {fmt_mib_gib(rss * 2**20)} (plan {shown}) per rank" in terminal
+    assert "\n  memory " not in terminal and "per GPU" not in terminal
+    assert summary["planned_memory"] == {"mem/host_rss_mib_max": host}
+    tracked = json.loads((run_dir / "mlflow_run.json").read_text())
+    params = tracking.client_for(uri).get_run(tracked["run_id"]).data.params
+    assert params["plan.host_total_mib"] == f"{host:.1f}" and "plan.nvml_total_mib" not in params
+    assert float(row["host_plan_mib"]) == host and float(row["host_rss_mib"]) == rss
+    assert row["predicted_mib"] == row["gpu_total_plan_mib"] == ""
 
 
 @pytest.mark.slow
@@ -262,7 +290,8 @@ def test_report_of_a_real_quickstart_launch(tmp_path):
     assert result.returncode == 0, result.stderr
     (row,) = list(csv.DictReader(io.StringIO(result.stdout)))
     assert (row["run"], row["status"], row["world"], row["micro"]) == ("quickstart", "FINISHED", "2", "16")
-    assert float(row["samples_per_s"]) > 0 and float(row["host_rss_mib"]) > 0 and float(row["predicted_mib"]) > 0
+    assert float(row["samples_per_s"]) > 0 and float(row["host_rss_mib"]) > 0
+    assert_one_memory_figure(launch.stdout, run_dir, uri, row)
     # one throughput (docs/architecture.md, "Throughput"): summary.json, MLflow's run average, the report and the closing
     # summary show the same number, exactly (one float, written and read back, never recomputed)
     summary = json.loads((run_dir / rundir.SUMMARY).read_text())
