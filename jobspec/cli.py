@@ -40,7 +40,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             p = sub.add_parser(name, help=help_line, description=module.__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
             module.add_arguments(p)
-            if name in library_log.QUIET_COMMANDS:
+            if name in library_log.QUIET_COMMANDS and "--verbose" not in p._option_string_actions:
                 p.add_argument("--verbose", "-v", action="store_true",
                                help="show the libraries' warnings and log lines (else kept in "
                                     f"{library_log.log_path(name)})")

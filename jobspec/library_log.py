@@ -1,6 +1,7 @@
-"""What the libraries print during `plan`, `compile`, `export` and `report`: kept in a log file, off the
-terminal (`--verbose` shows it), as `jobspec launch` keeps its ranks' in launcher.log (launch/quiet.py,
-train/library_output.py).
+"""What the libraries print in any command's own process: kept in a log file, off the terminal
+(`--verbose` shows it), as `jobspec launch` keeps its ranks' in launcher.log (launch/quiet.py,
+train/library_output.py). `launch`'s own process (its checks, the planner's trace, bitsandbytes'
+import) logs here too; its MLflow records go to the run's launcher.log (launch/quiet.route_library_logs).
 
 transformers' deprecation notices (`is_gradient_checkpointing is deprecated`), its config warnings
 (`eos_token_id must be ...`), huggingface_hub's retries, datasets' and the hub's progress bars and
@@ -8,13 +9,14 @@ Python warnings with their source lines are the libraries' business: the command
 table or its error. A warning raised from jobspec's own code is one plain `jobspec: ...` line.
 The log is ~/.cache/jobspec/logs/<command>.log (JOBSPEC_LOG_DIR), rewritten by each run.
 
-Neutral ground (like launcher_log.py): cli.py wraps those commands in it. It imports transformers' logging
-module (no torch), so that transformers' own stderr handler exists to be replaced; `compile` and
-`plan` (LAZY_COMMANDS) do not: a warm `plan` (memory/plan_cache) imports neither torch nor
-transformers. While the block runs, a handler a library adds to its logger is dropped
-(`_dropped`): transformers' stderr handler, installed when a check or the planner's trace first
-imports it, and DeepSpeed's stdout handler, which would print "Setting accelerator to CPU" into
-`plan`'s output when the trace of a tiled job imports DeepSpeed.
+Neutral ground (like launcher_log.py): cli.py wraps those commands in it. It imports transformers'
+logging module (no torch), so that transformers' own stderr handler exists to be replaced, for
+`export` and `report` (EAGER_COMMANDS); the others do not: `validate` imports no torch, and a warm
+`plan` or `launch` (memory/plan_cache) neither torch nor transformers. While the block runs, a
+handler a library adds to its logger is dropped (`_dropped`): transformers' stderr handler,
+installed when a check or the planner's trace first imports it, and DeepSpeed's stdout handler,
+which would print "Setting accelerator to CPU" into `plan`'s output when the trace of a tiled job
+imports DeepSpeed.
 """
 from __future__ import annotations
 
@@ -26,12 +28,16 @@ import warnings
 from pathlib import Path
 from typing import Iterator
 
-QUIET_COMMANDS = ("plan", "compile", "export", "report")
-LAZY_COMMANDS = ("plan", "compile")   # transformers is imported by what needs it, not up front
+QUIET_COMMANDS = ("validate", "compile", "schema", "launch", "plan", "prepare", "sbatch", "report", "sync",
+                  "export")
+# transformers is imported by what needs it, not up front (validate imports no torch; a warm plan or
+# launch neither)
+EAGER_COMMANDS = ("export", "report")
 LOGGERS = ("transformers", "datasets", "huggingface_hub", "peft", "bitsandbytes", "torch", "deepspeed",
            "accelerate", "DeepSpeed")
 PROGRESS_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
-                "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
+                "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+                "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}   # report --generations' downloads
 JOBSPEC_PACKAGE = str(Path(__file__).resolve().parent)
 
 
@@ -60,7 +66,7 @@ def quiet(command: str, verbose: bool = False) -> Iterator[Path | None]:
     handler.setFormatter(logging.Formatter("[%(name)s] %(levelname)s %(message)s"))
     global _active
     _active = handler
-    if command not in LAZY_COMMANDS or "transformers" in sys.modules:
+    if command in EAGER_COMMANDS or "transformers" in sys.modules:
         _configure_transformers_logging()
     saved = {}
     for name in LOGGERS:

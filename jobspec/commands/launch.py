@@ -2,11 +2,12 @@
 
 The terminal shows a header before anything starts (job, model, settings, hardware, the memory plan
 against the device's memory, the MLflow run and how to open it; a warning when a job sized for GPUs
-runs on CPU ranks), the progress, and a closing summary (also in summary.json and as the MLflow run's
-description). DeepSpeed's, torch's and MLflow's own log lines go to launcher.log only; --verbose
-shows them. A job whose checkpoints already reach its last step is not launched again: the launch
-says so and how to train again; --dry-run says whether a launch would start fresh, resume at step K,
-or do nothing.
+runs on CPU ranks), the progress, and a closing summary (also in summary.json and as the MLflow
+run's description). DeepSpeed's, torch's and MLflow's own log lines go to launcher.log only, and the
+libraries' warnings in the launcher's own process (its checks, the planner's trace) to
+~/.cache/jobspec/logs/launch.log; --verbose shows them. A job whose checkpoints already reach its
+last step is not launched again: the launch says so and how to train again; --dry-run says whether a
+launch would start fresh, resume at step K, or do nothing.
 
 Each launch creates <output_dir>/run-<UTC time>-<hex>/ with the compiled files, launcher.log and
 summary.json. The runner runs in its own process group: Ctrl-C / SIGTERM are forwarded (the worker
@@ -36,6 +37,7 @@ Model directories the job exported (spec section `export`) are recorded in the M
 """
 from __future__ import annotations
 
+from jobspec import library_log
 from jobspec.commands import add_set_argument
 from jobspec.errors import spec_error
 from jobspec.launch.supervise import KILL_GRACE_S
@@ -65,7 +67,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--ignore-preflight", action="store_true",
                         help="warn instead of refusing when host checks fail (GPU count, free GPU memory, port in use)")
     parser.add_argument("--verbose", "-v", action="store_true",
-                        help="show DeepSpeed's, torch's and MLflow's own log lines too (launcher.log always has them)")
+                        help="show DeepSpeed's, torch's and MLflow's own log lines too (launcher.log always "
+                             f"has them) and the libraries' warnings (else in {library_log.log_path('launch')})")
     parser.add_argument("--kill-grace", type=float, default=KILL_GRACE_S, metavar="SECONDS",
                         help="after Ctrl-C/SIGTERM, wait this long for a checkpoint before killing the job "
                              f"(default {KILL_GRACE_S:.0f})")

@@ -263,10 +263,11 @@ def _progress(total: int, show: bool):
 
         def close(self):
             pass
-    if not show:
+    if not show or not sys.stderr.isatty():   # a bar is for a terminal: a pipe or a log gets the closing line
         return _Null()
     from tqdm.auto import tqdm
-    return tqdm(total=total, desc="Converting weights", unit="tensor", file=sys.stderr, dynamic_ncols=True)
+    return tqdm(total=total, desc="jobspec: converting weights", unit="tensor", file=sys.stderr,
+                dynamic_ncols=True)
 
 
 # --- the model card -------------------------------------------------------------------------------
