@@ -1,6 +1,7 @@
-"""jobspec command line: a small dispatcher over one module per subcommand.
+"""jobspec: one YAML file per training job, validated, compiled to the exact DeepSpeed config,
+memory-planned, launched on GPUs or CPU ranks and logged to MLflow, its model exported.
 
-Each module in `jobspec.commands` defines `add_arguments(parser)` and `run(args) -> int`; its
+The command line dispatches to one module per subcommand. Each module in `jobspec.commands` defines `add_arguments(parser)` and `run(args) -> int`; its
 docstring is the subcommand's `--help` text, and its one-line summary is in COMMANDS below. Modules
 are imported only for the subcommand that runs, so `jobspec validate` never pays for torch.
 """
@@ -31,7 +32,8 @@ COMMANDS: dict[str, str] = {
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jobspec", description=__doc__.splitlines()[0])
+    summary = " ".join(__doc__.split("\n\n")[0].split())   # the docstring's first paragraph
+    parser = argparse.ArgumentParser(prog="jobspec", description=summary)
     parser.add_argument("--version", action="version", version=f"jobspec {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_line in COMMANDS.items():

@@ -36,6 +36,10 @@ def test_top_level_help_lists_every_command_summary(capsys):
     out = capsys.readouterr().out
     for name, summary in COMMANDS.items():
         assert name in out and summary[:40] in " ".join(out.split())
+    # what jobspec is for, not how its code is laid out
+    said = " ".join(out.split())
+    assert "one YAML file per training job" in said and "DeepSpeed config" in said and "MLflow" in said
+    assert "dispatcher" not in said and "module" not in said
 
 
 def test_a_run_failure_exits_1_with_one_line_and_bad_input_exits_2(monkeypatch, capsys, tmp_path):
