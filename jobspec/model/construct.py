@@ -23,6 +23,7 @@ the cast happens and how much memory the construction peaks at.
 """
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -87,6 +88,9 @@ def without_transformers_zero3() -> Iterator[None]:
     """Models transformers builds inside are whole, even while this process trains under ZeRO-3: a
     meta-device skeleton that one rank builds alone (an export) must not enter zero.Init, whose
     construction is collective and would wait for the other ranks forever."""
+    if "transformers.integrations.deepspeed" not in sys.modules:
+        yield   # no ZeRO-3 config of transformers' can be live; jobspec's MLP needs no transformers
+        return
     from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
 
     unset_hf_deepspeed_config()

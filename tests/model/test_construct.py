@@ -113,3 +113,18 @@ def test_zero3_builds_under_zero_init_one_rank():
     assert out["llama"]["hf_zero3"] is True
     assert out["skeleton"] == {"partitioned": False, "hf_zero3": True}   # and the ZeRO-3 config is back
     assert out["after"] == {"hf_zero3": False, "partitioned": False}
+
+
+def test_the_skeleton_of_jobspecs_mlp_imports_no_transformers(tmp_path):
+    """build_skeleton of the MLP (a plan's inventory, an export) leaves transformers alone: no
+    ZeRO-3 config of transformers' can be live where transformers was never imported."""
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps(spec_of(MLP)))
+    code = ("import json, sys\nfrom jobspec.model.build import build_skeleton\n"
+            "model = build_skeleton(json.loads(open(sys.argv[1]).read()))\n"
+            "print(sum(p.numel() for p in model.parameters()), 'transformers' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code, str(spec)], capture_output=True, text=True,
+                          cwd=REPO_ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    count, imported = done.stdout.split()
+    assert int(count) > 0 and imported == "False"
