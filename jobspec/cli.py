@@ -1,9 +1,10 @@
 """jobspec: one YAML file per training job, validated, compiled to the exact DeepSpeed config,
 memory-planned, launched on GPUs or CPU ranks and logged to MLflow, its model exported.
 
-The command line dispatches to one module per subcommand. Each module in `jobspec.commands` defines `add_arguments(parser)` and `run(args) -> int`; its
-docstring is the subcommand's `--help` text, and its one-line summary is in COMMANDS below. Modules
-are imported only for the subcommand that runs, so `jobspec validate` never pays for torch.
+The command line dispatches to one module per subcommand. Each module in `jobspec.commands` defines
+`add_arguments(parser)` and `run(args) -> int`; its docstring is the subcommand's `--help` text, and
+its one-line summary is in COMMANDS below. Modules are imported only for the subcommand that runs,
+so `jobspec validate` never pays for torch.
 """
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ the string "007"; a number field given `abc` is an error; an unknown key gets "d
 from __future__ import annotations
 
 import difflib
+import json
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -52,8 +53,23 @@ def parse_override(override: str, where: Position) -> tuple[tuple, Any]:
     try:
         value, _, _ = parse_yaml(raw, SET_FILE) if raw.strip() else ("", {}, {})
     except SpecError as err:
-        raise fail(f"cannot read the value: {err.issues[0].message}", "quote the value", keys) from None
+        raise fail(f"cannot read the value: {_unreadable(raw, err.issues[0])}", "quote the value",
+                   keys) from None
     return keys, _typed(value, raw, node, keys, fail)
+
+
+def _unreadable(raw: str, issue: SpecIssue) -> str:
+    """Why VALUE is not YAML, where in it: for a value written as JSON (an object with quoted keys,
+    a list) Python's JSON parser says what and at which column, as `json.loads` would; else YAML's
+    message at the column its mark gives (YAML's "opened at column 1" is where a mapping starts)."""
+    text = raw.lstrip()
+    if text.startswith(('{"', "[")):
+        try:
+            json.loads(raw)
+        except json.JSONDecodeError as err:
+            return f"not valid JSON: {err.msg} at column {err.colno} of the value"
+    where = f" at column {issue.column} of the value" if issue.column else ""
+    return f"{issue.message}{where}"
 
 
 def _schema_for_override(keys: tuple, fail: Callable[..., SpecError]) -> dict:

@@ -1,6 +1,8 @@
 """Loader: positions, safety limits, extends, --set."""
 from __future__ import annotations
 
+import json
+
 import re
 import textwrap
 
@@ -174,6 +176,22 @@ def test_bad_set_is_a_positioned_error(tmp_path, override, phrase, hint):
     issue = only_issue(caught)
     assert (issue.file, issue.line, issue.column) == (SET_FILE, 1, 2)
     assert phrase in issue.message and hint in issue.hint
+
+
+def test_a_set_value_written_as_json_is_reported_at_the_column_pythons_parser_gives(tmp_path):
+    path = write(tmp_path, "job.yaml", "model: {architecture: bert}\n")
+    value = '{"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2 "num_hidden_layers": 2}'
+    with pytest.raises(json.JSONDecodeError) as parsed:
+        json.loads(value)
+    with pytest.raises(SpecError) as caught:
+        apply_overrides(load_spec(path), [f"model.config={value}"])
+    issue = only_issue(caught)
+    assert parsed.value.colno == 72
+    assert f"not valid JSON: {parsed.value.msg} at column 72 of the value" in issue.message
+    assert "column 1)" not in issue.message   # YAML's "flow mapping opened at column 1" is not the place
+    with pytest.raises(SpecError) as caught:   # YAML flow style: YAML's own mark, in the value
+        apply_overrides(load_spec(path), ["model.config={hidden_size: 64 num_hidden_layers: 2}"])
+    assert "at column 35 of the value" in only_issue(caught).message
 
 
 def test_every_bad_set_is_reported(tmp_path):
