@@ -138,10 +138,57 @@ def make_callback(window: int, device):
     return SteadyState()
 
 
+def loss_counts_items(model, batch: dict) -> bool:
+    """Whether `model`'s loss divides by the `num_items_in_batch` the Trainer hands it.
+
+    transformers' Trainer assumes so for every model whose forward takes **kwargs, and then leaves
+    out its own division by the accumulation steps. BERT's heads take **kwargs but average over
+    their own micro-batch: such a model trains on accumulation x the mean gradient, which gradient
+    clipping and Adam's epsilon do not ignore (the smallest gradients, attention's query and key
+    at a fresh initialisation, are of epsilon's size). Two forwards in eval mode (no dropout): the
+    batch's loss without a count and with twice its labelled count."""
+    import torch
+
+    labels = batch["labels"]
+    doubled = torch.tensor(2 * int(labels.ne(-100).sum()), device=labels.device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            plain = model(**batch).loss
+            counted = model(**batch, num_items_in_batch=doubled).loss
+    except TypeError:   # a forward without **kwargs: the Trainer divides by the steps itself
+        return False
+    finally:
+        model.train(was_training)
+    return not torch.equal(plain, counted)
+
+
+def jobspec_like_trainer(model, args, train_dataset, *, shuffle: bool, **kwargs):
+    """transformers' Trainer training as a jobspec job does: its loss divided by the accumulation
+    steps unless the model's own loss divides by the Trainer's item count (`loss_counts_items`),
+    and without `data.shuffle` the samples in file order (the worker's order then)."""
+    from torch.utils.data import SequentialSampler
+    from transformers import Trainer
+
+    class JobspecLikeTrainer(Trainer):
+        def _get_train_sampler(self, train_dataset=None):
+            if shuffle:
+                return super()._get_train_sampler(train_dataset)
+            return SequentialSampler(self.train_dataset if train_dataset is None else train_dataset)
+
+    trainer = JobspecLikeTrainer(model=model, args=args, train_dataset=train_dataset, **kwargs)
+    if args.gradient_accumulation_steps > 1:
+        device = next(model.parameters()).device
+        batch = {k: v.to(device) for k, v in next(iter(trainer.get_train_dataloader())).items()}
+        trainer.loss_is_scaled_for_ga = loss_counts_items(model, batch)
+    return trainer
+
+
 def run(run_dir: Path, out: Path) -> dict:
     import torch
     import torch.distributed as dist
-    from transformers import Trainer, TrainingArguments, set_seed
+    from transformers import TrainingArguments, set_seed
 
     from jobspec.data.loaders import synthetic_dataset
     from jobspec.model.build import build_model
@@ -159,7 +206,8 @@ def run(run_dir: Path, out: Path) -> dict:
     train_ds = synthetic_dataset(spec, synthetic["num_samples"], spec["training"]["seed"])
     window = spec["logging"]["every_n_steps"]
     callback = make_callback(window, args.device)
-    trainer = Trainer(model=model, args=args, train_dataset=train_ds, callbacks=[callback])
+    trainer = jobspec_like_trainer(model, args, train_ds, shuffle=spec["data"]["shuffle"],
+                                   callbacks=[callback])
     trainer.train()
 
     world = args.world_size

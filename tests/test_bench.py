@@ -40,7 +40,7 @@ def test_bench_jobs_are_listed_without_bases_and_compile(tmp_path):
 
 
 @pytest.mark.parametrize("sets, optim, fp16, bf16", [
-    ((), "adamw_torch", False, False),
+    ((), "adamw_torch_fused", False, False),
     (("training.optimizer.name=adamw_8bit", "memory.precision=fp16"), "adamw_bnb_8bit", True, False),
     (("training.optimizer.name=adafactor", "memory.precision=bf16"), "adafactor", False, True),
 ])

@@ -97,7 +97,8 @@ def foreign_issues(r) -> list:
 
 OPTIMIZER = Optimizer(
     name=NAME,
-    hf_trainer_optim="adamw_torch",
+    # torch's fused AdamW: what `implementation: auto` steps with when nothing is offloaded
+    hf_trainer_optim="adamw_torch_fused",
     state_bytes=state_bytes,
     offload=DEEPSPEED_CPU_ADAM,
     args=("lr", "betas", "eps", "weight_decay", "implementation", "bias_correction"),
