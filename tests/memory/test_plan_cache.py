@@ -41,6 +41,7 @@ def cache(tmp_path, monkeypatch):
     directory = tmp_path / "cache"
     monkeypatch.setenv("JOBSPEC_CACHE_DIR", str(directory))
     monkeypatch.setenv("JOBSPEC_LOG_DIR", str(tmp_path / "logs"))
+    plan_cache.environment.cache_clear()   # the code as it is now, as a fresh process hashes it
     return directory
 
 
