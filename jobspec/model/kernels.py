@@ -52,9 +52,12 @@ class mask_skip_stand_in:
         self._originals: dict = {}
 
     def __enter__(self):
-        try:
-            from transformers import masking_utils
-        except ImportError:   # a transformers without it builds masks its own way
+        import sys
+
+        # loaded with any transformers model that builds masks; a model without it (jobspec's MLP)
+        # builds none, and importing it would cost seconds
+        masking_utils = sys.modules.get("transformers.masking_utils")
+        if masking_utils is None:
             return self
         wrappers = {"_ignore_causal_mask_sdpa": _skip_decision}
         if not self.packed:
@@ -68,8 +71,9 @@ class mask_skip_stand_in:
 
     def __exit__(self, *exc):
         if self._originals:
-            from transformers import masking_utils
+            import sys
 
+            masking_utils = sys.modules["transformers.masking_utils"]
             for name, original in self._originals.items():
                 setattr(masking_utils, name, original)
         return False
