@@ -10,6 +10,8 @@ This module must stay light: no torch, deepspeed, transformers or mlflow.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
 import re
 from collections.abc import Iterable
@@ -45,10 +47,11 @@ from jobspec.spec.rules import (
     tiling,
     tracking,
 )
-from jobspec.spec.rules.base import Rule, base_dir, coded, did_you_mean, exists, get, local_path
+from jobspec.spec.rules.base import Rule, base_dir, closest, coded, did_you_mean, exists, get, local_path
 from jobspec.spec.schema import (
     filled_spec,
     has_type,
+    object_branch,
     schema_types,
     shared_schema,
     subschema_at,
@@ -107,28 +110,69 @@ def load_and_validate(path: str | os.PathLike, overrides: Iterable[str] = ()) ->
 
 
 def validate_spec(loaded: LoadedSpec) -> ResolvedSpec:
-    """Schema errors first (all of them); cross-field rules only on a schema-valid spec."""
+    """Every problem at once: the schema's; then the cross-field rules, the system locations and the
+    data records, which run on a schema-valid spec. Unknown keys (a `trainig:` typo) are set aside for
+    them, as no rule reads such a key; a value of the wrong type or not among the choices stops them,
+    since they would judge a value that was not written."""
     # the schema checks run on the spec as written (not yet a JobSpec: filled_spec makes it one below)
     resolved = ResolvedSpec(cast(JobSpec, loaded.spec), loaded.source, loaded.text, loaded.positions,
                             loaded.key_positions)
     issues = schema_issues(resolved) + coded(freeform_issues(resolved), "freeform")
     if issues:
-        raise SpecError(issues)
-    resolved.spec = filled_spec(loaded.spec)
+        aside = _without_unknown_keys(resolved, issues)
+        if aside is None:
+            raise SpecError(issues)
+        # a rule's issue inside the field an unknown key misspells (`training` for `trainig`) is the
+        # typo's consequence (its settings unread), not a problem of its own
+        meant = [_misspelt(issue.path) for issue in issues]
+        raise SpecError(issues + [issue for issue in _rule_issues(aside)
+                                  if not any(m and issue.path[:len(m)] == m for m in meant)])
+    later = _rule_issues(resolved)
+    if later:
+        raise SpecError(later)
+    return resolved
+
+
+def _rule_issues(resolved: ResolvedSpec) -> list[SpecIssue]:
+    """The checks after the schema, in order, each on a spec the ones before it passed: defaults
+    filled and the cross-field rules, paths resolved and the system locations, every record of the
+    local data files (data/datacheck: each bad one at its file:line, up to 20 a file). `resolved`
+    becomes the resolved spec; [] when all pass."""
+    resolved.spec = filled_spec(resolved.spec)
     model_type.fill_attention(resolved)   # left out: the best the model supports (sdpa, else eager)
     issues = cross_field_issues(resolved)
     if issues:
-        raise SpecError(issues)
+        return issues
     resolve_paths(resolved)
     issues = system_location_issues(resolved)
     if issues:
-        raise SpecError(issues)
-    # every record of the local data files (data/datacheck: each bad one at its file:line, up to 20 a
-    # file): what --dry-run read before, now read once here, so plan, compile and launch see it too
+        return issues
     issues = coded(datacheck.record_issues(resolved.spec), "data-record")
-    if issues:
-        raise resolved.locate(SpecError(issues))
-    return resolved
+    return resolved.locate(SpecError(issues)).issues if issues else []
+
+
+def _misspelt(path: tuple) -> tuple | None:
+    """The field an unknown key at `path` most likely misspells (its closest sibling in the schema)."""
+    parent = object_branch(subschema_at(path[:-1]) or {}) or {}
+    close = closest(str(path[-1]), list(parent.get("properties", {})))
+    return (*path[:-1], close) if close else None
+
+
+def _without_unknown_keys(resolved: ResolvedSpec, issues: list[SpecIssue]) -> ResolvedSpec | None:
+    """A copy of `resolved` without the unknown keys `issues` name, when those are all its issues and
+    the copy passes the schema; else None."""
+    if any(issue.code != "schema-unknown-key" for issue in issues):
+        return None
+    spec: Any = copy.deepcopy(resolved.spec)
+    for issue in issues:
+        parent = spec
+        for key in issue.path[:-1]:
+            parent = parent[key] if isinstance(parent, (dict, list)) else None
+        if not isinstance(parent, dict):
+            return None
+        parent.pop(issue.path[-1], None)
+    aside = dataclasses.replace(resolved, spec=cast(JobSpec, spec))
+    return aside if not schema_issues(aside) else None
 
 
 def recheck(resolved: ResolvedSpec) -> ResolvedSpec:

@@ -51,12 +51,18 @@ def exists(path: Path, file: bool = False) -> bool:
         return False
 
 
-def did_you_mean(word: str, choices: list[str], label: str) -> str:
-    """`did you mean `x`?` for the closest choice (the listing too when short), else the listing."""
+def closest(word: str, choices: list[str]) -> str | None:
+    """The choice `word` most likely misspells (the same letters in another case first), or None."""
     lowered = {c.lower(): c for c in choices}
     close = ([lowered[word.lower()]] if word.lower() in lowered else
              difflib.get_close_matches(word, choices, n=1, cutoff=0.6))
+    return close[0] if close else None
+
+
+def did_you_mean(word: str, choices: list[str], label: str) -> str:
+    """`did you mean `x`?` for the closest choice (the listing too when short), else the listing."""
+    close = closest(word, choices)
     listing = ", ".join(f"`{c}`" for c in choices)
     if close:
-        return f"did you mean `{close[0]}`?" + (f" {label}: {listing}" if len(choices) <= 6 else "")
+        return f"did you mean `{close}`?" + (f" {label}: {listing}" if len(choices) <= 6 else "")
     return f"{label}: {listing}"
