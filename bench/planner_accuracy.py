@@ -290,6 +290,7 @@ def memtracker_peak(spec: dict, precision: str, micro: int, seq: int, checkpoint
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    from jobspec.model.kernels import dropout_stand_in, mask_skip_stand_in
     from jobspec.model.kernels import sdpa_stand_in as _sdpa_stand_in
     from jobspec.model.planner_trace import PRECISION_DTYPES, ModelTracer, apply_tiling, checkpoint_setting
     from jobspec.model.step import step_inputs as _inputs
@@ -320,7 +321,8 @@ def memtracker_peak(spec: dict, precision: str, micro: int, seq: int, checkpoint
         ledger = _GradientLedger(tracker)   # after the parameters and buffers: it sees the step's storages
         gc.disable()   # as in the tracer: no collection at an arbitrary moment of the step
         try:
-            with _sdpa_stand_in(), _worst_case_nonzero(), tracker:
+            # what a GPU runs, as the trace has it: its attention kernels, dropout and mask decisions
+            with _sdpa_stand_in(), dropout_stand_in(), mask_skip_stand_in(), _worst_case_nonzero(), tracker:
                 batch = _inputs(spec, getattr(model, "config", None), micro, seq)
                 with _AutocastEmulation() if amp else contextlib.nullcontext():
                     output = model(**batch)
