@@ -21,6 +21,7 @@ from jobspec.cli import main
 from jobspec.spec.derived import derive
 from jobspec.memory.gpu_overheads import cuda_context
 from jobspec.memory.planner import MiB, parse_bytes, plan_memory
+from jobspec.units import fmt_mib_gib
 from test_launch import fake_runner, mlflow_run_of, only_run_dir, use_fake_runner  # noqa: F401, F811 (a fixture)
 
 # Activations matter for this model (seq 256, micro 16), so a budget a little under its plan (1,986 MiB
@@ -91,7 +92,8 @@ def test_fit_auto_rewrites_the_spec_that_runs_and_records_why(tmp_path, fake_run
         node = ran
         for key in dotted.split("."):
             node = node[key]
-        assert node == value, dotted
+        # a value the fit writes (`{every_n_layers: 2}`) is part of what the filled spec holds
+        assert node == value or (isinstance(value, dict) and value.items() <= node.items()), dotted
     assert ran["training"]["micro_batch_size"] < original["training"]["micro_batch_size"]
     assert plan_memory(ran, derive(ran, profiler=PROFILER), budget=budget).fits
     # what DeepSpeed gets follows the fitted spec; the global batch (the trajectory) does not change
@@ -161,7 +163,7 @@ def test_preflight_refuses_a_plan_larger_than_the_free_gpu_memory(tmp_path, fake
     assert main(["launch", str(job)]) == 2
     err = capsys.readouterr().err
     expected = plan_memory(written_spec(job), derive(written_spec(job), profiler=PROFILER))
-    assert f"{expected.nvml_total / MiB:.1f} MiB per GPU" in err and "300.0 MiB free" in err
+    assert f"{fmt_mib_gib(expected.nvml_total)} per GPU" in err and "300.0 MiB free" in err
     assert "jobspec plan JOB --fit --gpu-mem 300MiB" in err and "--ignore-preflight" in err
     assert not list((tmp_path / "out").glob("run-*"))
 
