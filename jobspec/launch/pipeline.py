@@ -257,7 +257,8 @@ def _close(ctx: LaunchContext, run_dir: Path, launched: dict, outcome: supervise
         model_tags = log_exported_models(tracked, run_dir, spec)
     closing = closing_block(spec, run_dir, launched, outcome, end, tracked, ctx.style, model_tags)
     if tracked is not None:
-        launch_tracking.describe_run(tracked, spec["description"], console.plain(closing))
+        launch_tracking.describe_run(tracked, spec["description"], console.plain(closing),
+                                     generated=bool(rundir.read_generations(run_dir)))
     tracking.end(end)   # every tracker that started: MLflow's status and tags, TensorBoard's session end
     rundir.mark_launcher_ended(run_dir, end.status, end.exit_code)
     _write_phases(run_dir, ctx.phases)

@@ -23,8 +23,8 @@ from jobspec.errors import first_line
 from jobspec.launch import ownership
 from jobspec.secrets import mask_secrets
 from jobspec.status import Ending
+from jobspec.tracking import generations, trackers
 from jobspec.tracking import run as tracking_run
-from jobspec.tracking import trackers
 from jobspec.tracking.base import RunStart
 from jobspec.tracking.run import TrackedRun
 
@@ -111,9 +111,13 @@ class BackgroundTracking:
                 pass
 
 
-def describe_run(tracked, description: str | None, block: str) -> None:
-    """The closing summary as the run's description (MLflow shows `mlflow.note.content` as Markdown)."""
-    text = (f"{description}\n\n" if description else "") + f"```\n{block}\n```"
+def describe_run(tracked, description: str | None, block: str, generated: bool = False) -> None:
+    """The closing summary as the run's description (MLflow shows `mlflow.note.content` as Markdown);
+    `generated`: the run holds evaluation generations, and the description links to their table."""
+    parts = [description] if description else []
+    if generated:
+        parts.append(generations.description_line(tracked.experiment_id, tracked.run_id))
+    text = "".join(f"{part}\n\n" for part in parts) + f"```\n{block}\n```"
     try:
         tracked.client.set_tag(tracked.run_id, "mlflow.note.content",
                                mask_secrets(text)[:tracking_run.MAX_PARAM_VALUE_CHARS])

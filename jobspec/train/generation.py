@@ -53,9 +53,12 @@ SHOWN_CHARS = 120                 # the progress line's and the closing summary'
 
 @dataclass
 class Prompt:
-    text: str               # what the table shows: the user's turn (the conversation up to it when longer)
+    text: str               # the conversation up to the last user turn (that turn alone when it is all)
     ids: list[int]          # the rendered prompt's token ids, as the model gets them
     reference: str | None   # the answer the record holds after it, if any
+    user: str = ""          # the last user turn: the question the answer is to
+    system: str | None = None    # the system prompt(s), kept apart: every prompt may repeat it
+    context: str | None = None   # the turns between the system prompt and the last user turn
 
 
 @dataclass
@@ -95,6 +98,15 @@ def shown_text(messages: list[dict]) -> str:
     if len(messages) == 1:
         return messages[0]["content"]
     return "\n".join(f"{m['role']}: {m['content']}" for m in messages)
+
+
+def prompt_parts(messages: list[dict]) -> dict:
+    """The columns a reviewer reads a prompt by: the last user turn (`user`), the system prompt
+    (`system`) and the turns between them (`context`, one `role: content` line each)."""
+    system = [m["content"] for m in messages[:-1] if m["role"] == "system"]
+    between = [f"{m['role']}: {m['content']}" for m in messages[:-1] if m["role"] != "system"]
+    return {"user": messages[-1]["content"], "system": "\n\n".join(system) or None,
+            "context": "\n".join(between) or None}
 
 
 def settings(spec: JobSpec) -> JobSpecTrainingEvalGenerate:
@@ -170,7 +182,8 @@ def build_prompts(spec: JobSpec, tokenizer, template: str | None, records: list)
         except Exception as err:  # the template failing on this record (raise_exception, an undefined name)
             raise spec_error(f"the chat template failed on prompt {index + 1}: {first_line(err)}",
                              path=(*FIELD, "prompts"), hint="fix the record, or the template") from None
-        prompts.append(Prompt(shown_text(messages), list(ids)[-keep:], reference))
+        prompts.append(Prompt(shown_text(messages), list(ids)[-keep:], reference,
+                              **prompt_parts(messages)))
     if not prompts:
         raise spec_error("there are no prompts to generate from", path=(*FIELD, "prompts"),
                          hint="give a file with at least one prompt, or evaluation records")
@@ -366,8 +379,10 @@ class EvalGenerator:
         for index, prompt in enumerate(self.prompts):
             answer = answers[index]
             match = exact_match(answer.text, prompt.reference) if prompt.reference is not None else None
-            rows.append({"step": int(step), "index": index, "prompt": prompt.text, "reference": prompt.reference,
-                         "generation": answer.text, "tokens": answer.tokens, "stop_reason": answer.stop_reason,
+            rows.append({"step": int(step), "index": index, "prompt": prompt.text,
+                         "user": prompt.user, "system": prompt.system, "context": prompt.context,
+                         "reference": prompt.reference, "generation": answer.text,
+                         "tokens": answer.tokens, "stop_reason": answer.stop_reason,
                          "exact_match": match})
         return rows
 

@@ -6,6 +6,7 @@ side-by-side rendering and the closing summary's answer line."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -86,6 +87,10 @@ def test_prompts_are_the_turns_up_to_the_last_user_turn_rendered_as_the_model_is
     prompts = generation.build_prompts(spec, tokenizer, tokenizer.chat_template, records)
     assert prompts[0].reference == "moon sun" and prompts[1].reference == "b a"
     assert prompts[0].text == "system: Be brief.\nuser: red cat\nassistant: cat red\nuser: sun moon"
+    # the columns a reviewer reads: the question first, the system prompt and earlier turns apart
+    assert (prompts[0].user, prompts[0].system, prompts[0].context) == \
+        ("sun moon", "Be brief.", "user: red cat\nassistant: cat red")
+    assert (prompts[1].user, prompts[1].system, prompts[1].context) == ("a b", None, None)
     expected = tokenizer.apply_chat_template(CHAT["messages"][:4], add_generation_prompt=True, tokenize=False)
     assert prompts[0].ids == tokenizer(expected, add_special_tokens=False)["input_ids"]
     assert tokenizer.decode(prompts[0].ids).endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
@@ -177,20 +182,62 @@ def test_rank0_records_each_evaluation_once(tmp_path, tokenizer):
     assert again.recorded_steps == {4}
 
 
-def test_the_mlflow_table_of_a_step_is_logged_once(tmp_path, empty_store):
+def test_the_mlflow_table_holds_each_step_once_question_first(tmp_path, empty_store):
     from mlflow import MlflowClient
 
     from jobspec.tracking import generations
     client = MlflowClient(fresh_store(empty_store, tmp_path / "mlflow.db"))
     run_id = client.create_run(client.create_experiment("g")).info.run_id
-    rows = [{"step": 2, "prompt": "p", "reference": "r", "generation": "g", "tokens": 3, "stop_reason": "stop",
+    rows = [{"step": 2, "index": 0, "prompt": "system: Be brief.\nuser: q", "user": "q", "system": "Be brief.",
+             "context": None, "reference": "r", "generation": "g", "tokens": 3, "stop_reason": "stop",
              "exact_match": False}]
+    shown = {k: v for k, v in rows[0].items() if k != "index"}   # the table's columns, and the prompt
     assert generations.log_table(client, run_id, 2, rows) is True
     assert generations.log_table(client, run_id, 2, rows) is False
-    assert generations.read_table(client, run_id, 2) == rows
+    assert generations.read_table(client, run_id, 2) == [shown]
     rundir.append_generations(tmp_path, [{**rows[0], "step": 4}, {**rows[0], "step": 2}])
     assert generations.upload_missing(client, run_id, tmp_path) == 1   # step 4; step 2 is there
-    assert generations.latest_table(client, run_id) == (4, [{**rows[0], "step": 4}])
+    assert generations.latest_table(client, run_id) == (4, [{**shown, "step": 4}])
+    table = json.loads(Path(client.download_artifacts(run_id, "eval_generations.json", str(tmp_path)))
+                       .read_text())
+    assert table["columns"][:5] == ["step", "user", "reference", "generation", "system"]
+    assert [row[:2] for row in table["data"]] == [[2, "q"], [4, "q"]]
+    logged = json.loads(client.get_run(run_id).data.tags["mlflow.loggedArtifacts"])
+    assert logged == [{"path": "eval_generations.json", "type": "table"}]   # what MLflow's UI lists
+
+
+def test_a_run_with_one_table_per_evaluation_is_read_too(tmp_path, empty_store):
+    from mlflow import MlflowClient
+
+    from jobspec.tracking import generations
+    client = MlflowClient(fresh_store(empty_store, tmp_path / "mlflow.db"))
+    run_id = client.create_run(client.create_experiment("g")).info.run_id
+    old = {"step": 6, "prompt": "p", "reference": "r", "generation": "g", "tokens": 3, "stop_reason": "stop",
+           "exact_match": False}
+    client.log_table(run_id, data={k: [v] for k, v in old.items()},
+                     artifact_file="eval_generations/step_00000006.json")
+    assert generations.table_steps(client, run_id) == [6]
+    assert generations.latest_table(client, run_id) == (6, [old])
+    assert generations.log_table(client, run_id, 6, [old]) is False
+
+
+def test_the_run_description_links_to_the_generations_table(tmp_path, empty_store):
+    from mlflow import MlflowClient
+
+    from jobspec.launch.tracking import describe_run
+    from jobspec.tracking.run import TrackedRun
+    uri = fresh_store(empty_store, tmp_path / "mlflow.db")
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("g")
+    run_id = client.create_run(experiment).info.run_id
+    tracked = TrackedRun(uri, experiment, run_id, client)
+    describe_run(tracked, "A job.", "jobspec: g finished", generated=True)
+    text = client.get_run(run_id).data.tags["mlflow.note.content"]
+    link = f"(#/experiments/{experiment}/runs/{run_id}/artifacts/eval_generations.json)"
+    assert text.startswith("A job.\n\n**Evaluation generations**: [eval_generations.json]" + link)
+    assert text.endswith("```\njobspec: g finished\n```")
+    describe_run(tracked, None, "jobspec: g finished", generated=False)
+    assert "eval_generations" not in client.get_run(run_id).data.tags["mlflow.note.content"]
 
 
 def test_the_exported_chat_model_stops_at_end_of_turn_and_the_adapter_names_its_base(tmp_path, tokenizer):

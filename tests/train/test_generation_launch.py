@@ -14,6 +14,7 @@ what ZeRO-0 ranks compute with). The exported generation_config stops at the tem
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -126,6 +127,7 @@ def test_each_evaluation_is_recorded_once_and_the_answers_change_as_the_model_le
         table = generations.read_table(client, run_id, step)
         assert [row["generation"] for row in table] == [row["generation"] for row in local[step]]
         assert all(row["reference"] and row["prompt"] for row in table)
+        assert [row["user"] for row in table] == [row["prompt"] for row in local[step]]   # one turn
     texts = {step: [row["generation"] for row in rows] for step, rows in local.items()}
     assert len({tuple(answers) for answers in texts.values()}) > 1, texts   # the weights moved, the answers too
     metrics = [row for row in read_metrics(run_dir) if "time/eval_generate_s" in row]
@@ -195,3 +197,51 @@ def test_report_puts_two_runs_answers_side_by_side(launched, tmp_path, capsys):
     markdown = (tmp_path / "generations.md").read_text()
     assert markdown.splitlines()[0] == "| prompt | reference | reverse zero3 (step 8) | reverse other (step 5) |"
     assert "<table>" in (tmp_path / "generations.html").read_text()
+
+
+def test_a_launch_logs_the_generations_table_and_its_description_links_to_it(tmp_path, empty_store):
+    """`jobspec launch` on one CPU rank, 2 steps, an evaluation with generations at the end: the run
+    holds eval_generations.json (the question first, the system prompt in its own column), MLflow
+    lists it as a table, and the run's description (the closing summary) links to it."""
+    import subprocess
+    import sys
+
+    from mlflow import MlflowClient
+
+    from jobspec.tracking import generations
+    uri = fresh_store(empty_store, tmp_path / "mlflow.db")
+    system = {"role": "system", "content": "Answer with three words."}
+    records = [{"messages": [system, *r["messages"]]} for r in pattern_records(8, 4)]
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({
+        "name": "gen-table",
+        "model": {"architecture": "qwen2", "task": "causal-lm", "config": QWEN},
+        "data": {"train": write_jsonl(tmp_path / "train.jsonl", records),
+                 "eval": write_jsonl(tmp_path / "eval.jsonl", records[:4]),
+                 "tokenizer": str(TOKENIZER), "records": "chat", "max_length": 48, "num_workers": 0,
+                 "pin_memory": False},
+        "training": {"max_steps": 2, "micro_batch_size": 4,
+                     "eval_generate": {"prompts": 2, "max_new_tokens": 4}},
+        "memory": {"precision": "fp32"}, "checkpoint": {"save_final": False},
+        "export": {"final": False},
+        "logging": {"every_n_steps": 1, "progress": "lines", "system_metrics": False,
+                    "mlflow": {"tracking_uri": uri}},
+        "resources": {"gpus_per_node": 1}, "output_dir": str(tmp_path / "out")}))
+    proc = subprocess.run([sys.executable, "-m", "jobspec", "launch", str(job)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    run_id = rundir.read_mlflow_run(next((tmp_path / "out").glob("run-*")))["run_id"]
+    client = MlflowClient(uri)
+    local = Path(client.download_artifacts(run_id, generations.TABLE_FILE, str(tmp_path)))
+    table = json.loads(local.read_text())
+    assert table["columns"] == list(generations.COLUMNS)
+    rows = [dict(zip(table["columns"], row)) for row in table["data"]]
+    assert [(row["step"], row["user"], row["system"]) for row in rows] == \
+        [(2, r["messages"][1]["content"], system["content"]) for r in records[:2]]
+    assert all(row["reference"] == ANSWER and row["generation"] is not None for row in rows)
+    run = client.get_run(run_id)
+    logged = json.loads(run.data.tags["mlflow.loggedArtifacts"])
+    assert logged == [{"path": generations.TABLE_FILE, "type": "table"}]
+    link = f"(#/experiments/{run.info.experiment_id}/runs/{run_id}/artifacts/eval_generations.json)"
+    assert link in run.data.tags["mlflow.note.content"]
