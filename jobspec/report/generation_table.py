@@ -1,8 +1,8 @@
 """`jobspec report EXPERIMENT --generations`: each prompt with every run's latest answer side by side.
 
-Reads each run's newest `eval_generations/step_<N>.json` table (training.eval_generate,
-tracking/generations.py). Prompts are matched by their text across runs (in the order the first
-run that has them lists them), the reference shown once; a run that did not answer a prompt shows
+Reads the rows of each run's newest evaluation in its `eval_generations.json` table
+(training.eval_generate, tracking/generations.py). Prompts are matched by their text across runs (in
+the order the first run that has them lists them), the reference shown once; a run that did not answer a prompt shows
 '-'. Printed as text blocks; written with --out as generations.md (one Markdown table, a column per
 run) and generations.html (the same table, texts escaped, line breaks kept).
 """

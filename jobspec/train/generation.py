@@ -24,8 +24,9 @@ bit-identical to those with it off (sampling at `temperature > 0` draws from its
 at every evaluation, so answers change with the weights only).
 
 Rank 0 gathers the answers and records them: `generations.jsonl` in the run directory (a step
-already there is not written twice), the MLflow table of the step through the metric sink
-(tracking/generations.py), `eval/exact_match` (answers equal to their reference, whitespace aside,
+already there is not written twice), the step's rows of the run's MLflow table through the metric
+sink (tracking/generations.py: the question, the reference, the answer and the system prompt in
+columns of their own), `eval/exact_match` (answers equal to their reference, whitespace aside,
 over the prompts that have one) and `time/eval_generate_s`, a progress line, and the first answer in
 summary.json (`generation`) for the closing summary.
 """
