@@ -179,8 +179,8 @@ def jobspec_like_trainer(model, args, train_dataset, *, shuffle: bool, **kwargs)
 
     trainer = JobspecLikeTrainer(model=model, args=args, train_dataset=train_dataset, **kwargs)
     if args.gradient_accumulation_steps > 1:
-        device = next(model.parameters()).device
-        batch = {k: v.to(device) for k, v in next(iter(trainer.get_train_dataloader())).items()}
+        device = next(model.parameters()).device   # one sample is enough to tell
+        batch = {k: v[:1].to(device) for k, v in next(iter(trainer.get_train_dataloader())).items()}
         trainer.loss_is_scaled_for_ga = loss_counts_items(model, batch)
     return trainer
 
