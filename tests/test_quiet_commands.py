@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import REPO_ROOT
 
 DATA = REPO_ROOT / "jobs" / "data"
@@ -139,7 +138,22 @@ def test_a_real_launch_its_export_and_its_reports_leave_the_terminal_to_jobspec(
     (run_dir,) = (tmp / "out").glob("run-*")
     run_cold(tmp, "sync", str(run_dir), cache="launch")
     run_cold(tmp, "export", str(tmp / "out" / "checkpoints"), "--out", str(tmp / "exported"), cache="launch")
+    assert_export_layout(tmp / "exported")
     uri = f"sqlite:///{tmp / 'mlflow.db'}"
     run_cold(tmp, "report", "quiet", "--tracking-uri", uri, cache="launch")
     generations = run_cold(tmp, "report", "quiet", "--generations", "--tracking-uri", uri, cache="launch")
     assert "prompt 1" in generations
+
+
+def assert_export_layout(out: Path) -> None:
+    """`--out DIR` holds all the export writes (the merged model, the adapter in DIR/adapter, with
+    the tokenizer), every file with the mode the umask gives."""
+    from transformers import AutoTokenizer
+    assert not out.with_name(f"{out.name}-adapter").exists()
+    assert (out / "config.json").is_file() and (out / "adapter" / "adapter_config.json").is_file()
+    assert AutoTokenizer.from_pretrained(out / "adapter").get_vocab() == \
+        AutoTokenizer.from_pretrained(DATA / "tokenizer").get_vocab()
+    mask = os.umask(0)
+    os.umask(mask)
+    found = {p.stat().st_mode & 0o777 for p in out.rglob("*") if p.is_file()}
+    assert found == {0o666 & ~mask}, sorted(oct(m) for m in found)

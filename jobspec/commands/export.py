@@ -5,7 +5,9 @@ its `latest` file names) or one step<N> checkpoint. Any ZeRO stage and world siz
 are merged by DeepSpeed's own zero_to_fp32 code. DIR gets config.json, safetensors weights in
 --dtype (default: the spec's `export.dtype`), the tokenizer when the job has one and a README.md
 model card, as the job's own export writes it (spec section `export`); it loads with
-`AutoModelFor<task>.from_pretrained(DIR)`.
+`AutoModelFor<task>.from_pretrained(DIR)`. A LoRA job's PEFT adapter, with the tokenizer, goes to
+DIR/adapter (`export.adapter: adapter`: to DIR): nothing is written outside DIR. Every file gets
+the mode the umask gives.
 
 The model is rebuilt from the job's resolved spec: the copy in the checkpoint, else a run
 directory of the job, else --spec. Exit status: 0 written, 1 the directory could not be written
@@ -61,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {record['path']} ({record['bytes'] / MiB:.1f} MiB, {record['dtype']}, step {record['step']}) "
               f"from {source.path} in {record['seconds']:.1f} s")
         adapter = record.get("adapter")
-        if adapter:   # model.lora: the PEFT adapter beside the merged model (export.adapter: both)
+        if adapter:   # model.lora: the PEFT adapter inside DIR, beside the merged model (both)
             print(f"wrote {adapter['path']} (PEFT adapter, {adapter['bytes'] / MiB:.1f} MiB)")
     return 0
 

@@ -106,8 +106,9 @@ def _export_lora(source: Source, out: Path, spec: JobSpec, state_dict: dict, inf
                  show_progress: bool) -> dict:
     """A LoRA job's checkpoint: the PEFT model's weights checked against the spec's model wrapped by
     apply_lora (count, names, shapes), then, by `export.adapter`, the merged model in `out` and the
-    PEFT adapter beside it in `<out>-adapter` (export/lora_export.py). The record is the merged
-    directory's (the adapter's when only it is written), with `adapter`: the adapter's record."""
+    PEFT adapter inside it in `out/adapter`, or only the adapter, in `out` (export/lora_export.py):
+    nothing outside `out`. The record is the merged directory's (the adapter's when only it is
+    written), with `adapter`: the adapter's record."""
     from jobspec.export import lora_export as lora_exports
     from jobspec.export.hf_dir import ExportFailed, describe_io_error
 
@@ -123,20 +124,23 @@ def _export_lora(source: Source, out: Path, spec: JobSpec, state_dict: dict, inf
         raise spec_error(str(err), path=("model", "lora"),
                          hint="export with the spec the checkpoint was trained with (`--spec RUN_DIR/resolved.yaml`), "
                               "or another checkpoint") from None
-    adapter_record = None
-    if adapter:
-        adapter_out = out.parent / f"{out.name}{lora_exports.ADAPTER_SUFFIX}"
-        try:
-            adapter_record = lora_exports.write_adapter_dir(
-                adapter_out, spec, peft_model, {"name": adapter_out.name, "step": info.step, "dtype": info.dtype,
-                                                "source": info.source}, tokenizer=tokenizer)
-        except OSError as err:
-            raise ExportFailed(describe_io_error(adapter_out, err)) from None
-    if not merged and adapter_record is not None:
-        return adapter_record
-    record = write_model_dir(out, spec, lora_exports.merged_state_dict(peft_model), info, tokenizer=tokenizer,
-                             show_progress=show_progress, label_names=read_label_names(source.path))
-    return {**record, "adapter": adapter_record}
+    record = None
+    if merged:   # first: writing `out` replaces the directory whole
+        record = write_model_dir(out, spec, lora_exports.merged_state_dict(peft_model), info,
+                                 tokenizer=tokenizer, show_progress=show_progress,
+                                 label_names=read_label_names(source.path))
+    if not adapter:
+        assert record is not None, "export.adapter asks for the merged model, the adapter or both"
+        return {**record, "adapter": None}
+    adapter_out = out / lora_exports.EXPORT_ADAPTER_DIR if merged else out
+    try:
+        named = {"name": adapter_out.name, "step": info.step, "dtype": info.dtype,
+                 "source": info.source}
+        adapter_record = lora_exports.write_adapter_dir(adapter_out, spec, peft_model, named,
+                                                        tokenizer=tokenizer)
+    except OSError as err:
+        raise ExportFailed(describe_io_error(adapter_out, err)) from None
+    return adapter_record if record is None else {**record, "adapter": adapter_record}
 
 
 def consolidated_state_dict(tag_dir: Path, client: dict, precision: str, dtype: str) -> tuple[dict, list]:

@@ -107,6 +107,7 @@ def write_model_dir(out: str | os.PathLike, spec: JobSpec, state_dict: dict, inf
                   "metrics": info.metrics, "notes": info.notes, "job": spec["name"]}
         (tmp / "README.md").write_text(model_card(spec, info, model, tokenizer), encoding="utf-8")
         (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        follow_umask(tmp)
         _replace(tmp, out)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)   # a full disk gets its space back
@@ -123,12 +124,9 @@ def stop_at_end_of_turn(model, spec: JobSpec, tokenizer) -> None:
     file (`data.chat_template`) goes into the exported tokenizer, which then renders prompts as training did."""
     if tokenizer is None:
         return
-    from jobspec.data.chat_render import chat_template
     from jobspec.model.chat_turns import end_of_turn_ids
 
-    template = chat_template(spec, tokenizer)
-    if template and spec["data"]["chat_template"]:
-        tokenizer.chat_template = template
+    template = with_job_template(spec, tokenizer)
     config = getattr(model, "generation_config", None)
     if config is None:
         return
@@ -137,6 +135,39 @@ def stop_at_end_of_turn(model, spec: JobSpec, tokenizer) -> None:
         config.eos_token_id = ids[0] if len(ids) == 1 else ids
     if getattr(config, "pad_token_id", None) is None and tokenizer.pad_token_id is not None:
         config.pad_token_id = tokenizer.pad_token_id
+
+
+def with_job_template(spec: JobSpec, tokenizer) -> str | None:
+    """The chat template the job rendered its records with, put into `tokenizer` when it is the
+    job's own file (`data.chat_template`): the saved tokenizer renders prompts as training did."""
+    from jobspec.data.chat_render import chat_template
+
+    template = chat_template(spec, tokenizer)
+    if template and spec["data"]["chat_template"]:
+        tokenizer.chat_template = template
+    return template
+
+
+def umask() -> int:
+    """This process's umask, read without changing it (Linux's /proc; else set and put back)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(directory: Path) -> None:
+    """Every file under `directory` gets the mode a plain `open` gives it (0666 less the umask):
+    safetensors and the hub's writers make theirs through private temporary files (0600)."""
+    mode = 0o666 & ~umask()
+    for path in Path(directory).rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            os.chmod(path, mode)
 
 
 def label_maps(label_names: dict | None, num_labels: int) -> tuple[dict, dict] | None:
@@ -263,7 +294,7 @@ def _progress(total: int, show: bool):
 
         def close(self):
             pass
-    if not show or not sys.stderr.isatty():   # a bar is for a terminal: a pipe or a log gets the closing line
+    if not show or not sys.stderr.isatty():   # a terminal's: a pipe or a log gets the closing line
         return _Null()
     from tqdm.auto import tqdm
     return tqdm(total=total, desc="jobspec: converting weights", unit="tensor", file=sys.stderr,

@@ -1,8 +1,10 @@
 """Exports of a LoRA job (spec `model.lora`, `export.adapter`): the merged model and the PEFT adapter.
 
-    <export dir>/<name>            merged: the adapters merged into the base; `from_pretrained` loads it
-    <export dir>/<name>-adapter    the PEFT adapter (adapter_config.json, adapter_model.safetensors):
-                                   `PeftModel.from_pretrained(base, dir)` loads it onto the base
+    <export dir>/<name>            merged: the adapters merged into the base (`from_pretrained`)
+    <export dir>/<name>-adapter    the PEFT adapter (adapter_config.json, adapter_model.safetensors)
+                                   and the tokenizer: `PeftModel.from_pretrained(base, dir)`
+    `jobspec export --out DIR`     the merged model in DIR, the adapter in DIR/adapter (only the
+                                   adapter: in DIR), so --out holds all it writes
 
 Both come from one gathered state dict of the PEFT-wrapped model (the worker's export under any
 ZeRO stage, or `jobspec export` from a checkpoint). It goes into the spec's model built on the meta
@@ -25,6 +27,7 @@ from jobspec.export.hf_dir import dir_bytes, torch_dtype
 from jobspec.spec.types import JobSpec
 
 ADAPTER_SUFFIX = "-adapter"
+EXPORT_ADAPTER_DIR = "adapter"   # `jobspec export --out DIR`: DIR/adapter, inside the merged model
 BASE_DIR = "base"   # inside the adapter directory: the base of a model built from a config
 
 
@@ -123,12 +126,13 @@ def base_readme(base: str, built: bool) -> str:
 
 
 def write_adapter_dir(out: str | os.PathLike, spec: JobSpec, peft_model, info: dict, tokenizer=None) -> dict:
-    """PEFT's own `save_pretrained` (adapter weights and adapter_config.json) into `out`, built under a
-    temporary name and renamed into place; returns its record. A base built from a config (no
-    `model.name_or_path` names it) is exported into `out/base` (export/hf_dir.py, with the tokenizer)
-    and adapter_config.json's `base_model_name_or_path` names that directory: no other copy of the
-    frozen random weights exists (under ZeRO-3 they are not even the seed's whole-model init)."""
-    from jobspec.export.hf_dir import ExportInfo, write_model_dir
+    """PEFT's own `save_pretrained` (adapter weights and adapter_config.json) and the job's
+    tokenizer (`tokenizer`, when it has one) into `out`, built under a temporary name and renamed
+    into place; returns its record. A base built from a config (no `model.name_or_path` names it)
+    is exported into `out/base` (export/hf_dir.py, with the tokenizer) and adapter_config.json's
+    `base_model_name_or_path` names that directory: no other copy of the frozen random weights
+    exists (under ZeRO-3 they are not even the seed's whole-model init)."""
+    from jobspec.export.hf_dir import ExportInfo, follow_umask, with_job_template, write_model_dir
 
     out = Path(out)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
@@ -145,6 +149,9 @@ def write_adapter_dir(out: str | os.PathLike, spec: JobSpec, peft_model, info: d
                                        dtype=info.get("dtype", "fp32"), source="the frozen base the adapter trained on",
                                        metrics={}, notes=[]), tokenizer=tokenizer)
         peft_model.save_pretrained(tmp)
+        if tokenizer is not None:   # AutoTokenizer.from_pretrained(adapter dir), as the merged one
+            with_job_template(spec, tokenizer)
+            tokenizer.save_pretrained(tmp)
         config_path = tmp / "adapter_config.json"
         config = json.loads(config_path.read_text(encoding="utf-8"))
         config["base_model_name_or_path"] = base
@@ -154,6 +161,7 @@ def write_adapter_dir(out: str | os.PathLike, spec: JobSpec, peft_model, info: d
         readme.write_text(card.rstrip("\n") + "\n" + base_readme(base, not named), encoding="utf-8")
         record = {**info, "job": spec["name"], "kind": "peft-adapter"}
         (tmp / "jobspec_export.json").write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        follow_umask(tmp)
         old = out.parent / f".{out.name}.old-{os.getpid()}"
         if out.exists():
             os.replace(out, old)

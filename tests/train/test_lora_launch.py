@@ -123,7 +123,9 @@ def test_jobspec_export_of_the_final_checkpoint_equals_the_ranks_exports(runs, t
     exports = json.loads((run_dir / "summary.json").read_text())["exports"]
     out = tmp_path / "offline"
     assert main(["export", str(run_dir), "--out", str(out)]) == 0
-    pairs = ((out, exports["final"]["path"]), (tmp_path / "offline-adapter", exports["final-adapter"]["path"]))
+    # everything under --out: the merged model in it, the adapter in its adapter/
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["offline"]
+    pairs = ((out, exports["final"]["path"]), (out / "adapter", exports["final-adapter"]["path"]))
     for mine, ranks in pairs:
         offline, live = _tensors(mine), _tensors(Path(ranks))
         assert set(offline) == set(live)
