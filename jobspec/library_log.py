@@ -1,7 +1,8 @@
 """What the libraries print in any command's own process: kept in a log file, off the terminal
 (`--verbose` shows it), as `jobspec launch` keeps its ranks' in launcher.log (launch/quiet.py,
 train/library_output.py). `launch`'s own process (its checks, the planner's trace, bitsandbytes'
-import) logs here too; its MLflow records go to the run's launcher.log (launch/quiet.route_library_logs).
+import) logs here too; its MLflow records go to the run's launcher.log
+(launch/quiet.route_library_logs).
 
 transformers' deprecation notices (`is_gradient_checkpointing is deprecated`), its config warnings
 (`eos_token_id must be ...`), huggingface_hub's retries, datasets' and the hub's progress bars and
@@ -28,8 +29,8 @@ import warnings
 from pathlib import Path
 from typing import Iterator
 
-QUIET_COMMANDS = ("validate", "compile", "schema", "launch", "plan", "prepare", "sbatch", "report", "sync",
-                  "export")
+QUIET_COMMANDS = ("validate", "compile", "schema", "launch", "plan", "prepare", "sbatch", "report",
+                  "sync", "export")
 # transformers is imported by what needs it, not up front (validate imports no torch; a warm plan or
 # launch neither)
 EAGER_COMMANDS = ("export", "report")

@@ -365,7 +365,7 @@ class RunSummary:
     data: dict | None = None                  # the tokenised data's counts (data.<split>.records, tokens, ...)
     exit_code: int | None = None              # the launcher's fallback
     written_by: str | None = None             # LAUNCHER_WRITER for the fallback
-    # the plan of each peak_memory reading, by its name (memory/plan_figures.planned; the launcher's)
+    # the plan of each peak_memory reading, by its name (the launcher's: memory/plan_figures)
     planned_memory: dict[str, float] | None = None
     report: str | None = None                 # the closing block the launcher printed (plain text)
     extra: dict = field(default_factory=dict)  # keys this version does not know, kept as they were
@@ -375,7 +375,8 @@ class RunSummary:
                  "tokens_per_s", "tflops_per_device", "mfu", "peak_memory", "elapsed_s", "resumed_from",
                  "checkpoint", "exports", "parameters")
     # written only when set
-    OPTIONAL_KEYS = ("error", "generation", "data", "exit_code", "written_by", "planned_memory", "report")
+    OPTIONAL_KEYS = ("error", "generation", "data", "exit_code", "written_by", "planned_memory",
+                     "report")
 
     @property
     def done(self) -> bool:

@@ -67,8 +67,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--ignore-preflight", action="store_true",
                         help="warn instead of refusing when host checks fail (GPU count, free GPU memory, port in use)")
     parser.add_argument("--verbose", "-v", action="store_true",
-                        help="show DeepSpeed's, torch's and MLflow's own log lines too (launcher.log always "
-                             f"has them) and the libraries' warnings (else in {library_log.log_path('launch')})")
+                        help="show DeepSpeed's, torch's and MLflow's own log lines too "
+                             "(launcher.log always has them) and the libraries' warnings (else in "
+                             f"{library_log.log_path('launch')})")
     parser.add_argument("--kill-grace", type=float, default=KILL_GRACE_S, metavar="SECONDS",
                         help="after Ctrl-C/SIGTERM, wait this long for a checkpoint before killing the job "
                              f"(default {KILL_GRACE_S:.0f})")

@@ -54,8 +54,8 @@ class Host:
 
     @classmethod
     def probe(cls, gpus_per_node: int) -> Host:
-        """This machine's (NVML, through jobspec.hardware; JOBSPEC_FAKE_GPU_FREE_BYTES in tests, which
-        plans GPU ranks)."""
+        """This machine's (NVML, through jobspec.hardware; JOBSPEC_FAKE_GPU_FREE_BYTES in tests,
+        which plans GPU ranks)."""
         import psutil
 
         from jobspec import hardware
@@ -154,8 +154,8 @@ def prepare_job(source: str | os.PathLike | ResolvedSpec, overrides: Iterable[st
         derived = _located(resolved, lambda: derive_job(spec, profiler=CachedProfiler()))
         resolved, derived, memory = _located(resolved, lambda: at_launch.plan_at_launch(
             resolved, derived, host.gpu_free, bf16_supported=host.bf16_supported, apply_fit=how.apply_fit,
-            budget=how.budget, host_ram=host.ram_total, host_budget=how.host_budget, gpu_name=host.gpu_name,
-            cpu_ranks=host.cpu_ranks))
+            budget=how.budget, host_ram=host.ram_total, host_budget=how.host_budget,
+            gpu_name=host.gpu_name, cpu_ranks=host.cpu_ranks))
     else:
         derived = _located(resolved, lambda: derive_job(spec))
     prepared = PreparedJob(resolved, derived, memory, host=host)

@@ -163,12 +163,13 @@ def hardware_text(job, host) -> str:
 
 
 def memory_text(memory, host) -> str:
-    """The plan's GPU figures (memory/plan_figures: `GPU total`, `peak allocated`) against the GPU."""
+    """The plan's GPU figures (memory/plan_figures: GPU total, peak allocated) against the GPU."""
     plan = memory.plan
     if plan is None:
         return "no plan for this model (see the line above)"
-    text = (f"{GPU_TOTAL.label} plan {fmt_mib_gib(plan.nvml_total)} per GPU ({PEAK_ALLOCATED.label} "
-            f"{fmt_mib_gib(plan.peak_allocated)} + allocator and CUDA context)")
+    allocated = fmt_mib_gib(plan.peak_allocated)
+    text = (f"{GPU_TOTAL.label} plan {fmt_mib_gib(plan.nvml_total)} per GPU "
+            f"({PEAK_ALLOCATED.label} {allocated} + allocator and CUDA context)")
     if host.gpu_free is not None:
         verdict = "fits" if plan.nvml_total <= host.gpu_free else "DOES NOT FIT"
         total = f" of {fmt_mib_gib(host.gpu_total)}" if host.gpu_total else ""
@@ -184,14 +185,16 @@ def host_memory_text(memory, host) -> str:
     plan = memory.plan
     text = f"plan {fmt_mib_gib(plan.host_total)} per rank"
     if plan.cpu_ranks:
-        text += f" (the process and its tensors: {fmt_mib_gib(plan.host.get('tensors', 0))} at the peak)"
+        tensors = fmt_mib_gib(plan.host.get("tensors", 0))
+        text += f" (the process and its tensors: {tensors} at the peak)"
     if plan.ranks_per_node > 1:
         text += f", {fmt_mib_gib(plan.host_per_node)} per node ({_ranks(plan.ranks_per_node)})"
     if memory.host_budget is None:
         text += " · node RAM unknown (set resources.host_mem to check it)"
     else:
         verdict = "fits" if plan.host_fits else "DOES NOT FIT"
-        text += f" · node RAM {fmt_mib_gib(memory.host_budget)} ({memory.host_budget_source}): {verdict}"
+        budget = fmt_mib_gib(memory.host_budget)
+        text += f" · node RAM {budget} ({memory.host_budget_source}): {verdict}"
     if plan.cpu_ranks and host.ram_available is not None:
         text += f" · {fmt_mib_gib(host.ram_available)} available now"
     return text
@@ -213,7 +216,8 @@ def gpu_sized_warning(spec: JobSpec, job, memory, host, step_time_s: float | Non
     plan = memory.plan
     if plan is not None and host.ram_available is not None:
         # the node's ranks: CPU ranks hold their tensors in host RAM (a GPU plan: beside it)
-        node = plan.host_per_node + (0 if plan.cpu_ranks else plan.peak_allocated * job.gpus_per_node)
+        beside = 0 if plan.cpu_ranks else plan.peak_allocated * job.gpus_per_node
+        node = plan.host_per_node + beside
         if node > host.ram_available:
             reasons.append(f"its plan needs {fmt_mib_gib(node)} for {_ranks(job.gpus_per_node)}, more than the "
                            f"{fmt_mib_gib(host.ram_available)} of RAM available")
@@ -361,8 +365,9 @@ def throughput_text(summary: RunSummary) -> str:
 
 
 def memory_lines(peaks: dict, plan: dict, style: bool) -> list[str]:
-    """Each measured peak (max over ranks and windows, MiB) beside its plan (launch.json `plan`, MiB),
-    by memory/plan_figures: the GPU's on a `memory` line, host RAM (RSS) on its own, as in the header."""
+    """Each measured peak (max over ranks and windows, MiB) beside its plan (launch.json `plan`,
+    MiB), by memory/plan_figures: the GPU's on a `memory` line, host RAM (RSS) on its own, as in the
+    header."""
     planned = plan_figures.planned(plan)
 
     def versus(figure, what: str) -> str | None:

@@ -49,8 +49,9 @@ def plan_at_launch(resolved: ResolvedSpec, job: DerivedJob, gpu_free: int | None
                    host_budget: tuple[int, str] | None = None, gpu_name: str | None = None,
                    cpu_ranks: bool = False) -> tuple[ResolvedSpec, DerivedJob, LaunchMemory]:
     """(resolved spec to run, its derived job, LaunchMemory): `memory.fit: auto` applied, the plan of the result.
-    `gpu_name`: this host's GPU (NVML's name), whose measured CUDA context the plan adds; `cpu_ranks`:
-    the ranks run on this host's CPUs, so the plan's host RAM holds their tensors (no GPU figure).
+    `gpu_name`: this host's GPU (NVML's name), whose measured CUDA context the plan adds;
+    `cpu_ranks`: the ranks run on this host's CPUs, so the plan's host RAM holds their tensors (no
+    GPU figure).
 
     `gpu_free`: the least free memory of this host's GPUs (None without GPUs), the budget when
     `memory.gpu_memory` is not set; `bf16_supported`: whether fitting may switch to bf16;
@@ -154,17 +155,19 @@ def preflight_problems(memory: LaunchMemory, free: int | None) -> list[str]:
 
 
 def plan_record(memory: LaunchMemory) -> dict:
-    """launch.json's `plan` (MiB per component) and `fit` entries. CPU ranks have no GPU figure (their
-    tensors are in `host_tensors_mib`, inside `host_total_mib`): memory/plan_figures."""
+    """launch.json's `plan` (MiB per component) and `fit` entries. CPU ranks have no GPU figure
+    (their tensors are in `host_tensors_mib`, inside `host_total_mib`): memory/plan_figures."""
     record: dict[str, dict] = {}
     if memory.plan is not None:
         plan = memory.plan
         mib = {f"{k}_mib": _mib(v) for k, v in plan.breakdown.items()}
         if not plan.cpu_ranks:
-            mib.update(peak_allocated_mib=_mib(plan.peak_allocated), peak_reserved_mib=_mib(plan.peak_reserved),
+            mib.update(peak_allocated_mib=_mib(plan.peak_allocated),
+                       peak_reserved_mib=_mib(plan.peak_reserved),
                        nvml_total_mib=_mib(plan.nvml_total),
-                       cuda_context_mib=_mib(plan.nvml_total - plan.peak_reserved))   # the figure used
-        mib.update(host_total_mib=_mib(plan.host_total), host_per_node_mib=_mib(plan.host_per_node))
+                       cuda_context_mib=_mib(plan.nvml_total - plan.peak_reserved))   # the one used
+        mib.update(host_total_mib=_mib(plan.host_total),
+                   host_per_node_mib=_mib(plan.host_per_node))
         mib.update({f"host_{k}_mib": _mib(v) for k, v in plan.host.items()})
         if memory.host_budget is not None:
             mib["host_budget_mib"] = _mib(memory.host_budget)

@@ -4,11 +4,11 @@ The launch header, the closing block, summary.json (`planned_memory`), MLflow's 
 `jobspec report` all show a plan through `FIGURES`, so each says the same figure with the same name:
 
 - on GPU ranks: `peak allocated` (torch's allocator), `reserved` (its segments) and `GPU total`
-  (NVML: reserved and the CUDA context), per GPU; and `host RAM` (the rank's process, construction, offload
-  buffers) against its RSS;
-- on CPU ranks there is no GPU: the model's tensors live in the rank's own memory, so the plan's host
-  RAM holds them (memory/planner.plan_memory with `cpu_ranks`) and `host RAM` is the one figure, set
-  against the RSS. A CPU rank's plan records no GPU figure, so none is shown or logged.
+  (NVML: reserved and the CUDA context), per GPU; and `host RAM` (the rank's process, construction,
+  offload buffers) against its RSS;
+- on CPU ranks there is no GPU: the model's tensors live in the rank's own memory, so the plan's
+  host RAM holds them (memory/planner.plan_memory with `cpu_ranks`) and `host RAM` is the one
+  figure, set against the RSS. A CPU rank's plan records no GPU figure, so none is shown or logged.
 
 A figure's plan is launch.json `plan[<plan_key>]` (MiB), MLflow's `plan.<plan_key>`; its reading is
 the rank metric `metric` (max over ranks and windows, MiB), summary.json `peak_memory[metric]`.
@@ -41,11 +41,12 @@ GPU_PLAN_KEYS = ("peak_allocated_mib", "peak_reserved_mib", "nvml_total_mib")
 def planned(plan_mib: Mapping[str, float]) -> dict[str, float]:
     """Each figure the plan holds, by the metric that measures it: {metric: planned MiB}
     (summary.json `planned_memory`)."""
-    return {f.metric: float(plan_mib[f.plan_key]) for f in FIGURES if plan_mib.get(f.plan_key) is not None}
+    return {f.metric: float(plan_mib[f.plan_key]) for f in FIGURES
+            if plan_mib.get(f.plan_key) is not None}
 
 
 def from_params(params: Mapping[str, str]) -> dict[str, float]:
-    """`planned` of a run's MLflow params (`plan.<key>` strings); a value that is not a number is left out."""
+    """`planned` of a run's MLflow params (`plan.<key>` strings), leaving out a non-number."""
     plan: dict[str, float] = {}
     for f in FIGURES:
         try:

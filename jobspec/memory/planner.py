@@ -62,7 +62,7 @@ class MemoryPlan:
     compute: dict = field(default_factory=dict)   # FLOPs per trained token, from the derived job
     host_budget: int | None = None   # a node's RAM (resources.host_mem, else the launching host's)
     ranks_per_node: int = 1
-    cpu_ranks: bool = False   # the ranks run on CPUs: their tensors are in host RAM (host["tensors"])
+    cpu_ranks: bool = False   # the ranks run on CPUs: their tensors in host RAM (host["tensors"])
 
     @property
     def gpu_fits(self) -> bool | None:
@@ -309,7 +309,8 @@ def plan_memory(spec: JobSpec, job: DerivedJob, *, budget: int | None = None,
                       budget=budget, settings=settings, notes=notes,
                       compute={"model_flops_per_token": job.model_flops_per_token,
                                "hardware_flops_per_token": job.hardware_flops_per_token},
-                      host_budget=host_budget, ranks_per_node=job.gpus_per_node, cpu_ranks=cpu_ranks)
+                      host_budget=host_budget, ranks_per_node=job.gpus_per_node,
+                      cpu_ranks=cpu_ranks)
 
 
 OFFLOAD_KEPT = 1   # DeepSpeed CheckpointHiddenStatesOffload's keep_last_count: the newest input stays on the GPU

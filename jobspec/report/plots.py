@@ -86,8 +86,9 @@ def plot_comparison(rows: list[dict], path: Path, title: str = "") -> Path | Non
     names = [row["run"] for row in rows]
     gpu = any(row.get("peak_allocated_mib") is not None for row in rows)
     # the measured peak and its plan's column (report/table.PLAN_COLUMNS)
-    memory_key, plan_key, memory_label = (("peak_allocated_mib", "predicted_mib", "peak allocated (MiB)") if gpu
-                                          else ("host_rss_mib", "host_plan_mib", "peak host RSS (MiB)"))
+    memory_key, plan_key, memory_label = (
+        ("peak_allocated_mib", "predicted_mib", "peak allocated (MiB)") if gpu
+        else ("host_rss_mib", "host_plan_mib", "peak host RSS (MiB)"))
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 0.5 * len(rows) + 1.8), sharey=True)
     for ax, key, label, color in ((left, "samples_per_s", "samples/s (run average)", "tab:blue"),
                                   (right, memory_key, memory_label, "tab:orange")):

@@ -229,8 +229,8 @@ def _launch_memory(spec: Mapping[str, Any], cpu_ranks: bool):
 
 
 def planned_of_spec(spec: Mapping[str, Any], cpu_ranks: bool = False) -> dict[str, float]:
-    """The planned memory figures ({metric: MiB}, memory/plan_figures) of a run's resolved spec on CPU
-    ranks or GPUs, as its launch would have logged them; {} when the planner cannot tell."""
+    """The planned memory figures ({metric: MiB}, memory/plan_figures) of a run's resolved spec on
+    CPU ranks or GPUs, as its launch would have logged them; {} when the planner cannot tell."""
     from jobspec.memory.at_launch import plan_record
     memory = _launch_memory(spec, cpu_ranks)
     return plan_figures.planned(plan_record(memory)["plan"]) if memory is not None else {}
@@ -245,8 +245,8 @@ def predicted_peak_mib(spec: Mapping[str, Any]) -> float | None:
 
 
 def _planned_of_run(client, run, series: dict) -> dict[str, float]:
-    """The run's planned figures: the `plan.*` params its launcher logged, else (a launcher that logged
-    none) recomputed from its resolved.yaml, on CPU ranks when it measured no GPU."""
+    """The run's planned figures: the `plan.*` params its launcher logged, else (a launcher that
+    logged none) recomputed from its resolved.yaml, on CPU ranks when it measured no GPU."""
     params = run.data.params
     if any(key.startswith("plan.") for key in params):
         return plan_figures.from_params(params)

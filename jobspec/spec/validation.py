@@ -47,7 +47,16 @@ from jobspec.spec.rules import (
     tiling,
     tracking,
 )
-from jobspec.spec.rules.base import Rule, base_dir, closest, coded, did_you_mean, exists, get, local_path
+from jobspec.spec.rules.base import (
+    Rule,
+    base_dir,
+    closest,
+    coded,
+    did_you_mean,
+    exists,
+    get,
+    local_path,
+)
 from jobspec.spec.schema import (
     filled_spec,
     has_type,
@@ -111,9 +120,9 @@ def load_and_validate(path: str | os.PathLike, overrides: Iterable[str] = ()) ->
 
 def validate_spec(loaded: LoadedSpec) -> ResolvedSpec:
     """Every problem at once: the schema's; then the cross-field rules, the system locations and the
-    data records, which run on a schema-valid spec. Unknown keys (a `trainig:` typo) are set aside for
-    them, as no rule reads such a key; a value of the wrong type or not among the choices stops them,
-    since they would judge a value that was not written."""
+    data records, which run on a schema-valid spec. Unknown keys (a `trainig:` typo) are set aside
+    for them, as no rule reads such a key; a value of the wrong type or not among the choices stops
+    them, since they would judge a value that was not written."""
     # the schema checks run on the spec as written (not yet a JobSpec: filled_spec makes it one below)
     resolved = ResolvedSpec(cast(JobSpec, loaded.spec), loaded.source, loaded.text, loaded.positions,
                             loaded.key_positions)
@@ -152,15 +161,15 @@ def _rule_issues(resolved: ResolvedSpec) -> list[SpecIssue]:
 
 
 def _misspelt(path: tuple) -> tuple | None:
-    """The field an unknown key at `path` most likely misspells (its closest sibling in the schema)."""
+    """The field an unknown key at `path` most likely misspells: its closest schema sibling."""
     parent = object_branch(subschema_at(path[:-1]) or {}) or {}
     close = closest(str(path[-1]), list(parent.get("properties", {})))
     return (*path[:-1], close) if close else None
 
 
 def _without_unknown_keys(resolved: ResolvedSpec, issues: list[SpecIssue]) -> ResolvedSpec | None:
-    """A copy of `resolved` without the unknown keys `issues` name, when those are all its issues and
-    the copy passes the schema; else None."""
+    """A copy of `resolved` without the unknown keys `issues` name, when those are all its issues
+    and the copy passes the schema; else None."""
     if any(issue.code != "schema-unknown-key" for issue in issues):
         return None
     spec: Any = copy.deepcopy(resolved.spec)
