@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
     from jobspec.memory.fit import fit, longest_sequence
     from jobspec.memory.planner import parse_bytes, render_plan
     from jobspec.memory.remedies import advice
+    from jobspec.spec.rules.lora import random_base_note
 
     cli_budget = (parse_bytes(args.gpu_mem, path=("--gpu-mem",)), "--gpu-mem") if args.gpu_mem is not None else None
     host_budget = (parse_bytes(args.host_mem, path=("--host-mem",)), "--host-mem") if args.host_mem is not None \
@@ -114,6 +115,9 @@ def run(args: argparse.Namespace) -> int:
                           advice=advice(plan, spec)))
         for line in data_lines(resolved):   # the tokenised data's size: cached, else estimated
             print(f"data: {line}")
+        base_note = random_base_note(spec)
+        if base_note:
+            print(f"note: {base_note}")
         if result is not None and args.fit:
             print()
             if result.fits:

@@ -31,6 +31,7 @@ def run(args: argparse.Namespace) -> int:
     from jobspec.data import datacheck
     from jobspec.spec.derived import derive
     from jobspec.spec.freeform import unchecked_model_config
+    from jobspec.spec.rules.lora import random_base_note
     from jobspec.spec.validation import load_and_validate
 
     reports, failed = [], False
@@ -48,7 +49,9 @@ def run(args: argparse.Namespace) -> int:
         for warning in resolved.warnings:
             print(f"warning: {warning.render()}", file=sys.stderr)
         world = derive(spec).world_size
-        notes = [note for note in (unchecked_model_config(resolved),) if note] + datacheck.unread(spec)
+        said = (unchecked_model_config(resolved), random_base_note(spec))
+        notes = [note for note in said if note]
+        notes += datacheck.unread(spec)
         if args.format == "json":
             reports.append({"valid": True, "file": job, "name": spec["name"], "world_size": world,
                             "notes": notes, "spec": spec})

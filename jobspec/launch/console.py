@@ -19,6 +19,7 @@ from jobspec.memory.plan_figures import GPU_TOTAL, HOST_RAM, PEAK_ALLOCATED
 from jobspec.memory.planner import ALLOCATOR_VARIABLE, allocator_conf, expandable
 from jobspec.rundir import RunSummary
 from jobspec.spec import eval_metrics
+from jobspec.spec.rules.lora import random_base_note
 from jobspec.spec.types import JobSpec, JobSpecModel
 from jobspec.units import MiB, fmt_mib_gib
 
@@ -139,6 +140,9 @@ def header_lines(spec: JobSpec, job, memory, host, patches: list, *, style: bool
                          f"optimizer {spec['training']['optimizer']['name']}, built by jobspec")
     if described:
         lines.append(label("model", style) + " · ".join(d for d in described if d))
+    base_note = random_base_note(spec)
+    if base_note:
+        lines.append(label("note", style) + base_note)
     return lines
 
 

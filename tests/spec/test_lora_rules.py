@@ -113,3 +113,19 @@ def test_a_hub_model_this_machine_cannot_read_still_compiles(tmp_path, capsys, m
     job = write(tmp_path, {"name_or_path": "no-such-org/no-such-model", "task": "causal-lm", "lora": {}})
     code, (report,) = errors(capsys, "compile", job)
     assert code == 0, report["text"]
+
+
+def test_lora_on_a_model_built_from_its_config_is_said_in_one_note(tmp_path, capsys):
+    """The base is random and frozen: validate and plan say so in a note (the launch header too:
+    tests/launch/test_console.py); a pretrained base or no LoRA: no note."""
+    from jobspec.spec.rules.lora import random_base_note
+
+    job = write(tmp_path, {**TINY_LLAMA, "lora": {"r": 4}})
+    assert main(["validate", job]) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if "random weights" in line]
+    assert notes == ["note: model.lora on a llama built from model.config: the adapters train on a frozen "
+                     "base of random weights (set model.name_or_path to adapt a pretrained model)"]
+    assert main(["plan", job, "--gpu-mem", "8GiB"]) == 0
+    assert notes[0] in capsys.readouterr().out.splitlines()
+    pretrained = {"model": {"lora": {"r": 4}, "name_or_path": "org/model", "architecture": None}}
+    assert random_base_note(pretrained) is None and random_base_note({"model": {"lora": None}}) is None

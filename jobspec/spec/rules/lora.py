@@ -22,9 +22,21 @@ from typing import TYPE_CHECKING
 
 from jobspec.errors import SpecIssue
 from jobspec.spec.rules.base import get
+from jobspec.spec.types import JobSpec
 
 if TYPE_CHECKING:
     from jobspec.spec.validation import ResolvedSpec
+
+
+def random_base_note(spec: JobSpec) -> str | None:
+    """The note for LoRA on a model built from its config (no `model.name_or_path`): its base
+    weights are random, and frozen, so the adapters learn on noise; said by validate, plan and the
+    launch header, as the examples do it on purpose (a pipeline tried without a download)."""
+    model = spec["model"]
+    if model["lora"] is None or model["name_or_path"]:
+        return None
+    return (f"model.lora on a {model['architecture']} built from model.config: the adapters train "
+            "on a frozen base of random weights (set model.name_or_path to adapt a pretrained model)")
 
 
 def lora_issues(r: ResolvedSpec) -> list[SpecIssue]:
