@@ -86,10 +86,11 @@ def test_the_header_notes_lora_on_a_base_of_random_weights():
     spec, job, memory, patches = prepared("lora-causal-lm.yaml")
     lines = console.header_lines(spec, job, memory, CPU_HOST, patches)
     assert [line for line in lines if line.startswith("  note ")] == [
-        "  note        model.lora on a qwen2 built from model.config: the adapters train on a frozen base "
-        "of random weights (set model.name_or_path to adapt a pretrained model)"]
+        "  note        model.lora on a qwen2 built from model.config: the adapters train on a "
+        "frozen base of random weights (set model.name_or_path to adapt a pretrained model)"]
     spec, job, memory, patches = prepared("quickstart.yaml")   # no LoRA: no note
-    assert not any(line.startswith("  note ") for line in console.header_lines(spec, job, memory, CPU_HOST, patches))
+    lines = console.header_lines(spec, job, memory, CPU_HOST, patches)
+    assert not any(line.startswith("  note ") for line in lines)
 
 
 def test_a_gpu_sized_job_on_cpu_ranks_is_said_with_the_planners_step_time():

@@ -123,9 +123,11 @@ def test_lora_on_a_model_built_from_its_config_is_said_in_one_note(tmp_path, cap
     job = write(tmp_path, {**TINY_LLAMA, "lora": {"r": 4}})
     assert main(["validate", job]) == 0
     notes = [line for line in capsys.readouterr().out.splitlines() if "random weights" in line]
-    assert notes == ["note: model.lora on a llama built from model.config: the adapters train on a frozen "
-                     "base of random weights (set model.name_or_path to adapt a pretrained model)"]
+    assert notes == ["note: model.lora on a llama built from model.config: the adapters train on a "
+                     "frozen base of random weights (set model.name_or_path to adapt a pretrained "
+                     "model)"]
     assert main(["plan", job, "--gpu-mem", "8GiB"]) == 0
     assert notes[0] in capsys.readouterr().out.splitlines()
     pretrained = {"model": {"lora": {"r": 4}, "name_or_path": "org/model", "architecture": None}}
-    assert random_base_note(pretrained) is None and random_base_note({"model": {"lora": None}}) is None
+    assert random_base_note(pretrained) is None
+    assert random_base_note({"model": {"lora": None}}) is None

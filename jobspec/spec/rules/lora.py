@@ -36,7 +36,8 @@ def random_base_note(spec: JobSpec) -> str | None:
     if model["lora"] is None or model["name_or_path"]:
         return None
     return (f"model.lora on a {model['architecture']} built from model.config: the adapters train "
-            "on a frozen base of random weights (set model.name_or_path to adapt a pretrained model)")
+            "on a frozen base of random weights (set model.name_or_path to adapt a pretrained "
+            "model)")
 
 
 def lora_issues(r: ResolvedSpec) -> list[SpecIssue]:
