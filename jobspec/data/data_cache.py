@@ -23,8 +23,9 @@ and the code (this package's tokenising modules and the versions of transformers
 Padding and packing are applied when the ranks read the entry, so they are no part of the key: another
 world size, output directory, padding or packing reuses it.
 
-Entries are written into a temporary directory renamed into place, so a reader never sees half of one;
-a damaged entry is removed and built again.
+Entries are written into `.partial-<key>/` renamed into place, so a reader never sees half of one;
+a damaged entry is removed and built again. A pass stopped by Ctrl-C keeps its partial directory
+(every chunk written up to its last checkpoint), and the next pass of the same key goes on from it.
 """
 from __future__ import annotations
 
@@ -33,7 +34,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +49,10 @@ SAMPLE_BLOCK = 1 * MiB
 ARRAYS = {"input_ids": np.int32, "labels": np.int32, "offsets": np.int64}
 # jobspec/job/'s modules whose bytes are the code version: a change to how records become tokens
 CODE_MODULES = ("chat_render.py", "data_prep.py", "record_sources.py", "data_cache.py")
+# a pass being written: its parts, appended chunk by chunk, and its last checkpoint
+PARTIAL_PREFIX = ".partial-"
+PARTS = {"input_ids": np.int32, "labels": np.int32, "lengths": np.int64}
+PROGRESS = "progress.json"
 
 
 def cache_root() -> Path:
@@ -155,31 +159,63 @@ def open_entry(key: str, root: Path | None = None) -> CachedData | None:
 
 
 class EntryWriter:
-    """Writes an entry into a temporary directory beside it; `commit` renames it into place."""
+    """Writes an entry into `<root>/.partial-<key>/`, part by part (`append`, then `checkpoint` with
+    the pass's state so far); `commit` renames it into place. A pass stopped by Ctrl-C leaves it
+    (`keep`): the next writer of the key whose `resume` token matches goes on after its last
+    checkpoint (`resumed`: that state), the bytes written after it cut off; any other starts anew.
+    One writer per key at a time (data/data_prep's build lock)."""
 
-    def __init__(self, key: str, root: Path | None = None):
+    def __init__(self, key: str, root: Path | None = None, resume: str = ""):
         self.root = root or cache_root()
         self.root.mkdir(parents=True, exist_ok=True)
-        self.key = key
-        self.tmp = Path(tempfile.mkdtemp(dir=self.root, prefix=f".tmp-{key[:8]}-"))
-        self.files = {name: open(self.tmp / f"{name}.bin", "wb") for name in ("input_ids", "labels")}
-        self.lengths: list[np.ndarray] = []
-        self.tokens = 0
+        self.key, self.token = key, resume
+        self.tmp = self.root / f"{PARTIAL_PREFIX}{key}"
+        self.resumed = self._resume()
+        if self.resumed is None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp.mkdir()
+        self.files = {name: open(self.tmp / f"{name}.bin", "ab") for name in PARTS}
+        self.tokens = (self.tmp / "input_ids.bin").stat().st_size // 4
+
+    def _resume(self) -> dict | None:
+        """The state of the last checkpoint of a kept pass with this token, its files cut to it."""
+        try:
+            saved = json.loads((self.tmp / PROGRESS).read_text(encoding="utf-8"))
+            if saved["token"] != self.token:
+                return None
+            for name, count in saved["counts"].items():
+                with open(self.tmp / f"{name}.bin", "r+b") as fh:
+                    fh.truncate(count * np.dtype(PARTS[name]).itemsize)
+            return dict(saved["state"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
 
     def append(self, ids: np.ndarray, labels: np.ndarray, lengths: np.ndarray) -> None:
         ids.astype(np.int32, copy=False).tofile(self.files["input_ids"])
         labels.astype(np.int32, copy=False).tofile(self.files["labels"])
-        self.lengths.append(lengths.astype(np.int64, copy=False))
+        lengths.astype(np.int64, copy=False).tofile(self.files["lengths"])
         self.tokens += len(ids)
+
+    def checkpoint(self, state: dict) -> None:
+        """What is appended so far is kept, with `state` (the caller's counts) to go on from."""
+        for fh in self.files.values():
+            fh.flush()
+        counts = {name: fh.tell() // np.dtype(PARTS[name]).itemsize
+                  for name, fh in self.files.items()}
+        saved = {"token": self.token, "counts": counts, "state": state}
+        (self.tmp / f"{PROGRESS}.new").write_text(json.dumps(saved), encoding="utf-8")
+        os.replace(self.tmp / f"{PROGRESS}.new", self.tmp / PROGRESS)
 
     def commit(self, meta: dict) -> Path:
         """Close the files, write offsets and meta.json, and rename the directory to its key (an entry
         another process committed meanwhile wins: the same key holds the same tokens)."""
         for fh in self.files.values():
             fh.close()
-        lengths = np.concatenate(self.lengths) if self.lengths else np.zeros(0, dtype=np.int64)
+        lengths = np.fromfile(self.tmp / "lengths.bin", dtype=np.int64)
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         offsets.tofile(self.tmp / "offsets.bin")
+        for name in ("lengths.bin", PROGRESS):
+            (self.tmp / name).unlink()
         meta = {**meta, "samples": len(lengths),
                 "arrays": {"input_ids": self.tokens, "labels": self.tokens, "offsets": len(offsets)}}
         (self.tmp / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
@@ -194,7 +230,13 @@ class EntryWriter:
                 shutil.rmtree(self.tmp, ignore_errors=True)
         return target
 
+    def keep(self) -> None:
+        """Stop here, keeping what the last checkpoint holds for the next writer of the key."""
+        for fh in self.files.values():
+            fh.close()
+
     def abort(self) -> None:
+        """Stop here, keeping nothing."""
         for fh in self.files.values():
             fh.close()
         shutil.rmtree(self.tmp, ignore_errors=True)

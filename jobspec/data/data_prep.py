@@ -208,17 +208,22 @@ def _build(spec: JobSpec, entry: Entry, tokenizer, num_proc: int, show: str | No
     _WORK.update(source=entry.source, record_text=record_text,
                  tokenizer=tokenizer, max_length=data["max_length"], all_tokens=data["loss_on"] == "all")
     chunks = entry.source.chunks()
-    progress = Progress(f"data.{entry.split}", entry.source.total(), show)
-    writer = data_cache.EntryWriter(entry.key)
-    totals = _Chunk(np.zeros(0), np.zeros(0), np.zeros(0))
+    # the chunks are the key's (the source's content): a kept pass of the same ones goes on
+    writer = data_cache.EntryWriter(entry.key, resume=_chunking(chunks))
+    done, totals = _restored(writer.resumed)
+    kept = totals.records   # the records of the chunks checkpointed
+    progress = Progress(f"data.{entry.split}", entry.source.total(), show, kept=kept)
     started, cpu_started = time.time(), _cpu_seconds()
     try:
-        with _results(chunks, num_proc) as results:
+        with _results(chunks[done:], num_proc) as results:
             for result in results:
                 progress.update(result.records)
                 _add(totals, result)
                 if not totals.bad:
                     writer.append(result.ids, result.labels, result.lengths)
+                    done += 1
+                    writer.checkpoint({"chunks": done, "totals": _counts(totals)})
+                    kept = totals.records
         progress.close()
         if totals.bad:
             raise SpecError(_bad_record_issues(totals, entry.split))
@@ -230,6 +235,10 @@ def _build(spec: JobSpec, entry: Entry, tokenizer, num_proc: int, show: str | No
                 "cpu_seconds": round(_cpu_seconds() - cpu_started, 2),
                 "num_proc": min(num_proc, len(chunks)) or 1, "prompt_note": note}
         path = writer.commit(meta)
+    except KeyboardInterrupt:
+        writer.keep()
+        progress.stopped(kept)
+        raise
     except BaseException:
         writer.abort()
         raise
@@ -238,6 +247,31 @@ def _build(spec: JobSpec, entry: Entry, tokenizer, num_proc: int, show: str | No
     opened = data_cache.open_entry(path.name, path.parent)
     assert opened is not None
     return opened
+
+
+def _chunking(chunks: list) -> str:
+    """The resume token of a pass: its chunks, as the source cut them."""
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(chunks, default=str).encode()).hexdigest()[:32]
+
+
+def _counts(totals: _Chunk) -> dict:
+    """A pass's counts so far, as a checkpoint keeps them (a bad record ends the pass)."""
+    return {"records": totals.records, "truncated": totals.truncated, "no_answer": totals.no_answer,
+            "longest": list(totals.longest)}
+
+
+def _restored(state: dict | None) -> tuple[int, _Chunk]:
+    """(chunks done, the counts so far) of a kept pass's checkpoint; (0, nothing) without one."""
+    totals = _Chunk(np.zeros(0), np.zeros(0), np.zeros(0))
+    if not state:
+        return 0, totals
+    counts = state["totals"]
+    totals.records, totals.truncated = counts["records"], counts["truncated"]
+    totals.no_answer, totals.longest = counts["no_answer"], tuple(counts["longest"])
+    return int(state["chunks"]), totals
 
 
 def check_prompts(entry: Entry, record_text: RecordText, tokenizer) -> str | None:
@@ -519,22 +553,25 @@ def estimate(spec: JobSpec, entry: Entry, tokenizer, num_proc: int) -> tuple[int
 
 
 class Progress:
-    """The pass's progress on the launcher's terminal: a bar with records/s and the ETA (a terminal), a
-    line every LINE_EVERY_S seconds (logging.progress: lines), or nothing; a closing line either way."""
+    """The pass's progress on the launcher's terminal: a bar with records/s and the ETA (a
+    terminal), a line every LINE_EVERY_S seconds (logging.progress: lines), or nothing; a closing
+    line either way. `kept`: the records a stopped pass kept, which this one does not tokenise."""
 
     LINE_EVERY_S = 10.0
 
-    def __init__(self, label: str, total: int, show: str | None):
+    def __init__(self, label: str, total: int, show: str | None, kept: int = 0):
         self.label, self.total, self.show = label, total, show
-        self.done, self.started, self.last = 0, time.time(), time.time()
+        self.done, self.kept, self.started, self.last = kept, kept, time.time(), time.time()
         self.bar = None
+        going_on = f" ({kept:,} kept from a stopped pass)" if kept else ""
         if show == "bar":
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, unit=" records", desc=f"jobspec: tokenising {label}", file=sys.stdout,
+            self.bar = tqdm(total=total, initial=kept, unit=" records",
+                            desc=f"jobspec: tokenising {label}", file=sys.stdout,
                             dynamic_ncols=True, smoothing=0.1, unit_scale=False)
         elif show == "lines":
-            print(f"jobspec: tokenising {label}: {total:,} records", flush=True)
+            print(f"jobspec: tokenising {label}: {total:,} records{going_on}", flush=True)
 
     def update(self, records: int) -> None:
         self.done += records
@@ -542,7 +579,7 @@ class Progress:
             self.bar.update(records)
         elif self.show == "lines" and time.time() - self.last >= self.LINE_EVERY_S:
             self.last = time.time()
-            rate = self.done / max(self.last - self.started, 1e-6)
+            rate = (self.done - self.kept) / max(self.last - self.started, 1e-6)
             eta = (self.total - self.done) / rate if rate else 0
             print(f"jobspec: tokenising {self.label}: {self.done:,}/{self.total:,} records, {rate:,.0f} records/s, "
                   f"ETA {eta:.0f} s", flush=True)
@@ -552,6 +589,16 @@ class Progress:
             self.bar.close()
         if self.show:
             elapsed = time.time() - self.started
-            print(f"jobspec: tokenised {self.label}: {self.done:,} records in {elapsed:.1f} s "
-                  f"({self.done / max(elapsed, 1e-6):,.0f} records/s)", flush=True)
+            made = self.done - self.kept
+            print(f"jobspec: tokenised {self.label}: {made:,} records in {elapsed:.1f} s "
+                  f"({made / max(elapsed, 1e-6):,.0f} records/s)", flush=True)
 
+    def stopped(self, kept: int) -> None:
+        """Ctrl-C: said whatever `show` is (a stop is never silent), with what the cache kept."""
+        if self.bar is not None:
+            self.bar.close()
+        kept_text = "nothing was tokenised yet" if not kept else (
+            f"the {kept:,} records tokenised are kept in the cache and the next launch or "
+            "`jobspec prepare` goes on from there")
+        print(f"jobspec: tokenising {self.label} stopped (Ctrl-C) at {kept:,} of {self.total:,} "
+              f"records: {kept_text}", file=sys.stderr, flush=True)
