@@ -30,8 +30,9 @@ H100 = Host(gpu_names=("NVIDIA H100 80GB HBM3",), gpu_free=79 * GiB, gpu_total=8
 
 def prepared(job: str, *overrides: str, gpu_free=None, cpu_ranks=False):
     resolved = load_and_validate(REPO / "jobs" / job, list(overrides))
-    resolved, derived, memory = at_launch.plan_at_launch(resolved, derive_job(resolved.spec, profiler=PROFILER),
-                                                         gpu_free, cpu_ranks=cpu_ranks)
+    derived = derive_job(resolved.spec, profiler=PROFILER)
+    resolved, derived, memory = at_launch.plan_at_launch(resolved, derived, gpu_free,
+                                                         cpu_ranks=cpu_ranks)
     from jobspec.compile.compiler import compile_spec
     return resolved.spec, derived, memory, compile_spec(resolved.spec, derived, run_dir="RUN").patches
 
@@ -60,8 +61,9 @@ def test_header_on_cpu_ranks_names_the_job_model_settings_hardware_and_plan():
     assert plan.cpu_ranks and plan.host["tensors"] == plan.peak_allocated
     assert plan.host_total == plan.host["runtime"] + max(plan.host["construction"], sum(
         v for k, v in plan.host.items() if k not in ("runtime", "construction")))
-    assert f"host RAM    plan {fmt_mib_gib(plan.host_total)} per rank (the process and its tensors: " \
-           f"{fmt_mib_gib(plan.peak_allocated)} at the peak), {fmt_mib_gib(2 * plan.host_total)} per node" in text
+    per_rank, node = fmt_mib_gib(plan.host_total), fmt_mib_gib(2 * plan.host_total)
+    assert f"host RAM    plan {per_rank} per rank (the process and its tensors: " \
+           f"{fmt_mib_gib(plan.peak_allocated)} at the peak), {node} per node" in text
     assert "12.00 GiB available now" in text
     assert "\n  memory " not in text and "per GPU" not in text
     assert "model       attention sdpa" in text  # what the ranks used to print as "attention: sdpa"
@@ -115,7 +117,7 @@ SUMMARY = {"status": "finished", "steps": 40, "total_steps": 40, "samples": 1280
            "checkpoint": "step40"}
 LAUNCH = {"plan": {"peak_allocated_mib": 9.3, "peak_reserved_mib": 10.7, "nvml_total_mib": 510.7,
                    "host_total_mib": 1034.5}}
-CPU_LAUNCH = {"plan": {"host_total_mib": 1034.5, "host_tensors_mib": 9.3}}   # CPU ranks: no GPU figure
+CPU_LAUNCH = {"plan": {"host_total_mib": 1034.5, "host_tensors_mib": 9.3}}   # no GPU figure
 TRACKING = {"tracking_uri": "sqlite:///mlflow.db", "experiment_id": "3", "run_id": "abc123"}
 
 
@@ -134,7 +136,8 @@ def test_closing_summary_of_a_finished_cpu_run():
     assert lines[0] == "jobspec: quickstart finished: 40/40 steps in 34 s (exit 0)"
     assert "loss        train 0.0155 · eval 0.0135" in text
     assert "throughput  432.2 samples/s · 27,659 tokens/s" in text and "TFLOP/s" not in text
-    assert "host RAM    peak RSS 613.8 MiB (plan 1.01 GiB) per rank" in text and "memory " not in text
+    assert "host RAM    peak RSS 613.8 MiB (plan 1.01 GiB) per rank" in text
+    assert "memory " not in text
     assert "checkpoint  /r/checkpoints/step40" in text and "run dir     /r/run-1" in text
     assert "MLflow      run abc123 in experiment 'quickstart'" in text
     assert f"mlflow ui --backend-store-uri sqlite:///{Path('mlflow.db').resolve()}  then  " \
@@ -155,9 +158,9 @@ def test_closing_summary_on_gpu_has_tflops_mfu_and_memory_next_to_the_plan():
            "exports": {"final": {"path": "/r/model", "step": 40}}}
     text = closing(gpu, tracking={**TRACKING, "tracking_uri": "http://mlflow:5000/"})
     assert "151.2 TFLOP/s per GPU · MFU 37.1%" in text
-    assert "memory      peak allocated 9.8 MiB (plan 9.3 MiB) · GPU total 520.0 MiB (plan 510.7 MiB) per GPU" \
-        in text
-    assert "host RAM    peak RSS 613.8 MiB (plan 1.01 GiB) per rank" in text   # the host's figure too
+    assert "memory      peak allocated 9.8 MiB (plan 9.3 MiB) · GPU total 520.0 MiB " \
+           "(plan 510.7 MiB) per GPU" in text
+    assert "host RAM    peak RSS 613.8 MiB (plan 1.01 GiB) per rank" in text   # the host's too
     assert "model       final: /r/model (step 40)" in text
     assert "http://mlflow:5000/#/experiments/3/runs/abc123" in text and "mlflow ui" not in text
 

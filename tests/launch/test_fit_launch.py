@@ -73,7 +73,9 @@ def fake_gpu(monkeypatch):
 
 # ----------------------------------------------------------------------------- memory.fit: auto
 
-def test_fit_auto_rewrites_the_spec_that_runs_and_records_why(tmp_path, fake_runner, monkeypatch, capsys):
+def test_fit_auto_rewrites_the_spec_that_runs_and_records_why(tmp_path, fake_runner, monkeypatch, capsys,
+                                                              fake_gpu):
+    fake_gpu("80GiB")   # GPU ranks, whose plan records the GPU figures (the budget is gpu_memory's)
     job = write_fit_job(tmp_path, {"fit": "auto", "gpu_memory": FIT_BUDGET})
     original = written_spec(job)
     budget = parse_bytes(FIT_BUDGET)
@@ -181,7 +183,8 @@ def test_preflight_passes_when_the_plan_fits_and_on_cpu_hosts(tmp_path, fake_run
 
 # ----------------------------------------------------------------------------- plan params
 
-def test_plain_launch_records_the_plan_in_launch_json_and_mlflow(tmp_path, fake_runner, monkeypatch, fake_gpu):
+def test_plain_launch_records_the_plan_in_launch_json_and_mlflow(tmp_path, fake_runner, monkeypatch,
+                                                                 fake_gpu):
     fake_gpu("80GiB")   # GPU ranks (a CPU rank's plan has no GPU figure: the test below)
     job = write_fit_job(tmp_path)
     use_fake_runner(monkeypatch, fake_runner, "quick")
@@ -211,10 +214,11 @@ def test_a_launch_on_cpu_ranks_records_their_host_ram_with_the_tensors_and_no_gp
     record = json.loads((run_dir / "launch.json").read_text())["plan"]
     assert record["host_total_mib"] == round(expected.host_total / MiB, 1)
     assert record["host_tensors_mib"] == round(expected.peak_allocated / MiB, 1)
-    assert not {"peak_allocated_mib", "peak_reserved_mib", "nvml_total_mib", "cuda_context_mib"} & set(record)
+    gpu_figures = {"peak_allocated_mib", "peak_reserved_mib", "nvml_total_mib", "cuda_context_mib"}
+    assert not gpu_figures & set(record)
     _, run = mlflow_run_of(run_dir)
     assert run.data.params["plan.host_total_mib"] == f"{expected.host_total / MiB:.1f}"
-    assert not [k for k in run.data.params if k in ("plan.nvml_total_mib", "plan.peak_allocated_mib")]
+    assert not {f"plan.{key}" for key in gpu_figures} & set(run.data.params)
 
 
 def test_gpu_free_bytes_hook_and_cpu_hosts():

@@ -91,7 +91,8 @@ def test_launch_prints_a_header_a_quiet_terminal_and_a_closing_summary(job, tmp_
     closing = plain[plain.index("jobspec: quickstart finished"):]
     assert closing.startswith("jobspec: quickstart finished: 40/40 steps in 3.2 s (exit 0)\n")
     for expected in ("train 0.0155 · eval 0.0135", "432.2 samples/s · 27,659 tokens/s",
-                     "host RAM    peak RSS 613.8 MiB (plan ", f"checkpoint  {tmp_path / 'out' / 'checkpoints' / 'step40'}",
+                     "host RAM    peak RSS 613.8 MiB (plan ",
+                     f"checkpoint  {tmp_path / 'out' / 'checkpoints' / 'step40'}",
                      f"run dir     {run_dir}"):
         assert expected in closing, expected
     # the same block in summary.json and as the MLflow run's description
@@ -99,12 +100,13 @@ def test_launch_prints_a_header_a_quiet_terminal_and_a_closing_summary(job, tmp_
     assert summary["report"] == closing.strip()
     info = rundir.read_mlflow_run(run_dir)
     run = telemetry.client_for(info["tracking_uri"]).get_run(info["run_id"])
-    # one planned figure on CPU ranks, host RAM, the same in the header, closing, summary.json and MLflow
+    # one planned figure on CPU ranks, host RAM, the same in header, closing, summary.json, MLflow
     host = json.loads((run_dir / rundir.LAUNCH).read_text())["plan"]["host_total_mib"]
     shown = fmt_mib_gib(host * 2**20)
     assert f"host RAM    plan {shown} per rank" in header and f"(plan {shown}) per rank" in closing
     assert summary["planned_memory"] == {"mem/host_rss_mib_max": host}
-    assert run.data.params["plan.host_total_mib"] == f"{host:.1f}" and "plan.nvml_total_mib" not in run.data.params
+    assert run.data.params["plan.host_total_mib"] == f"{host:.1f}"
+    assert "plan.nvml_total_mib" not in run.data.params
     assert summary["report"] in run.data.tags["mlflow.note.content"]
     assert run.data.tags["mlflow.note.content"].startswith("Tiny XLM-R")  # the spec's description first
     assert run.info.experiment_id == info["experiment_id"] and run.info.status == "FINISHED"

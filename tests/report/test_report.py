@@ -97,18 +97,19 @@ def test_csv_rows_hold_the_settings_steady_throughput_and_peaks(experiment, caps
     assert float(cpu["train_loss"]) == 0.4 and cpu["eval_loss"] == ""   # the last point; no evaluation
     assert "accuracy" not in cpu and "perplexity" not in cpu             # no run has a task metric
     spec = yaml.safe_load((experiment["tmp"] / "cpu-run" / "resolved.yaml").read_text())
-    # no plan.* params (a launcher that logged none): the plan recomputed, on CPU ranks as it measured no
-    # GPU, whose one figure is host RAM beside the RSS; the same float, through the CSV
+    # no plan.* params (a launcher that logged none): the plan recomputed, on CPU ranks as it
+    # measured no GPU, whose one figure is host RAM beside the RSS; the same float, through the CSV
     planned = report.planned_of_spec(spec, cpu_ranks=True)
     assert list(planned) == ["mem/host_rss_mib_max"]
-    assert float(cpu["host_plan_mib"]) == planned["mem/host_rss_mib_max"] and cpu["predicted_mib"] == ""
+    assert float(cpu["host_plan_mib"]) == planned["mem/host_rss_mib_max"]
+    assert cpu["predicted_mib"] == ""
 
     gpu = rows["gpu-ckpt"]
     assert (gpu["zero"], gpu["micro"], gpu["global"], gpu["accum"], gpu["checkpointing"]) == ("2", "4", "16", "2", "all")
     assert float(gpu["samples_per_s"]) == 31.0 and float(gpu["mfu"]) == pytest.approx(0.41)
     assert float(gpu["peak_allocated_mib"]) == 9500.0 and float(gpu["nvml_used_mib"]) == 11800.0
     assert float(gpu["predicted_mib"]) == 9876.5          # the logged plan.* param wins
-    assert gpu["gpu_total_plan_mib"] == gpu["host_plan_mib"] == ""   # and nothing else is recomputed
+    assert gpu["gpu_total_plan_mib"] == gpu["host_plan_mib"] == ""   # nothing else recomputed
 
     broken = rows["broken"]
     assert broken["status"] == "FAILED" and broken["samples_per_s"] == "" and broken["host_rss_mib"] == ""
@@ -220,8 +221,9 @@ def test_a_column_for_each_spec_field_that_differs_the_parameter_counts_and_the_
     lora16 = {**lora8, "model.lora.r": "16", "name": "lora-16", "output_dir": "/runs/b", "memory.zero_stage": "2",
               "logging.every_n_steps": "1", "checkpoint.dir": "/runs/b/ckpt", "params.trainable": "2048"}
     series = {"mem/peak_allocated_mib_max": [(5, 38.0), (10, 40.5)]}
-    rows = [report.build_row("lora-8", "FINISHED", lora8, series, {"mem/peak_allocated_mib_max": 42.0}),
-            report.build_row("lora-16", "KILLED (preempted)", lora16, series, {"mem/peak_allocated_mib_max": 44.0})]
+    plan = "mem/peak_allocated_mib_max"
+    rows = [report.build_row("lora-8", "FINISHED", lora8, series, {plan: 42.0}),
+            report.build_row("lora-16", "KILLED (preempted)", lora16, series, {plan: 44.0})]
     # model.lora.r only: zero has its own column; names, places, logging and derived numbers are not settings
     assert report.add_differing_fields(rows, [lora8, lora16]) == ["model.lora.r"]
     keys = [key for key, _, _ in report.columns(rows)]
@@ -230,7 +232,8 @@ def test_a_column_for_each_spec_field_that_differs_the_parameter_counts_and_the_
     assert keys.index("predicted_mib") == keys.index("peak_allocated_mib") + 1
     assert rows[0]["predicted_mib"] == 42.0
     header, _, first, second = report.render_table(rows).splitlines()
-    assert header.split()[:3] == ["run", "status", "model.lora.r"] and "peak alloc MiB  plan alloc MiB" in header
+    assert header.split()[:3] == ["run", "status", "model.lora.r"]
+    assert "peak alloc MiB  plan alloc MiB" in header
     assert second.split()[:4] == ["lora-16", "KILLED", "(preempted)", "16"]
     assert " 2,048 " in second and " 65,536 " in second and " 1,024 " in first
     assert report.differing_fields([lora8]) == []   # one run: nothing differs
@@ -245,7 +248,7 @@ def test_the_reported_throughput_is_the_runs_average_and_older_runs_fall_back_to
 
 def assert_one_memory_figure(terminal: str, run_dir: Path, uri: str, row: dict) -> None:
     """CPU ranks: one planned figure, host RAM (the process and the tensors), the same MiB in the
-    header, the closing block, summary.json, the MLflow params and the report, each beside the RSS."""
+    header, the closing block, summary.json, the MLflow params and the report, beside the RSS."""
     from jobspec.units import fmt_mib_gib
     plan = json.loads((run_dir / rundir.LAUNCH).read_text())["plan"]
     host = plan["host_total_mib"]

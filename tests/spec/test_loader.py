@@ -180,7 +180,8 @@ def test_bad_set_is_a_positioned_error(tmp_path, override, phrase, hint):
 
 def test_a_set_value_written_as_json_is_reported_at_the_column_pythons_parser_gives(tmp_path):
     path = write(tmp_path, "job.yaml", "model: {architecture: bert}\n")
-    value = '{"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2 "num_hidden_layers": 2}'
+    value = ('{"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2 '
+             '"num_hidden_layers": 2}')
     with pytest.raises(json.JSONDecodeError) as parsed:
         json.loads(value)
     with pytest.raises(SpecError) as caught:
@@ -188,7 +189,7 @@ def test_a_set_value_written_as_json_is_reported_at_the_column_pythons_parser_gi
     issue = only_issue(caught)
     assert parsed.value.colno == 72
     assert f"not valid JSON: {parsed.value.msg} at column 72 of the value" in issue.message
-    assert "column 1)" not in issue.message   # YAML's "flow mapping opened at column 1" is not the place
+    assert "column 1)" not in issue.message   # YAML's "mapping opened at column 1": not the place
     with pytest.raises(SpecError) as caught:   # YAML flow style: YAML's own mark, in the value
         apply_overrides(load_spec(path), ["model.config={hidden_size: 64 num_hidden_layers: 2}"])
     assert "at column 35 of the value" in only_issue(caught).message

@@ -15,8 +15,9 @@ from conftest import REPO_ROOT
 from jobspec.spec.schema import fill_defaults
 
 TOKENIZER = REPO_ROOT / "jobs" / "data" / "tokenizer"
-QWEN = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
-        "num_key_value_heads": 1, "vocab_size": 2048, "max_position_embeddings": 64}
+QWEN = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 2048,
+        "max_position_embeddings": 64}
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
 
 
@@ -28,10 +29,10 @@ def lora_job(tmp_path):
     from jobspec.model.lora import apply_lora
     (tmp_path / "train.jsonl").write_text('{"messages": [{"role": "user", "content": "a"}]}\n')
     (tmp_path / "template.jinja").write_text(TEMPLATE)
-    spec = fill_defaults({"name": "files", "model": {"architecture": "qwen2", "task": "causal-lm", "config": QWEN,
-                                                     "lora": {"r": 2}},
-                          "data": {"train": str(tmp_path / "train.jsonl"), "tokenizer": str(TOKENIZER),
-                                   "chat_template": str(tmp_path / "template.jinja")},
+    model = {"architecture": "qwen2", "task": "causal-lm", "config": QWEN, "lora": {"r": 2}}
+    data = {"train": str(tmp_path / "train.jsonl"), "tokenizer": str(TOKENIZER),
+            "chat_template": str(tmp_path / "template.jinja")}
+    spec = fill_defaults({"name": "files", "model": model, "data": data,
                           "training": {"max_steps": 1}})
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
     torch.manual_seed(0)
@@ -57,11 +58,13 @@ def test_the_adapter_directory_loads_with_the_jobs_tokenizer(tmp_path, lora_job)
     from jobspec.export.lora_export import write_adapter_dir
     spec, peft_model, tokenizer = lora_job
     out = tmp_path / "final-adapter"
-    write_adapter_dir(out, spec, peft_model, {"name": "final", "step": 1, "dtype": "fp32"}, tokenizer=tokenizer)
+    info = {"name": "final", "step": 1, "dtype": "fp32"}
+    write_adapter_dir(out, spec, peft_model, info, tokenizer=tokenizer)
     loaded = AutoTokenizer.from_pretrained(out)
     assert loaded.get_vocab() == tokenizer.get_vocab()
     assert loaded.chat_template == TEMPLATE   # the job's data.chat_template, as training rendered
-    assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
+    assert (out / "adapter_config.json").is_file()
+    assert (out / "adapter_model.safetensors").is_file()
 
 
 def test_every_exported_file_follows_the_umask(tmp_path, lora_job, umask_027):
@@ -69,10 +72,11 @@ def test_every_exported_file_follows_the_umask(tmp_path, lora_job, umask_027):
     from jobspec.export.lora_export import merged_state_dict, write_adapter_dir
     spec, peft_model, tokenizer = lora_job
     assert umask() == 0o027   # read without changing it
-    write_adapter_dir(tmp_path / "adapter", spec, peft_model, {"name": "a", "step": 1, "dtype": "fp32"},
-                      tokenizer=tokenizer)
+    write_adapter_dir(tmp_path / "adapter", spec, peft_model,
+                      {"name": "a", "step": 1, "dtype": "fp32"}, tokenizer=tokenizer)
     info = ExportInfo("m", 1, "fp32", "test", {}, [])
-    write_model_dir(tmp_path / "merged", spec, merged_state_dict(peft_model), info, tokenizer=tokenizer)
+    write_model_dir(tmp_path / "merged", spec, merged_state_dict(peft_model), info,
+                    tokenizer=tokenizer)
     for directory in (tmp_path / "adapter", tmp_path / "merged"):
         found = modes(directory)
         assert any(name.endswith(".safetensors") for name in found), found
