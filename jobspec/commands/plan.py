@@ -157,10 +157,13 @@ def longest_line(what: str, found, overrides: list) -> str:
 
     settings = (" (" + " ".join(f"--set {o}" for o in overrides) + ")") if overrides else ""
     if found.seq_len is None:
-        return f"longest sequence {what}: none fits, not even 64 tokens{settings}"
+        short = "host RAM" if found.binding == "host" else "GPU memory"
+        return f"longest sequence {what}: none fits, not even 64 tokens ({short} binds){settings}"
     plan = found.plan
-    limit = " (the model's positions)" if found.seq_len == found.ceiling else ""
-    return (f"longest sequence {what}: {found.seq_len:,} tokens{limit}: {fmt_mib_gib(plan.nvml_total)} per GPU, "
+    limit = {"positions": "the model's positions", "host": "host RAM binds",
+             "gpu": "GPU memory binds"}[found.binding]
+    return (f"longest sequence {what}: {found.seq_len:,} tokens ({limit}): "
+            f"{fmt_mib_gib(plan.nvml_total)} per GPU, "
             f"host {fmt_mib_gib(plan.host_per_node)} per node{settings}")
 
 

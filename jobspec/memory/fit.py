@@ -369,9 +369,14 @@ class Longest:
     plan: MemoryPlan | None
     ceiling: int               # the longest the search tried (the model's positions, or LONGEST_CAP)
     planned: int = 0           # sequence lengths planned
+    # what the next length runs out of: "gpu" (the GPU budget; also when the host's runs out
+    # there too), "host" (the node's RAM: offloaded checkpoint inputs, CPU offload buffers) or
+    # "positions" (the answer is the ceiling)
+    binding: str = "gpu"
 
     def as_dict(self) -> dict:
         return {"seq_len": self.seq_len, "ceiling": self.ceiling, "planned": self.planned,
+                "binding": self.binding,
                 "plan": self.plan.as_dict() if self.plan is not None else None}
 
 
@@ -386,7 +391,8 @@ def longest_sequence(spec: JobSpec, job: DerivedJob, budget_bytes: int, *, host_
     the GPU budget and, when known, the node's RAM, for `spec` with `changes` applied (the fitted
     configuration) and everything else as written. Planned lengths: doubling from the written one (or
     halving when it does not fit), then bisection; activations grow with the sequence, so the
-    verdicts are monotone."""
+    verdicts are monotone (tests/model/test_length_interpolation.py checks it). `binding`: what
+    the next length runs out of."""
     base = apply_changes(spec, changes or {})
     positions = job.dims.max_position_embeddings if job.dims is not None else None
     ceiling = max(LONGEST_STEP, (positions or LONGEST_CAP) // LONGEST_STEP * LONGEST_STEP)
@@ -402,6 +408,14 @@ def longest_sequence(spec: JobSpec, job: DerivedJob, budget_bytes: int, *, host_
     def fits(length: int) -> bool:
         return bool(plan_at(length).fits)
 
+    def found(length: int | None) -> Longest:
+        if length == ceiling:
+            return Longest(length, plan_at(length), ceiling, len(plans), "positions")
+        over = plan_at(LONGEST_STEP if length is None else length + LONGEST_STEP)
+        binding = "host" if over.gpu_fits is not False and over.host_fits is False else "gpu"
+        plan = plan_at(length) if length is not None else None
+        return Longest(length, plan, ceiling, len(plans), binding)
+
     start = min(ceiling, max(LONGEST_STEP, job.seq_len // LONGEST_STEP * LONGEST_STEP))
     if fits(start):
         low, high = start, None
@@ -412,7 +426,7 @@ def longest_sequence(spec: JobSpec, job: DerivedJob, budget_bytes: int, *, host_
             else:
                 high = nxt
         if high is None:
-            return Longest(low, plan_at(low), ceiling, len(plans))
+            return found(low)
     else:
         high, low = start, None
         while low is None and high > LONGEST_STEP:
@@ -422,7 +436,7 @@ def longest_sequence(spec: JobSpec, job: DerivedJob, budget_bytes: int, *, host_
             else:
                 high = nxt
         if low is None:
-            return Longest(None, None, ceiling, len(plans))
+            return found(None)
     assert low is not None and high is not None   # each branch above returns or sets both
     while high - low > LONGEST_STEP:
         middle = (low + high) // 2 // LONGEST_STEP * LONGEST_STEP
@@ -430,4 +444,4 @@ def longest_sequence(spec: JobSpec, job: DerivedJob, budget_bytes: int, *, host_
             low = middle
         else:
             high = middle
-    return Longest(low, plan_at(low), ceiling, len(plans))
+    return found(low)

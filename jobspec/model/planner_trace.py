@@ -9,10 +9,12 @@ stand-in for SDPA). The parameter inventory comes from the same meta model.
 
 Speed: a traced op costs ~0.1-0.3 ms. Layers are traced in short units and composed
 (`spec.model_profile.compose`, exact: tests/model/test_trace.py), micro-batches above 2 are
-extrapolated from 1 and 2 (`step.extrapolate`, exact), and unit traces are cached in-process and on disk
-(`JOBSPEC_CACHE_DIR`, else `$XDG_CACHE_HOME/jobspec`, else `~/.cache/jobspec`), keyed by everything that
-changes them. Data-dependent routing (mixture-of-experts) cannot be traced without data and is
-refused by name.
+extrapolated from 1 and 2 (`step.extrapolate`, exact), long sequences are interpolated from
+three short ones (`model/lengths.py`, exact: tests/model/test_length_interpolation.py; the tiled
+loss and MLP run more tiles, so more ops, at longer lengths), and unit traces are cached in-process
+and on disk (`JOBSPEC_CACHE_DIR`, else `$XDG_CACHE_HOME/jobspec`, else `~/.cache/jobspec`), keyed
+by everything that changes them. Data-dependent routing (mixture-of-experts) cannot be traced
+without data and is refused by name.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from jobspec.errors import SpecError, first_line, spec_error
+from jobspec.model.lengths import LENGTH_QUANTUM, Interpolation, TileRules, basis_lengths
 from jobspec.model.step import extrapolate, mask_of, run_step, summarize
 from jobspec.spec.model_profile import Inventory, ModelProfile, UnitTrace, compose, layer_types
 from jobspec.spec.types import JobSpec, JobSpecMemory
@@ -40,11 +43,18 @@ _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num
 class ModelTracer:
     """Builds, traces and caches one spec model (its `model` section); settings vary per call."""
 
-    def __init__(self, spec: JobSpec, cache_dir: Path | None = None):
+    def __init__(self, spec: JobSpec, cache_dir: Path | None = None, *, interpolate: bool = True):
         self.spec = spec
+        self.interpolate = interpolate    # False: every length traced (interpolation's reference)
         self.model_key = model_key(spec)
         self.cache_dir = cache_dir
         self._units: dict = {}
+        # by (unit setting, batch): (lengths.TileRules, the three lengths traced), the
+        # lengths.Interpolation, the lengths asked past the three
+        self._bases: dict = {}
+        self._interpolations: dict = {}
+        self._asked: dict = {}
+        self._searching = False           # several lengths planned: interpolate every unit
         self._inventory: Inventory | None = None
         self._config: Any = None        # the transformers config, built once
         self._auto_class: Any = None    # the transformers auto class of the task
@@ -100,22 +110,92 @@ class ModelTracer:
 
         Micro-batches above 2 are not traced: every tensor's size is affine in the batch (b·x + y) and
         the ops do not change with it, so the timelines at 1 and 2 give every event's size at any b
-        exactly (`step.extrapolate`); where the two timelines differ in their ops, b is traced."""
+        exactly (`step.extrapolate`); where the two timelines differ in their ops, b is traced.
+        Nor are long sequences, once worth it (`_worth_interpolating`): the timeline at a length
+        that is a multiple of 64 past three short ones traced comes from those
+        (`lengths.Interpolation`, exact); where they do not give it, the length is traced."""
         types = tuple(types)
+        setting = (precision, types, reentrant, tuple(tiling))
 
-        def timeline(batch: int) -> dict:
-            key = ("timeline", precision, batch, seq_len, types, reentrant) + _tiling_key(tiling)
-            return self._cached(key, lambda: self._trace(precision, batch, seq_len, types=types,
-                                                         reentrant=reentrant, tiling=tiling), trace=False)
+        def at_length(batch: int, compact: bool = False) -> dict:
+            synthetic = self._interpolated(setting, batch, seq_len, compact)
+            return synthetic if synthetic is not None else self._timeline(setting, batch, seq_len)
 
         def make() -> UnitTrace:
             if micro_batch > 2:
-                synthetic = extrapolate(timeline(1), timeline(2), micro_batch)
+                synthetic = extrapolate(at_length(1), at_length(2), micro_batch)
                 if synthetic is not None:
                     return summarize(synthetic)
-            return summarize(timeline(micro_batch))
+            # compact: the middle tiles of long tile loops as lumps that summarize reads alike
+            return summarize(at_length(micro_batch, compact=True))
 
         return self._cached(("unit", precision, micro_batch, seq_len, types, reentrant) + _tiling_key(tiling), make)
+
+    def _timeline(self, setting: tuple, batch: int, length: int, usable=None) -> dict:
+        """The unit's traced timeline (`setting`: precision, layer types, reentrancy, tiling)."""
+        precision, types, reentrant, tiling = setting
+        return self._cached(_timeline_key(setting, batch, length),
+                            lambda: self._trace(precision, batch, length, types=types,
+                                                reentrant=reentrant, tiling=tiling),
+                            trace=False, usable=usable)
+
+    def _interpolated(self, setting: tuple, batch: int, length: int, compact: bool = False
+                      ) -> dict | None:
+        """The unit's timeline at `length` from its traces at three shorter lengths
+        (`model/lengths.py`: exact), or None: `length` is not past them, the traces do not give it,
+        or tracing them would cost more than tracing `length` (`_worth_interpolating`)."""
+        key = setting + (batch,)
+        if not self.interpolate:
+            return None
+        if key not in self._bases:
+            self._bases[key] = self._basis(setting[3], batch)
+        found = self._bases[key]
+        if found is None or length <= found[1][-1] or length % LENGTH_QUANTUM:
+            return None
+        rules, basis = found
+        if key not in self._interpolations:
+            if not self._worth_interpolating(key, setting, batch, length):
+                return None
+            self._searching = True
+            # a cache entry from before the shapes were recorded is traced again
+            traced = [self._timeline(setting, batch, s, usable=lambda tl: "shapes" in tl)
+                      for s in basis]
+            self._interpolations[key] = Interpolation(traced, basis, rules, batch)
+        return self._interpolations[key].at(length, compact=compact)
+
+    def _basis(self, tiling: tuple, batch: int) -> tuple[TileRules, tuple[int, int, int]] | None:
+        model = self.spec["model"]
+        if model.get("architecture") != "mlp" or model.get("name_or_path"):
+            self._config_for(None)   # the config, also when the inventory came from the cache
+        rules = self._tile_rules(tiling)
+        positions = getattr(self._config, "max_position_embeddings", None)
+        basis = basis_lengths(rules, batch, positions if isinstance(positions, int) else None)
+        return (rules, basis) if basis is not None else None
+
+    def _worth_interpolating(self, key: tuple, setting: tuple, batch: int, length: int) -> bool:
+        """Three short traces instead of one at `length`: once this tracer plans several lengths (a
+        second one asked of a unit, or one interpolated already: `plan --longest`), when they are in
+        the cache, or when `length` runs more tiles than the three together (a trace's time grows
+        with its tiles; without tiles it does not grow with the length)."""
+        asked = self._asked.setdefault(key, set())
+        asked.add(length)
+        rules, basis = self._bases[key]
+        if self._searching or len(asked) > 1:
+            return True
+        if all(self._stored(_timeline_key(setting, batch, s)) for s in basis):
+            return True
+        return rules.tiled and \
+            rules.tile_count(batch, length) >= sum(rules.tile_count(batch, s) for s in basis)
+
+    def _tile_rules(self, tiling: tuple) -> TileRules:
+        """How model/tiling.py cuts a sequence for this model (`tiling_setting`)."""
+        loss, mlp, _ = tiling
+        config = self._config
+        vocab = int(getattr(config, "vocab_size", 0) or 0) or None
+        hidden = int(getattr(config, "hidden_size", 0) or 0) or None
+        return TileRules(mlp_hidden=hidden if mlp else None,
+                         loss_tiles=int(loss) if loss is not True and loss is not False else None,
+                         loss_vocab=vocab if loss is True else None)
 
     def full(self, precision: str, micro_batch: int, seq_len: int, checkpointing, tiling: tuple = NO_TILING
              ) -> UnitTrace:
@@ -229,13 +309,15 @@ class ModelTracer:
         return str(self.spec["model"].get("architecture") or getattr(self._config, "model_type", "?"))
 
     # ------------------------------------------------------------------ cache
-    def _cached(self, key: tuple, make, *, trace: bool = True):
+    def _cached(self, key: tuple, make, *, trace: bool = True, usable=None):
         """`make()` once per key: in this process, then on disk (a UnitTrace, or with trace=False a
-        timeline dict)."""
-        if key in self._units:
+        timeline dict); `usable(stored)`: False for an entry to make again."""
+        if key in self._units and (usable is None or usable(self._units[key])):
             return self._units[key]
-        name = hashlib.sha256(json.dumps([str(k) for k in key]).encode()).hexdigest()[:24]
+        name = _cache_name(key)
         stored = self._load(name)
+        if stored is not None and usable is not None and not usable(stored):
+            stored = None
         if stored is not None:
             result = UnitTrace.from_dict(stored) if trace else stored
         else:
@@ -243,6 +325,11 @@ class ModelTracer:
             self._store(name, result.as_dict() if trace else result)
         self._units[key] = result
         return result
+
+    def _stored(self, key: tuple) -> bool:
+        """Whether `_cached(key, ...)` would find it, in this process or on disk."""
+        path = self._path(_cache_name(key))
+        return key in self._units or (path is not None and path.is_file())
 
     def _path(self, name: str) -> Path | None:
         if self.cache_dir is None:
@@ -271,6 +358,15 @@ class ModelTracer:
             os.replace(tmp, path)
         except OSError:
             pass   # a read-only or full cache only costs speed
+
+
+def _cache_name(key: tuple) -> str:
+    return hashlib.sha256(json.dumps([str(k) for k in key]).encode()).hexdigest()[:24]
+
+
+def _timeline_key(setting: tuple, batch: int, length: int) -> tuple:
+    precision, types, reentrant, tiling = setting
+    return ("timeline", precision, batch, length, types, reentrant) + _tiling_key(tiling)
 
 
 def default_cache_dir() -> Path:
@@ -339,6 +435,9 @@ def apply_tiling(model, tiling: tuple, checkpointed: list[int]) -> None:
     from jobspec.model.tiling import tiled_loss, tiled_mlp
 
     loss, mlp, offload = tiling
+    if mlp or loss is not False:
+        # loaded now (the first tiled call would): the trace marks its loops (lengths.tile_loops)
+        import deepspeed.runtime.sequence_parallel.ulysses_sp  # noqa: F401
     if mlp:
         tiled_mlp(model)
     if loss is not False:
@@ -388,16 +487,18 @@ def _inventory_of(model, config, quantized: set[int] | frozenset[int] = frozense
                      quantized=tuple(name for name, p in model.named_parameters() if id(p) in quantized))
 
 
-def job_profiler(cache_dir: Path | None = None, *, use_cache: bool = True):
+def job_profiler(cache_dir: Path | None = None, *, use_cache: bool = True,
+                 interpolate: bool = True):
     """`profiler(spec, seq_len) -> ModelProfile` for `derive`: one tracer per model, unit traces cached
-    in this process and (`use_cache`) on disk under `cache_dir` (default: `default_cache_dir()`)."""
+    in this process and (`use_cache`) on disk under `cache_dir` (default: `default_cache_dir()`);
+    `interpolate`: `ModelTracer`'s."""
     directory = (cache_dir or default_cache_dir()) if use_cache else None
     tracers: dict[str, ModelTracer] = {}
 
     def profile(spec: JobSpec, seq_len: int) -> ModelProfile:
         key = model_key(spec)
         if key not in tracers:
-            tracers[key] = ModelTracer(spec, directory)
+            tracers[key] = ModelTracer(spec, directory, interpolate=interpolate)
         return tracers[key].profile(spec["memory"]["precision"], spec["training"]["micro_batch_size"], seq_len,
                                     spec["memory"]["activation_checkpointing"], tiling_setting(spec["memory"]))
 

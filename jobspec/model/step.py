@@ -12,7 +12,9 @@ recomputed tensors alive through its module tracking, which would inflate the me
 The result is a timeline (allocations +bytes, frees -bytes, regions, where backward starts);
 `summarize` turns it into a `UnitTrace` (the peak of each phase of the step, by region), and
 `extrapolate` gives the timeline at any micro-batch from those at 1 and 2 (every size is affine in
-the batch). `dispatch_worst_case` gives data-dependent shapes their worst case.
+the batch); model/lengths.py the timeline at a long sequence from three short ones, from the
+shapes and tile loops the timeline also records. `dispatch_worst_case` gives data-dependent shapes
+their worst case.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from typing import Any
 from jobspec import tasks
 from jobspec.model.activation_offload import OFFLOAD_ATTRIBUTE
 from jobspec.model.kernels import dropout_stand_in, mask_skip_stand_in, sdpa_stand_in
+from jobspec.model.lengths import storage_shape, tile_loops
 from jobspec.model.padding_mask import PACKED, PADDING, trace_mask
 from jobspec.spec.model_profile import REGIONS, UnitTrace
 from jobspec.spec.types import JobSpec
@@ -98,7 +101,7 @@ def _traced_step(model, spec, micro_batch, seq_len, tracker, counter, params) ->
              if p.requires_grad]
     try:
         with sdpa_stand_in(), dropout_stand_in(), mask_skip_stand_in(packed=mask_of(spec) == PACKED), \
-                tracker, counter:
+                tile_loops(counter), tracker, counter:
             counter.fixed_region = "embeddings"
             batch = step_inputs(spec, getattr(model, "config", None), micro_batch, seq_len)
             counter.fixed_region = None
@@ -158,6 +161,9 @@ class _LiveStorages:
                 self.backward_at = 0        # index of the first event of the backward pass
                 self.flops = 0
                 self.seen: dict = {}        # storage id -> weakref
+                self.shapes: dict = {}      # serial -> storage_shape (model/lengths.py)
+                self.loops: list = []       # tile loops (model/lengths.tile_loops)
+                self.open_loop = None
 
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 import torch
@@ -182,6 +188,7 @@ class _LiveStorages:
                 region = self.fixed_region or self.region_of()
                 self.events.append((serial, size, region, False))
                 self.sizes[serial] = (size, region)
+                self.shapes[serial] = storage_shape(t, size)
                 self.seen[id(storage)] = (serial, weakref.ref(
                     storage, functools.partial(self._freed, id(storage), serial, size, region)))
 
@@ -215,8 +222,13 @@ class _LiveStorages:
                 gradient landing in `.grad`: its region's code in upper case)."""
                 codes = "".join(REGION_CODES[r].upper() if landed else REGION_CODES[r]
                                 for _, _, r, landed in self.events)
+                # for model/lengths.py: each event's storage (its allocation's serial), the shape of
+                # each allocation, the tile loops
+                serials = [serial for serial, _, _, _ in self.events]
                 return {"sizes": [size for _, size, _, _ in self.events], "regions": codes,
-                        "backward": self.backward_at, "flops": float(self.flops)}
+                        "backward": self.backward_at, "flops": float(self.flops),
+                        "serials": serials, "loops": self.loops,
+                        "shapes": [self.shapes[s] if i == s else [] for i, s in enumerate(serials)]}
 
         return Mode()
 
