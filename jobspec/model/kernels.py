@@ -26,21 +26,34 @@ from __future__ import annotations
 import functools
 
 
-class sdpa_stand_in:
-    """Replaces torch.nn.functional.scaled_dot_product_attention while tracing (see the module docstring)."""
+class _FunctionalStandIn:
+    """Replaces one function of torch.nn.functional while tracing, and puts it back after."""
+
+    def __init__(self, name: str, stand_in):
+        self.name, self.stand_in = name, stand_in
 
     def __enter__(self):
         import torch.nn.functional as F
 
-        self._original = F.scaled_dot_product_attention
-        F.scaled_dot_product_attention = _attention
+        self._original = getattr(F, self.name)
+        setattr(F, self.name, self.stand_in)
         return self
 
     def __exit__(self, *exc):
         import torch.nn.functional as F
 
-        F.scaled_dot_product_attention = self._original
+        setattr(F, self.name, self._original)
         return False
+
+
+def sdpa_stand_in() -> _FunctionalStandIn:
+    """torch.nn.functional.scaled_dot_product_attention as the GPU kernels run it (the module docstring)."""
+    return _FunctionalStandIn("scaled_dot_product_attention", _attention)
+
+
+def dropout_stand_in() -> _FunctionalStandIn:
+    """torch.nn.functional.dropout as CUDA runs it (see the module docstring)."""
+    return _FunctionalStandIn("dropout", _dropout)
 
 
 class mask_skip_stand_in:
@@ -100,23 +113,6 @@ def _skip_decision(original):
         return original(*bound.args, **bound.kwargs)
 
     return decide
-
-
-class dropout_stand_in:
-    """Replaces torch.nn.functional.dropout while tracing (see the module docstring)."""
-
-    def __enter__(self):
-        import torch.nn.functional as F
-
-        self._original = F.dropout
-        F.dropout = _dropout
-        return self
-
-    def __exit__(self, *exc):
-        import torch.nn.functional as F
-
-        F.dropout = self._original
-        return False
 
 
 def _dropout(input, p=0.5, training=True, inplace=False):
