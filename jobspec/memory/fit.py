@@ -116,8 +116,7 @@ def fit(spec: JobSpec, job: DerivedJob, budget_bytes: int, *, bf16_supported: bo
             raise ValueError("fit: no configuration to consider")
         changes, plan, cost = smallest
         reason = (f"nothing fits in {fmt_mib_gib(budget_bytes)}: the smallest configuration ({describe(changes)}) "
-                  f"needs {fmt_mib_gib(plan.nvml_total)}. Try more GPUs (ZeRO-3 divides the model states by "
-                  "the world size), a shorter sequence, NVMe offload, or a smaller model")
+                  f"needs {fmt_mib_gib(plan.nvml_total)}. Try {_what_else(spec)}")
         return FitResult(False, to_overrides(changes), changes, plan, cost, reason, considered, notes)
     changes, plan, cost = best
     reason = (f"{describe(changes)}: {fmt_mib_gib(plan.nvml_total)} of {fmt_mib_gib(budget_bytes)}, "
@@ -125,6 +124,19 @@ def fit(spec: JobSpec, job: DerivedJob, budget_bytes: int, *, bf16_supported: bo
     if host_budget is not None:
         reason += f"; host {fmt_mib_gib(plan.host_per_node)} per node of {fmt_mib_gib(host_budget)}"
     return FitResult(True, to_overrides(changes), changes, plan, cost, reason, considered, notes)
+
+
+def _what_else(spec: JobSpec) -> str:
+    """What a job none of whose configurations fits can still change, among what validation accepts."""
+    if spec["model"]["quantization"] is not None:   # a 4-bit base: ZeRO 0-2 keep its weights whole
+        options = ["more GPUs (ZeRO 1-2 divide the adapters' states by the world size)"]
+    else:
+        options = ["more GPUs (ZeRO-3 divides the model states by the world size)"]
+    if spec["model"]["task"] == "causal-lm":
+        options.append("a shorter sequence (`jobspec plan --longest` finds the longest that fits)")
+    if not spec["memory"]["offload"]["nvme_path"]:
+        options.append("NVMe offload (memory.offload.nvme_path)")
+    return ", ".join(options) + ", or a smaller model"
 
 
 def candidate_changes(spec: JobSpec, job: DerivedJob, bf16_supported: bool) -> Iterator[dict[str, Any]]:
