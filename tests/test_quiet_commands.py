@@ -161,6 +161,10 @@ def assert_export_layout(out: Path) -> None:
     assert (out / "config.json").is_file() and (out / "adapter" / "adapter_config.json").is_file()
     assert AutoTokenizer.from_pretrained(out / "adapter").get_vocab() == \
         AutoTokenizer.from_pretrained(DATA / "tokenizer").get_vocab()
+    from safetensors import safe_open
+    with safe_open(out / "adapter" / "adapter_model.safetensors", "pt") as weights:
+        names = list(weights.keys())
+    assert names and all(".lora_" in name for name in names), names   # the adapters, not merged
     mask = os.umask(0)
     os.umask(mask)
     found = {p.stat().st_mode & 0o777 for p in out.rglob("*") if p.is_file()}

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import os
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,23 +126,32 @@ def _export_lora(source: Source, out: Path, spec: JobSpec, state_dict: dict, inf
         raise spec_error(str(err), path=("model", "lora"),
                          hint="export with the spec the checkpoint was trained with (`--spec RUN_DIR/resolved.yaml`), "
                               "or another checkpoint") from None
-    record = None
-    if merged:   # first: writing `out` replaces the directory whole
+    adapter_out = out / lora_exports.EXPORT_ADAPTER_DIR if merged else out
+    # the adapter first (merging unloads the adapters from the model), staged beside `out` when the
+    # merged model goes there too: writing `out` replaces the directory whole
+    staged = out.parent / f".{out.name}.adapter-{os.getpid()}" if merged else out
+    adapter_record = None
+    try:
+        if adapter:
+            named = {"name": adapter_out.name, "step": info.step, "dtype": info.dtype,
+                     "source": info.source}
+            adapter_record = lora_exports.write_adapter_dir(staged, spec, peft_model, named,
+                                                            tokenizer=tokenizer, final=adapter_out)
+        if not merged:
+            assert adapter_record is not None, "export.adapter: merged, adapter or both"
+            return adapter_record
         record = write_model_dir(out, spec, lora_exports.merged_state_dict(peft_model), info,
                                  tokenizer=tokenizer, show_progress=show_progress,
                                  label_names=read_label_names(source.path))
-    if not adapter:
-        assert record is not None, "export.adapter asks for the merged model, the adapter or both"
-        return {**record, "adapter": None}
-    adapter_out = out / lora_exports.EXPORT_ADAPTER_DIR if merged else out
-    try:
-        named = {"name": adapter_out.name, "step": info.step, "dtype": info.dtype,
-                 "source": info.source}
-        adapter_record = lora_exports.write_adapter_dir(adapter_out, spec, peft_model, named,
-                                                        tokenizer=tokenizer)
+        if adapter_record is not None:
+            os.replace(staged, adapter_out)
+            adapter_record["path"] = str(adapter_out)
     except OSError as err:
         raise ExportFailed(describe_io_error(adapter_out, err)) from None
-    return adapter_record if record is None else {**record, "adapter": adapter_record}
+    finally:
+        if merged:
+            shutil.rmtree(staged, ignore_errors=True)   # gone once moved in; a failure's leftovers
+    return {**record, "adapter": adapter_record}
 
 
 def consolidated_state_dict(tag_dir: Path, client: dict, precision: str, dtype: str) -> tuple[dict, list]:

@@ -125,13 +125,15 @@ def base_readme(base: str, built: bool) -> str:
             'model = PeftModel.from_pretrained(base, "ADAPTER_DIR")\n```\n')
 
 
-def write_adapter_dir(out: str | os.PathLike, spec: JobSpec, peft_model, info: dict, tokenizer=None) -> dict:
+def write_adapter_dir(out: str | os.PathLike, spec: JobSpec, peft_model, info: dict, tokenizer=None,
+                      final: Path | None = None) -> dict:
     """PEFT's own `save_pretrained` (adapter weights and adapter_config.json) and the job's
     tokenizer (`tokenizer`, when it has one) into `out`, built under a temporary name and renamed
     into place; returns its record. A base built from a config (no `model.name_or_path` names it)
     is exported into `out/base` (export/hf_dir.py, with the tokenizer) and adapter_config.json's
     `base_model_name_or_path` names that directory: no other copy of the frozen random weights
-    exists (under ZeRO-3 they are not even the seed's whole-model init)."""
+    exists (under ZeRO-3 they are not even the seed's whole-model init). `final`: where the caller
+    moves the directory afterwards (the base's path names it there); default `out`."""
     from jobspec.export.hf_dir import ExportInfo, follow_umask, with_job_template, write_model_dir
 
     out = Path(out)
@@ -141,7 +143,7 @@ def write_adapter_dir(out: str | os.PathLike, spec: JobSpec, peft_model, info: d
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
         named = spec["model"]["name_or_path"]
-        base = named or str((out / BASE_DIR).resolve())
+        base = named or str(((final or out) / BASE_DIR).resolve())
         if not named:   # before save_pretrained: PEFT's model card names the base too
             base_spec: JobSpec = {**spec, "model": {**spec["model"], "lora": None, "quantization": None}}
             write_model_dir(tmp / BASE_DIR, base_spec, base_state_dict(peft_model),
