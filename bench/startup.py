@@ -47,6 +47,17 @@ STEPS = [
 ]
 
 
+def read_phases(log_text: str) -> tuple[dict[str, float], dict[str, float]]:
+    """launcher.log's phase lines as ({"who/name": unix time}, {"who/name": CPU seconds so far});
+    a name written twice keeps its first time."""
+    marks: dict[str, float] = {}
+    cpu: dict[str, float] = {}
+    for who, name, at, used in PHASE.findall(log_text):
+        marks.setdefault(f"{who}/{name}", float(at))
+        cpu.setdefault(f"{who}/{name}", float(used))
+    return marks, cpu
+
+
 def load_average() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
@@ -86,10 +97,9 @@ def launch(job: str, work: Path, store: Path, sets: list[str], op_cache: Path | 
     if proc.returncode != 0:
         raise SystemExit(f"launch failed ({proc.returncode}):\n{output[-5000:]}")
     run_dir = max(out.glob("run-*"))
-    marks, cpu = {"cmd": started, "end": ended}, {"cmd": 0.0}
-    for who, name, at, used in PHASE.findall((run_dir / "launcher.log").read_text(errors="replace")):
-        marks.setdefault(f"{who}/{name}", float(at))
-        cpu.setdefault(f"{who}/{name}", float(used))
+    marks, cpu = read_phases((run_dir / "launcher.log").read_text(errors="replace"))
+    marks.update(cmd=started, end=ended)
+    cpu["cmd"] = 0.0
     tracking = run_dir / "mlflow_run.json"
     if tracking.exists():
         marks["mlflow run ready"] = tracking.stat().st_mtime
