@@ -78,6 +78,7 @@ class Entry:
     key: str
     source: "Source"
     data: data_cache.CachedData | None
+    built: bool = False   # tokenised by this process (prepare_split), not found in the cache
 
 
 def find(spec: JobSpec, split: str, tokenizer) -> Entry:
@@ -119,6 +120,7 @@ def prepare_split(spec: JobSpec, split: str, tokenizer, *, num_proc: int | None 
             entry.data = data_cache.open_entry(entry.key)   # built by another process while this one waited
             if entry.data is None:
                 entry.data = _build(spec, entry, tokenizer, num_proc or default_num_proc(spec), show)
+                entry.built = True
     except OSError as err:   # a read-only or full cache directory: the tokens have nowhere to go
         raise spec_error(f"cannot write the tokenised data of data.{split} into {data_cache.cache_root()}: "
                          f"{err.strerror or err}", path=("data", split),
@@ -375,12 +377,12 @@ def _bad_record_issues(totals: _Chunk, split: str) -> list[SpecIssue]:
 # ---- the launcher's side -------------------------------------------------------------------
 
 def prepare_data(spec: JobSpec, *, build: bool, show: str | None = None,
-                 num_proc: int | None = None) -> tuple[list, dict]:
+                 num_proc: int | None = None, built: list[str] | None = None) -> tuple[list, dict]:
     """The tokenised-data cache of the spec's chat and prompt/completion records (this module):
     built now with `build` (the full data check: a bad record refuses the launch, exit 2, before any rank
     starts), else (`--dry-run`, `plan`) whether it is built and how long building it would take.
     Returns the lines to print and the counts (data.<split>.records, tokens, ...) for launch.json
-    and MLflow."""
+    and MLflow; `built` gets the splits this pass tokenised (the others were cached)."""
     splits = cached_splits(spec)
     if not splits:
         return [], {}
@@ -399,6 +401,8 @@ def prepare_data(spec: JobSpec, *, build: bool, show: str | None = None,
     for split in splits:
         entry = prepare_split(spec, split, tokenizer, num_proc=num_proc, show=show)
         entries.append(entry)
+        if entry.built and built is not None:
+            built.append(split)
         lines.append(summary_line(entry))
         lines += [line for line in (truncation_line(entry), prompt_note_line(entry)) if line]
     return lines, counts(entries)

@@ -50,6 +50,7 @@ class LaunchContext:
     found: host.Host
     style: bool                       # the progress bar's bold labels
     phases: list[tuple[str, float, float]]   # start-up timestamps, appended as it goes (launcher.log)
+    data_how: str | None = None       # the data pass: prepared | cached | None (no data to prepare)
 
     @property
     def spec(self) -> JobSpec:

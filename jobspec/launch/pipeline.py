@@ -106,8 +106,10 @@ def launch(job: str, overrides: list[str], options: LaunchOptions = LaunchOption
     # chat and prompt/completion records tokenised once into the data cache (data/data_prep), before any
     # rank: every record is checked (a bad one refuses the launch at its file:line); --dry-run says
     # whether the cache is warm, else how long building it would take
+    built: list[str] = []
     data_lines, _ = _located(resolved, lambda: data_prep.prepare_data(
-        spec, build=not options.dry_run, show=progress_mode(spec["logging"]["progress"])))
+        spec, build=not options.dry_run, show=progress_mode(spec["logging"]["progress"]), built=built))
+    data_how = "prepared" if built else "cached" if data_prep.cached_splits(spec) else None
     for line in data_lines:
         print(f"jobspec: {line}", flush=True)
     phases.append(("data", time.time(), launcher_log.cpu_seconds()))
@@ -145,7 +147,7 @@ def launch(job: str, overrides: list[str], options: LaunchOptions = LaunchOption
             return _launch_holding(LaunchContext(
                 job=job, overrides=tuple(overrides), options=options, as_written=as_written, prepared=prepared,
                 chosen=again, held=held, stops=stops, resume_run_id=resume_run_id, port=port, found=found,
-                style=style, phases=phases))
+                style=style, phases=phases, data_how=data_how))
     finally:
         held.release()
 
@@ -204,6 +206,7 @@ def _launched(ctx: LaunchContext, what: intent.Intent, memory: LaunchMemory) -> 
     if ctx.spec["logging"]["mlflow"]["enabled"]:  # rank 0 waits for the run created meanwhile
         launched["mlflow_run"] = launch_tracking.PENDING
     launched["overrides"] = [mask_secrets(item) for item in ctx.overrides]
+    launched["startup"] = startup_record(ctx.phases, ctx.data_how)
     if ctx.chosen.recorded:   # a continued run with a changed spec: a new segment of its MLflow run
         launched["segment"] = {"number": ctx.chosen.segment, "start_step": what.step,
                                "changes": [c.describe() for c in ctx.chosen.recorded]}
@@ -364,6 +367,13 @@ def _print_lines(lines: list[str]) -> None:
 def _process_start() -> float:
     import psutil
     return psutil.Process().create_time()
+
+
+def startup_record(phases: list, data_how: str | None) -> dict:
+    """launch.json's `startup`: when the command started and its data pass (seconds; prepared, cached
+    or None), the launcher's share of the start-up the ranks show (train/startup.py)."""
+    at = {name: when for name, when, _ in phases}
+    return {"started": at["start"], "data_s": round(at["data"] - at["planned"], 3), "data": data_how}
 
 
 def _write_phases(run_dir: Path, phases: list) -> None:

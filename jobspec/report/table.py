@@ -27,6 +27,7 @@ from jobspec import rundir
 from jobspec.errors import first_line, spec_error
 from jobspec.memory import plan_figures
 from jobspec.spec import eval_metrics
+from jobspec.train import startup
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"  # the schema's logging.mlflow.tracking_uri default
 
@@ -36,6 +37,8 @@ RUN_THROUGHPUT_METRICS = tuple(name.replace("perf/", "perf/run_") for name in TH
 MEMORY_METRICS = ("mem/peak_allocated_mib_max", "mem/peak_allocated_mib_rank0", "mem/peak_reserved_mib_max",
                   "mem/peak_reserved_mib_rank0", "mem/nvml_used_mib_max", "mem/host_rss_mib_max")
 LOSS_METRICS = ("train/loss", "eval/loss")
+# the start-up's phases and its total to the first step (train/startup.py), logged at the first step
+STARTUP_METRICS = tuple(startup.metric_names())
 TASK_METRICS = tuple(eval_metrics.key(name) for name in eval_metrics.TASK_ONLY)   # eval/accuracy, ...
 
 # (key, header, how the text formats show it)
@@ -61,6 +64,7 @@ COLUMNS = (
     ("tokens_per_s", "tokens/s", "{:.0f}".format),
     ("tflops", "TFLOP/s", "{:.2f}".format),
     ("mfu", "MFU", "{:.1%}".format),
+    ("startup_s", "start-up s", "{:.1f}".format),   # from the command to the end of the first step
     # each measured peak beside its plan (memory/plan_figures: the figures the launch showed)
     ("peak_allocated_mib", "peak alloc MiB", "{:.0f}".format),
     ("predicted_mib", "plan alloc MiB", "{:.0f}".format),
@@ -86,8 +90,8 @@ SPEC_COLUMN = "spec."
 OPTIONAL_COLUMNS = set(eval_metrics.TASK_ONLY)
 NUMERIC_ALIGN = {"zero", "micro", "global", "accum", "world", "trainable", "parameters", "train_loss", "eval_loss",
                  *OPTIONAL_COLUMNS,
-                 "samples_per_s", "tokens_per_s", "tflops", "mfu", "peak_allocated_mib", "nvml_used_mib",
-                 "host_rss_mib", *PLAN_COLUMNS}
+                 "samples_per_s", "tokens_per_s", "tflops", "mfu", "startup_s", "peak_allocated_mib",
+                 "nvml_used_mib", "host_rss_mib", *PLAN_COLUMNS}
 
 
 @dataclass
@@ -201,6 +205,10 @@ def build_row(run_name: str, status: str, params: dict, series: dict,
         "tokens_per_s": run_rate(series, "tokens_per_s"),
         "tflops": run_rate(series, "tflops_per_device"),
         "mfu": run_rate(series, "mfu"),
+        "startup_s": series_last(series.get("startup/to_first_step_s", [])),
+        # each phase's seconds (JSON output): a resumed run's are its last launch's
+        "startup": {name[len("startup/"):]: series_last(series[name]) for name in STARTUP_METRICS
+                    if series.get(name)} or None,
         "trainable": _number(params.get("params.trainable")),
         "parameters": _number(params.get("params.total")),
         "peak_allocated_mib": series_max(series.get("mem/peak_allocated_mib_max", [])),
@@ -303,7 +311,7 @@ def open_experiment(tracking_uri: str, experiment: str):
 
 def metric_series(client, run_id: str,
                   names=THROUGHPUT_METRICS + RUN_THROUGHPUT_METRICS + MEMORY_METRICS + LOSS_METRICS + TASK_METRICS
-                  ) -> dict:
+                  + STARTUP_METRICS) -> dict:
     series = {}
     for name in names:
         history = client.get_metric_history(run_id, name)

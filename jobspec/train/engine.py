@@ -13,6 +13,7 @@ from jobspec.checkpoint.reshard import ResumeFrom
 from jobspec.model.step import loss_of  # noqa: F401 - the ranks' and the planner's trace's one definition
 from jobspec.rundir import RunFiles
 from jobspec.train.progress import RunState
+from jobspec.train.startup import StartupClock, model_detail
 
 
 def seed_everything(seed: int) -> None:
@@ -29,8 +30,9 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_engine(files: RunFiles):
-    """Seeded model with its patches, the datasets, and the DeepSpeed engine from the compiled config."""
+def build_engine(files: RunFiles, startup: StartupClock | None = None):
+    """Seeded model with its patches, the datasets, and the DeepSpeed engine from the compiled config.
+    `startup`: the rank's start-up clock (its model, data and engine phases); a rebuild has none."""
     import deepspeed
 
     from jobspec.data import sample_packing
@@ -40,9 +42,8 @@ def build_engine(files: RunFiles):
     from jobspec.train.patches import apply_patches, client_optimizer, optimizer_parameters
 
     spec = files.spec
-    rank = f"rank{os.environ.get('RANK', '0')}"
-    phase = launcher_log.phase
-    phase(rank, "imported-model-code")
+    startup = startup or StartupClock.log_only()
+    startup.mark("imported-model-code")
     seed_everything(spec["training"]["seed"])  # python, numpy, torch (+cuda): same initial weights on every rank
     tokenizer = build_tokenizer(spec)
     model = build_model(spec, tokenizer, files.ds_config)   # training dtype; ZeRO-3: zero.Init (model/construct)
@@ -55,19 +56,19 @@ def build_engine(files: RunFiles):
     # an optimizer DeepSpeed cannot build from its config (training.optimizer): built here, None otherwise
     built = client_optimizer(model, spec["training"]["optimizer"], files.patches)
     packing_note = sample_packing.prepare_model(model, spec)   # data.packing: the model's side (data/sample_packing.py)
-    phase(rank, "model")
+    startup.mark("model", model_detail(spec, model))
     train_ds, eval_ds = build_datasets(spec, tokenizer)
     train_ds, eval_ds = sample_packing.pack_datasets(spec, train_ds, eval_ds)   # data.packing: the rows
     if packing_note:
         patch_notes = [*patch_notes, packing_note, train_ds.packing.note()]
-    phase(rank, "data")
+    startup.mark("data")
     # memory.sequence_parallel: Ulysses wraps the attention and builds the groups DeepSpeed reduces over
     sp = sequence_parallel.setup(model, spec, files.ds_config["train_micro_batch_size_per_gpu"])
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=parameters,
         optimizer=built, config=files.ds_config, mpu=sp.mpu if sp else None)
     start_schedule(engine)
-    phase(rank, "engine")
+    startup.mark("engine")
     return engine, train_ds, eval_ds, patch_notes
 
 

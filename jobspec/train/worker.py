@@ -32,6 +32,7 @@ from jobspec.train.engine import build_engine, reshard_plan, resume, share_cpu_t
 from jobspec.train.faults import NanGuard, NonFiniteLoss
 from jobspec.train.oom import OomGuard
 from jobspec.train.progress import RunState, StepReporter, Window, summarize
+from jobspec.train.startup import StartupClock
 from jobspec.train.stopping import StopFlag, StopVote
 
 TRACKING_WAIT_S = 120.0  # then metrics.jsonl only (`jobspec sync` uploads it later)
@@ -79,8 +80,7 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
     stop.install()
     # a SIGKILLed launcher cannot end us: we end the job ourselves once it is gone
     lifeline.watch_launcher(lambda record: lifeline.end_orphaned_job(record, os.environ.get("MASTER_PORT")))
-    _phase("start", _process_start(), 0.0)
-    _phase("worker", started)
+    startup = StartupClock.for_rank(files.spec, files.launch, state.startup, started)
 
     import torch.distributed as dist
 
@@ -96,21 +96,21 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
     library_output.route_library_logs(int(os.environ.get("RANK", "0")),
                                       transformers=files.spec["model"]["architecture"] != "mlp",
                                       datasets=bool(files.spec["data"]["train"]))
-    _phase("imported")
+    startup.mark("imported")
     ops.share_cpu_info(run_dir / rundir.CPU_INFO)
     # first-run op compiles happen here, announced, instead of in silence inside DeepSpeed
     ops.ensure_built(ops.needed_ops(files.ds_config), announce=_node_leader_says)
     ops.skip_unused_ops()   # DeepSpeed's shm all-reduce op: built and loaded for nothing in training
-    _phase("ops")
+    startup.mark("ops")
     deepspeed.init_distributed()
-    _phase("distributed")
+    startup.mark("distributed")
     share_cpu_threads()
     # Stop votes go over gloo on the host: an NCCL vote would sync the GPU at every step.
     control = dist.new_group(backend="gloo")
     # a checkpoint of another world size: converted (rank 0) and loaded via DeepSpeed's universal format
     reshard = reshard_plan(files.spec["checkpoint"], dist.get_world_size(), control,
                            files.spec["memory"]["sequence_parallel"])
-    engine, train_ds, eval_ds, patch_notes = build_engine(replace_ds_config(files, reshard))
+    engine, train_ds, eval_ds, patch_notes = build_engine(replace_ds_config(files, reshard), startup)
     state.parameters = lora_adapters.parameter_counts(engine.module)   # summary.json, MLflow: LoRA's share
     passed_over: list[str] = []  # corrupt checkpoints skipped on resume (reported below and as a tag)
     pending_rng = resume(engine, reshard.checkpoint_section if reshard else files.spec["checkpoint"], state,
@@ -120,16 +120,17 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
     assert total_steps is not None   # rundir.read_run_files refuses a launch.json without it
     if reshard is not None:
         pending_rng = reshard.adjust(state, job.micro_batch_size, files.spec["training"]["seed"], rank)
-    _phase("resumed")
+    startup.mark("resumed", f"from {state.resumed_from}" if state.resumed_from else "")
     progress = Progress(total_steps, state.step) if rank == 0 else NullProgress()
     sink = _open_sink(run_dir, files) if rank == 0 else None
+    startup.report_to(progress.message, sink)
     if sink is not None:
         sink.log_params(lora_adapters.params_for_mlflow(files.spec, state.parameters))
         from jobspec.data.loaders import data_params
         state.data = data_params(train_ds, eval_ds) or None   # data.<split>.records, tokens, ... (the data cache)
         sink.log_params(state.data or {})
     system_metrics = _start_system_metrics(run_dir, files, rank)
-    _phase("sink")
+    startup.mark("sink")
     try:
         for note in patch_notes:  # the launch header lists the patches; the details go to launcher.log
             if rank == 0:
@@ -151,13 +152,14 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
         exporter.check_writable()
         # training.eval_generate: answers to fixed prompts at every evaluation (train/generation.py)
         generator = EvalGenerator.for_job(files, run_dir, rank, dist.get_world_size(), control, sink, progress)
-        _phase("loop")
+        startup.mark("loop")
         del engine  # train_loop holds the only reference: an OOM recovery (jobspec.train.oom) must free it
         vote = StopVote(stop, control, dist.get_world_size())
         try:
             status = train_loop(telemetry.engine, files, train_ds, eval_ds, state, telemetry, progress,
                                 stop=vote, pending_rng=pending_rng, nan_guard=nan_guard, oom_guard=oom_guard,
-                                exporter=exporter, generator=generator, count_groups=(control,))
+                                exporter=exporter, generator=generator, count_groups=(control,),
+                                startup=startup)
         finally:
             vote.close()
         telemetry.finish(state.step)   # the launch's throughput, as summary.json states it
@@ -166,6 +168,7 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
         if rank == 0:
             rundir.write_summary(run_dir, summarize(state, status, total_steps, started))
     finally:
+        startup.stop()
         progress.close()
         if system_metrics is not None:
             system_metrics.stop()
@@ -176,7 +179,8 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
 
 def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, telemetry: "StepReporter", progress,
                *, stop, pending_rng: dict | None, nan_guard: NanGuard | None = None,
-               oom_guard: OomGuard | None = None, exporter=None, generator=None, count_groups=()) -> str:
+               oom_guard: OomGuard | None = None, exporter=None, generator=None, count_groups=(),
+               startup: StartupClock | None = None) -> str:
     """Optimizer steps until `derived.total_steps` ("finished") or an agreed stop ("preempted").
 
     Each step takes its micro-batches first and back-propagates their summed loss over the labelled
@@ -237,7 +241,8 @@ def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, tele
 
     engine.train()
     window = Window()
-    first_step = state.step + 1  # its end is the start-up's end (bench/startup.py)
+    first_step = state.step + 1  # its end is the start-up's end (train/startup.py, bench/startup.py)
+    startup = startup or StartupClock.log_only()
     task = tasks.of(spec)
 
     def step_batches(rng: dict | None) -> StepBatches:   # from the run's data position (after an OOM: rewound)
@@ -296,7 +301,7 @@ def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, tele
         state.step += 1
         window.steps += 1
         if state.step == first_step:
-            _phase("first-step")
+            startup.first_step(state.step)
             if state.step < total_steps:   # throughput counts from here (docs/architecture.md, "Throughput")
                 window.start_timing()
         progress.update(state.step)
@@ -408,16 +413,6 @@ def _any_rank(flag: bool, group) -> bool:
     t = torch.tensor([1 if flag else 0], dtype=torch.int32)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return bool(t.item())
-
-
-def _phase(name: str, at: float | None = None, cpu: float | None = None) -> None:
-    """Start-up timestamps of this rank, for launcher.log (bench/startup.py)."""
-    launcher_log.phase(f"rank{os.environ.get('RANK', '0')}", name, at, cpu)
-
-
-def _process_start() -> float:
-    import psutil
-    return psutil.Process().create_time()
 
 
 def _node_leader_says(text: str) -> None:
