@@ -56,24 +56,28 @@ def build_model(spec: JobSpec, tokenizer=None, ds_config: dict | None = None):
     classify batches) and its size is checked against the model's vocabulary.
     `architecture: mlp` is jobspec's own deep MLP (jobspec/model/mlp.py), not a transformers model.
     The ranks pass their compiled DeepSpeed config: the model is then built in the training dtype, and
-    under ZeRO-3 partitioned by `deepspeed.zero.Init` as it is built (model/construct.py). Without one
-    (export, tools) it is built as transformers builds it by default.
+    under ZeRO-3 partitioned by `deepspeed.zero.Init` as it is built (model/construct.py); under ZeRO 0-2
+    it is made on the rank's device (`construct.rank_device`: its GPU, else the CPU), a checkpoint
+    loaded straight there. Without one (export, tools) it is built as transformers builds it by
+    default, on the CPU. A quantised base (`model.quantization`) is `_quantized`'s.
     """
-    from jobspec.model.construct import construction_for, set_transformers_zero3, zero_init
+    from jobspec.model.construct import construction_for, rank_device, set_transformers_zero3, zero_init
 
+    model_spec = spec["model"]
     construction = None if ds_config is None else construction_for(ds_config)
-    if ds_config is not None and construction is not None and construction.zero3 and \
-            spec["model"].get("quantization"):
-        # bitsandbytes quantises whole weights after the build (_quantized): a partitioned placeholder
-        # cannot be quantised, so a quantised base is built whole and DeepSpeed partitions what it may
-        construction = construction_for({**ds_config, "zero_optimization": {"stage": 0}})
-    if spec["model"].get("architecture") == "mlp" and not spec["model"].get("name_or_path"):
+    if construction is not None and construction.zero3 and model_spec.get("quantization"):
+        # bitsandbytes quantises whole weights: a partitioned placeholder cannot be quantised, so a
+        # quantised base is built whole and DeepSpeed partitions what it may
+        construction = construction_for({**(ds_config or {}), "zero_optimization": {"stage": 0}})
+    # zero.Init places the partitions itself; without a DeepSpeed config the model stays on the CPU
+    device = None if construction is None or construction.zero3 else rank_device()
+    if model_spec.get("architecture") == "mlp" and not model_spec.get("name_or_path"):
         from jobspec.model.mlp import build_mlp
 
         if construction is None:
             model = build_mlp(spec)
         else:
-            with zero_init(construction):
+            with zero_init(construction), on_device(device):
                 model = build_mlp(spec)
         _check_vocab(spec, model, tokenizer)
         return model
@@ -82,23 +86,25 @@ def build_model(spec: JobSpec, tokenizer=None, ds_config: dict | None = None):
     if construction is not None:
         set_transformers_zero3(construction)   # transformers' zero.Init, or none left from an earlier build
     dtype = {} if construction is None else {"dtype": construction.torch_dtype}
-
-    model_spec = spec["model"]
-    task = model_spec["task"]
-    attention = model_spec["attention"]
+    task, attention = model_spec["task"], model_spec["attention"]
     trust = bool(model_spec.get("trust_remote_code"))
     _warn_remote_code(model_spec)
 
     try:
         auto_class, config = build_config(spec, tokenizer)
-        if model_spec.get("name_or_path"):
+        if model_spec.get("quantization"):
+            model = _quantized(spec, auto_class, config)
+        elif model_spec.get("name_or_path"):
             name, revision = model_spec["name_or_path"], model_spec.get("revision")
-            model = auto_class.from_pretrained(name, config=config, revision=revision, trust_remote_code=trust,
-                                               attn_implementation=attention, **dtype)
+            placed = {} if device is None else {"device_map": {"": device}}
+            model = auto_class.from_pretrained(name, config=config, revision=revision,
+                                               trust_remote_code=trust, attn_implementation=attention,
+                                               **dtype, **placed)
         else:
             torch.manual_seed(spec["training"]["seed"])
-            model = auto_class.from_config(config, attn_implementation=attention, trust_remote_code=trust,
-                                           **dtype)
+            with on_device(device):   # the CPU: exactly transformers' own build
+                model = auto_class.from_config(config, attn_implementation=attention,
+                                               trust_remote_code=trust, **dtype)
     except SpecError:
         raise
     except ImportError as err:
@@ -109,36 +115,92 @@ def build_model(spec: JobSpec, tokenizer=None, ds_config: dict | None = None):
         raise loading_error(model_spec, task, attention, err) from None
 
     _check_vocab(spec, model, tokenizer)
-    if model_spec.get("quantization"):
-        model = _quantized(spec, model)
     return model
 
 
-def _quantized(spec: JobSpec, model):
-    """QLoRA's frozen base: the linear layers quantised by bitsandbytes on this rank's device
-    (model/quantize.py), the rest in the compute dtype. bitsandbytes missing or unable to run here
-    is a SpecError at model.quantization, never a rank's traceback."""
-    import os
+def on_device(device):
+    """Tensors created inside are made on `device` (torch's device context); None: no change."""
+    import contextlib
 
     import torch
 
-    from jobspec.model.lora import compute_dtype, quantization_config, quantized_linear_names
-    from jobspec.model.quantize import BITSANDBYTES_HINT, bitsandbytes_problem, quantize_linears
+    return contextlib.nullcontext() if device is None else torch.device(device)
 
-    quant = spec["model"]["quantization"]
-    assert quant is not None, "quantize needs model.quantization"
+
+def _quantized(spec: JobSpec, auto_class, config):
+    """QLoRA's frozen base on this rank's device (`construct.rank_device`, whatever the DeepSpeed
+    config: bitsandbytes quantises there), the linear layers `lora.quantized_linear_names` quantised
+    by bitsandbytes as they are made, the rest in the compute dtype: the whole model never exists in
+    16 bits, on the host or on the GPU.
+
+    From `model.architecture`: built on the meta device and made one module at a time, each drawn by
+    the model's own `_init_weights` (model/materialize.py), each linear layer quantised as soon as it
+    is drawn (model/quantize.quantizer). From a checkpoint: transformers' bitsandbytes integration,
+    which quantises each weight as it loads it onto the device, told exactly which layers to skip so
+    that it quantises the same ones. bitsandbytes missing or unable to run here is a SpecError at
+    model.quantization, never a rank's traceback."""
+    import torch
+
+    from jobspec.model.construct import rank_device, without_transformers_zero3
+    from jobspec.model.lora import compute_dtype, quantization_config, quantized_linear_names
+    from jobspec.model.materialize import materialize, skeleton
+    from jobspec.model.quantize import BITSANDBYTES_HINT, bitsandbytes_problem, quantizer
+
+    model_spec = spec["model"]
+    quant = model_spec["quantization"]
+    assert quant is not None, "_quantized needs model.quantization"
     problem = bitsandbytes_problem(quant)
     if problem:
         raise spec_error(problem, path=("model", "quantization"), hint=BITSANDBYTES_HINT)
-    bnb_config = quantization_config(spec, model)
     # the compute dtype (model.quantization.compute_dtype, `auto`: the training precision) for the
     # layers that stay unquantised too: DeepSpeed casts them to the training precision anyway
-    compute = getattr(torch, compute_dtype(spec))
-    device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available()
-              else torch.device("cpu"))
-    model = model.to(compute)
-    quantize_linears(model, bnb_config, quantized_linear_names(spec, model), device)
-    return model.to(device)
+    compute, device = getattr(torch, compute_dtype(spec)), rank_device()
+    built = {"attn_implementation": model_spec["attention"],
+             "trust_remote_code": bool(model_spec.get("trust_remote_code"))}
+    with without_transformers_zero3():
+        model = skeleton(auto_class, config, dtype=compute, **built)
+    bnb_config = quantization_config(spec, model)
+    names = quantized_linear_names(spec, model)
+    if model_spec.get("name_or_path"):
+        model = _load_quantized(spec, auto_class, config, model, names, compute, device, built)
+    else:
+        torch.manual_seed(spec["training"]["seed"])
+        materialize(model, device, quantizer(bnb_config, names, device))
+    model.config.quantization_config = bnb_config
+    return model
+
+
+def _load_quantized(spec: JobSpec, auto_class, config, meta_model, names: list[str], compute,
+                    device, built: dict):
+    """A checkpoint loaded through transformers' bitsandbytes integration straight onto `device`,
+    each weight quantised as it loads. transformers also converts GPT-2's `Conv1D` and keeps
+    `_keep_in_fp32_modules` whole; every linear-like layer outside `names` is named in its skip list,
+    so that it converts `names` exactly (checked after the load)."""
+    import re
+
+    import torch.nn as nn
+
+    from jobspec.model.lora import quantization_config
+
+    # what model/quantize.quantized_linear replaces: plain nn.Linear layers (a subclass stays)
+    wanted = {name for name in names if type(meta_model.get_submodule(name)) is nn.Linear}
+    skip = [re.escape(name) for name, module in meta_model.named_modules()
+            if name not in wanted and (type(module) is nn.Linear or type(module).__name__ == "Conv1D")]
+    loading = quantization_config(spec, meta_model)
+    loading.llm_int8_skip_modules = skip
+    model_spec = spec["model"]
+    model = auto_class.from_pretrained(model_spec["name_or_path"], config=config,
+                                       revision=model_spec.get("revision"), dtype=compute,
+                                       quantization_config=loading, device_map={"": device}, **built)
+    quantized = {name for name, module in model.named_modules() if _is_bitsandbytes_linear(module)}
+    if quantized != wanted:
+        raise RuntimeError(f"transformers quantised {sorted(quantized ^ wanted)[:5]} against "
+                           "model/lora.quantized_linear_names")
+    return model
+
+
+def _is_bitsandbytes_linear(module) -> bool:
+    return type(module).__name__ in ("Linear4bit", "Linear8bitLt")
 
 
 def build_config(spec: JobSpec, tokenizer=None):

@@ -1,4 +1,4 @@
-"""How a rank constructs its model: in the training dtype, and partitioned under ZeRO-3 (issue 26).
+"""How a rank constructs its model: in the training dtype, on its device, and partitioned under ZeRO-3 (issue 26).
 
 Before, every rank built the whole model in fp32 on the host and DeepSpeed partitioned it only in
 `deepspeed.initialize`: a 70B model meant 280 GB of host memory per rank before the first step.
@@ -15,7 +15,11 @@ Before, every rank built the whole model in fp32 on the host and DeepSpeed parti
   with rank 0 that is one checkpoint more, not one per rank. jobspec's own MLP is built under
   `zero.Init` directly.
 - **ZeRO 0/1/2** keep a full copy per rank by design (DeepSpeed partitions optimizer states and
-  gradients only), built straight in the training dtype: bf16/fp16 jobs never hold an fp32 copy.
+  gradients only), built straight in the training dtype (bf16/fp16 jobs never hold an fp32 copy) and
+  on the rank's device (`rank_device`): on a GPU rank `from_config` runs under that device, so the
+  weights are created and drawn by the model's `_init_weights` on the GPU, never on the host, and a
+  checkpoint loads onto it (`device_map`); on a CPU rank the build is transformers' own, unchanged.
+  QLoRA's base is made module by module and quantised as it is made (model/build `_quantized`).
 
 The training dtype is read from the compiled DeepSpeed config (its `bf16`/`fp16` blocks): the same
 dtype DeepSpeed's engine would cast the module to, so nothing changes in what trains, only when
@@ -67,6 +71,18 @@ def construction_for(ds_config: dict | None) -> Construction:
         precision = "fp32"
     zero3 = int((ds_config.get("zero_optimization") or {}).get("stage", 0)) == 3
     return Construction(precision=precision, zero3=zero3, ds_config=ds_config if zero3 else None)
+
+
+def rank_device():
+    """The device this rank trains on and builds its model on: `cuda:<LOCAL_RANK>` where CUDA is
+    available (where DeepSpeed's engine puts the module), else the CPU."""
+    import os
+
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
 
 
 def set_transformers_zero3(construction: Construction) -> None:

@@ -191,7 +191,8 @@ def quantization_config(spec: JobSpec, model=None) -> Any:
 
 def quantized_linear_names(spec: JobSpec, model) -> list[str]:
     """The base's linear layers bitsandbytes replaces when the model loads with `quantization_config`
-    (transformers' rule: nn.Linear outside the skip modules), for the planner's byte count."""
+    (transformers' rule: nn.Linear outside the skip modules and the model's `_keep_in_fp32_modules`),
+    for the planner's byte count and the ranks' quantisation alike."""
     if spec["model"]["quantization"] is None:
         return []
     import torch.nn as nn
@@ -202,6 +203,7 @@ def quantized_linear_names(spec: JobSpec, model) -> list[str]:
     skip = config.llm_int8_skip_modules
     if skip is None:
         skip = get_keys_to_not_convert(model) if hasattr(model, "all_tied_weights_keys") else []
+    skip = [*skip, *(getattr(model, "_keep_in_fp32_modules", None) or [])]
     return [name for name, module in model.named_modules()
             if isinstance(module, nn.Linear) and should_convert_module(name, skip)]
 

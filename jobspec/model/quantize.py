@@ -8,6 +8,10 @@ like one loaded through `from_pretrained(quantization_config=...)`. The weight i
 is moved to its device (`Params4bit.to` / `Int8Params.to`): blocks of 64 values share an absmax
 (4-bit; with double quantisation those constants are themselves 8-bit in blocks of 256).
 
+`quantizer` quantises each of those layers as the model is made on its device (model/materialize),
+so the whole model never exists in 16 bits; a checkpoint goes through transformers' integration
+(model/build), which quantises the same layers as it loads them.
+
 `dequantized_state_dict` is the export's side: a state dict in which each quantised weight is
 dequantised to a float tensor of its logical shape, with the quantisation constants' keys dropped,
 so that it loads into the same model built unquantised (the merged export: base + adapters).
@@ -54,40 +58,56 @@ def bitsandbytes_problem(quant: JobSpecModelQuantization) -> str | None:
 def quantize_linears(model, bnb_config, names: list[str], device) -> int:
     """Replace the model's `nn.Linear` layers `names` (model/lora.quantized_linear_names: transformers'
     rule, which the planner counts too) by bitsandbytes layers quantised on `device`; returns how many."""
-    import bitsandbytes as bnb
-    import torch.nn as nn
-
-    four_bit = bool(bnb_config.load_in_4bit)
     count = 0
     for name in names:
-        module = model.get_submodule(name)
-        if type(module) is not nn.Linear:
+        new = quantized_linear(model.get_submodule(name), bnb_config, device)
+        if new is None:
             continue
-        bias = module.bias is not None
-        new: nn.Module
-        if four_bit:
-            new = bnb.nn.Linear4bit(module.in_features, module.out_features, bias,
-                                    compute_dtype=bnb_config.bnb_4bit_compute_dtype,
-                                    compress_statistics=bnb_config.bnb_4bit_use_double_quant,
-                                    quant_type=bnb_config.bnb_4bit_quant_type,
-                                    quant_storage=bnb_config.bnb_4bit_quant_storage, device="meta")
-            new.weight = bnb.nn.Params4bit(module.weight.data, requires_grad=False,
-                                           compress_statistics=bnb_config.bnb_4bit_use_double_quant,
-                                           quant_type=bnb_config.bnb_4bit_quant_type,
-                                           quant_storage=bnb_config.bnb_4bit_quant_storage, module=new)
-        else:
-            new = bnb.nn.Linear8bitLt(module.in_features, module.out_features, bias, has_fp16_weights=False,
-                                      threshold=bnb_config.llm_int8_threshold, device="meta")
-            new.weight = bnb.nn.Int8Params(module.weight.data.half(), requires_grad=False, has_fp16_weights=False)
-        if bias:
-            new.bias = nn.Parameter(module.bias.data, requires_grad=False)
-        new = new.to(device)   # quantises the weight (Params4bit / Int8Params `.to`)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
         count += 1
     if hasattr(model, "config"):
         model.config.quantization_config = bnb_config
     return count
+
+
+def quantizer(bnb_config, names: list[str], device):
+    """model/materialize's `replace` for QLoRA: each linear layer of `names` quantised on `device` as
+    soon as its weight is drawn."""
+    wanted = set(names)
+
+    def replace(name: str, module):
+        return quantized_linear(module, bnb_config, device) if name in wanted else None
+    return replace
+
+
+def quantized_linear(module, bnb_config, device):
+    """The bitsandbytes layer (`Linear4bit` / `Linear8bitLt`) of a plain `nn.Linear`, its weight
+    quantised on `device` (None for any other module: a subclass is not bitsandbytes' to replace)."""
+    import bitsandbytes as bnb
+    import torch.nn as nn
+
+    if type(module) is not nn.Linear:
+        return None
+    bias = module.bias is not None
+    new: nn.Module
+    if bnb_config.load_in_4bit:
+        new = bnb.nn.Linear4bit(module.in_features, module.out_features, bias,
+                                compute_dtype=bnb_config.bnb_4bit_compute_dtype,
+                                compress_statistics=bnb_config.bnb_4bit_use_double_quant,
+                                quant_type=bnb_config.bnb_4bit_quant_type,
+                                quant_storage=bnb_config.bnb_4bit_quant_storage, device="meta")
+        new.weight = bnb.nn.Params4bit(module.weight.data, requires_grad=False,
+                                       compress_statistics=bnb_config.bnb_4bit_use_double_quant,
+                                       quant_type=bnb_config.bnb_4bit_quant_type,
+                                       quant_storage=bnb_config.bnb_4bit_quant_storage, module=new)
+    else:
+        new = bnb.nn.Linear8bitLt(module.in_features, module.out_features, bias, has_fp16_weights=False,
+                                  threshold=bnb_config.llm_int8_threshold, device="meta")
+        new.weight = bnb.nn.Int8Params(module.weight.data.half(), requires_grad=False, has_fp16_weights=False)
+    if bias:
+        new.bias = nn.Parameter(module.bias.data, requires_grad=False)
+    return new.to(device)   # quantises the weight (Params4bit / Int8Params `.to`)
 
 
 def is_quantized(module) -> bool:
