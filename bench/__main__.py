@@ -8,6 +8,7 @@
     python -m bench packing [--gpu]                   # tokens/s with and without data.packing (bench/packing.py)
     python -m bench lora                              # full vs LoRA vs QLoRA: step time, memory (bench/lora.py)
     python -m bench qlora-gpu                         # the 8B QLoRA job on one GPU vs its plan (bench/qlora_gpu.py)
+    python -m bench gpu-startup [--dry-run]           # time to the first step on one GPU (bench/gpu_startup.py)
 
 For each job and repeat, in the order A, B, A, B ... (so drift of a shared machine hits both sides):
 A = `jobspec launch JOB` (numbers from its MLflow run: median of `perf/samples_per_s` windows after
@@ -183,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["qlora-gpu"]:
         from bench import qlora_gpu
         return qlora_gpu.main(argv[1:])
+    if argv[:1] == ["gpu-startup"]:
+        from bench import gpu_startup
+        return gpu_startup.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", nargs="+", default=None, metavar="GLOB",
