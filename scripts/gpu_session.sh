@@ -4,6 +4,7 @@
 #
 #   scripts/gpu_session.sh [STEP...]     # steps: probe qlora packing zero3 suite (default: all, in order)
 #   scripts/gpu_session.sh probe calibrate  # the planner's calibration (6 min: a session of its own)
+#   scripts/gpu_session.sh startup          # time to the first step of 3 jobs (5 min: a session of its own)
 #
 # Installs the carried wheels (only what the image lacks: pip resolves against what is there), then
 # runs each step under its own time limit, writing its output to $OUT/<step>.txt (or /tmp/gpu-out).
@@ -42,6 +43,8 @@ for s in "${steps[@]}"; do
     # no job starts after 330 s; the file is written after every job (peaks/ beside it: the breakdowns);
     # the run dirs stay in /tmp ($OUT brings back only a few files)
     calibrate) step calibrate 420 "$py" -m bench gpu-calibrate --out "$out/calibration.json" --work /tmp/calibrate-work ;;
-    *) echo "unknown step $s (probe packing qlora zero3 suite calibrate)"; exit 2 ;;
+    # no job runs past 285 s (bench/gpu_startup.py's budget); startup.md and startup.json come back
+    startup) step startup 300 "$py" -m bench gpu-startup --out "$out/startup.md" --work /tmp/startup-work ;;
+    *) echo "unknown step $s (probe packing qlora zero3 suite calibrate startup)"; exit 2 ;;
   esac
 done
