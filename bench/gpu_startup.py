@@ -447,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         return dry_run(jobs, args)
     from jobspec import hardware
-    names = hardware.gpu_names()
+    names = [name for name in hardware.gpu_names() if name != "cpu"]   # ["cpu"]: no NVIDIA GPU
     if not names:
         print("gpu-startup: no NVIDIA GPU here (NVML); --dry-run checks the jobs", file=sys.stderr)
         return 2

@@ -34,12 +34,14 @@ def test_jobs_are_the_brief_and_validate_as_they_run(tmp_path):
     spec_1b = load_and_validate(str(gpu_startup.job_file(jobs["llama-1b-64k"], tmp_path))).spec
     assert spec_1b["data"]["synthetic"]["seq_len"] == 65536 and spec_1b["memory"]["tiled_loss"]
     qlora = load_and_validate(str(gpu_startup.job_file(jobs["llama-8b-qlora-32k"], tmp_path))).spec
-    assert qlora["model"]["quantization"]["bits"] == 4 and qlora["model"]["config"]["hidden_size"] == 4096
+    assert qlora["model"]["quantization"]["bits"] == 4
+    assert qlora["model"]["config"]["hidden_size"] == 4096
 
 
 def test_dry_run_checks_the_job_and_says_what_it_measures(tmp_path, capsys):
     out = tmp_path / "startup.md"
-    code = gpu_startup.main(["--dry-run", "--jobs", CHEAP, "--out", str(out), "--work", str(tmp_path / "w")])
+    code = gpu_startup.main(["--dry-run", "--jobs", CHEAP, "--out", str(out),
+                             "--work", str(tmp_path / "w")])
     printed = capsys.readouterr().out
     assert code == 0
     assert "nothing is launched" in printed and "Dry run: nothing launched" in printed
@@ -52,7 +54,8 @@ def test_dry_run_checks_the_job_and_says_what_it_measures(tmp_path, capsys):
         assert f" {group}, s |" in out.read_text()
     record = json.loads(out.with_suffix(".json").read_text())
     assert record["dry_run"] is True and record["jobs"] == []
-    assert 15 < record["planned"][CHEAP]["peak_allocated_gib"] < 40   # the 2026-11-28 H200: 23.25 GiB
+    # measured on the 2026-11-28 H200: 23.25 GiB
+    assert 15 < record["planned"][CHEAP]["peak_allocated_gib"] < 40
     row = next(x for x in out.read_text().splitlines() if x.startswith(f"| {CHEAP} |"))
     assert row.endswith("| - | ~54 s | not run |")
 
@@ -61,6 +64,16 @@ def test_dry_run_refuses_a_job_that_does_not_validate(tmp_path, monkeypatch):
     monkeypatch.setattr(gpu_startup, "RUN_SETS", [*gpu_startup.RUN_SETS, "training.max_steps=-1"])
     with pytest.raises(SystemExit, match="tinyllama-2x2048: jobspec validate failed"):
         gpu_startup.main(["--dry-run", "--jobs", CHEAP, "--work", str(tmp_path)])
+
+
+def test_no_gpu_no_launch(tmp_path, capsys):
+    from jobspec import hardware
+
+    if hardware.gpu_count():
+        pytest.skip("this host has an NVIDIA GPU")
+    assert gpu_startup.main(["--work", str(tmp_path), "--out", str(tmp_path / "s.md")]) == 2
+    assert "no NVIDIA GPU here" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_an_unknown_job_is_refused():
@@ -75,9 +88,9 @@ def phase_log(names: list[str], at: float = 1000.0) -> str:
 
 
 CHAIN = ["launcher/start", "launcher/planned", "launcher/data", "launcher/runner", "rank0/start",
-         "rank0/worker", "rank0/imported", "rank0/ops", "rank0/distributed", "rank0/imported-model-code",
-         "rank0/model", "rank0/data", "rank0/engine", "rank0/resumed", "rank0/sink", "rank0/loop",
-         "rank0/first-step"]
+         "rank0/worker", "rank0/imported", "rank0/ops", "rank0/distributed",
+         "rank0/imported-model-code", "rank0/model", "rank0/data", "rank0/engine", "rank0/resumed",
+         "rank0/sink", "rank0/loop", "rank0/first-step"]
 
 
 def test_the_phases_cover_the_command_to_the_first_step_once():
@@ -86,7 +99,8 @@ def test_the_phases_cover_the_command_to_the_first_step_once():
     marks, _ = read_phases("rank0 says hello\n" + phase_log(CHAIN))
     marks["cmd"] = 999.5
     groups = gpu_startup.phases(marks)
-    assert sum(v for v in groups.values() if v is not None) == pytest.approx(marks["rank0/first-step"] - 999.5)
+    total = marks["rank0/first-step"] - 999.5
+    assert sum(v for v in groups.values() if v is not None) == pytest.approx(total)
     assert groups["model build"] == 1.0 and groups["imports"] == 3.0 and groups["launcher"] == 2.5
     assert groups["data"] == 2.0 and groups["first step"] == 1.0
     # each stretch between two consecutive marks is in exactly one group
@@ -106,7 +120,8 @@ def test_a_job_stopped_short_names_the_phase_it_was_in():
     assert gpu_startup.phases(marks)["model build"] is None
     row = {"to_first_step_s": None, "stopped_at_s": 60.2, "exit_code": 130,
            "in_phase": gpu_startup.phase_at(marks)}
-    assert gpu_startup.verdict(job, row) == "no first step after 60 s (in rank: build model + patches)"
+    assert gpu_startup.verdict(job, row) == \
+        "no first step after 60 s (in rank: build model + patches)"
     assert gpu_startup.phase_at({"cmd": 1.0}) == "launcher (no phase line written)"
     assert gpu_startup.verdict(job, {**row, "stopped_at_s": None, "seconds": 12.0}).startswith(
         "failed: exit 130 after 12 s, no first step")
