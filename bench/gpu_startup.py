@@ -348,9 +348,10 @@ def measure(jobs: list[StartupJob], args: argparse.Namespace, gpu: str) -> int:
         # the session's first launch pays the cold file cache and the planner's first trace
         row["first_of_session"] = len(rows) == 1
         record["jobs"].append(row)
+        own = (row["summary_startup"] or {}).get("to_first_step_s")   # the rank's own count
         _say(f"{job.name}: {verdict(job, row)}; command -> first step "
-             f"{_s(row['to_first_step_s'])} s, exit {row['exit_code']} after "
-             f"{row['seconds']:.0f} s")
+             f"{_s(row['to_first_step_s'])} s (summary.json: {_s(own)} s), exit "
+             f"{row['exit_code']} after {row['seconds']:.0f} s")
         if row["to_first_step_s"] is None:
             print("\n".join(row["output_tail"][-15:]), flush=True)
         write(args.out, render(rows, jobs, gpu, versions) + "\n", record)
