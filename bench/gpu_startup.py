@@ -87,9 +87,10 @@ PHASE_GROUPS = [
     ("other", [("launcher/runner", "rank0/start"), ("rank0/imported", "rank0/distributed"),
                ("rank0/engine", "rank0/loop")]),
 ]
-# where a job is when this mark is its last: bench/startup.py's steps, and the launcher's own marks
-PHASE_AFTER = {start: label for label, start, _ in STEPS} | {
-    "launcher/start": STEPS[0][0], "launcher/data": "launcher: run dir, compile, header"}
+# where a job is when this mark is its last: bench/startup.py's steps (their labels first), and the
+# launcher's own marks
+PHASE_AFTER = {"launcher/start": STEPS[0][0], "launcher/data": "launcher: run dir, compile, header"} \
+    | {start: label for label, start, _ in STEPS}
 VERSIONED = ("torch", "transformers", "deepspeed", "bitsandbytes", "peft")
 
 
