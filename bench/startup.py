@@ -11,11 +11,14 @@ store pays for creating its tables: the `cold store` row). The phases are timest
 and rank 0 write to launcher.log (`jobspec-log: phase ...`, jobspec/launcher_log.py), the bench's own
 clock before the command, and the end of the whole command. Rank 0's phases are the critical path:
 rank 1 runs the same steps at the same time. The load average of the machine is printed next to
-each launch: on a shared machine, other work slows every phase.
+each launch: on a shared machine, other work slows every phase. A row holds what the launch itself
+printed as its time to step 1 (its `startup` lines, summary.json's `startup`:
+jobspec/train/startup.py), to set beside the bench's own clock.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import statistics
@@ -30,7 +33,8 @@ PHASE = re.compile(r"^jobspec-log: phase (\S+) (\S+) ([0-9.]+) ([0-9.]+)$", re.M
 # (label, from, to): consecutive marks of the launch's critical path
 STEPS = [
     ("launcher: python, imports, validate, plan", "cmd", "launcher/planned"),
-    ("launcher: run dir, compile, header", "launcher/planned", "launcher/runner"),
+    ("launcher: data preparation or cache check", "launcher/planned", "launcher/data"),
+    ("launcher: run dir, compile, header", "launcher/data", "launcher/runner"),
     ("DeepSpeed runner + launch.py start rank 0", "launcher/runner", "rank0/start"),
     ("rank: python + jobspec imports", "rank0/start", "rank0/worker"),
     ("rank: import deepspeed, torch", "rank0/worker", "rank0/imported"),
@@ -104,7 +108,10 @@ def launch(job: str, work: Path, store: Path, sets: list[str], op_cache: Path | 
     if tracking.exists():
         marks["mlflow run ready"] = tracking.stat().st_mtime
     built = sorted(p.name for p in op_cache.iterdir()) if op_cache and op_cache.is_dir() else []
-    return {"marks": marks, "cpu": cpu, "helpers": helpers, "load": load, "ops_built": built}
+    # what the launch printed: its `startup` lines' total (train/startup.py)
+    startup = json.loads((run_dir / "summary.json").read_text()).get("startup") or {}
+    return {"marks": marks, "cpu": cpu, "helpers": helpers, "load": load, "ops_built": built,
+            "shown": startup.get("to_first_step_s")}
 
 
 def cpu_of(run: dict, start: str, end: str) -> float | None:
@@ -158,6 +165,11 @@ def main(argv=None) -> int:
         median = f"{statistics.median(known):.2f}" if known else "-"
         cpu_cell = f"{statistics.median(cpus):.2f}" if cpus else ""
         print(f"| {label} | {' | '.join(cells)} | {median} | {cpu_cell} |")
+    shown = [r["shown"] for r in runs]
+    printed = [v for v in shown if v is not None]
+    print(f"| to step 1 as the launch printed it (summary.json `startup`) | "
+          f"{' | '.join(f'{v:.2f}' if v is not None else '-' for v in shown)} | "
+          f"{f'{statistics.median(printed):.2f}' if printed else '-'} | |")
     print(f"| load average (1, 5, 15 min) before | {' | '.join(r['load'] for r in runs)} | | |")
     print(f"\nCPU seconds on the critical path to the first step (launcher, runner + launch.py, rank 0; "
           f"about the wall time on an idle 2-core machine): {sum(critical_cpu):.1f} s")

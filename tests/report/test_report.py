@@ -315,3 +315,29 @@ def test_report_of_a_real_quickstart_launch(tmp_path):
     assert "perplexity" not in row
     assert f"eval        accuracy {100 * accuracy:.1f}% · F1 " in launch.stdout   # the closing summary
     assert (tmp_path / "rep" / "comparison.png").read_bytes()[:8] == PNG_MAGIC
+    assert_startup_shown_and_recorded(launch.stdout, summary, uri, tracked["run_id"], row)
+
+
+def assert_startup_shown_and_recorded(terminal: str, summary: dict, uri: str, run_id: str,
+                                      row: dict) -> None:
+    """The start-up's phases as the terminal showed them, one line each, and the same seconds in
+    summary.json, MLflow's startup/*_s (at the first step) and the report's start-up column."""
+    startup = summary["startup"]
+    shown = [line for line in terminal.splitlines() if line.startswith("startup  ")]
+    assert [line.rsplit(" ", 2)[0] for line in shown[:-1]] == [
+        "startup  launcher and runner", "startup  imports",
+        "startup  model built on cpu (from config, fp32)", "startup  data synthetic",
+        "startup  engine", "startup  trackers"], shown   # nothing was resumed: no resume line
+    assert shown[-1] == (f"startup  first step {startup['first_step_s']:.1f} s · "
+                         f"{startup['to_first_step_s']:.1f} s to step 1")
+    assert shown[2] == f"startup  model built on cpu (from config, fp32) {startup['model_s']:.1f} s"
+    assert terminal.index(shown[-1]) < terminal.index("step 2/40")   # before training's lines
+    phases = sum(value for key, value in startup.items()
+                 if key.endswith("_s") and key != "to_first_step_s")
+    assert startup["to_first_step_s"] == pytest.approx(phases, abs=0.01) and startup["model_s"] > 0
+    client = tracking.client_for(uri)
+    for key, value in startup.items():
+        if key.endswith("_s"):
+            history = client.get_metric_history(run_id, f"startup/{key}")
+            assert [(m.step, m.value) for m in history] == [(1, value)]
+    assert float(row["startup_s"]) == startup["to_first_step_s"]
