@@ -363,7 +363,7 @@ class RunSummary:
     error: str | None = None                  # why a failed run failed (rank 0)
     generation: dict | None = None            # training.eval_generate: the last evaluation's first answer
     data: dict | None = None                  # the tokenised data's counts (data.<split>.records, tokens, ...)
-    startup: dict | None = None               # seconds per start-up phase, to the first step (train/startup)
+    startup: dict | None = None               # seconds per start-up phase (train/startup.py)
     exit_code: int | None = None              # the launcher's fallback
     written_by: str | None = None             # LAUNCHER_WRITER for the fallback
     # the plan of each peak_memory reading, by its name (the launcher's: memory/plan_figures)
@@ -376,8 +376,8 @@ class RunSummary:
                  "tokens_per_s", "tflops_per_device", "mfu", "peak_memory", "elapsed_s", "resumed_from",
                  "checkpoint", "exports", "parameters")
     # written only when set
-    OPTIONAL_KEYS = ("error", "generation", "data", "startup", "exit_code", "written_by", "planned_memory",
-                     "report")
+    OPTIONAL_KEYS = ("error", "generation", "data", "startup", "exit_code", "written_by",
+                     "planned_memory", "report")
 
     @property
     def done(self) -> bool:

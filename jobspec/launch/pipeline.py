@@ -108,7 +108,8 @@ def launch(job: str, overrides: list[str], options: LaunchOptions = LaunchOption
     # whether the cache is warm, else how long building it would take
     built: list[str] = []
     data_lines, _ = _located(resolved, lambda: data_prep.prepare_data(
-        spec, build=not options.dry_run, show=progress_mode(spec["logging"]["progress"]), built=built))
+        spec, build=not options.dry_run, show=progress_mode(spec["logging"]["progress"]),
+        built=built))
     data_how = "prepared" if built else "cached" if data_prep.cached_splits(spec) else None
     for line in data_lines:
         print(f"jobspec: {line}", flush=True)
@@ -370,10 +371,11 @@ def _process_start() -> float:
 
 
 def startup_record(phases: list, data_how: str | None) -> dict:
-    """launch.json's `startup`: when the command started and its data pass (seconds; prepared, cached
-    or None), the launcher's share of the start-up the ranks show (train/startup.py)."""
+    """launch.json's `startup`: when the command started and its data pass (seconds; prepared,
+    cached or None), the launcher's share of the start-up the ranks show (train/startup.py)."""
     at = {name: when for name, when, _ in phases}
-    return {"started": at["start"], "data_s": round(at["data"] - at["planned"], 3), "data": data_how}
+    return {"started": at["start"], "data_s": round(at["data"] - at["planned"], 3),
+            "data": data_how}
 
 
 def _write_phases(run_dir: Path, phases: list) -> None:

@@ -90,8 +90,8 @@ SPEC_COLUMN = "spec."
 OPTIONAL_COLUMNS = set(eval_metrics.TASK_ONLY)
 NUMERIC_ALIGN = {"zero", "micro", "global", "accum", "world", "trainable", "parameters", "train_loss", "eval_loss",
                  *OPTIONAL_COLUMNS,
-                 "samples_per_s", "tokens_per_s", "tflops", "mfu", "startup_s", "peak_allocated_mib",
-                 "nvml_used_mib", "host_rss_mib", *PLAN_COLUMNS}
+                 "samples_per_s", "tokens_per_s", "tflops", "mfu", "startup_s",
+                 "peak_allocated_mib", "nvml_used_mib", "host_rss_mib", *PLAN_COLUMNS}
 
 
 @dataclass

@@ -31,8 +31,9 @@ def seed_everything(seed: int) -> None:
 
 
 def build_engine(files: RunFiles, startup: StartupClock | None = None):
-    """Seeded model with its patches, the datasets, and the DeepSpeed engine from the compiled config.
-    `startup`: the rank's start-up clock (its model, data and engine phases); a rebuild has none."""
+    """Seeded model with its patches, the datasets, and the DeepSpeed engine from the compiled
+    config. `startup`: the rank's start-up clock (its model, data and engine phases); a rebuild
+    has none."""
     import deepspeed
 
     from jobspec.data import sample_packing

@@ -225,7 +225,7 @@ class RunState:
     parameters: dict = field(default_factory=dict)   # {"trainable", "total"} (train/lora_adapters.parameter_counts)
     data: dict | None = None   # the tokenised data's counts (data/loaders.data_params), for summary.json
     generation: dict | None = None   # the last evaluation's first answer (train/generation.py)
-    startup: dict = field(default_factory=dict)   # the start-up's phases so far (train/startup.StartupClock)
+    startup: dict = field(default_factory=dict)   # the start-up's phases so far (train/startup)
 
 
 class StepReporter:

@@ -1,7 +1,7 @@
 """Start-up on the ranks, from the command to the end of the first optimizer step, in named phases.
 
-Each rank writes its marks to launcher.log (`jobspec-log: phase rank<N> <mark> <time> <cpu>`, read by
-bench/startup.py). Rank 0 also prints each phase as it ends, then the total at the first step:
+Each rank writes its marks to launcher.log (`jobspec-log: phase rank<N> <mark> <time> <cpu>`, read
+by bench/startup.py). Rank 0 also prints each phase as it ends, then the total at the first step:
 
     startup  launcher and runner 3.3 s
     startup  imports 8.7 s
@@ -9,15 +9,15 @@ bench/startup.py). Rank 0 also prints each phase as it ends, then the total at t
     startup  data synthetic 0.0 s
     startup  engine 0.9 s
     startup  trackers 0.5 s
-    startup  first step 0.2 s · 20.1 s to step 1
+    startup  first step 0.2 s · 20.2 s to step 1
 
-and, while a phase runs longer than HEARTBEAT_S, a line every HEARTBEAT_S naming it (a daemon thread).
-The phases follow each other without a gap, so their seconds add up to the total. The launcher's
-part comes from launch.json's `startup` record (its start time, its data phase and whether that
-prepared the data or found it cached); without one (a run directory of `jobspec compile`) the
+and, while a phase runs longer than HEARTBEAT_S, a line every HEARTBEAT_S naming it (a daemon
+thread). The phases follow each other without a gap, so their seconds add up to the total. The
+launcher's part comes from launch.json's `startup` record (its start time, its data pass and whether
+that prepared the data or found it cached); without one (a run directory of `jobspec compile`) the
 clock starts at this rank's process start. The durations go to summary.json (`startup`), to the
-metric sink at the first step (`startup/<phase>_s`, `startup/to_first_step_s`) and from MLflow
-to `jobspec report`.
+metric sink at the first step (`startup/<phase>_s`, `startup/to_first_step_s`) and from MLflow to
+`jobspec report`.
 """
 from __future__ import annotations
 
@@ -47,7 +47,8 @@ class Phase:
 
 LAUNCH = Phase("launch", "launcher and runner", "starting the ranks", "start")
 PHASES = (
-    Phase("imports", "imports", "importing torch, DeepSpeed and the model code", "imported-model-code"),
+    Phase("imports", "imports", "importing torch, DeepSpeed and the model code",
+          "imported-model-code"),
     Phase("model", "model", "building the model", "model"),
     Phase("data", "data", "loading the data", "data"),
     Phase("engine", "engine", "initialising the DeepSpeed engine", "engine"),
@@ -55,7 +56,7 @@ PHASES = (
     Phase("trackers", "trackers", "opening the metric sink and trackers", "loop"),
     Phase("first_step", "first step", "running the first step", "first-step"),
 )
-RESUME_SHOWN_S = 1.0   # a launch that resumed nothing shows its resume phase only when it took this long
+RESUME_SHOWN_S = 1.0   # a launch that resumed nothing shows its resume line only past this
 
 
 def metric_names() -> list[str]:
@@ -78,17 +79,17 @@ def write_line(text: str) -> None:
 
 
 class StartupClock:
-    """The phases of one rank's start-up. `mark(name)` writes the launcher.log mark and, where the mark
+    """The phases of one rank's start-up. `mark(name)` writes the launcher.log mark and, where it
     ends a phase (PHASES), records its seconds and says its line (`say`: rank 0's; None: no line, no
     heartbeat). `record` (summary.json's `startup`) is filled in as the phases end, so a rank that
     fails before its first step still reports the phases it got through."""
 
-    def __init__(self, who: str, say: Callable[[str], None] | None, *, origin: float, rank_start: float,
-                 launcher: dict | None = None, data_how: str | None = None,
+    def __init__(self, who: str, say: Callable[[str], None] | None, *, origin: float,
+                 rank_start: float, launcher: dict | None = None, data_how: str | None = None,
                  now: Callable[[], float] = time.time, heartbeat_s: float = HEARTBEAT_S,
                  record: dict | None = None):
         self.who, self._say, self.now, self.heartbeat_s = who, say, now, heartbeat_s
-        self.origin = origin   # the command's start (the launcher's), else this rank's process start
+        self.origin = origin   # the command's start (the launcher's), else this rank's start
         self.record: dict = {} if record is None else record
         self.sink = None
         # prepared | cached (the launcher's data pass), synthetic; None: the ranks load it
@@ -104,9 +105,10 @@ class StartupClock:
             self._record(LAUNCH, rank_start - origin - self._launcher_data_s, "")
 
     @classmethod
-    def for_rank(cls, spec: JobSpec, launch: dict, record: dict, worker_started: float) -> StartupClock:
-        """This rank's clock, its first marks written (process start, the worker's start) and rank 0's
-        heartbeat running. `launch`: launch.json (its `startup` record, the launcher's part)."""
+    def for_rank(cls, spec: JobSpec, launch: dict, record: dict,
+                 worker_started: float) -> StartupClock:
+        """This rank's clock, its first marks written (process start, the worker's start) and rank
+        0's heartbeat running. `launch`: launch.json (its `startup` record, the launcher's part)."""
         from jobspec.train.progress import progress_mode
 
         who = rank_label()
@@ -115,8 +117,8 @@ class StartupClock:
         rank_start = process_start()
         origin = float(launcher["started"]) if launcher and launcher.get("started") else rank_start
         clock = cls(who, write_line if shown else None, origin=origin, rank_start=rank_start,
-                    launcher=launcher, data_how="synthetic" if spec["data"].get("synthetic") else None,
-                    record=record)
+                    launcher=launcher, record=record,
+                    data_how="synthetic" if spec["data"].get("synthetic") else None)
         launcher_log.phase(who, "start", rank_start, 0.0)
         clock.mark("worker", at=worker_started)
         clock.start_heartbeat()
@@ -153,7 +155,7 @@ class StartupClock:
             self._record(phase, seconds, detail)
 
     def first_step(self, step: int) -> None:
-        """The end of the launch's first optimizer step: the last phase, the total, the sink's metrics."""
+        """The end of the launch's first optimizer step: its phase, the total, the metrics."""
         at = self.now()
         self.mark("first-step", at=at)
         self.stop()
@@ -240,11 +242,12 @@ def model_detail(spec: JobSpec, model) -> str:
 def dtype_name(dtype) -> str:
     """`torch.bfloat16` -> `bf16`, as the spec's `memory.precision` names it."""
     text = str(dtype).removeprefix("torch.")
-    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}.get(text, text)
+    names = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
+    return names.get(text, text)
 
 
 def _first_parameters(model, count: int = 64):
-    """Up to `count` parameters, in the model's order (a quantised model's first may be packed ints)."""
+    """Up to `count` parameters in the model's order (a quantised model's first may be packed)."""
     for index, parameter in enumerate(model.parameters()):
         if index >= count:
             return

@@ -110,7 +110,8 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
     # a checkpoint of another world size: converted (rank 0) and loaded via DeepSpeed's universal format
     reshard = reshard_plan(files.spec["checkpoint"], dist.get_world_size(), control,
                            files.spec["memory"]["sequence_parallel"])
-    engine, train_ds, eval_ds, patch_notes = build_engine(replace_ds_config(files, reshard), startup)
+    engine, train_ds, eval_ds, patch_notes = build_engine(replace_ds_config(files, reshard),
+                                                          startup)
     state.parameters = lora_adapters.parameter_counts(engine.module)   # summary.json, MLflow: LoRA's share
     passed_over: list[str] = []  # corrupt checkpoints skipped on resume (reported below and as a tag)
     pending_rng = resume(engine, reshard.checkpoint_section if reshard else files.spec["checkpoint"], state,
@@ -241,7 +242,7 @@ def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, tele
 
     engine.train()
     window = Window()
-    first_step = state.step + 1  # its end is the start-up's end (train/startup.py, bench/startup.py)
+    first_step = state.step + 1  # its end is the start-up's end (train/startup.py)
     startup = startup or StartupClock.log_only()
     task = tasks.of(spec)
 
