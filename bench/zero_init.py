@@ -17,8 +17,11 @@ ranks (gloo), once per construction:
 Each construction runs in fresh processes (a process's peak RSS never goes down). A rank prints its
 RSS after the imports and the process group (the floor), its peak RSS after the build
 (`ru_maxrss`), the parameter elements it holds (from the partitions) and the build time; this
-prints the per-rank peak, the peak over the floor, and Ψ × 2 and Ψ × 4 bytes (the model whole in
-16 and in 32 bits) for comparison, Ψ counted on the model's meta-device skeleton.
+prints the per-rank peak, the peak over the floor, what the built model keeps (its tensors' bytes as
+stored), and Ψ × 2 and Ψ × 4 bytes (the model whole in 16 and in 32 bits) for comparison, Ψ
+counted on the model's meta-device skeleton. The peak includes what glibc's heap retains of freed
+temporaries (bitsandbytes' CPU quantisation makes fp32 ones per weight); `MALLOC_MMAP_THRESHOLD_=1048576`
+in the environment (the ranks inherit it) returns them to the system and separates the two.
 """
 from __future__ import annotations
 
@@ -53,6 +56,7 @@ def llama_spec(args, mode: str) -> dict:
                              "num_attention_heads": heads, "num_key_value_heads": args.kv_heads or heads,
                              "intermediate_size": args.intermediate, "vocab_size": args.vocab,
                              "max_position_embeddings": 2048, "tie_word_embeddings": args.tied}},
+        "memory": {"precision": MODES[mode][0]},   # QLoRA's compute dtype (`auto`) follows it
         "data": {"synthetic": {"num_samples": 8, "seq_len": 16, "vocab_range": [5, 1000]}},
         "training": {"max_steps": 1, "micro_batch_size": 1},
         "resources": {"gpus_per_node": args.ranks},
@@ -94,8 +98,13 @@ def child(args) -> None:
     seconds = time.perf_counter() - started
     parts = count_partitions(model)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    # what the built model keeps: its parameters and buffers as stored (a 4-bit weight packed; a
+    # ZeRO-3 parameter its partition), each tensor once
+    kept = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    kept_mib = sum((getattr(t, "ds_tensor", None) if hasattr(t, "ds_id") else t).nbytes
+                   for t in kept.values()) / 2**20
     print("RESULT " + json.dumps({"rank": int(os.environ["RANK"]), "floor_mib": floor, "peak_mib": peak,
-                                  "held": parts.held, "total": parts.total, "psi": psi,
+                                  "held": parts.held, "total": parts.total, "psi": psi, "kept_mib": kept_mib,
                                   "seconds": seconds}), flush=True)
     deepspeed.comm.barrier()
 
@@ -149,12 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         child(args)
         return 0
-    print(f"{'construction':<12} {'rank':>4} {'peak RSS MiB':>13} {'over floor MiB':>15} {'psi x 2 MiB':>12} "
-          f"{'psi x 4 MiB':>12} {'held/total':>11} {'build s':>8}")
+    print(f"{'construction':<12} {'rank':>4} {'peak RSS MiB':>13} {'over floor MiB':>15} {'kept MiB':>9} "
+          f"{'psi x 2 MiB':>12} {'psi x 4 MiB':>12} {'held/total':>11} {'build s':>8}")
     for mode in args.modes.split(","):
         for row in run_mode(mode, args):
             print(f"{mode:<12} {row['rank']:>4} {row['peak_mib']:>13.0f} {row['peak_mib'] - row['floor_mib']:>15.0f} "
-                  f"{row['psi'] * 2 / 2**20:>12.0f} {row['psi'] * 4 / 2**20:>12.0f} "
+                  f"{row['kept_mib']:>9.0f} {row['psi'] * 2 / 2**20:>12.0f} {row['psi'] * 4 / 2**20:>12.0f} "
                   f"{row['held'] / row['total']:>11.3f} {row['seconds']:>8.1f}", flush=True)
     print(f"(Ψ = {row['psi']:,} parameters; {args.ranks} CPU ranks, gloo; peak RSS = ru_maxrss; held/total "
           "counts a 4-bit weight by its stored elements)")

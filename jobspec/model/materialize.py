@@ -21,6 +21,7 @@ initialisation first, in value but not in distribution.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 # name, module -> the module to put in its place, or None to keep it
@@ -34,6 +35,10 @@ def skeleton(auto_class, config, **kwargs):
 
     with init_empty_weights(include_buffers=False):
         model = auto_class.from_config(config, **kwargs)
+    # inside, every parameter assigned was wrapped anew, so the constructor's ties (an output
+    # embedding on the input one, XLM-R's decoder bias on its head's) are not ties: made again here,
+    # so that `materialize` makes a tied tensor once
+    model.tie_weights()
     # the constructor's `init_weights` ran over meta tensors and marked every module initialised
     for module in model.modules():
         module.__dict__.pop("_is_hf_initialized", None)
@@ -46,7 +51,7 @@ def materialize(model, device, replace: Replace | None = None):
     import torch
     from transformers import initialization as init
 
-    made: dict[int, tuple[Any, Any]] = {}   # id(meta parameter) -> (it, its tensor on the device)
+    made: dict[int, tuple[Any, Any]] = {}   # id(meta parameter) -> (it, a weak reference to its real one)
     custom = bool(model.is_custom_code())
     with torch.no_grad(), init.guard_torch_init_functions():
         walk = _Walk(torch.device(device), made, replace, custom)
@@ -86,11 +91,15 @@ def _make_own_tensors(module, walk: _Walk) -> None:
     for key, param in list(module._parameters.items()):
         if param is None or not param.is_meta:
             continue
-        if id(param) not in walk.made:
+        _, earlier = walk.made.get(id(param), (None, None))
+        real = earlier() if earlier is not None else None
+        if real is None:
             real = torch.nn.Parameter(torch.empty_like(param, device=walk.device),
                                       requires_grad=param.requires_grad)
-            walk.made[id(param)] = (param, real)   # the meta parameter kept alive: its id stays unique
-        module._parameters[key] = walk.made[id(param)][1]
+            # the meta parameter kept alive (its id stays unique), the real one only weakly: a
+            # weight `replace` quantised away must be freed, not kept here
+            walk.made[id(param)] = (param, weakref.ref(real))
+        module._parameters[key] = real
     for key, buffer in list(module._buffers.items()):
         if buffer is not None and buffer.device != walk.device:
             module._buffers[key] = buffer.to(walk.device)

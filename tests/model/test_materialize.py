@@ -67,9 +67,9 @@ def test_the_draws_are_transformers_initialize_weights_in_its_order(shape):
     once: the same functions, the same order of draws."""
     auto, config = parts(shape)
     whole = skeleton(auto, config).to_empty(device="cpu")
+    whole.tie_weights()   # to_empty made the tied tensors twice
     torch.manual_seed(3)
     whole.initialize_weights()
-    whole.tie_weights()
     ours = made(shape, seed=3)
     for key, tensor in whole.state_dict().items():
         assert torch.equal(ours.state_dict()[key], tensor), key
@@ -91,6 +91,18 @@ def test_nothing_is_left_on_meta_and_ties_are_kept():
     assert model.lm_head.decoder.bias is model.lm_head.bias
     tied = made(SHAPES[2], seed=0)
     assert tied.lm_head.weight is tied.model.embed_tokens.weight
+
+
+def test_the_skeleton_is_tied_so_that_a_tied_weight_is_made_once():
+    """accelerate's meta context wraps every assigned parameter anew; the skeleton ties them again
+    (else the 16-bit head of a tied 128k vocabulary would be drawn beside the embedding, then dropped)."""
+    auto, config = parts(SHAPES[2])
+    tied = skeleton(auto, config)
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    auto, config = parts(XLMR)
+    xlmr = skeleton(auto, config)
+    assert xlmr.lm_head.decoder.weight is xlmr.roberta.embeddings.word_embeddings.weight
+    assert xlmr.lm_head.decoder.bias is xlmr.lm_head.bias
 
 
 def test_replace_sees_each_module_once_made_and_only_one_at_a_time():
