@@ -84,7 +84,7 @@ def launch(job: str, overrides: list[str], options: LaunchOptions = LaunchOption
     from jobspec.job.prepare import PLANNED, prepare_job
     from jobspec.spec.validation import load_and_validate
 
-    phases = [("start", _process_start(), 0.0)]
+    phases = [("start", launcher_log.process_start(), 0.0)]
     resolved = load_and_validate(job, overrides)
     # memory.fit: auto rewrites the spec (and its derived job) here, so everything below sees what runs;
     # every refusal of preparing it is at its field's line (a fit that finds nothing, a row count)
@@ -363,11 +363,6 @@ def closing_block(spec: JobSpec, run_dir: Path, launch: dict, outcome, end, trac
 
 def _print_lines(lines: list[str]) -> None:
     print("\n".join(lines), flush=True)
-
-
-def _process_start() -> float:
-    import psutil
-    return psutil.Process().create_time()
 
 
 def startup_record(phases: list, data_how: str | None) -> dict:

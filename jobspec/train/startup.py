@@ -68,11 +68,6 @@ def rank_label() -> str:
     return f"rank{os.environ.get('RANK', '0')}"
 
 
-def process_start() -> float:
-    import psutil
-    return psutil.Process().create_time()
-
-
 def write_line(text: str) -> None:
     sys.stdout.write(text + "\n")   # one write: the ranks share the pipe
     sys.stdout.flush()
@@ -114,7 +109,7 @@ class StartupClock:
         who = rank_label()
         shown = who == "rank0" and progress_mode() != "none"
         launcher = launch.get("startup") if isinstance(launch.get("startup"), dict) else None
-        rank_start = process_start()
+        rank_start = launcher_log.process_start()
         origin = float(launcher["started"]) if launcher and launcher.get("started") else rank_start
         clock = cls(who, write_line if shown else None, origin=origin, rank_start=rank_start,
                     launcher=launcher, record=record,
