@@ -184,17 +184,21 @@ def plan_memory(spec: JobSpec, job: DerivedJob, *, budget: int | None = None,
                          "gathered_parameters", "activations", "embeddings_activations", "logits_and_loss",
                          "zero_buffers", "dequantized_weight", "all_to_all_buffers",
                          "gradients_at_peak"), 0)
-    # the process, then the model as this rank builds it (memory/host_memory.py); offload buffers and workers below
+    # the working copy of every parameter: lp bytes each, bitsandbytes' packed weights and constants for a
+    # quantised base (model.quantization); `shrink` scales what ZeRO-3 gathers of a layer alike
+    weights = weight_bytes(inventory, lp, model["quantization"])
+    # the process, then the model as this rank builds it (memory/host_memory.py: on a GPU rank outside
+    # ZeRO-3 on the GPU); offload buffers and workers below. The GPU's own construction peak (the
+    # weights, plus one layer in 16 bits while a quantised base is made) stays below the step's.
     host = {"runtime": host_memory.RUNTIME_BYTES,
-            "construction": host_memory.construction_bytes(inventory, stage, world, lp)}
+            "construction": host_memory.construction_bytes(
+                inventory, stage, world, lp, gpu_ranks=not cpu_ranks, pretrained=bool(model["name_or_path"]),
+                quantized_weights=weights if inventory.quantized else None)}
     nvme = 0
     # the sizes compile_spec writes into zero_optimization (an explicit 0 stays 0)
     sizes = zero_bucket_sizes(spec["memory"]["zero"], job.dims.hidden_size if job.dims else None)
     bucket = sizes["reduce_bucket_size"]
     gpu["buffers"] = inventory.buffer_bytes(lp)
-    # the working copy of every parameter: lp bytes each, bitsandbytes' packed weights and constants for a
-    # quantised base (model.quantization); `shrink` scales what ZeRO-3 gathers of a layer alike
-    weights = weight_bytes(inventory, lp, model["quantization"])
     shrink = weights / (lp * psi) if psi else 1.0
     weights_part = math.ceil(weights / world) if inventory.quantized else lp * part(psi)   # ZeRO-3's share
 

@@ -74,7 +74,12 @@ def _walk(module, name: str, initialize, walk: _Walk):
     its place."""
     from transformers import PreTrainedModel
 
-    for child_name, child in list(module.named_children()):
+    seen: set[int] = set()   # a child registered twice is walked once, as `children()` yields it
+    for child_name in list(module._modules):   # names only: a replaced child is not kept alive here
+        child = module._modules[child_name]
+        if child is None or id(child) in seen:
+            continue
+        seen.add(id(child))
         own = child._initialize_weights if isinstance(child, PreTrainedModel) else initialize
         new = _walk(child, f"{name}.{child_name}" if name else child_name, own, walk)
         if new is not child:

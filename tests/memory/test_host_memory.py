@@ -29,6 +29,7 @@ from jobspec.units import GiB, MiB
 LLAMA_70B = REPO / "jobs" / "llama-70b-zero3.yaml"
 GPT2_XL = REPO / "jobs" / "gpt2-xl-12gb.yaml"
 BERT_LARGE = REPO / "jobs" / "bert-large-base.yaml"
+LLAMA_8B_QLORA = REPO / "jobs" / "llama-8b-qlora-24gb.yaml"
 
 
 def planned(job, overrides=(), **budgets):
@@ -43,14 +44,49 @@ def largest_module(inventory) -> int:
 
 @pytest.mark.parametrize("precision,lp", [("fp32", 4), ("bf16", 2)])
 @pytest.mark.parametrize("stage", [0, 1, 2])
-def test_zero_0_to_2_build_the_full_model_in_the_training_dtype(stage, precision, lp):
+def test_zero_0_to_2_cpu_ranks_build_the_full_model_in_the_training_dtype(stage, precision, lp):
     spec, derived, plan = planned(BERT_LARGE, [f"memory.zero_stage={stage}", f"memory.precision={precision}",
-                                               "resources.gpus_per_node=4"])
+                                               "resources.gpus_per_node=4"], cpu_ranks=True)
     psi = derived.profile.inventory.total
     assert plan.host["construction"] == lp * psi   # every rank, whatever the world size
-    workers = spec["data"]["num_workers"] * DATALOADER_WORKER_BYTES
-    assert plan.host_total == RUNTIME_BYTES + max(lp * psi, workers)
+    training = sum(v for k, v in plan.host.items() if k not in ("runtime", "construction"))
+    assert plan.host_total == RUNTIME_BYTES + max(lp * psi, training)
     assert plan.host_per_node == 4 * plan.host_total
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_zero_0_to_2_gpu_ranks_build_on_the_gpu_and_load_a_checkpoint_a_tensor_at_a_time(stage):
+    """A GPU rank outside ZeRO-3 creates and draws its model on the GPU: nothing of it on the host;
+    a checkpoint passes through the host one tensor at a time (the largest one in flight)."""
+    spec, derived, plan = planned(BERT_LARGE, [f"memory.zero_stage={stage}", "memory.precision=bf16",
+                                               "resources.gpus_per_node=4"])
+    assert plan.host["construction"] == 0
+    workers = spec["data"]["num_workers"] * DATALOADER_WORKER_BYTES
+    assert plan.host_total == RUNTIME_BYTES + max(0, workers + plan.host.get("data_index", 0))
+    from jobspec.memory.host_memory import construction_bytes
+    inventory = derived.profile.inventory
+    largest = max(math.prod(shape) for _, shape, _ in inventory.tensors)
+    assert construction_bytes(inventory, stage, 4, 2, gpu_ranks=True, pretrained=True) == 2 * largest
+    assert construction_bytes(inventory, stage, 4, 2, gpu_ranks=False, pretrained=True) == 2 * inventory.total
+
+
+def test_a_quantised_base_on_cpu_ranks_holds_its_packed_weights_and_one_layer_being_quantised():
+    """QLoRA's base is quantised layer by layer as it is made (model/materialize): its packed weights
+    (planner.weight_bytes) and bitsandbytes' CPU quantisation of the largest layer, never the 16-bit
+    model; on a GPU rank nothing of it on the host."""
+    from jobspec.memory.host_memory import QUANTIZE_CPU_BYTES_PER_ELEMENT
+    from jobspec.memory.planner import weight_bytes
+
+    qlora = ["resources.gpus_per_node=1"]
+    spec, derived, plan = planned(LLAMA_8B_QLORA, qlora, cpu_ranks=True)
+    inventory = derived.profile.inventory
+    assert inventory.quantized
+    weights = weight_bytes(inventory, 2, spec["model"]["quantization"])
+    largest = max(math.prod(shape) for shape in inventory.quantized_shapes())
+    assert plan.host["construction"] == weights + QUANTIZE_CPU_BYTES_PER_ELEMENT * largest
+    assert plan.host["construction"] < 2 * inventory.total   # below the model in 16 bits
+    _, _, on_gpu = planned(LLAMA_8B_QLORA, qlora)
+    assert on_gpu.host["construction"] == 0
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 8])
@@ -185,8 +221,19 @@ def test_shipped_70b_job_fits_the_gpu_and_its_node():
     assert plan.host_total < 4 * GiB and plan.host["construction"] < 3 * GiB
 
 
-def test_70b_at_zero2_does_not_fit_a_1tib_node_and_plan_names_zero3(capsys):
+def test_70b_at_zero2_is_stopped_by_its_gpus_not_by_its_host(capsys):
+    """At ZeRO-2 each GPU rank builds the whole bf16 model on its GPU (model/build): the host holds
+    none of it, the GPU cannot hold it (131.42 GiB of parameters): exit 1, the advice naming ZeRO-3."""
     code = main(["plan", str(LLAMA_70B), "--set", "memory.zero_stage=2"])
+    out, err = capsys.readouterr()
+    assert code == 1
+    assert "host: fits in 1024.00 GiB per node" in out and "does NOT fit in 80.00 GiB" in out
+    assert "memory.zero_stage: 3" in out and "Traceback" not in err
+
+
+def test_70b_offloaded_on_one_node_does_not_fit_a_1tib_node_and_plan_says_what_to_change(capsys):
+    code = main(["plan", str(LLAMA_70B), "--set", "resources.nodes=1", "--set", "memory.offload.optimizer=cpu",
+                 "--set", "memory.offload.params=cpu"])
     out, err = capsys.readouterr()
     assert code == 2
     assert "host: does NOT fit in 1024.00 GiB per node" in out
@@ -195,7 +242,7 @@ def test_70b_at_zero2_does_not_fit_a_1tib_node_and_plan_names_zero3(capsys):
     host_mem_line = LLAMA_70B.read_text().splitlines().index(
         next(text for text in LLAMA_70B.read_text().splitlines() if text.strip().startswith("host_mem:")))
     assert f":{host_mem_line + 1}:" in line
-    assert "8 ranks x 132.42 GiB" in line and "--set memory.zero_stage=3" in line
+    assert "8 ranks x " in line and "--set memory.offload.optimizer=none --set memory.offload.params=none" in line
     assert "Traceback" not in err
 
 
