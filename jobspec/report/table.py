@@ -39,6 +39,9 @@ MEMORY_METRICS = ("mem/peak_allocated_mib_max", "mem/peak_allocated_mib_rank0", 
 LOSS_METRICS = ("train/loss", "eval/loss")
 # the start-up's phases and its total to the first step (train/startup.py), logged at the first step
 STARTUP_METRICS = tuple(startup.metric_names())
+# each phase's seconds: CSV columns after the total (`startup_s`), for the runs that logged them
+STARTUP_PHASE_COLUMNS = {name.replace("/", "_"): name for name in STARTUP_METRICS
+                         if name != f"startup/{startup.TOTAL}_s"}
 TASK_METRICS = tuple(eval_metrics.key(name) for name in eval_metrics.TASK_ONLY)   # eval/accuracy, ...
 
 # (key, header, how the text formats show it)
@@ -205,10 +208,9 @@ def build_row(run_name: str, status: str, params: dict, series: dict,
         "tokens_per_s": run_rate(series, "tokens_per_s"),
         "tflops": run_rate(series, "tflops_per_device"),
         "mfu": run_rate(series, "mfu"),
-        "startup_s": series_last(series.get("startup/to_first_step_s", [])),
-        # each phase's seconds (JSON output): a resumed run's are its last launch's
-        "startup": {name[len("startup/"):]: series_last(series[name]) for name in STARTUP_METRICS
-                    if series.get(name)} or None,
+        # the last launch's (a resumed run logs one start-up per launch)
+        "startup_s": series_last(series.get(f"startup/{startup.TOTAL}_s", [])),
+        **{key: series_last(series.get(name, [])) for key, name in STARTUP_PHASE_COLUMNS.items()},
         "trainable": _number(params.get("params.trainable")),
         "parameters": _number(params.get("params.total")),
         "peak_allocated_mib": series_max(series.get("mem/peak_allocated_mib_max", [])),
@@ -396,6 +398,9 @@ def render_csv(rows: list[dict]) -> str:
     """Machine-readable: column keys as headers, raw numbers, empty cells for missing values."""
     out = io.StringIO()
     keys = [key for key, _, _ in columns(rows)]
+    phases = [key for key in STARTUP_PHASE_COLUMNS if any(row.get(key) is not None for row in rows)]
+    at = keys.index("startup_s") + 1
+    keys[at:at] = phases
     writer = csv.DictWriter(out, fieldnames=keys, lineterminator="\n")
     writer.writeheader()
     for row in rows:

@@ -205,6 +205,27 @@ def test_rows_have_the_final_losses_and_only_the_task_metric_columns_present():
     assert rows[0]["accuracy"] == "0.8125" and rows[0]["perplexity"] == "" and rows[1]["perplexity"] == "12.3456"
 
 
+def test_the_start_up_is_a_column_in_seconds_and_each_phase_a_csv_column_of_its_own():
+    # a resumed run: one start-up per launch, the last launch's shown
+    series = {"startup/to_first_step_s": [(1, 30.5), (21, 12.25)],
+              "startup/model_s": [(1, 9.0), (21, 4.5)], "startup/first_step_s": [(21, 0.25)]}
+    row = report.build_row("lm", "FINISHED", {}, series, None)
+    older = report.build_row("old", "FINISHED", {}, {}, None)   # logged before the start-up was
+    assert (row["startup_s"], row["startup_model_s"]) == (12.25, 4.5)
+    assert row["startup_first_step_s"] == 0.25
+    header, _, line, old_line = report.render_table([row, older]).splitlines()
+    assert "start-up s" in header and "startup_model" not in header
+    at = header.index("start-up s") + len("start-up s")
+    assert line[:at].endswith(" 12.2") and old_line[:at].endswith(" -")
+    csv_rows = list(csv.DictReader(io.StringIO(report.render_csv([row, older]))))
+    keys = list(csv_rows[0])
+    assert keys[keys.index("startup_s"):][:3] == \
+        ["startup_s", "startup_model_s", "startup_first_step_s"]
+    assert csv_rows[0]["startup_model_s"] == "4.5" and csv_rows[1]["startup_model_s"] == ""
+    assert "startup_s" in report.render_csv([older]).splitlines()[0]
+    assert "startup_model_s" not in report.render_csv([older]).splitlines()[0]
+
+
 def test_steady_state_and_checkpointing_labels():
     assert report.steady_state([(3, 5.0), (1, 100.0), (2, 7.0)]) == 6.0   # sorted by step, first dropped
     assert report.steady_state([(1, 4.0)]) == 4.0
@@ -341,3 +362,5 @@ def assert_startup_shown_and_recorded(terminal: str, summary: dict, uri: str, ru
             history = client.get_metric_history(run_id, f"startup/{key}")
             assert [(m.step, m.value) for m in history] == [(1, value)]
     assert float(row["startup_s"]) == startup["to_first_step_s"]
+    assert all(float(row[f"startup_{key}"]) == value for key, value in startup.items()
+               if key.endswith("_s") and key != "to_first_step_s")
