@@ -380,8 +380,13 @@ def test_launch_kill_9_of_a_rank_ends_in_a_failed_run(tmp_path, fake_runner, mon
 def test_launch_success_is_finished_and_passes_the_stop_flag(tmp_path, fake_runner, monkeypatch, capfd):
     job = write_job(tmp_path)
     use_fake_runner(monkeypatch, fake_runner, "quick")
+    before = time.time()
     assert main(["launch", str(job), "--stop-after-steps", "3"]) == 0
     run_dir = only_run_dir(tmp_path)
+    # the launcher's share of the start-up the ranks print (train/startup.py): synthetic data, no pass
+    startup = json.loads((run_dir / "launch.json").read_text())["startup"]
+    assert startup["data"] is None and 0 <= startup["data_s"] < 5
+    assert startup["started"] <= before   # this process started before the launch was called
     assert "runner up lines 3" in (run_dir / rundir.LAUNCHER_LOG).read_text()
     _, run = mlflow_run_of(run_dir)
     assert run.info.status == "FINISHED" and "jobspec.failure_reason" not in run.data.tags

@@ -243,10 +243,14 @@ def test_dry_run_says_cold_with_an_estimate_then_warm():
     cold, _ = data_prep.prepare_data(spec, build=False)
     assert len(cold) == 1 and "not tokenised yet (cold): about 300 records, " in cold[0]
     assert "MiB tokenised, preparation about" in cold[0] and "estimated from the first 200 records" in cold[0]
-    built, counts = data_prep.prepare_data(spec, build=True)
+    tokenised: list[str] = []   # the splits a pass tokenised (the launch's start-up line: prepared)
+    built, counts = data_prep.prepare_data(spec, build=True, built=tokenised)
     assert counts["data.train.records"] == 300 and counts["data.train.tokens"] > 0
+    assert tokenised == ["train"]
     warm, _ = data_prep.prepare_data(spec, build=False)
     assert warm[0].startswith("tokenised data cached (warm): data.train: 300 chat records")
+    data_prep.prepare_data(spec, build=True, built=tokenised)   # cached: read, not tokenised again
+    assert tokenised == ["train"]
 
 
 def test_prepare_builds_the_data_and_refuses_a_bad_record_past_the_launch_preflight(tmp_path, capsys):
