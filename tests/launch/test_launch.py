@@ -383,7 +383,7 @@ def test_launch_success_is_finished_and_passes_the_stop_flag(tmp_path, fake_runn
     before = time.time()
     assert main(["launch", str(job), "--stop-after-steps", "3"]) == 0
     run_dir = only_run_dir(tmp_path)
-    # the launcher's share of the start-up the ranks print (train/startup.py): synthetic data, no pass
+    # the launcher's share of the start-up the ranks print (train/startup.py): no data pass
     startup = json.loads((run_dir / "launch.json").read_text())["startup"]
     assert startup["data"] is None and 0 <= startup["data_s"] < 5
     assert startup["started"] <= before   # this process started before the launch was called
