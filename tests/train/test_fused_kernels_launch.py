@@ -3,7 +3,10 @@ references by the test hook (JOBSPEC_KERNELS_REFERENCE=1): the ranks apply the c
 `fused_kernels` patch, the fused linear cross-entropy computes the loss and jobspec's token-weighted
 loss takes it (docs/loss.md), and the run trains and evaluates to the losses of the unfused job step
 by step: on 2 data-parallel ranks, and on 2 sequence shards (the fused head takes a shard's next-token
-labels, as the tiled one does).
+labels, as the tiled one does). Under ZeRO-3 with the head tied to the input embeddings: the fused
+loss runs as the head module's forward, so ZeRO-3 gathers the weight it reads and the tied weight's
+two gradients (the head's, made in the forward, and the embeddings') are summed into one, where the
+tiled loss is refused (spec/rules/tiling.py).
 
 The job is tests/train/test_sequence_parallel_launch.py's: chat records with the loss on the answers
 (micro-batches and shards of unequal labelled tokens), accumulation 4, SGD without momentum (a loss
@@ -20,7 +23,9 @@ from jobspec.cli import main
 from jobspec.spec.rules.kernels import REFERENCE_ENV
 
 HOOK = {REFERENCE_ENV: "1"}
-DATA_PARALLEL = {"memory": {"sequence_parallel": 1}}
+TIED_ZERO3 = {"memory": {"zero_stage": 3}, "model": {"config": {"tie_word_embeddings": True}}}
+DATA_PARALLEL = deep_merge(TIED_ZERO3, {"memory": {"sequence_parallel": 1}})
+LIGER = {"model": {"kernels": "liger"}}
 
 
 def _run(root, overrides: dict, monkeypatch):
@@ -60,11 +65,10 @@ def _assert_same_training(got_dir, want_dir):
 @pytest.mark.slow   # three worker runs through the deepspeed runner, 2 CPU ranks each
 def test_the_fused_kernels_train_as_the_unfused_model_on_cpu_ranks(tmp_path, monkeypatch):
     plain_dir, _ = _run(tmp_path / "plain", DATA_PARALLEL, monkeypatch)
-    fused_dir, output = _run(tmp_path / "fused", {**DATA_PARALLEL, "model": {"kernels": "liger"}},
-                             monkeypatch)
+    fused_dir, output = _run(tmp_path / "fused", deep_merge(DATA_PARALLEL, LIGER), monkeypatch)
     assert '"name": "fused_kernels"' in (fused_dir / "patches.json").read_text()
     # the ranks' patch note (launcher.log's jobspec-log lines; here the runner's output)
     assert "fused kernels (PyTorch reference)" in output and "fused linear cross-entropy" in output
     _assert_same_training(fused_dir, plain_dir)
-    sharded_dir, _ = _run(tmp_path / "sharded", {"model": {"kernels": "liger"}}, monkeypatch)
+    sharded_dir, _ = _run(tmp_path / "sharded", deep_merge(TIED_ZERO3, LIGER), monkeypatch)
     _assert_same_training(sharded_dir, plain_dir)
