@@ -259,3 +259,21 @@ def test_the_rotary_patch_is_module_wide_and_restored():
     assert modeling_llama.apply_rotary_pos_emb is not original
     restore_rope()
     assert modeling_llama.apply_rotary_pos_emb is original
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Liger's kernels run on CUDA GPUs")
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_ligers_kernels_train_as_transformers_model_on_a_gpu(model_type):
+    """The same comparison with Liger's own Triton kernels (where a CUDA GPU and the `gpu` extra are)."""
+    pytest.importorskip("liger_kernel")
+    from jobspec.model.fused_kernels import liger_set
+
+    plain = tiny(model_type).cuda()
+    fused = copy.deepcopy(plain)
+    ids, labels = (t.cuda() for t in batch_of())
+    expected, expected_grads = loss_and_grads(plain, ids, labels)
+    apply_kernels(fused, liger_set(), fused_loss=True)
+    got, grads = loss_and_grads(fused, ids, labels)
+    assert_close(got.loss, expected.loss)
+    for name, grad in grads.items():
+        assert_close(grad, expected_grads[name])
