@@ -1,6 +1,7 @@
-"""`jobspec plan` of a `model.kernels: liger` job (memory/planner.py): the header names the kernels, a
-note says what the trace measured, and the traced rows show the difference the fused kernels make
-(less kept in the layers, the fused loss's gradients and one chunk of logits in place of the logits),
+"""`jobspec plan` of a `model.kernels: liger` job (memory/planner.py): the header names the kernels,
+a note says what the trace measured, and the traced rows show the difference the fused kernels make
+(less kept in the layers, the fused loss's gradients and one chunk of logits in place of the
+logits),
 from the trace of Liger's kernels' stand-ins (model/kernel_stand_ins.py)."""
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""`model.kernels: liger` on the model (jobspec/model/fused_kernels.py) with Liger's kernels replaced by
-their PyTorch references (model/kernel_reference.py): for every supported family the patched model's
-loss and gradients are transformers' own to fp32 rounding, every kernel runs, the fused loss is the one
-loss computed and reaches jobspec's token-weighted loss (train/token_loss) through the ranks' patch
-code path, whatever the micro-batch split."""
+"""`model.kernels: liger` on the model (jobspec/model/fused_kernels.py), Liger's kernels replaced
+by their PyTorch references (model/kernel_reference.py): for every supported family the patched
+model's loss and gradients are transformers' own to fp32 rounding, every kernel runs, the fused loss
+is the one loss computed and reaches jobspec's token-weighted loss (train/token_loss) through the
+ranks' patch code path, whatever the micro-batch split."""
 from __future__ import annotations
 
 import copy
@@ -23,12 +23,15 @@ from jobspec.model.fused_kernels import (
 )
 from jobspec.spec.rules.kernels import LIGER_FAMILIES, REFERENCE_ENV
 
-CONFIG = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-          "head_dim": 8, "intermediate_size": 64, "vocab_size": 500, "max_position_embeddings": 256,
-          "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False}
-FAMILY_CONFIG = {"gemma2": {"final_logit_softcapping": 30.0, "query_pre_attn_scalar": 8, "sliding_window": 16},
+CONFIG = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 64, "vocab_size": 500,
+          "max_position_embeddings": 256, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+          "tie_word_embeddings": False}
+FAMILY_CONFIG = {"gemma2": {"final_logit_softcapping": 30.0, "query_pre_attn_scalar": 8,
+                            "sliding_window": 16},
                  "phi3": {"partial_rotary_factor": 0.5}}
-NORMS_PER_LAYER = {"qwen3": 4, "gemma2": 4}   # Qwen3's q/k norms; Gemma 2's pre/post feed-forward norms
+# Qwen3's q/k norms; Gemma 2's pre/post feed-forward norms
+NORMS_PER_LAYER = {"qwen3": 4, "gemma2": 4}
 SCALE = 0.37   # what the engine multiplies the loss by after the forward
 SEQ = 40
 
@@ -43,7 +46,8 @@ def tiny(model_type: str, **config):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    made = AutoConfig.for_model(model_type, **{**CONFIG, **FAMILY_CONFIG.get(model_type, {}), **config})
+    made = AutoConfig.for_model(model_type,
+                                **{**CONFIG, **FAMILY_CONFIG.get(model_type, {}), **config})
     return AutoModelForCausalLM.from_config(made, attn_implementation="eager").float()
 
 
@@ -68,7 +72,8 @@ def counting(kernels: KernelSet) -> tuple[KernelSet, Counter]:
             return kernel(*args)
         return call
 
-    return kernels._replace(**{f: wrap(f, getattr(kernels, f)) for f in KernelSet._fields[1:]}), calls
+    wrapped = {f: wrap(f, getattr(kernels, f)) for f in KernelSet._fields[1:]}
+    return kernels._replace(**wrapped), calls
 
 
 def bound(seq: int = SEQ, tokens: int = 2 * SEQ) -> float:
@@ -113,10 +118,11 @@ def test_the_fused_model_trains_as_transformers_model(model_type):
     got, grads = loss_and_grads(fused, ids, labels)
     layers = CONFIG["num_hidden_layers"]
     norms = NORMS_PER_LAYER.get(model_type, 2) * layers + 1
-    # every kernel ran (the backward recomputes nothing): the norms, one MLP and rotary per layer, one loss
+    # every kernel ran (the backward recomputes nothing): the norms, a rotary and an MLP per layer,
+    # one loss
+    gated = "gelu_mul" if FAMILIES[model_type].mlp == "geglu" else "silu_mul"
     assert {k: v for k, v in calls.items() if isinstance(k, str)} == {
-        "rms_norm": norms, "silu_mul" if FAMILIES[model_type].mlp != "geglu" else "gelu_mul": layers,
-        "rope": layers, "linear_cross_entropy": 1}
+        "rms_norm": norms, gated: layers, "rope": layers, "linear_cross_entropy": 1}
     assert f"RMSNorm ({norms} modules)" in note and "fused linear cross-entropy" in note
     if model_type == "phi3":   # partial rotary: half of each head rotated
         assert calls[("rope width", 4, 8)] == layers
@@ -141,7 +147,8 @@ def test_a_wrong_kernel_is_seen():
     fused = copy.deepcopy(plain)
     ids, labels = batch_of()
     _, expected_grads = loss_and_grads(plain, ids, labels)
-    apply_kernels(fused, reference_set()._replace(rope=lambda q, k, cos, sin: (q, k)), fused_loss=True)
+    unrotated = reference_set()._replace(rope=lambda q, k, cos, sin: (q, k))
+    apply_kernels(fused, unrotated, fused_loss=True)
     _, grads = loss_and_grads(fused, ids, labels)
     name = "model.layers.0.self_attn.q_proj.weight"
     error = float((grads[name] - expected_grads[name]).abs().max())
@@ -149,8 +156,9 @@ def test_a_wrong_kernel_is_seen():
 
 
 def test_the_ranks_patch_routes_one_token_weighted_loss(monkeypatch):
-    """The ranks' path: the compiled `fused_kernels` patch (train/patches.apply_patches), the model's
-    summed loss (train/token_loss.summed_loss) back-propagated over the global batch's labelled tokens:
+    """The ranks' path: the compiled `fused_kernels` patch (train/patches.apply_patches), the
+    model's summed loss (train/token_loss.summed_loss) back-propagated over the global batch's
+    labelled tokens:
     any split of the global batch into micro-batches gives transformers' token-weighted loss and its
     gradients (the plain model through the same path), to fp32 rounding."""
     from jobspec import tasks
@@ -159,8 +167,8 @@ def test_the_ranks_patch_routes_one_token_weighted_loss(monkeypatch):
     from jobspec.train import token_loss
     from jobspec.train.patches import apply_patches
 
-    spec = fill_defaults({"model": {"architecture": "llama", "task": "causal-lm", "kernels": "liger",
-                                    "config": CONFIG}, "training": {}, "data": {}, "memory": {}})
+    model = {"architecture": "llama", "task": "causal-lm", "kernels": "liger", "config": CONFIG}
+    spec = fill_defaults({"model": model, "training": {}, "data": {}, "memory": {}})
     patches = [p for p in compile_patches(spec) if p["name"] == "fused_kernels"]
     assert patches == [{"name": "fused_kernels", "args": {"kernels": "liger", "fused_loss": True}}]
     task = tasks.get("causal-lm")
@@ -196,14 +204,17 @@ def test_without_cuda_or_the_hook_a_rank_refuses(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SpecError) as caught:
         fused_kernels(tiny("llama"), "liger", True)
-    assert caught.value.issues[0].path == ("model", "kernels") and "CUDA" in caught.value.issues[0].message
+    issue = caught.value.issues[0]
+    assert issue.path == ("model", "kernels") and "CUDA" in issue.message
 
 
 def test_a_type_validation_could_not_read_is_refused_where_the_model_is_built():
     with pytest.raises(SpecError) as caught:
-        apply_kernels(tiny("gpt2", n_layer=2, n_embd=32, n_head=4), reference_set(), fused_loss=True)
+        apply_kernels(tiny("gpt2", n_layer=2, n_embd=32, n_head=4), reference_set(),
+                      fused_loss=True)
     issue = caught.value.issues[0]
-    assert issue.path == ("model", "kernels") and "'gpt2'" in issue.message and "llama" in issue.message
+    assert issue.path == ("model", "kernels")
+    assert "'gpt2'" in issue.message and "llama" in issue.message
 
 
 def test_lora_adapters_on_the_fused_model_and_a_frozen_base_whose_head_trains():
@@ -211,16 +222,16 @@ def test_lora_adapters_on_the_fused_model_and_a_frozen_base_whose_head_trains():
     from jobspec.spec.schema import fill_defaults
 
     def lora(targets):
-        return fill_defaults({"model": {"architecture": "llama", "task": "causal-lm", "config": CONFIG,
-                                        "lora": {"r": 4, "dropout": 0.0, "target_modules": targets}},
-                              "training": {}, "data": {}, "memory": {}})
+        adapters = {"r": 4, "dropout": 0.0, "target_modules": targets}
+        model = {"architecture": "llama", "task": "causal-lm", "config": CONFIG, "lora": adapters}
+        return fill_defaults({"model": model, "training": {}, "data": {}, "memory": {}})
 
     ids, labels = batch_of()
     base = tiny("llama")
     fused = copy.deepcopy(base)
     plain = apply_lora(base, lora("all-linear"))
     expected, expected_grads = loss_and_grads(plain, ids, labels)
-    apply_kernels(fused, reference_set(), fused_loss=True)   # the compiled order: kernels, then LoRA
+    apply_kernels(fused, reference_set(), fused_loss=True)   # the compiled order: kernels, LoRA
     fused = apply_lora(fused, lora("all-linear"))
     with torch.no_grad():   # the plain model's adapters (PEFT initialises them at random)
         for (name, a), (other, b) in zip(plain.named_parameters(), fused.named_parameters()):
@@ -264,7 +275,7 @@ def test_the_rotary_patch_is_module_wide_and_restored():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Liger's kernels run on CUDA GPUs")
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
 def test_ligers_kernels_train_as_transformers_model_on_a_gpu(model_type):
-    """The same comparison with Liger's own Triton kernels (where a CUDA GPU and the `gpu` extra are)."""
+    """The same comparison with Liger's own Triton kernels (a CUDA GPU and the `gpu` extra)."""
     pytest.importorskip("liger_kernel")
     from jobspec.model.fused_kernels import liger_set
 

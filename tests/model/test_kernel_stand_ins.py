@@ -1,6 +1,7 @@
-"""The planner's stand-ins for Liger's kernels (jobspec/model/kernel_stand_ins.py) keep what the kernels
-keep: each keeps the tensors its PyTorch reference (model/kernel_reference.py, written after Liger's
-`ctx.save_for_backward`) keeps, and Liger's own Function where a CUDA GPU and liger-kernel are here.
+"""The planner's stand-ins for Liger's kernels (jobspec/model/kernel_stand_ins.py) keep what the
+kernels keep: each keeps the tensors its PyTorch reference (model/kernel_reference.py, written after
+Liger's `ctx.save_for_backward`) keeps, and Liger's own Function where a CUDA GPU and liger-kernel
+are here.
 The trace of a `model.kernels: liger` model then holds, at the turn from forward to backward, what
 transformers' modules keep less exactly what they keep more (an RMSNorm's fp32 input copy and
 normalised rows, the MLP's activation output), the fused loss's gradients and one chunk of logits in
@@ -30,9 +31,10 @@ def _inputs(dtype):
     targets = torch.randint(0, VOCAB, (TOKENS,), generator=generator)
     targets[:5] = -100
     return {
-        "rms_norm llama": ("rms_norm", (rand(2, TOKENS // 2, HIDDEN), rand(HIDDEN), 1e-6, 0.0, "llama",
-                                        True)),
-        "rms_norm gemma": ("rms_norm", (rand(TOKENS, HIDDEN), rand(HIDDEN), 1e-6, 1.0, "gemma", False)),
+        "rms_norm llama": ("rms_norm", (rand(2, TOKENS // 2, HIDDEN), rand(HIDDEN), 1e-6, 0.0,
+                                        "llama", True)),
+        "rms_norm gemma": ("rms_norm", (rand(TOKENS, HIDDEN), rand(HIDDEN), 1e-6, 1.0, "gemma",
+                                        False)),
         "silu_mul": ("silu_mul", (rand(TOKENS, INTER), rand(TOKENS, INTER))),
         "gelu_mul": ("gelu_mul", (rand(TOKENS, INTER), rand(TOKENS, INTER))),
         "rope": ("rope", (q, k, angles.cos(), angles.sin())),
@@ -44,8 +46,8 @@ def _inputs(dtype):
 
 
 def kept(module, name, args) -> list:
-    """(elements, dtype) of each tensor the call's backward keeps, and of each gradient it gives (the
-    shapes may differ: Liger keeps its rows flattened)."""
+    """(elements, dtype) of each tensor the call's backward keeps, and of each gradient it gives
+    (the shapes may differ: Liger keeps its rows flattened)."""
     outputs = getattr(module, name)(*args)
     first = outputs[0] if isinstance(outputs, tuple) else outputs
     saved = [None if t is None else (t.numel(), t.dtype) for t in first.grad_fn.saved_tensors]
@@ -68,20 +70,27 @@ def test_each_reference_keeps_what_ligers_kernel_keeps():
 
     liger = liger_set()
     for label, (name, args) in _inputs(torch.bfloat16).items():
-        on_gpu = tuple(a.detach().cuda().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor)
-                       and a.is_floating_point() else a.cuda() if isinstance(a, torch.Tensor) else a
-                       for a in args)
+        on_gpu = tuple(_on_gpu(a) for a in args)
         assert kept(liger, name, on_gpu) == kept(reference, name, on_gpu), label
+
+
+def _on_gpu(value):
+    if not isinstance(value, torch.Tensor):
+        return value
+    moved = value.detach().cuda()
+    return moved.requires_grad_(value.requires_grad) if value.is_floating_point() else moved
 
 
 def _spec(kernels: str):
     from jobspec.spec.schema import fill_defaults
 
-    config = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "intermediate_size": 176, "vocab_size": 4000, "max_position_embeddings": 1024}
-    return fill_defaults({"model": {"architecture": "llama", "task": "causal-lm", "attention": "sdpa",
-                                    "config": config, "kernels": kernels},
-                          "training": {"micro_batch_size": 1}, "data": {}, "memory": {"precision": "bf16"}})
+    config = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "intermediate_size": 176, "vocab_size": 4000,
+              "max_position_embeddings": 1024}
+    model = {"architecture": "llama", "task": "causal-lm", "attention": "sdpa", "config": config,
+             "kernels": kernels}
+    return fill_defaults({"model": model, "training": {"micro_batch_size": 1}, "data": {},
+                          "memory": {"precision": "bf16"}})
 
 
 def test_the_trace_holds_what_the_kernels_keep():
@@ -100,7 +109,8 @@ def test_the_trace_holds_what_the_kernels_keep():
     # transformers keeps per RMSNorm an fp32 copy of its input and the normalised rows where Liger
     # keeps the input (4 bytes a value more in bf16), per MLP the activation's output (2 bytes)
     norm_more, mlp_more = 4 * seq * hidden, 2 * seq * inter
-    assert unfused["layers"] - turn["layers"] == config["num_hidden_layers"] * (2 * norm_more + mlp_more)
+    layers = config["num_hidden_layers"]
+    assert unfused["layers"] - turn["layers"] == layers * (2 * norm_more + mlp_more)
     assert unfused["embeddings"] - turn["embeddings"] == norm_more   # the final norm
     # the fused loss holds the head weight's and the hidden states' gradients, the per-token losses
     # and one chunk of logits, beside the shifted int64 labels; transformers' the logits, their fp32

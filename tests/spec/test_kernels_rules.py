@@ -1,6 +1,7 @@
-"""`model.kernels: liger`'s rules (jobspec/spec/rules/kernels.py): a model type Liger's kernels are not
-mapped for, a host without a CUDA GPU, liger-kernel not installed and a tiled loss beside the fused
-one are each refused at the field to change (file:line:col, exit 2), with the supported list or the fix;
+"""`model.kernels: liger`'s rules (jobspec/spec/rules/kernels.py): a model type Liger's kernels are
+not mapped for, a host without a CUDA GPU, liger-kernel not installed and a tiled loss beside the
+fused one are each refused at the field to change (file:line:col, exit 2), with the supported list
+or the fix;
 the fit search and the plan's advice never propose the refused tiled loss."""
 from __future__ import annotations
 
@@ -96,7 +97,8 @@ def test_a_local_checkpoints_model_type_is_read_from_its_config(tmp_path, capsys
     (checkpoint / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
     job = write(tmp_path, model={"name_or_path": "ckpt", "task": "causal-lm", "kernels": "liger"})
     assert codes(errors(capsys, job)).get("model.kernels") == ["kernels-model"]
-    (checkpoint / "config.json").write_text(json.dumps({"model_type": "qwen2", "num_hidden_layers": 2}))
+    qwen2 = {"model_type": "qwen2", "num_hidden_layers": 2}
+    (checkpoint / "config.json").write_text(json.dumps(qwen2))
     assert "model.kernels" not in errors(capsys, job)
 
 
@@ -110,7 +112,8 @@ def test_a_host_without_a_cuda_gpu_is_refused(tmp_path, capsys, gpu_host, monkey
     assert "CUDA" in found["model.kernels"][0]["message"]
     # the message's position in the text output: file:line:col
     assert main(["validate", job]) == 2
-    assert f"{job}:4:12: model.kernels: Liger's kernels are Triton programs" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"{job}:4:12: model.kernels: Liger's kernels are Triton programs" in err
     # the test hook runs the PyTorch references: a CPU host accepts the job
     monkeypatch.setenv(rules.REFERENCE_ENV, "1")
     assert errors(capsys, job) == {}
@@ -141,8 +144,8 @@ def test_the_fit_search_and_the_advice_leave_the_tiled_loss_out():
     from jobspec.spec.schema import fill_defaults
 
     def spec(kernels):
-        return fill_defaults({"model": {**TINY_LLAMA, "kernels": kernels}, "training": {}, "data": {},
-                              "memory": {}})
+        model = {**TINY_LLAMA, "kernels": kernels}
+        return fill_defaults({"model": model, "training": {}, "data": {}, "memory": {}})
 
     plain, fused = technique_levels(spec("none")), technique_levels(spec("liger"))
     assert plain == [TECHNIQUES[:n] for n in range(len(TECHNIQUES) + 1)]
