@@ -150,6 +150,10 @@ def apply_kernels(model, kernels: KernelSet, *, fused_loss: bool) -> str:
     own = [m for m in model.modules() if type(m).__module__ == modeling.__name__]
     norms = [m for m in own if type(m).__name__.endswith("RMSNorm")]
     mlps = [m for m in own if type(m).__name__.endswith("MLP")]
+    if not norms or not mlps:   # a model of the type built from other code (trust_remote_code)
+        raise spec_error(f"model.kernels: liger patches transformers' {model_type} modules, and "
+                         "this model lacks its RMSNorm or MLP modules", path=FIELD,
+                         hint="set `model.kernels: none` for this model")
     for module, forward in [(n, _rms_norm_forward) for n in norms] + \
             [(m, _MLP_FORWARDS[family.mlp]) for m in mlps]:
         # a method bound to its module, the kernels on the module: a deep copy keeps both
