@@ -18,6 +18,7 @@ from jobspec.compile.launch_plan import DEFAULT_MASTER_PORT, LaunchPlan
 from jobspec.errors import spec_error
 from jobspec.spec.derived import DerivedJob, zero_bucket_sizes
 from jobspec.spec.model_dims import ModelDims
+from jobspec.spec.rules import kernels as kernel_rules
 from jobspec.spec.types import (
     JobSpec,
     JobSpecMemory,
@@ -242,6 +243,9 @@ def compile_patches(spec: JobSpec) -> list[dict]:
         patches.append({"name": "tf32", "args": {"enabled": True}})
     if model["freeze"]:
         patches.append({"name": "freeze", "args": {"patterns": list(model["freeze"])}})
+    if model["kernels"] != "none":   # before the patches that wrap the layers' modules (tiled MLP)
+        patches.append({"name": "fused_kernels", "args": {
+            "kernels": model["kernels"], "fused_loss": kernel_rules.fused_loss(spec)}})
     checkpointing = memory["activation_checkpointing"]
     if checkpointing:
         every, reentrant = ((checkpointing["every_n_layers"], checkpointing["use_reentrant"])
@@ -385,6 +389,9 @@ def patch_text(patch: dict) -> str:
         return "tiled loss " + (f"({tiles} tiles)" if tiles else "(tiles of at most 1 GiB of logits)")
     if name == "tiled_mlp":
         return "tiled MLP"
+    if name == "fused_kernels":
+        return (f"{args.get('kernels')} kernels (RMSNorm, gated MLP, rotary"
+                + (", fused linear cross-entropy)" if args.get("fused_loss") else ")"))
     if name == "activation_offload":
         return "checkpointed inputs offloaded to pinned host memory"
     return str(name)

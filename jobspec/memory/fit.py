@@ -27,6 +27,7 @@ from jobspec.memory.gpu_overheads import ContextFigure
 from jobspec.memory.planner import MemoryPlan, plan_memory
 from jobspec.optimizers.base import DEEPSPEED_CPU_ADAM
 from jobspec.spec.derived import DerivedJob
+from jobspec.spec.rules import kernels as kernel_rules
 from jobspec.spec.rules import tiling as tiling_rules
 from jobspec.spec.schema import filled_spec
 from jobspec.spec.types import JobSpec
@@ -206,6 +207,9 @@ def technique_levels(spec: JobSpec) -> list[tuple]:
     on = {"memory.tiled_loss": bool(memory["tiled_loss"]), "memory.tiled_mlp": bool(memory["tiled_mlp"]),
           "offload": isinstance(ckpt, dict) and ckpt["offload"] == "cpu"}
     levels = [TECHNIQUES[:n] for n in range(len(TECHNIQUES) + 1)]
+    if kernel_rules.fused_loss(spec):   # Liger's fused loss computes it: no tiled loss beside it
+        levels = [tuple(t for t in level if t != "memory.tiled_loss")
+                  for level in levels[:1] + levels[2:]]
     return [level for level in levels if all(t in level for t, v in on.items() if v)]
 
 

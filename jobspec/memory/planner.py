@@ -23,6 +23,7 @@ from jobspec.memory.gpu_overheads import ContextFigure, cuda_context
 from jobspec.memory.ulysses_buffers import all_to_all_bytes
 from jobspec.spec.derived import PRECISION_BYTES, DerivedJob, zero_bucket_sizes
 from jobspec.spec.model_profile import Inventory
+from jobspec.spec.rules.kernels import fused_loss
 from jobspec.spec.types import (
     JobSpec,
     JobSpecMemory,
@@ -277,6 +278,8 @@ def plan_memory(spec: JobSpec, job: DerivedJob, *, budget: int | None = None,
         gpu["dequantized_weight"] = compute * max(math.prod(s) for s in inventory.quantized_shapes())
         notes.append(f"{sum(math.prod(s) for s in inventory.quantized_shapes()) / 1e6:.1f}M base weights in "
                      f"{quant['bits']}-bit with their quantisation constants")
+    if model["kernels"] != "none":
+        notes.append(kernels_note(spec))
     # memory.sequence_parallel: the trace is one rank's shard (spec/derived); Ulysses' exchange comes on top
     gpu["all_to_all_buffers"] = all_to_all_bytes(job)
     forward_backward = trace.peak + gpu["dequantized_weight"] + gpu["all_to_all_buffers"]
@@ -304,6 +307,7 @@ def plan_memory(spec: JobSpec, job: DerivedJob, *, budget: int | None = None,
                 "layers": inventory.num_layers, "offload_optimizer": offload_opt, "offload_params": offload_params,
                 "attention": model["attention"], "trace": profile.method,
                 "tiled_loss": _tiled_loss_text(memory["tiled_loss"]), "tiled_mlp": bool(memory["tiled_mlp"]),
+                "kernels": model["kernels"],
                 "sequence_parallel": job.sequence_parallel,
                 "allocator": "expandable segments" if expandable_segments else "caching (no expandable segments)",
                 "cuda_context": f"{fmt_mib_gib(figure.bytes)}, {figure.source}",
@@ -331,6 +335,17 @@ def offloaded_activation_bytes(spec: JobSpec, job: DerivedJob) -> int:
     tokens = job.micro_batch_size * math.ceil(job.seq_len / getattr(job, "sequence_parallel", 1))
     buffers = max(0, job.checkpointed_layers - OFFLOAD_KEPT)
     return buffers * host_memory.pinned_bytes(tokens * hidden * job.precision_bytes)
+
+
+def kernels_note(spec: JobSpec) -> str:
+    """What the trace of a `model.kernels: liger` job measured (model/kernel_stand_ins.py)."""
+    text = ("model.kernels: liger: the activations are what Liger's kernels keep (each RMSNorm its "
+            "input and an fp32 rstd per row, each MLP its two projections' outputs, not the "
+            "activation's)")
+    if fused_loss(spec):
+        text += ("; the head's row is its fused linear cross-entropy: the hidden states' and the "
+                 "head weight's gradients made in the forward, a chunk of tokens' logits at a time")
+    return text
 
 
 def _tiled_loss_text(setting: bool | JobSpecMemoryTiledLoss) -> str:
@@ -442,7 +457,8 @@ def render_plan(plan: MemoryPlan, title: str = "", advice: str | None = None) ->
                  f"x seq {s['seq_len']}, optimizer {s['optimizer']}, checkpointing {ckpt}, "
                  f"attention {s['attention']}, offload optimizer={s['offload_optimizer']} "
                  f"params={s['offload_params']}, tiled loss {s['tiled_loss']}, tiled MLP "
-                 f"{'on' if s['tiled_mlp'] else 'off'}")
+                 f"{'on' if s['tiled_mlp'] else 'off'}"
+                 + (f", kernels {s['kernels']}" if s.get("kernels", "none") != "none" else ""))
     rows = [(label, plan.breakdown[key]) for key, label in ROWS if plan.breakdown[key]]
     totals = [("peak allocated", plan.peak_allocated), (f"peak reserved ({s['allocator']})", plan.peak_reserved),
               (f"GPU total incl. CUDA context ({s['cuda_context'].split(',')[0]})", plan.nvml_total)]

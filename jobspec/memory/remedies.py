@@ -16,6 +16,7 @@ from jobspec import optimizers
 from jobspec.memory.fit import to_overrides
 from jobspec.memory.planner import ROWS, MemoryPlan
 from jobspec.optimizers.base import DEEPSPEED_CPU_ADAM
+from jobspec.spec.rules import kernels as kernel_rules
 from jobspec.spec.rules import tiling as tiling_rules
 from jobspec.spec.types import JobSpec
 from jobspec.units import fmt_mib_gib
@@ -40,7 +41,8 @@ def _causal(spec: JobSpec, plan: MemoryPlan) -> bool:
 def _tiled_loss(spec: JobSpec, plan: MemoryPlan) -> bool:
     stage = plan.settings["zero_stage"]
     return _causal(spec, plan) and not spec["memory"]["tiled_loss"] and not (
-        stage >= 1 and tiling_rules.trains_tied_head(spec["model"]))
+        stage >= 1 and tiling_rules.trains_tied_head(spec["model"])) and not (
+        kernel_rules.fused_loss(spec))   # Liger's fused loss computes it: no tiled loss beside it
 
 
 def _some_layers_kept(spec: JobSpec, plan: MemoryPlan) -> bool:

@@ -277,6 +277,7 @@ class ModelTracer:
         model.train()
         setting = f"{precision}, micro-batch {micro_batch}, seq {seq_len}"
         try:
+            self._fuse(model)   # as on the ranks: before the patches that wrap the layers' modules
             if types is not None:
                 chosen = [i for i, (_, ckpt) in enumerate(types) if ckpt]
                 if chosen:
@@ -304,6 +305,21 @@ class ModelTracer:
             raise spec_error(f"the planner's trace failed at {setting}: {kind}: {first_line(err)}",
                              path=("model",), hint="check model.config and model.attention; "
                              "`jobspec launch` still runs the job unplanned") from None
+        finally:
+            if self.spec["model"].get("kernels", "none") != "none":
+                from jobspec.model.fused_kernels import restore_rope
+
+                restore_rope()   # patched module-wide: the next trace may be unfused
+
+    def _fuse(self, model) -> None:
+        """`model.kernels`' fused modules, Liger's kernels stood in by what they allocate and keep
+        for the backward (model/kernel_stand_ins.py)."""
+        if self.spec["model"].get("kernels", "none") == "none":
+            return
+        from jobspec.model.fused_kernels import apply_kernels, stand_in_set
+        from jobspec.spec.rules.kernels import fused_loss
+
+        apply_kernels(model, stand_in_set(), fused_loss=fused_loss(self.spec))
 
     def _model_type(self) -> str:
         return str(self.spec["model"].get("architecture") or getattr(self._config, "model_type", "?"))
@@ -382,6 +398,8 @@ def model_key(spec: JobSpec) -> str:
     model = spec["model"]
     fields = {k: model.get(k) for k in ("name_or_path", "architecture", "config", "revision", "task", "num_labels",
                                         "attention", "trust_remote_code", "freeze", "lora", "quantization")}
+    if model.get("kernels", "none") != "none":   # unfused: the keys traced before the field existed
+        fields["kernels"] = model["kernels"]
     # the one data fact a trace depends on: whether the model gets a padding mask (model/padding_mask.py)
     fields["attention_mask"] = mask_of(spec)
     name_or_path = model["name_or_path"]

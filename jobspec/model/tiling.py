@@ -46,19 +46,41 @@ def default_tiles(tokens: int, vocab: int, tile_bytes: int = TILE_BYTES) -> int:
 def tiled_loss(model, tiles: int | None = None, tile_bytes: int = TILE_BYTES) -> str:
     """Patch a causal LM so training and evaluation compute the head and the loss over sequence tiles
     (`tiles`, else as many as keep one tile within `tile_bytes`); a forward without labels is untouched."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    config = model.config
+    softcap = getattr(config, "final_logit_softcapping", None)
+    vocab = int(getattr(config, "vocab_size", 0)
+                or (head.weight.shape[0] if head is not None else 0))
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    weight = getattr(embeddings, "weight", None)
+    tied = embeddings is not None and weight is getattr(head, "weight", False)
+
+    def head_loss(head, hidden, targets):
+        return tiled_cross_entropy(head, hidden, targets, tiles=tiles, vocab=vocab, softcap=softcap,
+                                   tile_bytes=tile_bytes, tied=tied)
+
+    replace_head_loss(model, head_loss, path=("memory", "tiled_loss"),
+                      hint="turn memory.tiled_loss off for this model")
+    how = f"{tiles} tiles" if tiles else f"tiles of at most {tile_bytes / 1024 ** 3:g} GiB of logits"
+    return ("tiled loss: the head and the cross-entropy over sequence tiles "
+            f"({how}; DeepSpeed SequenceTiledCompute)")
+
+
+def replace_head_loss(model, head_loss, *, path: tuple, hint: str) -> None:
+    """Patch a causal LM's forward with labels: its base model, then `head_loss(head, hidden,
+    targets)` -> (the labelled positions' summed loss in fp32, their count), for the tiled loss and
+    Liger's fused linear cross-entropy (model/fused_kernels.py) alike. The output carries the mean
+    as `loss`, the sum and count as `loss_sum` and `loss_tokens`, which jobspec's token-weighted
+    loss takes (train/token_loss.summed_loss); transformers' own loss is never computed. `path`,
+    `hint`: where a model without a base model and an output projection is refused."""
     import functools
 
     base = getattr(model, "base_model", None)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if base is None or base is model or head is None:
-        raise spec_error(f"{type(model).__name__} has no base model and output projection to tile",
-                         path=("memory", "tiled_loss"), hint="turn memory.tiled_loss off for this model")
-    config = model.config
-    softcap = getattr(config, "final_logit_softcapping", None)
-    vocab = int(getattr(config, "vocab_size", 0) or head.weight.shape[0])
+        raise spec_error(f"{type(model).__name__} has no base model and output projection to "
+                         "compute the loss from", path=path, hint=hint)
     untiled = model.forward
-    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    tied = embeddings is not None and getattr(embeddings, "weight", None) is getattr(head, "weight", False)
 
     @functools.wraps(untiled)
     def forward(input_ids=None, attention_mask=None, labels=None, shift_labels=None, **kwargs):
@@ -73,13 +95,11 @@ def tiled_loss(model, tiles: int | None = None, tile_bytes: int = TILE_BYTES) ->
         outputs = base(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         hidden = outputs[0]
         targets = shift_labels if labels is None else next_token_labels(labels)
-        loss_sum, count = tiled_cross_entropy(head, hidden, targets, tiles=tiles, vocab=vocab,
-                                              softcap=softcap, tile_bytes=tile_bytes, tied=tied)
+        # the head as the model has it now: LoRA on the output projection wraps it after this patch
+        loss_sum, count = head_loss(model.get_output_embeddings(), hidden, targets)
         return TiledLossOutput(loss=loss_sum / count.to(loss_sum.dtype), loss_sum=loss_sum, loss_tokens=count)
 
     model.forward = forward
-    how = f"{tiles} tiles" if tiles else f"tiles of at most {tile_bytes / 1024 ** 3:g} GiB of logits"
-    return f"tiled loss: the head and the cross-entropy over sequence tiles ({how}; DeepSpeed SequenceTiledCompute)"
 
 
 def next_token_labels(labels):
@@ -205,7 +225,8 @@ def _output_class():
 
     @dataclass
     class TiledLossOutput(CausalLMOutputWithPast):
-        """A causal LM's output without logits: the mean loss, and its sum and labelled-token count."""
+        """A causal LM's output without logits (a tiled or fused loss): the mean loss, and its sum
+        and labelled-token count."""
 
         loss_sum: torch.Tensor | None = None
         loss_tokens: torch.Tensor | None = None

@@ -39,6 +39,7 @@ class JobSpecModel(TypedDict):
     task: Literal["sequence-classification", "token-classification", "masked-lm", "causal-lm"]
     num_labels: int
     attention: Literal["sdpa", "eager", "flash_attention_2"]
+    kernels: Literal["none", "liger"]
     trust_remote_code: bool
     freeze: list[str]
     lora: JobSpecModelLora | None

@@ -36,6 +36,7 @@ from jobspec.spec.rules import (
     data,
     data_sources,
     generation,
+    kernels,
     lora,
     model_type,
     offload,
@@ -330,6 +331,7 @@ CROSS_FIELD_RULES: tuple[Rule, ...] = (
     precision.auto_cast_issues,
     generation.eval_generate_issues,         # training.eval_generate: causal-lm, prompts, room
     tiling.tiled_loss_issues,                # memory.tiled_loss: causal-lm only
+    kernels.kernels_issues,                  # model.kernels: liger: model type, CUDA GPU, package
     export_rules.export_issues,
     tracking.system_metrics_issues,
     tracking.tracking_uri_issues,

@@ -20,6 +20,7 @@ Patch arguments, as the compiler writes them:
     tiled_loss              {tiles}  (null: as many as keep one tile's logits within model/tiling.TILE_BYTES)
     tiled_mlp               {}
     activation_offload      {every_n_layers}
+    fused_kernels           {kernels, fused_loss}  (`model.kernels`: model/fused_kernels)
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from typing import Callable
 from jobspec import optimizers
 from jobspec.errors import spec_error
 from jobspec.model.activation_offload import offload_checkpoints
+from jobspec.model.fused_kernels import fused_kernels
 from jobspec.model.structure import attention_implementation, freeze, gradient_checkpointing
 from jobspec.model.tiling import tiled_loss, tiled_mlp
 from jobspec.spec.types import JobSpecTrainingOptimizer
@@ -67,6 +69,7 @@ PATCHES: dict[str, Callable] = {
     "tiled_loss": tiled_loss,
     "tiled_mlp": tiled_mlp,
     "activation_offload": offload_checkpoints,
+    "fused_kernels": fused_kernels,
 }
 
 

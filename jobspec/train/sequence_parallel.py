@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jobspec.errors import spec_error
+from jobspec.spec.rules import kernels as kernel_rules
 from jobspec.spec.rules import sequence_parallel as rules
 from jobspec.spec.types import JobSpec
 
@@ -57,7 +58,9 @@ class SequenceParallel:
     data_rank: int         # the group's index: the sampler's rank
     data_world: int        # world / N: the sampler's world
     mpu: Any               # deepspeed.runtime.sequence_parallel.parallel_state_sp, for deepspeed.initialize
-    tiled_loss: bool = False   # memory.tiled_loss: the model takes the shard's labels (`shift_labels`)
+    # the model takes the shard's labels (`shift_labels`): memory.tiled_loss, or Liger's fused loss
+    # (model.kernels: liger), computed from the hidden states (model/tiling.replace_head_loss)
+    tiled_loss: bool = False
 
     def averaged_over(self, engine) -> int:
         """The ranks DeepSpeed divides the summed gradients by (what the token loss's scale undoes): the
@@ -96,7 +99,7 @@ class SequenceParallel:
         chunk = (length + pad) // self.size
         part = slice(self.rank * chunk, (self.rank + 1) * chunk)
         inputs = {"input_ids": ids[:, part].contiguous(), "position_ids": positions[:, part].contiguous()}
-        if self.tiled_loss:   # the tiled head computes the shard's summed loss itself (model/tiling.py)
+        if self.tiled_loss:   # the tiled or fused head sums the shard's loss (model/tiling.py)
             inputs["shift_labels"] = next_labels[:, part].contiguous()
         return inputs, next_labels[:, part].contiguous()
 
@@ -135,7 +138,8 @@ def setup(model, spec: JobSpec, micro_batch_size: int) -> SequenceParallel | Non
     world = dist.get_world_size()
     sp = SequenceParallel(size=size, rank=mpu.get_sequence_parallel_rank(), group=mpu.get_sequence_parallel_group(),
                           data_rank=dist.get_rank() // size, data_world=world // size, mpu=mpu,
-                          tiled_loss=bool(spec["memory"]["tiled_loss"]))
+                          tiled_loss=bool(spec["memory"]["tiled_loss"])
+                          or kernel_rules.fused_loss(spec))
     _ACTIVE[0] = sp
     return sp
 

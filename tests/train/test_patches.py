@@ -45,9 +45,10 @@ def tiny_batch(seed: int = 1) -> dict:
 def test_registry_names_are_the_compilers():
     assert set(PATCHES) == {"attention_implementation", "gradient_checkpointing", "tf32", "freeze",
                             "parameter_groups", "lora", "torch_compile", "tiled_loss", "tiled_mlp",
-                            "activation_offload"}
+                            "activation_offload", "fused_kernels"}
     # and exactly what the compiler emits with every technique on (the optimizer is no patch)
-    spec = fill_defaults({"model": {"architecture": "bert", "freeze": ["embeddings.*"], "compile": True, "lora": {}},
+    spec = fill_defaults({"model": {"architecture": "bert", "freeze": ["embeddings.*"], "compile": True, "lora": {},
+                                    "kernels": "liger"},
                           "memory": {"tf32": True, "tiled_mlp": True, "tiled_loss": True,
                                      "activation_checkpointing": {"offload": "cpu"}},
                           "training": {"optimizer": {"name": "adafactor", "weight_decay": 0.1}}})
