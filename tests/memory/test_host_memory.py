@@ -186,12 +186,14 @@ def test_offload_terms_match_deepspeeds_host_tensors(stage):
 
 
 def test_zero3_parameter_offload_keeps_the_partition_on_the_host():
-    _, derived, plan = planned(BERT_LARGE, ["memory.zero_stage=3", "memory.precision=bf16", "memory.offload.optimizer=cpu",
-                                            "memory.offload.params=cpu", "resources.gpus_per_node=2"])
+    _, derived, plan = planned(BERT_LARGE, ["memory.zero_stage=3", "memory.precision=bf16",
+                                            "memory.offload.optimizer=cpu", "memory.offload.params=cpu",
+                                            "resources.gpus_per_node=2"])
     assert plan.host["offloaded_parameters"] == 2 * math.ceil(derived.profile.inventory.total / 2)
     # DeepSpeed pins the flat parameter partition even without offload.pin_memory
-    _, _, unpinned = planned(BERT_LARGE, ["memory.zero_stage=3", "memory.precision=bf16", "memory.offload.optimizer=cpu",
-                                          "memory.offload.params=cpu", "resources.gpus_per_node=2",
+    _, _, unpinned = planned(BERT_LARGE, ["memory.zero_stage=3", "memory.precision=bf16",
+                                          "memory.offload.optimizer=cpu", "memory.offload.params=cpu",
+                                          "resources.gpus_per_node=2",
                                           "memory.offload.pin_memory=false"])
     part = unpinned.host["offloaded_parameters"]
     assert unpinned.host["pinned_rounding"] == (1 << (part - 1).bit_length()) - part > 0
