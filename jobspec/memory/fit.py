@@ -132,6 +132,8 @@ def _what_else(spec: JobSpec) -> str:
         options = ["more GPUs (ZeRO 1-2 divide the adapters' states by the world size)"]
     else:
         options = ["more GPUs (ZeRO-3 divides the model states by the world size)"]
+    if spec["model"]["compile"]:
+        options.append("`model.compile: false` (ZeRO-3, the tiled MLP and offloaded inputs are refused with it)")
     if spec["model"]["task"] == "causal-lm":
         options.append("a shorter sequence (`jobspec plan --longest` finds the longest that fits)")
     if not spec["memory"]["offload"]["nvme_path"]:
@@ -187,6 +189,8 @@ def candidate_changes(spec: JobSpec, job: DerivedJob, bf16_supported: bool) -> I
                 wanted["memory.activation_checkpointing"] = {"every_n_layers": 1, "offload": "cpu"}
             else:
                 wanted[technique] = True
+        if spec["model"]["compile"] and (stage == 3 or "memory.tiled_mlp" in level or "offload" in level):
+            continue   # validation refuses these under regional compilation (spec/rules/model_compile.py)
         if (wanted.get("memory.tiled_loss") or spec["memory"]["tiled_loss"]) and stage >= 1 \
                 and tiling_rules.trains_tied_head(spec["model"]):
             continue   # validation refuses a tied head's tiled loss under ZeRO 1-3
