@@ -33,7 +33,7 @@ def regional_compile(model, **compile_kwargs):
     import torch
 
     config = getattr(model, "config", None)
-    if hasattr(config, "use_cache"):
+    if config is not None and hasattr(config, "use_cache"):
         config.use_cache = False
     layers = find_layer_stack(model)
     CompileClock.started().watch()
@@ -119,7 +119,8 @@ class CompileClock:
         launcher_log.note(self.note())
 
     def note(self) -> str:
-        lazy = f", {self.lazy_backward} of them a backward graph at its first backward" if self.lazy_backward else ""
-        return (f"torch.compile: {self.compilations} compilation{'s' if self.compilations != 1 else ''}{lazy} "
-                f"took {self.seconds:.1f} s, inside the first step (torch compiles lazily: that step's time "
-                "includes it)")
+        lazy = (f" ({self.lazy_backward} of them backward graphs compiled at their first backward)"
+                if self.lazy_backward else "")
+        return (f"torch.compile: {self.seconds:.1f} s for {self.compilations} "
+                f"compilation{'s' if self.compilations != 1 else ''}{lazy}, inside the first step (torch compiles "
+                "lazily: that step's time includes it)")

@@ -115,7 +115,7 @@ def test_the_compile_time_is_reported_once_after_the_first_optimizer_step(tmp_pa
     phase, note = lines
     assert phase.startswith("jobspec-log: phase rank1 compiled ")
     assert float(phase.split()[4]) == pytest.approx(clock.last_end)
-    assert note == f"jobspec-log: {clock.note()}" and f"took {clock.seconds:.1f} s" in note
+    assert note == f"jobspec-log: {clock.note()}" and f"torch.compile: {clock.seconds:.1f} s for " in note
     assert "inside the first step" in note
     losses(model, steps=2)   # later steps say nothing more
     assert capsys.readouterr().out == ""
