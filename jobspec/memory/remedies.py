@@ -125,7 +125,7 @@ REMEDIES: dict[str, tuple[Remedy, ...]] = {
     "step_gradients": (_ZERO, _OFFLOAD_OPTIMIZER),
     "gradients": (Remedy("memory.zero_stage: 2 over more GPUs (gradients partitioned)", _zero_up_to(2)),),
     "parameters": (Remedy("memory.zero_stage: 3 over more GPUs",
-                          lambda spec, plan: _not_quantized(spec, plan) and _zero_up_to(3)(spec, plan)),
+                          lambda spec, plan: _highest_zero(spec) == 3 and _zero_up_to(3)(spec, plan)),
                    Remedy("model.quantization with model.lora (QLoRA: a 4-bit base)", _quantizable)),
     "gathered_parameters": (Remedy("a smaller memory.zero.stage3_prefetch_bucket_size", _always),),
     "zero_buffers": (Remedy("a smaller memory.zero.reduce_bucket_size", _always),),
