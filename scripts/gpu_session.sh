@@ -4,6 +4,7 @@
 #
 #   scripts/gpu_session.sh [STEP...]     # steps: probe qlora packing zero3 suite (default: all, in order)
 #   scripts/gpu_session.sh probe calibrate  # the planner's calibration (6 min: a session of its own)
+#   scripts/gpu_session.sh probe throughput # tokens/s, MFU, model.compile on and off (6 min, alone)
 #
 # Installs the carried wheels (only what the image lacks: pip resolves against what is there), then
 # runs each step under its own time limit, writing its output to $OUT/<step>.txt (or /tmp/gpu-out).
@@ -42,6 +43,10 @@ for s in "${steps[@]}"; do
     # no job starts after 330 s; the file is written after every job (peaks/ beside it: the breakdowns);
     # the run dirs stay in /tmp ($OUT brings back only a few files)
     calibrate) step calibrate 420 "$py" -m bench gpu-calibrate --out "$out/calibration.json" --work /tmp/calibrate-work ;;
-    *) echo "unknown step $s (probe packing qlora zero3 suite calibrate)"; exit 2 ;;
+    # no run starts unless its estimate ends it by 330 s; the table and its JSON (calibration-file
+    # shape: matmul, throughput) come back, the run dirs stay in /tmp
+    throughput) step throughput 390 "$py" -m bench gpu-throughput --out "$out/gpu-throughput.md" \
+                  --work /tmp/throughput-work ;;
+    *) echo "unknown step $s (probe packing qlora zero3 suite calibrate throughput)"; exit 2 ;;
   esac
 done

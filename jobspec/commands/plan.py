@@ -6,14 +6,15 @@ total including the CUDA context, host RAM per rank and per node, and whether th
 (--gpu-mem, else `memory.gpu_memory`; --host-mem, else `resources.host_mem`).
 With --fit it searches micro-batch / accumulation, bf16, checkpointing one
 layer in k, 8-bit AdamW, ZeRO stage and offload, keeping the global batch, and prints the cheapest
-configuration that fits as --set overrides with its estimated step-time cost and tokens/s (measured per
-GPU: --gpu H200; for causal LMs also the tiled loss, the tiled MLP and checkpoint inputs offloaded to the
-host), and when `model.compile` pays for the job. With --longest it prints the
-longest sequence that fits the budgets (GPU and host), for the job as written and for the configuration
---fit finds. The cost model is in docs/memory-planner.md. Exit code 2 on bad input and for a node whose
-RAM cannot hold its ranks' host memory (with what to change); 1 when the job does not fit its GPU budget
-(with --fit, or with `memory.fit: auto`, whose launch runs the fitted settings: when nothing fits), the
-advice naming the term over budget and the technique that moves it.
+configuration that fits as --set overrides with its estimated step-time cost and tokens/s
+(measured per GPU: --gpu H200; for causal LMs also the tiled loss, the tiled MLP and checkpoint
+inputs offloaded to the host), and when `model.compile` pays for the job. With --longest it prints
+the longest sequence that fits the budgets (GPU and host), for the job as written and for the
+configuration --fit finds. The cost model is in docs/memory-planner.md. Exit code 2 on bad input
+and for a node whose RAM cannot hold its ranks' host memory (with what to change); 1 when the job
+does not fit its GPU budget (with --fit, or with `memory.fit: auto`, whose launch runs the fitted
+settings: when nothing fits), the advice naming the term over budget and the technique that moves
+it.
 
 examples:
   jobspec plan jobs/xlmr-large.yaml --gpu-mem 24GiB
@@ -49,8 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-bf16", action="store_true",
                         help="with --fit: the GPU lacks bf16 (pre-Ampere), so try fp16 instead")
     parser.add_argument("--gpu", metavar="NAME",
-                        help="with --fit: the GPU whose measured speed prices the candidates and gives the "
-                             "tokens/s, e.g. H200 (default: the reference formula; docs/memory-planner.md)")
+                        help="with --fit: the GPU whose measured speed prices the candidates and "
+                             "gives the tokens/s, e.g. H200 (default: the reference formula; "
+                             "docs/memory-planner.md)")
     add_format_argument(parser, {"text": "aligned table", "json": "one object (errors too)"})
 
 
@@ -149,8 +151,9 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_NOTHING_FITS if result is not None and not result.fits else 0
     if plan.fits is False and spec["memory"]["fit"] == "auto" and budget is not None:
         # a launch runs what memory.fit: auto finds, not the spec as written: that is what must fit
-        fitted = result if result is not None else fit(spec, job.derived, budget, bf16_supported=not args.no_bf16,
-                                                       host_budget=job.memory.host_budget, gpu=args.gpu)
+        fitted = result if result is not None else fit(
+            spec, job.derived, budget, bf16_supported=not args.no_bf16,
+            host_budget=job.memory.host_budget, gpu=args.gpu)
         if args.format != "json":
             print(f"memory.fit: auto: {fitted.reason}" + ("" if not fitted.fits else
                   " (a launch applies: " + " ".join(f"--set {o}" for o in fitted.overrides) + ")"))

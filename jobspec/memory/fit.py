@@ -74,8 +74,8 @@ class FitResult:
 
 @dataclass(frozen=True)
 class Speed:
-    """A configuration's estimated step time and the tokens/s it trains at (all ranks), and where the
-    GPU's speed comes from: its readings (memory/gpu_throughput.py) or the reference formula."""
+    """A configuration's estimated step time and the tokens/s it trains at (all ranks), and where
+    the GPU's speed comes from: its readings (memory/gpu_throughput.py) or the reference formula."""
 
     step_s: float
     tokens_per_s: float
@@ -86,11 +86,13 @@ class Speed:
                 "source": self.source}
 
     def text(self) -> str:
-        return f"est. {self.tokens_per_s:,.0f} tokens/s, {self.step_s:.3g} s per step, {self.source}"
+        tokens = f"{self.tokens_per_s:,.0f}"
+        return f"est. {tokens} tokens/s, {self.step_s:.3g} s per step, {self.source}"
 
 
 def fit(spec: JobSpec, job: DerivedJob, budget_bytes: int, *, bf16_supported: bool = True,
-        host_budget: int | None = None, context: ContextFigure | None = None, gpu: str | None = None) -> FitResult:
+        host_budget: int | None = None, context: ContextFigure | None = None,
+        gpu: str | None = None) -> FitResult:
     """The fastest configuration of `spec` predicted to fit `budget_bytes` per GPU (NVML-style total)
     and, when `host_budget` is known, a node's RAM with all its ranks; `context`: the GPU's CUDA
     context (planner.plan_memory); `gpu`: its name, whose readings price the step (step_time)."""
@@ -102,8 +104,8 @@ def fit(spec: JobSpec, job: DerivedJob, budget_bytes: int, *, bf16_supported: bo
     return result
 
 
-def _search(spec: JobSpec, job: DerivedJob, budget_bytes: int, bf16_supported: bool, host_budget: int | None,
-            context: ContextFigure | None, gpu: str | None) -> FitResult:
+def _search(spec: JobSpec, job: DerivedJob, budget_bytes: int, bf16_supported: bool,
+            host_budget: int | None, context: ContextFigure | None, gpu: str | None) -> FitResult:
     """`fit`'s search over the candidates, priced relative to the spec as written."""
     baseline = step_time(spec, job, gpu)
     best, gpu_best, smallest, host_least, considered = None, None, None, None, 0
@@ -165,7 +167,8 @@ def _what_else(spec: JobSpec) -> str:
     else:
         options = ["more GPUs (ZeRO-3 divides the model states by the world size)"]
     if spec["model"]["compile"]:
-        options.append("`model.compile: false` (ZeRO-3, the tiled MLP and offloaded inputs are refused with it)")
+        options.append("`model.compile: false` (ZeRO-3, the tiled MLP and offloaded inputs are "
+                       "refused with it)")
     if spec["model"]["task"] == "causal-lm":
         options.append("a shorter sequence (`jobspec plan --longest` finds the longest that fits)")
     if not spec["memory"]["offload"]["nvme_path"]:
@@ -221,8 +224,9 @@ def candidate_changes(spec: JobSpec, job: DerivedJob, bf16_supported: bool) -> I
                 wanted["memory.activation_checkpointing"] = {"every_n_layers": 1, "offload": "cpu"}
             else:
                 wanted[technique] = True
-        if spec["model"]["compile"] and (stage == 3 or "memory.tiled_mlp" in level or "offload" in level):
-            continue   # validation refuses these under regional compilation (spec/rules/model_compile.py)
+        refused = stage == 3 or "memory.tiled_mlp" in level or "offload" in level
+        if spec["model"]["compile"] and refused:
+            continue   # validation refuses these under model.compile (spec/rules/model_compile.py)
         if (wanted.get("memory.tiled_loss") or spec["memory"]["tiled_loss"]) and stage >= 1 \
                 and tiling_rules.trains_tied_head(spec["model"]):
             continue   # validation refuses a tied head's tiled loss under ZeRO 1-3
@@ -355,8 +359,8 @@ def host_remedies(spec: JobSpec, job: DerivedJob, host_budget: int) -> list[str]
 
 
 def step_time(spec: JobSpec, job: DerivedJob, gpu: str | None = None) -> float:
-    """Estimated seconds per optimizer step on the GPU named `gpu` where it has readings, else on the
-    reference device (docs/memory-planner.md, "Slowdown model")."""
+    """Estimated seconds per optimizer step on the GPU named `gpu` where it has readings, else on
+    the reference device (docs/memory-planner.md, "Slowdown model")."""
     memory = spec["memory"]
     plan = plan_memory(spec, job)
     psi, world = plan.settings["parameters"], job.world_size
@@ -392,13 +396,14 @@ def achieved_flops(spec: JobSpec, job: DerivedJob, measured: GpuReadings | None)
     memory, tokens = spec["memory"], job.tokens_per_micro_batch
     hidden = job.profile.inventory.hidden_size if job.profile is not None else None
     if measured is not None and hidden:
-        return measured.achieved_flops(precision_key(memory["precision"], memory["tf32"]), tokens, hidden)
+        precision = precision_key(memory["precision"], memory["tf32"])
+        return measured.achieved_flops(precision, tokens, hidden)
     return EFFECTIVE_FLOPS[memory["precision"]] * tokens / (tokens + HALF_SATURATION_TOKENS)
 
 
 def speed_of(spec: JobSpec, job: DerivedJob, gpu: str | None) -> Speed:
-    """The estimated step time of `spec` on the GPU named `gpu`, the tokens/s it trains at over every
-    rank (the global batch's tokens per step), and where the GPU's speed comes from."""
+    """The estimated step time of `spec` on the GPU named `gpu`, the tokens/s it trains at over
+    every rank (the global batch's tokens per step), and where the GPU's speed comes from."""
     seconds = step_time(spec, job, gpu)
     measured = readings_for(gpu)
     if measured is not None:
@@ -406,30 +411,31 @@ def speed_of(spec: JobSpec, job: DerivedJob, gpu: str | None) -> Speed:
     elif gpu:
         source = f"no readings for {gpu}: the reference formula (an A100-class guess)"
     else:
-        source = "the reference formula (an A100-class guess; `--gpu H200` uses the H200's readings)"
+        source = "the reference formula (an A100-class guess; `--gpu H200` uses its readings)"
     return Speed(seconds, job.global_batch_size * job.seq_len / seconds, source)
 
 
 def compile_note(spec: JobSpec, job: DerivedJob, speed: Speed, gpu: str | None) -> str:
-    """When `model.compile` pays for this job: its compile time against what faster steps save over the
-    job's steps (the GPU's measured compile time and speed-up where it has them)."""
-    state = "on" if spec["model"]["compile"] else "off"
+    """When `model.compile` pays for this job: its compile time against what faster steps save over
+    the job's steps (the GPU's measured compile time and speed-up where it has them)."""
+    said = f"model.compile ({'on' if spec['model']['compile'] else 'off'})"
     steps = job.total_steps
     if not steps:
-        return f"model.compile ({state}) pays when its compile time is less than the time it saves over the job's steps"
+        return f"{said} pays when its compile time is less than what it saves over the job's steps"
     run_s = steps * speed.step_s
     measured = readings_for(gpu)
     if measured is not None and measured.compile is not None:
         compile_s, speedup = measured.compile
         saved = run_s * (1 - 1 / speedup)
         verdict = "pays" if saved > compile_s else "does not pay"
-        return (f"model.compile ({state}) {verdict} here: measured on {measured.gpu}, {compile_s:.0f} s of compilation "
-                f"in the first step and steps {speedup:.2f}x as fast, which saves est. {_duration(saved)} of the "
-                f"{steps} steps' {_duration(run_s)}")
-    return (f"model.compile ({state}) pays when its compile time (paid in the first step; launcher.log's "
-            f"`torch.compile` note says it) is less than it saves: the {steps} steps take est. {_duration(run_s)}, "
-            f"so a 10% faster step saves {_duration(run_s / 10)}; no measured compile time or speed-up for "
-            f"{measured.gpu if measured else gpu or 'this GPU'} (python -m bench gpu-throughput measures them)")
+        return (f"{said} {verdict} here: measured on {measured.gpu}, {compile_s:.0f} s of "
+                f"compilation in the first step and steps {speedup:.2f}x as fast, which saves est. "
+                f"{_duration(saved)} of the {steps} steps' {_duration(run_s)}")
+    where = measured.gpu if measured is not None else gpu or "this GPU"
+    return (f"{said} pays when its compile time (paid in the first step; launcher.log's "
+            f"`torch.compile` note says it) is less than it saves: the {steps} steps take est. "
+            f"{_duration(run_s)}, so a 10% faster step saves {_duration(run_s / 10)}; no measured "
+            f"compile time or speed-up for {where} (python -m bench gpu-throughput measures them)")
 
 
 def _duration(seconds: float) -> str:

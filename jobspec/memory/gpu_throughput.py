@@ -1,25 +1,26 @@
-"""How fast a GPU trains, as measured: the achieved FLOP/s the step-time model (memory/fit.step_time) uses
-for a GPU with readings, and the formula it falls back to for any other.
+"""How fast a GPU trains, as measured: the achieved FLOP/s the step-time model
+(memory/fit.step_time) uses for a GPU with readings, and the formula it falls back to for any other.
 
-A GPU's readings (`GPU_READINGS`, from the `throughput` and `matmul` sections of bench/calibration/*.json,
-which tests/memory/test_gpu_throughput.py holds equal to this table) are one-rank ZeRO-0 training runs
-(tokens/s, and the job's hardware FLOPs per token as the planner traces it: recompute included) and a
-large bf16 matmul, the most the GPU's tensor cores reach. A run's achieved FLOP/s over that ceiling is
-its efficiency `e`, and small micro-batches and narrow layers under-use the GPU: the model is
+A GPU's readings (`GPU_READINGS`, from the `throughput` and `matmul` sections of
+bench/calibration/*.json, which tests/memory/test_gpu_throughput.py holds equal to this table) are
+one-rank ZeRO-0 training runs (tokens/s, and the job's hardware FLOPs per token as the planner
+traces it: recompute included) and a large bf16 matmul, the most the GPU's tensor cores reach. A
+run's achieved FLOP/s over that ceiling is its efficiency `e`, and small micro-batches and narrow
+layers under-use the GPU: the model is
 
     e(tokens, hidden) = tokens / (tokens + K * (REFERENCE_HIDDEN / hidden) ** HIDDEN_EXPONENT)
 
-with `tokens` per micro-batch: K is the micro-batch at which a layer of REFERENCE_HIDDEN width runs at
-half the matmul rate. Each reading gives its own K (solved from its `e`); the GPU's K is their geometric
-mean. On the H200 the three readings (TinyLlama shape, hidden 2048, 8K tokens; XLM-R large, hidden 1024,
-16K tokens; Llama-3.2-1B shape, hidden 2048, 64K tokens) give K = 13.4K, 13.1K and 14.2K with the
-exponent 2; the one reading at another width (1024) is what sets the exponent. Another precision scales
-the ceiling by the datasheet's ratio to bf16 (fp16: the same tensor-core rate; fp32 with `memory.tf32`:
-TF32's; fp32: FP32's).
+with `tokens` per micro-batch: K is the micro-batch at which a layer of REFERENCE_HIDDEN width runs
+at half the matmul rate. Each reading gives its own K (solved from its `e`); the GPU's K is their
+geometric mean. On the H200 the three readings (TinyLlama shape, hidden 2048, 8K tokens; XLM-R
+large, hidden 1024, 16K tokens; Llama-3.2-1B shape, hidden 2048, 64K tokens) give K = 13.4K, 13.1K
+and 14.2K with the exponent 2; the one reading at another width (1024) is what sets the exponent.
+Another precision scales the ceiling by the datasheet's ratio to bf16 (fp16: the same tensor-core
+rate; fp32 with `memory.tf32`: TF32's; fp32: FP32's).
 
 A GPU without readings (or `jobspec plan` without `--gpu`) gets the reference formula
-(memory/fit.EFFECTIVE_FLOPS, HALF_SATURATION_TOKENS: an A100-class device), which ranks configurations
-but does not claim a tokens/s figure for a real GPU.
+(memory/fit.EFFECTIVE_FLOPS, HALF_SATURATION_TOKENS: an A100-class device), which ranks
+configurations but does not claim a tokens/s figure for a real GPU.
 
 Pure: names and numbers in, numbers out.
 """
@@ -41,7 +42,7 @@ class ThroughputReading:
     tokens_per_micro_batch: int
     hardware_flops_per_token: float   # the planner's, for the job's spec (recompute included)
     tokens_per_s: float
-    mfu: float                        # model FLOPs over the datasheet's bf16 peak, as the run reported it
+    mfu: float                        # model FLOPs over the datasheet's bf16 peak, as reported
 
 
 @dataclass(frozen=True)
@@ -50,15 +51,16 @@ class GpuReadings:
 
     gpu: str                  # a substring of the device name NVML reports, e.g. "H200"
     matmul_flops: float       # bf16, the 8192^3 matmul of the calibration file
-    peak_flops: dict[str, float]   # the datasheet's dense peak per precision (bf16, fp16, tf32, fp32)
+    peak_flops: dict[str, float]   # the datasheet's dense peak: bf16, fp16, tf32, fp32
     readings: tuple[ThroughputReading, ...]
     source: str               # the calibration file that holds them
-    # `model.compile` measured on it (bench/gpu_throughput.py): (seconds compiling in the first step,
-    # uncompiled / compiled step time); None: not measured
+    # `model.compile` measured on it (bench/gpu_throughput.py): (seconds compiling in the first
+    # step, uncompiled / compiled step time); None: not measured
     compile: tuple[float, float] | None = None
 
     def half_saturation(self) -> float:
-        """K at REFERENCE_HIDDEN: the geometric mean of the readings' own (see the module docstring)."""
+        """K at REFERENCE_HIDDEN: the geometric mean of the readings' own (see the module
+        docstring)."""
         ks = [_reading_k(self, r) for r in self.readings]
         return math.exp(sum(math.log(k) for k in ks) / len(ks))
 
@@ -99,5 +101,6 @@ def readings_for(gpu_name: str | None) -> GpuReadings | None:
 
 
 def precision_key(precision: str, tf32: bool) -> str:
-    """The datasheet row a job's `memory.precision` runs at: fp32 with `memory.tf32` on is TF32's."""
+    """The datasheet row a job's `memory.precision` runs at: fp32 with `memory.tf32` on is TF32's.
+    """
     return "tf32" if precision == "fp32" and tf32 else precision

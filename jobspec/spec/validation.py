@@ -331,7 +331,7 @@ CROSS_FIELD_RULES: tuple[Rule, ...] = (
     precision.auto_cast_issues,
     generation.eval_generate_issues,         # training.eval_generate: causal-lm, prompts, room
     tiling.tiled_loss_issues,                # memory.tiled_loss: causal-lm only
-    model_compile.compile_issues,            # model.compile: ZeRO 0-2, no quantized base, tiled MLP, offload
+    model_compile.compile_issues,            # model.compile: ZeRO 0-2; no QLoRA, tiled MLP, offload
     export_rules.export_issues,
     tracking.system_metrics_issues,
     tracking.tracking_uri_issues,

@@ -329,7 +329,7 @@ class EvalGenerator:
             options.update(temperature=self.temperature, top_k=0, top_p=1.0)
         engine.eval()
         try:
-            # eager under model.compile: the KV cache's per-layer state would recompile every compiled layer
+            # eager under model.compile: the KV cache's state would recompile each compiled layer
             with (training_rng_kept(engine.device), torch.no_grad(),
                   torch.compiler.set_stance("force_eager")):
                 torch.manual_seed(self.seed)

@@ -1,21 +1,21 @@
 """`model.compile` on the ranks: regional compilation, and the time it takes.
 
 torch.compile goes on each layer of the model's layer stack (model/structure.find_layer_stack: the
-decoder or encoder layers, inside a PEFT model too), not on the whole model: the layers are instances
-of one class, and dynamo passes their parameters as inputs (`inline_inbuilt_nn_modules`), so one
-compiled graph serves every layer and the compile time is one layer's whatever the depth (torch's
-"regional compilation" recipe; torchtitan and accelerate compile the repeated block the same way).
-The patch is the last one: the layers it compiles carry the checkpointing wrappers and the LoRA
-adapters already, and DeepSpeed (ZeRO 0-2) wraps the model after it; its gradient hooks sit on the
-parameters, outside the compiled graphs. The KV cache is turned off for training (`use_cache`): its
-per-layer state would be a guard of every layer and recompile each one. Generation (train/generation)
-runs eager.
+decoder or encoder layers, inside a PEFT model too), not on the whole model: the layers are
+instances of one class, and dynamo passes their parameters as inputs (`inline_inbuilt_nn_modules`),
+so one compiled graph serves every layer and the compile time is one layer's whatever the depth
+(torch's "regional compilation" recipe; torchtitan and accelerate compile the repeated block the
+same way). The patch is the last one: the layers it compiles carry the checkpointing wrappers and
+the LoRA adapters already, and DeepSpeed (ZeRO 0-2) wraps the model after it; its gradient hooks sit
+on the parameters, outside the compiled graphs. The KV cache is turned off for training
+(`use_cache`): its per-layer state would be a guard of every layer and recompile each one.
+Generation (train/generation) runs eager.
 
 torch compiles lazily: the forward graph at the first forward, the backward graph at the first
 backward, both inside the launch's first optimizer step. `CompileClock` times them from dynamo's
 compile callbacks and, once the first optimizer step has run, writes the `compiled` start-up phase
-(at the end of the last compilation) and a note with the seconds to launcher.log
-(`jobspec-log: torch.compile: ...`).
+(at the end of the last compilation) and a note with the seconds to launcher.log (`jobspec-log:
+torch.compile: ...`).
 """
 from __future__ import annotations
 
@@ -28,8 +28,9 @@ from jobspec.model.structure import find_layer_stack
 
 
 def regional_compile(model, **compile_kwargs):
-    """torch.compile on each layer of the layer stack, in place (`nn.Module.compile`); without a layer
-    stack the whole model is compiled. Returns (model, note); `compile_kwargs` go to torch.compile."""
+    """torch.compile on each layer of the layer stack, in place (`nn.Module.compile`); without a
+    layer stack the whole model is compiled. Returns (model, note); `compile_kwargs` go to
+    torch.compile."""
     import torch
 
     config = getattr(model, "config", None)
@@ -39,13 +40,15 @@ def regional_compile(model, **compile_kwargs):
     CompileClock.started().watch()
     if layers is None:
         compiled = torch.compile(model, **compile_kwargs)
-        return compiled, (f"torch.compile: the whole {type(model).__name__} (no layer stack found), compiled "
-                          "in the first step")
+        whole = type(model).__name__
+        return compiled, (f"torch.compile: the whole {whole} (no layer stack found), compiled in "
+                          "the first step")
     for layer in layers:
         layer.compile(**compile_kwargs)
     kinds = sorted({type(layer).__name__ for layer in layers})
-    return model, (f"torch.compile: regional, on each of the {len(layers)} layers ({', '.join(kinds)}), which "
-                   "share their compiled graphs; compiled in the first step")
+    return model, (f"torch.compile: regional, on each of the {len(layers)} layers "
+                   f"({', '.join(kinds)}), which share their compiled graphs; compiled in the "
+                   "first step")
 
 
 @dataclass
@@ -72,7 +75,8 @@ class CompileClock:
         return cls._instance
 
     def watch(self) -> None:
-        """Register dynamo's compile callbacks and the first-optimizer-step report (once per process)."""
+        """Register dynamo's compile callbacks and the first-optimizer-step report (once per
+        process)."""
         if self._hooks:
             return
         from torch._dynamo.callback import callback_handler
@@ -121,6 +125,7 @@ class CompileClock:
     def note(self) -> str:
         lazy = (f" ({self.lazy_backward} of them backward graphs compiled at their first backward)"
                 if self.lazy_backward else "")
+        plural = "s" if self.compilations != 1 else ""
         return (f"torch.compile: {self.seconds:.1f} s for {self.compilations} "
-                f"compilation{'s' if self.compilations != 1 else ''}{lazy}, inside the first step (torch compiles "
-                "lazily: that step's time includes it)")
+                f"compilation{plural}{lazy}, inside the first step (torch compiles lazily: that "
+                "step's time includes it)")

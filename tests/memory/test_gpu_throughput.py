@@ -1,8 +1,8 @@
-"""The step-time model held to measured GPU speed (memory/gpu_throughput.py, memory/fit.step_time): the
-table is the calibration files' `throughput` and `matmul` sections, each reading's FLOPs per token is
-what the planner traces for its spec, and the model, fed the reading's own spec, predicts its tokens/s
-within 5%. A GPU without readings gets the reference formula, and `plan --fit` prints the chosen
-configuration's tokens/s and where the figure comes from."""
+"""The step-time model held to measured GPU speed (memory/gpu_throughput.py, memory/fit.step_time):
+the table is the calibration files' `throughput` and `matmul` sections, each reading's FLOPs per
+token is what the planner traces for its spec, and the model, fed the reading's own spec, predicts
+its tokens/s within 5%. A GPU without readings gets the reference formula, and `plan --fit` prints
+the chosen configuration's tokens/s and where the figure comes from."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,13 @@ from conftest import PROFILER, REPO_ROOT
 
 from jobspec.cli import main
 from jobspec.memory import gpu_throughput
-from jobspec.memory.fit import EFFECTIVE_FLOPS, HALF_SATURATION_TOKENS, achieved_flops, speed_of, step_time
+from jobspec.memory.fit import (
+    EFFECTIVE_FLOPS,
+    HALF_SATURATION_TOKENS,
+    achieved_flops,
+    speed_of,
+    step_time,
+)
 from jobspec.memory.gpu_throughput import GPU_READINGS, readings_for
 from jobspec.spec.derived import derive
 from jobspec.spec.validation import load_and_validate
@@ -28,7 +34,8 @@ def _runs() -> list[tuple[str, dict, dict]]:
     found = []
     for path in sorted(CALIBRATION.glob("*.json")):
         data = json.loads(path.read_text())
-        found += [(data["gpu"], data.get("matmul"), entry) for entry in data.get("throughput") or []]
+        entries = data.get("throughput") or []
+        found += [(data["gpu"], data.get("matmul"), entry) for entry in entries]
     return found
 
 
@@ -45,25 +52,27 @@ def test_the_table_is_the_calibration_files_readings():
     table = {(gpu.gpu, r.job): (gpu, r) for gpu in GPU_READINGS for r in gpu.readings}
     assert len(table) == len(runs)
     for gpu_name, matmul, entry in runs:
-        gpu, reading = next(v for (short, job), v in table.items() if short in gpu_name and job == entry["name"])
+        gpu, reading = next(v for (short, job), v in table.items()
+                            if short in gpu_name and job == entry["name"])
+        measured, spec = entry["readings"], entry["spec"]
         assert gpu.matmul_flops == matmul["tflops"] * 1e12
-        assert (reading.tokens_per_s, reading.mfu) == (entry["readings"]["tokens_per_s"], entry["readings"]["mfu"])
-        model = entry["spec"]["model"]["config"]
-        synthetic, micro = entry["spec"]["data"]["synthetic"], entry["spec"]["training"]["micro_batch_size"]
+        assert (reading.tokens_per_s, reading.mfu) == (measured["tokens_per_s"], measured["mfu"])
+        tokens = spec["data"]["synthetic"]["seq_len"] * spec["training"]["micro_batch_size"]
         assert (reading.hidden_size, reading.tokens_per_micro_batch) == \
-            (model["hidden_size"], synthetic["seq_len"] * micro)
-        # the run's step time and tokens/s say the same; its MFU is its model FLOPs over the datasheet peak
-        assert entry["readings"]["step_s"] == pytest.approx(reading.tokens_per_micro_batch / reading.tokens_per_s,
-                                                            rel=0.02)
+            (spec["model"]["config"]["hidden_size"], tokens)
+        # the run's step time and its tokens/s say the same
+        assert measured["step_s"] == pytest.approx(tokens / reading.tokens_per_s, rel=0.02)
 
 
-@pytest.mark.parametrize("gpu_name, entry", [(g, e) for g, _, e in _runs()], ids=[e["name"] for _, _, e in _runs()])
+@pytest.mark.parametrize("gpu_name, entry", [(g, e) for g, _, e in _runs()],
+                         ids=[e["name"] for _, _, e in _runs()])
 def test_each_reading_is_its_jobs_traced_flops_and_the_model_predicts_it(gpu_name, entry, tmp_path):
     spec, derived = _derived(entry, tmp_path)
     gpu = readings_for(gpu_name)
     assert gpu is not None
     reading = next(r for r in gpu.readings if r.job == entry["name"])
-    assert reading.hardware_flops_per_token == pytest.approx(derived.hardware_flops_per_token, rel=1e-3)
+    traced = derived.hardware_flops_per_token
+    assert reading.hardware_flops_per_token == pytest.approx(traced, rel=1e-3)
     implied_model_flops = reading.mfu * gpu.peak_flops["bf16"] / reading.tokens_per_s
     assert implied_model_flops == pytest.approx(derived.model_flops_per_token, rel=0.01)
     predicted = speed_of(spec, derived, gpu_name).tokens_per_s
@@ -72,7 +81,8 @@ def test_each_reading_is_its_jobs_traced_flops_and_the_model_predicts_it(gpu_nam
 
 
 def test_each_readings_half_saturation_is_near_the_gpus():
-    """The one curve fits every reading: each one's own K within 10% of the GPU's (their geometric mean)."""
+    """The one curve fits every reading: each one's own K within 10% of the GPU's (their geometric
+    mean)."""
     for gpu in GPU_READINGS:
         k = gpu.half_saturation()
         for reading in gpu.readings:
@@ -103,23 +113,25 @@ def test_other_precisions_scale_the_matmul_ceiling_by_the_datasheet():
     assert gpu.achieved_flops("fp32", 8192, 2048) == pytest.approx(bf16 * 66.9 / 989.5)
     assert gpu.achieved_flops("tf32", 8192, 2048) == pytest.approx(bf16 * 494.7 / 989.5)
     # more tokens per micro-batch and wider layers run closer to the ceiling, never past it
-    assert bf16 < gpu.achieved_flops("bf16", 16384, 2048) < gpu.achieved_flops("bf16", 16384, 4096) < 790e12
+    longer, wider = gpu.achieved_flops("bf16", 16384, 2048), gpu.achieved_flops("bf16", 16384, 4096)
+    assert bf16 < longer < wider < 790e12
     assert gpu_throughput.precision_key("fp32", tf32=True) == "tf32"
     assert gpu_throughput.precision_key("bf16", tf32=True) == "bf16"
 
 
 def test_plan_fit_prints_the_chosen_configurations_tokens_per_s(capsys):
     job = str(REPO_ROOT / "jobs" / "xlmr-large.yaml")
-    assert main(["plan", job, "--fit", "--gpu-mem", "139GiB", "--gpu", "H200", "--format", "json"]) == 0
+    args = ["plan", job, "--fit", "--gpu-mem", "139GiB", "--gpu", "H200"]
+    assert main([*args, "--format", "json"]) == 0
     out = json.loads(capsys.readouterr().out)["fit"]
     speed = out["speed"]
     assert speed["source"].startswith("measured on H200")
     spec = load_and_validate(job, overrides=out["overrides"]).spec   # the chosen configuration
     derived = derive(spec, profiler=PROFILER)
     assert speed["step_s"] == pytest.approx(step_time(spec, derived, "H200"), abs=1e-4)
-    assert speed["tokens_per_s"] == pytest.approx(derived.global_batch_size * derived.seq_len / speed["step_s"],
-                                                  rel=1e-3)
+    per_step = derived.global_batch_size * derived.seq_len
+    assert speed["tokens_per_s"] == pytest.approx(per_step / speed["step_s"], rel=1e-3)
     assert any(note.startswith("model.compile (off) pays when") for note in out["notes"])
-    assert main(["plan", job, "--fit", "--gpu-mem", "139GiB", "--gpu", "H200"]) == 0
+    assert main(args) == 0
     text = capsys.readouterr().out
     assert f"fit: est. {speed['tokens_per_s']:,} tokens/s, " in text and "measured on H200" in text

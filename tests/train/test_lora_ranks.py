@@ -64,9 +64,10 @@ def test_peft_wraps_after_the_patches_and_only_adapters_train(tmp_path):
     patches = [{"name": "gradient_checkpointing", "args": {"every_n_layers": 1, "use_reentrant": True}},
                {"name": "torch_compile", "args": {"backend": "eager"}}]
     model, notes = wrapped(spec, patches)
-    # the adapters went on before torch.compile: the PeftModel's layers, adapters inside, are compiled
+    # the adapters went on before torch.compile: the PeftModel's layers, adapters in, are compiled
     assert type(model).__name__.startswith("PeftModel")
-    assert all(layer._compiled_call_impl is not None for layer in model.get_base_model().model.layers)
+    layers = model.get_base_model().model.layers
+    assert all(layer._compiled_call_impl is not None for layer in layers)
     assert any(n.startswith("LoRA: r=4") for n in notes) and notes[-1].startswith("torch.compile")
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
