@@ -127,19 +127,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"note: {base_note}")
         if result is not None and args.fit:
             print()
-            if result.fits:
-                print(f"fit: {result.reason}")
-                if result.speed is not None:
-                    print(f"fit: {result.speed.text()}")
-                if result.changes:
-                    print("  " + " ".join(f"--set {o}" for o in result.overrides))
-                    print()
-                    print(render_plan(result.plan, title="with these settings:"))
-            else:
-                print(f"fit: {result.reason}")
-            for note in result.notes:
-                print(f"note: {note}")
-            print(f"({result.considered} configurations considered)")
+            print("\n".join(fit_lines(result)))
         if longest is not None:
             print()
             for what, found in longest:
@@ -159,6 +147,20 @@ def run(args: argparse.Namespace) -> int:
                   " (a launch applies: " + " ".join(f"--set {o}" for o in fitted.overrides) + ")"))
         return 0 if fitted.fits else EXIT_NOTHING_FITS
     return EXIT_NOTHING_FITS if plan.fits is False else 0
+
+
+def fit_lines(result) -> list[str]:
+    """--fit's text: the reason, the estimated speed, the overrides and their plan, the notes."""
+    from jobspec.memory.planner import render_plan
+
+    lines = [f"fit: {result.reason}"]
+    if result.fits and result.speed is not None:
+        lines.append(f"fit: {result.speed.text()}")
+    if result.fits and result.changes:
+        lines += ["  " + " ".join(f"--set {o}" for o in result.overrides), "",
+                  render_plan(result.plan, title="with these settings:")]
+    lines += [f"note: {note}" for note in result.notes]
+    return [*lines, f"({result.considered} configurations considered)"]
 
 
 def longest_line(what: str, found, overrides: list) -> str:
