@@ -18,7 +18,7 @@ py=python3
 
 install() {
   "$py" -m pip install -q --no-index --find-links .whl --break-system-packages --no-warn-script-location \
-    deepspeed datasets jsonschema bitsandbytes nvidia-ml-py py-cpuinfo 2>&1 | tail -n 5
+    deepspeed datasets jsonschema bitsandbytes nvidia-ml-py py-cpuinfo liger-kernel 2>&1 | tail -n 5
 }
 
 step() {  # step NAME LIMIT_S COMMAND...
