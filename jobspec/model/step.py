@@ -26,13 +26,11 @@ from typing import Any
 from jobspec import tasks
 from jobspec.model.activation_offload import OFFLOAD_ATTRIBUTE
 from jobspec.model.kernels import dropout_stand_in, mask_skip_stand_in, sdpa_stand_in
-from jobspec.model.lengths import storage_shape, tile_loops
+from jobspec.model.lengths import ALLOCATOR_ROUND, storage_shape, tile_loops
 from jobspec.model.padding_mask import PACKED, PADDING, trace_mask
 from jobspec.spec.model_profile import REGIONS, UnitTrace
 from jobspec.spec.types import JobSpec
 from jobspec.tasks.base import CLASS, TOKEN_CLASS
-
-ALLOCATOR_ROUND = 512          # the CUDA caching allocator's smallest block
 
 
 def step_inputs(spec: JobSpec, config, micro_batch: int, seq_len: int) -> dict:
