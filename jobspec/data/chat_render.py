@@ -52,8 +52,7 @@ import numpy as np
 from jobspec.data import datacheck
 from jobspec.errors import first_line, spec_error
 from jobspec.spec.types import JobSpec
-
-IGNORE_INDEX = -100
+from jobspec.tasks.base import IGNORE_INDEX
 
 
 class RecordError(ValueError):

@@ -30,13 +30,14 @@ from pathlib import Path
 import numpy as np
 
 from jobspec.data import chat_render, data_cache, datacheck
-from jobspec.data.chat_render import IGNORE_INDEX, RecordError, RecordText, chat_template, check_template, encode
+from jobspec.data.chat_render import RecordError, RecordText, chat_template, check_template, encode
 from jobspec.data.data_format import source_kind, split_source
 from jobspec.data.record_sources import TABLE_KINDS, Source, source_for
 from jobspec.errors import SpecError, SpecIssue, spec_error
 from jobspec.memory.plan_cache import digest, path_state, read_entry, write_entry
 from jobspec.spec.tokenizer_files import tokenizer_name
 from jobspec.spec.types import JobSpec
+from jobspec.tasks.base import IGNORE_INDEX
 from jobspec.units import MiB
 
 MAX_REPORTED = 20

@@ -28,9 +28,8 @@ from jobspec.data import data_prep, datacheck, hf_data, text_data
 from jobspec.data.data_format import source_kind, split_source
 from jobspec.errors import SpecError, spec_error
 from jobspec.spec.types import JobSpec
-from jobspec.tasks.base import CLASS, MASKED_TOKENS, NEXT_TOKENS, TOKEN_CLASS
+from jobspec.tasks.base import CLASS, IGNORE_INDEX, MASKED_TOKENS, NEXT_TOKENS, TOKEN_CLASS
 
-IGNORE_INDEX = -100  # the label value transformers' losses skip
 MLM_PROBABILITY = 0.15
 # synthetic `learnable` sequence labels: the share of a sample's tokens drawn from its label's slice
 # of the vocabulary range (the rest are drawn from the whole range)

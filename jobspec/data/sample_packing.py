@@ -35,10 +35,11 @@ import random
 
 import torch
 
-from jobspec.data.loaders import IGNORE_INDEX, TensorDictDataset
+from jobspec.data.loaders import TensorDictDataset
 from jobspec.errors import spec_error
 from jobspec.spec.rules import packing as packing_rules
 from jobspec.spec.types import JobSpec
+from jobspec.tasks.base import IGNORE_INDEX
 
 
 def pack_order(lengths: list[int], max_length: int, seed: int) -> list[list[int]]:

@@ -28,9 +28,9 @@ from __future__ import annotations
 import math
 
 from jobspec.errors import spec_error
+from jobspec.tasks.base import IGNORE_INDEX
 
 TILE_BYTES = 1024 ** 3   # the documented bound: one tile's logits and their fp32 loss copies
-IGNORE_INDEX = -100
 # bytes per token and vocabulary entry of one tile while its loss runs: the logits in the working
 # dtype (counted as 4: fp32 jobs), their fp32 upcast, the log-softmax and, in the backward, its gradient
 _TILE_BYTES_PER_LOGIT = 4 + 4 + 4 + 4

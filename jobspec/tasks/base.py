@@ -10,6 +10,9 @@ TOKEN_CLASS = "token-class"  # one class id per token (each word's first sub-wor
 MASKED_TOKENS = "masked"     # the ids of 15% of the tokens (BERT's 80/10/10 masking), -100 elsewhere
 NEXT_TOKENS = "next"         # the input ids themselves (the model shifts them), -100 on padding
 LABEL_SHAPES = (CLASS, TOKEN_CLASS, MASKED_TOKENS, NEXT_TOKENS)
+# the label value the losses skip (cross-entropy's `ignore_index`, transformers' too): the "-100
+# elsewhere" of the shapes above, padding and a chat record's prompt
+IGNORE_INDEX = -100
 
 # `counts`: what an evaluation counts per batch to compute the task's metrics
 CONFUSION = "confusion"      # a confusion matrix of argmax(logits) against the class: accuracy, macro-F1

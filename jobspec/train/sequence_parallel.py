@@ -40,8 +40,7 @@ from typing import Any
 from jobspec.errors import spec_error
 from jobspec.spec.rules import sequence_parallel as rules
 from jobspec.spec.types import JobSpec
-
-IGNORE_INDEX = -100  # the label value the loss skips (jobspec.data.loaders.IGNORE_INDEX)
+from jobspec.tasks.base import IGNORE_INDEX
 
 # the attention functions Ulysses replaced in ALL_ATTENTION_FUNCTIONS, by implementation: a rebuilt
 # engine (training.on_oom) wraps the original again, never the wrapper

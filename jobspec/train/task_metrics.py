@@ -17,10 +17,7 @@ from typing import Any
 from jobspec import tasks
 from jobspec.spec.eval_metrics import BIO_ONLY, is_bio
 from jobspec.spec.types import JobSpec
-from jobspec.tasks.base import CONFUSION, TOKENS
-
-IGNORE_INDEX = -100  # the label value transformers' losses skip (jobspec.data.loaders.IGNORE_INDEX)
-
+from jobspec.tasks.base import CONFUSION, IGNORE_INDEX, TOKENS
 
 # --- metrics from summed counts (pure) --------------------------------------------------------------
 

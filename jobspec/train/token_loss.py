@@ -26,9 +26,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jobspec.tasks.base import CLASS, Task
-
-IGNORE_INDEX = -100   # the label value the losses skip (jobspec.data.loaders.IGNORE_INDEX)
+from jobspec.tasks.base import CLASS, IGNORE_INDEX, Task
 
 
 def per_sample(task: Task) -> bool:

@@ -21,7 +21,8 @@ from jobspec.data import record_sources
 from jobspec.model.build import build_tokenizer
 from jobspec.spec.schema import fill_defaults
 from jobspec.data import sample_packing
-from jobspec.data.loaders import IGNORE_INDEX, TensorDictDataset, build_datasets
+from jobspec.data.loaders import TensorDictDataset, build_datasets
+from jobspec.tasks.base import IGNORE_INDEX
 from tests.conftest import REPO_ROOT
 
 DATA = REPO_ROOT / "jobs" / "data"
