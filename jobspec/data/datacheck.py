@@ -22,7 +22,6 @@ Neutral ground (like shm.py): the launcher and the ranks both use it; no torch, 
 from __future__ import annotations
 
 import csv
-import difflib
 import json
 import os
 import stat
@@ -32,7 +31,7 @@ from pathlib import Path
 
 from jobspec import tasks
 from jobspec.data.data_format import TEXT_SUFFIXES, data_format, source_kind, split_source, text_files
-from jobspec.errors import SpecError, SpecIssue, first_line, spec_error
+from jobspec.errors import SpecError, SpecIssue, did_you_mean, first_line, spec_error
 from jobspec.spec.types import JobSpec, JobSpecData
 from jobspec.units import MiB, fmt_bytes_any_unit
 
@@ -544,9 +543,9 @@ def messages_problem(messages, field: str) -> tuple[str, str] | None:
                     'write each message as {"role": ..., "content": ...}')
         role = message.get("role")
         if role not in ROLES:
-            close = difflib.get_close_matches(role, ROLES, n=1, cutoff=0.5) if isinstance(role, str) else []
             return (f"message {number} has role {role!r}; one of {', '.join(ROLES)} expected",
-                    f"did you mean {close[0]!r}?" if close else "give each message a role: " + ", ".join(ROLES))
+                    did_you_mean(role if isinstance(role, str) else "", ROLES, "give each message a role",
+                                 cutoff=0.5, quote="'"))
         if not isinstance(message.get("content"), str):
             return (f"message {number} ({role}) content is {_kind(message.get('content'))}, text expected",
                     "give each message its text as a string")

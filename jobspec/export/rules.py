@@ -7,8 +7,7 @@ Pure (the export package's part on the validate path: no torch, nothing above jo
 """
 from __future__ import annotations
 
-import difflib
-
+from jobspec.errors import did_you_mean
 from jobspec.spec import eval_metrics
 from jobspec.spec.types import JobSpec
 
@@ -45,9 +44,7 @@ def best_metric_issues(r) -> list:
     where = ("export", "best_metric")
     produced = eval_metrics.metrics_of(task)
     if name not in produced:
-        listing = ", ".join(f"`{m}`" for m in produced)
-        close = difflib.get_close_matches(name, produced, n=1, cutoff=0.6)
-        hint = (f"did you mean `{close[0]}`? " if close else "") + f"the metrics of {task}: {listing}"
+        hint = did_you_mean(name, produced, f"the metrics of {task}", beside=len(produced))
         return [r.issue(where, f"`{name}` is not a metric of {task}", hint, code=CODE)]
     if (task, name) in eval_metrics.BIO_ONLY and s["data"]["synthetic"] is not None:
         return [r.issue(where, f"`{name}` of {task} is the entity F1 of BIO tags, but synthetic data has "

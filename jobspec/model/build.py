@@ -6,11 +6,10 @@ network for a hub id, flash-attn missing) into `SpecError`s that say which field
 """
 from __future__ import annotations
 
-import difflib
 import sys
 
 from jobspec import tasks
-from jobspec.errors import SpecError, first_line, spec_error
+from jobspec.errors import SpecError, did_you_mean, first_line, spec_error
 from jobspec.spec.types import JobSpec, JobSpecModel
 
 # model.task -> the transformers auto class that puts the right head (and loss) on the model (jobspec/tasks)
@@ -224,10 +223,10 @@ def _config_for_architecture(architecture: str | None, overrides: dict):
         raise spec_error("the model needs `name_or_path` or `architecture`", path=("model",),
                          hint="set model.architecture (e.g. bert) or model.name_or_path")
     if architecture not in CONFIG_MAPPING:
-        close = difflib.get_close_matches(architecture, list(CONFIG_MAPPING.keys()), n=3)
         raise spec_error(f"unknown architecture {architecture!r} for transformers' AutoConfig",
                          path=("model", "architecture"),
-                         hint=f"did you mean {', '.join(close)}?" if close else "use a model_type such as bert, gpt2")
+                         hint=did_you_mean(architecture, list(CONFIG_MAPPING), n=3, quote="",
+                                           otherwise="use a model_type such as bert, gpt2"))
     try:
         return AutoConfig.for_model(architecture, **overrides)
     except Exception as err:  # noqa: BLE001 - TypeError, ValueError, huggingface_hub's strict-dataclass errors

@@ -17,7 +17,6 @@ DeepSpeed. Each function returns `SpecIssue`s positioned by the caller's `issue`
 """
 from __future__ import annotations
 
-import difflib
 import json
 import operator
 import os
@@ -26,7 +25,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from jobspec.errors import SpecIssue
+from jobspec.errors import SpecIssue, close_choices, did_you_mean
 from jobspec.spec import model_table
 from jobspec.spec.loader import SET_FILE
 from jobspec.spec.types import JobSpec
@@ -144,8 +143,9 @@ def model_config_issues(spec: JobSpec, issue: IssueFn, checkpoint_config: dict |
         if expected is None:
             choices = sorted(set(fields) | set(aliases) | set(checkpoint_config))
             issues.append(issue(path, f"unknown key `{key}` for {owner} ({model_type})",
-                                _did_you_mean(str(key), choices, f"{owner}'s keys",
-                                              f"{model_table.TABLE_DIR}/{model_type}.json"), key=True))
+                                did_you_mean(str(key), choices, f"{owner}'s keys", shown=12,
+                                             more=f"schemas/{model_table.TABLE_DIR}/{model_type}.json"),
+                                key=True))
             continue
         walker = _Walker(auto_is_wrong=False)
         walker.walk(value, expected, path)
@@ -267,7 +267,7 @@ def _node_types(node: dict) -> list[str]:
 def _value_problem(value: Any, node: dict) -> tuple[str, str] | None:
     if "enum" in node and value not in node["enum"]:
         allowed = list(dict.fromkeys(v for v in node["enum"] if v is not None))
-        return f"`{value}` is not an allowed value", _did_you_mean(str(value), [str(v) for v in allowed], "allowed")
+        return f"`{value}` is not an allowed value", did_you_mean(str(value), [str(v) for v in allowed], "allowed")
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         bounds = (("minimum", ">=", operator.ge), ("exclusiveMinimum", ">", operator.gt),
                   ("maximum", "<=", operator.le), ("exclusiveMaximum", "<", operator.lt))
@@ -283,7 +283,7 @@ def _unknown_key(path: tuple, node: dict) -> Problem:
     if key in removed:
         return path, f"`{key}` was removed from DeepSpeed", removed[key].split(". ")[0].rstrip("."), True
     here = sorted(node.get("properties", {}))
-    close = difflib.get_close_matches(str(key), here, n=1, cutoff=0.75)
+    close = close_choices(str(key), here, cutoff=0.75)
     elsewhere = [p for p in _key_index().get(key, ()) if p[:-1] != path[:-1]]
     if not close and elsewhere:
         where = " or ".join(f"`deepspeed.{'.'.join(p)}`" for p in elsewhere[:2])
@@ -291,7 +291,7 @@ def _unknown_key(path: tuple, node: dict) -> Problem:
         tail = f", which jobspec sets from `{owner}`: set that instead" if owner else ""
         return path, f"unknown key `{key}` here", f"it belongs at {where}{tail}", True
     label = "keys here" if path[:-1] else "DeepSpeed's top-level keys"
-    hint = _did_you_mean(str(key), here, label, DEEPSPEED_SCHEMA)
+    hint = did_you_mean(str(key), here, label, shown=12, more=f"schemas/{DEEPSPEED_SCHEMA}")
     owner = OWNED_DEEPSPEED_KEYS.get(path[:-1] + tuple(close)) if hint.startswith("did you mean") else None
     if owner:
         hint += f" jobspec sets it from `{owner}`: set that instead"
@@ -432,14 +432,3 @@ def _type_hint(value: Any, types: list[str]) -> str:
     if isinstance(value, list) and len(value) == 1 and any(_is(value[0], t) for t in types):
         return f"write the value itself, not a list: {json.dumps(value[0])}"
     return f"write {_types_text(types)}"
-
-
-def _did_you_mean(word: str, choices: list[str], label: str, listing: str | None = None) -> str:
-    lowered = {c.lower(): c for c in choices}
-    close = ([lowered[word.lower()]] if word.lower() in lowered else
-             difflib.get_close_matches(word, choices, n=1, cutoff=0.6))
-    if close:
-        return f"did you mean `{close[0]}`?"
-    if len(choices) <= 12 or listing is None:
-        return f"{label}: " + ", ".join(f"`{c}`" for c in choices)
-    return f"none of the {len(choices)} {label} is close; they are listed in schemas/{listing}"

@@ -15,7 +15,6 @@ This module reads the index and the one file of the job's model type (lru-cached
 """
 from __future__ import annotations
 
-import difflib
 import json
 import re
 from functools import lru_cache
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from jobspec import tasks
+from jobspec.errors import did_you_mean
 from jobspec.spec.types import JobSpec, JobSpecModelLora
 
 TABLE_DIR = "transformers-configs"
@@ -120,13 +120,15 @@ def lora_target_problems(head_entry: dict, lora: JobSpecModelLora, task: str,
     if not modules:
         return []
     problems: list[tuple[tuple, str, str]] = []
+    leaves = sorted({p.rsplit(".", 1)[-1] for p in modules})
     saved_entries = lora.get("modules_to_save")
     for i, saved in enumerate(saved_entries or []):
         if isinstance(saved, str) and not any(matches(p, saved) or f".{saved}." in f".{p}."
                                               for p in modules):
             problems.append((("model", "lora", "modules_to_save", i),
                              f"modules_to_save entry {saved!r} matches no adaptable module of {owner} ({task})",
-                             _did_you_mean(saved, modules)))
+                             did_you_mean(normalized(saved).rsplit(".", 1)[-1], leaves,
+                                          "the model's adaptable modules", n=3, quote="'", shown=12)))
     targets = lora.get("target_modules")
     if targets == "all-linear":
         output = head_entry.get("output")
@@ -139,7 +141,8 @@ def lora_target_problems(head_entry: dict, lora: JobSpecModelLora, task: str,
         if isinstance(target, str) and not any(matches(p, target) for p in modules):
             problems.append((("model", "lora", "target_modules", i),
                              f"target module pattern {target!r} matches no module LoRA can adapt in {owner} ({task})",
-                             _did_you_mean(target, modules)))
+                             did_you_mean(normalized(target).rsplit(".", 1)[-1], leaves,
+                                          "the model's adaptable modules", n=3, quote="'", shown=12)))
     return problems
 
 
@@ -148,11 +151,3 @@ def all_linear_modules(head_entry: dict) -> list[str]:
     output = head_entry.get("output")
     return sorted({p.rsplit(".", 1)[-1] for p, kind in (head_entry.get("modules") or {}).items()
                    if kind in LINEAR_KINDS and p != output})
-
-
-def _did_you_mean(text: str, modules: dict[str, str]) -> str:
-    leaves = sorted({p.rsplit(".", 1)[-1] for p in modules})
-    close = difflib.get_close_matches(normalized(text).rsplit(".", 1)[-1], leaves, n=3, cutoff=0.6)
-    if close:
-        return f"did you mean {' or '.join(repr(c) for c in close)}?"
-    return f"the model's adaptable modules are named {', '.join(leaves[:12])}"

@@ -5,12 +5,11 @@ the string "007"; a number field given `abc` is an error; an unknown key gets "d
 """
 from __future__ import annotations
 
-import difflib
 import json
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from jobspec.errors import SpecError, SpecIssue, spec_error
+from jobspec.errors import SpecError, SpecIssue, did_you_mean, spec_error
 from jobspec.spec.loader import SET_FILE, LoadedSpec, Position, iter_paths, parse_yaml
 from jobspec.spec.schema import (
     has_type,
@@ -87,9 +86,8 @@ def _schema_for_override(keys: tuple, fail: Callable[..., SpecError]) -> dict:
             if not props:
                 raise fail(f"`{'.'.join(keys[:depth])}` is not a mapping", "set the whole value instead",
                            keys[:depth + 1])
-            close = difflib.get_close_matches(key, list(props), n=1, cutoff=0.6)
-            hint = f"did you mean `{'.'.join(keys[:depth] + (close[0],))}`?" if close else \
-                f"keys under {here}: {', '.join(props)}"
+            hint = did_you_mean(key, list(props), f"keys under {here}",
+                                prefix="".join(f"{k}." for k in keys[:depth]))
             raise fail(f"unknown key `{key}` under {here}", hint, keys[:depth + 1])
     return node
 

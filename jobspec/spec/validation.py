@@ -23,7 +23,7 @@ from typing import Any, cast
 from jobspec import optimizers
 from jobspec.data import datacheck
 from jobspec.data.data_format import HF_PREFIX, is_hub_name
-from jobspec.errors import SpecError, SpecIssue
+from jobspec.errors import SpecError, SpecIssue, close_choices, did_you_mean
 from jobspec.export import rules as export_rules
 from jobspec.spec.freeform import freeform_issues
 from jobspec.spec.loader import LoadedSpec, Position, load_spec
@@ -50,9 +50,7 @@ from jobspec.spec.rules import (
 from jobspec.spec.rules.base import (
     Rule,
     base_dir,
-    closest,
     coded,
-    did_you_mean,
     exists,
     get,
     local_path,
@@ -163,8 +161,8 @@ def _rule_issues(resolved: ResolvedSpec) -> list[SpecIssue]:
 def _misspelt(path: tuple) -> tuple | None:
     """The field an unknown key at `path` most likely misspells: its closest schema sibling."""
     parent = object_branch(subschema_at(path[:-1]) or {}) or {}
-    close = closest(str(path[-1]), list(parent.get("properties", {})))
-    return (*path[:-1], close) if close else None
+    close = close_choices(str(path[-1]), list(parent.get("properties", {})))
+    return (*path[:-1], close[0]) if close else None
 
 
 def _without_unknown_keys(resolved: ResolvedSpec, issues: list[SpecIssue]) -> ResolvedSpec | None:
@@ -234,7 +232,7 @@ def _explain_error(error: Any, resolved: ResolvedSpec) -> list[SpecIssue]:
     kind, value, schema = error.validator, error.instance, error.schema
     if kind == "additionalProperties":
         allowed = list(schema.get("properties", {}))
-        return [resolved.issue(path + (key,), f"unknown key `{key}`", did_you_mean(key, allowed, "keys here"),
+        return [resolved.issue(path + (key,), f"unknown key `{key}`", did_you_mean(key, allowed, "keys here", beside=6),
                                key=True)
                 for key in value if key not in allowed]
     if kind == "oneOf":
@@ -242,7 +240,8 @@ def _explain_error(error: Any, resolved: ResolvedSpec) -> list[SpecIssue]:
     field_schema = subschema_at(path) or {}
     if kind == "enum":
         return [resolved.issue(path, f"`{value}` is not an allowed value",
-                               did_you_mean(str(value), [str(v) for v in error.validator_value], "allowed"))]
+                               did_you_mean(str(value), [str(v) for v in error.validator_value], "allowed",
+                                            beside=6))]
     if kind == "type":
         expected = error.validator_value
         expected = [expected] if isinstance(expected, str) else expected

@@ -5,8 +5,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
-from jobspec.errors import SpecIssue
-from jobspec.spec.rules.base import did_you_mean
+from jobspec.errors import SpecIssue, did_you_mean
 
 if TYPE_CHECKING:
     from jobspec.spec.validation import ResolvedSpec
@@ -45,7 +44,8 @@ def tracking_uri_problem(uri: str) -> tuple[str, str] | None:
     scheme = match.group(1).lower().split("+")[0]
     if scheme not in TRACKING_SCHEMES:
         return (f"`{match.group(1)}:` is not a tracking URI scheme MLflow knows",
-                did_you_mean(scheme, list(TRACKING_SCHEMES), "use one of") + f" ({schemes} or a path)")
+                did_you_mean(scheme, list(TRACKING_SCHEMES), "use one of", beside=6)
+                + f" ({schemes} or a path)")
     if scheme == "sqlite" and not uri.startswith("sqlite:///"):
         return "a SQLite tracking URI needs three slashes", "e.g. `sqlite:///mlflow.db` (four for an absolute path)"
     if scheme in ("http", "https") and not re.match(r"^https?://[^/\s]+", uri):
