@@ -15,11 +15,10 @@ Imports torch, peft and transformers inside the functions only: `jobspec validat
 """
 from __future__ import annotations
 
-import difflib
 from typing import Any
 
 from jobspec import tasks
-from jobspec.errors import SpecError, SpecIssue, spec_error
+from jobspec.errors import SpecError, SpecIssue, did_you_mean, spec_error
 from jobspec.spec.types import JobSpec
 
 ALL_LINEAR = "all-linear"
@@ -91,7 +90,10 @@ def targets_of(lora: dict, model) -> list[str]:
             hint = f"name the layers inside it: {', '.join(inside[:6])}" if inside else "name a linear layer"
         else:
             message = f"target module pattern {pattern!r} matches no module of {type(model).__name__}"
-            hint = _did_you_mean(pattern, adaptable)
+            leaves = sorted({n.rsplit(".", 1)[-1] for n in adaptable})
+            hint = did_you_mean(pattern.rsplit(".", 1)[-1], leaves, "the model's adaptable modules", n=3,
+                                quote="'", shown=8, otherwise=None if leaves else
+                                "the model has no linear, embedding or convolution layer")
         issues.append(SpecIssue(path=("model", "lora", "target_modules", i), message=message, hint=hint,
                                 code="lora-targets"))
     if issues:
@@ -108,9 +110,12 @@ def check_targets(spec: JobSpec, model) -> None:
     written = spec["model"]["lora"]["modules_to_save"]
     if written:
         names = [name for name, _ in model.named_modules() if name]
+        leaves = sorted({n.rsplit(".", 1)[-1] for n in names})
         issues = [SpecIssue(path=("model", "lora", "modules_to_save", i),
                             message=f"modules_to_save entry {entry!r} matches no module of {type(model).__name__}",
-                            hint=_did_you_mean(entry, names), code="lora-modules-to-save")
+                            hint=did_you_mean(entry.rsplit(".", 1)[-1], leaves, "the model's modules", n=3,
+                                              quote="'", shown=8),
+                            code="lora-modules-to-save")
                   for i, entry in enumerate(written) if not any(_matches(n, entry) for n in names)]
         if issues:
             raise SpecError(issues)
@@ -206,17 +211,27 @@ def quantized_linear_names(spec: JobSpec, model) -> list[str]:
             if isinstance(module, nn.Linear) and should_convert_module(name, skip)]
 
 
-def parameter_counts(model) -> tuple[int, int]:
-    """(trainable, total) parameters of a (PEFT-wrapped) model, each tensor once."""
-    seen: set[int] = set()
+def parameter_counts(model) -> dict[str, int]:
+    """{"trainable", "total"}: the elements of a (PEFT-wrapped) model's parameters, each tensor once,
+    a 4-bit weight counted by its logical shape (bitsandbytes packs two values per byte in a flat
+    uint8 tensor) and a ZeRO-3 partition by its full shape."""
     trainable = total = 0
     for param in model.parameters():
-        if id(param) in seen:
-            continue
-        seen.add(id(param))
-        total += param.numel()
-        trainable += param.numel() if param.requires_grad else 0
-    return trainable, total
+        n = _logical_numel(param)
+        total += n
+        if param.requires_grad:
+            trainable += n
+    return {"trainable": trainable, "total": total}
+
+
+def _logical_numel(param) -> int:
+    quant_state = getattr(param, "quant_state", None)
+    if quant_state is not None and getattr(quant_state, "shape", None) is not None:
+        numel = 1
+        for dim in quant_state.shape:
+            numel *= int(dim)
+        return numel
+    return int(getattr(param, "ds_numel", 0) or param.numel())
 
 
 def _matches(name: str, pattern: str) -> bool:
@@ -239,11 +254,3 @@ def _output_module_name(model) -> str | None:
     return next((name for name, module in model.named_modules() if module is output), None)
 
 
-def _did_you_mean(pattern: str, names: list[str]) -> str:
-    """The nearest module names: by the last name component (`q_prj` -> `q_proj`), else whole names."""
-    leaves = sorted({n.rsplit(".", 1)[-1] for n in names})
-    close = difflib.get_close_matches(pattern.rsplit(".", 1)[-1], leaves, n=3, cutoff=0.6)
-    if close:
-        return f"did you mean {' or '.join(repr(c) for c in close)}?"
-    return f"the model's adaptable modules are named {', '.join(leaves[:8])}" if leaves else \
-        "the model has no linear, embedding or convolution layer"

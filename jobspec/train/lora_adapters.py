@@ -1,5 +1,6 @@
 """LoRA / QLoRA on the ranks (spec `model.lora`, `model.quantization`): the `lora` patch that puts
-PEFT's adapters on the model, and the parameter counts the closing summary and MLflow record.
+PEFT's adapters on the model, and the parameter counts (model/lora.parameter_counts) the closing
+summary and MLflow record.
 
 Order on a rank (train/engine.build_engine): the model is built (quantised by model/build when
 `model.quantization` is set: bitsandbytes replaces whole weights, so before anything else sees them),
@@ -8,6 +9,7 @@ torch.compile), then `deepspeed.initialize` gets only the trainable parameters.
 """
 from __future__ import annotations
 
+from jobspec.model.lora import parameter_counts
 from jobspec.spec.types import JobSpec
 
 
@@ -26,28 +28,6 @@ def lora(model, *, enable_input_require_grads: bool = False, **settings):
     model = adapt(model, settings)
     return model, (f"LoRA: r={settings['r']} alpha={settings['alpha']} dropout={settings['dropout']} "
                    f"target_modules={settings['target_modules']}: {fmt_counts(parameter_counts(model))}")
-
-
-def parameter_counts(model) -> dict:
-    """{"trainable", "total"}: elements, a 4-bit weight counted by its logical shape (bitsandbytes
-    packs two values per byte in a flat uint8 tensor) and a ZeRO-3 partition by its full shape."""
-    trainable = total = 0
-    for param in model.parameters():
-        n = _logical_numel(param)
-        total += n
-        if param.requires_grad:
-            trainable += n
-    return {"trainable": trainable, "total": total}
-
-
-def _logical_numel(param) -> int:
-    quant_state = getattr(param, "quant_state", None)
-    if quant_state is not None and getattr(quant_state, "shape", None) is not None:
-        numel = 1
-        for dim in quant_state.shape:
-            numel *= int(dim)
-        return numel
-    return int(getattr(param, "ds_numel", 0) or param.numel())
 
 
 def fmt_counts(counts: dict) -> str:

@@ -222,7 +222,7 @@ class RunState:
     resumed_from: str | None = None
     last_checkpoint: str | None = None
     exports: dict = field(default_factory=dict)   # model directories written (jobspec/export/exporter.py)
-    parameters: dict = field(default_factory=dict)   # {"trainable", "total"} (train/lora_adapters.parameter_counts)
+    parameters: dict = field(default_factory=dict)   # {"trainable", "total"} (model/lora.parameter_counts)
     data: dict | None = None   # the tokenised data's counts (data/loaders.data_params), for summary.json
     generation: dict | None = None   # the last evaluation's first answer (train/generation.py)
 
