@@ -1,6 +1,7 @@
 """Every device probe jobspec makes: this host's NVIDIA GPUs through NVML (names, free and used
 memory, compute capability), the CUDA device a rank trains on (through torch, rank side only), and
-the CPUs this process may use (affinity mask and cgroup CPU quota).
+the CPUs this process may use (affinity mask and cgroup CPU quota); `Host`, what they found on the
+machine that launches, for the plan and the launch header alike.
 
 NVML is initialised once per process, at the first probe, and shut down at exit. No driver, no
 NVML library or no GPU all read as "no GPU": a CPU-only host, whose ranks run on CPU cores.
@@ -14,6 +15,7 @@ import atexit
 import math
 import os
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 FAKE_FREE_ENV = "JOBSPEC_FAKE_GPU_FREE_BYTES"
@@ -207,3 +209,40 @@ def _v1_quota(directory: Path) -> float | None:
 def threads_per_rank(cpus: int, local_ranks: int) -> int:
     """Intra-op threads for each of `local_ranks` CPU ranks sharing `cpus` CPUs (at least 1)."""
     return max(1, cpus // max(1, local_ranks))
+
+
+@dataclass(frozen=True)
+class Host:
+    """What the machine that launches contributes to a job: the least free memory of its GPUs (None
+    without GPUs: then only `memory.gpu_memory` is a budget), whether they do bf16, and its RAM (the
+    host budget of a one-node job without `resources.host_mem`; None: not this machine's to say);
+    for the launch header, the GPUs, cores and RAM found."""
+
+    gpu_free: int | None = None
+    bf16_supported: bool = True
+    ram_total: int | None = None
+    # NVML's name of its GPUs: the plan adds that GPU's measured CUDA context
+    gpu_name: str | None = None
+    cpu_ranks: bool = False        # its ranks run on CPUs: the plan puts their tensors in host RAM
+    gpu_names: tuple[str, ...] = ()  # every NVIDIA GPU NVML sees; empty on a CPU-only host
+    gpu_total: int | None = None   # bytes of one GPU
+    cpus: int = 1                  # CPUs this process may run on (affinity mask, cgroup quota)
+    ram_available: int | None = None
+
+    @property
+    def has_gpu(self) -> bool:
+        return bool(self.gpu_names)
+
+    @classmethod
+    def probe(cls, gpus_per_node: int, gpu_free: int | None = None) -> Host:
+        """This machine (FAKE_FREE_ENV in tests gives it GPU memory to plan GPU ranks against, and
+        no GPU names); `gpu_free` when the caller has read it already (one NVML reading a launch)."""
+        import psutil
+
+        names = tuple(name for name in gpu_names() if name != "cpu")
+        free = gpu_free if gpu_free is not None else gpu_free_bytes(gpus_per_node)
+        memory = psutil.virtual_memory()
+        return cls(free, bf16_supported(), memory.total, gpu_name=names[0] if names else None,
+                   cpu_ranks=not names and free is None, gpu_names=names,
+                   gpu_total=gpu_total_bytes() if names else None, cpus=available_cpus(),
+                   ram_available=memory.available)

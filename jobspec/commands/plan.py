@@ -50,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jobspec.job.prepare import AS_WRITTEN, Host, prepare_job
+    from jobspec.hardware import Host
+    from jobspec.job.prepare import AS_WRITTEN, prepare_job
     from jobspec.memory.fit import fit, longest_sequence
     from jobspec.memory.planner import parse_bytes, render_plan
     from jobspec.memory.remedies import advice

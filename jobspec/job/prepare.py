@@ -19,8 +19,8 @@ or not, memory.fit applied or not, which budgets, compiled for which run directo
 
 `jobspec compile`, `plan`, `launch` (dry and real), `prepare` (launch/job_ops) and `report` go through
 it, so each of them sees the job the others see: `compile` shows the config `launch` runs.
-The host's numbers (free GPU memory, bf16 support) come in as a `Host`; `Host.probe` reads this
-machine's. Light: no torch at module level (the profiler imports it when memory is planned).
+The host's numbers (free GPU memory, bf16 support) come in as a `hardware.Host`; `Host.probe` reads
+this machine's. Light: no torch at module level (the profiler imports it when memory is planned).
 """
 from __future__ import annotations
 
@@ -32,37 +32,13 @@ from typing import Callable, Iterable
 
 from jobspec.compile.compiler import Compiled, compile_spec
 from jobspec.errors import SpecError
+from jobspec.hardware import Host
 from jobspec.memory import at_launch
 from jobspec.memory.at_launch import LaunchMemory
 from jobspec.spec.derived import DerivedJob
 from jobspec.spec.inputs import derive_job
 from jobspec.spec.types import JobSpec
 from jobspec.spec.validation import ResolvedSpec, load_and_validate
-
-
-@dataclass(frozen=True)
-class Host:
-    """What the machine that launches contributes to a job: the least free memory of its GPUs (None
-    without GPUs: then only `memory.gpu_memory` is a budget), whether they do bf16, and its RAM (the
-    host budget of a one-node job without `resources.host_mem`; None: not this machine's to say)."""
-
-    gpu_free: int | None = None
-    bf16_supported: bool = True
-    ram_total: int | None = None
-    gpu_name: str | None = None   # NVML's name of its GPUs: the plan adds that GPU's measured CUDA context
-    cpu_ranks: bool = False       # its ranks run on CPUs: the plan puts their tensors in host RAM
-
-    @classmethod
-    def probe(cls, gpus_per_node: int) -> Host:
-        """This machine's (NVML, through jobspec.hardware; JOBSPEC_FAKE_GPU_FREE_BYTES in tests,
-        which plans GPU ranks)."""
-        import psutil
-
-        from jobspec import hardware
-        name = next((n for n in hardware.gpu_names() if n != "cpu"), None)
-        free = hardware.gpu_free_bytes(gpus_per_node)
-        return cls(free, hardware.bf16_supported(), psutil.virtual_memory().total, gpu_name=name,
-                   cpu_ranks=name is None and free is None)
 
 
 @dataclass

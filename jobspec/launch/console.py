@@ -109,7 +109,7 @@ def tracking_lines(info: dict | None, experiment: str | None = None, *, style: b
 
 def header_lines(spec: JobSpec, job, memory, host, patches: list, *, style: bool = False) -> list[str]:
     """The lines printed before anything starts. `job`: DerivedJob; `memory`: memory.at_launch.LaunchMemory;
-    `host`: launch.host.Host; `patches`: the compiled patches.json entries."""
+    `host`: hardware.Host; `patches`: the compiled patches.json entries."""
     model = spec["model"]
     name = model["name_or_path"] or model["architecture"] or "?"
     lines = [_title(f"{spec['name']}: {name} {model['task']}, {fmt_count(job.num_parameters)} parameters", style)]
@@ -174,7 +174,7 @@ def memory_text(memory, host) -> str:
     allocated = fmt_mib_gib(plan.peak_allocated)
     text = (f"{GPU_TOTAL.label} plan {fmt_mib_gib(plan.nvml_total)} per GPU "
             f"({PEAK_ALLOCATED.label} {allocated} + allocator and CUDA context)")
-    if host.gpu_free is not None:
+    if host.has_gpu and host.gpu_free is not None:
         verdict = "fits" if plan.nvml_total <= host.gpu_free else "DOES NOT FIT"
         total = f" of {fmt_mib_gib(host.gpu_total)}" if host.gpu_total else ""
         text += f" · {fmt_mib_gib(host.gpu_free)} free{total}: {verdict}"

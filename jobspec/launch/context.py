@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 
 from jobspec import status as run_status
 from jobspec.errors import SpecError
-from jobspec.launch import host, lease, lineage, supervise
+from jobspec.hardware import Host
+from jobspec.launch import lease, lineage, supervise
 from jobspec.spec.types import JobSpec
 
 if TYPE_CHECKING:
@@ -47,7 +48,7 @@ class LaunchContext:
     stops: supervise.HeldStops
     resume_run_id: str | None
     port: int
-    found: host.Host
+    found: Host
     style: bool                       # the progress bar's bold labels
     phases: list[tuple[str, float, float]]   # start-up timestamps, appended as it goes (launcher.log)
 
@@ -58,7 +59,7 @@ class LaunchContext:
     @property
     def gpu_free(self) -> int | None:
         """The free GPU memory the plan was made against (prepare_job's Host: JOBSPEC_FAKE_GPU_FREE_BYTES
-        in tests), which `found` (the host as the header shows it) leaves out where it sees no GPU."""
+        in tests), which the header leaves out where `found` has no GPU."""
         return self.prepared.host.gpu_free if self.prepared.host is not None else None
 
     def resume_hint(self, checkpoint_dir: Path) -> str:

@@ -53,7 +53,6 @@ from jobspec.errors import SpecError, SpecIssue, spec_error
 from jobspec.launch import (
     backends,
     console,
-    host,
     hub,
     intent,
     lease,
@@ -100,7 +99,7 @@ def launch(job: str, overrides: list[str], options: LaunchOptions = LaunchOption
     resolved, derived = prepared.resolved, prepared.derived
     spec = resolved.spec
     port = spec["resources"]["master_port"] or runner.free_port()
-    found = host.probe(spec["resources"]["gpus_per_node"], gpu_free)
+    found = hardware.Host.probe(spec["resources"]["gpus_per_node"], gpu_free)
     style = progress_mode(spec["logging"]["progress"]) == "bar"
     phases.append(("planned", time.time(), launcher_log.cpu_seconds()))
     # chat and prompt/completion records tokenised once into the data cache (data/data_prep), before any

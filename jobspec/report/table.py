@@ -217,7 +217,8 @@ def _launch_memory(spec: Mapping[str, Any], cpu_ranks: bool):
     """The LaunchMemory of a run's resolved spec (the spec that ran: `memory.fit` is not applied
     again), prepared as a launch prepares it; None when the planner cannot tell. `spec` is
     resolved.yaml as read back (an MLflow artifact), maybe of an older jobspec: its defaults are filled."""
-    from jobspec.job.prepare import AS_WRITTEN, Host, prepare_job
+    from jobspec.hardware import Host
+    from jobspec.job.prepare import AS_WRITTEN, prepare_job
     from jobspec.spec.schema import filled_spec
     from jobspec.spec.validation import ResolvedSpec
     try:

@@ -16,9 +16,9 @@ from conftest import REPO_ROOT as REPO
 
 from jobspec.cli import main
 from jobspec.errors import SpecError
-from jobspec.job.prepare import PLANNED, Host, prepare_job
+from jobspec.hardware import Host
+from jobspec.job.prepare import PLANNED, prepare_job
 from jobspec.launch import console
-from jobspec.launch.host import Host as FoundHost
 from jobspec.memory.fit import fit
 from jobspec.memory.host_memory import DATALOADER_WORKER_BYTES, RUNTIME_BYTES, offload_terms, stage3_sub_groups
 from jobspec.memory.planner import parse_bytes, plan_memory
@@ -259,7 +259,7 @@ def test_as_written_the_header_warns(tmp_path):
     prepared = prepare_job(job, host=Host(), how=PLANNED)
     memory = prepared.memory
     assert memory.plan.host_fits is False and memory.host_problem is not None
-    found = FoundHost(cpus=2, ram_total=16 * GiB, ram_available=12 * GiB)
+    found = Host(cpus=2, ram_total=16 * GiB, ram_available=12 * GiB)
     lines = console.header_lines(prepared.spec, prepared.derived, memory, found, [])
     host_line = next(line for line in lines if line.strip().startswith("host RAM"))
     assert "per node (2 ranks)" in host_line and "600.0 MiB (resources.host_mem): DOES NOT FIT" in host_line
