@@ -43,11 +43,12 @@ LAYERS = ("optimizers", "tasks", "spec", "compile", "model", "memory", "data", "
 # Single modules placed in another layer than their package's: pure modules on the validate path
 # (spec/validation, the planner, the pre-flight read them). export/ sits between tracking and launch
 # (below the ranks that export and the launcher that records the exports), but its pure rules are read
-# by validate; data/'s formats and record checks are validate's read of the data files.
-# spec/types.py (the spec's generated TypedDicts, pure typing) is neutral ground: every layer's signatures
-# name the spec's sections, optimizers/ and tasks/ below spec/ included.
-MODULE_LAYERS = {"export.rules": "spec", "data.data_format": "spec", "data.datacheck": "spec",
-                 "spec.types": "neutral"}
+# by validate; data/'s formats, record checks and tokenizer files are validate's read of the data
+# files; memory/'s model profile (the planner's data types) is what spec/derived carries and model/'s
+# trace produces. spec/types.py (the spec's generated TypedDicts, pure typing) is neutral ground:
+# every layer's signatures name the spec's sections, optimizers/ and tasks/ below spec/ included.
+MODULE_LAYERS = {"export.rules": "spec", "data.formats": "spec", "data.record_checks": "spec",
+                 "data.tokenizer_files": "spec", "memory.model_profile": "spec", "spec.types": "neutral"}
 MLFLOW_LAYER = "tracking"   # the only subpackage that imports mlflow
 READ_ONLY_COMMANDS = ("validate", "compile", "plan", "report", "schema", "sync", "export")
 

@@ -179,10 +179,10 @@ def result_issue(result, source: str | None):
 
 def data_lines(resolved) -> list[str]:
     """The tokenised data of chat and prompt/completion records: its size when the data cache holds it,
-    else about how big it will be and how long preparing it takes (data/data_prep.py)."""
+    else about how big it will be and how long preparing it takes (data/prepare.py)."""
     if resolved.spec["data"]["synthetic"] is not None:
         return []   # random tokens: nothing is tokenised (nor data_prep's NumPy imported)
-    from jobspec.data.data_prep import prepare_data
+    from jobspec.data.prepare import prepare_data
 
     try:
         return prepare_data(resolved.spec, build=False)[0]

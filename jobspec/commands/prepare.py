@@ -2,7 +2,7 @@
 and the tokenised data.
 
 The tokenised data: a job's chat and prompt/completion records are tokenised once into the data cache
-(JOBSPEC_CACHE_DIR, beside the planner's traces; jobspec/data/data_cache.py) that every launch with the
+(JOBSPEC_CACHE_DIR, beside the planner's traces; jobspec/data/cache.py) that every launch with the
 same data, tokenizer, template and data settings reuses; `prepare` builds it (every record checked: a
 bad one is named at its file:line, exit 2), on a login node or in CI, with the same cache directory
 as the launch.
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
 
 def prepare_data(job: str, overrides: list[str]) -> None:
     """The job's tokenised data, built into the cache (nothing for synthetic data or text files)."""
-    from jobspec.data.data_prep import prepare_data as build
+    from jobspec.data.prepare import prepare_data as build
     from jobspec.spec.validation import load_and_validate
 
     resolved = load_and_validate(job, overrides)

@@ -1,5 +1,5 @@
 """Chat and prompt/completion records → token ids with the loss on the answers (torch-free: the data
-preparation pass, jobspec/data/data_prep.py, runs it in the launcher's worker processes).
+preparation pass, jobspec/data/prepare.py, runs it in the launcher's worker processes).
 
 Chat records (`data.messages_field`, a list of {role, content}) are rendered with the chat template
 (`data.chat_template`, a Jinja file, else the tokenizer's own). With `data.loss_on: answers` only the
@@ -49,7 +49,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jobspec.data import datacheck
+from jobspec.data import record_checks
 from jobspec.errors import first_line, spec_error
 from jobspec.spec.types import JobSpec
 from jobspec.tasks.base import IGNORE_INDEX
@@ -179,7 +179,7 @@ class Text:
 
 class RecordText:
     """A record (chat messages or a (prompt, completion) pair) → its `Text`; RecordError when it cannot:
-    validate's check of the record (data/datacheck.RecordChecker), then the template on it."""
+    validate's check of the record (data/record_checks.RecordChecker), then the template on it."""
 
     def __init__(self, spec: JobSpec, tokenizer, kind: str, template: str | None, split: str):
         data = spec["data"]
@@ -188,7 +188,7 @@ class RecordText:
         self.fields: tuple[str, ...] = (data["messages_field"],) if kind == "chat" else \
             (data["prompt_field"], data["completion_field"])
         self.renderer = Renderer(tokenizer, template) if template is not None else None
-        self.checker = datacheck.RecordChecker(replace(datacheck.Columns.of(spec), records=kind), split)
+        self.checker = record_checks.RecordChecker(replace(record_checks.Columns.of(spec), records=kind), split)
 
     def messages(self, record: dict) -> list:
         """The conversation a checked record is rendered as."""
@@ -201,7 +201,7 @@ class RecordText:
         if not isinstance(record, dict):
             raise RecordError(f"the record is {type(record).__name__}, an object expected",
                               "write one JSON object per line")
-        bad = self.checker.problem(where, record)   # validate's own record check (data/datacheck.py)
+        bad = self.checker.problem(where, record)   # validate's own record check (data/record_checks.py)
         if bad is not None:
             raise RecordError(bad.message.removeprefix(f"{where}: "), bad.hint)
         if self.renderer is None and self.kind != "chat":

@@ -1,6 +1,6 @@
 """Training and evaluation data: records (jsonl/csv/parquet files, `hf:` datasets, saved datasets;
-data/hf_data.py), text files (data/text_data.py), chat and prompt/completion records (tokenised once
-into the data cache by data/data_prep.py, memory-mapped here: `CachedDataset`), or synthetic tokens.
+data/hf_datasets.py), text files (data/text_blocks.py), chat and prompt/completion records (tokenised once
+into the data cache by data/prepare.py, memory-mapped here: `CachedDataset`), or synthetic tokens.
 
 Every dataset is map-style and yields dicts of LongTensors `input_ids`, `attention_mask`, `labels`:
 - sequence-classification: `labels` is the class id (a 0-d tensor, stacked to (batch,));
@@ -24,8 +24,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from jobspec import tasks
-from jobspec.data import data_prep, datacheck, hf_data, text_data
-from jobspec.data.data_format import source_kind, split_source
+from jobspec.data import hf_datasets, record_checks, text_blocks
+from jobspec.data import prepare as data_prep
+from jobspec.data.formats import source_kind, split_source
 from jobspec.errors import SpecError, spec_error
 from jobspec.spec.types import JobSpec
 from jobspec.tasks.base import CLASS, IGNORE_INDEX, MASKED_TOKENS, NEXT_TOKENS, TOKEN_CLASS
@@ -55,7 +56,7 @@ class TensorDictDataset(Dataset):
 
 
 class CachedDataset(Dataset):
-    """A split's tokenised records memory-mapped from the data cache (jobspec/data/data_cache.py): a sample
+    """A split's tokenised records memory-mapped from the data cache (jobspec/data/cache.py): a sample
     is read from the mapped arrays when it is asked for, so a rank holds only the pages it reads."""
 
     def __init__(self, cached, pad_to: int | None, pad_token_id: int):
@@ -318,7 +319,7 @@ def _mask_tokens(ids, attention_mask, special, mask_id: int, vocab: tuple[int, i
 
 def _file_dataset(spec: JobSpec, tokenizer, split: str, label_names: dict) -> TensorDictDataset | CachedDataset:
     """The samples of `data.<split>`. A row datasets, pyarrow, the tokenizer or the chat template cannot
-    take is named by file and line (jobspec.data.datacheck scans the file for it): exit 2, not a rank
+    take is named by file and line (jobspec.data.record_checks scans the file for it): exit 2, not a rank
     traceback."""
     data, task = spec["data"], spec["model"]["task"]
     if tokenizer is None:
@@ -328,9 +329,9 @@ def _file_dataset(spec: JobSpec, tokenizer, split: str, label_names: dict) -> Te
     shape = tasks.get(task).labels
     if kind in ("text", "text_dir"):
         try:
-            ids, mask = text_data.text_columns(spec, tokenizer, split, shape)
+            ids, mask = text_blocks.text_columns(spec, tokenizer, split, shape)
         except (UnicodeDecodeError, ValueError):
-            raise datacheck.locate_error(spec, split) or _unlocated(spec, split) from None
+            raise record_checks.locate_error(spec, split) or _unlocated(spec, split) from None
         if shape == MASKED_TOKENS:
             labels, ids = _mask_file_tokens(ids, mask, tokenizer, spec["training"]["seed"], split)
         else:
@@ -344,8 +345,8 @@ def _file_dataset(spec: JobSpec, tokenizer, split: str, label_names: dict) -> Te
         assert entry.data is not None
         pad_to = data["max_length"] if data["padding"] == "max_length" else None
         return CachedDataset(entry.data, pad_to, tokenizer.pad_token_id or 0)
-    table = hf_data.load_table(spec, split, kind)
-    records = datacheck.record_kind(data, table.column_names)
+    table = hf_datasets.load_table(spec, split, kind)
+    records = record_checks.record_kind(data, table.column_names)
     if records != "text":   # chat or prompt/completion records of another task than causal-lm
         raise spec_error(f"{records.replace('_', '/')} records train a causal-lm, not a {task}",
                          path=("data", "records"), hint="set model.task: causal-lm, or data.records: text")
@@ -356,7 +357,7 @@ def _file_dataset(spec: JobSpec, tokenizer, split: str, label_names: dict) -> Te
     try:
         return _tokenize(spec, tokenizer, table, split, label_names)
     except (UnicodeDecodeError, ValueError, TypeError, KeyError) as err:  # a row pyarrow or the tokenizer refused
-        located = datacheck.locate_error(spec, split) if kind not in ("hub", "saved") else None
+        located = record_checks.locate_error(spec, split) if kind not in ("hub", "saved") else None
         if located is None:
             raise  # every row is well-formed: not the data's fault, keep the traceback
         raise located from err

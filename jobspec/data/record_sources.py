@@ -1,4 +1,4 @@
-"""Where the data preparation pass (data/data_prep.py) reads a split's records, in chunks of work:
+"""Where the data preparation pass (data/prepare.py) reads a split's records, in chunks of work:
 
 - a local jsonl file: byte ranges of about CHUNK_BYTES cut at line ends, each read and parsed by the
   worker that encodes it, so a bad line is named exactly (`file:line`) and the parent reads nothing but
@@ -7,7 +7,7 @@
   Arrow table, which the forked workers share (memory-mapped).
 
 Each source also gives the first record's fields (`data.records: auto`) and a fingerprint of its
-content for the cache key (data/data_cache.py).
+content for the cache key (data/cache.py).
 """
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ import abc
 import json
 from pathlib import Path
 
-from jobspec.data import data_cache, datacheck
+from jobspec.data import cache as data_cache
+from jobspec.data import record_checks
 from jobspec.data.chat_render import RecordError
-from jobspec.data.data_format import split_source
+from jobspec.data.formats import split_source
 from jobspec.spec.types import JobSpec
 from jobspec.units import MiB
 
@@ -133,9 +134,9 @@ class TableSource(Source):
     @property
     def table(self):
         if self._table is None:
-            from jobspec.data import hf_data
+            from jobspec.data import hf_datasets
 
-            self._table = hf_data.load_table(self.spec, self.split, self.kind)
+            self._table = hf_datasets.load_table(self.spec, self.split, self.kind)
         return self._table
 
     def fields(self):
@@ -144,12 +145,13 @@ class TableSource(Source):
     def fingerprint(self) -> dict:
         if self.kind in ("csv", "parquet"):
             return data_cache.file_fingerprint(Path(self.source))
-        from jobspec.data import hf_data
+        from jobspec.data import hf_datasets
 
         data = self.spec["data"]
         # datasets' fingerprint of the loaded table: its Arrow files in the local cache (hub), or the
         # saved directory's state
-        return {"name": self.source, "subset": data.get("subset"), "split": hf_data.split_name(self.spec, self.split),
+        return {"name": self.source, "subset": data.get("subset"),
+                "split": hf_datasets.split_name(self.spec, self.split),
                 "fingerprint": getattr(self.table, "_fingerprint", None), "rows": len(self.table)}
 
     def chunks(self) -> list:
@@ -170,7 +172,7 @@ class TableSource(Source):
 
     def where(self, index: int) -> str:
         if self.kind in ("hub", "saved"):
-            from jobspec.data import hf_data
+            from jobspec.data import hf_datasets
 
-            return f"{self.source} [{hf_data.split_name(self.spec, self.split)}] row {index + 1}"
-        return datacheck.row_location(self.source, self.spec["data"]["format"], index)
+            return f"{self.source} [{hf_datasets.split_name(self.spec, self.split)}] row {index + 1}"
+        return record_checks.row_location(self.source, self.spec["data"]["format"], index)

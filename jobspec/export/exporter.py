@@ -37,7 +37,7 @@ from pathlib import Path
 
 from jobspec import rundir
 from jobspec.errors import spec_error
-from jobspec.export import lora_export as lora_exports
+from jobspec.export import lora as lora_exports
 from jobspec.export.hf_dir import ExportFailed, ExportInfo, describe_io_error, job_tokenizer, write_model_dir
 from jobspec.export.rules import resolve_dtype
 from jobspec.spec import eval_metrics
@@ -151,7 +151,7 @@ class ModelExporter:
                 raise RuntimeError("rank 0 gathered no state dict")   # gather_state_dict gives rank 0 one
             try:
                 merged, adapter = lora_exports.wanted(self.spec)
-                if self.spec["model"]["lora"]:   # the PEFT model: checked, then split (export/lora_export.py)
+                if self.spec["model"]["lora"]:   # the PEFT model: checked, then split (export/lora.py)
                     peft_model, _ = lora_exports.split(self.spec, state_dict, self.dtype,
                                                        f"the ranks (ZeRO stage {self.spec['memory']['zero_stage']})")
                     if adapter:

@@ -108,10 +108,10 @@ def _export_lora(source: Source, out: Path, spec: JobSpec, state_dict: dict, inf
                  show_progress: bool) -> dict:
     """A LoRA job's checkpoint: the PEFT model's weights checked against the spec's model wrapped by
     apply_lora (count, names, shapes), then, by `export.adapter`, the merged model in `out` and the
-    PEFT adapter inside it in `out/adapter`, or only the adapter, in `out` (export/lora_export.py):
+    PEFT adapter inside it in `out/adapter`, or only the adapter, in `out` (export/lora.py):
     nothing outside `out`. The record is the merged directory's (the adapter's when only it is
     written), with `adapter`: the adapter's record."""
-    from jobspec.export import lora_export as lora_exports
+    from jobspec.export import lora as lora_exports
     from jobspec.export.hf_dir import ExportFailed, describe_io_error
 
     merged, adapter = lora_exports.wanted(spec)

@@ -10,9 +10,9 @@ rules is what needs transformers or the network (validate imports neither):
 - the config transformers builds from it, refused at the keys involved (model/build.build_config:
   `pad_token_id` beyond `vocab_size`, ...), never as a later failure of another field;
 - `model.attention` left out for a hub id: the best the head supports, now that its type is known;
-- (the records' shape: validate, data/datacheck.record_issues, every bad record at its file:line)
+- (the records' shape: validate, data/record_checks.record_issues, every bad record at its file:line)
 - the tokenizer transformers loads, its size against the vocabulary, the chat template rendered on
-  the records (data/data_preflight).
+  the records (data/preflight).
 
 `lora_target_check`, run by prepare_job whether or not the other checks are: `model.lora`'s target
 patterns against the meta-built model (model/lora.check_targets).
@@ -34,11 +34,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from jobspec import library_log
-from jobspec.data import data_preflight
+from jobspec.data import preflight as data_preflight
+from jobspec.data.tokenizer_files import tokenizer_name
 from jobspec.errors import SpecError
 from jobspec.job.model_config import job_model_config_issues
 from jobspec.memory.plan_cache import path_state, read_entry, spec_digest, write_entry
-from jobspec.spec.tokenizer_files import tokenizer_name
 from jobspec.spec.types import JobSpec
 
 if TYPE_CHECKING:

@@ -4,8 +4,8 @@
     prepare        job/prepare.prepare_job, the path `jobspec compile` and `plan` take too:
       resolve        spec/validation.load_and_validate (exit 2 on any problem)
       model.config   job/model_config (through prepare_job's job/checks): a hub id's config, a type outside the table
-      data           data/datacheck: every data record (validate), exit 2 at data.train/eval file:line;
-                     data/data_preflight: the tokenizer transformers loads, the chat template on the records
+      data           data/record_checks: every data record (validate), exit 2 at data.train/eval file:line;
+                     data/preflight: the tokenizer transformers loads, the chat template on the records
       derive         spec/inputs.derive_job: every derived number, once (config.json, row count read here)
       memory         memory/at_launch.plan_at_launch: `memory.fit: auto` rewrites the spec (every rule runs
                      again on it); the plan
@@ -48,7 +48,7 @@ from jobspec import hardware, launcher_log, lifeline, ops, rundir, shm
 from jobspec import status as run_status
 from jobspec.compile.compiler import Compiled
 from jobspec.compile.launch_plan import LaunchPlan
-from jobspec.data import data_prep
+from jobspec.data import prepare as data_prep
 from jobspec.errors import SpecError, SpecIssue, spec_error
 from jobspec.launch import (
     backends,
@@ -102,7 +102,7 @@ def launch(job: str, overrides: list[str], options: LaunchOptions = LaunchOption
     found = hardware.Host.probe(spec["resources"]["gpus_per_node"], gpu_free)
     style = progress_mode(spec["logging"]["progress"]) == "bar"
     phases.append(("planned", time.time(), launcher_log.cpu_seconds()))
-    # chat and prompt/completion records tokenised once into the data cache (data/data_prep), before any
+    # chat and prompt/completion records tokenised once into the data cache (data/prepare), before any
     # rank: every record is checked (a bad one refuses the launch at its file:line); --dry-run says
     # whether the cache is warm, else how long building it would take
     data_lines, _ = _located(resolved, lambda: data_prep.prepare_data(

@@ -18,11 +18,11 @@ from dataclasses import asdict, dataclass, field
 from jobspec import optimizers
 from jobspec.errors import spec_error
 from jobspec.export.rules import resolve_dtype
-from jobspec.memory import host_memory
+from jobspec.memory import host_ram as host_memory
 from jobspec.memory.gpu_overheads import ContextFigure, cuda_context
+from jobspec.memory.model_profile import Inventory
 from jobspec.memory.ulysses_buffers import all_to_all_bytes
 from jobspec.spec.derived import PRECISION_BYTES, DerivedJob, zero_bucket_sizes
-from jobspec.spec.model_profile import Inventory
 from jobspec.spec.types import (
     JobSpec,
     JobSpecMemory,
@@ -184,7 +184,7 @@ def plan_memory(spec: JobSpec, job: DerivedJob, *, budget: int | None = None,
                          "gathered_parameters", "activations", "embeddings_activations", "logits_and_loss",
                          "zero_buffers", "dequantized_weight", "all_to_all_buffers",
                          "gradients_at_peak"), 0)
-    # the process, then the model as this rank builds it (memory/host_memory.py); offload buffers and workers below
+    # the process, then the model as this rank builds it (memory/host_ram.py); offload buffers and workers below
     host = {"runtime": host_memory.RUNTIME_BYTES,
             "construction": host_memory.construction_bytes(inventory, stage, world, lp)}
     nvme = 0
@@ -318,7 +318,7 @@ OFFLOAD_KEPT = 1   # DeepSpeed CheckpointHiddenStatesOffload's keep_last_count: 
 
 def offloaded_activation_bytes(spec: JobSpec, job: DerivedJob) -> int:
     """Pinned host bytes of `activation_checkpointing.offload: cpu` on one rank: one pinned buffer
-    (power-of-2 rounded, memory/host_memory.pinned_bytes) per checkpointed layer's input but the newest, each
+    (power-of-2 rounded, memory/host_ram.pinned_bytes) per checkpointed layer's input but the newest, each
     micro-batch x this rank's share of the sequence x hidden size in the working precision."""
     setting = spec["memory"]["activation_checkpointing"]
     hidden = job.profile.inventory.hidden_size if job.profile is not None else None
@@ -359,7 +359,7 @@ def weight_bytes(inventory: Inventory, lp: int, quantization: JobSpecModelQuanti
 def _offload_extras(inventory: Inventory, memory: JobSpecMemory, stage: int, world: int, lp: int, opt_states: int,
                     accumulation: int, nvme: bool) -> dict[str, int]:
     """The optimizer offload's host buffers beyond master, states, fp32 gradients and stage 1/2's
-    transfer buffer (`offloaded_optimizer`): see memory/host_memory.offload_terms for the DeepSpeed code."""
+    transfer buffer (`offloaded_optimizer`): see memory/host_ram.offload_terms for the DeepSpeed code."""
     trainable = [(shape, math.prod(shape)) for _, shape, train in inventory.tensors if train]
     # jobspec's two parameter groups (train/patches.parameter_groups): weight-decayed matrices, then the
     # undecayed norms and biases (1-D); ZeRO-3 forms sub-groups within each group

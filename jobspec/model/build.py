@@ -178,7 +178,7 @@ def tokenizer_token_ids(spec: JobSpec, tokenizer=None) -> dict[str, int | None]:
     if tokenizer is not None:
         return {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
                 "pad_token_id": tokenizer.pad_token_id}
-    from jobspec.spec.tokenizer_files import read_tokenizer, tokenizer_name
+    from jobspec.data.tokenizer_files import read_tokenizer, tokenizer_name
 
     name = tokenizer_name(spec)
     try:

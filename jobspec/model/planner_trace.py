@@ -8,7 +8,7 @@ compute) and runs one training step with the job's micro-batch, sequence length,
 stand-in for SDPA). The parameter inventory comes from the same meta model.
 
 Speed: a traced op costs ~0.1-0.3 ms. Layers are traced in short units and composed
-(`spec.model_profile.compose`, exact: tests/model/test_trace.py), micro-batches above 2 are
+(`memory.model_profile.compose`, exact: tests/model/test_trace.py), micro-batches above 2 are
 extrapolated from 1 and 2 (`step.extrapolate`, exact), long sequences are interpolated from
 three short ones (`model/lengths.py`, exact: tests/model/test_length_interpolation.py; the tiled
 loss and MLP run more tiles, so more ops, at longer lengths), and unit traces are cached in-process
@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from jobspec.errors import SpecError, first_line, spec_error
+from jobspec.memory.model_profile import Inventory, ModelProfile, UnitTrace, compose, layer_types
 from jobspec.model.lengths import LENGTH_QUANTUM, Interpolation, TileRules, basis_lengths
 from jobspec.model.step import extrapolate, mask_of, run_step, summarize
-from jobspec.spec.model_profile import Inventory, ModelProfile, UnitTrace, compose, layer_types
 from jobspec.spec.types import JobSpec, JobSpecMemory
 
 TRACE_VERSION = 6   # bump when what a trace measures changes: old cache entries are not read

@@ -24,11 +24,11 @@ import weakref
 from typing import Any
 
 from jobspec import tasks
+from jobspec.memory.model_profile import REGIONS, UnitTrace
 from jobspec.model.activation_offload import OFFLOAD_ATTRIBUTE
 from jobspec.model.kernels import dropout_stand_in, mask_skip_stand_in, sdpa_stand_in
 from jobspec.model.lengths import ALLOCATOR_ROUND, storage_shape, tile_loops
 from jobspec.model.padding_mask import PACKED, PADDING, trace_mask
-from jobspec.spec.model_profile import REGIONS, UnitTrace
 from jobspec.spec.types import JobSpec
 from jobspec.tasks.base import CLASS, TOKEN_CLASS
 
@@ -240,7 +240,7 @@ def summarize(timeline: dict) -> UnitTrace:
     blocks), phase by phase (`UnitTrace`), with each region's live bytes at each phase's peak; twice:
     each gradient leaving the count as it lands in `.grad` (PHASES), and every gradient kept, in the
     "gradients" region from then on (GRADIENT_PHASES)."""
-    from jobspec.spec.model_profile import GRADIENT_PHASES, PHASES, Phase
+    from jobspec.memory.model_profile import GRADIENT_PHASES, PHASES, Phase
 
     codes = timeline["regions"]
     backward = timeline["backward"]

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from jobspec.errors import SpecError, spec_error
+from jobspec.memory.model_profile import ModelProfile
 from jobspec.spec.model_dims import ModelDims, model_dims
-from jobspec.spec.model_profile import ModelProfile
 from jobspec.spec.types import (
     JobSpec,
     JobSpecMemoryActivationCheckpointing,

@@ -9,7 +9,7 @@ import csv
 from pathlib import Path
 from typing import Any, Callable
 
-from jobspec.data.data_format import data_format, source_kind
+from jobspec.data.formats import data_format, source_kind
 from jobspec.errors import spec_error
 from jobspec.spec.derived import DerivedJob, derive
 from jobspec.spec.model_dims import read_local_config

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any, cast
 
 from jobspec import optimizers
-from jobspec.data import datacheck
-from jobspec.data.data_format import HF_PREFIX, is_hub_name
+from jobspec.data import record_checks
+from jobspec.data.formats import HF_PREFIX, is_hub_name
 from jobspec.errors import SpecError, SpecIssue, close_choices, did_you_mean
 from jobspec.export import rules as export_rules
 from jobspec.spec.freeform import freeform_issues
@@ -143,7 +143,7 @@ def validate_spec(loaded: LoadedSpec) -> ResolvedSpec:
 def _rule_issues(resolved: ResolvedSpec) -> list[SpecIssue]:
     """The checks after the schema, in order, each on a spec the ones before it passed: defaults
     filled and the cross-field rules, paths resolved and the system locations, every record of the
-    local data files (data/datacheck: each bad one at its file:line, up to 20 a file). `resolved`
+    local data files (data/record_checks: each bad one at its file:line, up to 20 a file). `resolved`
     becomes the resolved spec; [] when all pass."""
     resolved.spec = filled_spec(resolved.spec)
     model_type.fill_attention(resolved)   # left out: the best the model supports (sdpa, else eager)
@@ -154,7 +154,7 @@ def _rule_issues(resolved: ResolvedSpec) -> list[SpecIssue]:
     issues = system_location_issues(resolved)
     if issues:
         return issues
-    issues = coded(datacheck.record_issues(resolved.spec), "data-record")
+    issues = coded(record_checks.record_issues(resolved.spec), "data-record")
     return resolved.locate(SpecError(issues)).issues if issues else []
 
 

@@ -42,8 +42,8 @@ from pathlib import Path
 
 from jobspec import rundir
 from jobspec.data.chat_render import generation_prompt_ids
-from jobspec.data.data_format import source_kind
-from jobspec.data.datacheck import record_kind
+from jobspec.data.formats import source_kind
+from jobspec.data.record_checks import record_kind
 from jobspec.errors import first_line, spec_error
 from jobspec.spec.types import JobSpec, JobSpecData, JobSpecTrainingEvalGenerate
 
@@ -131,7 +131,7 @@ def source_records(spec: JobSpec) -> list:
     if kind in ("text", "text_dir"):
         raise spec_error("text records have no prompt and answer to generate from", path=(*FIELD, "prompts"),
                          hint="give a prompts file, or evaluate on chat or prompt/completion records")
-    from jobspec.data.hf_data import load_table
+    from jobspec.data.hf_datasets import load_table
     table = load_table(spec, "eval", kind)
     records = record_kind(data, table.column_names)
     if records == "text":

@@ -7,7 +7,7 @@ later (the ranks' loaders, the model build) or crash on:
   packed sequence) or `data.synthetic.seq_len` longer than the model's learned position table
   (spec/model_dims.py; RoBERTa-style models lose `pad_token_id + 1` positions to their offset);
 - `data-format`: a data file whose format `data.format: auto` cannot tell from its extension
-  (data/data_format.py); `hf:` datasets have none;
+  (data/formats.py); `hf:` datasets have none;
 - `tokenizer-path`: a `data.tokenizer` written as a path that does not exist;
 - `tokenizer-files`: a local tokenizer whose tokenizer.json or tokenizer_config.json does not parse;
 - `tokenizer-vocab`: a tokenizer with more tokens than the model's vocabulary (`model.config`);
@@ -20,7 +20,7 @@ later (the ranks' loaders, the model build) or crash on:
 
 A local tokenizer directory is read as JSON (tokenizer.json, tokenizer_config.json): no transformers.
 What needs transformers (a hub tokenizer, a tokenizer without tokenizer.json) is checked by
-plan, compile and `jobspec launch` before any rank starts (data/data_preflight.tokenizer_issues), `--dry-run` included.
+plan, compile and `jobspec launch` before any rank starts (data/preflight.tokenizer_issues), `--dry-run` included.
 Pure: no torch, no transformers; jinja2 only when a template is checked.
 """
 from __future__ import annotations
@@ -30,13 +30,13 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from jobspec.data.data_format import data_format
+from jobspec.data.formats import data_format
+from jobspec.data.tokenizer_files import TokenizerFacts, TokenizerFileError, read_tokenizer, tokenizer_name
 from jobspec.errors import SpecError, SpecIssue
 from jobspec.spec import model_table
 from jobspec.spec.freeform import local_checkpoint_config
 from jobspec.spec.loader import SET_FILE
 from jobspec.spec.model_dims import PADDING_OFFSET_POSITIONS, ModelDims, model_dims
-from jobspec.spec.tokenizer_files import TokenizerFacts, TokenizerFileError, read_tokenizer, tokenizer_name
 
 if TYPE_CHECKING:
     from jobspec.spec.validation import ResolvedSpec
@@ -198,7 +198,7 @@ def format_issues(r: ResolvedSpec) -> list[SpecIssue]:
 
 def first_record(r: ResolvedSpec, split: str = "train") -> dict | None:
     """The first record of a local jsonl data file (one line read), or None (another format, no file,
-    not JSON: the datacheck at launch reports those with their line)."""
+    not JSON: the record checks at launch report those with their line)."""
     data = r.spec["data"]
     value = data.get(split)
     if not isinstance(value, str) or value.startswith(HF_PREFIX) or "\0" in value:

@@ -1,11 +1,11 @@
 """Where the training and evaluation data come from: synthetic tokens or files, exactly one; evaluation
 files only beside training files; a tokenizer for file data and a fresh model; data files and
-directories that exist and hold data. (What the data holds is spec/rules/data's and data/datacheck's.)"""
+directories that exist and hold data. (What the data holds is spec/rules/data's and data/record_checks's.)"""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from jobspec.data.data_format import is_hub_name, is_saved_dataset, text_files
+from jobspec.data.formats import is_hub_name, is_saved_dataset, text_files
 from jobspec.errors import SpecIssue
 from jobspec.spec.rules.base import exists, local_path
 

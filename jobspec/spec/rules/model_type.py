@@ -17,11 +17,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from jobspec import tasks
+from jobspec.data.tokenizer_files import TokenizerFileError, read_tokenizer, tokenizer_name
 from jobspec.errors import SpecIssue
 from jobspec.spec import model_table
 from jobspec.spec.freeform import local_checkpoint_config
 from jobspec.spec.rules.base import local_path
-from jobspec.spec.tokenizer_files import TokenizerFileError, read_tokenizer, tokenizer_name
 
 if TYPE_CHECKING:
     from jobspec.spec.validation import ResolvedSpec

@@ -1,7 +1,7 @@
 """Records as a `datasets.Dataset`: a local jsonl/csv/parquet file, a dataset by name, a saved dataset.
 
 - a file: `datasets.load_dataset(<builder>, data_files=...)`; a row it cannot read is named by file
-  and line (jobspec.data.datacheck scans the file for it);
+  and line (jobspec.data.record_checks scans the file for it);
 - `hf:org/name`: `datasets.load_dataset(name, data.subset, split=data.train_split / data.eval_split)`,
   through the Hugging Face cache; offline (HF_DATASETS_OFFLINE=1 or HF_HUB_OFFLINE=1) it reads the
   cache only, as datasets does. `hf:` followed by a local directory (relative to the spec file) loads
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from jobspec.data import datacheck
-from jobspec.data.data_format import HF_PREFIX, is_saved_dataset, split_source
+from jobspec.data import record_checks
+from jobspec.data.formats import HF_PREFIX, is_saved_dataset, split_source
 from jobspec.errors import first_line, spec_error
 from jobspec.spec.types import JobSpec
 
@@ -22,7 +22,7 @@ DATASETS_BUILDER = {"jsonl": "json", "csv": "csv", "parquet": "parquet"}  # data
 
 
 def load_table(spec: JobSpec, split: str, kind: str):
-    """`data.<split>` as a datasets.Dataset; `kind` is datacheck's source kind (a file format, hub, saved)."""
+    """`data.<split>` as a datasets.Dataset; `kind` is record_checks' source kind (a file format, hub, saved)."""
     data = spec["data"]
     source = split_source(data, split)
     if kind == "hub":
@@ -44,7 +44,7 @@ def _file(spec: JobSpec, split: str, path: str, fmt: str):
     try:
         return datasets.load_dataset(DATASETS_BUILDER[fmt], data_files=str(path), split="train")
     except Exception as err:  # datasets raises many types for unreadable files
-        raise datacheck.locate_error(spec, split) or datacheck.unreadable(spec, split, fmt, err) from None
+        raise record_checks.locate_error(spec, split) or record_checks.unreadable(spec, split, fmt, err) from None
 
 
 def _saved(spec: JobSpec, split: str, path: str):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from jobspec.data.data_format import TEXT_SUFFIXES, source_kind, split_source, text_files
+from jobspec.data.formats import TEXT_SUFFIXES, source_kind, split_source, text_files
 from jobspec.errors import spec_error
 from jobspec.spec.types import JobSpec
 from jobspec.tasks.base import MASKED_TOKENS, NEXT_TOKENS

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 
-from jobspec.spec.model_profile import Inventory
+from jobspec.memory.model_profile import Inventory
 from jobspec.units import MiB
 
 # A rank's process before any tensor: the interpreter with torch, transformers and DeepSpeed imported
@@ -35,7 +35,7 @@ RUNTIME_BYTES = 1024 * MiB
 # bench/host_memory.py measured 12 MiB USS per worker after 50 batches of 8 x 512 tokens.
 DATALOADER_WORKER_BYTES = 32 * MiB
 # The training data a rank holds per sample: the records are memory-mapped from the data cache
-# (jobspec/data/data_cache.py; their pages are file-backed, shared by the node's ranks through the page
+# (jobspec/data/cache.py; their pages are file-backed, shared by the node's ranks through the page
 # cache and reclaimable, so not counted here), but the sampler's shuffled index list is a Python int
 # and a pointer per sample (49 B measured for 10^6 samples, DistributedSampler on 2 ranks), beside the
 # entry's offsets (8 B); packing adds the lengths, their sort and the bins (183 B per sample at its peak,

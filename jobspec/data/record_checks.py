@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from jobspec import tasks
-from jobspec.data.data_format import TEXT_SUFFIXES, data_format, source_kind, split_source, text_files
+from jobspec.data.formats import TEXT_SUFFIXES, data_format, source_kind, split_source, text_files
 from jobspec.errors import SpecError, SpecIssue, did_you_mean, first_line, spec_error
 from jobspec.spec.types import JobSpec, JobSpecData
 from jobspec.units import MiB, fmt_bytes_any_unit
@@ -447,7 +447,7 @@ class RecordChecker:
     """The checks of one data record: its columns (or chat messages, or prompt and completion) and label
     values, with what earlier records established (`records: auto` decided by the first, the label
     kind, the label names seen). Torch-free; `problem(where, record)` is the importable entry point
-    (validate's full read here; the data preparation pass, data/data_prep, checks records the same way)."""
+    (validate's full read here; the data preparation pass, data/prepare, checks records the same way)."""
 
     def __init__(self, columns: Columns, split: str):
         self.columns, self.split = columns, split

@@ -1,6 +1,6 @@
 """The data checks that need transformers, made by `jobspec launch` (and `--dry-run`) before any rank starts.
 
-`jobspec validate` reads a local tokenizer directory as JSON (spec/rules/data.py) and data/datacheck.py
+`jobspec validate` reads a local tokenizer directory as JSON (spec/rules/data.py) and data/record_checks.py
 checks the records' shape without a tokenizer. What is left needs the tokenizer transformers loads, and
 would otherwise be found by every rank after DeepSpeed started:
 
@@ -20,13 +20,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jobspec import library_log
-from jobspec.data import datacheck
-from jobspec.data.data_format import source_kind, split_source
+from jobspec.data import record_checks
+from jobspec.data.formats import source_kind, split_source
+from jobspec.data.tokenizer_files import TokenizerFileError, read_tokenizer, tokenizer_name
 from jobspec.errors import SpecError, SpecIssue, first_line
 from jobspec.spec.freeform import local_checkpoint_config
 from jobspec.spec.model_dims import model_dims
 from jobspec.spec.rules.data import vocab_issue
-from jobspec.spec.tokenizer_files import TokenizerFileError, read_tokenizer, tokenizer_name
 from jobspec.spec.types import JobSpec
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ def tokenizer_issues(r: ResolvedSpec) -> list[SpecIssue]:
         facts = read_tokenizer(name)
     except TokenizerFileError:   # validate reported it (tokenizer-files)
         return []
-    kinds = {split: _record_kind(spec, split) for split in datacheck.SPLITS if spec["data"].get(split)}
+    kinds = {split: _record_kind(spec, split) for split in record_checks.SPLITS if spec["data"].get(split)}
     templated = {split: kind for split, kind in kinds.items() if kind in ("chat", "prompt_completion")}
     if facts is not None and not templated:
         return []   # validate read everything there is to check
@@ -84,7 +84,7 @@ def _record_kind(spec: JobSpec, split: str) -> str | None:
     rows = _first_rows(spec, split, 1)
     if rows is None:
         return None
-    return datacheck.record_kind(data, rows[0][1].keys()) if rows else None
+    return record_checks.record_kind(data, rows[0][1].keys()) if rows else None
 
 
 def _first_rows(spec: JobSpec, split: str, limit: int) -> list[tuple[int, dict]] | None:
@@ -103,7 +103,7 @@ def _first_rows(spec: JobSpec, split: str, limit: int) -> list[tuple[int, dict]]
             batch = next(pq.ParquetFile(source).iter_batches(batch_size=limit), None)
             return list(enumerate(batch.to_pylist())) if batch is not None else []
     except (OSError, ValueError, SpecError, StopIteration):
-        return None   # the datacheck reports unreadable files with their line
+        return None   # the record checks report unreadable files with their line
     return None
 
 
@@ -123,8 +123,8 @@ def _render_problem(spec: JobSpec, split: str, kind: str, tokenizer, template: s
     for index, row in _first_rows(spec, split, RENDER_ROWS) or []:
         if kind == "chat":
             written = row.get(data["messages_field"])
-            if not isinstance(written, list) or datacheck.messages_problem(written, data["messages_field"]):
-                return None   # the datacheck reported the record's shape
+            if not isinstance(written, list) or record_checks.messages_problem(written, data["messages_field"]):
+                return None   # the record checks reported the record's shape
             messages = [{"role": m["role"], "content": m["content"]} for m in written]   # parquet adds null keys
         else:
             prompt, completion = row.get(data["prompt_field"]), row.get(data["completion_field"])
@@ -134,7 +134,7 @@ def _render_problem(spec: JobSpec, split: str, kind: str, tokenizer, template: s
         try:
             _render_like_the_ranks(tokenizer, template, messages)
         except Exception as err:  # noqa: BLE001 - jinja2's errors, TemplateError from raise_exception, TypeError
-            where = datacheck.row_location(split_source(data, split), data["format"], index)
+            where = record_checks.row_location(split_source(data, split), data["format"], index)
             source = "data.chat_template" if data.get("chat_template") else "the tokenizer's chat template"
             return (f"{where}: the chat template failed on this record: {first_line(err)}",
                     f"fix the record, or the template ({source})")

@@ -1,10 +1,10 @@
 """The data preparation pass: chat and prompt/completion records tokenised once, in parallel, into the
-tokenised-data cache (jobspec/data/data_cache.py), which the ranks memory-map.
+tokenised-data cache (jobspec/data/cache.py), which the ranks memory-map.
 
 `jobspec launch` runs it before any rank starts (`jobspec prepare JOB` ahead of time); a rank that
 finds no entry (a worker started by hand) builds it under a file lock while the other ranks wait.
 The pass is also the full data check: every record is read, checked (its fields, the chat messages'
-shape: data/datacheck.messages_problem), rendered with the chat template and tokenised; every bad
+shape: data/record_checks.messages_problem), rendered with the chat template and tokenised; every bad
 record is reported at its file:line (MAX_REPORTED of them, then a count), exit 2, before any rank
 starts and before anything is written into the cache.
 
@@ -29,13 +29,14 @@ from pathlib import Path
 
 import numpy as np
 
-from jobspec.data import chat_render, data_cache, datacheck
+from jobspec.data import cache as data_cache
+from jobspec.data import chat_render, record_checks
 from jobspec.data.chat_render import RecordError, RecordText, chat_template, check_template, encode
-from jobspec.data.data_format import source_kind, split_source
+from jobspec.data.formats import source_kind, split_source
 from jobspec.data.record_sources import TABLE_KINDS, Source, source_for
+from jobspec.data.tokenizer_files import tokenizer_name
 from jobspec.errors import SpecError, SpecIssue, spec_error
 from jobspec.memory.plan_cache import digest, path_state, read_entry, write_entry
-from jobspec.spec.tokenizer_files import tokenizer_name
 from jobspec.spec.types import JobSpec
 from jobspec.tasks.base import IGNORE_INDEX
 from jobspec.units import MiB
@@ -62,12 +63,12 @@ def cached_kind(spec: JobSpec, split: str) -> str | None:
     fields = source_for(spec, split, kind).fields()
     if fields is None:
         return None
-    records = datacheck.record_kind(data, fields)
+    records = record_checks.record_kind(data, fields)
     return records if records in ("chat", "prompt_completion") else None
 
 
 def cached_splits(spec: JobSpec) -> list[str]:
-    return [split for split in datacheck.SPLITS if cached_kind(spec, split)]
+    return [split for split in record_checks.SPLITS if cached_kind(spec, split)]
 
 
 @dataclass

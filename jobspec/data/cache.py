@@ -48,7 +48,7 @@ SAMPLE_BLOCKS = 16
 SAMPLE_BLOCK = 1 * MiB
 ARRAYS = {"input_ids": np.int32, "labels": np.int32, "offsets": np.int64}
 # jobspec/job/'s modules whose bytes are the code version: a change to how records become tokens
-CODE_MODULES = ("chat_render.py", "data_prep.py", "record_sources.py", "data_cache.py")
+CODE_MODULES = ("chat_render.py", "prepare.py", "record_sources.py", "cache.py")
 # a pass being written: its parts, appended chunk by chunk, and its last checkpoint
 PARTIAL_PREFIX = ".partial-"
 PARTS = {"input_ids": np.int32, "labels": np.int32, "lengths": np.int64}
@@ -163,7 +163,7 @@ class EntryWriter:
     the pass's state so far); `commit` renames it into place. A pass stopped by Ctrl-C leaves it
     (`keep`): the next writer of the key whose `resume` token matches goes on after its last
     checkpoint (`resumed`: that state), the bytes written after it cut off; any other starts anew.
-    One writer per key at a time (data/data_prep's build lock)."""
+    One writer per key at a time (data/prepare's build lock)."""
 
     def __init__(self, key: str, root: Path | None = None, resume: str = ""):
         self.root = root or cache_root()
