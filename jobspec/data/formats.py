@@ -5,6 +5,7 @@ A data source (`data.train`, `data.eval`) is a file, a directory of text files, 
 """
 from __future__ import annotations
 
+import csv
 from pathlib import Path
 
 from jobspec.errors import spec_error
@@ -80,3 +81,21 @@ def text_files(directory: str | Path, fmt: str = "auto") -> list[Path]:
         if fmt == "text" or path.suffix.lower() in TEXT_SUFFIXES:
             found.append(path)
     return found
+
+
+def count_rows(path: str | Path, fmt: str = "auto") -> int:
+    """Training samples in a jsonl/csv/parquet file (rows; blank jsonl lines and the csv header excluded)."""
+    path = Path(path)
+    fmt = data_format(path, fmt)
+    try:
+        if fmt == "jsonl":
+            with path.open("rb") as f:
+                return sum(1 for line in f if line.strip())
+        if fmt == "csv":
+            with path.open(newline="", encoding="utf-8") as f:
+                return max(0, sum(1 for _ in csv.reader(f)) - 1)  # csv.reader: quoted newlines stay one row
+        import pyarrow.parquet as pq  # only for parquet data; metadata holds the row count
+        return int(pq.ParquetFile(path).metadata.num_rows)
+    except (OSError, UnicodeDecodeError, csv.Error, ValueError, ImportError) as err:
+        raise spec_error(f"cannot count the rows of {path}: {err}", path=("data", "train"),
+                         hint="check the file and data.format") from None

@@ -57,7 +57,7 @@ def data_rule_issues(r: ResolvedSpec) -> list[SpecIssue]:
 
 def epochs_issues(r: ResolvedSpec) -> list[SpecIssue]:
     """`training.epochs` needs the number of training samples before anything starts (the schedule,
-    the steps): a jsonl/csv/parquet file's rows are counted (spec/inputs.count_rows); a dataset by name,
+    the steps): a jsonl/csv/parquet file's rows are counted (data/formats.count_rows); a dataset by name,
     a saved dataset or text (cut into blocks only by the tokenizer) has no count to read here."""
     s = r.spec
     train = s["data"].get("train")
