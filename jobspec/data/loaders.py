@@ -124,7 +124,7 @@ def data_params(*datasets) -> dict:
     `no_answer`, `cache_mib`) of the datasets read from the data cache (a packed one through its samples)."""
     params: dict = {}
     for dataset in datasets:
-        dataset = getattr(dataset, "dataset", dataset)   # packing.LazyPackedDataset: its samples
+        dataset = getattr(dataset, "dataset", dataset)   # sample_packing.LazyPackedDataset: its samples
         if isinstance(dataset, CachedDataset):
             params.update(data_prep.data_counts(dataset.cached))
     return params

@@ -9,7 +9,7 @@ would otherwise be found by every rank after DeepSpeed started:
   `model.config`) and, for chat records, that it has a chat template (`chat-template`);
 - chat and prompt/completion records rendered with the chat template on the first RENDER_ROWS records,
   with the renders the ranks make (the whole conversation, and each assistant turn's prefix with the
-  generation prompt and the conversation through it: train/chat_data.Renderer), so a template that
+  generation prompt and the conversation through it: data/chat_render.Renderer), so a template that
   fails on a record (`raise_exception`, an undefined name) is reported at the record's file:line.
 """
 from __future__ import annotations

@@ -25,7 +25,8 @@ from jobspec.spec.loader import dotted_leaves
 from jobspec.spec.types import JobSpec
 
 # Fields (dotted prefixes) that do not change what is trained: never in the fingerprint. A change to
-# them is still recorded when a run continues (lineage.record_changes), as is every other change.
+# them is still recorded when a run continues (the lineage's `recorded` changes, a new segment of
+# launch/ownership.write_owner), as is every other change.
 FREE = (
     "name", "description", "extends", "output_dir",
     "model.attention", "model.compile",                      # kernels, not math

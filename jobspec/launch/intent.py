@@ -17,9 +17,9 @@ from jobspec import rundir
 from jobspec.launch import ownership
 from jobspec.spec.types import JobSpec
 
-LATEST = "latest"                       # checkpointing.LATEST
+LATEST = "latest"                       # checkpoint/save_load.LATEST
 MANIFEST = "jobspec_manifest.json"      # checkpoint/save_load.MANIFEST
-STEP_TAG = re.compile(r"^step(\d+)$")   # checkpointing.tag_for
+STEP_TAG = re.compile(r"^step(\d+)$")   # checkpoint/save_load.tag_for
 
 
 @dataclass(frozen=True)

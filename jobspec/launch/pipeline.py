@@ -18,7 +18,7 @@
                    launch.py; several: its runner; inside Slurm: srun, one runner per node)
     write          rundir.write_compiled (spec.yaml ... launch.json, `plan`/`fit` included, command.txt =
                    the argv that runs); launcher.json
-    header         report/console.header_lines: job, model, settings, hardware, memory plan vs device
+    header         launch/console.header_lines: job, model, settings, hardware, memory plan vs device
     supervise      launch/supervise.run: ranks run, output to launcher.log, the terminal gets what
                    launch/quiet.TerminalFilter keeps (all of it with --verbose)
     track          launch/tracking.BackgroundTracking, while the runner starts: the MLflow run

@@ -327,7 +327,7 @@ def step_time(spec: JobSpec, job: DerivedJob) -> float:
     if job.hardware_flops_per_token is None:
         # set whenever the job has a profile, which plan_memory above requires
         raise ValueError("step_time needs the model's traced FLOPs")
-    flops = job.hardware_flops_per_token * tokens   # checkpoint recompute included (jobspec.spec.flops)
+    flops = job.hardware_flops_per_token * tokens   # checkpoint recompute included (the traced profile's)
     efficiency = tokens / (tokens + HALF_SATURATION_TOKENS)
     compute = flops / (EFFECTIVE_FLOPS[memory["precision"]] * efficiency)
     lp = job.precision_bytes

@@ -1,9 +1,10 @@
 """Throughput and memory measurements: tokens, peak FLOP/s per device, memory readings.
 
-FLOPs per trained token come from the derived job (jobspec.spec.flops, checked against torch's
-FLOP counter); this module holds what needs the running process: token counts, the device's
-datasheet peak for MFU, allocator/NVML/RSS memory readings and their cross-rank maximum. torch is
-imported inside the functions that need it, so the peak table can be used without it.
+FLOPs per trained token come from the derived job (the model's traced profile: torch's FLOP
+counter, memory/model_profile.ModelProfile); this module holds what needs the running process:
+token counts, the device's datasheet peak for MFU, allocator/NVML/RSS memory readings and their
+cross-rank maximum. torch is imported inside the functions that need it, so the peak table can be
+used without it.
 """
 from __future__ import annotations
 
