@@ -239,7 +239,7 @@ def import_deepspeed(without_mlflow: bool = True):
     jobspec never runs DeepSpeed's autotuner, and importing MLflow costs ~1.7 s of CPU per process
     (docs/benchmarks.md), paid by DeepSpeed's launch.py and by every rank before its first step. A
     `None` in sys.modules makes that one import fail (the autotuner then sets `has_mlflow = False`);
-    it is removed at once, so MLflow stays importable. A node's local rank 0 imports it as before
+    it is removed at once, so MLflow stays importable. A node's local rank 0 imports it with DeepSpeed
     (`without_mlflow=False`): it needs MLflow anyway (system metrics, rank 0's metric sink), and
     importing it there beside the model build would only move the cost. Nothing changes when
     DeepSpeed or MLflow is already imported."""

@@ -14,7 +14,7 @@ worker; row ranges of a table `datasets` loads: csv, parquet, `hf:` names, saved
 them in one batched call of the fast tokenizer. The parent writes the chunks' arrays in order.
 
 Records longer than `max_length` are truncated (one line: how many, and the longest). Every record
-stays a sample, as it was before the cache (the derived job counts a file's rows as its samples):
+stays a sample (the derived job counts a file's rows as its samples):
 those with no answer token left within `max_length` are counted (`no_answer`: they add no loss).
 """
 from __future__ import annotations

@@ -134,7 +134,8 @@ def header_lines(spec: JobSpec, job, memory, host, patches: list, *, style: bool
                      "such a launch.")
     described = [patch_text(p) for p in patches]
     if not optimizers.get(spec["training"]["optimizer"]["name"]).built_by_deepspeed:
-        # the ranks build it (train/patches.client_optimizer): said where its patch used to be
+        # the ranks build it (train/patches.client_optimizer): listed among the patches, before
+        # parameter_groups, lora and torch_compile
         later = [i for i, p in enumerate(patches) if p["name"] in ("parameter_groups", "lora", "torch_compile")]
         described.insert(later[0] if later else len(described),
                          f"optimizer {spec['training']['optimizer']['name']}, built by jobspec")

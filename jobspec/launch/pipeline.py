@@ -303,7 +303,7 @@ def launch_checks(resolved) -> None:
 
 
 def quantization_check(resolved) -> None:
-    """`model.quantization` that bitsandbytes' backend cannot run on this host's CPU ranks (issue 25):
+    """`model.quantization` that bitsandbytes' backend cannot run on this host's CPU ranks:
     validate only sees that the package is installed, and every rank would otherwise find it after
     DeepSpeed started. The same one-block quantisation the ranks try (model/quantize.bitsandbytes_problem),
     made here only where the ranks run on CPU: on a GPU host this launcher quantising on the CPU would

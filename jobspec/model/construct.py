@@ -1,7 +1,7 @@
-"""How a rank constructs its model: in the training dtype, and partitioned under ZeRO-3 (issue 26).
+"""How a rank constructs its model: in the training dtype, and partitioned under ZeRO-3.
 
-Before, every rank built the whole model in fp32 on the host and DeepSpeed partitioned it only in
-`deepspeed.initialize`: a 70B model meant 280 GB of host memory per rank before the first step.
+A model built whole in fp32 on the host and partitioned only in `deepspeed.initialize` would take
+280 GB of host memory per rank for a 70B model before the first step.
 
 - **ZeRO-3**: the model is created inside DeepSpeed's `zero.Init`, which partitions each module's
   parameters as soon as the module is built, so a rank holds its partition (Ψ/world elements in the

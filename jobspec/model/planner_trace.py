@@ -425,7 +425,7 @@ def tiling_setting(memory: JobSpecMemory) -> tuple:
 
 
 def _tiling_key(tiling: tuple) -> tuple:
-    """Nothing for an untiled trace: its cache entries stay the ones traced before tiling existed."""
+    """Nothing for an untiled trace: its cache key is the one a trace without tiling settings has."""
     return () if tuple(tiling) == NO_TILING else ("tiling", *tiling)
 
 

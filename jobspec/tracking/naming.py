@@ -12,7 +12,7 @@ reads to open it as model training (runs, metrics, system metrics) instead of gu
 experiment and showing its "Evaluation runs". An experiment that already says what it is keeps it.
 MLflow 3.17's UI puts a global GenAI / Model training switch above that (the URL's `workflowType`,
 else the browser's last choice, GenAI by default): the run link jobspec prints carries
-`?workflowType=machine_learning` (launch/console.mlflow_open; checked in a browser, issue 37).
+`?workflowType=machine_learning` (launch/console.mlflow_open; checked in a browser).
 """
 from __future__ import annotations
 

@@ -5,9 +5,9 @@ offload on any accelerator) keeps beta1^t and beta2^t for the bias correction as
 products: each step multiplies them by beta once (`Adam_Optimizer::IncrementStep`, cpu_adam.h).
 A fresh process resuming at step t+1 has no product yet and takes `std::pow(beta, t+1)` instead,
 which differs from the product in the last bit for most t (for beta2 = 0.999 from t = 3 on), so
-every update after a resume came out a few ULPs off and the losses drifted (issue 13: up to 2.2e-5
+without a replay every update after a resume is a few ULPs off and the losses drift (up to 2.2e-5
 relative after a resume at step 222). The checkpoint restores every tensor exactly; only this
-hidden C++ state was lost.
+hidden C++ state is not in it.
 
 `replay(optimizer)` rebuilds it: after a checkpoint is loaded it makes the same C++ object take
 steps 1..t on a 1-element scratch tensor, so the products are formed exactly as the uninterrupted

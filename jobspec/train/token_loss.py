@@ -15,11 +15,11 @@ sequence parallelism each rank counts its own shard's labels), and back-propagat
 `backward_scale`, which undoes DeepSpeed's averaging of the gradients over the data-parallel ranks
 (`engine.backward(..., scale_wrt_gas=False)` skips its 1/accumulation): the accumulated, averaged
 gradient is then exactly the gradient of loss(step). fp16 loss scaling and gradient clipping act on
-that gradient as before.
+that gradient unchanged.
 
 The summed loss of a micro-batch is the model's own loss (the head's: cross-entropy with its shift and
 -100s, or MSE/BCE by `problem_type`; a tiled loss's sum) times the labelled tokens it averaged over:
-the model and the planner's trace run exactly what they ran before, and mean x count is the sum to
+the model and the planner's trace run the model's own loss unchanged, and mean x count is the sum to
 within one rounding of fp32 (summing in another order than the model would differ by as much).
 """
 from __future__ import annotations

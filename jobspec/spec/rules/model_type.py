@@ -1,5 +1,5 @@
 """The rules that read the generated entry of the job's model type (spec/model_table), for every type
-transformers registers, without importing it: validate finds here what --dry-run used to find alone.
+transformers registers, without importing it: validate finds here what --dry-run finds by building the model.
 
 Rule codes:
   model-task-head     the model type has no head for `model.task` (transformers' auto class lacks it)
