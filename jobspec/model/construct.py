@@ -91,7 +91,10 @@ def without_transformers_zero3() -> Iterator[None]:
     if "transformers.integrations.deepspeed" not in sys.modules:
         yield   # no ZeRO-3 config of transformers' can be live; jobspec's MLP needs no transformers
         return
-    from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
+    from transformers.integrations.deepspeed import (
+        set_hf_deepspeed_config,
+        unset_hf_deepspeed_config,
+    )
 
     unset_hf_deepspeed_config()
     try:

@@ -20,9 +20,12 @@ def derive_job(spec: JobSpec, profiler: Callable[..., Any] | None = None) -> Der
     config_json = read_local_config(spec["model"]["name_or_path"])
     num_train_samples = None
     if spec["training"]["max_steps"] is None and spec["data"]["train"] \
-            and source_kind(spec["data"]["train"], spec["data"]["format"]) in ("jsonl", "csv", "parquet"):
-        # rows are samples; other sources (hf:, saved, text) have none to count here (validate refuses
-        # epochs with them: spec/rules/data.epochs_issues), and the compiler says so if one gets this far
+            and source_kind(spec["data"]["train"], spec["data"]["format"]) in ("jsonl", "csv",
+                                                                               "parquet"):
+        # rows are samples; other sources (hf:, saved, text) have none to count here (validate
+        # refuses epochs with them: spec/rules/data.epochs_issues), and the compiler says so if one
+        # gets this far
         num_train_samples = count_rows(spec["data"]["train"], spec["data"]["format"])
-    return derive(spec, config_json=config_json, num_train_samples=num_train_samples, profiler=profiler)
+    return derive(spec, config_json=config_json, num_train_samples=num_train_samples,
+                  profiler=profiler)
 
