@@ -247,7 +247,7 @@ def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState, tele
                                                            skip_batches=skip, **loader_args,
                                                            global_batch_size=derived.global_batch_size),
                            state.epoch, state.batches_in_epoch,
-                           # after iter(): see checkpointing.rng_state_of_this_rank
+                           # after iter(): see checkpoint/save_load.rng_state_of_this_rank
                            after_first_iter=None if rng is None else partial(save_load.restore_rng_state, rng))
     stream = step_batches(pending_rng)
     while state.step < total_steps:
