@@ -1,7 +1,7 @@
-"""Wrap the lines of Python files that run past a limit, in the house style, with the code unchanged.
+"""Wrap the lines of Python files that run past a limit, in the house style, code unchanged.
 
-    python scripts/wrap_lines.py jobspec                 # every file under jobspec/, rewritten in place
-    python scripts/wrap_lines.py --check jobspec/x.py    # only say which lines are too long (exit 1)
+    python scripts/wrap_lines.py jobspec               # every file under jobspec/, in place
+    python scripts/wrap_lines.py --check jobspec/x.py  # only list the long lines (exit 1)
 
 One line at a time, until none is too long:
 
@@ -30,6 +30,9 @@ from pathlib import Path
 
 LIMIT = 100
 KEEP_TRAILING = re.compile(r"#\s*(noqa|type:|pragma|fmt:)")
+# a tool's marker, then the words that explain it (`# noqa: BLE001 -- why`)
+TOOL_MARKER = re.compile(r"^(#\s*(?:noqa|type:|pragma|fmt:)[^#]*?)"
+                         r"(?:\s+(?:--?|#)\s+|\s*#\s*)(\S.*)$")
 BULLET = re.compile(r"^(\s*)([-*•]|\d+[.)]) ")
 COLUMNS = re.compile(r"\S {3,}\S")   # a table's or a listing's columns: laid out by hand
 SPLIT_AFTER = {","}
@@ -43,7 +46,8 @@ def docstring_spans(tree: ast.Module) -> list[tuple[int, int, int]]:
     """(first line, last line, column of the opening quotes) of every docstring."""
     spans = []
     for node in ast.walk(tree):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) \
+                and node.body:
             first = node.body[0]
             if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
                     and isinstance(first.value.value, str):
@@ -54,7 +58,8 @@ def docstring_spans(tree: ast.Module) -> list[tuple[int, int, int]]:
 def normalized(tree: ast.AST) -> str:
     """The tree with docstrings' whitespace collapsed: what wrapping may not change."""
     for node in ast.walk(tree):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) \
+                and node.body:
             first = node.body[0]
             if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
                     and isinstance(first.value.value, str):
@@ -104,7 +109,8 @@ def fix_comment(lines: list[str], index: int) -> bool:
     def joins(following: str) -> bool:
         return following.startswith(prefix) and following[len(prefix):].strip() != "" \
             and not COLUMNS.search(following[len(prefix):].strip()) \
-            and not following[len(prefix):].startswith((" ", "-", "*")) and not KEEP_TRAILING.match(following.strip())
+            and not following[len(prefix):].startswith((" ", "-", "*")) \
+                and not KEEP_TRAILING.match(following.strip())
     flow(lines, index, prefix + text[:cut], text[cut:].strip(), prefix, joins)
     return True
 
@@ -113,7 +119,8 @@ def balanced(text: str, width: int) -> list[str]:
     """`text` in as few lines as `width` allows, each as short as that count allows (no orphan)."""
     lines = textwrap.wrap(text, width=width, break_long_words=False)
     narrowest = width
-    while narrowest > 20 and len(textwrap.wrap(text, width=narrowest - 1, break_long_words=False)) == len(lines):
+    while narrowest > 20 \
+            and len(textwrap.wrap(text, width=narrowest - 1, break_long_words=False)) == len(lines):
         narrowest -= 1
     return textwrap.wrap(text, width=narrowest, break_long_words=False)
 
@@ -126,8 +133,7 @@ def fix_trailing(lines: list[str], index: int, comment: tokenize.TokenInfo, firs
     code = line[:comment.start[1]].rstrip()
     text = comment.string.lstrip("#").strip()
     if KEEP_TRAILING.match(comment.string):   # a tool's marker stays; the words after it move
-        marker = re.match(r"^(#\s*(?:noqa|type:|pragma|fmt:)[^#]*?)(?:\s+(?:--?|#)\s+|\s*#\s*)(\S.*)$",
-                          comment.string)
+        marker = re.match(TOOL_MARKER, comment.string)
         if marker is None:
             return False
         code = f"{code}  {marker.group(1).rstrip()}"
@@ -153,7 +159,8 @@ def fix_docstring(lines: list[str], index: int, base: int, opening: bool, last: 
 
     def joins(following: str) -> bool:
         stripped = following.strip()
-        return (index + 2 <= last and stripped != "" and not COLUMNS.search(following) and not stripped.startswith(('"""', "'''")) and following.startswith(cont)
+        return (index + 2 <= last and stripped != "" and not COLUMNS.search(following)
+                and not stripped.startswith(('"""', "'''")) and following.startswith(cont)
                 and not following[len(cont):].startswith(" ") and not BULLET.match(following)
                 and len(following) - len(following.lstrip()) == len(cont))
     flow(lines, index, line[:cut], line[cut:].strip(), cont, joins)
@@ -161,7 +168,8 @@ def fix_docstring(lines: list[str], index: int, base: int, opening: bool, last: 
 
 
 def string_split(token: tokenize.TokenInfo, room: int) -> tuple[str, str] | None:
-    """`token` (a one-line string literal) as two adjacent literals, the first at most `room` long."""
+    """`token` (a one-line string literal) as two adjacent literals, the first at most `room`
+    long."""
     match = re.match(r"^([rRbBfFuU]*)('|\")(.*)\2$", token.string, re.S)
     if match is None or token.string.startswith(('"""', "'''")) or len(match.group(3)) < 2:
         return None
@@ -201,22 +209,25 @@ def fix_code(lines: list[str], index: int, tokens: list[tokenize.TokenInfo]) -> 
     number = index + 1
     line = lines[index]
     stack: list[tuple[tokenize.TokenInfo, bool]] = []   # open bracket, content after it on its line
-    candidates: list[tuple[int, int, int, int]] = []     # (column, priority, continuation indent, depth)
+    # (column, priority, continuation indent, depth)
+    candidates: list[tuple[int, int, int, int]] = []
     strings = []
-    targets: set[int] = set()   # depths inside a `for` target (`for k, v in`): no break at its commas
+    # depths inside a `for` target or lambda's parameters: no break there
+    targets: set[int] = set()
     outer: list[tuple[int, tokenize.TokenInfo]] = []   # the line's tokens outside brackets
     for position, token in enumerate(tokens):
         if token.start[0] > number:
             break
         if token.type == tokenize.OP and token.string in OPEN:
             after = tokens[position + 1] if position + 1 < len(tokens) else None
-            content = after is not None and after.start[0] == token.start[0] and after.type not in LAYOUT
+            content = after is not None and after.start[0] == token.start[0] \
+                and after.type not in LAYOUT
             stack.append((token, content))
         elif token.type == tokenize.OP and token.string in CLOSE and stack:
             stack.pop()
-        if token.type == tokenize.NAME and token.string == "for":
+        if token.type == tokenize.NAME and token.string in ("for", "lambda"):
             targets.add(len(stack))
-        elif token.type == tokenize.NAME and token.string == "in":
+        elif (token.type == tokenize.NAME and token.string == "in") or token.string == ":":
             targets.discard(len(stack))
         if token.start[0] == number and not stack and token.start[0] == token.end[0]:
             outer.append((position, token))
@@ -226,7 +237,8 @@ def fix_code(lines: list[str], index: int, tokens: list[tokenize.TokenInfo]) -> 
         if content:
             indent = bracket.start[1] + 1
         else:
-            nxt = next((t for t in tokens[tokens.index(bracket) + 1:] if t.type not in LAYOUT), None)
+            nxt = next((t for t in tokens[tokens.index(bracket) + 1:] if t.type not in LAYOUT),
+                       None)
             base = lines[bracket.start[0] - 1]
             indent = nxt.start[1] if nxt is not None and nxt.start[0] > bracket.start[0] else \
                 len(base) - len(base.lstrip()) + 4
@@ -246,7 +258,8 @@ def fix_code(lines: list[str], index: int, tokens: list[tokenize.TokenInfo]) -> 
                and c[2] + len(line) - c[0] < len(line) and c[0] > len(line) - len(line.lstrip())]
     if fitting:
         # the rest fitting on its line, then the outermost bracket, a comma, the rightmost
-        column, _, indent, _ = max(fitting, key=lambda c: (c[2] + len(line[c[0]:].lstrip()) <= LIMIT,
+        column, _, indent, _ = max(fitting,
+                                   key=lambda c: (c[2] + len(line[c[0]:].lstrip()) <= LIMIT,
                                                             -c[3], -c[1], c[0]))
         rest = " " * indent + line[column:].lstrip()
         following = lines[index + 1] if index + 1 < len(lines) else ""
@@ -288,13 +301,15 @@ def outer_break(lines: list[str], index: int, tokens: list[tokenize.TokenInfo],
     statement = [t for t in tokens if t.start[0] == number and t.type not in LAYOUT]
     if not statement or statement[0].start[1] != len(line) - len(line.lstrip()):
         return False   # a continuation line, or one that starts inside a string
-    ends = [t for t in tokens if t.start[0] == number and t.type in (tokenize.NEWLINE, tokenize.COMMENT)]
+    ends = [t for t in tokens if t.start[0] == number
+            and t.type in (tokenize.NEWLINE, tokenize.COMMENT)]
     if not ends or any(t.type == tokenize.COMMENT for t in ends) or line.rstrip().endswith("\\"):
         return False
     base = len(line) - len(line.lstrip())
     header = statement[0].string in ("if", "elif", "while", "for", "with", "def", "class", "assert")
     indent = base + (8 if header else 4)
-    fitting = [t for _, t in outer if t.string in SPLIT_BEFORE and t.type in (tokenize.NAME, tokenize.OP)
+    fitting = [t for _, t in outer if t.string in SPLIT_BEFORE
+               and t.type in (tokenize.NAME, tokenize.OP)
                and base + 4 < t.start[1] <= LIMIT - 2 and t is not statement[0]]
     if fitting:
         token = max(fitting, key=lambda t: (indent + len(line) - t.start[1] <= LIMIT, t.start[1]))
@@ -308,7 +323,8 @@ def outer_break(lines: list[str], index: int, tokens: list[tokenize.TokenInfo],
             if parts is None:
                 continue
             lines[index:index + 1] = [line[:token.start[1]] + "(" + parts[0],
-                                      " " * (token.start[1] + 1) + parts[1] + ")" + line[token.end[1]:]]
+                                      " " * (token.start[1] + 1) + parts[1] + ")"
+                                      + line[token.end[1]:]]
             return True
     return False
 
@@ -356,10 +372,12 @@ def wrap(text: str, path: str = "<text>") -> tuple[str, list[int]]:
         comment = next((t for t in on_line if t.type == tokenize.COMMENT), None)
         code = [t for t in on_line if t.type not in LAYOUT]
         inside = next(((s, e, c) for s, e, c in spans if s <= number <= e), None)
-        continued = any(t.start[0] < number < t.end[0] or (t.start[0] < number == t.end[0] and t.type == tokenize.STRING)
+        continued = any(t.start[0] < number < t.end[0]
+                        or (t.start[0] < number == t.end[0] and t.type == tokenize.STRING)
                         for t in tokens if t.type == tokenize.STRING)
         if inside is not None and (continued or number == inside[0]):
-            done = fix_docstring(lines, index, inside[2], opening=number == inside[0], last=inside[1])
+            done = fix_docstring(lines, index, inside[2], opening=number == inside[0],
+                                 last=inside[1])
         elif continued:
             done = False   # a multi-line string that is no docstring: its newlines are its content
         elif comment is not None and code:
