@@ -46,6 +46,7 @@ from jobspec.data.formats import source_kind
 from jobspec.data.record_checks import record_kind
 from jobspec.errors import first_line, spec_error
 from jobspec.spec.types import JobSpec, JobSpecData, JobSpecTrainingEvalGenerate
+from jobspec.train.metrics import any_rank
 
 FIELD = ("training", "eval_generate")
 STOP, LENGTH = "stop", "length"   # an end token ended the answer; max_new_tokens did
@@ -268,15 +269,14 @@ class AllRanksEnded:
 
     def __call__(self, input_ids, scores, **kwargs):
         import torch
-        import torch.distributed as dist
 
         new = input_ids[:, self.prompt_length:].cpu()
-        ended = bool(torch.isin(new,
-                                torch.tensor(self.end_ids, dtype=new.dtype)).any(dim=1).all()) \
-            if self.end_ids and new.shape[1] else False
-        running = torch.tensor([0 if ended else 1], dtype=torch.int32)
-        dist.all_reduce(running, op=dist.ReduceOp.MAX, group=self.group)
-        return torch.full((input_ids.shape[0],), bool(running.item() == 0), dtype=torch.bool,
+        ended = False
+        if self.end_ids and new.shape[1]:
+            ends = torch.tensor(self.end_ids, dtype=new.dtype)
+            ended = bool(torch.isin(new, ends).any(dim=1).all())
+        running = any_rank(not ended, self.group)
+        return torch.full((input_ids.shape[0],), not running, dtype=torch.bool,
                           device=input_ids.device)
 
 
