@@ -83,6 +83,7 @@ def run_baseline(job: Path, work: Path, tag: str, log) -> dict:
     subprocess.run([sys.executable, "-m", "jobspec", "compile", str(job), "--out", str(run_dir),
                     *_sets(overrides(work, job, tag))], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True)
     out = run_dir / "result.json"
+    from bench.trainer_baseline import baseline_command
     cmd = baseline_command(run_dir, out)
     try:
         subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=True)
@@ -91,20 +92,6 @@ def run_baseline(job: Path, work: Path, tag: str, log) -> dict:
             from jobspec.shm import remove_shared_memory_buffers
             remove_shared_memory_buffers(cmd[cmd.index("--master_port") + 1])
     return json.loads(out.read_text())
-
-
-def baseline_command(run_dir: Path, out: Path) -> list[str]:
-    """The command running bench.trainer_baseline on a compiled run dir (through the runner for ZeRO or > 1 rank)."""
-    import yaml
-
-    from bench.trainer_baseline import uses_deepspeed
-    spec = yaml.safe_load((run_dir / "resolved.yaml").read_text())
-    module = ["--module", "bench.trainer_baseline", "--run-dir", str(run_dir), "--out", str(out)]
-    world = spec["resources"]["gpus_per_node"]
-    if uses_deepspeed(spec) or world > 1:  # the runner sets up the ranks' distributed environment
-        from jobspec.launch.runner import free_port, runner_prefix
-        return runner_prefix() + ["--num_gpus", str(world), "--master_port", str(free_port()), *module]
-    return [sys.executable, "-m", *module[1:]]
 
 
 def median_of(results: list[dict], key: str):

@@ -139,7 +139,7 @@ def compare_arrow(entry: Path, work: Path, samples: int = 2000) -> None:
 
     import numpy as np
 
-    from jobspec.data import data_cache
+    from jobspec.data import cache as data_cache
 
     started = time.perf_counter()
     cached = data_cache.open_entry(entry.name, entry.parent)

@@ -139,7 +139,7 @@ def read_worker_run(run_dir: Path) -> dict:
 
 
 def run_trainer(label: str, job: str, sets: list[str], work: Path, log) -> dict:
-    from bench.__main__ import baseline_command
+    from bench.trainer_baseline import baseline_command
     tag = f"trainer-{_tag(label)}"
     run_dir = work / tag
     subprocess.run([sys.executable, "-m", "jobspec", "compile", str(REPO / job), "--out", str(run_dir),

@@ -184,7 +184,8 @@ def write_job_file(job: Job, work: Path) -> Path:
 
 def plan_job(job: Job, work: Path) -> Planned:
     """The job planned as `jobspec plan JOB` plans it (no budget: the spec as written, no host probed)."""
-    from jobspec.job.prepare import AS_WRITTEN, Host, prepare_job
+    from jobspec.hardware import Host
+    from jobspec.job.prepare import AS_WRITTEN, prepare_job
     started = time.monotonic()
     prepared = prepare_job(write_job_file(job, work), (), Host(gpu_free=None, bf16_supported=True), AS_WRITTEN)
     assert prepared.memory is not None   # AS_WRITTEN plans it

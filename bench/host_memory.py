@@ -1,4 +1,4 @@
-"""The planner's host RAM per rank (jobspec/memory/host_memory.py) against a process's measured RSS.
+"""The planner's host RAM per rank (jobspec/memory/host_ram.py) against a process's measured RSS.
 
     python bench/host_memory.py [--hidden 1024 --layers 8 --vocab 32000]
 
@@ -86,7 +86,7 @@ def main() -> int:
     parser.add_argument("--vocab", type=int, default=32000)
     args = parser.parse_args()
     from jobspec.compile.compiler import compile_spec
-    from jobspec.memory.host_memory import DATALOADER_WORKER_BYTES, RUNTIME_BYTES, construction_bytes
+    from jobspec.memory.host_ram import DATALOADER_WORKER_BYTES, RUNTIME_BYTES, construction_bytes
     from jobspec.model.planner_trace import job_profiler
     from jobspec.spec.derived import derive
     from jobspec.spec.schema import fill_defaults

@@ -1,7 +1,7 @@
 """Planner accuracy for `model.lora` / `model.quantization` on a CPU (no GPU needed):
 
-    python bench/planner_accuracy.py --lora          # ~3 min on 2 cores
-    python bench/planner_accuracy.py --lora --quick  # the model-state rows only (seconds)
+    python bench/lora_accuracy.py          # ~3 min on 2 cores
+    python bench/lora_accuracy.py --quick  # the model-state rows only (seconds)
 
 1. Model states, real tensors: a Llama-architecture model (random weights, saved and loaded back as
    the ranks load it) through transformers' bitsandbytes loading (`quantization_config`, the CPU

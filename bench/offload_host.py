@@ -9,7 +9,7 @@ One CPU rank (gloo), a Llama-shaped model built from its config in bf16, DeepSpe
   `grad_partitions_flat_buffer`; stage 1/2: `single_partition_of_fp32_groups` and their `.grad`,
   `param_buffer_of_bit16_for_cpu_offload_groups`, `temp_grad_buffer_for_cpu_offload`; both: the
   optimizer's `exp_avg`/`exp_avg_sq`), in bytes per trainable parameter;
-- the planner's offload terms for the same sizes (jobspec.memory.host_memory.offload_terms);
+- the planner's offload terms for the same sizes (jobspec.memory.host_ram.offload_terms);
 - RSS after construction and the process's peak (ru_maxrss). On CPU ranks the "device" side (the
   16-bit partition, the reduce buckets, activations) lives in the same RSS, and pin_memory is a no-op
   (DeepSpeed's CPU accelerator), so the census, not the RSS, is what compares with the host terms.
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from jobspec.memory.host_memory import offload_terms
+    from jobspec.memory.host_ram import offload_terms
 
     config = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
                          num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,

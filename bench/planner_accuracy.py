@@ -5,8 +5,8 @@
     python bench/planner_accuracy.py --guide    # planner next to the HF single-GPU guide's 9 bert-large rows
     python bench/planner_accuracy.py --seeds    # planner totals next to seed 000's XLM-R rows (CPU, ~1 min)
     python bench/planner_accuracy.py --memtracker  # planner activations vs torch's MemTracker (CPU, ~2.5 min)
-    python bench/planner_accuracy.py --lora     # LoRA / QLoRA rows: real 4/8-bit model states, activations (CPU)
     python bench/planner_accuracy.py --json OUT # also the rows as JSON (`python -m bench gpu` reads it)
+    python bench/lora_accuracy.py               # LoRA / QLoRA rows (real 4/8-bit model states; CPU)
 
 Each row builds the model from its config (no downloads), wraps it with `deepspeed.initialize` using the
 config `jobspec.compile.compiler` writes, runs a few steps on random tokens and reads the allocator's peak
@@ -580,16 +580,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="planner activations vs torch's MemTracker over fake tensors (CPU, ~2.5 min)")
     parser.add_argument("--quick", action="store_true", help=argparse.SUPPRESS)   # --memtracker, one tiny row
     parser.add_argument("--seeds", action="store_true", help="planner totals next to seed 000's XLM-R rows")
-    parser.add_argument("--lora", action="store_true",
-                        help="LoRA / QLoRA: model states of real quantised models and activations (CPU, ~3 min)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows (bytes) as JSON here")
     args = parser.parse_args(argv)
     if args.memtracker:
         rows = run_memtracker(MT_QUICK if args.quick else MT_SETTINGS)
         return 0 if all(abs(r["error"]) <= 0.05 for r in rows) else 1
-    if args.lora:
-        from bench.lora_accuracy import run as run_lora
-        return run_lora(quick=args.quick)
     if args.seeds:
         return run_seeds()
     if args.guide:

@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -43,6 +44,18 @@ def checkpointing_arg_names() -> tuple[str, str]:
 
 def uses_deepspeed(spec: dict) -> bool:
     return spec["memory"]["zero_stage"] >= 1
+
+
+def baseline_command(run_dir: Path, out: Path) -> list[str]:
+    """The command running bench.trainer_baseline on a compiled run dir (through the runner for ZeRO
+    or > 1 rank)."""
+    spec = yaml.safe_load((run_dir / "resolved.yaml").read_text())
+    module = ["--module", "bench.trainer_baseline", "--run-dir", str(run_dir), "--out", str(out)]
+    world = spec["resources"]["gpus_per_node"]
+    if uses_deepspeed(spec) or world > 1:  # the runner sets up the ranks' distributed environment
+        from jobspec.launch.runner import free_port, runner_prefix
+        return runner_prefix() + ["--num_gpus", str(world), "--master_port", str(free_port()), *module]
+    return [sys.executable, "-m", *module[1:]]
 
 
 def training_arguments_kwargs(spec: dict, derived: dict, ds_config: dict, output_dir: str | Path,

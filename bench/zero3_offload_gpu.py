@@ -6,7 +6,7 @@ MLP 14336, vocabulary 128256, untied head: 8.03B parameters) trains on synthetic
 in bf16 with every layer checkpointed, ZeRO-3, the optimizer (DeepSpeed's CPU Adam) offloaded to
 the CPU, and with --offload-params the bf16 parameters too. The plan of the default: 138.8 GiB of host
 RAM per rank (fp32 master, Adam moments and fp32 gradients: 16 bytes x 8.03B, the 16-bit gradient
-partition and the pinned buffers' rounding: memory/host_memory.offload_terms), 154.8 GiB with the
+partition and the pinned buffers' rounding: memory/host_ram.offload_terms), 154.8 GiB with the
 parameters offloaded as well, which no 128 GiB host holds. It runs through `jobspec launch`, so the model is built under
 `deepspeed.zero.Init` (model/construct.py) exactly as any job's.
 

@@ -1,6 +1,7 @@
 """Every device probe jobspec makes: this host's NVIDIA GPUs through NVML (names, free and used
 memory, compute capability), the CUDA device a rank trains on (through torch, rank side only), and
-the CPUs this process may use (affinity mask and cgroup CPU quota).
+the CPUs this process may use (affinity mask and cgroup CPU quota); `Host`, what they found on the
+machine that launches, for the plan and the launch header alike.
 
 NVML is initialised once per process, at the first probe, and shut down at exit. No driver, no
 NVML library or no GPU all read as "no GPU": a CPU-only host, whose ranks run on CPU cores.
@@ -14,6 +15,7 @@ import atexit
 import math
 import os
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 FAKE_FREE_ENV = "JOBSPEC_FAKE_GPU_FREE_BYTES"
@@ -84,17 +86,21 @@ def gpu_free_bytes(num_devices: int, environ=os.environ) -> int | None:
         return None
     try:
         count = nvml.nvmlDeviceGetCount()
-        visible = [v.strip() for v in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-        indices = [int(v) for v in visible] if visible and all(v.isdigit() for v in visible) else range(count)
+        visible = [v.strip() for v in environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+                   if v.strip()]
+        indices = [int(v) for v in visible] if visible and all(v.isdigit() for v in visible) \
+            else range(count)
         indices = [i for i in indices if i < count][:max(1, num_devices)]
-        free = [nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByIndex(i)).free for i in indices]
+        free = [nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByIndex(i)).free
+                for i in indices]
         return min(free) if free else None
     except Exception:
         return None
 
 
 def gpu_total_bytes(environ=os.environ) -> int | None:
-    """Total memory of this host's first GPU (what the header sets the plan against), None without GPUs."""
+    """Total memory of this host's first GPU (what the header sets the plan against), None without
+    GPUs."""
     if environ.get(FAKE_FREE_ENV):
         return int(environ[FAKE_FREE_ENV])
     nvml = NVML.get()
@@ -107,7 +113,8 @@ def gpu_total_bytes(environ=os.environ) -> int | None:
 
 
 def bf16_supported(environ=os.environ) -> bool:
-    """Compute capability >= 8.0 (Ampere) on GPU 0; True without an NVIDIA GPU (CPU ranks do bf16)."""
+    """Compute capability >= 8.0 (Ampere) on GPU 0; True without an NVIDIA GPU (CPU ranks do
+    bf16)."""
     if environ.get(FAKE_FREE_ENV):
         return True
     nvml = NVML.get()
@@ -121,8 +128,9 @@ def bf16_supported(environ=os.environ) -> bool:
 
 
 def nvml_used_bytes(device) -> int | None:
-    """Used memory of the physical GPU behind the torch `device`, found by UUID (CUDA_VISIBLE_DEVICES
-    renumbers devices, NVML does not); None where NVML is missing or refuses (containers, MIG)."""
+    """Used memory of the physical GPU behind the torch `device`, found by UUID
+    (CUDA_VISIBLE_DEVICES renumbers devices, NVML does not); None where NVML is missing or refuses
+    (containers, MIG)."""
     nvml = NVML.get()
     if nvml is None:
         return None
@@ -143,10 +151,12 @@ def cuda_device_name() -> str:
 
 # --- CPUs -----------------------------------------------------------------------------------------
 
-def available_cpus(cgroup_root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/proc/self/cgroup")) -> int:
+def available_cpus(cgroup_root: Path = Path("/sys/fs/cgroup"),
+                   proc_cgroup: Path = Path("/proc/self/cgroup")) -> int:
     """CPUs this process may run on: its affinity mask (what Slurm's --cpus-per-task, taskset and a
     cgroup cpuset set), capped by a cgroup CPU quota (docker --cpus, cpu.max / cfs_quota_us).
-    os.cpu_count() sees neither, so ranks sized from it over-subscribe the cores they really have."""
+    os.cpu_count() sees neither, so ranks sized from it over-subscribe the cores they really
+    have."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
@@ -171,7 +181,8 @@ def cgroup_cpu_quota(cgroup_root: Path = Path("/sys/fs/cgroup"),
         if controllers == "":  # v2 unified hierarchy
             base, read = cgroup_root, _v2_quota
         elif "cpu" in controllers.split(","):
-            base = next((cgroup_root / name for name in ("cpu,cpuacct", "cpu") if (cgroup_root / name).is_dir()),
+            base = next((cgroup_root / name for name in ("cpu,cpuacct", "cpu")
+                         if (cgroup_root / name).is_dir()),
                         cgroup_root / "cpu")
             read = _v1_quota
         else:
@@ -207,3 +218,41 @@ def _v1_quota(directory: Path) -> float | None:
 def threads_per_rank(cpus: int, local_ranks: int) -> int:
     """Intra-op threads for each of `local_ranks` CPU ranks sharing `cpus` CPUs (at least 1)."""
     return max(1, cpus // max(1, local_ranks))
+
+
+@dataclass(frozen=True)
+class Host:
+    """What the machine that launches contributes to a job: the least free memory of its GPUs (None
+    without GPUs: then only `memory.gpu_memory` is a budget), whether they do bf16, and its RAM (the
+    host budget of a one-node job without `resources.host_mem`; None: not this machine's to say);
+    for the launch header, the GPUs, cores and RAM found."""
+
+    gpu_free: int | None = None
+    bf16_supported: bool = True
+    ram_total: int | None = None
+    # NVML's name of its GPUs: the plan adds that GPU's measured CUDA context
+    gpu_name: str | None = None
+    cpu_ranks: bool = False        # its ranks run on CPUs: the plan puts their tensors in host RAM
+    gpu_names: tuple[str, ...] = ()  # every NVIDIA GPU NVML sees; empty on a CPU-only host
+    gpu_total: int | None = None   # bytes of one GPU
+    cpus: int = 1                  # CPUs this process may run on (affinity mask, cgroup quota)
+    ram_available: int | None = None
+
+    @property
+    def has_gpu(self) -> bool:
+        return bool(self.gpu_names)
+
+    @classmethod
+    def probe(cls, gpus_per_node: int, gpu_free: int | None = None) -> Host:
+        """This machine (FAKE_FREE_ENV in tests gives it GPU memory to plan GPU ranks against, and
+        no GPU names); `gpu_free` when the caller has read it already (one NVML reading a
+        launch)."""
+        import psutil
+
+        names = tuple(name for name in gpu_names() if name != "cpu")
+        free = gpu_free if gpu_free is not None else gpu_free_bytes(gpus_per_node)
+        memory = psutil.virtual_memory()
+        return cls(free, bf16_supported(), memory.total, gpu_name=names[0] if names else None,
+                   cpu_ranks=not names and free is None, gpu_names=names,
+                   gpu_total=gpu_total_bytes() if names else None, cpus=available_cpus(),
+                   ram_available=memory.available)

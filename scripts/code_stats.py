@@ -1,22 +1,25 @@
-"""The shape of a jobspec source tree in numbers: what docs/architecture.md's "Before and after issue 38" shows.
+"""The shape of a jobspec source tree in numbers (docs/architecture.md, "The code in numbers").
 
     python scripts/code_stats.py                      # this checkout
     python scripts/code_stats.py --root /tmp/before   # another tree (a `git worktree add` of an old commit)
     python scripts/code_stats.py --format markdown --tree before=/tmp/before --tree after=.
-                                                      # the tables docs/architecture.md holds, a column per tree
+                                                      # markdown tables, a column per tree
 
 Prints: the package's module count and lines (total, the largest modules), the longest functions, the
-import graph (module-level cycles and imports that run up the layers, judged by THIS checkout's
-scripts/import_graph.py rules so two trees are measured by one ruler), the `spec: dict` annotations
-(as the issue counted them), the share of fully
-annotated functions (every parameter but self/cls and the return), and [tool.mypy] from pyproject.toml.
+import graph (cycles at module level and through imports inside functions, bench/'s cycles, imports
+that run up the layers, judged by THIS checkout's scripts/import_graph.py rules so two trees are
+measured by one ruler), the code lines that end in a comment, the `spec: dict` annotations, the share
+of fully annotated functions (every parameter but self/cls and the return), and [tool.mypy] from
+pyproject.toml.
 """
 from __future__ import annotations
 
 import argparse
 import ast
+import io
 import re
 import sys
+import tokenize
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import import_graph  # noqa: E402  (the script beside this one)
 
 PACKAGE = "jobspec"
-# a `spec: dict` annotation, counted as issue 38 counted them (123 at 460d9ff)
+# a `spec: dict` annotation, as written in a signature or a field
 SPEC_DICT = re.compile(r"\bspec: dict\b")
 
 
@@ -43,6 +46,9 @@ class Stats:
     cycles: list[list[str]] = field(default_factory=list)
     lazy_cycles: list[list[str]] = field(default_factory=list)   # through imports in functions (not TYPE_CHECKING)
     upward: list[str] = field(default_factory=list)
+    bench_cycles: list[list[str]] = field(default_factory=list)   # bench/'s, imports inside functions included
+    code_lines: int = 0
+    trailing_comments: int = 0   # code lines that end in a comment
     imports: int = 0
     mypy: dict = field(default_factory=dict)
 
@@ -57,6 +63,20 @@ def _fully_annotated(node: ast.FunctionDef | ast.AsyncFunctionDef, in_class: boo
     if node.name == "__init__" and in_class and params and node.returns is None:
         return all(p.annotation is not None for p in params)   # mypy: typed without `-> None`
     return node.returns is not None and all(p.annotation is not None for p in params)
+
+
+def _comment_lines(text: str) -> tuple[int, int]:
+    """(code lines, code lines that end in a comment) of a module: a code line holds a token other
+    than a comment (a docstring's lines count), a trailing comment shares its line with one."""
+    code: set[int] = set()
+    comments: set[int] = set()
+    layout = (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER)
+    for token in tokenize.generate_tokens(io.StringIO(text).readline):
+        if token.type == tokenize.COMMENT:
+            comments.add(token.start[0])
+        elif token.type not in layout:
+            code.update(range(token.start[0], token.end[0] + 1))
+    return len(code), len(code & comments)
 
 
 def _functions(tree: ast.Module, module: str):
@@ -85,6 +105,9 @@ def measure(root: Path, top: int = 10) -> Stats:
         stats.over_400 += count > 400
         sizes.append((count, rel))
         stats.spec_dict += len(SPEC_DICT.findall(text))
+        code, trailing = _comment_lines(text)
+        stats.code_lines += code
+        stats.trailing_comments += trailing
         for name, node, in_class in _functions(ast.parse(text), rel):
             stats.functions += 1
             stats.fully_annotated += _fully_annotated(node, in_class)
@@ -94,18 +117,10 @@ def measure(root: Path, top: int = 10) -> Stats:
     graph = import_graph.build(root, PACKAGE)
     stats.imports = sum(len(m.eager) + len(m.lazy - m.eager) for m in graph.values())
     stats.cycles = import_graph.cycles(graph)
-    # the imports under `if TYPE_CHECKING:` never run: the graph read again with them as module-level ones
-    # tells them apart from the imports inside functions
-    original = import_graph._type_checking
-    import_graph._type_checking = lambda test: False
-    try:
-        typing_only = {name: m.eager - graph[name].eager for name, m in import_graph.build(root, PACKAGE).items()}
-    finally:
-        import_graph._type_checking = original
-    for name, module in graph.items():   # the same graph with the imports inside functions as edges too
-        module.eager = module.eager | (module.lazy - typing_only[name])
-    stats.lazy_cycles = sorted((c for c in import_graph.cycles(graph) if c not in stats.cycles),
+    stats.lazy_cycles = sorted((c for c in import_graph.cycles(graph, deferred=True) if c not in stats.cycles),
                                key=lambda c: (len(c), c))
+    if (root / "bench").is_dir():
+        stats.bench_cycles = import_graph.cycles(import_graph.build(root, "bench"), deferred=True)
     stats.upward = [p for p in import_graph.problems(graph, PACKAGE) if "from a layer above it" in p]
     pyproject = root / "pyproject.toml"
     if pyproject.exists():
@@ -140,6 +155,10 @@ def render_text(s: Stats) -> str:
         f"cycles through imports inside functions: {len(s.lazy_cycles)}",
         *[f"  cycle: {' <-> '.join(c)}" for c in s.lazy_cycles],
         *[f"  upward: {u}" for u in s.upward],
+        f"bench/ import cycles (imports inside functions included): {len(s.bench_cycles)}",
+        *[f"  cycle: {' <-> '.join(c)}" for c in s.bench_cycles],
+        f"trailing comments: {s.trailing_comments} of {s.code_lines} code lines "
+        f"({s.trailing_comments / max(s.code_lines, 1):.1%})",
         f"`spec: dict` annotations: {s.spec_dict}",
         f"fully annotated functions: {s.fully_annotated}/{s.functions} ({share:.0%})",
         f"mypy: {_mypy_text(s.mypy)}",
@@ -179,6 +198,10 @@ def render_markdown(trees: list[tuple[str, Stats]]) -> str:
          each(lambda s: str(len(s.lazy_cycles)) + "".join(_cycle_text(c) for c in s.lazy_cycles))),
         ("upward imports (this checkout's layer rules)",
          each(lambda s: str(len(s.upward)) + "".join(f" ({_upward_text(u)})" for u in s.upward))),
+        ("bench/ import cycles (imports inside functions included)",
+         each(lambda s: str(len(s.bench_cycles)) + "".join(_cycle_text(c) for c in s.bench_cycles))),
+        ("code lines ending in a comment", each(lambda s: f"{s.trailing_comments} of {s.code_lines} "
+                                                f"({s.trailing_comments / max(s.code_lines, 1):.1%})")),
         ("`spec: dict` annotations", each(lambda s: str(s.spec_dict))),
         ("fully annotated functions", each(lambda s: f"{s.fully_annotated} of {s.functions} "
                                            f"({s.fully_annotated / max(s.functions, 1):.0%})")),

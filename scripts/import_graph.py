@@ -6,7 +6,8 @@
 Every `import` / `from ... import` of a package module is an edge, marked `lazy` when it sits inside a
 function (it runs only when the function is called) or under `if TYPE_CHECKING:` (it never runs). Rules:
 
-1. no import cycle among module-level imports;
+1. no import cycle, neither among module-level imports nor through imports inside functions
+   (`if TYPE_CHECKING:` imports never run and make no cycle);
 2. no private name (`_x`, not dunder) of one module used by another: neither `from m import _x` nor
    `m._x` through an imported module;
 3. the rank side (train/) never imports the launch side (launch/), at any level;
@@ -42,11 +43,12 @@ LAYERS = ("optimizers", "tasks", "spec", "compile", "model", "memory", "data", "
 # Single modules placed in another layer than their package's: pure modules on the validate path
 # (spec/validation, the planner, the pre-flight read them). export/ sits between tracking and launch
 # (below the ranks that export and the launcher that records the exports), but its pure rules are read
-# by validate; data/'s formats and record checks are validate's read of the data files.
-# spec/types.py (the spec's generated TypedDicts, pure typing) is neutral ground: every layer's signatures
-# name the spec's sections, optimizers/ and tasks/ below spec/ included.
-MODULE_LAYERS = {"export.rules": "spec", "data.data_format": "spec", "data.datacheck": "spec",
-                 "spec.types": "neutral"}
+# by validate; data/'s formats, record checks and tokenizer files are validate's read of the data
+# files; memory/'s model profile (the planner's data types) is what spec/derived carries and model/'s
+# trace produces. spec/types.py (the spec's generated TypedDicts, pure typing) is neutral ground:
+# every layer's signatures name the spec's sections, optimizers/ and tasks/ below spec/ included.
+MODULE_LAYERS = {"export.rules": "spec", "data.formats": "spec", "data.record_checks": "spec",
+                 "data.tokenizer_files": "spec", "memory.model_profile": "spec", "spec.types": "neutral"}
 MLFLOW_LAYER = "tracking"   # the only subpackage that imports mlflow
 READ_ONLY_COMMANDS = ("validate", "compile", "plan", "report", "schema", "sync", "export")
 
@@ -57,7 +59,8 @@ class Module:
     path: Path
     is_package: bool
     eager: set = field(default_factory=set)        # package modules imported at module level
-    lazy: set = field(default_factory=set)         # ... inside functions
+    lazy: set = field(default_factory=set)         # ... inside functions or under TYPE_CHECKING
+    deferred: set = field(default_factory=set)     # ... inside functions only (they run when called)
     eager_external: set = field(default_factory=set)  # top-level names of third-party packages, module level
     external: set = field(default_factory=set)        # ... at any level
     private_uses: list = field(default_factory=list)  # (line, "module._name")
@@ -84,17 +87,17 @@ def _resolve_from(module: Module, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def _in_function(node: ast.AST, parents: dict) -> bool:
-    """Whether the import does not run when its module is imported: inside a function, or under
-    `if TYPE_CHECKING:` (an annotation's import, read by type checkers only; a rule module naming
-    validation's ResolvedSpec this way is no cycle)."""
+def _placement(node: ast.AST, parents: dict) -> str:
+    """Where an import runs: "module" (when its module is imported), "function" (when a function
+    calling it runs) or "typing" (never: under `if TYPE_CHECKING:`, an annotation's import read by
+    type checkers only; a rule module naming validation's ResolvedSpec this way is no cycle)."""
     while node in parents:
         node = parents[node]
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-            return True
         if isinstance(node, ast.If) and _type_checking(node.test):
-            return True
-    return False
+            return "typing"
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            return "function"
+    return "module"
 
 
 def _type_checking(test: ast.expr) -> bool:
@@ -108,7 +111,8 @@ def read_imports(module: Module, modules: dict[str, Module], package: str) -> No
     aliases: dict[str, str] = {}  # local name -> package module it is bound to
 
     def add(target: str, node: ast.AST) -> None:
-        lazy = _in_function(node, parents)
+        placement = _placement(node, parents)
+        lazy = placement != "module"
         if target.split(".")[0] != package:
             module.external.add(target.split(".")[0])
             if not lazy:
@@ -116,6 +120,8 @@ def read_imports(module: Module, modules: dict[str, Module], package: str) -> No
             return
         if target != module.name:
             (module.lazy if lazy else module.eager).add(target)
+            if placement == "function":
+                module.deferred.add(target)
 
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -149,8 +155,9 @@ def with_parents(name: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
 
 
-def cycles(modules: dict[str, Module]) -> list[list[str]]:
-    """Strongly connected components of the module-level graph with more than one module (Tarjan)."""
+def cycles(modules: dict[str, Module], deferred: bool = False) -> list[list[str]]:
+    """Strongly connected components of the module-level graph with more than one module (Tarjan);
+    with `deferred`, of the graph whose edges include the imports inside functions."""
     index, low, stack, on_stack, found = {}, {}, [], set(), []
     counter = [0]
 
@@ -159,7 +166,7 @@ def cycles(modules: dict[str, Module]) -> list[list[str]]:
         counter[0] += 1
         stack.append(v)
         on_stack.add(v)
-        for w in sorted(modules[v].eager):
+        for w in sorted(modules[v].eager | (modules[v].deferred if deferred else set())):
             if w not in modules:
                 continue
             if w not in index:
@@ -230,8 +237,12 @@ def layer(name: str, modules: dict[str, Module]) -> int:
 
 def problems(modules: dict[str, Module], package: str) -> list[str]:
     found = []
-    for component in cycles(modules):
+    eager_cycles = cycles(modules)
+    for component in eager_cycles:
         found.append(f"import cycle (module level): {' <-> '.join(component)}")
+    for component in cycles(modules, deferred=True):
+        if component not in eager_cycles:
+            found.append(f"import cycle (through imports inside functions): {' <-> '.join(component)}")
     for module in modules.values():
         for line, name in module.private_uses:
             found.append(f"{module.path}:{line}: private name {name} used outside its module")

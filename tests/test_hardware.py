@@ -145,3 +145,20 @@ def test_a_resume_keeps_the_checkpoints_thread_count_when_the_host_allows():
     assert threads == 2 and "bit-identical" in note and "OMP_NUM_THREADS" in note
     threads, note = resume_threads(8, 2)   # onto a smaller one: no over-subscription, say what it costs
     assert threads == 2 and "last bits" in note
+
+
+def test_a_host_probe_is_what_the_plan_and_the_header_read(nvml, monkeypatch):
+    """One `Host`: the GPUs' names, least free memory, one GPU's total and bf16 for the plan and the
+    header; without NVML a CPU host whose ranks run on CPUs; the test hook plans GPU ranks there."""
+    nvml()
+    host = hardware.Host.probe(2)
+    assert host.has_gpu and host.gpu_names == ("NVIDIA A100-SXM4-80GB",) * 2
+    assert host.gpu_name == "NVIDIA A100-SXM4-80GB" and host.gpu_free == 3 * 2**30
+    assert host.cpus >= 1 and host.ram_total and not host.cpu_ranks
+    assert hardware.Host.probe(2, gpu_free=2**30).gpu_free == 2**30   # read once by the caller
+    nvml(fail_init=True)
+    cpu = hardware.Host.probe(2)
+    assert not cpu.has_gpu and cpu.gpu_free is None and cpu.cpu_ranks and cpu.gpu_total is None
+    monkeypatch.setenv(hardware.FAKE_FREE_ENV, "1234")
+    planned = hardware.Host.probe(2)
+    assert planned.gpu_free == 1234 and not planned.cpu_ranks and not planned.has_gpu

@@ -53,7 +53,8 @@ def test_the_instruction_job_trains_packed_with_the_loss_on_the_completions(tmp_
     # chat template, labels -100 on the prompt and its headers, the completion's tokens trained on
     from jobspec.model.build import build_tokenizer
     from jobspec.rundir import read_run_files
-    from jobspec.data.loaders import IGNORE_INDEX, build_datasets
+    from jobspec.data.loaders import build_datasets
+    from jobspec.tasks.base import IGNORE_INDEX
     from jobspec.data.sample_packing import pack_datasets
 
     spec = read_run_files(run_dir).spec

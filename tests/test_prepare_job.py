@@ -15,7 +15,8 @@ from jobspec import hardware
 from jobspec.cli import main
 from jobspec.errors import SpecError
 from jobspec.job import prepare as prepare_module
-from jobspec.job.prepare import Host, PreparedJob, prepare_job
+from jobspec.hardware import Host
+from jobspec.job.prepare import PreparedJob, prepare_job
 from jobspec.launch import supervise
 from jobspec.memory.gpu_overheads import cuda_context
 from jobspec.memory.planner import parse_bytes

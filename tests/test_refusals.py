@@ -28,8 +28,9 @@ from tests.conftest import REPO_ROOT, deep_merge
 # validation rules themselves (spec/validation.py, spec/rules/) are validate's.
 LAUNCH_PATH = [*sorted((REPO_ROOT / "jobspec" / "launch").glob("*.py")),
                *(REPO_ROOT / "jobspec" / p for p in ("memory/at_launch.py", "job/prepare.py", "job/checks.py",
-                                                      "job/model_config.py", "data/data_preflight.py",
-                                                      "spec/inputs.py", "compile/compiler.py", "data/datacheck.py"))]
+                                                      "job/model_config.py", "data/preflight.py",
+                                                      "spec/inputs.py", "data/formats.py", "compile/compiler.py",
+                                                      "data/record_checks.py"))]
 BUILDERS = {"spec_error", "SpecError", "SpecIssue"}
 
 
@@ -179,7 +180,7 @@ def _unclaimed_files(tmp_path, monkeypatch):
 
 
 def _late_bad_csv(tmp_path, monkeypatch):
-    from jobspec.data import datacheck
+    from jobspec.data import record_checks as datacheck
     monkeypatch.setattr(datacheck, "PREFLIGHT_BYTES", 4096)   # validate reads a file's first bytes only
     path = tmp_path / "rows.csv"   # validate reads the first 4 KiB here; counting the rows reads all
     path.write_bytes(b"text\n" + b"a b c\n" * 1005 + b"\xff\xfe bad\n")
@@ -244,7 +245,7 @@ CASES = {
 }
 
 REFUSALS: dict[str, Listed] = {
-    "data/data_preflight:tokenizer_issues": Listed(3, ["tokenizer-vocab", "template-render", "tokenizer-load"]),
+    "data/preflight:tokenizer_issues": Listed(3, ["tokenizer-vocab", "template-render", "tokenizer-load"]),
     "job/checks:model_data_checks": Listed(2, ["tokenizer-vocab", Covered(
         "tests/spec/test_job_model_config.py::test_an_unknown_model_type_is_refused_before_anything_is_derived")]),
     "launch/pipeline:quantization_check": Listed(2, ["bnb-backend"]),
@@ -283,7 +284,9 @@ REFUSALS: dict[str, Listed] = {
     "memory/at_launch:plan_at_launch": Listed(2, ["fit-nothing"]),
     "memory/at_launch:_rechecked": Listed(1, [Covered(
         "tests/test_prepare_job.py::test_a_fit_change_that_breaks_a_rule_is_refused_with_the_rules_message")]),
-    "spec/inputs:count_rows": Listed(1, ["row-count"]),
+    "data/formats:count_rows": Listed(1, ["row-count"]),
+    "data/formats:data_format": Listed(1, [NotVisible(
+        "an extension `data.format: auto` cannot read: validate refuses it first (spec/rules/data)")]),
     "compile/compiler:compile_spec": Listed(1, ["epochs-hub", "epochs-text"]),
     "compile/compiler:assert_deepspeed_accepts": Listed(1, [NotVisible(
         "DeepSpeed refusing the compiled config: validate checks `deepspeed:` against DeepSpeed's own config "
@@ -291,15 +294,15 @@ REFUSALS: dict[str, Listed] = {
     "compile/compiler:apply_overrides": Listed(1, ["ds-batch-override"]),
     "compile/compiler:assert_no_auto": Listed(1, [NotVisible(
         "\"auto\" in the compiled config: validate refuses it in `deepspeed:` (schema), the compiler writes none")]),
-    "data/datacheck:check_source": Listed(1, ["text-dir"]),
-    "data/datacheck:file_issues": Listed(1, [Covered(
+    "data/record_checks:check_source": Listed(1, ["text-dir"]),
+    "data/record_checks:file_issues": Listed(1, [Covered(
         "tests/spec/test_record_issues.py::test_a_limit_then_a_count")]),
-    "data/datacheck:file_issues.bad": Listed(1, ["bad-record", Covered(
+    "data/record_checks:file_issues.bad": Listed(1, ["bad-record", Covered(
         "tests/spec/test_record_issues.py::test_every_bad_record_at_its_line_from_validate_plan_and_compile")]),
-    "data/datacheck:record_issues": Listed(1, [NotVisible(
+    "data/record_checks:record_issues": Listed(1, [NotVisible(
         "a text directory that lost its files between data_sources' rule (validate: `text-dir`) and this read")]),
-    "data/datacheck:locate_error": Listed(1, [NotVisible("the ranks' side: the file:line of a row a rank failed on")]),
-    "data/datacheck:unreadable": Listed(1, [NotVisible("the ranks' side: a file datasets could not read")]),
+    "data/record_checks:locate_error": Listed(1, [NotVisible("the ranks' side: the file:line of a row a rank failed on")]),
+    "data/record_checks:unreadable": Listed(1, [NotVisible("the ranks' side: a file datasets could not read")]),
 }
 
 

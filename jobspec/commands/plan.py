@@ -40,13 +40,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("job", metavar="JOB", help="job spec file (YAML)")
     add_set_argument(parser)
     parser.add_argument("--gpu-mem", metavar="SIZE",
-                        help="memory budget per GPU, e.g. 24GiB or 11GB (default: memory.gpu_memory)")
+                        help="memory budget per GPU, e.g. 24GiB or 11GB (default: "
+                             "memory.gpu_memory)")
     parser.add_argument("--host-mem", metavar="SIZE",
                         help="RAM of one node, e.g. 1TiB or 512GB (default: resources.host_mem)")
     parser.add_argument("--fit", action="store_true",
-                        help="search for the fastest settings that fit the budget (global batch unchanged)")
+                        help="search for the fastest settings that fit the budget (global batch "
+                             "unchanged)")
     parser.add_argument("--longest", action="store_true",
-                        help="the longest sequence that fits the budgets, as written and with --fit's settings")
+                        help="the longest sequence that fits the budgets, as written and with "
+                             "--fit's settings")
     parser.add_argument("--no-bf16", action="store_true",
                         help="with --fit: the GPU lacks bf16 (pre-Ampere), so try fp16 instead")
     parser.add_argument("--gpu", metavar="NAME",
@@ -57,25 +60,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jobspec.job.prepare import AS_WRITTEN, Host, prepare_job
+    from jobspec.hardware import Host
+    from jobspec.job.prepare import AS_WRITTEN, prepare_job
     from jobspec.memory.fit import fit, longest_sequence
     from jobspec.memory.planner import parse_bytes, render_plan
     from jobspec.memory.remedies import advice
     from jobspec.spec.rules.lora import random_base_note
 
-    cli_budget = (parse_bytes(args.gpu_mem, path=("--gpu-mem",)), "--gpu-mem") if args.gpu_mem is not None else None
-    host_budget = (parse_bytes(args.host_mem, path=("--host-mem",)), "--host-mem") if args.host_mem is not None \
+    cli_budget = (parse_bytes(args.gpu_mem, path=("--gpu-mem",)), "--gpu-mem") \
+        if args.gpu_mem is not None else None
+    host_budget = (parse_bytes(args.host_mem, path=("--host-mem",)),
+                   "--host-mem") if args.host_mem is not None \
         else None
 
     def needs_budget(resolved) -> None:   # before the model is traced
-        if (args.fit or args.longest) and cli_budget is None and not resolved.spec["memory"]["gpu_memory"]:
+        if (args.fit or args.longest) and cli_budget is None \
+                and not resolved.spec["memory"]["gpu_memory"]:
             option = "--fit" if args.fit else "--longest"
             raise spec_error(f"{option} needs a memory budget", path=("memory", "gpu_memory"),
                              hint="pass --gpu-mem 24GiB or set memory.gpu_memory in the spec")
 
     # the spec as written (memory.fit is not applied: --fit shows what it would change); no host
     # probed: the budget is --gpu-mem or memory.gpu_memory
-    job = prepare_job(args.job, args.overrides, Host(gpu_free=None, bf16_supported=not args.no_bf16),
+    job = prepare_job(args.job, args.overrides,
+                      Host(gpu_free=None, bf16_supported=not args.no_bf16),
                       dataclasses.replace(AS_WRITTEN, budget=cli_budget, host_budget=host_budget),
                       checks=[needs_budget])
     assert job.memory is not None   # AS_WRITTEN plans it
@@ -92,16 +100,18 @@ def run(args: argparse.Namespace) -> int:
                          host_budget=job.memory.host_budget, gpu=args.gpu)
         if args.longest:
             assert budget is not None and result is not None
+            node_budget = job.memory.host_budget
             longest = [("as written", longest_sequence(spec, job.derived, budget,
-                                                       host_budget=job.memory.host_budget)),
+                                                       host_budget=node_budget)),
                        ("with --fit's settings", longest_sequence(spec, job.derived, budget,
-                                                                   host_budget=job.memory.host_budget,
+                                                                   host_budget=node_budget,
                                                                    changes=result.changes))]
     except SpecError as err:   # the model could not be built or traced: say where in the file
         raise resolved.locate(err) from None
 
-    # a node that cannot hold the job is a bad input (exit 2, at resources.host_mem, with what to change),
-    # unless --fit found settings that fit it; the text table is printed first, JSON is the error alone
+    # a node that cannot hold the job is a bad input (exit 2, at resources.host_mem, with what to
+    # change), unless --fit found settings that fit it; the text table is printed first, JSON is the
+    # error alone
     problem = None
     if result is not None and result.host_limited:
         problem = resolved.locate(SpecError([result_issue(result, job.memory.host_budget_source)]))
@@ -115,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
             out["fit"] = result.as_dict()
         if longest is not None:
             out["longest"] = {"as_written": longest[0][1].as_dict(),
-                              "fitted": {**longest[1][1].as_dict(), "overrides": result.overrides if result else []}}
+                              "fitted": {**longest[1][1].as_dict(),
+                                         "overrides": result.overrides if result else []}}
         print(json.dumps(out, indent=2))
     else:
         print(render_plan(plan, title=f"{spec['name']}: predicted memory per rank (as written)",
@@ -131,7 +142,8 @@ def run(args: argparse.Namespace) -> int:
         if longest is not None:
             print()
             for what, found in longest:
-                print(longest_line(what, found, result.overrides if result is not None and what != "as written"
+                print(longest_line(what, found,
+                                   result.overrides if result is not None and what != "as written"
                                    else []))
     if problem is not None:
         raise problem
@@ -184,16 +196,16 @@ def result_issue(result, source: str | None):
     from jobspec.errors import SpecIssue
 
     return SpecIssue(("resources", "host_mem"), result.reason,
-                     hint=f"host budget from {source}; a node with more RAM, fewer ranks per node, or the "
-                          "settings above with more GPUs")
+                     hint=f"host budget from {source}; a node with more RAM, fewer ranks per node, "
+                          "or the settings above with more GPUs")
 
 
 def data_lines(resolved) -> list[str]:
-    """The tokenised data of chat and prompt/completion records: its size when the data cache holds it,
-    else about how big it will be and how long preparing it takes (data/data_prep.py)."""
+    """The tokenised data of chat and prompt/completion records: its size when the data cache holds
+    it, else about how big it will be and how long preparing it takes (data/prepare.py)."""
     if resolved.spec["data"]["synthetic"] is not None:
         return []   # random tokens: nothing is tokenised (nor data_prep's NumPy imported)
-    from jobspec.data.data_prep import prepare_data
+    from jobspec.data.prepare import prepare_data
 
     try:
         return prepare_data(resolved.spec, build=False)[0]

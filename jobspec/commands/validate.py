@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jobspec.data import datacheck
+    from jobspec.data import record_checks
     from jobspec.spec.derived import derive
     from jobspec.spec.freeform import unchecked_model_config
     from jobspec.spec.rules.lora import random_base_note
@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         world = derive(spec).world_size
         said = (unchecked_model_config(resolved), random_base_note(spec))
         notes = [note for note in said if note]
-        notes += datacheck.unread(spec)
+        notes += record_checks.unread(spec)
         if args.format == "json":
             reports.append({"valid": True, "file": job, "name": spec["name"], "world_size": world,
                             "notes": notes, "spec": spec})

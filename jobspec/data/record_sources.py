@@ -1,13 +1,13 @@
-"""Where the data preparation pass (data/data_prep.py) reads a split's records, in chunks of work:
+"""Where the data preparation pass (data/prepare.py) reads a split's records, in chunks of work:
 
 - a local jsonl file: byte ranges of about CHUNK_BYTES cut at line ends, each read and parsed by the
-  worker that encodes it, so a bad line is named exactly (`file:line`) and the parent reads nothing but
-  the line ends;
-- a table `datasets` loads (csv, parquet, `hf:` names, saved datasets): row ranges of CHUNK_ROWS of the
-  Arrow table, which the forked workers share (memory-mapped).
+  worker that encodes it, so a bad line is named exactly (`file:line`) and the parent reads nothing
+  but the line ends;
+- a table `datasets` loads (csv, parquet, `hf:` names, saved datasets): row ranges of CHUNK_ROWS of
+  the Arrow table, which the forked workers share (memory-mapped).
 
 Each source also gives the first record's fields (`data.records: auto`) and a fingerprint of its
-content for the cache key (data/data_cache.py).
+content for the cache key (data/cache.py).
 """
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ import abc
 import json
 from pathlib import Path
 
-from jobspec.data import data_cache, datacheck
+from jobspec.data import cache as data_cache
+from jobspec.data import record_checks
 from jobspec.data.chat_render import RecordError
-from jobspec.data.data_format import split_source
+from jobspec.data.formats import split_source
 from jobspec.spec.types import JobSpec
 from jobspec.units import MiB
 
@@ -27,8 +28,8 @@ TABLE_KINDS = ("csv", "parquet", "hub", "saved")
 
 
 class Source(abc.ABC):
-    """Where a split's records come from: the first record's fields, a fingerprint of the content, the
-    chunks of work and their records as [(where, record or RecordError)]."""
+    """Where a split's records come from: the first record's fields, a fingerprint of the content,
+    the chunks of work and their records as [(where, record or RecordError)]."""
 
     @abc.abstractmethod
     def fields(self): ...
@@ -50,11 +51,13 @@ class Source(abc.ABC):
 
 
 def source_for(spec: JobSpec, split: str, kind: str) -> Source:
-    return JsonlSource(Path(split_source(spec["data"], split))) if kind == "jsonl" else TableSource(spec, split, kind)
+    return JsonlSource(Path(split_source(spec["data"], split))) if kind == "jsonl" \
+        else TableSource(spec, split, kind)
 
 
 class JsonlSource(Source):
-    """A local jsonl file, split into byte ranges the workers read and parse themselves (file:line exact)."""
+    """A local jsonl file, split into byte ranges the workers read and parse themselves (file:line
+    exact)."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -116,14 +119,17 @@ class JsonlSource(Source):
             try:
                 out.append((where, json.loads(line)))
             except UnicodeDecodeError:
-                out.append((where, RecordError("the line is not UTF-8 text", "save the file as UTF-8")))
+                out.append((where,
+                            RecordError("the line is not UTF-8 text", "save the file as UTF-8")))
             except ValueError as err:
-                out.append((where, RecordError(f"not valid JSON: {err}", "write one JSON object per line")))
+                out.append((where, RecordError(f"not valid JSON: {err}",
+                                               "write one JSON object per line")))
         return out
 
 
 class TableSource(Source):
-    """Rows of a table `datasets` loads (csv, parquet, `hf:` names, saved datasets), in row ranges."""
+    """Rows of a table `datasets` loads (csv, parquet, `hf:` names, saved datasets), in row
+    ranges."""
 
     def __init__(self, spec: JobSpec, split: str, kind: str):
         self.spec, self.split, self.kind = spec, split, kind
@@ -133,9 +139,9 @@ class TableSource(Source):
     @property
     def table(self):
         if self._table is None:
-            from jobspec.data import hf_data
+            from jobspec.data import hf_datasets
 
-            self._table = hf_data.load_table(self.spec, self.split, self.kind)
+            self._table = hf_datasets.load_table(self.spec, self.split, self.kind)
         return self._table
 
     def fields(self):
@@ -144,16 +150,18 @@ class TableSource(Source):
     def fingerprint(self) -> dict:
         if self.kind in ("csv", "parquet"):
             return data_cache.file_fingerprint(Path(self.source))
-        from jobspec.data import hf_data
+        from jobspec.data import hf_datasets
 
         data = self.spec["data"]
-        # datasets' fingerprint of the loaded table: its Arrow files in the local cache (hub), or the
-        # saved directory's state
-        return {"name": self.source, "subset": data.get("subset"), "split": hf_data.split_name(self.spec, self.split),
+        # datasets' fingerprint of the loaded table: its Arrow files in the local cache (hub), or
+        # the saved directory's state
+        return {"name": self.source, "subset": data.get("subset"),
+                "split": hf_datasets.split_name(self.spec, self.split),
                 "fingerprint": getattr(self.table, "_fingerprint", None), "rows": len(self.table)}
 
     def chunks(self) -> list:
-        return [(start, min(start + CHUNK_ROWS, len(self.table))) for start in range(0, len(self.table), CHUNK_ROWS)]
+        return [(start, min(start + CHUNK_ROWS, len(self.table)))
+                for start in range(0, len(self.table), CHUNK_ROWS)]
 
     def total(self) -> int:
         return len(self.table)
@@ -170,7 +178,8 @@ class TableSource(Source):
 
     def where(self, index: int) -> str:
         if self.kind in ("hub", "saved"):
-            from jobspec.data import hf_data
+            from jobspec.data import hf_datasets
 
-            return f"{self.source} [{hf_data.split_name(self.spec, self.split)}] row {index + 1}"
-        return datacheck.row_location(self.source, self.spec["data"]["format"], index)
+            return (f"{self.source} [{hf_datasets.split_name(self.spec, self.split)}] row "
+                    f"{index + 1}")
+        return record_checks.row_location(self.source, self.spec["data"]["format"], index)

@@ -3,7 +3,7 @@
 import torch or transformers.
 
 `CachedProfiler` stands in front of `model/planner_trace.job_profiler` as the `profiler` that
-`spec/derived.derive` calls: the profile (`spec/model_profile.ModelProfile`: the parameter
+`spec/derived.derive` calls: the profile (`memory/model_profile.ModelProfile`: the parameter
 inventory, the composed activation trace, the FLOPs per token) is looked up before the tracer is
 asked. The memory plan itself is not stored: `memory/planner.plan_memory` computes it from the
 profile in milliseconds, so `plan`, `plan --fit` (each candidate's profile is kept the same way)
@@ -29,7 +29,7 @@ Under `<cache>/plans/` (`<cache>`: planner_trace.default_cache_dir(), JOBSPEC_CA
 inventory (a --fit search keeps a profile per candidate, all of one model); `checks/` the marks that
 a spec's model and data checks passed (job/checks.checks_key: `spec_digest` with the record files);
 `tokenizers/` and `estimates/` the facts of the tokenizer and the data pass that `plan` prints the
-data lines from (data/data_prep). Entries are written to a temporary file renamed into place, so
+data lines from (data/prepare). Entries are written to a temporary file renamed into place, so
 concurrent launches never read half a file; one that does not parse, or belongs to another key, is
 computed again and rewritten. A profile that would not read back equal to itself is not stored.
 """
@@ -44,8 +44,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from jobspec.spec.model_profile import Inventory, ModelProfile, UnitTrace
-from jobspec.spec.tokenizer_files import tokenizer_name
+from jobspec.data.tokenizer_files import tokenizer_name
+from jobspec.memory.model_profile import Inventory, ModelProfile, UnitTrace
 from jobspec.spec.types import JobSpec
 
 PLAN_CACHE_VERSION = 1   # bump when what an entry holds changes

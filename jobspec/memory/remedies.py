@@ -78,7 +78,8 @@ def _zero_up_to(highest: int) -> Check:
 
 
 def _optimizer_on_gpu(spec: JobSpec, plan: MemoryPlan) -> bool:
-    """On the GPU, and one DeepSpeed's CPU Adam can take over (not a pinned fused implementation)."""
+    """On the GPU, and one DeepSpeed's CPU Adam can take over (not a pinned fused
+    implementation)."""
     optimizer = spec["training"]["optimizer"]
     return plan.settings["offload_optimizer"] == "none" and optimizer["implementation"] != "fused" \
         and optimizers.get(optimizer["name"]).offload == DEEPSPEED_CPU_ADAM
@@ -102,9 +103,11 @@ def _always(spec: JobSpec, plan: MemoryPlan) -> bool:
 
 _OFFLOAD_INPUTS = " ".join(f"--set {o}" for o in to_overrides(
     {"memory.activation_checkpointing": {"every_n_layers": 1, "offload": "cpu"}}))
-_CHECKPOINT = Remedy("--set memory.activation_checkpointing=true (every layer keeps only its input)",
+_CHECKPOINT = Remedy("--set memory.activation_checkpointing=true (every layer keeps only its "
+                     "input)",
                      _some_layers_kept)
-_SHORTER = Remedy("a shorter sequence (`jobspec plan --longest` finds the longest that fits)", _causal)
+_SHORTER = Remedy("a shorter sequence (`jobspec plan --longest` finds the longest that fits)",
+                  _causal)
 _SEQUENCE_PARALLEL = Remedy("memory.sequence_parallel with more GPUs (ranks share the sequence)",
                             _no_sequence_parallel)
 def _zero_text(spec: JobSpec, plan: MemoryPlan) -> str:
@@ -115,14 +118,16 @@ def _zero_text(spec: JobSpec, plan: MemoryPlan) -> str:
 
 _ZERO = Remedy(_zero_text, _zero_up_to(3))
 def _offload_optimizer_text(spec: JobSpec, plan: MemoryPlan) -> str:
-    stage = "--set memory.zero_stage=1 " if plan.settings["zero_stage"] == 0 else ""   # offload needs ZeRO
+    # offload needs ZeRO
+    stage = "--set memory.zero_stage=1 " if plan.settings["zero_stage"] == 0 else ""
     return f"{stage}--set memory.offload.optimizer=cpu (the optimizer's states in host memory)"
 
 
 _OFFLOAD_OPTIMIZER = Remedy(_offload_optimizer_text, _optimizer_on_gpu)
 
 REMEDIES: dict[str, tuple[Remedy, ...]] = {
-    "logits_and_loss": (Remedy("--set memory.tiled_loss=true (the logits one tile at a time)", _tiled_loss),
+    "logits_and_loss": (Remedy("--set memory.tiled_loss=true (the logits one tile at a time)",
+                               _tiled_loss),
                         _SHORTER),
     "activations": (_CHECKPOINT,
                     Remedy(f"{_OFFLOAD_INPUTS} (checkpointed inputs in host memory)", _inputs_on_gpu),
@@ -143,7 +148,8 @@ REMEDIES: dict[str, tuple[Remedy, ...]] = {
 
 def remedies(term: str, spec: JobSpec, plan: MemoryPlan) -> list[str]:
     """The remedies of one GPU term that apply to this job (see the module docstring)."""
-    return [remedy.says(spec, plan) for remedy in REMEDIES.get(term, ()) if remedy.applies(spec, plan)]
+    return [remedy.says(spec, plan) for remedy in REMEDIES.get(term, ())
+            if remedy.applies(spec, plan)]
 
 
 def advice(plan: MemoryPlan, spec: JobSpec) -> str | None:
@@ -153,6 +159,8 @@ def advice(plan: MemoryPlan, spec: JobSpec) -> str | None:
     term = max(REMEDIES, key=lambda key: plan.breakdown.get(key, 0))
     label = dict(ROWS)[term]
     moves = remedies(term, spec, plan)
-    what = "; ".join(moves) if moves else "nothing this job has not already (more GPUs, or a smaller model)"
+    what = "; ".join(moves) if moves \
+        else "nothing this job has not already (more GPUs, or a smaller model)"
     return (f"over by {fmt_mib_gib(-(plan.headroom or 0))}; the largest term is {label} "
-            f"({fmt_mib_gib(plan.breakdown[term])}): {what}; `jobspec plan --fit` searches them all")
+            f"({fmt_mib_gib(plan.breakdown[term])}): {what}; `jobspec plan --fit` searches them "
+            "all")

@@ -32,6 +32,7 @@ from fractions import Fraction
 
 LENGTH_QUANTUM = 64    # interpolated lengths are multiples of this (the kernels round to 32, 128)
 FLASH_ROUND = 128      # the flash kernel's backward scratch holds s rounded up to this
+ALLOCATOR_ROUND = 512  # the CUDA caching allocator's smallest block
 _ULYSSES = "deepspeed.runtime.sequence_parallel.ulysses_sp"
 _TILED = {"TiledMLP": "mlp", "SequenceTiledCompute": "loss"}   # DeepSpeed's tiled functions
 _MIN_TILES = 3         # a first, a middle and a last tile
@@ -526,8 +527,6 @@ def _lumps(sizes: list[int], codes: list[str], repeats: int) -> tuple[list[int],
     copies of a block do, frees first: a block's peak is highest in its first copy or in its last
     (the bytes a copy leaves add up linearly), both kept, and the copies reach whatever the lumps
     pass through."""
-    from jobspec.model.step import ALLOCATOR_ROUND
-
     net: dict[str, int] = {}
     for size, code in zip(sizes, codes):
         rounded = -(-abs(size) // ALLOCATOR_ROUND) * ALLOCATOR_ROUND

@@ -5,9 +5,9 @@ offload on any accelerator) keeps beta1^t and beta2^t for the bias correction as
 products: each step multiplies them by beta once (`Adam_Optimizer::IncrementStep`, cpu_adam.h).
 A fresh process resuming at step t+1 has no product yet and takes `std::pow(beta, t+1)` instead,
 which differs from the product in the last bit for most t (for beta2 = 0.999 from t = 3 on), so
-every update after a resume came out a few ULPs off and the losses drifted (issue 13: up to 2.2e-5
+without a replay every update after a resume is a few ULPs off and the losses drift (up to 2.2e-5
 relative after a resume at step 222). The checkpoint restores every tensor exactly; only this
-hidden C++ state was lost.
+hidden C++ state is not in it.
 
 `replay(optimizer)` rebuilds it: after a checkpoint is loaded it makes the same C++ object take
 steps 1..t on a 1-element scratch tensor, so the products are formed exactly as the uninterrupted
@@ -42,7 +42,8 @@ def steps_taken(optimizer) -> int:
 
 
 def replay(optimizer) -> int:
-    """Rebuild DeepSpeed's CPU Adam running beta products after a checkpoint load; the steps replayed."""
+    """Rebuild DeepSpeed's CPU Adam running beta products after a checkpoint load; the steps
+    replayed."""
     import torch
 
     found = cpu_adam_of(optimizer)
@@ -57,8 +58,10 @@ def replay(optimizer) -> int:
     for step in range(1, steps + 1):
         # lr and weight decay 0: the scratch values do not matter, only the step sequence does
         if kind == "fused":
-            adam.multi_tensor_adam(CHUNK, adam._dummy_overflow_buf, [[grad], [param], [exp_avg], [exp_avg_sq]],
-                                   0.0, beta1, beta2, group["eps"], step, adam.adam_w_mode, bias_correction, 0.0)
+            adam.multi_tensor_adam(CHUNK, adam._dummy_overflow_buf,
+                                   [[grad], [param], [exp_avg], [exp_avg_sq]],
+                                   0.0, beta1, beta2, group["eps"], step, adam.adam_w_mode,
+                                   bias_correction, 0.0)
         else:
             adam.ds_opt_adam.adam_update(adam.opt_id, step, 0.0, beta1, beta2, group["eps"], 0.0,
                                          bool(bias_correction), param, grad, exp_avg, exp_avg_sq)

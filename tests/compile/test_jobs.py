@@ -16,7 +16,7 @@ from conftest import REPO_ROOT as REPO
 from jobspec.cli import main
 from jobspec.rundir import COMPILE_FILES
 from jobspec.spec.derived import derive
-from jobspec.spec.inputs import count_rows
+from jobspec.data.formats import count_rows
 from jobspec.compile.compiler import compile_spec, find_auto
 from jobspec.spec.model_dims import model_dims
 from test_compiler import check_scheduler_constructs, deepspeed_config  # noqa: F401 (fixture)

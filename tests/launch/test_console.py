@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from jobspec.launch import intent
-from jobspec.launch.host import Host
+from jobspec.hardware import Host
 from jobspec.launch.quiet import TerminalFilter
 from jobspec.memory import at_launch
 from jobspec.memory.fit import cpu_step_time

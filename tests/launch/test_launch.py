@@ -84,7 +84,7 @@ FAKE_RANK = f"DISK_FULL = {DISK_FULL!r}\n" + textwrap.dedent('''
     if mode == "dataerror":  # the real worker's error path, its data build failing as on a bad row past
         os.environ["RANK"] = str(rank)  # the pre-flight's (build_datasets raises datacheck.locate_error)
         import yaml
-        from jobspec.data import datacheck
+        from jobspec.data import record_checks as datacheck
         from jobspec.train import worker
         def train(run_dir, state, started):
             raise datacheck.locate_error(yaml.safe_load((run_dir / "resolved.yaml").read_text()), "train")
@@ -447,7 +447,7 @@ def test_a_bad_data_row_found_on_the_ranks_is_exit_2_naming_file_and_line_once(t
                                                                               monkeypatch, capsys):
     # 1,500 rows, a non-UTF-8 byte in row 1,200: past the bytes the pre-launch data check reads (made
     # 4 KiB here, as a file past its 32 MiB would be), so the ranks are the ones that find it
-    from jobspec.data import datacheck
+    from jobspec.data import record_checks as datacheck
     monkeypatch.setattr(datacheck, "PREFLIGHT_BYTES", 4096)
     rows = [json.dumps({"text": f"row {i}", "label": i % 2}).encode() for i in range(1500)]
     rows[1199] = b'{"text": "b\xffd", "label": 0}'

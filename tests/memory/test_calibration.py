@@ -33,7 +33,8 @@ def cache_dir(tmp_path_factory) -> Path:
 
 
 def _plan(job: dict, directory: Path, cache_dir: Path, monkeypatch):
-    from jobspec.job.prepare import AS_WRITTEN, Host, prepare_job
+    from jobspec.hardware import Host
+    from jobspec.job.prepare import AS_WRITTEN, prepare_job
 
     monkeypatch.setenv("JOBSPEC_CACHE_DIR", str(cache_dir))
     path = directory / "job.yaml"

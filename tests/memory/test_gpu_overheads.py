@@ -38,7 +38,8 @@ def test_the_cuda_version_comes_from_torchs_version_without_importing_torch(monk
 def test_the_launch_plans_with_this_hosts_gpu_and_records_the_figure(tmp_path, monkeypatch):
     """`jobspec launch` probes the GPU's name (NVML): its plan adds that GPU's measured context, and
     launch.json's plan says how much it added."""
-    from jobspec.job.prepare import AS_WRITTEN, Host, prepare_job
+    from jobspec.hardware import Host
+    from jobspec.job.prepare import AS_WRITTEN, prepare_job
     from jobspec.memory.at_launch import plan_record
     from tests.spec_builder import write_job
 

@@ -1,4 +1,4 @@
-"""Host RAM per rank and per node (memory/host_memory.py): construction by ZeRO stage, CPU offload buffers, data
+"""Host RAM per rank and per node (memory/host_ram.py): construction by ZeRO stage, CPU offload buffers, data
 loader workers, a node's ranks against `resources.host_mem`; `--fit` and `memory.fit: auto` weigh the
 host; a node that cannot hold the job is exit 2 at `resources.host_mem`, saying what to change."""
 from __future__ import annotations
@@ -16,11 +16,11 @@ from conftest import REPO_ROOT as REPO
 
 from jobspec.cli import main
 from jobspec.errors import SpecError
-from jobspec.job.prepare import PLANNED, Host, prepare_job
+from jobspec.hardware import Host
+from jobspec.job.prepare import PLANNED, prepare_job
 from jobspec.launch import console
-from jobspec.launch.host import Host as FoundHost
 from jobspec.memory.fit import fit
-from jobspec.memory.host_memory import DATALOADER_WORKER_BYTES, RUNTIME_BYTES, offload_terms, stage3_sub_groups
+from jobspec.memory.host_ram import DATALOADER_WORKER_BYTES, RUNTIME_BYTES, offload_terms, stage3_sub_groups
 from jobspec.memory.planner import parse_bytes, plan_memory
 from jobspec.spec.derived import derive
 from jobspec.spec.validation import load_and_validate
@@ -111,7 +111,7 @@ def test_cpu_offload_buffers_are_held_while_training(stage, ranks):
     adam = math.ceil(8 * psi / ranks)   # the optimizer's states of all parameters, partitioned
     assert plan.host["offloaded_optimizer"] == 4 * part + adam + 4 * part + (2 * part if stage < 3 else 0)
     # ZeRO-3's 16-bit gradient partition beside the fp32 one; ZeRO-1/2's transfer buffer of the largest
-    # parameter (memory/host_memory.offload_terms)
+    # parameter (memory/host_ram.offload_terms)
     if stage == 3:
         assert plan.host["offload_gradient_accumulation"] == 2 * part
     else:
@@ -140,7 +140,7 @@ def test_pinned_buffers_round_up_to_a_power_of_two():
 
 
 def test_sub_groups_follow_deepspeeds_rule():
-    """memory/host_memory.stage3_sub_groups against DeepSpeed's own `_create_fp16_sub_groups`."""
+    """memory/host_ram.stage3_sub_groups against DeepSpeed's own `_create_fp16_sub_groups`."""
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
     class Param:
@@ -263,7 +263,7 @@ def test_fit_weighs_the_host_and_says_when_offload_would_overflow_it():
     derived = derive(spec, profiler=PROFILER)
     free = fit(spec, derived, parse_bytes("12GiB"))
     # the fastest GPU fit keeps the CPU optimizer offload: 35.82 GiB with its pinned buffers; the ZeRO-3
-    # fit needs 30.47 GiB (memory/host_memory.offload_terms)
+    # fit needs 30.47 GiB (memory/host_ram.offload_terms)
     host = parse_bytes("32GiB")
     assert free.plan.host_per_node > host
     bounded = fit(spec, derived, parse_bytes("12GiB"), host_budget=host)
@@ -308,7 +308,7 @@ def test_as_written_the_header_warns(tmp_path):
     prepared = prepare_job(job, host=Host(), how=PLANNED)
     memory = prepared.memory
     assert memory.plan.host_fits is False and memory.host_problem is not None
-    found = FoundHost(cpus=2, ram_total=16 * GiB, ram_available=12 * GiB)
+    found = Host(cpus=2, ram_total=16 * GiB, ram_available=12 * GiB)
     lines = console.header_lines(prepared.spec, prepared.derived, memory, found, [])
     host_line = next(line for line in lines if line.strip().startswith("host RAM"))
     assert "per node (2 ranks)" in host_line and "600.0 MiB (resources.host_mem): DOES NOT FIT" in host_line
@@ -337,7 +337,7 @@ def test_launch_dry_run_warns_as_written_and_refuses_under_fit_auto(tmp_path, mo
 
 def test_the_data_index_is_counted_per_sample_and_more_with_packing():
     """The records are memory-mapped (not counted); the index over them is, per counted sample."""
-    from jobspec.memory.host_memory import DATA_BYTES_PER_SAMPLE, PACKING_BYTES_PER_SAMPLE
+    from jobspec.memory.host_ram import DATA_BYTES_PER_SAMPLE, PACKING_BYTES_PER_SAMPLE
 
     spec = load_and_validate(REPO / "jobs" / "llama-instruct-packing.yaml", overrides=[]).spec
     plain = plan_memory(spec, derive(spec, profiler=PROFILER))

@@ -41,7 +41,8 @@ def test_the_inventory_holds_exactly_the_adapters_peft_makes():
     spec = llama_spec({"r": 4, "target_modules": ["q_proj", "v_proj", "down_proj"]})
     job, plan = planned(spec)
     wrapped = apply_lora(build_skeleton(spec), spec)
-    trainable, total = parameter_counts(wrapped)
+    counts = parameter_counts(wrapped)
+    trainable, total = counts["trainable"], counts["total"]
     inventory = job.profile.inventory
     assert (inventory.trainable, inventory.total) == (trainable, total)
     assert plan.settings["trainable_parameters"] == trainable

@@ -6,7 +6,7 @@ import pytest
 
 from conftest import REPO_ROOT
 from jobspec.cli import main
-from jobspec.memory.host_memory import stage3_sub_groups
+from jobspec.memory.host_ram import stage3_sub_groups
 
 
 class _Param:

@@ -68,7 +68,8 @@ def test_all_linear_freezes_the_base_and_trains_r_times_in_plus_out_per_layer():
     model = build_skeleton(spec)
     total_before = sum(p.numel() for p in model.parameters())
     wrapped = apply_lora(model, spec)
-    trainable, total = parameter_counts(wrapped)
+    counts = parameter_counts(wrapped)
+    trainable, total = counts["trainable"], counts["total"]
     linears = [m for name, m in build_skeleton(spec).named_modules()
                if type(m).__name__ == "Linear" and "lm_head" not in name]
     assert trainable == sum(4 * (m.in_features + m.out_features) for m in linears)

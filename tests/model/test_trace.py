@@ -2,7 +2,7 @@
 
 The full trace runs every layer of the model with the training patch itself (transformers'
 gradient_checkpointing_enable, or jobspec's one-in-k wrapper); the composed one traces units of at
-most three layers (`spec.model_profile.compose`). They must agree exactly, peak and regions, for
+most three layers (`memory.model_profile.compose`). They must agree exactly, peak and regions, for
 uniform stacks, alternating local/global attention (gemma2's layer_types), grouped-query attention,
 tied and untied heads and every checkpointing pattern the fit search tries.
 """
@@ -17,7 +17,7 @@ from jobspec.errors import SpecError
 from jobspec.model.build import build_model
 from jobspec.model.planner_trace import ModelTracer, job_profiler, model_key
 from jobspec.spec.schema import fill_defaults
-from jobspec.spec.model_profile import PHASES
+from jobspec.memory.model_profile import PHASES
 
 LLAMA = {"hidden_size": 64, "num_hidden_layers": 6, "num_attention_heads": 8, "num_key_value_heads": 2,
          "intermediate_size": 172, "vocab_size": 2000, "max_position_embeddings": 128,

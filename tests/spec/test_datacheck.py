@@ -1,4 +1,4 @@
-"""Data files checked before any rank starts (jobspec/data/datacheck.py), and named by file and line when a
+"""Data files checked before any rank starts (jobspec/data/record_checks.py), and named by file and line when a
 rank trips over a row after the ones checked (issue 13: non-UTF-8 bytes, a malformed line, an empty
 file, a missing column, a directory -- each found minutes late or named wrong)."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ import yaml
 from train.test_model_data import BERT, SENTENCES, make_spec, tokenizer_dir  # noqa: F401 (a fixture)
 
 from jobspec.cli import main
-from jobspec.data import datacheck
-from jobspec.data.datacheck import Columns, check_file
+from jobspec.data import record_checks as datacheck
+from jobspec.data.record_checks import Columns, check_file
 from jobspec.data.loaders import build_datasets
 from jobspec.errors import SpecError
 from jobspec.launch import supervise

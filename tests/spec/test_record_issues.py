@@ -8,7 +8,7 @@ import yaml
 from conftest import REPO_ROOT
 
 from jobspec.cli import main
-from jobspec.data import datacheck
+from jobspec.data import record_checks as datacheck
 
 GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
 

@@ -1,4 +1,4 @@
-"""The tokenised-data cache (jobspec/data/data_cache.py, data_prep.py): records tokenised once, the same
+"""The tokenised-data cache (jobspec/data/cache.py, data_prep.py): records tokenised once, the same
 tokens as a record-by-record reference, reused by key, rebuilt when damaged, every bad record named,
 memory-mapped and packed on the ranks (data/loaders.CachedDataset, data/sample_packing.LazyPackedDataset).
 
@@ -15,13 +15,14 @@ import torch
 
 from jobspec.cli import main
 from jobspec.errors import SpecError
-from jobspec.data import data_cache
-from jobspec.data import data_prep
+from jobspec.data import cache as data_cache
+from jobspec.data import prepare as data_prep
 from jobspec.data import record_sources
 from jobspec.model.build import build_tokenizer
 from jobspec.spec.schema import fill_defaults
 from jobspec.data import sample_packing
-from jobspec.data.loaders import IGNORE_INDEX, TensorDictDataset, build_datasets
+from jobspec.data.loaders import TensorDictDataset, build_datasets
+from jobspec.tasks.base import IGNORE_INDEX
 from tests.conftest import REPO_ROOT
 
 DATA = REPO_ROOT / "jobs" / "data"
@@ -362,8 +363,8 @@ def test_a_cache_that_cannot_be_written_is_a_clear_error(tmp_path, monkeypatch):
 
 
 def test_prompt_completion_records_are_checked_as_validate_checks_them(tmp_path):
-    """The pass takes validate's record check (data/datacheck.RecordChecker): the same words at the same line."""
-    from jobspec.data import datacheck
+    """The pass takes validate's record check (data/record_checks.RecordChecker): the same words at the same line."""
+    from jobspec.data import record_checks as datacheck
 
     lines = INSTRUCT.read_text().splitlines()[:20]
     lines[7] = json.dumps({"prompt": 3, "completion": "x"})

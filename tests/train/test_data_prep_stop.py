@@ -1,4 +1,4 @@
-"""Ctrl-C during the data preparation pass (jobspec/data/data_prep.py): it says where it stopped and
+"""Ctrl-C during the data preparation pass (jobspec/data/prepare.py): it says where it stopped and
 what the cache kept, exits 130, and the next pass goes on from the chunks kept, to the very tokens
 an uninterrupted pass writes."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import yaml
 from conftest import REPO_ROOT
 
-from jobspec.data import data_cache, data_prep, record_sources
+from jobspec.data import cache as data_cache, prepare as data_prep, record_sources
 from jobspec.spec.validation import load_and_validate
 
 CHAT = REPO_ROOT / "jobs" / "data" / "chat-sample.jsonl"

@@ -55,7 +55,7 @@ def modes(directory) -> dict[str, int]:
 def test_the_adapter_directory_loads_with_the_jobs_tokenizer(tmp_path, lora_job):
     from transformers import AutoTokenizer
 
-    from jobspec.export.lora_export import write_adapter_dir
+    from jobspec.export.lora import write_adapter_dir
     spec, peft_model, tokenizer = lora_job
     out = tmp_path / "final-adapter"
     info = {"name": "final", "step": 1, "dtype": "fp32"}
@@ -69,7 +69,7 @@ def test_the_adapter_directory_loads_with_the_jobs_tokenizer(tmp_path, lora_job)
 
 def test_every_exported_file_follows_the_umask(tmp_path, lora_job, umask_027):
     from jobspec.export.hf_dir import ExportInfo, umask, write_model_dir
-    from jobspec.export.lora_export import merged_state_dict, write_adapter_dir
+    from jobspec.export.lora import merged_state_dict, write_adapter_dir
     spec, peft_model, tokenizer = lora_job
     assert umask() == 0o027   # read without changing it
     write_adapter_dir(tmp_path / "adapter", spec, peft_model,

@@ -244,7 +244,7 @@ def test_the_exported_chat_model_stops_at_end_of_turn_and_the_adapter_names_its_
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from jobspec.export.lora_export import BASE_DIR, write_adapter_dir
+    from jobspec.export.lora import BASE_DIR, write_adapter_dir
     from jobspec.export.hf_dir import ExportInfo, write_model_dir
     from jobspec.model.lora import apply_lora
     spec = job(tmp_path)

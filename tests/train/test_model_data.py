@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from jobspec.data.loaders import IGNORE_INDEX, build_datasets, make_loader
+from jobspec.data.loaders import build_datasets, make_loader
+from jobspec.tasks.base import IGNORE_INDEX
 from jobspec.errors import SpecError
 from jobspec.model.build import build_model, build_tokenizer
 from jobspec.spec.schema import fill_defaults

@@ -17,7 +17,8 @@ from fp_bounds import forward_bound, gamma
 from jobspec.errors import SpecError
 from jobspec.spec.rules import packing as packing_rules
 from jobspec.data import sample_packing
-from jobspec.data.loaders import IGNORE_INDEX, PadCollator, TensorDictDataset
+from jobspec.data.loaders import PadCollator, TensorDictDataset
+from jobspec.tasks.base import IGNORE_INDEX
 from jobspec.train.metrics import count_tokens
 
 VOCAB = 300

@@ -19,8 +19,9 @@ import pytest
 import tokenizers.pre_tokenizers as pre_tokenizers
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, processors, trainers
 
-from jobspec.data import chat_render, data_prep
-from jobspec.data.chat_render import IGNORE_INDEX, RecordText
+from jobspec.data import chat_render, prepare as data_prep
+from jobspec.data.chat_render import RecordText
+from jobspec.tasks.base import IGNORE_INDEX
 from jobspec.errors import SpecError
 from jobspec.spec.schema import fill_defaults
 from tests.conftest import REPO_ROOT

@@ -1,8 +1,7 @@
 """What the cross-field rules share: a rule's type, paths read relative to the file that wrote them,
-rule codes given to issues raised without one, and the did-you-mean hint (schema errors use it too)."""
+and rule codes given to issues raised without one."""
 from __future__ import annotations
 
-import difflib
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -32,7 +31,8 @@ def get(spec: JobSpec, path: tuple) -> Any:
 
 
 def base_dir(r: ResolvedSpec, path: tuple) -> Path:
-    """Relative paths are relative to the file that wrote them; `--set` ones to the current directory."""
+    """Relative paths are relative to the file that wrote them; `--set` ones to the current
+    directory."""
     where = r.positions.get(path)
     if where is None or where.file == SET_FILE:
         return Path.cwd() if where is not None else Path(r.source).resolve().parent
@@ -49,20 +49,3 @@ def exists(path: Path, file: bool = False) -> bool:
         return path.is_file() if file else path.exists()
     except (OSError, ValueError):   # a name too long, or with a NUL byte, names nothing
         return False
-
-
-def closest(word: str, choices: list[str]) -> str | None:
-    """The choice `word` most likely misspells (the same letters in another case first), or None."""
-    lowered = {c.lower(): c for c in choices}
-    close = ([lowered[word.lower()]] if word.lower() in lowered else
-             difflib.get_close_matches(word, choices, n=1, cutoff=0.6))
-    return close[0] if close else None
-
-
-def did_you_mean(word: str, choices: list[str], label: str) -> str:
-    """`did you mean `x`?` for the closest choice (the listing too when short), else the listing."""
-    close = closest(word, choices)
-    listing = ", ".join(f"`{c}`" for c in choices)
-    if close:
-        return f"did you mean `{close}`?" + (f" {label}: {listing}" if len(choices) <= 6 else "")
-    return f"{label}: {listing}"

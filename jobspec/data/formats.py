@@ -5,14 +5,15 @@ A data source (`data.train`, `data.eval`) is a file, a directory of text files, 
 """
 from __future__ import annotations
 
+import csv
 from pathlib import Path
 
 from jobspec.errors import spec_error
 from jobspec.spec.types import JobSpecData
 
 FORMATS = ("jsonl", "csv", "parquet", "text")
-FORMAT_BY_SUFFIX = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet", ".pq": "parquet",
-                    ".txt": "text", ".md": "text"}
+FORMAT_BY_SUFFIX = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet",
+                    ".pq": "parquet", ".txt": "text", ".md": "text"}
 TEXT_SUFFIXES = tuple(suffix for suffix, fmt in FORMAT_BY_SUFFIX.items() if fmt == "text")
 HF_PREFIX = "hf:"
 # what datasets' save_to_disk leaves in a directory (a Dataset, a DatasetDict)
@@ -20,7 +21,8 @@ SAVED_DATASET_MARKERS = ("state.json", "dataset_dict.json")
 
 
 def split_source(data: JobSpecData, split: str) -> str:
-    """`data.<split>` ("train" or "eval"): the file, directory or hub name of a split the spec has."""
+    """`data.<split>` ("train" or "eval"): the file, directory or hub name of a split the spec
+    has."""
     source = data["train"] if split == "train" else data["eval"] if split == "eval" else None
     if source is None:
         raise ValueError(f"the spec has no data.{split}")
@@ -28,18 +30,21 @@ def split_source(data: JobSpecData, split: str) -> str:
 
 
 def data_format(path: str | Path, fmt: str = "auto") -> str:
-    """`fmt` itself, or for `auto` the format `path`'s extension names; SpecError when it names none."""
+    """`fmt` itself, or for `auto` the format `path`'s extension names; SpecError when it names
+    none."""
     if fmt != "auto":
         return fmt
     found = FORMAT_BY_SUFFIX.get(Path(path).suffix.lower())
     if found is None:
-        raise spec_error(f"cannot tell the format of {Path(path).name} from its extension", path=("data", "format"),
+        raise spec_error(f"cannot tell the format of {Path(path).name} from its extension",
+                         path=("data", "format"),
                          hint=f"set data.format to {', '.join(FORMATS[:-1])} or {FORMATS[-1]}")
     return found
 
 
 def is_hub_name(source: str) -> bool:
-    """`hf:org/name`: a dataset by name (datasets.load_dataset), never a local path of the spec's."""
+    """`hf:org/name`: a dataset by name (datasets.load_dataset), never a local path of the
+    spec's."""
     return isinstance(source, str) and source.startswith(HF_PREFIX)
 
 
@@ -53,8 +58,8 @@ def is_saved_dataset(path: str | Path) -> bool:
 
 
 def source_kind(source: str | Path, fmt: str = "auto") -> str:
-    """`hub` (hf:name), `saved` (a save_to_disk directory), `text_dir` (a directory of text files), or
-    the file's format (jsonl, csv, parquet, text; SpecError when `auto` cannot tell it)."""
+    """`hub` (hf:name), `saved` (a save_to_disk directory), `text_dir` (a directory of text files),
+    or the file's format (jsonl, csv, parquet, text; SpecError when `auto` cannot tell it)."""
     if is_hub_name(str(source)):
         return "hub"
     path = Path(source)
@@ -80,3 +85,23 @@ def text_files(directory: str | Path, fmt: str = "auto") -> list[Path]:
         if fmt == "text" or path.suffix.lower() in TEXT_SUFFIXES:
             found.append(path)
     return found
+
+
+def count_rows(path: str | Path, fmt: str = "auto") -> int:
+    """Training samples in a jsonl/csv/parquet file (rows; blank jsonl lines and the csv header
+    excluded)."""
+    path = Path(path)
+    fmt = data_format(path, fmt)
+    try:
+        if fmt == "jsonl":
+            with path.open("rb") as f:
+                return sum(1 for line in f if line.strip())
+        if fmt == "csv":
+            with path.open(newline="", encoding="utf-8") as f:
+                # csv.reader: quoted newlines stay one row
+                return max(0, sum(1 for _ in csv.reader(f)) - 1)
+        import pyarrow.parquet as pq  # only for parquet data; metadata holds the row count
+        return int(pq.ParquetFile(path).metadata.num_rows)
+    except (OSError, UnicodeDecodeError, csv.Error, ValueError, ImportError) as err:
+        raise spec_error(f"cannot count the rows of {path}: {err}", path=("data", "train"),
+                         hint="check the file and data.format") from None

@@ -1,16 +1,19 @@
-"""The data checks that need transformers, made by `jobspec launch` (and `--dry-run`) before any rank starts.
+"""The data checks that need transformers, made by `jobspec launch` (and `--dry-run`) before any
+rank starts.
 
-`jobspec validate` reads a local tokenizer directory as JSON (spec/rules/data.py) and data/datacheck.py
-checks the records' shape without a tokenizer. What is left needs the tokenizer transformers loads, and
-would otherwise be found by every rank after DeepSpeed started:
+`jobspec validate` reads a local tokenizer directory as JSON (spec/rules/data.py) and
+data/record_checks.py checks the records' shape without a tokenizer. What is left needs the
+tokenizer transformers loads, and would otherwise be found by every rank after DeepSpeed started:
 
-- the tokenizer loads at all (a hub id, a directory of vocab files): model/build.build_tokenizer's refusal;
-- a tokenizer validate could not read: its size against the model's vocabulary (`tokenizer-vocab`, at
-  `model.config`) and, for chat records, that it has a chat template (`chat-template`);
-- chat and prompt/completion records rendered with the chat template on the first RENDER_ROWS records,
-  with the renders the ranks make (the whole conversation, and each assistant turn's prefix with the
-  generation prompt and the conversation through it: train/chat_data.Renderer), so a template that
-  fails on a record (`raise_exception`, an undefined name) is reported at the record's file:line.
+- the tokenizer loads at all (a hub id, a directory of vocab files): model/build.build_tokenizer's
+  refusal;
+- a tokenizer validate could not read: its size against the model's vocabulary (`tokenizer-vocab`,
+  at `model.config`) and, for chat records, that it has a chat template (`chat-template`);
+- chat and prompt/completion records rendered with the chat template on the first RENDER_ROWS
+  records, with the renders the ranks make (the whole conversation, and each assistant turn's prefix
+  with the generation prompt and the conversation through it: data/chat_render.Renderer), so a
+  template that fails on a record (`raise_exception`, an undefined name) is reported at the record's
+  file:line.
 """
 from __future__ import annotations
 
@@ -20,23 +23,25 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jobspec import library_log
-from jobspec.data import datacheck
-from jobspec.data.data_format import source_kind, split_source
+from jobspec.data import record_checks
+from jobspec.data.formats import source_kind, split_source
+from jobspec.data.tokenizer_files import TokenizerFileError, read_tokenizer, tokenizer_name
 from jobspec.errors import SpecError, SpecIssue, first_line
 from jobspec.spec.freeform import local_checkpoint_config
 from jobspec.spec.model_dims import model_dims
 from jobspec.spec.rules.data import vocab_issue
-from jobspec.spec.tokenizer_files import TokenizerFileError, read_tokenizer, tokenizer_name
 from jobspec.spec.types import JobSpec
 
 if TYPE_CHECKING:
     from jobspec.spec.validation import ResolvedSpec
 
-RENDER_ROWS = 200   # records rendered per file: the template's branches a dataset uses show up early
+# records rendered per file: the template's branches a dataset uses show up early
+RENDER_ROWS = 200
 
 
 def tokenizer_issues(r: ResolvedSpec) -> list[SpecIssue]:
-    """The problems above, positioned; [] for synthetic data or records that need no tokenizer here."""
+    """The problems above, positioned; [] for synthetic data or records that need no tokenizer
+    here."""
     spec = r.spec
     name = tokenizer_name(spec)
     if not name:
@@ -45,13 +50,16 @@ def tokenizer_issues(r: ResolvedSpec) -> list[SpecIssue]:
         facts = read_tokenizer(name)
     except TokenizerFileError:   # validate reported it (tokenizer-files)
         return []
-    kinds = {split: _record_kind(spec, split) for split in datacheck.SPLITS if spec["data"].get(split)}
-    templated = {split: kind for split, kind in kinds.items() if kind in ("chat", "prompt_completion")}
+    kinds = {split: _record_kind(spec, split) for split in record_checks.SPLITS
+             if spec["data"].get(split)}
+    templated = {split: kind for split, kind in kinds.items()
+                 if kind in ("chat", "prompt_completion")}
     if facts is not None and not templated:
         return []   # validate read everything there is to check
     from jobspec.model.build import build_tokenizer
 
-    library_log.adopt_transformers()   # transformers' log lines to the command's log (plan, compile)
+    # transformers' log lines to the command's log (plan, compile)
+    library_log.adopt_transformers()
     try:
         tokenizer = build_tokenizer(spec)
     except SpecError as err:
@@ -65,9 +73,11 @@ def tokenizer_issues(r: ResolvedSpec) -> list[SpecIssue]:
     if template is None:
         if "chat" in templated.values() and facts is None:
             where = ("data", "records") if ("data", "records") in r.positions else ("data", "train")
-            issues.append(r.issue(where, f"chat records need a chat template, and the tokenizer {name} has none",
-                                  "set data.chat_template to a Jinja template file, or use a tokenizer with "
-                                  "a chat_template", code="chat-template"))
+            issues.append(r.issue(where,
+                                  f"chat records need a chat template, and the tokenizer {name} "
+                                  "has none",
+                                  "set data.chat_template to a Jinja template file, or use a "
+                                  "tokenizer with a chat_template", code="chat-template"))
         return issues
     for split, kind in templated.items():
         problem = _render_problem(spec, split, kind, tokenizer, template)
@@ -77,18 +87,20 @@ def tokenizer_issues(r: ResolvedSpec) -> list[SpecIssue]:
 
 
 def _record_kind(spec: JobSpec, split: str) -> str | None:
-    """`text`, `chat` or `prompt_completion` for a local jsonl/parquet file; None for anything else."""
+    """`text`, `chat` or `prompt_completion` for a local jsonl/parquet file; None for anything
+    else."""
     data = spec["data"]
     if data["format"] == "text":
         return "text"
     rows = _first_rows(spec, split, 1)
     if rows is None:
         return None
-    return datacheck.record_kind(data, rows[0][1].keys()) if rows else None
+    return record_checks.record_kind(data, rows[0][1].keys()) if rows else None
 
 
 def _first_rows(spec: JobSpec, split: str, limit: int) -> list[tuple[int, dict]] | None:
-    """(0-based record index, record) of the file's first `limit` records; None: not a local jsonl/parquet."""
+    """(0-based record index, record) of the file's first `limit` records; None: not a local
+    jsonl/parquet."""
     data = spec["data"]
     source = split_source(data, split)
     try:
@@ -96,14 +108,15 @@ def _first_rows(spec: JobSpec, split: str, limit: int) -> list[tuple[int, dict]]
         if fmt == "jsonl":
             with open(source, "rb") as fh:
                 lines = (line for line in fh if line.strip())
-                return [(i, json.loads(line)) for i, line in enumerate(itertools.islice(lines, limit))]
+                return [(i, json.loads(line))
+                        for i, line in enumerate(itertools.islice(lines, limit))]
         if fmt == "parquet":
             import pyarrow.parquet as pq
 
             batch = next(pq.ParquetFile(source).iter_batches(batch_size=limit), None)
             return list(enumerate(batch.to_pylist())) if batch is not None else []
     except (OSError, ValueError, SpecError, StopIteration):
-        return None   # the datacheck reports unreadable files with their line
+        return None   # the record checks report unreadable files with their line
     return None
 
 
@@ -117,25 +130,31 @@ def _template(spec: JobSpec, tokenizer) -> str | None:
     return getattr(tokenizer, "chat_template", None) or None
 
 
-def _render_problem(spec: JobSpec, split: str, kind: str, tokenizer, template: str) -> tuple[str, str] | None:
+def _render_problem(spec: JobSpec, split: str, kind: str, tokenizer,
+                    template: str) -> tuple[str, str] | None:
     """(message, hint) for the first record the template fails on, at its file:line."""
     data = spec["data"]
     for index, row in _first_rows(spec, split, RENDER_ROWS) or []:
         if kind == "chat":
             written = row.get(data["messages_field"])
-            if not isinstance(written, list) or datacheck.messages_problem(written, data["messages_field"]):
-                return None   # the datacheck reported the record's shape
-            messages = [{"role": m["role"], "content": m["content"]} for m in written]   # parquet adds null keys
+            if not isinstance(written, list) \
+                    or record_checks.messages_problem(written, data["messages_field"]):
+                return None   # the record checks reported the record's shape
+            # parquet adds null keys
+            messages = [{"role": m["role"], "content": m["content"]} for m in written]
         else:
             prompt, completion = row.get(data["prompt_field"]), row.get(data["completion_field"])
             if not isinstance(prompt, str) or not isinstance(completion, str):
                 return None
-            messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
+            messages = [{"role": "user", "content": prompt},
+                        {"role": "assistant", "content": completion}]
         try:
             _render_like_the_ranks(tokenizer, template, messages)
-        except Exception as err:  # noqa: BLE001 - jinja2's errors, TemplateError from raise_exception, TypeError
-            where = datacheck.row_location(split_source(data, split), data["format"], index)
-            source = "data.chat_template" if data.get("chat_template") else "the tokenizer's chat template"
+        # jinja2's errors, TemplateError from raise_exception, TypeError
+        except Exception as err:  # noqa: BLE001
+            where = record_checks.row_location(split_source(data, split), data["format"], index)
+            source = "data.chat_template" if data.get("chat_template") \
+                else "the tokenizer's chat template"
             return (f"{where}: the chat template failed on this record: {first_line(err)}",
                     f"fix the record, or the template ({source})")
     return None

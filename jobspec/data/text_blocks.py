@@ -1,4 +1,5 @@
-"""Text data (`data.format: text`, .txt/.md files, a directory of them) cut into language-model blocks.
+"""Text data (`data.format: text`, .txt/.md files, a directory of them) cut into language-model
+blocks.
 
 A document is a line of the file (`data.document: line`, blank lines skipped), the whole file
 (`document: file`), or each file of a directory. Each is tokenized with the tokenizer's own special
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from jobspec.data.data_format import TEXT_SUFFIXES, source_kind, split_source, text_files
+from jobspec.data.formats import TEXT_SUFFIXES, source_kind, split_source, text_files
 from jobspec.errors import spec_error
 from jobspec.spec.types import JobSpec
 from jobspec.tasks.base import MASKED_TOKENS, NEXT_TOKENS
@@ -30,7 +31,8 @@ def read_documents(source: str, fmt: str, document: str, split: str) -> list[str
     if source_kind(source, fmt) == "text_dir":
         files = text_files(source, fmt)
         if not files:
-            raise spec_error(f"{source} holds no {'/'.join(TEXT_SUFFIXES)} files", path=("data", split),
+            raise spec_error(f"{source} holds no {'/'.join(TEXT_SUFFIXES)} files",
+                             path=("data", split),
                              hint="point it at a directory of text files, or at a data file")
         return [doc for doc in (_read(path, split) for path in files) if doc.strip()]
     text = _read(Path(source), split)
@@ -52,11 +54,12 @@ def _read(path: Path, split: str) -> str:
 def document_ids(tokenizer, documents: list[str]) -> list[list[int]]:
     """Each document's token ids with the tokenizer's special tokens, ending with EOS (or SEP)."""
     end = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
-    # verbose=False: a document longer than the model's positions is expected here (it is cut into blocks)
+    # verbose=False: a document longer than the model's positions is expected here (it is cut into
+    # blocks)
     encoded = tokenizer(documents, add_special_tokens=True, verbose=False)["input_ids"]
     if end is None:
-        warnings.warn("the tokenizer has neither an EOS nor a SEP token: text documents are joined without a "
-                      "separator", stacklevel=2)
+        warnings.warn("the tokenizer has neither an EOS nor a SEP token: text documents are joined "
+                      "without a separator", stacklevel=2)
         return [list(ids) for ids in encoded]
     return [list(ids) if ids and ids[-1] == end else [*ids, end] for ids in encoded]
 
@@ -75,7 +78,8 @@ def text_columns(spec: JobSpec, tokenizer, split: str, shape: str) -> tuple[list
     if shape not in (NEXT_TOKENS, MASKED_TOKENS):
         raise spec_error(f"text files have no labels; {spec['model']['task']} needs records with "
                          f"{data['label_field']!r}", path=("data", split),
-                         hint="use a jsonl/csv/parquet file with text and label columns, or a language-model task")
+                         hint="use a jsonl/csv/parquet file with text and label columns, or a "
+                              "language-model task")
     documents = read_documents(split_source(data, split), data["format"], data["document"], split)
     if not documents:
         raise spec_error(f"{split_source(data, split)} has no text", path=("data", split),
