@@ -388,8 +388,10 @@ class RunSummary:
     # trainable and total parameter counts
     parameters: dict[str, int] = field(default_factory=dict)
     error: str | None = None                  # why a failed run failed (rank 0)
-    generation: dict | None = None            # training.eval_generate: the last evaluation's first answer
-    data: dict | None = None                  # the tokenised data's counts (data.<split>.records, tokens, ...)
+    # training.eval_generate: the last evaluation's first answer
+    generation: dict | None = None
+    # the tokenised data's counts (data.<split>.records, tokens, ...)
+    data: dict | None = None
     startup: dict | None = None               # seconds per start-up phase (train/startup.py)
     exit_code: int | None = None              # the launcher's fallback
     written_by: str | None = None             # LAUNCHER_WRITER for the fallback

@@ -128,7 +128,8 @@ def prepare_split(spec: JobSpec, split: str, tokenizer, *, num_proc: int | None 
             # built by another process while this one waited
             entry.data = data_cache.open_entry(entry.key)
             if entry.data is None:
-                entry.data = _build(spec, entry, tokenizer, num_proc or default_num_proc(spec), show)
+                entry.data = _build(spec, entry, tokenizer, num_proc or default_num_proc(spec),
+                                    show)
                 entry.built = True
     except OSError as err:   # a read-only or full cache directory: the tokens have nowhere to go
         raise spec_error(f"cannot write the tokenised data of data.{split} into "
@@ -396,10 +397,10 @@ def _bad_record_issues(totals: _Chunk, split: str) -> list[SpecIssue]:
 def prepare_data(spec: JobSpec, *, build: bool, show: str | None = None,
                  num_proc: int | None = None, built: list[str] | None = None) -> tuple[list, dict]:
     """The tokenised-data cache of the spec's chat and prompt/completion records (this module):
-    built now with `build` (the full data check: a bad record refuses the launch, exit 2, before any rank
-    starts), else (`--dry-run`, `plan`) whether it is built and how long building it would take.
-    Returns the lines to print and the counts (data.<split>.records, tokens, ...) for launch.json
-    and MLflow; `built` gets the splits this pass tokenised (the others were cached)."""
+    built now with `build` (the full data check: a bad record refuses the launch, exit 2, before any
+    rank starts), else (`--dry-run`, `plan`) whether it is built and how long building it would
+    take. Returns the lines to print and the counts (data.<split>.records, tokens, ...) for
+    launch.json and MLflow; `built` gets the splits this pass tokenised (the others were cached)."""
     splits = cached_splits(spec)
     if not splits:
         return [], {}

@@ -51,7 +51,8 @@ class LaunchContext:
     port: int
     found: Host
     style: bool                       # the progress bar's bold labels
-    phases: list[tuple[str, float, float]]   # start-up timestamps, appended as it goes (launcher.log)
+    # start-up timestamps, appended as it goes (launcher.log)
+    phases: list[tuple[str, float, float]]
     data_how: str | None = None       # the data pass: prepared | cached | None (no data to prepare)
 
     @property

@@ -1,7 +1,7 @@
 """DeepSpeed's per-node launcher (`deepspeed.launcher.launch`), run unchanged as `__main__`, with
 DeepSpeed imported through `jobspec.ops.import_deepspeed`: launch.py itself only spawns and watches
-the ranks, yet its `import deepspeed` imports MLflow (DeepSpeed's autotuner), ~1.7 s of CPU before any
-rank starts. `python -u -m jobspec.launch.ds_launch ARGS` takes exactly launch.py's arguments
+the ranks, yet its `import deepspeed` imports MLflow (DeepSpeed's autotuner), ~1.7 s of CPU before
+any rank starts. `python -u -m jobspec.launch.ds_launch ARGS` takes exactly launch.py's arguments
 (jobspec/launch/runner.py builds them as DeepSpeed's runner would).
 
 Two things differ from running launch.py directly, both at the end of a job: launch.py looks at its
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import runpy
 import time
+from typing import SupportsIndex
 
 from jobspec.ops import import_deepspeed
 from jobspec.quick_exit import quick_exit
@@ -21,10 +22,14 @@ POLL_S = 0.1   # how often the ranks' exits are noticed (launch.py: 1 s)
 
 def _run_launch_py() -> int:
     sleep = time.sleep
-    time.sleep = lambda seconds: sleep(min(seconds, POLL_S))   # launch.py's watch loop
+    def poll(seconds: float | SupportsIndex) -> None:   # launch.py's watch loop
+        sleep(min(float(seconds), POLL_S))
+
+    time.sleep = poll
     try:
         runpy.run_module("deepspeed.launcher.launch", run_name="__main__", alter_sys=True)
-    except SystemExit as stop:   # launch.py ends with sys.exit(code) on a rank's failure or a signal
+    # launch.py ends with sys.exit(code) on a rank's failure or a signal
+    except SystemExit as stop:
         return stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
     return 0
 

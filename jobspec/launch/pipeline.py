@@ -112,9 +112,9 @@ def launch(job: str, overrides: list[str], options: LaunchOptions = LaunchOption
     found = hardware.Host.probe(spec["resources"]["gpus_per_node"], gpu_free)
     style = progress_mode(spec["logging"]["progress"]) == "bar"
     phases.append(("planned", time.time(), launcher_log.cpu_seconds()))
-    # chat and prompt/completion records tokenised once into the data cache (data/data_prep), before any
-    # rank: every record is checked (a bad one refuses the launch at its file:line); --dry-run says
-    # whether the cache is warm, else how long building it would take
+    # chat and prompt/completion records tokenised once into the data cache (data/prepare), before
+    # any rank: every record is checked (a bad one refuses the launch at its file:line); --dry-run
+    # says whether the cache is warm, else how long building it would take
     built: list[str] = []
     data_lines, _ = _located(resolved, lambda: data_prep.prepare_data(
         spec, build=not options.dry_run, show=progress_mode(spec["logging"]["progress"]),
@@ -162,9 +162,10 @@ def launch(job: str, overrides: list[str], options: LaunchOptions = LaunchOption
         # stops them gracefully (launch/supervise.py); the run's ending is then written whole
         with supervise.HeldStops() as stops:
             return _launch_holding(LaunchContext(
-                job=job, overrides=tuple(overrides), options=options, as_written=as_written, prepared=prepared,
-                chosen=again, held=held, stops=stops, resume_run_id=resume_run_id, port=port, found=found,
-                style=style, phases=phases, data_how=data_how))
+                job=job, overrides=tuple(overrides), options=options, as_written=as_written,
+                prepared=prepared,
+                chosen=again, held=held, stops=stops, resume_run_id=resume_run_id, port=port,
+                found=found, style=style, phases=phases, data_how=data_how))
     finally:
         held.release()
 

@@ -69,7 +69,8 @@ class FitResult:
 
     def as_dict(self) -> dict:
         return {"fits": self.fits, "overrides": self.overrides, "changes": self.changes,
-                "slowdown": round(self.slowdown, 3), "reason": self.reason, "considered": self.considered,
+                "slowdown": round(self.slowdown, 3), "reason": self.reason,
+                "considered": self.considered,
                 "notes": self.notes, "host_limited": self.host_limited, "plan": self.plan.as_dict(),
                 "speed": self.speed.as_dict() if self.speed is not None else None}
 
@@ -95,9 +96,10 @@ class Speed:
 def fit(spec: JobSpec, job: DerivedJob, budget_bytes: int, *, bf16_supported: bool = True,
         host_budget: int | None = None, context: ContextFigure | None = None,
         gpu: str | None = None) -> FitResult:
-    """The fastest configuration of `spec` predicted to fit `budget_bytes` per GPU (NVML-style total)
-    and, when `host_budget` is known, a node's RAM with all its ranks; `context`: the GPU's CUDA
-    context (planner.plan_memory); `gpu`: its name, whose readings price the step (step_time)."""
+    """The fastest configuration of `spec` predicted to fit `budget_bytes` per GPU (NVML-style
+    total) and, when `host_budget` is known, a node's RAM with all its ranks; `context`: the GPU's
+    CUDA context (planner.plan_memory); `gpu`: its name, whose readings price the step
+    (step_time)."""
     result = _search(spec, job, budget_bytes, bf16_supported, host_budget, context, gpu)
     if result.fits:
         chosen = apply_changes(spec, result.changes)
@@ -394,7 +396,8 @@ def step_time(spec: JobSpec, job: DerivedJob, gpu: str | None = None) -> float:
     if job.hardware_flops_per_token is None:
         # set whenever the job has a profile, which plan_memory above requires
         raise ValueError("step_time needs the model's traced FLOPs")
-    flops = job.hardware_flops_per_token * tokens   # checkpoint recompute included (jobspec.spec.flops)
+    # checkpoint recompute included (jobspec.spec.flops)
+    flops = job.hardware_flops_per_token * tokens
     compute = flops / achieved_flops(spec, job, readings_for(gpu))
     lp = job.precision_bytes
     shard = psi / world

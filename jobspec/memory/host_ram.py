@@ -7,9 +7,9 @@ it builds the optimizer, so the two never coincide):
   partitioned as soon as the module is built: this rank's partition (lp·Ψ/N) plus the largest module
   built whole before it is partitioned (a layer, or the embedding when it is larger); an upper bound
   on a GPU, where `zero.Init` puts the partitions on the device. ZeRO 0/1/2 build every parameter on
-  every rank, in the training dtype, on the rank's device (model/build): a GPU rank creates and draws
-  them on the GPU (nothing on the host) and loads a checkpoint onto it one tensor at a time (the
-  largest tensor in flight); a CPU rank holds them all, lp·Ψ, and a quantised base (QLoRA) its
+  every rank, in the training dtype, on the rank's device (model/build): a GPU rank creates and
+  draws them on the GPU (nothing on the host) and loads a checkpoint onto it one tensor at a time
+  (the largest tensor in flight); a CPU rank holds them all, lp·Ψ, and a quantised base (QLoRA) its
   packed weights, plus the layer being quantised and bitsandbytes' CPU temporaries for it.
 - training: the CPU offload buffers (fp32 master partition, optimizer states, the fp32 gradient
   partition, stage 1/2's 16-bit transfer buffer, the offloaded parameter partition; beside them
@@ -54,14 +54,16 @@ PACKING_BYTES_PER_SAMPLE = 192
 QUANTIZE_CPU_BYTES_PER_ELEMENT = 20
 
 
-def construction_bytes(inventory: Inventory, stage: int, world: int, lp: int, *, gpu_ranks: bool = False,
+def construction_bytes(inventory: Inventory, stage: int, world: int, lp: int, *,
+                       gpu_ranks: bool = False,
                        pretrained: bool = False, quantized_weights: int | None = None) -> int:
     """Host bytes of one rank while it builds the model (see the module docstring). `gpu_ranks`: the
     ranks build on their GPUs; `pretrained`: from a checkpoint; `quantized_weights`: the bytes of a
     quantised base's weights as stored (planner.weight_bytes), None when it is not quantised."""
     largest_tensor = max((math.prod(shape) for _, shape, _ in inventory.tensors), default=0)
     if stage == 3:
-        return lp * (math.ceil(inventory.total / world) + max(inventory.layer_params, largest_tensor))
+        return lp * (math.ceil(inventory.total / world)
+                     + max(inventory.layer_params, largest_tensor))
     if gpu_ranks:
         return lp * largest_tensor if pretrained else 0
     if quantized_weights is not None and inventory.quantized:

@@ -24,7 +24,6 @@ from jobspec.memory.gpu_overheads import ContextFigure, cuda_context
 from jobspec.memory.model_profile import Inventory
 from jobspec.memory.ulysses_buffers import all_to_all_bytes
 from jobspec.spec.derived import PRECISION_BYTES, DerivedJob, zero_bucket_sizes
-from jobspec.spec.model_profile import Inventory
 from jobspec.spec.rules.kernels import fused_loss
 from jobspec.spec.types import (
     JobSpec,
@@ -196,15 +195,18 @@ def plan_memory(spec: JobSpec, job: DerivedJob, *, budget: int | None = None,
                          "logits_and_loss",
                          "zero_buffers", "dequantized_weight", "all_to_all_buffers",
                          "gradients_at_peak"), 0)
-    # the working copy of every parameter: lp bytes each, bitsandbytes' packed weights and constants for a
-    # quantised base (model.quantization); `shrink` scales what ZeRO-3 gathers of a layer alike
+    # the working copy of every parameter: lp bytes each, bitsandbytes' packed weights and constants
+    # for a quantised base (model.quantization); `shrink` scales what ZeRO-3 gathers of a layer
+    # alike
     weights = weight_bytes(inventory, lp, model["quantization"])
-    # the process, then the model as this rank builds it (memory/host_memory.py: on a GPU rank outside
-    # ZeRO-3 on the GPU); offload buffers and workers below. The GPU's own construction peak (the
-    # weights, plus one layer in 16 bits while a quantised base is made) stays below the step's.
+    # the process, then the model as this rank builds it (memory/host_ram.py: on a GPU rank
+    # outside ZeRO-3 on the GPU); offload buffers and workers below. The GPU's own construction peak
+    # (the weights, plus one layer in 16 bits while a quantised base is made) stays below the
+    # step's.
     host = {"runtime": host_memory.RUNTIME_BYTES,
             "construction": host_memory.construction_bytes(
-                inventory, stage, world, lp, gpu_ranks=not cpu_ranks, pretrained=bool(model["name_or_path"]),
+                inventory, stage, world, lp, gpu_ranks=not cpu_ranks,
+                pretrained=bool(model["name_or_path"]),
                 quantized_weights=weights if inventory.quantized else None)}
     nvme = 0
     # the sizes compile_spec writes into zero_optimization (an explicit 0 stays 0)
@@ -293,13 +295,16 @@ def plan_memory(spec: JobSpec, job: DerivedJob, *, budget: int | None = None,
         # and backward): the largest such copy lives beside the traced activations
         quant = model["quantization"]
         assert quant is not None, "quantized weights come from model.quantization"
-        compute = PRECISION_BYTES[precision if quant["compute_dtype"] == "auto" else quant["compute_dtype"]]
-        gpu["dequantized_weight"] = compute * max(math.prod(s) for s in inventory.quantized_shapes())
-        notes.append(f"{sum(math.prod(s) for s in inventory.quantized_shapes()) / 1e6:.1f}M base weights in "
-                     f"{quant['bits']}-bit with their quantisation constants")
+        compute = PRECISION_BYTES[precision if quant["compute_dtype"] == "auto"
+                                  else quant["compute_dtype"]]
+        gpu["dequantized_weight"] = compute * max(math.prod(s)
+                                                  for s in inventory.quantized_shapes())
+        notes.append(f"{sum(math.prod(s) for s in inventory.quantized_shapes()) / 1e6:.1f}M base "
+                     f"weights in {quant['bits']}-bit with their quantisation constants")
     if model["kernels"] != "none":
         notes.append(kernels_note(spec))
-    # memory.sequence_parallel: the trace is one rank's shard (spec/derived); Ulysses' exchange comes on top
+    # memory.sequence_parallel: the trace is one rank's shard (spec/derived); Ulysses' exchange
+    # comes on top
     gpu["all_to_all_buffers"] = all_to_all_bytes(job)
     forward_backward = trace.peak + gpu["dequantized_weight"] + gpu["all_to_all_buffers"]
     static = sum(gpu[k] for k in ("parameters", "buffers", "master_weights", "optimizer_states",
@@ -329,10 +334,11 @@ def plan_memory(spec: JobSpec, job: DerivedJob, *, budget: int | None = None,
                 "layers": inventory.num_layers, "offload_optimizer": offload_opt,
                 "offload_params": offload_params,
                 "attention": model["attention"], "trace": profile.method,
-                "tiled_loss": _tiled_loss_text(memory["tiled_loss"]), "tiled_mlp": bool(memory["tiled_mlp"]),
-                "kernels": model["kernels"],
+                "tiled_loss": _tiled_loss_text(memory["tiled_loss"]),
+                "tiled_mlp": bool(memory["tiled_mlp"]), "kernels": model["kernels"],
                 "sequence_parallel": job.sequence_parallel,
-                "allocator": "expandable segments" if expandable_segments else "caching (no expandable segments)",
+                "allocator": "expandable segments" if expandable_segments
+                else "caching (no expandable segments)",
                 "cuda_context": f"{fmt_mib_gib(figure.bytes)}, {figure.source}",
                 "gradients_held": not grads_made}
     return MemoryPlan(breakdown=gpu, host=host, peak_allocated=allocated, peak_reserved=reserved,
@@ -488,11 +494,11 @@ def render_plan(plan: MemoryPlan, title: str = "", advice: str | None = None) ->
     frozen = s["parameters"] - s["trainable_parameters"]
     trainable = f" ({s['trainable_parameters'] / 1e6:.1f}M trainable)" if frozen else ""
     lines.append(f"{s['parameters'] / 1e6:.1f}M params{trainable}, {s['precision']}, "
-                 f"ZeRO-{s['zero_stage']} x {s['world_size']} rank(s), micro-batch {s['micro_batch_size']} "
-                 f"x seq {s['seq_len']}, optimizer {s['optimizer']}, checkpointing {ckpt}, "
-                 f"attention {s['attention']}, offload optimizer={s['offload_optimizer']} "
-                 f"params={s['offload_params']}, tiled loss {s['tiled_loss']}, tiled MLP "
-                 f"{'on' if s['tiled_mlp'] else 'off'}"
+                 f"ZeRO-{s['zero_stage']} x {s['world_size']} rank(s), micro-batch "
+                 f"{s['micro_batch_size']} x seq {s['seq_len']}, optimizer {s['optimizer']}, "
+                 f"checkpointing {ckpt}, attention {s['attention']}, offload "
+                 f"optimizer={s['offload_optimizer']} params={s['offload_params']}, tiled loss "
+                 f"{s['tiled_loss']}, tiled MLP {'on' if s['tiled_mlp'] else 'off'}"
                  + (f", kernels {s['kernels']}" if s.get("kernels", "none") != "none" else ""))
     rows = [(label, plan.breakdown[key]) for key, label in ROWS if plan.breakdown[key]]
     totals = [("peak allocated", plan.peak_allocated),

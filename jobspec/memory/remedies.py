@@ -1,13 +1,13 @@
 """What moves a plan's largest GPU term when the job does not fit: settings that can be followed.
 
-Each term has its remedies, in the order they cost step time; a remedy is offered only when its setting
-is not on already and validation accepts it for this job (a tiled loss for causal LMs only, and not for
-a head tied to the embeddings under ZeRO 1-3; no ZeRO-3 or parameter offload for a quantised base, whose
-packed weights ZeRO 0-2 keep whole; with `model.compile` no ZeRO-3, quantised base, tiled MLP or
-offloaded checkpoint inputs (spec/rules/model_compile.py); checkpointing every layer only when some
-layer is not, so a written `offload: cpu` is never dropped). A causal LM is always told that a
-shorter sequence fits, and where to find the longest (`jobspec plan --longest`). `jobspec plan
---fit` searches all of them.
+Each term has its remedies, in the order they cost step time; a remedy is offered only when its
+setting is not on already and validation accepts it for this job (a tiled loss for causal LMs only,
+and not for a head tied to the embeddings under ZeRO 1-3; no ZeRO-3 or parameter offload for a
+quantised base, whose packed weights ZeRO 0-2 keep whole; with `model.compile` no ZeRO-3, quantised
+base, tiled MLP or offloaded checkpoint inputs (spec/rules/model_compile.py); checkpointing every
+layer only when some layer is not, so a written `offload: cpu` is never dropped). A causal LM is
+always told that a shorter sequence fits, and where to find the longest (`jobspec plan --longest`).
+`jobspec plan --fit` searches all of them.
 """
 from __future__ import annotations
 
@@ -130,14 +130,16 @@ REMEDIES: dict[str, tuple[Remedy, ...]] = {
                                _tiled_loss),
                         _SHORTER),
     "activations": (_CHECKPOINT,
-                    Remedy(f"{_OFFLOAD_INPUTS} (checkpointed inputs in host memory)", _inputs_on_gpu),
+                    Remedy(f"{_OFFLOAD_INPUTS} (checkpointed inputs in host memory)",
+                           _inputs_on_gpu),
                     Remedy("--set memory.tiled_mlp=true (the MLP one tile at a time)", _tiled_mlp),
                     _SEQUENCE_PARALLEL, _SHORTER),
     "embeddings_activations": (_SEQUENCE_PARALLEL, _SHORTER),
     "optimizer_states": (_ZERO, _OFFLOAD_OPTIMIZER),
     "master_weights": (_ZERO, _OFFLOAD_OPTIMIZER),
     "step_gradients": (_ZERO, _OFFLOAD_OPTIMIZER),
-    "gradients": (Remedy("memory.zero_stage: 2 over more GPUs (gradients partitioned)", _zero_up_to(2)),),
+    "gradients": (Remedy("memory.zero_stage: 2 over more GPUs (gradients partitioned)",
+                         _zero_up_to(2)),),
     "parameters": (Remedy("memory.zero_stage: 3 over more GPUs", _zero3_allowed),
                    Remedy("model.quantization with model.lora (QLoRA: a 4-bit base)",
                           _quantizable)),

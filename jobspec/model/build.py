@@ -61,13 +61,18 @@ def build_model(spec: JobSpec, tokenizer=None, ds_config: dict | None = None):
     Pass the tokenizer when there is one: its pad token becomes the model's (GPT-2 needs one to
     classify batches) and its size is checked against the model's vocabulary.
     `architecture: mlp` is jobspec's own deep MLP (jobspec/model/mlp.py), not a transformers model.
-    The ranks pass their compiled DeepSpeed config: the model is then built in the training dtype, and
-    under ZeRO-3 partitioned by `deepspeed.zero.Init` as it is built (model/construct.py); under ZeRO 0-2
-    it is made on the rank's device (`construct.rank_device`: its GPU, else the CPU), a checkpoint
-    loaded straight there. Without one (export, tools) it is built as transformers builds it by
-    default, on the CPU. A quantised base (`model.quantization`) is `_quantized`'s.
+    The ranks pass their compiled DeepSpeed config: the model is then built in the training dtype,
+    and under ZeRO-3 partitioned by `deepspeed.zero.Init` as it is built (model/construct.py); under
+    ZeRO 0-2 it is made on the rank's device (`construct.rank_device`: its GPU, else the CPU), a
+    checkpoint loaded straight there. Without one (export, tools) it is built as transformers builds
+    it by default, on the CPU. A quantised base (`model.quantization`) is `_quantized`'s.
     """
-    from jobspec.model.construct import construction_for, rank_device, set_transformers_zero3, zero_init
+    from jobspec.model.construct import (
+        construction_for,
+        rank_device,
+        set_transformers_zero3,
+        zero_init,
+    )
 
     model_spec = spec["model"]
     construction = None if ds_config is None else construction_for(ds_config)
@@ -105,8 +110,8 @@ def build_model(spec: JobSpec, tokenizer=None, ds_config: dict | None = None):
             name, revision = model_spec["name_or_path"], model_spec.get("revision")
             placed = {} if device is None else {"device_map": {"": device}}
             model = auto_class.from_pretrained(name, config=config, revision=revision,
-                                               trust_remote_code=trust, attn_implementation=attention,
-                                               **dtype, **placed)
+                                               trust_remote_code=trust,
+                                               attn_implementation=attention, **dtype, **placed)
         else:
             torch.manual_seed(spec["training"]["seed"])
             with on_device(device):   # the CPU: exactly transformers' own build
@@ -142,11 +147,11 @@ def _quantized(spec: JobSpec, auto_class, config):
     16 bits, on the host or on the GPU.
 
     From `model.architecture`: built on the meta device and made one module at a time, each drawn by
-    the model's own `_init_weights` (model/materialize.py), each linear layer quantised as soon as it
-    is drawn (model/quantize.quantizer). From a checkpoint: transformers' bitsandbytes integration,
-    which quantises each weight as it loads it onto the device, told exactly which layers to skip so
-    that it quantises the same ones. bitsandbytes missing or unable to run here is a SpecError at
-    model.quantization, never a rank's traceback."""
+    the model's own `_init_weights` (model/materialize.py), each linear layer quantised as soon as
+    it is drawn (model/quantize.quantizer). From a checkpoint: transformers' bitsandbytes
+    integration, which quantises each weight as it loads it onto the device, told exactly which
+    layers to skip so that it quantises the same ones. bitsandbytes missing or unable to run here is
+    a SpecError at model.quantization, never a rank's traceback."""
     import torch
 
     from jobspec.model.construct import rank_device, without_transformers_zero3
@@ -182,8 +187,8 @@ def _load_quantized(spec: JobSpec, auto_class, config, meta_model, names: list[s
                     device, built: dict):
     """A checkpoint loaded through transformers' bitsandbytes integration straight onto `device`,
     each weight quantised as it loads. transformers also converts GPT-2's `Conv1D` and keeps
-    `_keep_in_fp32_modules` whole; every linear-like layer outside `names` is named in its skip list,
-    so that it converts `names` exactly (checked after the load)."""
+    `_keep_in_fp32_modules` whole; every linear-like layer outside `names` is named in its skip
+    list, so that it converts `names` exactly (checked after the load)."""
     import re
 
     import torch.nn as nn
@@ -193,13 +198,15 @@ def _load_quantized(spec: JobSpec, auto_class, config, meta_model, names: list[s
     # what model/quantize.quantized_linear replaces: plain nn.Linear layers (a subclass stays)
     wanted = {name for name in names if type(meta_model.get_submodule(name)) is nn.Linear}
     skip = [re.escape(name) for name, module in meta_model.named_modules()
-            if name not in wanted and (type(module) is nn.Linear or type(module).__name__ == "Conv1D")]
+            if name not in wanted
+            and (type(module) is nn.Linear or type(module).__name__ == "Conv1D")]
     loading = quantization_config(spec, meta_model)
     loading.llm_int8_skip_modules = skip
     model_spec = spec["model"]
     model = auto_class.from_pretrained(model_spec["name_or_path"], config=config,
                                        revision=model_spec.get("revision"), dtype=compute,
-                                       quantization_config=loading, device_map={"": device}, **built)
+                                       quantization_config=loading, device_map={"": device},
+                                       **built)
     quantized = {name for name, module in model.named_modules() if _is_bitsandbytes_linear(module)}
     if quantized != wanted:
         raise RuntimeError(f"transformers quantised {sorted(quantized ^ wanted)[:5]} against "

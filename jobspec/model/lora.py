@@ -212,9 +212,9 @@ def quantization_config(spec: JobSpec, model=None) -> Any:
 
 
 def quantized_linear_names(spec: JobSpec, model) -> list[str]:
-    """The base's linear layers bitsandbytes replaces when the model loads with `quantization_config`
-    (transformers' rule: nn.Linear outside the skip modules and the model's `_keep_in_fp32_modules`),
-    for the planner's byte count and the ranks' quantisation alike."""
+    """The base's linear layers bitsandbytes replaces when the model loads with
+    `quantization_config` (transformers' rule: nn.Linear outside the skip modules and the model's
+    `_keep_in_fp32_modules`), for the planner's byte count and the ranks' quantisation alike."""
     if spec["model"]["quantization"] is None:
         return []
     import torch.nn as nn

@@ -29,8 +29,9 @@ Replace = Callable[[str, Any], Any]
 
 
 def skeleton(auto_class, config, **kwargs):
-    """`auto_class.from_config(config, **kwargs)` with every parameter on the meta device (no memory,
-    no initialisation) and the buffers real on the CPU (accelerate's `init_empty_weights`)."""
+    """`auto_class.from_config(config, **kwargs)` with every parameter on the meta device (no
+    memory, no initialisation) and the buffers real on the CPU (accelerate's
+    `init_empty_weights`)."""
     from accelerate import init_empty_weights
 
     with init_empty_weights(include_buffers=False):
@@ -51,7 +52,8 @@ def materialize(model, device, replace: Replace | None = None):
     import torch
     from transformers import initialization as init
 
-    made: dict[int, tuple[Any, Any]] = {}   # id(meta parameter) -> (it, a weak reference to its real one)
+    # id(meta parameter) -> (it, a weak reference to its real one)
+    made: dict[int, tuple[Any, Any]] = {}
     custom = bool(model.is_custom_code())
     with torch.no_grad(), init.guard_torch_init_functions():
         walk = _Walk(torch.device(device), made, replace, custom)

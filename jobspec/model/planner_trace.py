@@ -422,11 +422,14 @@ def model_key(spec: JobSpec) -> str:
     """A hash of everything that changes a trace besides the job setting: the model section, a local
     checkpoint's config.json, and the versions of torch, transformers and this tracer."""
     model = spec["model"]
-    fields = {k: model.get(k) for k in ("name_or_path", "architecture", "config", "revision", "task", "num_labels",
-                                        "attention", "trust_remote_code", "freeze", "lora", "quantization")}
+    fields = {k: model.get(k)
+              for k in ("name_or_path", "architecture", "config", "revision", "task", "num_labels",
+                                        "attention", "trust_remote_code", "freeze", "lora",
+                        "quantization")}
     if model.get("kernels", "none") != "none":   # unfused: the keys traced before the field existed
         fields["kernels"] = model["kernels"]
-    # the one data fact a trace depends on: whether the model gets a padding mask (model/padding_mask.py)
+    # the one data fact a trace depends on: whether the model gets a padding mask
+    # (model/padding_mask.py)
     fields["attention_mask"] = mask_of(spec)
     name_or_path = model["name_or_path"]
     config_file = Path(name_or_path) / "config.json" if name_or_path else None

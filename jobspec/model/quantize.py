@@ -64,8 +64,9 @@ def bitsandbytes_problem(quant: JobSpecModelQuantization) -> str | None:
 
 
 def quantize_linears(model, bnb_config, names: list[str], device) -> int:
-    """Replace the model's `nn.Linear` layers `names` (model/lora.quantized_linear_names: transformers'
-    rule, which the planner counts too) by bitsandbytes layers quantised on `device`; returns how many."""
+    """Replace the model's `nn.Linear` layers `names` (model/lora.quantized_linear_names:
+    transformers' rule, which the planner counts too) by bitsandbytes layers quantised on `device`;
+    returns how many."""
     count = 0
     for name in names:
         new = quantized_linear(model.get_submodule(name), bnb_config, device)
@@ -80,8 +81,8 @@ def quantize_linears(model, bnb_config, names: list[str], device) -> int:
 
 
 def quantizer(bnb_config, names: list[str], device):
-    """model/materialize's `replace` for QLoRA: each linear layer of `names` quantised on `device` as
-    soon as its weight is drawn."""
+    """model/materialize's `replace` for QLoRA: each linear layer of `names` quantised on `device`
+    as soon as its weight is drawn."""
     wanted = set(names)
 
     def replace(name: str, module):
@@ -91,7 +92,8 @@ def quantizer(bnb_config, names: list[str], device):
 
 def quantized_linear(module, bnb_config, device):
     """The bitsandbytes layer (`Linear4bit` / `Linear8bitLt`) of a plain `nn.Linear`, its weight
-    quantised on `device` (None for any other module: a subclass is not bitsandbytes' to replace)."""
+    quantised on `device` (None for any other module: a subclass is not bitsandbytes' to
+    replace)."""
     import bitsandbytes as bnb
     import torch.nn as nn
 
@@ -110,9 +112,11 @@ def quantized_linear(module, bnb_config, device):
                                        quant_type=bnb_config.bnb_4bit_quant_type,
                                        quant_storage=bnb_config.bnb_4bit_quant_storage, module=new)
     else:
-        new = bnb.nn.Linear8bitLt(module.in_features, module.out_features, bias, has_fp16_weights=False,
+        new = bnb.nn.Linear8bitLt(module.in_features, module.out_features, bias,
+                                  has_fp16_weights=False,
                                   threshold=bnb_config.llm_int8_threshold, device="meta")
-        new.weight = bnb.nn.Int8Params(module.weight.data.half(), requires_grad=False, has_fp16_weights=False)
+        new.weight = bnb.nn.Int8Params(module.weight.data.half(), requires_grad=False,
+                                       has_fp16_weights=False)
     if bias:
         new.bias = nn.Parameter(module.bias.data, requires_grad=False)
     return new.to(device)   # quantises the weight (Params4bit / Int8Params `.to`)

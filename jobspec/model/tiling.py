@@ -49,8 +49,9 @@ def default_tiles(tokens: int, vocab: int, tile_bytes: int = TILE_BYTES) -> int:
 
 
 def tiled_loss(model, tiles: int | None = None, tile_bytes: int = TILE_BYTES) -> str:
-    """Patch a causal LM so training and evaluation compute the head and the loss over sequence tiles
-    (`tiles`, else as many as keep one tile within `tile_bytes`); a forward without labels is untouched."""
+    """Patch a causal LM so training and evaluation compute the head and the loss over sequence
+    tiles (`tiles`, else as many as keep one tile within `tile_bytes`); a forward without labels is
+    untouched."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     config = model.config
     softcap = getattr(config, "final_logit_softcapping", None)
@@ -66,7 +67,8 @@ def tiled_loss(model, tiles: int | None = None, tile_bytes: int = TILE_BYTES) ->
 
     replace_head_loss(model, head_loss, path=("memory", "tiled_loss"),
                       hint="turn memory.tiled_loss off for this model")
-    how = f"{tiles} tiles" if tiles else f"tiles of at most {tile_bytes / 1024 ** 3:g} GiB of logits"
+    how = f"{tiles} tiles" if tiles \
+        else f"tiles of at most {tile_bytes / 1024 ** 3:g} GiB of logits"
     return ("tiled loss: the head and the cross-entropy over sequence tiles "
             f"({how}; DeepSpeed SequenceTiledCompute)")
 
@@ -102,7 +104,8 @@ def replace_head_loss(model, head_loss, *, path: tuple, hint: str) -> None:
         targets = shift_labels if labels is None else next_token_labels(labels)
         # the head as the model has it now: LoRA on the output projection wraps it after this patch
         loss_sum, count = head_loss(model.get_output_embeddings(), hidden, targets)
-        return TiledLossOutput(loss=loss_sum / count.to(loss_sum.dtype), loss_sum=loss_sum, loss_tokens=count)
+        return TiledLossOutput(loss=loss_sum / count.to(loss_sum.dtype), loss_sum=loss_sum,
+                               loss_tokens=count)
 
     model.forward = forward
 

@@ -45,7 +45,8 @@ STARTUP_METRICS = tuple(startup.metric_names())
 # each phase's seconds: CSV columns after the total (`startup_s`), for the runs that logged them
 STARTUP_PHASE_COLUMNS = {name.replace("/", "_"): name for name in STARTUP_METRICS
                          if name != f"startup/{startup.TOTAL}_s"}
-TASK_METRICS = tuple(eval_metrics.key(name) for name in eval_metrics.TASK_ONLY)   # eval/accuracy, ...
+# eval/accuracy, ...
+TASK_METRICS = tuple(eval_metrics.key(name) for name in eval_metrics.TASK_ONLY)
 
 # (key, header, how the text formats show it)
 COLUMNS = (
@@ -97,8 +98,8 @@ SPEC_COLUMN = "spec."
 # task metric columns: shown only when some run of the report has the metric (a classification
 # experiment has no perplexity column)
 OPTIONAL_COLUMNS = set(eval_metrics.TASK_ONLY)
-NUMERIC_ALIGN = {"zero", "micro", "global", "accum", "world", "trainable", "parameters", "train_loss", "eval_loss",
-                 *OPTIONAL_COLUMNS,
+NUMERIC_ALIGN = {"zero", "micro", "global", "accum", "world", "trainable", "parameters",
+                 "train_loss", "eval_loss", *OPTIONAL_COLUMNS,
                  "samples_per_s", "tokens_per_s", "tflops", "mfu", "startup_s",
                  "peak_allocated_mib", "nvml_used_mib", "host_rss_mib", *PLAN_COLUMNS}
 
@@ -328,7 +329,8 @@ def open_experiment(tracking_uri: str, experiment: str):
 
 
 def metric_series(client, run_id: str,
-                  names=THROUGHPUT_METRICS + RUN_THROUGHPUT_METRICS + MEMORY_METRICS + LOSS_METRICS + TASK_METRICS
+                  names=THROUGHPUT_METRICS + RUN_THROUGHPUT_METRICS + MEMORY_METRICS + LOSS_METRICS
+                  + TASK_METRICS
                   + STARTUP_METRICS) -> dict:
     series = {}
     for name in names:

@@ -48,7 +48,8 @@ def build_engine(files: RunFiles, startup: StartupClock | None = None):
     spec = files.spec
     startup = startup or StartupClock.log_only()
     startup.mark("imported-model-code")
-    seed_everything(spec["training"]["seed"])  # python, numpy, torch (+cuda): same initial weights on every rank
+    # python, numpy, torch (+cuda): same initial weights on every rank
+    seed_everything(spec["training"]["seed"])
     tokenizer = build_tokenizer(spec)
     # training dtype; ZeRO-3: zero.Init (model/construct)
     model = build_model(spec, tokenizer, files.ds_config)
@@ -64,7 +65,8 @@ def build_engine(files: RunFiles, startup: StartupClock | None = None):
     # an optimizer DeepSpeed cannot build from its config (training.optimizer): built here, None
     # otherwise
     built = client_optimizer(model, spec["training"]["optimizer"], files.patches)
-    packing_note = sample_packing.prepare_model(model, spec)   # data.packing: the model's side (data/sample_packing.py)
+    # data.packing: the model's side (data/sample_packing.py)
+    packing_note = sample_packing.prepare_model(model, spec)
     startup.mark("model", model_detail(spec, model))
     train_ds, eval_ds = build_datasets(spec, tokenizer)
     # data.packing: the rows
@@ -72,7 +74,8 @@ def build_engine(files: RunFiles, startup: StartupClock | None = None):
     if packing_note:
         patch_notes = [*patch_notes, packing_note, train_ds.packing.note()]
     startup.mark("data")
-    # memory.sequence_parallel: Ulysses wraps the attention and builds the groups DeepSpeed reduces over
+    # memory.sequence_parallel: Ulysses wraps the attention and builds the groups DeepSpeed reduces
+    # over
     sp = sequence_parallel.setup(model, spec, files.ds_config["train_micro_batch_size_per_gpu"])
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=parameters,

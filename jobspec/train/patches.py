@@ -15,12 +15,15 @@ Patch arguments, as the compiler writes them:
     gradient_checkpointing  {every_n_layers, use_reentrant}
     tf32                    {enabled}
     freeze                  {patterns}
-    parameter_groups        {weight_decay, no_decay}  (`training.optimizer.weight_decay_on: matrices`)
-    lora                    {r, alpha, dropout, target_modules, modules_to_save, bias, use_rslora, use_dora,
-                             enable_input_require_grads}  (PEFT's adapters: train/lora_adapters.lora)
+    parameter_groups        {weight_decay, no_decay}
+                            (`training.optimizer.weight_decay_on: matrices`)
+    lora                    {r, alpha, dropout, target_modules, modules_to_save, bias, use_rslora,
+                             use_dora, enable_input_require_grads}
+                            (PEFT's adapters: train/lora_adapters.lora)
     torch_compile           {}  (regional: each layer of the layer stack, train/regional_compile.py;
                                  any keyword is passed to torch.compile)
-    tiled_loss              {tiles}  (null: as many as keep one tile's logits within model/tiling.TILE_BYTES)
+    tiled_loss              {tiles}  (null: as many as keep one tile's logits within
+                                      model/tiling.TILE_BYTES)
     tiled_mlp               {}
     activation_offload      {every_n_layers}
     fused_kernels           {kernels, fused_loss}  (`model.kernels`: model/fused_kernels)

@@ -57,7 +57,8 @@ class SequenceParallel:
     group: Any             # the group's process group
     data_rank: int         # the group's index: the sampler's rank
     data_world: int        # world / N: the sampler's world
-    mpu: Any               # deepspeed.runtime.sequence_parallel.parallel_state_sp, for deepspeed.initialize
+    # deepspeed.runtime.sequence_parallel.parallel_state_sp, for deepspeed.initialize
+    mpu: Any
     # the model takes the shard's labels (`shift_labels`): memory.tiled_loss, or Liger's fused loss
     # (model.kernels: liger), computed from the hidden states (model/tiling.replace_head_loss)
     tiled_loss: bool = False
@@ -101,7 +102,8 @@ class SequenceParallel:
         next_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
         chunk = (length + pad) // self.size
         part = slice(self.rank * chunk, (self.rank + 1) * chunk)
-        inputs = {"input_ids": ids[:, part].contiguous(), "position_ids": positions[:, part].contiguous()}
+        inputs = {"input_ids": ids[:, part].contiguous(),
+                  "position_ids": positions[:, part].contiguous()}
         if self.tiled_loss:   # the tiled or fused head sums the shard's loss (model/tiling.py)
             inputs["shift_labels"] = next_labels[:, part].contiguous()
         return inputs, next_labels[:, part].contiguous()

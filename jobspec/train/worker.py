@@ -85,7 +85,8 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
     stop = StopFlag()
     stop.install()
     # a SIGKILLed launcher cannot end us: we end the job ourselves once it is gone
-    lifeline.watch_launcher(lambda record: lifeline.end_orphaned_job(record, os.environ.get("MASTER_PORT")))
+    lifeline.watch_launcher(lambda record: lifeline.end_orphaned_job(record,
+                                                                     os.environ.get("MASTER_PORT")))
     startup = StartupClock.for_rank(files.spec, files.launch, state.startup, started)
 
     import torch.distributed as dist
@@ -107,7 +108,8 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
     ops.share_cpu_info(run_dir / rundir.CPU_INFO)
     # first-run op compiles happen here, announced, instead of in silence inside DeepSpeed
     ops.ensure_built(ops.needed_ops(files.ds_config), announce=_node_leader_says)
-    ops.skip_unused_ops()   # DeepSpeed's shm all-reduce op: built and loaded for nothing in training
+    # DeepSpeed's shm all-reduce op: built and loaded for nothing in training
+    ops.skip_unused_ops()
     startup.mark("ops")
     deepspeed.init_distributed()
     startup.mark("distributed")
@@ -120,15 +122,19 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
                            files.spec["memory"]["sequence_parallel"])
     engine, train_ds, eval_ds, patch_notes = build_engine(replace_ds_config(files, reshard),
                                                           startup)
-    state.parameters = lora_adapters.parameter_counts(engine.module)   # summary.json, MLflow: LoRA's share
-    passed_over: list[str] = []  # corrupt checkpoints skipped on resume (reported below and as a tag)
-    pending_rng = resume(engine, reshard.checkpoint_section if reshard else files.spec["checkpoint"], state,
+    # summary.json, MLflow: LoRA's share
+    state.parameters = lora_adapters.parameter_counts(engine.module)
+    # corrupt checkpoints skipped on resume (reported below and as a tag)
+    passed_over: list[str] = []
+    pending_rng = resume(engine,
+                         reshard.checkpoint_section if reshard else files.spec["checkpoint"], state,
                          lambda flag: _any_rank(flag, control), passed_over)
     job = DerivedJob.from_dict(files.derived)   # launch.json's derived job, typed
     rank, total_steps = dist.get_rank(), job.total_steps
     assert total_steps is not None   # rundir.read_run_files refuses a launch.json without it
     if reshard is not None:
-        pending_rng = reshard.adjust(state, job.micro_batch_size, files.spec["training"]["seed"], rank)
+        pending_rng = reshard.adjust(state, job.micro_batch_size, files.spec["training"]["seed"],
+                                     rank)
     startup.mark("resumed", f"from {state.resumed_from}" if state.resumed_from else "")
     progress = Progress(total_steps, state.step) if rank == 0 else NullProgress()
     sink = _open_sink(run_dir, files) if rank == 0 else None
@@ -165,13 +171,17 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
                                  label_names=getattr(train_ds, "label_names", None))
         exporter.check_writable()
         # training.eval_generate: answers to fixed prompts at every evaluation (train/generation.py)
-        generator = EvalGenerator.for_job(files, run_dir, rank, dist.get_world_size(), control, sink, progress)
+        generator = EvalGenerator.for_job(files, run_dir, rank, dist.get_world_size(), control,
+                                          sink, progress)
         startup.mark("loop")
-        del engine  # train_loop holds the only reference: an OOM recovery (jobspec.train.oom) must free it
+        # train_loop holds the only reference: an OOM recovery (jobspec.train.oom) must free it
+        del engine
         vote = StopVote(stop, control, dist.get_world_size())
         try:
-            status = train_loop(telemetry.engine, files, train_ds, eval_ds, state, telemetry, progress,
-                                stop=vote, pending_rng=pending_rng, nan_guard=nan_guard, oom_guard=oom_guard,
+            status = train_loop(telemetry.engine, files, train_ds, eval_ds, state, telemetry,
+                                progress,
+                                stop=vote, pending_rng=pending_rng, nan_guard=nan_guard,
+                                oom_guard=oom_guard,
                                 exporter=exporter, generator=generator, count_groups=(control,),
                                 startup=startup)
         finally:
@@ -330,7 +340,8 @@ def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState,
         window.steps += 1
         if state.step == first_step:
             startup.first_step(state.step)
-            if state.step < total_steps:   # throughput counts from here (docs/architecture.md, "Throughput")
+            # throughput counts from here (docs/architecture.md, "Throughput")
+            if state.step < total_steps:
                 window.start_timing()
         progress.update(state.step)
         last = state.step >= total_steps

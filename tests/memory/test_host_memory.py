@@ -63,7 +63,7 @@ def test_zero_0_to_2_gpu_ranks_build_on_the_gpu_and_load_a_checkpoint_a_tensor_a
     assert plan.host["construction"] == 0
     workers = spec["data"]["num_workers"] * DATALOADER_WORKER_BYTES
     assert plan.host_total == RUNTIME_BYTES + max(0, workers + plan.host.get("data_index", 0))
-    from jobspec.memory.host_memory import construction_bytes
+    from jobspec.memory.host_ram import construction_bytes
     inventory = derived.profile.inventory
     largest = max(math.prod(shape) for _, shape, _ in inventory.tensors)
     assert construction_bytes(inventory, stage, 4, 2, gpu_ranks=True, pretrained=True) == 2 * largest
@@ -74,7 +74,7 @@ def test_a_quantised_base_on_cpu_ranks_holds_its_packed_weights_and_one_layer_be
     """QLoRA's base is quantised layer by layer as it is made (model/materialize): its packed weights
     (planner.weight_bytes) and bitsandbytes' CPU quantisation of the largest layer, never the 16-bit
     model; on a GPU rank nothing of it on the host."""
-    from jobspec.memory.host_memory import QUANTIZE_CPU_BYTES_PER_ELEMENT
+    from jobspec.memory.host_ram import QUANTIZE_CPU_BYTES_PER_ELEMENT
     from jobspec.memory.planner import weight_bytes
 
     qlora = ["resources.gpus_per_node=1"]
