@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import runpy
 import time
+from typing import SupportsIndex
 
 from jobspec.ops import import_deepspeed
 from jobspec.quick_exit import quick_exit
@@ -21,7 +22,10 @@ POLL_S = 0.1   # how often the ranks' exits are noticed (launch.py: 1 s)
 
 def _run_launch_py() -> int:
     sleep = time.sleep
-    time.sleep = lambda seconds: sleep(min(seconds, POLL_S))   # launch.py's watch loop
+    def poll(seconds: float | SupportsIndex) -> None:   # launch.py's watch loop
+        sleep(min(float(seconds), POLL_S))
+
+    time.sleep = poll
     try:
         runpy.run_module("deepspeed.launcher.launch", run_name="__main__", alter_sys=True)
     except SystemExit as stop:   # launch.py ends with sys.exit(code) on a rank's failure or a signal
