@@ -396,7 +396,7 @@ def step_time(spec: JobSpec, job: DerivedJob, gpu: str | None = None) -> float:
     if job.hardware_flops_per_token is None:
         # set whenever the job has a profile, which plan_memory above requires
         raise ValueError("step_time needs the model's traced FLOPs")
-    # checkpoint recompute included (jobspec.spec.flops)
+    # the traced FLOPs per token, checkpoint recompute included
     flops = job.hardware_flops_per_token * tokens
     compute = flops / achieved_flops(spec, job, readings_for(gpu))
     lp = job.precision_bytes

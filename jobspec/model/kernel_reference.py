@@ -224,8 +224,9 @@ def _linear_ce_backward(ctx, grad_total):
 
 def linear_cross_entropy(hidden, weight, targets, bias=None, softcap: float | None = None):
     """LigerFusedLinearCrossEntropyFunction's reference (`reduction="sum"`): the fp32 sum of the
-    cross-entropy of `hidden @ weight.T (+ bias)` ([tokens, vocab], `softcap`: tanh capping)
-    against `targets` ([tokens], -100 skipped), the logits made one chunk of tokens at a time."""
+    cross-entropy of `hidden` times the transposed `weight` (plus `bias`) ([tokens, vocab],
+    `softcap`: tanh capping) against `targets` ([tokens], -100 skipped), the logits made one chunk
+    of tokens at a time."""
     function = _cached("linear_cross_entropy", _linear_ce_forward, _linear_ce_backward)
     return function.apply(hidden, weight, targets, bias, softcap)
 
