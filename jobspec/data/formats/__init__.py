@@ -13,7 +13,6 @@ Pure: no torch, no datasets, no pyarrow at import.
 """
 from __future__ import annotations
 
-import csv
 import importlib
 import pkgutil
 from pathlib import Path
@@ -68,11 +67,6 @@ def file_format(path: str | Path, setting: str = "auto") -> DataFormat:
     return found
 
 
-def data_format(path: str | Path, setting: str = "auto") -> str:
-    """The name of `file_format`."""
-    return file_format(path, setting).name
-
-
 def source_format(source: str | Path, setting: str = "auto") -> DataFormat:
     """The format of a data source: the one that claims it (`hf:` names, saved datasets, directories of
     text files), else the file's (SpecError when `auto` cannot tell it)."""
@@ -91,11 +85,11 @@ def count_rows(path: str | Path, setting: str = "auto") -> int:
     path = Path(path)
     try:
         return file_format(path, setting).count_rows(path)
-    except (OSError, UnicodeDecodeError, csv.Error, ValueError, ImportError) as err:
+    except (OSError, ValueError, ImportError) as err:   # UnicodeDecodeError, a csv's: ValueErrors
         raise spec_error(f"cannot count the rows of {path}: {err}", path=("data", "train"),
                          hint="check the file and data.format") from None
 
 
-__all__ = ["FORMATS", "HF_PREFIX", "DataFormat", "count_rows", "data_format", "file_format", "is_hub_name",
-           "is_saved_dataset", "listed", "schema_formats", "source_format", "split_format", "split_source",
-           "text_files"]
+__all__ = ["FORMATS", "HF_PREFIX", "DataFormat", "count_rows", "file_format", "is_hub_name",
+           "is_saved_dataset", "listed", "named_format", "schema_formats", "source_format", "split_format",
+           "split_source", "text_files"]

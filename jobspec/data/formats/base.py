@@ -100,7 +100,7 @@ class DataFormat:
         raise NotImplementedError(f"{self.name}'s records are read by the ranks")
 
     def count_rows(self, path: Path) -> int:
-        """The file's records: the training samples."""
+        """The file's records: the training samples (OSError, ValueError: formats.count_rows says so)."""
         raise NotImplementedError(f"{self.name} has no rows to count before tokenizing")
 
     def row_location(self, path: Path, index: int) -> str:

@@ -78,8 +78,11 @@ class CsvFormat(DataFormat):
 
     def count_rows(self, path: Path) -> int:
         with path.open(newline="", encoding="utf-8") as f:
-            # csv.reader: quoted newlines stay one row; the header is no row
-            return max(0, sum(1 for _ in csv.reader(f, delimiter=self.delimiter)) - 1)
+            reader = csv.reader(f, delimiter=self.delimiter)
+            try:   # csv.reader: quoted newlines stay one row; the header is no row
+                return max(0, sum(1 for _ in reader) - 1)
+            except csv.Error as err:
+                raise ValueError(f"line {reader.line_num}: {err}") from None
 
     def row_location(self, path: Path, index: int) -> str:
         try:
