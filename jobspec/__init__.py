@@ -1,3 +1,4 @@
-"""jobspec: one declarative YAML file per training job, validated, compiled to DeepSpeed, launched, logged."""
+"""jobspec: one declarative YAML file per training job, validated, compiled to DeepSpeed, launched,
+logged."""
 
 __version__ = "0.1.0"

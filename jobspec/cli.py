@@ -24,11 +24,15 @@ COMMANDS: dict[str, str] = {
     "schema": "Print the job spec's JSON Schema (for editors) or its Markdown reference.",
     "launch": "Validate, compile and run a job through DeepSpeed, logging it to MLflow.",
     "plan": "Predict per-GPU memory of a job; --fit finds the fastest settings that fit a budget.",
-    "prepare": "Build the DeepSpeed ops a job needs (first-run compiles) ahead of time, e.g. for CI and images.",
-    "sbatch": "Render a Slurm batch script for a job (launch.sh + #SBATCH lines); --submit to sbatch it.",
-    "report": "Tabulate and plot an MLflow experiment's runs: settings, throughput, memory vs prediction.",
+    "prepare": "Build the DeepSpeed ops a job needs (first-run compiles) ahead of time, e.g. for "
+               "CI and images.",
+    "sbatch": "Render a Slurm batch script for a job (launch.sh + #SBATCH lines); --submit to "
+              "sbatch it.",
+    "report": "Tabulate and plot an MLflow experiment's runs: settings, throughput, memory vs "
+              "prediction.",
     "sync": "Upload metrics.jsonl points that MLflow lacks into the run's MLflow run (idempotent).",
-    "export": "Convert a checkpoint (any ZeRO stage, any world size) into a Hugging Face model directory.",
+    "export": "Convert a checkpoint (any ZeRO stage, any world size) into a Hugging Face model "
+              "directory.",
 }
 
 

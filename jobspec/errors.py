@@ -1,10 +1,11 @@
 """What can go wrong, by whose fault, and the exit code it gives.
 
-- Bad input (a spec, a flag, a refused launch): each problem knows where it is (file:line:col, dotted
-  path), what is wrong and how to fix it. Validation collects every `SpecIssue` and raises one
-  `SpecError`, so a user sees all problems at once. Exit code 2.
+- Bad input (a spec, a flag, a refused launch): each problem knows where it is (file:line:col,
+  dotted path), what is wrong and how to fix it. Validation collects every `SpecIssue` and raises
+  one `SpecError`, so a user sees all problems at once. Exit code 2.
 - A valid job that failed while running (out of memory after `training.on_oom`, data that yields no
-  batches, the tracking server unreachable at start): `RunFailure`, one line saying why. Exit code 1.
+  batches, the tracking server unreachable at start): `RunFailure`, one line saying why. Exit code
+  1.
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 EXIT_INVALID = 2  # bad input: a spec error, a bad flag, a refused launch
-EXIT_RUN_FAILED = 1  # the input was fine but the run failed: OOM after the retries, no batches, tracking down
+# the input was fine but the run failed: OOM after the retries, no batches, tracking down
+EXIT_RUN_FAILED = 1
 
 
 @dataclass(frozen=True)
@@ -25,7 +27,8 @@ class SpecIssue:
     file: str | None = None     # where: the file (or "<--set>") the offending node came from
     line: int | None = None     # 1-based
     column: int | None = None   # 1-based
-    code: str | None = None     # the rule that found it (`offload-stage`, `schema-enum`): stable, for tools
+    # the rule that found it (`offload-stage`, `schema-enum`): stable, for tools
+    code: str | None = None
 
     @property
     def dotted_path(self) -> str:
@@ -79,13 +82,15 @@ def _sort_key(issue: SpecIssue):
 
 
 def spec_error(message: str, *, path: tuple = (), hint: str | None = None, file: str | None = None,
-               line: int | None = None, column: int | None = None, code: str | None = None) -> SpecError:
+               line: int | None = None, column: int | None = None,
+               code: str | None = None) -> SpecError:
     """A SpecError with a single issue, for problems found outside schema validation."""
-    return SpecError([SpecIssue(path=path, message=message, hint=hint, file=file, line=line, column=column,
-                                code=code)])
+    return SpecError([SpecIssue(path=path, message=message, hint=hint, file=file, line=line,
+                                column=column, code=code)])
 
 
-def close_choices(word: str, choices: Sequence[str], *, n: int = 1, cutoff: float = 0.6) -> list[str]:
+def close_choices(word: str, choices: Sequence[str], *, n: int = 1,
+                  cutoff: float = 0.6) -> list[str]:
     """The choices `word` most likely misspells, closest first: the one with the same letters in
     another case, else difflib's closest (at most `n`, at least `cutoff` alike)."""
     lowered = {c.lower(): c for c in choices}
@@ -94,13 +99,15 @@ def close_choices(word: str, choices: Sequence[str], *, n: int = 1, cutoff: floa
     return difflib.get_close_matches(word, list(choices), n=n, cutoff=cutoff)
 
 
-def did_you_mean(word: str, choices: Sequence[str], label: str = "", *, n: int = 1, cutoff: float = 0.6,
+def did_you_mean(word: str, choices: Sequence[str], label: str = "", *, n: int = 1,
+                 cutoff: float = 0.6,
                  quote: str = "`", prefix: str = "", beside: int = 0, shown: int | None = None,
                  more: str = "", otherwise: str | None = None) -> str:
     """The hint for `word`, which is none of `choices`: `did you mean `x`?` naming the closest
     (`close_choices`; `x` or `y` with n > 1; each written `prefix` + choice, in `quote`s), then the
     choices listed (`label: `a`, `b``) when there are at most `beside`. Nothing close: `otherwise`
-    when given, else the listing -- its first `shown` choices and how many more (listed in `more`)."""
+    when given, else the listing -- its first `shown` choices and how many more (listed in
+    `more`)."""
     close = close_choices(word, choices, n=n, cutoff=cutoff)
     listing = f"{label}: " + ", ".join(f"{quote}{c}{quote}" for c in choices[:shown])
     if shown is not None and len(choices) > shown:

@@ -86,17 +86,21 @@ def gpu_free_bytes(num_devices: int, environ=os.environ) -> int | None:
         return None
     try:
         count = nvml.nvmlDeviceGetCount()
-        visible = [v.strip() for v in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-        indices = [int(v) for v in visible] if visible and all(v.isdigit() for v in visible) else range(count)
+        visible = [v.strip() for v in environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+                   if v.strip()]
+        indices = [int(v) for v in visible] if visible and all(v.isdigit() for v in visible) \
+            else range(count)
         indices = [i for i in indices if i < count][:max(1, num_devices)]
-        free = [nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByIndex(i)).free for i in indices]
+        free = [nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByIndex(i)).free
+                for i in indices]
         return min(free) if free else None
     except Exception:
         return None
 
 
 def gpu_total_bytes(environ=os.environ) -> int | None:
-    """Total memory of this host's first GPU (what the header sets the plan against), None without GPUs."""
+    """Total memory of this host's first GPU (what the header sets the plan against), None without
+    GPUs."""
     if environ.get(FAKE_FREE_ENV):
         return int(environ[FAKE_FREE_ENV])
     nvml = NVML.get()
@@ -109,7 +113,8 @@ def gpu_total_bytes(environ=os.environ) -> int | None:
 
 
 def bf16_supported(environ=os.environ) -> bool:
-    """Compute capability >= 8.0 (Ampere) on GPU 0; True without an NVIDIA GPU (CPU ranks do bf16)."""
+    """Compute capability >= 8.0 (Ampere) on GPU 0; True without an NVIDIA GPU (CPU ranks do
+    bf16)."""
     if environ.get(FAKE_FREE_ENV):
         return True
     nvml = NVML.get()
@@ -123,8 +128,9 @@ def bf16_supported(environ=os.environ) -> bool:
 
 
 def nvml_used_bytes(device) -> int | None:
-    """Used memory of the physical GPU behind the torch `device`, found by UUID (CUDA_VISIBLE_DEVICES
-    renumbers devices, NVML does not); None where NVML is missing or refuses (containers, MIG)."""
+    """Used memory of the physical GPU behind the torch `device`, found by UUID
+    (CUDA_VISIBLE_DEVICES renumbers devices, NVML does not); None where NVML is missing or refuses
+    (containers, MIG)."""
     nvml = NVML.get()
     if nvml is None:
         return None
@@ -145,10 +151,12 @@ def cuda_device_name() -> str:
 
 # --- CPUs -----------------------------------------------------------------------------------------
 
-def available_cpus(cgroup_root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/proc/self/cgroup")) -> int:
+def available_cpus(cgroup_root: Path = Path("/sys/fs/cgroup"),
+                   proc_cgroup: Path = Path("/proc/self/cgroup")) -> int:
     """CPUs this process may run on: its affinity mask (what Slurm's --cpus-per-task, taskset and a
     cgroup cpuset set), capped by a cgroup CPU quota (docker --cpus, cpu.max / cfs_quota_us).
-    os.cpu_count() sees neither, so ranks sized from it over-subscribe the cores they really have."""
+    os.cpu_count() sees neither, so ranks sized from it over-subscribe the cores they really
+    have."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
@@ -173,7 +181,8 @@ def cgroup_cpu_quota(cgroup_root: Path = Path("/sys/fs/cgroup"),
         if controllers == "":  # v2 unified hierarchy
             base, read = cgroup_root, _v2_quota
         elif "cpu" in controllers.split(","):
-            base = next((cgroup_root / name for name in ("cpu,cpuacct", "cpu") if (cgroup_root / name).is_dir()),
+            base = next((cgroup_root / name for name in ("cpu,cpuacct", "cpu")
+                         if (cgroup_root / name).is_dir()),
                         cgroup_root / "cpu")
             read = _v1_quota
         else:
@@ -236,7 +245,8 @@ class Host:
     @classmethod
     def probe(cls, gpus_per_node: int, gpu_free: int | None = None) -> Host:
         """This machine (FAKE_FREE_ENV in tests gives it GPU memory to plan GPU ranks against, and
-        no GPU names); `gpu_free` when the caller has read it already (one NVML reading a launch)."""
+        no GPU names); `gpu_free` when the caller has read it already (one NVML reading a
+        launch)."""
         import psutil
 
         names = tuple(name for name in gpu_names() if name != "cpu")

@@ -22,7 +22,8 @@ def cpu_seconds() -> float:
     return times.user + times.system + times.children_user + times.children_system
 
 
-def phase(who: str, name: str, at: float | None = None, cpu: float | None = None, stream=None) -> None:
+def phase(who: str, name: str, at: float | None = None, cpu: float | None = None,
+          stream=None) -> None:
     """`jobspec-log: phase <who> <name> <unix time> <CPU seconds so far (cpu_seconds)>`."""
     at = time.time() if at is None else at
     cpu = cpu_seconds() if cpu is None else cpu

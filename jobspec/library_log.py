@@ -34,8 +34,8 @@ QUIET_COMMANDS = ("validate", "compile", "schema", "launch", "plan", "prepare", 
 # transformers is imported by what needs it, not up front (validate imports no torch; a warm plan or
 # launch neither)
 EAGER_COMMANDS = ("export", "report")
-LOGGERS = ("transformers", "datasets", "huggingface_hub", "peft", "bitsandbytes", "torch", "deepspeed",
-           "accelerate", "DeepSpeed")
+LOGGERS = ("transformers", "datasets", "huggingface_hub", "peft", "bitsandbytes", "torch",
+           "deepspeed", "accelerate", "DeepSpeed")
 PROGRESS_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
                 "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
                 "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}   # report --generations' downloads
@@ -43,7 +43,8 @@ JOBSPEC_PACKAGE = str(Path(__file__).resolve().parent)
 
 
 def log_path(command: str) -> Path:
-    base = os.environ.get("JOBSPEC_LOG_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "jobspec", "logs")
+    base = os.environ.get("JOBSPEC_LOG_DIR") \
+        or os.path.join(os.path.expanduser("~"), ".cache", "jobspec", "logs")
     return Path(base) / f"{command}.log"
 
 
@@ -112,7 +113,8 @@ def adopt_transformers() -> None:
 
 
 def _configure_transformers_logging() -> None:
-    """transformers installs its stderr handler on its first log call: have it installed now, to be replaced."""
+    """transformers installs its stderr handler on its first log call: have it installed now, to be
+    replaced."""
     try:
         from transformers.utils import logging as transformers_logging
         transformers_logging.get_logger("transformers")

@@ -31,16 +31,19 @@ PR_SET_PDEATHSIG = 1
 
 def identity() -> dict:
     """This process as a launcher: host, pid and start time (a pid alone may be reused)."""
-    return {"host": socket.gethostname(), "pid": os.getpid(), "started": psutil.Process().create_time()}
+    return {"host": socket.gethostname(), "pid": os.getpid(),
+            "started": psutil.Process().create_time()}
 
 
 def is_alive(record: dict) -> bool | None:
-    """Whether the process `record` names still runs; None when it ran on another host (unknowable here)."""
+    """Whether the process `record` names still runs; None when it ran on another host (unknowable
+    here)."""
     if record.get("host") != socket.gethostname():
         return None
     try:
         proc = psutil.Process(int(record["pid"]))
-        return abs(proc.create_time() - float(record["started"])) < 1.0 and proc.status() != psutil.STATUS_ZOMBIE
+        return abs(proc.create_time() - float(record["started"])) < 1.0 \
+            and proc.status() != psutil.STATUS_ZOMBIE
     except (psutil.NoSuchProcess, KeyError, TypeError, ValueError):
         return False
     except psutil.Error:  # exists, but not ours to inspect
@@ -62,12 +65,14 @@ _PRCTL = _find_prctl()
 
 
 def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
-    """Ask the kernel to send `sig` to this process when its parent dies (Linux; False elsewhere)."""
+    """Ask the kernel to send `sig` to this process when its parent dies (Linux; False
+    elsewhere)."""
     return _PRCTL is not None and _PRCTL(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
 
 
 def die_with_parent() -> None:
-    """`preexec_fn` for the runner: SIGKILL when the launcher dies; if it is already gone, go now."""
+    """`preexec_fn` for the runner: SIGKILL when the launcher dies; if it is already gone, go
+    now."""
     parent = os.getppid()
     set_parent_death_signal(signal.SIGKILL)
     if os.getppid() != parent:  # the launcher died between fork and prctl
@@ -78,7 +83,8 @@ def launcher_env(record: dict | None = None) -> dict:
     return {LAUNCHER_ENV: json.dumps(record or identity())}
 
 
-def watch_launcher(on_gone, environ=os.environ, interval_s: float = WATCH_INTERVAL_S) -> threading.Thread | None:
+def watch_launcher(on_gone, environ=os.environ,
+                   interval_s: float = WATCH_INTERVAL_S) -> threading.Thread | None:
     """Call `on_gone(record)` from a daemon thread once the launcher in JOBSPEC_LAUNCHER has died.
 
     Nothing to watch (None) without the variable (ranks started by hand or by tests) or when the
@@ -107,7 +113,9 @@ def end_orphaned_job(record: dict, master_port=None) -> None:
     from jobspec.shm import remove_shared_memory_buffers
     remove_shared_memory_buffers(master_port)
     try:
-        os.write(2, (f"jobspec: the launcher (pid {record.get('pid')}) is gone; ending the job's processes\n")
+        os.write(2,
+                 (f"jobspec: the launcher (pid {record.get('pid')}) is gone; ending the job's "
+                  "processes\n")
                  .encode())
     finally:
         os.killpg(os.getpgrp(), signal.SIGKILL)

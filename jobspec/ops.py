@@ -4,10 +4,10 @@ with the build announced.
 DeepSpeed compiles some C++/CUDA ops the first time a process loads them (torch.utils.cpp_extension,
 cached in TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions/<python>_<cpu|cuXYZ>/<op>/). A build
 takes 15 s to minutes, and a rank that builds in silence looks hung; so the worker builds the ops a
-job needs before DeepSpeed asks for them, saying so (`announce`), and `jobspec prepare` does the same
-ahead of time for CI and images. Both go through `ensure_built`: one mechanism. Ranks that load the
-same op at once are serialised by torch's lock file in the build directory: one builds, the others
-wait and load the result.
+job needs before DeepSpeed asks for them, saying so (`announce`), and `jobspec prepare` does the
+same ahead of time for CI and images. Both go through `ensure_built`: one mechanism. Ranks that load
+the same op at once are serialised by torch's lock file in the build directory: one builds, the
+others wait and load the result.
 
 `needed_ops` is pure (the compiled ds_config in, builder names out); the rest imports DeepSpeed.
 
@@ -64,10 +64,12 @@ def needed_ops(ds_config: dict) -> list[str]:
 @dataclass
 class OpState:
     builder_name: str
-    name: str | None          # the extension's name (deepspeed_shm_comm); None: not on this accelerator
+    # the extension's name (deepspeed_shm_comm); None: not on this accelerator
+    name: str | None
     build_dir: Path | None
     built: bool               # a library newer than every source is in build_dir: loading is quick
-    why_not: str | None = None  # not compatible here (missing compiler, library, ISA), with DeepSpeed's words
+    # not compatible here (missing compiler, library, ISA), with DeepSpeed's words
+    why_not: str | None = None
 
     @property
     def short(self) -> str:
@@ -75,25 +77,28 @@ class OpState:
 
 
 def state(builder_name: str) -> OpState:
-    """Whether `builder_name` exists on this accelerator, can be built here, and is built already."""
+    """Whether `builder_name` exists on this accelerator, can be built here, and is built
+    already."""
     from deepspeed.accelerator import get_accelerator
 
     builder = get_accelerator().create_op_builder(builder_name)
     if builder is None:
         return OpState(builder_name, None, None, built=True, why_not="not used on this accelerator")
     if not _compatible(builder):
-        reason = "; ".join(str(e) for e in getattr(builder, "error_log", None) or []) or "not compatible"
+        reason = "; ".join(str(e) for e in getattr(builder, "error_log", None) or []) \
+            or "not compatible"
         return OpState(builder_name, builder.name, None, built=False, why_not=reason)
     build_dir = _build_dir(builder.name)
     return OpState(builder_name, builder.name, build_dir, built=_is_built(builder, build_dir))
 
 
 def ensure_built(builder_names, announce=print) -> list[OpState]:
-    """Build the ops not built yet (loading them into this process), announcing each build and its time.
+    """Build the ops not built yet (loading them into this process), announcing each build and its
+    time.
 
     `announce(text)` gets one line before a build and one after; built ops are left for DeepSpeed to
-    load. An op that cannot be built here is skipped: DeepSpeed reports it, with its reason, where it
-    is really needed. Raises what DeepSpeed raises when a compatible op fails to build.
+    load. An op that cannot be built here is skipped: DeepSpeed reports it, with its reason, where
+    it is really needed. Raises what DeepSpeed raises when a compatible op fails to build.
     """
     from deepspeed.accelerator import get_accelerator
 
@@ -115,15 +120,17 @@ def ensure_built(builder_names, announce=print) -> list[OpState]:
 
 
 # Why a job needs each op: said when the op is built.
-OP_REASONS = {"FusedAdamBuilder": "DeepSpeed's FusedAdam (training.optimizer: bias_correction false or "
-                                  "implementation fused)",
+OP_REASONS = {"FusedAdamBuilder": "DeepSpeed's FusedAdam (training.optimizer: bias_correction "
+                                  "false or implementation fused)",
               "CPUAdamBuilder": "optimizer offload (DeepSpeed's CPU Adam)",
               "AsyncIOBuilder": "NVMe offload"}
 # What each op needs to be built, for the refusal before any rank starts (`build_problems`).
 INSTALL_HINTS = {
-    "FusedAdamBuilder": "or set training.optimizer.implementation: torch (torch's fused AdamW needs no build)",
+    "FusedAdamBuilder": "or set training.optimizer.implementation: torch (torch's fused AdamW "
+                        "needs no build)",
     "CPUAdamBuilder": "or run without optimizer offload (memory.offload.optimizer: none)",
-    "AsyncIOBuilder": "install libaio (Debian/Ubuntu: apt install libaio-dev), or offload to cpu instead of nvme",
+    "AsyncIOBuilder": "install libaio (Debian/Ubuntu: apt install libaio-dev), or offload to cpu "
+                      "instead of nvme",
 }
 
 
@@ -142,17 +149,22 @@ def build_problems(builder_names) -> list[tuple[str, str]]:
             continue
         hint = INSTALL_HINTS.get(builder_name, "")
         if op.why_not:
-            problems.append((builder_name, f"DeepSpeed's {op.short} op cannot be built here: {op.why_not}"
+            problems.append((builder_name,
+                             f"DeepSpeed's {op.short} op cannot be built here: {op.why_not}"
                              + (f"; {hint}" if hint else "")))
         elif not any(shutil.which(c) for c in (os.environ.get("CXX") or "c++", "g++", "clang++")):
-            problems.append((builder_name, f"DeepSpeed's {op.short} op must be compiled on first use and this "
-                             "machine has no C++ compiler: install one (Debian/Ubuntu: apt install g++)"
+            problems.append((builder_name,
+                             f"DeepSpeed's {op.short} op must be compiled on first use and this "
+                             "machine has no C++ compiler: install one (Debian/Ubuntu: apt install "
+                             "g++)"
                              + (f", {hint}" if hint else "")))
         elif get_accelerator().device_name() == "cuda" and builder_name == "FusedAdamBuilder":
             from torch.utils.cpp_extension import CUDA_HOME
             if CUDA_HOME is None:
-                problems.append((builder_name, "DeepSpeed's FusedAdam must be compiled with nvcc and CUDA_HOME "
-                                 "does not exist (no CUDA toolkit): install the toolkit matching torch's CUDA, "
+                problems.append((builder_name,
+                                 "DeepSpeed's FusedAdam must be compiled with nvcc and CUDA_HOME "
+                                 "does not exist (no CUDA toolkit): install the toolkit matching "
+                                 "torch's CUDA, "
                                  + hint))
     return problems
 
@@ -184,7 +196,8 @@ def _compatible(builder) -> bool:
     except Exception as err:  # a probe that fails (missing headers) means "cannot build here"
         compatible, said = False, io.StringIO(f"compatibility check failed: {err}")
     if not compatible:
-        words = [ANSI.sub("", line).replace("[WARNING]", "").strip() for line in said.getvalue().splitlines()]
+        words = [ANSI.sub("", line).replace("[WARNING]", "").strip()
+                 for line in said.getvalue().splitlines()]
         builder.error_log = [" ".join(w for w in words if w)] if any(words) else builder.error_log
     return compatible
 
@@ -229,7 +242,8 @@ def _built_here(build_dir: Path) -> bool:
         ninja = (build_dir / "build.ninja").read_text(errors="replace")
     except OSError:
         return False
-    return cpp_extension.include_paths()[0] in ninja and os.path.dirname(deepspeed.__file__) in ninja
+    return cpp_extension.include_paths()[0] in ninja \
+        and os.path.dirname(deepspeed.__file__) in ninja
 
 
 def import_deepspeed(without_mlflow: bool = True):
@@ -239,16 +253,17 @@ def import_deepspeed(without_mlflow: bool = True):
     jobspec never runs DeepSpeed's autotuner, and importing MLflow costs ~1.7 s of CPU per process
     (docs/benchmarks.md), paid by DeepSpeed's launch.py and by every rank before its first step. A
     `None` in sys.modules makes that one import fail (the autotuner then sets `has_mlflow = False`);
-    it is removed at once, so MLflow stays importable. A node's local rank 0 imports it with DeepSpeed
-    (`without_mlflow=False`): it needs MLflow anyway (system metrics, rank 0's metric sink), and
-    importing it there beside the model build would only move the cost. Nothing changes when
-    DeepSpeed or MLflow is already imported."""
+    it is removed at once, so MLflow stays importable. A node's local rank 0 imports it with
+    DeepSpeed (`without_mlflow=False`): it needs MLflow anyway (system metrics, rank 0's metric
+    sink), and importing it there beside the model build would only move the cost. Nothing changes
+    when DeepSpeed or MLflow is already imported."""
     import sys
 
     if not without_mlflow or "deepspeed" in sys.modules or "mlflow" in sys.modules:
         import deepspeed
         return deepspeed
-    sys.modules["mlflow"] = None  # type: ignore[assignment]  # `import mlflow` then raises ImportError
+    # `import mlflow` then raises ImportError
+    sys.modules["mlflow"] = None  # type: ignore[assignment]
     try:
         import deepspeed
     finally:
@@ -258,7 +273,8 @@ def import_deepspeed(without_mlflow: bool = True):
 
 
 def home_relative(path: Path | None) -> str:
-    """`~/...` for a path under the home directory (shorter, and the same on every user's screen)."""
+    """`~/...` for a path under the home directory (shorter, and the same on every user's
+    screen)."""
     text = str(path)
     home = os.path.expanduser("~")
     return "~" + text[len(home):] if home != "/" and text.startswith(home + os.sep) else text
@@ -291,7 +307,8 @@ def share_cpu_info(path: Path | None = None) -> None:
     known = None
     try:
         record = json.loads(Path(path).read_text(encoding="utf-8")) if path else None
-        if record and record.get("host") == socket.gethostname():  # another node may have other flags
+        # another node may have other flags
+        if record and record.get("host") == socket.gethostname():
             known = record["info"]
     except (OSError, ValueError, KeyError):
         known = None
@@ -303,5 +320,6 @@ def share_cpu_info(path: Path | None = None) -> None:
             known = original()
         return dict(known)
 
-    setattr(get_cpu_info, "jobspec_shared", True)   # marks the patch (a function attribute mypy cannot see)
+    # marks the patch (a function attribute mypy cannot see)
+    setattr(get_cpu_info, "jobspec_shared", True)
     cpuinfo.get_cpu_info = get_cpu_info

@@ -1,27 +1,31 @@
-"""The run directory: every file a job's run directory holds, and the one place each is written and read.
+"""The run directory: every file a job's run directory holds, and the one place each is written and
+read.
 
 `jobspec compile --out DIR` writes the compile files; `jobspec launch` creates
 `<output_dir>/run-<UTC %Y%m%d-%H%M%S>-<4 hex>/` and writes them there, then the other files appear:
 
-  spec.yaml        the spec as written (secrets masked)                compile      -> MLflow artifact, sync
-  resolved.yaml    every default filled, what runs (secrets masked)    compile      -> worker, sync, report
-  ds_config.json   the complete DeepSpeed config                       compile      -> worker (DeepSpeed)
-  patches.json     model changes the worker applies                    compile      -> worker
-  command.txt      the runner command line                             compile      -> the user
-  launch.json      world size, batch arithmetic (`derived`), notes,    compile      -> worker, sync
+  file             what it holds                                   written by -> read by
+  spec.yaml        the spec as written (secrets masked)            compile -> MLflow artifact, sync
+  resolved.yaml    every default filled, what runs (masked)        compile -> worker, sync, report
+  ds_config.json   the complete DeepSpeed config                   compile -> worker (DeepSpeed)
+  patches.json     model changes the worker applies                compile -> worker
+  command.txt      the runner command line                         compile -> the user
+  launch.json      world size, batch arithmetic (`derived`), notes,compile -> worker, sync
                    `plan`/`fit` (launch), `source`
-  hostfile         one `host slots=N` line per node (multi-node Slurm) launch/slurm -> DeepSpeed runner
-  mlflow_run.json  tracking URI, experiment and run id                 tracking     -> rank 0's sink, sync
-  mlflow_off       the job runs without an MLflow run (off/unreachable) launch       -> rank 0 stops waiting
-  cpu_info.json    py-cpuinfo's reading of the launching host           launch       -> ranks (jobspec/ops.py)
-  launcher.log     everything the runner and ranks printed             supervise    -> MLflow artifact
-  launcher.json    the launcher's host, pid, start time; `ended` once  launch       -> launch/sync/report:
-                   it has closed the run                                              a run left RUNNING
-  metrics.jsonl    every metric point, one JSON object per log step    rank 0       -> sync, bench, export
-  summary.json     status, steps, loss, throughput, peak memory        rank 0 (else the fallback below)
+  hostfile         one `host slots=N` line per node (multi-node    launch/slurm -> DeepSpeed runner
+                   Slurm)
+  mlflow_run.json  tracking URI, experiment and run id             tracking -> rank 0's sink, sync
+  mlflow_off       the job runs without an MLflow run              launch -> rank 0 stops waiting
+                   (off/unreachable)
+  cpu_info.json    py-cpuinfo's reading of the launching host      launch -> ranks (jobspec/ops.py)
+  launcher.log     everything the runner and ranks printed         supervise -> MLflow artifact
+  launcher.json    the launcher's host, pid, start time; `ended`   launch -> launch/sync/report:
+                   once it has closed the run                      a run left RUNNING
+  metrics.jsonl    every metric point, a JSON object per log step  ank 0 -> sync, bench, export
+  summary.json     status, steps, loss, throughput, peak memory    rank 0 (else the fallback below)
                    (`RunSummary`)
-  .oom-recovery/   the state an OOM retry reloads (removed after)      rank side
-  model/           exported HF directories (`export.dir` null)         rank 0       -> the user, MLflow
+  .oom-recovery/   the state an OOM retry reloads (removed after)  rank side
+  model/           exported HF directories (`export.dir` null)     rank 0 -> the user, MLflow
 
 No heavy imports: `jobspec compile` writes through here.
 """
@@ -65,7 +69,8 @@ COMPILE_FILES = (SPEC, RESOLVED, DS_CONFIG, PATCHES, COMMAND, LAUNCH)
 WORKER_INPUTS = (RESOLVED, DS_CONFIG, PATCHES, LAUNCH)
 START_ARTIFACTS = (SPEC, RESOLVED, DS_CONFIG, COMMAND)   # logged to MLflow when the run starts
 END_ARTIFACTS = (SUMMARY, LAUNCHER_LOG)                  # logged when it ends
-DONE_STATUSES = ("finished", "preempted")                # summary.json statuses of a job that ended well
+# summary.json statuses of a job that ended well
+DONE_STATUSES = ("finished", "preempted")
 
 
 def export_dir(spec: JobSpec, run_dir: Path) -> Path:
@@ -95,7 +100,8 @@ def run_dirs(output_dir: str | Path, newest_first: bool = False) -> list[Path]:
 
 
 def create_run_dir(output_dir: str | Path) -> Path:
-    """A new, empty run directory; never an existing one (exclusive mkdir, new name on collision)."""
+    """A new, empty run directory; never an existing one (exclusive mkdir, new name on
+    collision)."""
     ensure_writable(output_dir, ("output_dir",))
     for _ in range(100):
         path = new_run_dir_path(output_dir)
@@ -104,7 +110,8 @@ def create_run_dir(output_dir: str | Path) -> Path:
             return path
         except FileExistsError:
             continue
-    raise spec_error(f"could not create a new run directory under {output_dir}", path=("output_dir",))
+    raise spec_error(f"could not create a new run directory under {output_dir}",
+                     path=("output_dir",))
 
 
 def ensure_writable(directory: str | Path, field: tuple) -> None:
@@ -116,16 +123,19 @@ def ensure_writable(directory: str | Path, field: tuple) -> None:
         probe.write_text("ok", encoding="utf-8")
         probe.unlink()
     except OSError as err:
-        raise spec_error(f"{directory} is not a writable directory ({err.strerror or err})", path=field,
-                         hint=f"set {'.'.join(field)} to a directory you can write, or fix its permissions")
+        raise spec_error(f"{directory} is not a writable directory ({err.strerror or err})",
+                         path=field,
+                         hint=f"set {'.'.join(field)} to a directory you can write, or fix its "
+                              "permissions")
 
 
 # --- compile outputs --------------------------------------------------------------------------
 
-def launch_record(resolved, compiled, argv: Sequence[str] | None = None, launched: Mapping | None = None) -> dict:
-    """What launch.json holds: the launch plan's record with the command that runs (`argv`; default the
-    plan's `deepspeed` command), what the launcher adds (`launched`: plan, fit, mlflow_run, overrides,
-    segment), the derived numbers, notes and the source."""
+def launch_record(resolved, compiled, argv: Sequence[str] | None = None,
+                  launched: Mapping | None = None) -> dict:
+    """What launch.json holds: the launch plan's record with the command that runs (`argv`; default
+    the plan's `deepspeed` command), what the launcher adds (`launched`: plan, fit, mlflow_run,
+    overrides, segment), the derived numbers, notes and the source."""
     return {**compiled.plan.record(argv), **(launched or {}), "derived": compiled.derived.as_dict(),
             "notes": compiled.notes, "source": str(resolved.source.resolve())}
 
@@ -133,19 +143,24 @@ def launch_record(resolved, compiled, argv: Sequence[str] | None = None, launche
 def write_compiled(out: Path, resolved, compiled, argv: Sequence[str] | None = None,
                    launched: Mapping | None = None) -> None:
     """Write the compile files into `out`; refuse a non-empty directory holding anything else.
-    command.txt and launch.json's `argv` are `argv` (what a launch runs), else the plan's `deepspeed` command."""
+    command.txt and launch.json's `argv` are `argv` (what a launch runs), else the plan's
+    `deepspeed` command."""
     out = Path(out)
     if out.exists() and not out.is_dir():
-        raise spec_error(f"--out {out} exists and is not a directory", hint="choose a directory path")
+        raise spec_error(f"--out {out} exists and is not a directory",
+                         hint="choose a directory path")
     if out.is_dir():
         # a multi-node launch writes its hostfile into the run directory before these files
         foreign = sorted(p.name for p in out.iterdir() if p.name not in (*COMPILE_FILES, HOSTFILE))
         if foreign:
             shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
-            raise spec_error(f"--out {out} is not empty and is not a previous compile output (has {shown})",
-                             hint="choose a new or empty directory; compile only overwrites its own files")
+            raise spec_error(f"--out {out} is not empty and is not a previous compile output (has "
+                             f"{shown})",
+                             hint="choose a new or empty directory; compile only overwrites its "
+                                  "own files")
     out.mkdir(parents=True, exist_ok=True)
-    record = launch_record(resolved, compiled, argv, launched)   # one argv for command.txt and launch.json
+    # one argv for command.txt and launch.json
+    record = launch_record(resolved, compiled, argv, launched)
     contents = {
         # a password in a tracking URI or a planted token must not reach files that become artifacts
         SPEC: mask_secrets(resolved.text),
@@ -172,9 +187,10 @@ def read_resolved(run_dir: Path) -> JobSpec:
 
 
 def read_resolved_file(path: Path) -> JobSpec:
-    """A resolved.yaml: the run directory's, or the copy a checkpoint keeps. The compiler wrote it from a
-    validated spec with every field filled, so it is read as the JobSpec it was: the one place outside the
-    loader (spec/validation.validate_spec) where a plain dict becomes a JobSpec."""
+    """A resolved.yaml: the run directory's, or the copy a checkpoint keeps. The compiler wrote it
+    from a validated spec with every field filled, so it is read as the JobSpec it was: the one
+    place outside the loader (spec/validation.validate_spec) where a plain dict becomes a
+    JobSpec."""
     return cast(JobSpec, yaml.safe_load(Path(path).read_text(encoding="utf-8")))
 
 
@@ -193,7 +209,8 @@ class RunFiles:
 
     @property
     def derived(self) -> dict:
-        """launch.json's derived job as written; the ranks read it typed (spec/derived.DerivedJob.from_dict)."""
+        """launch.json's derived job as written; the ranks read it typed
+        (spec/derived.DerivedJob.from_dict)."""
         return self.launch["derived"]
 
 
@@ -205,7 +222,8 @@ def read_run_files(run_dir: Path) -> RunFiles:
         raise spec_error(f"run directory {run_dir} lacks {', '.join(missing)}",
                          hint="create it with `jobspec compile --out DIR` or `jobspec launch`")
     spec = read_resolved(run_dir)
-    ds_config, patches = (json.loads((run_dir / name).read_text(encoding="utf-8")) for name in (DS_CONFIG, PATCHES))
+    ds_config, patches = (json.loads((run_dir / name).read_text(encoding="utf-8"))
+                          for name in (DS_CONFIG, PATCHES))
     files = RunFiles(spec, ds_config, patches, read_launch(run_dir))
     if files.launch.get("derived", {}).get("total_steps") is None:   # the compiler always writes it
         raise spec_error(f"{run_dir / LAUNCH} has no derived.total_steps",
@@ -251,7 +269,8 @@ def read_launcher(run_dir: Path) -> dict | None:
 
 
 def mark_launcher_ended(run_dir: Path, status: str, exit_code: int, by: str = "launcher") -> None:
-    """The run was closed (by its launcher, or by whoever found the launcher gone): nothing left to check."""
+    """The run was closed (by its launcher, or by whoever found the launcher gone): nothing left to
+    check."""
     record = read_launcher(run_dir) or {}
     record["ended"] = {"status": status, "exit_code": exit_code, "by": by,
                       "at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
@@ -270,7 +289,8 @@ def wait_for_tracking(run_dir: Path, timeout_s: float, poll_s: float = 0.1) -> d
     deadline = time.monotonic() + timeout_s
     while True:
         info = read_mlflow_run(run_dir)
-        if info is not None or (Path(run_dir) / TRACKING_OFF).exists() or time.monotonic() >= deadline:
+        if info is not None or (Path(run_dir) / TRACKING_OFF).exists() \
+                or time.monotonic() >= deadline:
             return info
         time.sleep(poll_s)
 
@@ -290,7 +310,8 @@ def metric_line(metrics: dict, step: int, timestamp: int) -> str:
 
 
 def read_metric_points(run_dir: Path) -> list[tuple[str, float, int, int]]:
-    """(key, value, timestamp, step) of every point in metrics.jsonl; a torn last line is skipped."""
+    """(key, value, timestamp, step) of every point in metrics.jsonl; a torn last line is
+    skipped."""
     points = []
     for line in (Path(run_dir) / METRICS).read_text(encoding="utf-8").splitlines():
         try:
@@ -306,7 +327,8 @@ def read_metric_points(run_dir: Path) -> list[tuple[str, float, int, int]]:
 
 
 def append_generations(run_dir: Path, rows: list[dict]) -> None:
-    """generations.jsonl: rank 0's answers of one evaluation (train/generation.py), one line per prompt."""
+    """generations.jsonl: rank 0's answers of one evaluation (train/generation.py), one line per
+    prompt."""
     with open(Path(run_dir) / GENERATIONS, "a", encoding="utf-8") as out:
         out.write("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
 
@@ -336,20 +358,23 @@ class RunSummary:
     """summary.json: how the run ended and what it measured.
 
     Rank 0 writes the whole record (train/progress.summarize; a value not measured is null); the
-    launcher writes `status`, `exit_code` and `written_by: launcher` for a job whose rank 0 wrote none
-    (`write_fallback_summary`), then adds `report`, the closing block it printed. Readers (the
+    launcher writes `status`, `exit_code` and `written_by: launcher` for a job whose rank 0 wrote
+    none (`write_fallback_summary`), then adds `report`, the closing block it printed. Readers (the
     launcher's watchdog and closing block, status.ending, tracking's sync and orphans, the exported
     models' artifacts) go through `from_dict`, which keeps keys it does not know in `extra` (a newer
     or older jobspec's), so `to_dict` writes them back unchanged.
     """
 
-    status: str | None = None                 # finished | preempted | failed | oom | ... (lower case)
+    # finished | preempted | failed | oom | ... (lower case)
+    status: str | None = None
     steps: int | None = None                  # optimizer steps done
     total_steps: int | None = None
-    samples: int | None = None                # global samples trained in this run (not before a resume)
+    # global samples trained in this run (not before a resume)
+    samples: int | None = None
     final_loss: float | None = None           # the last logged train/loss
     eval_loss: float | None = None
-    eval_metrics: dict[str, float] = field(default_factory=dict)   # eval/<name>: the last evaluation's
+    # eval/<name>: the last evaluation's
+    eval_metrics: dict[str, float] = field(default_factory=dict)
     samples_per_s: float | None = None        # steady-state rates: the warm-up window left out
     tokens_per_s: float | None = None
     tflops_per_device: float | None = None    # GPU ranks only (a CPU's peak FLOP/s is unknown)
@@ -358,11 +383,15 @@ class RunSummary:
     elapsed_s: float | None = None
     resumed_from: str | None = None
     checkpoint: str | None = None             # the last checkpoint's tag, under checkpoint.dir
-    exports: dict[str, dict] = field(default_factory=dict)         # export/exporter.py's records by name
-    parameters: dict[str, int] = field(default_factory=dict)       # trainable and total parameter counts
+    # export/exporter.py's records by name
+    exports: dict[str, dict] = field(default_factory=dict)
+    # trainable and total parameter counts
+    parameters: dict[str, int] = field(default_factory=dict)
     error: str | None = None                  # why a failed run failed (rank 0)
-    generation: dict | None = None            # training.eval_generate: the last evaluation's first answer
-    data: dict | None = None                  # the tokenised data's counts (data.<split>.records, tokens, ...)
+    # training.eval_generate: the last evaluation's first answer
+    generation: dict | None = None
+    # the tokenised data's counts (data.<split>.records, tokens, ...)
+    data: dict | None = None
     exit_code: int | None = None              # the launcher's fallback
     written_by: str | None = None             # LAUNCHER_WRITER for the fallback
     # the plan of each peak_memory reading, by its name (the launcher's: memory/plan_figures)
@@ -371,9 +400,10 @@ class RunSummary:
     extra: dict = field(default_factory=dict)  # keys this version does not know, kept as they were
 
     # what rank 0 always writes (null when not measured); the fallback has none of them
-    RANK_KEYS = ("steps", "total_steps", "samples", "final_loss", "eval_loss", "eval_metrics", "samples_per_s",
-                 "tokens_per_s", "tflops_per_device", "mfu", "peak_memory", "elapsed_s", "resumed_from",
-                 "checkpoint", "exports", "parameters")
+    RANK_KEYS = ("steps", "total_steps", "samples", "final_loss", "eval_loss", "eval_metrics",
+                 "samples_per_s",
+                 "tokens_per_s", "tflops_per_device", "mfu", "peak_memory", "elapsed_s",
+                 "resumed_from", "checkpoint", "exports", "parameters")
     # written only when set
     OPTIONAL_KEYS = ("error", "generation", "data", "exit_code", "written_by", "planned_memory",
                      "report")
@@ -391,7 +421,8 @@ class RunSummary:
     def from_dict(cls, d: dict) -> RunSummary:
         known = {"status", *cls.RANK_KEYS, *cls.OPTIONAL_KEYS}
         values = {key: d[key] for key in known if key in d}
-        for key in ("eval_metrics", "peak_memory", "exports", "parameters"):   # null in a hand-written file
+        # null in a hand-written file
+        for key in ("eval_metrics", "peak_memory", "exports", "parameters"):
             values[key] = values.get(key) or {}
         return cls(**values, extra={key: value for key, value in d.items() if key not in known})
 
@@ -400,7 +431,8 @@ class RunSummary:
         out: dict = {"status": self.status}
         if self.written_by != LAUNCHER_WRITER:
             out.update({key: getattr(self, key) for key in self.RANK_KEYS})
-        out.update({key: getattr(self, key) for key in self.OPTIONAL_KEYS if getattr(self, key) is not None})
+        out.update({key: getattr(self, key) for key in self.OPTIONAL_KEYS
+                    if getattr(self, key) is not None})
         return {**out, **self.extra}
 
 
@@ -419,7 +451,8 @@ def write_fallback_summary(run_dir: Path, status: str, exit_code: int) -> None:
 
 
 def read_summary(run_dir: Path) -> RunSummary | None:
-    """summary.json, or None when it is missing or unreadable (a job that died before writing it)."""
+    """summary.json, or None when it is missing or unreadable (a job that died before writing
+    it)."""
     try:
         summary = json.loads((Path(run_dir) / SUMMARY).read_text(encoding="utf-8"))
     except (OSError, ValueError):

@@ -9,13 +9,15 @@ import os
 import re
 from urllib.parse import urlsplit, urlunsplit
 
-SECRET_ENV_VARS = ("MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_PASSWORD", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
+SECRET_ENV_VARS = ("MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_PASSWORD", "HF_TOKEN",
+                   "HUGGING_FACE_HUB_TOKEN")
 
 _USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<userinfo>[^/@\s]+)@")
 
 
 def mask_secrets(text: str) -> str:
-    """`text` with `user:pass@` in URIs replaced by `***@` and secret env values replaced by `***`."""
+    """`text` with `user:pass@` in URIs replaced by `***@` and secret env values replaced by
+    `***`."""
     text = _USERINFO.sub(r"\g<scheme>***@", text)
     for var in SECRET_ENV_VARS:
         secret = os.environ.get(var)
@@ -25,8 +27,8 @@ def mask_secrets(text: str) -> str:
 
 
 def mask_tree(value):
-    """A copy of a YAML/JSON tree with every string masked: dump the masked tree rather than mask the
-    dumped text, where a secret that was a whole value would become `***`, a YAML alias."""
+    """A copy of a YAML/JSON tree with every string masked: dump the masked tree rather than mask
+    the dumped text, where a secret that was a whole value would become `***`, a YAML alias."""
     if isinstance(value, dict):
         return {key: mask_tree(child) for key, child in value.items()}
     if isinstance(value, list):

@@ -20,10 +20,10 @@ def remove_shared_memory_buffers(master_port: int | str | None, shm_dir: Path = 
                                  local_rank: int | None = None) -> int:
     """Delete the CPU accelerator's all-reduce buffers of a finished job; returns how many.
 
-    DeepSpeed's shm communication op leaves a `deepspeed_allreduce_buffer_*_<addr>_<port>_<rank>` file
-    of ~66 MB per rank in /dev/shm after every job (it never unlinks them), so a machine that runs
-    many jobs fills its RAM-backed /dev/shm until the OOM killer steps in. Once the runner and all
-    ranks are gone nothing maps them; the master port names this job's files.
+    DeepSpeed's shm communication op leaves a `deepspeed_allreduce_buffer_*_<addr>_<port>_<rank>`
+    file of ~66 MB per rank in /dev/shm after every job (it never unlinks them), so a machine that
+    runs many jobs fills its RAM-backed /dev/shm until the OOM killer steps in. Once the runner and
+    all ranks are gone nothing maps them; the master port names this job's files.
     """
     if not master_port or not shm_dir.is_dir():
         return 0

@@ -1,4 +1,5 @@
-"""How a run ended, told truthfully: MLflow status, `jobspec.status` tag, exit code, reason, CLI line.
+"""How a run ended, told truthfully: MLflow status, `jobspec.status` tag, exit code, reason, CLI
+line.
 
     ended                      exit code        MLflow     jobspec.status   reason tag
     finished                   0                FINISHED   finished         (both cleared)
@@ -29,7 +30,9 @@ if TYPE_CHECKING:
     from jobspec.rundir import RunSummary
 
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: "try again later" -- here, resume from the checkpoint
-STATUS_TAG, STOP_TAG, FAILURE_TAG = "jobspec.status", "jobspec.stop_reason", "jobspec.failure_reason"
+STATUS_TAG = "jobspec.status"
+STOP_TAG = "jobspec.stop_reason"
+FAILURE_TAG = "jobspec.failure_reason"
 
 
 @dataclass
@@ -56,10 +59,11 @@ def ending(exit_code: int, user_signal: int | None, reason: str | None, summary:
     status = summary.status if summary else None
     stopped_codes = (0, 128 + (user_signal or 0), 128 + signal.SIGINT if at_once else 0)
     if summary and status == "preempted" and summary.checkpoint and exit_code in stopped_codes:
-        return Ending("KILLED", "preempted", EXIT_PREEMPTED, stop_reason(summary, user_signal, stop_after_steps))
+        return Ending("KILLED", "preempted", EXIT_PREEMPTED,
+                      stop_reason(summary, user_signal, stop_after_steps))
     if summary and status == "finished" and (user_signal or at_once):
-        # rank 0 writes "finished" after the last step, its checkpoint and the export: a stop that came
-        # later ended only the processes' teardown, so the run is what it says
+        # rank 0 writes "finished" after the last step, its checkpoint and the export: a stop that
+        # came later ended only the processes' teardown, so the run is what it says
         return Ending("FINISHED", "finished", 0)
     if at_once:
         return Ending("KILLED", "killed", exit_code, "ended at once by a second SIGINT (Ctrl-C), "
@@ -70,7 +74,8 @@ def ending(exit_code: int, user_signal: int | None, reason: str | None, summary:
     if exit_code == 0:
         return Ending("FINISHED", "finished", 0)
     error = summary.error if summary and status == "failed" else None
-    return Ending("FAILED", "failed", exit_code, error or reason or f"runner exited with code {exit_code}")
+    return Ending("FAILED", "failed", exit_code,
+                  error or reason or f"runner exited with code {exit_code}")
 
 
 def from_summary(summary: RunSummary | None) -> Ending | None:
@@ -105,15 +110,18 @@ def signal_words(sig: int) -> str:
         signal.Signals(sig), f"{name} from the user")
 
 
-def resume_command(job: str, overrides: list[str], resume_setting: str, checkpoint_dir: str | None = None) -> str:
-    """The command that continues a stopped run: the same one, `checkpoint.resume=auto` if it was not,
-    and `checkpoint.dir=DIR` when a plain relaunch would pick another of the spec's checkpoint
+def resume_command(job: str, overrides: list[str], resume_setting: str,
+                   checkpoint_dir: str | None = None) -> str:
+    """The command that continues a stopped run: the same one, `checkpoint.resume=auto` if it was
+    not, and `checkpoint.dir=DIR` when a plain relaunch would pick another of the spec's checkpoint
     directories (`checkpoint_dir`: the one to continue; launch/lineage.choose decides which)."""
-    kept = [o for o in overrides if resume_setting == "auto" or not o.startswith("checkpoint.resume=")]
+    kept = [o for o in overrides if resume_setting == "auto"
+            or not o.startswith("checkpoint.resume=")]
     if resume_setting != "auto":
         kept.append("checkpoint.resume=auto")
     if checkpoint_dir is not None:
-        kept = [o for o in kept if not o.startswith("checkpoint.dir=")] + [f"checkpoint.dir={checkpoint_dir}"]
+        kept = [o for o in kept if not o.startswith("checkpoint.dir=")] \
+            + [f"checkpoint.dir={checkpoint_dir}"]
     return shlex.join(["jobspec", "launch", job, *[a for o in kept for a in ("--set", o)]])
 
 
@@ -121,13 +129,16 @@ def closing_line(end: Ending, run_dir, resume: str, resumes_from: str | None = N
     """The launcher's last lines. `resumes_from`: what `resume` would start from now ("checkpoint
     DIR/stepK (step K of N)", or None: no checkpoint of this run exists, it starts at step 0)."""
     if end.label == "preempted":
-        return (f"jobspec: stopped, not finished (exit {end.exit_code}): {end.reason}; run directory {run_dir}\n"
-                f"jobspec: resume with: {resume}")
+        return (f"jobspec: stopped, not finished (exit {end.exit_code}): {end.reason}; run "
+                f"directory {run_dir}\njobspec: resume with: {resume}")
     text = f"jobspec: {end.label} (exit {end.exit_code}); run directory {run_dir}"
     if end.reason and end.label != "finished":
         text += f"\njobspec: {end.reason.strip().splitlines()[0]}"
-    if end.label == "killed":   # stopped by the user before a checkpoint: say plainly what a relaunch does
+    # stopped by the user before a checkpoint: say plainly what a relaunch does
+    if end.label == "killed":
         text += ("\njobspec: no checkpoint was saved by this stop; " +
-                 (f"{resume} resumes from the last one saved before it, {resumes_from}" if resumes_from
-                  else f"no checkpoint of this run exists, so {resume} starts it again from step 0"))
+                 (f"{resume} resumes from the last one saved before it, {resumes_from}"
+                  if resumes_from
+                  else f"no checkpoint of this run exists, so {resume} starts it again from step "
+                       "0"))
     return text

@@ -1,4 +1,5 @@
-"""Byte units and the two ways jobspec writes a size; neutral ground, no imports: anyone may use them.
+"""Byte units and the two ways jobspec writes a size; neutral ground, no imports: anyone may use
+them.
 
 - `fmt_mib_gib`: memory sizes (the planner, the launch header, the fit search): always MiB or GiB,
   so the sizes of a plan line up and compare at a glance (`0.5 MiB`, `812.0 MiB`, `1.50 GiB`);
@@ -12,7 +13,8 @@ UNITS = ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB")
 
 
 def fmt_mib_gib(n: int | float) -> str:
-    """`12.3 MiB` below a GiB, `1.50 GiB` from there on (signed: a negative headroom keeps its sign)."""
+    """`12.3 MiB` below a GiB, `1.50 GiB` from there on (signed: a negative headroom keeps its
+    sign)."""
     sign = "-" if n < 0 else ""
     n = abs(n)
     return f"{sign}{n / GiB:.2f} GiB" if n >= GiB else f"{sign}{n / MiB:.1f} MiB"

@@ -1,5 +1,5 @@
-"""docs/architecture.md's worked examples (add an optimizer, a task, a cross-field rule, a tracker, a data
-format) are executed, so they cannot drift from the code (issue 38 item 6).
+"""docs/architecture.md's worked examples (add an optimizer, a task, a cross-field rule, a tracker,
+a data format) are executed, so they cannot drift from the code (issue 38 item 6).
 
 Each example is a set of fenced blocks tagged `example=<name>` and what to do with them:
 
@@ -12,8 +12,9 @@ The test copies the package, the schemas and the registry test into a temporary 
 example's blocks there (regenerating spec/types.py when the schema changed), and runs in subprocesses with
 PYTHONPATH at the copy: tests/test_registries.py (the registry of that example's kind), `jobspec validate`
 of its job, and an example-specific check (the optimizer's client args, the task's registry entry, the
-tracker fed a metric row through the metrics sink, the data format's rows counted and tokenised). A block that names a registry key, a field, a file or a
-line that is no longer there fails here. No launch: seconds per example.
+tracker fed a metric row through the metrics sink, the data format's rows counted and tokenised). A
+block that names a registry key, a field, a file or a line that is no longer there fails here. No
+launch: seconds per example.
 """
 from __future__ import annotations
 
@@ -172,7 +173,8 @@ CHECKS = {
         assert formats.source_format(spec["data"]["train"]).name == "tsv"
         assert derive_job(spec).num_train_samples == 3
         lines, counts = prepare.prepare_data(spec, build=True, num_proc=1)
-        assert counts["data.train.records"] == 3 and counts["data.train.tokens"] > 0, (lines, counts)
+        assert counts["data.train.records"] == 3, (lines, counts)
+        assert counts["data.train.tokens"] > 0, (lines, counts)
     """,
 }
 

@@ -66,16 +66,19 @@ def test_tracker_registry_is_the_schema_logging_sections_with_a_switch():
 
 
 def test_format_registry_is_the_schema_enum():
-    """Every `data.format` value but `auto` is a module of jobspec/data/formats/ declaring a FORMAT, and
-    every such module a schema value or a source told by itself (`hf:` names, saved datasets)."""
+    """Every `data.format` value but `auto` is a module of jobspec/data/formats/ declaring a FORMAT,
+    and every such module a schema value or a source told by itself (`hf:` names, saved datasets)."""
     from jobspec.data import formats
     from jobspec.data.formats.base import DataFormat
-    assert sorted(formats.schema_formats()) == sorted(v for v in enum_values(("data", "format")) if v != "auto")
-    suffixes = [suffix for f in formats.FORMATS.values() if f.schema_value for suffix in f.suffixes]
-    assert len(suffixes) == len(set(suffixes)), suffixes   # `auto` reads one format from an extension
+    schema = sorted(v for v in enum_values(("data", "format")) if v != "auto")
+    assert sorted(formats.schema_formats()) == schema
+    suffixes = [s for f in formats.FORMATS.values() if f.schema_value for s in f.suffixes]
+    # `auto` reads one format from an extension
+    assert len(suffixes) == len(set(suffixes)), suffixes
     for name, declared in formats.FORMATS.items():
         assert isinstance(declared, DataFormat) and declared.name == name, name
-        assert declared.schema_value == bool(declared.suffixes), name   # told by its extension, or by itself
+        # told by its extension, or by itself
+        assert declared.schema_value == bool(declared.suffixes), name
         if declared.holds_records and declared.local:   # validate reads its records
             assert type(declared).rows is not DataFormat.rows, name
         if declared.counted:
@@ -88,12 +91,15 @@ def test_record_kind_registry_is_the_schema_enum():
     assert sorted(RECORD_KINDS) == sorted(v for v in enum_values(("data", "records")) if v != "auto")
     for name, kind in RECORD_KINDS.items():
         assert isinstance(kind, RecordKind) and kind.name == name and kind.described, name
-    last = list(RECORD_KINDS.values())[-1]   # `auto` falls back to the last kind: it recognises any record
+    # `auto` falls back to the last kind: it recognises any record
+    last = list(RECORD_KINDS.values())[-1]
     assert last.recognised(None, set()), last.name
 
 
 def test_data_declarations_import_no_torch_and_no_datasets():
     code = ("import sys, jobspec.data.formats, jobspec.data.records, jobspec.data.record_checks; "
-            "print([m for m in ('torch', 'transformers', 'deepspeed', 'datasets', 'pyarrow') if m in sys.modules])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+            "print([m for m in ('torch', 'transformers', 'deepspeed', 'datasets', 'pyarrow') "
+            "if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
     assert out.strip() == "[]"

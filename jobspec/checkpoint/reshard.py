@@ -47,7 +47,7 @@ MODEL_STATES = "mp_rank_00_model_states.pt"
 CONVERTER = "deepspeed.checkpoint.ds_to_universal"
 
 
-# --- pure arithmetic and decisions ------------------------------------------------------------------
+# --- pure arithmetic and decisions ----------------------------------------------------------------
 
 def global_samples_consumed(batches_per_rank: int, micro_batch_size: int, world_size: int) -> int:
     return batches_per_rank * micro_batch_size * world_size
@@ -59,8 +59,10 @@ def batches_to_skip(samples: int, micro_batch_size: int, world_size: int) -> tup
     return samples // per_round, samples % per_round
 
 
-def resume_mode(saved_world_size: int | None, current_world_size: int, optimizer_partitioned: bool) -> str:
-    """`same` (today's path), `universal` (convert first) or `direct` (DeepSpeed loads it as it is)."""
+def resume_mode(saved_world_size: int | None, current_world_size: int,
+                optimizer_partitioned: bool) -> str:
+    """`same` (today's path), `universal` (convert first) or `direct` (DeepSpeed loads it as it
+    is)."""
     if saved_world_size is None or saved_world_size == current_world_size:
         return "same"
     return "universal" if optimizer_partitioned else "direct"
@@ -75,7 +77,7 @@ def reseed_value(seed: int, step: int, rank: int) -> int:
     return int.from_bytes(digest[:4], "little")
 
 
-# --- reading what a checkpoint was saved with ------------------------------------------------------
+# --- reading what a checkpoint was saved with -----------------------------------------------------
 
 def saved_layout(load_dir: str | os.PathLike, tag: str) -> dict:
     """{"world_size", "zero_stage", "micro_batch_size", "optimizer_partitioned"} of a checkpoint.
@@ -86,12 +88,14 @@ def saved_layout(load_dir: str | os.PathLike, tag: str) -> dict:
     root = Path(load_dir) / tag
     layout: dict[str, Any] = {"world_size": None, "zero_stage": None, "micro_batch_size": None}
     try:
-        layout.update(json.loads((root / "jobspec_manifest.json").read_text(encoding="utf-8")).get("layout") or {})
+        manifest = json.loads((root / "jobspec_manifest.json").read_text(encoding="utf-8"))
+        layout.update(manifest.get("layout") or {})
     except (OSError, ValueError, AttributeError):
         pass
     if layout["world_size"] is None and (root / MODEL_STATES).is_file():
         layout.update(_layout_from_model_states(root / MODEL_STATES))
-    layout["optimizer_partitioned"] = bool(glob.glob(str(root / "*optim_states.pt"))) or bool(layout["zero_stage"])
+    layout["optimizer_partitioned"] = bool(glob.glob(str(root / "*optim_states.pt"))) \
+        or bool(layout["zero_stage"])
     return layout
 
 
@@ -99,7 +103,8 @@ def _layout_from_model_states(path: Path) -> dict:
     import torch
     try:
         states = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    except Exception:  # noqa: BLE001 -- unreadable: the usual resume path reports it, with its fallback
+    # unreadable: the usual resume path reports it, with its fallback
+    except Exception:  # noqa: BLE001
         return {}
     zero = (states.get("ds_config") or {}).get("zero_optimization") or {}
     return {"world_size": states.get("world_size", states.get("dp_world_size")),
@@ -107,11 +112,11 @@ def _layout_from_model_states(path: Path) -> dict:
             "micro_batch_size": states.get("micro_batch_size")}
 
 
-# --- the plan the worker follows --------------------------------------------------------------------
+# --- the plan the worker follows ------------------------------------------------------------------
 
 class ResumeFrom(TypedDict):
-    """What a resume reads of the `checkpoint` section: the spec's JobSpecCheckpoint is one (it has these
-    keys, of these types), and so is a Reshard's `checkpoint_section`."""
+    """What a resume reads of the `checkpoint` section: the spec's JobSpecCheckpoint is one (it has
+    these keys, of these types), and so is a Reshard's `checkpoint_section`."""
     resume: str
     dir: str
 
@@ -124,14 +129,15 @@ class Reshard:
     saved_world_size: int
     world_size: int
     saved_micro_batch_size: int | None
-    # memory.sequence_parallel then and now: the data-parallel ranks, which the data position counts, are
-    # the world over it (the N ranks of a group read the same samples)
+    # memory.sequence_parallel then and now: the data-parallel ranks, which the data position
+    # counts, are the world over it (the N ranks of a group read the same samples)
     saved_sequence_parallel: int = 1
     sequence_parallel: int = 1
 
     @property
     def checkpoint_section(self) -> ResumeFrom:
-        """`checkpoint` spec section pointing the resume at what to load (an explicit path: no fallback)."""
+        """`checkpoint` spec section pointing the resume at what to load (an explicit path: no
+        fallback)."""
         loaded = universal_tag(self.tag) if self.mode == "universal" else self.tag
         return {"resume": str(Path(self.load_dir) / loaded), "dir": self.load_dir}
 
@@ -141,31 +147,37 @@ class Reshard:
         return with_universal_load(ds_config)
 
     def message(self, step: int) -> str:
-        how = "via universal checkpoint" if self.mode == "universal" else "directly (unpartitioned optimizer state)"
+        how = "via universal checkpoint" if self.mode == "universal" \
+            else "directly (unpartitioned optimizer state)"
         if self.saved_world_size == self.world_size:
             how = "directly (the same ZeRO partitions)"
         split = "" if self.saved_sequence_parallel == self.sequence_parallel == 1 else \
             f" (sequence_parallel {self.saved_sequence_parallel} -> {self.sequence_parallel})"
-        return f"resuming step {step} from world size {self.saved_world_size} on {self.world_size}{split} {how}"
+        return (f"resuming step {step} from world size {self.saved_world_size} on "
+                f"{self.world_size}{split} {how}")
 
     def adjust(self, state, micro_batch_size: int, seed: int, rank: int) -> dict:
         """Move `state` to the data position at this world size; this rank's reseeded RNG state."""
-        saved_ranks = self.saved_world_size // self.saved_sequence_parallel   # the data-parallel ranks
+        # the data-parallel ranks
+        saved_ranks = self.saved_world_size // self.saved_sequence_parallel
         ranks = self.world_size // self.sequence_parallel
-        samples = global_samples_consumed(state.batches_in_epoch, self.saved_micro_batch_size or micro_batch_size,
+        samples = global_samples_consumed(state.batches_in_epoch,
+                                          self.saved_micro_batch_size or micro_batch_size,
                                           saved_ranks)
         state.batches_in_epoch, repeated = batches_to_skip(samples, micro_batch_size, ranks)
         if repeated and rank == 0:
-            print(f"WARNING: {samples} samples of epoch {state.epoch} were consumed by {saved_ranks} data-parallel "
-                  f"ranks, not a multiple of {micro_batch_size} x {ranks}: "
-                  f"the last {repeated} of them are trained again", file=sys.stderr, flush=True)
+            print(f"WARNING: {samples} samples of epoch {state.epoch} were consumed by "
+                  f"{saved_ranks} data-parallel ranks, not a multiple of {micro_batch_size} x "
+                  f"{ranks}: the last {repeated} of them are trained again", file=sys.stderr,
+                  flush=True)
         state.resumed_from = str(Path(self.load_dir) / self.tag)
         return reseeded_rng_state(reseed_value(seed, state.step, rank))
 
 
-def plan(ckpt: ResumeFrom, world_size: int, broadcast, sequence_parallel: int = 1) -> Reshard | None:
-    """None when the resume (if any) is at the same world size and `sequence_parallel`; else what to do,
-    conversion done.
+def plan(ckpt: ResumeFrom, world_size: int, broadcast,
+         sequence_parallel: int = 1) -> Reshard | None:
+    """None when the resume (if any) is at the same world size and `sequence_parallel`; else what to
+    do, conversion done.
 
     Collective: every rank calls it; `broadcast(obj)` returns rank 0's `obj` on every rank.
     """
@@ -179,15 +191,20 @@ def plan(ckpt: ResumeFrom, world_size: int, broadcast, sequence_parallel: int = 
     if mode == "same":
         if saved_sp == sequence_parallel:
             return None
-        mode = "direct"   # DeepSpeed's partitions span the whole world either way; only the data split moved
+        # DeepSpeed's partitions span the whole world either way; only the data split moved
+        mode = "direct"
     if mode == "universal" and max(saved_sp, sequence_parallel) > 1:
-        # DeepSpeed's converter reads the Ulysses ranks' files as tensor-parallel slices: not converted here
-        raise spec_error(f"a ZeRO checkpoint cannot move between world sizes with sequence parallelism (saved on "
-                         f"{layout['world_size']} ranks with sequence_parallel {saved_sp}, resumed on {world_size} "
-                         f"with {sequence_parallel})", path=("checkpoint", "resume"),
-                         hint=f"resume on {layout['world_size']} ranks (resources.nodes x resources.gpus_per_node), "
-                              "or start fresh (`checkpoint.resume: never`)")
-    reshard = Reshard(mode, target[0], target[1], int(layout["world_size"]), world_size, layout["micro_batch_size"],
+        # DeepSpeed's converter reads the Ulysses ranks' files as tensor-parallel slices: not
+        # converted here
+        raise spec_error("a ZeRO checkpoint cannot move between world sizes with sequence "
+                         f"parallelism (saved on {layout['world_size']} ranks with "
+                         f"sequence_parallel {saved_sp}, resumed on {world_size} with "
+                         f"{sequence_parallel})", path=("checkpoint", "resume"),
+                         hint=f"resume on {layout['world_size']} ranks (resources.nodes x "
+                              "resources.gpus_per_node), or start fresh (`checkpoint.resume: "
+                              "never`)")
+    reshard = Reshard(mode, target[0], target[1], int(layout["world_size"]), world_size,
+                      layout["micro_batch_size"],
                       saved_sequence_parallel=saved_sp, sequence_parallel=sequence_parallel)
     if mode == "universal":
         error = None
@@ -199,9 +216,10 @@ def plan(ckpt: ResumeFrom, world_size: int, broadcast, sequence_parallel: int = 
         error = broadcast(error)
         if error:
             raise spec_error(error, path=("checkpoint", "resume"),
-                             hint=f"resume with the world size it was saved with ({reshard.saved_world_size} ranks: "
-                                  f"resources.nodes x resources.gpus_per_node), or convert it by hand with "
-                                  f"`python -m {CONVERTER} --inject_missing_state`")
+                             hint="resume with the world size it was saved with "
+                                  f"({reshard.saved_world_size} ranks: resources.nodes x "
+                                  "resources.gpus_per_node), or convert it by hand with `python "
+                                  f"-m {CONVERTER} --inject_missing_state`")
     return reshard
 
 
@@ -210,13 +228,15 @@ def _first_usable(save_load, ckpt: ResumeFrom) -> tuple[str, str] | None:
     candidates = save_load.resume_candidates(ckpt["resume"], ckpt["dir"])
     for load_dir, tag in candidates:
         has_manifest = (Path(load_dir) / tag / save_load.MANIFEST).is_file()
-        if (ckpt["resume"] != "auto" and not has_manifest) or save_load.verify(load_dir, tag) is None:
+        if (ckpt["resume"] != "auto" and not has_manifest) \
+                or save_load.verify(load_dir, tag) is None:
             return load_dir, tag
     return None
 
 
 def convert_to_universal(load_dir: str | os.PathLike, tag: str) -> Path:
-    """`<load_dir>/<tag>_universal`, converted now or reused; the source checkpoint is never touched.
+    """`<load_dir>/<tag>_universal`, converted now or reused; the source checkpoint is never
+    touched.
 
     Built in a temp dir and renamed into place, with a manifest: a crash mid-way leaves no
     half-converted directory that a later resume would trust.
@@ -229,9 +249,12 @@ def convert_to_universal(load_dir: str | os.PathLike, tag: str) -> Path:
     scratch = root / f".{name}.tmp-{os.getpid()}"
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
-    # the converter writes `latest_universal` next to its output: inside the scratch dir, not the checkpoint dir
-    argv = [sys.executable, "-m", CONVERTER, "--input_folder", str(root / tag), "--output_folder", str(scratch / name),
-            "--inject_missing_state",  # HF models carry no universal_checkpoint_info; plain data parallel needs none
+    # the converter writes `latest_universal` next to its output: inside the scratch dir, not the
+    # checkpoint dir
+    argv = [sys.executable, "-m", CONVERTER, "--input_folder", str(root / tag), "--output_folder",
+            str(scratch / name),
+            # HF models carry no universal_checkpoint_info; plain data parallel needs none
+            "--inject_missing_state",
             "--num_extract_workers", "1", "--num_merge_workers", "1"]
     try:
         done = subprocess.run(argv, capture_output=True, text=True, check=False)
@@ -249,7 +272,8 @@ def convert_to_universal(load_dir: str | os.PathLike, tag: str) -> Path:
 
 
 def reseeded_rng_state(value: int) -> dict:
-    """The RNG states `restore_rng_state` takes, seeded from `value`; the current states are kept."""
+    """The RNG states `restore_rng_state` takes, seeded from `value`; the current states are
+    kept."""
     import numpy as np
     import torch
 
@@ -264,5 +288,7 @@ def reseeded_rng_state(value: int) -> dict:
 
 
 def replace_ds_config(files, reshard: Reshard | None):
-    """`files` with the ds_config the first engine is built from (later rebuilds keep the original)."""
-    return files if reshard is None else dataclasses.replace(files, ds_config=reshard.ds_config(files.ds_config))
+    """`files` with the ds_config the first engine is built from (later rebuilds keep the
+    original)."""
+    return files if reshard is None \
+        else dataclasses.replace(files, ds_config=reshard.ds_config(files.ds_config))

@@ -8,7 +8,8 @@ save with `save_latest=False` and publish it ourselves after a barrier, with a r
 publishing, rank 0 writes `<tag>/jobspec_manifest.json` (every file's size): resuming checks it
 and, with `resume: auto`, falls back to the previous complete checkpoint when a file is truncated.
 The client state and the manifest also record the world size, ZeRO stage and micro-batch size, so
-that a resume on another world size can be detected before the engine exists (jobspec/checkpoint/reshard.py).
+that a resume on another world size can be detected before the engine exists
+(jobspec/checkpoint/reshard.py).
 """
 from __future__ import annotations
 
@@ -68,14 +69,15 @@ def save(engine, ckpt_dir: str | os.PathLike, *, step: int, epoch: int, batches_
     """Save on every rank (collective); returns the tag. Older checkpoints beyond `keep_last` go.
 
     `micro_batch_size` is the unit `batches_in_epoch` counts in; `sequence_parallel` the size of the
-    rank's sequence-parallel group (its ranks read the same samples: checkpoint/reshard counts world / N).
-    A write the OS refuses (disk full,
+    rank's sequence-parallel group (its ranks read the same samples: checkpoint/reshard counts world
+    / N). A write the OS refuses (disk full,
     permissions) on any rank: every rank raises the same one-line RunFailure naming the directory
-    and the OS error, the incomplete `step<N>` is removed and `latest` keeps naming the previous one."""
+    and the OS error, the incomplete `step<N>` is removed and `latest` keeps naming the previous
+    one."""
     ckpt_dir = str(ckpt_dir)
     tag = tag_for(step)
-    layout = {"world_size": dist.get_world_size(), "zero_stage": zero_stage, "micro_batch_size": micro_batch_size,
-              "sequence_parallel": sequence_parallel}
+    layout = {"world_size": dist.get_world_size(), "zero_stage": zero_stage,
+              "micro_batch_size": micro_batch_size, "sequence_parallel": sequence_parallel}
     client_state = {
         **layout,
         "step": step,
@@ -83,7 +85,8 @@ def save(engine, ckpt_dir: str | os.PathLike, *, step: int, epoch: int, batches_
         "batches_in_epoch": batches_in_epoch,
         "rng": _all_ranks_rng_states(),
         "job_name": job_name,
-        "cpu_threads": torch.get_num_threads(),  # resume with the same count: reductions split by it
+        # resume with the same count: reductions split by it
+        "cpu_threads": torch.get_num_threads(),
     }
     failure = WriteFailure()
     with guarded_writes(engine, failure):
@@ -117,13 +120,16 @@ class WriteFailure:
         if self.error is None:
             return None
         err: BaseException = self.error
-        while not isinstance(err, OSError) and (cause := err.__cause__ or err.__context__) is not None:
+        while not isinstance(err, OSError) \
+                and (cause := err.__cause__ or err.__context__) is not None:
             err = cause  # torch's zip writer wraps the OSError of the write
         if not isinstance(err, OSError):
             err = self.error
         if isinstance(err, OSError) and err.strerror:
             reason = err.strerror
-        else:  # torch's direct writes (legacy format) raise "write(): fd 7 failed with No space left on device"
+        # torch's direct writes (legacy format) raise
+        # "write(): fd 7 failed with No space left on device"
+        else:
             reason = (str(err).splitlines() or [type(err).__name__])[0]
             reason = (re.search(r"failed with (.+)$", reason) or [reason, reason])[1]
         return f"{reason} (writing {self.path} on rank {dist.get_rank()})"
@@ -131,7 +137,8 @@ class WriteFailure:
 
 @contextmanager
 def guarded_writes(engine, failure: WriteFailure):
-    """Route DeepSpeed's checkpoint writes through guards that record a failed write instead of raising.
+    """Route DeepSpeed's checkpoint writes through guards that record a failed write instead of
+    raising.
 
     A rank that raised out of `save_checkpoint` would leave the others waiting in its barriers until
     the collective timeout; recording keeps every rank on the same path to the vote after it. Files
@@ -143,7 +150,8 @@ def guarded_writes(engine, failure: WriteFailure):
         return
     original_save = checkpoint_engine.save
     original_makedirs = checkpoint_engine.makedirs
-    original_script: Any = getattr(engine, "_copy_recovery_script", None)   # called only when not None
+    # called only when not None
+    original_script: Any = getattr(engine, "_copy_recovery_script", None)
     native = type(checkpoint_engine).__name__ == "TorchCheckpointEngine"
 
     def save(state_dict, path):
@@ -152,10 +160,12 @@ def guarded_writes(engine, failure: WriteFailure):
         try:
             if native:
                 with open(path, "wb") as fh:
-                    torch.save(state_dict, fh, _use_new_zipfile_serialization=checkpoint_engine.zipfile_serialization)
+                    zipfile = checkpoint_engine.zipfile_serialization
+                    torch.save(state_dict, fh, _use_new_zipfile_serialization=zipfile)
             else:
                 original_save(state_dict, path)
-        except Exception as err:  # OSError above all; any other failure must not split the ranks either
+        # OSError above all; any other failure must not split the ranks either
+        except Exception as err:
             failure.record(path, err)
 
     def makedirs(path, exist_ok=False):
@@ -198,9 +208,10 @@ def _raise_if_failed(problems: list, ckpt_dir: str, tag: str) -> None:
         for tmp in Path(ckpt_dir).glob(f".{LATEST}.tmp-*"):
             tmp.unlink(missing_ok=True)
     dist.barrier()  # the directory is gone before any rank reports it gone
-    raise RunFailure(f"checkpoint {tag} could not be saved to {ckpt_dir}: {problem}; the incomplete {tag} was "
-                     f"removed and `latest` still names {latest or 'no checkpoint'}: free space, or set "
-                     "checkpoint.dir to a disk with room", collective=True)
+    raise RunFailure(f"checkpoint {tag} could not be saved to {ckpt_dir}: {problem}; the "
+                     f"incomplete {tag} was removed and `latest` still names "
+                     f"{latest or 'no checkpoint'}: free space, or set checkpoint.dir to a disk "
+                     "with room", collective=True)
 
 
 def publish_latest(ckpt_dir: str | os.PathLike, tag: str) -> None:
@@ -218,7 +229,8 @@ def completed_steps(ckpt_dir: str | os.PathLike) -> list[int]:
     root = Path(ckpt_dir)
     if not root.is_dir():
         return []
-    return sorted(int(m.group(1)) for p in root.iterdir() if p.is_dir() and (m := _TAG.match(p.name)))
+    return sorted(int(m.group(1)) for p in root.iterdir() if p.is_dir()
+                  and (m := _TAG.match(p.name)))
 
 
 def prune(ckpt_dir: str | os.PathLike, keep_last: int) -> list[str]:
@@ -231,7 +243,8 @@ def prune(ckpt_dir: str | os.PathLike, keep_last: int) -> list[str]:
         if tag_for(step) == latest:
             continue
         shutil.rmtree(root / tag_for(step), ignore_errors=True)
-        shutil.rmtree(root / f"{tag_for(step)}_universal", ignore_errors=True)  # its conversion (reshard.py)
+        # its conversion (reshard.py)
+        shutil.rmtree(root / f"{tag_for(step)}_universal", ignore_errors=True)
         removed.append(tag_for(step))
     return removed
 
@@ -260,11 +273,13 @@ def resume_target(resume: str, ckpt_dir: str | os.PathLike) -> tuple[str, str] |
         return str(path), tag
     if path.is_dir() and path.parent.is_dir():
         return str(path.parent), path.name
-    raise spec_error(f"checkpoint to resume from not found: {resume}", path=("checkpoint", "resume"),
-                     hint="use `auto`, `never`, or the path of a checkpoint directory (e.g. .../checkpoints/step100)")
+    raise spec_error(f"checkpoint to resume from not found: {resume}",
+                     path=("checkpoint", "resume"),
+                     hint="use `auto`, `never`, or the path of a checkpoint directory (e.g. "
+                          ".../checkpoints/step100)")
 
 
-# --- integrity: a manifest of file sizes, written once every rank has finished its shards ----------
+# --- integrity: a manifest of file sizes, written once every rank has finished its shards ---------
 
 MANIFEST = "jobspec_manifest.json"
 
@@ -276,12 +291,14 @@ def write_manifest(ckpt_dir: str | os.PathLike, tag: str, layout: dict | None = 
     sizes = {str(f.relative_to(root)): f.stat().st_size for f in sorted(root.rglob("*"))
              if f.is_file() and f.name != MANIFEST}
     tmp = root / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps({"tag": tag, "files": sizes, "layout": layout}, indent=1), encoding="utf-8")
+    tmp.write_text(json.dumps({"tag": tag, "files": sizes, "layout": layout}, indent=1),
+                   encoding="utf-8")
     os.replace(tmp, root / MANIFEST)
 
 
 def verify(load_dir: str | os.PathLike, tag: str) -> str | None:
-    """Why the checkpoint `tag` cannot be trusted (missing, truncated or extra-short files), or None."""
+    """Why the checkpoint `tag` cannot be trusted (missing, truncated or extra-short files), or
+    None."""
     root = Path(load_dir) / tag
     try:
         files = json.loads((root / MANIFEST).read_text(encoding="utf-8"))["files"]
@@ -300,7 +317,8 @@ def verify(load_dir: str | os.PathLike, tag: str) -> str | None:
 
 
 def resume_candidates(resume: str, ckpt_dir: str | os.PathLike) -> list[tuple[str, str]]:
-    """Checkpoints to try, best first: for `auto`, the one `latest` names, then older complete ones."""
+    """Checkpoints to try, best first: for `auto`, the one `latest` names, then older complete
+    ones."""
     target = resume_target(resume, ckpt_dir)
     if target is None:
         return []
@@ -313,7 +331,8 @@ def resume_candidates(resume: str, ckpt_dir: str | os.PathLike) -> list[tuple[st
 
 
 def load_with_fallback(engine, resume: str, ckpt_dir: str | os.PathLike, any_rank) -> tuple:
-    """(client_state, (load_dir, tag), [why each newer candidate was passed over]), or (None, None, [...]).
+    """(client_state, (load_dir, tag), [why each newer candidate was passed over]), or (None, None,
+    [...]).
 
     With `auto`, a checkpoint that fails verification or loading on any rank (`any_rank`: a vote
     across ranks) is passed over for the next older one. An explicit path is never replaced.
@@ -328,8 +347,9 @@ def load_with_fallback(engine, resume: str, ckpt_dir: str | os.PathLike, any_ran
         try:
             client_state, error = load(engine, load_dir, tag), None
         except Exception as err:  # a corrupt shard: torch.load / DeepSpeed raise all sorts
-            client_state, error = None, f"{Path(load_dir) / tag} could not be loaded ({type(err).__name__}: " \
-                                        f"{first_line(err, limit=200) if str(err).strip() else ''})"
+            detail = first_line(err, limit=200) if str(err).strip() else ""
+            client_state = None
+            error = f"{Path(load_dir) / tag} could not be loaded ({type(err).__name__}: {detail})"
         if any_rank(error is not None):
             passed_over.append(error or f"{tag}: failed to load on another rank")
             if resume != "auto":
@@ -339,7 +359,8 @@ def load_with_fallback(engine, resume: str, ckpt_dir: str | os.PathLike, any_ran
     if passed_over:
         raise spec_error(f"no usable checkpoint to resume from: {'; '.join(passed_over)}",
                          path=("checkpoint", "resume"),
-                         hint="set checkpoint.resume to `never` with a new checkpoint.dir to start over")
+                         hint="set checkpoint.resume to `never` with a new checkpoint.dir to start "
+                              "over")
     return None, None, passed_over
 
 
@@ -350,8 +371,10 @@ def load(engine, load_dir: str, tag: str) -> dict:
     """
     load_path, client_state = engine.load_checkpoint(load_dir, tag=tag)
     if load_path is None or client_state is None:
-        raise spec_error(f"could not load checkpoint {tag!r} from {load_dir}", path=("checkpoint", "resume"),
-                         hint="the checkpoint may be incomplete; point `checkpoint.resume` at an older one")
+        raise spec_error(f"could not load checkpoint {tag!r} from {load_dir}",
+                         path=("checkpoint", "resume"),
+                         hint="the checkpoint may be incomplete; point `checkpoint.resume` at an "
+                              "older one")
     return client_state
 
 

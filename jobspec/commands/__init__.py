@@ -19,7 +19,8 @@ def add_set_argument(parser: argparse.ArgumentParser, note: str = "") -> None:
 
 
 def add_format_argument(parser: argparse.ArgumentParser, formats: dict[str, str]) -> None:
-    """`--format` choosing among `formats` (name -> what it prints); the first one is the default."""
+    """`--format` choosing among `formats` (name -> what it prints); the first one is the
+    default."""
     default = next(iter(formats))
     parser.add_argument("--format", choices=tuple(formats), default=default,
                         help="; ".join(f"{name}{' (default)' if name == default else ''}: {what}"

@@ -14,7 +14,8 @@ With --out DIR, writes the run-directory files a launch would use:
 
 Notes list every value a `deepspeed:` override replaced. With `memory.fit: auto` and a budget
 (`memory.gpu_memory`, else this machine's free GPU memory) the fit's changes are applied first, as
-`jobspec launch` applies them: the config shown is the config that runs. Exit code 2 on an invalid spec.
+`jobspec launch` applies them: the config shown is the config that runs. Exit code 2 on an invalid
+spec.
 
 examples:
   jobspec compile jobs/quickstart.yaml
@@ -36,7 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("job", metavar="JOB", help="job spec file (YAML)")
     add_set_argument(parser)
     parser.add_argument("--out", metavar="DIR", type=Path,
-                        help="write the run-directory files here instead of printing the DeepSpeed config")
+                        help="write the run-directory files here instead of printing the DeepSpeed "
+                             "config")
     add_format_argument(parser, {"text": "the config and notes", "json": "one object (errors too)"})
 
 
@@ -55,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         rundir.write_compiled(args.out, resolved, compiled)
         if args.format == "json":
-            print(json.dumps({"out": run_dir, "files": list(rundir.COMPILE_FILES), "notes": compiled.notes}, indent=2))
+            print(json.dumps({"out": run_dir, "files": list(rundir.COMPILE_FILES),
+                              "notes": compiled.notes}, indent=2))
         else:
             print(f"wrote {', '.join(rundir.COMPILE_FILES)} to {run_dir}")
             print(f"command: {shlex.join(compiled.plan.command)}")
@@ -79,8 +82,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def optimizer_lines(spec: JobSpec) -> list[str]:
-    """The optimizer the ranks build themselves (DeepSpeed's config has no block for it), with the args
-    its module's `build` gets (jobspec/optimizers: `client_args`); none for DeepSpeed's own."""
+    """The optimizer the ranks build themselves (DeepSpeed's config has no block for it), with the
+    args its module's `build` gets (jobspec/optimizers: `client_args`); none for DeepSpeed's own."""
     from jobspec import optimizers
 
     section = spec["training"]["optimizer"]
@@ -98,5 +101,6 @@ def patch_lines(patches: list) -> list[str]:
     lines = []
     for patch in patches:
         args = " ".join(f"{k}={json.dumps(v)}" for k, v in (patch.get("args") or {}).items())
-        lines.append(f"patch: {patch['name']}" + (f" {args}" if args else "") + f"  ({patch_text(patch)})")
+        lines.append(f"patch: {patch['name']}" + (f" {args}" if args else "")
+                     + f"  ({patch_text(patch)})")
     return lines or ["patch: none (the model runs as transformers builds it)"]

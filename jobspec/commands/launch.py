@@ -32,8 +32,9 @@ the GPUs' free memory) and prints the choice; on a GPU host a plan larger than t
 refuses to launch (exit 2). The plan is logged as `plan.*` MLflow params and in launch.json.
 
 `--from-run RUN_ID` launches the spec an MLflow run logged (its resolved.yaml) again, compiled to
-the same DeepSpeed config; the new run is tagged `jobspec.parent_run_id` (jobspec/launch/from_run.py).
-Model directories the job exported (spec section `export`) are recorded in the MLflow run at the end.
+the same DeepSpeed config; the new run is tagged `jobspec.parent_run_id`
+(jobspec/launch/from_run.py). Model directories the job exported (spec section `export`) are
+recorded in the MLflow run at the end.
 """
 from __future__ import annotations
 
@@ -44,35 +45,41 @@ from jobspec.launch.supervise import KILL_GRACE_S
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("job", metavar="JOB", nargs="?", help="job spec (YAML); omitted with --from-run")
+    parser.add_argument("job", metavar="JOB", nargs="?",
+                        help="job spec (YAML); omitted with --from-run")
     parser.add_argument("--from-run", metavar="RUN_ID", default=None,
-                        help="launch again the spec an MLflow run logged (its resolved.yaml); the new run is "
-                             "tagged jobspec.parent_run_id")
+                        help="launch again the spec an MLflow run logged (its resolved.yaml); the "
+                             "new run is tagged jobspec.parent_run_id")
     parser.add_argument("--tracking-uri", metavar="URI", default=None,
-                        help="tracking store holding --from-run's run (default: MLFLOW_TRACKING_URI, else "
-                             "sqlite:///mlflow.db); the new run logs there too")
+                        help="tracking store holding --from-run's run (default: "
+                             "MLFLOW_TRACKING_URI, else sqlite:///mlflow.db); the new run logs "
+                             "there too")
     add_set_argument(parser)
     parser.add_argument("--dry-run", action="store_true",
                         help="print the DeepSpeed config, notes and exact command; start nothing")
     changed = parser.add_mutually_exclusive_group()
     changed.add_argument("--new-run", action="store_true",
-                         help="train from scratch in a new checkpoint directory beside the job's earlier "
-                              "checkpoints (<checkpoint.dir>-2, -3, ...), which stay untouched")
+                         help="train from scratch in a new checkpoint directory beside the job's "
+                              "earlier checkpoints (<checkpoint.dir>-2, -3, ...), which stay "
+                              "untouched")
     changed.add_argument("--continue", dest="continue_run", action="store_true",
-                         help="go on from the job's checkpoints with a spec changed in ways that are safe to "
-                              "continue (more steps or epochs, other eval data); the changes are recorded in the "
-                              "MLflow run with the step they took effect")
+                         help="go on from the job's checkpoints with a spec changed in ways that "
+                              "are safe to continue (more steps or epochs, other eval data); the "
+                              "changes are recorded in the MLflow run with the step they took "
+                              "effect")
     parser.add_argument("--stop-after-steps", type=int, default=None, metavar="K",
-                        help="stop gracefully after K optimizer steps (checkpoint, status preempted, exit 75)")
+                        help="stop gracefully after K optimizer steps (checkpoint, status "
+                             "preempted, exit 75)")
     parser.add_argument("--ignore-preflight", action="store_true",
-                        help="warn instead of refusing when host checks fail (GPU count, free GPU memory, port in use)")
+                        help="warn instead of refusing when host checks fail (GPU count, free GPU "
+                             "memory, port in use)")
     parser.add_argument("--verbose", "-v", action="store_true",
                         help="show DeepSpeed's, torch's and MLflow's own log lines too "
                              "(launcher.log always has them) and the libraries' warnings (else in "
                              f"{library_log.log_path('launch')})")
     parser.add_argument("--kill-grace", type=float, default=KILL_GRACE_S, metavar="SECONDS",
-                        help="after Ctrl-C/SIGTERM, wait this long for a checkpoint before killing the job "
-                             f"(default {KILL_GRACE_S:.0f})")
+                        help="after Ctrl-C/SIGTERM, wait this long for a checkpoint before killing "
+                             f"the job (default {KILL_GRACE_S:.0f})")
 
 
 def run(args) -> int:
@@ -86,5 +93,7 @@ def run(args) -> int:
     if args.stop_after_steps is not None and args.stop_after_steps < 1:
         raise spec_error("--stop-after-steps must be >= 1", hint="e.g. --stop-after-steps 5")
     return pipeline.launch(job_argument(args), args.overrides, LaunchOptions(
-        dry_run=args.dry_run, stop_after_steps=args.stop_after_steps, ignore_preflight=args.ignore_preflight,
-        kill_grace_s=args.kill_grace, verbose=args.verbose, new_run=args.new_run, continue_run=args.continue_run))
+        dry_run=args.dry_run, stop_after_steps=args.stop_after_steps,
+        ignore_preflight=args.ignore_preflight,
+        kill_grace_s=args.kill_grace, verbose=args.verbose, new_run=args.new_run,
+        continue_run=args.continue_run))

@@ -6,13 +6,14 @@ total including the CUDA context, host RAM per rank and per node, and whether th
 (--gpu-mem, else `memory.gpu_memory`; --host-mem, else `resources.host_mem`).
 With --fit it searches micro-batch / accumulation, bf16, checkpointing one
 layer in k, 8-bit AdamW, ZeRO stage and offload, keeping the global batch, and prints the cheapest
-configuration that fits as --set overrides with its estimated step-time cost (for causal LMs also the
-tiled loss, the tiled MLP and checkpoint inputs offloaded to the host). With --longest it prints the
-longest sequence that fits the budgets (GPU and host), for the job as written and for the configuration
---fit finds. The cost model is in docs/memory-planner.md. Exit code 2 on bad input and for a node whose
-RAM cannot hold its ranks' host memory (with what to change); 1 when the job does not fit its GPU budget
-(with --fit, or with `memory.fit: auto`, whose launch runs the fitted settings: when nothing fits), the
-advice naming the term over budget and the technique that moves it.
+configuration that fits as --set overrides with its estimated step-time cost (for causal LMs also
+the tiled loss, the tiled MLP and checkpoint inputs offloaded to the host). With --longest it prints
+the longest sequence that fits the budgets (GPU and host), for the job as written and for the
+configuration --fit finds. The cost model is in docs/memory-planner.md. Exit code 2 on bad input and
+for a node whose RAM cannot hold its ranks' host memory (with what to change); 1 when the job does
+not fit its GPU budget (with --fit, or with `memory.fit: auto`, whose launch runs the fitted
+settings: when nothing fits), the advice naming the term over budget and the technique that moves
+it.
 
 examples:
   jobspec plan jobs/xlmr-large.yaml --gpu-mem 24GiB
@@ -37,13 +38,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("job", metavar="JOB", help="job spec file (YAML)")
     add_set_argument(parser)
     parser.add_argument("--gpu-mem", metavar="SIZE",
-                        help="memory budget per GPU, e.g. 24GiB or 11GB (default: memory.gpu_memory)")
+                        help="memory budget per GPU, e.g. 24GiB or 11GB (default: "
+                             "memory.gpu_memory)")
     parser.add_argument("--host-mem", metavar="SIZE",
                         help="RAM of one node, e.g. 1TiB or 512GB (default: resources.host_mem)")
     parser.add_argument("--fit", action="store_true",
-                        help="search for the fastest settings that fit the budget (global batch unchanged)")
+                        help="search for the fastest settings that fit the budget (global batch "
+                             "unchanged)")
     parser.add_argument("--longest", action="store_true",
-                        help="the longest sequence that fits the budgets, as written and with --fit's settings")
+                        help="the longest sequence that fits the budgets, as written and with "
+                             "--fit's settings")
     parser.add_argument("--no-bf16", action="store_true",
                         help="with --fit: the GPU lacks bf16 (pre-Ampere), so try fp16 instead")
     add_format_argument(parser, {"text": "aligned table", "json": "one object (errors too)"})
@@ -57,19 +61,23 @@ def run(args: argparse.Namespace) -> int:
     from jobspec.memory.remedies import advice
     from jobspec.spec.rules.lora import random_base_note
 
-    cli_budget = (parse_bytes(args.gpu_mem, path=("--gpu-mem",)), "--gpu-mem") if args.gpu_mem is not None else None
-    host_budget = (parse_bytes(args.host_mem, path=("--host-mem",)), "--host-mem") if args.host_mem is not None \
+    cli_budget = (parse_bytes(args.gpu_mem, path=("--gpu-mem",)), "--gpu-mem") \
+        if args.gpu_mem is not None else None
+    host_budget = (parse_bytes(args.host_mem, path=("--host-mem",)),
+                   "--host-mem") if args.host_mem is not None \
         else None
 
     def needs_budget(resolved) -> None:   # before the model is traced
-        if (args.fit or args.longest) and cli_budget is None and not resolved.spec["memory"]["gpu_memory"]:
+        if (args.fit or args.longest) and cli_budget is None \
+                and not resolved.spec["memory"]["gpu_memory"]:
             option = "--fit" if args.fit else "--longest"
             raise spec_error(f"{option} needs a memory budget", path=("memory", "gpu_memory"),
                              hint="pass --gpu-mem 24GiB or set memory.gpu_memory in the spec")
 
     # the spec as written (memory.fit is not applied: --fit shows what it would change); no host
     # probed: the budget is --gpu-mem or memory.gpu_memory
-    job = prepare_job(args.job, args.overrides, Host(gpu_free=None, bf16_supported=not args.no_bf16),
+    job = prepare_job(args.job, args.overrides,
+                      Host(gpu_free=None, bf16_supported=not args.no_bf16),
                       dataclasses.replace(AS_WRITTEN, budget=cli_budget, host_budget=host_budget),
                       checks=[needs_budget])
     assert job.memory is not None   # AS_WRITTEN plans it
@@ -86,16 +94,18 @@ def run(args: argparse.Namespace) -> int:
                          host_budget=job.memory.host_budget)
         if args.longest:
             assert budget is not None and result is not None
+            node_budget = job.memory.host_budget
             longest = [("as written", longest_sequence(spec, job.derived, budget,
-                                                       host_budget=job.memory.host_budget)),
+                                                       host_budget=node_budget)),
                        ("with --fit's settings", longest_sequence(spec, job.derived, budget,
-                                                                   host_budget=job.memory.host_budget,
+                                                                   host_budget=node_budget,
                                                                    changes=result.changes))]
     except SpecError as err:   # the model could not be built or traced: say where in the file
         raise resolved.locate(err) from None
 
-    # a node that cannot hold the job is a bad input (exit 2, at resources.host_mem, with what to change),
-    # unless --fit found settings that fit it; the text table is printed first, JSON is the error alone
+    # a node that cannot hold the job is a bad input (exit 2, at resources.host_mem, with what to
+    # change), unless --fit found settings that fit it; the text table is printed first, JSON is the
+    # error alone
     problem = None
     if result is not None and result.host_limited:
         problem = resolved.locate(SpecError([result_issue(result, job.memory.host_budget_source)]))
@@ -109,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
             out["fit"] = result.as_dict()
         if longest is not None:
             out["longest"] = {"as_written": longest[0][1].as_dict(),
-                              "fitted": {**longest[1][1].as_dict(), "overrides": result.overrides if result else []}}
+                              "fitted": {**longest[1][1].as_dict(),
+                                         "overrides": result.overrides if result else []}}
         print(json.dumps(out, indent=2))
     else:
         print(render_plan(plan, title=f"{spec['name']}: predicted memory per rank (as written)",
@@ -135,7 +146,8 @@ def run(args: argparse.Namespace) -> int:
         if longest is not None:
             print()
             for what, found in longest:
-                print(longest_line(what, found, result.overrides if result is not None and what != "as written"
+                print(longest_line(what, found,
+                                   result.overrides if result is not None and what != "as written"
                                    else []))
     if problem is not None:
         raise problem
@@ -143,7 +155,8 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_NOTHING_FITS if result is not None and not result.fits else 0
     if plan.fits is False and spec["memory"]["fit"] == "auto" and budget is not None:
         # a launch runs what memory.fit: auto finds, not the spec as written: that is what must fit
-        fitted = result if result is not None else fit(spec, job.derived, budget, bf16_supported=not args.no_bf16,
+        fitted = result if result is not None else fit(spec, job.derived, budget,
+                                                       bf16_supported=not args.no_bf16,
                                                        host_budget=job.memory.host_budget)
         if args.format != "json":
             print(f"memory.fit: auto: {fitted.reason}" + ("" if not fitted.fits else
@@ -173,13 +186,13 @@ def result_issue(result, source: str | None):
     from jobspec.errors import SpecIssue
 
     return SpecIssue(("resources", "host_mem"), result.reason,
-                     hint=f"host budget from {source}; a node with more RAM, fewer ranks per node, or the "
-                          "settings above with more GPUs")
+                     hint=f"host budget from {source}; a node with more RAM, fewer ranks per node, "
+                          "or the settings above with more GPUs")
 
 
 def data_lines(resolved) -> list[str]:
-    """The tokenised data of chat and prompt/completion records: its size when the data cache holds it,
-    else about how big it will be and how long preparing it takes (data/prepare.py)."""
+    """The tokenised data of chat and prompt/completion records: its size when the data cache holds
+    it, else about how big it will be and how long preparing it takes (data/prepare.py)."""
     if resolved.spec["data"]["synthetic"] is not None:
         return []   # random tokens: nothing is tokenised (nor data_prep's NumPy imported)
     from jobspec.data.prepare import prepare_data

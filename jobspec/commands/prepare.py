@@ -1,11 +1,11 @@
-"""Build what a job needs ahead of time, so its first launch starts training at once: the DeepSpeed ops
-and the tokenised data.
+"""Build what a job needs ahead of time, so its first launch starts training at once: the DeepSpeed
+ops and the tokenised data.
 
-The tokenised data: a job's chat and prompt/completion records are tokenised once into the data cache
-(JOBSPEC_CACHE_DIR, beside the planner's traces; jobspec/data/cache.py) that every launch with the
-same data, tokenizer, template and data settings reuses; `prepare` builds it (every record checked: a
-bad one is named at its file:line, exit 2), on a login node or in CI, with the same cache directory
-as the launch.
+The tokenised data: a job's chat and prompt/completion records are tokenised once into the data
+cache (JOBSPEC_CACHE_DIR, beside the planner's traces; jobspec/data/cache.py) that every launch with
+the same data, tokenizer, template and data settings reuses; `prepare` builds it (every record
+checked: a bad one is named at its file:line, exit 2), on a login node or in CI, with the same cache
+directory as the launch.
 
 DeepSpeed compiles some C++ ops (its fused Adam, CPU Adam for optimizer offload, NVMe I/O) the
 first time a process loads them: 15 s to minutes each, cached afterwards in TORCH_EXTENSIONS_DIR
@@ -34,7 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("jobs", nargs="*", metavar="JOB", help="job spec YAML file(s)")
     add_set_argument(parser)
     parser.add_argument("--all", action="store_true", help="build every op a jobspec job can load")
-    parser.add_argument("--data-only", action="store_true", help="build the jobs' tokenised data, not the ops")
+    parser.add_argument("--data-only", action="store_true",
+                        help="build the jobs' tokenised data, not the ops")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -56,14 +57,16 @@ def run(args: argparse.Namespace) -> int:
         if op.name is None:
             continue
         if op.why_not:
-            print(f"jobspec: DeepSpeed op {op.short} cannot be built here: {op.why_not}", file=sys.stderr)
+            print(f"jobspec: DeepSpeed op {op.short} cannot be built here: {op.why_not}",
+                  file=sys.stderr)
             if op.builder_name in needed:
                 missing.append(op.short)
         else:
-            print(f"jobspec: DeepSpeed op {op.short} ready ({ops.home_relative(op.build_dir)})", flush=True)
+            print(f"jobspec: DeepSpeed op {op.short} ready ({ops.home_relative(op.build_dir)})",
+                  flush=True)
     if missing:
-        raise RunFailure(f"the job needs DeepSpeed op(s) {', '.join(missing)}, which cannot be built on this "
-                         "machine (reasons above)")
+        raise RunFailure(f"the job needs DeepSpeed op(s) {', '.join(missing)}, which cannot be "
+                         "built on this machine (reasons above)")
     return 0
 
 

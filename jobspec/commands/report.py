@@ -20,7 +20,7 @@ examples:
   jobspec report quickstart
   jobspec report bench --format markdown --out reports/bench
   jobspec report bench --log-to-runs         # memory/throughput plots into each run's artifacts
-  jobspec report chat --generations --out reports/chat   # the runs' answers side by side (training.eval_generate)
+  jobspec report chat --generations --out reports/chat   # each run's answers (eval_generate)
   jobspec report xlmr-large --tracking-uri http://mlflow:5000 --format csv > runs.csv
 """
 from __future__ import annotations
@@ -34,21 +34,25 @@ from jobspec.commands import add_format_argument
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from jobspec.report.table import DEFAULT_TRACKING_URI
     parser.add_argument("experiment", metavar="EXPERIMENT",
-                        help="MLflow experiment name (logging.mlflow.experiment, by default the job's name), "
-                             "or a job name: that job's runs in any experiment")
+                        help="MLflow experiment name (logging.mlflow.experiment, by default the "
+                             "job's name), or a job name: that job's runs in any experiment")
     parser.add_argument("--tracking-uri", default=DEFAULT_TRACKING_URI, metavar="URI",
-                        help=f"MLflow tracking URI (default: {DEFAULT_TRACKING_URI}, the launch default)")
+                        help=f"MLflow tracking URI (default: {DEFAULT_TRACKING_URI}, the launch "
+                             "default)")
     add_format_argument(parser, {"table": "aligned text", "markdown": "a Markdown table",
                                  "csv": "raw numbers, empty = missing"})
     parser.add_argument("--out", type=Path, default=None, metavar="DIR",
-                        help="also write report.<md|csv|txt> and the comparison plot here (default: "
-                             "write nothing, only print the table)")
+                        help="also write report.<md|csv|txt> and the comparison plot here "
+                             "(default: write nothing, only print the table)")
     parser.add_argument("--log-to-runs", action="store_true",
-                        help="log plots/memory.png and plots/throughput.png to each run that lacks them")
-    parser.add_argument("--no-plots", action="store_true", help="tables only: draw and log no plots")
+                        help="log plots/memory.png and plots/throughput.png to each run that lacks "
+                             "them")
+    parser.add_argument("--no-plots", action="store_true",
+                        help="tables only: draw and log no plots")
     parser.add_argument("--generations", action="store_true",
-                        help="instead of the table: each prompt of training.eval_generate with every run's latest "
-                             "answer side by side (with --out: generations.md and generations.html)")
+                        help="instead of the table: each prompt of training.eval_generate with "
+                             "every run's latest answer side by side (with --out: generations.md "
+                             "and generations.html)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -28,8 +28,10 @@ from jobspec.commands import add_set_argument
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("job", metavar="JOB", help="job spec file (YAML)")
     add_set_argument(parser, "passed on to the job")
-    parser.add_argument("--out", metavar="FILE", type=Path, help="write the script to FILE instead of stdout")
-    parser.add_argument("--submit", action="store_true", help="submit with `sbatch --parsable`; print the job id")
+    parser.add_argument("--out", metavar="FILE", type=Path,
+                        help="write the script to FILE instead of stdout")
+    parser.add_argument("--submit", action="store_true",
+                        help="submit with `sbatch --parsable`; print the job id")
     parser.add_argument("--cpu-ranks", action="store_true",
                         help="the nodes have no GPUs: request no --gpus-per-node "
                              "(resources.gpus_per_node is then the CPU ranks per node)")

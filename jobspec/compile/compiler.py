@@ -39,7 +39,8 @@ BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_ac
 class Compiled:
     ds_config: dict
     patches: list[dict]
-    plan: LaunchPlan   # what runs: the ranks, their environment, the run directory (compile/launch_plan)
+    # what runs: the ranks, their environment, the run directory (compile/launch_plan)
+    plan: LaunchPlan
     derived: DerivedJob
     notes: list[str] = field(default_factory=list)
 
@@ -54,8 +55,8 @@ def compile_spec(spec: JobSpec, job: DerivedJob, *, run_dir: str = "RUN_DIR",
         raise spec_error(
             "training.epochs needs the number of training samples, which is unknown here",
             path=("training", "epochs"),
-            hint="derive the job with its data (jobspec.spec.inputs.derive_job counts the rows of data.train), "
-                 "or set training.max_steps")
+            hint="derive the job with its data (jobspec.spec.inputs.derive_job counts the rows of "
+                 "data.train), or set training.max_steps")
 
     ds_config: dict[str, Any] = {
         **batch_block(job.global_batch_size, job.micro_batch_size, job.gradient_accumulation_steps),
@@ -68,10 +69,12 @@ def compile_spec(spec: JobSpec, job: DerivedJob, *, run_dir: str = "RUN_DIR",
         ds_config["optimizer"] = optimizer_block(optimizer, memory["offload"]["optimizer"])
     ds_config["scheduler"] = scheduler_block(training["scheduler"], optimizer["lr"], job, notes)
     ds_config.update(precision_blocks(memory))
-    ds_config["zero_optimization"] = zero_block(memory, job.dims, gather_16bit=exports_during_training(spec))
+    ds_config["zero_optimization"] = zero_block(memory, job.dims,
+                                                gather_16bit=exports_during_training(spec))
     if job.sequence_parallel > 1:
-        # DeepSpeed's batch arithmetic counts world / N data-parallel ranks: the engine learns N from the
-        # Ulysses groups (train/sequence_parallel), ZeRO-3's zero.Init, which runs before them, from here
+        # DeepSpeed's batch arithmetic counts world / N data-parallel ranks: the engine learns N
+        # from the Ulysses groups (train/sequence_parallel), ZeRO-3's zero.Init, which runs before
+        # them, from here
         ds_config["sequence_parallel_size"] = job.sequence_parallel
     if "nvme" in (memory["offload"]["optimizer"], memory["offload"]["params"]):
         ds_config["aio"] = aio_block(memory["offload"]["aio"])
@@ -82,7 +85,8 @@ def compile_spec(spec: JobSpec, job: DerivedJob, *, run_dir: str = "RUN_DIR",
     slow_step = chosen.offload_step(optimizer) if memory["offload"]["optimizer"] != "none" else None
     if slow_step:
         ds_config["zero_force_ds_cpu_optimizer"] = False
-        notes.append(f"{slow_step} runs its step on the CPU with offload (no DeepSpeedCPUAdam): slow")
+        notes.append(f"{slow_step} runs its step on the CPU with offload (no DeepSpeedCPUAdam): "
+                     "slow")
 
     ds_config = apply_overrides(ds_config, spec["deepspeed"], notes)
     assert_no_auto(ds_config)
@@ -105,43 +109,50 @@ def optimizer_block(optimizer: JobSpecTrainingOptimizer, offload_optimizer: str 
     return block(optimizer, offload_optimizer)
 
 
-def batch_block(global_batch_size: int, micro_batch_size: int, gradient_accumulation_steps: int) -> dict:
+def batch_block(global_batch_size: int, micro_batch_size: int,
+                gradient_accumulation_steps: int) -> dict:
     """DeepSpeed's batch keys (BATCH_KEYS): the global batch, the micro-batch per GPU and the
     accumulation steps between optimizer steps. The one writer of them: compile_spec, and the ranks
     through `rebatched` (training.on_oom: halve_micro_batch), never by hand."""
-    return {"train_batch_size": global_batch_size, "train_micro_batch_size_per_gpu": micro_batch_size,
+    return {"train_batch_size": global_batch_size,
+            "train_micro_batch_size_per_gpu": micro_batch_size,
             "gradient_accumulation_steps": gradient_accumulation_steps}
 
 
 def rebatched(ds_config: dict, micro_batch_size: int, gradient_accumulation_steps: int) -> dict:
     """A copy of a compiled config with another split of the same global batch (train/oom)."""
     return {**copy.deepcopy(ds_config),
-            **batch_block(ds_config["train_batch_size"], micro_batch_size, gradient_accumulation_steps)}
+            **batch_block(ds_config["train_batch_size"], micro_batch_size,
+                          gradient_accumulation_steps)}
 
 
 def with_universal_load(ds_config: dict) -> dict:
-    """A copy of a compiled config that loads DeepSpeed's universal checkpoint format (checkpoint/reshard:
-    a checkpoint saved at another world size)."""
+    """A copy of a compiled config that loads DeepSpeed's universal checkpoint format
+    (checkpoint/reshard: a checkpoint saved at another world size)."""
     out = copy.deepcopy(ds_config)
     out["checkpoint"] = {**out.get("checkpoint", {}), "load_universal": True}
     return out
 
 
-def scheduler_block(scheduler: JobSpecTrainingScheduler, lr: float, job: DerivedJob, notes: list[str]) -> dict:
-    """DeepSpeed's scheduler for the spec's schedule, started at iteration 0 (`last_batch_iteration`):
-    from its default -1 the constructor warns and the first two steps share the starting lr. The
-    worker sets the optimizer to the step-0 lr (jobspec/train/engine.start_schedule)."""
+def scheduler_block(scheduler: JobSpecTrainingScheduler, lr: float, job: DerivedJob,
+                    notes: list[str]) -> dict:
+    """DeepSpeed's scheduler for the spec's schedule, started at iteration 0
+    (`last_batch_iteration`): from its default -1 the constructor warns and the first two steps
+    share the starting lr. The worker sets the optimizer to the step-0 lr
+    (jobspec/train/engine.start_schedule)."""
     block = _scheduler_block(scheduler, lr, job, notes)
     block["params"]["last_batch_iteration"] = 0
     return block
 
 
-def _scheduler_block(scheduler: JobSpecTrainingScheduler, lr: float, job: DerivedJob, notes: list[str]) -> dict:
+def _scheduler_block(scheduler: JobSpecTrainingScheduler, lr: float, job: DerivedJob,
+                     notes: list[str]) -> dict:
     name = scheduler["name"]
     warmup = job.warmup_steps
     total = job.total_steps
     if warmup is None or total is None:
-        raise ValueError("a scheduler needs the job's total steps")   # compile_spec refuses such a job first
+        # compile_spec refuses such a job first
+        raise ValueError("a scheduler needs the job's total steps")
     # DeepSpeed rejects warmup_num_steps 0 and warms up over at least 2 steps.
     warmup_num_steps = max(1, warmup)
     if name == "constant":
@@ -157,11 +168,11 @@ def _scheduler_block(scheduler: JobSpecTrainingScheduler, lr: float, job: Derive
     # WarmupDecayLR decays to the same floor its warmup starts from.
     min_lr = scheduler["min_lr_ratio"] * lr
     if min_lr and warmup:
-        notes.append(f"linear schedule: warmup starts at min_lr {min_lr:g} (DeepSpeed's WarmupDecayLR "
-                     "uses one floor for warmup start and decay end)")
+        notes.append(f"linear schedule: warmup starts at min_lr {min_lr:g} (DeepSpeed's "
+                     "WarmupDecayLR uses one floor for warmup start and decay end)")
     if not warmup:
-        notes.append("linear schedule without warmup: DeepSpeed's WarmupDecayLR still ramps over its "
-                     "first 2 steps")
+        notes.append("linear schedule without warmup: DeepSpeed's WarmupDecayLR still ramps over "
+                     "its first 2 steps")
     return {"type": "WarmupDecayLR", "params": {
         "total_num_steps": total, "warmup_min_lr": min_lr, "warmup_max_lr": lr,
         "warmup_num_steps": warmup_num_steps, "warmup_type": "linear"}}
@@ -172,18 +183,20 @@ def precision_blocks(memory: JobSpecMemory) -> dict:
     fp16: dict[str, Any] = {"enabled": precision == "fp16"}
     if precision == "fp16":
         fp16.update({k: memory["fp16"][k] for k in
-                     ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
-                      "auto_cast") if k in memory["fp16"]})
+                     ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+                      "min_loss_scale", "auto_cast") if k in memory["fp16"]})
     return {"fp16": fp16, "bf16": {"enabled": precision == "bf16"}}
 
 
 def zero_block(memory: JobSpecMemory, dims: ModelDims | None, gather_16bit: bool = False) -> dict:
     stage = memory["zero_stage"]
-    offload = memory["offload"]   # its rules (spec/rules/offload) hold: validated, again after memory.fit
+    # its rules (spec/rules/offload) hold: validated, again after memory.fit
+    offload = memory["offload"]
     if stage == 0:
         return {"stage": 0}
     zero = memory["zero"]
-    sizes = zero_bucket_sizes(zero, dims.hidden_size if dims else None)   # what the planner counts too
+    # what the planner counts too
+    sizes = zero_bucket_sizes(zero, dims.hidden_size if dims else None)
 
     block: dict[str, Any] = {
         "stage": stage,
@@ -229,13 +242,15 @@ def aio_block(aio: JobSpecMemoryOffloadAio) -> dict:
 
 
 def exports_during_training(spec: JobSpec) -> bool:
-    """Whether rank 0 writes a Hugging Face model directory while the job runs (`export` section)."""
+    """Whether rank 0 writes a Hugging Face model directory while the job runs (`export`
+    section)."""
     export = spec["export"]
     return bool(export["final"] or export["at_checkpoints"] or export["best_eval"])
 
 
 def compile_patches(spec: JobSpec) -> list[dict]:
-    """Model changes the worker applies in order (DeepSpeed's config cannot express them for HF models)."""
+    """Model changes the worker applies in order (DeepSpeed's config cannot express them for HF
+    models)."""
     model, memory, optimizer = spec["model"], spec["memory"], spec["training"]["optimizer"]
     patches = [{"name": "attention_implementation", "args": {"implementation": model["attention"]}}]
     if memory["tf32"]:
@@ -252,18 +267,24 @@ def compile_patches(spec: JobSpec) -> list[dict]:
             "every_n_layers": every, "use_reentrant": reentrant}})
     if memory["tiled_mlp"]:
         patches.append({"name": "tiled_mlp", "args": {}})
-    if memory["tiled_loss"]:   # DeepSpeed ALST tiling (model/tiling.py); tiles: null = as many as the bound needs
+    # DeepSpeed ALST tiling (model/tiling.py); tiles: null = as many as the bound needs
+    if memory["tiled_loss"]:
         tiled = memory["tiled_loss"]
-        patches.append({"name": "tiled_loss", "args": {"tiles": tiled["tiles"] if isinstance(tiled, dict) else None}})
+        patches.append({"name": "tiled_loss",
+                        "args": {"tiles": tiled["tiles"] if isinstance(tiled, dict) else None}})
     if isinstance(checkpointing, dict) and checkpointing["offload"] == "cpu":
-        patches.append({"name": "activation_offload", "args": {"every_n_layers": checkpointing["every_n_layers"]}})
+        patches.append({"name": "activation_offload",
+                        "args": {"every_n_layers": checkpointing["every_n_layers"]}})
     if optimizer["weight_decay"] and optimizer["weight_decay_on"] == "matrices":
         # the optimizer's parameter groups (DeepSpeed's config has no field for them): the decay on
         # matrices only, as transformers' Trainer groups them (train/patches.parameter_groups)
         patches.append({"name": "parameter_groups", "args": {
-            "weight_decay": optimizer["weight_decay"], "no_decay": "biases and normalisation weights"}})
-    if model["lora"]:   # PEFT's adapters on the patched model, before torch.compile (which must see them)
-        patches.append({"name": "lora", "args": {**lora_patch_args(spec), "enable_input_require_grads":
+            "weight_decay": optimizer["weight_decay"],
+            "no_decay": "biases and normalisation weights"}})
+    # PEFT's adapters on the patched model, before torch.compile (which must see them)
+    if model["lora"]:
+        patches.append({"name": "lora",
+                        "args": {**lora_patch_args(spec), "enable_input_require_grads":
                                                  bool(checkpointing)}})
     if model["compile"]:
         patches.append({"name": "torch_compile", "args": {}})
@@ -271,36 +292,40 @@ def compile_patches(spec: JobSpec) -> list[dict]:
 
 
 def lora_patch_args(spec: JobSpec) -> dict:
-    """`model.lora` as the `lora` patch gives it to PEFT's LoraConfig (model/lora.adapt): the loader's
-    defaults filled, `modules_to_save` resolved (null: the task's head modules, each kept where the
-    model has it: the head's name depends on the architecture). The target patterns stay as written
-    (`all-linear` is PEFT's own keyword): they are matched against the built model's module names,
-    which this pure step cannot see (job/checks refuses a pattern matching nothing before launch)."""
+    """`model.lora` as the `lora` patch gives it to PEFT's LoraConfig (model/lora.adapt): the
+    loader's defaults filled, `modules_to_save` resolved (null: the task's head modules, each kept
+    where the model has it: the head's name depends on the architecture). The target patterns stay
+    as written (`all-linear` is PEFT's own keyword): they are matched against the built model's
+    module names, which this pure step cannot see (job/checks refuses a pattern matching nothing
+    before launch)."""
     lora = spec["model"]["lora"]
     assert lora is not None, "lora_patch_args needs model.lora"
     target = lora["target_modules"]
     saved = lora["modules_to_save"]
     return {"r": lora["r"], "alpha": lora["alpha"], "dropout": lora["dropout"],
             "target_modules": target if isinstance(target, str) else list(target),
-            "modules_to_save": list(tasks.get(spec["model"]["task"]).head_modules if saved is None else saved),
+            "modules_to_save": list(tasks.get(spec["model"]["task"]).head_modules if saved is None
+                                    else saved),
             "bias": lora["bias"], "use_rslora": lora["use_rslora"], "use_dora": lora["use_dora"]}
 
 
 def assert_deepspeed_accepts(ds_config: dict) -> None:
-    """The whole compiled config against DeepSpeed's own schema (schemas/deepspeed-config.schema.json):
-    a value the spec's schema lets through but DeepSpeed's config classes refuse fails here, at
-    compile time, not inside the ranks after launch."""
+    """The whole compiled config against DeepSpeed's own schema
+    (schemas/deepspeed-config.schema.json): a value the spec's schema lets through but DeepSpeed's
+    config classes refuse fails here, at compile time, not inside the ranks after launch."""
     from jobspec.spec.freeform import deepspeed_problems
     problems = deepspeed_problems(ds_config, owned=False)
     if problems:
         path, message, hint = problems[0][:3]
         dotted = ".".join(str(p) for p in path)
-        raise spec_error(f"the compiled DeepSpeed config is refused at `{dotted}`: {message}", path=("deepspeed",),
-                         hint=hint or "change the spec field that sets it")
+        raise spec_error(f"the compiled DeepSpeed config is refused at `{dotted}`: {message}",
+                         path=("deepspeed",), hint=hint or "change the spec field that sets it")
 
 
-def launch_plan(resources: JobSpecResources, job: DerivedJob, run_dir: str, master_port: int | None) -> LaunchPlan:
-    """The ranks of the job: `master_port` (the launcher's free port), else the spec's, else the default."""
+def launch_plan(resources: JobSpecResources, job: DerivedJob, run_dir: str,
+                master_port: int | None) -> LaunchPlan:
+    """The ranks of the job: `master_port` (the launcher's free port), else the spec's, else the
+    default."""
     return LaunchPlan(nodes=job.nodes, gpus_per_node=job.gpus_per_node, world_size=job.world_size,
                       master_port=master_port or resources["master_port"] or DEFAULT_MASTER_PORT,
                       run_dir=str(run_dir), master_addr=resources["master_addr"] or None)
@@ -309,7 +334,8 @@ def launch_plan(resources: JobSpecResources, job: DerivedJob, run_dir: str, mast
 _NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 
 
-def apply_overrides(compiled: dict, overrides: dict, notes: list[str], _path: tuple = ("deepspeed",)) -> dict:
+def apply_overrides(compiled: dict, overrides: dict, notes: list[str],
+                    _path: tuple = ("deepspeed",)) -> dict:
     """`compiled` with `overrides` deep-merged over it; a note for each compiled value replaced."""
     merged = copy.deepcopy(compiled)
     for key, value in overrides.items():
@@ -317,7 +343,8 @@ def apply_overrides(compiled: dict, overrides: dict, notes: list[str], _path: tu
         dotted = ".".join(map(str, path))
         if len(path) == 2 and key in BATCH_KEYS:
             raise spec_error(f"{dotted} cannot be overridden: jobspec derives the batch sizes",
-                             path=path, hint="set training.micro_batch_size / training.global_batch_size")
+                             path=path,
+                             hint="set training.micro_batch_size / training.global_batch_size")
         if key in merged and isinstance(merged[key], dict) and isinstance(value, dict):
             merged[key] = apply_overrides(merged[key], value, notes, path)
             continue
@@ -337,7 +364,8 @@ def apply_overrides(compiled: dict, overrides: dict, notes: list[str], _path: tu
 
 
 def find_auto(value: Any, path: tuple = ()) -> list[tuple]:
-    """Paths of every "auto" string in a config (DeepSpeed resolves none of them outside HF Trainer)."""
+    """Paths of every "auto" string in a config (DeepSpeed resolves none of them outside HF
+    Trainer)."""
     if isinstance(value, str):
         return [path] if value.strip().lower() == "auto" else []
     if isinstance(value, dict):
@@ -352,7 +380,8 @@ def assert_no_auto(ds_config: dict) -> None:
     if found:
         where = ", ".join(".".join(map(str, p)) for p in found)
         raise spec_error(
-            f'"auto" in the DeepSpeed config at {where}: only the HF Trainer resolves "auto"; plain '
+            f'"auto" in the DeepSpeed config at {where}: only the HF Trainer resolves "auto"; '
+            'plain '
             "DeepSpeed would silently fall back to its own defaults",
             path=("deepspeed",) + found[0], hint="write the value itself, or remove the override")
 
@@ -364,7 +393,8 @@ def patch_text(patch: dict) -> str:
         return f"attention {args.get('implementation')}"
     if name == "gradient_checkpointing":
         every = args.get("every_n_layers", 1)
-        return "activation checkpointing " + ("every layer" if every == 1 else f"one layer in {every}")
+        return "activation checkpointing " \
+            + ("every layer" if every == 1 else f"one layer in {every}")
     if name == "tf32":
         return f"tf32 {'on' if args.get('enabled', True) else 'off'}"
     if name == "freeze":
@@ -372,17 +402,20 @@ def patch_text(patch: dict) -> str:
         return f"frozen: {', '.join(patterns)}"
     if name == "lora":
         target = args.get("target_modules")
-        variants = [v for v, on in (("rsLoRA", args.get("use_rslora")), ("DoRA", args.get("use_dora"))) if on]
+        variants = [v for v, on in (("rsLoRA", args.get("use_rslora")),
+                                    ("DoRA", args.get("use_dora"))) if on]
         return (f"LoRA r {args.get('r')} alpha {args.get('alpha')} on "
                 f"{target if isinstance(target, str) else ', '.join(target or [])}"
                 + "".join(f" {v}" for v in variants))
     if name == "parameter_groups":
-        return f"weight decay {args.get('weight_decay')} on matrices, none on {args.get('no_decay')}"
+        return (f"weight decay {args.get('weight_decay')} on matrices, none on "
+                f"{args.get('no_decay')}")
     if name == "torch_compile":
         return "torch.compile"
     if name == "tiled_loss":
         tiles = args.get("tiles")
-        return "tiled loss " + (f"({tiles} tiles)" if tiles else "(tiles of at most 1 GiB of logits)")
+        return "tiled loss " \
+            + (f"({tiles} tiles)" if tiles else "(tiles of at most 1 GiB of logits)")
     if name == "tiled_mlp":
         return "tiled MLP"
     if name == "activation_offload":

@@ -5,11 +5,12 @@ starting the ranks (launch/backends.py), so no command line is ever parsed back.
                  each of `nodes` nodes, rendezvous at `master_addr:master_port`
     environment  what every rank gets on top of the launcher's environment (the host's own
                  variables, such as the allocator's or the progress mode, are added by the launcher)
-    run dir      the ranks read rundir.WORKER_INPUTS there and write everything else of the run there
+    run dir      the ranks read rundir.WORKER_INPUTS there and write everything else of the run
+                 there
 
-`command` is DeepSpeed's runner command a user would type for the plan (`deepspeed --num_gpus 2 ...`):
-what `jobspec compile` shows and writes into command.txt. A launch writes the command its backend
-built instead, so command.txt always says what ran.
+`command` is DeepSpeed's runner command a user would type for the plan (`deepspeed --num_gpus 2
+...`): what `jobspec compile` shows and writes into command.txt. A launch writes the command its
+backend built instead, so command.txt always says what ran.
 
 Pure: no I/O, no imports beyond the standard library.
 """
@@ -34,7 +35,8 @@ class LaunchPlan:
     world_size: int
     master_port: int
     run_dir: str
-    master_addr: str | None = None   # resources.master_addr (several nodes); None: the runner's choice
+    # resources.master_addr (several nodes); None: the runner's choice
+    master_addr: str | None = None
     module: str = WORKER_MODULE
     environment: Mapping[str, str] = field(default_factory=lambda: RANK_ENVIRONMENT)
 
@@ -44,15 +46,15 @@ class LaunchPlan:
         return ["--run-dir", self.run_dir]
 
     def runner_arguments(self) -> list[str]:
-        """DeepSpeed's runner's arguments for this plan. Several nodes: the runner reads its hostfile,
-        the plan only gives counts (and the rendezvous host when the spec names one)."""
+        """DeepSpeed's runner's arguments for this plan. Several nodes: the runner reads its
+        hostfile, the plan only gives counts (and the rendezvous host when the spec names one)."""
         args = []
         if self.nodes > 1:
             args += ["--num_nodes", str(self.nodes)]
             if self.master_addr:
                 args += ["--master_addr", self.master_addr]
-        return args + ["--num_gpus", str(self.gpus_per_node), "--master_port", str(self.master_port),
-                       "--module", self.module, *self.worker_args]
+        return args + ["--num_gpus", str(self.gpus_per_node), "--master_port",
+                       str(self.master_port), "--module", self.module, *self.worker_args]
 
     @property
     def command(self) -> list[str]:
@@ -60,6 +62,9 @@ class LaunchPlan:
         return ["deepspeed", *self.runner_arguments()]
 
     def record(self, argv: Sequence[str] | None = None) -> dict:
-        """launch.json's launch fields: the command that runs (`argv`, default `command`) and the counts."""
-        return {"argv": [str(a) for a in (self.command if argv is None else argv)], "world_size": self.world_size,
-                "nodes": self.nodes, "gpus_per_node": self.gpus_per_node, "master_port": self.master_port}
+        """launch.json's launch fields: the command that runs (`argv`, default `command`) and the
+        counts."""
+        return {"argv": [str(a) for a in (self.command if argv is None else argv)],
+                "world_size": self.world_size,
+                "nodes": self.nodes, "gpus_per_node": self.gpus_per_node,
+                "master_port": self.master_port}

@@ -1,14 +1,16 @@
-"""The tokenised-data cache: a dataset's records tokenised once, stored as flat NumPy arrays the ranks
-memory-map.
+"""The tokenised-data cache: a dataset's records tokenised once, stored as flat NumPy arrays the
+ranks memory-map.
 
-An entry is a directory `<cache>/data/<key>/` (`<cache>`: JOBSPEC_CACHE_DIR, else $XDG_CACHE_HOME/jobspec,
-else ~/.cache/jobspec, beside the planner's traces) holding
+An entry is a directory `<cache>/data/<key>/` (`<cache>`: JOBSPEC_CACHE_DIR, else
+$XDG_CACHE_HOME/jobspec, else ~/.cache/jobspec, beside the planner's traces) holding
 
     input_ids.bin   int32, every sample's token ids one after the other
     labels.bin      int32, their labels (-100 outside the answers)
-    offsets.bin     int64, sample i is [offsets[i], offsets[i + 1]) of both (its length: the difference)
-    meta.json       the counts (records, samples, tokens, truncated, no_answer, longest) and the arrays' sizes;
-                    written last: an entry without it, or whose files disagree with it, is damaged
+    offsets.bin     int64, sample i is [offsets[i], offsets[i + 1]) of both (its length: the
+                    difference)
+    meta.json       the counts (records, samples, tokens, truncated, no_answer, longest) and the
+                    arrays' sizes; written last: an entry without it, or whose files disagree with
+                    it, is damaged
 
 NumPy memmaps rather than Arrow (docs/benchmarks.md, "Data at scale", `bench/data_prep.py --arrow`):
 opening one costs three `mmap` calls and no `datasets` import on the ranks (1.5 s each), a random
@@ -17,12 +19,12 @@ with every other rank of the node through the page cache.
 
 The key is a hash of everything that changes the tokens: the source's content (its format's
 `fingerprint`: a local file's size, mtime and a hash of its bytes, sampled above
-formats/base.SAMPLE_HASH_LIMIT; a dataset by name or a saved one: the fingerprint `datasets` gives its
-Arrow files), the tokenizer (its serialized fast tokenizer and special tokens), the chat template's
-text, the record kind and fields, `loss_on`, `max_length`, the split, and the code (this package's
-reading and tokenising modules and the versions of transformers and tokenizers).
-Padding and packing are applied when the ranks read the entry, so they are no part of the key: another
-world size, output directory, padding or packing reuses it.
+formats/base.SAMPLE_HASH_LIMIT; a dataset by name or a saved one: the fingerprint `datasets` gives
+its Arrow files), the tokenizer (its serialized fast tokenizer and special tokens), the chat
+template's text, the record kind and fields, `loss_on`, `max_length`, the split, and the code (this
+package's reading and tokenising modules and the versions of transformers and tokenizers).
+Padding and packing are applied when the ranks read the entry, so they are no part of the key:
+another world size, output directory, padding or packing reuses it.
 
 Entries are written into `.partial-<key>/` renamed into place, so a reader never sees half of one;
 a damaged entry is removed and built again. A pass stopped by Ctrl-C keeps its partial directory
@@ -43,8 +45,8 @@ import numpy as np
 # 2: a rendered record is tokenised segment by segment (data/chat_render.py), its prompts as served
 CACHE_FORMAT = 2
 ARRAYS = {"input_ids": np.int32, "labels": np.int32, "offsets": np.int64}
-# jobspec/data/'s modules whose bytes are the code version: a change to how records become tokens (how
-# the formats read them, how their kinds check and render them)
+# jobspec/data/'s modules whose bytes are the code version: a change to how records become tokens
+# (how the formats read them, how their kinds check and render them)
 CODE_MODULES = ("chat_render.py", "prepare.py", "cache.py", "formats/*.py", "records/*.py")
 # a pass being written: its parts, appended chunk by chunk, and its last checkpoint
 PARTIAL_PREFIX = ".partial-"
@@ -59,11 +61,14 @@ def cache_root() -> Path:
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
-    """A hash of what the tokenizer turns text into: its serialized fast tokenizer (vocabulary, merges,
-    normalizer, pre-tokenizer, post-processor that adds BOS), else its vocabulary; and its special tokens."""
+    """A hash of what the tokenizer turns text into: its serialized fast tokenizer (vocabulary,
+    merges, normalizer, pre-tokenizer, post-processor that adds BOS), else its vocabulary; and its
+    special tokens."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    body = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
-    special = json.dumps({"class": type(tokenizer).__name__, "special": tokenizer.special_tokens_map,
+    body = backend.to_str() if backend is not None \
+        else json.dumps(sorted(tokenizer.get_vocab().items()))
+    special = json.dumps({"class": type(tokenizer).__name__,
+                          "special": tokenizer.special_tokens_map,
                           "eos": tokenizer.eos_token_id}, sort_keys=True, default=str)
     return hashlib.sha256((body + special).encode()).hexdigest()
 
@@ -85,7 +90,8 @@ def code_version() -> dict:
 
 
 def entry_key(fields: dict) -> str:
-    """The key of an entry from everything that changes its tokens (data_prep.key_fields) and the code."""
+    """The key of an entry from everything that changes its tokens (data_prep.key_fields) and the
+    code."""
     text = json.dumps({"fields": fields, "code": code_version()}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
@@ -129,9 +135,11 @@ def open_entry(key: str, root: Path | None = None) -> CachedData | None:
             if (path / f"{name}.bin").stat().st_size != count * np.dtype(dtype).itemsize:
                 raise ValueError(f"{name}.bin is not {count} elements")
             # np.memmap refuses an empty file: an entry of no tokens is an empty array
-            arrays[name] = np.memmap(path / f"{name}.bin", dtype=dtype, mode="r", shape=(count,)) if count \
+            arrays[name] = np.memmap(path / f"{name}.bin", dtype=dtype, mode="r",
+                                     shape=(count,)) if count \
                 else np.zeros(0, dtype=dtype)
-        if len(arrays["offsets"]) != meta["samples"] + 1 or int(arrays["offsets"][-1]) != meta["arrays"]["input_ids"]:
+        if len(arrays["offsets"]) != meta["samples"] + 1 \
+                or int(arrays["offsets"][-1]) != meta["arrays"]["input_ids"]:
             raise ValueError("offsets disagree with the token count")
     except (OSError, ValueError, KeyError, TypeError):
         shutil.rmtree(path, ignore_errors=True)
@@ -188,8 +196,8 @@ class EntryWriter:
         os.replace(self.tmp / f"{PROGRESS}.new", self.tmp / PROGRESS)
 
     def commit(self, meta: dict) -> Path:
-        """Close the files, write offsets and meta.json, and rename the directory to its key (an entry
-        another process committed meanwhile wins: the same key holds the same tokens)."""
+        """Close the files, write offsets and meta.json, and rename the directory to its key (an
+        entry another process committed meanwhile wins: the same key holds the same tokens)."""
         for fh in self.files.values():
             fh.close()
         lengths = np.fromfile(self.tmp / "lengths.bin", dtype=np.int64)
@@ -198,7 +206,8 @@ class EntryWriter:
         for name in ("lengths.bin", PROGRESS):
             (self.tmp / name).unlink()
         meta = {**meta, "samples": len(lengths),
-                "arrays": {"input_ids": self.tokens, "labels": self.tokens, "offsets": len(offsets)}}
+                "arrays": {"input_ids": self.tokens, "labels": self.tokens,
+                           "offsets": len(offsets)}}
         (self.tmp / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
         target = self.root / self.key
         try:

@@ -2,17 +2,17 @@
 preparation pass, jobspec/data/prepare.py, runs it in the launcher's worker processes).
 
 Chat records (`data.messages_field`, a list of {role, content}) are rendered with the chat template
-(`data.chat_template`, a Jinja file, else the tokenizer's own). With `data.loss_on: answers` only the
-assistant turns are trained on. The answer spans come from rendering the conversation turn by turn,
-so any template works without `{% generation %}` markers: for the assistant message i,
+(`data.chat_template`, a Jinja file, else the tokenizer's own). With `data.loss_on: answers` only
+the assistant turns are trained on. The answer spans come from rendering the conversation turn by
+turn, so any template works without `{% generation %}` markers: for the assistant message i,
 
     prefix  = render(messages[:i], add_generation_prompt=True)   # ... up to the assistant header
     through = render(messages[:i + 1])                           # ... through the answer
 
 and the answer is the text `through` adds to `prefix` (its content and the template's end-of-turn
-marker, e.g. `<|eot_id|>`, so the model learns to stop). Where a template renders a prefix differently
-from the whole conversation (one that rewrites earlier turns), that text, else the message's content,
-is found in the whole rendering after the previous answer.
+marker, e.g. `<|eot_id|>`, so the model learns to stop). Where a template renders a prefix
+differently from the whole conversation (one that rewrites earlier turns), that text, else the
+message's content, is found in the whole rendering after the previous answer.
 
 One prompt for training and serving: the model is served `generation_prompt_ids`, the prefix
 tokenised alone with no special tokens added (the template writes them), as train/generation.py and
@@ -35,11 +35,11 @@ its served prompt: it is trained after the whole rendering, and the check says s
 on the prompt segments and the ids on the answers; with `loss_on: all` the ids everywhere (the same
 segments, so the same ids).
 
-Prompt/completion records (`prompt_field`, `completion_field`) train on the completion only (`loss_on:
-all`: on both). With a chat template (data.chat_template or the tokenizer's) they are rendered as the
-conversation [user: prompt, assistant: completion], the way a chat model is prompted; without one the
-text is the prompt followed directly by the completion and the tokenizer's EOS, with the tokenizer's
-own special tokens (BOS) added, tokenised at once with character offsets.
+Prompt/completion records (`prompt_field`, `completion_field`) train on the completion only
+(`loss_on: all`: on both). With a chat template (data.chat_template or the tokenizer's) they are
+rendered as the conversation [user: prompt, assistant: completion], the way a chat model is
+prompted; without one the text is the prompt followed directly by the completion and the tokenizer's
+EOS, with the tokenizer's own special tokens (BOS) added, tokenised at once with character offsets.
 """
 from __future__ import annotations
 
@@ -58,25 +58,29 @@ from jobspec.tasks.base import IGNORE_INDEX
 
 
 def chat_template(spec: JobSpec, tokenizer) -> str | None:
-    """The template chat records are rendered with: the `data.chat_template` file's, else the tokenizer's."""
+    """The template chat records are rendered with: the `data.chat_template` file's, else the
+    tokenizer's."""
     path = spec["data"].get("chat_template")
     if path:
         try:
             return Path(path).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as err:
             raise spec_error(f"cannot read the chat template {path}: {first_line(err)}",
-                             path=("data", "chat_template"), hint="point it at a Jinja template file") from None
+                             path=("data", "chat_template"),
+                             hint="point it at a Jinja template file") from None
     return getattr(tokenizer, "chat_template", None) or None
 
 
 def check_template(spec: JobSpec, template: str) -> None:
-    """A template that does not compile is the spec's problem, at data.chat_template (or data.tokenizer)."""
+    """A template that does not compile is the spec's problem, at data.chat_template (or
+    data.tokenizer)."""
     import jinja2
 
     try:
         jinja2.Environment().parse(template)
     except jinja2.TemplateSyntaxError as err:
-        where = ("data", "chat_template") if spec["data"].get("chat_template") else ("data", "tokenizer")
+        where = ("data", "chat_template") if spec["data"].get("chat_template") \
+            else ("data", "tokenizer")
         raise spec_error(f"the chat template does not compile: {err.message} (line {err.lineno})",
                          path=where, hint="fix the Jinja template") from None
 
@@ -88,11 +92,13 @@ class Renderer:
         self.tokenizer, self.template = tokenizer, template
 
     def render(self, messages: list, add_generation_prompt: bool = False) -> str:
-        return self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=False,
+        return self.tokenizer.apply_chat_template(messages, chat_template=self.template,
+                                                  tokenize=False,
                                                   add_generation_prompt=add_generation_prompt)
 
     def answer_spans(self, messages: list, full: str) -> list[tuple[int, int]]:
-        """Character spans of `full` (the whole conversation rendered) that the assistant turns produce."""
+        """Character spans of `full` (the whole conversation rendered) that the assistant turns
+        produce."""
         spans, cursor = [], 0
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
@@ -102,11 +108,13 @@ class Renderer:
             through = full if i == len(messages) - 1 else self.render(messages[:i + 1])
             if through.startswith(prefix) and full.startswith(through):
                 span: tuple[int, int] | None = (len(prefix), len(through))
-            else:   # a template that renders a prefix differently: find the answer in the whole text
+            # a template that renders a prefix differently: find the answer in the whole text
+            else:
                 added = _added_text(prefix, through)
                 span = _find(full, added, cursor) or _find(full, message["content"].strip(), cursor)
             if span is None:
-                raise ValueError(f"assistant turn {i + 1} is not found in the rendered conversation")
+                raise ValueError(f"assistant turn {i + 1} is not found in the rendered "
+                                 "conversation")
             spans.append(span)
             cursor = span[1]
         return spans
@@ -159,8 +167,10 @@ class Text:
 
     text: str
     spans: tuple            # ((start, end), ...): a rendered record's answers, in order
-    special_tokens: bool    # the tokenizer's own special tokens (prompt/completion without a template)
-    after: int = -1         # prompt/completion without a template: label the tokens ending after this
+    # the tokenizer's own special tokens (prompt/completion without a template)
+    special_tokens: bool
+    # prompt/completion without a template: label the tokens ending after this
+    after: int = -1
     eos: int | None = None  # ... and end with this EOS id
 
     def segments(self) -> list[str]:
@@ -172,9 +182,9 @@ class Text:
 
 
 class RecordText:
-    """A record of a `rendered` kind (data/records/: chat messages, a prompt and completion) → its `Text`;
-    RecordError when it cannot: validate's check of the record (data/record_checks.RecordChecker), then
-    the template on it."""
+    """A record of a `rendered` kind (data/records/: chat messages, a prompt and completion) → its
+    `Text`; RecordError when it cannot: validate's check of the record
+    (data/record_checks.RecordChecker), then the template on it."""
 
     def __init__(self, spec: JobSpec, tokenizer, kind: str, template: str | None, split: str):
         data = spec["data"]
@@ -192,7 +202,8 @@ class RecordText:
         if not isinstance(record, dict):
             raise RecordError(f"the record is {type(record).__name__}, an object expected",
                               "write one JSON object per line")
-        bad = self.checker.problem(where, record)   # validate's own record check (data/record_checks.py)
+        # validate's own record check (data/record_checks.py)
+        bad = self.checker.problem(where, record)
         if bad is not None:
             raise RecordError(bad.message.removeprefix(f"{where}: "), bad.hint)
         plain = self.kind.plain_text(self.columns, record) if self.renderer is None else None
@@ -200,12 +211,14 @@ class RecordText:
             prompt, completion = plain
             return Text(prompt + completion, (), True, after=len(prompt),
                         eos=self.tokenizer.eos_token_id)
-        assert self.renderer is not None   # records that need a template without one are refused before the pass
+        # records that need a template without one are refused before the pass
+        assert self.renderer is not None
         messages = self.messages(record)
         try:
             full = self.renderer.render(messages)
             spans = tuple(self._spans(messages, full))
-        except Exception as err:   # the template failing on this record (raise_exception, an undefined name)
+        # the template failing on this record (raise_exception, an undefined name)
+        except Exception as err:
             raise RecordError(f"the chat template failed on this record: {first_line(err)}",
                               "fix the record, or the template (data.chat_template)") from None
         return Text(full, spans, False)

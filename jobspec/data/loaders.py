@@ -1,12 +1,15 @@
-"""Training and evaluation data: records (jsonl/csv/parquet files, `hf:` datasets, saved datasets: their
-format's `dataset`, data/formats/; text records tokenised by their kind, data/records/text.py), text
-corpora (data/text_blocks.py), chat and prompt/completion records (tokenised once into the data cache
-by data/prepare.py, memory-mapped here: `CachedDataset`), or synthetic tokens.
+"""Training and evaluation data: records (jsonl/csv/parquet files, `hf:` datasets, saved datasets:
+their format's `dataset`, data/formats/; text records tokenised by their kind,
+data/records/text.py), text corpora (data/text_blocks.py), chat and prompt/completion records
+(tokenised once into the data cache by data/prepare.py, memory-mapped here: `CachedDataset`), or
+synthetic tokens.
 
 Every dataset is map-style and yields dicts of LongTensors `input_ids`, `attention_mask`, `labels`:
 - sequence-classification: `labels` is the class id (a 0-d tensor, stacked to (batch,));
-- token-classification: one label per token, -100 on special tokens, padding and non-first sub-words;
-- masked-lm: 15% of the tokens chosen (BERT's 80/10/10 mask/random/keep), -100 elsewhere, fixed per seed;
+- token-classification: one label per token, -100 on special tokens, padding and non-first
+  sub-words;
+- masked-lm: 15% of the tokens chosen (BERT's 80/10/10 mask/random/keep), -100 elsewhere, fixed per
+  seed;
 - causal-lm: `labels` are the input ids (the model shifts them), -100 on padding; chat and
   prompt/completion records: -100 also outside the answers (`data.loss_on: answers`).
 With `padding: max_length` samples are padded to `max_length`; with `longest` they are unpadded 1-D
@@ -40,7 +43,8 @@ LEARNABLE_SIGNAL = 0.5
 
 
 class TensorDictDataset(Dataset):
-    """Rows of named tensors (a 2-D tensor per column, or a list of 1-D tensors of varying length)."""
+    """Rows of named tensors (a 2-D tensor per column, or a list of 1-D tensors of varying
+    length)."""
 
     def __init__(self, columns: dict, pad_token_id: int = 0, label_names: dict | None = None):
         self.columns = columns
@@ -58,8 +62,9 @@ class TensorDictDataset(Dataset):
 
 
 class CachedDataset(Dataset):
-    """A split's tokenised records memory-mapped from the data cache (jobspec/data/cache.py): a sample
-    is read from the mapped arrays when it is asked for, so a rank holds only the pages it reads."""
+    """A split's tokenised records memory-mapped from the data cache (jobspec/data/cache.py): a
+    sample is read from the mapped arrays when it is asked for, so a rank holds only the pages it
+    reads."""
 
     def __init__(self, cached, pad_to: int | None, pad_token_id: int):
         self.cached, self.pad_to, self.pad_token_id = cached, pad_to, pad_token_id
@@ -85,7 +90,8 @@ class CachedDataset(Dataset):
 
 
 class PadCollator:
-    """Stacks samples, padding to the longest in the batch (ids with pad, mask with 0, labels with -100)."""
+    """Stacks samples, padding to the longest in the batch (ids with pad, mask with 0, labels with
+    -100)."""
 
     def __init__(self, pad_token_id: int = 0):
         self.pad_token_id = pad_token_id
@@ -96,7 +102,8 @@ class PadCollator:
         for key in samples[0]:
             values = [s[key] for s in samples]
             shape = values[0].shape
-            if all(v.shape == shape for v in values):  # fixed length (or 0-d labels): no padding needed
+            # fixed length (or 0-d labels): no padding needed
+            if all(v.shape == shape for v in values):
                 batch[key] = torch.stack(values)
             else:
                 batch[key] = torch.nn.utils.rnn.pad_sequence(values, batch_first=True,
@@ -111,7 +118,8 @@ def build_datasets(spec: JobSpec, tokenizer):
         return _synthetic_datasets(spec)
     if not data.get("train"):
         raise spec_error("no training data", path=("data", "train"),
-                         hint="set data.train to a data or text file, hf:name, or data.synthetic: {}")
+                         hint="set data.train to a data or text file, hf:name, or data.synthetic: "
+                              "{}")
     label_names: dict = {}  # string labels -> ids, shared by train and eval
     train = _file_dataset(spec, tokenizer, "train", label_names)
     evaluation = _file_dataset(spec, tokenizer, "eval", label_names) if data.get("eval") else None
@@ -122,42 +130,48 @@ def build_datasets(spec: JobSpec, tokenizer):
 
 
 def data_params(*datasets) -> dict:
-    """The tokenised data's counts for MLflow (`data.<split>.records`, `samples`, `tokens`, `truncated`,
-    `no_answer`, `cache_mib`) of the datasets read from the data cache (a packed one through its samples)."""
+    """The tokenised data's counts for MLflow (`data.<split>.records`, `samples`, `tokens`,
+    `truncated`, `no_answer`, `cache_mib`) of the datasets read from the data cache (a packed one
+    through its samples)."""
     params: dict = {}
     for dataset in datasets:
-        dataset = getattr(dataset, "dataset", dataset)   # sample_packing.LazyPackedDataset: its samples
+        # sample_packing.LazyPackedDataset: its samples
+        dataset = getattr(dataset, "dataset", dataset)
         if isinstance(dataset, CachedDataset):
             params.update(data_prep.data_counts(dataset.cached))
     return params
 
 
-def make_loader(dataset, *, micro_batch_size: int, rank: int, world_size: int, seed: int, epoch: int,
+def make_loader(dataset, *, micro_batch_size: int, rank: int, world_size: int, seed: int,
+                epoch: int,
                 shuffle: bool, num_workers: int, pin_memory: bool, skip_batches: int = 0,
                 global_batch_size: int | None = None) -> DataLoader:
     """A DataLoader over this rank's shard of `dataset` for one epoch.
 
     The order depends only on (seed, epoch), so every rank agrees on it. Training passes the global
-    batch: an epoch is then the first `epoch_samples(len(dataset), global_batch_size)` samples of that
-    order, whatever the split -- which samples train must not depend on the micro-batch, the ranks or
-    the accumulation (docs/loss.md). Sample i of the epoch goes to rank i % world_size, and a rank's
-    micro-batches are consecutive runs of its share, so optimizer step k trains samples
-    [k G, (k + 1) G) of the order on any split. Evaluation passes none: then every sample is evaluated
-    exactly once (`_EvalBatches`: a rank's last batch may be short, and a rank with fewer batches ends
-    with a padding batch whose labels are all ignored, so every rank runs the same number of forward
-    passes -- ZeRO-3's forward gathers parameters collectively).
+    batch: an epoch is then the first `epoch_samples(len(dataset), global_batch_size)` samples of
+    that order, whatever the split -- which samples train must not depend on the micro-batch, the
+    ranks or the accumulation (docs/loss.md). Sample i of the epoch goes to rank i % world_size, and
+    a rank's micro-batches are consecutive runs of its share, so optimizer step k trains samples
+    [k G, (k + 1) G) of the order on any split. Evaluation passes none: then every sample is
+    evaluated exactly once (`_EvalBatches`: a rank's last batch may be short, and a rank with fewer
+    batches ends with a padding batch whose labels are all ignored, so every rank runs the same
+    number of forward passes -- ZeRO-3's forward gathers parameters collectively).
     `skip_batches` starts the epoch that many batches in (resuming at the exact data position).
     """
     collate = PadCollator(getattr(dataset, "pad_token_id", 0) or 0)
     pin_memory = pin_memory and torch.cuda.is_available()
     if global_batch_size is None:
-        batches = _EvalBatches(_order(len(dataset), shuffle, seed, epoch), micro_batch_size=micro_batch_size,
+        batches = _EvalBatches(_order(len(dataset), shuffle, seed, epoch),
+                               micro_batch_size=micro_batch_size,
                                rank=rank, world_size=world_size, skip=skip_batches)
         return DataLoader(_WithPadding(dataset), batch_sampler=batches, num_workers=num_workers,
                           pin_memory=pin_memory, collate_fn=collate)
     samples = epoch_samples(len(dataset), global_batch_size)
-    sampler = _ResumableSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed,
-                                drop_last=True, skip=skip_batches * micro_batch_size, epoch_samples=samples)
+    sampler = _ResumableSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle,
+                                seed=seed,
+                                drop_last=True, skip=skip_batches * micro_batch_size,
+                                epoch_samples=samples)
     sampler.set_epoch(epoch)
     return DataLoader(dataset, batch_size=micro_batch_size, sampler=sampler, drop_last=True,
                       num_workers=num_workers, pin_memory=pin_memory, collate_fn=collate)
@@ -170,9 +184,9 @@ def epoch_samples(num_samples: int, global_batch_size: int) -> int:
 
 
 class _ResumableSampler(DistributedSampler):
-    """DistributedSampler that can start `skip` samples into its shard, over the first `epoch_samples`
-    samples of the epoch's order (DistributedSampler's drop_last keeps `total_size` of them and deals
-    them out rank by rank; a multiple of world_size keeps that exact)."""
+    """DistributedSampler that can start `skip` samples into its shard, over the first
+    `epoch_samples` samples of the epoch's order (DistributedSampler's drop_last keeps `total_size`
+    of them and deals them out rank by rank; a multiple of world_size keeps that exact)."""
 
     def __init__(self, *args, skip: int = 0, epoch_samples: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -200,14 +214,15 @@ def _order(num_samples: int, shuffle: bool, seed: int, epoch: int) -> list[int]:
 
 
 class _EvalBatches:
-    """An eval batch sampler: rank r takes samples r, r + W, ... of `order` (each sample on exactly one
-    rank, none repeated: DistributedSampler would repeat some to even the shares out), in micro-batches,
-    the last one short. Ranks whose share fills fewer batches than rank 0's (at most one fewer) end with
-    one batch of `PADDING_INDEX`, which `_WithPadding` turns into a sample whose labels are all ignored:
-    a forward pass that adds nothing to the loss sums, the labelled-token counts or the task metrics'
-    counts (jobspec.train.token_loss, jobspec.train.task_metrics)."""
+    """An eval batch sampler: rank r takes samples r, r + W, ... of `order` (each sample on exactly
+    one rank, none repeated: DistributedSampler would repeat some to even the shares out), in
+    micro-batches, the last one short. Ranks whose share fills fewer batches than rank 0's (at most
+    one fewer) end with one batch of `PADDING_INDEX`, which `_WithPadding` turns into a sample whose
+    labels are all ignored: a forward pass that adds nothing to the loss sums, the labelled-token
+    counts or the task metrics' counts (jobspec.train.token_loss, jobspec.train.task_metrics)."""
 
-    def __init__(self, order: list[int], *, micro_batch_size: int, rank: int, world_size: int, skip: int = 0):
+    def __init__(self, order: list[int], *, micro_batch_size: int, rank: int, world_size: int,
+                 skip: int = 0):
         share = order[rank::world_size]
         batches = [share[i:i + micro_batch_size] for i in range(0, len(share), micro_batch_size)]
         most = -(-len(order[::world_size]) // micro_batch_size)   # rank 0's share is the largest
@@ -221,9 +236,9 @@ class _EvalBatches:
 
 
 class _WithPadding(Dataset):
-    """`dataset`, and at `PADDING_INDEX` its first sample with every label ignored (-100: a token task's
-    labels, and a sequence classification's one label, which jobspec.train.token_loss then counts as
-    no sample) -- real inputs, so the padding batch's forward runs what any batch runs."""
+    """`dataset`, and at `PADDING_INDEX` its first sample with every label ignored (-100: a token
+    task's labels, and a sequence classification's one label, which jobspec.train.token_loss then
+    counts as no sample) -- real inputs, so the padding batch's forward runs what any batch runs."""
 
     def __init__(self, dataset):
         self.dataset = dataset
@@ -260,20 +275,22 @@ def synthetic_dataset(spec: JobSpec, num_samples: int, seed: int) -> TensorDictD
     num_labels = spec["model"]["num_labels"]
     low, high = synthetic["vocab_range"]
     if high <= low:
-        raise spec_error(f"vocab_range [{low}, {high}) is empty", path=("data", "synthetic", "vocab_range"),
+        raise spec_error(f"vocab_range [{low}, {high}) is empty",
+                         path=("data", "synthetic", "vocab_range"),
                          hint="the second id must be larger than the first")
     seq_len, learnable = synthetic["seq_len"], synthetic["labels"] == "learnable"
     generator = torch.Generator().manual_seed(seed)
     if learnable and shape in (MASKED_TOKENS, NEXT_TOKENS):
-        # counting sequences (start, start+1, ...) wrapped in the range: the next token is predictable
+        # counting sequences (start, start+1, ...) wrapped in the range: the next token is
+        # predictable
         start = torch.randint(low, high, (num_samples, 1), generator=generator)
         ids = low + (start - low + torch.arange(seq_len)) % (high - low)
     else:
         ids = torch.randint(low, high, (num_samples, seq_len), generator=generator)
     if learnable and shape == CLASS:
-        # a "topic" per sample: the label is uniform (chance loss ln(num_labels)) and each token comes
-        # from the label's slice of the range with probability LEARNABLE_SIGNAL: every token is
-        # evidence, so even a tiny model learns it within tens of steps
+        # a "topic" per sample: the label is uniform (chance loss ln(num_labels)) and each token
+        # comes from the label's slice of the range with probability LEARNABLE_SIGNAL: every token
+        # is evidence, so even a tiny model learns it within tens of steps
         labels = torch.randint(0, num_labels, (num_samples,), generator=generator)[:, None]
         size = high - low   # slice c: the ids with (id - low) * num_labels // size == c
         start = (labels * size + num_labels - 1) // num_labels
@@ -295,9 +312,12 @@ def synthetic_dataset(spec: JobSpec, num_samples: int, seed: int) -> TensorDictD
         else:
             columns["labels"] = torch.randint(0, num_labels, ids.shape, generator=generator)
     elif shape == MASKED_TOKENS:
-        # no tokenizer: the id just below the range is the mask token (inside the range when it starts at 0)
+        # no tokenizer: the id just below the range is the mask token (inside the range when it
+        # starts at 0)
         mask_id = low - 1 if low > 0 else high - 1
-        columns["input_ids"], columns["labels"] = _mask_tokens(ids, mask, torch.zeros_like(ids, dtype=torch.bool),
+        columns["input_ids"], columns["labels"] = _mask_tokens(ids, mask,
+                                                               torch.zeros_like(ids,
+                                                                                dtype=torch.bool),
                                                                mask_id, (low, high), generator)
     else:
         columns["labels"] = ids.clone()
@@ -305,7 +325,8 @@ def synthetic_dataset(spec: JobSpec, num_samples: int, seed: int) -> TensorDictD
 
 
 def _mask_tokens(ids, attention_mask, special, mask_id: int, vocab: tuple[int, int], generator):
-    """BERT masking: 15% of real tokens are targets; of those 80% -> mask, 10% -> random id, 10% kept."""
+    """BERT masking: 15% of real tokens are targets; of those 80% -> mask, 10% -> random id, 10%
+    kept."""
     draw = torch.rand(ids.shape, generator=generator)
     targets = (draw < MLM_PROBABILITY) & attention_mask.bool() & ~special
     labels = torch.where(targets, ids, torch.full_like(ids, IGNORE_INDEX))
@@ -313,16 +334,18 @@ def _mask_tokens(ids, attention_mask, special, mask_id: int, vocab: tuple[int, i
     masked = ids.clone()
     masked[targets & (action < 0.8)] = mask_id
     randomised = targets & (action >= 0.8) & (action < 0.9)
-    masked[randomised] = torch.randint(vocab[0], vocab[1], ids.shape, generator=generator)[randomised]
+    masked[randomised] = torch.randint(vocab[0], vocab[1], ids.shape,
+                                       generator=generator)[randomised]
     return masked, labels
 
 
 # ---- file data --------------------------------------------------------------------------------
 
-def _file_dataset(spec: JobSpec, tokenizer, split: str, label_names: dict) -> TensorDictDataset | CachedDataset:
-    """The samples of `data.<split>`. A row datasets, pyarrow, the tokenizer or the chat template cannot
-    take is named by file and line (jobspec.data.record_checks scans the file for it): exit 2, not a rank
-    traceback."""
+def _file_dataset(spec: JobSpec, tokenizer, split: str,
+                  label_names: dict) -> TensorDictDataset | CachedDataset:
+    """The samples of `data.<split>`. A row datasets, pyarrow, the tokenizer or the chat template
+    cannot take is named by file and line (jobspec.data.record_checks scans the file for it): exit
+    2, not a rank traceback."""
     data, task = spec["data"], spec["model"]["task"]
     if tokenizer is None:
         raise spec_error("file data needs a tokenizer", path=("data", "tokenizer"),
@@ -340,9 +363,10 @@ def _file_dataset(spec: JobSpec, tokenizer, split: str, label_names: dict) -> Te
             labels = [row.clone() for row in ids]
         return _samples(spec, tokenizer, ids, mask, labels)
     if data_prep.cached_kind(spec, split):
-        # chat and prompt/completion records: tokenised once into the data cache (by the launcher before
-        # the ranks started, else here by one process of this host while the others wait) and mapped;
-        # a rank builds in its own process: forking one that holds gloo's threads is not safe
+        # chat and prompt/completion records: tokenised once into the data cache (by the launcher
+        # before the ranks started, else here by one process of this host while the others wait) and
+        # mapped; a rank builds in its own process: forking one that holds gloo's threads is not
+        # safe
         entry = data_prep.prepare_split(spec, split, tokenizer, num_proc=1)
         assert entry.data is not None
         pad_to = data["max_length"] if data["padding"] == "max_length" else None
@@ -352,11 +376,13 @@ def _file_dataset(spec: JobSpec, tokenizer, split: str, label_names: dict) -> Te
     kind = columns.kind
     if kind.rendered:   # chat or prompt/completion records of another task than causal-lm
         raise spec_error(f"{kind.described} records train a causal-lm, not a {task}",
-                         path=("data", "records"), hint="set model.task: causal-lm, or data.records: text")
+                         path=("data", "records"),
+                         hint="set model.task: causal-lm, or data.records: text")
     _check_columns(spec, table, split, columns)
     try:
         return _tokenize(spec, tokenizer, table, split, label_names, columns)
-    except (UnicodeDecodeError, ValueError, TypeError, KeyError) as err:  # a row pyarrow or the tokenizer refused
+    # a row pyarrow or the tokenizer refused
+    except (UnicodeDecodeError, ValueError, TypeError, KeyError) as err:
         located = record_checks.locate_error(spec, split) if fmt.local else None
         if located is None:
             raise  # every row is well-formed: not the data's fault, keep the traceback
@@ -367,14 +393,15 @@ def _check_columns(spec: JobSpec, table, split: str, columns: Columns) -> None:
     data = spec["data"]
     for column in columns.needed():
         if column not in table.column_names:
-            raise spec_error(f"column {column!r} not in {Path(split_source(data, split)).name} (columns: "
-                             f"{', '.join(table.column_names)})", path=columns.kind.column_field(columns, column),
+            raise spec_error(f"column {column!r} not in {Path(split_source(data, split)).name} "
+                             f"(columns: {', '.join(table.column_names)})",
+                             path=columns.kind.column_field(columns, column),
                              hint="name one of the data's columns")
 
 
 def _unlocated(spec: JobSpec, split: str) -> SpecError:
-    return spec_error(f"{split_source(spec['data'], split)} is not UTF-8 text", path=("data", split),
-                      hint="save it as UTF-8")
+    return spec_error(f"{split_source(spec['data'], split)} is not UTF-8 text",
+                      path=("data", split), hint="save it as UTF-8")
 
 
 def _samples(spec: JobSpec, tokenizer, ids: list, mask: list, labels: list) -> TensorDictDataset:
@@ -384,8 +411,10 @@ def _samples(spec: JobSpec, tokenizer, ids: list, mask: list, labels: list) -> T
     if spec["data"]["padding"] == "max_length":
         length = spec["data"]["max_length"]
         fill = {"input_ids": pad_id, "attention_mask": 0, "labels": IGNORE_INDEX}
-        columns = {name: torch.stack([torch.nn.functional.pad(row, (0, length - len(row)), value=fill[name])
-                                      for row in rows]) if rows else torch.zeros(0, length, dtype=torch.long)
+        columns = {name: torch.stack([torch.nn.functional.pad(row, (0, length - len(row)),
+                                                              value=fill[name])
+                                      for row in rows]) if rows
+                   else torch.zeros(0, length, dtype=torch.long)
                    for name, rows in columns.items()}
     return TensorDictDataset(columns, pad_token_id=pad_id)
 
@@ -404,11 +433,13 @@ def _tokenize(spec: JobSpec, tokenizer, table, split: str, label_names: dict,
         classes = _class_ids(list(table[label_field]), label_names, model["num_labels"], split)
         labels = list(torch.tensor(classes, dtype=torch.long))
     elif shape == TOKEN_CLASS:
-        labels = _word_labels(encoded, list(table[label_field]), label_names, model["num_labels"], split)
+        labels = _word_labels(encoded, list(table[label_field]), label_names, model["num_labels"],
+                              split)
     elif shape == MASKED_TOKENS:
         labels, ids = _mask_file_tokens(ids, mask, tokenizer, spec["training"]["seed"], split)
     else:
-        labels = [torch.where(m.bool(), i, torch.full_like(i, IGNORE_INDEX)) for i, m in zip(ids, mask)]
+        labels = [torch.where(m.bool(), i, torch.full_like(i, IGNORE_INDEX))
+                  for i, m in zip(ids, mask)]
     columns: dict[str, Any] = {"input_ids": ids, "attention_mask": mask, "labels": labels}
     if fixed:
         columns = {name: torch.stack(rows) for name, rows in columns.items()}
@@ -423,18 +454,22 @@ def _class_ids(values: list, label_names: dict, num_labels: int, split: str) -> 
         unknown = sorted(set(values) - set(label_names))
         if unknown:
             raise spec_error(f"{split} labels {unknown[:5]} do not occur in the training data",
-                             path=("data", "label_field"), hint="use the same label names in both files")
+                             path=("data", "label_field"),
+                             hint="use the same label names in both files")
         values = [label_names[v] for v in values]
     bad = [v for v in values if not isinstance(v, (int, np.integer)) or not 0 <= v < num_labels]
     if bad:
         raise spec_error(f"{split} label {bad[0]!r} is not a class id in [0, {num_labels})",
-                         path=("model", "num_labels"), hint="set model.num_labels to the number of classes")
+                         path=("model", "num_labels"),
+                         hint="set model.num_labels to the number of classes")
     return [int(v) for v in values]
 
 
-def _word_labels(encoded, word_labels: list, label_names: dict, num_labels: int, split: str) -> list:
+def _word_labels(encoded, word_labels: list, label_names: dict, num_labels: int,
+                 split: str) -> list:
     """Per-token labels: each word's label on its first sub-word token, -100 elsewhere."""
-    flat = _class_ids([label for row in word_labels for label in row], label_names, num_labels, split)
+    flat = _class_ids([label for row in word_labels for label in row], label_names, num_labels,
+                      split)
     out, start = [], 0
     for row_index, row in enumerate(word_labels):
         row_ids, start = flat[start:start + len(row)], start + len(row)
@@ -448,7 +483,8 @@ def _word_labels(encoded, word_labels: list, label_names: dict, num_labels: int,
 
 def _mask_file_tokens(ids: list, mask: list, tokenizer, seed: int, split: str):
     if tokenizer.mask_token_id is None:
-        raise spec_error("masked-lm needs a tokenizer with a mask token", path=("data", "tokenizer"),
+        raise spec_error("masked-lm needs a tokenizer with a mask token",
+                         path=("data", "tokenizer"),
                          hint="use a tokenizer that defines mask_token (e.g. [MASK] or <mask>)")
     special_ids = torch.tensor(sorted(set(tokenizer.all_special_ids)))
     generator = torch.Generator().manual_seed(seed if split == "train" else seed + 1_000_003)

@@ -1,16 +1,19 @@
-"""The data checks that need transformers, made by `jobspec launch` (and `--dry-run`) before any rank starts.
+"""The data checks that need transformers, made by `jobspec launch` (and `--dry-run`) before any
+rank starts.
 
-`jobspec validate` reads a local tokenizer directory as JSON (spec/rules/data.py) and data/record_checks.py
-checks the records' shape without a tokenizer. What is left needs the tokenizer transformers loads, and
-would otherwise be found by every rank after DeepSpeed started:
+`jobspec validate` reads a local tokenizer directory as JSON (spec/rules/data.py) and
+data/record_checks.py checks the records' shape without a tokenizer. What is left needs the
+tokenizer transformers loads, and would otherwise be found by every rank after DeepSpeed started:
 
-- the tokenizer loads at all (a hub id, a directory of vocab files): model/build.build_tokenizer's refusal;
-- a tokenizer validate could not read: its size against the model's vocabulary (`tokenizer-vocab`, at
-  `model.config`) and, for chat records, that it has a chat template (`chat-template`);
-- chat and prompt/completion records rendered with the chat template on the first RENDER_ROWS records,
-  with the renders the ranks make (the whole conversation, and each assistant turn's prefix with the
-  generation prompt and the conversation through it: data/chat_render.Renderer), so a template that
-  fails on a record (`raise_exception`, an undefined name) is reported at the record's file:line.
+- the tokenizer loads at all (a hub id, a directory of vocab files): model/build.build_tokenizer's
+  refusal;
+- a tokenizer validate could not read: its size against the model's vocabulary (`tokenizer-vocab`,
+  at `model.config`) and, for chat records, that it has a chat template (`chat-template`);
+- chat and prompt/completion records rendered with the chat template on the first RENDER_ROWS
+  records, with the renders the ranks make (the whole conversation, and each assistant turn's prefix
+  with the generation prompt and the conversation through it: data/chat_render.Renderer), so a
+  template that fails on a record (`raise_exception`, an undefined name) is reported at the record's
+  file:line.
 """
 from __future__ import annotations
 
@@ -34,11 +37,13 @@ from jobspec.spec.types import JobSpec
 if TYPE_CHECKING:
     from jobspec.spec.validation import ResolvedSpec
 
-RENDER_ROWS = 200   # records rendered per file: the template's branches a dataset uses show up early
+# records rendered per file: the template's branches a dataset uses show up early
+RENDER_ROWS = 200
 
 
 def tokenizer_issues(r: ResolvedSpec) -> list[SpecIssue]:
-    """The problems above, positioned; [] for synthetic data or records that need no tokenizer here."""
+    """The problems above, positioned; [] for synthetic data or records that need no tokenizer
+    here."""
     spec = r.spec
     name = tokenizer_name(spec)
     if not name:
@@ -47,13 +52,15 @@ def tokenizer_issues(r: ResolvedSpec) -> list[SpecIssue]:
         facts = read_tokenizer(name)
     except TokenizerFileError:   # validate reported it (tokenizer-files)
         return []
-    kinds = {split: _record_kind(spec, split) for split in record_checks.SPLITS if spec["data"].get(split)}
+    kinds = {split: _record_kind(spec, split) for split in record_checks.SPLITS
+             if spec["data"].get(split)}
     templated = {split: kind for split, kind in kinds.items() if kind is not None and kind.rendered}
     if facts is not None and not templated:
         return []   # validate read everything there is to check
     from jobspec.model.build import build_tokenizer
 
-    library_log.adopt_transformers()   # transformers' log lines to the command's log (plan, compile)
+    # transformers' log lines to the command's log (plan, compile)
+    library_log.adopt_transformers()
     try:
         tokenizer = build_tokenizer(spec)
     except SpecError as err:
@@ -67,9 +74,11 @@ def tokenizer_issues(r: ResolvedSpec) -> list[SpecIssue]:
     if template is None:
         if any(kind.needs_template for kind in templated.values()) and facts is None:
             where = ("data", "records") if ("data", "records") in r.positions else ("data", "train")
-            issues.append(r.issue(where, f"chat records need a chat template, and the tokenizer {name} has none",
-                                  "set data.chat_template to a Jinja template file, or use a tokenizer with "
-                                  "a chat_template", code="chat-template"))
+            issues.append(r.issue(where,
+                                  f"chat records need a chat template, and the tokenizer {name} "
+                                  "has none",
+                                  "set data.chat_template to a Jinja template file, or use a "
+                                  "tokenizer with a chat_template", code="chat-template"))
         return issues
     for split, kind in templated.items():
         problem = _render_problem(spec, split, kind, tokenizer, template)
@@ -79,8 +88,8 @@ def tokenizer_issues(r: ResolvedSpec) -> list[SpecIssue]:
 
 
 def _record_kind(spec: JobSpec, split: str) -> RecordKind | None:
-    """The kind of a local file's records (data/records/), from its first record; None when it cannot
-    be read here (a dataset the ranks read, a file the record checks report)."""
+    """The kind of a local file's records (data/records/), from its first record; None when it
+    cannot be read here (a dataset the ranks read, a file the record checks report)."""
     data = spec["data"]
     try:
         fmt = split_format(data, split)
@@ -93,7 +102,8 @@ def _record_kind(spec: JobSpec, split: str) -> RecordKind | None:
 
 
 def _first_rows(spec: JobSpec, split: str, limit: int) -> list[tuple[int, dict]] | None:
-    """(0-based record index, record) of the file's first `limit` records; None: not a local file of records."""
+    """(0-based record index, record) of the file's first `limit` records; None: not a local file of
+    records."""
     data = spec["data"]
     source = split_source(data, split)
     try:
@@ -115,7 +125,8 @@ def _template(spec: JobSpec, tokenizer) -> str | None:
     return getattr(tokenizer, "chat_template", None) or None
 
 
-def _render_problem(spec: JobSpec, split: str, kind: RecordKind, tokenizer, template: str) -> tuple[str, str] | None:
+def _render_problem(spec: JobSpec, split: str, kind: RecordKind, tokenizer,
+                    template: str) -> tuple[str, str] | None:
     """(message, hint) for the first record the template fails on, at its file:line."""
     data = spec["data"]
     columns = replace(Columns.of(spec), records=kind.name)
@@ -125,9 +136,11 @@ def _render_problem(spec: JobSpec, split: str, kind: RecordKind, tokenizer, temp
             return None   # the record checks reported the record's shape
         try:
             _render_like_the_ranks(tokenizer, template, kind.messages(columns, row))
-        except Exception as err:  # noqa: BLE001 - jinja2's errors, TemplateError from raise_exception, TypeError
+        # jinja2's errors, TemplateError from raise_exception, TypeError
+        except Exception as err:  # noqa: BLE001
             where = record_checks.row_location(spec, split, index)
-            source = "data.chat_template" if data.get("chat_template") else "the tokenizer's chat template"
+            source = "data.chat_template" if data.get("chat_template") \
+                else "the tokenizer's chat template"
             return (f"{where}: the chat template failed on this record: {first_line(err)}",
                     f"fix the record, or the template ({source})")
     return None

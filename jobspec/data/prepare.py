@@ -1,18 +1,18 @@
-"""The data preparation pass: chat and prompt/completion records tokenised once, in parallel, into the
-tokenised-data cache (jobspec/data/cache.py), which the ranks memory-map.
+"""The data preparation pass: chat and prompt/completion records tokenised once, in parallel, into
+the tokenised-data cache (jobspec/data/cache.py), which the ranks memory-map.
 
 `jobspec launch` runs it before any rank starts (`jobspec prepare JOB` ahead of time); a rank that
 finds no entry (a worker started by hand) builds it under a file lock while the other ranks wait.
 The pass is also the full data check: every record is read, checked (its fields, the chat messages'
-shape: its record kind's check, data/records/), rendered with the chat template and tokenised; every bad
-record is reported at its file:line (MAX_REPORTED of them, then a count), exit 2, before any rank
-starts and before anything is written into the cache.
+shape: its record kind's check, data/records/), rendered with the chat template and tokenised; every
+bad record is reported at its file:line (MAX_REPORTED of them, then a count), exit 2, before any
+rank starts and before anything is written into the cache.
 
-The work is split into chunks (the source format's `records`, data/formats/: byte ranges of a jsonl file,
-read and parsed by the worker; row ranges of a table `datasets` loads: csv, parquet, `hf:` names, saved
-datasets) over `data.num_proc` forked processes (default: the CPUs this process may use); each renders
-its records and tokenises them in one batched call of the fast tokenizer. The parent writes the chunks'
-arrays in order.
+The work is split into chunks (the source format's `records`, data/formats/: byte ranges of a jsonl
+file, read and parsed by the worker; row ranges of a table `datasets` loads: csv, parquet, `hf:`
+names, saved datasets) over `data.num_proc` forked processes (default: the CPUs this process may
+use); each renders its records and tokenises them in one batched call of the fast tokenizer. The
+parent writes the chunks' arrays in order.
 
 Records longer than `max_length` are truncated (one line: how many, and the longest). Every record
 stays a sample (the derived job counts a file's rows as its samples):
@@ -54,7 +54,8 @@ def cached_kind(spec: JobSpec, split: str) -> str | None:
     chat, prompt/completion); None otherwise (synthetic data, text corpora, text records: tokenised
     by the ranks, data/loaders.py)."""
     data = spec["data"]
-    if data.get("synthetic") is not None or not data.get(split) or spec["model"]["task"] != "causal-lm":
+    if data.get("synthetic") is not None or not data.get(split) \
+            or spec["model"]["task"] != "causal-lm":
         return None
     try:
         fmt = split_format(data, split)
@@ -74,7 +75,8 @@ def cached_kind(spec: JobSpec, split: str) -> str | None:
 
 def records_of(spec: JobSpec, split: str) -> RecordSource:
     """Where the pass reads `data.<split>`'s records: its format's chunks of work."""
-    return split_format(spec["data"], split).records(spec, split, lambda: record_checks.load_dataset(spec, split))
+    return split_format(spec["data"],
+                        split).records(spec, split, lambda: record_checks.load_dataset(spec, split))
 
 
 def cached_splits(spec: JobSpec) -> list[str]:
@@ -83,7 +85,8 @@ def cached_splits(spec: JobSpec) -> list[str]:
 
 @dataclass
 class Entry:
-    """A split's cache entry: its key, the entry when it is built, and where its records come from."""
+    """A split's cache entry: its key, the entry when it is built, and where its records come
+    from."""
 
     split: str
     kind: str
@@ -105,16 +108,18 @@ def locate(spec: JobSpec, split: str, tokenizer_fingerprint: str, template: str 
         raise ValueError(f"data.{split} does not go through the data cache")
     records = RECORD_KINDS[kind]
     if records.needs_template and template is None:
-        raise spec_error(f"{records.described} records need a chat template, and the tokenizer has none",
+        raise spec_error(f"{records.described} records need a chat template, and the tokenizer has "
+                         "none",
                          path=("data", "chat_template"),
-                         hint="set data.chat_template to a Jinja template file, or use a tokenizer with one")
+                         hint="set data.chat_template to a Jinja template file, or use a tokenizer "
+                              "with one")
     if template is not None:
         check_template(spec, template)
     source = records_of(spec, split)
     data = spec["data"]
     fields = {"source": source.fingerprint(), "tokenizer": tokenizer_fingerprint,
-              "template": template, "kind": kind, "loss_on": data["loss_on"], "max_length": data["max_length"],
-              "fields": list(records.fields(Columns.of(spec)))}
+              "template": template, "kind": kind, "loss_on": data["loss_on"],
+              "max_length": data["max_length"], "fields": list(records.fields(Columns.of(spec)))}
     key = data_cache.entry_key(fields)
     return Entry(split, kind, key, source, data_cache.open_entry(key))
 
@@ -128,12 +133,14 @@ def prepare_split(spec: JobSpec, split: str, tokenizer, *, num_proc: int | None 
         return entry
     try:
         with _build_lock(entry.key):
-            entry.data = data_cache.open_entry(entry.key)   # built by another process while this one waited
+            # built by another process while this one waited
+            entry.data = data_cache.open_entry(entry.key)
             if entry.data is None:
-                entry.data = _build(spec, entry, tokenizer, num_proc or default_num_proc(spec), show)
+                entry.data = _build(spec, entry, tokenizer, num_proc or default_num_proc(spec),
+                                    show)
     except OSError as err:   # a read-only or full cache directory: the tokens have nowhere to go
-        raise spec_error(f"cannot write the tokenised data of data.{split} into {data_cache.cache_root()}: "
-                         f"{err.strerror or err}", path=("data", split),
+        raise spec_error(f"cannot write the tokenised data of data.{split} into "
+                         f"{data_cache.cache_root()}: {err.strerror or err}", path=("data", split),
                          hint="set JOBSPEC_CACHE_DIR to a writable directory with room for it "
                               "(`jobspec plan` says how big it is)") from None
     return entry
@@ -180,7 +187,8 @@ _WORK: dict = {}   # the forked workers' state, set before the pool forks
 def _encode_chunk(chunk) -> _Chunk:
     source, record_text, tokenizer = _WORK["source"], _WORK["record_text"], _WORK["tokenizer"]
     max_length, all_tokens = _WORK["max_length"], _WORK["all_tokens"]
-    texts, places, result = [], [], _Chunk(np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int64))
+    texts, places, result = [], [], _Chunk(np.zeros(0, np.int32), np.zeros(0, np.int32),
+                                           np.zeros(0, np.int64))
     for where, record in source.read(chunk):
         result.records += 1
         try:
@@ -212,13 +220,15 @@ def _encode_chunk(chunk) -> _Chunk:
     return result
 
 
-def _build(spec: JobSpec, entry: Entry, tokenizer, num_proc: int, show: str | None) -> data_cache.CachedData:
+def _build(spec: JobSpec, entry: Entry, tokenizer, num_proc: int,
+           show: str | None) -> data_cache.CachedData:
     data = spec["data"]
     template = chat_template(spec, tokenizer)
     record_text = RecordText(spec, tokenizer, entry.kind, template, entry.split)
     note = check_prompts(entry, record_text, tokenizer)
     _WORK.update(source=entry.source, record_text=record_text,
-                 tokenizer=tokenizer, max_length=data["max_length"], all_tokens=data["loss_on"] == "all")
+                 tokenizer=tokenizer, max_length=data["max_length"],
+                 all_tokens=data["loss_on"] == "all")
     chunks = entry.source.chunks()
     # the chunks are the key's (the source's content): a kept pass of the same ones goes on
     writer = data_cache.EntryWriter(entry.key, resume=_chunking(chunks))
@@ -241,9 +251,10 @@ def _build(spec: JobSpec, entry: Entry, tokenizer, num_proc: int, show: str | No
             raise SpecError(_bad_record_issues(totals, entry.split))
         meta = {"split": entry.split, "kind": entry.kind, "source": split_source(data, entry.split),
                 "records": totals.records,
-                "tokens": writer.tokens, "truncated": totals.truncated, "no_answer": totals.no_answer,
-                "longest": totals.longest[0], "longest_where": totals.longest[1], "max_length": data["max_length"],
-                "seconds": round(time.time() - started, 2),
+                "tokens": writer.tokens, "truncated": totals.truncated,
+                "no_answer": totals.no_answer,
+                "longest": totals.longest[0], "longest_where": totals.longest[1],
+                "max_length": data["max_length"], "seconds": round(time.time() - started, 2),
                 "cpu_seconds": round(_cpu_seconds() - cpu_started, 2),
                 "num_proc": min(num_proc, len(chunks)) or 1, "prompt_note": note}
         path = writer.commit(meta)
@@ -309,11 +320,12 @@ def check_prompts(entry: Entry, record_text: RecordText, tokenizer) -> str | Non
                                                    messages, text, segments):
             if difference.turn != first and not difference.rewritten:
                 note = note or (
-                    f"data.{entry.split}: the tokenizer splits the text after an answer one way where "
-                    f"the answer ends and another where the conversation goes on ({where}, message "
-                    f"{difference.turn}: {difference.message}); answers after the first are trained "
-                    f"after the earlier answers as trained, which a served conversation tokenises "
-                    f"otherwise (a pre-tokenizer that splits both alike, as Llama 3's, avoids it)")
+                    f"data.{entry.split}: the tokenizer splits the text after an answer one way "
+                    f"where the answer ends and another where the conversation goes on ({where}, "
+                    f"message {difference.turn}: {difference.message}); answers after the first "
+                    "are trained after the earlier answers as trained, which a served "
+                    "conversation tokenises otherwise (a pre-tokenizer that splits both alike, as "
+                    "Llama 3's, avoids it)")
                 continue
             if difference.rewritten:
                 note = note or (
@@ -337,10 +349,12 @@ def check_prompts(entry: Entry, record_text: RecordText, tokenizer) -> str | Non
 
 
 def _cpu_seconds() -> float:
-    """CPU seconds of this process and of its children waited for (the pool's workers, once it closed)."""
+    """CPU seconds of this process and of its children waited for (the pool's workers, once it
+    closed)."""
     import resource
 
-    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
@@ -352,8 +366,8 @@ def _results(chunks: list, num_proc: int):
         return
     import multiprocessing
 
-    # tokenizers' own thread pool must not be live across the fork (it warns and deadlocks otherwise);
-    # each worker encodes its batches on one core, the workers fill the others
+    # tokenizers' own thread pool must not be live across the fork (it warns and deadlocks
+    # otherwise); each worker encodes its batches on one core, the workers fill the others
     previous = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
@@ -377,10 +391,13 @@ def _add(totals: _Chunk, result: _Chunk) -> None:
 
 
 def _bad_record_issues(totals: _Chunk, split: str) -> list[SpecIssue]:
-    issues = [SpecIssue(("data", split), f"{where}: {message}", hint) for where, message, hint in totals.errors]
+    issues = [SpecIssue(("data", split), f"{where}: {message}", hint)
+              for where, message, hint in totals.errors]
     if totals.bad > len(totals.errors):
-        issues.append(SpecIssue(("data", split), f"... and {totals.bad - len(totals.errors)} more bad records "
-                                f"({totals.bad} of {totals.records})", "fix the records above and run again"))
+        issues.append(SpecIssue(("data", split),
+                                f"... and {totals.bad - len(totals.errors)} more bad records "
+                                f"({totals.bad} of {totals.records})",
+                                "fix the records above and run again"))
     return issues
 
 
@@ -389,10 +406,10 @@ def _bad_record_issues(totals: _Chunk, split: str) -> list[SpecIssue]:
 def prepare_data(spec: JobSpec, *, build: bool, show: str | None = None,
                  num_proc: int | None = None) -> tuple[list, dict]:
     """The tokenised-data cache of the spec's chat and prompt/completion records (this module):
-    built now with `build` (the full data check: a bad record refuses the launch, exit 2, before any rank
-    starts), else (`--dry-run`, `plan`) whether it is built and how long building it would take.
-    Returns the lines to print and the counts (data.<split>.records, tokens, ...) for launch.json
-    and MLflow."""
+    built now with `build` (the full data check: a bad record refuses the launch, exit 2, before any
+    rank starts), else (`--dry-run`, `plan`) whether it is built and how long building it would
+    take. Returns the lines to print and the counts (data.<split>.records, tokens, ...) for
+    launch.json and MLflow."""
     splits = cached_splits(spec)
     if not splits:
         return [], {}
@@ -437,9 +454,11 @@ def dry_lines(spec: JobSpec, splits: list[str], tokenizer,
         if guess is None:
             return None
         records, seconds, size = guess
-        lines.append(f"data.{split}: not tokenised yet (cold): about {records:,} records, {size / MiB:,.0f} MiB "
-                     f"tokenised, preparation about {seconds:,.0f} s on {processes} process(es) (estimated from "
-                     f"the first {min(records, ESTIMATE_RECORDS)} records; `jobspec prepare` builds it ahead)")
+        lines.append(f"data.{split}: not tokenised yet (cold): about {records:,} records, "
+                     f"{size / MiB:,.0f} MiB tokenised, preparation about {seconds:,.0f} s on "
+                     f"{processes} process(es) (estimated from the first "
+                     f"{min(records, ESTIMATE_RECORDS)} records; `jobspec prepare` builds it "
+                     "ahead)")
     return lines, counts(entries)
 
 
@@ -503,9 +522,9 @@ def summary_line(entry: Entry) -> str:
     no_answer = f", {meta['no_answer']:,} with no answer token within data.max_length (no loss)" \
         if meta["no_answer"] else ""
     what = RECORD_KINDS[entry.kind].described
-    return (f"data.{entry.split}: {meta['records']:,} {what} records -> {meta['samples']:,} samples, "
-            f"{meta['tokens']:,} tokens{no_answer} (tokenised data {entry.data.nbytes / MiB:,.1f} MiB, "
-            f"{entry.data.path})")
+    return (f"data.{entry.split}: {meta['records']:,} {what} records -> {meta['samples']:,} "
+            f"samples, {meta['tokens']:,} tokens{no_answer} (tokenised data "
+            f"{entry.data.nbytes / MiB:,.1f} MiB, {entry.data.path})")
 
 
 def truncation_line(entry: Entry) -> str | None:
@@ -513,9 +532,9 @@ def truncation_line(entry: Entry) -> str | None:
     meta = entry.data.meta
     if not meta["truncated"]:
         return None
-    return (f"data.{entry.split}: {meta['truncated']:,} of {meta['records']:,} records are longer than "
-            f"data.max_length ({meta['max_length']:,} tokens) and were truncated; the longest has "
-            f"{meta['longest']:,} tokens ({meta['longest_where']})")
+    return (f"data.{entry.split}: {meta['truncated']:,} of {meta['records']:,} records are longer "
+            f"than data.max_length ({meta['max_length']:,} tokens) and were truncated; the longest "
+            f"has {meta['longest']:,} tokens ({meta['longest_where']})")
 
 
 def prompt_note_line(entry: Entry) -> str | None:
@@ -534,7 +553,8 @@ def counts(entries: list[Entry]) -> dict:
 
 
 def data_counts(cached: data_cache.CachedData) -> dict:
-    """data.<split>.records/samples/tokens/truncated/no_answer/cache_mib of an entry (MLflow params)."""
+    """data.<split>.records/samples/tokens/truncated/no_answer/cache_mib of an entry (MLflow
+    params)."""
     split = cached.meta["split"]
     names = ("records", "samples", "tokens", "truncated", "no_answer")
     out = {f"data.{split}.{name}": cached.meta[name] for name in names}
@@ -543,15 +563,17 @@ def data_counts(cached: data_cache.CachedData) -> dict:
 
 
 def estimate(spec: JobSpec, entry: Entry, tokenizer, num_proc: int) -> tuple[int, float, int]:
-    """(records, seconds, bytes) of a cold pass of the split: the first ESTIMATE_RECORDS records tokenised
-    here, their rate scaled by the processes and the records (a jsonl file's: its line count), their
-    tokens per record by the records (8 bytes a token: ids and labels, int32)."""
+    """(records, seconds, bytes) of a cold pass of the split: the first ESTIMATE_RECORDS records
+    tokenised here, their rate scaled by the processes and the records (a jsonl file's: its line
+    count), their tokens per record by the records (8 bytes a token: ids and labels, int32)."""
     data = spec["data"]
     source = entry.source
     total = source.total()
-    _WORK.update(source=source, record_text=RecordText(spec, tokenizer, entry.kind, chat_template(spec, tokenizer),
+    _WORK.update(source=source,
+                 record_text=RecordText(spec, tokenizer, entry.kind, chat_template(spec, tokenizer),
                                                         entry.split),
-                 tokenizer=tokenizer, max_length=data["max_length"], all_tokens=data["loss_on"] == "all")
+                 tokenizer=tokenizer, max_length=data["max_length"],
+                 all_tokens=data["loss_on"] == "all")
     try:
         started = time.perf_counter()
         result = _encode_chunk(source.head(ESTIMATE_RECORDS))
@@ -593,8 +615,8 @@ class Progress:
             self.last = time.time()
             rate = (self.done - self.kept) / max(self.last - self.started, 1e-6)
             eta = (self.total - self.done) / rate if rate else 0
-            print(f"jobspec: tokenising {self.label}: {self.done:,}/{self.total:,} records, {rate:,.0f} records/s, "
-                  f"ETA {eta:.0f} s", flush=True)
+            print(f"jobspec: tokenising {self.label}: {self.done:,}/{self.total:,} records, "
+                  f"{rate:,.0f} records/s, ETA {eta:.0f} s", flush=True)
 
     def close(self) -> None:
         if self.bar is not None:

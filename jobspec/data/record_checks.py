@@ -1,20 +1,20 @@
 """Data files checked before any rank starts, and located when a rank trips over one later.
 
-`record_issues(spec)` is validate's (so plan's, compile's and launch's) read of the local data files:
-every bad record, up to MAX_REPORTED per file and then a count, each at its file:line, in the first
-PREFLIGHT_BYTES of a file (or its format's `checked_rows`; `unread` says what was left).
-`RecordChecker.problem` is one record's check, for the data preparation pass too. `preflight_issues(spec)`,
-the first problem of each file: for `data.train` and `data.eval`, the path is a readable, non-empty
-regular file, its first PREFLIGHT_ROWS rows are valid UTF-8 and parse in their format, they hold the
-columns the task needs, and their labels are valid class ids (or at most `model.num_labels` class
-names). It reads at most PREFLIGHT_BYTES of a file, so a 100 GB file costs what a small one does; the
-rows after those are read by the ranks, and when datasets/pyarrow or the tokenizer fail on one, the
-rank calls `check_file(..., max_rows=None)` to name the file and line of the first bad row
-(`load_dataset`, jobspec/data/loaders.py).
+`record_issues(spec)` is validate's (so plan's, compile's and launch's) read of the local data
+files: every bad record, up to MAX_REPORTED per file and then a count, each at its file:line, in the
+first PREFLIGHT_BYTES of a file (or its format's `checked_rows`; `unread` says what was left).
+`RecordChecker.problem` is one record's check, for the data preparation pass too.
+`preflight_issues(spec)`, the first problem of each file: for `data.train` and `data.eval`, the path
+is a readable, non-empty regular file, its first PREFLIGHT_ROWS rows are valid UTF-8 and parse in
+their format, they hold the columns the task needs, and their labels are valid class ids (or at most
+`model.num_labels` class names). It reads at most PREFLIGHT_BYTES of a file, so a 100 GB file costs
+what a small one does; the rows after those are read by the ranks, and when datasets/pyarrow or the
+tokenizer fail on one, the rank calls `check_file(..., max_rows=None)` to name the file and line of
+the first bad row (`load_dataset`, jobspec/data/loaders.py).
 
-How a file is read is its format's (data/formats/: `columns`, `rows`, `check_documents`); how a record
-is checked is its kind's (data/records/: `data.records`, `auto` decided by the first record's fields).
-Text corpora are read for UTF-8 and for at least one document. Datasets by name (`hf:`) and
+How a file is read is its format's (data/formats/: `columns`, `rows`, `check_documents`); how a
+record is checked is its kind's (data/records/: `data.records`, `auto` decided by the first record's
+fields). Text corpora are read for UTF-8 and for at least one document. Datasets by name (`hf:`) and
 `save_to_disk` directories (formats that are not `local`) are read by the ranks only.
 
 Neutral ground (like shm.py): the launcher and the ranks both use it; no torch, no datasets.
@@ -27,7 +27,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from jobspec.data.formats import FORMATS, file_format, listed, source_format, split_format, split_source
+from jobspec.data.formats import (
+    FORMATS,
+    file_format,
+    listed,
+    source_format,
+    split_format,
+    split_source,
+)
 from jobspec.data.formats.base import DataFormat, UnreadableFile
 from jobspec.data.records import Columns
 from jobspec.data.records.base import BadRecord, describe
@@ -42,7 +49,8 @@ SPLITS = ("train", "eval")
 
 
 def preflight_issues(spec: JobSpec) -> list[SpecIssue]:
-    """The first problem of each data file the spec names (unpositioned: `ResolvedSpec.locate` them)."""
+    """The first problem of each data file the spec names (unpositioned: `ResolvedSpec.locate`
+    them)."""
     data = spec["data"]
     issues = []
     for split, source in named_sources(data):
@@ -66,9 +74,10 @@ def named_sources(data: JobSpecData) -> Iterator[tuple[str, str]]:
 
 
 def record_issues(spec: JobSpec, limit: int = MAX_REPORTED) -> list[SpecIssue]:
-    """Validate's read of the local data files: every bad record (up to `limit` per file, then a count),
-    each at its file:line, in the first PREFLIGHT_BYTES of a file (its format's `checked_rows` rows of
-    a compressed one); unpositioned (`ResolvedSpec.locate` them). `unread` says what it left out."""
+    """Validate's read of the local data files: every bad record (up to `limit` per file, then a
+    count), each at its file:line, in the first PREFLIGHT_BYTES of a file (its format's
+    `checked_rows` rows of a compressed one); unpositioned (`ResolvedSpec.locate` them). `unread`
+    says what it left out."""
     data = spec["data"]
     issues: list[SpecIssue] = []
     for split, source in named_sources(data):
@@ -86,28 +95,31 @@ def record_issues(spec: JobSpec, limit: int = MAX_REPORTED) -> list[SpecIssue]:
             continue
         directory = fmt.claims(source)
         for path in paths:
-            issues += file_issues(path, fmt.name, Columns.of(spec), split, max_rows=fmt.checked_rows,
+            issues += file_issues(path, fmt.name, Columns.of(spec), split,
+                                  max_rows=fmt.checked_rows,
                                   max_bytes=PREFLIGHT_BYTES, limit=limit, whole_file=not directory)
     return issues
 
 
 def unread(spec: JobSpec) -> list[str]:
-    """What `record_issues` did not read, one line per file (the launch's data pass and the ranks read it)."""
+    """What `record_issues` did not read, one line per file (the launch's data pass and the ranks
+    read it)."""
     data = spec["data"]
     lines = []
     for split, source in named_sources(data):
         try:
             fmt = source_format(source, data["format"])
             if not fmt.local:
-                lines.append(f"data.{split}: {source} is read by the ranks (a dataset by name or a saved one): "
-                             "its records are not checked here")
+                lines.append(f"data.{split}: {source} is read by the ranks (a dataset by name or a "
+                             "saved one): its records are not checked here")
                 continue
             if fmt.claims(source):   # a directory of text files
                 continue
             line = _unread_line(fmt, Path(source), split)
             if line:
                 lines.append(line)
-        except Exception:  # noqa: BLE001 - OSError, SpecError, pyarrow's: record_issues reported the file
+        # OSError, SpecError, pyarrow's: record_issues reported the file
+        except Exception:  # noqa: BLE001
             continue
     return lines
 
@@ -121,14 +133,17 @@ def _unread_line(fmt: DataFormat, path: Path, split: str) -> str | None:
         return None
     size = path.stat().st_size
     if size > PREFLIGHT_BYTES:
-        return (f"data.{split}: the first {fmt_bytes_any_unit(PREFLIGHT_BYTES)} of {fmt_bytes_any_unit(size)} "
-                "checked; the rest when the launch's data pass or the ranks read them")
+        return (f"data.{split}: the first {fmt_bytes_any_unit(PREFLIGHT_BYTES)} of "
+                f"{fmt_bytes_any_unit(size)} checked; the rest when the launch's data pass or the "
+                "ranks read them")
     return None
 
 
-def check_source(source: str, fmt: str, columns: Columns, split: str, *, max_rows: int | None = PREFLIGHT_ROWS,
+def check_source(source: str, fmt: str, columns: Columns, split: str, *,
+                 max_rows: int | None = PREFLIGHT_ROWS,
                  max_bytes: int | None = PREFLIGHT_BYTES) -> SpecIssue | None:
-    """`check_file` for a file, the text files of a directory; nothing for `hf:` or saved datasets."""
+    """`check_file` for a file, the text files of a directory; nothing for `hf:` or saved
+    datasets."""
     found = source_format(source, fmt)
     if not found.local:
         return None
@@ -136,7 +151,8 @@ def check_source(source: str, fmt: str, columns: Columns, split: str, *, max_row
         return check_file(source, fmt, columns, split, max_rows=max_rows, max_bytes=max_bytes)
     files = found.files(source, fmt)
     if not files:
-        return SpecIssue(path=("data", split), message=f"{source} is a directory, not a data file (it holds no "
+        return SpecIssue(path=("data", split),
+                         message=f"{source} is a directory, not a data file (it holds no "
                          f"{'/'.join(found.suffixes)} files and no saved dataset)",
                          hint=f"point data.{split} at a data file, or a directory of text files")
     for path in files[:max_rows] if max_rows is not None else files:
@@ -150,19 +166,22 @@ def check_source(source: str, fmt: str, columns: Columns, split: str, *, max_row
 def check_file(path: str | os.PathLike, fmt: str, columns: Columns, split: str, *,
                max_rows: int | None = PREFLIGHT_ROWS, max_bytes: int | None = PREFLIGHT_BYTES,
                whole_file: bool = True) -> SpecIssue | None:
-    """The first problem in `path` (None: none in the rows read). `max_rows=None` reads the whole file."""
+    """The first problem in `path` (None: none in the rows read). `max_rows=None` reads the whole
+    file."""
     issues = file_issues(path, fmt, columns, split, max_rows=max_rows, max_bytes=max_bytes, limit=1,
                          count_rest=False, whole_file=whole_file)
     return issues[0] if issues else None
 
 
 def file_issues(path: str | os.PathLike, fmt: str, columns: Columns, split: str, *,
-                max_rows: int | None = None, max_bytes: int | None = PREFLIGHT_BYTES, limit: int = MAX_REPORTED,
+                max_rows: int | None = None, max_bytes: int | None = PREFLIGHT_BYTES,
+                limit: int = MAX_REPORTED,
                 count_rest: bool = True, whole_file: bool = True) -> list[SpecIssue]:
-    """Every bad record of `path` among those read, each at its file:line: the first `limit`, then (with
-    `count_rest`) one more issue counting the others. A problem of the whole file (missing, empty, not
-    UTF-8 in a csv, a missing column) ends the reading. The record checks are `RecordChecker`'s. A text
-    file of a directory (`whole_file` False) may be empty: its directory holds the documents."""
+    """Every bad record of `path` among those read, each at its file:line: the first `limit`, then
+    (with `count_rest`) one more issue counting the others. A problem of the whole file (missing,
+    empty, not UTF-8 in a csv, a missing column) ends the reading. The record checks are
+    `RecordChecker`'s. A text file of a directory (`whole_file` False) may be empty: its directory
+    holds the documents."""
     path = Path(path)
     data_format = file_format(path, fmt)
     found: list[SpecIssue] = []
@@ -182,25 +201,31 @@ def file_issues(path: str | os.PathLike, fmt: str, columns: Columns, split: str,
             data_format.check_documents(path, split, max_bytes, may_be_empty=not whole_file)
             return []
         if _records(data_format, path, columns, split, max_rows, max_bytes, bad) == 0:
-            raise BadRecord(("data", split), f"{path} has no rows", "a data file needs at least one row")
+            raise BadRecord(("data", split), f"{path} has no rows",
+                            "a data file needs at least one row")
     except BadRecord as problem:
         bad(problem)
     if more:
-        found.append(SpecIssue(path=("data", split), message=f"{path}: {more:,} more bad records after these "
-                               f"{limit}", hint="fix the records above first; validate lists the next ones then"))
+        found.append(SpecIssue(path=("data", split),
+                               message=f"{path}: {more:,} more bad records after these "
+                               f"{limit}",
+                               hint="fix the records above first; validate lists the next ones "
+                                    "then"))
     return found
 
 
-def _records(data_format: DataFormat, path: Path, columns: Columns, split: str, max_rows: int | None,
-             max_bytes: int | None, bad) -> int:
-    """Reads the file's records through `RecordChecker`, each problem to `bad` (False: stop); the count."""
+def _records(data_format: DataFormat, path: Path, columns: Columns, split: str,
+             max_rows: int | None, max_bytes: int | None, bad) -> int:
+    """Reads the file's records through `RecordChecker`, each problem to `bad` (False: stop); the
+    count."""
     names = data_format.columns(path, split)
     if names is not None:
         columns = columns.resolved(names)
         missing = [c for c in columns.needed() if c not in names]
         if missing:
             raise BadRecord(columns.kind.column_field(columns, missing[0]),
-                            data_format.missing_column(path, missing[0], names), "name one of the file's columns")
+                            data_format.missing_column(path, missing[0], names),
+                            "name one of the file's columns")
     checker = RecordChecker(columns, split)
     wanted = columns.needed() if names is not None else None
     count = 0
@@ -219,27 +244,34 @@ def _check_stat(path: Path, split: str) -> None:
     try:
         info = path.stat()
     except FileNotFoundError:
-        raise BadRecord(field, f"data file not found: {path}", "paths are relative to the spec file that sets them")
+        raise BadRecord(field, f"data file not found: {path}",
+                        "paths are relative to the spec file that sets them")
     except OSError as err:
-        raise BadRecord(field, f"{path} cannot be read ({err.strerror or err})", "check the path and its permissions")
+        raise BadRecord(field, f"{path} cannot be read ({err.strerror or err})",
+                        "check the path and its permissions")
     if stat.S_ISDIR(info.st_mode):
-        raise BadRecord(field, f"{path} is a directory, not a data file", f"point data.{split} at one {files} file")
+        raise BadRecord(field, f"{path} is a directory, not a data file",
+                        f"point data.{split} at one {files} file")
     if not stat.S_ISREG(info.st_mode):
-        raise BadRecord(field, f"{path} is not a regular file", f"point data.{split} at a {files} file")
+        raise BadRecord(field, f"{path} is not a regular file",
+                        f"point data.{split} at a {files} file")
     if info.st_size == 0:
-        raise BadRecord(field, f"{path} is empty (0 bytes)", f"point data.{split} at the file with the data")
+        raise BadRecord(field, f"{path} is empty (0 bytes)",
+                        f"point data.{split} at the file with the data")
     try:
         with open(path, "rb") as fh:
             fh.read(1)
     except OSError as err:
-        raise BadRecord(field, f"{path} is not readable ({err.strerror or err})", "fix its permissions")
+        raise BadRecord(field, f"{path} is not readable ({err.strerror or err})",
+                        "fix its permissions")
 
 
 class RecordChecker:
-    """The checks of one data record: its fields (what its kind needs: data/records/) and label values,
-    with what earlier records established (`records: auto` decided by the first, the label kind, the
-    label names seen). Torch-free; `problem(where, record)` is the importable entry point (validate's
-    full read here; the data preparation pass, data/prepare, checks records the same way)."""
+    """The checks of one data record: its fields (what its kind needs: data/records/) and label
+    values, with what earlier records established (`records: auto` decided by the first, the label
+    kind, the label names seen). Torch-free; `problem(where, record)` is the importable entry point
+    (validate's full read here; the data preparation pass, data/prepare, checks records the same
+    way)."""
 
     def __init__(self, columns: Columns, split: str):
         self.columns, self.split = columns, split
@@ -262,11 +294,13 @@ class RecordChecker:
         for name in kind.needed(c):
             if name not in row:
                 raise BadRecord(kind.column_field(c, name), f"{where}: no {name!r} field (it has: "
-                                f"{', '.join(map(str, row)) or 'nothing'})", kind.missing_hint(c, name))
+                                f"{', '.join(map(str, row)) or 'nothing'})",
+                                kind.missing_hint(c, name))
         kind.check(self, where, row)
 
     def label(self, where: str, value) -> None:
-        """One class label: an id below `num_labels`, or a name; the same sort as the earlier ones."""
+        """One class label: an id below `num_labels`, or a name; the same sort as the earlier
+        ones."""
         c = self.columns
         kind = "id" if isinstance(value, int) and not isinstance(value, bool) else \
             "name" if isinstance(value, str) else None
@@ -274,24 +308,29 @@ class RecordChecker:
             raise BadRecord(("data", self.split), f"{where}: label {value!r} is {describe(value)}; "
                             "an integer class id or a class name expected", "fix the row's label")
         if self.label_kind is not None and kind != self.label_kind:
-            raise BadRecord(("data", self.split), f"{where}: label {value!r} is a class {kind} but earlier labels "
-                            f"are class {self.label_kind}s", "use class ids or class names throughout")
+            raise BadRecord(("data", self.split),
+                            f"{where}: label {value!r} is a class {kind} but earlier labels "
+                            f"are class {self.label_kind}s",
+                            "use class ids or class names throughout")
         self.label_kind = kind
         if kind == "id" and not 0 <= value < c.num_labels:
             raise BadRecord(("model", "num_labels"), f"{where}: label {value} is not a class id in "
-                            f"[0, {c.num_labels})", "set model.num_labels to the number of classes, or fix the label")
+                            f"[0, {c.num_labels})",
+                            "set model.num_labels to the number of classes, or fix the label")
         if kind == "name":
             self.names.add(value)
             if len(self.names) > c.num_labels:
                 shown = ", ".join(repr(n) for n in sorted(self.names)[:6])
-                raise BadRecord(("model", "num_labels"), f"{where}: {len(self.names)} different label names "
-                                f"({shown}{', ...' if len(self.names) > 6 else ''}) but model.num_labels is "
-                                f"{c.num_labels}", "set model.num_labels to the number of classes")
+                raise BadRecord(("model", "num_labels"),
+                                f"{where}: {len(self.names)} different label names "
+                                f"({shown}{', ...' if len(self.names) > 6 else ''}) but "
+                                f"model.num_labels is {c.num_labels}",
+                                "set model.num_labels to the number of classes")
 
 
 def locate_error(spec: JobSpec, split: str) -> SpecError | None:
-    """A rank's failure on a data file turned into the first bad row's file:line (None when the whole
-    file checks out: the failure was not the data's)."""
+    """A rank's failure on a data file turned into the first bad row's file:line (None when the
+    whole file checks out: the failure was not the data's)."""
     data = spec["data"]
     issue = check_source(split_source(data, split), data["format"], Columns.of(spec), split,
                          max_rows=None, max_bytes=None)
@@ -299,8 +338,9 @@ def locate_error(spec: JobSpec, split: str) -> SpecError | None:
 
 
 def row_location(spec: JobSpec, split: str, index: int) -> str:
-    """Where `data.<split>`'s record `index` (0-based, as datasets numbers them) is, for a problem found
-    in a well-formed record (a chat template that fails on it): `file:line`, else `file: row N`."""
+    """Where `data.<split>`'s record `index` (0-based, as datasets numbers them) is, for a problem
+    found in a well-formed record (a chat template that fails on it): `file:line`, else `file: row
+    N`."""
     try:
         return split_format(spec["data"], split).where(spec, split, index)
     except SpecError:
@@ -308,13 +348,14 @@ def row_location(spec: JobSpec, split: str, index: int) -> str:
 
 
 def load_dataset(spec: JobSpec, split: str) -> Any:
-    """`data.<split>` as a datasets.Dataset (its format's `dataset`): a local file datasets cannot read
-    is named at its first bad row."""
+    """`data.<split>` as a datasets.Dataset (its format's `dataset`): a local file datasets cannot
+    read is named at its first bad row."""
     fmt = split_format(spec["data"], split)
     try:
         return fmt.dataset(spec, split)
     except UnreadableFile as err:
-        raise locate_error(spec, split) or unreadable(spec, split, fmt.name, err.__cause__ or err) from None
+        raise locate_error(spec, split) \
+            or unreadable(spec, split, fmt.name, err.__cause__ or err) from None
 
 
 def unreadable(spec: JobSpec, split: str, fmt: str, err: BaseException) -> SpecError:

@@ -1,9 +1,10 @@
-"""Text data (`data.format: text`, .txt/.md files, a directory of them) cut into language-model blocks.
+"""Text data (`data.format: text`, .txt/.md files, a directory of them) cut into language-model
+blocks.
 
-A document (data/formats/text.py: a line of the file, `data.document: line`, blank lines skipped; the
-whole file, `document: file`; or each file of a directory) is tokenized with the tokenizer's own special
-tokens (a BOS where the tokenizer adds one, BERT's [CLS] ... [SEP]) and ends with its EOS (SEP for a
-tokenizer without one) unless it already does. Then, so that no token is thrown away:
+A document (data/formats/text.py: a line of the file, `data.document: line`, blank lines skipped;
+the whole file, `document: file`; or each file of a directory) is tokenized with the tokenizer's own
+special tokens (a BOS where the tokenizer adds one, BERT's [CLS] ... [SEP]) and ends with its EOS
+(SEP for a tokenizer without one) unless it already does. Then, so that no token is thrown away:
 
 - `chunking: concatenate`: all documents joined and cut into blocks of `max_length` (only the last
   block is shorter);
@@ -27,11 +28,12 @@ from jobspec.tasks.base import MASKED_TOKENS, NEXT_TOKENS
 def document_ids(tokenizer, documents: list[str]) -> list[list[int]]:
     """Each document's token ids with the tokenizer's special tokens, ending with EOS (or SEP)."""
     end = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
-    # verbose=False: a document longer than the model's positions is expected here (it is cut into blocks)
+    # verbose=False: a document longer than the model's positions is expected here (it is cut into
+    # blocks)
     encoded = tokenizer(documents, add_special_tokens=True, verbose=False)["input_ids"]
     if end is None:
-        warnings.warn("the tokenizer has neither an EOS nor a SEP token: text documents are joined without a "
-                      "separator", stacklevel=2)
+        warnings.warn("the tokenizer has neither an EOS nor a SEP token: text documents are joined "
+                      "without a separator", stacklevel=2)
         return [list(ids) for ids in encoded]
     return [list(ids) if ids and ids[-1] == end else [*ids, end] for ids in encoded]
 
@@ -50,9 +52,10 @@ def text_columns(spec: JobSpec, tokenizer, split: str, shape: str) -> tuple[list
     if shape not in (NEXT_TOKENS, MASKED_TOKENS):
         raise spec_error(f"text files have no labels; {spec['model']['task']} needs records with "
                          f"{data['label_field']!r}", path=("data", split),
-                         hint="use a jsonl/csv/parquet file with text and label columns, or a language-model task")
-    documents = split_format(data, split).documents(split_source(data, split), data["format"], data["document"],
-                                                    split)
+                         hint="use a jsonl/csv/parquet file with text and label columns, or a "
+                              "language-model task")
+    documents = split_format(data, split).documents(split_source(data, split), data["format"],
+                                                    data["document"], split)
     if not documents:
         raise spec_error(f"{split_source(data, split)} has no text", path=("data", split),
                          hint="a text file needs at least one non-blank line")

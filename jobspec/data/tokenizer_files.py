@@ -1,7 +1,7 @@
-"""A local tokenizer directory read as JSON (tokenizer.json, tokenizer_config.json, chat_template.jinja),
-without transformers: what `jobspec validate`'s data rules (spec/rules/data.py) and the planner's model
-build (model/build.tokenizer_token_ids) need to know of it: its size, its special tokens' ids and its own
-chat template. Pure: json and pathlib only.
+"""A local tokenizer directory read as JSON (tokenizer.json, tokenizer_config.json,
+chat_template.jinja), without transformers: what `jobspec validate`'s data rules
+(spec/rules/data.py) and the planner's model build (model/build.tokenizer_token_ids) need to know of
+it: its size, its special tokens' ids and its own chat template. Pure: json and pathlib only.
 """
 from __future__ import annotations
 
@@ -21,9 +21,12 @@ class TokenizerFacts:
     """What validate reads of a local tokenizer directory without transformers."""
 
     directory: Path
-    size: int | None                 # ids the embedding must hold: the largest id + 1 (vocab and added tokens)
-    ids: dict[str, int | None]       # bos/eos/pad/unk/mask -> id (None: the tokenizer has no such token)
-    chat_template: str | None        # its own template (tokenizer_config.json or chat_template.jinja)
+    # ids the embedding must hold: the largest id + 1 (vocab and added tokens)
+    size: int | None
+    # bos/eos/pad/unk/mask -> id (None: the tokenizer has no such token)
+    ids: dict[str, int | None]
+    # its own template (tokenizer_config.json or chat_template.jinja)
+    chat_template: str | None
     template_source: Path | None
 
     @property
@@ -41,9 +44,9 @@ class TokenizerFileError(ValueError):
 
 
 def read_tokenizer(directory: str | os.PathLike) -> TokenizerFacts | None:
-    """The facts of a local tokenizer directory with a tokenizer.json; None when there is none (a slow
-    tokenizer, a hub id: transformers tells, at launch). Raises TokenizerFileError for a file that
-    does not parse."""
+    """The facts of a local tokenizer directory with a tokenizer.json; None when there is none (a
+    slow tokenizer, a hub id: transformers tells, at launch). Raises TokenizerFileError for a file
+    that does not parse."""
     directory = Path(directory)
     main = directory / "tokenizer.json"
     if not main.is_file():
@@ -78,7 +81,9 @@ def _json_file(path: Path) -> dict:
     except UnicodeDecodeError:
         raise TokenizerFileError(path, "not UTF-8 text") from None
     except json.JSONDecodeError as err:
-        raise TokenizerFileError(path, f"not valid JSON ({err.msg}, line {err.lineno} column {err.colno})") from None
+        raise TokenizerFileError(path,
+                                 f"not valid JSON ({err.msg}, line {err.lineno} column "
+                                 f"{err.colno})") from None
     except OSError as err:
         raise TokenizerFileError(path, f"cannot be read ({err.strerror or err})") from None
     if not isinstance(value, dict):
@@ -92,7 +97,8 @@ def _token_id(token: Any, by_text: dict[str, int]) -> int | None:
     return by_text.get(token) if isinstance(token, str) else None
 
 
-def _own_template(directory: Path, config: dict, config_file: Path) -> tuple[str | None, Path | None]:
+def _own_template(directory: Path, config: dict, config_file: Path) -> tuple[str | None,
+                                                                             Path | None]:
     """The tokenizer's chat template: chat_template.jinja (transformers 5 saves it so), else
     tokenizer_config.json's `chat_template` (a text, or a list of named ones: the `default`)."""
     jinja = directory / "chat_template.jinja"
@@ -114,7 +120,8 @@ def _own_template(directory: Path, config: dict, config_file: Path) -> tuple[str
 
 
 def tokenizer_name(spec: JobSpec) -> str | None:
-    """The tokenizer the ranks load: `data.tokenizer`, else `model.name_or_path`; None for synthetic data."""
+    """The tokenizer the ranks load: `data.tokenizer`, else `model.name_or_path`; None for synthetic
+    data."""
     data = spec["data"]
     if data.get("synthetic") is not None:
         return None

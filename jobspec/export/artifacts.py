@@ -1,11 +1,12 @@
 """The model directories a job exported (summary.json `exports`), recorded in its MLflow run.
 
-Each one gets the tag `jobspec.export.<name>` with its path; a directory up to `export.mlflow_max_mb`
-is also uploaded as the artifacts `model/<name>/...` (then `jobspec.export.<name>.artifact` names
-them), a larger one stays where it is: uploading gigabytes of weights would hold the end of the
-launch for minutes and duplicate them in the artifact store. The model card in the directory was
-written with credentials masked. No torch: the launcher calls this after the ranks are gone. MLflow
-itself stays behind jobspec.tracking (the client the run holds, `tracking.run.log_tags`).
+Each one gets the tag `jobspec.export.<name>` with its path; a directory up to
+`export.mlflow_max_mb` is also uploaded as the artifacts `model/<name>/...` (then
+`jobspec.export.<name>.artifact` names them), a larger one stays where it is: uploading gigabytes of
+weights would hold the end of the launch for minutes and duplicate them in the artifact store. The
+model card in the directory was written with credentials masked. No torch: the launcher calls this
+after the ranks are gone. MLflow itself stays behind jobspec.tracking (the client the run holds,
+`tracking.run.log_tags`).
 """
 from __future__ import annotations
 
@@ -38,25 +39,29 @@ def log_exported_models(tracked, run_dir: Path, spec: JobSpec) -> dict[str, str]
         if not path.is_dir():
             continue
         tags[f"{TAG_PREFIX}{name}"] = str(path)
-        size = int(record.get("bytes") or sum(f.stat().st_size for f in path.rglob("*") if f.is_file()))
+        size = int(record.get("bytes")
+                   or sum(f.stat().st_size for f in path.rglob("*") if f.is_file()))
         if 0 < limit_bytes and size <= limit_bytes:  # 0 uploads none (the schema's word)
             try:
-                tracked.client.log_artifacts(tracked.run_id, str(path), artifact_path=f"{ARTIFACT_ROOT}/{name}")
+                tracked.client.log_artifacts(tracked.run_id, str(path),
+                                             artifact_path=f"{ARTIFACT_ROOT}/{name}")
                 tags[f"{TAG_PREFIX}{name}.artifact"] = f"{ARTIFACT_ROOT}/{name}"
             except Exception as err:  # noqa: BLE001 -- recorded by path below instead
                 reason = first_line(err, limit=300)
-                log.warning("could not upload model %s to MLflow (%s); recorded by its path", name, reason)
+                log.warning("could not upload model %s to MLflow (%s); recorded by its path", name,
+                            reason)
                 tags[f"{TAG_PREFIX}{name}.artifact"] = f"upload failed: {reason}"
         elif limit_bytes <= 0:
             tags[f"{TAG_PREFIX}{name}.artifact"] = "not uploaded: export.mlflow_max_mb is 0"
         else:
-            tags[f"{TAG_PREFIX}{name}.artifact"] = (f"not uploaded: {_mb(size)} MB > export.mlflow_max_mb "
-                                                    f"{limit_bytes / 1e6:g}")
+            tags[f"{TAG_PREFIX}{name}.artifact"] = (f"not uploaded: {_mb(size)} MB > "
+                                                    f"export.mlflow_max_mb {limit_bytes / 1e6:g}")
     if tags:
         try:
             tracking_run.log_tags(tracked, tags)
         except Exception as err:  # noqa: BLE001
-            log.warning("could not tag the exported models in MLflow: %s", first_line(err, limit=300))
+            log.warning("could not tag the exported models in MLflow: %s",
+                        first_line(err, limit=300))
     return tags
 
 

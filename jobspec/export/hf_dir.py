@@ -1,20 +1,24 @@
-"""A Hugging Face model directory from a state dict: what the worker's export and `jobspec export` write.
+"""A Hugging Face model directory from a state dict: what the worker's export and `jobspec export`
+write.
 
-    <out>/config.json             the model's config (the spec's architecture or checkpoint, and overrides;
-                                  id2label/label2id: the training data's label names, when it had names)
+    <out>/config.json             the model's config (the spec's architecture or checkpoint, and
+                                  overrides; id2label/label2id: the training data's label names,
+                                  when it had names)
     <out>/model*.safetensors      the weights in the chosen dtype (sharded with an index when large)
-    <out>/generation_config.json  a model that generates: `eos_token_id` the tokenizer's EOS and the chat
-                                  template's end-of-turn token, so `generate` stops at the end of a turn
-    <out>/tokenizer files         when the job has a tokenizer (`data.tokenizer`, or the model's own;
-                                  the job's `data.chat_template` as its chat template)
-    <out>/README.md               model card: how it was trained, the metrics, the job spec (secrets masked)
+    <out>/generation_config.json  a model that generates: `eos_token_id` the tokenizer's EOS and
+                                  the chat template's end-of-turn token, so `generate` stops at
+                                  the end of a turn
+    <out>/tokenizer files         when the job has a tokenizer (`data.tokenizer`, or the model's
+                                  own; the job's `data.chat_template` as its chat template)
+    <out>/README.md               model card: how it was trained, the metrics, the job spec
+                                  (secrets masked)
     <out>/jobspec_export.json     what was exported: step, dtype, source, metrics
 
 The weights go into the spec's model built on the meta device (`build_skeleton`): its state-dict
 keys are the check that the weights belong to this spec, and transformers' own `save_pretrained`
-writes them (tied weights, shard index, `dtype` in config.json), so `AutoModelFor<task>.from_pretrained`
-reads the directory back. jobspec's own `mlp` is not a transformers model: its directory holds
-config.json and model.safetensors only.
+writes them (tied weights, shard index, `dtype` in config.json), so
+`AutoModelFor<task>.from_pretrained` reads the directory back. jobspec's own `mlp` is not a
+transformers model: its directory holds config.json and model.safetensors only.
 
 The directory is built next to `out` under a temporary name and renamed into place: a failed
 write (full disk) leaves neither a half-written model nor a missing previous one.
@@ -39,11 +43,13 @@ DTYPES = ("fp32", "bf16", "fp16")
 # test hook: `[NAME:]ERRNO` (e.g. final:ENOSPC) raises that OSError while the weights of export NAME
 # (of every export without NAME) are written, as a full disk would
 INJECT_ERROR_ENV = "JOBSPEC_INJECT_EXPORT_ERROR"
-_ORIG_MOD = "_orig_mod."                          # torch.compile's wrapper prefixes every key with it
+# torch.compile's wrapper prefixes every key with it
+_ORIG_MOD = "_orig_mod."
 
 
 class ExportFailed(RunFailure):
-    """Writing a model directory failed (disk full, permissions): one line, the checkpoints are intact."""
+    """Writing a model directory failed (disk full, permissions): one line, the checkpoints are
+    intact."""
 
 
 def torch_dtype(name: str):
@@ -55,7 +61,8 @@ def torch_dtype(name: str):
 class ExportInfo:
     """What the model card and jobspec_export.json say about an export."""
 
-    name: str                      # final | best | step<N> | a directory name given to `jobspec export`
+    # final | best | step<N> | a directory name given to `jobspec export`
+    name: str
     step: int | None
     dtype: str
     source: str                    # "training run (rank 0)" or the checkpoint it was converted from
@@ -65,7 +72,8 @@ class ExportInfo:
 
 
 def job_tokenizer(spec: JobSpec):
-    """(tokenizer or None, note or None): the job's `data.tokenizer`, else the model checkpoint's own one."""
+    """(tokenizer or None, note or None): the job's `data.tokenizer`, else the model checkpoint's
+    own one."""
     from jobspec.model.build import build_tokenizer
     if spec["data"]["synthetic"] is None:
         return build_tokenizer(spec), None   # file data: the tokenizer that made the batches
@@ -73,17 +81,19 @@ def job_tokenizer(spec: JobSpec):
     if not name:
         return None, None   # an architecture trained on synthetic tokens has no tokenizer
     try:
-        return build_tokenizer({**spec, "data": {**spec["data"], "synthetic": None, "tokenizer": name}}), None
+        return build_tokenizer({**spec, "data": {**spec["data"], "synthetic": None,
+                                                 "tokenizer": name}}), None
     except Exception as err:  # noqa: BLE001 -- a model without tokenizer files still exports
         return None, f"no tokenizer saved: {first_line(err, limit=200)}"
 
 
-def write_model_dir(out: str | os.PathLike, spec: JobSpec, state_dict: dict, info: ExportInfo, *, tokenizer=None,
+def write_model_dir(out: str | os.PathLike, spec: JobSpec, state_dict: dict, info: ExportInfo, *,
+                    tokenizer=None,
                     show_progress: bool = False, label_names: dict | None = None) -> dict:
     """Write the directory `out` (replacing one that exists); returns its record (path, bytes, ...).
 
-    `label_names`: the training data's string labels -> class ids (jobspec.data.loaders), written as the
-    config's label2id/id2label so that `pipeline(...)` answers "positive", not "LABEL_1".
+    `label_names`: the training data's string labels -> class ids (jobspec.data.loaders), written as
+    the config's label2id/id2label so that `pipeline(...)` answers "positive", not "LABEL_1".
 
     `state_dict` values may be tensors or DeepSpeed's lazy `GatheredTensor`s; they are materialised
     and cast one at a time and the dict is consumed (its entries are replaced by the cast tensors).
@@ -114,14 +124,16 @@ def write_model_dir(out: str | os.PathLike, spec: JobSpec, state_dict: dict, inf
         if _is_io_error(err):
             raise ExportFailed(describe_io_error(out, err)) from None
         raise
-    return {**record, "path": str(out), "bytes": dir_bytes(out), "seconds": round(time.monotonic() - started, 3)}
+    return {**record, "path": str(out), "bytes": dir_bytes(out),
+            "seconds": round(time.monotonic() - started, 3)}
 
 
 def stop_at_end_of_turn(model, spec: JobSpec, tokenizer) -> None:
-    """generation_config.json's `eos_token_id`: the tokenizer's EOS and the chat template's end-of-turn
-    token (model/chat_turns.py), so `generate` and pipelines stop where a trained chat model ends its
-    answer instead of writing the next turns; `pad_token_id` the tokenizer's. The job's own template
-    file (`data.chat_template`) goes into the exported tokenizer, which then renders prompts as training did."""
+    """generation_config.json's `eos_token_id`: the tokenizer's EOS and the chat template's
+    end-of-turn token (model/chat_turns.py), so `generate` and pipelines stop where a trained chat
+    model ends its answer instead of writing the next turns; `pad_token_id` the tokenizer's. The
+    job's own template file (`data.chat_template`) goes into the exported tokenizer, which then
+    renders prompts as training did."""
     if tokenizer is None:
         return
     from jobspec.model.chat_turns import end_of_turn_ids
@@ -172,19 +184,21 @@ def follow_umask(directory: Path) -> None:
 
 def label_maps(label_names: dict | None, num_labels: int) -> tuple[dict, dict] | None:
     """(id2label, label2id) for a head of `num_labels` classes from the data's names -> ids; None
-    without names. Every class gets an entry (an id the data never used keeps `LABEL_<id>`): transformers
-    takes the length of id2label for the number of labels."""
+    without names. Every class gets an entry (an id the data never used keeps `LABEL_<id>`):
+    transformers takes the length of id2label for the number of labels."""
     if not label_names:
         return None
     id2label = {i: f"LABEL_{i}" for i in range(num_labels)}
-    id2label.update({int(i): str(name) for name, i in label_names.items() if 0 <= int(i) < num_labels})
+    id2label.update({int(i): str(name) for name, i in label_names.items()
+                     if 0 <= int(i) < num_labels})
     return id2label, {name: i for i, name in id2label.items()}
 
 
 def name_labels(config, label_names: dict | None) -> None:
     """Put the label names on a transformers config (jobspec's own mlp has no label maps)."""
     num_labels = getattr(config, "num_labels", None)
-    maps = label_maps(label_names, num_labels) if isinstance(num_labels, int) and hasattr(config, "id2label") else None
+    maps = label_maps(label_names, num_labels) if isinstance(num_labels, int) \
+        and hasattr(config, "id2label") else None
     if maps is not None:
         config.id2label, config.label2id = maps
 
@@ -192,15 +206,18 @@ def name_labels(config, label_names: dict | None) -> None:
 def describe_io_error(out: Path, err: BaseException) -> str:
     reason = err.strerror if isinstance(err, OSError) and err.strerror else first_line(err)
     culprit = getattr(err, "filename", None)
-    if isinstance(err, (FileExistsError, NotADirectoryError)) and culprit and not Path(culprit).is_dir():
-        reason = f"{culprit} is a file, not a directory"   # mkdir(parents=True) says only "File exists"
+    if isinstance(err, (FileExistsError, NotADirectoryError)) and culprit \
+            and not Path(culprit).is_dir():
+        # mkdir(parents=True) says only "File exists"
+        reason = f"{culprit} is a file, not a directory"
     return f"cannot write the model directory {out}: {reason}"
 
 
 def _is_io_error(err: BaseException) -> bool:
     if isinstance(err, OSError):
         return True
-    # safetensors reports a failed write as its own error type, e.g. "I/O error: No space left on device"
+    # safetensors reports a failed write as its own error type, e.g. "I/O error: No space left on
+    # device"
     return type(err).__name__ == "SafetensorError" and "I/O error" in str(err)
 
 
@@ -243,7 +260,8 @@ def _check_keys(spec: JobSpec, expected: set, found: set) -> None:
         parts.append(f"{len(missing)} missing (e.g. {', '.join(missing[:3])})")
     if unexpected:
         parts.append(f"{len(unexpected)} unexpected (e.g. {', '.join(unexpected[:3])})")
-    raise spec_error(f"the saved weights do not fit the model of job {spec['name']!r}: " + "; ".join(parts),
+    raise spec_error(f"the saved weights do not fit the model of job {spec['name']!r}: "
+                     + "; ".join(parts),
                      path=("model",), hint="export with the spec the checkpoint was trained with "
                                             "(`jobspec export --spec RUN_DIR/resolved.yaml`)")
 
@@ -253,7 +271,8 @@ def _save_weights(model, directory: Path, spec: JobSpec) -> None:
     if hasattr(model, "save_pretrained"):
         from transformers.utils import logging as hf_logging
         shown = hf_logging.is_progress_bar_enabled()
-        hf_logging.disable_progress_bar()  # a "Writing model shards" bar per export: the launch says it in a line
+        # a "Writing model shards" bar per export: the launch says it in a line
+        hf_logging.disable_progress_bar()
         try:
             model.save_pretrained(directory, max_shard_size=shard)
         finally:
@@ -261,7 +280,8 @@ def _save_weights(model, directory: Path, spec: JobSpec) -> None:
                 hf_logging.enable_progress_bar()
         return
     from safetensors.torch import save_model  # jobspec's mlp: plain safetensors, config as a dict
-    (directory / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2) + "\n", encoding="utf-8")
+    (directory / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2) + "\n",
+                                           encoding="utf-8")
     save_model(model, str(directory / "model.safetensors"), metadata={"format": "pt"})
 
 
@@ -312,15 +332,17 @@ def model_card(spec: JobSpec, info: ExportInfo, model, tokenizer) -> str:
     hf = hasattr(model, "save_pretrained")
     auto_class = TASK_MODEL_CLASSES.get(model_spec["task"], "AutoModel")
     ranks = f", {info.world_size} rank(s)" if info.world_size else ""
-    base = model_spec["name_or_path"] or f"a fresh `{model_spec['architecture']}` (random initialisation)"
-    lines = ["---", f"library_name: {'transformers' if hf else 'jobspec'}", "tags:", "- jobspec", "- deepspeed",
-             "---", "", f"# {spec['name']}", ""]
+    base = model_spec["name_or_path"] \
+        or f"a fresh `{model_spec['architecture']}` (random initialisation)"
+    lines = ["---", f"library_name: {'transformers' if hf else 'jobspec'}", "tags:", "- jobspec",
+             "- deepspeed", "---", "", f"# {spec['name']}", ""]
     if spec["description"]:
         lines += [spec["description"], ""]
     lines += [f"Trained with jobspec {__version__} from {base}: task `{model_spec['task']}`, "
               f"{memory['precision']} training, ZeRO stage {memory['zero_stage']}{ranks}. "
-              f"Exported ({info.name}) at optimizer step {info.step if info.step is not None else 'unknown'} "
-              f"in {info.dtype} from {info.source}.", ""]
+              f"Exported ({info.name}) at optimizer step "
+              f"{info.step if info.step is not None else 'unknown'} in {info.dtype} from "
+              f"{info.source}.", ""]
     lines += ["## Metrics", ""]
     if info.metrics:
         lines += ["| metric | value |", "| --- | --- |"]
@@ -332,15 +354,20 @@ def model_card(spec: JobSpec, info: ExportInfo, model, tokenizer) -> str:
         lines += ["## Notes", "", *[f"- {note}" for note in info.notes], ""]
     lines += ["## Use", "", "```python"]
     if hf:
-        lines += [f"from transformers import {auto_class}", "", f'model = {auto_class}.from_pretrained("PATH")']
+        lines += [f"from transformers import {auto_class}", "",
+                  f'model = {auto_class}.from_pretrained("PATH")']
         if tokenizer is not None:
-            lines += ["from transformers import AutoTokenizer", 'tokenizer = AutoTokenizer.from_pretrained("PATH")']
+            lines += ["from transformers import AutoTokenizer",
+                      'tokenizer = AutoTokenizer.from_pretrained("PATH")']
     else:
-        lines += ["from safetensors.torch import load_model", "from jobspec.model.mlp import MLPClassifier, MLPConfig",
-                  "", "import json", 'model = MLPClassifier(MLPConfig(**json.load(open("PATH/config.json"))))',
+        lines += ["from safetensors.torch import load_model",
+                  "from jobspec.model.mlp import MLPClassifier, MLPConfig",
+                  "", "import json",
+                  'model = MLPClassifier(MLPConfig(**json.load(open("PATH/config.json"))))',
                   'load_model(model, "PATH/model.safetensors")']
     spec_text = yaml.safe_dump(_masked(spec, mask_secrets), sort_keys=False)
-    lines += ["```", "", "## Job spec", "", "The resolved spec (every default filled in; credentials masked):", "",
+    lines += ["```", "", "## Job spec", "",
+              "The resolved spec (every default filled in; credentials masked):", "",
               "```yaml", spec_text.rstrip(), "```", ""]
     return "\n".join(lines)
 

@@ -1,4 +1,5 @@
-"""Exports of a LoRA job (spec `model.lora`, `export.adapter`): the merged model and the PEFT adapter.
+"""Exports of a LoRA job (spec `model.lora`, `export.adapter`): the merged model and the PEFT
+adapter.
 
     <export dir>/<name>            merged: the adapters merged into the base (`from_pretrained`)
     <export dir>/<name>-adapter    the PEFT adapter (adapter_config.json, adapter_model.safetensors)
@@ -36,7 +37,8 @@ class GatherMismatch(RunFailure):
 
 
 def wanted(spec: JobSpec) -> tuple[bool, bool]:
-    """(merged, adapter): what `export.adapter` asks for; without model.lora, the merged (plain) model only."""
+    """(merged, adapter): what `export.adapter` asks for; without model.lora, the merged (plain)
+    model only."""
     if not spec["model"]["lora"]:
         return True, False
     choice = spec["export"]["adapter"]
@@ -44,7 +46,8 @@ def wanted(spec: JobSpec) -> tuple[bool, bool]:
 
 
 def peft_skeleton(spec: JobSpec, tokenizer=None):
-    """The spec's model on the meta device, wrapped with the job's adapters (no weights anywhere)."""
+    """The spec's model on the meta device, wrapped with the job's adapters (no weights
+    anywhere)."""
     import torch
 
     from jobspec.model.build import build_skeleton
@@ -70,13 +73,16 @@ def check_gathered(model, state_dict: dict, source: str) -> int:
         if unexpected:
             parts.append(f"unexpected {', '.join(unexpected[:3])}")
         if wrong:
-            parts.append("wrong shapes " + ", ".join(f"{k} {found[k]} (model {expected[k]})" for k in wrong[:3]))
-        raise GatherMismatch(f"the weights gathered from {source} do not match the model: " + "; ".join(parts))
+            parts.append("wrong shapes "
+                         + ", ".join(f"{k} {found[k]} (model {expected[k]})" for k in wrong[:3]))
+        raise GatherMismatch(f"the weights gathered from {source} do not match the model: "
+                             + "; ".join(parts))
     return len(expected)
 
 
 def split(spec: JobSpec, state_dict: dict, dtype: str, source: str, tokenizer=None):
-    """(the PEFT model holding the gathered weights cast to `dtype`, the tensor count). Consumes `state_dict`."""
+    """(the PEFT model holding the gathered weights cast to `dtype`, the tensor count). Consumes
+    `state_dict`."""
     model = peft_skeleton(spec, tokenizer)
     count = check_gathered(model, state_dict, source)
     target = torch_dtype(dtype)
@@ -87,7 +93,8 @@ def split(spec: JobSpec, state_dict: dict, dtype: str, source: str, tokenizer=No
             tensor = value.contiguous()   # a ZeRO-3 GatheredTensor is assembled here
             # a copy: under ZeRO 0-2 these are the engine's own parameters, and merge_and_unload
             # adds the adapters into the base weights in place
-            converted[id(value)] = tensor.to(target, copy=True) if tensor.is_floating_point() else tensor.clone()
+            converted[id(value)] = tensor.to(target, copy=True) if tensor.is_floating_point() \
+                else tensor.clone()
         state_dict[key] = converted[id(value)]
     model.load_state_dict(state_dict, strict=True, assign=True)
     state_dict.clear()
@@ -109,16 +116,17 @@ def base_state_dict(peft_model) -> dict:
     for key, value in peft_model.state_dict().items():
         if ".lora_" in key or ".modules_to_save." in key or "lora_magnitude_vector" in key:
             continue
-        name = key.removeprefix("base_model.model.").replace(".base_layer.", ".").replace(".original_module.", ".")
+        name = key.removeprefix("base_model.model.").replace(".base_layer.",
+                                                             ".").replace(".original_module.", ".")
         base[name] = value
     return base
 
 
 def base_readme(base: str, built: bool) -> str:
     """The adapter README's section on its base: where it is and how to load the pair."""
-    where = (f"The base is the job's model built from its config with random weights (no hub id names it): "
-             f"its exact weights, as trained on (frozen), are exported beside the adapter in `{BASE_DIR}/` "
-             f"({base}).") if built else f"The base model is `{base}`."
+    where = ("The base is the job's model built from its config with random weights (no hub id "
+             "names it): its exact weights, as trained on (frozen), are exported beside the "
+             f"adapter in `{BASE_DIR}/` ({base}).") if built else f"The base model is `{base}`."
     return ("\n## Base model\n\n" + where + "\n\n```python\nfrom peft import PeftModel\n"
             "from transformers import AutoModelForCausalLM\n\n"
             f'base = AutoModelForCausalLM.from_pretrained("{base}")\n'
@@ -145,10 +153,12 @@ def write_adapter_dir(out: str | os.PathLike, spec: JobSpec, peft_model, info: d
         named = spec["model"]["name_or_path"]
         base = named or str(((final or out) / BASE_DIR).resolve())
         if not named:   # before save_pretrained: PEFT's model card names the base too
-            base_spec: JobSpec = {**spec, "model": {**spec["model"], "lora": None, "quantization": None}}
+            base_spec: JobSpec = {**spec,
+                                  "model": {**spec["model"], "lora": None, "quantization": None}}
             write_model_dir(tmp / BASE_DIR, base_spec, base_state_dict(peft_model),
                             ExportInfo(name=f"{info.get('name')} base", step=info.get("step"),
-                                       dtype=info.get("dtype", "fp32"), source="the frozen base the adapter trained on",
+                                       dtype=info.get("dtype", "fp32"),
+                                       source="the frozen base the adapter trained on",
                                        metrics={}, notes=[]), tokenizer=tokenizer)
         peft_model.save_pretrained(tmp)
         if tokenizer is not None:   # AutoTokenizer.from_pretrained(adapter dir), as the merged one
@@ -159,10 +169,12 @@ def write_adapter_dir(out: str | os.PathLike, spec: JobSpec, peft_model, info: d
         config["base_model_name_or_path"] = base
         config_path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         readme = tmp / "README.md"
-        card = readme.read_text(encoding="utf-8") if readme.is_file() else f"# {spec['name']} adapter\n"
+        card = readme.read_text(encoding="utf-8") if readme.is_file() \
+            else f"# {spec['name']} adapter\n"
         readme.write_text(card.rstrip("\n") + "\n" + base_readme(base, not named), encoding="utf-8")
         record = {**info, "job": spec["name"], "kind": "peft-adapter"}
-        (tmp / "jobspec_export.json").write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        (tmp / "jobspec_export.json").write_text(json.dumps(record, indent=2) + "\n",
+                                                 encoding="utf-8")
         follow_umask(tmp)
         old = out.parent / f".{out.name}.old-{os.getpid()}"
         if out.exists():
@@ -172,4 +184,5 @@ def write_adapter_dir(out: str | os.PathLike, spec: JobSpec, peft_model, info: d
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return {**record, "path": str(out), "bytes": dir_bytes(out), "seconds": round(time.monotonic() - started, 3)}
+    return {**record, "path": str(out), "bytes": dir_bytes(out),
+            "seconds": round(time.monotonic() - started, 3)}

@@ -1,4 +1,5 @@
-"""The model and data refusals `plan`, `compile` and `launch` (dry or not) make before anything is derived.
+"""The model and data refusals `plan`, `compile` and `launch` (dry or not) make before anything is
+derived.
 
 One function, `model_data_checks(resolved)`, run by job/prepare.prepare_job on every path
 (`jobspec plan`, `jobspec compile`, `jobspec launch` and `--dry-run`, `jobspec prepare`), so none of
@@ -10,7 +11,8 @@ rules is what needs transformers or the network (validate imports neither):
 - the config transformers builds from it, refused at the keys involved (model/build.build_config:
   `pad_token_id` beyond `vocab_size`, ...), never as a later failure of another field;
 - `model.attention` left out for a hub id: the best the head supports, now that its type is known;
-- (the records' shape: validate, data/record_checks.record_issues, every bad record at its file:line)
+- (the records' shape: validate, data/record_checks.record_issues, every bad record at its
+  file:line)
 - the tokenizer transformers loads, its size against the vocabulary, the chat template rendered on
   the records (data/preflight).
 
@@ -84,28 +86,31 @@ def config_check(resolved: ResolvedSpec) -> None:
     except SpecError as err:
         raise resolved.locate(err) from None
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise resolved.locate(loading_error(model, model["task"], model["attention"], err)) from None
+        raise resolved.locate(loading_error(model, model["task"], model["attention"],
+                                            err)) from None
 
 
 def lora_target_check(resolved: ResolvedSpec) -> None:
-    """`model.lora`'s target patterns and `modules_to_save` against the model's real module names, on the
-    meta device (validate cannot know them without building the model): refused, positioned, before
-    anything is derived or launched."""
+    """`model.lora`'s target patterns and `modules_to_save` against the model's real module names,
+    on the meta device (validate cannot know them without building the model): refused, positioned,
+    before anything is derived or launched."""
     spec = resolved.spec
     if spec["model"]["lora"] is None:
         return
     from jobspec.model.build import build_skeleton
     from jobspec.model.lora import check_targets
 
-    library_log.adopt_transformers()   # transformers' log lines to the command's log (plan, compile)
+    # transformers' log lines to the command's log (plan, compile)
+    library_log.adopt_transformers()
     try:
         try:
             model = build_skeleton(spec)
         except SpecError as err:
-            if spec["model"]["name_or_path"] and all(i.path == ("model", "name_or_path") for i in err.issues):
-                # a hub id this machine cannot read (offline, say): `compile` still works as without LoRA; a
-                # launch refuses it before any rank (job/model_config via job/checks), and the ranks' `lora`
-                # patch checks the patterns against the loaded model all the same
+            if spec["model"]["name_or_path"] \
+                    and all(i.path == ("model", "name_or_path") for i in err.issues):
+                # a hub id this machine cannot read (offline, say): `compile` still works as without
+                # LoRA; a launch refuses it before any rank (job/model_config via job/checks), and
+                # the ranks' `lora` patch checks the patterns against the loaded model all the same
                 return
             raise
         check_targets(spec, model)

@@ -92,7 +92,8 @@ def type_of(annotation) -> dict:
 def _value_type(value) -> str:
     if value is None:
         return "null"
-    return {bool: "boolean", int: "integer", float: "float", str: "string"}.get(type(value), "string")
+    return {bool: "boolean", int: "integer", float: "float", str: "string"}.get(type(value),
+                                                                                "string")
 
 
 def _union(arms: list[dict]) -> dict:
@@ -101,7 +102,8 @@ def _union(arms: list[dict]) -> dict:
     out: dict = {"type": _ordered({t for arm in arms for t in arm["type"]})}
     typed = [arm for arm in arms if arm["type"] != ["null"]]
     if typed and all("enum" in arm for arm in typed):
-        out["enum"] = [v for arm in typed for v in arm["enum"]] + ([None] if len(typed) < len(arms) else [])
+        out["enum"] = [v for arm in typed for v in arm["enum"]] \
+            + ([None] if len(typed) < len(arms) else [])
     items = [arm["items"] for arm in arms if "items" in arm]
     if len(items) == 1 and sum("array" in arm["type"] for arm in arms) == 1:
         out["items"] = items[0]
@@ -121,15 +123,18 @@ def dataclass_fields(cls) -> dict[str, dict]:
 
     # configuration_utils imports torch only for type checking; its annotations name torch.dtype
     hints = typing.get_type_hints(cls, localns={"torch": torch})
-    return {f.name: _field_entry(f, hints) for f in dataclasses.fields(cls) if not f.name.startswith("_")}
+    return {f.name: _field_entry(f, hints) for f in dataclasses.fields(cls)
+            if not f.name.startswith("_")}
 
 
 def _check_keywords_exist(base) -> None:
     source = inspect.getsource(base.__post_init__)
     for name in POST_INIT_KEYWORDS:
-        settable = isinstance(getattr(base, name, None), property) and getattr(base, name).fset is not None
+        settable = isinstance(getattr(base, name, None), property) \
+            and getattr(base, name).fset is not None
         if not settable and f'"{name}"' not in source:
-            raise SystemExit(f"transformers no longer takes `{name}` in PreTrainedConfig: update POST_INIT_KEYWORDS")
+            raise SystemExit(f"transformers no longer takes `{name}` in PreTrainedConfig: update "
+                             "POST_INIT_KEYWORDS")
     rope_source = inspect.getsource(base.convert_rope_params_to_dict)
     for name in ROPE_KEYWORDS:
         if f'"{name}"' not in rope_source:
@@ -141,18 +146,20 @@ def transformers_entry(model_type: str, common: dict) -> dict:
 
     cls = CONFIG_MAPPING[model_type]
     if not dataclasses.is_dataclass(cls):
-        raise SystemExit(f"{cls.__name__} is not a dataclass: this script reads transformers 5 config classes")
+        raise SystemExit(f"{cls.__name__} is not a dataclass: this script reads transformers 5 "
+                         "config classes")
     fields = dataclass_fields(cls)
     if "rope_parameters" in fields:
         fields.update(ROPE_KEYWORDS)
     own = {name: entry for name, entry in fields.items() if common.get(name) != entry}
     aliases = {alias: target for alias, target in cls.attribute_map.items() if alias not in fields}
-    return {"class": f"{cls.__module__}.{cls.__qualname__}", "common": True, "fields": dict(sorted(own.items())),
-            "aliases": dict(sorted(aliases.items()))}
+    return {"class": f"{cls.__module__}.{cls.__qualname__}", "common": True,
+            "fields": dict(sorted(own.items())), "aliases": dict(sorted(aliases.items()))}
 
 
 def common_fields() -> dict:
-    """The keys every transformers config takes (PreTrainedConfig's fields and post-init keywords)."""
+    """The keys every transformers config takes (PreTrainedConfig's fields and post-init
+    keywords)."""
     from transformers import PreTrainedConfig
 
     _check_keywords_exist(PreTrainedConfig)
@@ -160,8 +167,8 @@ def common_fields() -> dict:
 
 
 def job_model_config_issues(resolved: ResolvedSpec) -> list[SpecIssue]:
-    """`model.config` and `model.lora`'s module names that validate could not check, found by `plan`,
-    `compile` and `launch --dry-run` alike (job/checks), before anything is derived.
+    """`model.config` and `model.lora`'s module names that validate could not check, found by
+    `plan`, `compile` and `launch --dry-run` alike (job/checks), before anything is derived.
 
     Validate checks them when it knows the model type without transformers or the network
     (`model.architecture`, a local checkpoint's config.json, a hub id's in the local cache) and the
@@ -189,7 +196,8 @@ def job_model_config_issues(resolved: ResolvedSpec) -> list[SpecIssue]:
     if model["architecture"] or checkpoint is not None:
         model_type = model_table.model_type(resolved.spec, checkpoint)
         if model_type is None or model_table.entry(model_type) is not None:
-            return []   # checked by validate (or no type to check against: the ranks' AutoConfig decides)
+            # checked by validate (or no type to check against: the ranks' AutoConfig decides)
+            return []
     else:   # a hub id outside the local cache: validate could not know its type
         name = model["name_or_path"]
         assert name is not None   # the schema requires model.architecture or model.name_or_path
@@ -197,35 +205,38 @@ def job_model_config_issues(resolved: ResolvedSpec) -> list[SpecIssue]:
             checkpoint = hub_config(name, model["revision"])
         except Exception as err:   # whatever stops this read stops the ranks' from_pretrained too
             return [resolved.issue(("model", "name_or_path"),
-                                   f"cannot read the config.json of `{name}`, so model.config cannot be checked: "
-                                   f"{first_line(err)}",
-                                   "the ranks would fail to load it the same way: give a local checkpoint "
-                                   "directory, or a hub id reachable from here (or in the Hugging Face cache)")]
+                                   f"cannot read the config.json of `{name}`, so model.config "
+                                   f"cannot be checked: {first_line(err)}",
+                                   "the ranks would fail to load it the same way: give a local "
+                                   "checkpoint directory, or a hub id reachable from here (or in "
+                                   "the Hugging Face cache)")]
         model_type = checkpoint.get("model_type")
         if model_type is None:
             return []
         if model_table.entry(model_type) is not None:
-            return model_config_issues({**resolved.spec, "model": {**model, "architecture": model_type}},
+            return model_config_issues({**resolved.spec,
+                                        "model": {**model, "architecture": model_type}},
                                        resolved.issue, checkpoint)
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     if model_type not in CONFIG_MAPPING:
         if model["trust_remote_code"]:
-            print(f"jobspec: model.config is not checked: model type `{model_type}` is defined by the "
-                  "repository's own code (trust_remote_code), which runs only on the ranks", file=sys.stderr,
-                  flush=True)
+            print(f"jobspec: model.config is not checked: model type `{model_type}` is defined by "
+                  "the repository's own code (trust_remote_code), which runs only on the ranks",
+                  file=sys.stderr, flush=True)
             return []
-        return [resolved.issue(("model", "architecture") if model["architecture"] else ("model", "name_or_path"),
+        return [resolved.issue(("model", "architecture") if model["architecture"]
+                               else ("model", "name_or_path"),
                                f"transformers {_version()} has no model type `{model_type}`",
                                "use a model_type transformers knows (its AutoConfig names)")]
     entry = transformers_entry(model_type, common_fields())
-    return model_config_issues({**resolved.spec, "model": {**model, "architecture": model_type}}, resolved.issue,
-                               checkpoint, entry=entry)
+    return model_config_issues({**resolved.spec, "model": {**model, "architecture": model_type}},
+                               resolved.issue, checkpoint, entry=entry)
 
 
 def hub_config(name: str, revision: str | None = None) -> dict:
     """The config.json of hub id `name` as a dict: from the local Hugging Face cache, else fetched
-    (the file the ranks' `AutoConfig.from_pretrained` reads first; fetched here, it is cached for them).
-    Raises what transformers raises when it cannot be read. No config class is built, so no
+    (the file the ranks' `AutoConfig.from_pretrained` reads first; fetched here, it is cached for
+    them). Raises what transformers raises when it cannot be read. No config class is built, so no
     repository code runs."""
     from transformers import PreTrainedConfig
 

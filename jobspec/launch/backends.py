@@ -1,7 +1,7 @@
 """The ways of starting a launch plan's ranks, and which one a launch uses.
 
-Each backend builds its whole argv from the plan (compile/launch_plan.LaunchPlan) once; nothing reads
-a command line back. The argv a launch runs is the argv command.txt and launch.json record.
+Each backend builds its whole argv from the plan (compile/launch_plan.LaunchPlan) once; nothing
+reads a command line back. The argv a launch runs is the argv command.txt and launch.json record.
 
     one node, this host           runner.NodeLauncher   DeepSpeed's launch.py, no runner process
     several nodes                 runner.DeepSpeedRunner  DeepSpeed's runner (its hostfile, pdsh)
@@ -22,7 +22,8 @@ class Backend(Protocol):
     """One way of starting the ranks of a plan."""
 
     def argv(self, plan: LaunchPlan) -> list[str]:
-        """The command that starts every rank of `plan` (run by launch/supervise, written to command.txt)."""
+        """The command that starts every rank of `plan` (run by launch/supervise, written to
+        command.txt)."""
         ...
 
     def hostfile_text(self, plan: LaunchPlan) -> str | None:
@@ -31,8 +32,9 @@ class Backend(Protocol):
 
 
 def backend_for(plan: LaunchPlan, environ: Mapping[str, str] = os.environ) -> Backend:
-    """The backend for `plan` on this host, in this environment (a Slurm allocation, CUDA_VISIBLE_DEVICES,
-    JOBSPEC_DEEPSPEED_RUNNER). A multi-node plan in an allocation too small for it is refused (SpecError)."""
+    """The backend for `plan` on this host, in this environment (a Slurm allocation,
+    CUDA_VISIBLE_DEVICES, JOBSPEC_DEEPSPEED_RUNNER). A multi-node plan in an allocation too small
+    for it is refused (SpecError)."""
     if plan.nodes > 1:
         in_slurm = slurm.allocation_backend(plan, runner.runner_prefix(), environ)
         return in_slurm if in_slurm is not None else runner.DeepSpeedRunner()

@@ -74,11 +74,12 @@ def plain(lines: list[str]) -> str:
 # --- MLflow ------------------------------------------------------------------------------------
 
 def mlflow_open(tracking_uri: str, experiment_id: str, run_id: str) -> str:
-    """How to look at the run: its URL on a tracking server, or the `mlflow ui` command for a local store."""
+    """How to look at the run: its URL on a tracking server, or the `mlflow ui` command for a local
+    store."""
     parts = urlsplit(tracking_uri)
     # MLflow 3's UI opens in its GenAI mode unless told (a `workflowType` query parameter, else the
-    # browser's last choice, by default GenAI), where a run is filed under "Evaluations" and its model
-    # metrics are hidden; `machine_learning` opens the run page of model training
+    # browser's last choice, by default GenAI), where a run is filed under "Evaluations" and its
+    # model metrics are hidden; `machine_learning` opens the run page of model training
     page = f"/#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"
     if parts.scheme in ("http", "https"):
         return tracking_uri.rstrip("/") + page
@@ -97,26 +98,33 @@ def _absolute_store(uri: str) -> str:
     return uri
 
 
-def tracking_lines(info: dict | None, experiment: str | None = None, *, style: bool = False) -> list[str]:
+def tracking_lines(info: dict | None, experiment: str | None = None, *,
+                   style: bool = False) -> list[str]:
     if not info:
         return []
     named = f" in experiment {experiment!r}" if experiment else ""
     return [label("MLflow", style) + f"run {info['run_id']}{named}",
-            label("", style) + mlflow_open(info["tracking_uri"], info["experiment_id"], info["run_id"])]
+            label("", style)
+            + mlflow_open(info["tracking_uri"], info["experiment_id"], info["run_id"])]
 
 
 # --- the header ----------------------------------------------------------------------------------
 
-def header_lines(spec: JobSpec, job, memory, host, patches: list, *, style: bool = False) -> list[str]:
-    """The lines printed before anything starts. `job`: DerivedJob; `memory`: memory.at_launch.LaunchMemory;
-    `host`: hardware.Host; `patches`: the compiled patches.json entries."""
+def header_lines(spec: JobSpec, job, memory, host, patches: list, *,
+                 style: bool = False) -> list[str]:
+    """The lines printed before anything starts. `job`: DerivedJob; `memory`:
+    memory.at_launch.LaunchMemory; `host`: hardware.Host; `patches`: the compiled patches.json
+    entries."""
     model = spec["model"]
     name = model["name_or_path"] or model["architecture"] or "?"
-    lines = [_title(f"{spec['name']}: {name} {model['task']}, {fmt_count(job.num_parameters)} parameters", style)]
+    lines = [_title(f"{spec['name']}: {name} {model['task']}, {fmt_count(job.num_parameters)} "
+                    "parameters", style)]
     mem = spec["memory"]
     offload = [f"{what} to {where}" for what, where in (("optimizer", mem["offload"]["optimizer"]),
-                                                         ("parameters", mem["offload"]["params"])) if where != "none"]
-    accumulation = f" x {job.gradient_accumulation_steps} accumulation" if job.gradient_accumulation_steps > 1 else ""
+                                                         ("parameters", mem["offload"]["params"]))
+               if where != "none"]
+    accumulation = f" x {job.gradient_accumulation_steps} accumulation" \
+        if job.gradient_accumulation_steps > 1 else ""
     lines.append(label("training", style) + f"{job.precision} · ZeRO-{mem['zero_stage']} · "
                  f"{'offload ' + ', '.join(offload) if offload else 'no offload'} · global batch "
                  f"{job.global_batch_size} ({job.micro_batch_size} per rank x "
@@ -130,13 +138,14 @@ def header_lines(spec: JobSpec, job, memory, host, patches: list, *, style: bool
     if memory.host_problem is not None:   # memory.fit: auto refused it already; as written, say so
         issue = memory.host_problem.issues[0]
         lines.append(f"WARNING: the nodes cannot hold this job: {issue.message}.")
-        lines.append(f"  It may be killed by the kernel's OOM killer. Change: {issue.hint}; memory.fit: auto refuses "
-                     "such a launch.")
+        lines.append(f"  It may be killed by the kernel's OOM killer. Change: {issue.hint}; "
+                     "memory.fit: auto refuses such a launch.")
     described = [patch_text(p) for p in patches]
     if not optimizers.get(spec["training"]["optimizer"]["name"]).built_by_deepspeed:
         # the ranks build it (train/patches.client_optimizer): listed among the patches, before
         # parameter_groups, lora and torch_compile
-        later = [i for i, p in enumerate(patches) if p["name"] in ("parameter_groups", "lora", "torch_compile")]
+        later = [i for i, p in enumerate(patches)
+                 if p["name"] in ("parameter_groups", "lora", "torch_compile")]
         described.insert(later[0] if later else len(described),
                          f"optimizer {spec['training']['optimizer']['name']}, built by jobspec")
     if described:
@@ -148,11 +157,14 @@ def header_lines(spec: JobSpec, job, memory, host, patches: list, *, style: bool
 
 
 def allocator_text(environ) -> str:
-    """The CUDA allocator the GPU ranks run (launch/pipeline.child_env sets it, the plan models it)."""
+    """The CUDA allocator the GPU ranks run (launch/pipeline.child_env sets it, the plan models
+    it)."""
     conf, chosen = allocator_conf(environ)
     if chosen:
-        return f"allocator {ALLOCATOR_VARIABLE}={conf} (set by jobspec; set the variable to choose another)"
-    modelled = "expandable segments" if expandable(conf) else "no expandable segments: the plan assumes them"
+        return (f"allocator {ALLOCATOR_VARIABLE}={conf} (set by jobspec; set the variable to "
+                "choose another)")
+    modelled = "expandable segments" if expandable(conf) \
+        else "no expandable segments: the plan assumes them"
     return f"allocator {ALLOCATOR_VARIABLE}={conf} (yours; {modelled})"
 
 
@@ -161,8 +173,9 @@ def hardware_text(job, host) -> str:
     nodes = f" per node x {job.nodes} nodes" if job.nodes > 1 else ""
     if host.has_gpu:
         names = sorted(set(host.gpu_names))
-        return f"{', '.join(names)} x {len(host.gpu_names)} on this host; world size {job.world_size} " \
-               f"({per_node} rank{'s' if per_node > 1 else ''}{nodes})"
+        ranks = f"{per_node} rank{'s' if per_node > 1 else ''}{nodes}"
+        return (f"{', '.join(names)} x {len(host.gpu_names)} on this host; "
+                f"world size {job.world_size} ({ranks})")
     return f"no GPU: {per_node} CPU {_ranks(per_node).split(' ', 1)[1]}{nodes} on {host.cpus} " \
            f"CPU core{'s' if host.cpus != 1 else ''}; world size {job.world_size}"
 
@@ -215,24 +228,27 @@ def gpu_sized_warning(spec: JobSpec, job, memory, host, step_time_s: float | Non
         return []
     reasons = []
     if step_time_s is not None and step_time_s > CPU_STEP_LIMIT_S:
-        reasons.append(f"the planner estimates {fmt_duration(step_time_s)} per step on these {host.cpus} CPU "
-                       f"core{'s' if host.cpus != 1 else ''} ({fmt_duration(step_time_s * (job.total_steps or 0))} "
-                       f"for {job.total_steps} steps)")
+        reasons.append(f"the planner estimates {fmt_duration(step_time_s)} per step on these "
+                       f"{host.cpus} CPU core{'s' if host.cpus != 1 else ''} "
+                       f"({fmt_duration(step_time_s * (job.total_steps or 0))} for "
+                       f"{job.total_steps} steps)")
     plan = memory.plan
     if plan is not None and host.ram_available is not None:
         # the node's ranks: CPU ranks hold their tensors in host RAM (a GPU plan: beside it)
         beside = 0 if plan.cpu_ranks else plan.peak_allocated * job.gpus_per_node
         node = plan.host_per_node + beside
         if node > host.ram_available:
-            reasons.append(f"its plan needs {fmt_mib_gib(node)} for {_ranks(job.gpus_per_node)}, more than the "
-                           f"{fmt_mib_gib(host.ram_available)} of RAM available")
+            reasons.append(f"its plan needs {fmt_mib_gib(node)} for {_ranks(job.gpus_per_node)}, "
+                           f"more than the {fmt_mib_gib(host.ram_available)} of RAM available")
     if not reasons:
         return []
     if step_time_s is not None and not reasons[0].startswith("the planner"):
         reasons.append(f"est. {fmt_duration(step_time_s)} per step")
-    return [f"WARNING: {spec['name']} is sized for GPUs and this host has none: " + "; ".join(reasons) + ".",
-            "  It runs on CPU ranks anyway (Ctrl-C stops it). Run it on a GPU host, or make it smaller: "
-            "model.config, training.micro_batch_size, data.synthetic.seq_len / data.max_length."]
+    return [f"WARNING: {spec['name']} is sized for GPUs and this host has none: "
+            + "; ".join(reasons) + ".",
+            "  It runs on CPU ranks anyway (Ctrl-C stops it). Run it on a GPU host, or make it "
+            "smaller: model.config, training.micro_batch_size, data.synthetic.seq_len / "
+            "data.max_length."]
 
 
 def _ranks(n: int) -> str:
@@ -241,13 +257,16 @@ def _ranks(n: int) -> str:
 
 # --- the closing summary -------------------------------------------------------------------------
 
-def outcome_text(summary: RunSummary, exit_code: int, user_signal: str | None, reason: str | None) -> str:
+def outcome_text(summary: RunSummary, exit_code: int, user_signal: str | None,
+                 reason: str | None) -> str:
     """The exit status in words."""
     steps, total = summary.steps, summary.total_steps
     at = f" at step {steps} of {total}" if steps is not None and total else ""
-    if summary.status == "preempted":   # a signal, --stop-after-steps: the ranks saved a checkpoint first
+    # a signal, --stop-after-steps: the ranks saved a checkpoint first
+    if summary.status == "preempted":
         by = f" by {user_signal}" if user_signal else ""
-        return f"stopped{by}{at} with a checkpoint (exit {exit_code}); the command below continues from it"
+        return (f"stopped{by}{at} with a checkpoint (exit {exit_code}); the command below "
+                "continues from it")
     if user_signal:   # ended before the ranks saved one (a second Ctrl-C, the grace ran out)
         return f"stopped by {user_signal}{at} before a checkpoint was saved (exit {exit_code})"
     if exit_code == 0:
@@ -258,16 +277,19 @@ def outcome_text(summary: RunSummary, exit_code: int, user_signal: str | None, r
     return f"FAILED{at} (exit {exit_code})" + (f": {first[0][:300]}" if first else "")
 
 
-def closing_lines(summary: RunSummary | None, launch: dict, *, job_name: str, run_dir, checkpoint_dir: str,
+def closing_lines(summary: RunSummary | None, launch: dict, *, job_name: str, run_dir,
+                  checkpoint_dir: str,
                   exit_code: int, user_signal: str | None = None, reason: str | None = None,
                   tracking: dict | None = None, experiment: str | None = None, style: bool = False,
-                  model_tags: dict | None = None, model_spec: JobSpecModel | None = None) -> list[str]:
+                  model_tags: dict | None = None,
+                  model_spec: JobSpecModel | None = None) -> list[str]:
     """The block printed when the job ends, also kept in summary.json (`report`) and as the MLflow
     run's description. `summary`: summary.json (None when no rank wrote one); `launch`: launch.json;
     `model_spec`: the resolved spec's `model` section (its LoRA and quantisation settings)."""
     summary = summary or RunSummary()
     lines = [_title(f"{job_name} {outcome_text(summary, exit_code, user_signal, reason)}", style)]
-    losses = [f"{name} {value:.4f}" for name, value in (("train", summary.final_loss), ("eval", summary.eval_loss))
+    losses = [f"{name} {value:.4f}"
+              for name, value in (("train", summary.final_loss), ("eval", summary.eval_loss))
               if isinstance(value, (int, float))]
     if losses:
         lines.append(label("loss", style) + " · ".join(losses))
@@ -279,9 +301,11 @@ def closing_lines(summary: RunSummary | None, launch: dict, *, job_name: str, ru
         lines.append(label("throughput", style) + speed)
     lines += memory_lines(summary.peak_memory, launch.get("plan") or {}, style)
     counts = summary.parameters
-    if counts.get("total") and counts.get("trainable") is not None and counts["trainable"] < counts["total"]:
+    if counts.get("total") and counts.get("trainable") is not None \
+            and counts["trainable"] < counts["total"]:
         # a frozen base (model.lora, model.freeze): what was trained of what was loaded
-        lines.append(label("parameters", style) + f"{counts['trainable']:,} trainable of {counts['total']:,} "
+        lines.append(label("parameters", style)
+                     + f"{counts['trainable']:,} trainable of {counts['total']:,} "
                      f"({100 * counts['trainable'] / counts['total']:.2f}%)")
     adapter = adapter_text(model_spec)
     if adapter:
@@ -289,13 +313,15 @@ def closing_lines(summary: RunSummary | None, launch: dict, *, job_name: str, ru
         lines.append(label("adapter", style) + adapter)
     answer = summary.generation   # training.eval_generate: the last evaluation's first answer
     if isinstance(answer, dict) and answer.get("generation") is not None:
-        lines.append(label("answer", style) + f"step {answer.get('step')}: {_excerpt(answer.get('prompt'))} -> "
+        lines.append(label("answer", style)
+                     + f"step {answer.get('step')}: {_excerpt(answer.get('prompt'))} -> "
                      f"{_excerpt(answer.get('generation'))}")
     if summary.checkpoint:
         lines.append(label("checkpoint", style) + os.path.join(checkpoint_dir, summary.checkpoint))
     for name, record in sorted(summary.exports.items()):
         path = record.get("path") if isinstance(record, dict) else record
-        step = f" (step {record['step']})" if isinstance(record, dict) and record.get("step") is not None else ""
+        step = f" (step {record['step']})" if isinstance(record, dict) \
+            and record.get("step") is not None else ""
         # where MLflow has it (export/artifacts tags): its artifacts, or why it was not uploaded
         stored = (model_tags or {}).get(f"jobspec.export.{name}.artifact")
         if stored is None:
@@ -319,39 +345,43 @@ def _excerpt(text, limit: int = 80) -> str:
 
 
 def adapter_text(model_spec: JobSpecModel | None) -> str:
-    """`model.lora` and `model.quantization` in one line: `LoRA r 8 · alpha 16 · targets q_proj, v_proj ·
-    base 4-bit nf4 (double quant, compute auto)`; "" without LoRA."""
+    """`model.lora` and `model.quantization` in one line: `LoRA r 8 · alpha 16 · targets q_proj,
+    v_proj · base 4-bit nf4 (double quant, compute auto)`; "" without LoRA."""
     lora = model_spec["lora"] if model_spec is not None else None
     if not lora:
         return ""
     targets = lora["target_modules"]
     parts = [f"LoRA r {lora['r']}", f"alpha {lora['alpha']:g}",
              "targets " + (targets if isinstance(targets, str) else ", ".join(targets))]
-    variants = [name for name, on in (("rsLoRA", lora["use_rslora"]), ("DoRA", lora["use_dora"])) if on]
+    variants = [name for name, on in (("rsLoRA", lora["use_rslora"]), ("DoRA", lora["use_dora"]))
+                if on]
     if variants:
         parts.append(" + ".join(variants))
     quant = model_spec["quantization"] if model_spec is not None else None
     if quant:
         if quant["bits"] == 4:
-            # `auto` compute is the training precision, which the header showed: only a chosen one here
+            # `auto` compute is the training precision, which the header showed: only a chosen one
+            # here
             notes = [note for note in ("double quant" if quant["double_quant"] else None,
                                        None if quant["compute_dtype"] == "auto"
                                        else f"compute {quant['compute_dtype']}") if note]
-            parts.append(f"base 4-bit {quant['quant_type']}" + (f" ({', '.join(notes)})" if notes else ""))
+            parts.append(f"base 4-bit {quant['quant_type']}"
+                         + (f" ({', '.join(notes)})" if notes else ""))
         else:
             parts.append("base 8-bit (LLM.int8)")
     return " · ".join(parts)
 
 
 def eval_metrics_text(metrics: dict) -> str:
-    """The last evaluation's task metrics (summary.json `eval_metrics`): `accuracy 87.5% · F1 0.8667`."""
+    """The last evaluation's task metrics (summary.json `eval_metrics`): `accuracy 87.5% · F1
+    0.8667`."""
     parts = []
     for name in eval_metrics.TASK_ONLY:
         value = metrics.get(eval_metrics.key(name))
         if not isinstance(value, (int, float)):
             continue
-        shown = f"{100 * value:.1f}%" if name == "accuracy" else f"{value:.4g}" if name == "perplexity" \
-            else f"{value:.4f}"
+        shown = f"{100 * value:.1f}%" if name == "accuracy" \
+            else f"{value:.4g}" if name == "perplexity" else f"{value:.4f}"
         parts.append(f"{eval_metrics.label(name)} {shown}")
     return " · ".join(parts)
 

@@ -34,9 +34,10 @@ class LaunchOptions:
 
 @dataclass(frozen=True)
 class LaunchContext:
-    """One launch from its intent on, while it holds the checkpoint directory's lease: what was asked
-    (the job argument, overrides, options), the spec as written, the job prepared for the chosen
-    checkpoints, what the launcher holds (the lease, the stop handler) and what it found (host, port)."""
+    """One launch from its intent on, while it holds the checkpoint directory's lease: what was
+    asked (the job argument, overrides, options), the spec as written, the job prepared for the
+    chosen checkpoints, what the launcher holds (the lease, the stop handler) and what it found
+    (host, port)."""
 
     job: str
     overrides: tuple[str, ...]
@@ -50,7 +51,8 @@ class LaunchContext:
     port: int
     found: Host
     style: bool                       # the progress bar's bold labels
-    phases: list[tuple[str, float, float]]   # start-up timestamps, appended as it goes (launcher.log)
+    # start-up timestamps, appended as it goes (launcher.log)
+    phases: list[tuple[str, float, float]]
 
     @property
     def spec(self) -> JobSpec:
@@ -58,20 +60,23 @@ class LaunchContext:
 
     @property
     def gpu_free(self) -> int | None:
-        """The free GPU memory the plan was made against (prepare_job's Host: JOBSPEC_FAKE_GPU_FREE_BYTES
-        in tests), which the header leaves out where `found` has no GPU."""
+        """The free GPU memory the plan was made against (prepare_job's Host:
+        JOBSPEC_FAKE_GPU_FREE_BYTES in tests), which the header leaves out where `found` has no
+        GPU."""
         return self.prepared.host.gpu_free if self.prepared.host is not None else None
 
     def resume_hint(self, checkpoint_dir: Path) -> str:
         """The command that continues the checkpoints in `checkpoint_dir` (`resume_hint`)."""
-        return resume_hint(self.job, list(self.overrides), self.as_written, self.prepared.derived, checkpoint_dir)
+        return resume_hint(self.job, list(self.overrides), self.as_written, self.prepared.derived,
+                           checkpoint_dir)
 
 
 def resume_hint(job: str, overrides: list[str], as_written, derived, checkpoint_dir: Path) -> str:
     """The command that continues the checkpoints in `checkpoint_dir`: the launch's own command
     (`checkpoint.resume=auto` added if it was not) when a relaunch of it picks that directory
-    (launch/lineage.choose: the newest unfinished one of the same spec), else with the directory named.
-    A `--new-run` flag is never part of it: it would start yet another line of checkpoints."""
+    (launch/lineage.choose: the newest unfinished one of the same spec), else with the directory
+    named. A `--new-run` flag is never part of it: it would start yet another line of
+    checkpoints."""
     plain = run_status.resume_command(job, overrides, as_written.spec["checkpoint"]["resume"])
     resumed = dataclasses.replace(as_written, spec={**as_written.spec, "checkpoint": {
         **as_written.spec["checkpoint"], "resume": "auto"}})
@@ -81,4 +86,5 @@ def resume_hint(job: str, overrides: list[str], as_written, derived, checkpoint_
         picked = None
     if picked is not None and Path(picked).resolve() == Path(checkpoint_dir).resolve():
         return plain
-    return run_status.resume_command(job, overrides, as_written.spec["checkpoint"]["resume"], str(checkpoint_dir))
+    return run_status.resume_command(job, overrides, as_written.spec["checkpoint"]["resume"],
+                                     str(checkpoint_dir))

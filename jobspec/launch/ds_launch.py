@@ -1,7 +1,7 @@
 """DeepSpeed's per-node launcher (`deepspeed.launcher.launch`), run unchanged as `__main__`, with
 DeepSpeed imported through `jobspec.ops.import_deepspeed`: launch.py itself only spawns and watches
-the ranks, yet its `import deepspeed` imports MLflow (DeepSpeed's autotuner), ~1.7 s of CPU before any
-rank starts. `python -u -m jobspec.launch.ds_launch ARGS` takes exactly launch.py's arguments
+the ranks, yet its `import deepspeed` imports MLflow (DeepSpeed's autotuner), ~1.7 s of CPU before
+any rank starts. `python -u -m jobspec.launch.ds_launch ARGS` takes exactly launch.py's arguments
 (jobspec/launch/runner.py builds them as DeepSpeed's runner would)."""
 from __future__ import annotations
 

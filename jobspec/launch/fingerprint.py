@@ -31,9 +31,12 @@ FREE = (
     "name", "description", "extends", "output_dir",
     "model.attention", "model.compile",                      # kernels, not math
     "data.num_workers", "data.pin_memory",
-    "training.micro_batch_size",                             # the global batch is what counts (below)
-    "training.optimizer.implementation", "training.on_oom", "training.on_nan", "training.eval_every",
-    "training.eval_generate",                                # training is bit-identical with it (train/generation)
+    # the global batch is what counts (below)
+    "training.micro_batch_size",
+    "training.optimizer.implementation", "training.on_oom", "training.on_nan",
+    "training.eval_every",
+    # training is bit-identical with it (train/generation)
+    "training.eval_generate",
     "memory", "resources", "logging", "checkpoint", "export",
 )
 # ... except these, which change the numbers a step computes.
@@ -44,7 +47,8 @@ NOT_FREE = ("memory.precision",)
 CONTINUABLE = ("training.max_steps", "training.epochs", "derived.total_steps",
                "data.eval", "data.synthetic.eval_samples")
 
-HASH_LIMIT_BYTES = 64 * 1024 * 1024   # larger files are fingerprinted by size and mtime (hashing costs ~1 s/GB)
+# larger files are fingerprinted by size and mtime (hashing costs ~1 s/GB)
+HASH_LIMIT_BYTES = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -79,13 +83,15 @@ def compare(old: dict[str, str], new: dict[str, str]) -> list[Change]:
     changes = []
     for field in sorted(set(old) | set(new)):
         if old.get(field) != new.get(field):
-            changes.append(Change(field, old.get(field), new.get(field), _continuable(field, old, new)))
+            changes.append(Change(field, old.get(field), new.get(field),
+                                  _continuable(field, old, new)))
     return changes
 
 
 def diff_specs(old: dict[str, str], new: dict[str, str]) -> list[Change]:
     """Every difference between two flattened resolved specs (what a continued run records)."""
-    return [Change(f, old.get(f), new.get(f), True) for f in sorted(set(old) | set(new)) if old.get(f) != new.get(f)]
+    return [Change(f, old.get(f), new.get(f), True) for f in sorted(set(old) | set(new))
+            if old.get(f) != new.get(f)]
 
 
 def flat(value, prefix: str = "") -> dict[str, str]:
@@ -94,7 +100,8 @@ def flat(value, prefix: str = "") -> dict[str, str]:
 
 
 def content_digest(path: Path) -> str:
-    """`sha256:<hex>` of a file (of a directory's files, by name), or `size=N mtime=T` beyond HASH_LIMIT_BYTES."""
+    """`sha256:<hex>` of a file (of a directory's files, by name), or `size=N mtime=T` beyond
+    HASH_LIMIT_BYTES."""
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     try:
         total = sum(p.stat().st_size for p in files)
@@ -108,7 +115,8 @@ def content_digest(path: Path) -> str:
                 for chunk in iter(lambda: handle.read(1 << 20), b""):
                     digest.update(chunk)
         return f"sha256:{digest.hexdigest()}"
-    except OSError as err:  # the pre-flight data check reports unreadable files; here it is only a difference
+    # the pre-flight data check reports unreadable files; here it is only a difference
+    except OSError as err:
         return f"unreadable ({os.strerror(err.errno) if err.errno else err})"
 
 
@@ -123,7 +131,8 @@ def _continuable(field: str, old: dict[str, str], new: dict[str, str]) -> bool:
         return False
     if field in ("training.max_steps", "training.epochs", "derived.total_steps"):
         before, after = _number(old.get(field)), _number(new.get(field))
-        # null -> a number (or back) switches between epochs and steps: the total decides (derived.total_steps)
+        # null -> a number (or back) switches between epochs and steps: the total decides
+        # (derived.total_steps)
         return before is None or after is None or after >= before
     return True
 

@@ -24,7 +24,8 @@ TRUE = {"1", "ON", "YES", "TRUE"}
 
 
 def hub_ids(spec: JobSpec) -> list[str]:
-    """The spec's names that are hub ids, not local paths (validate made existing paths absolute)."""
+    """The spec's names that are hub ids, not local paths (validate made existing paths
+    absolute)."""
     names = [spec["model"]["name_or_path"], spec["data"]["tokenizer"]]
     return [n for n in names if n and not Path(n).is_absolute() and not Path(n).exists()]
 
@@ -41,9 +42,11 @@ def reachable(endpoint: str, timeout_s: float = CONNECT_TIMEOUT_S) -> bool:
 
 def offline_if_unreachable(spec: JobSpec, environ=os.environ) -> bool:
     """Set HF_HUB_OFFLINE=1 (and say so) when the spec names hub ids and the hub does not answer;
-    True when it did. Nothing changes when the user chose offline mode or the spec names no hub id."""
+    True when it did. Nothing changes when the user chose offline mode or the spec names no hub
+    id."""
     if environ.get("HF_HUB_OFFLINE", "").upper() in TRUE:
-        _offline_in_this_process()   # huggingface_hub may have been imported before the variable was set
+        # huggingface_hub may have been imported before the variable was set
+        _offline_in_this_process()
         return False
     if not hub_ids(spec):
         return False
@@ -52,8 +55,8 @@ def offline_if_unreachable(spec: JobSpec, environ=os.environ) -> bool:
         return False
     environ["HF_HUB_OFFLINE"] = "1"
     _offline_in_this_process()
-    print(f"jobspec: {urlsplit(endpoint).hostname} does not answer: {', '.join(hub_ids(spec))} from the local "
-          "Hugging Face cache only (HF_HUB_OFFLINE=1)", flush=True)
+    print(f"jobspec: {urlsplit(endpoint).hostname} does not answer: {', '.join(hub_ids(spec))} "
+          "from the local Hugging Face cache only (HF_HUB_OFFLINE=1)", flush=True)
     return True
 
 
@@ -62,4 +65,5 @@ def _offline_in_this_process() -> None:
     was set would go on trying the hub (25 s of retries per file), so its constant is set too."""
     constants = sys.modules.get("huggingface_hub.constants")
     if constants is not None:
-        setattr(constants, "HF_HUB_OFFLINE", True)  # noqa: B010 -- a module attribute mypy cannot see
+        # a module attribute mypy cannot see
+        setattr(constants, "HF_HUB_OFFLINE", True)  # noqa: B010

@@ -35,12 +35,14 @@ class Intent:
             return (f"do nothing: the job is complete ({self.checkpoint} is at step {self.step} of "
                     f"{self.total_steps})")
         if self.action == "resume":
-            return f"resume from {self.checkpoint} at step {self.step} and train to step {self.total_steps}"
+            return (f"resume from {self.checkpoint} at step {self.step} and train to step "
+                    f"{self.total_steps}")
         return f"start fresh and train steps 1-{self.total_steps}"
 
 
 def decide(spec: JobSpec, total_steps: int | None) -> Intent:
-    """The intent of a launch of `spec` now (`checkpoint.resume`: auto, never, or a checkpoint path)."""
+    """The intent of a launch of `spec` now (`checkpoint.resume`: auto, never, or a checkpoint
+    path)."""
     resume, ckpt_dir = spec["checkpoint"]["resume"], Path(spec["checkpoint"]["dir"])
     if resume == "never":
         return Intent("fresh", total_steps)
@@ -48,7 +50,8 @@ def decide(spec: JobSpec, total_steps: int | None) -> Intent:
         load_dir, tag = ckpt_dir, _read_latest(ckpt_dir)
     else:
         path = Path(resume)
-        load_dir, tag = (path, _read_latest(path)) if _read_latest(path) else (path.parent, path.name)
+        load_dir, tag = (path, _read_latest(path)) if _read_latest(path) \
+            else (path.parent, path.name)
     match = STEP_TAG.match(tag or "")
     if match is None or tag is None:
         return Intent("fresh", total_steps)
@@ -73,7 +76,8 @@ def writer_run_dir(ckpt_dir: str | Path) -> Path | None:
     return Path(last) if last and Path(last).is_dir() else None
 
 
-def complete_lines(spec: JobSpec, intent: Intent, unfinished: list[tuple[Path, int, str]] | None = None) -> list[str]:
+def complete_lines(spec: JobSpec, intent: Intent,
+                   unfinished: list[tuple[Path, int, str]] | None = None) -> list[str]:
     """What `jobspec launch` says instead of launching a complete job: the run that wrote the
     checkpoint (not merely the newest run directory: a --from-run or --new-run child may be newer),
     and each unfinished checkpoint directory of the same spec `unfinished` names (directory, step,
@@ -81,8 +85,9 @@ def complete_lines(spec: JobSpec, intent: Intent, unfinished: list[tuple[Path, i
     from jobspec.launch.console import mlflow_open
 
     ckpt_dir = spec["checkpoint"]["dir"]
-    lines = [f"jobspec: {spec['name']} is already complete: checkpoint {intent.checkpoint} is at step "
-             f"{intent.step} of {intent.total_steps}. Nothing was started; the finished run's results are unchanged."]
+    lines = [f"jobspec: {spec['name']} is already complete: checkpoint {intent.checkpoint} is at "
+             f"step {intent.step} of {intent.total_steps}. Nothing was started; the finished run's "
+             "results are unchanged."]
     writer = writer_run_dir(ckpt_dir)
     tracked = rundir.read_mlflow_run(writer) if writer else None
     if writer is not None:
@@ -95,10 +100,10 @@ def complete_lines(spec: JobSpec, intent: Intent, unfinished: list[tuple[Path, i
         if owner and owner.get("mlflow_run_id"):
             lines.append(f"  MLflow      run {owner['mlflow_run_id']}")
     for directory, step, command in unfinished or []:
-        lines.append(f"  unfinished  {directory} holds a run of the same spec stopped at step {step} of "
-                     f"{intent.total_steps}; resume it with: {command}")
-    lines += ["  to train again from scratch: add --new-run (fresh checkpoints beside these, which stay), or "
-              "--set output_dir=<a new directory>",
-              f"  to train longer: --set training.max_steps=N with N > {intent.step} --continue goes on from step "
-              f"{intent.step}"]
+        lines.append(f"  unfinished  {directory} holds a run of the same spec stopped at step "
+                     f"{step} of {intent.total_steps}; resume it with: {command}")
+    lines += ["  to train again from scratch: add --new-run (fresh checkpoints beside these, which "
+              "stay), or --set output_dir=<a new directory>",
+              f"  to train longer: --set training.max_steps=N with N > {intent.step} --continue "
+              f"goes on from step {intent.step}"]
     return lines

@@ -1,10 +1,12 @@
-"""The DeepSpeed ops a job loads, found by compiling it as `jobspec launch` would (`jobspec prepare`)."""
+"""The DeepSpeed ops a job loads, found by compiling it as `jobspec launch` would (`jobspec
+prepare`)."""
 from __future__ import annotations
 
 
 def job_ops(job: str, overrides: list[str]) -> list[str]:
-    """The op builders the compiled job loads: the job prepared as the launch prepares it (validate, memory
-    decisions on this host: `memory.fit: auto` may switch to optimizer offload, CPU Adam; compile)."""
+    """The op builders the compiled job loads: the job prepared as the launch prepares it (validate,
+    memory decisions on this host: `memory.fit: auto` may switch to optimizer offload, CPU Adam;
+    compile)."""
     from jobspec import ops
     from jobspec.job.prepare import Preparation, prepare_job
 

@@ -2,15 +2,15 @@
 
 `<checkpoint.dir>/jobspec_lease.json` names the launch holding the directory (host, pid and its
 start time, run directory, MLflow run, a random token) and a heartbeat the holder refreshes every
-HEARTBEAT_S. It is created with `link(2)` of a fully written temporary file, which is atomic on local
-filesystems and on NFS, where `flock` may do nothing across hosts: of two launches racing for it,
-exactly one creates it, and nobody ever reads a half-written lease.
+HEARTBEAT_S. It is created with `link(2)` of a fully written temporary file, which is atomic on
+local filesystems and on NFS, where `flock` may do nothing across hosts: of two launches racing for
+it, exactly one creates it, and nobody ever reads a half-written lease.
 
 A lease is stale when its holder is known dead: on this host, its process is gone (or is another
-process with a reused pid); on another host, its heartbeat is older than STALE_AFTER_S. A stale lease
-is taken over, and the launch says whose it was. A live one refuses the launch with exit 2, naming
-the holder. A Slurm requeue of the same job waits for its previous incarnation's lease to go stale
-instead of refusing: Slurm is ending that incarnation, but its heartbeat cannot prove it yet.
+process with a reused pid); on another host, its heartbeat is older than STALE_AFTER_S. A stale
+lease is taken over, and the launch says whose it was. A live one refuses the launch with exit 2,
+naming the holder. A Slurm requeue of the same job waits for its previous incarnation's lease to go
+stale instead of refusing: Slurm is ending that incarnation, but its heartbeat cannot prove it yet.
 """
 from __future__ import annotations
 
@@ -44,7 +44,8 @@ def read(ckpt_dir: Path) -> dict | None:
 
 
 def holder_state(record: dict, now: float | None = None) -> str:
-    """"live", or "dead" (its process is gone), "silent" (no heartbeat for STALE_AFTER_S), "damaged"."""
+    """"live", or "dead" (its process is gone), "silent" (no heartbeat for STALE_AFTER_S),
+    "damaged"."""
     if record.get("damaged"):
         return "damaged"
     alive = lifeline.is_alive(record)
@@ -87,7 +88,8 @@ class Lease:
     def update(self, **fields) -> None:
         """Add what became known (run dir, MLflow run) to the lease."""
         with self._lock:
-            self.record.update({k: (str(v) if isinstance(v, Path) else v) for k, v in fields.items()})
+            self.record.update({k: (str(v) if isinstance(v, Path) else v)
+                                for k, v in fields.items()})
             self._write()
 
     def release(self) -> None:
@@ -113,7 +115,8 @@ class Lease:
                 self.record["heartbeat"] = time.time()
                 try:
                     self._write()
-                except OSError as err:  # a full or vanished filesystem: the checkpoint save will say more
+                # a full or vanished filesystem: the checkpoint save will say more
+                except OSError as err:
                     log.warning("could not refresh the lease %s: %s", self.path, err)
 
     def _still_ours(self) -> bool:
@@ -121,7 +124,8 @@ class Lease:
         return current is not None and current.get("token") == self.record["token"]
 
     def _write(self) -> None:
-        if not self._still_ours():  # taken over while this launcher was frozen: never clobber the new holder
+        # taken over while this launcher was frozen: never clobber the new holder
+        if not self._still_ours():
             self._stop.set()
             return
         tmp = self.path.with_name(f".{LEASE_FILE}.{self.record['token']}.tmp")
@@ -129,11 +133,13 @@ class Lease:
         os.replace(tmp, self.path)
 
 
-def acquire(ckpt_dir: Path, job: str, *, say=print, wait_for_requeue_s: float = STALE_AFTER_S + HEARTBEAT_S,
-            **fields) -> Lease:
-    """The lease of `ckpt_dir` (which must exist), taking over a stale one; exit 2 when a live launch holds it."""
+def acquire(ckpt_dir: Path, job: str, *, say=print,
+            wait_for_requeue_s: float = STALE_AFTER_S + HEARTBEAT_S, **fields) -> Lease:
+    """The lease of `ckpt_dir` (which must exist), taking over a stale one; exit 2 when a live
+    launch holds it."""
     ckpt_dir = Path(ckpt_dir)
-    record = {**lifeline.identity(), "job": job, "token": secrets.token_hex(8), "heartbeat": time.time(),
+    record = {**lifeline.identity(), "job": job, "token": secrets.token_hex(8),
+              "heartbeat": time.time(),
               "acquired": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
               "slurm_restart_count": os.environ.get("SLURM_RESTART_COUNT")}
@@ -151,9 +157,10 @@ def acquire(ckpt_dir: Path, job: str, *, say=print, wait_for_requeue_s: float = 
         state = holder_state(held)
         if state == "live":
             if _same_slurm_job(held) and time.monotonic() < deadline:
-                if not announced_wait:  # Slurm requeued this job: its last incarnation is being ended
-                    say(f"jobspec: waiting for the lease of {ckpt_dir} held by this Slurm job's previous "
-                        f"run ({describe(held)}) to lapse")
+                # Slurm requeued this job: its last incarnation is being ended
+                if not announced_wait:
+                    say(f"jobspec: waiting for the lease of {ckpt_dir} held by this Slurm job's "
+                        f"previous run ({describe(held)}) to lapse")
                     announced_wait = True
                 time.sleep(min(HEARTBEAT_S, 2.0))
                 continue
@@ -161,10 +168,11 @@ def acquire(ckpt_dir: Path, job: str, *, say=print, wait_for_requeue_s: float = 
         if _take_over(ckpt_dir, held):
             why = {"dead": "its process is gone", "damaged": "the file was unreadable",
                    "silent": f"no heartbeat for over {STALE_AFTER_S:.0f} s"}[state]
-            say(f"jobspec: took over the lease of {ckpt_dir} left by a launch that is gone ({describe(held)}; "
-                f"{why})")
+            say(f"jobspec: took over the lease of {ckpt_dir} left by a launch that is gone "
+                f"({describe(held)}; {why})")
     raise spec_error(f"could not acquire the lease of {ckpt_dir}: it keeps changing hands",
-                     path=("checkpoint", "dir"), hint="another launch of this job is starting; try again")
+                     path=("checkpoint", "dir"),
+                     hint="another launch of this job is starting; try again")
 
 
 def _create(ckpt_dir: Path, record: dict) -> bool:
@@ -208,7 +216,8 @@ def read_file(path: Path) -> dict | None:
 
 
 def _same_slurm_job(record: dict) -> bool:
-    """The lease is held by an earlier incarnation of this Slurm job (requeued: same id, new restart count)."""
+    """The lease is held by an earlier incarnation of this Slurm job (requeued: same id, new restart
+    count)."""
     job_id = os.environ.get("SLURM_JOB_ID")
     return bool(job_id) and record.get("slurm_job_id") == job_id and \
         record.get("slurm_restart_count") != os.environ.get("SLURM_RESTART_COUNT")
@@ -217,8 +226,8 @@ def _same_slurm_job(record: dict) -> bool:
 def _refusal(ckpt_dir: Path, job: str, record: dict):
     return spec_error(f"job {job!r} is already being launched into {ckpt_dir}: {describe(record)}",
                       path=("checkpoint", "dir"),
-                      hint="wait for that launch to end (or stop it); to train a variant at the same time, use "
-                           "`--new-run` or another output_dir")
+                      hint="wait for that launch to end (or stop it); to train a variant at the "
+                           "same time, use `--new-run` or another output_dir")
 
 
 def _utc(stamp) -> str:

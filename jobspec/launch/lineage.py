@@ -34,10 +34,13 @@ LINEAGE_SUFFIX = re.compile(r"^-(\d+)$")
 class Lineage:
     checkpoint_dir: Path
     fingerprint: dict[str, str]
-    spec_flat: dict[str, str]                            # the resolved spec (flattened) this launch runs
+    # the resolved spec (flattened) this launch runs
+    spec_flat: dict[str, str]
     continued: tuple[fp.Change, ...] = ()                # fingerprint changes `--continue` accepted
-    recorded: tuple[fp.Change, ...] = ()                 # every spec change since the previous segment
-    segment: int = 1                                      # 1: the checkpoints' first launch, else a continuation
+    # every spec change since the previous segment
+    recorded: tuple[fp.Change, ...] = ()
+    # 1: the checkpoints' first launch, else a continuation
+    segment: int = 1
     lines: tuple[str, ...] = field(default=())           # what the launch says about it
 
 
@@ -46,14 +49,17 @@ def lineage_dirs(base: Path) -> list[Path]:
     siblings = []
     if base.parent.is_dir():
         for path in base.parent.iterdir():
-            match = LINEAGE_SUFFIX.match(path.name[len(base.name):]) if path.name.startswith(base.name) else None
+            match = LINEAGE_SUFFIX.match(path.name[len(base.name):]) \
+                if path.name.startswith(base.name) else None
             if match and path.is_dir():
                 siblings.append((int(match.group(1)), path))
     return [base] + [path for _, path in sorted(siblings)]
 
 
-def choose(resolved, derived: dict, *, new_run: bool = False, continue_run: bool = False) -> Lineage:
-    """The checkpoint directory this launch trains into, or a SpecError (exit 2) saying why none fits."""
+def choose(resolved, derived: dict, *, new_run: bool = False,
+           continue_run: bool = False) -> Lineage:
+    """The checkpoint directory this launch trains into, or a SpecError (exit 2) saying why none
+    fits."""
     spec = resolved.spec
     base = Path(spec["checkpoint"]["dir"])
     prints = fp.fingerprint(spec, derived)
@@ -61,14 +67,16 @@ def choose(resolved, derived: dict, *, new_run: bool = False, continue_run: bool
 
     if new_run:
         if not used and not _has_checkpoints(base):
-            return Lineage(base, prints, _flat(spec, base), lines=("--new-run: no earlier checkpoints; training "
+            return Lineage(base, prints, _flat(spec, base),
+                           lines=("--new-run: no earlier checkpoints; training "
                                                                     f"starts in {base}",))
         target = _next_free(base)
         return Lineage(target, prints, _flat(spec, target), lines=(
-            f"checkpoints: {target} (--new-run: a new run beside the earlier checkpoints in {base}, "
-            "which stay untouched)",))
+            f"checkpoints: {target} (--new-run: a new run beside the earlier checkpoints in "
+            f"{base}, which stay untouched)",))
     if spec["checkpoint"]["resume"] == "never" or not used:
-        return Lineage(base, prints, _flat(spec, base))   # ownership refuses `never` over existing checkpoints
+        # ownership refuses `never` over existing checkpoints
+        return Lineage(base, prints, _flat(spec, base))
     candidates = used if spec["checkpoint"]["resume"] == "auto" else [d for d in used if d == base]
     if not candidates:
         return Lineage(base, prints, _flat(spec, base))
@@ -77,9 +85,11 @@ def choose(resolved, derived: dict, *, new_run: bool = False, continue_run: bool
     for directory in candidates:
         owner = ownership.read_owner(directory) or {}
         if owner.get("job") not in (None, spec["name"]):
-            continue   # another job's directory: ownership.claim_checkpoints refuses it if it is ours to use
+            # another job's directory: ownership.claim_checkpoints refuses it if it is ours to use
+            continue
         old = owner.get("fingerprint")
-        changes = [] if old is None else fp.compare(old, prints)   # older checkpoints carry no fingerprint
+        # older checkpoints carry no fingerprint
+        changes = [] if old is None else fp.compare(old, prints)
         scored.append((directory, owner, changes))
     if not scored:
         return Lineage(base, prints, _flat(spec, base))
@@ -88,7 +98,9 @@ def choose(resolved, derived: dict, *, new_run: bool = False, continue_run: bool
         unfinished = [item for item in same if not _complete(spec, item[0], derived)]
         directory, owner = unfinished[-1] if unfinished else same[0]
         return _continuing(directory, base, owner, prints, spec, ())
-    directory, owner, changes = min(scored, key=lambda item: (not all(c.continuable for c in item[2]), len(item[2])))
+    directory, owner, changes = min(scored,
+                                    key=lambda item: (not all(c.continuable for c in item[2]),
+                                                      len(item[2])))
     if continue_run and all(c.continuable for c in changes):
         return _continuing(directory, base, owner, prints, spec, tuple(changes))
     raise _refusal(resolved, directory, changes, continue_run)
@@ -100,7 +112,8 @@ def _continuing(directory: Path, base: Path, owner: dict, prints: dict, spec: Jo
     previous = owner.get("spec_flat") or {}
     spec_flat = _flat(spec, directory)
     ignored = {"checkpoint.dir"}
-    recorded = tuple(c for c in fp.diff_specs(previous, spec_flat) if c.field not in ignored) if previous else ()
+    recorded = tuple(c for c in fp.diff_specs(previous, spec_flat) if c.field not in ignored) \
+        if previous else ()
     lines = []
     if directory != base:
         lines.append(f"checkpoints: {directory} (trained under this spec, by an earlier --new-run)")
@@ -130,7 +143,8 @@ def unfinished_of_same_spec(spec: JobSpec, derived: dict) -> list[tuple[Path, in
 
 
 def _intent(spec: JobSpec, directory: Path, derived: dict) -> intent.Intent:
-    return intent.decide({**spec, "checkpoint": {**spec["checkpoint"], "dir": str(directory), "resume": "auto"}},
+    return intent.decide({**spec, "checkpoint": {**spec["checkpoint"], "dir": str(directory),
+                                                 "resume": "auto"}},
                          derived.get("total_steps"))
 
 
@@ -145,29 +159,37 @@ def _flat(spec: JobSpec, directory: Path) -> dict[str, str]:
 
 def _refusal(resolved, directory: Path, changes: list[fp.Change], continue_run: bool) -> SpecError:
     blocking = [c for c in changes if not c.continuable]
-    choices = ["`--new-run` trains from scratch in a new checkpoint directory beside them (they stay untouched)",
+    choices = ["`--new-run` trains from scratch in a new checkpoint directory beside them (they "
+               "stay untouched)",
                "or set output_dir to a new directory"]
     if not blocking:
         choices.insert(0, "`--continue` goes on from them with these changes, recorded in the run")
     head = (f"the checkpoints in {directory} were trained under a different spec" +
-            (f"; --continue cannot take {len(blocking)} of these changes (only more steps and other eval data can)"
+            (f"; --continue cannot take {len(blocking)} of these changes (only more steps and "
+             "other eval data can)"
              if continue_run and blocking else ""))
     issues = [SpecIssue(("checkpoint", "dir"), head, "; ".join(choices))]
     shown = set()
-    for change in changes:   # a derived field is shown only when the field it comes from did not change
+    # a derived field is shown only when the field it comes from did not change
+    for change in changes:
         path = _spec_path(change.field)
-        if path in shown or (change.field.startswith("derived.") and any(c.field == ".".join(path) for c in changes)):
+        if path in shown \
+                or (change.field.startswith("derived.")
+                    and any(c.field == ".".join(path) for c in changes)):
             continue
         shown.add(path)
-        what = change.describe() if ".".join(path) != change.field else change.describe().partition(": ")[2]
+        what = change.describe() if ".".join(path) != change.field \
+            else change.describe().partition(": ")[2]
         issues.append(SpecIssue(path, f"changed since those checkpoints: {what}"
                                 + ("" if change.continuable else " (--continue cannot take this)")))
     return resolved.locate(SpecError(issues))
 
 
 def _spec_path(dotted: str) -> tuple:
-    """Where a fingerprint field is set in the spec (derived and content fields point at their source)."""
-    mapped = {"derived.global_batch_size": "training.global_batch_size", "derived.total_steps": "training.max_steps",
+    """Where a fingerprint field is set in the spec (derived and content fields point at their
+    source)."""
+    mapped = {"derived.global_batch_size": "training.global_batch_size",
+              "derived.total_steps": "training.max_steps",
               "data.train.content": "data.train", "data.eval.content": "data.eval",
               "model.config.json": "model.name_or_path"}
     return tuple(mapped.get(dotted, dotted).split("."))
@@ -178,7 +200,8 @@ def _has_checkpoints(directory: Path) -> bool:
 
 
 def _next_free(base: Path) -> Path:
-    """The first `base-N` (N >= 2) holding no checkpoint: a new directory, or one whose launch never saved."""
+    """The first `base-N` (N >= 2) holding no checkpoint: a new directory, or one whose launch never
+    saved."""
     number = 2
     while _has_checkpoints(base.with_name(f"{base.name}-{number}")):
         number += 1

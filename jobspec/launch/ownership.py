@@ -1,9 +1,10 @@
 """Checkpoint ownership: `checkpoint.dir/jobspec_job.json` names the job (and its MLflow run) whose
 checkpoints the directory holds, so a launch never resumes, or overwrites, another job's state.
 
-The record also holds what the checkpoints were trained under: the fingerprint (launch/fingerprint.py),
-the flattened resolved spec of the latest launch, and the segments: the launches that trained into the
-directory with a changed spec, each with the step it started at, its run directory and its changes."""
+The record also holds what the checkpoints were trained under: the fingerprint
+(launch/fingerprint.py), the flattened resolved spec of the latest launch, and the segments: the
+launches that trained into the directory with a changed spec, each with the step it started at, its
+run directory and its changes."""
 from __future__ import annotations
 
 import json
@@ -21,7 +22,8 @@ LEASE_FILE = "jobspec_lease.json"   # launch/lease.py
 def is_checkpoint_entry(path: Path) -> bool:
     """Whether a directory entry is (part of) a checkpoint, not jobspec's bookkeeping."""
     name = path.name
-    return name not in (OWNER_FILE, LEASE_FILE) and not name.startswith((".jobspec-write-test", f".{LEASE_FILE}",
+    return name not in (OWNER_FILE, LEASE_FILE) and not name.startswith((".jobspec-write-test",
+                                                                         f".{LEASE_FILE}",
                                                                           f".{OWNER_FILE}"))
 
 
@@ -31,7 +33,8 @@ def read_owner(ckpt_dir: Path) -> dict | None:
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as err:
-        raise spec_error(f"{ckpt_dir / OWNER_FILE} is unreadable ({err})", path=("checkpoint", "dir"),
+        raise spec_error(f"{ckpt_dir / OWNER_FILE} is unreadable ({err})",
+                         path=("checkpoint", "dir"),
                          hint="fix or delete that file, or point checkpoint.dir elsewhere")
 
 
@@ -53,36 +56,42 @@ def check_checkpoints(spec: JobSpec) -> str | None:
     has_checkpoints = any(is_checkpoint_entry(p) for p in ckpt_dir.iterdir())
     where = ("checkpoint", "dir")
     if owner is not None and owner.get("job") != spec["name"]:
-        raise spec_error(f"{ckpt_dir} belongs to job {owner.get('job')!r} (from {owner.get('spec')}), "
-                         f"not {spec['name']!r}", path=where,
+        raise spec_error(f"{ckpt_dir} belongs to job {owner.get('job')!r} (from "
+                         f"{owner.get('spec')}), not {spec['name']!r}", path=where,
                          hint="set checkpoint.dir to a directory of this job, or rename the job")
     if has_checkpoints and owner is None:
         raise spec_error(f"{ckpt_dir} already holds files that no jobspec job claims", path=where,
-                         hint="point checkpoint.dir at an empty directory, or move those files away")
+                         hint="point checkpoint.dir at an empty directory, or move those files "
+                              "away")
     if has_checkpoints and resume == "never":
         raise spec_error(f"{ckpt_dir} already holds checkpoints of job {spec['name']!r} and "
                          "checkpoint.resume is 'never'", path=("checkpoint", "resume"),
-                         hint="use `--set checkpoint.resume=auto` to continue them, or delete the directory "
-                              "/ set checkpoint.dir elsewhere to start over")
+                         hint="use `--set checkpoint.resume=auto` to continue them, or delete the "
+                              "directory / set checkpoint.dir elsewhere to start over")
     return owner.get("mlflow_run_id") if (owner and has_checkpoints) else None
 
 
 def write_owner(spec: JobSpec, source: Path, mlflow_run_id: str | None, *, lineage=None,
                 run_dir: Path | None = None, start_step: int = 0) -> None:
     """Record (or update) the owner of `checkpoint.dir`: the job, its MLflow run, and, given the
-    launch's `lineage` (launch/lineage.py), its fingerprint and a new segment when the spec changed."""
+    launch's `lineage` (launch/lineage.py), its fingerprint and a new segment when the spec
+    changed."""
     ckpt_dir = Path(spec["checkpoint"]["dir"])
     previous = read_owner(ckpt_dir) or {}
     record = {**previous, "job": spec["name"], "spec": str(source), "mlflow_run_id": mlflow_run_id,
               "created": previous.get("created") or _now()}
     if lineage is not None:
-        segments = list(previous.get("segments") or []) if start_step > 0 else []  # fresh: a new history
-        entry = {"segment": len(segments) + 1, "start_step": start_step, "run_dir": str(run_dir) if run_dir else None,
+        # fresh: a new history
+        segments = list(previous.get("segments") or []) if start_step > 0 else []
+        entry = {"segment": len(segments) + 1, "start_step": start_step,
+                 "run_dir": str(run_dir) if run_dir else None,
                  "mlflow_run_id": mlflow_run_id, "at": _now(),
-                 "changes": [{"field": c.field, "old": c.old, "new": c.new} for c in lineage.recorded]}
+                 "changes": [{"field": c.field, "old": c.old, "new": c.new}
+                             for c in lineage.recorded]}
         if not segments or lineage.recorded:
             segments.append(entry)
-        record.update(fingerprint=lineage.fingerprint, spec_flat=lineage.spec_flat, segments=segments,
+        record.update(fingerprint=lineage.fingerprint, spec_flat=lineage.spec_flat,
+                      segments=segments,
                       last_run_dir=str(run_dir) if run_dir else previous.get("last_run_dir"))
     tmp = ckpt_dir / f".{OWNER_FILE}.tmp"
     tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")

@@ -1,31 +1,37 @@
-"""`jobspec launch`, start to end: spec -> memory decisions -> compile -> pre-flight -> run directory
--> header -> supervised DeepSpeed runner, with the MLflow run created meanwhile -> closing summary.
+"""`jobspec launch`, start to end: spec -> memory decisions -> compile -> pre-flight -> run
+directory -> header -> supervised DeepSpeed runner, with the MLflow run created meanwhile -> closing
+summary.
 
     prepare        job/prepare.prepare_job, the path `jobspec compile` and `plan` take too:
       resolve        spec/validation.load_and_validate (exit 2 on any problem)
-      model.config   job/model_config (through prepare_job's job/checks): a hub id's config, a type outside the table
-      data           data/record_checks: every data record (validate), exit 2 at data.train/eval file:line;
-                     data/preflight: the tokenizer transformers loads, the chat template on the records
-      derive         spec/inputs.derive_job: every derived number, once (config.json, row count read here)
-      memory         memory/at_launch.plan_at_launch: `memory.fit: auto` rewrites the spec (every rule runs
-                     again on it); the plan
+      model.config   job/model_config (through prepare_job's job/checks): a hub id's config, a
+                     type outside the table
+      data           data/record_checks: every data record (validate), exit 2 at
+                     data.train/eval file:line; data/preflight: the tokenizer transformers loads,
+                     the chat template on the records
+      derive         spec/inputs.derive_job: every derived number, once (config.json, row count
+                     read here)
+      memory         memory/at_launch.plan_at_launch: `memory.fit: auto` rewrites the spec (every
+                     rule runs again on it); the plan
     claim          launch/ownership.claim_checkpoints: refuse another job's checkpoints; resume id
     intent         launch/intent.decide: fresh, resume at step K, or complete (then nothing starts)
-    orphans        tracking/orphans: close runs of output_dir whose launcher died without closing them
+    orphans        tracking/orphans: close runs of output_dir whose launcher died without closing
+                   them
     run dir        rundir.create_run_dir, then compile/compiler.compile_spec into it
     pre-flight     launch/preflight + memory/at_launch.preflight_problems (--ignore-preflight: warn)
     argv           launch/backends.backend_for: the plan's argv, built once (one node: DeepSpeed's
                    launch.py; several: its runner; inside Slurm: srun, one runner per node)
-    write          rundir.write_compiled (spec.yaml ... launch.json, `plan`/`fit` included, command.txt =
-                   the argv that runs); launcher.json
-    header         launch/console.header_lines: job, model, settings, hardware, memory plan vs device
+    write          rundir.write_compiled (spec.yaml ... launch.json, `plan`/`fit` included,
+                   command.txt = the argv that runs); launcher.json
+    header         launch/console.header_lines: job, model, settings, hardware, memory plan vs
+                   device
     supervise      launch/supervise.run: ranks run, output to launcher.log, the terminal gets what
                    launch/quiet.TerminalFilter keeps (all of it with --verbose)
     track          launch/tracking.BackgroundTracking, while the runner starts: the MLflow run
                    (+ plan.*/fit.* params) or None; the checkpoint owner record (with the run id)
-    end            shm buffers removed, status.ending (exit code: 0, 75 stopped with a checkpoint, 128+N;
-                   MLflow status and tags), exported models recorded, the closing summary (printed, in
-                   summary.json and as the MLflow run's description), tracking end_run
+    end            shm buffers removed, status.ending (exit code: 0, 75 stopped with a checkpoint,
+                   128+N; MLflow status and tags), exported models recorded, the closing summary
+                   (printed, in summary.json and as the MLflow run's description), tracking end_run
 
 Anything failing before the runner starts removes the new run directory: no half-made run is left;
 a required MLflow run that cannot be created stops the runner and removes it too.
@@ -85,16 +91,20 @@ def launch(job: str, overrides: list[str], options: LaunchOptions = LaunchOption
 
     phases = [("start", _process_start(), 0.0)]
     resolved = load_and_validate(job, overrides)
-    # memory.fit: auto rewrites the spec (and its derived job) here, so everything below sees what runs;
-    # every refusal of preparing it is at its field's line (a fit that finds nothing, a row count)
-    prepared = _located(resolved, lambda: prepare_job(resolved, how=PLANNED, checks=[launch_checks]))
+    # memory.fit: auto rewrites the spec (and its derived job) here, so everything below sees what
+    # runs; every refusal of preparing it is at its field's line (a fit that finds nothing, a row
+    # count)
+    prepared = _located(resolved,
+                        lambda: prepare_job(resolved, how=PLANNED, checks=[launch_checks]))
     assert prepared.memory is not None and prepared.host is not None   # PLANNED decides both
-    resolved, derived, memory, gpu_free = prepared.resolved, prepared.derived, prepared.memory, prepared.host.gpu_free
+    resolved, derived, memory = prepared.resolved, prepared.derived, prepared.memory
+    gpu_free = prepared.host.gpu_free
     for line in memory.lines:
         print(f"jobspec: {line}", flush=True)
     # which checkpoints this launch trains into, by what it trains (exit 2 for a changed spec)
     as_written = resolved
-    chosen = lineage.choose(resolved, derived.as_dict(), new_run=options.new_run, continue_run=options.continue_run)
+    chosen = lineage.choose(resolved, derived.as_dict(), new_run=options.new_run,
+                            continue_run=options.continue_run)
     prepared = prepared.in_checkpoint_dir(chosen.checkpoint_dir)
     resolved, derived = prepared.resolved, prepared.derived
     spec = resolved.spec
@@ -102,9 +112,9 @@ def launch(job: str, overrides: list[str], options: LaunchOptions = LaunchOption
     found = hardware.Host.probe(spec["resources"]["gpus_per_node"], gpu_free)
     style = progress_mode(spec["logging"]["progress"]) == "bar"
     phases.append(("planned", time.time(), launcher_log.cpu_seconds()))
-    # chat and prompt/completion records tokenised once into the data cache (data/prepare), before any
-    # rank: every record is checked (a bad one refuses the launch at its file:line); --dry-run says
-    # whether the cache is warm, else how long building it would take
+    # chat and prompt/completion records tokenised once into the data cache (data/prepare), before
+    # any rank: every record is checked (a bad one refuses the launch at its file:line); --dry-run
+    # says whether the cache is warm, else how long building it would take
     data_lines, _ = _located(resolved, lambda: data_prep.prepare_data(
         spec, build=not options.dry_run, show=progress_mode(spec["logging"]["progress"])))
     for line in data_lines:
@@ -112,13 +122,16 @@ def launch(job: str, overrides: list[str], options: LaunchOptions = LaunchOption
     phases.append(("data", time.time(), launcher_log.cpu_seconds()))
 
     if options.dry_run:  # nothing is created: the run dir in the command is the name it would get
-        _located(resolved, ownership.check_checkpoints, spec)  # a launch would refuse another job's checkpoints
-        _located(resolved, lease.check, chosen.checkpoint_dir, spec["name"])  # ... and a running launch of it
+        # a launch would refuse another job's checkpoints
+        _located(resolved, ownership.check_checkpoints, spec)
+        # ... and a running launch of it
+        _located(resolved, lease.check, chosen.checkpoint_dir, spec["name"])
         what = intent.decide(spec, derived.total_steps)
         run_dir = rundir.new_run_dir_path(spec["output_dir"])
         compiled = prepared.compile(run_dir, port)
         # the host checks a launch makes (port, ranks, disk, GPU memory, ops): refused here as there
-        host_checks(resolved, derived, run_dir, memory, gpu_free, compiled, options.ignore_preflight)
+        host_checks(resolved, derived, run_dir, memory, gpu_free, compiled,
+                    options.ignore_preflight)
         argv = backends.backend_for(compiled.plan).argv(compiled.plan)   # what a launch would run
         _print_lines(header(spec, derived, memory, found, compiled.patches, style))
         for line in chosen.lines:
@@ -129,22 +142,27 @@ def launch(job: str, overrides: list[str], options: LaunchOptions = LaunchOption
             print(f"note: {note}")
         print(shlex.join(argv))
         return 0
-    resume_run_id = _located(resolved, ownership.claim_checkpoints, spec)  # another job's checkpoints: exit 2
-    held = _located(resolved, lease.acquire, chosen.checkpoint_dir, spec["name"])  # a running launch: exit 2
+    # another job's checkpoints: exit 2
+    resume_run_id = _located(resolved, ownership.claim_checkpoints, spec)
+    # a running launch: exit 2
+    held = _located(resolved, lease.acquire, chosen.checkpoint_dir, spec["name"])
     try:
-        # decided again under the lease: a launch that ended meanwhile may have moved the checkpoints on
+        # decided again under the lease: a launch that ended meanwhile may have moved the
+        # checkpoints on
         again = lineage.choose(as_written, derived.as_dict(), new_run=options.new_run,
                                continue_run=options.continue_run)
         if again.checkpoint_dir != chosen.checkpoint_dir:
-            raise spec_error(f"the checkpoints of {spec['name']!r} changed while this launch started",
+            raise spec_error(f"the checkpoints of {spec['name']!r} changed while this launch "
+                             "started",
                              path=("checkpoint", "dir"), hint="run the same command again")
         # a stop signal interrupts the start (nothing half-made is left), and once the ranks run it
         # stops them gracefully (launch/supervise.py); the run's ending is then written whole
         with supervise.HeldStops() as stops:
             return _launch_holding(LaunchContext(
-                job=job, overrides=tuple(overrides), options=options, as_written=as_written, prepared=prepared,
-                chosen=again, held=held, stops=stops, resume_run_id=resume_run_id, port=port, found=found,
-                style=style, phases=phases))
+                job=job, overrides=tuple(overrides), options=options, as_written=as_written,
+                prepared=prepared,
+                chosen=again, held=held, stops=stops, resume_run_id=resume_run_id, port=port,
+                found=found, style=style, phases=phases))
     finally:
         held.release()
 
@@ -156,9 +174,9 @@ def _launch_holding(ctx: LaunchContext) -> int:
     for line in ctx.chosen.lines:
         print(f"jobspec: {line}", flush=True)
     if what.action == "complete":  # training again would only overwrite the finished run's results
-        unfinished = [(directory, step, ctx.resume_hint(directory))
-                      for directory, step in lineage.unfinished_of_same_spec(ctx.as_written.spec,
-                                                                             ctx.prepared.derived.as_dict())
+        same_spec = lineage.unfinished_of_same_spec(ctx.as_written.spec,
+                                                    ctx.prepared.derived.as_dict())
+        unfinished = [(directory, step, ctx.resume_hint(directory)) for directory, step in same_spec
                       if directory != ctx.chosen.checkpoint_dir]
         _print_lines(intent.complete_lines(spec, what, unfinished))
         return 0
@@ -166,30 +184,36 @@ def _launch_holding(ctx: LaunchContext) -> int:
     orphans.close_orphans_under(spec["output_dir"])  # runs a SIGKILLed launcher left RUNNING here
     run_dir, compiled, launched = _create_run(ctx, what)
     ctx.held.update(run_dir=run_dir)
-    _print_lines(header(spec, ctx.prepared.derived, ctx.prepared.memory, ctx.found, compiled.patches, ctx.style) +
+    _print_lines(header(spec, ctx.prepared.derived, ctx.prepared.memory, ctx.found,
+                        compiled.patches, ctx.style) +
                  [console.label("run dir", ctx.style) + str(run_dir)])
     return _run(ctx, what, run_dir, compiled, launched)
 
 
 def _create_run(ctx: LaunchContext, what: intent.Intent) -> tuple[Path, Compiled, dict]:
     """A new run directory holding what the ranks read, and the launch record (launch.json's launch
-    fields: the argv that runs, written to command.txt too). Anything failing removes the directory."""
+    fields: the argv that runs, written to command.txt too). Anything failing removes the
+    directory."""
     resolved, memory = ctx.prepared.resolved, ctx.prepared.memory
     assert memory is not None   # PLANNED decides it
     run_dir = rundir.create_run_dir(ctx.spec["output_dir"])
     try:
-        compiled = ctx.prepared.compile(run_dir, ctx.port)   # what `jobspec compile` shows, for this run dir and port
+        # what `jobspec compile` shows, for this run dir and port
+        compiled = ctx.prepared.compile(run_dir, ctx.port)
         host_checks(resolved, ctx.prepared.derived, run_dir, memory, ctx.gpu_free, compiled,
                     ctx.options.ignore_preflight)
-        # one node: DeepSpeed's launch.py; several: its runner, or inside Slurm one runner per node (docs/slurm.md)
+        # one node: DeepSpeed's launch.py; several: its runner, or inside Slurm one runner per node
+        # (docs/slurm.md)
         backend = backends.backend_for(compiled.plan)
         argv = backend.argv(compiled.plan)
         hostfile = backend.hostfile_text(compiled.plan)
         if hostfile is not None:
             rundir.write_hostfile(run_dir, hostfile)
         launched = _launched(ctx, what, memory)
-        rundir.write_compiled(run_dir, resolved, compiled, argv, launched)   # command.txt: `argv`, what runs
-        rundir.write_launcher(run_dir, lifeline.identity())  # who to ask whether this run still runs
+        # command.txt: `argv`, what runs
+        rundir.write_compiled(run_dir, resolved, compiled, argv, launched)
+        # who to ask whether this run still runs
+        rundir.write_launcher(run_dir, lifeline.identity())
     except BaseException:
         shutil.rmtree(run_dir, ignore_errors=True)  # nothing ran: leave no half-made run behind
         raise
@@ -197,8 +221,9 @@ def _create_run(ctx: LaunchContext, what: intent.Intent) -> tuple[Path, Compiled
 
 
 def _launched(ctx: LaunchContext, what: intent.Intent, memory: LaunchMemory) -> dict:
-    """What the launcher adds to launch.json beside the plan: the memory plan (MiB) and fit, whether rank 0
-    waits for an MLflow run, the overrides (the MLflow run's name), a continued run's new segment."""
+    """What the launcher adds to launch.json beside the plan: the memory plan (MiB) and fit, whether
+    rank 0 waits for an MLflow run, the overrides (the MLflow run's name), a continued run's new
+    segment."""
     launched = launch_memory.plan_record(memory)
     if ctx.spec["logging"]["mlflow"]["enabled"]:  # rank 0 waits for the run created meanwhile
         launched["mlflow_run"] = launch_tracking.PENDING
@@ -209,12 +234,15 @@ def _launched(ctx: LaunchContext, what: intent.Intent, memory: LaunchMemory) -> 
     return launched
 
 
-def _run(ctx: LaunchContext, what: intent.Intent, run_dir: Path, compiled: Compiled, launched: dict) -> int:
-    """The ranks, supervised, with the MLflow run created meanwhile; then the run's ending, written whole."""
+def _run(ctx: LaunchContext, what: intent.Intent, run_dir: Path, compiled: Compiled,
+         launched: dict) -> int:
+    """The ranks, supervised, with the MLflow run created meanwhile; then the run's ending, written
+    whole."""
     spec, memory, options = ctx.spec, ctx.prepared.memory, ctx.options
     assert memory is not None   # PLANNED decides it
     experiment = spec["logging"]["mlflow"]["experiment"]
-    terminal = quiet.HeldOutput(sys.stdout.buffer)  # the ranks' output waits for the header's MLflow lines
+    # the ranks' output waits for the header's MLflow lines
+    terminal = quiet.HeldOutput(sys.stdout.buffer)
 
     def announce(info: dict) -> None:
         ctx.held.update(mlflow_run_id=info["run_id"])
@@ -222,14 +250,17 @@ def _run(ctx: LaunchContext, what: intent.Intent, run_dir: Path, compiled: Compi
 
     tracking = launch_tracking.BackgroundTracking(
         ctx.prepared.resolved, compiled, run_dir, ctx.resume_run_id,
-        launch_memory.mlflow_params(memory, spec["memory"]["fit"]), launch=launched, verbose=options.verbose,
+        launch_memory.mlflow_params(memory, spec["memory"]["fit"]), launch=launched,
+        verbose=options.verbose,
         announce=announce, done=terminal.release, lineage=ctx.chosen, start_step=what.step)
     ctx.phases.append(("runner", time.time(), launcher_log.cpu_seconds()))
     ctx.stops.running(run_dir)
     tracking.start()
     # read once here, while the runner starts, instead of twice per op load on every rank
-    threading.Thread(target=ops.write_cpu_info, args=(run_dir / rundir.CPU_INFO,), daemon=True).start()
-    outcome = supervise.run(launched["argv"], child_env(spec, compiled.plan, options.stop_after_steps), run_dir,
+    threading.Thread(target=ops.write_cpu_info, args=(run_dir / rundir.CPU_INFO,),
+                     daemon=True).start()
+    outcome = supervise.run(launched["argv"],
+                            child_env(spec, compiled.plan, options.stop_after_steps), run_dir,
                             kill_grace_s=options.kill_grace_s, echo=terminal,
                             echo_filter=None if options.verbose else quiet.TerminalFilter(),
                             started=tracking.runner_started)
@@ -244,11 +275,12 @@ def _run(ctx: LaunchContext, what: intent.Intent, run_dir: Path, compiled: Compi
 
 def _close(ctx: LaunchContext, run_dir: Path, launched: dict, outcome: supervise.Outcome,
            tracking: launch_tracking.BackgroundTracking) -> int:
-    """The run's ending: status files, MLflow status and models, the closing summary and how to go on."""
+    """The run's ending: status files, MLflow status and models, the closing summary and how to go
+    on."""
     tracked = tracking.tracked
     spec, stop_after_steps = ctx.spec, ctx.options.stop_after_steps
-    end = run_status.ending(outcome.exit_code, outcome.user_signal, outcome.reason, rundir.read_summary(run_dir),
-                            stop_after_steps, at_once=outcome.at_once)
+    end = run_status.ending(outcome.exit_code, outcome.user_signal, outcome.reason,
+                            rundir.read_summary(run_dir), stop_after_steps, at_once=outcome.at_once)
     rundir.write_fallback_summary(run_dir, end.status, end.exit_code)
     model_tags = {}
     if tracked is not None:   # before the closing block, which says where MLflow has the models
@@ -258,27 +290,33 @@ def _close(ctx: LaunchContext, run_dir: Path, launched: dict, outcome: supervise
     if tracked is not None:
         launch_tracking.describe_run(tracked, spec["description"], console.plain(closing),
                                      generated=bool(rundir.read_generations(run_dir)))
-    tracking.end(end)   # every tracker that started: MLflow's status and tags, TensorBoard's session end
+    # every tracker that started: MLflow's status and tags, TensorBoard's session end
+    tracking.end(end)
     rundir.mark_launcher_ended(run_dir, end.status, end.exit_code)
     _write_phases(run_dir, ctx.phases)
     _print_lines(closing)
     if end.label != "finished":   # a stop says it is not done and how to go on; a failure, why
         checkpoint_dir = Path(spec["checkpoint"]["dir"])
-        resume_from = intent.decide({**spec, "checkpoint": {**spec["checkpoint"], "resume": "auto"}},
+        resume_from = intent.decide({**spec,
+                                     "checkpoint": {**spec["checkpoint"], "resume": "auto"}},
                                     ctx.prepared.derived.total_steps)
         print(run_status.closing_line(end, run_dir, ctx.resume_hint(checkpoint_dir),
-                                      f"checkpoint {resume_from.checkpoint} (step {resume_from.step} of "
-                                      f"{resume_from.total_steps})" if resume_from.action == "resume" else None),
+                                      f"checkpoint {resume_from.checkpoint} (step "
+                                      f"{resume_from.step} of {resume_from.total_steps})"
+                                      if resume_from.action == "resume" else None),
               flush=True)
     return end.exit_code
 
 
-def host_checks(resolved, derived, run_dir: Path, memory, gpu_free, compiled, ignore_preflight: bool) -> None:
-    """launch/preflight and the GPU-memory pre-flight: a refusal (exit 2), or with --ignore-preflight
-    warnings; an op this machine cannot build is refused either way (the ranks would fail on it).
-    `--dry-run` makes the same checks (run_dir is then the name a launch would give its directory)."""
+def host_checks(resolved, derived, run_dir: Path, memory, gpu_free, compiled,
+                ignore_preflight: bool) -> None:
+    """launch/preflight and the GPU-memory pre-flight: a refusal (exit 2), or with
+    --ignore-preflight warnings; an op this machine cannot build is refused either way (the ranks
+    would fail on it). `--dry-run` makes the same checks (run_dir is then the name a launch would
+    give its directory)."""
     problems = preflight.preflight_issues(resolved.spec, derived, run_dir) + \
-        [SpecIssue(("memory",), text) for text in launch_memory.preflight_problems(memory, gpu_free)]
+        [SpecIssue(("memory",), text)
+         for text in launch_memory.preflight_problems(memory, gpu_free)]
     op_problems = preflight.op_build_issues(compiled.ds_config)
     if op_problems:
         raise resolved.locate(SpecError(op_problems))
@@ -297,25 +335,28 @@ def _located(resolved, function, *args):
 
 def launch_checks(resolved) -> None:
     """What only a launch checks of a valid spec, before prepare_job's model and data checks
-    (job/checks, which `plan` and `compile` make too): the hub's reachability, bitsandbytes' backend."""
-    hub.offline_if_unreachable(resolved.spec)   # no hub: the cache at once, not 25 s of retries per file
+    (job/checks, which `plan` and `compile` make too): the hub's reachability, bitsandbytes'
+    backend."""
+    # no hub: the cache at once, not 25 s of retries per file
+    hub.offline_if_unreachable(resolved.spec)
     quantization_check(resolved)
 
 
 def quantization_check(resolved) -> None:
     """`model.quantization` that bitsandbytes' backend cannot run on this host's CPU ranks:
     validate only sees that the package is installed, and every rank would otherwise find it after
-    DeepSpeed started. The same one-block quantisation the ranks try (model/quantize.bitsandbytes_problem),
-    made here only where the ranks run on CPU: on a GPU host this launcher quantising on the CPU would
-    test another backend, and quantising on a GPU would hold a CUDA context beside the ranks'."""
+    DeepSpeed started. The same one-block quantisation the ranks try
+    (model/quantize.bitsandbytes_problem), made here only where the ranks run on CPU: on a GPU host
+    this launcher quantising on the CPU would test another backend, and quantising on a GPU would
+    hold a CUDA context beside the ranks'."""
     quant = resolved.spec["model"]["quantization"]
     if not quant or hardware.gpu_names() != ["cpu"]:
         return
     from jobspec.model.quantize import BITSANDBYTES_HINT, bitsandbytes_problem
 
     # importing bitsandbytes here logs, on a CPU without its optional `kernels` package, a warning
-    # about a faster 4-bit kernel it will do without: noise in a quiet terminal (the ranks' copy of it
-    # goes to launcher.log through train/library_output)
+    # about a faster 4-bit kernel it will do without: noise in a quiet terminal (the ranks' copy of
+    # it goes to launcher.log through train/library_output)
     bnb_logger = logging.getLogger("bitsandbytes")
     level = bnb_logger.level
     bnb_logger.setLevel(logging.ERROR)
@@ -329,12 +370,14 @@ def quantization_check(resolved) -> None:
 
 
 def header(spec: JobSpec, derived, memory, found, patches, style: bool) -> list[str]:
-    """The launch header, and the warning for a GPU-sized job on CPU ranks (before any op is built)."""
+    """The launch header, and the warning for a GPU-sized job on CPU ranks (before any op is
+    built)."""
     from jobspec.memory.fit import cpu_step_time
 
     lines = console.header_lines(spec, derived, memory, found, patches, style=style)
     warning = console.gpu_sized_warning(spec, derived, memory, found,
-                                        None if found.has_gpu else cpu_step_time(derived, found.cpus))
+                                        None if found.has_gpu
+                                        else cpu_step_time(derived, found.cpus))
     return lines + warning
 
 
@@ -383,13 +426,14 @@ def progress_mode(setting: str, stdout=None) -> str:
 
 
 def child_env(spec: JobSpec, plan: LaunchPlan, stop_after_steps: int | None) -> dict:
-    """The ranks' environment: the launcher's, the plan's (PYTHONUNBUFFERED: their output reaches the
-    relay and launcher.log as it happens), then what this host decides."""
+    """The ranks' environment: the launcher's, the plan's (PYTHONUNBUFFERED: their output reaches
+    the relay and launcher.log as it happens), then what this host decides."""
     env = dict(os.environ)
     tracking_run.apply_http_env(env)
     env.update(plan.environment)
     env["JOBSPEC_PROGRESS"] = progress_mode(spec["logging"]["progress"])
-    # GPU ranks: PyTorch's allocator with expandable segments unless the user chose (the plan models it)
+    # GPU ranks: PyTorch's allocator with expandable segments unless the user chose (the plan models
+    # it)
     env[ALLOCATOR_VARIABLE] = allocator_conf(env)[0]
     if sys.stdout.isatty():  # the bar writes into a pipe: tell it the terminal's width
         env.setdefault("COLUMNS", str(shutil.get_terminal_size().columns))

@@ -30,10 +30,12 @@ def preflight_issues(spec: JobSpec, derived, run_dir: Path) -> list[SpecIssue]:
                                 "set it to null to pick a free port"))
     if derived.nodes == 1:
         gpus = hardware.gpu_count()
-        available, kind = (gpus, "GPUs") if gpus else (hardware.available_cpus(), "CPUs available to this process")
+        available, kind = (gpus, "GPUs") if gpus \
+            else (hardware.available_cpus(), "CPUs available to this process")
         if derived.gpus_per_node > available:
             issues.append(SpecIssue(("resources", "gpus_per_node"),
-                                    f"{derived.gpus_per_node} ranks per node but this host has {available} {kind}",
+                                    f"{derived.gpus_per_node} ranks per node but this host has "
+                                    f"{available} {kind}",
                                     f"set it to at most {available}"))
     return issues + disk_space_issues(spec, derived, run_dir)
 
@@ -52,22 +54,25 @@ def op_build_issues(ds_config: dict) -> list[SpecIssue]:
     needed = ops.needed_ops(ds_config)
     if not needed:
         return []
-    return [SpecIssue(OP_FIELDS.get(builder, ()), text) for builder, text in ops.build_problems(needed)]
+    return [SpecIssue(OP_FIELDS.get(builder, ()), text)
+            for builder, text in ops.build_problems(needed)]
 
 
 def disk_space_issues(spec: JobSpec, derived, run_dir: Path) -> list[SpecIssue]:
-    """Refuse before training when a disk cannot hold what the job first writes there: one checkpoint
-    (`checkpoint.dir`) and one exported model (`export.dir`, else the run directory), the two added up
-    when they share a disk. The sizes are estimates: DeepSpeed and safetensors add a little."""
+    """Refuse before training when a disk cannot hold what the job first writes there: one
+    checkpoint (`checkpoint.dir`) and one exported model (`export.dir`, else the run directory), the
+    two added up when they share a disk. The sizes are estimates: DeepSpeed and safetensors add a
+    little."""
     from jobspec.memory.planner import checkpoint_bytes, export_bytes
 
     ckpt, export = spec["checkpoint"], spec["export"]
     needs = []  # (field, directory, bytes, what is written there, what those bytes are)
     if ckpt["save_final"] or ckpt["every_n_steps"]:
-        needs.append((("checkpoint", "dir"), Path(ckpt["dir"]), checkpoint_bytes(spec, derived), "one checkpoint",
-                      "parameters x weights + fp32 master + optimizer state"))
+        needs.append((("checkpoint", "dir"), Path(ckpt["dir"]), checkpoint_bytes(spec, derived),
+                      "one checkpoint", "parameters x weights + fp32 master + optimizer state"))
     if export["final"] or export["at_checkpoints"] or export["best_eval"]:
-        needs.append((("export", "dir"), rundir.export_dir(spec, run_dir), export_bytes(spec, derived),
+        needs.append((("export", "dir"), rundir.export_dir(spec, run_dir),
+                      export_bytes(spec, derived),
                       "the exported model", f"parameters x {resolve_dtype(spec)} weights"))
     by_disk: dict[int, tuple[int, list]] = {}
     for need in needs:
@@ -83,8 +88,10 @@ def disk_space_issues(spec: JobSpec, derived, run_dir: Path) -> list[SpecIssue]:
             continue
         if len(on_disk) == 1:
             field, directory, size, what, made_of = on_disk[0]
-            issues.append(SpecIssue(field, f"{directory} has {fmt_bytes_any_unit(free)} free but {what} needs about "
-                                    f"{fmt_bytes_any_unit(size)} ({made_of})", _space_hint(field, export)))
+            issues.append(SpecIssue(field,
+                                    f"{directory} has {fmt_bytes_any_unit(free)} free but {what} "
+                                    f"needs about {fmt_bytes_any_unit(size)} ({made_of})",
+                                    _space_hint(field, export)))
         else:
             issues.append(SpecIssue(
                 on_disk[0][0],
@@ -112,7 +119,8 @@ def _no_export_hint(export: JobSpecExport) -> str:
 
 
 def disk_of(directory: Path) -> tuple[int, int] | None:
-    """(device id, free bytes) of the disk `directory` will be made on (its nearest existing parent)."""
+    """(device id, free bytes) of the disk `directory` will be made on (its nearest existing
+    parent)."""
     while not directory.exists() and directory != directory.parent:
         directory = directory.parent
     try:

@@ -3,9 +3,9 @@
 launcher.log always gets every byte. The terminal gets jobspec's own lines, the progress bar or
 lines, and every warning and error, but not the chatter of the libraries under it: DeepSpeed's
 INFO/DEBUG log records (accelerator, world info, spawn commands), its warnings that say nothing
-about the job ("Setting accelerator to CPU", no hostfile on a single node), torch's extension-loading
-lines, MLflow's and alembic's INFO records, and jobspec's launcher.log-only lines (jobspec/launcher_log.py).
-`--verbose` shows it all.
+about the job ("Setting accelerator to CPU", no hostfile on a single node), torch's
+extension-loading lines, MLflow's and alembic's INFO records, and jobspec's launcher.log-only lines
+(jobspec/launcher_log.py). `--verbose` shows it all.
 
 Output is relayed in chunks, so a line is held until its end is seen; a line that holds a carriage
 return (the progress bar redrawing itself) is shown as it comes, and what another rank writes after
@@ -29,7 +29,8 @@ HIDDEN = [re.compile(p) for p in (
                  rb"|Attempting to get learning rate from scheduler before it has started)",
     rb"DeepSpeed \S+ built successfully$",   # deepspeed.comm prints it on every rank, cached or not
     rb"(Using \S+ as PyTorch extensions root|Emitting ninja build file|Building extension module"
-    rb"|Allowing ninja to set a default number of workers|Loading extension module|ninja: no work to do"
+    rb"|Allowing ninja to set a default number of workers|Loading extension module|ninja: no work "
+    rb"to do"
     rb"|Time to load \S+ op:|Creating extension directory)",
     rb"\d{4}/\d\d/\d\d \d\d:\d\d:\d\d INFO (mlflow|alembic)",
     rb"INFO  \[alembic",
@@ -47,11 +48,11 @@ _TIMESTAMP = re.compile(_DS_RECORD)
 
 
 def hidden_start(text: bytes, partial: bool = False) -> int:
-    """Where another rank's hidden line begins after a bar redraw's last carriage return, on the same
-    terminal line (the two writes arrived in one read); -1 if none does. A bar's own text never holds
-    a log record's timestamp or jobspec's log-only marker, so searching there is safe. With `partial`
-    (no newline yet), also where such a line may be starting: a record's timestamp, or the marker cut
-    by the read ("...| 3/40jobspec-lo"), so that it is held until the rest comes."""
+    """Where another rank's hidden line begins after a bar redraw's last carriage return, on the
+    same terminal line (the two writes arrived in one read); -1 if none does. A bar's own text never
+    holds a log record's timestamp or jobspec's log-only marker, so searching there is safe. With
+    `partial` (no newline yet), also where such a line may be starting: a record's timestamp, or the
+    marker cut by the read ("...| 3/40jobspec-lo"), so that it is held until the rest comes."""
     after = text.rfind(b"\r") + 1
     patterns = [*HIDDEN, _TIMESTAMP] if partial else HIDDEN
     starts = [m.start() for m in (pattern.search(text, after) for pattern in patterns) if m]
@@ -110,13 +111,14 @@ class TerminalFilter:
 
 
 def route_library_logs(log_path, verbose: bool, names=("mlflow", "alembic")) -> None:
-    """MLflow's and alembic's records in the launcher process go to launcher.log, and to the terminal
-    only from WARNING up (everything with --verbose). Call after `import mlflow` (tracking.run.import_mlflow),
-    which installs its own stderr handler."""
+    """MLflow's and alembic's records in the launcher process go to launcher.log, and to the
+    terminal only from WARNING up (everything with --verbose). Call after `import mlflow`
+    (tracking.run.import_mlflow), which installs its own stderr handler."""
     import sys
 
     to_file = logging.FileHandler(log_path, encoding="utf-8")
-    to_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%Y/%m/%d %H:%M:%S"))
+    to_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s",
+                                           "%Y/%m/%d %H:%M:%S"))
     for name in names:
         logger = logging.getLogger(name)
         streams = [h for h in logger.handlers if type(h) is logging.StreamHandler]

@@ -4,12 +4,13 @@ One node: jobspec runs DeepSpeed's per-node launcher (launch.py, through `python
 jobspec.launch.ds_launch`, which runs it unchanged but imports DeepSpeed without MLflow) itself,
 with the arguments DeepSpeed's `deepspeed` runner would give it. On one node the runner does nothing
 else (no hostfile, no ssh, no environment changes), but it is a Python process that imports all of
-DeepSpeed, torch and mlflow (DeepSpeed's autotuner) before launch.py imports them again: ~2.7 s of CPU
-on the start-up's critical path (docs/benchmarks.md). One difference, on purpose: the runner drops a
-CUDA_VISIBLE_DEVICES it finds when `--num_gpus` is given and uses devices 0..N-1, while jobspec's GPU
-pre-flight reads the devices CUDA_VISIBLE_DEVICES lists (a Slurm job's GPUs): the ranks get those.
-Several nodes keep the runner (its hostfile, pdsh or `--no_ssh` per node under srun), and so does
-any launch with JOBSPEC_DEEPSPEED_RUNNER=1 in the environment (to compare, or to rule jobspec out).
+DeepSpeed, torch and mlflow (DeepSpeed's autotuner) before launch.py imports them again: ~2.7 s of
+CPU on the start-up's critical path (docs/benchmarks.md). One difference, on purpose: the runner
+drops a CUDA_VISIBLE_DEVICES it finds when `--num_gpus` is given and uses devices 0..N-1, while
+jobspec's GPU pre-flight reads the devices CUDA_VISIBLE_DEVICES lists (a Slurm job's GPUs): the
+ranks get those. Several nodes keep the runner (its hostfile, pdsh or `--no_ssh` per node under
+srun), and so does any launch with JOBSPEC_DEEPSPEED_RUNNER=1 in the environment (to compare, or to
+rule jobspec out).
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from pathlib import Path
 
 from jobspec.compile.launch_plan import LaunchPlan
 
-# DeepSpeed's launch.py, run unchanged, with DeepSpeed imported without MLflow (jobspec/launch/ds_launch.py)
+# DeepSpeed's launch.py, run unchanged, with DeepSpeed imported without MLflow
+# (jobspec/launch/ds_launch.py)
 NODE_LAUNCHER = "jobspec.launch.ds_launch"
 
 
@@ -48,9 +50,9 @@ def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
 def runner_prefix() -> list[str]:
     """How to start DeepSpeed's runner with *this* interpreter.
 
-    The `deepspeed` script next to sys.executable is used when present (it is what a user would type);
-    otherwise `python -m deepspeed.launcher.runner`, because a `deepspeed` found elsewhere on PATH
-    (another venv, a pyenv shim) may run a different Python than the one jobspec runs in.
+    The `deepspeed` script next to sys.executable is used when present (it is what a user would
+    type); otherwise `python -m deepspeed.launcher.runner`, because a `deepspeed` found elsewhere on
+    PATH (another venv, a pyenv shim) may run a different Python than the one jobspec runs in.
     """
     script = shutil.which("deepspeed")
     if script and Path(script).resolve().parent == Path(sys.executable).resolve().parent:
@@ -69,7 +71,8 @@ class DeepSpeedRunner:
         return [*self.prefix, *plan.runner_arguments()]
 
     def hostfile_text(self, plan: LaunchPlan) -> str | None:
-        return None   # the runner reads the hostfile the user keeps (DeepSpeed's default /job/hostfile)
+        # the runner reads the hostfile the user keeps (DeepSpeed's default /job/hostfile)
+        return None
 
 
 @dataclass(frozen=True)
@@ -88,7 +91,8 @@ class NodeLauncher:
         encoded = base64.urlsafe_b64encode(json.dumps(world_info).encode()).decode()
         return [sys.executable, "-u", "-m", NODE_LAUNCHER, f"--world_info={encoded}",
                 "--master_addr=127.0.0.1", f"--master_port={plan.master_port}",
-                "--module", "--enable_each_rank_log=None", "--log_level=info", plan.module, *plan.worker_args]
+                "--module", "--enable_each_rank_log=None", "--log_level=info", plan.module,
+                *plan.worker_args]
 
     def hostfile_text(self, plan: LaunchPlan) -> str | None:
         return None

@@ -1,13 +1,14 @@
-"""Slurm: sbatch scripts rendered from `resources.slurm`, and multi-node launches inside an allocation.
+"""Slurm: sbatch scripts rendered from `resources.slurm`, and multi-node launches inside an
+allocation.
 
 Why one DeepSpeed runner per node (and not `deepspeed --launcher slurm`): DeepSpeed's Slurm launcher
 runs `srun -n WORLD python -u WORKER` directly, and srun sets SLURM_PROCID but not RANK/LOCAL_RANK/
-WORLD_SIZE; `deepspeed.init_distributed` then falls back to mpi4py discovery, which fails on CPU-only
-hosts and on clusters without MPI. Instead `srun` starts one ordinary runner per node with `--no_ssh
---node_rank <SLURM_NODEID>` and a hostfile of the allocation: each runner starts its node's ranks with
-torch's usual env:// rendezvous, exactly like a single-node launch. SLURM_NODEID differs per node, so srun
-runs `python -m jobspec.launch.slurm node-runner RUNNER...`, which inserts `--node_rank` from its own
-environment; no value is ever interpolated into a shell string.
+WORLD_SIZE; `deepspeed.init_distributed` then falls back to mpi4py discovery, which fails on
+CPU-only hosts and on clusters without MPI. Instead `srun` starts one ordinary runner per node with
+`--no_ssh --node_rank <SLURM_NODEID>` and a hostfile of the allocation: each runner starts its
+node's ranks with torch's usual env:// rendezvous, exactly like a single-node launch. SLURM_NODEID
+differs per node, so srun runs `python -m jobspec.launch.slurm node-runner RUNNER...`, which inserts
+`--node_rank` from its own environment; no value is ever interpolated into a shell string.
 
 Nothing here imports torch; `detect_allocation` and `allocation_backend` only run `scontrol`.
 """
@@ -26,10 +27,12 @@ from jobspec import rundir
 from jobspec.compile.launch_plan import LaunchPlan
 from jobspec.errors import RunFailure, SpecError, SpecIssue, spec_error
 
-# launch.sh ships inside the wheel (pyproject's force-include); a source checkout has it at its root.
+# launch.sh ships inside the wheel (pyproject's force-include); a source checkout has it at its
+# root.
 LAUNCH_SH_CANDIDATES = (
     Path(__file__).resolve().parents[1] / "_scripts" / "launch.sh",   # installed package
-    Path(__file__).resolve().parents[2] / "launch.sh",                # source checkout (editable install)
+    # source checkout (editable install)
+    Path(__file__).resolve().parents[2] / "launch.sh",
 )
 
 
@@ -52,14 +55,17 @@ class Allocation:
 
 
 def expand_hostlist(nodelist: str, run=None) -> list[str]:
-    """`n[1-3],gpu7` -> ["n1", "n2", "n3", "gpu7"], by Slurm's own parser (`scontrol show hostnames`)."""
+    """`n[1-3],gpu7` -> ["n1", "n2", "n3", "gpu7"], by Slurm's own parser (`scontrol show
+    hostnames`)."""
     try:
         result = (run or subprocess.run)(["scontrol", "show", "hostnames", nodelist],
                                          capture_output=True, text=True, check=True)
     except (OSError, subprocess.CalledProcessError) as err:
         detail = getattr(err, "stderr", None) or err
-        raise spec_error(f"cannot expand the Slurm node list {nodelist!r}: {detail}", path=("resources", "nodes"),
-                         hint="run inside a Slurm allocation with scontrol on PATH (and SLURM_CONF if needed)")
+        raise spec_error(f"cannot expand the Slurm node list {nodelist!r}: {detail}",
+                         path=("resources", "nodes"),
+                         hint="run inside a Slurm allocation with scontrol on PATH (and SLURM_CONF "
+                              "if needed)")
     return result.stdout.split()
 
 
@@ -72,7 +78,8 @@ def detect_allocation(env=None, run=None) -> Allocation | None:
         return None
     hosts = tuple(expand_hostlist(nodelist, run))
     num_nodes = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or len(hosts))
-    return Allocation(job_id=job_id, hosts=hosts, node_id=int(env.get("SLURM_NODEID", "0")), num_nodes=num_nodes)
+    return Allocation(job_id=job_id, hosts=hosts, node_id=int(env.get("SLURM_NODEID", "0")),
+                      num_nodes=num_nodes)
 
 
 def node_address(host: str, run=None) -> str:
@@ -90,12 +97,13 @@ def hostfile_text(hosts, slots: int) -> str:
 
 @dataclass(frozen=True)
 class SrunPerNode:
-    """Backend: `srun` starting one DeepSpeed runner per node of the allocation (see the module doc for
-    why), from `<run_dir>/hostfile` listing the plan's first `nodes` hosts of the allocation."""
+    """Backend: `srun` starting one DeepSpeed runner per node of the allocation (see the module doc
+    for why), from `<run_dir>/hostfile` listing the plan's first `nodes` hosts of the allocation."""
 
     allocation: Allocation
     master_addr: str              # where rank 0's node is reachable (its NodeAddr)
-    runner: tuple[str, ...]       # DeepSpeed's runner of this interpreter (launch/runner.runner_prefix)
+    # DeepSpeed's runner of this interpreter (launch/runner.runner_prefix)
+    runner: tuple[str, ...]
 
     def hostfile_text(self, plan: LaunchPlan) -> str | None:
         return hostfile_text(self.allocation.hosts[:plan.nodes], plan.gpus_per_node)
@@ -113,8 +121,9 @@ class SrunPerNode:
 
 def allocation_backend(plan: LaunchPlan, runner: Sequence[str], env=None, *,
                        master_addr: str | None = None) -> SrunPerNode | None:
-    """The srun backend for a multi-node plan inside a Slurm allocation; None for one node or outside
-    Slurm (DeepSpeed's runner then starts the ranks). `master_addr` defaults to the first host's NodeAddr."""
+    """The srun backend for a multi-node plan inside a Slurm allocation; None for one node or
+    outside Slurm (DeepSpeed's runner then starts the ranks). `master_addr` defaults to the first
+    host's NodeAddr."""
     nodes = plan.nodes
     if nodes <= 1:
         return None
@@ -124,7 +133,8 @@ def allocation_backend(plan: LaunchPlan, runner: Sequence[str], env=None, *,
     if allocation.num_nodes < nodes:
         raise spec_error(f"resources.nodes is {nodes} but Slurm job {allocation.job_id} has "
                          f"{allocation.num_nodes} node(s)", path=("resources", "nodes"),
-                         hint=f"submit with --nodes={nodes} (jobspec sbatch does), or lower resources.nodes")
+                         hint=f"submit with --nodes={nodes} (jobspec sbatch does), or lower "
+                              "resources.nodes")
     return SrunPerNode(allocation, master_addr or node_address(allocation.hosts[0]), tuple(runner))
 
 
@@ -141,12 +151,14 @@ def _directive_value(resolved, path: tuple, value, issues: list) -> str:
     if bad or text == "":
         what = f"contains {bad.group()!r}" if bad else "is empty"   # "" has no unwritable character
         issues.append(resolved.issue(path, f"{what}, which cannot be written in an #SBATCH line",
-                                     hint="remove newlines, control characters and backslashes from the value"))
+                                     hint="remove newlines, control characters and backslashes "
+                                          "from the value"))
     return shlex.quote(text)
 
 
 def sbatch_directives(resolved, *, gpus: bool = True) -> list[str]:
-    """The `#SBATCH` lines for a resolved spec; SpecError (positioned) for values sbatch cannot read."""
+    """The `#SBATCH` lines for a resolved spec; SpecError (positioned) for values sbatch cannot
+    read."""
     spec = resolved.spec
     res = spec["resources"]
     slurm = res["slurm"]
@@ -186,15 +198,19 @@ def sbatch_directives(resolved, *, gpus: bool = True) -> list[str]:
     return lines
 
 
-def render_sbatch(resolved, spec_path, overrides=(), *, launch_sh: Path | None = None, gpus: bool = True) -> str:
+def render_sbatch(resolved, spec_path, overrides=(), *, launch_sh: Path | None = None,
+                  gpus: bool = True) -> str:
     """A complete sbatch script running `launch.sh SPEC --set ...` with the spec's resources."""
-    body = shlex.join([str(Path(launch_sh or launch_sh_path()).resolve()), str(Path(spec_path).resolve()),
+    body = shlex.join([str(Path(launch_sh or launch_sh_path()).resolve()),
+                       str(Path(spec_path).resolve()),
                        *[arg for override in overrides for arg in ("--set", override)]])
     return "\n".join([
         "#!/bin/bash",
         *sbatch_directives(resolved, gpus=gpus),
-        "# rendered by `jobspec sbatch`",  # no paths in comments: a newline in a path would end the comment
-        "# launch.sh forwards SIGUSR1 (time limit / preemption warning) to jobspec, which checkpoints;",
+        # no paths in comments: a newline in a path would end the comment
+        "# rendered by `jobspec sbatch`",
+        "# launch.sh forwards SIGUSR1 (time limit / preemption warning) to jobspec, which "
+        "checkpoints;",
         "# it then requeues this job, and the requeued run resumes from the checkpoint.",
         "set -euo pipefail",
         f"exec {body}",  # exec: launch.sh itself is the batch shell that handles the signal
@@ -208,20 +224,25 @@ def submit(script: str, run=None) -> str:
         result = (run or subprocess.run)(["sbatch", "--parsable"], input=script,
                                          capture_output=True, text=True, check=False)
     except OSError as err:
-        raise spec_error(f"cannot run sbatch ({err})", hint="run on a Slurm login node, or drop --submit and "
-                                                            "submit the script with sbatch yourself")
+        raise spec_error(f"cannot run sbatch ({err})",
+                         hint="run on a Slurm login node, or drop --submit and "
+                                                            "submit the script with sbatch "
+                                                            "yourself")
     if result.returncode != 0:
-        raise spec_error(f"sbatch refused the job: {result.stderr.strip() or result.stdout.strip()}",
-                         path=("resources", "slurm"), hint="fix the Slurm settings of the spec (or the --set values)")
+        raise spec_error("sbatch refused the job: "
+                         f"{result.stderr.strip() or result.stdout.strip()}",
+                         path=("resources", "slurm"),
+                         hint="fix the Slurm settings of the spec (or the --set values)")
     return result.stdout.strip().split(";")[0]  # --parsable prints `jobid[;cluster]`
 
 
-# --- `python -m jobspec.launch.slurm node-runner RUNNER...` -------------------------------------------
+# --- `python -m jobspec.launch.slurm node-runner RUNNER...` ---------------------------------------
 
 def node_runner_argv(runner_argv: list[str], env) -> list[str]:
     """The runner argv with `--node_rank <SLURM_NODEID>` added before `--no_ssh`."""
     if "SLURM_NODEID" not in env:
-        raise SystemExit("jobspec.launch.slurm node-runner: SLURM_NODEID is not set (run it through srun)")
+        raise SystemExit("jobspec.launch.slurm node-runner: SLURM_NODEID is not set (run it "
+                         "through srun)")
     at = runner_argv.index("--no_ssh")
     return runner_argv[:at] + ["--node_rank", str(int(env["SLURM_NODEID"]))] + runner_argv[at:]
 

@@ -7,13 +7,14 @@ Design decisions (why):
   parent-death signal and the ranks end the group themselves (jobspec/lifeline.py).
 - Output always goes through a pipe that we relay byte-chunk by byte-chunk (not line by line) to our
   stdout AND `launcher.log`: the log is needed for the failure reason, and a tqdm bar still renders
-  because its `\\r` updates are passed through as they come (COLUMNS is passed so it knows the width).
-- SIGUSR1 is set to "ignore" across the exec of the runner: DeepSpeed's runner and `launch.py` do not
-  handle it and would die of it; the worker installs its own handler (checkpoint and stop), so a
+  because its `\\r` updates are passed through as they come (COLUMNS is passed so it knows the
+  width).
+- SIGUSR1 is set to "ignore" across the exec of the runner: DeepSpeed's runner and `launch.py` do
+  not handle it and would die of it; the worker installs its own handler (checkpoint and stop), so a
   SIGUSR1 forwarded to the group reaches only the ranks' handlers.
 - DeepSpeed's `launch.py` kills sibling ranks when one fails, but a sibling blocked in a gloo
-  collective ignores the SIGTERM (the worker turns it into a flag) until `launch.py` SIGKILLs it 30 s
-  later; the watchdog here tears the group down sooner when a rank is gone and no summary says
+  collective ignores the SIGTERM (the worker turns it into a flag) until `launch.py` SIGKILLs it 30
+  s later; the watchdog here tears the group down sooner when a rank is gone and no summary says
   the job finished.
 - Every stop is graceful (docs/reliability.md, "Stopping"): the first SIGINT, SIGTERM or SIGHUP
   is forwarded to the group as SIGTERM, whether it reached only this process (a terminal's Ctrl-C:
@@ -41,8 +42,10 @@ import psutil
 
 from jobspec import lifeline, rundir
 
-KILL_GRACE_S = 45.0       # after SIGINT/SIGTERM: DeepSpeed's launch.py waits 30 s for ranks, plus margin
-RANK_EXIT_GRACE_S = 20.0  # a rank is gone, others still run, no finished summary: tear down after this
+# after SIGINT/SIGTERM: DeepSpeed's launch.py waits 30 s for ranks, plus margin
+KILL_GRACE_S = 45.0
+# a rank is gone, others still run, no finished summary: tear down after this
+RANK_EXIT_GRACE_S = 20.0
 LEFTOVER_GRACE_S = 5.0    # runner exited: group members still alive get this long, then SIGKILL
 TAIL_LINES = 30
 
@@ -56,7 +59,8 @@ class Outcome:
     user_signal: int | None        # SIGINT/SIGTERM/SIGHUP received from the user, if any
     reason: str | None             # why it failed (None on success)
     log_tail: list[str]
-    at_once: bool = False          # a second Ctrl-C ended the job without waiting for its checkpoint
+    # a second Ctrl-C ended the job without waiting for its checkpoint
+    at_once: bool = False
 
 
 def exit_code_of(returncode: int, rank_signal: int | None = None) -> int:
@@ -87,14 +91,16 @@ def group_members(pgid: int) -> list[psutil.Process]:
 
 
 def rank_pids(members: list[psutil.Process]) -> set[int]:
-    """Ranks: the topmost processes with LOCAL_RANK in their environment (children are DataLoader workers)."""
+    """Ranks: the topmost processes with LOCAL_RANK in their environment (children are DataLoader
+    workers)."""
     has_rank = {}
     for proc in members:
         try:
             has_rank[proc.pid] = ("LOCAL_RANK" in proc.environ(), proc.ppid())
         except psutil.Error:
             continue
-    return {pid for pid, (ranked, ppid) in has_rank.items() if ranked and not has_rank.get(ppid, (False,))[0]}
+    return {pid for pid, (ranked, ppid) in has_rank.items() if ranked
+            and not has_rank.get(ppid, (False,))[0]}
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -104,7 +110,8 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
-def _relay(fd: int, run_dir: Path, tail: collections.deque, echo, seen: dict, echo_filter=None) -> None:
+def _relay(fd: int, run_dir: Path, tail: collections.deque, echo, seen: dict,
+           echo_filter=None) -> None:
     partial = b""
     with rundir.open_launcher_log(run_dir) as log_file:
         while True:
@@ -144,27 +151,33 @@ def _relay(fd: int, run_dir: Path, tail: collections.deque, echo, seen: dict, ec
 def run(argv: list[str], env: dict, run_dir: Path, *, echo=None, kill_grace_s: float = KILL_GRACE_S,
               rank_exit_grace_s: float | None = None, leftover_grace_s: float = LEFTOVER_GRACE_S,
               poll_s: float = 0.2, echo_filter=None, started=None) -> Outcome:
-    """Run `argv` in its own process group, relay its output, forward signals; no process outlives it.
+    """Run `argv` in its own process group, relay its output, forward signals; no process outlives
+    it.
 
-    `echo_filter` (launch/quiet.TerminalFilter) picks what of the output reaches `echo` (launcher.log
-    gets all of it); `started(pid)` is called once the runner runs (the launch tracks it meanwhile)."""
+    `echo_filter` (launch/quiet.TerminalFilter) picks what of the output reaches `echo`
+    (launcher.log gets all of it); `started(pid)` is called once the runner runs (the launch tracks
+    it meanwhile)."""
     import subprocess
 
     rank_exit_grace_s = RANK_EXIT_GRACE_S if rank_exit_grace_s is None else rank_exit_grace_s
     echo = sys.stdout.buffer if echo is None else echo
     read_fd, write_fd = os.pipe()
-    previous_usr1 = signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # inherited across exec: see module doc
+    # inherited across exec: see module doc
+    previous_usr1 = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     try:
-        # the runner dies with us, even of SIGKILL; the ranks watch us themselves (jobspec/lifeline.py)
-        proc = subprocess.Popen(argv, env={**env, **lifeline.launcher_env()}, stdin=subprocess.DEVNULL,
-                                stdout=write_fd, stderr=write_fd, start_new_session=True, close_fds=True,
-                                preexec_fn=lifeline.die_with_parent)
+        # the runner dies with us, even of SIGKILL; the ranks watch us themselves
+        # (jobspec/lifeline.py)
+        proc = subprocess.Popen(argv, env={**env, **lifeline.launcher_env()},
+                                stdin=subprocess.DEVNULL,
+                                stdout=write_fd, stderr=write_fd, start_new_session=True,
+                                close_fds=True, preexec_fn=lifeline.die_with_parent)
     finally:
         signal.signal(signal.SIGUSR1, previous_usr1)
         os.close(write_fd)
     tail: collections.deque = collections.deque(maxlen=TAIL_LINES)
     seen: dict = {}
-    relay = threading.Thread(target=_relay, args=(read_fd, run_dir, tail, echo, seen, echo_filter), daemon=True)
+    relay = threading.Thread(target=_relay, args=(read_fd, run_dir, tail, echo, seen, echo_filter),
+                             daemon=True)
     relay.start()
     if started is not None:
         started(proc.pid)
@@ -172,7 +185,8 @@ def run(argv: list[str], env: dict, run_dir: Path, *, echo=None, kill_grace_s: f
     state: dict = {"user_signal": None, "kill_at": None, "at_once": False, "notice": None}
 
     def forward(sig, _frame):
-        if sig == signal.SIGUSR1:   # Slurm's warning: the ranks checkpoint and stop; nothing else changes
+        # Slurm's warning: the ranks checkpoint and stop; nothing else changes
+        if sig == signal.SIGUSR1:
             _signal_group(proc.pid, sig)
             return
         if sig == signal.SIGHUP:
@@ -182,7 +196,8 @@ def run(argv: list[str], env: dict, run_dir: Path, *, echo=None, kill_grace_s: f
             state["kill_at"] = time.monotonic() + kill_grace_s
             state["notice"] = sig
             _signal_group(proc.pid, signal.SIGTERM)
-        elif sig == signal.SIGINT and not state["at_once"]:   # Ctrl-C again: do not wait for the checkpoint
+        # Ctrl-C again: do not wait for the checkpoint
+        elif sig == signal.SIGINT and not state["at_once"]:
             state["at_once"] = True
             state["kill_at"] = time.monotonic()
             state["notice"] = sig
@@ -214,16 +229,19 @@ def run(argv: list[str], env: dict, run_dir: Path, *, echo=None, kill_grace_s: f
                 seen_ranks |= alive
                 if alive and len(alive) < len(seen_ranks):
                     partial_since = partial_since or now
-                    if now - partial_since >= rank_exit_grace_s and not rundir.summary_says_done(run_dir):
+                    if now - partial_since >= rank_exit_grace_s \
+                            and not rundir.summary_says_done(run_dir):
                         reason = (f"a rank exited while {len(alive)} other(s) kept running for "
-                                  f"{rank_exit_grace_s:.0f} s (likely blocked in a collective); killed the job")
+                                  f"{rank_exit_grace_s:.0f} s (likely blocked in a collective); "
+                                  "killed the job")
                         _signal_group(proc.pid, signal.SIGKILL)
             time.sleep(poll_s)
         returncode = proc.returncode
         # the runner is gone (DeepSpeed's launch.py may exit before its ranks): the ranks still get
         # the stop's grace, which a second Ctrl-C meanwhile cuts short (kill_at is read each time)
         leftover_deadline = time.monotonic() + leftover_grace_s
-        while group_members(proc.pid) and time.monotonic() < (state["kill_at"] or leftover_deadline):
+        while group_members(proc.pid) \
+                and time.monotonic() < (state["kill_at"] or leftover_deadline):
             tell()
             time.sleep(poll_s)
         _signal_group(proc.pid, signal.SIGKILL)
@@ -239,7 +257,8 @@ def run(argv: list[str], env: dict, run_dir: Path, *, echo=None, kill_grace_s: f
     if state["at_once"]:   # what a shell reports for Ctrl-C: 130, whatever the first signal was
         exit_code = 128 + signal.SIGINT
     else:
-        exit_code = 128 + user_signal if user_signal else exit_code_of(returncode, seen.get("rank_signal"))
+        exit_code = 128 + user_signal if user_signal \
+            else exit_code_of(returncode, seen.get("rank_signal"))
     if user_signal:
         reason = f"stopped by {signal.Signals(user_signal).name} from the user"
     elif exit_code != 0:
@@ -275,7 +294,8 @@ def detach_from_terminal(run_dir: Path) -> None:
             stream.flush()
         except (OSError, ValueError):
             pass
-    log_fd = os.open(Path(run_dir) / rundir.LAUNCHER_LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    log_fd = os.open(Path(run_dir) / rundir.LAUNCHER_LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT,
+                     0o644)
     try:
         for fd in (1, 2):
             os.dup2(log_fd, fd)

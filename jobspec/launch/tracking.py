@@ -33,19 +33,24 @@ PENDING = "pending"   # launch.json `mlflow_run` while the launcher creates the 
 
 
 class BackgroundTracking:
-    """Starts the enabled trackers (MLflow's run with the plan params) and writes the checkpoint owner
-    record, in a thread; `wait` returns the MLflow run, `end` ends every tracker that started."""
+    """Starts the enabled trackers (MLflow's run with the plan params) and writes the checkpoint
+    owner record, in a thread; `wait` returns the MLflow run, `end` ends every tracker that
+    started."""
 
-    def __init__(self, resolved, compiled, run_dir: Path, resume_run_id: str | None, plan_params: dict,
+    def __init__(self, resolved, compiled, run_dir: Path, resume_run_id: str | None,
+                 plan_params: dict,
                  *, launch: dict, verbose: bool = False, announce=None, done=None, lineage=None,
                  start_step: int = 0):
         self.resolved, self.compiled, self.run_dir = resolved, compiled, Path(run_dir)
-        self.launch = launch   # launch.json's launch fields: the argv that runs, counts, overrides, segment
+        # launch.json's launch fields: the argv that runs, counts, overrides, segment
+        self.launch = launch
         self.resume_run_id, self.plan_params, self.verbose = resume_run_id, plan_params, verbose
-        self.lineage, self.start_step = lineage, start_step   # launch/lineage.py: the owner record's history
+        # launch/lineage.py: the owner record's history
+        self.lineage, self.start_step = lineage, start_step
         self.announce = announce or (lambda info: None)   # called with mlflow_run.json's content
         self.done = done or (lambda: None)                  # called last, whatever happened
-        self.tracked: TrackedRun | None = None   # MLflow's run, for the launcher's MLflow-only steps
+        # MLflow's run, for the launcher's MLflow-only steps
+        self.tracked: TrackedRun | None = None
         self.started: dict[str, Any] = {}   # tracker name -> what its `start` returned
         self.failure: BaseException | None = None
         self._runner_pid: int | None = None
@@ -73,20 +78,24 @@ class BackgroundTracking:
         spec = self.resolved.spec
         try:
             if spec["logging"]["mlflow"]["enabled"]:
-                tracking_run.import_mlflow()   # installs MLflow's log handlers, which route_library_logs re-routes
+                # installs MLflow's log handlers, which route_library_logs re-routes
+                tracking_run.import_mlflow()
                 from jobspec.launch.quiet import route_library_logs
                 route_library_logs(self.run_dir / rundir.LAUNCHER_LOG, self.verbose)
             run = RunStart(self.run_dir, spec, self.resolved.text, self.launch,
                            self.compiled.derived.as_dict(), self.plan_params, self.resume_run_id)
-            # the default (MLflow) last: rank 0 opens its sink once mlflow_run.json exists, and by then
-            # every other tracker has started (TensorBoard's start file is then the directory's first)
+            # the default (MLflow) last: rank 0 opens its sink once mlflow_run.json exists, and by
+            # then every other tracker has started (TensorBoard's start file is then the directory's
+            # first)
             for tracker in sorted(trackers.enabled(spec), key=lambda t: t.name == trackers.DEFAULT):
                 started = tracker.start(run)
                 if started is not None:
                     self.started[tracker.name] = started
             self.tracked = self.started.get("mlflow")
-            ownership.write_owner(spec, self.resolved.source, self.tracked.run_id if self.tracked else None,
-                                  lineage=self.lineage, run_dir=self.run_dir, start_step=self.start_step)
+            ownership.write_owner(spec, self.resolved.source,
+                                  self.tracked.run_id if self.tracked else None,
+                                  lineage=self.lineage, run_dir=self.run_dir,
+                                  start_step=self.start_step)
             if self.tracked is not None:
                 self.announce(self.tracked.as_json())
         except BaseException as err:  # noqa: BLE001 -- re-raised by wait() in the main thread
@@ -106,14 +115,16 @@ class BackgroundTracking:
     def _stop_runner(self) -> None:
         if self._runner_pid is not None:
             try:
-                os.killpg(self._runner_pid, signal.SIGKILL)  # nothing has trained yet: nothing to save
+                # nothing has trained yet: nothing to save
+                os.killpg(self._runner_pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
 
 
 def describe_run(tracked, description: str | None, block: str, generated: bool = False) -> None:
-    """The closing summary as the run's description (MLflow shows `mlflow.note.content` as Markdown);
-    `generated`: the run holds evaluation generations, and the description links to their table."""
+    """The closing summary as the run's description (MLflow shows `mlflow.note.content` as
+    Markdown); `generated`: the run holds evaluation generations, and the description links to their
+    table."""
     parts = [description] if description else []
     if generated:
         parts.append(generations.description_line(tracked.experiment_id, tracked.run_id))

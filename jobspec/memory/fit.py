@@ -6,10 +6,10 @@ and returns the cheapest one that fits, as `--set` overrides plus a one-line rea
 
   micro-batch down / accumulation up, bf16 (fp16 where bf16 is unsupported), checkpointing one layer
   in k (k down to 1), 8-bit AdamW, a higher ZeRO stage, CPU optimizer offload, CPU parameter
-  offload, NVMe offload (only when `memory.offload.nvme_path` is set); for causal LMs the long-sequence
-  techniques on top of checkpointing every layer, in order of cost: the tiled loss, the tiled MLP, the
-  checkpointed inputs offloaded to the host (their recomputes are in the traced FLOPs, the offload's
-  copies in PCIe time).
+  offload, NVMe offload (only when `memory.offload.nvme_path` is set); for causal LMs the
+  long-sequence techniques on top of checkpointing every layer, in order of cost: the tiled loss,
+  the tiled MLP, the checkpointed inputs offloaded to the host (their recomputes are in the traced
+  FLOPs, the offload's copies in PCIe time).
 Pure: no torch, no I/O.
 """
 from __future__ import annotations
@@ -40,10 +40,11 @@ INTERCONNECT_BYTES_PER_S = 50e9  # GPU <-> GPU all-gathers of ZeRO-3
 NVME_BYTES_PER_S = 3e9
 CPU_ADAM_PARAMS_PER_S = 0.5e9   # DeepSpeedCPUAdam on a typical host
 CHECKPOINT_EVERY = (8, 6, 4, 3, 2, 1)
-# The long-sequence techniques (docs/memory-planner.md), each level adding one: tried with every layer
-# checkpointed, the first thing a long sequence needs
+# The long-sequence techniques (docs/memory-planner.md), each level adding one: tried with every
+# layer checkpointed, the first thing a long sequence needs
 TECHNIQUES = ("memory.tiled_loss", "memory.tiled_mlp", "offload")
-OFFLOAD_OVERLAP = 0.5   # DeepSpeed copies checkpoint inputs on a side stream: half hidden behind compute
+# DeepSpeed copies checkpoint inputs on a side stream: half hidden behind compute
+OFFLOAD_OVERLAP = 0.5
 # Achieved training FLOP/s of one CPU core (fp32 or bf16, one thread per core): 50-80 GFLOP/s
 # measured for encoder steps with hidden sizes 256-1024 on an AMD EPYC core (docs/benchmarks.md,
 # "CPU ranks"); the low end, as a loaded machine and DeepSpeed's overhead only slow a step down.
@@ -64,15 +65,16 @@ class FitResult:
 
     def as_dict(self) -> dict:
         return {"fits": self.fits, "overrides": self.overrides, "changes": self.changes,
-                "slowdown": round(self.slowdown, 3), "reason": self.reason, "considered": self.considered,
+                "slowdown": round(self.slowdown, 3), "reason": self.reason,
+                "considered": self.considered,
                 "notes": self.notes, "host_limited": self.host_limited, "plan": self.plan.as_dict()}
 
 
 def fit(spec: JobSpec, job: DerivedJob, budget_bytes: int, *, bf16_supported: bool = True,
         host_budget: int | None = None, context: ContextFigure | None = None) -> FitResult:
-    """The fastest configuration of `spec` predicted to fit `budget_bytes` per GPU (NVML-style total)
-    and, when `host_budget` is known, a node's RAM with all its ranks; `context`: the GPU's CUDA
-    context (planner.plan_memory)."""
+    """The fastest configuration of `spec` predicted to fit `budget_bytes` per GPU (NVML-style
+    total) and, when `host_budget` is known, a node's RAM with all its ranks; `context`: the GPU's
+    CUDA context (planner.plan_memory)."""
     baseline = step_time(spec, job)
     best, gpu_best, smallest, host_least, considered = None, None, None, None, 0
     for changes in candidate_changes(spec, job, bf16_supported):
@@ -101,33 +103,38 @@ def fit(spec: JobSpec, job: DerivedJob, budget_bytes: int, *, bf16_supported: bo
         # the fastest GPU fit overflows the node's RAM (typically its CPU offload buffers): say so
         changes, plan, cost = gpu_best
         notes.append(f"{describe(changes)} fits the GPU (est. {cost:.2f}x step time) but needs "
-                     f"{fmt_mib_gib(plan.host_per_node)} of host RAM per node ({plan.ranks_per_node} x "
-                     f"{fmt_mib_gib(plan.host_total)}), more than {fmt_mib_gib(host_budget)}")
+                     f"{fmt_mib_gib(plan.host_per_node)} of host RAM per node "
+                     f"({plan.ranks_per_node} x {fmt_mib_gib(plan.host_total)}), more than "
+                     f"{fmt_mib_gib(host_budget)}")
     if best is None and host_least is not None and host_budget is not None:
         changes, plan, cost = host_least
-        reason = (f"nothing fits both {fmt_mib_gib(budget_bytes)} per GPU and {fmt_mib_gib(host_budget)} of host "
-                  f"RAM per node: the configuration that fits the GPU with the least host RAM ({describe(changes)}) "
-                  f"needs {fmt_mib_gib(plan.host_per_node)} per node ({plan.ranks_per_node} x "
+        reason = (f"nothing fits both {fmt_mib_gib(budget_bytes)} per GPU and "
+                  f"{fmt_mib_gib(host_budget)} of host RAM per node: the configuration that fits "
+                  f"the GPU with the least host RAM ({describe(changes)}) needs "
+                  f"{fmt_mib_gib(plan.host_per_node)} per node ({plan.ranks_per_node} x "
                   f"{fmt_mib_gib(plan.host_total)})")
-        return FitResult(False, to_overrides(changes), changes, plan, cost, reason, considered, notes,
-                         host_limited=True)
+        return FitResult(False, to_overrides(changes), changes, plan, cost, reason, considered,
+                         notes, host_limited=True)
     if best is None:
         if smallest is None:
             raise ValueError("fit: no configuration to consider")
         changes, plan, cost = smallest
-        reason = (f"nothing fits in {fmt_mib_gib(budget_bytes)}: the smallest configuration ({describe(changes)}) "
-                  f"needs {fmt_mib_gib(plan.nvml_total)}. Try {_what_else(spec)}")
-        return FitResult(False, to_overrides(changes), changes, plan, cost, reason, considered, notes)
+        reason = (f"nothing fits in {fmt_mib_gib(budget_bytes)}: the smallest configuration "
+                  f"({describe(changes)}) needs {fmt_mib_gib(plan.nvml_total)}. Try "
+                  f"{_what_else(spec)}")
+        return FitResult(False, to_overrides(changes), changes, plan, cost, reason, considered,
+                         notes)
     changes, plan, cost = best
-    reason = (f"{describe(changes)}: {fmt_mib_gib(plan.nvml_total)} of {fmt_mib_gib(budget_bytes)}, "
-              f"est. {cost:.2f}x step time")
+    reason = (f"{describe(changes)}: {fmt_mib_gib(plan.nvml_total)} of "
+              f"{fmt_mib_gib(budget_bytes)}, est. {cost:.2f}x step time")
     if host_budget is not None:
         reason += f"; host {fmt_mib_gib(plan.host_per_node)} per node of {fmt_mib_gib(host_budget)}"
     return FitResult(True, to_overrides(changes), changes, plan, cost, reason, considered, notes)
 
 
 def _what_else(spec: JobSpec) -> str:
-    """What a job none of whose configurations fits can still change, among what validation accepts."""
+    """What a job none of whose configurations fits can still change, among what validation
+    accepts."""
     if spec["model"]["quantization"] is not None:   # a 4-bit base: ZeRO 0-2 keep its weights whole
         options = ["more GPUs (ZeRO 1-2 divide the adapters' states by the world size)"]
     else:
@@ -139,7 +146,8 @@ def _what_else(spec: JobSpec) -> str:
     return ", ".join(options) + ", or a smaller model"
 
 
-def candidate_changes(spec: JobSpec, job: DerivedJob, bf16_supported: bool) -> Iterator[dict[str, Any]]:
+def candidate_changes(spec: JobSpec, job: DerivedJob,
+                      bf16_supported: bool) -> Iterator[dict[str, Any]]:
     """Every combination of knob settings, as {dotted path: value} relative to `spec`."""
     training, memory = spec["training"], spec["memory"]
     # the batch split counts data-parallel ranks: world / memory.sequence_parallel
@@ -149,8 +157,10 @@ def candidate_changes(spec: JobSpec, job: DerivedJob, bf16_supported: bool) -> I
     precisions = [memory["precision"]] + ([half] if memory["precision"] == "fp32" else [])
     # one layer in k, for the k validation accepts (at most the model's layers)
     layers = job.num_layers or 0
-    checkpointing = [False] + [{"every_n_layers": k} for k in CHECKPOINT_EVERY if 1 < k <= layers] + [True]
-    names = [training["optimizer"]["name"], *optimizers.get(training["optimizer"]["name"]).fit_alternatives]
+    checkpointing = [False] \
+        + [{"every_n_layers": k} for k in CHECKPOINT_EVERY if 1 < k <= layers] + [True]
+    names = [training["optimizer"]["name"],
+             *optimizers.get(training["optimizer"]["name"]).fit_alternatives]
     nvme = bool(memory["offload"]["nvme_path"])
     layouts = [(stage, "none", "none") for stage in range(memory["zero_stage"], 4)]
     for stage in range(max(1, memory["zero_stage"]), 4):
@@ -158,7 +168,8 @@ def candidate_changes(spec: JobSpec, job: DerivedJob, bf16_supported: bool) -> I
         if nvme:
             layouts.append((stage, "nvme", "none"))
     layouts += [(3, "cpu", "cpu")] + ([(3, "nvme", "nvme"), (3, "nvme", "cpu")] if nvme else [])
-    current_layout = (memory["zero_stage"], memory["offload"]["optimizer"], memory["offload"]["params"])
+    current_layout = (memory["zero_stage"], memory["offload"]["optimizer"],
+                      memory["offload"]["params"])
     if current_layout not in layouts:
         layouts.insert(0, current_layout)
     levels = technique_levels(spec)
@@ -174,12 +185,15 @@ def candidate_changes(spec: JobSpec, job: DerivedJob, bf16_supported: bool) -> I
             continue   # a pinned Adam implementation fixes whether the optimizer is offloaded
         if spec["model"]["attention"] == "flash_attention_2" and precision == "fp32":
             continue
-        if spec["model"]["quantization"] is not None and (stage != memory["zero_stage"] or off_params != "none"):
-            # a quantised base's packed weights stay where the job put them: the fit changes its micro-batch,
-            # checkpointing, precision and optimizer offload, not how the bitsandbytes weights are sharded
+        if spec["model"]["quantization"] is not None \
+                and (stage != memory["zero_stage"] or off_params != "none"):
+            # a quantised base's packed weights stay where the job put them: the fit changes its
+            # micro-batch, checkpointing, precision and optimizer offload, not how the bitsandbytes
+            # weights are sharded
             continue
         wanted = {"training.micro_batch_size": m, "memory.precision": precision,
-                  "memory.activation_checkpointing": _normal_ckpt(ckpt), "training.optimizer.name": optimizer,
+                  "memory.activation_checkpointing": _normal_ckpt(ckpt),
+                  "training.optimizer.name": optimizer,
                   "memory.zero_stage": stage, "memory.offload.optimizer": off_opt,
                   "memory.offload.params": off_params}
         for technique in level:
@@ -190,27 +204,30 @@ def candidate_changes(spec: JobSpec, job: DerivedJob, bf16_supported: bool) -> I
         if (wanted.get("memory.tiled_loss") or spec["memory"]["tiled_loss"]) and stage >= 1 \
                 and tiling_rules.trains_tied_head(spec["model"]):
             continue   # validation refuses a tied head's tiled loss under ZeRO 1-3
-        changes = {k: v for k, v in wanted.items() if _normal_ckpt(_get(spec, k)) != _normal_ckpt(v)}
+        changes = {k: v for k, v in wanted.items()
+                   if _normal_ckpt(_get(spec, k)) != _normal_ckpt(v)}
         if "training.micro_batch_size" in changes and training["global_batch_size"] is None:
             changes["training.global_batch_size"] = global_batch
         yield changes
 
 
 def technique_levels(spec: JobSpec) -> list[tuple]:
-    """The long-sequence technique sets to try: none, then one more at a time (causal LMs: the tasks whose
-    head tiles); a technique the spec already has stays on."""
+    """The long-sequence technique sets to try: none, then one more at a time (causal LMs: the tasks
+    whose head tiles); a technique the spec already has stays on."""
     if spec["model"]["task"] != "causal-lm":
         return [()]
     memory = spec["memory"]
     ckpt = memory["activation_checkpointing"]
-    on = {"memory.tiled_loss": bool(memory["tiled_loss"]), "memory.tiled_mlp": bool(memory["tiled_mlp"]),
+    on = {"memory.tiled_loss": bool(memory["tiled_loss"]),
+          "memory.tiled_mlp": bool(memory["tiled_mlp"]),
           "offload": isinstance(ckpt, dict) and ckpt["offload"] == "cpu"}
     levels = [TECHNIQUES[:n] for n in range(len(TECHNIQUES) + 1)]
     return [level for level in levels if all(t in level for t, v in on.items() if v)]
 
 
 def _normal_ckpt(value: Any) -> Any:
-    """Checkpointing settings compared by meaning: `{every_n_layers: 1}` is `true`; an offload is kept."""
+    """Checkpointing settings compared by meaning: `{every_n_layers: 1}` is `true`; an offload is
+    kept."""
     if isinstance(value, dict):
         every = value.get("every_n_layers", 1)
         if value.get("offload", "none") == "cpu":
@@ -228,7 +245,8 @@ def _get(spec: JobSpec, dotted: str) -> Any:
 
 def apply_changes(spec: JobSpec, changes: dict) -> JobSpec:
     """A copy of `spec` with `changes` ({dotted path: value}) set, defaults filled: a change writes
-    only what it changes (`{every_n_layers: 2}`), the loader's defaults fill the rest of that object."""
+    only what it changes (`{every_n_layers: 2}`), the loader's defaults fill the rest of that
+    object."""
     out = copy.deepcopy(spec)
     for dotted, value in changes.items():
         *parents, last = dotted.split(".")
@@ -263,7 +281,8 @@ def describe(changes: dict) -> str:
             offload = isinstance(value, dict) and value.get("offload") == "cpu"
             every = value.get("every_n_layers", 1) if isinstance(value, dict) else 1
             words.append("no checkpointing" if value is False else
-                         ("checkpoint every layer" if every == 1 else f"checkpoint every {every} layers") +
+                         ("checkpoint every layer" if every == 1
+                          else f"checkpoint every {every} layers") +
                          (", inputs offloaded to the host" if offload else ""))
         elif dotted == "memory.tiled_loss":
             words.append("tiled loss")
@@ -281,15 +300,18 @@ def describe(changes: dict) -> str:
 
 
 def host_refusal(spec: JobSpec, job: DerivedJob, plan: MemoryPlan, source: str) -> SpecError:
-    """Exit 2 at `resources.host_mem` for a plan whose node does not hold its ranks' host memory: the
-    numbers, the largest part, and the changes (each replanned) that bring it within the budget."""
+    """Exit 2 at `resources.host_mem` for a plan whose node does not hold its ranks' host memory:
+    the numbers, the largest part, and the changes (each replanned) that bring it within the
+    budget."""
     budget = plan.host_budget
     if budget is None:
         raise ValueError("host_refusal needs a plan with a host budget")
-    parts = ", ".join(f"{key.replace('_', ' ')} {fmt_mib_gib(value)}" for key, value in plan.host.items() if value)
-    message = (f"the plan needs {fmt_mib_gib(plan.host_per_node)} of host RAM per node ({plan.ranks_per_node} "
-               f"rank{'s' if plan.ranks_per_node > 1 else ''} x {fmt_mib_gib(plan.host_total)}: {parts}), more "
-               f"than the {fmt_mib_gib(budget)} of {source}")
+    parts = ", ".join(f"{key.replace('_', ' ')} {fmt_mib_gib(value)}"
+                      for key, value in plan.host.items() if value)
+    message = (f"the plan needs {fmt_mib_gib(plan.host_per_node)} of host RAM per node "
+               f"({plan.ranks_per_node} rank{'s' if plan.ranks_per_node > 1 else ''} x "
+               f"{fmt_mib_gib(plan.host_total)}: {parts}), more than the {fmt_mib_gib(budget)} of "
+               f"{source}")
     fixes = host_remedies(spec, job, budget)
     need = f"a node with at least {fmt_mib_gib(plan.host_per_node)} of RAM (resources.host_mem)"
     return spec_error(message, path=("resources", "host_mem"), hint="; ".join([*fixes, need]))
@@ -314,7 +336,8 @@ def host_remedies(spec: JobSpec, job: DerivedJob, host_budget: int) -> list[str]
         plan = plan_memory(candidate, job.with_spec(candidate), host_budget=host_budget)
         if plan.host_fits:
             found.append(f"{' '.join(f'--set {o}' for o in to_overrides(changes))} ({why}: "
-                         f"{fmt_mib_gib(plan.host_per_node)} per node, {fmt_mib_gib(plan.nvml_total)} per GPU)")
+                         f"{fmt_mib_gib(plan.host_per_node)} per node, "
+                         f"{fmt_mib_gib(plan.nvml_total)} per GPU)")
     return found
 
 
@@ -327,19 +350,22 @@ def step_time(spec: JobSpec, job: DerivedJob) -> float:
     if job.hardware_flops_per_token is None:
         # set whenever the job has a profile, which plan_memory above requires
         raise ValueError("step_time needs the model's traced FLOPs")
-    flops = job.hardware_flops_per_token * tokens   # checkpoint recompute included (the traced profile's)
+    # checkpoint recompute included (the traced profile's)
+    flops = job.hardware_flops_per_token * tokens
     efficiency = tokens / (tokens + HALF_SATURATION_TOKENS)
     compute = flops / (EFFECTIVE_FLOPS[memory["precision"]] * efficiency)
     lp = job.precision_bytes
     shard = psi / world
     per_micro = compute
     if memory["zero_stage"] == 3 and world > 1:
-        per_micro += 2 * lp * psi * (world - 1) / world / INTERCONNECT_BYTES_PER_S * 0.5  # half overlapped
+        # half overlapped
+        per_micro += 2 * lp * psi * (world - 1) / world / INTERCONNECT_BYTES_PER_S * 0.5
     offload_params = memory["offload"]["params"]
     if offload_params != "none":
         speed = PCIE_BYTES_PER_S if offload_params == "cpu" else NVME_BYTES_PER_S
         per_micro += 2 * lp * shard / speed
-    per_micro += OFFLOAD_OVERLAP * 2 * _offloaded_bytes(spec, job) / PCIE_BYTES_PER_S   # out and back
+    # out and back
+    per_micro += OFFLOAD_OVERLAP * 2 * _offloaded_bytes(spec, job) / PCIE_BYTES_PER_S
     step = per_micro * job.gradient_accumulation_steps
     offload_opt = memory["offload"]["optimizer"]
     if offload_opt != "none":
@@ -356,7 +382,8 @@ def _offloaded_bytes(spec: JobSpec, job: DerivedJob) -> int:
     hidden = job.profile.inventory.hidden_size if job.profile is not None else None
     if not (isinstance(setting, dict) and setting["offload"] == "cpu") or not hidden:
         return 0
-    return max(0, job.checkpointed_layers - 1) * job.tokens_per_micro_batch * hidden * job.precision_bytes
+    layers = max(0, job.checkpointed_layers - 1)
+    return layers * job.tokens_per_micro_batch * hidden * job.precision_bytes
 
 
 def cpu_step_time(job: DerivedJob, cpus: int) -> float | None:
@@ -375,11 +402,13 @@ LONGEST_CAP = 1 << 20      # the search's ceiling when the model's positions are
 
 @dataclass
 class Longest:
-    """`jobspec plan --longest`: the longest sequence that fits, and its plan (None: not even one step)."""
+    """`jobspec plan --longest`: the longest sequence that fits, and its plan (None: not even one
+    step)."""
 
     seq_len: int | None
     plan: MemoryPlan | None
-    ceiling: int               # the longest the search tried (the model's positions, or LONGEST_CAP)
+    # the longest the search tried (the model's positions, or LONGEST_CAP)
+    ceiling: int
     planned: int = 0           # sequence lengths planned
     # what the next length runs out of: "gpu" (the GPU budget; also when the host's runs out
     # there too), "host" (the node's RAM: offloaded checkpoint inputs, CPU offload buffers) or
@@ -397,13 +426,13 @@ def seq_len_path(spec: JobSpec) -> str:
     return "data.synthetic.seq_len" if spec["data"].get("synthetic") else "data.max_length"
 
 
-def longest_sequence(spec: JobSpec, job: DerivedJob, budget_bytes: int, *, host_budget: int | None = None,
-                     changes: dict | None = None) -> Longest:
-    """The longest sequence (a multiple of LONGEST_STEP, up to the model's positions) whose plan fits
-    the GPU budget and, when known, the node's RAM, for `spec` with `changes` applied (the fitted
-    configuration) and everything else as written. Planned lengths: doubling from the written one (or
-    halving when it does not fit), then bisection; activations grow with the sequence, so the
-    verdicts are monotone (tests/model/test_length_interpolation.py checks it). `binding`: what
+def longest_sequence(spec: JobSpec, job: DerivedJob, budget_bytes: int, *,
+                     host_budget: int | None = None, changes: dict | None = None) -> Longest:
+    """The longest sequence (a multiple of LONGEST_STEP, up to the model's positions) whose plan
+    fits the GPU budget and, when known, the node's RAM, for `spec` with `changes` applied (the
+    fitted configuration) and everything else as written. Planned lengths: doubling from the written
+    one (or halving when it does not fit), then bisection; activations grow with the sequence, so
+    the verdicts are monotone (tests/model/test_length_interpolation.py checks it). `binding`: what
     the next length runs out of."""
     base = apply_changes(spec, changes or {})
     positions = job.dims.max_position_embeddings if job.dims is not None else None

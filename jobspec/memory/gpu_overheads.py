@@ -1,13 +1,14 @@
-"""What a GPU holds beyond torch's reserved memory: the CUDA context, as measured per GPU and CUDA version.
+"""What a GPU holds beyond torch's reserved memory: the CUDA context, as measured per GPU and CUDA
+version.
 
 NVML's "used" memory of a GPU running one rank is torch's reserved memory plus the CUDA context (the
 driver's and runtime's own allocations, the kernels' modules, cuBLAS/cuDNN workspaces) and NCCL's
 buffers. That overhead depends on the GPU generation and the CUDA version, so the plan takes a
-measured figure (`CONTEXT_READINGS`: NVML used minus `torch.cuda.max_memory_reserved` of the same run,
-from bench/calibration/*.json, which tests/memory/test_calibration.py holds equal to this table) for
-the GPU the job runs on, and says which figure it used. Without a reading for the GPU, or when the GPU
-is unknown (`jobspec plan` on a host without one), the largest reading stands in: a plan that fits
-with it fits on every GPU measured.
+measured figure (`CONTEXT_READINGS`: NVML used minus `torch.cuda.max_memory_reserved` of the same
+run, from bench/calibration/*.json, which tests/memory/test_calibration.py holds equal to this
+table) for the GPU the job runs on, and says which figure it used. Without a reading for the GPU, or
+when the GPU is unknown (`jobspec plan` on a host without one), the largest reading stands in: a
+plan that fits with it fits on every GPU measured.
 
 Pure: names and versions in, bytes out; no torch, no NVML.
 """
@@ -49,18 +50,21 @@ def cuda_context(device_name: str | None, cuda_version: str | None) -> ContextFi
     largest reading (see the module docstring)."""
     major = _major(cuda_version)
     for reading in CONTEXT_READINGS:
-        if device_name and reading.gpu.lower() in device_name.lower() and reading.cuda_major == major:
-            return ContextFigure(reading.bytes, f"measured on {reading.gpu}, CUDA {reading.cuda_major} "
+        if device_name and reading.gpu.lower() in device_name.lower() \
+                and reading.cuda_major == major:
+            return ContextFigure(reading.bytes,
+                                 f"measured on {reading.gpu}, CUDA {reading.cuda_major} "
                                                 f"({reading.source})")
     largest = max(CONTEXT_READINGS, key=lambda r: r.bytes)
     what = f"{device_name}, CUDA {cuda_version or '?'}" if device_name else "an unknown GPU"
     return ContextFigure(largest.bytes, f"no reading for {what}: the largest measured, "
-                                        f"{fmt_mib_gib(largest.bytes)} on {largest.gpu}, CUDA {largest.cuda_major}")
+                                        f"{fmt_mib_gib(largest.bytes)} on {largest.gpu}, CUDA "
+                                        f"{largest.cuda_major}")
 
 
 def torch_cuda_version() -> str | None:
-    """The CUDA version of the installed torch build, from its version's local part ("2.11.0+cu130" ->
-    "13.0"), without importing torch; None for a CPU build or an unmarked version."""
+    """The CUDA version of the installed torch build, from its version's local part ("2.11.0+cu130"
+    -> "13.0"), without importing torch; None for a CPU build or an unmarked version."""
     try:
         version = metadata.version("torch")
     except metadata.PackageNotFoundError:

@@ -1,9 +1,10 @@
-"""Per-rank GPU memory of a job: the cost model of docs/memory-planner.md over the model's measured profile.
+"""Per-rank GPU memory of a job: the cost model of docs/memory-planner.md over the model's measured
+profile.
 
 Pure: spec + DerivedJob (its `profile`: the parameter inventory and the traced activations of
-jobspec/model/planner_trace.py) in, bytes out; no torch. Which copies exist follows DeepSpeed 0.19's own
-optimizer wrappers (engine.py picks them): ZeRO-0 fp32 runs the bare optimizer; ZeRO-0 fp16/bf16 wraps
-it in FP16_Optimizer (flat fp32 master + a flat fp32 gradient built at step time); ZeRO-1/2
+jobspec/model/planner_trace.py) in, bytes out; no torch. Which copies exist follows DeepSpeed 0.19's
+own optimizer wrappers (engine.py picks them): ZeRO-0 fp32 runs the bare optimizer; ZeRO-0 fp16/bf16
+wraps it in FP16_Optimizer (flat fp32 master + a flat fp32 gradient built at step time); ZeRO-1/2
 (stage_1_and_2.py) keep the full 16/32-bit parameters, a fp32 master *partition* (a clone even for
 fp32 models), a gradient partition and, at step time, its fp32 flat copy; ZeRO-3 (stage3.py)
 partitions the parameters too and gathers them layer by layer. Every number is in bytes.
@@ -33,11 +34,13 @@ from jobspec.spec.types import (
 from jobspec.units import MiB, fmt_mib_gib
 
 ALLOCATOR_BLOCK = 2 * MiB        # the caching allocator's large-segment granularity
-FRAGMENTATION = 0.07             # reserved - allocated at peak, as a fraction (calibrated by bench/)
+# reserved - allocated at peak, as a fraction (calibrated by bench/)
+FRAGMENTATION = 0.07
 # The ranks run PyTorch's allocator with expandable segments (ALLOCATOR_CONF, unless the user set
-# PYTORCH_CUDA_ALLOC_CONF): a segment grows by mapping 2 MiB pages instead of a new cudaMalloc per size
-# class, so blocks freed between sizes are reused; what remains is the unused tail of the last page and
-# freed blocks between live ones. An estimate, not yet measured on a GPU (docs/memory-planner.md).
+# PYTORCH_CUDA_ALLOC_CONF): a segment grows by mapping 2 MiB pages instead of a new cudaMalloc per
+# size class, so blocks freed between sizes are reused; what remains is the unused tail of the last
+# page and freed blocks between live ones. An estimate, not yet measured on a GPU
+# (docs/memory-planner.md).
 EXPANDABLE_FRAGMENTATION = 0.03
 ALLOCATOR_CONF = "expandable_segments:True"
 ALLOCATOR_VARIABLE = "PYTORCH_CUDA_ALLOC_CONF"
@@ -90,13 +93,15 @@ class MemoryPlan:
 
     @property
     def model_states(self) -> int:
-        """Parameters + gradients + master weights + optimizer states (what DeepSpeed's estimators count)."""
-        return sum(self.breakdown[k] for k in ("parameters", "gradients", "master_weights", "optimizer_states"))
+        """Parameters + gradients + master weights + optimizer states (what DeepSpeed's estimators
+        count)."""
+        return sum(self.breakdown[k]
+                   for k in ("parameters", "gradients", "master_weights", "optimizer_states"))
 
     def as_dict(self) -> dict:
         d = asdict(self)
-        d.update(fits=self.fits, headroom=self.headroom, model_states=self.model_states, gpu_fits=self.gpu_fits,
-                 host_fits=self.host_fits, host_per_node=self.host_per_node)
+        d.update(fits=self.fits, headroom=self.headroom, model_states=self.model_states,
+                 gpu_fits=self.gpu_fits, host_fits=self.host_fits, host_per_node=self.host_per_node)
         return d
 
 
@@ -112,9 +117,9 @@ def parse_bytes(text: str, *, path: tuple = ("memory", "gpu_memory")) -> int:
 
 
 def optimizer_state_bytes(optimizer: JobSpecTrainingOptimizer, inventory: Inventory) -> int:
-    """Optimizer state of all trainable parameters, unpartitioned, for the spec's `training.optimizer`:
-    its module (jobspec/optimizers) counts it from the inventory (fp32 states, whatever the training
-    precision)."""
+    """Optimizer state of all trainable parameters, unpartitioned, for the spec's
+    `training.optimizer`: its module (jobspec/optimizers) counts it from the inventory (fp32 states,
+    whatever the training precision)."""
     return optimizers.get(optimizer["name"]).state_bytes(optimizer, inventory)
 
 
@@ -140,8 +145,8 @@ def export_bytes(spec: JobSpec, job: DerivedJob) -> int | None:
 
 
 def allocator_conf(environ: Mapping[str, str]) -> tuple[str, bool]:
-    """(PYTORCH_CUDA_ALLOC_CONF the GPU ranks run with, whether jobspec chose it): the user's value when
-    set, else expandable segments."""
+    """(PYTORCH_CUDA_ALLOC_CONF the GPU ranks run with, whether jobspec chose it): the user's value
+    when set, else expandable segments."""
     value = environ.get(ALLOCATOR_VARIABLE)
     return (value, False) if value else (ALLOCATOR_CONF, True)
 
@@ -155,18 +160,21 @@ def expandable(conf: str) -> bool:
 def plan_memory(spec: JobSpec, job: DerivedJob, *, budget: int | None = None,
                 host_budget: int | None = None, expandable_segments: bool = True,
                 context: ContextFigure | None = None, cpu_ranks: bool = False) -> MemoryPlan:
-    """Predicted per-rank peak memory of `spec` (a resolved spec with defaults filled) and its derived job
-    (derived with a profiler: `job.profile` holds the measured model); `budget` per GPU, `host_budget`
-    per node; `expandable_segments`: the allocator the ranks run (`allocator_conf`); `context`: the
-    CUDA context of the GPU it runs on (memory/gpu_overheads.cuda_context; default: GPU unknown);
-    `cpu_ranks`: the ranks run on CPUs, where the tensors a GPU would hold (`peak_allocated`) are in
-    the rank's host RAM beside its process (host["tensors"]: no CUDA allocator rounds them)."""
+    """Predicted per-rank peak memory of `spec` (a resolved spec with defaults filled) and its
+    derived job (derived with a profiler: `job.profile` holds the measured model); `budget` per GPU,
+    `host_budget` per node; `expandable_segments`: the allocator the ranks run (`allocator_conf`);
+    `context`: the CUDA context of the GPU it runs on (memory/gpu_overheads.cuda_context; default:
+    GPU unknown); `cpu_ranks`: the ranks run on CPUs, where the tensors a GPU would hold
+    (`peak_allocated`) are in the rank's host RAM beside its process (host["tensors"]: no CUDA
+    allocator rounds them)."""
     profile = job.profile
     if profile is None:
         if job.profile_error is not None:
             raise job.profile_error
-        raise spec_error("the planner needs the model's profile (the job was derived without a profiler)",
-                         path=("model",), hint="derive the job with jobspec.model.planner_trace.job_profiler()")
+        raise spec_error("the planner needs the model's profile (the job was derived without a "
+                         "profiler)",
+                         path=("model",),
+                         hint="derive the job with jobspec.model.planner_trace.job_profiler()")
     memory, training, model = spec["memory"], spec["training"], spec["model"]
     world = job.world_size
     inventory = profile.inventory
@@ -180,11 +188,14 @@ def plan_memory(spec: JobSpec, job: DerivedJob, *, budget: int | None = None,
         return math.ceil(n / world) if stage >= 1 else n
 
     opt_states = optimizer_state_bytes(optimizer, inventory)
-    gpu = dict.fromkeys(("parameters", "buffers", "gradients", "master_weights", "optimizer_states", "step_gradients",
-                         "gathered_parameters", "activations", "embeddings_activations", "logits_and_loss",
+    gpu = dict.fromkeys(("parameters", "buffers", "gradients", "master_weights",
+                         "optimizer_states", "step_gradients",
+                         "gathered_parameters", "activations", "embeddings_activations",
+                         "logits_and_loss",
                          "zero_buffers", "dequantized_weight", "all_to_all_buffers",
                          "gradients_at_peak"), 0)
-    # the process, then the model as this rank builds it (memory/host_ram.py); offload buffers and workers below
+    # the process, then the model as this rank builds it (memory/host_ram.py); offload buffers and
+    # workers below
     host = {"runtime": host_memory.RUNTIME_BYTES,
             "construction": host_memory.construction_bytes(inventory, stage, world, lp)}
     nvme = 0
@@ -192,13 +203,16 @@ def plan_memory(spec: JobSpec, job: DerivedJob, *, budget: int | None = None,
     sizes = zero_bucket_sizes(spec["memory"]["zero"], job.dims.hidden_size if job.dims else None)
     bucket = sizes["reduce_bucket_size"]
     gpu["buffers"] = inventory.buffer_bytes(lp)
-    # the working copy of every parameter: lp bytes each, bitsandbytes' packed weights and constants for a
-    # quantised base (model.quantization); `shrink` scales what ZeRO-3 gathers of a layer alike
+    # the working copy of every parameter: lp bytes each, bitsandbytes' packed weights and constants
+    # for a quantised base (model.quantization); `shrink` scales what ZeRO-3 gathers of a layer
+    # alike
     weights = weight_bytes(inventory, lp, model["quantization"])
     shrink = weights / (lp * psi) if psi else 1.0
-    weights_part = math.ceil(weights / world) if inventory.quantized else lp * part(psi)   # ZeRO-3's share
+    # ZeRO-3's share
+    weights_part = math.ceil(weights / world) if inventory.quantized else lp * part(psi)
 
-    # Frozen parameters (model.freeze) have a working copy but no gradient, master copy or optimizer state.
+    # Frozen parameters (model.freeze) have a working copy but no gradient, master copy or optimizer
+    # state.
     if stage == 0:
         gpu["parameters"], gpu["gradients"] = weights, lp * trainable
         gpu["optimizer_states"] = opt_states
@@ -223,26 +237,31 @@ def plan_memory(spec: JobSpec, job: DerivedJob, *, budget: int | None = None,
                 gpu["gradients"] = max(lp * trainable, lp * part(trainable) + straddle)
             else:
                 gpu["gradients"] = lp * part(trainable) + straddle
-            gpu["step_gradients"] = 4 * part(trainable)          # the fp32 flat gradient built at step time
+            # the fp32 flat gradient built at step time
+            gpu["step_gradients"] = 4 * part(trainable)
             host_opt = 0
         else:
             gpu["gradients"] = 0                            # reduced into buckets, copied to host
-            host_opt = fp32_states + 4 * part(trainable) + (lp * part(trainable) if stage < 3 else 0)
+            host_opt = fp32_states + 4 * part(trainable) \
+                + (lp * part(trainable) if stage < 3 else 0)
             if offload_opt == "nvme":
                 nvme += fp32_states
-                host_opt = 4 * part(trainable) + lp * part(trainable)   # swap buffers for grads/params
+                # swap buffers for grads/params
+                host_opt = 4 * part(trainable) + lp * part(trainable)
         gpu["zero_buffers"] = lp * bucket * (2 if stage == 3 or offload_opt != "none" else 1)
         if stage == 3:
             gpu["zero_buffers"] += lp * sizes["stage3_prefetch_bucket_size"]
         host["offloaded_optimizer"] = host_opt
         if offload_opt != "none":
             host.update(_offload_extras(inventory, memory, stage, world, lp, opt_states,
-                                        job.gradient_accumulation_steps, nvme=offload_opt == "nvme"))
+                                        job.gradient_accumulation_steps,
+                                        nvme=offload_opt == "nvme"))
         if offload_params != "none":
             host["offloaded_parameters"] = weights_part
             if offload_params == "cpu":
-                # stage3.py `_create_param_groups_fp16_flat_cpu_memory` pins the flat partition whatever
-                # `pin_memory` says (one flat buffer: the undecayed group is counted unrounded)
+                # stage3.py `_create_param_groups_fp16_flat_cpu_memory` pins the flat partition
+                # whatever `pin_memory` says (one flat buffer: the undecayed group is counted
+                # unrounded)
                 host["pinned_rounding"] = host.get("pinned_rounding", 0) + \
                     host_memory.pinned_bytes(weights_part) - weights_part
             if offload_params == "nvme":
@@ -254,9 +273,10 @@ def plan_memory(spec: JobSpec, job: DerivedJob, *, budget: int | None = None,
     # ZeRO-0 sets every gradient to None after the step (engine.zero_grad / the optimizer's
     # zero_grad(set_to_none=True)): a step of one micro-batch makes them during its backward, so its
     # peak holds the gradients made by then, not all of them. With accumulation, or under ZeRO 1-3
-    # (gradient partitions and buckets), they are held through the forward. The composed trace of that
-    # peak is exact for a stack whose layers are alike (every layer checkpointed, or none); with one in
-    # k checkpointed the peak's place depends on which layers are where, so all are held (an upper bound).
+    # (gradient partitions and buckets), they are held through the forward. The composed trace of
+    # that peak is exact for a stack whose layers are alike (every layer checkpointed, or none);
+    # with one in k checkpointed the peak's place depends on which layers are where, so all are held
+    # (an upper bound).
     alike = job.checkpointed_layers in (0, inventory.num_layers) or profile.method == "full"
     grads_made = stage == 0 and job.gradient_accumulation_steps == 1 and alike
     trace = profile.activations.with_gradients() if grads_made else profile.activations
@@ -265,15 +285,18 @@ def plan_memory(spec: JobSpec, job: DerivedJob, *, budget: int | None = None,
                logits_and_loss=regions["logits_and_loss"], gradients_at_peak=regions["gradients"])
     # The step-time fp32 gradient copy exists only while the activations are already freed.
     if inventory.quantized:
-        # bitsandbytes dequantises one weight at a time to the compute dtype for its matmul (forward and
-        # backward): the largest such copy lives beside the traced activations
+        # bitsandbytes dequantises one weight at a time to the compute dtype for its matmul (forward
+        # and backward): the largest such copy lives beside the traced activations
         quant = model["quantization"]
         assert quant is not None, "quantized weights come from model.quantization"
-        compute = PRECISION_BYTES[precision if quant["compute_dtype"] == "auto" else quant["compute_dtype"]]
-        gpu["dequantized_weight"] = compute * max(math.prod(s) for s in inventory.quantized_shapes())
-        notes.append(f"{sum(math.prod(s) for s in inventory.quantized_shapes()) / 1e6:.1f}M base weights in "
-                     f"{quant['bits']}-bit with their quantisation constants")
-    # memory.sequence_parallel: the trace is one rank's shard (spec/derived); Ulysses' exchange comes on top
+        compute = PRECISION_BYTES[precision if quant["compute_dtype"] == "auto"
+                                  else quant["compute_dtype"]]
+        gpu["dequantized_weight"] = compute * max(math.prod(s)
+                                                  for s in inventory.quantized_shapes())
+        notes.append(f"{sum(math.prod(s) for s in inventory.quantized_shapes()) / 1e6:.1f}M base "
+                     f"weights in {quant['bits']}-bit with their quantisation constants")
+    # memory.sequence_parallel: the trace is one rank's shard (spec/derived); Ulysses' exchange
+    # comes on top
     gpu["all_to_all_buffers"] = all_to_all_bytes(job)
     forward_backward = trace.peak + gpu["dequantized_weight"] + gpu["all_to_all_buffers"]
     static = sum(gpu[k] for k in ("parameters", "buffers", "master_weights", "optimizer_states",
@@ -282,26 +305,31 @@ def plan_memory(spec: JobSpec, job: DerivedJob, *, budget: int | None = None,
     allocated = static + max(held + forward_backward, gpu["gradients"] + gpu["step_gradients"])
     if grads_made:
         notes.append(f"gradients are made during the backward (ZeRO-0, one micro-batch per step): "
-                     f"{fmt_mib_gib(regions['gradients'])} of them exist at the activations' peak, all "
-                     f"{fmt_mib_gib(gpu['gradients'])} at the optimizer step")
+                     f"{fmt_mib_gib(regions['gradients'])} of them exist at the activations' peak, "
+                     f"all {fmt_mib_gib(gpu['gradients'])} at the optimizer step")
     fragmentation = EXPANDABLE_FRAGMENTATION if expandable_segments else FRAGMENTATION
     reserved = _round_up(allocated, ALLOCATOR_BLOCK) + int(fragmentation * allocated)
     host["dataloader_workers"] = host_memory.worker_bytes(spec["data"]["num_workers"])
-    # the data's index on the rank (its records are memory-mapped): the samples a derived job counted
-    host["data_index"] = host_memory.data_bytes(job.num_train_samples or 0, bool(spec["data"].get("packing")))
+    # the data's index on the rank (its records are memory-mapped): the samples a derived job
+    # counted
+    host["data_index"] = host_memory.data_bytes(job.num_train_samples or 0,
+                                                bool(spec["data"].get("packing")))
     host["offloaded_activations"] = offloaded_activation_bytes(spec, job)
     if cpu_ranks:
         host["tensors"] = allocated
     host_total = host_memory.host_peak(host)
     figure = context if context is not None else cuda_context(None, None)
-    settings = {"world_size": world, "zero_stage": stage, "precision": precision, "micro_batch_size": micro,
+    settings = {"world_size": world, "zero_stage": stage, "precision": precision,
+                "micro_batch_size": micro,
                 "seq_len": seq, "parameters": psi, "trainable_parameters": trainable,
                 "optimizer": optimizer["name"], "checkpointed_layers": job.checkpointed_layers,
-                "layers": inventory.num_layers, "offload_optimizer": offload_opt, "offload_params": offload_params,
+                "layers": inventory.num_layers, "offload_optimizer": offload_opt,
+                "offload_params": offload_params,
                 "attention": model["attention"], "trace": profile.method,
-                "tiled_loss": _tiled_loss_text(memory["tiled_loss"]), "tiled_mlp": bool(memory["tiled_mlp"]),
-                "sequence_parallel": job.sequence_parallel,
-                "allocator": "expandable segments" if expandable_segments else "caching (no expandable segments)",
+                "tiled_loss": _tiled_loss_text(memory["tiled_loss"]),
+                "tiled_mlp": bool(memory["tiled_mlp"]), "sequence_parallel": job.sequence_parallel,
+                "allocator": "expandable segments" if expandable_segments
+                else "caching (no expandable segments)",
                 "cuda_context": f"{fmt_mib_gib(figure.bytes)}, {figure.source}",
                 "gradients_held": not grads_made}
     return MemoryPlan(breakdown=gpu, host=host, peak_allocated=allocated, peak_reserved=reserved,
@@ -313,13 +341,15 @@ def plan_memory(spec: JobSpec, job: DerivedJob, *, budget: int | None = None,
                       cpu_ranks=cpu_ranks)
 
 
-OFFLOAD_KEPT = 1   # DeepSpeed CheckpointHiddenStatesOffload's keep_last_count: the newest input stays on the GPU
+# DeepSpeed CheckpointHiddenStatesOffload's keep_last_count: the newest input stays on the GPU
+OFFLOAD_KEPT = 1
 
 
 def offloaded_activation_bytes(spec: JobSpec, job: DerivedJob) -> int:
     """Pinned host bytes of `activation_checkpointing.offload: cpu` on one rank: one pinned buffer
-    (power-of-2 rounded, memory/host_ram.pinned_bytes) per checkpointed layer's input but the newest, each
-    micro-batch x this rank's share of the sequence x hidden size in the working precision."""
+    (power-of-2 rounded, memory/host_ram.pinned_bytes) per checkpointed layer's input but the
+    newest, each micro-batch x this rank's share of the sequence x hidden size in the working
+    precision."""
     setting = spec["memory"]["activation_checkpointing"]
     hidden = job.profile.inventory.hidden_size if job.profile is not None else None
     if not (isinstance(setting, dict) and setting["offload"] == "cpu") or not hidden:
@@ -335,12 +365,14 @@ def _tiled_loss_text(setting: bool | JobSpecMemoryTiledLoss) -> str:
     return f"{setting['tiles']} tiles" if isinstance(setting, dict) else "on"
 
 
-def weight_bytes(inventory: Inventory, lp: int, quantization: JobSpecModelQuantization | None) -> int:
-    """Bytes of every parameter's working copy: `lp` each, and for the weights bitsandbytes quantises
-    (`inventory.quantized`) what it stores, as measured from bitsandbytes 0.49's QuantState on this box:
-    4-bit: the packed weights (n/2) + an absmax per block of 64 (fp32; with double quantisation uint8,
-    plus an fp32 absmax per 256 blocks, a 256-entry fp32 code and an offset) + the 16-entry fp32 code;
-    8-bit (LLM.int8): an int8 weight + an fp32 scale per output row."""
+def weight_bytes(inventory: Inventory, lp: int,
+                 quantization: JobSpecModelQuantization | None) -> int:
+    """Bytes of every parameter's working copy: `lp` each, and for the weights bitsandbytes
+    quantises (`inventory.quantized`) what it stores, as measured from bitsandbytes 0.49's
+    QuantState on this box: 4-bit: the packed weights (n/2) + an absmax per block of 64 (fp32; with
+    double quantisation uint8, plus an fp32 absmax per 256 blocks, a 256-entry fp32 code and an
+    offset) + the 16-entry fp32 code; 8-bit (LLM.int8): an int8 weight + an fp32 scale per output
+    row."""
     total = lp * inventory.total
     if not quantization or not inventory.quantized:
         return total
@@ -352,23 +384,26 @@ def weight_bytes(inventory: Inventory, lp: int, quantization: JobSpecModelQuanti
             continue
         blocks = math.ceil(n / 64)
         total += math.ceil(n / 2) + 64
-        total += blocks + 4 * math.ceil(blocks / 256) + 1024 + 4 if quantization["double_quant"] else 4 * blocks
+        total += blocks + 4 * math.ceil(blocks / 256) + 1024 + 4 if quantization["double_quant"] \
+            else 4 * blocks
     return total
 
 
-def _offload_extras(inventory: Inventory, memory: JobSpecMemory, stage: int, world: int, lp: int, opt_states: int,
-                    accumulation: int, nvme: bool) -> dict[str, int]:
+def _offload_extras(inventory: Inventory, memory: JobSpecMemory, stage: int, world: int, lp: int,
+                    opt_states: int, accumulation: int, nvme: bool) -> dict[str, int]:
     """The optimizer offload's host buffers beyond master, states, fp32 gradients and stage 1/2's
-    transfer buffer (`offloaded_optimizer`): see memory/host_ram.offload_terms for the DeepSpeed code."""
+    transfer buffer (`offloaded_optimizer`): see memory/host_ram.offload_terms for the DeepSpeed
+    code."""
     trainable = [(shape, math.prod(shape)) for _, shape, train in inventory.tensors if train]
-    # jobspec's two parameter groups (train/patches.parameter_groups): weight-decayed matrices, then the
-    # undecayed norms and biases (1-D); ZeRO-3 forms sub-groups within each group
+    # jobspec's two parameter groups (train/patches.parameter_groups): weight-decayed matrices, then
+    # the undecayed norms and biases (1-D); ZeRO-3 forms sub-groups within each group
     partitions = [math.ceil(n / world) for shape, n in trainable if len(shape) > 1] + \
         [math.ceil(n / world) for shape, n in trainable if len(shape) <= 1]
     terms = host_memory.offload_terms(
         stage=stage, world=world, lp=lp, trainable=inventory.trainable, opt_states=opt_states,
         largest_param=max((n for _, n in trainable), default=0),
-        sub_group_size=memory["zero"]["sub_group_size"], pinned=memory["offload"]["pin_memory"] and not nvme,
+        sub_group_size=memory["zero"]["sub_group_size"],
+        pinned=memory["offload"]["pin_memory"] and not nvme,
         partitions=partitions, accumulation_steps=accumulation)
     keep = ("offload_gradient_accumulation", "offload_temp_gradient", "pinned_rounding")
     return {k: v for k, v in terms.items() if k in keep and (stage == 3 or not nvme)}
@@ -376,15 +411,16 @@ def _offload_extras(inventory: Inventory, memory: JobSpecMemory, stage: int, wor
 
 def _persistent_params(inventory: Inventory, threshold: int) -> int:
     """ZeRO-3 keeps tensors of at most `threshold` elements whole on every rank (DeepSpeed's
-    `ds_numel <= param_persistence_threshold`): norms, biases, tiny heads; with a threshold of 0, none."""
+    `ds_numel <= param_persistence_threshold`): norms, biases, tiny heads; with a threshold of 0,
+    none."""
     if threshold <= 0:
         return 0
     return sum(n for n in (math.prod(shape) for _, shape, _ in inventory.tensors) if n <= threshold)
 
 
 def _straddle(inventory: Inventory, world: int) -> int:
-    """Elements of trainable parameters that overlap a rank's partition but lie outside it (worst rank),
-    in the model's parameter order (DeepSpeed flattens them in that order)."""
+    """Elements of trainable parameters that overlap a rank's partition but lie outside it (worst
+    rank), in the model's parameter order (DeepSpeed flattens them in that order)."""
     if world == 1:
         return 0
     sizes = [math.prod(shape) for shape in inventory.trainable_shapes()]
@@ -405,14 +441,17 @@ def _round_up(n: int, block: int) -> int:
     return -(-n // block) * block
 
 
-ROWS = (("parameters", "parameters (working copy)"), ("buffers", "buffers"), ("gradients", "gradients"),
+ROWS = (("parameters", "parameters (working copy)"), ("buffers", "buffers"),
+        ("gradients", "gradients"),
         ("master_weights", "fp32 master weights"), ("optimizer_states", "optimizer states"),
-        ("step_gradients", "fp32 gradients at step"), ("gathered_parameters", "ZeRO-3 gathered layers"),
+        ("step_gradients", "fp32 gradients at step"),
+        ("gathered_parameters", "ZeRO-3 gathered layers"),
         ("gradients_at_peak", "gradients made by the peak (traced)"),
         ("activations", "layer activations (traced)"),
         ("embeddings_activations", "embedding activations (traced)"),
         ("logits_and_loss", "head, logits and loss (traced)"),
-        ("zero_buffers", "ZeRO buckets"), ("dequantized_weight", "dequantised weight (bitsandbytes)"),
+        ("zero_buffers", "ZeRO buckets"),
+        ("dequantized_weight", "dequantised weight (bitsandbytes)"),
         ("all_to_all_buffers", "Ulysses all-to-all buffers (one layer)"))
 
 HOST_ROWS = (("runtime", "host: the rank's process"), ("construction", "host: model construction"),
@@ -422,7 +461,8 @@ HOST_ROWS = (("runtime", "host: the rank's process"), ("construction", "host: mo
              ("pinned_rounding", "host: pinned power-of-2 rounding"),
              ("offloaded_parameters", "host: offloaded params"),
              ("offloaded_activations", "host: offloaded checkpoint inputs"),
-             ("dataloader_workers", "host: data loader workers"), ("data_index", "host: data index (samples)"))
+             ("dataloader_workers", "host: data loader workers"),
+             ("data_index", "host: data index (samples)"))
 
 
 def render_plan(plan: MemoryPlan, title: str = "", advice: str | None = None) -> str:
@@ -434,19 +474,22 @@ def render_plan(plan: MemoryPlan, title: str = "", advice: str | None = None) ->
     frozen = s["parameters"] - s["trainable_parameters"]
     trainable = f" ({s['trainable_parameters'] / 1e6:.1f}M trainable)" if frozen else ""
     lines.append(f"{s['parameters'] / 1e6:.1f}M params{trainable}, {s['precision']}, "
-                 f"ZeRO-{s['zero_stage']} x {s['world_size']} rank(s), micro-batch {s['micro_batch_size']} "
-                 f"x seq {s['seq_len']}, optimizer {s['optimizer']}, checkpointing {ckpt}, "
-                 f"attention {s['attention']}, offload optimizer={s['offload_optimizer']} "
-                 f"params={s['offload_params']}, tiled loss {s['tiled_loss']}, tiled MLP "
-                 f"{'on' if s['tiled_mlp'] else 'off'}")
+                 f"ZeRO-{s['zero_stage']} x {s['world_size']} rank(s), micro-batch "
+                 f"{s['micro_batch_size']} x seq {s['seq_len']}, optimizer {s['optimizer']}, "
+                 f"checkpointing {ckpt}, attention {s['attention']}, offload "
+                 f"optimizer={s['offload_optimizer']} params={s['offload_params']}, tiled loss "
+                 f"{s['tiled_loss']}, tiled MLP {'on' if s['tiled_mlp'] else 'off'}")
     rows = [(label, plan.breakdown[key]) for key, label in ROWS if plan.breakdown[key]]
-    totals = [("peak allocated", plan.peak_allocated), (f"peak reserved ({s['allocator']})", plan.peak_reserved),
-              (f"GPU total incl. CUDA context ({s['cuda_context'].split(',')[0]})", plan.nvml_total)]
+    totals = [("peak allocated", plan.peak_allocated),
+              (f"peak reserved ({s['allocator']})", plan.peak_reserved),
+              (f"GPU total incl. CUDA context ({s['cuda_context'].split(',')[0]})",
+               plan.nvml_total)]
     if plan.nvme_total:
         totals.append(("NVMe per rank", plan.nvme_total))
     host_rows = [(label, plan.host[key]) for key, label in HOST_ROWS if plan.host.get(key)]
     host_totals = [("host RAM per rank", plan.host_total),
-                   (f"host RAM per node ({plan.ranks_per_node} rank{'s' if plan.ranks_per_node > 1 else ''})",
+                   (f"host RAM per node ({plan.ranks_per_node} "
+                    f"rank{'s' if plan.ranks_per_node > 1 else ''})",
                     plan.host_per_node)]
     width = max(len(label) for label, _ in rows + totals + host_rows + host_totals)
     for block in (rows, totals, host_rows, host_totals):   # a rule between the blocks
@@ -455,7 +498,8 @@ def render_plan(plan: MemoryPlan, title: str = "", advice: str | None = None) ->
         lines += [f"  {label:<{width}}  {fmt_mib_gib(value):>10}" for label, value in block]
     if plan.budget is not None and plan.headroom is not None:   # both or neither
         verdict = "fits" if plan.gpu_fits else "does NOT fit"
-        lines.append(f"{verdict} in {fmt_mib_gib(plan.budget)}: headroom {fmt_mib_gib(plan.headroom)}")
+        lines.append(f"{verdict} in {fmt_mib_gib(plan.budget)}: headroom "
+                     f"{fmt_mib_gib(plan.headroom)}")
         if advice is not None:
             lines.append(f"advice: {advice}")
     if plan.host_budget is not None:

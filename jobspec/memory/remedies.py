@@ -1,11 +1,12 @@
 """What moves a plan's largest GPU term when the job does not fit: settings that can be followed.
 
-Each term has its remedies, in the order they cost step time; a remedy is offered only when its setting
-is not on already and validation accepts it for this job (a tiled loss for causal LMs only, and not for
-a head tied to the embeddings under ZeRO 1-3; no ZeRO-3 or parameter offload for a quantised base, whose
-packed weights ZeRO 0-2 keep whole; checkpointing every layer only when some layer is not, so a written
-`offload: cpu` is never dropped). A causal LM is always told that a shorter sequence fits, and where
-to find the longest (`jobspec plan --longest`). `jobspec plan --fit` searches all of them.
+Each term has its remedies, in the order they cost step time; a remedy is offered only when its
+setting is not on already and validation accepts it for this job (a tiled loss for causal LMs only,
+and not for a head tied to the embeddings under ZeRO 1-3; no ZeRO-3 or parameter offload for a
+quantised base, whose packed weights ZeRO 0-2 keep whole; checkpointing every layer only when some
+layer is not, so a written `offload: cpu` is never dropped). A causal LM is always told that a
+shorter sequence fits, and where to find the longest (`jobspec plan --longest`). `jobspec plan
+--fit` searches all of them.
 """
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ def _zero_up_to(highest: int) -> Check:
 
 
 def _optimizer_on_gpu(spec: JobSpec, plan: MemoryPlan) -> bool:
-    """On the GPU, and one DeepSpeed's CPU Adam can take over (not a pinned fused implementation)."""
+    """On the GPU, and one DeepSpeed's CPU Adam can take over (not a pinned fused
+    implementation)."""
     optimizer = spec["training"]["optimizer"]
     return plan.settings["offload_optimizer"] == "none" and optimizer["implementation"] != "fused" \
         and optimizers.get(optimizer["name"]).offload == DEEPSPEED_CPU_ADAM
@@ -81,9 +83,11 @@ def _always(spec: JobSpec, plan: MemoryPlan) -> bool:
 
 _OFFLOAD_INPUTS = " ".join(f"--set {o}" for o in to_overrides(
     {"memory.activation_checkpointing": {"every_n_layers": 1, "offload": "cpu"}}))
-_CHECKPOINT = Remedy("--set memory.activation_checkpointing=true (every layer keeps only its input)",
+_CHECKPOINT = Remedy("--set memory.activation_checkpointing=true (every layer keeps only its "
+                     "input)",
                      _some_layers_kept)
-_SHORTER = Remedy("a shorter sequence (`jobspec plan --longest` finds the longest that fits)", _causal)
+_SHORTER = Remedy("a shorter sequence (`jobspec plan --longest` finds the longest that fits)",
+                  _causal)
 _SEQUENCE_PARALLEL = Remedy("memory.sequence_parallel with more GPUs (ranks share the sequence)",
                             _no_sequence_parallel)
 def _zero_text(spec: JobSpec, plan: MemoryPlan) -> str:
@@ -94,28 +98,35 @@ def _zero_text(spec: JobSpec, plan: MemoryPlan) -> str:
 
 _ZERO = Remedy(_zero_text, _zero_up_to(3))
 def _offload_optimizer_text(spec: JobSpec, plan: MemoryPlan) -> str:
-    stage = "--set memory.zero_stage=1 " if plan.settings["zero_stage"] == 0 else ""   # offload needs ZeRO
+    # offload needs ZeRO
+    stage = "--set memory.zero_stage=1 " if plan.settings["zero_stage"] == 0 else ""
     return f"{stage}--set memory.offload.optimizer=cpu (the optimizer's states in host memory)"
 
 
 _OFFLOAD_OPTIMIZER = Remedy(_offload_optimizer_text, _optimizer_on_gpu)
 
 REMEDIES: dict[str, tuple[Remedy, ...]] = {
-    "logits_and_loss": (Remedy("--set memory.tiled_loss=true (the logits one tile at a time)", _tiled_loss),
+    "logits_and_loss": (Remedy("--set memory.tiled_loss=true (the logits one tile at a time)",
+                               _tiled_loss),
                         _SHORTER),
     "activations": (_CHECKPOINT,
-                    Remedy(f"{_OFFLOAD_INPUTS} (checkpointed inputs in host memory)", _inputs_on_gpu),
+                    Remedy(f"{_OFFLOAD_INPUTS} (checkpointed inputs in host memory)",
+                           _inputs_on_gpu),
                     Remedy("--set memory.tiled_mlp=true (the MLP one tile at a time)",
-                           lambda spec, plan: _causal(spec, plan) and not spec["memory"]["tiled_mlp"]),
+                           lambda spec,
+                           plan: _causal(spec, plan) and not spec["memory"]["tiled_mlp"]),
                     _SEQUENCE_PARALLEL, _SHORTER),
     "embeddings_activations": (_SEQUENCE_PARALLEL, _SHORTER),
     "optimizer_states": (_ZERO, _OFFLOAD_OPTIMIZER),
     "master_weights": (_ZERO, _OFFLOAD_OPTIMIZER),
     "step_gradients": (_ZERO, _OFFLOAD_OPTIMIZER),
-    "gradients": (Remedy("memory.zero_stage: 2 over more GPUs (gradients partitioned)", _zero_up_to(2)),),
+    "gradients": (Remedy("memory.zero_stage: 2 over more GPUs (gradients partitioned)",
+                         _zero_up_to(2)),),
     "parameters": (Remedy("memory.zero_stage: 3 over more GPUs",
-                          lambda spec, plan: _not_quantized(spec, plan) and _zero_up_to(3)(spec, plan)),
-                   Remedy("model.quantization with model.lora (QLoRA: a 4-bit base)", _not_quantized)),
+                          lambda spec,
+                          plan: _not_quantized(spec, plan) and _zero_up_to(3)(spec, plan)),
+                   Remedy("model.quantization with model.lora (QLoRA: a 4-bit base)",
+                          _not_quantized)),
     "gathered_parameters": (Remedy("a smaller memory.zero.stage3_prefetch_bucket_size", _always),),
     "zero_buffers": (Remedy("a smaller memory.zero.reduce_bucket_size", _always),),
 }
@@ -123,7 +134,8 @@ REMEDIES: dict[str, tuple[Remedy, ...]] = {
 
 def remedies(term: str, spec: JobSpec, plan: MemoryPlan) -> list[str]:
     """The remedies of one GPU term that apply to this job (see the module docstring)."""
-    return [remedy.says(spec, plan) for remedy in REMEDIES.get(term, ()) if remedy.applies(spec, plan)]
+    return [remedy.says(spec, plan) for remedy in REMEDIES.get(term, ())
+            if remedy.applies(spec, plan)]
 
 
 def advice(plan: MemoryPlan, spec: JobSpec) -> str | None:
@@ -133,6 +145,8 @@ def advice(plan: MemoryPlan, spec: JobSpec) -> str | None:
     term = max(REMEDIES, key=lambda key: plan.breakdown.get(key, 0))
     label = dict(ROWS)[term]
     moves = remedies(term, spec, plan)
-    what = "; ".join(moves) if moves else "nothing this job has not already (more GPUs, or a smaller model)"
+    what = "; ".join(moves) if moves \
+        else "nothing this job has not already (more GPUs, or a smaller model)"
     return (f"over by {fmt_mib_gib(-(plan.headroom or 0))}; the largest term is {label} "
-            f"({fmt_mib_gib(plan.breakdown[term])}): {what}; `jobspec plan --fit` searches them all")
+            f"({fmt_mib_gib(plan.breakdown[term])}): {what}; `jobspec plan --fit` searches them "
+            "all")

@@ -1,21 +1,24 @@
-"""`memory.activation_checkpointing.offload: cpu`: the checkpointed layers' inputs in pinned host memory.
+"""`memory.activation_checkpointing.offload: cpu`: the checkpointed layers' inputs in pinned host
+memory.
 
-A checkpointed layer keeps only its input (the hidden states, micro-batch x sequence x hidden) from its
-forward to its backward; at long sequences those inputs are the bulk of the layer activations (32 layers
-x 32K tokens x 4096 x 2 bytes = 8 GiB for Llama-3-8B). DeepSpeed's `CheckpointHiddenStatesOffload`
-(runtime/activation_checkpointing/offload_activations.py) copies each one to a pinned host buffer on a
-side stream when the checkpoint saves it and back when the backward recomputes the layer, keeping the
-newest one on the GPU (its backward comes first).
+A checkpointed layer keeps only its input (the hidden states, micro-batch x sequence x hidden) from
+its forward to its backward; at long sequences those inputs are the bulk of the layer activations
+(32 layers x 32K tokens x 4096 x 2 bytes = 8 GiB for Llama-3-8B). DeepSpeed's
+`CheckpointHiddenStatesOffload` (runtime/activation_checkpointing/offload_activations.py) copies
+each one to a pinned host buffer on a side stream when the checkpoint saves it and back when the
+backward recomputes the layer, keeping the newest one on the GPU (its backward comes first).
 
-DeepSpeed marks the inputs of transformers' `GradientCheckpointingLayer`s that checkpoint themselves;
-jobspec's one-layer-in-k checkpointing wraps a layer's forward instead (model/structure.py), so the
-checkpointed layers are marked here by a forward pre-hook (and a leftover mark dropped after the
-layer). The context is entered for the model's forward and left open until the next forward: the
-backward restores the inputs after the forward has returned, and DeepSpeed's own exit would drop them.
+DeepSpeed marks the inputs of transformers' `GradientCheckpointingLayer`s that checkpoint
+themselves; jobspec's one-layer-in-k checkpointing wraps a layer's forward instead
+(model/structure.py), so the checkpointed layers are marked here by a forward pre-hook (and a
+leftover mark dropped after the layer). The context is entered for the model's forward and left open
+until the next forward: the backward restores the inputs after the forward has returned, and
+DeepSpeed's own exit would drop them.
 
-Shared by the ranks (train/patches.py) and the planner's trace, where `TracedOffload` moves each offloaded
-input out of the GPU count at the moment DeepSpeed would start its copy and counts the restored copy as
-a new allocation, so the plan's layer activations are what the GPU holds (model/step.py).
+Shared by the ranks (train/patches.py) and the planner's trace, where `TracedOffload` moves each
+offloaded input out of the GPU count at the moment DeepSpeed would start its copy and counts the
+restored copy as a new allocation, so the plan's layer activations are what the GPU holds
+(model/step.py).
 """
 from __future__ import annotations
 
@@ -24,17 +27,20 @@ from jobspec.errors import spec_error
 OFFLOAD_ATTRIBUTE = "jobspec_activation_offload"   # the model's manager (the trace finds it there)
 
 
-def offload_checkpoints(model, every_n_layers: int = 1, *, indices=None, traced: bool = False) -> str:
-    """Offload the inputs of the checkpointed layers (i % every_n_layers == 0, or `indices`) to pinned host
-    memory; `traced`: the planner's stand-in (`TracedOffload`)."""
+def offload_checkpoints(model, every_n_layers: int = 1, *, indices=None,
+                        traced: bool = False) -> str:
+    """Offload the inputs of the checkpointed layers (i % every_n_layers == 0, or `indices`) to
+    pinned host memory; `traced`: the planner's stand-in (`TracedOffload`)."""
     import functools
 
     from jobspec.model.structure import find_layer_stack
 
     layers = find_layer_stack(model)
     if layers is None:
-        raise spec_error(f"{type(model).__name__}: no transformer layer stack whose inputs to offload",
-                         path=("memory", "activation_checkpointing", "offload"), hint="set offload: none")
+        raise spec_error(f"{type(model).__name__}: no transformer layer stack whose inputs to "
+                         "offload",
+                         path=("memory", "activation_checkpointing", "offload"),
+                         hint="set offload: none")
     manager = (TracedOffload if traced else _offload_class())()
     chosen = set(range(0, len(layers), every_n_layers) if indices is None else indices)
     for index, layer in enumerate(layers):
@@ -56,7 +62,8 @@ def offload_checkpoints(model, every_n_layers: int = 1, *, indices=None, traced:
     model.forward = forward
     setattr(model, OFFLOAD_ATTRIBUTE, manager)
     return (f"activation offload: the inputs of {len(chosen)} checkpointed "
-            "layers in pinned host memory between forward and backward (DeepSpeed CheckpointHiddenStatesOffload)")
+            "layers in pinned host memory between forward and backward (DeepSpeed "
+            "CheckpointHiddenStatesOffload)")
 
 
 def _hidden_states(args, kwargs):
@@ -68,7 +75,8 @@ def _mark(manager):
         import torch
 
         hidden = _hidden_states(args, kwargs)
-        if manager.active and layer.training and torch.is_grad_enabled() and torch.is_tensor(hidden):
+        if manager.active and layer.training and torch.is_grad_enabled() \
+                and torch.is_tensor(hidden):
             manager.mark(hidden)
         return None
 
@@ -93,7 +101,9 @@ def _offload_class():
     inputs of the previous step are dropped when the next forward begins (`begin`)."""
     global _CLASS
     if _CLASS is None:
-        from deepspeed.runtime.activation_checkpointing.offload_activations import CheckpointHiddenStatesOffload
+        from deepspeed.runtime.activation_checkpointing.offload_activations import (
+            CheckpointHiddenStatesOffload,
+        )
 
         class HeldOffload(CheckpointHiddenStatesOffload):
             active = False
@@ -122,8 +132,9 @@ def _offload_class():
 
 class TracedOffload:
     """The planner's stand-in for DeepSpeed's manager under fake tensors: the same marks, the same
-    newest-one-kept rule, no copies; `settle(tensor)` (the trace's counter) takes an offloaded input out
-    of the GPU's live bytes, and its restore is a new GPU tensor freed after the layer's backward."""
+    newest-one-kept rule, no copies; `settle(tensor)` (the trace's counter) takes an offloaded input
+    out of the GPU's live bytes, and its restore is a new GPU tensor freed after the layer's
+    backward."""
 
     KEEP_LAST = 1   # DeepSpeed's keep_last_count default
 
@@ -176,7 +187,8 @@ class TracedOffload:
         import torch
 
         host = self._host.pop(ref[1])
-        restored = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=host.device)
+        restored = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype,
+                                       device=host.device)
         return restored.copy_(host)
 
     def __enter__(self):

@@ -1,8 +1,10 @@
-"""The spec's model and tokenizer: a hub id / local checkpoint, or an architecture with random weights.
+"""The spec's model and tokenizer: a hub id / local checkpoint, or an architecture with random
+weights.
 
-`build_model` picks the `AutoModelFor<task>` head from `model.task`, asks transformers for the attention
-implementation in `model.attention`, and turns the usual loading failures (unknown architecture, no
-network for a hub id, flash-attn missing) into `SpecError`s that say which field to change.
+`build_model` picks the `AutoModelFor<task>` head from `model.task`, asks transformers for the
+attention implementation in `model.attention`, and turns the usual loading failures (unknown
+architecture, no network for a hub id, flash-attn missing) into `SpecError`s that say which field to
+change.
 """
 from __future__ import annotations
 
@@ -12,12 +14,14 @@ from jobspec import tasks
 from jobspec.errors import SpecError, did_you_mean, first_line, spec_error
 from jobspec.spec.types import JobSpec, JobSpecModel
 
-# model.task -> the transformers auto class that puts the right head (and loss) on the model (jobspec/tasks)
+# model.task -> the transformers auto class that puts the right head (and loss) on the model
+# (jobspec/tasks)
 TASK_MODEL_CLASSES: dict[str, str] = {name: task.auto_class for name, task in tasks.TASKS.items()}
 
 
 def build_tokenizer(spec: JobSpec):
-    """The tokenizer named by `data.tokenizer` (or `model.name_or_path`); None for synthetic data."""
+    """The tokenizer named by `data.tokenizer` (or `model.name_or_path`); None for synthetic
+    data."""
     data, model = spec["data"], spec["model"]
     if data.get("synthetic") is not None:
         return None
@@ -35,8 +39,10 @@ def build_tokenizer(spec: JobSpec):
             trust_remote_code=bool(model.get("trust_remote_code")))
     except (OSError, ValueError) as err:
         raise spec_error(f"cannot load tokenizer {name!r}: {first_line(err)}",
-                         path=("data", "tokenizer") if data.get("tokenizer") else ("model", "name_or_path"),
-                         hint="give a local directory with tokenizer files, or a hub id reachable from here")
+                         path=("data", "tokenizer") if data.get("tokenizer")
+                         else ("model", "name_or_path"),
+                         hint="give a local directory with tokenizer files, or a hub id reachable "
+                              "from here")
     if tokenizer.pad_token is None:
         # GPT-style tokenizers ship without a pad token; padding with EOS is the usual choice and
         # the attention mask (and -100 labels) keep the padding out of the loss.
@@ -48,23 +54,25 @@ def build_tokenizer(spec: JobSpec):
 
 
 def build_model(spec: JobSpec, tokenizer=None, ds_config: dict | None = None):
-    """`AutoModelFor<task>` from `model.name_or_path` (weights loaded) or `model.architecture` (random init).
+    """`AutoModelFor<task>` from `model.name_or_path` (weights loaded) or `model.architecture`
+    (random init).
 
     Random initialisation is seeded by `training.seed`, so every rank builds the same weights.
     Pass the tokenizer when there is one: its pad token becomes the model's (GPT-2 needs one to
     classify batches) and its size is checked against the model's vocabulary.
     `architecture: mlp` is jobspec's own deep MLP (jobspec/model/mlp.py), not a transformers model.
-    The ranks pass their compiled DeepSpeed config: the model is then built in the training dtype, and
-    under ZeRO-3 partitioned by `deepspeed.zero.Init` as it is built (model/construct.py). Without one
-    (export, tools) it is built as transformers builds it by default.
+    The ranks pass their compiled DeepSpeed config: the model is then built in the training dtype,
+    and under ZeRO-3 partitioned by `deepspeed.zero.Init` as it is built (model/construct.py).
+    Without one (export, tools) it is built as transformers builds it by default.
     """
     from jobspec.model.construct import construction_for, set_transformers_zero3, zero_init
 
     construction = None if ds_config is None else construction_for(ds_config)
     if ds_config is not None and construction is not None and construction.zero3 and \
             spec["model"].get("quantization"):
-        # bitsandbytes quantises whole weights after the build (_quantized): a partitioned placeholder
-        # cannot be quantised, so a quantised base is built whole and DeepSpeed partitions what it may
+        # bitsandbytes quantises whole weights after the build (_quantized): a partitioned
+        # placeholder cannot be quantised, so a quantised base is built whole and DeepSpeed
+        # partitions what it may
         construction = construction_for({**ds_config, "zero_optimization": {"stage": 0}})
     if spec["model"].get("architecture") == "mlp" and not spec["model"].get("name_or_path"):
         from jobspec.model.mlp import build_mlp
@@ -79,7 +87,8 @@ def build_model(spec: JobSpec, tokenizer=None, ds_config: dict | None = None):
     import torch
 
     if construction is not None:
-        set_transformers_zero3(construction)   # transformers' zero.Init, or none left from an earlier build
+        # transformers' zero.Init, or none left from an earlier build
+        set_transformers_zero3(construction)
     dtype = {} if construction is None else {"dtype": construction.torch_dtype}
 
     model_spec = spec["model"]
@@ -92,18 +101,20 @@ def build_model(spec: JobSpec, tokenizer=None, ds_config: dict | None = None):
         auto_class, config = build_config(spec, tokenizer)
         if model_spec.get("name_or_path"):
             name, revision = model_spec["name_or_path"], model_spec.get("revision")
-            model = auto_class.from_pretrained(name, config=config, revision=revision, trust_remote_code=trust,
+            model = auto_class.from_pretrained(name, config=config, revision=revision,
+                                               trust_remote_code=trust,
                                                attn_implementation=attention, **dtype)
         else:
             torch.manual_seed(spec["training"]["seed"])
-            model = auto_class.from_config(config, attn_implementation=attention, trust_remote_code=trust,
-                                           **dtype)
+            model = auto_class.from_config(config, attn_implementation=attention,
+                                           trust_remote_code=trust, **dtype)
     except SpecError:
         raise
     except ImportError as err:
         raise spec_error(f"attention {attention!r} cannot be used here: {first_line(err)}",
                          path=("model", "attention"),
-                         hint="install the package it names (flash-attn needs a CUDA GPU) or use sdpa") from None
+                         hint="install the package it names (flash-attn needs a CUDA GPU) or use "
+                              "sdpa") from None
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise loading_error(model_spec, task, attention, err) from None
 
@@ -133,7 +144,8 @@ def _quantized(spec: JobSpec, model):
     # the compute dtype (model.quantization.compute_dtype, `auto`: the training precision) for the
     # layers that stay unquantised too: DeepSpeed casts them to the training precision anyway
     compute = getattr(torch, compute_dtype(spec))
-    device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available()
+    device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+              if torch.cuda.is_available()
               else torch.device("cpu"))
     model = model.to(compute)
     quantize_linears(model, bnb_config, quantized_linear_names(spec, model), device)
@@ -168,12 +180,13 @@ def build_config(spec: JobSpec, tokenizer=None):
 
 def tokenizer_token_ids(spec: JobSpec, tokenizer=None) -> dict[str, int | None]:
     """bos/eos/pad ids for a model built from an architecture: the tokenizer's (`build_tokenizer`'s
-    object, else the local tokenizer directory read as JSON, so the planner's trace and export build the
-    same config the ranks do); {} for synthetic data or a tokenizer only transformers reads.
+    object, else the local tokenizer directory read as JSON, so the planner's trace and export build
+    the same config the ranks do); {} for synthetic data or a tokenizer only transformers reads.
 
     An architecture's defaults belong to its original tokenizer (GPT-2: 50256 for both bos and eos):
-    against another tokenizer they are ids outside the vocabulary, or the wrong tokens, and transformers
-    warns about them on every config it builds. A token the tokenizer lacks is None, not the default.
+    against another tokenizer they are ids outside the vocabulary, or the wrong tokens, and
+    transformers warns about them on every config it builds. A token the tokenizer lacks is None,
+    not the default.
     """
     if tokenizer is not None:
         return {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
@@ -183,11 +196,13 @@ def tokenizer_token_ids(spec: JobSpec, tokenizer=None) -> dict[str, int | None]:
     name = tokenizer_name(spec)
     try:
         facts = read_tokenizer(name) if name else None
-    except (ValueError, OSError):   # a broken file: validate said so; the ranks' tokenizer load refuses it
+    # a broken file: validate said so; the ranks' tokenizer load refuses it
+    except (ValueError, OSError):
         facts = None
     if facts is None:
         return {}
-    return {"bos_token_id": facts.ids["bos"], "eos_token_id": facts.ids["eos"], "pad_token_id": facts.pad_id}
+    return {"bos_token_id": facts.ids["bos"], "eos_token_id": facts.ids["eos"],
+            "pad_token_id": facts.pad_id}
 
 
 def build_skeleton(spec: JobSpec, tokenizer=None):
@@ -207,7 +222,8 @@ def build_skeleton(spec: JobSpec, tokenizer=None):
             return build_mlp(spec)
         try:
             auto_class, config = build_config(spec, tokenizer)
-            return auto_class.from_config(config, trust_remote_code=bool(spec["model"].get("trust_remote_code")))
+            remote = bool(spec["model"].get("trust_remote_code"))
+            return auto_class.from_config(config, trust_remote_code=remote)
         except SpecError:
             raise
         except (OSError, ValueError, KeyError, TypeError) as err:
@@ -229,9 +245,12 @@ def _config_for_architecture(architecture: str | None, overrides: dict):
                                            otherwise="use a model_type such as bert, gpt2"))
     try:
         return AutoConfig.for_model(architecture, **overrides)
-    except Exception as err:  # noqa: BLE001 - TypeError, ValueError, huggingface_hub's strict-dataclass errors
-        raise spec_error(f"invalid config for {architecture}: {first_line(err)}", path=("model", "config"),
-                         hint="check the field names against the architecture's transformers config") from None
+    # TypeError, ValueError, huggingface_hub's strict-dataclass errors
+    except Exception as err:  # noqa: BLE001
+        raise spec_error(f"invalid config for {architecture}: {first_line(err)}",
+                         path=("model", "config"),
+                         hint="check the field names against the architecture's transformers "
+                              "config") from None
 
 
 def _set_pad_token(config, tokenizer) -> None:
@@ -254,12 +273,13 @@ def _check_vocab(spec: JobSpec, model, tokenizer) -> None:
     if synthetic is not None:
         high = synthetic["vocab_range"][1]
         if high > vocab_size:
-            raise spec_error(f"synthetic token ids go up to {high - 1} but the model's vocabulary has "
-                             f"{vocab_size} entries", path=("data", "synthetic", "vocab_range"),
-                             hint=f"set vocab_range to end at most at {vocab_size}, or raise model.config.vocab_size")
+            raise spec_error(f"synthetic token ids go up to {high - 1} but the model's vocabulary "
+                             f"has {vocab_size} entries", path=("data", "synthetic", "vocab_range"),
+                             hint=f"set vocab_range to end at most at {vocab_size}, or raise "
+                                  "model.config.vocab_size")
     elif tokenizer is not None and len(tokenizer) > vocab_size:
-        raise spec_error(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary only "
-                         f"{vocab_size}", path=("model", "config", "vocab_size"),
+        raise spec_error(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary "
+                         f"only {vocab_size}", path=("model", "config", "vocab_size"),
                          hint=f"set model.config.vocab_size to at least {len(tokenizer)}")
 
 
@@ -269,35 +289,44 @@ def loading_error(model_spec: JobSpecModel, task: str, attention: str, err: Exce
         text = text.split(". ")[0]   # transformers goes on with a paragraph of advice
         return spec_error(f"attention {attention!r} is not supported by this model: {text}",
                           path=("model", "attention"),
-                          hint="use eager" if attention != "eager" else "use sdpa", code="model-build")
+                          hint="use eager" if attention != "eager" else "use sdpa",
+                          code="model-build")
     if model_spec.get("name_or_path"):
         return spec_error(f"cannot load {model_spec['name_or_path']!r} for {task}: {text}",
                           path=("model", "name_or_path"),
-                          hint="give a local checkpoint directory, or a hub id reachable from here", code="model-build")
+                          hint="give a local checkpoint directory, or a hub id reachable from "
+                               "here", code="model-build")
     from jobspec.spec import model_table
 
     architecture = model_spec.get("architecture")
     if model_table.head(architecture, task):   # the type has this head: its config is what failed
         written = [str(key) for key in model_spec["config"]]
-        named = [key for key in written if key in text] or [key for key in written if _mentions(text, key)]
-        return spec_error(f"transformers cannot build {architecture!r} from this model.config: {text}",
+        named = [key for key in written if key in text] \
+            or [key for key in written if _mentions(text, key)]
+        return spec_error(f"transformers cannot build {architecture!r} from this model.config: "
+                          f"{text}",
                           path=("model", "config", named[0]) if named else ("model", "config"),
-                          hint=f"change {', '.join(named)} (the values transformers names)" if named else
+                          hint=f"change {', '.join(named)} (the values transformers names)"
+                          if named else
                           "change the model.config values transformers names", code="model-build")
     return spec_error(f"cannot build {architecture!r} for {task}: {text}",
-                      path=("model", "task"), hint="pick a task this architecture has a head for", code="model-build")
+                      path=("model", "task"), hint="pick a task this architecture has a head for",
+                      code="model-build")
 
 
 def _mentions(text: str, key: str) -> bool:
-    """Whether transformers' message names `key` by another of its usual spellings (GPT-2's `n_head` as
-    `num_heads`, `n_embd` as `embed_dim`)."""
-    spellings = {"n_head": ("num_heads", "num_attention_heads"), "n_embd": ("embed_dim", "hidden_size"),
-                 "hidden_size": ("embed_dim",), "num_attention_heads": ("num_heads",), "n_layer": ("num_layers",)}
+    """Whether transformers' message names `key` by another of its usual spellings (GPT-2's `n_head`
+    as `num_heads`, `n_embd` as `embed_dim`)."""
+    spellings = {"n_head": ("num_heads", "num_attention_heads"),
+                 "n_embd": ("embed_dim", "hidden_size"),
+                 "hidden_size": ("embed_dim",), "num_attention_heads": ("num_heads",),
+                 "n_layer": ("num_layers",)}
     return any(word in text for word in spellings.get(key, ()))
 
 
 def _warn_remote_code(model_spec: JobSpecModel) -> None:
     if model_spec.get("trust_remote_code"):
-        print(f"WARNING: model.trust_remote_code is true: Python code from {model_spec.get('name_or_path')!r} "
-              "will run on this machine with your permissions. Only do this for repositories you trust.",
+        print("WARNING: model.trust_remote_code is true: Python code from "
+              f"{model_spec.get('name_or_path')!r} will run on this machine with your permissions. "
+              "Only do this for repositories you trust.",
               file=sys.stderr, flush=True)

@@ -14,8 +14,8 @@ ANSWER_MARK = "JOBSPECANSWERMARK"   # one plain word: no template trims or escap
 
 
 def end_of_turn_ids(tokenizer, template: str | None) -> list[int]:
-    """The ids that end an answer: EOS first, then the template's end-of-turn token when it is another
-    special token. [] for a tokenizer without EOS and a template without a marker."""
+    """The ids that end an answer: EOS first, then the template's end-of-turn token when it is
+    another special token. [] for a tokenizer without EOS and a template without a marker."""
     ids = [tokenizer.eos_token_id] if getattr(tokenizer, "eos_token_id", None) is not None else []
     marker = template_end_token(tokenizer, template)
     if marker is not None and marker not in ids:
@@ -30,7 +30,8 @@ def template_end_token(tokenizer, template: str | None) -> int | None:
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ANSWER_MARK}]
     try:
         rendered = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False)
-    except Exception:  # noqa: BLE001 -- a template that needs a system turn, tools, ...: EOS alone then
+    # a template that needs a system turn, tools, ...: EOS alone then
+    except Exception:  # noqa: BLE001
         return None
     at = rendered.rfind(ANSWER_MARK)
     if at < 0:

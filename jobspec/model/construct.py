@@ -6,14 +6,14 @@ A model built whole in fp32 on the host and partitioned only in `deepspeed.initi
 - **ZeRO-3**: the model is created inside DeepSpeed's `zero.Init`, which partitions each module's
   parameters as soon as the module is built, so a rank holds its partition (Ψ/world elements in the
   training dtype) plus the module being built or initialised at the moment. Transformers models go
-  through transformers' own integration: a live `HfDeepSpeedConfig` makes `is_deepspeed_zero3_enabled()`
-  true, `from_config` wraps the constructor in `zero.Init` and initialises weights one gathered module
-  at a time (rank 0 draws them), and `from_pretrained` copies the checkpoint into the partitions
-  layer by layer (`GatheredParameters`, modifier rank 0). The other ranks read only the tensors'
-  shapes (meta); rank 0 reads the values, and transformers 5 merges every shard's tensors into one
-  dict before copying, so rank 0 alone briefly holds the checkpoint in its stored dtype: on a node
-  with rank 0 that is one checkpoint more, not one per rank. jobspec's own MLP is built under
-  `zero.Init` directly.
+  through transformers' own integration: a live `HfDeepSpeedConfig` makes
+  `is_deepspeed_zero3_enabled()` true, `from_config` wraps the constructor in `zero.Init` and
+  initialises weights one gathered module at a time (rank 0 draws them), and `from_pretrained`
+  copies the checkpoint into the partitions layer by layer (`GatheredParameters`, modifier rank 0).
+  The other ranks read only the tensors' shapes (meta); rank 0 reads the values, and transformers 5
+  merges every shard's tensors into one dict before copying, so rank 0 alone briefly holds the
+  checkpoint in its stored dtype: on a node with rank 0 that is one checkpoint more, not one per
+  rank. jobspec's own MLP is built under `zero.Init` directly.
 - **ZeRO 0/1/2** keep a full copy per rank by design (DeepSpeed partitions optimizer states and
   gradients only), built straight in the training dtype: bf16/fp16 jobs never hold an fp32 copy.
 
@@ -28,9 +28,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-# transformers keeps its HfDeepSpeedConfig as a weak reference only ("it's important that this object
-# remains alive"): this module owns it while the process trains under ZeRO-3. PEFT and transformers
-# query it after construction too (gathering parameters to wrap or resize them).
+# transformers keeps its HfDeepSpeedConfig as a weak reference only ("it's important that this
+# object remains alive"): this module owns it while the process trains under ZeRO-3. PEFT and
+# transformers query it after construction too (gathering parameters to wrap or resize them).
 _LIVE_HF_CONFIG: list[Any] = []
 
 
@@ -45,7 +45,8 @@ class Construction:
     @property
     def torch_dtype(self):
         import torch
-        return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.precision]
+        return {"bf16": torch.bfloat16, "fp16": torch.float16,
+                "fp32": torch.float32}[self.precision]
 
     def describe(self) -> str:
         how = "partitioned under deepspeed.zero.Init" if self.zero3 else "a full copy per rank"
@@ -91,7 +92,10 @@ def without_transformers_zero3() -> Iterator[None]:
     if "transformers.integrations.deepspeed" not in sys.modules:
         yield   # no ZeRO-3 config of transformers' can be live; jobspec's MLP needs no transformers
         return
-    from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
+    from transformers.integrations.deepspeed import (
+        set_hf_deepspeed_config,
+        unset_hf_deepspeed_config,
+    )
 
     unset_hf_deepspeed_config()
     try:
@@ -116,21 +120,23 @@ def default_dtype(dtype) -> Iterator[None]:
 
 @contextmanager
 def zero_init(construction: Construction) -> Iterator[None]:
-    """`deepspeed.zero.Init` for a ZeRO-3 construction (models transformers does not build), else the
-    training dtype as the default dtype."""
+    """`deepspeed.zero.Init` for a ZeRO-3 construction (models transformers does not build), else
+    the training dtype as the default dtype."""
     if not construction.zero3:
         with default_dtype(construction.torch_dtype):
             yield
         return
     import deepspeed
 
-    with deepspeed.zero.Init(config_dict_or_path=construction.ds_config, dtype=construction.torch_dtype):
+    with deepspeed.zero.Init(config_dict_or_path=construction.ds_config,
+                             dtype=construction.torch_dtype):
         yield
 
 
 @dataclass(frozen=True)
 class Partitions:
-    """The parameter elements this rank holds against the model's total, counted from the tensors."""
+    """The parameter elements this rank holds against the model's total, counted from the
+    tensors."""
 
     held: int        # elements in this rank's partitions (ds_tensor) or, unpartitioned, all of them
     total: int       # elements of the full parameters (ds_numel)
@@ -158,7 +164,9 @@ def count_partitions(model) -> Partitions:
     return Partitions(held=held, total=total, partitioned=partitioned)
 
 
-def construction_line(rank: int, construction: Construction, parts: Partitions, peak_rss_mib: float) -> str:
+def construction_line(rank: int, construction: Construction, parts: Partitions,
+                      peak_rss_mib: float) -> str:
     """The ranks' `jobspec-log:` record of a construction (read by tests and bench/zero_init.py)."""
-    return (f"construction rank{rank} {'zero3' if construction.zero3 else 'full'} {construction.precision} "
-            f"held={parts.held} total={parts.total} fraction={parts.fraction:.4f} peak_rss_mib={peak_rss_mib:.1f}")
+    return (f"construction rank{rank} {'zero3' if construction.zero3 else 'full'} "
+            f"{construction.precision} held={parts.held} total={parts.total} "
+            f"fraction={parts.fraction:.4f} peak_rss_mib={peak_rss_mib:.1f}")

@@ -1,25 +1,26 @@
 """The GPU attention kernels' stand-in for the planner's trace (jobspec/model/planner_trace.py).
 
-SDPA cannot reach the GPU kernels in a CPU torch, and the CPU kernels keep other tensors. While tracing,
-`torch.nn.functional.scaled_dot_product_attention` is replaced by `_attention`, which calls the GPU
-kernels' own meta functions (they work on fake CPU tensors): `_scaled_dot_product_flash_attention`
-with no mask and 16-bit inputs (what PyTorch's dispatcher picks on an Ampere+ GPU), else
-`_scaled_dot_product_efficient_attention`. Forward keeps what those kernels keep for backward (q, k,
-v, the output, the fp32 log-sum-exp); backward calls their backward meta functions and allocates
-their fp32 scratch (flash: the dq accumulator and softmax_d; efficient: delta). Their FLOPs are the
-kernels' (torch's counter formulas for these ops).
+SDPA cannot reach the GPU kernels in a CPU torch, and the CPU kernels keep other tensors. While
+tracing, `torch.nn.functional.scaled_dot_product_attention` is replaced by `_attention`, which calls
+the GPU kernels' own meta functions (they work on fake CPU tensors):
+`_scaled_dot_product_flash_attention` with no mask and 16-bit inputs (what PyTorch's dispatcher
+picks on an Ampere+ GPU), else `_scaled_dot_product_efficient_attention`. Forward keeps what those
+kernels keep for backward (q, k, v, the output, the fp32 log-sum-exp); backward calls their backward
+meta functions and allocates their fp32 scratch (flash: the dq accumulator and softmax_d; efficient:
+delta). Their FLOPs are the kernels' (torch's counter formulas for these ops).
 
 Dropout likewise: on a CUDA tensor `torch.dropout` runs the fused `native_dropout`, which keeps a
 one-byte boolean mask for the backward; on a CPU tensor it multiplies by a mask in the input's dtype
 (four bytes per element in fp32). `dropout_stand_in` routes `torch.nn.functional.dropout` to
 `native_dropout` while tracing, so the trace keeps the GPU's mask.
 
-And the mask decision: without a padding mask, transformers hands SDPA no mask (`is_causal`: the flash
-kernel, nothing of seq² size) once it has read the cache position and found no packed sequences in the
-position ids, both tensors. A fake tensor counts as tracing there, which would build the full causal
-mask; `mask_skip_stand_in` decides with the values a training forward has: offsets 0 (no cache), and
-packed sequences only when the step hands the model position ids (`data.packing`). A padding mask is
-still kept (its values are unknown to the trace: the worst case, a padded batch).
+And the mask decision: without a padding mask, transformers hands SDPA no mask (`is_causal`: the
+flash kernel, nothing of seq² size) once it has read the cache position and found no packed
+sequences in the position ids, both tensors. A fake tensor counts as tracing there, which would
+build the full causal mask; `mask_skip_stand_in` decides with the values a training forward has:
+offsets 0 (no cache), and packed sequences only when the step hands the model position ids
+(`data.packing`). A padding mask is still kept (its values are unknown to the trace: the worst case,
+a padded batch).
 """
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ class _FunctionalStandIn:
 
 
 def sdpa_stand_in() -> _FunctionalStandIn:
-    """torch.nn.functional.scaled_dot_product_attention as the GPU kernels run it (the module docstring)."""
+    """torch.nn.functional.scaled_dot_product_attention as the GPU kernels run it (the module
+    docstring)."""
     return _FunctionalStandIn("scaled_dot_product_attention", _attention)
 
 
@@ -57,8 +59,8 @@ def dropout_stand_in() -> _FunctionalStandIn:
 
 
 class mask_skip_stand_in:
-    """Wraps transformers' mask decisions while tracing (see the module docstring); `packed`: the step
-    hands the model position ids that restart per sample."""
+    """Wraps transformers' mask decisions while tracing (see the module docstring); `packed`: the
+    step hands the model position ids that restart per sample."""
 
     def __init__(self, packed: bool = False):
         self.packed = packed
@@ -116,7 +118,8 @@ def _skip_decision(original):
 
 
 def _dropout(input, p=0.5, training=True, inplace=False):
-    """CUDA's dropout: the fused kernel where it applies (0 < p < 1, training), else as torch does."""
+    """CUDA's dropout: the fused kernel where it applies (0 < p < 1, training), else as torch
+    does."""
     import torch
 
     if not training or p == 0.0:
@@ -127,12 +130,14 @@ def _dropout(input, p=0.5, training=True, inplace=False):
     return input.copy_(output) if inplace else output
 
 
-def _attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+def _attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+               enable_gqa=False):
     import torch
 
     use_flash = attn_mask is None and query.dtype in (torch.float16, torch.bfloat16)
     if enable_gqa and not use_flash and key.shape[1] != query.shape[1]:
-        groups = query.shape[1] // key.shape[1]   # the efficient kernel has no GQA: torch expands k and v
+        # the efficient kernel has no GQA: torch expands k and v
+        groups = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         # torch turns a boolean mask into an additive bias of the query's dtype for the kernel
@@ -140,7 +145,8 @@ def _attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
         attn_mask = bias.masked_fill(attn_mask.logical_not(), float("-inf"))
     if attn_mask is not None:
         attn_mask = attn_mask.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
-    return _KernelAttention.apply(query, key, value, attn_mask, float(dropout_p), bool(is_causal), scale, use_flash)
+    return _KernelAttention.apply(query, key, value, attn_mask, float(dropout_p), bool(is_causal),
+                                  scale, use_flash)
 
 
 def _kernel_class():
@@ -157,7 +163,8 @@ def _kernel_class():
             else:
                 out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
                     q, k, v, bias, True, dropout_p, is_causal, scale=scale)
-            ctx.save_for_backward(q, k, v, bias if bias is not None else torch.empty(0), out, lse, seed, offset)
+            ctx.save_for_backward(q, k, v, bias if bias is not None else torch.empty(0), out, lse,
+                                  seed, offset)
             ctx.settings = (dropout_p, is_causal, scale, use_flash, bias is not None)
             return out
 
@@ -172,13 +179,13 @@ def _kernel_class():
                 scratch = (torch.empty(b, rounded, h, d, dtype=torch.float32),
                            torch.empty(b, h, rounded, dtype=torch.float32))
                 dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
-                    grad_out, q, k, v, out, lse, None, None, s, k.shape[2], dropout_p, is_causal, seed, offset,
-                    scale=scale)
+                    grad_out, q, k, v, out, lse, None, None, s, k.shape[2], dropout_p, is_causal,
+                    seed, offset, scale=scale)
             else:           # the memory-efficient kernel's backward: fp32 delta
                 scratch = (torch.empty(b, h, -(-s // 32) * 32, dtype=torch.float32),)
                 dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-                    grad_out, q, k, v, bias if has_bias else None, out, lse, seed, offset, dropout_p,
-                    [True, True, True, False], is_causal, scale=scale)
+                    grad_out, q, k, v, bias if has_bias else None, out, lse, seed, offset,
+                    dropout_p, [True, True, True, False], is_causal, scale=scale)
             del scratch
             return dq, dk, dv, None, None, None, None, None
 

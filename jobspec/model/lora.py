@@ -1,12 +1,14 @@
-"""`model.lora` and `model.quantization` on the torch side: PEFT's LoraConfig, the adapters put on a model,
-the target patterns checked against the model's real module names, bitsandbytes' quantisation config.
+"""`model.lora` and `model.quantization` on the torch side: PEFT's LoraConfig, the adapters put on a
+model, the target patterns checked against the model's real module names, bitsandbytes' quantisation
+config.
 
-One code path for everyone who needs the adapted model, `adapt(model, settings)` with the settings of
-patches.json's `lora` patch (compile/compiler.lora_patch_args): the ranks (train/lora_adapters, the
-patch in the compiler's order), the planner's trace (model/planner_trace.py wraps its meta model through
-`apply_lora`, so the plan counts exactly the adapters PEFT makes), the export, and the job-preparation
-check (`check_targets` on the meta model job/checks builds: compile, plan, launch and `--dry-run` refuse
-a pattern that matches nothing before any rank starts, positioned at `model.lora.target_modules[i]`).
+One code path for everyone who needs the adapted model, `adapt(model, settings)` with the settings
+of patches.json's `lora` patch (compile/compiler.lora_patch_args): the ranks (train/lora_adapters,
+the patch in the compiler's order), the planner's trace (model/planner_trace.py wraps its meta model
+through `apply_lora`, so the plan counts exactly the adapters PEFT makes), the export, and the
+job-preparation check (`check_targets` on the meta model job/checks builds: compile, plan, launch
+and `--dry-run` refuse a pattern that matches nothing before any rank starts, positioned at
+`model.lora.target_modules[i]`).
 
 Matching is PEFT's (peft.tuners.tuners_utils.check_target_module_exists): a list entry matches a
 module whose dotted name equals it or ends with `.<entry>`; `all-linear` is every linear layer but
@@ -46,14 +48,17 @@ def modules_to_save(spec: JobSpec, model) -> list[str]:
 
 
 def saved_modules(lora: dict, model) -> list[str]:
-    """The `modules_to_save` of the patch's settings that `model` has (PEFT passes over the others)."""
+    """The `modules_to_save` of the patch's settings that `model` has (PEFT passes over the
+    others)."""
     names = [name for name, _ in model.named_modules()]
-    return [entry for entry in lora["modules_to_save"] if any(_matches(name, entry) for name in names)]
+    return [entry for entry in lora["modules_to_save"]
+            if any(_matches(name, entry) for name in names)]
 
 
 def resolve_targets(spec: JobSpec, model) -> list[str]:
-    """The dotted names of the modules that get adapters, as PEFT will pick them; SpecError (every bad
-    pattern at once) when a pattern matches no adaptable module, with the nearest module names."""
+    """The dotted names of the modules that get adapters, as PEFT will pick them; SpecError (every
+    bad pattern at once) when a pattern matches no adaptable module, with the nearest module
+    names."""
     return targets_of(settings(spec), model)
 
 
@@ -61,13 +66,16 @@ def targets_of(lora: dict, model) -> list[str]:
     """`resolve_targets` of the patch's settings."""
     saved = saved_modules(lora, model)
     kinds = {name: type(module).__name__ for name, module in model.named_modules() if name}
-    adaptable = [name for name, kind in kinds.items() if kind in ADAPTABLE and not _saved(name, saved)]
+    adaptable = [name for name, kind in kinds.items() if kind in ADAPTABLE
+                 and not _saved(name, saved)]
     if lora["target_modules"] == ALL_LINEAR:
         output = _output_module_name(model)
-        chosen = [n for n in adaptable if kinds[n] in ("Linear", "Conv1D", "Linear4bit", "Linear8bitLt")
+        chosen = [n for n in adaptable
+                  if kinds[n] in ("Linear", "Conv1D", "Linear4bit", "Linear8bitLt")
                   and n != output]
         if not chosen:
-            raise spec_error(f"`all-linear` finds no linear layer in {type(model).__name__} outside the head",
+            raise spec_error(f"`all-linear` finds no linear layer in {type(model).__name__} "
+                             "outside the head",
                              path=("model", "lora", "target_modules"),
                              hint="list the modules to adapt by name", code="lora-targets")
         return chosen
@@ -79,23 +87,27 @@ def targets_of(lora: dict, model) -> list[str]:
             continue
         others = [name for name in kinds if _matches(name, pattern)]
         if any(_saved(name, saved) for name in others):
-            message = (f"target module pattern {pattern!r} matches only modules in modules_to_save ({others[0]}), "
-                       "which are trained in full and never get adapters")
+            message = (f"target module pattern {pattern!r} matches only modules in modules_to_save "
+                       f"({others[0]}), which are trained in full and never get adapters")
             hint = "drop it from target_modules, or from model.lora.modules_to_save"
         elif others:
             message = (f"target module pattern {pattern!r} matches only {kinds[others[0]]} modules "
-                       f"({others[0]}{', ...' if len(others) > 1 else ''}); LoRA adapts linear, embedding and "
-                       "convolution layers")
-            inside = sorted({n.rsplit(".", 1)[-1] for n in adaptable if n.startswith(f"{others[0]}.")})
-            hint = f"name the layers inside it: {', '.join(inside[:6])}" if inside else "name a linear layer"
+                       f"({others[0]}{', ...' if len(others) > 1 else ''}); LoRA adapts linear, "
+                       "embedding and convolution layers")
+            inside = sorted({n.rsplit(".", 1)[-1] for n in adaptable
+                             if n.startswith(f"{others[0]}.")})
+            hint = f"name the layers inside it: {', '.join(inside[:6])}" if inside \
+                else "name a linear layer"
         else:
-            message = f"target module pattern {pattern!r} matches no module of {type(model).__name__}"
+            message = (f"target module pattern {pattern!r} matches no module of "
+                       f"{type(model).__name__}")
             leaves = sorted({n.rsplit(".", 1)[-1] for n in adaptable})
-            hint = did_you_mean(pattern.rsplit(".", 1)[-1], leaves, "the model's adaptable modules", n=3,
+            hint = did_you_mean(pattern.rsplit(".", 1)[-1], leaves,
+                                "the model's adaptable modules", n=3,
                                 quote="'", shown=8, otherwise=None if leaves else
                                 "the model has no linear, embedding or convolution layer")
-        issues.append(SpecIssue(path=("model", "lora", "target_modules", i), message=message, hint=hint,
-                                code="lora-targets"))
+        issues.append(SpecIssue(path=("model", "lora", "target_modules", i), message=message,
+                                hint=hint, code="lora-targets"))
     if issues:
         raise SpecError(issues)
     return chosen
@@ -112,9 +124,10 @@ def check_targets(spec: JobSpec, model) -> None:
         names = [name for name, _ in model.named_modules() if name]
         leaves = sorted({n.rsplit(".", 1)[-1] for n in names})
         issues = [SpecIssue(path=("model", "lora", "modules_to_save", i),
-                            message=f"modules_to_save entry {entry!r} matches no module of {type(model).__name__}",
-                            hint=did_you_mean(entry.rsplit(".", 1)[-1], leaves, "the model's modules", n=3,
-                                              quote="'", shown=8),
+                            message=f"modules_to_save entry {entry!r} matches no module of "
+                                    f"{type(model).__name__}",
+                            hint=did_you_mean(entry.rsplit(".", 1)[-1], leaves,
+                                              "the model's modules", n=3, quote="'", shown=8),
                             code="lora-modules-to-save")
                   for i, entry in enumerate(written) if not any(_matches(n, entry) for n in names)]
         if issues:
@@ -123,7 +136,8 @@ def check_targets(spec: JobSpec, model) -> None:
 
 
 def lora_config(spec: JobSpec, model) -> Any:
-    """`peft.LoraConfig` of `model.lora` for `model` (its head modules resolved against the model)."""
+    """`peft.LoraConfig` of `model.lora` for `model` (its head modules resolved against the
+    model)."""
     return config_of(settings(spec), model)
 
 
@@ -140,8 +154,8 @@ def config_of(lora: dict, model) -> Any:
 
 
 def adapt(model, lora: dict):
-    """`model` wrapped by `peft.get_peft_model` with the `lora` patch's settings: the base frozen, the
-    adapters and `modules_to_save` trainable."""
+    """`model` wrapped by `peft.get_peft_model` with the `lora` patch's settings: the base frozen,
+    the adapters and `modules_to_save` trainable."""
     from peft import get_peft_model
 
     return get_peft_model(model, config_of(lora, model))
@@ -166,10 +180,11 @@ def quantization_config(spec: JobSpec, model=None) -> Any:
     """`transformers.BitsAndBytesConfig` of `model.quantization` (None when null).
 
     The trained head (`modules_to_save`) stays unquantised: bitsandbytes' layers cannot be trained.
-    Naming skip modules replaces transformers' default skips (the output embeddings, the last module,
-    tied weights), so those are added back from `model` (a meta skeleton is enough) when given.
-    4-bit weights are stored in the compute dtype's width (`bnb_4bit_quant_storage`), as transformers
-    and PEFT document for sharding them with ZeRO-3 / FSDP; the packing itself is unchanged.
+    Naming skip modules replaces transformers' default skips (the output embeddings, the last
+    module, tied weights), so those are added back from `model` (a meta skeleton is enough) when
+    given. 4-bit weights are stored in the compute dtype's width (`bnb_4bit_quant_storage`), as
+    transformers and PEFT document for sharding them with ZeRO-3 / FSDP; the packing itself is
+    unchanged.
     """
     quant = spec["model"]["quantization"]
     if quant is None:
@@ -180,7 +195,8 @@ def quantization_config(spec: JobSpec, model=None) -> Any:
     skip: list[str] | None = None
     saved = modules_to_save(spec, model) if model is not None else list(
         spec["model"]["lora"]["modules_to_save"] if spec["model"]["lora"] and
-        spec["model"]["lora"]["modules_to_save"] is not None else tasks.get(spec["model"]["task"]).head_modules)
+        spec["model"]["lora"]["modules_to_save"] is not None
+        else tasks.get(spec["model"]["task"]).head_modules)
     if saved:
         from transformers.quantizers.base import get_keys_to_not_convert
 
@@ -190,13 +206,15 @@ def quantization_config(spec: JobSpec, model=None) -> Any:
     if quant["bits"] == 8:
         return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant["quant_type"],
-                              bnb_4bit_compute_dtype=dtype, bnb_4bit_use_double_quant=quant["double_quant"],
+                              bnb_4bit_compute_dtype=dtype,
+                              bnb_4bit_use_double_quant=quant["double_quant"],
                               bnb_4bit_quant_storage=dtype, llm_int8_skip_modules=skip)
 
 
 def quantized_linear_names(spec: JobSpec, model) -> list[str]:
-    """The base's linear layers bitsandbytes replaces when the model loads with `quantization_config`
-    (transformers' rule: nn.Linear outside the skip modules), for the planner's byte count."""
+    """The base's linear layers bitsandbytes replaces when the model loads with
+    `quantization_config` (transformers' rule: nn.Linear outside the skip modules), for the
+    planner's byte count."""
     if spec["model"]["quantization"] is None:
         return []
     import torch.nn as nn
@@ -212,9 +230,9 @@ def quantized_linear_names(spec: JobSpec, model) -> list[str]:
 
 
 def parameter_counts(model) -> dict[str, int]:
-    """{"trainable", "total"}: the elements of a (PEFT-wrapped) model's parameters, each tensor once,
-    a 4-bit weight counted by its logical shape (bitsandbytes packs two values per byte in a flat
-    uint8 tensor) and a ZeRO-3 partition by its full shape."""
+    """{"trainable", "total"}: the elements of a (PEFT-wrapped) model's parameters, each tensor
+    once, a 4-bit weight counted by its logical shape (bitsandbytes packs two values per byte in a
+    flat uint8 tensor) and a ZeRO-3 partition by its full shape."""
     trainable = total = 0
     for param in model.parameters():
         n = _logical_numel(param)
@@ -235,13 +253,14 @@ def _logical_numel(param) -> int:
 
 
 def _matches(name: str, pattern: str) -> bool:
-    """PEFT's match of a `target_modules` list entry: the whole dotted name, or its dotted suffix."""
+    """PEFT's match of a `target_modules` list entry: the whole dotted name, or its dotted
+    suffix."""
     return name == pattern or name.endswith(f".{pattern}")
 
 
 def _saved(name: str, saved: list[str]) -> bool:
-    """Whether a module is (inside) a `modules_to_save` entry, by PEFT's rule: the entry is one or more
-    whole components of the dotted name."""
+    """Whether a module is (inside) a `modules_to_save` entry, by PEFT's rule: the entry is one or
+    more whole components of the dotted name."""
     dotted = f".{name}."
     return any(f".{entry}." in dotted for entry in saved)
 

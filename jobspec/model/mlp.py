@@ -1,12 +1,15 @@
-"""`model.architecture: mlp`: a deep MLP classifier built into jobspec, for activation-checkpointing studies.
+"""`model.architecture: mlp`: a deep MLP classifier built into jobspec, for activation-checkpointing
+studies.
 
-token embedding -> mean over the (unmasked) sequence -> num_layers x (Linear(h, h) + ReLU) -> classifier.
+token embedding -> mean over the (unmasked) sequence -> num_layers x (Linear(h, h) + ReLU) ->
+classifier.
 
 It is the network of the "checkpoint_sequential segments" experiment (docs/benchmarks.md): after the
-pooling, every activation is a (batch, hidden) matrix, so memory is a clean function of the number of
-layers kept, and it runs fast on a CPU. It answers like a transformers model (`forward(input_ids,
-attention_mask=None, labels=None)` -> `.loss`, `.logits`) so the worker trains it unchanged, and keeps
-its layers in `layers` (an `nn.ModuleList`), where the every-k-th-layer checkpointing patch finds them.
+pooling, every activation is a (batch, hidden) matrix, so memory is a clean function of the number
+of layers kept, and it runs fast on a CPU. It answers like a transformers model (`forward(input_ids,
+attention_mask=None, labels=None)` -> `.loss`, `.logits`) so the worker trains it unchanged, and
+keeps its layers in `layers` (an `nn.ModuleList`), where the every-k-th-layer checkpointing patch
+finds them.
 """
 from __future__ import annotations
 
@@ -20,12 +23,14 @@ from jobspec.errors import spec_error
 from jobspec.spec.types import JobSpec
 
 ARCHITECTURE = "mlp"
-CONFIG_KEYS = ("hidden_size", "num_layers", "vocab_size", "num_labels")   # what `model.config` may set
+# what `model.config` may set
+CONFIG_KEYS = ("hidden_size", "num_layers", "vocab_size", "num_labels")
 
 
 @dataclass
 class MLPConfig:
-    """The `model.config` of an mlp; unknown keys are a spec error (there is no AutoConfig to absorb them)."""
+    """The `model.config` of an mlp; unknown keys are a spec error (there is no AutoConfig to absorb
+    them)."""
 
     hidden_size: int = 1024
     num_layers: int = 16
@@ -50,7 +55,8 @@ class MLPBlock(nn.Sequential):
 
 
 class MLPClassifier(nn.Module):
-    """Deep MLP over mean-pooled token embeddings; the loss is cross-entropy over `num_labels` classes."""
+    """Deep MLP over mean-pooled token embeddings; the loss is cross-entropy over `num_labels`
+    classes."""
 
     has_attention = False   # the attention_implementation patch has nothing to switch
 
@@ -94,11 +100,13 @@ def build_mlp(spec: JobSpec) -> MLPClassifier:
     known = set(CONFIG_KEYS)
     unknown = sorted(set(values) - known)
     if unknown:
-        raise spec_error(f"unknown mlp config key(s): {', '.join(unknown)}", path=("model", "config", unknown[0]),
+        raise spec_error(f"unknown mlp config key(s): {', '.join(unknown)}",
+                         path=("model", "config", unknown[0]),
                          hint=f"an mlp takes {', '.join(sorted(known))}")
     for key, value in values.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise spec_error(f"mlp config {key} must be a positive integer, got {value!r}",
-                             path=("model", "config", key), hint=f"e.g. {key}: {getattr(MLPConfig, key)}")
+                             path=("model", "config", key),
+                             hint=f"e.g. {key}: {getattr(MLPConfig, key)}")
     torch.manual_seed(spec["training"]["seed"])
     return MLPClassifier(MLPConfig(**values))

@@ -35,7 +35,8 @@ def trace_mask(causal: bool, fixed_length: bool, packed: bool) -> str:
     """What a training batch tells the model's attention on the ranks, for the planner's trace:
     PACKED, position ids that restart per sample (`data.packing`: transformers builds the packed
     samples' mask from them); PADDING, an encoder's mask of rows that may be padded (records of
-    varying length); else NO_MASK (synthetic data is never padded; a causal LM's mask is dropped)."""
+    varying length); else NO_MASK (synthetic data is never padded; a causal LM's mask is
+    dropped)."""
     if packed:
         return PACKED
     return NO_MASK if causal or fixed_length else PADDING

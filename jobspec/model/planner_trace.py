@@ -1,11 +1,11 @@
 """The planner's measurements of a model, from the model's own code: parameters, activations, FLOPs.
 
 `ModelTracer` builds the spec's model on the meta device exactly as the ranks build it
-(`model/build.py`; `model.freeze` and the checkpointing code of `model/structure.py`), casts it to the
-training precision, moves it to fake CPU tensors (`FakeTensorMode`: shapes and dtypes, no memory, no
-compute) and runs one training step with the job's micro-batch, sequence length, task head and loss
-(`model/step.py`: live storages by region, FLOPs; `model/kernels.py`: the GPU attention kernels'
-stand-in for SDPA). The parameter inventory comes from the same meta model.
+(`model/build.py`; `model.freeze` and the checkpointing code of `model/structure.py`), casts it to
+the training precision, moves it to fake CPU tensors (`FakeTensorMode`: shapes and dtypes, no
+memory, no compute) and runs one training step with the job's micro-batch, sequence length, task
+head and loss (`model/step.py`: live storages by region, FLOPs; `model/kernels.py`: the GPU
+attention kernels' stand-in for SDPA). The parameter inventory comes from the same meta model.
 
 Speed: a traced op costs ~0.1-0.3 ms. Layers are traced in short units and composed
 (`memory.model_profile.compose`, exact: tests/model/test_trace.py), micro-batches above 2 are
@@ -35,7 +35,8 @@ from jobspec.spec.types import JobSpec, JobSpecMemory
 
 TRACE_VERSION = 6   # bump when what a trace measures changes: old cache entries are not read
 PRECISION_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
-NO_TILING = (False, False, False)   # (tiled loss, tiled MLP, offloaded checkpoints): `tiling_setting`
+# (tiled loss, tiled MLP, offloaded checkpoints): `tiling_setting`
+NO_TILING = (False, False, False)
 # config attributes that mean tokens are routed to experts by their values
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
@@ -68,8 +69,9 @@ class ModelTracer:
             else:
                 model = self._build(layers=None)
                 config = getattr(model, "config", None)
-                # the weights bitsandbytes would quantise, found on the plain model (PEFT keeps the same
-                # tensors inside its wrappers, so they are recognised after the wrap by identity)
+                # the weights bitsandbytes would quantise, found on the plain model (PEFT keeps the
+                # same tensors inside its wrappers, so they are recognised after the wrap by
+                # identity)
                 from jobspec.model.lora import quantized_linear_names
                 quantized = {id(model.get_submodule(name).weight)
                              for name in quantized_linear_names(self.spec, model)}
@@ -80,13 +82,14 @@ class ModelTracer:
 
     def profile(self, precision: str, micro_batch: int, seq_len: int, checkpointing,
                 tiling: tuple = NO_TILING) -> ModelProfile:
-        """The job setting's activations and FLOPs: composed from unit traces, or every layer traced when
-        the layers differ in more than their `config.layer_types` kind (or there is no layer stack).
-        `tiling`: `tiling_setting(spec["memory"])`, the tiled loss and MLP run as the ranks run them."""
+        """The job setting's activations and FLOPs: composed from unit traces, or every layer traced
+        when the layers differ in more than their `config.layer_types` kind (or there is no layer
+        stack). `tiling`: `tiling_setting(spec["memory"])`, the tiled loss and MLP run as the ranks
+        run them."""
         inv = self.inventory()
         every, reentrant = checkpoint_setting(checkpointing)
-        # the model's FLOPs (MFU's numerator) are those of the plain step: no recompute of checkpointed
-        # layers, tiles or offloaded inputs
+        # the model's FLOPs (MFU's numerator) are those of the plain step: no recompute of
+        # checkpointed layers, tiles or offloaded inputs
         recomputes = bool(every) or tuple(tiling) != NO_TILING
         if inv.num_layers == 0 or not inv.uniform:
             trace = self.full(precision, micro_batch, seq_len, checkpointing, tiling)
@@ -94,25 +97,29 @@ class ModelTracer:
             method = "full"
         else:
             flags = tuple(bool(every) and i % every == 0 for i in range(inv.num_layers))
-            unit = functools.partial(self.unit, precision, micro_batch, seq_len, reentrant=reentrant, tiling=tiling)
+            unit = functools.partial(self.unit, precision, micro_batch, seq_len,
+                                     reentrant=reentrant, tiling=tiling)
             trace = compose(layer_types(inv.layer_kinds, flags), unit)
             plain = tuple(False for _ in flags)
-            plain_unit = functools.partial(self.unit, precision, micro_batch, seq_len, reentrant=reentrant)
-            model_trace = compose(layer_types(inv.layer_kinds, plain), plain_unit) if recomputes else trace
+            plain_unit = functools.partial(self.unit, precision, micro_batch, seq_len,
+                                           reentrant=reentrant)
+            model_trace = compose(layer_types(inv.layer_kinds, plain), plain_unit) if recomputes \
+                else trace
             method = "composed"
         tokens = micro_batch * seq_len
-        return ModelProfile(inventory=inv, activations=trace, model_flops_per_token=model_trace.flops / tokens,
+        return ModelProfile(inventory=inv, activations=trace,
+                            model_flops_per_token=model_trace.flops / tokens,
                             hardware_flops_per_token=trace.flops / tokens, method=method)
 
-    def unit(self, precision: str, micro_batch: int, seq_len: int, types: tuple, *, reentrant: bool = False,
-             tiling: tuple = NO_TILING) -> UnitTrace:
+    def unit(self, precision: str, micro_batch: int, seq_len: int, types: tuple, *,
+             reentrant: bool = False, tiling: tuple = NO_TILING) -> UnitTrace:
         """A trace of the model cut to `types` ((attention kind, checkpointed) per layer).
 
-        Micro-batches above 2 are not traced: every tensor's size is affine in the batch (b·x + y) and
-        the ops do not change with it, so the timelines at 1 and 2 give every event's size at any b
-        exactly (`step.extrapolate`); where the two timelines differ in their ops, b is traced.
-        Nor are long sequences, once worth it (`_worth_interpolating`): the timeline at a length
-        that is a multiple of 64 past three short ones traced comes from those
+        Micro-batches above 2 are not traced: every tensor's size is affine in the batch (b·x + y)
+        and the ops do not change with it, so the timelines at 1 and 2 give every event's size at
+        any b exactly (`step.extrapolate`); where the two timelines differ in their ops, b is
+        traced. Nor are long sequences, once worth it (`_worth_interpolating`): the timeline at a
+        length that is a multiple of 64 past three short ones traced comes from those
         (`lengths.Interpolation`, exact); where they do not give it, the length is traced."""
         types = tuple(types)
         setting = (precision, types, reentrant, tuple(tiling))
@@ -129,7 +136,8 @@ class ModelTracer:
             # compact: the middle tiles of long tile loops as lumps that summarize reads alike
             return summarize(at_length(micro_batch, compact=True))
 
-        return self._cached(("unit", precision, micro_batch, seq_len, types, reentrant) + _tiling_key(tiling), make)
+        return self._cached(("unit", precision, micro_batch, seq_len, types, reentrant)
+                            + _tiling_key(tiling), make)
 
     def _timeline(self, setting: tuple, batch: int, length: int, usable=None) -> dict:
         """The unit's traced timeline (`setting`: precision, layer types, reentrancy, tiling)."""
@@ -197,13 +205,16 @@ class ModelTracer:
                          loss_tiles=int(loss) if loss is not True and loss is not False else None,
                          loss_vocab=vocab if loss is True else None)
 
-    def full(self, precision: str, micro_batch: int, seq_len: int, checkpointing, tiling: tuple = NO_TILING
+    def full(self, precision: str, micro_batch: int, seq_len: int, checkpointing,
+             tiling: tuple = NO_TILING
              ) -> UnitTrace:
         """A trace of every layer at the micro-batch itself, checkpointed by the training patch (the
         reference the shortcuts are tested against)."""
-        key = ("full", precision, micro_batch, seq_len, json.dumps(checkpointing, sort_keys=True)) + _tiling_key(tiling)
+        key = ("full", precision, micro_batch, seq_len,
+               json.dumps(checkpointing, sort_keys=True)) + _tiling_key(tiling)
         return self._cached(key, lambda: summarize(self._trace(precision, micro_batch, seq_len,
-                                                                checkpointing=checkpointing, tiling=tiling)))
+                                                                checkpointing=checkpointing,
+                                                               tiling=tiling)))
 
     # ------------------------------------------------------------------ building
     def _config_for(self, kinds: tuple | None):
@@ -221,13 +232,15 @@ class ModelTracer:
         return config
 
     def _build(self, layers: tuple | None):
-        """The model on the meta device, cut to `layers` kinds (None: whole), `model.freeze` applied."""
+        """The model on the meta device, cut to `layers` kinds (None: whole), `model.freeze`
+        applied."""
         import torch
 
         from jobspec.model.build import build_skeleton
         from jobspec.model.structure import freeze
 
-        if self.spec["model"].get("architecture") == "mlp" and not self.spec["model"].get("name_or_path"):
+        if self.spec["model"].get("architecture") == "mlp" \
+                and not self.spec["model"].get("name_or_path"):
             spec = copy.deepcopy(self.spec)
             if layers is not None:
                 spec["model"].setdefault("config", {})["num_layers"] = len(layers)
@@ -244,8 +257,9 @@ class ModelTracer:
         return model
 
     def _adapt(self, model):
-        """`model.lora`'s adapters on `model` (model/lora.apply_lora, the ranks' own call): the plan counts
-        exactly the adapters PEFT makes, the frozen base without gradients or optimizer states."""
+        """`model.lora`'s adapters on `model` (model/lora.apply_lora, the ranks' own call): the plan
+        counts exactly the adapters PEFT makes, the frozen base without gradients or optimizer
+        states."""
         if self.spec["model"]["lora"] is None:
             return model
         from jobspec.model.lora import apply_lora
@@ -259,7 +273,8 @@ class ModelTracer:
             return make()
         except SpecError:
             raise
-        except Exception as err:  # noqa: BLE001 - any failure of transformers' code is the spec's model's
+        # any failure of transformers' code is the spec's model's
+        except Exception as err:  # noqa: BLE001
             model = self.spec["model"]
             raise loading_error(model, model["task"], model["attention"], err) from None
 
@@ -270,7 +285,11 @@ class ModelTracer:
         import torch
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        from jobspec.model.structure import checkpoint_layers, find_layer_stack, gradient_checkpointing
+        from jobspec.model.structure import (
+            checkpoint_layers,
+            find_layer_stack,
+            gradient_checkpointing,
+        )
 
         kinds = tuple(kind for kind, _ in types) if types is not None else None
         model = self._build(layers=kinds)
@@ -286,27 +305,33 @@ class ModelTracer:
                 if every:
                     gradient_checkpointing(model, every, reentrant)
                 stack = find_layer_stack(model)
-                chosen = [i for i in range(len(stack) if stack is not None else 0) if every and i % every == 0]
+                chosen = [i for i in range(len(stack) if stack is not None else 0) if every
+                          and i % every == 0]
             apply_tiling(model, tiling, chosen)
-            model = self._adapt(model)   # as on the ranks: PEFT wraps the model after jobspec's patches
+            # as on the ranks: PEFT wraps the model after jobspec's patches
+            model = self._adapt(model)
             model = model.to(getattr(torch, PRECISION_DTYPES[precision]))   # on meta: no memory
             with FakeTensorMode(allow_non_fake_inputs=True):
                 model = model.to_empty(device="cpu")
                 return run_step(model, self.spec, micro_batch, seq_len, find_layer_stack(model))
         except SpecError:
             raise
-        except Exception as err:  # noqa: BLE001 - report which setting could not be traced, in one line
+        # report which setting could not be traced, in one line
+        except Exception as err:  # noqa: BLE001
             kind = type(err).__name__
             if "DataDependent" in kind or "DynamicOutputShape" in kind:
-                raise spec_error(f"model type {self._model_type()!r} computes shapes from the data ({kind}); "
-                                 "the planner traces without data and cannot plan it",
-                                 path=("model",), hint="plan it with memory.fit: off and measure a few steps") from None
+                raise spec_error(f"model type {self._model_type()!r} computes shapes from the data "
+                                 f"({kind}); the planner traces without data and cannot plan it",
+                                 path=("model",),
+                                 hint="plan it with memory.fit: off and measure a few "
+                                      "steps") from None
             raise spec_error(f"the planner's trace failed at {setting}: {kind}: {first_line(err)}",
                              path=("model",), hint="check model.config and model.attention; "
                              "`jobspec launch` still runs the job unplanned") from None
 
     def _model_type(self) -> str:
-        return str(self.spec["model"].get("architecture") or getattr(self._config, "model_type", "?"))
+        return str(self.spec["model"].get("architecture")
+                   or getattr(self._config, "model_type", "?"))
 
     # ------------------------------------------------------------------ cache
     def _cached(self, key: tuple, make, *, trace: bool = True, usable=None):
@@ -346,7 +371,8 @@ class ModelTracer:
             return None   # a damaged entry is traced again and rewritten
 
     def _store(self, name: str, value: dict) -> None:
-        """Atomic: a temporary file renamed into place, so concurrent launches never read half a file."""
+        """Atomic: a temporary file renamed into place, so concurrent launches never read half a
+        file."""
         path = self._path(name)
         if path is None:
             return
@@ -380,15 +406,19 @@ def model_key(spec: JobSpec) -> str:
     """A hash of everything that changes a trace besides the job setting: the model section, a local
     checkpoint's config.json, and the versions of torch, transformers and this tracer."""
     model = spec["model"]
-    fields = {k: model.get(k) for k in ("name_or_path", "architecture", "config", "revision", "task", "num_labels",
-                                        "attention", "trust_remote_code", "freeze", "lora", "quantization")}
-    # the one data fact a trace depends on: whether the model gets a padding mask (model/padding_mask.py)
+    fields = {k: model.get(k)
+              for k in ("name_or_path", "architecture", "config", "revision", "task", "num_labels",
+                                        "attention", "trust_remote_code", "freeze", "lora",
+                        "quantization")}
+    # the one data fact a trace depends on: whether the model gets a padding mask
+    # (model/padding_mask.py)
     fields["attention_mask"] = mask_of(spec)
     name_or_path = model["name_or_path"]
     config_file = Path(name_or_path) / "config.json" if name_or_path else None
     if config_file is not None and config_file.is_file():
         fields["config.json"] = hashlib.sha256(config_file.read_bytes()).hexdigest()
-    text = json.dumps({"model": fields, "versions": _versions(), "tracer": TRACE_VERSION}, sort_keys=True, default=str)
+    text = json.dumps({"model": fields, "versions": _versions(), "tracer": TRACE_VERSION},
+                      sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
@@ -411,21 +441,25 @@ def checkpoint_setting(checkpointing) -> tuple[int, bool]:
     if checkpointing is None or checkpointing is False:
         return 0, False
     if isinstance(checkpointing, dict):
-        return int(checkpointing.get("every_n_layers", 1)), bool(checkpointing.get("use_reentrant", False))
+        return int(checkpointing.get("every_n_layers", 1)), bool(checkpointing.get("use_reentrant",
+                                                                                   False))
     return 1, False
 
 
 def tiling_setting(memory: JobSpecMemory) -> tuple:
-    """The long-sequence techniques of a `memory` section as the trace runs them: (tiled loss: False, True
-    (tiles by the bound) or a tile count; tiled MLP; the checkpointed layers' inputs offloaded to the host)."""
+    """The long-sequence techniques of a `memory` section as the trace runs them: (tiled loss:
+    False, True (tiles by the bound) or a tile count; tiled MLP; the checkpointed layers' inputs
+    offloaded to the host)."""
     loss = memory["tiled_loss"]
     checkpointing = memory["activation_checkpointing"]
     offload = isinstance(checkpointing, dict) and checkpointing["offload"] == "cpu"
-    return (int(loss["tiles"]) if isinstance(loss, dict) else bool(loss), memory["tiled_mlp"], offload)
+    return (int(loss["tiles"]) if isinstance(loss, dict) else bool(loss), memory["tiled_mlp"],
+            offload)
 
 
 def _tiling_key(tiling: tuple) -> tuple:
-    """Nothing for an untiled trace: its cache key is the one a trace without tiling settings has."""
+    """Nothing for an untiled trace: its cache key is the one a trace without tiling settings
+    has."""
     return () if tuple(tiling) == NO_TILING else ("tiling", *tiling)
 
 
@@ -457,10 +491,11 @@ def _refuse_experts(config) -> None:
     for key in _EXPERT_KEYS:
         value = getattr(config, key, None)
         if isinstance(value, int) and value > 1:
-            raise spec_error(f"model type {config.model_type!r} routes each token to {value} experts by its "
-                             "values (mixture of experts): the planner traces without data and does not guess "
-                             "the routing", path=("model",),
-                             hint="plan a dense model, or launch with memory.fit: off and measure a few steps")
+            raise spec_error(f"model type {config.model_type!r} routes each token to {value} "
+                             "experts by its values (mixture of experts): the planner traces "
+                             "without data and does not guess the routing", path=("model",),
+                             hint="plan a dense model, or launch with memory.fit: off and measure "
+                                  "a few steps")
 
 
 def _inventory_of(model, config, quantized: set[int] | frozenset[int] = frozenset()) -> Inventory:
@@ -469,29 +504,33 @@ def _inventory_of(model, config, quantized: set[int] | frozenset[int] = frozense
     tensors = tuple((name, tuple(p.shape), p.requires_grad) for name, p in model.named_parameters())
     stack = find_layer_stack(model)
     num_layers = len(stack) if stack is not None else 0
-    layer_params = max((sum(p.numel() for p in layer.parameters()) for layer in stack), default=0) if stack else 0
+    layer_params = max((sum(p.numel() for p in layer.parameters()) for layer in stack),
+                       default=0) if stack else 0
     kinds = getattr(config, "layer_types", None)
     if not (isinstance(kinds, list) and len(kinds) == num_layers):
         kinds = ["layer"] * num_layers
     # the layers differ only in their layer_types kind: same module classes, same parameter shapes
-    shapes = [tuple((n, tuple(p.shape)) for n, p in layer.named_parameters()) + (type(layer).__name__,)
+    shapes = [tuple((n, tuple(p.shape)) for n, p in layer.named_parameters())
+              + (type(layer).__name__,)
               for layer in (stack or [])]
     return Inventory(model_type=str(getattr(config, "model_type", "mlp")), tensors=tensors,
                      num_layers=num_layers,
                      layer_params=layer_params, layer_kinds=tuple(str(k) for k in kinds),
                      hidden_size=getattr(config, "hidden_size", None),
                      uniform=all(shape == shapes[0] for shape in shapes),
-                     buffer_float_elements=sum(b.numel() for b in model.buffers() if b.is_floating_point()),
+                     buffer_float_elements=sum(b.numel() for b in model.buffers()
+                                               if b.is_floating_point()),
                      buffer_other_bytes=sum(b.numel() * b.element_size() for b in model.buffers()
                                             if not b.is_floating_point()),
-                     quantized=tuple(name for name, p in model.named_parameters() if id(p) in quantized))
+                     quantized=tuple(name for name, p in model.named_parameters()
+                                     if id(p) in quantized))
 
 
 def job_profiler(cache_dir: Path | None = None, *, use_cache: bool = True,
                  interpolate: bool = True):
-    """`profiler(spec, seq_len) -> ModelProfile` for `derive`: one tracer per model, unit traces cached
-    in this process and (`use_cache`) on disk under `cache_dir` (default: `default_cache_dir()`);
-    `interpolate`: `ModelTracer`'s."""
+    """`profiler(spec, seq_len) -> ModelProfile` for `derive`: one tracer per model, unit traces
+    cached in this process and (`use_cache`) on disk under `cache_dir` (default:
+    `default_cache_dir()`); `interpolate`: `ModelTracer`'s."""
     directory = (cache_dir or default_cache_dir()) if use_cache else None
     tracers: dict[str, ModelTracer] = {}
 
@@ -499,7 +538,9 @@ def job_profiler(cache_dir: Path | None = None, *, use_cache: bool = True,
         key = model_key(spec)
         if key not in tracers:
             tracers[key] = ModelTracer(spec, directory, interpolate=interpolate)
-        return tracers[key].profile(spec["memory"]["precision"], spec["training"]["micro_batch_size"], seq_len,
-                                    spec["memory"]["activation_checkpointing"], tiling_setting(spec["memory"]))
+        return tracers[key].profile(spec["memory"]["precision"],
+                                    spec["training"]["micro_batch_size"], seq_len,
+                                    spec["memory"]["activation_checkpointing"],
+                                    tiling_setting(spec["memory"]))
 
     return profile

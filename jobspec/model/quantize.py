@@ -1,4 +1,5 @@
-"""The frozen base quantised by bitsandbytes (spec `model.quantization`, QLoRA), and back for export.
+"""The frozen base quantised by bitsandbytes (spec `model.quantization`, QLoRA), and back for
+export.
 
 `quantize_linears` turns a model built in its compute dtype into bitsandbytes' `Linear4bit` /
 `Linear8bitLt` layers, the way transformers' bitsandbytes integration does when it loads a
@@ -22,22 +23,27 @@ from typing import Any
 from jobspec.errors import first_line
 from jobspec.spec.types import JobSpecModelQuantization
 
-# the state-dict suffixes bitsandbytes adds next to a quantised weight (Params4bit's quant_state, Int8Params' SCB)
-_QUANT_SUFFIXES = (".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map", ".SCB", ".weight_format")
+# the state-dict suffixes bitsandbytes adds next to a quantised weight (Params4bit's quant_state,
+# Int8Params' SCB)
+_QUANT_SUFFIXES = (".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map", ".SCB",
+                   ".weight_format")
 _QUANT_STATE_MARK = ".quant_state."
-# the fix for bitsandbytes_problem's refusal, said by the launcher (launch/pipeline) and the ranks (model/build)
-# (missing, or installed with a backend that fails: a current release's CPU backend runs 4-bit and 8-bit)
-BITSANDBYTES_HINT = ("`pip install -U bitsandbytes` (a current release's CPU backend runs 4-bit and 8-bit), or "
-                     "drop model.quantization")
+# the fix for bitsandbytes_problem's refusal, said by the launcher (launch/pipeline) and the ranks
+# (model/build) (missing, or installed with a backend that fails: a current release's CPU backend
+# runs 4-bit and 8-bit)
+BITSANDBYTES_HINT = ("`pip install -U bitsandbytes` (a current release's CPU backend runs 4-bit "
+                     "and 8-bit), or drop model.quantization")
 
 
 def bitsandbytes_problem(quant: JobSpecModelQuantization) -> str | None:
     """Why bitsandbytes cannot quantise on this machine (None: it can): it is missing, or its native
-    backend fails on a 64-value block. Imports torch and bitsandbytes: ranks and launch side only."""
+    backend fails on a 64-value block. Imports torch and bitsandbytes: ranks and launch side
+    only."""
     import importlib.util
 
     if importlib.util.find_spec("bitsandbytes") is None:
-        return f"model.quantization ({quant['bits']}-bit) needs bitsandbytes, which is not installed"
+        return (f"model.quantization ({quant['bits']}-bit) needs bitsandbytes, which is not "
+                "installed")
     try:
         import torch
         from bitsandbytes import functional as bnbf
@@ -46,14 +52,17 @@ def bitsandbytes_problem(quant: JobSpecModelQuantization) -> str | None:
             bnbf.quantize_4bit(block, quant_type=quant["quant_type"])
         else:
             bnbf.int8_vectorwise_quant(block.reshape(1, 64).half())
-    except Exception as err:  # noqa: BLE001 -- any backend failure here is what every rank would meet
-        return f"bitsandbytes cannot quantise {quant['bits']}-bit on this machine: {first_line(err, limit=200)}"
+    # any backend failure here is what every rank would meet
+    except Exception as err:  # noqa: BLE001
+        return (f"bitsandbytes cannot quantise {quant['bits']}-bit on this machine: "
+                f"{first_line(err, limit=200)}")
     return None
 
 
 def quantize_linears(model, bnb_config, names: list[str], device) -> int:
-    """Replace the model's `nn.Linear` layers `names` (model/lora.quantized_linear_names: transformers'
-    rule, which the planner counts too) by bitsandbytes layers quantised on `device`; returns how many."""
+    """Replace the model's `nn.Linear` layers `names` (model/lora.quantized_linear_names:
+    transformers' rule, which the planner counts too) by bitsandbytes layers quantised on `device`;
+    returns how many."""
     import bitsandbytes as bnb
     import torch.nn as nn
 
@@ -74,11 +83,14 @@ def quantize_linears(model, bnb_config, names: list[str], device) -> int:
             new.weight = bnb.nn.Params4bit(module.weight.data, requires_grad=False,
                                            compress_statistics=bnb_config.bnb_4bit_use_double_quant,
                                            quant_type=bnb_config.bnb_4bit_quant_type,
-                                           quant_storage=bnb_config.bnb_4bit_quant_storage, module=new)
+                                           quant_storage=bnb_config.bnb_4bit_quant_storage,
+                                           module=new)
         else:
-            new = bnb.nn.Linear8bitLt(module.in_features, module.out_features, bias, has_fp16_weights=False,
+            new = bnb.nn.Linear8bitLt(module.in_features, module.out_features, bias,
+                                      has_fp16_weights=False,
                                       threshold=bnb_config.llm_int8_threshold, device="meta")
-            new.weight = bnb.nn.Int8Params(module.weight.data.half(), requires_grad=False, has_fp16_weights=False)
+            new.weight = bnb.nn.Int8Params(module.weight.data.half(), requires_grad=False,
+                                           has_fp16_weights=False)
         if bias:
             new.bias = nn.Parameter(module.bias.data, requires_grad=False)
         new = new.to(device)   # quantises the weight (Params4bit / Int8Params `.to`)
@@ -108,20 +120,24 @@ def dequantized_state_dict(module, dtype) -> dict:
         if weight is None:
             continue
         if isinstance(sub, bnb.nn.Linear4bit) and getattr(weight, "quant_state", None) is not None:
-            state[prefix + "weight"] = bnbf.dequantize_4bit(weight.data, weight.quant_state).to(dtype)
+            state[prefix + "weight"] = bnbf.dequantize_4bit(weight.data,
+                                                            weight.quant_state).to(dtype)
         elif isinstance(sub, bnb.nn.Linear8bitLt) and weight.dtype.itemsize == 1:
             scb: Any = getattr(weight, "SCB", None)
             if scb is None:
                 scb = sub.state.SCB
-            state[prefix + "weight"] = (weight.data.float() * scb.float().unsqueeze(1) / 127.0).to(dtype)
-    return {k: v for k, v in state.items() if not (k.endswith(_QUANT_SUFFIXES) or _QUANT_STATE_MARK in k)}
+            state[prefix
+                  + "weight"] = (weight.data.float() * scb.float().unsqueeze(1) / 127.0).to(dtype)
+    return {k: v for k, v in state.items()
+            if not (k.endswith(_QUANT_SUFFIXES) or _QUANT_STATE_MARK in k)}
 
 
 def dequantize_saved(state_dict: dict, dtype) -> dict:
     """A saved state dict (a checkpoint's module states) with bitsandbytes' weights dequantised to
-    `dtype` and their constants' keys dropped: what `dequantized_state_dict` gives from a live module,
-    for `jobspec export`. A 4-bit weight's constants are rebuilt by bitsandbytes' own
-    `QuantState.from_dict` from the keys saved beside it; an 8-bit weight is int8 rows times SCB / 127."""
+    `dtype` and their constants' keys dropped: what `dequantized_state_dict` gives from a live
+    module, for `jobspec export`. A 4-bit weight's constants are rebuilt by bitsandbytes' own
+    `QuantState.from_dict` from the keys saved beside it; an 8-bit weight is int8 rows times SCB /
+    127."""
     import torch
     from bitsandbytes import functional as bnbf
 
@@ -134,9 +150,13 @@ def dequantize_saved(state_dict: dict, dtype) -> dict:
         packed = state_dict[weight_key].cpu()
         out[weight_key] = bnbf.dequantize_4bit(packed, quant_state).to(dtype)
     for key in [k for k in state_dict if k.endswith(".SCB")]:
-        # Linear8bitLt saves `<module>.SCB` beside `<module>.weight` (older versions `<module>.weight.SCB`)
-        weight_key = key[:-len(".SCB")] if key[:-len(".SCB")] in state_dict else key[:-len("SCB")] + "weight"
+        # Linear8bitLt saves `<module>.SCB` beside `<module>.weight` (older versions
+        # `<module>.weight.SCB`)
+        weight_key = key[:-len(".SCB")] if key[:-len(".SCB")] in state_dict \
+            else key[:-len("SCB")] + "weight"
         weight = state_dict[weight_key]
         if weight.dtype == torch.int8:
-            out[weight_key] = (weight.float() * state_dict[key].float().unsqueeze(1) / 127.0).to(dtype)
-    return {k: v for k, v in out.items() if not (k.endswith(_QUANT_SUFFIXES) or _QUANT_STATE_MARK in k)}
+            scale = state_dict[key].float().unsqueeze(1)
+            out[weight_key] = (weight.float() * scale / 127.0).to(dtype)
+    return {k: v for k, v in out.items()
+            if not (k.endswith(_QUANT_SUFFIXES) or _QUANT_STATE_MARK in k)}

@@ -1,13 +1,15 @@
-"""One training step of a model traced under fake tensors: what the planner measures (jobspec/model/planner_trace.py).
+"""One training step of a model traced under fake tensors: what the planner measures
+(jobspec/model/planner_trace.py).
 
-`run_step` runs forward + backward on a micro-batch shaped as the data loader gives it (`step_inputs`),
-inside the caller's FakeTensorMode, under `_LiveStorages`: a dispatch mode that sees every storage an op
-creates and, by a weak reference, when it dies; parameters and buffers are not allocations, and a
-parameter's gradient counts until it lands in `.grad` (then it is a model state). Each storage is
-tagged with the region that was running (torch's ModTracker): a layer of the stack, the embeddings
-(the rest of the base model, the inputs), or the head, logits and loss. The FLOPs of the same ops come
-from torch's counter formulas (`flop_registry`; `FlopCounterMode` itself keeps a checkpointed layer's
-recomputed tensors alive through its module tracking, which would inflate the memory measured).
+`run_step` runs forward + backward on a micro-batch shaped as the data loader gives it
+(`step_inputs`), inside the caller's FakeTensorMode, under `_LiveStorages`: a dispatch mode that
+sees every storage an op creates and, by a weak reference, when it dies; parameters and buffers are
+not allocations, and a parameter's gradient counts until it lands in `.grad` (then it is a model
+state). Each storage is tagged with the region that was running (torch's ModTracker): a layer of the
+stack, the embeddings (the rest of the base model, the inputs), or the head, logits and loss. The
+FLOPs of the same ops come from torch's counter formulas (`flop_registry`; `FlopCounterMode` itself
+keeps a checkpointed layer's recomputed tensors alive through its module tracking, which would
+inflate the memory measured).
 
 The result is a timeline (allocations +bytes, frees -bytes, regions, where backward starts);
 `summarize` turns it into a `UnitTrace` (the peak of each phase of the step, by region), and
@@ -35,7 +37,8 @@ from jobspec.tasks.base import CLASS, TOKEN_CLASS
 
 def step_inputs(spec: JobSpec, config, micro_batch: int, seq_len: int) -> dict:
     """What a micro-batch hands the model on the ranks (data/loaders.py, then
-    model/padding_mask.model_inputs): ids, labels and, where the ranks keep one, the attention mask."""
+    model/padding_mask.model_inputs): ids, labels and, where the ranks keep one, the attention
+    mask."""
     import torch
 
     vocab = int(getattr(config, "vocab_size", 0) or 1000)
@@ -77,10 +80,12 @@ def run_step(model, spec: JobSpec, micro_batch: int, seq_len: int, stack) -> dic
     counter: Any = _LiveStorages(lambda: _region(tracker.parents, root, base, layer_prefix))
     counter.ignore(params + list(model.buffers()))
     offload = getattr(model, OFFLOAD_ATTRIBUTE, None)
-    if offload is not None:   # memory.activation_checkpointing.offload: an input on the host leaves the GPU count
+    # memory.activation_checkpointing.offload: an input on the host leaves the GPU count
+    if offload is not None:
         offload.settle = functools.partial(counter.settle, gradient=False)
     # No garbage collection while tracing: a collection frees tensors held in reference cycles at
-    # whatever moment it happens to run, which would make the peak depend on the interpreter's timing.
+    # whatever moment it happens to run, which would make the peak depend on the interpreter's
+    # timing.
     collecting = gc.isenabled()
     gc.disable()
     try:
@@ -91,14 +96,15 @@ def run_step(model, spec: JobSpec, micro_batch: int, seq_len: int, stack) -> dic
 
 
 def _traced_step(model, spec, micro_batch, seq_len, tracker, counter, params) -> dict:
-    # A parameter's gradient is a temporary until it lands in `.grad` (then it is a model state, which
-    # the planner counts as "gradients"): the hook takes it out of the activations at that moment.
-    # Until then it counts: the head's gradient in flight is part of the peak of an accumulation step,
-    # and of every ZeRO-1/2/3 step (the hooks copy it to a bucket).
+    # A parameter's gradient is a temporary until it lands in `.grad` (then it is a model state,
+    # which the planner counts as "gradients"): the hook takes it out of the activations at that
+    # moment. Until then it counts: the head's gradient in flight is part of the peak of an
+    # accumulation step, and of every ZeRO-1/2/3 step (the hooks copy it to a bucket).
     hooks = [p.register_post_accumulate_grad_hook(lambda p: counter.settle(p.grad)) for p in params
              if p.requires_grad]
     try:
-        with sdpa_stand_in(), dropout_stand_in(), mask_skip_stand_in(packed=mask_of(spec) == PACKED), \
+        packed = mask_of(spec) == PACKED
+        with sdpa_stand_in(), dropout_stand_in(), mask_skip_stand_in(packed=packed), \
                 tile_loops(counter), tracker, counter:
             counter.fixed_region = "embeddings"
             batch = step_inputs(spec, getattr(model, "config", None), micro_batch, seq_len)
@@ -114,9 +120,9 @@ def _traced_step(model, spec, micro_batch, seq_len, tracker, counter, params) ->
 
 
 def forward_loss(model, batch: dict):
-    """The loss of one micro-batch, the model's output dropped before the backward: what the ranks run
-    (train/worker.py: `loss_of(engine(**batch))`), so the trace holds the logits no longer than they do
-    (tests/model/test_tiling.py holds the two to the same peak)."""
+    """The loss of one micro-batch, the model's output dropped before the backward: what the ranks
+    run (train/worker.py: `loss_of(engine(**batch))`), so the trace holds the logits no longer than
+    they do (tests/model/test_tiling.py holds the two to the same peak)."""
     return loss_of(model(**batch))
 
 
@@ -191,8 +197,8 @@ class _LiveStorages:
                     storage, functools.partial(self._freed, id(storage), serial, size, region)))
 
             def ignore(self, tensors) -> None:
-                """Storages that exist before the step (parameters, buffers): a view of one (a weight's
-                transpose) is not a new allocation."""
+                """Storages that exist before the step (parameters, buffers): a view of one (a
+                weight's transpose) is not a new allocation."""
                 for t in tensors:
                     storage = t.untyped_storage()
                     self.seen[id(storage)] = (-1, storage)
@@ -216,8 +222,8 @@ class _LiveStorages:
                 self.seen[id(storage)] = (-1, storage)   # its real free, later, is not an event
 
             def timeline(self) -> dict:
-                """The step as allocations (+bytes) and frees (-bytes) in order, with their regions (a
-                gradient landing in `.grad`: its region's code in upper case)."""
+                """The step as allocations (+bytes) and frees (-bytes) in order, with their regions
+                (a gradient landing in `.grad`: its region's code in upper case)."""
                 codes = "".join(REGION_CODES[r].upper() if landed else REGION_CODES[r]
                                 for _, _, r, landed in self.events)
                 # for model/lengths.py: each event's storage (its allocation's serial), the shape of
@@ -237,9 +243,9 @@ _REGION_OF_CODE = {code: region for region, code in REGION_CODES.items()}
 
 def summarize(timeline: dict) -> UnitTrace:
     """The peak of live bytes over a timeline (each storage rounded to the allocator's 512-byte
-    blocks), phase by phase (`UnitTrace`), with each region's live bytes at each phase's peak; twice:
-    each gradient leaving the count as it lands in `.grad` (PHASES), and every gradient kept, in the
-    "gradients" region from then on (GRADIENT_PHASES)."""
+    blocks), phase by phase (`UnitTrace`), with each region's live bytes at each phase's peak;
+    twice: each gradient leaving the count as it lands in `.grad` (PHASES), and every gradient kept,
+    in the "gradients" region from then on (GRADIENT_PHASES)."""
     from jobspec.memory.model_profile import GRADIENT_PHASES, PHASES, Phase
 
     codes = timeline["regions"]

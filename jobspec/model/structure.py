@@ -1,5 +1,5 @@
-"""The model's structure as training changes it: the layer stack, activation checkpointing (every layer,
-one in k, or any chosen layers), freezing by name pattern and the attention implementation.
+"""The model's structure as training changes it: the layer stack, activation checkpointing (every
+layer, one in k, or any chosen layers), freezing by name pattern and the attention implementation.
 
 Shared by the ranks (train/patches.py registers these as patches) and the planner's trace
 (model/planner_trace.py), so the plan measures the model exactly as training will run it.
@@ -14,11 +14,13 @@ from collections.abc import Sequence
 from jobspec.errors import spec_error
 
 # Attribute paths where transformers models keep their stack of transformer layers.
-LAYER_STACK_PATHS = ("encoder.layer", "h", "layers", "decoder.layers", "encoder.layers", "block", "blocks")
+LAYER_STACK_PATHS = ("encoder.layer", "h", "layers", "decoder.layers", "encoder.layers", "block",
+                     "blocks")
 
 
 def attention_implementation(model, implementation: str = "sdpa") -> str:
-    """Check (and if needed switch) the attention kernel; build_model normally already asked for it."""
+    """Check (and if needed switch) the attention kernel; build_model normally already asked for
+    it."""
     if getattr(model, "has_attention", True) is False:   # jobspec's mlp: nothing to check or switch
         return f"attention: none in {type(model).__name__} ({implementation!r} not applicable)"
     current = getattr(model.config, "_attn_implementation", None)
@@ -26,12 +28,14 @@ def attention_implementation(model, implementation: str = "sdpa") -> str:
         try:
             model.set_attn_implementation(implementation)
         except (ImportError, ValueError) as err:
-            raise spec_error(f"cannot switch attention to {implementation!r}: {err}", path=("model", "attention"),
-                             hint="use sdpa or eager") from None
+            raise spec_error(f"cannot switch attention to {implementation!r}: {err}",
+                             path=("model", "attention"), hint="use sdpa or eager") from None
         current = getattr(model.config, "_attn_implementation", None)
     if current != implementation:
-        raise spec_error(f"the model runs attention {current!r}, not the requested {implementation!r}",
-                         path=("model", "attention"), hint="use an implementation this model supports")
+        raise spec_error(f"the model runs attention {current!r}, not the requested "
+                         f"{implementation!r}",
+                         path=("model", "attention"),
+                         hint="use an implementation this model supports")
     return f"attention: {implementation}"
 
 
@@ -57,8 +61,10 @@ def gradient_checkpointing(model, every_n_layers: int = 1, use_reentrant: bool =
         checkpoint_every_nth_layer(model, every_n_layers, use_reentrant=use_reentrant)
         how = "torch.utils.checkpoint on the layer forwards"
     if hasattr(getattr(model, "config", None), "use_cache"):
-        model.config.use_cache = False  # a KV cache is useless in training and conflicts with recompute
-    return f"activation checkpointing: one layer in {every_n_layers} (use_reentrant={use_reentrant}) via {how}"
+        # a KV cache is useless in training and conflicts with recompute
+        model.config.use_cache = False
+    return (f"activation checkpointing: one layer in {every_n_layers} "
+            f"(use_reentrant={use_reentrant}) via {how}")
 
 
 def checkpoint_every_nth_layer(model, every_n_layers: int, *, use_reentrant: bool = False) -> int:
@@ -71,7 +77,8 @@ def checkpoint_every_nth_layer(model, every_n_layers: int, *, use_reentrant: boo
 
 
 def checkpoint_layers(model, indices, *, use_reentrant: bool = False) -> int:
-    """Wrap the forward of the chosen layers of the model's layer stack in checkpoint(); returns the count.
+    """Wrap the forward of the chosen layers of the model's layer stack in checkpoint(); returns the
+    count.
 
     Layers get their inputs as positional tensors plus keyword options (masks, caches, flags) in
     transformers 5; the keywords are bound with functools.partial so the reentrant implementation,
@@ -81,9 +88,11 @@ def checkpoint_layers(model, indices, *, use_reentrant: bool = False) -> int:
 
     layers = find_layer_stack(model)
     if layers is None:
-        raise spec_error(f"{type(model).__name__}: no transformer layer stack found for activation checkpointing",
+        raise spec_error(f"{type(model).__name__}: no transformer layer stack found for activation "
+                         "checkpointing",
                          path=("memory", "activation_checkpointing"),
-                         hint="use every_n_layers: 1 (the model's own checkpointing) or turn it off")
+                         hint="use every_n_layers: 1 (the model's own checkpointing) or turn it "
+                              "off")
     if hasattr(getattr(model, "config", None), "use_cache"):
         # a KV cache built in training would be appended to again when a layer is recomputed
         model.config.use_cache = False
@@ -113,7 +122,8 @@ def find_layer_stack(model):
     """The model's ModuleList of transformer layers (encoder.layer, h, layers, ...), or None."""
     import torch.nn as nn
 
-    unwrap = getattr(model, "get_base_model", None)   # a PEFT model (model.lora): the transformers model inside
+    # a PEFT model (model.lora): the transformers model inside
+    unwrap = getattr(model, "get_base_model", None)
     if callable(unwrap):
         model = unwrap()
     roots = [model]
@@ -141,7 +151,8 @@ def freeze(model, patterns: Sequence[str] = ()) -> str:
     for i, pattern in enumerate(patterns):
         matched = [name for name in names if name_matches(name, pattern)]
         if not matched:
-            raise spec_error(f"freeze pattern {pattern!r} matches no parameter", path=("model", "freeze", i),
+            raise spec_error(f"freeze pattern {pattern!r} matches no parameter",
+                             path=("model", "freeze", i),
                              hint=f"parameter names look like {', '.join(names[:3])}")
         frozen.update(matched)
     total = frozen_count = 0

@@ -1,27 +1,30 @@
-"""DeepSpeed's long-sequence tiling (ALST) on a Hugging Face model: `memory.tiled_loss`, `memory.tiled_mlp`.
+"""DeepSpeed's long-sequence tiling (ALST) on a Hugging Face model: `memory.tiled_loss`,
+`memory.tiled_mlp`.
 
-Shared by the ranks (train/patches.py registers both as patches) and the planner's trace (model/planner_trace.py),
-so the plan measures the tiles the ranks run.
+Shared by the ranks (train/patches.py registers both as patches) and the planner's trace
+(model/planner_trace.py), so the plan measures the tiles the ranks run.
 
-Tiled loss. A causal LM's head turns every position's hidden state into vocabulary logits (128,256 per
-token for Llama 3) and the cross-entropy upcasts them to fp32: at 32K tokens that is tens of GiB. Here the
-model's forward runs its base model, then the head and the loss over sequence tiles through DeepSpeed's
-`SequenceTiledCompute` (ulysses_sp.py) with a summed reduction: each tile's logits exist only while that
-tile runs, in the forward and again in the backward, which recomputes them. The loss returned is the
-mean over the labelled tokens (-100 skipped) exactly as transformers' untiled loss, and the output also
-carries the labelled tokens' summed loss and their count (`loss_sum`, `loss_tokens`) so a token-weighted
-loss over micro-batches and ranks composes with it. DeepSpeed's `TiledFusedLogitsLoss` is not used: it
-backpropagates every tile inside the forward with a gradient of 1 and only scales the hidden states'
-gradient by the incoming one, so the head's weight gradient is wrong whenever the loss is scaled after the
-forward (DeepSpeed divides it by the accumulation steps; fp16 multiplies it by the loss scale;
-tests/model/test_tiling.py shows it); the recompute costs one more head matmul per step.
+Tiled loss. A causal LM's head turns every position's hidden state into vocabulary logits (128,256
+per token for Llama 3) and the cross-entropy upcasts them to fp32: at 32K tokens that is tens of
+GiB. Here the model's forward runs its base model, then the head and the loss over sequence tiles
+through DeepSpeed's `SequenceTiledCompute` (ulysses_sp.py) with a summed reduction: each tile's
+logits exist only while that tile runs, in the forward and again in the backward, which recomputes
+them. The loss returned is the mean over the labelled tokens (-100 skipped) exactly as transformers'
+untiled loss, and the output also carries the labelled tokens' summed loss and their count
+(`loss_sum`, `loss_tokens`) so a token-weighted loss over micro-batches and ranks composes with it.
+DeepSpeed's `TiledFusedLogitsLoss` is not used: it backpropagates every tile inside the forward with
+a gradient of 1 and only scales the hidden states' gradient by the incoming one, so the head's
+weight gradient is wrong whenever the loss is scaled after the forward (DeepSpeed divides it by the
+accumulation steps; fp16 multiplies it by the loss scale; tests/model/test_tiling.py shows it); the
+recompute costs one more head matmul per step.
 
-Tiled MLP. DeepSpeed's `TiledMLP` runs each layer's `mlp` over sequence tiles (one tile per `hidden_size`
-tokens, DeepSpeed's own choice) under no_grad and recomputes a tile at a time in the backward, so the
-MLP's intermediate activations (intermediate_size wide, ~3.5x the hidden state) exist for one tile only.
+Tiled MLP. DeepSpeed's `TiledMLP` runs each layer's `mlp` over sequence tiles (one tile per
+`hidden_size` tokens, DeepSpeed's own choice) under no_grad and recomputes a tile at a time in the
+backward, so the MLP's intermediate activations (intermediate_size wide, ~3.5x the hidden state)
+exist for one tile only.
 
-Under several ranks the tile count is agreed (the maximum): under ZeRO-3 every head or MLP call gathers
-its parameters, a collective every rank must make the same number of times.
+Under several ranks the tile count is agreed (the maximum): under ZeRO-3 every head or MLP call
+gathers its parameters, a collective every rank must make the same number of times.
 """
 from __future__ import annotations
 
@@ -32,39 +35,44 @@ from jobspec.tasks.base import IGNORE_INDEX
 
 TILE_BYTES = 1024 ** 3   # the documented bound: one tile's logits and their fp32 loss copies
 # bytes per token and vocabulary entry of one tile while its loss runs: the logits in the working
-# dtype (counted as 4: fp32 jobs), their fp32 upcast, the log-softmax and, in the backward, its gradient
+# dtype (counted as 4: fp32 jobs), their fp32 upcast, the log-softmax and, in the backward, its
+# gradient
 _TILE_BYTES_PER_LOGIT = 4 + 4 + 4 + 4
 
 
 def default_tiles(tokens: int, vocab: int, tile_bytes: int = TILE_BYTES) -> int:
-    """Tiles over `tokens` positions so one tile's logits and loss copies stay within `tile_bytes`."""
+    """Tiles over `tokens` positions so one tile's logits and loss copies stay within
+    `tile_bytes`."""
     per_token = max(1, vocab) * _TILE_BYTES_PER_LOGIT
     tile_tokens = max(1, tile_bytes // per_token)
     return max(1, math.ceil(tokens / tile_tokens))
 
 
 def tiled_loss(model, tiles: int | None = None, tile_bytes: int = TILE_BYTES) -> str:
-    """Patch a causal LM so training and evaluation compute the head and the loss over sequence tiles
-    (`tiles`, else as many as keep one tile within `tile_bytes`); a forward without labels is untouched."""
+    """Patch a causal LM so training and evaluation compute the head and the loss over sequence
+    tiles (`tiles`, else as many as keep one tile within `tile_bytes`); a forward without labels is
+    untouched."""
     import functools
 
     base = getattr(model, "base_model", None)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if base is None or base is model or head is None:
         raise spec_error(f"{type(model).__name__} has no base model and output projection to tile",
-                         path=("memory", "tiled_loss"), hint="turn memory.tiled_loss off for this model")
+                         path=("memory", "tiled_loss"),
+                         hint="turn memory.tiled_loss off for this model")
     config = model.config
     softcap = getattr(config, "final_logit_softcapping", None)
     vocab = int(getattr(config, "vocab_size", 0) or head.weight.shape[0])
     untiled = model.forward
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    tied = embeddings is not None and getattr(embeddings, "weight", None) is getattr(head, "weight", False)
+    tied = embeddings is not None \
+        and getattr(embeddings, "weight", None) is getattr(head, "weight", False)
 
     @functools.wraps(untiled)
     def forward(input_ids=None, attention_mask=None, labels=None, shift_labels=None, **kwargs):
-        # `shift_labels`: labels already aligned with the positions that predict them (transformers' name
-        # for them): a sequence-parallel shard's next tokens (train/sequence_parallel), whose last label is
-        # the next shard's first token
+        # `shift_labels`: labels already aligned with the positions that predict them (transformers'
+        # name for them): a sequence-parallel shard's next tokens (train/sequence_parallel), whose
+        # last label is the next shard's first token
         if labels is None and shift_labels is None:
             return untiled(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         kwargs.pop("logits_to_keep", None)
@@ -75,16 +83,19 @@ def tiled_loss(model, tiles: int | None = None, tile_bytes: int = TILE_BYTES) ->
         targets = shift_labels if labels is None else next_token_labels(labels)
         loss_sum, count = tiled_cross_entropy(head, hidden, targets, tiles=tiles, vocab=vocab,
                                               softcap=softcap, tile_bytes=tile_bytes, tied=tied)
-        return TiledLossOutput(loss=loss_sum / count.to(loss_sum.dtype), loss_sum=loss_sum, loss_tokens=count)
+        return TiledLossOutput(loss=loss_sum / count.to(loss_sum.dtype), loss_sum=loss_sum,
+                               loss_tokens=count)
 
     model.forward = forward
-    how = f"{tiles} tiles" if tiles else f"tiles of at most {tile_bytes / 1024 ** 3:g} GiB of logits"
-    return f"tiled loss: the head and the cross-entropy over sequence tiles ({how}; DeepSpeed SequenceTiledCompute)"
+    how = f"{tiles} tiles" if tiles \
+        else f"tiles of at most {tile_bytes / 1024 ** 3:g} GiB of logits"
+    return (f"tiled loss: the head and the cross-entropy over sequence tiles ({how}; DeepSpeed "
+            "SequenceTiledCompute)")
 
 
 def next_token_labels(labels):
-    """Labels aligned with the positions that predict them: position i predicts label i + 1 (the last
-    position none), as transformers' causal-LM loss shifts them."""
+    """Labels aligned with the positions that predict them: position i predicts label i + 1 (the
+    last position none), as transformers' causal-LM loss shifts them."""
     import torch.nn.functional as F
 
     return F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
@@ -92,8 +103,8 @@ def next_token_labels(labels):
 
 def tiled_cross_entropy(head, hidden, targets, *, tiles: int | None, vocab: int, softcap=None,
                         tile_bytes: int = TILE_BYTES, tied: bool = False):
-    """(summed cross-entropy of the labelled positions in fp32, their count) of `head(hidden)` against
-    `targets` ([batch, seq], -100 skipped), computed over sequence tiles."""
+    """(summed cross-entropy of the labelled positions in fp32, their count) of `head(hidden)`
+    against `targets` ([batch, seq], -100 skipped), computed over sequence tiles."""
     import torch
     import torch.nn.functional as F
 
@@ -104,8 +115,9 @@ def tiled_cross_entropy(head, hidden, targets, *, tiles: int | None, vocab: int,
 
     def tile_loss(hidden, targets):
         if not torch.is_grad_enabled():
-            # the tiled forward runs under no_grad, where a slice of a tensor that wants a gradient says it
-            # wants one without a graph (module hooks that watch gradients, torch's ModTracker, fail on it)
+            # the tiled forward runs under no_grad, where a slice of a tensor that wants a gradient
+            # says it wants one without a graph (module hooks that watch gradients, torch's
+            # ModTracker, fail on it)
             hidden = hidden.detach()
         logits = head(hidden)
         if softcap:
@@ -115,24 +127,28 @@ def tiled_cross_entropy(head, hidden, targets, *, tiles: int | None, vocab: int,
 
     params = [p for p in head.parameters() if p.requires_grad]
     if tied and any(hasattr(p, "ds_id") for p in params):
-        # a head tied to the input embeddings: the tiles' backward stores its gradient before the embeddings
-        # add theirs, and ZeRO reduces the two apart: stage 3 loses one, stages 1-2 refuse the second
-        # ("Gradient computed twice"); measured on 2 CPU ranks, refused up front by spec/rules/tiling.py
-        raise spec_error("the tiled loss cannot train a head tied to the input embeddings under ZeRO 1-3",
+        # a head tied to the input embeddings: the tiles' backward stores its gradient before the
+        # embeddings add theirs, and ZeRO reduces the two apart: stage 3 loses one, stages 1-2
+        # refuse the second ("Gradient computed twice"); measured on 2 CPU ranks, refused up front
+        # by spec/rules/tiling.py
+        raise spec_error("the tiled loss cannot train a head tied to the input embeddings under "
+                         "ZeRO 1-3",
                          path=("memory", "tiled_loss"),
                          hint="memory.zero_stage: 0, or model.config.tie_word_embeddings: false")
     if not torch.is_grad_enabled():   # evaluation: no backward, a plain loop over the tiles
         step = math.ceil(seq / shards)
-        total = sum((tile_loss(hidden[:, i:i + step], targets[:, i:i + step]) for i in range(0, seq, step)),
+        total = sum((tile_loss(hidden[:, i:i + step], targets[:, i:i + step])
+                     for i in range(0, seq, step)),
                     torch.zeros((), dtype=torch.float32, device=hidden.device))
         return total, count
     from deepspeed.runtime.sequence_parallel.ulysses_sp import sequence_tiled_compute
 
     if params and not hidden.requires_grad:
-        # a frozen base whose head trains: the tiles' backward runs only for an input that wants a gradient
+        # a frozen base whose head trains: the tiles' backward runs only for an input that wants a
+        # gradient
         hidden = hidden.detach().requires_grad_(True)
-    total = sequence_tiled_compute(tile_loss, seq, shards, {"hidden": hidden, "targets": targets}, {},
-                                   "hidden", compute_params=params, output_unshard_dimension=0,
+    total = sequence_tiled_compute(tile_loss, seq, shards, {"hidden": hidden, "targets": targets},
+                                   {}, "hidden", compute_params=params, output_unshard_dimension=0,
                                    output_reduction="sum")
     return total, count
 
@@ -146,12 +162,13 @@ def tiled_mlp(model) -> str:
     if not mlps or any(mlp is None for mlp in mlps):
         raise spec_error(f"{type(model).__name__}: no `mlp` module in its layers to tile",
                          path=("memory", "tiled_mlp"),
-                         hint="tiled_mlp tiles decoder layers' `mlp` (Llama, Mistral, Qwen, Gemma, Phi-3, GPT-2); "
-                              "turn it off for this model")
+                         hint="tiled_mlp tiles decoder layers' `mlp` (Llama, Mistral, Qwen, Gemma, "
+                              "Phi-3, GPT-2); turn it off for this model")
     for mlp in mlps:
         assert mlp is not None   # refused above
         mlp.forward = _tiled_mlp_forward(mlp)
-    return f"tiled MLP: {len(mlps)} layers' MLP over sequence tiles of hidden_size tokens (DeepSpeed TiledMLP)"
+    return (f"tiled MLP: {len(mlps)} layers' MLP over sequence tiles of hidden_size tokens "
+            "(DeepSpeed TiledMLP)")
 
 
 def _tiled_mlp_forward(mlp):
@@ -169,7 +186,8 @@ def _tiled_mlp_forward(mlp):
         shards = agreed_tiles(max(1, math.ceil(x.shape[-2] / x.shape[-1])), x.device)
         params = [p for p in mlp.parameters() if p.requires_grad]
         if params and not x.requires_grad:
-            x = x.detach().requires_grad_(True)   # see tiled_cross_entropy: the tiles' backward needs it
+            # see tiled_cross_entropy: the tiles' backward needs it
+            x = x.detach().requires_grad_(True)
         return TiledMLP.apply(_untiled_tile(untiled), mlp, x, shards, params)
 
     return forward
@@ -186,7 +204,8 @@ def _untiled_tile(untiled):
 
 
 def agreed_tiles(tiles: int, device) -> int:
-    """The largest tile count of any rank (one all-reduce), so every rank gathers alike under ZeRO-3."""
+    """The largest tile count of any rank (one all-reduce), so every rank gathers alike under
+    ZeRO-3."""
     import torch
     import torch.distributed as dist
 
@@ -205,7 +224,8 @@ def _output_class():
 
     @dataclass
     class TiledLossOutput(CausalLMOutputWithPast):
-        """A causal LM's output without logits: the mean loss, and its sum and labelled-token count."""
+        """A causal LM's output without logits: the mean loss, and its sum and labelled-token
+        count."""
 
         loss_sum: torch.Tensor | None = None
         loss_tokens: torch.Tensor | None = None
@@ -213,7 +233,8 @@ def _output_class():
     return TiledLossOutput
 
 
-def TiledLossOutput(**fields):   # noqa: N802 - constructs the output class (built lazily: no torch at import)
+# constructs the output class (built lazily: no torch at import)
+def TiledLossOutput(**fields):  # noqa: N802
     global _OUTPUT
     if _OUTPUT is None:
         _OUTPUT = _output_class()

@@ -1,7 +1,7 @@
 """`adafactor`: transformers' Adafactor, built on the ranks (train/patches.client_optimizer).
 
-An explicit lr from the schedule (relative steps and parameter scaling off: they would ignore `lr`) and
-no first moment (`beta1: None`): that keeps the state factored, a row and a column statistic per
+An explicit lr from the schedule (relative steps and parameter scaling off: they would ignore `lr`)
+and no first moment (`beta1: None`): that keeps the state factored, a row and a column statistic per
 matrix. Its eps pair is Adafactor's own, not Adam's `eps`. Not offloadable: DeepSpeed's optimizer
 offload steps with its own CPU Adam.
 """
@@ -13,8 +13,8 @@ from jobspec.optimizers.base import NOT_OFFLOADABLE, Optimizer
 from jobspec.spec.types import JobSpecTrainingOptimizer
 
 NAME = "adafactor"
-# Adafactor's settings that the spec does not expose: in `client_args` (`jobspec compile` prints them),
-# passed as written
+# Adafactor's settings that the spec does not expose: in `client_args` (`jobspec compile` prints
+# them), passed as written
 FIXED = {"eps": [1e-30, 1e-3], "clip_threshold": 1.0, "decay_rate": -0.8, "beta1": None,
          "scale_parameter": False, "relative_step": False, "warmup_init": False}
 _ORDER = ("lr", "eps", "clip_threshold", "decay_rate", "beta1", "weight_decay", "scale_parameter",

@@ -1,4 +1,5 @@
-"""`adamw`: built by DeepSpeed from the ds_config `optimizer` block; `implementation` picks the Adam.
+"""`adamw`: built by DeepSpeed from the ds_config `optimizer` block; `implementation` picks the
+Adam.
 
 8 bytes of fp32 state per trainable parameter (two moments). The one optimizer DeepSpeed's optimizer
 offload steps with its own CPU Adam.
@@ -16,10 +17,11 @@ CODE = "adam-settings"   # the rule code of every rule below (`validate --format
 def deepspeed_block(optimizer: JobSpecTrainingOptimizer, offload_optimizer: str = "none") -> dict:
     implementation: str = optimizer["implementation"]
     offloaded = offload_optimizer != "none"
-    # DeepSpeed has no switch between its two Adams: optimizer offload means CPU Adam, else FusedAdam
-    # (deepspeed/runtime/engine.py get_optimizer_configuration). An `implementation` the offload
-    # cannot run is refused by `issues` below, on the written spec and again on one `memory.fit`
-    # changed (validation.recheck, before any compile): stated once, here never reached.
+    # DeepSpeed has no switch between its two Adams: optimizer offload means CPU Adam, else
+    # FusedAdam (deepspeed/runtime/engine.py get_optimizer_configuration). An `implementation` the
+    # offload cannot run is refused by `issues` below, on the written spec and again on one
+    # `memory.fit` changed (validation.recheck, before any compile): stated once, here never
+    # reached.
     params = {"lr": optimizer["lr"], "betas": list(optimizer["betas"]), "eps": optimizer["eps"],
               "weight_decay": optimizer["weight_decay"]}
     if implementation == "auto":
@@ -56,7 +58,8 @@ def state_bytes(optimizer: JobSpecTrainingOptimizer, inventory) -> int:
 
 
 def offload_step(optimizer: JobSpecTrainingOptimizer) -> str | None:
-    """With optimizer offload DeepSpeed's CPU Adam steps, unless `implementation: torch` asks for torch's."""
+    """With optimizer offload DeepSpeed's CPU Adam steps, unless `implementation: torch` asks for
+    torch's."""
     return "torch.optim.AdamW" if optimizer["implementation"] == "torch" else None
 
 
@@ -67,17 +70,24 @@ def issues(r) -> list:
     implementation = optimizer["implementation"]
     found = []
     if implementation == "fused" and offload != "none":
-        found.append(r.issue(WHERE + ("implementation",), f"`fused` Adam cannot run with optimizer offload "
-                             f"(memory.offload.optimizer is {offload}): DeepSpeed runs its CPU Adam there",
-                             "use `implementation: auto` (or `cpu`), or `memory.offload.optimizer: none`", code=CODE))
+        found.append(r.issue(WHERE + ("implementation",),
+                             f"`fused` Adam cannot run with optimizer offload "
+                             f"(memory.offload.optimizer is {offload}): DeepSpeed runs its CPU "
+                             "Adam there",
+                             "use `implementation: auto` (or `cpu`), or `memory.offload.optimizer: "
+                             "none`", code=CODE))
     if implementation == "cpu" and offload == "none":
-        found.append(r.issue(WHERE + ("implementation",), "`cpu` Adam needs optimizer offload: DeepSpeed builds "
+        found.append(r.issue(WHERE + ("implementation",),
+                             "`cpu` Adam needs optimizer offload: DeepSpeed builds "
                              "its CPU Adam only for offloaded optimizer states",
-                             "set `memory.offload.optimizer: cpu` (with zero_stage >= 1), or use `auto`", code=CODE))
+                             "set `memory.offload.optimizer: cpu` (with zero_stage >= 1), or use "
+                             "`auto`", code=CODE))
     if implementation == "torch" and not optimizer["bias_correction"]:
-        found.append(r.issue(WHERE + ("bias_correction",), "torch.optim.AdamW always corrects the bias: "
+        found.append(r.issue(WHERE + ("bias_correction",),
+                             "torch.optim.AdamW always corrects the bias: "
                              "`bias_correction: false` needs DeepSpeed's own Adam",
-                             "use `implementation: auto`, `fused` or `cpu`, or remove `bias_correction`", code=CODE))
+                             "use `implementation: auto`, `fused` or `cpu`, or remove "
+                             "`bias_correction`", code=CODE))
     return found
 
 
@@ -87,10 +97,12 @@ def foreign_issues(r) -> list:
     name = optimizer["name"]
     found = []
     if optimizer["implementation"] != "auto":
-        found.append(r.issue(WHERE + ("implementation",), f"`implementation` chooses the Adam of `adamw`, "
+        found.append(r.issue(WHERE + ("implementation",),
+                             f"`implementation` chooses the Adam of `adamw`, "
                              f"not of `{name}`", "remove it, or set `name: adamw`", code=CODE))
     if not optimizer["bias_correction"]:
-        found.append(r.issue(WHERE + ("bias_correction",), f"`bias_correction` is an Adam setting of `adamw`, "
+        found.append(r.issue(WHERE + ("bias_correction",),
+                             f"`bias_correction` is an Adam setting of `adamw`, "
                              f"not of `{name}`", "remove it, or set `name: adamw`", code=CODE))
     return found
 

@@ -1,7 +1,8 @@
 """`adamw_8bit`: bitsandbytes' 8-bit AdamW, built on the ranks (train/patches.client_optimizer).
 
 2 bytes of state per trainable parameter (two 8-bit moments); embeddings keep 32-bit state, as the
-Hugging Face Trainer does. Not offloadable: DeepSpeed's optimizer offload steps with its own CPU Adam.
+Hugging Face Trainer does. Not offloadable: DeepSpeed's optimizer offload steps with its own CPU
+Adam.
 """
 from __future__ import annotations
 
@@ -14,12 +15,13 @@ EIGHT_BIT_OVERHEAD = 0.01       # (de)quantising optimizer states: prefer plain 
 
 
 def client_args(optimizer: JobSpecTrainingOptimizer) -> dict:
-    return {"name": NAME, "lr": optimizer["lr"], "betas": list(optimizer["betas"]), "eps": optimizer["eps"],
-            "weight_decay": optimizer["weight_decay"]}
+    return {"name": NAME, "lr": optimizer["lr"], "betas": list(optimizer["betas"]),
+            "eps": optimizer["eps"], "weight_decay": optimizer["weight_decay"]}
 
 
 def build(model, groups: list[dict], args: dict):
-    """bitsandbytes.optim.AdamW8bit over `groups` (which carry the weight decay) with the patch's args."""
+    """bitsandbytes.optim.AdamW8bit over `groups` (which carry the weight decay) with the patch's
+    args."""
     try:
         import bitsandbytes as bnb
     except ImportError as err:
@@ -28,8 +30,10 @@ def build(model, groups: list[dict], args: dict):
                          hint="pip install 'jobspec[bnb]' (bitsandbytes), or use adamw") from None
     import torch.nn as nn
 
-    # exactly the args `jobspec compile` prints (client_args writes every one): no default of our own
-    optimizer = bnb.optim.AdamW8bit(groups, lr=float(args["lr"]), betas=tuple(args["betas"]), eps=float(args["eps"]),
+    # exactly the args `jobspec compile` prints (client_args writes every one): no default of our
+    # own
+    optimizer = bnb.optim.AdamW8bit(groups, lr=float(args["lr"]), betas=tuple(args["betas"]),
+                                    eps=float(args["eps"]),
                                     weight_decay=float(args["weight_decay"]))
     # Embedding rows are updated sparsely and 8-bit state quantises them badly: keep their
     # state in 32 bits, as the Hugging Face Trainer does.

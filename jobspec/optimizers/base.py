@@ -11,9 +11,12 @@ from typing import Any, Callable
 from jobspec.spec.types import JobSpecTrainingOptimizer
 
 # `offload`: what runs the step when DeepSpeed's optimizer offload holds the states on the CPU
-DEEPSPEED_CPU_ADAM = "deepspeed"   # DeepSpeed's own CPU Adam: the fast path, what `plan --fit` tries
-TORCH_ON_CPU = "torch"             # the torch optimizer steps on the CPU (zero_force_ds_cpu_optimizer off): slow
-NOT_OFFLOADABLE = None             # a client optimizer: DeepSpeed's offload cannot wrap it (validation refuses)
+# DeepSpeed's own CPU Adam: the fast path, what `plan --fit` tries
+DEEPSPEED_CPU_ADAM = "deepspeed"
+# the torch optimizer steps on the CPU (zero_force_ds_cpu_optimizer off): slow
+TORCH_ON_CPU = "torch"
+# a client optimizer: DeepSpeed's offload cannot wrap it (validation refuses)
+NOT_OFFLOADABLE = None
 
 
 def no_issues(r) -> list:
@@ -30,9 +33,9 @@ def steps_on_cpu(optimizer: JobSpecTrainingOptimizer) -> str | None:
 class Optimizer:
     """One value of the schema's `training.optimizer.name`.
 
-    Built either by DeepSpeed from the ds_config `optimizer` block (`deepspeed_block`) or by the ranks,
-    as a client optimizer passed to `deepspeed.initialize` (`client_args` writes its args from the resolved
-    spec, `build` turns exactly those args into the optimizer). Exactly one of the
+    Built either by DeepSpeed from the ds_config `optimizer` block (`deepspeed_block`) or by the
+    ranks, as a client optimizer passed to `deepspeed.initialize` (`client_args` writes its args
+    from the resolved spec, `build` turns exactly those args into the optimizer). Exactly one of the
     two ways is set.
     """
 
@@ -45,7 +48,8 @@ class Optimizer:
     args: tuple[str, ...]
     # (the spec's `training.optimizer`, memory.offload.optimizer) -> ds_config["optimizer"]
     deepspeed_block: Callable[[JobSpecTrainingOptimizer, str], dict] | None = None
-    # the spec's `training.optimizer` -> the args `build` gets (on the ranks; `jobspec compile` prints them)
+    # the spec's `training.optimizer` -> the args `build` gets (on the ranks; `jobspec compile`
+    # prints them)
     client_args: Callable[[JobSpecTrainingOptimizer], dict] | None = None
     # (model, parameter groups, the patch's args) -> the torch optimizer; on the ranks
     build: Callable[[Any, list, dict], Any] | None = None
@@ -56,7 +60,8 @@ class Optimizer:
     # whether DeepSpeed tested it under ZeRO (else the config says zero_allow_untested_optimizer)
     zero_tested: bool = False
     # the spec's `training.optimizer` -> what steps on the CPU without DeepSpeed's CPU Adam when the
-    # optimizer is offloaded (the config then says zero_force_ds_cpu_optimizer: false), None: its CPU Adam
+    # optimizer is offloaded (the config then says zero_force_ds_cpu_optimizer: false), None: its
+    # CPU Adam
     offload_step: Callable[[JobSpecTrainingOptimizer], str | None] = steps_on_cpu
     # what `plan --fit` may try instead of it (cheaper states)
     fit_alternatives: tuple[str, ...] = ()
@@ -73,8 +78,10 @@ class Optimizer:
 
     def __post_init__(self):
         if (self.deepspeed_block is None) == (self.client_args is None):
-            raise TypeError(f"optimizer {self.name}: set exactly one of deepspeed_block and client_args")
+            raise TypeError(f"optimizer {self.name}: set exactly one of deepspeed_block and "
+                            "client_args")
         if self.client_args is not None and self.build is None:
             raise TypeError(f"optimizer {self.name}: a client optimizer needs `build`")
         if self.offload is not None and self.client_args is not None:
-            raise TypeError(f"optimizer {self.name}: DeepSpeed's optimizer offload cannot hold a client optimizer")
+            raise TypeError(f"optimizer {self.name}: DeepSpeed's optimizer offload cannot hold a "
+                            "client optimizer")

@@ -25,8 +25,10 @@ def foreign_issues(r) -> list:
     """`momentum` set while another optimizer is chosen."""
     optimizer = r.spec["training"]["optimizer"]
     if optimizer["momentum"] > 0:
-        return [r.issue(("training", "optimizer", "momentum"), f"momentum is for sgd, not `{optimizer['name']}`",
-                        "remove `momentum` (Adam uses `betas`) or set `name: sgd`", code="momentum-sgd-only")]
+        return [r.issue(("training", "optimizer", "momentum"),
+                        f"momentum is for sgd, not `{optimizer['name']}`",
+                        "remove `momentum` (Adam uses `betas`) or set `name: sgd`",
+                        code="momentum-sgd-only")]
     return []
 
 

@@ -13,7 +13,8 @@ from jobspec.report import table
 def report(experiment: str, tracking_uri: str, fmt: str, out: Path | None, *, plots: bool = True,
            log_to_runs: bool = False, generations: bool = False) -> None:
     """Print the table. Files only under `out` (the table and the comparison plot); per-run plots
-    logged to the MLflow runs only with `log_to_runs`: a report reads, it writes where it is told."""
+    logged to the MLflow runs only with `log_to_runs`: a report reads, it writes where it is
+    told."""
     from jobspec.tracking import orphans
     client, experiment_ids, _ = table.open_experiment(tracking_uri, experiment)
     for experiment_id in experiment_ids:   # RUNNING runs whose launcher is gone
@@ -23,7 +24,8 @@ def report(experiment: str, tracking_uri: str, fmt: str, out: Path | None, *, pl
     if not rows:
         raise spec_error(f"experiment {experiment!r} has no runs", path=("EXPERIMENT",),
                          hint="launch a job with logging.mlflow.experiment set to it")
-    if generations:   # training.eval_generate: the runs' latest answers side by side (report/generation_table.py)
+    # training.eval_generate: the runs' latest answers side by side (report/generation_table.py)
+    if generations:
         report_generations(client, reports, experiment, fmt, out)
         return
     text = table.RENDERERS[fmt](rows)
@@ -39,26 +41,32 @@ def report(experiment: str, tracking_uri: str, fmt: str, out: Path | None, *, pl
         logged = 0
         for item in reports:
             try:
-                logged += len(plotting.log_run_plots(client, item.run_id, item.series, title=item.row["run"]))
+                logged += len(plotting.log_run_plots(client, item.run_id, item.series,
+                                                     title=item.row["run"]))
             except Exception as err:  # a read-only artifact store must not cost the user the table
-                print(f"jobspec: could not log plots to run {item.run_id}: {first_line(err, limit=200)}",
+                print(f"jobspec: could not log plots to run {item.run_id}: "
+                      f"{first_line(err, limit=200)}",
                       file=sys.stderr)
         said.append(f"{logged} plot(s) logged to runs")
     if out is not None:
-        comparison = plotting.plot_comparison(rows, out / plotting.COMPARISON_FILE, title=experiment)
+        comparison = plotting.plot_comparison(rows, out / plotting.COMPARISON_FILE,
+                                              title=experiment)
         said.append(f"comparison plot {comparison}")
     print(f"jobspec: {'; '.join(said)}", file=sys.stderr)
 
 
 def report_generations(client, reports, experiment: str, fmt: str, out: Path | None) -> None:
-    """Print each prompt with every run's latest answer (markdown with `--format markdown`); with `out`,
-    generations.md and generations.html there. No run that generated: exit 2, saying how to get some."""
+    """Print each prompt with every run's latest answer (markdown with `--format markdown`); with
+    `out`, generations.md and generations.html there. No run that generated: exit 2, saying how to
+    get some."""
     from jobspec.report import generation_table as generations
     comparison = generations.collect(client, reports)
     if not comparison.runs:
-        raise spec_error(f"no run of experiment {experiment!r} generated answers at evaluation", path=("EXPERIMENT",),
+        raise spec_error(f"no run of experiment {experiment!r} generated answers at evaluation",
+                         path=("EXPERIMENT",),
                          hint="launch a causal-lm job with training.eval_generate set")
-    text = generations.render_markdown(comparison) if fmt == "markdown" else generations.render_text(comparison)
+    text = generations.render_markdown(comparison) if fmt == "markdown" \
+        else generations.render_text(comparison)
     sys.stdout.write(text + "\n")
     if out is not None:
         write_text(out / "generations.md", generations.render_markdown(comparison))

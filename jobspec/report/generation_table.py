@@ -1,10 +1,12 @@
-"""`jobspec report EXPERIMENT --generations`: each prompt with every run's latest answer side by side.
+"""`jobspec report EXPERIMENT --generations`: each prompt with every run's latest answer side by
+side.
 
 Reads the rows of each run's newest evaluation in its `eval_generations.json` table
 (training.eval_generate, tracking/generations.py). Prompts are matched by their text across runs (in
-the order the first run that has them lists them), the reference shown once; a run that did not answer a prompt shows
-'-'. Printed as text blocks; written with --out as generations.md (one Markdown table, a column per
-run) and generations.html (the same table, texts escaped, line breaks kept).
+the order the first run that has them lists them), the reference shown once; a run that did not
+answer a prompt shows '-'. Printed as text blocks; written with --out as generations.md (one
+Markdown table, a column per run) and generations.html (the same table, texts escaped, line breaks
+kept).
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ class Comparison:
     runs: list[str] = field(default_factory=list)              # column labels: run name (step N)
     prompts: list[str] = field(default_factory=list)
     references: dict[str, str | None] = field(default_factory=dict)
-    answers: dict[str, dict[str, str]] = field(default_factory=dict)   # prompt -> run label -> answer
+    # prompt -> run label -> answer
+    answers: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
 def compare(tables: list[tuple[str, int, list[dict]]]) -> Comparison:
@@ -41,7 +44,8 @@ def compare(tables: list[tuple[str, int, list[dict]]]) -> Comparison:
 
 
 def collect(client, reports) -> Comparison:
-    """The comparison of the runs of `reports` (report/table.collect's RunReport list) that generated."""
+    """The comparison of the runs of `reports` (report/table.collect's RunReport list) that
+    generated."""
     from jobspec.tracking import generations
     tables = []
     for item in reports:
@@ -57,18 +61,22 @@ def render_text(c: Comparison) -> str:
     for number, prompt in enumerate(c.prompts, 1):
         lines = [f"prompt {number}: " + _indent(prompt, 4)]
         if c.references[prompt] is not None:
-            lines.append(f"  {'reference':<{width}}  " + _indent(c.references[prompt] or "", width + 4))
+            lines.append(f"  {'reference':<{width}}  "
+                         + _indent(c.references[prompt] or "", width + 4))
         for run in c.runs:
-            lines.append(f"  {run:<{width}}  " + _indent(c.answers[prompt].get(run, MISSING), width + 4))
+            lines.append(f"  {run:<{width}}  "
+                         + _indent(c.answers[prompt].get(run, MISSING), width + 4))
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
 
 
 def render_markdown(c: Comparison) -> str:
     headers = ["prompt", "reference", *c.runs]
-    lines = ["| " + " | ".join(_md(h) for h in headers) + " |", "| " + " | ".join("---" for _ in headers) + " |"]
+    lines = ["| " + " | ".join(_md(h) for h in headers) + " |",
+             "| " + " | ".join("---" for _ in headers) + " |"]
     for prompt in c.prompts:
-        cells = [prompt, c.references[prompt] or MISSING, *(c.answers[prompt].get(r, MISSING) for r in c.runs)]
+        cells = [prompt, c.references[prompt] or MISSING,
+                 *(c.answers[prompt].get(r, MISSING) for r in c.runs)]
         lines.append("| " + " | ".join(_md(cell) for cell in cells) + " |")
     return "\n".join(lines)
 
@@ -78,12 +86,15 @@ def render_html(c: Comparison, title: str) -> str:
         return f"<{tag}>{html.escape(text)}</{tag}>"
     head = "".join(cell(h, "th") for h in ["prompt", "reference", *c.runs])
     body = "".join("<tr>" + cell(p) + cell(c.references[p] or MISSING)
-                   + "".join(cell(c.answers[p].get(r, MISSING)) for r in c.runs) + "</tr>\n" for p in c.prompts)
-    return (f"<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>{html.escape(title)}: generations</title>"
-            "<style>body{font-family:sans-serif}table{border-collapse:collapse}td,th{border:1px solid #ccc;"
-            "padding:6px;vertical-align:top;white-space:pre-wrap;max-width:40em}th{background:#eee}</style>"
-            f"</head><body><h1>{html.escape(title)}: generations</h1>\n<table><tr>{head}</tr>\n{body}</table>"
-            "</body></html>\n")
+                   + "".join(cell(c.answers[p].get(r, MISSING)) for r in c.runs) + "</tr>\n"
+                   for p in c.prompts)
+    return (f"<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>{html.escape(title)}: "
+            "generations</title><style>body{font-family:sans-serif}"
+            "table{border-collapse:collapse}td,th{border:1px solid #ccc;"
+            "padding:6px;vertical-align:top;white-space:pre-wrap;max-width:40em}"
+            "th{background:#eee}</style>"
+            f"</head><body><h1>{html.escape(title)}: "
+            f"generations</h1>\n<table><tr>{head}</tr>\n{body}</table></body></html>\n")
 
 
 def _indent(text: str, by: int) -> str:

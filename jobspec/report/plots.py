@@ -60,12 +60,14 @@ def plot_memory(series: dict, path: Path, title: str = "") -> Path | None:
 
 def plot_throughput(series: dict, path: Path, title: str = "") -> Path | None:
     """samples/s and tokens/s over optimizer steps (two panels: different scales)."""
-    panels = [(name, label) for name, label in (("perf/samples_per_s", "samples/s"), ("perf/tokens_per_s", "tokens/s"))
+    panels = [(name, label) for name, label in (("perf/samples_per_s", "samples/s"),
+                                                ("perf/tokens_per_s", "tokens/s"))
               if series.get(name)]
     if not panels:
         return None
     plt = _pyplot()
-    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.6 * len(panels) + 0.6), sharex=True, squeeze=False)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.6 * len(panels) + 0.6), sharex=True,
+                             squeeze=False)
     for ax, (name, label) in zip(axes[:, 0], panels):
         ax.plot(*_xy(series[name]), marker="o", markersize=3)
         ax.set_ylabel(label)
@@ -78,8 +80,8 @@ def plot_throughput(series: dict, path: Path, title: str = "") -> Path | None:
 
 
 def plot_comparison(rows: list[dict], path: Path, title: str = "") -> Path | None:
-    """Horizontal bars per run: steady-state samples/s, and peak memory (GPU allocated when measured,
-    else host RSS: a CPU run has no GPU memory to show)."""
+    """Horizontal bars per run: steady-state samples/s, and peak memory (GPU allocated when
+    measured, else host RSS: a CPU run has no GPU memory to show)."""
     if not rows:
         return None
     plt = _pyplot()
@@ -124,7 +126,8 @@ def _save(fig, plt, path: Path) -> Path:
 def log_run_plots(client, run_id: str, series: dict, title: str = "") -> list[str]:
     """Draw and log `plots/memory.png` and `plots/throughput.png` to the run, unless it has them.
 
-    Returns the artifact paths logged now (empty when they were already there or nothing was logged).
+    Returns the artifact paths logged now (empty when they were already there or nothing was
+    logged).
     """
     existing = {Path(a.path).name for a in client.list_artifacts(run_id, PLOTS_DIR)}
     if all(name in existing for name in RUN_PLOTS):

@@ -1,14 +1,14 @@
-"""One row per MLflow run of an experiment: the settings that explain it, every spec field whose value
-differs between the experiment's runs (`model.lora.r` for two LoRA variants), trainable and total
-parameters, how the run ended, the final train and eval loss and the task metrics of the last
+"""One row per MLflow run of an experiment: the settings that explain it, every spec field whose
+value differs between the experiment's runs (`model.lora.r` for two LoRA variants), trainable and
+total parameters, how the run ended, the final train and eval loss and the task metrics of the last
 evaluation, the run's throughput (its perf/run_* average: the number summary.json and the closing
-summary show, docs/architecture.md, "Throughput"), measured peak memory beside the planner's prediction; rendered as an
-aligned table, markdown or CSV.
+summary show, docs/architecture.md, "Throughput"), measured peak memory beside the planner's
+prediction; rendered as an aligned table, markdown or CSV.
 
-Reads what the launcher and worker log (see jobspec.tracking.run and jobspec.tracking.sink): params are
-the flattened resolved spec plus `derived.*`, metrics use the shared names (`perf/samples_per_s`, `mem/...`), artifacts
-include `resolved.yaml`. Missing values (a GPU metric on a CPU run, a failed run) are None here
-and '-' in the text formats: absent, never zero.
+Reads what the launcher and worker log (see jobspec.tracking.run and jobspec.tracking.sink): params
+are the flattened resolved spec plus `derived.*`, metrics use the shared names
+(`perf/samples_per_s`, `mem/...`), artifacts include `resolved.yaml`. Missing values (a GPU metric
+on a CPU run, a failed run) are None here and '-' in the text formats: absent, never zero.
 """
 from __future__ import annotations
 
@@ -30,13 +30,17 @@ from jobspec.spec import eval_metrics
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"  # the schema's logging.mlflow.tracking_uri default
 
-THROUGHPUT_METRICS = ("perf/samples_per_s", "perf/tokens_per_s", "perf/tflops_per_device", "perf/mfu")
-# the launch's averages over its training time (train/progress.StepReporter.finish), logged at its end
+THROUGHPUT_METRICS = ("perf/samples_per_s", "perf/tokens_per_s", "perf/tflops_per_device",
+                      "perf/mfu")
+# the launch's averages over its training time (train/progress.StepReporter.finish), logged at its
+# end
 RUN_THROUGHPUT_METRICS = tuple(name.replace("perf/", "perf/run_") for name in THROUGHPUT_METRICS)
-MEMORY_METRICS = ("mem/peak_allocated_mib_max", "mem/peak_allocated_mib_rank0", "mem/peak_reserved_mib_max",
+MEMORY_METRICS = ("mem/peak_allocated_mib_max", "mem/peak_allocated_mib_rank0",
+                  "mem/peak_reserved_mib_max",
                   "mem/peak_reserved_mib_rank0", "mem/nvml_used_mib_max", "mem/host_rss_mib_max")
 LOSS_METRICS = ("train/loss", "eval/loss")
-TASK_METRICS = tuple(eval_metrics.key(name) for name in eval_metrics.TASK_ONLY)   # eval/accuracy, ...
+# eval/accuracy, ...
+TASK_METRICS = tuple(eval_metrics.key(name) for name in eval_metrics.TASK_ONLY)
 
 # (key, header, how the text formats show it)
 COLUMNS = (
@@ -73,21 +77,24 @@ COLUMNS = (
 PLAN_COLUMNS = {"predicted_mib": plan_figures.PEAK_ALLOCATED.metric,
                 "gpu_total_plan_mib": plan_figures.GPU_TOTAL.metric,
                 "host_plan_mib": plan_figures.HOST_RAM.metric}
-# a spec field that differs between the experiment's runs gets a column "spec.<field>" after `status`;
-# these do not: what the fixed columns show already, and what names, places or logs a run
-SHOWN_FIELDS = {"memory.precision", "memory.zero_stage", "training.micro_batch_size", "training.global_batch_size",
+# a spec field that differs between the experiment's runs gets a column "spec.<field>" after
+# `status`; these do not: what the fixed columns show already, and what names, places or logs a run
+SHOWN_FIELDS = {"memory.precision", "memory.zero_stage", "training.micro_batch_size",
+                "training.global_batch_size",
                 "training.optimizer.name", "memory.activation_checkpointing",
                 "memory.activation_checkpointing.every_n_layers"}
-UNTRAINED_PREFIXES = ("name", "description", "output_dir", "checkpoint.", "logging.", "export.", "derived.", "plan.",
-                      "fit.", "params.", "lora.summary", "quantization.summary", "resources.master_port")
+UNTRAINED_PREFIXES = ("name", "description", "output_dir", "checkpoint.", "logging.", "export.",
+                      "derived.", "plan.",
+                      "fit.", "params.", "lora.summary", "quantization.summary",
+                      "resources.master_port")
 SPEC_COLUMN = "spec."
 # task metric columns: shown only when some run of the report has the metric (a classification
 # experiment has no perplexity column)
 OPTIONAL_COLUMNS = set(eval_metrics.TASK_ONLY)
-NUMERIC_ALIGN = {"zero", "micro", "global", "accum", "world", "trainable", "parameters", "train_loss", "eval_loss",
-                 *OPTIONAL_COLUMNS,
-                 "samples_per_s", "tokens_per_s", "tflops", "mfu", "peak_allocated_mib", "nvml_used_mib",
-                 "host_rss_mib", *PLAN_COLUMNS}
+NUMERIC_ALIGN = {"zero", "micro", "global", "accum", "world", "trainable", "parameters",
+                 "train_loss", "eval_loss", *OPTIONAL_COLUMNS,
+                 "samples_per_s", "tokens_per_s", "tflops", "mfu", "peak_allocated_mib",
+                 "nvml_used_mib", "host_rss_mib", *PLAN_COLUMNS}
 
 
 @dataclass
@@ -96,10 +103,11 @@ class RunReport:
 
     run_id: str
     row: dict
-    series: dict = field(default_factory=dict)   # metric name -> [(step, value), ...] sorted by step
+    # metric name -> [(step, value), ...] sorted by step
+    series: dict = field(default_factory=dict)
 
 
-# --- reducing metric series ------------------------------------------------------------------------
+# --- reducing metric series -----------------------------------------------------------------------
 
 def steady_state(points: list) -> float | None:
     """Median of a logged series after its first point (which pays for warm-up: allocation, JIT)."""
@@ -126,7 +134,8 @@ def series_last(points: list) -> float | None:
 
 
 def settings_from_params(params: dict) -> dict:
-    """The key settings of a run from its params (JSON text for non-strings, see jobspec.tracking.run.flatten)."""
+    """The key settings of a run from its params (JSON text for non-strings, see
+    jobspec.tracking.run.flatten)."""
     def get(*keys):
         for key in keys:
             if key in params:
@@ -163,7 +172,8 @@ def differing_fields(params_of_runs: list[dict]) -> list[str]:
 
 
 def add_differing_fields(rows: list[dict], params_of_runs: list[dict]) -> list[str]:
-    """Each row gets `spec.<field>` for every field differing between the runs; returns the fields."""
+    """Each row gets `spec.<field>` for every field differing between the runs; returns the
+    fields."""
     fields = differing_fields(params_of_runs)
     for row, params in zip(rows, params_of_runs):
         row.update({SPEC_COLUMN + name: params.get(name) for name in fields})
@@ -175,7 +185,8 @@ def status_text(run) -> str:
     or killed before one)."""
     label = run.data.tags.get("jobspec.status")
     status = run.info.status
-    return f"{status} ({label})" if label and label.upper() != status and status != "FINISHED" else status
+    return f"{status} ({label})" if label and label.upper() != status and status != "FINISHED" \
+        else status
 
 
 def _checkpointing(params: dict) -> str | None:
@@ -196,7 +207,8 @@ def build_row(run_name: str, status: str, params: dict, series: dict,
     row.update({
         "train_loss": series_last(series.get("train/loss", [])),
         "eval_loss": series_last(series.get("eval/loss", [])),
-        **{name: series_last(series.get(eval_metrics.key(name), [])) for name in eval_metrics.TASK_ONLY},
+        **{name: series_last(series.get(eval_metrics.key(name), []))
+           for name in eval_metrics.TASK_ONLY},
         "samples_per_s": run_rate(series, "samples_per_s"),
         "tokens_per_s": run_rate(series, "tokens_per_s"),
         "tflops": run_rate(series, "tflops_per_device"),
@@ -216,7 +228,8 @@ def build_row(run_name: str, status: str, params: dict, series: dict,
 def _launch_memory(spec: Mapping[str, Any], cpu_ranks: bool):
     """The LaunchMemory of a run's resolved spec (the spec that ran: `memory.fit` is not applied
     again), prepared as a launch prepares it; None when the planner cannot tell. `spec` is
-    resolved.yaml as read back (an MLflow artifact), maybe of an older jobspec: its defaults are filled."""
+    resolved.yaml as read back (an MLflow artifact), maybe of an older jobspec: its defaults are
+    filled."""
     from jobspec.hardware import Host
     from jobspec.job.prepare import AS_WRITTEN, prepare_job
     from jobspec.spec.schema import filled_spec
@@ -224,7 +237,8 @@ def _launch_memory(spec: Mapping[str, Any], cpu_ranks: bool):
     try:
         resolved = ResolvedSpec(filled_spec(spec), Path(rundir.RESOLVED), "")
         memory = prepare_job(resolved, host=Host(cpu_ranks=cpu_ranks), how=AS_WRITTEN).memory
-    except Exception:  # an unknown architecture, an old resolved.yaml: a '-' in the table, not a crash
+    # an unknown architecture, an old resolved.yaml: a '-' in the table, not a crash
+    except Exception:
         return None
     return memory if memory is not None and memory.plan is not None else None
 
@@ -265,9 +279,9 @@ def _planned_of_run(client, run, series: dict) -> dict[str, float]:
 # --- reading MLflow ------------------------------------------------------------------------------
 
 def open_experiment(tracking_uri: str, experiment: str):
-    """(client, experiment ids, run filter) or a SpecError saying why not: unreachable store, unknown
-    experiment. A name that is no experiment's but a job's (the `jobspec.job` tag, for runs logged to
-    another experiment) selects that job's runs in every experiment."""
+    """(client, experiment ids, run filter) or a SpecError saying why not: unreachable store,
+    unknown experiment. A name that is no experiment's but a job's (the `jobspec.job` tag, for runs
+    logged to another experiment) selects that job's runs in every experiment."""
     from jobspec.secrets import mask_secrets, split_credentials
     from jobspec.tracking import run as tracking
     uri, user, password = split_credentials(tracking_uri)
@@ -279,7 +293,8 @@ def open_experiment(tracking_uri: str, experiment: str):
         if db is not None and str(db) not in ("", ":memory:") and not db.is_file():
             raise spec_error(f"no MLflow database at {db.resolve()} (tracking URI {shown})",
                              path=("--tracking-uri",),
-                             hint="run from the directory you launched in, or pass --tracking-uri sqlite:///PATH")
+                             hint="run from the directory you launched in, or pass --tracking-uri "
+                                  "sqlite:///PATH")
     try:
         tracking.probe(uri)
         if user:
@@ -299,11 +314,13 @@ def open_experiment(tracking_uri: str, experiment: str):
         raise spec_error(f"MLflow tracking at {shown} is unavailable: {first_line(err, limit=300)}",
                          path=("--tracking-uri",), hint="start the server or fix the URI") from None
     raise spec_error(f"no experiment or job named {experiment!r} at {shown}", path=("EXPERIMENT",),
-                     hint=f"known experiments: {', '.join(names)}" if names else "launch a job first")
+                     hint=f"known experiments: {', '.join(names)}" if names
+                     else "launch a job first")
 
 
 def metric_series(client, run_id: str,
-                  names=THROUGHPUT_METRICS + RUN_THROUGHPUT_METRICS + MEMORY_METRICS + LOSS_METRICS + TASK_METRICS
+                  names=THROUGHPUT_METRICS + RUN_THROUGHPUT_METRICS + MEMORY_METRICS + LOSS_METRICS
+                  + TASK_METRICS
                   ) -> dict:
     series = {}
     for name in names:
@@ -322,8 +339,8 @@ def collect(tracking_uri: str, experiment: str) -> tuple[object, list[RunReport]
     reports = []
     for run in runs:
         series = metric_series(client, run.info.run_id)
-        row = build_row(run.info.run_name or run.info.run_id[:8], status_text(run), run.data.params, series,
-                        _planned_of_run(client, run, series))
+        row = build_row(run.info.run_name or run.info.run_id[:8], status_text(run),
+                        run.data.params, series, _planned_of_run(client, run, series))
         reports.append(RunReport(run.info.run_id, row, series))
     add_differing_fields([r.row for r in reports], [run.data.params for run in runs])
     _disambiguate([r.row for r in reports], [r.run_id for r in reports])

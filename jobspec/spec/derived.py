@@ -8,9 +8,10 @@ checks, the rank-side worker, the progress lines, the report and the commands al
 instead of recomputing it.
 
 Pure: no torch, no I/O. What a derivation needs from disk (a local checkpoint's config.json, the
-training file's row count) is read at the edge by `jobspec.spec.inputs.derive_job` and passed in; the
-model's profile comes from a `profiler` passed in the same way (`jobspec.model.planner_trace.job_profiler`: the
-model built and traced under fake tensors, cached), which `jobspec validate` does not use.
+training file's row count) is read at the edge by `jobspec.spec.inputs.derive_job` and passed in;
+the model's profile comes from a `profiler` passed in the same way
+(`jobspec.model.planner_trace.job_profiler`: the model built and traced under fake tensors, cached),
+which `jobspec validate` does not use.
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ from jobspec.spec.types import (
 # mixed-precision run are 16-bit; fp32 master weights and optimizer states are counted separately.
 PRECISION_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
-# DeepSpeed's ZeRO defaults (deepspeed/runtime/zero/config.py), used when the hidden size is unknown.
+# DeepSpeed's ZeRO defaults (deepspeed/runtime/zero/config.py), used when the hidden size is
+# unknown.
 DS_REDUCE_BUCKET_SIZE = 500_000_000
 DS_ALLGATHER_BUCKET_SIZE = 500_000_000
 DS_STAGE3_PREFETCH_BUCKET_SIZE = 50_000_000
@@ -49,7 +51,8 @@ class DerivedJob:
     micro_batch_size: int
     global_batch_size: int
     gradient_accumulation_steps: int
-    total_steps: int | None      # None: epochs over file data whose rows were not counted (validate)
+    # None: epochs over file data whose rows were not counted (validate)
+    total_steps: int | None
     warmup_steps: int | None
     seq_len: int
     precision: str
@@ -63,7 +66,8 @@ class DerivedJob:
     hardware_flops_per_token: float | None = None
     notes: tuple = ()
     profile: ModelProfile | None = field(default=None, repr=False, compare=False)
-    # why there is no profile when a profiler was given (the plan command raises it, a launch says it)
+    # why there is no profile when a profiler was given (the plan command raises it, a launch says
+    # it)
     profile_error: SpecError | None = field(default=None, repr=False, compare=False)
     # what the derivation read at the edge, kept so a changed spec (the fit search's candidates)
     # is derived by this same function from the same inputs
@@ -78,9 +82,9 @@ class DerivedJob:
 
     @property
     def data_parallel_size(self) -> int:
-        """Ranks that train on different samples: the world over `sequence_parallel` (an SP group's N ranks
-        hold one micro-batch's sequences between them, so they count once in the batch split, the sampler
-        and the samples and tokens a step consumes)."""
+        """Ranks that train on different samples: the world over `sequence_parallel` (an SP group's
+        N ranks hold one micro-batch's sequences between them, so they count once in the batch
+        split, the sampler and the samples and tokens a step consumes)."""
         return self.world_size // self.sequence_parallel
 
     def with_spec(self, spec: JobSpec) -> "DerivedJob":
@@ -89,10 +93,12 @@ class DerivedJob:
                       profiler=self.profiler)
 
     def as_dict(self) -> dict:
-        """JSON for launch.json's "derived": the ranks read it back with `from_dict` (rundir.RunFiles.derived
-        is this dict), and the on_oom guard rewrites its batch split there."""
+        """JSON for launch.json's "derived": the ranks read it back with `from_dict`
+        (rundir.RunFiles.derived is this dict), and the on_oom guard rewrites its batch split
+        there."""
         skip = {"config_json", "profiler", "profile_error"}
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name not in skip}
         out["dims"] = dataclasses.asdict(self.dims) if self.dims else None
         out["profile"] = self.profile.as_dict() if self.profile else None
         out["notes"] = list(self.notes)
@@ -101,11 +107,13 @@ class DerivedJob:
 
     @classmethod
     def from_dict(cls, d: dict) -> "DerivedJob":
-        """The derived job launch.json carries (`as_dict`), read back (`DerivedJob.from_dict(files.derived)`).
+        """The derived job launch.json carries (`as_dict`), read back
+        (`DerivedJob.from_dict(files.derived)`).
 
         Every number round-trips; the model's profile stays with the launcher (launch.json keeps its
         summary for the record, and nothing on the ranks plans memory)."""
-        names = {f.name for f in dataclasses.fields(cls)} - {"profile", "profile_error", "config_json", "profiler"}
+        names = {f.name for f in dataclasses.fields(cls)} - {"profile", "profile_error",
+                                                             "config_json", "profiler"}
         values = {name: d[name] for name in names if name in d}
         values["dims"] = ModelDims(**d["dims"]) if d.get("dims") else None
         values["notes"] = tuple(d.get("notes") or ())
@@ -118,8 +126,9 @@ def derive(spec: JobSpec, *, config_json: dict | None = None, num_train_samples:
 
     Without `num_train_samples`, a job that trains for epochs over file data gets total_steps None;
     the compiler refuses that (it needs the step count for the schedule), validation does not.
-    `profiler(spec, seq_len) -> ModelProfile` measures the model (parameters, activations, FLOPs); without
-    one (validate, compile) those numbers are None. A profiler's SpecError is kept as `profile_error`.
+    `profiler(spec, seq_len) -> ModelProfile` measures the model (parameters, activations, FLOPs);
+    without one (validate, compile) those numbers are None. A profiler's SpecError is kept as
+    `profile_error`.
     """
     training, memory, resources = spec["training"], spec["memory"], spec["resources"]
     notes: list[str] = []
@@ -147,12 +156,14 @@ def derive(spec: JobSpec, *, config_json: dict | None = None, num_train_samples:
     num_layers = profile.inventory.num_layers if profile else (dims.num_layers if dims else None)
     return DerivedJob(
         world_size=world, nodes=nodes, gpus_per_node=gpus_per_node,
-        micro_batch_size=micro, global_batch_size=global_batch, gradient_accumulation_steps=accumulation,
+        micro_batch_size=micro, global_batch_size=global_batch,
+        gradient_accumulation_steps=accumulation,
         total_steps=total, warmup_steps=warmup, seq_len=seq_len,
         precision=precision, precision_bytes=PRECISION_BYTES[precision],
         dims=dims, num_parameters=profile.inventory.total if profile else None,
         num_layers=num_layers,
-        checkpointed_layers=checkpointed_layers(num_layers or 0, memory["activation_checkpointing"]),
+        checkpointed_layers=checkpointed_layers(num_layers or 0,
+                                                memory["activation_checkpointing"]),
         num_train_samples=num_train_samples,
         model_flops_per_token=profile.model_flops_per_token if profile else None,
         hardware_flops_per_token=profile.hardware_flops_per_token if profile else None,
@@ -165,8 +176,8 @@ def _profile(profiler: Callable[[JobSpec, int], ModelProfile], spec: JobSpec, se
              sequence_parallel: int) -> ModelProfile:
     """The model's profile at the job's setting. With sequence parallelism a rank holds 1/N of each
     sequence outside attention (memory/ulysses_buffers.py): its activations are the trace at
-    seq_len / N, while a token's FLOPs are the whole sequence's (each rank attends over all of it, for
-    heads / N heads), which MFU counts."""
+    seq_len / N, while a token's FLOPs are the whole sequence's (each rank attends over all of it,
+    for heads / N heads), which MFU counts."""
     if sequence_parallel == 1:
         return profiler(spec, seq_len)
     tokens = math.ceil(seq_len / sequence_parallel)
@@ -174,7 +185,9 @@ def _profile(profiler: Callable[[JobSpec, int], ModelProfile], spec: JobSpec, se
     return dataclasses.replace(
         shard, model_flops_per_token=whole.model_flops_per_token,
         hardware_flops_per_token=whole.hardware_flops_per_token,
-        notes=(*shard.notes, f"activations traced per rank: 1/{sequence_parallel} of the sequence ({tokens} tokens)"))
+        notes=(*shard.notes,
+               f"activations traced per rank: 1/{sequence_parallel} of the sequence ({tokens} "
+               "tokens)"))
 
 
 def _data_parallel_size(world: int, sequence_parallel: int) -> int:
@@ -183,14 +196,18 @@ def _data_parallel_size(world: int, sequence_parallel: int) -> int:
         divisors = [n for n in range(1, world + 1) if world % n == 0]
         raise spec_error(
             f"sequence_parallel {sequence_parallel} does not divide the world size {world} "
-            f"(resources.nodes x gpus_per_node): every rank must belong to one sequence-parallel group",
+            "(resources.nodes x gpus_per_node): every rank must belong to one sequence-parallel "
+            "group",
             path=("memory", "sequence_parallel"),
-            hint=f"use one of {', '.join(map(str, divisors))}, or change resources", code="sequence-parallel-world")
+            hint=f"use one of {', '.join(map(str, divisors))}, or change resources",
+            code="sequence-parallel-world")
     return world // sequence_parallel
 
 
-def checkpointed_layers(num_layers: int, setting: bool | JobSpecMemoryActivationCheckpointing | None) -> int:
-    """Layers whose forward is recomputed in backward: all, one in k (layers i % k == 0), or none."""
+def checkpointed_layers(num_layers: int,
+                        setting: bool | JobSpecMemoryActivationCheckpointing | None) -> int:
+    """Layers whose forward is recomputed in backward: all, one in k (layers i % k == 0), or
+    none."""
     if setting is None or setting is False:
         return 0
     every = setting["every_n_layers"] if isinstance(setting, dict) else 1
@@ -198,12 +215,13 @@ def checkpointed_layers(num_layers: int, setting: bool | JobSpecMemoryActivation
 
 
 def zero_bucket_sizes(zero: JobSpecMemoryZero, hidden_size: int | None) -> dict[str, int]:
-    """The ZeRO sizes of `memory.zero` as DeepSpeed gets them (the compiler) and as the planner counts them.
+    """The ZeRO sizes of `memory.zero` as DeepSpeed gets them (the compiler) and as the planner
+    counts them.
 
     A value the spec sets is kept, 0 included (`stage3_prefetch_bucket_size: 0` turns prefetching
-    off); an unset (null) one is the HF Trainer's derivation from the hidden size h (reduce bucket h²,
-    stage-3 prefetch 0.9·h², persistence threshold 10·h), or DeepSpeed's default when h is unknown.
-    The HF Trainer derives no allgather size, so a null one is DeepSpeed's default.
+    off); an unset (null) one is the HF Trainer's derivation from the hidden size h (reduce bucket
+    h², stage-3 prefetch 0.9·h², persistence threshold 10·h), or DeepSpeed's default when h is
+    unknown. The HF Trainer derives no allgather size, so a null one is DeepSpeed's default.
     """
     def sized(value: int | None, from_hidden: Callable[[int], float], ds_default: int) -> int:
         if value is not None:
@@ -212,35 +230,43 @@ def zero_bucket_sizes(zero: JobSpecMemoryZero, hidden_size: int | None) -> dict[
 
     allgather = zero["allgather_bucket_size"]
     return {
-        "reduce_bucket_size": sized(zero["reduce_bucket_size"], lambda h: h * h, DS_REDUCE_BUCKET_SIZE),
+        "reduce_bucket_size": sized(zero["reduce_bucket_size"], lambda h: h * h,
+                                    DS_REDUCE_BUCKET_SIZE),
         "allgather_bucket_size": allgather if allgather is not None else DS_ALLGATHER_BUCKET_SIZE,
-        "stage3_prefetch_bucket_size": sized(zero["stage3_prefetch_bucket_size"], lambda h: 0.9 * h * h,
-                                             DS_STAGE3_PREFETCH_BUCKET_SIZE),
+        "stage3_prefetch_bucket_size": sized(zero["stage3_prefetch_bucket_size"],
+                                             lambda h: 0.9 * h * h, DS_STAGE3_PREFETCH_BUCKET_SIZE),
         "stage3_param_persistence_threshold": sized(zero["stage3_param_persistence_threshold"],
-                                                    lambda h: 10 * h, DS_STAGE3_PARAM_PERSISTENCE_THRESHOLD),
+                                                    lambda h: 10 * h,
+                                                    DS_STAGE3_PARAM_PERSISTENCE_THRESHOLD),
     }
 
 
-def _batch_split(micro: int, global_batch: int | None, world: int, sequence_parallel: int = 1) -> tuple[int, int]:
-    """(global batch, accumulation) over `world` data-parallel ranks (the world over sequence_parallel)."""
+def _batch_split(micro: int, global_batch: int | None, world: int,
+                 sequence_parallel: int = 1) -> tuple[int, int]:
+    """(global batch, accumulation) over `world` data-parallel ranks (the world over
+    sequence_parallel)."""
     per_pass = micro * world
     global_batch = global_batch or per_pass
     if global_batch % per_pass:
-        lower, upper = (global_batch // per_pass) * per_pass, (global_batch // per_pass + 1) * per_pass
+        lower, upper = (global_batch // per_pass) * per_pass, (global_batch // per_pass
+                                                               + 1) * per_pass
         ranks = "world size" if sequence_parallel == 1 else \
             f"data-parallel ranks (world size / sequence_parallel {sequence_parallel})"
         raise spec_error(
-            f"{global_batch} is not a multiple of micro_batch_size x {ranks} = {micro} x {world} = {per_pass}",
+            f"{global_batch} is not a multiple of micro_batch_size x {ranks} = {micro} x {world} = "
+            f"{per_pass}",
             path=("training", "global_batch_size"),
             hint=f"nearest valid global_batch_size: {f'{lower} or {upper}' if lower else upper}")
     return global_batch, global_batch // per_pass
 
 
-def _total_steps(training: JobSpecTraining, global_batch: int, samples: int | None, notes: list[str]) -> int | None:
+def _total_steps(training: JobSpecTraining, global_batch: int, samples: int | None,
+                 notes: list[str]) -> int | None:
     if samples is not None and samples < global_batch:
         # the loader trains whole global batches only (jobspec/data/loaders.py epoch_samples)
         explicit = training["global_batch_size"] is not None
-        raise spec_error(f"{samples} training samples do not fill one global batch of {global_batch}",
+        raise spec_error(f"{samples} training samples do not fill one global batch of "
+                         f"{global_batch}",
                          path=("training", "global_batch_size" if explicit else "micro_batch_size"),
                          hint="use more data, or a smaller "
                               + ("training.global_batch_size" if explicit else
@@ -253,9 +279,9 @@ def _total_steps(training: JobSpecTraining, global_batch: int, samples: int | No
         notes.append("neither training.max_steps nor training.epochs is set: training for 1 epoch")
     if samples is None:
         return None
-    # Count as the loader runs: an epoch is the whole global batches of the shuffled samples, the same
-    # for every split of the global batch (data/loaders.epoch_samples; the tail of each epoch's order is
-    # left out). This module is pure, so the count is written here rather than imported.
+    # Count as the loader runs: an epoch is the whole global batches of the shuffled samples, the
+    # same for every split of the global batch (data/loaders.epoch_samples; the tail of each epoch's
+    # order is left out). This module is pure, so the count is written here rather than imported.
     steps_per_epoch = samples // global_batch
     return max(1, math.ceil(epochs * steps_per_epoch))
 

@@ -61,7 +61,8 @@ def _allowed(node: dict) -> str:
     parts = []
     if "enum" in node:
         parts.append(", ".join(f"`{v}`" for v in node["enum"]))
-    for key, sign in (("minimum", ">="), ("exclusiveMinimum", ">"), ("maximum", "<="), ("exclusiveMaximum", "<")):
+    for key, sign in (("minimum", ">="), ("exclusiveMinimum", ">"), ("maximum", "<="),
+                      ("exclusiveMaximum", "<")):
         if key in node:
             parts.append(f"{sign} {node[key]}")
     items = node.get("items", {})

@@ -1,8 +1,8 @@
 """The evaluation metrics each task produces, and which way each one improves.
 
 Pure data, shared by validation (`export.best_metric` must be one the job's task produces), the
-ranks (jobspec/train/task_metrics.py computes them; jobspec/export/exporter.py picks the best model by
-one), the closing summary and `jobspec report`. Every metric is logged as `eval/<name>`:
+ranks (jobspec/train/task_metrics.py computes them; jobspec/export/exporter.py picks the best model
+by one), the closing summary and `jobspec report`. Every metric is logged as `eval/<name>`:
 
 - `loss`: the mean eval loss per sample (every task);
 - `accuracy`: sequence-classification, share of samples classified right; token-classification,
@@ -27,10 +27,12 @@ from jobspec import tasks
 PREFIX = "eval/"
 # name -> "min" (lower is better) or "max"
 DIRECTION: dict[str, str] = {"loss": "min", "accuracy": "max", "f1": "max", "perplexity": "min"}
-TASK_METRICS: dict[str, tuple[str, ...]] = {name: task.metrics for name, task in tasks.TASKS.items()}
+TASK_METRICS: dict[str,
+                   tuple[str, ...]] = {name: task.metrics for name, task in tasks.TASKS.items()}
 # how the closing summary and the report name a metric (`f1` means another F1 per task)
 LABELS: dict[str, str] = {"accuracy": "accuracy", "f1": "F1", "perplexity": "perplexity"}
-TASK_LABELS: dict[tuple[str, str], str] = {(name, metric): label for name, task in tasks.TASKS.items()
+TASK_LABELS: dict[tuple[str, str],
+                  str] = {(name, metric): label for name, task in tasks.TASKS.items()
                                            for metric, label in task.metric_labels.items()}
 # the metrics past the loss, in the order the summary and the report show them
 TASK_ONLY = ("accuracy", "f1", "perplexity")
@@ -64,7 +66,8 @@ _BIO_TAG = re.compile(r"^(?:O|[BI]-.+)$")
 
 
 def is_bio(names: Iterable[str]) -> bool:
-    """Whether label names are BIO (IOB2) tags: each `O`, `B-<type>` or `I-<type>`, at least one `B-`."""
+    """Whether label names are BIO (IOB2) tags: each `O`, `B-<type>` or `I-<type>`, at least one
+    `B-`."""
     names = list(names)
     return bool(names) and all(isinstance(n, str) and _BIO_TAG.match(n) for n in names) \
         and any(n.startswith("B-") for n in names)

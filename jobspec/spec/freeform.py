@@ -41,10 +41,10 @@ DEEPSPEED_SCHEMA = "deepspeed-config.schema.json"
 # DeepSpeed keys a spec field decides, and that field. The planner, --fit, the GPU pre-flight,
 # the report and the worker read the spec, so a `deepspeed:` value for one of these would make them
 # describe another run than the one that happens. That covers the sizes the memory planner reads
-# (ZeRO buckets, stage-3 prefetch and persistence, NVMe parameter buffers: jobspec/memory/planner.py).
-# Every other key stays overridable, those of the same sections included (overlap_comm,
-# allgather_bucket_size, the fp16 loss-scale window, pin_memory, ...): nothing else reads them,
-# and compile notes each one.
+# (ZeRO buckets, stage-3 prefetch and persistence, NVMe parameter buffers:
+# jobspec/memory/planner.py). Every other key stays overridable, those of the same sections included
+# (overlap_comm, allgather_bucket_size, the fp16 loss-scale window, pin_memory, ...): nothing else
+# reads them, and compile notes each one.
 OWNED_DEEPSPEED_KEYS: dict[tuple[str, ...], str] = {
     ("train_batch_size",): "training.global_batch_size",
     ("train_micro_batch_size_per_gpu",): "training.micro_batch_size",
@@ -57,7 +57,8 @@ OWNED_DEEPSPEED_KEYS: dict[tuple[str, ...], str] = {
     ("zero_optimization", "offload_param", "device"): "memory.offload.params",
     ("zero_optimization", "reduce_bucket_size"): "memory.zero.reduce_bucket_size",
     ("zero_optimization", "stage3_prefetch_bucket_size"): "memory.zero.stage3_prefetch_bucket_size",
-    ("zero_optimization", "stage3_param_persistence_threshold"): "memory.zero.stage3_param_persistence_threshold",
+    ("zero_optimization",
+     "stage3_param_persistence_threshold"): "memory.zero.stage3_param_persistence_threshold",
     ("zero_optimization", "offload_param", "buffer_count"): "memory.offload.buffer_count",
     ("zero_optimization", "offload_param", "buffer_size"): "memory.offload.buffer_size",
     ("fp16", "enabled"): "memory.precision",
@@ -68,22 +69,27 @@ OWNED_DEEPSPEED_KEYS: dict[tuple[str, ...], str] = {
     ("zero_optimization", "cpu_offload"): "memory.offload.optimizer",
     ("zero_optimization", "cpu_offload_param"): "memory.offload.params",
     ("zero_optimization", "prefetch_bucket_size"): "memory.zero.stage3_prefetch_bucket_size",
-    ("zero_optimization", "param_persistence_threshold"): "memory.zero.stage3_param_persistence_threshold",
+    ("zero_optimization",
+     "param_persistence_threshold"): "memory.zero.stage3_param_persistence_threshold",
     ("bfloat16", "enabled"): "memory.precision",
     ("torch_autocast", "enabled"): "memory.precision",
 }
 _OWNED_HINTS: dict[tuple[str, ...], str] = {
-    ("gradient_accumulation_steps",): "jobspec derives it as global_batch_size / (micro_batch_size x world size): "
-                                      "set `training.global_batch_size`",
-    ("optimizer",): "set `training.optimizer` (name, lr, betas, eps, weight_decay, momentum) instead",
-    ("scheduler",): "set `training.scheduler` (name, warmup_steps or warmup_ratio, min_lr_ratio) instead",
+    ("gradient_accumulation_steps",): "jobspec derives it as global_batch_size / (micro_batch_size "
+                                      "x world size): set `training.global_batch_size`",
+    ("optimizer",): "set `training.optimizer` (name, lr, betas, eps, weight_decay, momentum) "
+                    "instead",
+    ("scheduler",): "set `training.scheduler` (name, warmup_steps or warmup_ratio, min_lr_ratio) "
+                    "instead",
 }
 # `model.config` keys whose job a spec field does (the worker passes that field last).
-OWNED_MODEL_CONFIG_KEYS = {"attn_implementation": "model.attention", "_attn_implementation": "model.attention"}
+OWNED_MODEL_CONFIG_KEYS = {"attn_implementation": "model.attention",
+                           "_attn_implementation": "model.attention"}
 
-_TYPE_WORDS = {"object": "a mapping", "array": "a list", "string": "a string", "integer": "an integer",
-               "number": "a number", "float": "a number with a decimal point", "boolean": "true or false",
-               "null": "null"}
+_TYPE_WORDS = {"object": "a mapping", "array": "a list", "string": "a string",
+               "integer": "an integer",
+               "number": "a number", "float": "a number with a decimal point",
+               "boolean": "true or false", "null": "null"}
 
 
 # ---------------------------------------------------------------- the shipped tables
@@ -126,7 +132,9 @@ def model_config_issues(spec: JobSpec, issue: IssueFn, checkpoint_config: dict |
     model_type = model_table.model_type(spec, checkpoint_config)
     entry = entry or model_table.entry(model_type)
     if entry is None:
-        return []   # no type known here (a hub id), or one transformers lacks: plan, compile, --dry-run check it
+        # no type known here (a hub id), or one transformers
+        # lacks: plan, compile, --dry-run check it
+        return []
     fields = {**(model_table.index()["common"] if entry["common"] else {}), **entry["fields"]}
     aliases = entry["aliases"]
     owner = entry["class"].rsplit(".", 1)[-1]
@@ -135,16 +143,18 @@ def model_config_issues(spec: JobSpec, issue: IssueFn, checkpoint_config: dict |
         path = ("model", "config", key)
         if key in OWNED_MODEL_CONFIG_KEYS:
             field = OWNED_MODEL_CONFIG_KEYS[key]
-            issues.append(issue(path, f"`{key}` is set from `{field}`", f"set `{field}` instead", key=True))
+            issues.append(issue(path, f"`{key}` is set from `{field}`", f"set `{field}` instead",
+                                key=True))
             continue
         expected = fields.get(aliases.get(key, key))
         if expected is None and key in checkpoint_config:
             continue
         if expected is None:
             choices = sorted(set(fields) | set(aliases) | set(checkpoint_config))
+            table = f"schemas/{model_table.TABLE_DIR}/{model_type}.json"
             issues.append(issue(path, f"unknown key `{key}` for {owner} ({model_type})",
                                 did_you_mean(str(key), choices, f"{owner}'s keys", shown=12,
-                                             more=f"schemas/{model_table.TABLE_DIR}/{model_type}.json"),
+                                             more=table),
                                 key=True))
             continue
         walker = _Walker(auto_is_wrong=False)
@@ -165,7 +175,8 @@ def deepspeed_issues(spec: JobSpec, issue: IssueFn) -> list[SpecIssue]:
 
 
 def deepspeed_problems(config: dict, owned: bool = True) -> list[Problem]:
-    """Problems of a DeepSpeed config (the spec's section, or a whole compiled one with `owned=False`)."""
+    """Problems of a DeepSpeed config (the spec's section, or a whole compiled one with
+    `owned=False`)."""
     problems, refused = (_owned_problems(config) if owned else ([], set()))
     walker = _Walker(auto_is_wrong=True, skip=refused)
     walker.walk(config, load_table(DEEPSPEED_SCHEMA), ())
@@ -186,36 +197,45 @@ def _owned_problems(section: dict) -> tuple[list[Problem], set]:
             if path not in refused:
                 refused.add(path)
                 why = "plan, --fit, the GPU pre-flight and the report read the spec"
-                if depth == len(owned) and _is_auto(node[key]):   # an HF Trainer config: jobspec does it
+                # an HF Trainer config: jobspec does it
+                if depth == len(owned) and _is_auto(node[key]):
                     message = f'jobspec sets this from `{field}`, as the HF Trainer does for "auto"'
                     hint = f"remove the key; set `{field}` to change the value"
                 elif depth == len(owned):
                     message = f"jobspec sets this from `{field}`"
                     hint = _OWNED_HINTS.get(owned, f"set `{field}` instead: {why}")
-                else:   # a null or scalar would replace the whole compiled mapping, the owned key with it
-                    message = (f"would replace the compiled mapping, whose `{'.'.join(owned[depth:])}` "
-                               f"jobspec sets from `{field}`")
-                    hint = f"set `{field}` instead: {why}; to change other keys here, write a mapping of them"
+                # a null or scalar would replace the whole compiled mapping, the owned key with it
+                else:
+                    message = ("would replace the compiled mapping, whose "
+                               f"`{'.'.join(owned[depth:])}` jobspec sets from `{field}`")
+                    hint = (f"set `{field}` instead: {why}; to change other keys here, write a "
+                            "mapping of them")
                 problems.append((path, message, hint, True))
             break
     return problems, refused
 
 
 class _Walker:
-    """Checks a value against a JSON Schema node (the subset the generated tables use), collecting Problems."""
+    """Checks a value against a JSON Schema node (the subset the generated tables use), collecting
+    Problems."""
 
     def __init__(self, auto_is_wrong: bool, skip: frozenset | set = frozenset()) -> None:
-        self.auto_is_wrong = auto_is_wrong   # DeepSpeed takes "auto" as text and falls back to its default
-        self.skip = skip                      # paths already reported (owned keys): nothing below them
+        # DeepSpeed takes "auto" as text and falls back to its default
+        self.auto_is_wrong = auto_is_wrong
+        # paths already reported (owned keys): nothing below them
+        self.skip = skip
         self.problems: list[Problem] = []
 
     def walk(self, value: Any, node: dict, path: tuple, lax: bool = False) -> None:
-        """`lax`: inside a section DeepSpeed parses with pydantic, which takes 5e8 (a float) as an integer."""
+        """`lax`: inside a section DeepSpeed parses with pydantic, which takes 5e8 (a float) as an
+        integer."""
         if any(path[:n] in self.skip for n in range(1, len(path) + 1)):
             return
         lax = lax or "x-pydantic" in node
         if self.auto_is_wrong and path and _is_auto(value):
-            self.problems.append((path, '"auto" is resolved only by the HF Trainer; plain DeepSpeed would '
+            self.problems.append((path,
+                                  '"auto" is resolved only by the HF Trainer; plain DeepSpeed '
+                                  'would '
                                         "silently fall back to its own default",
                                   "write the value itself, or remove the key", False))
             return
@@ -244,7 +264,8 @@ class _Walker:
 
 
 def _branch(value: Any, node: dict, lax: bool = False) -> dict | None:
-    """The part of `node` that describes `value` (the matching anyOf/oneOf branch), None on a type mismatch."""
+    """The part of `node` that describes `value` (the matching anyOf/oneOf branch), None on a type
+    mismatch."""
     alternatives = node.get("anyOf") or node.get("oneOf")
     if alternatives:
         for alternative in alternatives:
@@ -267,13 +288,16 @@ def _node_types(node: dict) -> list[str]:
 def _value_problem(value: Any, node: dict) -> tuple[str, str] | None:
     if "enum" in node and value not in node["enum"]:
         allowed = list(dict.fromkeys(v for v in node["enum"] if v is not None))
-        return f"`{value}` is not an allowed value", did_you_mean(str(value), [str(v) for v in allowed], "allowed")
+        return f"`{value}` is not an allowed value", did_you_mean(str(value),
+                                                                  [str(v) for v in allowed],
+                                                                  "allowed")
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         bounds = (("minimum", ">=", operator.ge), ("exclusiveMinimum", ">", operator.gt),
                   ("maximum", "<=", operator.le), ("exclusiveMaximum", "<", operator.lt))
         for keyword, sign, ok in bounds:
             if keyword in node and not ok(value, node[keyword]):
-                return f"must be {sign} {node[keyword]}, got {value}", "the library refuses this value"
+                return f"must be {sign} {node[keyword]}, got {value}", ("the library refuses this "
+                                                                        "value")
     return None
 
 
@@ -281,7 +305,8 @@ def _unknown_key(path: tuple, node: dict) -> Problem:
     key = path[-1]
     removed = node.get("x-removed", {})
     if key in removed:
-        return path, f"`{key}` was removed from DeepSpeed", removed[key].split(". ")[0].rstrip("."), True
+        why = removed[key].split(". ")[0].rstrip(".")
+        return path, f"`{key}` was removed from DeepSpeed", why, True
     here = sorted(node.get("properties", {}))
     close = close_choices(str(key), here, cutoff=0.75)
     elsewhere = [p for p in _key_index().get(key, ()) if p[:-1] != path[:-1]]
@@ -292,7 +317,8 @@ def _unknown_key(path: tuple, node: dict) -> Problem:
         return path, f"unknown key `{key}` here", f"it belongs at {where}{tail}", True
     label = "keys here" if path[:-1] else "DeepSpeed's top-level keys"
     hint = did_you_mean(str(key), here, label, shown=12, more=f"schemas/{DEEPSPEED_SCHEMA}")
-    owner = OWNED_DEEPSPEED_KEYS.get(path[:-1] + tuple(close)) if hint.startswith("did you mean") else None
+    owner = OWNED_DEEPSPEED_KEYS.get(path[:-1] + tuple(close)) if hint.startswith("did you mean") \
+        else None
     if owner:
         hint += f" jobspec sets it from `{owner}`: set that instead"
     return path, f"unknown key `{key}`", hint, True
@@ -300,7 +326,8 @@ def _unknown_key(path: tuple, node: dict) -> Problem:
 
 @lru_cache(maxsize=1)
 def _key_index() -> dict:
-    """Every key of the DeepSpeed schema -> the paths it appears at (to say where a stray key belongs)."""
+    """Every key of the DeepSpeed schema -> the paths it appears at (to say where a stray key
+    belongs)."""
     index: dict = {}
 
     def visit(node: dict, path: tuple) -> None:
@@ -324,23 +351,28 @@ def freeform_issues(resolved: ResolvedSpec) -> list[SpecIssue]:
 
 
 def unchecked_model_config(resolved: ResolvedSpec) -> str | None:
-    """Why validate did not check `model.config` and `model.lora`'s module names, or None when it did:
-    a hub id not in the local Hugging Face cache names its model type only in its config.json, which
-    `plan`, `compile` and `launch --dry-run` read (job/model_config); a type the generated table lacks
-    (a transformers newer than schemas/transformers-configs/) is checked there against transformers."""
+    """Why validate did not check `model.config` and `model.lora`'s module names, or None when it
+    did: a hub id not in the local Hugging Face cache names its model type only in its config.json,
+    which `plan`, `compile` and `launch --dry-run` read (job/model_config); a type the generated
+    table lacks (a transformers newer than schemas/transformers-configs/) is checked there against
+    transformers."""
     model = resolved.spec.get("model") or {}
     if not model.get("config") and not model.get("lora"):
         return None
     model_type = model_table.model_type(resolved.spec, local_checkpoint_config(resolved))
     if model_table.entry(model_type) is not None:
         return None
-    what = " and ".join(n for n, v in (("model.config", model.get("config")), ("model.lora's module names",
-                                                                              model.get("lora"))) if v)
+    what = " and ".join(n for n, v in (("model.config", model.get("config")),
+                                       ("model.lora's module names",
+                                                                              model.get("lora")))
+                        if v)
     if model_type:
-        return (f"{what} of model type `{model_type}` not checked here (not in schemas/{model_table.TABLE_DIR}/): "
-                "plan, compile and launch --dry-run check it against transformers")
-    return (f"{what} of `{model.get('name_or_path')}` not checked here (its model type is in its config.json, "
-            "not in the local cache): plan, compile and launch --dry-run read it and check them")
+        return (f"{what} of model type `{model_type}` not checked here (not in "
+                f"schemas/{model_table.TABLE_DIR}/): plan, compile and launch --dry-run check it "
+                "against transformers")
+    return (f"{what} of `{model.get('name_or_path')}` not checked here (its model type is in its "
+            "config.json, not in the local cache): plan, compile and launch --dry-run read it and "
+            "check them")
 
 
 def local_checkpoint_config(resolved: ResolvedSpec) -> dict | None:
@@ -358,8 +390,10 @@ def local_checkpoint_config(resolved: ResolvedSpec) -> dict | None:
     text: str | None
     try:
         text = (base / os.path.expanduser(name) / "config.json").read_text(encoding="utf-8")
-    except OSError:   # a hub id, or no readable config.json: the Hugging Face cache, else plan/--dry-run
-        text = _cached_hub_file(name, model.get("revision") if isinstance(model, dict) else None, "config.json")
+    # a hub id, or no readable config.json: the Hugging Face cache, else plan/--dry-run
+    except OSError:
+        text = _cached_hub_file(name, model.get("revision") if isinstance(model, dict) else None,
+                                "config.json")
     try:
         config = json.loads(text) if text is not None else None
     except ValueError:
@@ -368,13 +402,14 @@ def local_checkpoint_config(resolved: ResolvedSpec) -> dict | None:
 
 
 def _cached_hub_file(name: str, revision: object, filename: str) -> str | None:
-    """A hub repository's file from the local Hugging Face cache, read as huggingface_hub lays it out
-    (hub/models--org--name/refs/<revision> -> snapshots/<commit>/<file>), without importing it; None
-    when it is not there (then plan, compile and --dry-run read it through transformers)."""
+    """A hub repository's file from the local Hugging Face cache, read as huggingface_hub lays it
+    out (hub/models--org--name/refs/<revision> -> snapshots/<commit>/<file>), without importing it;
+    None when it is not there (then plan, compile and --dry-run read it through transformers)."""
     if name.count("/") > 1 or name.startswith((".", "/")) or ".." in name:
         return None
     cache = os.environ.get("HF_HUB_CACHE") or os.path.join(
-        os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface"), "hub")
+        os.environ.get("HF_HOME")
+        or os.path.join(os.path.expanduser("~"), ".cache", "huggingface"), "hub")
     repo = Path(cache) / ("models--" + name.replace("/", "--"))
     revision = revision if isinstance(revision, str) and revision else "main"
     try:

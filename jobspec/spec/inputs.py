@@ -21,8 +21,10 @@ def derive_job(spec: JobSpec, profiler: Callable[..., Any] | None = None) -> Der
     num_train_samples = None
     train, setting = spec["data"]["train"], spec["data"]["format"]
     if spec["training"]["max_steps"] is None and train and source_format(train, setting).counted:
-        # rows are samples; other sources (hf:, saved, text) have none to count here (validate refuses
-        # epochs with them: spec/rules/data.epochs_issues), and the compiler says so if one gets this far
+        # rows are samples; other sources (hf:, saved, text) have none to count here (validate
+        # refuses epochs with them: spec/rules/data.epochs_issues), and the compiler says so if one
+        # gets this far
         num_train_samples = count_rows(train, setting)
-    return derive(spec, config_json=config_json, num_train_samples=num_train_samples, profiler=profiler)
+    return derive(spec, config_json=config_json, num_train_samples=num_train_samples,
+                  profiler=profiler)
 

@@ -33,8 +33,9 @@ _CORE = "tag:yaml.org,2002:"
 _SCALAR_TAGS = {_CORE + t for t in ("str", "int", "float", "bool", "null")}
 _TIMESTAMP = _CORE + "timestamp"   # an unquoted date stays the text it was written as
 _MERGE = _CORE + "merge"
-# YAML 1.2 (and JSON) floats that PyYAML's YAML 1.1 resolver leaves as strings: `1e-3`, `2E5`, `-1e4`
-# (1.1 wants a dot in the mantissa and a sign in the exponent). People write learning rates this way.
+# YAML 1.2 (and JSON) floats that PyYAML's YAML 1.1 resolver leaves as strings: `1e-3`, `2E5`,
+# `-1e4` (1.1 wants a dot in the mantissa and a sign in the exponent). People write learning rates
+# this way.
 _YAML12_FLOAT = re.compile(r"[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+")
 
 
@@ -56,8 +57,8 @@ class LoadedSpec:
 
 
 def load_spec(path: str | os.PathLike) -> LoadedSpec:
-    """Load `path` (following `extends`); raise SpecError if unreadable. `--set` overrides are applied
-    on top by jobspec.spec.overrides.apply_overrides."""
+    """Load `path` (following `extends`); raise SpecError if unreadable. `--set` overrides are
+    applied on top by jobspec.spec.overrides.apply_overrides."""
     display = os.fspath(path)
     loaded = _load_with_bases(display, chain=())
     loaded.spec["extends"] = None
@@ -72,13 +73,16 @@ def read_text(display: str) -> str:
     try:
         size = p.stat().st_size
         if size > MAX_FILE_BYTES:
-            raise spec_error(f"file is {size:,} bytes; a job spec may be at most {MAX_FILE_BYTES:,}", file=display,
-                             line=1, column=1, hint="is this the right file? a spec is a few KiB of YAML")
+            raise spec_error(f"file is {size:,} bytes; a job spec may be at most "
+                             f"{MAX_FILE_BYTES:,}", file=display,
+                             line=1, column=1,
+                             hint="is this the right file? a spec is a few KiB of YAML")
         raw = p.read_bytes()
     except FileNotFoundError:
         raise spec_error("file not found", file=display, hint="check the path") from None
     except IsADirectoryError:
-        raise spec_error("is a directory, not a spec file", file=display, hint="pass a .yaml file") from None
+        raise spec_error("is a directory, not a spec file", file=display,
+                         hint="pass a .yaml file") from None
     except OSError as err:
         raise spec_error(f"cannot read file: {err.strerror or err}", file=display) from None
     try:
@@ -107,16 +111,19 @@ def parse_yaml(text: str, display: str) -> tuple[Any, dict, dict]:
         problem = err.problem or "invalid YAML"
         if err.context:
             started = err.context_mark
-            opened = f" (opened at line {started.line + 1}, column {started.column + 1})" if started else ""
+            opened = f" (opened at line {started.line + 1}, column {started.column + 1})" \
+                if started else ""
             problem = f"{err.context}{opened}: {problem}"
         hint = "indent with spaces, not tabs" if "\\t" in problem or "'\\t'" in problem else \
             "check indentation, quotes and the `key: value` form on this line"
         raise spec_error(f"YAML syntax error: {problem}", file=display, hint=hint,
-                         line=mark.line + 1 if mark else None, column=mark.column + 1 if mark else None) from None
+                         line=mark.line + 1 if mark else None,
+                         column=mark.column + 1 if mark else None) from None
     except yaml.reader.ReaderError as err:  # a control character: positioned by offset, not by mark
         line = text.count("\n", 0, err.position) + 1
         column = err.position - (text.rfind("\n", 0, err.position) + 1) + 1
-        raise spec_error(f"character #x{err.character:04x} is not allowed in YAML (control character)",
+        raise spec_error(f"character #x{err.character:04x} is not allowed in YAML (control "
+                         "character)",
                          file=display, line=line, column=column,
                          hint="delete it; save the file as plain text") from None
     except yaml.YAMLError as err:
@@ -139,7 +146,8 @@ _FAST_LOADER = getattr(yaml, "CSafeLoader", None)
 
 def _check_depth(text: str) -> None:
     if _FAST_LOADER is None:
-        raise RuntimeError("_check_depth needs libyaml's CSafeLoader")   # the callers check _FAST_LOADER first
+        # the callers check _FAST_LOADER first
+        raise RuntimeError("_check_depth needs libyaml's CSafeLoader")
     parser = _FAST_LOADER(text)
     depth = 0
     try:
@@ -152,8 +160,8 @@ def _check_depth(text: str) -> None:
             elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
                 depth -= 1
     except yaml.MarkedYAMLError as err:
-        # libyaml >= 0.2.5 stops at 1,000 levels by itself, and its scanner reads a flow collection's
-        # brackets ahead of the events counted above: the same refusal, worded as ours
+        # libyaml >= 0.2.5 stops at 1,000 levels by itself, and its scanner reads a flow
+        # collection's brackets ahead of the events counted above: the same refusal, worded as ours
         if "maximum nesting depth" not in (err.problem or ""):
             raise
         raise _TooDeep(err.problem_mark) from None
@@ -179,7 +187,8 @@ class _DepthCheckedLoader(yaml.SafeLoader):
 def _nesting_error(display: str, mark: Any) -> SpecError:
     return spec_error(f"nested more than {MAX_DEPTH} levels deep", file=display, line=mark.line + 1,
                       column=mark.column + 1,
-                      hint="a job spec needs a few levels; check for runaway brackets or recursive aliases")
+                      hint="a job spec needs a few levels; check for runaway brackets or recursive "
+                           "aliases")
 
 
 def _reject_tab_indentation(text: str, display: str) -> None:
@@ -204,7 +213,8 @@ class _Builder:
     def pos(self, node: Node) -> Position:
         return Position(self.display, node.start_mark.line + 1, node.start_mark.column + 1)
 
-    def fail(self, node: Node, message: str, hint: str | None = None, path: tuple = ()) -> SpecError:
+    def fail(self, node: Node, message: str, hint: str | None = None,
+             path: tuple = ()) -> SpecError:
         p = self.pos(node)
         return spec_error(message, path=path, file=p.file, line=p.line, column=p.col, hint=hint)
 
@@ -212,7 +222,8 @@ class _Builder:
         self.visited += 1
         if self.visited > MAX_NODES:
             top = self.key_positions.get(path[:1]) or self.pos(node)
-            raise spec_error(f"the YAML expands to more than {MAX_NODES} values (aliases nested too often)",
+            raise spec_error(f"the YAML expands to more than {MAX_NODES} values (aliases nested "
+                             "too often)",
                              path=path[:1], file=top.file, line=top.line, column=top.col,
                              hint="a job spec is small; remove the repeated `*alias` references")
         if depth > MAX_DEPTH:
@@ -232,19 +243,22 @@ class _Builder:
     def check_tag(self, node: Node, expected: str, path: tuple) -> None:
         if node.tag != expected:
             raise self.fail(node, f"YAML tag `{_short_tag(node.tag)}` is not allowed", path=path,
-                            hint="job specs hold plain mappings, lists, strings, numbers, booleans and null")
+                            hint="job specs hold plain mappings, lists, strings, numbers, booleans "
+                                 "and null")
 
     def scalar(self, node: ScalarNode, path: tuple) -> Any:
         if node.tag == _TIMESTAMP:
             return node.value
         if node.tag == _CORE + "str" and not node.style and _YAML12_FLOAT.fullmatch(node.value):
-            return float(node.value)   # plain (unquoted) only: a quoted "1e-3" stays the string it says
+            # plain (unquoted) only: a quoted "1e-3" stays the string it says
+            return float(node.value)
         if node.tag not in _SCALAR_TAGS:
             self.check_tag(node, _CORE + "str", path)
         try:
             return self.scalars.construct_object(node, deep=True)
         except yaml.YAMLError as err:
-            raise self.fail(node, f"bad YAML value: {getattr(err, 'problem', err)}", path=path) from None
+            raise self.fail(node, f"bad YAML value: {getattr(err, 'problem', err)}",
+                            path=path) from None
 
     def mapping(self, node: MappingNode, path: tuple, depth: int) -> dict:
         out: dict = {}
@@ -258,8 +272,10 @@ class _Builder:
             kpos = self.pos(key_node)
             if key in explicit:
                 first = explicit[key]
-                raise spec_error(f"duplicate key `{key}` (first defined at line {first.line}, column {first.col})",
-                                 path=path + (key,), file=kpos.file, line=kpos.line, column=kpos.col,
+                raise spec_error(f"duplicate key `{key}` (first defined at line {first.line}, "
+                                 f"column {first.col})",
+                                 path=path + (key,), file=kpos.file, line=kpos.line,
+                                 column=kpos.col,
                                  hint="keep only one of them; YAML would silently use the last")
             explicit[key] = kpos
             self.key_positions[path + (key,)] = kpos
@@ -279,7 +295,8 @@ class _Builder:
 
     def key(self, key_node: Node, path: tuple) -> str:
         if not isinstance(key_node, ScalarNode):
-            raise self.fail(key_node, "mapping keys must be plain words, not lists or mappings", path=path)
+            raise self.fail(key_node, "mapping keys must be plain words, not lists or mappings",
+                            path=path)
         if key_node.tag not in _SCALAR_TAGS | {_TIMESTAMP}:
             self.check_tag(key_node, _CORE + "str", path)
         self.visited += 1
@@ -299,24 +316,30 @@ def _load_with_bases(display: str, chain: tuple) -> LoadedSpec:
     if not isinstance(value, dict):
         kind = "empty" if value is None else f"a {type_name(value)}"
         raise spec_error(f"the top level of a job spec must be a mapping, but this file is {kind}",
-                         file=display, line=1, column=1, hint="start with `model:` and the other sections")
+                         file=display, line=1, column=1,
+                         hint="start with `model:` and the other sections")
     loaded = LoadedSpec(value, Path(display), text, positions, key_positions)
     base_ref = value.get("extends")
     if base_ref is None:
         return loaded
     where = positions[("extends",)]   # the key is in the file: it has a position
     if not isinstance(base_ref, str) or not base_ref.strip():
-        raise spec_error("`extends` must be the path of a base spec", path=("extends",), file=where.file,
-                         line=where.line, column=where.col, hint="e.g. `extends: base.yaml` (relative to this file)")
-    base_display = os.path.normpath(os.path.join(os.path.dirname(display), os.path.expanduser(base_ref)))
+        raise spec_error("`extends` must be the path of a base spec", path=("extends",),
+                         file=where.file,
+                         line=where.line, column=where.col,
+                         hint="e.g. `extends: base.yaml` (relative to this file)")
+    base_display = os.path.normpath(os.path.join(os.path.dirname(display),
+                                                 os.path.expanduser(base_ref)))
     me = os.path.realpath(display)
     if os.path.realpath(base_display) in chain + (me,):
         names = " -> ".join([*(os.path.basename(c) for c in chain), os.path.basename(me), base_ref])
-        raise spec_error(f"`extends` cycle: {names}", path=("extends",), file=where.file, line=where.line,
-                         column=where.col, hint="a base spec must not extend the files that extend it")
+        raise spec_error(f"`extends` cycle: {names}", path=("extends",), file=where.file,
+                         line=where.line,
+                         column=where.col,
+                         hint="a base spec must not extend the files that extend it")
     if not os.path.isfile(base_display):
-        raise spec_error(f"base spec `{base_ref}` not found (looked for {base_display})", path=("extends",),
-                         file=where.file, line=where.line, column=where.col,
+        raise spec_error(f"base spec `{base_ref}` not found (looked for {base_display})",
+                         path=("extends",), file=where.file, line=where.line, column=where.col,
                          hint="`extends` is relative to the file that contains it")
     base = _load_with_bases(base_display, chain + (me,))
     return merge_loaded(base, loaded)
@@ -347,9 +370,10 @@ def deep_merge(base: Any, over: Any) -> Any:
 
 
 def dotted_leaves(value: Any, prefix: str = "") -> dict[str, Any]:
-    """{`model.config.hidden_size`: value} for every leaf of nested mappings; lists, scalars and empty
-    mappings are leaves. One walk for the MLflow params (tracking/run.flatten) and the checkpoints'
-    fingerprint (launch/fingerprint.flat), which then write the leaves each their own way."""
+    """{`model.config.hidden_size`: value} for every leaf of nested mappings; lists, scalars and
+    empty mappings are leaves. One walk for the MLflow params (tracking/run.flatten) and the
+    checkpoints' fingerprint (launch/fingerprint.flat), which then write the leaves each their own
+    way."""
     if isinstance(value, dict) and value:
         out: dict[str, Any] = {}
         for key, child in value.items():

@@ -23,8 +23,8 @@ from jobspec.spec.schema import (
 
 
 def apply_overrides(loaded: LoadedSpec, overrides: Iterable[str]) -> LoadedSpec:
-    """Apply `a.b.c=VALUE` overrides to `loaded` in order (it is changed and returned); every bad one
-    is reported, together."""
+    """Apply `a.b.c=VALUE` overrides to `loaded` in order (it is changed and returned); every bad
+    one is reported, together."""
     issues: list[SpecIssue] = []
     for index, override in enumerate(overrides, start=1):
         where = Position(SET_FILE, 1, index)
@@ -79,13 +79,15 @@ def _schema_for_override(keys: tuple, fail: Callable[..., SpecError]) -> dict:
         extra = branch.get("additionalProperties", True)
         if key in props:
             node = props[key]
-        elif branch.get("type") in ("object", None) and "properties" not in branch and extra is not False:
-            node = extra if isinstance(extra, dict) else {}   # free-form: model.config, deepspeed, tags
+        elif branch.get("type") in ("object", None) and "properties" not in branch \
+                and extra is not False:
+            # free-form: model.config, deepspeed, tags
+            node = extra if isinstance(extra, dict) else {}
         else:
             here = ".".join(keys[:depth]) or "the top level"
             if not props:
-                raise fail(f"`{'.'.join(keys[:depth])}` is not a mapping", "set the whole value instead",
-                           keys[:depth + 1])
+                raise fail(f"`{'.'.join(keys[:depth])}` is not a mapping",
+                           "set the whole value instead", keys[:depth + 1])
             hint = did_you_mean(key, list(props), f"keys under {here}",
                                 prefix="".join(f"{k}." for k in keys[:depth]))
             raise fail(f"unknown key `{key}` under {here}", hint, keys[:depth + 1])
@@ -98,7 +100,8 @@ def _typed(value: Any, raw: str, node: dict, keys: tuple, fail: Callable[..., Sp
         return value
     if "string" in types:
         return raw.strip()   # `--set name=007` means the string "007"
-    numeric = isinstance(value, str) and ("number" in types or "integer" in types) and _is_number(value)
+    numeric = isinstance(value, str) and ("number" in types or "integer" in types) \
+        and _is_number(value)
     raise fail(f"expected {types_text(types)}, got {type_name(value)} `{raw.strip()}`",
                "write the number without quotes" if numeric else "pass a value of that type", keys)
 
@@ -118,7 +121,8 @@ def _set_value(loaded: LoadedSpec, keys: tuple, value: Any, where: Position) -> 
         existing = target.get(key)
         # --set memory.activation_checkpointing.every_n_layers=2 turns an absent, null or `true`
         # value into a mapping when the schema allows one there.
-        if existing is None or (not isinstance(existing, dict) and object_branch(subschema_at(prefix) or {})):
+        if existing is None \
+                or (not isinstance(existing, dict) and object_branch(subschema_at(prefix) or {})):
             target[key] = {}
             for table in (loaded.positions, loaded.key_positions):
                 table[prefix] = where

@@ -16,7 +16,8 @@ from jobspec.spec.types import JobSpec
 
 _CANDIDATES = (
     Path(__file__).resolve().parents[2] / "schemas" / "jobspec.schema.json",  # source checkout
-    Path(__file__).resolve().parents[1] / "_schemas" / "jobspec.schema.json",         # installed wheel
+    # installed wheel
+    Path(__file__).resolve().parents[1] / "_schemas" / "jobspec.schema.json",
 )
 
 
@@ -29,7 +30,8 @@ def schema_path() -> Path:
 
 @lru_cache(maxsize=1)
 def shared_schema() -> dict:
-    """The schema, parsed once per process and shared: read it, never change it (load_schema copies)."""
+    """The schema, parsed once per process and shared: read it, never change it (load_schema
+    copies)."""
     schema: dict = json.loads(schema_path().read_text(encoding="utf-8"))
     return schema
 
@@ -77,8 +79,8 @@ def subschema_at(path: tuple | list, schema: dict | None = None) -> dict | None:
 
 
 def filled_spec(spec: Mapping[str, Any]) -> JobSpec:
-    """`spec` (a spec as written, or a resolved.yaml an older jobspec wrote) with every default filled:
-    the one way a plain mapping becomes a JobSpec (jobspec/spec/types.py)."""
+    """`spec` (a spec as written, or a resolved.yaml an older jobspec wrote) with every default
+    filled: the one way a plain mapping becomes a JobSpec (jobspec/spec/types.py)."""
     return cast(JobSpec, fill_defaults(spec))
 
 
@@ -86,7 +88,8 @@ def fill_defaults(spec: Mapping[str, Any], schema: dict | None = None) -> dict:
     """A copy of `spec` with every missing field set to its schema default, recursively.
 
     Objects that are present (or default to `{}`) get their own fields' defaults filled;
-    a field whose value is null or a non-object (e.g. `activation_checkpointing: true`) is left as is.
+    a field whose value is null or a non-object (e.g. `activation_checkpointing: true`) is left as
+    is.
     """
     node = shared_schema() if schema is None else schema
     filled: dict = _fill(copy.deepcopy(spec), node)
@@ -141,7 +144,8 @@ def has_type(value: Any, types: list[str]) -> bool:
     return any(_TYPE_CHECKS[t](value) for t in types)
 
 
-_TYPE_WORDS = {"object": "a mapping", "array": "a list", "string": "a string", "integer": "an integer",
+_TYPE_WORDS = {"object": "a mapping", "array": "a list", "string": "a string",
+               "integer": "an integer",
                "number": "a number", "boolean": "true or false", "null": "null"}
 
 

@@ -29,8 +29,8 @@ class JobSpecModelQuantization(TypedDict):
 
 
 class JobSpecModel(TypedDict):
-    """The model to train: a hub id or local directory (`name_or_path`), or an architecture built from a
-    config with random weights (`architecture` + `config`).
+    """The model to train: a hub id or local directory (`name_or_path`), or an architecture built
+    from a config with random weights (`architecture` + `config`).
     """
     name_or_path: str | None
     architecture: str | None
@@ -56,8 +56,8 @@ class JobSpecDataSynthetic(TypedDict):
 
 
 class JobSpecData(TypedDict):
-    """Training and evaluation data: local files (records or plain text), datasets by name, or synthetic
-    random tokens.
+    """Training and evaluation data: local files (records or plain text), datasets by name, or
+    synthetic random tokens.
     """
     train: str | None
     eval: str | None
@@ -243,9 +243,10 @@ class JobSpecLoggingMlflow(TypedDict):
 
 
 class JobSpecLoggingTensorboard(TypedDict):
-    """TensorBoard event files, written beside MLflow (or instead of it) for `tensorboard --logdir`: every
-    metric row as scalars by step (rank 0's metrics.jsonl, the same points MLflow gets), the resolved
-    spec and the DeepSpeed config as text, and the run's settings and final status in the HParams tab.
+    """TensorBoard event files, written beside MLflow (or instead of it) for `tensorboard --logdir`:
+    every metric row as scalars by step (rank 0's metrics.jsonl, the same points MLflow gets), the
+    resolved spec and the DeepSpeed config as text, and the run's settings and final status in the
+    HParams tab.
     """
     enabled: bool
 
@@ -270,9 +271,9 @@ class JobSpecCheckpoint(TypedDict):
 
 
 class JobSpecExport(TypedDict):
-    """The trained model as a Hugging Face directory that `AutoModelFor<task>.from_pretrained` loads:
-    config.json, safetensors weights, the tokenizer (when the job has one) and a README.md model card
-    with the job spec and the metrics.
+    """The trained model as a Hugging Face directory that `AutoModelFor<task>.from_pretrained`
+    loads: config.json, safetensors weights, the tokenizer (when the job has one) and a README.md
+    model card with the job spec and the metrics.
     """
     final: bool
     adapter: Literal["merged", "adapter", "both"]

@@ -107,7 +107,8 @@ class ResolvedSpec:
     def locate(self, error: SpecError) -> SpecError:
         """`error` with a file:line:col for each issue raised without one (e.g. by the compiler)."""
         located = [issue if issue.file is not None else
-                   self.issue(issue.path, issue.message, issue.hint, code=issue.code) for issue in error.issues]
+                   self.issue(issue.path, issue.message, issue.hint, code=issue.code)
+                   for issue in error.issues]
         return SpecError(located)
 
 
@@ -121,9 +122,10 @@ def validate_spec(loaded: LoadedSpec) -> ResolvedSpec:
     data records, which run on a schema-valid spec. Unknown keys (a `trainig:` typo) are set aside
     for them, as no rule reads such a key; a value of the wrong type or not among the choices stops
     them, since they would judge a value that was not written."""
-    # the schema checks run on the spec as written (not yet a JobSpec: filled_spec makes it one below)
-    resolved = ResolvedSpec(cast(JobSpec, loaded.spec), loaded.source, loaded.text, loaded.positions,
-                            loaded.key_positions)
+    # the schema checks run on the spec as written (not yet a JobSpec: filled_spec makes it one
+    # below)
+    resolved = ResolvedSpec(cast(JobSpec, loaded.spec), loaded.source, loaded.text,
+                            loaded.positions, loaded.key_positions)
     issues = schema_issues(resolved) + coded(freeform_issues(resolved), "freeform")
     if issues:
         aside = _without_unknown_keys(resolved, issues)
@@ -143,8 +145,8 @@ def validate_spec(loaded: LoadedSpec) -> ResolvedSpec:
 def _rule_issues(resolved: ResolvedSpec) -> list[SpecIssue]:
     """The checks after the schema, in order, each on a spec the ones before it passed: defaults
     filled and the cross-field rules, paths resolved and the system locations, every record of the
-    local data files (data/record_checks: each bad one at its file:line, up to 20 a file). `resolved`
-    becomes the resolved spec; [] when all pass."""
+    local data files (data/record_checks: each bad one at its file:line, up to 20 a file).
+    `resolved` becomes the resolved spec; [] when all pass."""
     resolved.spec = filled_spec(resolved.spec)
     model_type.fill_attention(resolved)   # left out: the best the model supports (sdpa, else eager)
     issues = cross_field_issues(resolved)
@@ -184,8 +186,9 @@ def _without_unknown_keys(resolved: ResolvedSpec, issues: list[SpecIssue]) -> Re
 
 def recheck(resolved: ResolvedSpec) -> ResolvedSpec:
     """Every rule again, on a resolved spec changed after validation (`memory.fit: auto`'s rewrite):
-    the schema, model.config / deepspeed:, the cross-field rules and the system locations, positioned
-    at the written field (or its nearest written ancestor). Returns `resolved`; SpecError otherwise."""
+    the schema, model.config / deepspeed:, the cross-field rules and the system locations,
+    positioned at the written field (or its nearest written ancestor). Returns `resolved`; SpecError
+    otherwise."""
     issues = schema_issues(resolved) + coded(freeform_issues(resolved), "freeform")
     if not issues:
         issues = cross_field_issues(resolved) + system_location_issues(resolved)
@@ -215,16 +218,19 @@ def schema_issues(resolved: ResolvedSpec) -> list[SpecIssue]:
 
 
 # the rule code of a schema error, by the JSON Schema keyword that failed (`schema-<code>`)
-_SCHEMA_CODES = {"additionalProperties": "unknown-key", "enum": "enum", "type": "type", "oneOf": "type",
-                 "required": "required", "minimum": "range", "maximum": "range", "exclusiveMinimum": "range",
-                 "exclusiveMaximum": "range", "minItems": "items", "maxItems": "items", "minLength": "empty",
-                 "pattern": "pattern"}
+_SCHEMA_CODES = {"additionalProperties": "unknown-key", "enum": "enum", "type": "type",
+                 "oneOf": "type",
+                 "required": "required", "minimum": "range", "maximum": "range",
+                 "exclusiveMinimum": "range",
+                 "exclusiveMaximum": "range", "minItems": "items", "maxItems": "items",
+                 "minLength": "empty", "pattern": "pattern"}
 
 
 def _explain(error: Any, resolved: ResolvedSpec) -> list[SpecIssue]:
-    """The issues of one schema error, coded `schema-<code>` by the keyword that failed (a oneOf's by
-    its branch's)."""
-    return coded(_explain_error(error, resolved), f"schema-{_SCHEMA_CODES.get(error.validator, 'other')}")
+    """The issues of one schema error, coded `schema-<code>` by the keyword that failed (a oneOf's
+    by its branch's)."""
+    return coded(_explain_error(error, resolved),
+                 f"schema-{_SCHEMA_CODES.get(error.validator, 'other')}")
 
 
 def _explain_error(error: Any, resolved: ResolvedSpec) -> list[SpecIssue]:
@@ -232,16 +238,16 @@ def _explain_error(error: Any, resolved: ResolvedSpec) -> list[SpecIssue]:
     kind, value, schema = error.validator, error.instance, error.schema
     if kind == "additionalProperties":
         allowed = list(schema.get("properties", {}))
-        return [resolved.issue(path + (key,), f"unknown key `{key}`", did_you_mean(key, allowed, "keys here", beside=6),
-                               key=True)
+        return [resolved.issue(path + (key,), f"unknown key `{key}`",
+                               did_you_mean(key, allowed, "keys here", beside=6), key=True)
                 for key in value if key not in allowed]
     if kind == "oneOf":
         return _explain_one_of(error, resolved)
     field_schema = subschema_at(path) or {}
     if kind == "enum":
         return [resolved.issue(path, f"`{value}` is not an allowed value",
-                               did_you_mean(str(value), [str(v) for v in error.validator_value], "allowed",
-                                            beside=6))]
+                               did_you_mean(str(value), [str(v) for v in error.validator_value],
+                                            "allowed", beside=6))]
     if kind == "type":
         expected = error.validator_value
         expected = [expected] if isinstance(expected, str) else expected
@@ -250,14 +256,16 @@ def _explain_error(error: Any, resolved: ResolvedSpec) -> list[SpecIssue]:
     if kind == "required":
         missing = [k for k in error.validator_value if k not in value]
         return [resolved.issue(path + (k,), f"missing required section `{k}`",
-                               _first_sentence(subschema_at(path + (k,)) or {}), key=True) for k in missing]
+                               _first_sentence(subschema_at(path + (k,)) or {}), key=True)
+                for k in missing]
     bounds = {"minimum": ">=", "maximum": "<=", "exclusiveMinimum": ">", "exclusiveMaximum": "<"}
     if kind in bounds:
         return [resolved.issue(path, f"must be {bounds[kind]} {error.validator_value}, got {value}",
                                _first_sentence(field_schema))]
     if kind in ("minItems", "maxItems"):
         word = "at least" if kind == "minItems" else "at most"
-        return [resolved.issue(path, f"needs {word} {error.validator_value} item(s), got {len(value)}",
+        return [resolved.issue(path,
+                               f"needs {word} {error.validator_value} item(s), got {len(value)}",
                                _first_sentence(field_schema))]
     if kind == "minLength":
         return [resolved.issue(path, "must not be empty", _first_sentence(field_schema))]
@@ -316,7 +324,8 @@ CROSS_FIELD_RULES: tuple[Rule, ...] = (
     data_sources.data_source_issues,
     batch.batch_split_issues,
     offload.offload_issues,
-    optimizers.rule_issues,                  # each optimizer's own: offload, Adam fields, `momentum`
+    # each optimizer's own: offload, Adam fields, `momentum`
+    optimizers.rule_issues,
     packing.packing_issues,
     sequence_parallel.sequence_parallel_issues,   # memory.sequence_parallel: what Ulysses can wrap
     precision.flash_attention_issues,
@@ -324,7 +333,8 @@ CROSS_FIELD_RULES: tuple[Rule, ...] = (
     activation_checkpointing.every_n_layers_issues,
     data.data_rule_issues,                   # positions, formats, tokenizer, chat template
     lora.lora_issues,                        # model.lora / model.quantization / export.adapter
-    model_type.model_type_issues,            # the task's head, LoRA module names, token ids (spec/model_table)
+    # the task's head, LoRA module names, token ids (spec/model_table)
+    model_type.model_type_issues,
     quantized_base.quantized_zero_issues,    # QLoRA: ZeRO 0-2 only (spec/rules/quantized_base)
     precision.auto_cast_issues,
     generation.eval_generate_issues,         # training.eval_generate: causal-lm, prompts, room
@@ -338,7 +348,8 @@ CROSS_FIELD_RULES: tuple[Rule, ...] = (
 
 
 def cross_field_issues(r: ResolvedSpec) -> list[SpecIssue]:
-    """Rules one field's schema cannot express, on the defaults-filled spec: every rule's problems."""
+    """Rules one field's schema cannot express, on the defaults-filled spec: every rule's
+    problems."""
     return [issue for rule in CROSS_FIELD_RULES for issue in rule(r)]
 
 
@@ -366,7 +377,8 @@ def resolve_paths(r: ResolvedSpec) -> None:
         elif get(s, path) is not None:
             _put(s, path, str(local_path(r, path)))
     generate = s["training"].get("eval_generate")
-    if generate and isinstance(generate["prompts"], str):   # a prompts file, relative to the spec file
+    # a prompts file, relative to the spec file
+    if generate and isinstance(generate["prompts"], str):
         generate["prompts"] = str(local_path(r, ("training", "eval_generate", "prompts")))
     # Hub ids and local directories look alike: only an existing local path is made absolute.
     for path in (("data", "tokenizer"), ("model", "name_or_path"), ("checkpoint", "resume")):
@@ -375,7 +387,8 @@ def resolve_paths(r: ResolvedSpec) -> None:
             _put(s, path, str(local_path(r, path)))
     if s["logging"]["mlflow"]["experiment"] is None:
         s["logging"]["mlflow"]["experiment"] = s["name"]
-    if not s["logging"]["mlflow"]["enabled"]:   # the schema's default (true) is for a job with a run
+    # the schema's default (true) is for a job with a run
+    if not s["logging"]["mlflow"]["enabled"]:
         s["logging"]["system_metrics"] = False
     output_dir = s["output_dir"]
     if output_dir is None:
@@ -385,24 +398,31 @@ def resolve_paths(r: ResolvedSpec) -> None:
 
 
 # Writing checkpoints or runs here would damage the system (or, as root, succeed at it).
-SYSTEM_TREES = ("/etc", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/boot", "/proc", "/sys", "/dev")
-SYSTEM_DIRS = ("/", "/var", "/home", "/root", "/opt", "/run", "/mnt", "/media", "/srv")  # not below them
-WRITTEN_DIRS = (("output_dir",), ("checkpoint", "dir"), ("memory", "offload", "nvme_path"), ("export", "dir"))
+SYSTEM_TREES = ("/etc", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/boot", "/proc",
+                "/sys", "/dev")
+# not below them
+SYSTEM_DIRS = ("/", "/var", "/home", "/root", "/opt", "/run", "/mnt", "/media", "/srv")
+WRITTEN_DIRS = (("output_dir",), ("checkpoint", "dir"), ("memory", "offload", "nvme_path"),
+                ("export", "dir"))
 
 
 def system_location_issues(r: ResolvedSpec) -> list[SpecIssue]:
-    """Directories jobspec writes into must not be, or lie in, a system location (symlinks followed)."""
+    """Directories jobspec writes into must not be, or lie in, a system location (symlinks
+    followed)."""
     issues = []
     for path in WRITTEN_DIRS:
         value = get(r.spec, path)
         if value is None:
             continue
         for candidate in {os.path.normpath(value), os.path.realpath(value)}:
-            tree = next((t for t in SYSTEM_TREES if candidate == t or candidate.startswith(t + "/")), None)
+            tree = next((t for t in SYSTEM_TREES if candidate == t
+                         or candidate.startswith(t + "/")), None)
             if tree is not None or candidate in SYSTEM_DIRS:
-                where = f"is inside {tree}" if tree and candidate != tree else "is a system directory"
+                where = f"is inside {tree}" if tree and candidate != tree \
+                    else "is a system directory"
                 issues.append(r.issue(path, f"{candidate} {where}; jobspec will not write there",
-                                      "use a directory of your own, e.g. under your home or a project directory",
+                                      "use a directory of your own, e.g. under your home or a "
+                                      "project directory",
                                       code="system-directory"))
                 break
     return issues

@@ -1,8 +1,8 @@
 """`sequence-classification`: one class per sample (sentiment, topic).
 
-Head AutoModelForSequenceClassification (`model.num_labels` classes); labels one class id per sample,
-from `data.label_field` (names numbered in sorted order); loss the head's cross-entropy over the
-classes; metrics accuracy and macro-F1 from a confusion matrix of the argmax of the logits.
+Head AutoModelForSequenceClassification (`model.num_labels` classes); labels one class id per
+sample, from `data.label_field` (names numbered in sorted order); loss the head's cross-entropy over
+the classes; metrics accuracy and macro-F1 from a confusion matrix of the argmax of the logits.
 """
 from jobspec.tasks.base import CLASS, CONFUSION, Task
 

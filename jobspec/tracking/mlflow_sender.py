@@ -1,7 +1,7 @@
-"""Rank 0's metrics to the job's MLflow run: the MLflow tracker's MetricWriter (tracking/base.py). The
-metrics sink (tracking/sink.py) has written each row to metrics.jsonl already; a background thread sends
-the rows here, so the training loop never waits for the tracking server and nothing is lost while it
-is down (`jobspec sync` uploads what the thread could not).
+"""Rank 0's metrics to the job's MLflow run: the MLflow tracker's MetricWriter (tracking/base.py).
+The metrics sink (tracking/sink.py) has written each row to metrics.jsonl already; a background
+thread sends the rows here, so the training loop never waits for the tracking server and nothing is
+lost while it is down (`jobspec sync` uploads what the thread could not).
 """
 from __future__ import annotations
 
@@ -15,13 +15,20 @@ from jobspec import rundir
 from jobspec.errors import first_line
 from jobspec.secrets import mask_secrets
 from jobspec.tracking import generations, sync
-from jobspec.tracking.run import MAX_METRICS_PER_BATCH, MAX_PARAM_VALUE_CHARS, client_for, flatten, param_batches
+from jobspec.tracking.run import (
+    MAX_METRICS_PER_BATCH,
+    MAX_PARAM_VALUE_CHARS,
+    client_for,
+    flatten,
+    param_batches,
+)
 
 log = logging.getLogger("jobspec.tracking")
 
 RETRY_FIRST_S, RETRY_MAX_S = 0.5, 10.0  # backoff between attempts of a batch (no attempt limit)
 MAX_PENDING_POINTS = 200_000     # queued in memory while MLflow is down; beyond, metrics.jsonl only
-SEND_INTERVAL_S = 5.0            # at most one metrics log_batch per 5 s (points coalesced; close flushes)
+# at most one metrics log_batch per 5 s (points coalesced; close flushes)
+SEND_INTERVAL_S = 5.0
 
 
 class MlflowSender:
@@ -33,9 +40,11 @@ class MlflowSender:
     from there when the server is back (`jobspec sync RUN_DIR` does it later if it never is).
     """
 
-    def __init__(self, run_dir: Path, client=None, run_id: str | None = None, tracking_uri: str | None = None):
-        """`client`, or `tracking_uri` for one the sender thread makes itself: importing mlflow takes
-        1-2 s of CPU, which then overlaps the first training steps instead of delaying them."""
+    def __init__(self, run_dir: Path, client=None, run_id: str | None = None,
+                 tracking_uri: str | None = None):
+        """`client`, or `tracking_uri` for one the sender thread makes itself: importing mlflow
+        takes 1-2 s of CPU, which then overlaps the first training steps instead of delaying
+        them."""
         if client is None and tracking_uri is None:
             raise ValueError("MlflowSender: a client or a tracking URI")
         self.run_dir = Path(run_dir)
@@ -47,13 +56,15 @@ class MlflowSender:
         self._queue: queue.Queue = queue.Queue()
         self._give_up_at: float | None = None
         self._wake = threading.Event()
-        self._thread = threading.Thread(target=self._send_loop, name="jobspec-metric-sink", daemon=True)
+        self._thread = threading.Thread(target=self._send_loop, name="jobspec-metric-sink",
+                                        daemon=True)
         self._thread.start()
 
     @classmethod
     def for_run_dir(cls, run_dir: Path) -> "MlflowSender | None":
-        """A sender into the run of `run_dir/mlflow_run.json`; None without that file (MLflow off, or
-        an optional server that was down at launch: metrics.jsonl then holds everything for `sync`)."""
+        """A sender into the run of `run_dir/mlflow_run.json`; None without that file (MLflow off,
+        or an optional server that was down at launch: metrics.jsonl then holds everything for
+        `sync`)."""
         info = rundir.read_mlflow_run(run_dir)
         if info is None:
             return None
@@ -68,8 +79,8 @@ class MlflowSender:
 
     def log_params(self, params: dict) -> None:
         # nothing to log is nothing sent: flatten({}) is {"": "{}"}, a key MLflow rejects, and the
-        # sender would retry it until close() gives up (30 s at the end of every run, past the SIGKILL
-        # Slurm sends KillWait seconds after a scancel's SIGTERM)
+        # sender would retry it until close() gives up (30 s at the end of every run, past the
+        # SIGKILL Slurm sends KillWait seconds after a scancel's SIGTERM)
         if params:
             self._queue.put(("params", flatten(params), None, None))
 
@@ -79,7 +90,8 @@ class MlflowSender:
         self._queue.put(("table", [dict(row) for row in rows], int(step), None))
 
     def set_tags(self, tags: dict) -> None:
-        self._queue.put(("tags", {k: mask_secrets(str(v))[:MAX_PARAM_VALUE_CHARS] for k, v in tags.items()},
+        self._queue.put(("tags",
+                         {k: mask_secrets(str(v))[:MAX_PARAM_VALUE_CHARS] for k, v in tags.items()},
                          None, None))
 
     def close(self, timeout: float = 30) -> None:
@@ -88,7 +100,8 @@ class MlflowSender:
         self._queue.put(None)
         self._wake.set()  # cut a long backoff short: try now, then until the deadline
         self._thread.join(timeout + 15)  # + one HTTP request's timeout and retries
-        if self.spilled and not self.dropped and self.run_id is not None and time.monotonic() < self._give_up_at:
+        if self.spilled and not self.dropped and self.run_id is not None \
+                and time.monotonic() < self._give_up_at:
             try:   # metrics.jsonl has them: the sink wrote every row there before handing it on
                 self.spilled -= sync.upload_missing(self.client, self.run_id, self.run_dir)
             except Exception as err:
@@ -101,7 +114,8 @@ class MlflowSender:
     def _send_loop(self) -> None:
         if self.client is None:
             if self._uri is None:
-                raise RuntimeError("MlflowSender: neither a client nor a tracking URI")   # __init__ checks
+                # __init__ checks
+                raise RuntimeError("MlflowSender: neither a client nor a tracking URI")
             self.client = client_for(self._uri)
         from mlflow.entities import Metric, Param, RunTag
         last_sent = -SEND_INTERVAL_S
@@ -122,7 +136,8 @@ class MlflowSender:
             metrics: list = []
             for item in items:
                 if item is None or item[0] != "metrics":
-                    self._send_metrics(metrics)  # in order: points queued before params/tags go first
+                    # in order: points queued before params/tags go first
+                    self._send_metrics(metrics)
                     metrics = []
                 if item is None:
                     return
@@ -133,7 +148,8 @@ class MlflowSender:
                 elif kind == "tags":
                     self._send(tags=[RunTag(k, v) for k, v in payload.items()])
                 elif kind == "table":
-                    self._retry(lambda rows=payload, at=step: generations.log_table(self.client, str(self.run_id),
+                    self._retry(lambda rows=payload,
+                                at=step: generations.log_table(self.client, str(self.run_id),
                                                                                       at, rows))
                 else:
                     metrics += [Metric(k, v, timestamp, step) for k, v in payload.items()]
@@ -150,23 +166,26 @@ class MlflowSender:
             self._pending -= len(chunk)
 
     def _send(self, **batch) -> bool:
-        """Retry one batch with backoff until it is sent (True) or `close`'s deadline passes (False)."""
+        """Retry one batch with backoff until it is sent (True) or `close`'s deadline passes
+        (False)."""
         return self._retry(lambda: self.client.log_batch(self.run_id, synchronous=True, **batch))
 
     def _retry(self, call) -> bool:
-        """Retry `call` with backoff until it succeeds (True) or `close`'s deadline passes (False)."""
+        """Retry `call` with backoff until it succeeds (True) or `close`'s deadline passes
+        (False)."""
         delay, attempts = RETRY_FIRST_S, 0
         while True:
             try:
                 call()
                 if attempts:
-                    log.warning("MLflow sink: tracking server reachable again after %d failed attempts", attempts)
+                    log.warning("MLflow sink: tracking server reachable again after %d failed "
+                                "attempts", attempts)
                 return True
             except Exception as err:
                 attempts += 1
                 if attempts == 1 or attempts % 20 == 0:
-                    log.warning("MLflow sink: sending failed (attempt %d, retrying; metrics.jsonl has every "
-                                "point): %s", attempts, first_line(err))
+                    log.warning("MLflow sink: sending failed (attempt %d, retrying; metrics.jsonl "
+                                "has every point): %s", attempts, first_line(err))
             if self._give_up_at is not None and time.monotonic() >= self._give_up_at:
                 return False
             if self._wake.wait(delay):

@@ -2,8 +2,8 @@
 that hold what only MLflow has: the run created or reopened with its name, experiment, params, tags
 and artifacts (tracking/run.py), rank 0's background sender (tracking/mlflow_sender.py), generation
 tables, system metrics, orphaned runs and `jobspec sync`. The launcher's own MLflow steps (the
-rendezvous in mlflow_run.json, the header's links, the model registry, the run's description) use the
-TrackedRun that `start` returns (launch/tracking.py, launch/pipeline.py, export/artifacts.py).
+rendezvous in mlflow_run.json, the header's links, the model registry, the run's description) use
+the TrackedRun that `start` returns (launch/tracking.py, launch/pipeline.py, export/artifacts.py).
 """
 from __future__ import annotations
 
@@ -27,21 +27,22 @@ class MlflowTracker:
     name = "mlflow"
 
     def start(self, run: RunStart) -> tracking_run.TrackedRun | None:
-        """The MLflow run (plan params, the run-directory tag), or None when the server is unreachable
-        and `required: false`; RunFailure when it is required."""
+        """The MLflow run (plan params, the run-directory tag), or None when the server is
+        unreachable and `required: false`; RunFailure when it is required."""
         settings = run.spec["logging"]["mlflow"]
         try:
             tracking_run.probe(settings["tracking_uri"])
-            tracked = tracking_run.start_run(run.spec, run.launch, run.derived, run.spec_text, run.run_dir,
-                                             resume_run_id=run.resume_run_id)
+            tracked = tracking_run.start_run(run.spec, run.launch, run.derived, run.spec_text,
+                                             run.run_dir, resume_run_id=run.resume_run_id)
         except tracking_run.TrackingUnavailable as err:
             uri = mask_secrets(settings["tracking_uri"])
             if settings["required"]:
-                raise RunFailure(f"MLflow tracking at {uri} is unavailable: {err}; start the server, fix "
-                                 "logging.mlflow.tracking_uri, or set logging.mlflow.required: false to run with "
-                                 "metrics kept in metrics.jsonl") from None
-            log.warning("MLflow tracking at %s is unavailable (%s); continuing, metrics go to %s", uri, err,
-                        run.run_dir / rundir.METRICS)
+                raise RunFailure(f"MLflow tracking at {uri} is unavailable: {err}; start the "
+                                 "server, fix logging.mlflow.tracking_uri, or set "
+                                 "logging.mlflow.required: false to run with metrics kept in "
+                                 "metrics.jsonl") from None
+            log.warning("MLflow tracking at %s is unavailable (%s); continuing, metrics go to %s",
+                        uri, err, run.run_dir / rundir.METRICS)
             return None
         if run.params:   # next to the ranks' measured mem/* series: prediction error per run
             tracking_run.log_params(tracked, run.params)
@@ -49,11 +50,12 @@ class MlflowTracker:
         return tracked
 
     def end(self, started: tracking_run.TrackedRun, run_dir: Path, ending: Ending) -> None:
-        tracking_run.end_run(started, run_dir, status=ending.status, exit_code=ending.exit_code, tags=ending.tags())
+        tracking_run.end_run(started, run_dir, status=ending.status, exit_code=ending.exit_code,
+                             tags=ending.tags())
 
     def writer(self, run_dir: Path, spec: JobSpec | None) -> MlflowSender | None:
-        """The sender into the run of mlflow_run.json (rank 0 has waited for the launcher to write it,
-        or `mlflow_off`); None without a run."""
+        """The sender into the run of mlflow_run.json (rank 0 has waited for the launcher to write
+        it, or `mlflow_off`); None without a run."""
         return MlflowSender.for_run_dir(run_dir)
 
 

@@ -50,7 +50,8 @@ def short_keys(keys: list[str]) -> dict[str, str]:
         parts = key.split(".")
         for n in range(1, len(parts) + 1):
             tail = ".".join(parts[-n:])
-            if not any(other != key and (other == tail or other.endswith("." + tail)) for other in keys):
+            if not any(other != key and (other == tail or other.endswith("." + tail))
+                       for other in keys):
                 break
         out[key] = tail
     return out
@@ -75,7 +76,8 @@ def override_pairs(overrides) -> list[tuple[str, str]]:
 
 
 def differing_pairs(params: dict[str, str], previous: dict[str, str]) -> list[tuple[str, str]]:
-    """The spec's fields whose logged value differs from (or is absent in) an earlier run's params."""
+    """The spec's fields whose logged value differs from (or is absent in) an earlier run's
+    params."""
     return [(key, value) for key, value in sorted(params.items())
             if not ignored(key) and key in previous and previous[key] != value]
 
@@ -94,8 +96,10 @@ def run_name(spec: JobSpec, overrides=(), params: dict[str, str] | None = None,
     return name if len(name) <= MAX_RUN_NAME_CHARS else name[:MAX_RUN_NAME_CHARS - 1] + "…"
 
 
-def new_run_name(client, experiment_id: str, spec: JobSpec, overrides, params: dict[str, str]) -> str:
-    """`run_name`, asking the store for the job's previous run only when nothing else names this one."""
+def new_run_name(client, experiment_id: str, spec: JobSpec, overrides,
+                 params: dict[str, str]) -> str:
+    """`run_name`, asking the store for the job's previous run only when nothing else names this
+    one."""
     previous = None
     if not spec["logging"]["mlflow"]["run_name"] and not override_pairs(overrides):
         previous = previous_params(client, experiment_id, spec["name"])
@@ -103,7 +107,8 @@ def new_run_name(client, experiment_id: str, spec: JobSpec, overrides, params: d
 
 
 def previous_params(client, experiment_id: str, job: str) -> dict[str, str] | None:
-    """The params of the newest run of `job` in the experiment (one query); None when there is none."""
+    """The params of the newest run of `job` in the experiment (one query); None when there is
+    none."""
     if "'" in job:
         return None
     try:

@@ -10,7 +10,8 @@ from urllib.parse import unquote, urlsplit
 
 
 def local_store_path(uri: str) -> Path | None:
-    """The file (SQLite) or directory (file store) a local tracking URI names; None for anything else."""
+    """The file (SQLite) or directory (file store) a local tracking URI names; None for anything
+    else."""
     if uri.startswith("sqlite:///"):
         name = uri[len("sqlite:///"):].split("?", 1)[0]
         return None if name in ("", ":memory:") else Path(unquote(name))
@@ -23,7 +24,8 @@ def local_store_path(uri: str) -> Path | None:
 
 
 def missing_local_store(uri: str) -> Path | None:
-    """The absolute path of a local store that does not exist (a read would create it), else None."""
+    """The absolute path of a local store that does not exist (a read would create it), else
+    None."""
     path = local_store_path(uri)
     if path is None:
         return None

@@ -1,6 +1,7 @@
-"""metrics.jsonl -> MLflow: the points a run's MLflow copy lacks, uploaded into the same run (or a run
-created from the run directory when MLflow was unreachable at launch); a run left RUNNING because
-the server was down when the job ended is closed with the status of summary.json. Idempotent.
+"""metrics.jsonl -> MLflow: the points a run's MLflow copy lacks, uploaded into the same run (or a
+run created from the run directory when MLflow was unreachable at launch); a run left RUNNING
+because the server was down when the job ended is closed with the status of summary.json.
+Idempotent.
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ class SyncResult:
 
 
 def sync_run(run_dir: Path, tracking_uri: str | None = None) -> SyncResult:
-    """Upload what MLflow lacks of `run_dir`'s metrics; SpecError (exit 2) when MLflow cannot be used."""
+    """Upload what MLflow lacks of `run_dir`'s metrics; SpecError (exit 2) when MLflow cannot be
+    used."""
     run_dir = Path(run_dir).resolve()
     metrics_path = run_dir / rundir.METRICS
     if not metrics_path.is_file():
@@ -33,14 +35,18 @@ def sync_run(run_dir: Path, tracking_uri: str | None = None) -> SyncResult:
     try:
         tracked = open_or_create_run(run_dir, tracking_uri)
         sent = upload_missing(tracked.client, tracked.run_id, run_dir)
-        generations.upload_missing(tracked.client, tracked.run_id, run_dir)   # training.eval_generate's tables
+        # training.eval_generate's tables
+        generations.upload_missing(tracked.client, tracked.run_id, run_dir)
         closed = close_if_ended(tracked, run_dir)
     except tracking.TrackingUnavailable as err:
         raise spec_error(f"MLflow tracking is unavailable: {err}", file=str(run_dir),
-                         hint="start the server (or pass --tracking-uri) and run `jobspec sync` again") from None
-    except Exception as err:  # MlflowException, connection errors: the store cannot be used right now
+                         hint="start the server (or pass --tracking-uri) and run `jobspec sync` "
+                              "again") from None
+    # MlflowException, connection errors: the store cannot be used right now
+    except Exception as err:
         raise spec_error(f"MLflow tracking is unavailable: {first_line(err, limit=300)}",
-                         file=str(run_dir), hint="run `jobspec sync` again when the server is back") from None
+                         file=str(run_dir),
+                         hint="run `jobspec sync` again when the server is back") from None
     return SyncResult(tracked.run_id, sent, len(rundir.read_metric_points(run_dir)), closed)
 
 
@@ -56,14 +62,16 @@ def open_or_create_run(run_dir: Path, tracking_uri: str | None) -> tracking.Trac
     needed = (rundir.RESOLVED, rundir.LAUNCH, rundir.SPEC)
     missing = [name for name in needed if not (run_dir / name).is_file()]
     if missing:
-        raise spec_error(f"{run_dir} has no {rundir.MLFLOW_RUN} and lacks {', '.join(missing)} to create one",
+        raise spec_error(f"{run_dir} has no {rundir.MLFLOW_RUN} and lacks {', '.join(missing)} to "
+                         "create one",
                          file=str(run_dir), hint="pass a run directory written by `jobspec launch`")
     spec = rundir.read_resolved(run_dir)
     launch = rundir.read_launch(run_dir)
     if tracking_uri:
         spec["logging"]["mlflow"]["tracking_uri"] = tracking_uri
     tracking.probe(spec["logging"]["mlflow"]["tracking_uri"])
-    return tracking.start_run(spec, launch, launch.get("derived", {}), rundir.read_spec_text(run_dir), run_dir)
+    return tracking.start_run(spec, launch, launch.get("derived", {}),
+                              rundir.read_spec_text(run_dir), run_dir)
 
 
 def close_if_ended(tracked: tracking.TrackedRun, run_dir: Path) -> str | None:
@@ -76,7 +84,8 @@ def close_if_ended(tracked: tracking.TrackedRun, run_dir: Path) -> str | None:
 
 
 def upload_missing(client, run_id: str, run_dir: Path) -> int:
-    """Send the points of metrics.jsonl that the run lacks (same key, step and timestamp); returns how many.
+    """Send the points of metrics.jsonl that the run lacks (same key, step and timestamp); returns
+    how many.
 
     Idempotent: a second call finds nothing missing.
     """

@@ -1,6 +1,6 @@
-"""`logging.system_metrics` (on by default with MLflow on): MLflow's own system-metrics monitor (CPU,
-host memory, disk, network and, where NVML answers through nvidia-ml-py, a dependency, every GPU's
-utilisation, memory and power) in the job's MLflow run: the UI's "System metrics" tab.
+"""`logging.system_metrics` (on by default with MLflow on): MLflow's own system-metrics monitor
+(CPU, host memory, disk, network and, where NVML answers through nvidia-ml-py, a dependency, every
+GPU's utilisation, memory and power) in the job's MLflow run: the UI's "System metrics" tab.
 
 One monitor per node, in the node's local rank 0: the metrics describe the machine, not a rank. On
 more than one node each node's names carry its index (`system/node1/cpu_utilization_percentage`);
@@ -24,16 +24,17 @@ from jobspec.errors import first_line
 log = logging.getLogger("jobspec.tracking")
 
 SAMPLING_INTERVAL_S = 10.0
-START_TIMEOUT_S = 60.0   # `stop` waits this long for a monitor still starting (a slow tracking server)
+# `stop` waits this long for a monitor still starting (a slow tracking server)
+START_TIMEOUT_S = 60.0
 
 
 class SystemMetrics:
-    """A monitor being started in the background; `stop` flushes its last samples (call it before the
-    run is ended).
+    """A monitor being started in the background; `stop` flushes its last samples (call it before
+    the run is ended).
 
-    Making MLflow's monitor (its client, psutil, an NVML probe) takes ~1.5 s of CPU (3 s wall at load
-    average 5 on the 2-core machine), which local rank 0 would otherwise spend before its first step:
-    a thread does it while training starts, and `stop` waits for it."""
+    Making MLflow's monitor (its client, psutil, an NVML probe) takes ~1.5 s of CPU (3 s wall at
+    load average 5 on the 2-core machine), which local rank 0 would otherwise spend before its first
+    step: a thread does it while training starts, and `stop` waits for it."""
 
     def __init__(self):
         self._monitor = None
@@ -59,13 +60,14 @@ class SystemMetrics:
                                            node_id=f"node{node_index}" if nodes > 1 else None)
             monitor.start()
         except Exception as err:  # monitoring is an extra: never the reason a training run fails
-            log.warning("logging.system_metrics: MLflow's monitor did not start: %s", first_line(err))
+            log.warning("logging.system_metrics: MLflow's monitor did not start: %s",
+                        first_line(err))
             return
         self._monitor = monitor
 
     def stop(self) -> None:
-        """Stop sampling, then record one last sample: MLflow's loop drops the one it was taking, so a
-        run shorter than the interval would otherwise have none."""
+        """Stop sampling, then record one last sample: MLflow's loop drops the one it was taking, so
+        a run shorter than the interval would otherwise have none."""
         if self._starting is not None:
             self._starting.join(timeout=START_TIMEOUT_S)
         monitor = self._monitor
@@ -77,4 +79,5 @@ class SystemMetrics:
             monitor.publish_metrics(monitor.aggregate_metrics())
             monitor.mlflow_logger.flush()
         except Exception as err:
-            log.warning("logging.system_metrics: stopping MLflow's monitor failed: %s", first_line(err))
+            log.warning("logging.system_metrics: stopping MLflow's monitor failed: %s",
+                        first_line(err))

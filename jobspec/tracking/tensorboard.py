@@ -1,5 +1,6 @@
-"""TensorBoard (`logging.tensorboard.enabled`): the run's event files under `<run dir>/tensorboard/`,
-for `tensorboard --logdir <output_dir>` (each run directory one TensorBoard run).
+"""TensorBoard (`logging.tensorboard.enabled`): the run's event files under `<run
+dir>/tensorboard/`, for `tensorboard --logdir <output_dir>` (each run directory one TensorBoard
+run).
 
     scalars    every metric row of rank 0's sink (the points of metrics.jsonl), by optimizer step
     text       jobspec/resolved_spec, jobspec/ds_config (the launcher, at start; secrets masked),
@@ -10,8 +11,8 @@ for `tensorboard --logdir <output_dir>` (each run directory one TensorBoard run)
 
 Written with TensorBoard's own event-file writer (no torch, no TensorFlow: ~0.2 s to import, only
 where the tracker is enabled), which writes from a thread of its own. The launcher and rank 0 write
-separate files into the same directory (`.launcher`, `.rank0` suffixes); TensorBoard reads them as one
-run.
+separate files into the same directory (`.launcher`, `.rank0` suffixes); TensorBoard reads them as
+one run.
 """
 from __future__ import annotations
 
@@ -32,12 +33,15 @@ from jobspec.tracking.base import RunStart
 log = logging.getLogger("jobspec.tracking")
 
 LOG_DIR = "tensorboard"
-FLUSH_S = 10          # rank 0's events reach the file at least this often (a live `tensorboard` sees them)
-QUEUED_EVENTS = 1000  # events waiting for the writer's thread before a log call waits (its default, 10, would
+# rank 0's events reach the file at least this often (a live `tensorboard` sees them)
+FLUSH_S = 10
+# events waiting for the writer's thread before a log call waits (its default, 10, would
+QUEUED_EVENTS = 1000
                       # make the training loop wait on a slow disk after 10 logging steps)
 TABLE_COLUMNS = ("prompt", "reference", "generation", "exact_match")
 TABLE_CELL_CHARS = 500
-STATUS = {"FINISHED": "STATUS_SUCCESS", "FAILED": "STATUS_FAILURE"}   # KILLED (stopped): STATUS_UNKNOWN
+# KILLED (stopped): STATUS_UNKNOWN
+STATUS = {"FINISHED": "STATUS_SUCCESS", "FAILED": "STATUS_FAILURE"}
 
 
 def log_dir(run_dir: Path) -> Path:
@@ -52,7 +56,8 @@ class TensorBoardTracker:
         from tensorboard.compat.proto import summary_pb2
         from tensorboard.plugins.hparams import metadata, plugin_data_pb2
 
-        session = plugin_data_pb2.SessionStartInfo(group_name=run.spec["name"], start_time_secs=time.time())
+        session = plugin_data_pb2.SessionStartInfo(group_name=run.spec["name"],
+                                                   start_time_secs=time.time())
         for key, value in hparams({**run.spec, "derived": run.derived, **run.params}).items():
             if isinstance(value, bool):
                 session.hparams[key].bool_value = value
@@ -71,11 +76,14 @@ class TensorBoardTracker:
                 for tag, name in texts.items():
                     path = run.run_dir / name
                     if path.is_file():
-                        events.text(tag, _code(mask_secrets(path.read_text(encoding="utf-8"))), step=0)
-        except OSError as err:   # before any rank trains: a clear refusal, not a run without its events
+                        events.text(tag, _code(mask_secrets(path.read_text(encoding="utf-8"))),
+                                    step=0)
+        # before any rank trains: a clear refusal, not a run without its events
+        except OSError as err:
             raise RunFailure(f"TensorBoard: cannot write event files in {log_dir(run.run_dir)}: "
-                             f"{err.strerror or first_line(err)}; free space or fix the permissions there, or set "
-                             "logging.tensorboard.enabled: false") from None
+                             f"{err.strerror or first_line(err)}; free space or fix the "
+                             "permissions there, or set logging.tensorboard.enabled: "
+                             "false") from None
         return log_dir(run.run_dir)
 
     def end(self, started: Any, run_dir: Path, ending: Ending) -> None:
@@ -97,7 +105,8 @@ class TensorBoardTracker:
             with _Events(run_dir, "launcher") as events:
                 events.summary(summary, step=step)
                 events.text("jobspec/ending", text, step=step)
-        except OSError as err:   # the run is over and its files say how: a full disk is not a new failure
+        # the run is over and its files say how: a full disk is not a new failure
+        except OSError as err:
             log.warning("TensorBoard: could not write the run's end: %s", err)
 
     def writer(self, run_dir: Path, spec: JobSpec | None) -> "TensorBoardWriter":
@@ -122,40 +131,47 @@ class TensorBoardWriter:
         from tensorboard.compat.proto import summary_pb2
         summary = summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag=key, simple_value=value)
                                              for key, value in metrics.items()])
-        self._write(lambda events: events.summary(summary, step=step, wall_time=timestamp_ms / 1000))
+        self._write(lambda events: events.summary(summary, step=step,
+                                                  wall_time=timestamp_ms / 1000))
         self._last_step = step
 
     def log_params(self, params: dict) -> None:
         if params:
             rows = [(key, value if isinstance(value, str) else json.dumps(value))
                     for key, value in dotted_leaves(params, "").items()]
-            self._write(lambda events: events.text("jobspec/params", _table(("param", "value"), rows),
+            self._write(lambda events: events.text("jobspec/params",
+                                                   _table(("param", "value"), rows),
                                                    step=self._last_step))
 
     def set_tags(self, tags: dict[str, str]) -> None:
         if tags:
-            self._write(lambda events: events.text("jobspec/tags", _table(("tag", "value"), list(tags.items())),
+            self._write(lambda events: events.text("jobspec/tags",
+                                                   _table(("tag", "value"), list(tags.items())),
                                                    step=self._last_step))
 
     def log_table(self, step: int, rows: list[dict]) -> None:
         cells = [tuple(row.get(column) for column in TABLE_COLUMNS) for row in rows]
-        self._write(lambda events: events.text("eval/generations", _table(TABLE_COLUMNS, cells), step=step))
+        self._write(lambda events: events.text("eval/generations", _table(TABLE_COLUMNS, cells),
+                                               step=step))
 
     def close(self, timeout: float) -> None:
         self._write(lambda events: events.close())
         self._events = None
 
     def _write(self, write) -> None:
-        """`write(events)`, unless the file never opened, failed before or is closed; a failure ends it."""
+        """`write(events)`, unless the file never opened, failed before or is closed; a failure ends
+        it."""
         if self._events is None:
             return
         try:
             write(self._events)
-        except Exception as err:   # the event writer's thread re-raises its own failure on the next write
+        # the event writer's thread re-raises its own failure on the next write
+        except Exception as err:
             self._give_up(err)
 
     def _give_up(self, err: Exception) -> None:
-        log.warning("TensorBoard: writing %s failed (%s); the run's metrics from here on are in %s only",
+        log.warning("TensorBoard: writing %s failed (%s); the run's metrics from here on are in %s "
+                    "only",
                     LOG_DIR, first_line(err), rundir.METRICS)
         self._events = None
 
@@ -165,12 +181,13 @@ class _Events:
 
     def __init__(self, run_dir: Path, writer: str):
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
-        self._file = EventFileWriter(str(log_dir(run_dir)), max_queue_size=QUEUED_EVENTS, flush_secs=FLUSH_S,
-                                     filename_suffix=f".{writer}")
+        self._file = EventFileWriter(str(log_dir(run_dir)), max_queue_size=QUEUED_EVENTS,
+                                     flush_secs=FLUSH_S, filename_suffix=f".{writer}")
 
     def summary(self, summary, step: int, wall_time: float | None = None) -> None:
         from tensorboard.compat.proto import event_pb2
-        self._file.add_event(event_pb2.Event(wall_time=wall_time or time.time(), step=int(step), summary=summary))
+        self._file.add_event(event_pb2.Event(wall_time=wall_time or time.time(), step=int(step),
+                                             summary=summary))
 
     def text(self, tag: str, markdown: str, step: int) -> None:
         from tensorboard.plugins.text.summary_v2 import text_pb
@@ -187,7 +204,8 @@ class _Events:
 
 
 def hparams(values: dict) -> dict[str, bool | int | float | str]:
-    """The settings as HParams: dotted scalar leaves (lists as JSON text, nulls left out), secrets masked."""
+    """The settings as HParams: dotted scalar leaves (lists as JSON text, nulls left out), secrets
+    masked."""
     found: dict[str, bool | int | float | str] = {}
     for key, value in dotted_leaves(values, "").items():
         if value is None:
@@ -216,7 +234,8 @@ def _table(columns: tuple, rows: list[tuple]) -> str:
 
 
 def _last_step(run_dir: Path) -> int:
-    """The step of metrics.jsonl's last row, where the ending shows on a step axis (0 without rows)."""
+    """The step of metrics.jsonl's last row, where the ending shows on a step axis (0 without
+    rows)."""
     if not (Path(run_dir) / rundir.METRICS).is_file():
         return 0
     points = rundir.read_metric_points(run_dir)

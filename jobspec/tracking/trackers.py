@@ -18,7 +18,8 @@ from jobspec.spec.types import JobSpec
 from jobspec.tracking import mlflow_tracker, tensorboard
 from jobspec.tracking.base import Tracker
 
-DEFAULT = "mlflow"   # the tracker a run directory without a resolved spec still has (mlflow_run.json)
+# the tracker a run directory without a resolved spec still has (mlflow_run.json)
+DEFAULT = "mlflow"
 
 TRACKERS: dict[str, Tracker] = {t.name: t for t in (
     mlflow_tracker.TRACKER,
@@ -28,5 +29,6 @@ TRACKERS: dict[str, Tracker] = {t.name: t for t in (
 
 def enabled(spec: JobSpec) -> list[Tracker]:
     """The trackers the (defaults-filled) spec switches on, in registry order."""
-    sections: Mapping[str, Any] = spec["logging"]   # a tracker's name is its logging section (test_registries)
+    # a tracker's name is its logging section (test_registries)
+    sections: Mapping[str, Any] = spec["logging"]
     return [tracker for name, tracker in TRACKERS.items() if sections[name]["enabled"]]

@@ -42,7 +42,8 @@ def steps_taken(optimizer) -> int:
 
 
 def replay(optimizer) -> int:
-    """Rebuild DeepSpeed's CPU Adam running beta products after a checkpoint load; the steps replayed."""
+    """Rebuild DeepSpeed's CPU Adam running beta products after a checkpoint load; the steps
+    replayed."""
     import torch
 
     found = cpu_adam_of(optimizer)
@@ -57,8 +58,10 @@ def replay(optimizer) -> int:
     for step in range(1, steps + 1):
         # lr and weight decay 0: the scratch values do not matter, only the step sequence does
         if kind == "fused":
-            adam.multi_tensor_adam(CHUNK, adam._dummy_overflow_buf, [[grad], [param], [exp_avg], [exp_avg_sq]],
-                                   0.0, beta1, beta2, group["eps"], step, adam.adam_w_mode, bias_correction, 0.0)
+            adam.multi_tensor_adam(CHUNK, adam._dummy_overflow_buf,
+                                   [[grad], [param], [exp_avg], [exp_avg_sq]],
+                                   0.0, beta1, beta2, group["eps"], step, adam.adam_w_mode,
+                                   bias_correction, 0.0)
         else:
             adam.ds_opt_adam.adam_update(adam.opt_id, step, 0.0, beta1, beta2, group["eps"], 0.0,
                                          bool(bias_correction), param, grad, exp_avg, exp_avg_sq)

@@ -10,15 +10,18 @@ from pathlib import Path
 
 from jobspec import launcher_log
 from jobspec.checkpoint.reshard import ResumeFrom
-from jobspec.model.step import loss_of  # noqa: F401 - the ranks' and the planner's trace's one definition
+
+# the ranks' and the planner's trace's one definition
+from jobspec.model.step import loss_of  # noqa: F401
 from jobspec.rundir import RunFiles
 from jobspec.train.progress import RunState
 
 
 def seed_everything(seed: int) -> None:
-    """Python's, NumPy's and torch's generators from one seed (`torch.manual_seed` seeds every device's
-    too), as `transformers.set_seed` does, whose module (transformers.trainer_utils) imports PEFT and
-    bitsandbytes: ~2.5 s of CPU per rank (docs/benchmarks.md) for a job without adapters."""
+    """Python's, NumPy's and torch's generators from one seed (`torch.manual_seed` seeds every
+    device's too), as `transformers.set_seed` does, whose module (transformers.trainer_utils)
+    imports PEFT and bitsandbytes: ~2.5 s of CPU per rank (docs/benchmarks.md) for a job without
+    adapters."""
     import random
 
     import numpy as np
@@ -30,7 +33,8 @@ def seed_everything(seed: int) -> None:
 
 
 def build_engine(files: RunFiles):
-    """Seeded model with its patches, the datasets, and the DeepSpeed engine from the compiled config."""
+    """Seeded model with its patches, the datasets, and the DeepSpeed engine from the compiled
+    config."""
     import deepspeed
 
     from jobspec.data import sample_packing
@@ -43,25 +47,34 @@ def build_engine(files: RunFiles):
     rank = f"rank{os.environ.get('RANK', '0')}"
     phase = launcher_log.phase
     phase(rank, "imported-model-code")
-    seed_everything(spec["training"]["seed"])  # python, numpy, torch (+cuda): same initial weights on every rank
+    # python, numpy, torch (+cuda): same initial weights on every rank
+    seed_everything(spec["training"]["seed"])
     tokenizer = build_tokenizer(spec)
-    model = build_model(spec, tokenizer, files.ds_config)   # training dtype; ZeRO-3: zero.Init (model/construct)
+    # training dtype; ZeRO-3: zero.Init (model/construct)
+    model = build_model(spec, tokenizer, files.ds_config)
     note_construction(files.ds_config, model)
-    # patches.json's patches in the compiler's order: `lora` (PEFT's adapters) after the base's, before torch.compile
+    # patches.json's patches in the compiler's order: `lora` (PEFT's adapters) after the base's,
+    # before torch.compile
     model, patch_notes = apply_patches(model, files.patches)
-    # training.optimizer.weight_decay_on: matrices -- the `parameter_groups` patch's groups, for every optimizer
+    # training.optimizer.weight_decay_on: matrices -- the `parameter_groups` patch's groups, for
+    # every optimizer
     parameters = optimizer_parameters(model, files.patches) if any(
-        p["name"] == "parameter_groups" for p in files.patches) else [p for p in model.parameters() if p.requires_grad]
-    # an optimizer DeepSpeed cannot build from its config (training.optimizer): built here, None otherwise
+        p["name"] == "parameter_groups" for p in files.patches) \
+            else [p for p in model.parameters() if p.requires_grad]
+    # an optimizer DeepSpeed cannot build from its config (training.optimizer): built here, None
+    # otherwise
     built = client_optimizer(model, spec["training"]["optimizer"], files.patches)
-    packing_note = sample_packing.prepare_model(model, spec)   # data.packing: the model's side (data/sample_packing.py)
+    # data.packing: the model's side (data/sample_packing.py)
+    packing_note = sample_packing.prepare_model(model, spec)
     phase(rank, "model")
     train_ds, eval_ds = build_datasets(spec, tokenizer)
-    train_ds, eval_ds = sample_packing.pack_datasets(spec, train_ds, eval_ds)   # data.packing: the rows
+    # data.packing: the rows
+    train_ds, eval_ds = sample_packing.pack_datasets(spec, train_ds, eval_ds)
     if packing_note:
         patch_notes = [*patch_notes, packing_note, train_ds.packing.note()]
     phase(rank, "data")
-    # memory.sequence_parallel: Ulysses wraps the attention and builds the groups DeepSpeed reduces over
+    # memory.sequence_parallel: Ulysses wraps the attention and builds the groups DeepSpeed reduces
+    # over
     sp = sequence_parallel.setup(model, spec, files.ds_config["train_micro_batch_size_per_gpu"])
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=parameters,
@@ -79,7 +92,8 @@ def note_construction(ds_config: dict, model) -> None:
     from jobspec.model.construct import construction_for, construction_line, count_partitions
 
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # KiB on Linux
-    launcher_log.note(construction_line(int(os.environ.get("RANK", "0")), construction_for(ds_config),
+    launcher_log.note(construction_line(int(os.environ.get("RANK", "0")),
+                                        construction_for(ds_config),
                                  count_partitions(model), peak_mib))
 
 
@@ -100,16 +114,20 @@ def start_schedule(engine) -> None:
 
 def resume(engine, ckpt: ResumeFrom, state: RunState, any_rank=lambda flag: flag,
            passed_over: list | None = None) -> dict | None:
-    """Load the checkpoint `checkpoint.resume` names into the engine and `state`; this rank's RNG state.
+    """Load the checkpoint `checkpoint.resume` names into the engine and `state`; this rank's RNG
+    state.
 
-    A corrupt newest checkpoint is passed over for the previous one, loudly (`passed_over` gets why).
+    A corrupt newest checkpoint is passed over for the previous one, loudly (`passed_over` gets
+    why).
     """
     from jobspec.checkpoint import save_load
     from jobspec.train import adam_replay
-    client_state, target, skipped = save_load.load_with_fallback(engine, ckpt["resume"], ckpt["dir"], any_rank)
+    client_state, target, skipped = save_load.load_with_fallback(engine, ckpt["resume"],
+                                                                 ckpt["dir"], any_rank)
     for problem in skipped:
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"WARNING: checkpoint passed over on resume: {problem}", file=sys.stderr, flush=True)
+            print(f"WARNING: checkpoint passed over on resume: {problem}", file=sys.stderr,
+                  flush=True)
         if passed_over is not None:
             passed_over.append(problem)
     if target is None:
@@ -138,18 +156,22 @@ def keep_checkpoint_threads(saved: int | None) -> None:
 
 
 def resume_threads(saved: int, share: int) -> tuple[int, str | None]:
-    """(threads to use, a note or None): the checkpoint's count unless this host's share is smaller."""
+    """(threads to use, a note or None): the checkpoint's count unless this host's share is
+    smaller."""
     if saved == share:
         return share, None
     if saved < share:
-        return saved, (f"resumed with {saved} CPU threads per rank as the checkpoint was trained (this host offers "
-                       f"{share}), so the losses continue bit-identical; set OMP_NUM_THREADS to use all")
-    return share, (f"the checkpoint was trained with {saved} CPU threads per rank but this host offers {share}: "
-                   "the losses will differ from an uninterrupted run in the last bits")
+        return saved, (f"resumed with {saved} CPU threads per rank as the checkpoint was trained "
+                       f"(this host offers {share}), so the losses continue bit-identical; set "
+                       "OMP_NUM_THREADS to use all")
+    return share, (f"the checkpoint was trained with {saved} CPU threads per rank but this host "
+                   f"offers {share}: the losses will differ from an uninterrupted run in the last "
+                   "bits")
 
 
 def reshard_plan(ckpt: ResumeFrom, world_size: int, group, sequence_parallel: int = 1):
-    """jobspec.checkpoint.reshard.plan with rank 0's conversion result shared over the gloo `group`."""
+    """jobspec.checkpoint.reshard.plan with rank 0's conversion result shared over the gloo
+    `group`."""
     import torch.distributed as dist
 
     from jobspec.checkpoint import reshard

@@ -3,18 +3,18 @@ model says, not only its loss.
 
 The prompts are fixed for the run: the first N evaluation records, or the records of a prompts file,
 rendered with the job's chat template up to their last user turn with the assistant header after it
-(`add_generation_prompt`), the assistant turn that followed kept as the reference; without a template
-(prompt/completion records of a tokenizer that has none) the prompt text as training saw it. A
-prompt keeps its last `data.max_length - max_new_tokens` tokens.
+(`add_generation_prompt`), the assistant turn that followed kept as the reference; without a
+template (prompt/completion records of a tokenizer that has none) the prompt text as training saw
+it. A prompt keeps its last `data.max_length - max_new_tokens` tokens.
 
 At each evaluation (worker.train_loop's run_eval, and at the end) every rank generates its share
 (prompt i on rank i mod world), `micro_batch_size` prompts per `generate` call, left-padded. Under
 ZeRO-3 each rank holds a slice of every weight: all ranks make the same number of calls (a rank
 without prompts of its own repeats one and drops the answer) with `synced_gpus=True`, so every
-forward is collective and DeepSpeed gathers the partitioned weights as the layers run; and every rank
-stops at the same token (`AllRanksEnded`), so that none runs as transformers' idle `synced_gpus` peer
-(a path DeepSpeed users report hangs with ZeRO-3, deepspeedai/DeepSpeed#8262), at no extra cost:
-`synced_gpus` runs every rank to the slowest one's end anyway. LoRA/QLoRA
+forward is collective and DeepSpeed gathers the partitioned weights as the layers run; and every
+rank stops at the same token (`AllRanksEnded`), so that none runs as transformers' idle
+`synced_gpus` peer (a path DeepSpeed users report hangs with ZeRO-3, deepspeedai/DeepSpeed#8262), at
+no extra cost: `synced_gpus` runs every rank to the slowest one's end anyway. LoRA/QLoRA
 adapters stay active (PEFT's `generate`). Generation stops at the tokenizer's EOS or the template's
 end-of-turn token (model/chat_turns.py), else after `max_new_tokens`: the cost's bound.
 
@@ -47,6 +47,7 @@ from jobspec.data.record_checks import load_dataset
 from jobspec.data.records import record_kind
 from jobspec.errors import first_line, spec_error
 from jobspec.spec.types import JobSpec, JobSpecData, JobSpecTrainingEvalGenerate
+from jobspec.train.metrics import any_rank
 
 FIELD = ("training", "eval_generate")
 STOP, LENGTH = "stop", "length"   # an end token ended the answer; max_new_tokens did
@@ -55,7 +56,8 @@ SHOWN_CHARS = 120                 # the progress line's and the closing summary'
 
 @dataclass
 class Prompt:
-    text: str               # the conversation up to the last user turn (that turn alone when it is all)
+    # the conversation up to the last user turn (that turn alone when it is all)
+    text: str
     ids: list[int]          # the rendered prompt's token ids, as the model gets them
     reference: str | None   # the answer the record holds after it, if any
     user: str = ""          # the last user turn: the question the answer is to
@@ -73,14 +75,17 @@ class Answer:
 # --- the prompts ---------------------------------------------------------------------------------
 
 def conversation(record, data: JobSpecData) -> tuple[list[dict], str | None]:
-    """(messages up to the last user turn, the assistant answer after it or None) of one record: a chat
-    record, a prompt (/completion) record, or a plain string."""
+    """(messages up to the last user turn, the assistant answer after it or None) of one record: a
+    chat record, a prompt (/completion) record, or a plain string."""
     if isinstance(record, str):
         return [{"role": "user", "content": record}], None
     if not isinstance(record, dict):
-        raise ValueError(f"a prompt is a chat record, a prompt record or a string, not {type(record).__name__}")
-    if record.get(data["messages_field"]) is not None:   # (a table of mixed records has it null elsewhere)
-        messages = [{"role": m["role"], "content": m["content"]} for m in record[data["messages_field"]] or []
+        raise ValueError("a prompt is a chat record, a prompt record or a string, not "
+                         f"{type(record).__name__}")
+    # (a table of mixed records has it null elsewhere)
+    if record.get(data["messages_field"]) is not None:
+        messages = [{"role": m["role"], "content": m["content"]}
+                    for m in record[data["messages_field"]] or []
                     if isinstance(m, dict) and isinstance(m.get("content"), str)]
         users = [i for i, m in enumerate(messages) if m["role"] == "user"]
         if not users:
@@ -91,9 +96,11 @@ def conversation(record, data: JobSpecData) -> tuple[list[dict], str | None]:
         return messages[:last + 1], reference
     prompt = record.get(data["prompt_field"])
     if not isinstance(prompt, str):
-        raise ValueError(f"the record has neither {data['messages_field']!r} nor a text {data['prompt_field']!r}")
+        raise ValueError(f"the record has neither {data['messages_field']!r} nor a text "
+                         f"{data['prompt_field']!r}")
     completion = record.get(data["completion_field"])
-    return [{"role": "user", "content": prompt}], completion if isinstance(completion, str) else None
+    return [{"role": "user", "content": prompt}], completion if isinstance(completion, str) \
+        else None
 
 
 def shown_text(messages: list[dict]) -> str:
@@ -126,25 +133,33 @@ def source_records(spec: JobSpec) -> list:
     source = settings(spec)["prompts"]
     if isinstance(source, str):
         return file_records(Path(source))
-    if data["eval"] is None:   # validation refuses a count of prompts without data.eval (eval-generate-no-eval)
-        raise ValueError("training.eval_generate.prompts counts evaluation records, but data.eval is not set")
+    # validation refuses a count of prompts without data.eval (eval-generate-no-eval)
+    if data["eval"] is None:
+        raise ValueError("training.eval_generate.prompts counts evaluation records, but data.eval "
+                         "is not set")
     if not split_format(data, "eval").holds_records:
-        raise spec_error("text records have no prompt and answer to generate from", path=(*FIELD, "prompts"),
-                         hint="give a prompts file, or evaluate on chat or prompt/completion records")
+        raise spec_error("text records have no prompt and answer to generate from",
+                         path=(*FIELD, "prompts"),
+                         hint="give a prompts file, or evaluate on chat or prompt/completion "
+                              "records")
     table = load_dataset(spec, "eval")
     if not record_kind(spec, table.column_names).rendered:
-        raise spec_error(f"the evaluation records of {data['eval']} are text, with no prompt to generate from",
+        raise spec_error(f"the evaluation records of {data['eval']} are text, with no prompt to "
+                         "generate from",
                          path=(*FIELD, "prompts"),
-                         hint="give a prompts file, or evaluate on chat or prompt/completion records")
+                         hint="give a prompts file, or evaluate on chat or prompt/completion "
+                              "records")
     return [dict(row) for row in table.select(range(min(int(source), len(table))))]
 
 
 def file_records(path: Path) -> list:
-    """A prompts file: JSON lines (chat records, prompt records, strings), or text with one prompt a line."""
+    """A prompts file: JSON lines (chat records, prompt records, strings), or text with one prompt a
+    line."""
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as err:
-        raise spec_error(f"cannot read the prompts file {path}: {first_line(err)}", path=(*FIELD, "prompts"),
+        raise spec_error(f"cannot read the prompts file {path}: {first_line(err)}",
+                         path=(*FIELD, "prompts"),
                          hint="give a UTF-8 .jsonl or .txt file") from None
     if path.suffix.lower() == ".txt":
         return [line for line in lines if line.strip()]
@@ -155,13 +170,15 @@ def file_records(path: Path) -> list:
         try:
             records.append(json.loads(line))
         except ValueError as err:
-            raise spec_error(f"{path}:{number}: not JSON: {first_line(err)}", path=(*FIELD, "prompts"),
+            raise spec_error(f"{path}:{number}: not JSON: {first_line(err)}",
+                             path=(*FIELD, "prompts"),
                              hint="one JSON record (or string) per line") from None
     return records
 
 
 def build_prompts(spec: JobSpec, tokenizer, template: str | None, records: list) -> list[Prompt]:
-    """The records rendered as the model is prompted (module docstring). SpecError names a bad record."""
+    """The records rendered as the model is prompted (module docstring). SpecError names a bad
+    record."""
     data, generate = spec["data"], settings(spec)
     keep = max(1, data["max_length"] - generate["max_new_tokens"])
     prompts = []
@@ -170,17 +187,21 @@ def build_prompts(spec: JobSpec, tokenizer, template: str | None, records: list)
             messages, reference = conversation(record, data)
             if template is not None:   # what training puts before an answer (data/chat_render)
                 ids = generation_prompt_ids(tokenizer, template, messages)
-            elif len(messages) == 1:   # prompt records of a tokenizer without a template: as training renders them
+            # prompt records of a tokenizer without a template: as training renders them
+            elif len(messages) == 1:
                 ids = tokenizer(messages[0]["content"], add_special_tokens=True)["input_ids"]
             else:
                 raise ValueError("a conversation needs a chat template, and the job has none")
         except (ValueError, KeyError, TypeError) as err:
-            raise spec_error(f"prompt {index + 1} cannot be rendered: {first_line(err)}", path=(*FIELD, "prompts"),
-                             hint="give chat records ({role, content} messages ending with a user turn), "
-                                  "prompt records or strings") from None
-        except Exception as err:  # the template failing on this record (raise_exception, an undefined name)
+            raise spec_error(f"prompt {index + 1} cannot be rendered: {first_line(err)}",
+                             path=(*FIELD, "prompts"),
+                             hint="give chat records ({role, content} messages ending with a user "
+                                  "turn), prompt records or strings") from None
+        # the template failing on this record (raise_exception, an undefined name)
+        except Exception as err:
             raise spec_error(f"the chat template failed on prompt {index + 1}: {first_line(err)}",
-                             path=(*FIELD, "prompts"), hint="fix the record, or the template") from None
+                             path=(*FIELD, "prompts"),
+                             hint="fix the record, or the template") from None
         prompts.append(Prompt(shown_text(messages), list(ids)[-keep:], reference,
                               **prompt_parts(messages)))
     if not prompts:
@@ -200,7 +221,8 @@ def decode_answer(tokenizer, new_ids: list[int], end_ids: list[int], pad_id: int
     ends = set(end_ids)
     for n, token in enumerate(new_ids):
         if token in ends:
-            return Answer(tokenizer.decode(new_ids[:n], skip_special_tokens=True).strip(), n + 1, STOP)
+            return Answer(tokenizer.decode(new_ids[:n], skip_special_tokens=True).strip(), n + 1,
+                          STOP)
     # generate pads a finished row of a batch; an unfinished one ran to max_new_tokens
     return Answer(tokenizer.decode(new_ids, skip_special_tokens=True).strip(), len(new_ids), LENGTH)
 
@@ -234,24 +256,25 @@ def left_padded(rows: list[list[int]], pad_id: int):
 
 
 class AllRanksEnded:
-    """A `generate` stopping criterion for ZeRO-3's lockstep: every row of every rank stops together,
-    once each has written an end token (the answers are cut there: `decode_answer`). With per-row EOS
-    stopping a rank whose rows ended first runs the remaining steps as `synced_gpus`' idle peer; one
-    small all-reduce per token (over the worker's gloo group) keeps every rank generating instead."""
+    """A `generate` stopping criterion for ZeRO-3's lockstep: every row of every rank stops
+    together, once each has written an end token (the answers are cut there: `decode_answer`). With
+    per-row EOS stopping a rank whose rows ended first runs the remaining steps as `synced_gpus`'
+    idle peer; one small all-reduce per token (over the worker's gloo group) keeps every rank
+    generating instead."""
 
     def __init__(self, end_ids: list[int], prompt_length: int, group=None):
         self.end_ids, self.prompt_length, self.group = list(end_ids), prompt_length, group
 
     def __call__(self, input_ids, scores, **kwargs):
         import torch
-        import torch.distributed as dist
 
         new = input_ids[:, self.prompt_length:].cpu()
-        ended = bool(torch.isin(new, torch.tensor(self.end_ids, dtype=new.dtype)).any(dim=1).all()) \
-            if self.end_ids and new.shape[1] else False
-        running = torch.tensor([0 if ended else 1], dtype=torch.int32)
-        dist.all_reduce(running, op=dist.ReduceOp.MAX, group=self.group)
-        return torch.full((input_ids.shape[0],), bool(running.item() == 0), dtype=torch.bool,
+        ended = False
+        if self.end_ids and new.shape[1]:
+            ends = torch.tensor(self.end_ids, dtype=new.dtype)
+            ended = bool(torch.isin(new, ends).any(dim=1).all())
+        running = any_rank(not ended, self.group)
+        return torch.full((input_ids.shape[0],), not running, dtype=torch.bool,
                           device=input_ids.device)
 
 
@@ -264,23 +287,28 @@ def generating_module(engine):
 class EvalGenerator:
     """One rank's part of `training.eval_generate` (module docstring). `run` is collective."""
 
-    def __init__(self, spec: JobSpec, tokenizer, prompts: list[Prompt], end_ids: list[int], *, rank: int,
-                 world_size: int, batch_size: int, zero3: bool, group=None, run_dir: Path | None = None,
-                 sink=None, progress=None):
+    def __init__(self, spec: JobSpec, tokenizer, prompts: list[Prompt], end_ids: list[int], *,
+                 rank: int,
+                 world_size: int, batch_size: int, zero3: bool, group=None,
+                 run_dir: Path | None = None, sink=None, progress=None):
         generate = settings(spec)
         self.tokenizer, self.prompts, self.end_ids = tokenizer, prompts, end_ids
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (end_ids or [0])[0]
-        self.max_new_tokens, self.temperature = generate["max_new_tokens"], float(generate["temperature"])
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None \
+            else (end_ids or [0])[0]
+        self.max_new_tokens = generate["max_new_tokens"]
+        self.temperature = float(generate["temperature"])
         seed = generate["seed"] if generate["seed"] is not None else spec["training"]["seed"]
         self.seed = seed + rank   # each rank samples its own prompts from its own stream
-        self.rank, self.world, self.batch_size, self.zero3 = rank, world_size, max(1, batch_size), zero3
+        self.rank, self.world, self.zero3 = rank, world_size, zero3
+        self.batch_size = max(1, batch_size)
         self.group, self.run_dir, self.sink, self.progress = group, run_dir, sink, progress
         self.recorded_steps = ({int(r["step"]) for r in rundir.read_generations(run_dir)}
                                if run_dir is not None and rank == 0 else set())
 
     @classmethod
     def for_job(cls, files, run_dir: Path, rank: int, world_size: int, group, sink, progress):
-        """The generator of the job in `files` (rundir.RunFiles), or None without `training.eval_generate`."""
+        """The generator of the job in `files` (rundir.RunFiles), or None without
+        `training.eval_generate`."""
         spec = files.spec
         if not spec["training"]["eval_generate"]:
             return None
@@ -293,16 +321,17 @@ class EvalGenerator:
         template = chat_template(spec, tokenizer)
         prompts = build_prompts(spec, tokenizer, template, source_records(spec))
         zero3 = files.ds_config.get("zero_optimization", {}).get("stage", 0) == 3
-        return cls(spec, tokenizer, prompts, end_of_turn_ids(tokenizer, template), rank=rank, world_size=world_size,
-                   batch_size=DerivedJob.from_dict(files.derived).micro_batch_size, zero3=zero3, group=group,
-                   run_dir=run_dir, sink=sink, progress=progress)
+        return cls(spec, tokenizer, prompts, end_of_turn_ids(tokenizer, template), rank=rank,
+                   world_size=world_size,
+                   batch_size=DerivedJob.from_dict(files.derived).micro_batch_size, zero3=zero3,
+                   group=group, run_dir=run_dir, sink=sink, progress=progress)
 
-    # --- generating ---------------------------------------------------------------------------------
+    # --- generating -------------------------------------------------------------------------------
 
     def shares(self) -> list[list[int]]:
-        """This rank's prompt indices per `generate` call. Under ZeRO-3 every rank makes the same number
-        of calls (the collective forwards must pair up): a short rank repeats its last prompt (or the
-        first one), marked by a negative index whose answer is dropped."""
+        """This rank's prompt indices per `generate` call. Under ZeRO-3 every rank makes the same
+        number of calls (the collective forwards must pair up): a short rank repeats its last prompt
+        (or the first one), marked by a negative index whose answer is dropped."""
         mine = list(range(self.rank, len(self.prompts), self.world))
         calls = math.ceil(math.ceil(len(self.prompts) / self.world) / self.batch_size)
         batches = [mine[i * self.batch_size:(i + 1) * self.batch_size] for i in range(calls)]
@@ -321,7 +350,8 @@ class EvalGenerator:
         answers: dict[int, Answer] = {}
         sampling = self.temperature > 0
         lockstep = self.zero3 and self.world > 1
-        options = dict(max_new_tokens=self.max_new_tokens, do_sample=sampling, eos_token_id=self.end_ids or None,
+        options = dict(max_new_tokens=self.max_new_tokens, do_sample=sampling,
+                       eos_token_id=self.end_ids or None,
                        pad_token_id=self.pad_id, use_cache=True, synced_gpus=lockstep)
         if sampling:
             options.update(temperature=self.temperature, top_k=0, top_p=1.0)
@@ -335,12 +365,13 @@ class EvalGenerator:
                     if lockstep:   # every rank stops at the same token (AllRanksEnded), none idles
                         options.update(eos_token_id=None, stopping_criteria=StoppingCriteriaList(
                             [AllRanksEnded(self.end_ids, ids.shape[1], self.group)]))
-                    out = module.generate(input_ids=ids.to(engine.device), attention_mask=mask.to(engine.device),
-                                          **options)
+                    out = module.generate(input_ids=ids.to(engine.device),
+                                          attention_mask=mask.to(engine.device), **options)
                     new = out[:, ids.shape[1]:].tolist()
                     for index, row in zip(batch, new):
                         if index >= 0:
-                            answers[index] = decode_answer(self.tokenizer, row, self.end_ids, self.pad_id)
+                            answers[index] = decode_answer(self.tokenizer, row, self.end_ids,
+                                                           self.pad_id)
         finally:
             if was_training:
                 engine.train()
@@ -360,10 +391,11 @@ class EvalGenerator:
             merged.update(part or {})
         return merged
 
-    # --- one evaluation -----------------------------------------------------------------------------
+    # --- one evaluation ---------------------------------------------------------------------------
 
     def run(self, engine, state) -> list[dict] | None:
-        """Generate for every prompt and record the answers (rank 0); the rows on rank 0, None elsewhere."""
+        """Generate for every prompt and record the answers (rank 0); the rows on rank 0, None
+        elsewhere."""
         started = time.perf_counter()
         answers = self.gather(self.generate(engine))
         seconds = time.perf_counter() - started
@@ -377,7 +409,8 @@ class EvalGenerator:
         rows = []
         for index, prompt in enumerate(self.prompts):
             answer = answers[index]
-            match = exact_match(answer.text, prompt.reference) if prompt.reference is not None else None
+            match = exact_match(answer.text, prompt.reference) if prompt.reference is not None \
+                else None
             rows.append({"step": int(step), "index": index, "prompt": prompt.text,
                          "user": prompt.user, "system": prompt.system, "context": prompt.context,
                          "reference": prompt.reference, "generation": answer.text,
@@ -398,12 +431,14 @@ class EvalGenerator:
             self.sink.log(metrics, step=step)
             self.sink.log_table(step, rows)
         first = rows[0]
-        state.generation = {k: first[k] for k in ("step", "prompt", "reference", "generation", "stop_reason")}
+        state.generation = {k: first[k]
+                            for k in ("step", "prompt", "reference", "generation", "stop_reason")}
         if self.progress is not None:
             stops = sum(row["stop_reason"] == STOP for row in rows)
             said = f", exact match {sum(matches)}/{len(matches)}" if matches else ""
-            self.progress.message(f"step {step}: {len(rows)} answers generated in {seconds:.1f} s ({stops} ended "
-                                  f"their turn{said}); first: {excerpt(first['generation'])}")
+            self.progress.message(f"step {step}: {len(rows)} answers generated in {seconds:.1f} s "
+                                  f"({stops} ended their turn{said}); first: "
+                                  f"{excerpt(first['generation'])}")
 
 
 def excerpt(text: str | None, limit: int = SHOWN_CHARS) -> str:

@@ -1,5 +1,6 @@
 """The ranks' part of the quiet terminal (jobspec/launch/quiet.py): what the libraries under a rank
-print reaches launcher.log, not the terminal, and what the terminal does get comes once, from rank 0.
+print reaches launcher.log, not the terminal, and what the terminal does get comes once, from rank
+0.
 
 - Progress bars of transformers ("Loading weights", "Writing model shards"), datasets ("Generating
   train split") and huggingface_hub are off: set before those libraries are imported, they read it
@@ -8,9 +9,10 @@ print reaches launcher.log, not the terminal, and what the terminal does get com
   (a download retried, every line twice: its own handler and the root's) are written as
   `jobspec-log: ` lines, which the launcher keeps for launcher.log; an ERROR from rank 0 stays on
   the terminal. A failure that matters reaches the user anyway, as the rank's exception.
-- Python warnings: deprecations (FutureWarning, DeprecationWarning: about a library's use of another,
-  e.g. ZeRO-3's torch.distributed calls) go to launcher.log only; any other warning is shown by rank
-  0 and logged by the others, so the terminal has one line per event, not one per rank.
+- Python warnings: deprecations (FutureWarning, DeprecationWarning: about a library's use of
+  another, e.g. ZeRO-3's torch.distributed calls) go to launcher.log only; any other warning is
+  shown by rank 0 and logged by the others, so the terminal has one line per event, not one per
+  rank.
 """
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ PROGRESS_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_DATASETS_DISABLE_PROGRE
 # backend warns about an optional kernels package on every import)
 LIBRARY_LOGGERS = ("transformers", "datasets", "huggingface_hub", "peft", "bitsandbytes")
 DEPRECATIONS = (DeprecationWarning, PendingDeprecationWarning, FutureWarning)
-JOBSPEC_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # warnings jobspec raises itself
+# warnings jobspec raises itself
+JOBSPEC_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def log_only(text: str, stream=None) -> None:
@@ -82,7 +85,8 @@ def route_library_logs(rank: int, *, transformers: bool = True, datasets: bool =
     """The library loggers' own stderr handlers replaced by one LogOnlyHandler. Call once the rank
     is about to use them (each installs its handler when imported, so they are imported here)."""
     handler = LogOnlyHandler(rank)
-    if transformers:   # installs transformers' and huggingface_hub's handlers (a lazy one: configured now)
+    # installs transformers' and huggingface_hub's handlers (a lazy one: configured now)
+    if transformers:
         from transformers.utils import logging as transformers_logging
         transformers_logging.get_logger("transformers")
         transformers_logging.disable_progress_bar()

@@ -14,8 +14,9 @@ import re
 from jobspec import hardware
 from jobspec.units import MiB
 
-# Dense peak FLOP/s (no 2:4 sparsity) from NVIDIA's datasheets, per training precision. "fp32" is the
-# CUDA-core rate; "tf32" the tensor-core rate when TF32 is allowed. Precisions a chip lacks are absent.
+# Dense peak FLOP/s (no 2:4 sparsity) from NVIDIA's datasheets, per training precision. "fp32" is
+# the CUDA-core rate; "tf32" the tensor-core rate when TF32 is allowed. Precisions a chip lacks are
+# absent.
 PEAK_FLOPS: dict[str, dict[str, float]] = {
     "B200": {"bf16": 2250e12, "fp16": 2250e12, "tf32": 1125e12, "fp32": 75e12},
     "H200": {"bf16": 989.5e12, "fp16": 989.5e12, "tf32": 494.7e12, "fp32": 66.9e12},
@@ -40,7 +41,8 @@ PEAK_FLOPS: dict[str, dict[str, float]] = {
 }
 
 # (regex on the lower-cased device name, table row); first match wins, so specific names come first.
-# torch.cuda.get_device_name gives e.g. "NVIDIA H100 80GB HBM3" (SXM), "NVIDIA H100 PCIe", "Tesla T4".
+# torch.cuda.get_device_name gives e.g. "NVIDIA H100 80GB HBM3" (SXM), "NVIDIA H100 PCIe", "Tesla
+# T4".
 DEVICE_PATTERNS: tuple[tuple[str, str], ...] = (
     (r"\bb200\b", "B200"),
     (r"\bg?h200\b", "H200"),
@@ -65,14 +67,16 @@ DEVICE_PATTERNS: tuple[tuple[str, str], ...] = (
 
 
 def count_tokens(batch: dict) -> int:
-    """Non-padding tokens in a batch (attention-mask sum). Call it on the CPU batch to avoid a GPU sync."""
+    """Non-padding tokens in a batch (attention-mask sum). Call it on the CPU batch to avoid a GPU
+    sync."""
     if "attention_mask" in batch:
         return int(batch["attention_mask"].sum())
     return int(batch["input_ids"].numel())
 
 
 def peak_flops(device_name: str, precision: str) -> float | None:
-    """Dense peak FLOP/s of a device for a precision (bf16, fp16, tf32, fp32); None when unknown (CPU)."""
+    """Dense peak FLOP/s of a device for a precision (bf16, fp16, tf32, fp32); None when unknown
+    (CPU)."""
     row = device_row(device_name)
     if row is None:
         return None
@@ -80,7 +84,8 @@ def peak_flops(device_name: str, precision: str) -> float | None:
 
 
 def device_row(device_name: str) -> str | None:
-    """The PEAK_FLOPS row a device name maps to, by the patterns above; None when no pattern matches."""
+    """The PEAK_FLOPS row a device name maps to, by the patterns above; None when no pattern
+    matches."""
     name = (device_name or "").lower()
     for pattern, row in DEVICE_PATTERNS:
         if re.search(pattern, name):

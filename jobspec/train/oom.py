@@ -51,13 +51,14 @@ POLICIES = ("fail", "halve_micro_batch")
 class OomGuard:
     """Runs one micro-batch under the OOM policy and, after an agreed OOM, rebuilds the engine."""
 
-    def __init__(self, files, *, run_dir: Path, rank: int, control_group, build_engine, progress, sink,
-                 telemetry, environ=os.environ):
+    def __init__(self, files, *, run_dir: Path, rank: int, control_group, build_engine, progress,
+                 sink, telemetry, environ=os.environ):
         self.files = files
         self.policy = files.spec["training"]["on_oom"]
         self.run_dir = Path(run_dir)
         self.rank, self.control = rank, control_group
-        self.build_engine = build_engine        # engine.build_engine: same model, patches and seed path
+        # engine.build_engine: same model, patches and seed path
+        self.build_engine = build_engine
         self.progress, self.sink, self.telemetry = progress, sink, telemetry
         job = DerivedJob.from_dict(files.derived)
         self.compiled_micro = job.micro_batch_size
@@ -71,7 +72,8 @@ class OomGuard:
         self._marked_step: int | None = None
         # (epoch, batches_in_epoch, window) where the current step began
         self._step_start: tuple[int, int, Any] | None = None
-        self.pending: str | None = None   # why the current step must be redone (an agreed OOM), or None
+        # why the current step must be redone (an agreed OOM), or None
+        self.pending: str | None = None
 
     # --- the training loop's calls ----------------------------------------------------------------
 
@@ -99,8 +101,8 @@ class OomGuard:
         return loss
 
     def backward(self, engine, loss, step: int) -> bool:
-        """jobspec.train.token_loss.backward(engine, loss); False when some rank ran out of memory (as
-        `forward`'s None)."""
+        """jobspec.train.token_loss.backward(engine, loss); False when some rank ran out of memory
+        (as `forward`'s None)."""
         import torch
 
         from jobspec.train import token_loss
@@ -126,7 +128,8 @@ class OomGuard:
         Returns what `rebuild` needs. Raises a clear error when the micro-batch cannot be halved."""
         step = state.step + 1
         if self.micro == 1:
-            raise self._failure(step, self.pending, None, "the micro-batch is already 1 and cannot be halved")
+            raise self._failure(step, self.pending, None,
+                                "the micro-batch is already 1 and cannot be halved")
         from jobspec.checkpoint import save_load
         rng = save_load.capture_rng_state()
         save_dir = self.run_dir / rundir.OOM_RECOVERY
@@ -140,7 +143,8 @@ class OomGuard:
 
     def rebuild(self, saved: dict, state, loader_args: dict):
         """Every rank: an engine with half the micro-batch and twice the accumulation, holding the
-        saved state; the data rewound to where the interrupted step began. Returns (engine, window)."""
+        saved state; the data rewound to where the interrupted step began. Returns (engine,
+        window)."""
         import torch
 
         from jobspec.checkpoint import save_load
@@ -150,27 +154,33 @@ class OomGuard:
         old_micro, old_accumulation = self.micro, self.accumulation
         self.micro, self.accumulation = old_micro // 2, old_accumulation * 2
         self.files = halved_run_files(self.files, self.micro, self.accumulation)
-        engine, _, _, _ = self.build_engine(self.files)   # datasets rebuilt too: same content, unused
+        # datasets rebuilt too: same content, unused
+        engine, _, _, _ = self.build_engine(self.files)
         save_load.load(engine, str(saved["dir"]), RECOVERY_TAG)
         engine.train()
-        save_load.restore_rng_state(saved["rng"])     # build_engine re-seeded: keep the run's stream
+        # build_engine re-seeded: keep the run's stream
+        save_load.restore_rng_state(saved["rng"])
         _barrier()
         if self.rank == 0:
             shutil.rmtree(saved["dir"], ignore_errors=True)
         if self._step_start is None:
-            raise RuntimeError("redo without a marked step")   # mark() runs before every step's forward
+            # mark() runs before every step's forward
+            raise RuntimeError("redo without a marked step")
         epoch, batches, window = self._step_start
         window.rewind()  # the copy shares the loss list: drop the interrupted step's losses
-        state.epoch, state.batches_in_epoch = epoch, batches * 2   # counted in halved micro-batches now
+        # counted in halved micro-batches now
+        state.epoch, state.batches_in_epoch = epoch, batches * 2
         loader_args["micro_batch_size"] = self.micro
         if self.telemetry is not None:
             self.telemetry.engine = engine
         self.events += 1
         self.progress.message(
-            f"out of memory in step {saved['step']} ({self.pending}): micro-batch {old_micro} -> {self.micro}, "
-            f"gradient accumulation {old_accumulation} -> {self.accumulation}; redoing step {saved['step']}")
+            f"out of memory in step {saved['step']} ({self.pending}): micro-batch {old_micro} -> "
+            f"{self.micro}, gradient accumulation {old_accumulation} -> {self.accumulation}; "
+            f"redoing step {saved['step']}")
         if self.sink is not None:
-            self.sink.log({"oom/micro_batch_size": self.micro, "oom/gradient_accumulation_steps": self.accumulation,
+            self.sink.log({"oom/micro_batch_size": self.micro,
+                           "oom/gradient_accumulation_steps": self.accumulation,
                            "oom/events": self.events}, step=saved["step"])
         self.pending, self._marked_step = None, None
         return engine, window
@@ -182,21 +192,23 @@ class OomGuard:
                 and self.inject_rank in (None, self.rank)):
             import torch
             self._injected = True
-            raise torch.OutOfMemoryError(f"CUDA out of memory (injected by {INJECT_AT_STEP_ENV}={self.inject_at})")
+            raise torch.OutOfMemoryError("CUDA out of memory (injected by "
+                                         f"{INJECT_AT_STEP_ENV}={self.inject_at})")
 
     def _failure(self, step: int, where: str | None, err, why: str) -> RunFailure:
         detail = f": {first_line(err)}" if err is not None else ""
         return RunFailure(
-            f"out of memory in optimizer step {step} ({where}{detail}) with micro-batch {self.micro}; {why}; "
-            "run `jobspec plan JOB --fit` for settings that fit (checkpointing, ZeRO stage, offload), "
-            "or set training.on_oom: halve_micro_batch")
+            f"out of memory in optimizer step {step} ({where}{detail}) with micro-batch "
+            f"{self.micro}; {why}; run `jobspec plan JOB --fit` for settings that fit "
+            "(checkpointing, ZeRO stage, offload), or set training.on_oom: halve_micro_batch")
 
 
 def halved_run_files(files, micro: int, accumulation: int):
     """The run files with the new batch split; the global batch stays as compiled."""
     spec = copy.deepcopy(files.spec)
     spec["training"]["micro_batch_size"] = micro
-    ds_config = rebatched(files.ds_config, micro, accumulation)   # the compiler writes DeepSpeed's batch keys
+    # the compiler writes DeepSpeed's batch keys
+    ds_config = rebatched(files.ds_config, micro, accumulation)
     launch = copy.deepcopy(files.launch)
     launch["derived"].update(micro_batch_size=micro, gradient_accumulation_steps=accumulation)
     return dataclasses.replace(files, spec=spec, ds_config=ds_config, launch=launch)

@@ -1,23 +1,27 @@
-"""Model patches: the changes the compiler asks the worker to make to the model before DeepSpeed sees it.
+"""Model patches: the changes the compiler asks the worker to make to the model before DeepSpeed
+sees it.
 
 `PATCHES` maps each patch name the compiler emits (`Compiled.patches`: `[{"name", "args"}]`) to a
 function `fn(model, **args)` that changes the model in place and returns a note (or None). A patch
 that has to replace the module (torch.compile) returns `(new_model, note)` instead.
 `parameter_groups` shapes the optimizer rather than the model: `apply_patches` skips it and the
-worker passes `optimizer_parameters(model, patches)` (the decayed matrices and the undecayed biases and
-norms) to a client optimizer or to `deepspeed.initialize`. The optimizer DeepSpeed cannot build from
-its config is no patch: the worker builds it from the resolved spec (`client_optimizer`).
+worker passes `optimizer_parameters(model, patches)` (the decayed matrices and the undecayed biases
+and norms) to a client optimizer or to `deepspeed.initialize`. The optimizer DeepSpeed cannot build
+from its config is no patch: the worker builds it from the resolved spec (`client_optimizer`).
 
 Patch arguments, as the compiler writes them:
     attention_implementation {implementation}
     gradient_checkpointing  {every_n_layers, use_reentrant}
     tf32                    {enabled}
     freeze                  {patterns}
-    parameter_groups        {weight_decay, no_decay}  (`training.optimizer.weight_decay_on: matrices`)
-    lora                    {r, alpha, dropout, target_modules, modules_to_save, bias, use_rslora, use_dora,
-                             enable_input_require_grads}  (PEFT's adapters: train/lora_adapters.lora)
+    parameter_groups        {weight_decay, no_decay}
+                            (`training.optimizer.weight_decay_on: matrices`)
+    lora                    {r, alpha, dropout, target_modules, modules_to_save, bias, use_rslora,
+                             use_dora, enable_input_require_grads}
+                            (PEFT's adapters: train/lora_adapters.lora)
     torch_compile           {}  (any keyword is passed to torch.compile)
-    tiled_loss              {tiles}  (null: as many as keep one tile's logits within model/tiling.TILE_BYTES)
+    tiled_loss              {tiles}  (null: as many as keep one tile's logits within
+                            model/tiling.TILE_BYTES)
     tiled_mlp               {}
     activation_offload      {every_n_layers}
 """
@@ -71,9 +75,9 @@ PATCHES: dict[str, Callable] = {
 
 
 def apply_patches(model, patches: list[dict]):
-    """Apply the compiled patches in order; returns (model, notes). `parameter_groups` is skipped (the
-    worker's `optimizer_parameters` reads it). The order is the compiler's: `lora` wraps the model after
-    every patch of the base and before `torch_compile`, which must see the final module.
+    """Apply the compiled patches in order; returns (model, notes). `parameter_groups` is skipped
+    (the worker's `optimizer_parameters` reads it). The order is the compiler's: `lora` wraps the
+    model after every patch of the base and before `torch_compile`, which must see the final module.
     """
     import torch.nn as nn
 
@@ -86,11 +90,13 @@ def apply_patches(model, patches: list[dict]):
         if name == "parameter_groups":   # the optimizer's groups, built by the worker
             continue
         patch_fn = PATCHES[name]
-        try:   # the arguments checked apart from the call: a TypeError from inside a patch is its own
+        # the arguments checked apart from the call: a TypeError from inside a patch is its own
+        try:
             inspect.signature(patch_fn).bind(model, **args)
         except TypeError as err:
             raise spec_error(f"patch {name!r} got bad arguments {args}: {err}",
-                             hint="recompile the job: patches.json is written by `jobspec compile`") from None
+                             hint="recompile the job: patches.json is written by `jobspec "
+                                  "compile`") from None
         result = patch_fn(model, **args)
         if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module):
             model, result = result
@@ -101,14 +107,16 @@ def apply_patches(model, patches: list[dict]):
 
 def optimizer_parameters(model, patches: list[dict], weight_decay: float = 0.0) -> list:
     """What the optimizer gets (`deepspeed.initialize`'s `model_parameters`, a client optimizer's
-    groups): with a `parameter_groups` patch, the trainable matrices decayed by its `weight_decay` and
-    the biases and normalisation weights not at all; without one (`weight_decay` 0, or
+    groups): with a `parameter_groups` patch, the trainable matrices decayed by its `weight_decay`
+    and the biases and normalisation weights not at all; without one (`weight_decay` 0, or
     `weight_decay_on: all`), one group of every trainable parameter at `weight_decay` (DeepSpeed's
     optimizers take their config's)."""
     for patch in patches:
         if patch.get("name") == "parameter_groups":
-            return parameter_groups(model, float((patch.get("args") or {}).get("weight_decay", 0.0)))
-    return [{"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": weight_decay}]
+            return parameter_groups(model,
+                                    float((patch.get("args") or {}).get("weight_decay", 0.0)))
+    return [{"params": [p for p in model.parameters() if p.requires_grad],
+             "weight_decay": weight_decay}]
 
 
 def client_optimizer(model, optimizer: JobSpecTrainingOptimizer, patches: list[dict]):
@@ -120,16 +128,17 @@ def client_optimizer(model, optimizer: JobSpecTrainingOptimizer, patches: list[d
     if chosen.client_args is None:
         return None
     args = chosen.client_args(optimizer)
-    return build_client_optimizer(model, args, optimizer_parameters(model, patches, float(args["weight_decay"])))
+    return build_client_optimizer(model, args,
+                                  optimizer_parameters(model, patches, float(args["weight_decay"])))
 
 
 def build_client_optimizer(model, args: dict, groups: list | None = None):
     """The optimizer DeepSpeed cannot build from its config (bitsandbytes AdamW8bit, Adafactor): its
     module's `build` (jobspec/optimizers) with `args` as its `client_args` writes them.
 
-    Returns None for optimizers DeepSpeed builds itself (adamw, sgd). `groups`: `optimizer_parameters`'
-    (None: the Hugging Face Trainer grouping, weight decay on every trainable parameter except biases
-    and normalisation weights).
+    Returns None for optimizers DeepSpeed builds itself (adamw, sgd). `groups`:
+    `optimizer_parameters`' (None: the Hugging Face Trainer grouping, weight decay on every
+    trainable parameter except biases and normalisation weights).
     """
     name = args.get("name", "adamw")
     if name not in optimizers.OPTIMIZERS:
@@ -151,7 +160,8 @@ def parameter_groups(model, weight_decay: float) -> list[dict]:
     from transformers.trainer_pt_utils import get_parameter_names
 
     # the name patterns of transformers' Trainer.get_decay_parameter_names
-    no_decay_patterns = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
+    no_decay_patterns = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)",
+                         r"_norm(?:$|\.)"]
     decay_names = set(get_parameter_names(model, [nn.LayerNorm], no_decay_patterns))
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [

@@ -34,7 +34,8 @@ def format_eta(seconds: float | None) -> str:
 
 
 def format_line(step: int, total: int, metrics: dict, eta_s: float | None) -> str:
-    """`step 20/100 loss 0.6931 lr 4.0e-05 12.3 samples/s eta 0:01:05` (missing values are skipped)."""
+    """`step 20/100 loss 0.6931 lr 4.0e-05 12.3 samples/s eta 0:01:05` (missing values are
+    skipped)."""
     parts = [f"step {step}/{total}"]
     if "train/loss" in metrics:
         parts.append(f"loss {metrics['train/loss']:.4f}")
@@ -74,13 +75,15 @@ class Progress:
             self._bar.update(step - self._bar.n)
 
     def log(self, step: int, metrics: dict) -> None:
-        # perf/* come at most once per logging.perf_window_s: a line between them shows the last rate
+        # perf/* come at most once per logging.perf_window_s: a line between them shows the last
+        # rate
         if "perf/samples_per_s" in metrics:
             self._rate = metrics["perf/samples_per_s"]
         elif self._rate is not None:
             metrics = {**metrics, "perf/samples_per_s": self._rate}
         if self.mode == "lines":
-            print(format_line(step, self.total, metrics, self.eta_s(step)), file=self.stream, flush=True)
+            print(format_line(step, self.total, metrics, self.eta_s(step)), file=self.stream,
+                  flush=True)
         elif self._bar is not None:
             if "train/loss" in metrics:
                 self._postfix["loss"] = f"{metrics['train/loss']:.4f}"
@@ -90,7 +93,8 @@ class Progress:
             self.update(step)
 
     def eval(self, step: int, loss: float) -> None:
-        """An eval result: its own line, or in the bar's postfix (lines between bar updates break it up)."""
+        """An eval result: its own line, or in the bar's postfix (lines between bar updates break it
+        up)."""
         if self._bar is not None:
             self._postfix["eval"] = f"{loss:.4f}"
             self._bar.set_postfix(self._postfix)
@@ -102,7 +106,8 @@ class Progress:
         if self.mode == "none":
             return
         if self._bar is not None and self._bar.n >= self.total:
-            self.close()   # training is done: lines after it (final checkpoint, export) go below the bar
+            # training is done: lines after it (final checkpoint, export) go below the bar
+            self.close()
         if self._bar is not None:
             self._bar.write(text, file=self.stream)
         else:
@@ -132,10 +137,12 @@ class Window:
     steps: int = 0
     started: float = field(default_factory=time.perf_counter)
     # one 0-d tensor per counted micro-batch: its summed loss over its step's labelled tokens (all
-    # ranks'), so the sum over the micro-batches and ranks of a step is the step's token-weighted loss
+    # ranks'), so the sum over the micro-batches and ranks of a step is the step's token-weighted
+    # loss
     losses: list = field(default_factory=list)
     loss_steps: list = field(default_factory=list)   # the optimizer step of each
-    lr: float | None = None   # the learning rate the window's last step ran at (read before its update)
+    # the learning rate the window's last step ran at (read before its update)
+    lr: float | None = None
     # what happened before start_timing(): the launch's first step, start-up, not training time
     untimed_steps: int = 0
     untimed_samples: int = 0
@@ -145,7 +152,8 @@ class Window:
         """The launch's first optimizer step just ended (start-up ends there: allocation, lazy
         initialisation, JIT): the rates count from now; its samples still count as trained."""
         self.started = time.perf_counter()
-        self.untimed_steps, self.untimed_samples, self.untimed_tokens = self.steps, self.samples, self.tokens
+        self.untimed_steps = self.steps
+        self.untimed_samples, self.untimed_tokens = self.samples, self.tokens
 
     def add_loss(self, loss, step: int = 0) -> None:
         self.micro_batches += 1
@@ -163,13 +171,14 @@ class Window:
             self.started += time.perf_counter() - began
 
     def rewind(self) -> "Window":
-        """Back to this window's counts after a copy of it (dataclasses.replace shares the lists) went
-        on: jobspec.train.oom keeps such a copy from the start of each optimizer step."""
+        """Back to this window's counts after a copy of it (dataclasses.replace shares the lists)
+        went on: jobspec.train.oom keeps such a copy from the start of each optimizer step."""
         del self.losses[self.micro_batches:], self.loss_steps[self.micro_batches:]
         return self
 
     def first_nonfinite_step(self) -> int:
-        """The first optimizer step with a non-finite loss in this window, 0 if none (reads the device)."""
+        """The first optimizer step with a non-finite loss in this window, 0 if none (reads the
+        device)."""
         import torch
         if not self.losses:
             return 0
@@ -193,7 +202,8 @@ class PerfWindow:
         self.steps += window.steps - window.untimed_steps
         self.samples += samples
         self.tokens += tokens
-        self.elapsed += time.perf_counter() - window.started  # windows follow each other: no gap lost
+        # windows follow each other: no gap lost
+        self.elapsed += time.perf_counter() - window.started
         for name, value in memory.items():
             self.memory[name] = max(value, self.memory.get(name, value))
         return self
@@ -209,31 +219,39 @@ class RunState:
     samples: int = 0                 # global samples trained in this run (not before a resume)
     last_loss: float | None = None
     eval_loss: float | None = None
-    eval_metrics: dict = field(default_factory=dict)   # the last evaluation's task metrics: accuracy, f1, ...
+    # the last evaluation's task metrics: accuracy, f1, ...
+    eval_metrics: dict = field(default_factory=dict)
     samples_per_s: list = field(default_factory=list)
-    rates: dict = field(default_factory=dict)   # tokens_per_s, tflops_per_device, mfu: one value per window
-    # the launch's training time and what it trained in it (docs/architecture.md, "Throughput"): summed
-    # over the perf windows, so the first step, evaluation and checkpoints are left out
+    # tokens_per_s, tflops_per_device, mfu: one value per window
+    rates: dict = field(default_factory=dict)
+    # the launch's training time and what it trained in it (docs/architecture.md, "Throughput"):
+    # summed over the perf windows, so the first step, evaluation and checkpoints are left out
     train_time_s: float = 0.0
     train_samples: float = 0.0
     train_tokens: float = 0.0
-    run_perf: dict = field(default_factory=dict)   # perf/run_*: the launch's averages, for summary.json
+    # perf/run_*: the launch's averages, for summary.json
+    run_perf: dict = field(default_factory=dict)
     peak_memory: dict = field(default_factory=dict)
     resumed_from: str | None = None
     last_checkpoint: str | None = None
-    exports: dict = field(default_factory=dict)   # model directories written (jobspec/export/exporter.py)
-    parameters: dict = field(default_factory=dict)   # {"trainable", "total"} (model/lora.parameter_counts)
-    data: dict | None = None   # the tokenised data's counts (data/loaders.data_params), for summary.json
+    # model directories written (jobspec/export/exporter.py)
+    exports: dict = field(default_factory=dict)
+    # {"trainable", "total"} (model/lora.parameter_counts)
+    parameters: dict = field(default_factory=dict)
+    # the tokenised data's counts (data/loaders.data_params), for summary.json
+    data: dict | None = None
     generation: dict | None = None   # the last evaluation's first answer (train/generation.py)
 
 
 class StepReporter:
     """Turns windows of steps into the shared metric names; collectives run on every rank."""
 
-    def __init__(self, engine, spec: JobSpec, derived: DerivedJob, patches, sink, progress, rank, state: RunState):
+    def __init__(self, engine, spec: JobSpec, derived: DerivedJob, patches, sink, progress, rank,
+                 state: RunState):
         from jobspec import hardware
         from jobspec.train import metrics
-        self.engine, self.sink, self.progress, self.rank, self.state = engine, sink, progress, rank, state
+        self.engine, self.sink, self.progress = engine, sink, progress
+        self.rank, self.state = rank, state
         self.metrics = metrics
         self.world = derived.world_size
         self.count_tokens = metrics.count_tokens
@@ -241,7 +259,8 @@ class StepReporter:
         # recompute included); MFU counts the model's FLOPs only (PaLM's definition)
         self.model_flops_per_token = derived.model_flops_per_token
         self.hardware_flops_per_token = derived.hardware_flops_per_token
-        self.peak_flops = metrics.peak_flops(hardware.cuda_device_name(), spec["memory"]["precision"])
+        self.peak_flops = metrics.peak_flops(hardware.cuda_device_name(),
+                                             spec["memory"]["precision"])
         self._rss = metrics.RssReader()  # made once: the RSS reading is per log step
         self.perf_window_s = spec["logging"]["perf_window_s"]
         self._perf = PerfWindow()
@@ -262,21 +281,24 @@ class StepReporter:
         if self.world == 1:
             ranks = [[float(local_loss), *host]]
         else:
-            ranks = self.metrics.gather_rows(torch.cat([local_loss.double().reshape(1), torch.tensor(
+            ranks = self.metrics.gather_rows(torch.cat([local_loss.double().reshape(1),
+                                                        torch.tensor(
                 host, dtype=torch.float64).to(local_loss.device, non_blocking=True)]))
         self.metrics.reset_peaks(device)  # the next window reports its own peak
         loss_sum, micro_batches, samples, tokens = (sum(r[i] for r in ranks) for i in range(4))
         if not math.isfinite(loss_sum) and nan_guard is not None and nan_guard.policy == "stop":
             raise nan_guard.failure(window.first_nonfinite_step())  # 0 where another rank had it
-        # the mean over the window's steps of each step's token-weighted loss (jobspec.train.token_loss);
-        # the rate the last step used (get_lr() after the update is the next step's)
+        # the mean over the window's steps of each step's token-weighted loss
+        # (jobspec.train.token_loss); the rate the last step used (get_lr() after the update is the
+        # next step's)
         lr = window.lr if window.lr is not None else float(self.engine.get_lr()[0])
         out: dict[str, float] = {"train/loss": loss_sum / max(window.steps, 1), "train/lr": lr}
         grad_norm = self.engine.get_global_grad_norm()
         if grad_norm is not None:
             out["train/grad_norm"] = float(grad_norm)
         memory = {f"mem/{k}_max": max(r[4 + i] for r in ranks) for i, k in enumerate(keys)}
-        memory.update({f"mem/{k}_rank0": float(snapshot[k]) for k in ("peak_allocated_mib", "peak_reserved_mib")
+        memory.update({f"mem/{k}_rank0": float(snapshot[k])
+                       for k in ("peak_allocated_mib", "peak_reserved_mib")
                        if k in snapshot})
         for name, value in memory.items():
             self.state.peak_memory[name] = max(value, self.state.peak_memory.get(name, value))
@@ -293,9 +315,11 @@ class StepReporter:
         return Window()
 
     def _perf_metrics(self, perf: "PerfWindow") -> dict:
-        """perf/* rates over the accumulated windows and their mem/* maxima; kept for summary.json too."""
+        """perf/* rates over the accumulated windows and their mem/* maxima; kept for summary.json
+        too."""
         elapsed = max(perf.elapsed, 1e-9)
-        out = {"perf/step_time_s": elapsed / perf.steps, **self._rates("perf/", perf.samples, perf.tokens, elapsed)}
+        out = {"perf/step_time_s": elapsed / perf.steps,
+               **self._rates("perf/", perf.samples, perf.tokens, elapsed)}
         self.state.samples_per_s.append(out["perf/samples_per_s"])
         for key in ("tokens_per_s", "tflops_per_device", "mfu"):
             if f"perf/{key}" in out:
@@ -304,23 +328,29 @@ class StepReporter:
         state.train_time_s += perf.elapsed
         state.train_samples += perf.samples
         state.train_tokens += perf.tokens
-        state.run_perf = self._rates("perf/run_", state.train_samples, state.train_tokens, state.train_time_s)
+        state.run_perf = self._rates("perf/run_", state.train_samples, state.train_tokens,
+                                     state.train_time_s)
         return {**out, **perf.memory}
 
     def _rates(self, prefix: str, samples: float, tokens: float, seconds: float) -> dict:
-        """samples/s, tokens/s and (GPU ranks) TFLOP/s per device and MFU over `seconds` of training."""
+        """samples/s, tokens/s and (GPU ranks) TFLOP/s per device and MFU over `seconds` of
+        training."""
         seconds = max(seconds, 1e-9)
-        out = {f"{prefix}samples_per_s": samples / seconds, f"{prefix}tokens_per_s": tokens / seconds}
-        if self.model_flops_per_token and self.hardware_flops_per_token and self.peak_flops:  # no peak on CPU
+        out = {f"{prefix}samples_per_s": samples / seconds,
+               f"{prefix}tokens_per_s": tokens / seconds}
+        # no peak on CPU
+        if self.model_flops_per_token and self.hardware_flops_per_token and self.peak_flops:
             tokens_per_s_device = tokens / seconds / self.world
-            out[f"{prefix}tflops_per_device"] = self.hardware_flops_per_token * tokens_per_s_device / 1e12
+            tflops = self.hardware_flops_per_token * tokens_per_s_device / 1e12
+            out[f"{prefix}tflops_per_device"] = tflops
             out[f"{prefix}mfu"] = self.model_flops_per_token * tokens_per_s_device / self.peak_flops
         return out
 
     def finish(self, step: int) -> dict:
-        """At the launch's end (finished or stopped; every rank, no collective): the perf window still
-        open becomes a last perf/* point, and the launch's averages perf/run_* are logged beside the
-        series -- the numbers summary.json, the closing summary and `jobspec report` show."""
+        """At the launch's end (finished or stopped; every rank, no collective): the perf window
+        still open becomes a last perf/* point, and the launch's averages perf/run_* are logged
+        beside the series -- the numbers summary.json, the closing summary and `jobspec report`
+        show."""
         if self._perf.steps:
             out = self._perf_metrics(self._perf)
             self._perf = PerfWindow()
@@ -333,7 +363,8 @@ class StepReporter:
     def log_eval(self, step: int, loss: float, metrics: dict | None = None) -> None:
         """`metrics`: the task metrics by name (accuracy, f1, perplexity), logged as eval/<name>."""
         if self.rank == 0:
-            self.sink.log({"eval/loss": loss, **{f"eval/{k}": v for k, v in (metrics or {}).items()}}, step=step)
+            self.sink.log({"eval/loss": loss,
+                           **{f"eval/{k}": v for k, v in (metrics or {}).items()}}, step=step)
             self.progress.eval(step, loss)
 
 

@@ -1,4 +1,5 @@
-"""Ulysses sequence parallelism on the ranks (`memory.sequence_parallel: N`, DeepSpeed's ALST for HF models).
+"""Ulysses sequence parallelism on the ranks (`memory.sequence_parallel: N`, DeepSpeed's ALST for HF
+models).
 
 The world is split into groups of N consecutive ranks (DeepSpeed's parallel_state_sp: ranks
 [iN, (i+1)N) form group i). Within a group:
@@ -16,15 +17,15 @@ The world is split into groups of N consecutive ranks (DeepSpeed's parallel_stat
   (0..L-1, what the model would make itself) sliced alike, as Ulysses gathers them back for the
   attention; a `padding: longest` batch padded to a multiple of N (labels -100 there: padding sits
   after every real token, so causal attention keeps it out of their context).
-- Attention: UlyssesSPAttentionHF.register_with_transformers puts DeepSpeed's wrapper in transformers'
-  ALL_ATTENTION_FUNCTIONS under the model's own implementation (sdpa or flash_attention_2): an
-  all-to-all gives each rank the whole sequence for heads / N heads, the attention runs, a second
-  all-to-all returns to the sequence shards. It also builds the process groups (the mpu that
-  `deepspeed.initialize` takes: DeepSpeed then reduces gradients over the whole world and divides by
-  world / N, and counts world / N data-parallel ranks in its batch arithmetic).
+- Attention: UlyssesSPAttentionHF.register_with_transformers puts DeepSpeed's wrapper in
+  transformers' ALL_ATTENTION_FUNCTIONS under the model's own implementation (sdpa or
+  flash_attention_2): an all-to-all gives each rank the whole sequence for heads / N heads, the
+  attention runs, a second all-to-all returns to the sequence shards. It also builds the process
+  groups (the mpu that `deepspeed.initialize` takes: DeepSpeed then reduces gradients over the whole
+  world and divides by world / N, and counts world / N data-parallel ranks in its batch arithmetic).
 - Loss: the model gets no labels (with `memory.tiled_loss`, the shard's next-token labels as
-  `shift_labels`, which the tiled head takes: model/tiling.py); each rank sums the cross-entropy of its
-  shard's labelled next tokens,
+  `shift_labels`, which the tiled head takes: model/tiling.py); each rank sums the cross-entropy of
+  its shard's labelled next tokens,
   and the step's loss divides by the labelled tokens of the global batch counted over every rank,
   each rank its shard (jobspec.train.token_loss: `labelled_count(..., shift=0)`, `summed_loss`).
   DeepSpeed sums the gradients of a group's ranks and averages over world / N (`data_world`: its
@@ -55,15 +56,18 @@ class SequenceParallel:
     group: Any             # the group's process group
     data_rank: int         # the group's index: the sampler's rank
     data_world: int        # world / N: the sampler's world
-    mpu: Any               # deepspeed.runtime.sequence_parallel.parallel_state_sp, for deepspeed.initialize
-    tiled_loss: bool = False   # memory.tiled_loss: the model takes the shard's labels (`shift_labels`)
+    # deepspeed.runtime.sequence_parallel.parallel_state_sp, for deepspeed.initialize
+    mpu: Any
+    # memory.tiled_loss: the model takes the shard's labels (`shift_labels`)
+    tiled_loss: bool = False
 
     def averaged_over(self, engine) -> int:
-        """The ranks DeepSpeed divides the summed gradients by (what the token loss's scale undoes): the
-        data-parallel world, world / N -- except ZeRO-3 with reduce-scatter (its default), whose
-        reduce_scatter_coalesced averages over every rank of the group without DeepSpeed's correction for
-        the sequence-parallel ranks (stage3.__avg_scatter_grads; the contiguous all-reduce path has it).
-        Measured against one rank in docs/benchmarks.md (sequence parallelism, ZeRO-3)."""
+        """The ranks DeepSpeed divides the summed gradients by (what the token loss's scale undoes):
+        the data-parallel world, world / N -- except ZeRO-3 with reduce-scatter (its default), whose
+        reduce_scatter_coalesced averages over every rank of the group without DeepSpeed's
+        correction for the sequence-parallel ranks (stage3.__avg_scatter_grads; the contiguous
+        all-reduce path has it). Measured against one rank in docs/benchmarks.md (sequence
+        parallelism, ZeRO-3)."""
         optimizer = getattr(engine, "optimizer", None)
         if engine.zero_optimization_stage() == 3 and getattr(optimizer, "reduce_scatter", False):
             return self.data_world * self.size
@@ -75,8 +79,9 @@ class SequenceParallel:
         return self.rank == 0
 
     def shard(self, batch: dict) -> tuple[dict, Any]:
-        """(model inputs of this rank's 1/N of the sequence, the next-token labels of those positions),
-        from a host micro-batch of `input_ids` and `labels` (attention_mask and position_ids optional)."""
+        """(model inputs of this rank's 1/N of the sequence, the next-token labels of those
+        positions), from a host micro-batch of `input_ids` and `labels` (attention_mask and
+        position_ids optional)."""
         import torch
         import torch.nn.functional as F
 
@@ -88,14 +93,17 @@ class SequenceParallel:
             positions = torch.arange(length + pad, dtype=torch.long).expand(rows, length + pad)
         elif pad:
             positions = torch.cat([positions, positions[:, -1:] + torch.arange(1, pad + 1)], dim=1)
-        if pad:   # padding after the real tokens: ignored by the loss, never in a real token's context
+        # padding after the real tokens: ignored by the loss, never in a real token's context
+        if pad:
             ids = F.pad(ids, (0, pad), value=0)
             labels = F.pad(labels, (0, pad), value=IGNORE_INDEX)
         next_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
         chunk = (length + pad) // self.size
         part = slice(self.rank * chunk, (self.rank + 1) * chunk)
-        inputs = {"input_ids": ids[:, part].contiguous(), "position_ids": positions[:, part].contiguous()}
-        if self.tiled_loss:   # the tiled head computes the shard's summed loss itself (model/tiling.py)
+        inputs = {"input_ids": ids[:, part].contiguous(),
+                  "position_ids": positions[:, part].contiguous()}
+        # the tiled head computes the shard's summed loss itself (model/tiling.py)
+        if self.tiled_loss:
             inputs["shift_labels"] = next_labels[:, part].contiguous()
         return inputs, next_labels[:, part].contiguous()
 
@@ -126,13 +134,17 @@ def setup(model, spec: JobSpec, micro_batch_size: int) -> SequenceParallel | Non
     _ORIGINAL_ATTENTION[attention] = ALL_ATTENTION_FUNCTIONS[attention]
     try:
         UlyssesSPAttentionHF.register_with_transformers(
-            model_name_or_path=model, core_attn_implementation=attention, sequence_parallel_size=size,
+            model_name_or_path=model, core_attn_implementation=attention,
+            sequence_parallel_size=size,
             micro_batch_size=micro_batch_size, seq_length_is_variable=True)
-    except ValueError as err:   # DeepSpeed's own refusals (heads of a hub model, its transformers version)
+    # DeepSpeed's own refusals (heads of a hub model, its transformers version)
+    except ValueError as err:
         raise spec_error(f"DeepSpeed's Ulysses refuses this model: {err}",
-                         path=("memory", "sequence_parallel"), hint="set `memory.sequence_parallel: 1`") from err
+                         path=("memory", "sequence_parallel"),
+                         hint="set `memory.sequence_parallel: 1`") from err
     world = dist.get_world_size()
-    sp = SequenceParallel(size=size, rank=mpu.get_sequence_parallel_rank(), group=mpu.get_sequence_parallel_group(),
+    sp = SequenceParallel(size=size, rank=mpu.get_sequence_parallel_rank(),
+                          group=mpu.get_sequence_parallel_group(),
                           data_rank=dist.get_rank() // size, data_world=world // size, mpu=mpu,
                           tiled_loss=bool(spec["memory"]["tiled_loss"]))
     _ACTIVE[0] = sp

@@ -50,7 +50,8 @@ class StopFlag:
 
 
 class StopVote:
-    """`vote(step)` after each optimizer step: True on every rank at the same step once any rank must stop."""
+    """`vote(step)` after each optimizer step: True on every rank at the same step once any rank
+    must stop."""
 
     def __init__(self, flag: StopFlag, group=None, world_size: int = 1, environ=os.environ):
         self.flag, self.group, self.world_size = flag, group, world_size
@@ -77,7 +78,8 @@ class StopVote:
             return True
         buffer = self._buffers[self._slot]
         buffer[0] = 1 if self.flag.requested else 0
-        self._pending = dist.all_reduce(buffer, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        self._pending = dist.all_reduce(buffer, op=dist.ReduceOp.MAX, group=self.group,
+                                        async_op=True)
         self._slot ^= 1
         return False
 

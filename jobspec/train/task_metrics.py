@@ -1,5 +1,5 @@
-"""The task metrics of an evaluation (jobspec/spec/eval_metrics.py names them): counts per batch, summed
-over ranks, turned into numbers once.
+"""The task metrics of an evaluation (jobspec/spec/eval_metrics.py names them): counts per batch,
+summed over ranks, turned into numbers once.
 
 Every rank evaluates its own shard of the eval data, so a rank's accuracy or perplexity is not the
 job's: a mean of per-rank means weighs a rank's few samples like another's many, and an F1 does not
@@ -19,7 +19,7 @@ from jobspec.spec.eval_metrics import BIO_ONLY, is_bio
 from jobspec.spec.types import JobSpec
 from jobspec.tasks.base import CONFUSION, IGNORE_INDEX, TOKENS
 
-# --- metrics from summed counts (pure) --------------------------------------------------------------
+# --- metrics from summed counts (pure) ------------------------------------------------------------
 
 def classification_metrics(confusion: list[list[float]]) -> dict[str, float]:
     """accuracy and macro-F1 from a confusion matrix (rows: true class, columns: predicted).
@@ -42,7 +42,8 @@ def classification_metrics(confusion: list[list[float]]) -> dict[str, float]:
 
 
 def token_metrics(correct: float, labelled: float, spans: list[float] | None = None) -> dict:
-    """token accuracy, and entity F1 from [true positive, predicted, gold] span counts (None: not BIO)."""
+    """token accuracy, and entity F1 from [true positive, predicted, gold] span counts (None: not
+    BIO)."""
     out = {}
     if labelled:
         out["accuracy"] = correct / labelled
@@ -66,15 +67,15 @@ def sum_vectors(vectors: list[list[float]]) -> list[float]:
     return [sum(column) for column in zip(*vectors)]
 
 
-# --- BIO tags -----------------------------------------------------------------------------------------
+# --- BIO tags -------------------------------------------------------------------------------------
 
 # is_bio (label names that are BIO tags) lives in jobspec/spec/eval_metrics.py, beside BIO_ONLY.
 
 
 def bio_spans(tags: list[str]) -> set[tuple[str, int, int]]:
-    """The entities of a tag sequence as (type, first, last) -- seqeval's default (conlleval) reading:
-    a span starts at `B-`, at an `I-` after `O`, or where the type changes; it ends before `B-`, `O`
-    or a change of type. So `I-PER I-PER` is one PER span and `B-PER I-LOC` two spans."""
+    """The entities of a tag sequence as (type, first, last) -- seqeval's default (conlleval)
+    reading: a span starts at `B-`, at an `I-` after `O`, or where the type changes; it ends before
+    `B-`, `O` or a change of type. So `I-PER I-PER` is one PER span and `B-PER I-LOC` two spans."""
     spans: set[tuple[str, int, int]] = set()
     start, kind = -1, ""   # -1: no span open
     for i, tag in enumerate([*tags, "O"]):
@@ -88,12 +89,13 @@ def bio_spans(tags: list[str]) -> set[tuple[str, int, int]]:
 
 
 def span_counts(gold: list[str], predicted: list[str]) -> tuple[int, int, int]:
-    """(true positive, predicted, gold) entity spans of one sequence: a hit needs type and boundaries."""
+    """(true positive, predicted, gold) entity spans of one sequence: a hit needs type and
+    boundaries."""
     gold_spans, predicted_spans = bio_spans(gold), bio_spans(predicted)
     return len(gold_spans & predicted_spans), len(predicted_spans), len(gold_spans)
 
 
-# --- counting on the ranks ----------------------------------------------------------------------------
+# --- counting on the ranks ------------------------------------------------------------------------
 
 class TaskCounter:
     """Counts one task's metrics over the batches of one rank (`update`), as a vector every rank
@@ -106,7 +108,8 @@ class TaskCounter:
         self.counts, self.shift = tasks.get(task).counts, tasks.get(task).shift   # jobspec/tasks
         self.id2label = {i: name for name, i in (label_names or {}).items()}
         self.bio = self.counts == TOKENS and is_bio(self.id2label.values())
-        self._totals: Any = None   # on the device: no sync per batch (but BIO spans, counted on the host)
+        # on the device: no sync per batch (but BIO spans, counted on the host)
+        self._totals: Any = None
 
     @property
     def size(self) -> int:
@@ -126,10 +129,13 @@ class TaskCounter:
             elif self.counts == TOKENS:
                 self._tokens(logits, labels)
             else:
-                # the model's loss is the mean over the tokens it predicted: times their count, their sum
-                targets = labels[..., self.shift:]   # causal-lm: the first token is predicted by none
+                # the model's loss is the mean over the tokens it predicted: times their count,
+                # their sum
+                # causal-lm: the first token is predicted by none
+                targets = labels[..., self.shift:]
                 count = (targets != IGNORE_INDEX).sum().to(torch.float64)
-                loss_sum = torch.where(count > 0, loss.detach().to(torch.float64) * count, torch.zeros_like(count))
+                loss_sum = torch.where(count > 0, loss.detach().to(torch.float64) * count,
+                                       torch.zeros_like(count))
                 self._totals += torch.stack([loss_sum, count])
 
     def _confusion(self, logits, labels):
@@ -179,8 +185,8 @@ class TaskCounter:
 
 
 def logits_of(outputs):
-    """The logits of a model's outputs: a ModelOutput (a dict), or a tuple (`return_dict: false`); None
-    under `memory.tiled_loss`, which never makes them (perplexity needs only the loss)."""
+    """The logits of a model's outputs: a ModelOutput (a dict), or a tuple (`return_dict: false`);
+    None under `memory.tiled_loss`, which never makes them (perplexity needs only the loss)."""
     if isinstance(outputs, dict):
         return outputs.get("logits")
     logits = getattr(outputs, "logits", None)

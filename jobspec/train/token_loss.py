@@ -4,23 +4,25 @@
                  / the number of labelled tokens of the global batch
 
 (`model.task: sequence-classification`: one label per sample, so the per-sample mean.) A mean per
-micro-batch, averaged over accumulation and ranks with equal weight, would weigh a micro-batch of three
-short answers like one of long ones: the gradient would depend on `micro_batch_size`, the number of
-GPUs and `memory.fit` (the bug transformers' Trainer fixed in 4.46 with `num_items_in_batch`).
+micro-batch, averaged over accumulation and ranks with equal weight, would weigh a micro-batch of
+three short answers like one of long ones: the gradient would depend on `micro_batch_size`, the
+number of GPUs and `memory.fit` (the bug transformers' Trainer fixed in 4.46 with
+`num_items_in_batch`).
 
-So each rank, before the first forward of an optimizer step, counts the labelled tokens of the step's
-micro-batches on the host (`labelled_count`), sums the counts over the ranks that hold the global
-batch's tokens (`global_count`: one host all-reduce per step over the groups it is given; under
-sequence parallelism each rank counts its own shard's labels), and back-propagates each micro-batch's SUMMED loss times
-`backward_scale`, which undoes DeepSpeed's averaging of the gradients over the data-parallel ranks
-(`engine.backward(..., scale_wrt_gas=False)` skips its 1/accumulation): the accumulated, averaged
-gradient is then exactly the gradient of loss(step). fp16 loss scaling and gradient clipping act on
-that gradient unchanged.
+So each rank, before the first forward of an optimizer step, counts the labelled tokens of the
+step's micro-batches on the host (`labelled_count`), sums the counts over the ranks that hold the
+global batch's tokens (`global_count`: one host all-reduce per step over the groups it is given;
+under sequence parallelism each rank counts its own shard's labels), and back-propagates each
+micro-batch's SUMMED loss times `backward_scale`, which undoes DeepSpeed's averaging of the
+gradients over the data-parallel ranks (`engine.backward(..., scale_wrt_gas=False)` skips its
+1/accumulation): the accumulated, averaged gradient is then exactly the gradient of loss(step). fp16
+loss scaling and gradient clipping act on that gradient unchanged.
 
-The summed loss of a micro-batch is the model's own loss (the head's: cross-entropy with its shift and
--100s, or MSE/BCE by `problem_type`; a tiled loss's sum) times the labelled tokens it averaged over:
-the model and the planner's trace run the model's own loss unchanged, and mean x count is the sum to
-within one rounding of fp32 (summing in another order than the model would differ by as much).
+The summed loss of a micro-batch is the model's own loss (the head's: cross-entropy with its shift
+and -100s, or MSE/BCE by `problem_type`; a tiled loss's sum) times the labelled tokens it averaged
+over: the model and the planner's trace run the model's own loss unchanged, and mean x count is the
+sum to within one rounding of fp32 (summing in another order than the model would differ by as
+much).
 """
 from __future__ import annotations
 
@@ -43,7 +45,8 @@ def labelled_count(task: Task, labels, shift: int | None = None) -> int:
 
 def _counted(task: Task, labels, shift: int):
     """Which labels the loss counts: -100 is ignored -- on tokens, and on a sequence's class too (no
-    training sample has it; evaluation's padding batch, jobspec.data.loaders._WithPadding, has only it)."""
+    training sample has it; evaluation's padding batch, jobspec.data.loaders._WithPadding, has only
+    it)."""
     return labels != IGNORE_INDEX if per_sample(task) else labels[..., shift:] != IGNORE_INDEX
 
 
@@ -81,10 +84,11 @@ def backward(engine, loss) -> None:
 
 def summed_loss(task: Task, outputs, labels, shift: int | None = None):
     """The sum of the per-token (per-sample) losses of one micro-batch, a 0-d fp32 tensor, from the
-    model's outputs: the summed loss a tiled loss returns (`loss_sum`, jobspec/model/tiling.py); else
-    the head's loss, the mean over the labelled tokens (samples), times their count; else, for a model
-    called without labels (sequence parallelism: `labels` are its shard's next tokens, `shift` 0), the
-    cross-entropy of the logits summed in fp32 as transformers' losses compute it."""
+    model's outputs: the summed loss a tiled loss returns (`loss_sum`, jobspec/model/tiling.py);
+    else the head's loss, the mean over the labelled tokens (samples), times their count; else, for
+    a model called without labels (sequence parallelism: `labels` are its shard's next tokens,
+    `shift` 0), the cross-entropy of the logits summed in fp32 as transformers' losses compute
+    it."""
     import torch
     import torch.nn.functional as F
     def get(name: str) -> Any:

@@ -1,15 +1,15 @@
 """The data formats a job reads: one module each in this package, found here by their `FORMAT`.
 
 Each module declares a `DataFormat` (jobspec/data/formats/base.py): the file formats `data.format`
-names (jsonl, csv, parquet, text: the schema's enum, `tests/test_registries.py`), and the sources told
-by themselves (`hf:` names, `save_to_disk` directories). Validate's record checks, the derived job's
-row count, the data pre-flight, the preparation pass, the loaders and generation's prompts ask the
-source's format (`source_format`) what they need, never its name. Adding a format: the schema's enum
-and one module here (docs/architecture.md, "Adding a data format"); nothing to register.
+names (jsonl, csv, parquet, text: the schema's enum, `tests/test_registries.py`), and the sources
+told by themselves (`hf:` names, `save_to_disk` directories). Validate's record checks, the derived
+job's row count, the data pre-flight, the preparation pass, the loaders and generation's prompts ask
+the source's format (`source_format`) what they need, never its name. Adding a format: the schema's
+enum and one module here (docs/architecture.md, "Adding a data format"); nothing to register.
 
 A data source (`data.train`, `data.eval`) is a file, a directory of text files, or a dataset by name
-(`hf:org/name`, or a local `save_to_disk` directory): `source_format` tells which without reading it.
-Pure: no torch, no datasets, no pyarrow at import.
+(`hf:org/name`, or a local `save_to_disk` directory): `source_format` tells which without reading
+it. Pure: no torch, no datasets, no pyarrow at import.
 """
 from __future__ import annotations
 
@@ -62,14 +62,15 @@ def file_format(path: str | Path, setting: str = "auto") -> DataFormat:
         return FORMATS[setting]
     found = FORMAT_BY_SUFFIX.get(Path(path).suffix.lower())
     if found is None:
-        raise spec_error(f"cannot tell the format of {Path(path).name} from its extension", path=("data", "format"),
+        raise spec_error(f"cannot tell the format of {Path(path).name} from its extension",
+                         path=("data", "format"),
                          hint=f"set data.format to {listed(schema_formats())}")
     return found
 
 
 def source_format(source: str | Path, setting: str = "auto") -> DataFormat:
-    """The format of a data source: the one that claims it (`hf:` names, saved datasets, directories of
-    text files), else the file's (SpecError when `auto` cannot tell it)."""
+    """The format of a data source: the one that claims it (`hf:` names, saved datasets, directories
+    of text files), else the file's (SpecError when `auto` cannot tell it)."""
     claimed = next((f for f in FORMATS.values() if f.claims(str(source))), None)
     return claimed if claimed is not None else file_format(source, setting)
 
@@ -91,5 +92,5 @@ def count_rows(path: str | Path, setting: str = "auto") -> int:
 
 
 __all__ = ["FORMATS", "HF_PREFIX", "DataFormat", "count_rows", "file_format", "is_hub_name",
-           "is_saved_dataset", "listed", "named_format", "schema_formats", "source_format", "split_format",
-           "split_source", "text_files"]
+           "is_saved_dataset", "listed", "named_format", "schema_formats", "source_format",
+           "split_format", "split_source", "text_files"]

@@ -1,13 +1,16 @@
-"""What one data format declares (jobspec/data/formats/: one module per format), and what the formats share.
+"""What one data format declares (jobspec/data/formats/: one module per format), and what the
+formats share.
 
-A `DataFormat` is a kind of data source: a file format `data.format` names (jsonl, csv, parquet, text)
-or a source told by itself (`hf:` names, `save_to_disk` directories). It says which extensions `auto`
-reads it from and what the data code may ask of it:
+A `DataFormat` is a kind of data source: a file format `data.format` names (jsonl, csv, parquet,
+text) or a source told by itself (`hf:` names, `save_to_disk` directories). It says which extensions
+`auto` reads it from and what the data code may ask of it:
 
-- validate's record checks (data/record_checks.py): `columns` (a table's header or schema), `rows` (the
-  first records, each at its file:line, a bad one as a `BadRecord`), `check_documents` (a text corpus);
-- `first_rows` (the data pre-flight's renders, validate's look at the first record), `count_rows` (the
-  derived job's training samples), `row_location` (file:line of a record the template fails on);
+- validate's record checks (data/record_checks.py): `columns` (a table's header or schema), `rows`
+  (the first records, each at its file:line, a bad one as a `BadRecord`), `check_documents` (a text
+  corpus);
+- `first_rows` (the data pre-flight's renders, validate's look at the first record), `count_rows`
+  (the derived job's training samples), `row_location` (file:line of a record the template fails
+  on);
 - `records`: the preparation pass's chunks of work (`RecordSource`: a table's row ranges here, byte
   ranges of a jsonl file in formats/jsonl.py), and `dataset`: the records as a `datasets.Dataset`.
 
@@ -28,11 +31,13 @@ from jobspec.spec.types import JobSpec, JobSpecData
 from jobspec.units import MiB
 
 CHUNK_ROWS = 1000          # rows of a table per chunk of the preparation pass
-SAMPLE_HASH_LIMIT = 64 * MiB   # files up to this size are hashed whole; larger ones by SAMPLE_BLOCKS blocks
+# files up to this size are hashed whole; larger ones by SAMPLE_BLOCKS blocks
+SAMPLE_HASH_LIMIT = 64 * MiB
 SAMPLE_BLOCKS = 16
 SAMPLE_BLOCK = 1 * MiB
 
-Rows = Iterator[tuple[str, "dict | BadRecord"]]   # (where: file:line, the record or what is wrong with it)
+# (where: file:line, the record or what is wrong with it)
+Rows = Iterator[tuple[str, "dict | BadRecord"]]
 
 
 class UnreadableFile(Exception):
@@ -45,14 +50,19 @@ class DataFormat:
     format cannot answer raises NotImplementedError (its attributes say so before)."""
 
     name: str = ""
-    suffixes: tuple[str, ...] = ()   # what `data.format: auto` reads it from (lower case, with the dot)
-    schema_value = True       # a value of the schema's `data.format` enum (hub and saved datasets: no)
-    holds_records = True      # records (chat, prompt/completion, text rows); False: documents (a text corpus)
-    local = True              # a local file validate and the launcher read; False: read by the ranks only
+    # what `data.format: auto` reads it from (lower case, with the dot)
+    suffixes: tuple[str, ...] = ()
+    # a value of the schema's `data.format` enum (hub and saved datasets: no)
+    schema_value = True
+    # records (chat, prompt/completion, text rows); False: documents (a text corpus)
+    holds_records = True
+    # a local file validate and the launcher read; False: read by the ranks only
+    local = True
     nested = True             # a record may hold lists (chat messages)
     light_rows = False        # `first_rows` needs no library (validate reads the first record)
     counted = True            # `count_rows` counts the training samples before any tokenizer runs
-    checked_rows: int | None = None   # validate reads this many rows (its bytes are compressed), else bytes
+    # validate reads this many rows (its bytes are compressed), else bytes
+    checked_rows: int | None = None
     datasets_builder: str | None = None   # datasets.load_dataset's builder of the file
 
     @property
@@ -61,18 +71,20 @@ class DataFormat:
         return f"a {self.name} file"
 
     def claims(self, source: str) -> bool:
-        """Whether `source` is this format's whatever `data.format` says (`hf:` names, directories)."""
+        """Whether `source` is this format's whatever `data.format` says (`hf:` names,
+        directories)."""
         return False
 
     def files(self, source: str, setting: str = "auto") -> list[Path]:
-        """The files the source is made of (a directory of text files: each of them; `setting`: data.format)."""
+        """The files the source is made of (a directory of text files: each of them; `setting`:
+        data.format)."""
         return [Path(source)]
 
     # ---- validate's record checks (data/record_checks.py)
 
     def columns(self, path: Path, split: str) -> list[str] | None:
-        """The columns every record has (a table's header or schema), read before the rows; None: each
-        record has its own fields. BadRecord when the file cannot be read as this format."""
+        """The columns every record has (a table's header or schema), read before the rows; None:
+        each record has its own fields. BadRecord when the file cannot be read as this format."""
         return None
 
     def missing_column(self, path: Path, name: str, columns: list[str]) -> str:
@@ -80,17 +92,21 @@ class DataFormat:
 
     def rows(self, path: Path, split: str, *, columns: list[str] | None, label: str | None,
              max_rows: int | None, max_bytes: int | None) -> Rows:
-        """The first records (`max_rows`, or those in the first `max_bytes`; None: no limit) with the
-        `columns` the checks read (None: every field; `label`: the label column), each at its file:line; a record that
-        cannot be read is a BadRecord and the reading goes on; BadRecord raised ends the reading."""
+        """The first records (`max_rows`, or those in the first `max_bytes`; None: no limit) with
+        the `columns` the checks read (None: every field; `label`: the label column), each at its
+        file:line; a record that cannot be read is a BadRecord and the reading goes on; BadRecord
+        raised ends the reading."""
         raise NotImplementedError(f"{self.name} holds no records")
 
-    def check_documents(self, path: Path, split: str, max_bytes: int | None, may_be_empty: bool = False) -> None:
-        """A text corpus's file (`may_be_empty`: one of a directory's): BadRecord for what is wrong with it."""
+    def check_documents(self, path: Path, split: str, max_bytes: int | None,
+                        may_be_empty: bool = False) -> None:
+        """A text corpus's file (`may_be_empty`: one of a directory's): BadRecord for what is wrong
+        with it."""
         raise NotImplementedError(f"{self.name} holds no documents")
 
     def documents(self, source: str, setting: str, document: str, split: str) -> list[str]:
-        """A text corpus's documents, in order (`setting`: data.format, `document`: data.document)."""
+        """A text corpus's documents, in order (`setting`: data.format, `document`:
+        data.document)."""
         raise NotImplementedError(f"{self.name} holds no documents")
 
     # ---- reads of the first records, the row count, where a record is
@@ -100,11 +116,13 @@ class DataFormat:
         raise NotImplementedError(f"{self.name}'s records are read by the ranks")
 
     def count_rows(self, path: Path) -> int:
-        """The file's records: the training samples (OSError, ValueError: formats.count_rows says so)."""
+        """The file's records: the training samples (OSError, ValueError: formats.count_rows says
+        so)."""
         raise NotImplementedError(f"{self.name} has no rows to count before tokenizing")
 
     def row_location(self, path: Path, index: int) -> str:
-        """Where record `index` (0-based, as datasets numbers them) is: `file:line`, or `file: row N`."""
+        """Where record `index` (0-based, as datasets numbers them) is: `file:line`, or `file: row
+        N`."""
         return f"{path}: row {index + 1}"
 
     def where(self, spec: JobSpec, split: str, index: int) -> str:
@@ -126,14 +144,16 @@ class DataFormat:
         return {}
 
     def dataset(self, spec: JobSpec, split: str) -> Any:
-        """`data.<split>` as a datasets.Dataset; UnreadableFile when datasets cannot read the file."""
+        """`data.<split>` as a datasets.Dataset; UnreadableFile when datasets cannot read the
+        file."""
         import datasets
 
         path = split_source(spec["data"], split)
         if self.datasets_builder is None:
             raise NotImplementedError(f"{self.name} is no table datasets loads")
         if not Path(path).is_file():
-            raise spec_error(f"{split} file not found: {path}", path=("data", split), hint="check the path")
+            raise spec_error(f"{split} file not found: {path}", path=("data", split),
+                             hint="check the path")
         try:
             return datasets.load_dataset(self.datasets_builder, data_files=str(path), split="train",
                                          **self.builder_options())
@@ -143,7 +163,8 @@ class DataFormat:
 
 class RecordSource(abc.ABC):
     """Where a split's records come from, for the preparation pass: the first record's fields, a
-    fingerprint of the content, the chunks of work and their records as [(where, record or RecordError)]."""
+    fingerprint of the content, the chunks of work and their records as [(where, record or
+    RecordError)]."""
 
     @abc.abstractmethod
     def fields(self): ...
@@ -165,8 +186,8 @@ class RecordSource(abc.ABC):
 
 
 class TableRecords(RecordSource):
-    """Rows of a table `datasets` loads (csv, parquet, `hf:` names, saved datasets), in row ranges of
-    CHUNK_ROWS, which the forked workers share (memory-mapped Arrow)."""
+    """Rows of a table `datasets` loads (csv, parquet, `hf:` names, saved datasets), in row ranges
+    of CHUNK_ROWS, which the forked workers share (memory-mapped Arrow)."""
 
     def __init__(self, data_format: DataFormat, spec: JobSpec, split: str, load: Callable[[], Any]):
         self.format, self.spec, self.split, self._load = data_format, spec, split, load
@@ -185,7 +206,8 @@ class TableRecords(RecordSource):
         return self.format.fingerprint(self.spec, self.split, self.table)
 
     def chunks(self) -> list:
-        return [(start, min(start + CHUNK_ROWS, len(self.table))) for start in range(0, len(self.table), CHUNK_ROWS)]
+        return [(start, min(start + CHUNK_ROWS, len(self.table)))
+                for start in range(0, len(self.table), CHUNK_ROWS)]
 
     def total(self) -> int:
         return len(self.table)
@@ -198,11 +220,13 @@ class TableRecords(RecordSource):
         columns = self.table[start:stop]
         names = list(columns)
         rows = [dict(zip(names, values)) for values in zip(*(columns[n] for n in names))]
-        return [(self.format.where(self.spec, self.split, start + i), row) for i, row in enumerate(rows)]
+        return [(self.format.where(self.spec, self.split, start + i), row)
+                for i, row in enumerate(rows)]
 
 
 def split_source(data: JobSpecData, split: str) -> str:
-    """`data.<split>` ("train" or "eval"): the file, directory or hub name of a split the spec has."""
+    """`data.<split>` ("train" or "eval"): the file, directory or hub name of a split the spec
+    has."""
     source = data["train"] if split == "train" else data["eval"] if split == "eval" else None
     if source is None:
         raise ValueError(f"the spec has no data.{split}")
@@ -210,12 +234,14 @@ def split_source(data: JobSpecData, split: str) -> str:
 
 
 def split_name(spec: JobSpec, split: str) -> str:
-    """The dataset split a dataset by name or a saved DatasetDict is read at: data.train_split / eval_split."""
+    """The dataset split a dataset by name or a saved DatasetDict is read at: data.train_split /
+    eval_split."""
     return spec["data"]["train_split" if split == "train" else "eval_split"]
 
 
 def file_fingerprint(path: Path) -> dict:
-    """Size, mtime and a content hash (the whole file up to SAMPLE_HASH_LIMIT, else evenly spaced blocks)."""
+    """Size, mtime and a content hash (the whole file up to SAMPLE_HASH_LIMIT, else evenly spaced
+    blocks)."""
     stat = path.stat()
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
@@ -231,9 +257,10 @@ def file_fingerprint(path: Path) -> dict:
             "sha256": digest.hexdigest(), "sampled": stat.st_size > SAMPLE_HASH_LIMIT}
 
 
-def utf8_lines(path: Path, split: str, max_lines: int | None, max_bytes: int | None) -> Iterator[tuple[int, str]]:
-    """(line number, decoded line) of the file's first lines; a line that is not UTF-8 is the problem
-    (BadRecord at its line and byte)."""
+def utf8_lines(path: Path, split: str, max_lines: int | None,
+               max_bytes: int | None) -> Iterator[tuple[int, str]]:
+    """(line number, decoded line) of the file's first lines; a line that is not UTF-8 is the
+    problem (BadRecord at its line and byte)."""
     read = 0
     with open(path, "rb") as fh:
         for number, raw in enumerate(fh, start=1):
@@ -243,7 +270,8 @@ def utf8_lines(path: Path, split: str, max_lines: int | None, max_bytes: int | N
                 raise not_utf8(path, number, raw, err, split) from None
             yield number, text
             read += len(raw)
-            if (max_bytes is not None and read >= max_bytes) or (max_lines is not None and number >= max_lines):
+            if (max_bytes is not None and read >= max_bytes) \
+                    or (max_lines is not None and number >= max_lines):
                 return
 
 

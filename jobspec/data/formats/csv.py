@@ -1,6 +1,6 @@
-"""`data.format: csv` (.csv): a header naming the columns, then one record per row (a quoted field may
-span lines). A field is text; read as `datasets` (pandas) reads it: an empty field is missing, and a
-label column of integers holds class ids."""
+"""`data.format: csv` (.csv): a header naming the columns, then one record per row (a quoted field
+may span lines). A field is text; read as `datasets` (pandas) reads it: an empty field is missing,
+and a label column of integers holds class ids."""
 from __future__ import annotations
 
 import csv
@@ -22,7 +22,8 @@ class CsvFormat(DataFormat):
         return {"delimiter": self.delimiter}
 
     def columns(self, path: Path, split: str) -> list[str] | None:
-        reader = csv.reader((text for _, text in utf8_lines(path, split, None, None)), delimiter=self.delimiter)
+        reader = csv.reader((text for _, text in utf8_lines(path, split, None, None)),
+                            delimiter=self.delimiter)
         try:
             return next(reader, None) or []
         except csv.Error as err:
@@ -34,7 +35,8 @@ class CsvFormat(DataFormat):
 
     def rows(self, path: Path, split: str, *, columns: list[str] | None, label: str | None,
              max_rows: int | None, max_bytes: int | None) -> Rows:
-        # a quoted field may span lines: read a few more lines than rows, and forgive a record cut at the end
+        # a quoted field may span lines: read a few more lines than rows, and forgive a record cut
+        # at the end
         max_lines = None if max_rows is None else 2 * max_rows + 1
         lines = utf8_lines(path, split, max_lines, max_bytes)
         last = [0]
@@ -55,8 +57,10 @@ class CsvFormat(DataFormat):
                 if not fields:
                     continue
                 if len(fields) != len(header):
-                    yield where, BadRecord(("data", split), f"{where}: {len(fields)} fields, the header names "
-                                           f"{len(header)}", "quote fields that contain commas or line breaks")
+                    yield where, BadRecord(("data", split),
+                                           f"{where}: {len(fields)} fields, the header names "
+                                           f"{len(header)}",
+                                           "quote fields that contain commas or line breaks")
                 else:
                     yield where, _record(fields, index, label)
                 rows += 1
@@ -98,8 +102,8 @@ class CsvFormat(DataFormat):
 
 
 def _record(fields: list[str], index: dict[str, int], label: str | None) -> dict:
-    """A row's fields as pandas (datasets' csv reader) makes them: missing when empty; a label that is
-    an integer becomes a class id."""
+    """A row's fields as pandas (datasets' csv reader) makes them: missing when empty; a label that
+    is an integer becomes a class id."""
     row = {name: (EMPTY if fields[i] == "" else fields[i]) for name, i in index.items()}
     if label is not None and isinstance(value := row.get(label), str):
         row[label] = _int_or_text(value)

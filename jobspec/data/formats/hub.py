@@ -1,8 +1,9 @@
-"""`hf:org/name`: a dataset by name, `datasets.load_dataset(name, data.subset, split=data.train_split /
-data.eval_split)` through the Hugging Face cache; offline (HF_DATASETS_OFFLINE=1 or HF_HUB_OFFLINE=1) it
-reads the cache only, as datasets does. `hf:` followed by a local directory (made absolute against the
-spec file) loads that directory: a `save_to_disk` one with `load_from_disk`, else as a dataset
-repository. Read by the ranks (and the preparation pass), never by validate."""
+"""`hf:org/name`: a dataset by name, `datasets.load_dataset(name, data.subset,
+split=data.train_split / data.eval_split)` through the Hugging Face cache; offline
+(HF_DATASETS_OFFLINE=1 or HF_HUB_OFFLINE=1) it reads the cache only, as datasets does. `hf:`
+followed by a local directory (made absolute against the spec file) loads that directory: a
+`save_to_disk` one with `load_from_disk`, else as a dataset repository. Read by the ranks (and the
+preparation pass), never by validate."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -41,19 +42,22 @@ class HubDataset(SavedDataset):
 
 
 def is_hub_name(source) -> bool:
-    """`hf:org/name`: a dataset by name (datasets.load_dataset), never a local path of the spec's."""
+    """`hf:org/name`: a dataset by name (datasets.load_dataset), never a local path of the
+    spec's."""
     return isinstance(source, str) and source.startswith(HF_PREFIX)
 
 
 def _load_error(split: str, name: str, text: str):
     hint = ("check the name, data.subset and data.train_split / data.eval_split; offline "
-            "(HF_DATASETS_OFFLINE=1 / HF_HUB_OFFLINE=1) only what the Hugging Face cache holds loads")
+            "(HF_DATASETS_OFFLINE=1 / HF_HUB_OFFLINE=1) only what the Hugging Face cache holds "
+            "loads")
     if "split" in text.lower():
         return spec_error(f"{HF_PREFIX}{name}: {text}", hint=hint,
                           path=("data", "train_split" if split == "train" else "eval_split"))
     if "config" in text.lower():
         return spec_error(f"{HF_PREFIX}{name}: {text}", path=("data", "subset"), hint=hint)
-    return spec_error(f"cannot load the dataset {HF_PREFIX}{name}: {text}", path=("data", split), hint=hint)
+    return spec_error(f"cannot load the dataset {HF_PREFIX}{name}: {text}", path=("data", split),
+                      hint=hint)
 
 
 FORMAT = HubDataset()

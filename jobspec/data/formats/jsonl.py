@@ -1,8 +1,8 @@
 """`data.format: jsonl` (.jsonl, .json): one JSON object per line, blank lines skipped.
 
-The preparation pass reads a jsonl file in byte ranges of about CHUNK_BYTES cut at line ends, each read
-and parsed by the worker that encodes it, so a bad line is named exactly (`file:line`) and the parent
-reads nothing but the line ends.
+The preparation pass reads a jsonl file in byte ranges of about CHUNK_BYTES cut at line ends, each
+read and parsed by the worker that encodes it, so a bad line is named exactly (`file:line`) and the
+parent reads nothing but the line ends.
 """
 from __future__ import annotations
 
@@ -11,7 +11,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from jobspec.data.formats.base import DataFormat, RecordSource, Rows, file_fingerprint, not_utf8, split_source
+from jobspec.data.formats.base import (
+    DataFormat,
+    RecordSource,
+    Rows,
+    file_fingerprint,
+    not_utf8,
+    split_source,
+)
 from jobspec.data.records.base import BadRecord, RecordError, describe
 from jobspec.spec.types import JobSpec
 from jobspec.units import MiB
@@ -27,8 +34,8 @@ class JsonlFormat(DataFormat):
 
     def rows(self, path: Path, split: str, *, columns: list[str] | None, label: str | None,
              max_rows: int | None, max_bytes: int | None) -> Rows:
-        """(file:line, record), or (file:line, BadRecord) for a line that is not UTF-8, not JSON or not an
-        object: the reading goes on with the next line (every bad record is reported)."""
+        """(file:line, record), or (file:line, BadRecord) for a line that is not UTF-8, not JSON or
+        not an object: the reading goes on with the next line (every bad record is reported)."""
         rows = 0
         read = 0
         with open(path, "rb") as fh:
@@ -37,7 +44,8 @@ class JsonlFormat(DataFormat):
                 if raw.strip():
                     yield f"{path}:{number}", _record(path, number, raw, split)
                     rows += 1
-                if (max_rows is not None and rows >= max_rows) or (max_bytes is not None and read >= max_bytes):
+                if (max_rows is not None and rows >= max_rows) \
+                        or (max_bytes is not None and read >= max_bytes):
                     return
 
     def first_rows(self, path: Path, limit: int) -> list[dict]:
@@ -84,13 +92,15 @@ def _record(path: Path, number: int, raw: bytes, split: str) -> dict | BadRecord
         return BadRecord(("data", split), f"{path}:{number}: not valid JSON ({message}{where})",
                          "each line of a jsonl file must be one JSON object")
     if not isinstance(row, dict):
-        return BadRecord(("data", split), f"{path}:{number}: a JSON object per line expected, found "
+        return BadRecord(("data", split),
+                         f"{path}:{number}: a JSON object per line expected, found "
                          f"{describe(row)}", "each line of a jsonl file must be one JSON object")
     return row
 
 
 class JsonlRecords(RecordSource):
-    """A local jsonl file, split into byte ranges the workers read and parse themselves (file:line exact)."""
+    """A local jsonl file, split into byte ranges the workers read and parse themselves (file:line
+    exact)."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -152,9 +162,11 @@ class JsonlRecords(RecordSource):
             try:
                 out.append((where, json.loads(line)))
             except UnicodeDecodeError:
-                out.append((where, RecordError("the line is not UTF-8 text", "save the file as UTF-8")))
+                out.append((where,
+                            RecordError("the line is not UTF-8 text", "save the file as UTF-8")))
             except ValueError as err:
-                out.append((where, RecordError(f"not valid JSON: {err}", "write one JSON object per line")))
+                out.append((where, RecordError(f"not valid JSON: {err}",
+                                               "write one JSON object per line")))
         return out
 
 

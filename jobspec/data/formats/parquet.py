@@ -1,5 +1,6 @@
-"""`data.format: parquet` (.parquet, .pq): a columnar table (pyarrow), its row count in the metadata.
-Its bytes are compressed: validate reads its first `checked_rows` rows rather than a number of bytes."""
+"""`data.format: parquet` (.parquet, .pq): a columnar table (pyarrow), its row count in the
+metadata. Its bytes are compressed: validate reads its first `checked_rows` rows rather than a
+number of bytes."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,7 +21,8 @@ class ParquetFormat(DataFormat):
         try:
             return pq.ParquetFile(path)
         except Exception as err:  # pyarrow raises ArrowInvalid / OSError with a reason
-            raise BadRecord(("data", split), f"{path} is not a readable parquet file ({first_line(err)})",
+            raise BadRecord(("data", split),
+                            f"{path} is not a readable parquet file ({first_line(err)})",
                             "check the file and data.format") from None
 
     def columns(self, path: Path, split: str) -> list[str] | None:
@@ -29,7 +31,8 @@ class ParquetFormat(DataFormat):
     def rows(self, path: Path, split: str, *, columns: list[str] | None, label: str | None,
              max_rows: int | None, max_bytes: int | None) -> Rows:
         number = 0
-        for batch in self._file(path, split).iter_batches(batch_size=min(max_rows or 10_000, 10_000),
+        for batch in self._file(path,
+                                split).iter_batches(batch_size=min(max_rows or 10_000, 10_000),
                                                           columns=columns):
             try:
                 rows = batch.to_pylist()
@@ -60,7 +63,8 @@ def _row(batch, offset: int, path: Path, number: int, split: str) -> dict | BadR
     try:
         return batch.slice(offset, 1).to_pylist()[0]
     except UnicodeDecodeError as err:
-        return BadRecord(("data", split), f"{path}: row {number} holds a string that is not valid UTF-8 ({err})",
+        return BadRecord(("data", split),
+                         f"{path}: row {number} holds a string that is not valid UTF-8 ({err})",
                          "rewrite the file with UTF-8 strings")
 
 

@@ -31,11 +31,11 @@ class SavedDataset(DataFormat):
         return f"{split_source(spec['data'], split)} [{split_name(spec, split)}] row {index + 1}"
 
     def fingerprint(self, spec: JobSpec, split: str, table: Any) -> dict:
-        # datasets' fingerprint of the loaded table: its Arrow files (a dataset by name: in the local
-        # cache), or the saved directory's state
+        # datasets' fingerprint of the loaded table: its Arrow files (a dataset by name: in the
+        # local cache), or the saved directory's state
         return {"name": split_source(spec["data"], split), "subset": spec["data"].get("subset"),
-                "split": split_name(spec, split), "fingerprint": getattr(table, "_fingerprint", None),
-                "rows": len(table)}
+                "split": split_name(spec, split),
+                "fingerprint": getattr(table, "_fingerprint", None), "rows": len(table)}
 
     def dataset(self, spec: JobSpec, split: str) -> Any:
         return load_saved(spec, split, split_source(spec["data"], split))
@@ -57,15 +57,16 @@ def load_saved(spec: JobSpec, split: str, path: str) -> Any:
     try:
         loaded = datasets.load_from_disk(path)
     except Exception as err:  # a damaged directory: FileNotFoundError, ValueError, pyarrow errors
-        raise spec_error(f"cannot load the saved dataset {path}: {first_line(err)}", path=("data", split),
+        raise spec_error(f"cannot load the saved dataset {path}: {first_line(err)}",
+                         path=("data", split),
                          hint="point it at a directory written by datasets' save_to_disk") from None
     if not isinstance(loaded, datasets.DatasetDict):
         return loaded
     wanted = split_name(spec, split)
     if wanted not in loaded:
         field = "train_split" if split == "train" else "eval_split"
-        raise spec_error(f"{path} has no split {wanted!r} (splits: {', '.join(loaded)})", path=("data", field),
-                         hint=f"set data.{field} to one of its splits")
+        raise spec_error(f"{path} has no split {wanted!r} (splits: {', '.join(loaded)})",
+                         path=("data", field), hint=f"set data.{field} to one of its splits")
     return loaded[wanted]
 
 

@@ -1,7 +1,7 @@
 """`data.format: text` (.txt, .md): a text corpus, a file or a directory of text files, cut into
-language-model blocks by the ranks (data/text_blocks.py). A document is a line of a file (`data.document:
-line`, blank lines skipped), a whole file (`document: file`), or each file of a directory. No records,
-no rows to count: its samples are known once tokenized."""
+language-model blocks by the ranks (data/text_blocks.py). A document is a line of a file
+(`data.document: line`, blank lines skipped), a whole file (`document: file`), or each file of a
+directory. No records, no rows to count: its samples are known once tokenized."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,7 +21,8 @@ class TextFormat(DataFormat):
 
     @property
     def described(self) -> str:
-        return "text (its samples are blocks of data.max_length tokens: counted only when tokenized)"
+        return ("text (its samples are blocks of data.max_length tokens: counted only when "
+                "tokenized)")
 
     def claims(self, source: str) -> bool:
         """A directory of text files (one that is no saved dataset)."""
@@ -34,21 +35,25 @@ class TextFormat(DataFormat):
     def files(self, source: str, setting: str = "auto") -> list[Path]:
         return text_files(source, setting) if self.claims(source) else [Path(source)]
 
-    def check_documents(self, path: Path, split: str, max_bytes: int | None, may_be_empty: bool = False) -> None:
-        """A text file: valid UTF-8 (its first `max_bytes`), with at least one non-blank line (a file of a
-        directory, `may_be_empty`, may have none: its directory holds the documents)."""
+    def check_documents(self, path: Path, split: str, max_bytes: int | None,
+                        may_be_empty: bool = False) -> None:
+        """A text file: valid UTF-8 (its first `max_bytes`), with at least one non-blank line (a
+        file of a directory, `may_be_empty`, may have none: its directory holds the documents)."""
         text = False
         for _, line in utf8_lines(path, split, None, max_bytes):
             text = text or bool(line.strip())
         if not text and not may_be_empty:
-            raise BadRecord(("data", split), f"{path} has no text", "a text file needs at least one non-blank line")
+            raise BadRecord(("data", split), f"{path} has no text",
+                            "a text file needs at least one non-blank line")
 
     def documents(self, source: str, setting: str, document: str, split: str) -> list[str]:
-        """The documents of a text file or a directory of text files, in order (`setting`: data.format)."""
+        """The documents of a text file or a directory of text files, in order (`setting`:
+        data.format)."""
         if self.claims(source):
             files = text_files(source, setting)
             if not files:
-                raise spec_error(f"{source} holds no {'/'.join(self.suffixes)} files", path=("data", split),
+                raise spec_error(f"{source} holds no {'/'.join(self.suffixes)} files",
+                                 path=("data", split),
                                  hint="point it at a directory of text files, or at a data file")
             return [doc for doc in (_read(path, split) for path in files) if doc.strip()]
         text = _read(Path(source), split)

@@ -1,11 +1,11 @@
 """The record kinds a spec can name (`data.records`): one module each, registered here.
 
 Each module declares a `RecordKind` (jobspec/data/records/base.py): how its records are recognised
-(`data.records: auto` asks the kinds in RECORD_KINDS' order on the first record's fields; `text`, the
-last, takes any), checked and rendered. validate's record checks (data/record_checks.py), the data
-pre-flight, the preparation pass, the loaders and generation's prompts read the kind from here; a test
-keeps the keys equal to the schema's enum (tests/test_registries.py). `Columns`: what the job's task
-needs from each record (the field names the spec sets). Pure: no torch, no datasets.
+(`data.records: auto` asks the kinds in RECORD_KINDS' order on the first record's fields; `text`,
+the last, takes any), checked and rendered. validate's record checks (data/record_checks.py), the
+data pre-flight, the preparation pass, the loaders and generation's prompts read the kind from here;
+a test keeps the keys equal to the schema's enum (tests/test_registries.py). `Columns`: what the
+job's task needs from each record (the field names the spec sets). Pure: no torch, no datasets.
 """
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ class Columns:
     label_field: str | None   # None: language-model tasks have no label column
     task: str
     num_labels: int
-    records: str = "auto"     # data.records; `resolved` turns auto into the kind the first record shows
+    # data.records; `resolved` turns auto into the kind the first record shows
+    records: str = "auto"
     messages_field: str = "messages"
     prompt_field: str = "prompt"
     completion_field: str = "completion"
@@ -43,7 +44,8 @@ class Columns:
         task = model["task"]
         label = data["label_field"] if tasks.get(task).classification else None
         return cls(tuple(data["text_fields"] or ["text"]), label, task, model["num_labels"],
-                   data["records"], data["messages_field"], data["prompt_field"], data["completion_field"])
+                   data["records"], data["messages_field"], data["prompt_field"],
+                   data["completion_field"])
 
     def resolved(self, fields: Iterable) -> Columns:
         """These columns with `records: auto` decided by the first record's `fields`."""
@@ -68,5 +70,6 @@ def kind_of(columns: Columns, fields: Iterable) -> RecordKind:
 
 
 def record_kind(spec: JobSpec, fields: Iterable) -> RecordKind:
-    """The kind of the spec's records: `data.records`, or for `auto` what the first record's `fields` show."""
+    """The kind of the spec's records: `data.records`, or for `auto` what the first record's
+    `fields` show."""
     return kind_of(Columns.of(spec), fields)

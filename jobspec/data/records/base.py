@@ -1,6 +1,6 @@
-"""What one record kind declares (`data.records`: jobspec/data/records/, one module per kind), and what
-every kind's checks share: a bad record (`BadRecord`, `RecordError`) and how a value is described in a
-message (`describe`).
+"""What one record kind declares (`data.records`: jobspec/data/records/, one module per kind), and
+what every kind's checks share: a bad record (`BadRecord`, `RecordError`) and how a value is
+described in a message (`describe`).
 
 A kind owns how its records are recognised (`recognised`: `data.records: auto` on the first record's
 fields), which fields they need and which spec field names each (`needed`, `column_field`), how one
@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 
 
 class BadRecord(Exception):
-    """One problem of a data file or record, at the spec field to change (its message says where)."""
+    """One problem of a data file or record, at the spec field to change (its message says
+    where)."""
 
     def __init__(self, field: tuple, message: str, hint: str):
         super().__init__(message)
@@ -26,7 +27,8 @@ class BadRecord(Exception):
 
 
 class RecordError(ValueError):
-    """A record the preparation pass cannot take: the reason and a hint (the caller knows where it is)."""
+    """A record the preparation pass cannot take: the reason and a hint (the caller knows where it
+    is)."""
 
     def __init__(self, message: str, hint: str):
         super().__init__(message)
@@ -38,7 +40,8 @@ class RecordKind:
 
     name: str = ""
     described: str = ""         # in messages: "chat", "prompt/completion", "text"
-    rendered: bool = False      # rendered (with the chat template, or `plain_text`) and tokenised into the
+    # rendered (with the chat template, or `plain_text`) and tokenised into the
+    rendered: bool = False
                                 # data cache (data/prepare.py): trains a causal-lm only
     needs_template: bool = False   # rendered with a chat template only (no `plain_text`)
 
@@ -62,7 +65,8 @@ class RecordKind:
         return "name one of the file's columns"
 
     def check(self, checker: RecordChecker, where: str, row: dict) -> None:
-        """Raise BadRecord for what is wrong with the record `row` at `where` (its fields are there)."""
+        """Raise BadRecord for what is wrong with the record `row` at `where` (its fields are
+        there)."""
         raise NotImplementedError
 
     def messages(self, columns: Columns, record: dict) -> list[dict]:
@@ -70,7 +74,8 @@ class RecordKind:
         raise ValueError(f"{self.described} records are not rendered with a chat template")
 
     def plain_text(self, columns: Columns, record: dict) -> tuple[str, str] | None:
-        """(prompt, completion) of a checked record trained without a chat template; None: it needs one."""
+        """(prompt, completion) of a checked record trained without a chat template; None: it needs
+        one."""
         return None
 
     def encode(self, columns: Columns, tokenizer, table, max_length: int, pad: bool):

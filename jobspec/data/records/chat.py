@@ -11,7 +11,8 @@ if TYPE_CHECKING:
     from jobspec.data.record_checks import RecordChecker
     from jobspec.data.records import Columns
 
-ROLES = ("system", "user", "assistant", "tool")   # a chat message's roles (schema: data.messages_field)
+# a chat message's roles (schema: data.messages_field)
+ROLES = ("system", "user", "assistant", "tool")
 
 
 class ChatRecords(RecordKind):
@@ -40,26 +41,30 @@ class ChatRecords(RecordKind):
 
     def messages(self, columns: Columns, record: dict) -> list[dict]:
         # only role and content: a table's messages carry null keys of the other records' messages
-        return [{"role": m["role"], "content": m["content"]} for m in record[columns.messages_field]]
+        return [{"role": m["role"], "content": m["content"]}
+                for m in record[columns.messages_field]]
 
 
 def messages_problem(messages, field: str) -> tuple[str, str] | None:
-    """What is wrong with a chat record's messages, with a hint (None: a non-empty list of {role, content},
-    known roles, string content)."""
+    """What is wrong with a chat record's messages, with a hint (None: a non-empty list of {role,
+    content}, known roles, string content)."""
     if not isinstance(messages, list) or not messages:
-        return (f"{field!r} is {describe(messages)}; a non-empty list of {{role, content}} messages expected",
+        return (f"{field!r} is {describe(messages)}; a non-empty list of {{role, content}} "
+                "messages expected",
                 "store each conversation as a list of messages")
     for number, message in enumerate(messages, start=1):
         if not isinstance(message, dict):
-            return (f"message {number} is {describe(message)}; an object with role and content expected",
+            return (f"message {number} is {describe(message)}; an object with role and content "
+                    "expected",
                     'write each message as {"role": ..., "content": ...}')
         role = message.get("role")
         if role not in ROLES:
             return (f"message {number} has role {role!r}; one of {', '.join(ROLES)} expected",
-                    did_you_mean(role if isinstance(role, str) else "", ROLES, "give each message a role",
-                                 cutoff=0.5, quote="'"))
+                    did_you_mean(role if isinstance(role, str) else "", ROLES,
+                                 "give each message a role", cutoff=0.5, quote="'"))
         if not isinstance(message.get("content"), str):
-            return (f"message {number} ({role}) content is {describe(message.get('content'))}, text expected",
+            return (f"message {number} ({role}) content is {describe(message.get('content'))}, "
+                    "text expected",
                     "give each message its text as a string")
     return None
 

@@ -1,6 +1,6 @@
-"""`data.records: prompt_completion`: a `prompt_field` and a `completion_field` text; rendered as the
-conversation [user: prompt, assistant: completion] with a chat template, else the prompt followed by
-the completion (the completion is the answer trained on)."""
+"""`data.records: prompt_completion`: a `prompt_field` and a `completion_field` text; rendered as
+the conversation [user: prompt, assistant: completion] with a chat template, else the prompt
+followed by the completion (the completion is the answer trained on)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -24,15 +24,18 @@ class InstructionRecords(RecordKind):
         return [columns.prompt_field, columns.completion_field]
 
     def column_field(self, columns: Columns, name: str) -> tuple:
-        return ("data", "prompt_field") if name == columns.prompt_field else ("data", "completion_field")
+        return ("data", "prompt_field") if name == columns.prompt_field \
+            else ("data", "completion_field")
 
     def missing_hint(self, columns: Columns, name: str) -> str:
-        return "every prompt/completion record needs both fields (or set data.prompt_field / completion_field)"
+        return ("every prompt/completion record needs both fields (or set data.prompt_field / "
+                "completion_field)")
 
     def check(self, checker: RecordChecker, where: str, row: dict) -> None:
         for name in self.needed(checker.columns):
             if not isinstance(row[name], str):
-                raise BadRecord(("data", checker.split), f"{where}: {name!r} is {describe(row[name])}, text expected",
+                raise BadRecord(("data", checker.split),
+                                f"{where}: {name!r} is {describe(row[name])}, text expected",
                                 "every prompt/completion record needs both texts")
 
     def messages(self, columns: Columns, record: dict) -> list[dict]:

@@ -7,15 +7,17 @@ line there), on a written spec and again on one `memory.fit: auto` changed (`val
 
   choices                  exclusive pairs: max_steps/epochs, name_or_path/architecture, warmup
   data_sources             where the training and evaluation data come from, and that it exists
-  data                     what validate can tell of the data without reading it: positions, formats,
-                           the local tokenizer read as JSON, chat templates
+  data                     what validate can tell of the data without reading it: positions,
+                           formats, the local tokenizer read as JSON, chat templates
   batch                    the batch split (the derived job's), positioned
-  offload                  which ZeRO stage each offload needs, the NVMe path (also `offload_problems`)
+  offload                  which ZeRO stage each offload needs, the NVMe path (also
+                           `offload_problems`)
   packing                  `data.packing`: task, data, a model family that keeps samples apart
   precision                flash attention in fp32, `fp16.auto_cast` without fp16
   activation_checkpointing `every_n_layers` against the model's layer count
-  lora                     `model.lora`, `model.quantization` and `export.adapter` (quantisation needs
-                           LoRA, 4-bit-only fields, bitsandbytes installed: found, not imported)
+  lora                     `model.lora`, `model.quantization` and `export.adapter` (quantisation
+                           needs LoRA, 4-bit-only fields, bitsandbytes installed: found, not
+                           imported)
   quantized_base           `model.quantization` under DeepSpeed: ZeRO stages 0-2 only
   tracking                 system metrics without MLflow, the tracking URI's form
   paths                    NUL characters in paths

@@ -15,10 +15,12 @@ def every_n_layers_issues(r: ResolvedSpec) -> list[SpecIssue]:
     checkpointing = r.spec["memory"]["activation_checkpointing"]
     if not isinstance(checkpointing, dict):
         return []
-    derived, _ = derived_job(r)   # derived again, as its own rule: cheap (no profile, one config.json read)
+    # derived again, as its own rule: cheap (no profile, one config.json read)
+    derived, _ = derived_job(r)
     layers = derived.num_layers if derived is not None else None
     if layers is not None and checkpointing["every_n_layers"] > layers:
         return [r.issue(("memory", "activation_checkpointing", "every_n_layers"),
-                        f"every_n_layers = {checkpointing['every_n_layers']} but the model has {layers} layers",
+                        f"every_n_layers = {checkpointing['every_n_layers']} but the model has "
+                        f"{layers} layers",
                         f"use a value between 1 and {layers}", code="checkpointing-layers")]
     return []

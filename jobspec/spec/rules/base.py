@@ -31,7 +31,8 @@ def get(spec: JobSpec, path: tuple) -> Any:
 
 
 def base_dir(r: ResolvedSpec, path: tuple) -> Path:
-    """Relative paths are relative to the file that wrote them; `--set` ones to the current directory."""
+    """Relative paths are relative to the file that wrote them; `--set` ones to the current
+    directory."""
     where = r.positions.get(path)
     if where is None or where.file == SET_FILE:
         return Path.cwd() if where is not None else Path(r.source).resolve().parent

@@ -20,7 +20,8 @@ def derived_job(r: ResolvedSpec) -> tuple[DerivedJob | None, list[SpecIssue]]:
     try:
         return derive(r.spec, config_json=local_checkpoint_config(r)), []
     except SpecError as err:
-        return None, [r.issue(problem.path, problem.message, problem.hint, code=problem.code or "batch-split")
+        return None, [r.issue(problem.path, problem.message, problem.hint,
+                              code=problem.code or "batch-split")
                       for problem in err.issues]
     except (TypeError, ValueError, ZeroDivisionError):
         return None, []

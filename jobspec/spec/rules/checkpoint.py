@@ -1,5 +1,5 @@
-"""`checkpoint.resume`: `auto`, `never`, or the path of an existing checkpoint (a near miss of the two
-words gets a did-you-mean)."""
+"""`checkpoint.resume`: `auto`, `never`, or the path of an existing checkpoint (a near miss of the
+two words gets a did-you-mean)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -15,7 +15,8 @@ def resume_issues(r: ResolvedSpec) -> list[SpecIssue]:
     resume = r.spec["checkpoint"]["resume"]
     if resume in ("auto", "never") or exists(local_path(r, ("checkpoint", "resume"))):
         return []
-    return [r.issue(("checkpoint", "resume"), f"`{resume[:80]}` is neither `auto`, `never` nor an existing "
+    return [r.issue(("checkpoint", "resume"),
+                    f"`{resume[:80]}` is neither `auto`, `never` nor an existing "
                     "checkpoint path",
                     did_you_mean(resume, ["auto", "never"], cutoff=0.5,
                                  otherwise="use `auto`, `never` or the path of a checkpoint"),

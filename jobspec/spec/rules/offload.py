@@ -19,14 +19,16 @@ def offload_problems(memory: JobSpecMemory) -> list[tuple[tuple, str, str]]:
     problems = []
     if offload["params"] != "none" and stage != 3:
         problems.append((("memory", "offload", "params"),
-                         f"parameter offload needs ZeRO stage 3 (zero_stage is {stage})", "set `memory.zero_stage: 3`"))
+                         f"parameter offload needs ZeRO stage 3 (zero_stage is {stage})",
+                         "set `memory.zero_stage: 3`"))
     if offload["optimizer"] != "none" and stage < 1:
         problems.append((("memory", "offload", "optimizer"),
                          "optimizer offload needs ZeRO stage >= 1 (zero_stage is 0)",
                          "set `memory.zero_stage` to 1, 2 or 3"))
     if "nvme" in (offload["params"], offload["optimizer"]) and not offload["nvme_path"]:
         which = "params" if offload["params"] == "nvme" else "optimizer"
-        problems.append((("memory", "offload", which), "nvme offload needs `memory.offload.nvme_path`",
+        problems.append((("memory", "offload", which),
+                         "nvme offload needs `memory.offload.nvme_path`",
                          "set it to a directory on a local NVMe drive"))
     return problems
 

@@ -30,10 +30,12 @@ def quantized_zero_issues(r: ResolvedSpec) -> list[SpecIssue]:
     if memory["zero_stage"] == 3:
         issues.append(r.issue(
             ("model", "quantization"),
-            f"a {quant['bits']}-bit base cannot be trained under ZeRO stage 3: ZeRO-3 flattens and partitions every "
-            "parameter, which breaks bitsandbytes' packed weights and their quantisation constants",
-            "set `memory.zero_stage: 2` (the quantised base is frozen: ZeRO 0-2 shard only the adapters' gradients "
-            "and optimizer states), or drop model.quantization for plain LoRA under ZeRO-3",
+            f"a {quant['bits']}-bit base cannot be trained under ZeRO stage 3: ZeRO-3 flattens and "
+            "partitions every parameter, which breaks bitsandbytes' packed weights and their "
+            "quantisation constants",
+            "set `memory.zero_stage: 2` (the quantised base is frozen: ZeRO 0-2 shard only the "
+            "adapters' gradients and optimizer states), or drop model.quantization for plain LoRA "
+            "under ZeRO-3",
             code="quantization-zero3"))
     # parameter offload needs ZeRO-3 (the offload rule): refused with it above
     return issues

@@ -42,17 +42,22 @@ ULYSSES_ATTENTIONS = ("sdpa", "flash_attention_2")
 
 
 def model_problem(model_type: str | None) -> tuple[str, str] | None:
-    """(message, hint) when Ulysses cannot wrap a `model_type` model; None when it can or the type is unknown."""
+    """(message, hint) when Ulysses cannot wrap a `model_type` model; None when it can or the type
+    is unknown."""
     if model_type is None or model_type.replace("-", "_") in ULYSSES_FAMILIES:
         return None
-    return (f"sequence parallelism wraps the attention of decoder families it was checked on, and {model_type} "
-            "is not one of them",
-            f"use a model of family {', '.join(sorted(ULYSSES_FAMILIES))}, or set `memory.sequence_parallel: 1`")
+    return ("sequence parallelism wraps the attention of decoder families it was checked on, and "
+            f"{model_type} is not one of them",
+            f"use a model of family {', '.join(sorted(ULYSSES_FAMILIES))}, or set "
+            "`memory.sequence_parallel: 1`")
 
 
-def sequence_parallel_problems(spec: JobSpec, config_json: dict | None = None) -> list[tuple[tuple, str, str, str]]:
+def sequence_parallel_problems(spec: JobSpec,
+                               config_json: dict | None = None) -> list[tuple[tuple, str, str,
+                                                                              str]]:
     """(path, message, hint, code) of each rule `spec` (defaults filled) breaks; none when N is 1.
-    N against the world size is the derived job's refusal (spec/derived), reported by the batch rule."""
+    N against the world size is the derived job's refusal (spec/derived), reported by the batch
+    rule."""
     n = spec["memory"]["sequence_parallel"]
     if n == 1:
         return []
@@ -61,13 +66,16 @@ def sequence_parallel_problems(spec: JobSpec, config_json: dict | None = None) -
     off = "or set `memory.sequence_parallel: 1`"
     problems: list[tuple[tuple, str, str, str]] = []
     if model["task"] != "causal-lm":
-        problems.append((field, f"sequence parallelism is for causal-lm (the loss is summed over the shards' next "
-                         f"tokens); the task is {model['task']}", "set `memory.sequence_parallel: 1`",
-                         "sequence-parallel-task"))
+        problems.append((field,
+                         "sequence parallelism is for causal-lm (the loss is summed over the "
+                         f"shards' next tokens); the task is {model['task']}",
+                         "set `memory.sequence_parallel: 1`", "sequence-parallel-task"))
     if model["attention"] not in ULYSSES_ATTENTIONS:
-        problems.append((("model", "attention"), f"sequence parallelism cannot wrap {model['attention']} attention: "
-                         "Ulysses drops the model's 4-D mask and attends causally over the gathered sequence, which "
-                         f"{model['attention']} cannot", f"use `model.attention: sdpa` (or flash_attention_2), {off}",
+        problems.append((("model", "attention"),
+                         f"sequence parallelism cannot wrap {model['attention']} attention: "
+                         "Ulysses drops the model's 4-D mask and attends causally over the "
+                         f"gathered sequence, which {model['attention']} cannot",
+                         f"use `model.attention: sdpa` (or flash_attention_2), {off}",
                          "sequence-parallel-attention"))
     model_type = model["architecture"] or (config_json or {}).get("model_type")
     problem = model_problem(model_type if isinstance(model_type, str) else None)
@@ -79,16 +87,23 @@ def sequence_parallel_problems(spec: JobSpec, config_json: dict | None = None) -
         else (("data", "max_length"), data["max_length"])
     if isinstance(seq_len, int) and seq_len % n:
         lower, upper = seq_len // n * n, (seq_len // n + 1) * n
-        problems.append((seq_path, f"sequence length {seq_len} does not split into sequence_parallel {n} equal shards",
-                         f"use {f'{lower} or {upper}' if lower else upper}", "sequence-parallel-seq-len"))
+        problems.append((seq_path,
+                         f"sequence length {seq_len} does not split into sequence_parallel {n} "
+                         "equal shards",
+                         f"use {f'{lower} or {upper}' if lower else upper}",
+                         "sequence-parallel-seq-len"))
     if data.get("packing"):
-        problems.append((("data", "packing"), "packing with sequence parallelism would let packed samples attend to "
-                         "each other: Ulysses drops the mask that keeps them apart under sdpa, and flash attention's "
-                         "packed rows are flattened before the sequence is gathered",
-                         f"set `data.packing: false` (`data.padding: longest` skips most padding), {off}",
+        problems.append((("data", "packing"),
+                         "packing with sequence parallelism would let packed samples attend to "
+                         "each other: Ulysses drops the mask that keeps them apart under sdpa, and "
+                         "flash attention's packed rows are flattened before the sequence is "
+                         "gathered",
+                         "set `data.packing: false` (`data.padding: longest` skips most padding), "
+                         f"{off}",
                          "sequence-parallel-packing"))
     if model.get("compile"):
-        problems.append((("model", "compile"), "torch.compile with sequence parallelism is not supported "
+        problems.append((("model", "compile"),
+                         "torch.compile with sequence parallelism is not supported "
                          "here (the all-to-all inside compiled attention is untested)",
                          f"set `model.compile: false`, {off}", "sequence-parallel-compile"))
     return problems
@@ -100,13 +115,17 @@ def _head_problems(spec: JobSpec, config_json: dict | None, n: int, field: tuple
         return []   # a hub id: the ranks' UlyssesSPAttentionHF refuses it with DeepSpeed's message
     problems = []
     if dims.num_heads % n:
-        problems.append((field, f"sequence_parallel {n} does not divide the model's {dims.num_heads} attention heads "
-                         "(each rank attends over heads / N of them)",
-                         f"use a divisor of {dims.num_heads}: {_divisors(dims.num_heads)}", "sequence-parallel-heads"))
+        problems.append((field,
+                         f"sequence_parallel {n} does not divide the model's {dims.num_heads} "
+                         "attention heads (each rank attends over heads / N of them)",
+                         f"use a divisor of {dims.num_heads}: {_divisors(dims.num_heads)}",
+                         "sequence-parallel-heads"))
     kv = dims.num_key_value_heads or dims.num_heads
     if kv % n and n % kv:
-        problems.append((field, f"sequence_parallel {n} and the model's {kv} key/value heads do not divide one another "
-                         "(DeepSpeed splits the key/value heads over the ranks, or replicates each over N / kv ranks)",
+        problems.append((field,
+                         f"sequence_parallel {n} and the model's {kv} key/value heads do not "
+                         "divide one another (DeepSpeed splits the key/value heads over the ranks, "
+                         "or replicates each over N / kv ranks)",
                          f"use a divisor or multiple of {kv}", "sequence-parallel-kv-heads"))
     return problems
 
@@ -118,4 +137,5 @@ def _divisors(n: int) -> str:
 def sequence_parallel_issues(r: ResolvedSpec) -> list[SpecIssue]:
     """`sequence_parallel_problems` of a ResolvedSpec, positioned and coded."""
     return [r.issue(path, message, hint, code=code)
-            for path, message, hint, code in sequence_parallel_problems(r.spec, local_checkpoint_config(r))]
+            for path, message, hint, code in sequence_parallel_problems(r.spec,
+                                                                        local_checkpoint_config(r))]
