@@ -82,7 +82,8 @@ class Generator:
             doc = (node.get("description") or "").split(". ")[0].strip().rstrip(".")
             lines = [f"class {name}(TypedDict):"]
             if doc:
-                wrapped = textwrap.wrap(doc.replace('"""', "") + ".", width=100)
+                # within 100 columns once indented behind the opening quotes
+                wrapped = textwrap.wrap(doc.replace('"""', "") + ".", width=93)
                 lines.append('    """' + "\n    ".join(wrapped) + ('\n    """' if len(wrapped) > 1 else '"""'))
             lines += [f"    {key}: {annotation}" for key, annotation in fields]
             self.classes.append("\n".join(lines))

@@ -40,15 +40,17 @@ LIGHT_PATH = ("optimizers", "tasks", "spec", "compile", "memory", "job", "errors
 # exports (read checkpoints); launch; the ranks; reports; the commands.
 LAYERS = ("optimizers", "tasks", "spec", "compile", "model", "memory", "data", "job", "tracking", "checkpoint",
           "export", "launch", "train", "report", "commands", "cli", "__main__")
-# Single modules placed in another layer than their package's: pure modules on the validate path
-# (spec/validation, the planner, the pre-flight read them). export/ sits between tracking and launch
-# (below the ranks that export and the launcher that records the exports), but its pure rules are read
-# by validate; data/'s formats, record checks and tokenizer files are validate's read of the data
-# files; memory/'s model profile (the planner's data types) is what spec/derived carries and model/'s
-# trace produces. spec/types.py (the spec's generated TypedDicts, pure typing) is neutral ground:
-# every layer's signatures name the spec's sections, optimizers/ and tasks/ below spec/ included.
-MODULE_LAYERS = {"export.rules": "spec", "data.formats": "spec", "data.record_checks": "spec",
-                 "data.tokenizer_files": "spec", "memory.model_profile": "spec", "spec.types": "neutral"}
+# Single modules (or subpackages) placed in another layer than their package's: pure modules on the
+# validate path (spec/validation, the planner, the pre-flight read them). export/ sits between tracking
+# and launch (below the ranks that export and the launcher that records the exports), but its pure
+# rules are read by validate; data/'s formats and record kinds (subpackages), record checks and
+# tokenizer files are validate's read of the data files; memory/'s model profile (the planner's data
+# types) is what spec/derived carries and model/'s trace produces. spec/types.py (the spec's generated
+# TypedDicts, pure typing) is neutral ground: every layer's signatures name the spec's sections,
+# optimizers/ and tasks/ below spec/ included.
+MODULE_LAYERS = {"export.rules": "spec", "data.formats": "spec", "data.records": "spec",
+                 "data.record_checks": "spec", "data.tokenizer_files": "spec", "memory.model_profile": "spec",
+                 "spec.types": "neutral"}
 MLFLOW_LAYER = "tracking"   # the only subpackage that imports mlflow
 READ_ONLY_COMMANDS = ("validate", "compile", "plan", "report", "schema", "sync", "export")
 

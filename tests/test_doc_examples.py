@@ -1,10 +1,10 @@
-"""docs/architecture.md's worked examples (add an optimizer, a task, a cross-field rule, a tracker) are
-executed, so they cannot drift from the code (issue 38 item 6).
+"""docs/architecture.md's worked examples (add an optimizer, a task, a cross-field rule, a tracker,
+a data format) are executed, so they cannot drift from the code (issue 38 item 6).
 
 Each example is a set of fenced blocks tagged `example=<name>` and what to do with them:
 
     ```json example=optimizer schema        a JSON Patch (RFC 6902: `add`) on schemas/jobspec.schema.json
-    ```python example=optimizer create=PATH a new file
+    ```python example=optimizer create=PATH a new file (a module, a data file)
     ```diff example=optimizer patch         a unified diff (git apply), e.g. the registry's one line
     ```yaml example=optimizer job           a job that must validate (`refused=CODE`: must be refused so)
 
@@ -12,8 +12,9 @@ The test copies the package, the schemas and the registry test into a temporary 
 example's blocks there (regenerating spec/types.py when the schema changed), and runs in subprocesses with
 PYTHONPATH at the copy: tests/test_registries.py (the registry of that example's kind), `jobspec validate`
 of its job, and an example-specific check (the optimizer's client args, the task's registry entry, the
-tracker fed a metric row through the metrics sink). A block that names a registry key, a field, a file or a
-line that is no longer there fails here. No launch: seconds per example.
+tracker fed a metric row through the metrics sink, the data format's rows counted and tokenised). A
+block that names a registry key, a field, a file or a line that is no longer there fails here. No
+launch: seconds per example.
 """
 from __future__ import annotations
 
@@ -31,10 +32,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "architecture.md"
 BLOCK = re.compile(r"^```(\w+) example=(\S+) (\S+)(?: (\S+))?\n(.*?)^```$", re.M | re.S)
-EXAMPLES = ("optimizer", "task", "rule", "tracker")
+EXAMPLES = ("optimizer", "task", "rule", "tracker", "format")
 # the registry tests each example must keep passing (-k of tests/test_registries.py)
 REGISTRY_TESTS = {"optimizer": "optimizer or no_torch", "task": "task or no_torch", "tracker": "tracker",
-                  "rule": None}
+                  "rule": None, "format": "format or no_torch"}
 
 
 def blocks(example: str) -> list[tuple[str, str, str | None, str]]:
@@ -74,6 +75,8 @@ def copy_tree(tmp: Path) -> Path:
         shutil.copy(REPO / "schemas" / name, root / "schemas" / name)
     # read-only tables (3.9 MB): a link is enough
     (root / "schemas" / "transformers-configs").symlink_to(REPO / "schemas" / "transformers-configs")
+    (root / "jobs" / "data").mkdir(parents=True)   # the small tokenizer a data example's job names
+    (root / "jobs" / "data" / "tokenizer").symlink_to(REPO / "jobs" / "data" / "tokenizer")
     (root / "scripts").mkdir()
     shutil.copy(REPO / "scripts" / "gen_spec_types.py", root / "scripts")
     (root / "tests").mkdir()
@@ -161,6 +164,17 @@ CHECKS = {
         assert [r[:1] + r[2:] for r in rows] == [["step", "name", "value"], ["10", "train/loss", "2.5"],
                                                   ["10", "train/lr", "0.001"]], rows
         assert (run_dir / "metrics.jsonl").read_text().count("train/loss") == 1
+    """,
+    "format": """
+        from jobspec.data import formats, prepare
+        from jobspec.spec.inputs import derive_job
+        from jobspec.spec.validation import load_and_validate
+        spec = load_and_validate(JOB).spec
+        assert formats.source_format(spec["data"]["train"]).name == "tsv"
+        assert derive_job(spec).num_train_samples == 3
+        lines, counts = prepare.prepare_data(spec, build=True, num_proc=1)
+        assert counts["data.train.records"] == 3, (lines, counts)
+        assert counts["data.train.tokens"] > 0, (lines, counts)
     """,
 }
 

@@ -29,7 +29,7 @@ from tests.conftest import REPO_ROOT, deep_merge
 LAUNCH_PATH = [*sorted((REPO_ROOT / "jobspec" / "launch").glob("*.py")),
                *(REPO_ROOT / "jobspec" / p for p in ("memory/at_launch.py", "job/prepare.py", "job/checks.py",
                                                       "job/model_config.py", "data/preflight.py",
-                                                      "spec/inputs.py", "data/formats.py", "compile/compiler.py",
+                                                      "spec/inputs.py", "data/formats/__init__.py", "compile/compiler.py",
                                                       "data/record_checks.py"))]
 BUILDERS = {"spec_error", "SpecError", "SpecIssue"}
 
@@ -284,8 +284,8 @@ REFUSALS: dict[str, Listed] = {
     "memory/at_launch:plan_at_launch": Listed(2, ["fit-nothing"]),
     "memory/at_launch:_rechecked": Listed(1, [Covered(
         "tests/test_prepare_job.py::test_a_fit_change_that_breaks_a_rule_is_refused_with_the_rules_message")]),
-    "data/formats:count_rows": Listed(1, ["row-count"]),
-    "data/formats:data_format": Listed(1, [NotVisible(
+    "data/formats/__init__:count_rows": Listed(1, ["row-count"]),
+    "data/formats/__init__:file_format": Listed(1, [NotVisible(
         "an extension `data.format: auto` cannot read: validate refuses it first (spec/rules/data)")]),
     "compile/compiler:compile_spec": Listed(1, ["epochs-hub", "epochs-text"]),
     "compile/compiler:assert_deepspeed_accepts": Listed(1, [NotVisible(

@@ -63,3 +63,43 @@ def test_tracker_registry_is_the_schema_logging_sections_with_a_switch():
         assert tracker.name == name and isinstance(tracker, Tracker), name
     # the default is on unless switched off; every other tracker is off unless switched on
     assert [n for n in switched if logging_fields[n]["properties"]["enabled"]["default"]] == [trackers.DEFAULT]
+
+
+def test_format_registry_is_the_schema_enum():
+    """Every `data.format` value but `auto` is a module of jobspec/data/formats/ declaring a FORMAT,
+    and every such module a schema value or a source told by itself (`hf:` names, saved datasets)."""
+    from jobspec.data import formats
+    from jobspec.data.formats.base import DataFormat
+    schema = sorted(v for v in enum_values(("data", "format")) if v != "auto")
+    assert sorted(formats.schema_formats()) == schema
+    suffixes = [s for f in formats.FORMATS.values() if f.schema_value for s in f.suffixes]
+    # `auto` reads one format from an extension
+    assert len(suffixes) == len(set(suffixes)), suffixes
+    for name, declared in formats.FORMATS.items():
+        assert isinstance(declared, DataFormat) and declared.name == name, name
+        # told by its extension, or by itself
+        assert declared.schema_value == bool(declared.suffixes), name
+        if declared.holds_records and declared.local:   # validate reads its records
+            assert type(declared).rows is not DataFormat.rows, name
+        if declared.counted:
+            assert type(declared).count_rows is not DataFormat.count_rows, name
+
+
+def test_record_kind_registry_is_the_schema_enum():
+    from jobspec.data.records import RECORD_KINDS
+    from jobspec.data.records.base import RecordKind
+    assert sorted(RECORD_KINDS) == sorted(v for v in enum_values(("data", "records")) if v != "auto")
+    for name, kind in RECORD_KINDS.items():
+        assert isinstance(kind, RecordKind) and kind.name == name and kind.described, name
+    # `auto` falls back to the last kind: it recognises any record
+    last = list(RECORD_KINDS.values())[-1]
+    assert last.recognised(None, set()), last.name
+
+
+def test_data_declarations_import_no_torch_and_no_datasets():
+    code = ("import sys, jobspec.data.formats, jobspec.data.records, jobspec.data.record_checks; "
+            "print([m for m in ('torch', 'transformers', 'deepspeed', 'datasets', 'pyarrow') "
+            "if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"

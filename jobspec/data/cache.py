@@ -17,13 +17,14 @@ opening one costs three `mmap` calls and no `datasets` import on the ranks (1.5 
 sample is two slices (9-14x faster than `datasets`' row read), and the pages a rank reads are shared
 with every other rank of the node through the page cache.
 
-The key is a hash of everything that changes the tokens: the source's content (a local file's size,
-mtime and a hash of its bytes, sampled above SAMPLE_HASH_LIMIT; a dataset by name or a saved one:
-the fingerprint `datasets` gives its Arrow files), the tokenizer (its serialized fast tokenizer and
-special tokens), the chat template's text, the record kind and fields, `loss_on`, `max_length`, the
-split, and the code (this package's tokenising modules and the versions of transformers and
-tokenizers). Padding and packing are applied when the ranks read the entry, so they are no part of
-the key: another world size, output directory, padding or packing reuses it.
+The key is a hash of everything that changes the tokens: the source's content (its format's
+`fingerprint`: a local file's size, mtime and a hash of its bytes, sampled above
+formats/base.SAMPLE_HASH_LIMIT; a dataset by name or a saved one: the fingerprint `datasets` gives
+its Arrow files), the tokenizer (its serialized fast tokenizer and special tokens), the chat
+template's text, the record kind and fields, `loss_on`, `max_length`, the split, and the code (this
+package's reading and tokenising modules and the versions of transformers and tokenizers).
+Padding and packing are applied when the ranks read the entry, so they are no part of the key:
+another world size, output directory, padding or packing reuses it.
 
 Entries are written into `.partial-<key>/` renamed into place, so a reader never sees half of one;
 a damaged entry is removed and built again. A pass stopped by Ctrl-C keeps its partial directory
@@ -41,17 +42,12 @@ from pathlib import Path
 
 import numpy as np
 
-from jobspec.units import MiB
-
 # 2: a rendered record is tokenised segment by segment (data/chat_render.py), its prompts as served
 CACHE_FORMAT = 2
-# files up to this size are hashed whole; larger ones by SAMPLE_BLOCKS blocks
-SAMPLE_HASH_LIMIT = 64 * MiB
-SAMPLE_BLOCKS = 16
-SAMPLE_BLOCK = 1 * MiB
 ARRAYS = {"input_ids": np.int32, "labels": np.int32, "offsets": np.int64}
-# jobspec/job/'s modules whose bytes are the code version: a change to how records become tokens
-CODE_MODULES = ("chat_render.py", "prepare.py", "record_sources.py", "cache.py")
+# jobspec/data/'s modules whose bytes are the code version: a change to how records become tokens
+# (how the formats read them, how their kinds check and render them)
+CODE_MODULES = ("chat_render.py", "prepare.py", "cache.py", "formats/*.py", "records/*.py")
 # a pass being written: its parts, appended chunk by chunk, and its last checkpoint
 PARTIAL_PREFIX = ".partial-"
 PARTS = {"input_ids": np.int32, "labels": np.int32, "lengths": np.int64}
@@ -62,24 +58,6 @@ def cache_root() -> Path:
     from jobspec.model.planner_trace import default_cache_dir
 
     return default_cache_dir() / "data"
-
-
-def file_fingerprint(path: Path) -> dict:
-    """Size, mtime and a content hash (the whole file up to SAMPLE_HASH_LIMIT, else evenly spaced
-    blocks)."""
-    stat = path.stat()
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        if stat.st_size <= SAMPLE_HASH_LIMIT:
-            for block in iter(functools.partial(fh.read, 4 * MiB), b""):
-                digest.update(block)
-        else:
-            step = (stat.st_size - SAMPLE_BLOCK) // (SAMPLE_BLOCKS - 1)
-            for i in range(SAMPLE_BLOCKS):
-                fh.seek(i * step)
-                digest.update(fh.read(SAMPLE_BLOCK))
-    return {"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
-            "sha256": digest.hexdigest(), "sampled": stat.st_size > SAMPLE_HASH_LIMIT}
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -100,8 +78,8 @@ def code_version() -> dict:
     from importlib import metadata
 
     here = Path(__file__).resolve().parent
-    digest = hashlib.sha256(b"".join((here / name).read_bytes()
-                                     for name in CODE_MODULES)).hexdigest()[:16]
+    files = [path for pattern in CODE_MODULES for path in sorted(here.glob(pattern))]
+    digest = hashlib.sha256(b"".join(path.read_bytes() for path in files)).hexdigest()[:16]
     versions = {"format": CACHE_FORMAT, "code": digest}
     for dist in ("transformers", "tokenizers", "jinja2"):
         try:

@@ -49,19 +49,12 @@ from pathlib import Path
 
 import numpy as np
 
-from jobspec.data import record_checks
+from jobspec.data.record_checks import RecordChecker
+from jobspec.data.records import RECORD_KINDS, Columns
+from jobspec.data.records.base import RecordError
 from jobspec.errors import first_line, spec_error
 from jobspec.spec.types import JobSpec
 from jobspec.tasks.base import IGNORE_INDEX
-
-
-class RecordError(ValueError):
-    """A record the pass cannot take: the reason and a hint (the caller knows where the record
-    is)."""
-
-    def __init__(self, message: str, hint: str):
-        super().__init__(message)
-        self.message, self.hint = message, hint
 
 
 def chat_template(spec: JobSpec, tokenizer) -> str | None:
@@ -189,26 +182,21 @@ class Text:
 
 
 class RecordText:
-    """A record (chat messages or a (prompt, completion) pair) → its `Text`; RecordError when it
-    cannot: validate's check of the record (data/record_checks.RecordChecker), then the template on
-    it."""
+    """A record of a `rendered` kind (data/records/: chat messages, a prompt and completion) → its
+    `Text`; RecordError when it cannot: validate's check of the record
+    (data/record_checks.RecordChecker), then the template on it."""
 
     def __init__(self, spec: JobSpec, tokenizer, kind: str, template: str | None, split: str):
         data = spec["data"]
-        self.kind, self.tokenizer = kind, tokenizer
+        self.kind, self.tokenizer = RECORD_KINDS[kind], tokenizer
+        self.columns = replace(Columns.of(spec), records=kind)
         self.all_tokens = data["loss_on"] == "all"
-        self.fields: tuple[str, ...] = (data["messages_field"],) if kind == "chat" else \
-            (data["prompt_field"], data["completion_field"])
         self.renderer = Renderer(tokenizer, template) if template is not None else None
-        self.checker = record_checks.RecordChecker(replace(record_checks.Columns.of(spec),
-                                                           records=kind), split)
+        self.checker = RecordChecker(self.columns, split)
 
     def messages(self, record: dict) -> list:
         """The conversation a checked record is rendered as."""
-        if self.kind == "chat":
-            return [{"role": m["role"], "content": m["content"]} for m in record[self.fields[0]]]
-        return [{"role": "user", "content": record[self.fields[0]]},
-                {"role": "assistant", "content": record[self.fields[1]]}]
+        return self.kind.messages(self.columns, record)
 
     def __call__(self, record, where: str) -> Text:
         if not isinstance(record, dict):
@@ -218,11 +206,12 @@ class RecordText:
         bad = self.checker.problem(where, record)
         if bad is not None:
             raise RecordError(bad.message.removeprefix(f"{where}: "), bad.hint)
-        if self.renderer is None and self.kind != "chat":
-            prompt, completion = record[self.fields[0]], record[self.fields[1]]
+        plain = self.kind.plain_text(self.columns, record) if self.renderer is None else None
+        if plain is not None:
+            prompt, completion = plain
             return Text(prompt + completion, (), True, after=len(prompt),
                         eos=self.tokenizer.eos_token_id)
-        # chat records without a template are refused before the pass
+        # records that need a template without one are refused before the pass
         assert self.renderer is not None
         messages = self.messages(record)
         try:

@@ -1,5 +1,6 @@
-"""Training and evaluation data: records (jsonl/csv/parquet files, `hf:` datasets, saved datasets;
-data/hf_datasets.py), text files (data/text_blocks.py), chat and prompt/completion records
+"""Training and evaluation data: records (jsonl/csv/parquet files, `hf:` datasets, saved datasets:
+their format's `dataset`, data/formats/; text records tokenised by their kind,
+data/records/text.py), text corpora (data/text_blocks.py), chat and prompt/completion records
 (tokenised once into the data cache by data/prepare.py, memory-mapped here: `CachedDataset`), or
 synthetic tokens.
 
@@ -27,9 +28,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from jobspec import tasks
-from jobspec.data import hf_datasets, record_checks, text_blocks
 from jobspec.data import prepare as data_prep
-from jobspec.data.formats import source_kind, split_source
+from jobspec.data import record_checks, text_blocks
+from jobspec.data.formats import split_format, split_source
+from jobspec.data.records import Columns
 from jobspec.errors import SpecError, spec_error
 from jobspec.spec.types import JobSpec
 from jobspec.tasks.base import CLASS, IGNORE_INDEX, MASKED_TOKENS, NEXT_TOKENS, TOKEN_CLASS
@@ -348,9 +350,9 @@ def _file_dataset(spec: JobSpec, tokenizer, split: str,
     if tokenizer is None:
         raise spec_error("file data needs a tokenizer", path=("data", "tokenizer"),
                          hint="set data.tokenizer (or use model.name_or_path)")
-    kind = source_kind(split_source(data, split), data["format"])
+    fmt = split_format(data, split)
     shape = tasks.get(task).labels
-    if kind in ("text", "text_dir"):
+    if not fmt.holds_records:   # a text corpus: documents cut into blocks
         try:
             ids, mask = text_blocks.text_columns(spec, tokenizer, split, shape)
         except (UnicodeDecodeError, ValueError):
@@ -369,37 +371,31 @@ def _file_dataset(spec: JobSpec, tokenizer, split: str,
         assert entry.data is not None
         pad_to = data["max_length"] if data["padding"] == "max_length" else None
         return CachedDataset(entry.data, pad_to, tokenizer.pad_token_id or 0)
-    table = hf_datasets.load_table(spec, split, kind)
-    records = record_checks.record_kind(data, table.column_names)
-    if records != "text":   # chat or prompt/completion records of another task than causal-lm
-        raise spec_error(f"{records.replace('_', '/')} records train a causal-lm, not a {task}",
+    table = record_checks.load_dataset(spec, split)
+    columns = Columns.of(spec).resolved(table.column_names)
+    kind = columns.kind
+    if kind.rendered:   # chat or prompt/completion records of another task than causal-lm
+        raise spec_error(f"{kind.described} records train a causal-lm, not a {task}",
                          path=("data", "records"),
                          hint="set model.task: causal-lm, or data.records: text")
-    needed = list(data["text_fields"])
-    if tasks.get(task).classification:
-        needed.append(data["label_field"])
-    _check_columns(spec, table, split, needed, records)
+    _check_columns(spec, table, split, columns)
     try:
-        return _tokenize(spec, tokenizer, table, split, label_names)
+        return _tokenize(spec, tokenizer, table, split, label_names, columns)
     # a row pyarrow or the tokenizer refused
     except (UnicodeDecodeError, ValueError, TypeError, KeyError) as err:
-        located = record_checks.locate_error(spec, split) if kind not in ("hub", "saved") else None
+        located = record_checks.locate_error(spec, split) if fmt.local else None
         if located is None:
             raise  # every row is well-formed: not the data's fault, keep the traceback
         raise located from err
 
 
-def _check_columns(spec: JobSpec, table, split: str, needed: list, records: str) -> None:
+def _check_columns(spec: JobSpec, table, split: str, columns: Columns) -> None:
     data = spec["data"]
-    for column in needed:
+    for column in columns.needed():
         if column not in table.column_names:
-            field = {"chat": "messages_field"}.get(records) or (
-                ("prompt_field" if column == data["prompt_field"] else "completion_field")
-                if records == "prompt_completion" else
-                "label_field" if column == data["label_field"] and column not in data["text_fields"]
-                else "text_fields")
             raise spec_error(f"column {column!r} not in {Path(split_source(data, split)).name} "
-                             f"(columns: {', '.join(table.column_names)})", path=("data", field),
+                             f"(columns: {', '.join(table.column_names)})",
+                             path=columns.kind.column_field(columns, column),
                              hint="name one of the data's columns")
 
 
@@ -423,18 +419,12 @@ def _samples(spec: JobSpec, tokenizer, ids: list, mask: list, labels: list) -> T
     return TensorDictDataset(columns, pad_token_id=pad_id)
 
 
-def _tokenize(spec: JobSpec, tokenizer, table, split: str, label_names: dict) -> TensorDictDataset:
+def _tokenize(spec: JobSpec, tokenizer, table, split: str, label_names: dict,
+              records: Columns) -> TensorDictDataset:
     data, model = spec["data"], spec["model"]
-    task, fields = model["task"], data["text_fields"]
+    task = model["task"]
     fixed = data["padding"] == "max_length"
-    texts = [list(table[field]) for field in fields]  # datasets returns lazy Column objects
-    word_split = tasks.get(task).words
-    if word_split and not all(isinstance(t, list) for t in texts[0][:1]):
-        raise spec_error(f"{task} needs column {fields[0]!r} to hold lists of words",
-                         path=("data", "text_fields"),
-                         hint="store words and per-word labels as lists")
-    encoded = tokenizer(*texts, truncation=True, max_length=data["max_length"],
-                        padding="max_length" if fixed else False, is_split_into_words=word_split)
+    encoded = records.kind.encode(records, tokenizer, table, data["max_length"], fixed)
     ids = [torch.tensor(x, dtype=torch.long) for x in encoded["input_ids"]]
     mask = [torch.tensor(x, dtype=torch.long) for x in encoded["attention_mask"]]
     label_field = data["label_field"]

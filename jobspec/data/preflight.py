@@ -17,14 +17,16 @@ tokenizer transformers loads, and would otherwise be found by every rank after D
 """
 from __future__ import annotations
 
-import itertools
-import json
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jobspec import library_log
 from jobspec.data import record_checks
-from jobspec.data.formats import source_kind, split_source
+from jobspec.data.formats import source_format, split_format, split_source
+from jobspec.data.record_checks import RecordChecker
+from jobspec.data.records import RECORD_KINDS, Columns, record_kind
+from jobspec.data.records.base import RecordKind
 from jobspec.data.tokenizer_files import TokenizerFileError, read_tokenizer, tokenizer_name
 from jobspec.errors import SpecError, SpecIssue, first_line
 from jobspec.spec.freeform import local_checkpoint_config
@@ -52,8 +54,7 @@ def tokenizer_issues(r: ResolvedSpec) -> list[SpecIssue]:
         return []
     kinds = {split: _record_kind(spec, split) for split in record_checks.SPLITS
              if spec["data"].get(split)}
-    templated = {split: kind for split, kind in kinds.items()
-                 if kind in ("chat", "prompt_completion")}
+    templated = {split: kind for split, kind in kinds.items() if kind is not None and kind.rendered}
     if facts is not None and not templated:
         return []   # validate read everything there is to check
     from jobspec.model.build import build_tokenizer
@@ -71,7 +72,7 @@ def tokenizer_issues(r: ResolvedSpec) -> list[SpecIssue]:
             issues.append(vocab_issue(r, dims.vocab_size, len(tokenizer), name))
     template = _template(spec, tokenizer)
     if template is None:
-        if "chat" in templated.values() and facts is None:
+        if any(kind.needs_template for kind in templated.values()) and facts is None:
             where = ("data", "records") if ("data", "records") in r.positions else ("data", "train")
             issues.append(r.issue(where,
                                   f"chat records need a chat template, and the tokenizer {name} "
@@ -86,38 +87,32 @@ def tokenizer_issues(r: ResolvedSpec) -> list[SpecIssue]:
     return issues
 
 
-def _record_kind(spec: JobSpec, split: str) -> str | None:
-    """`text`, `chat` or `prompt_completion` for a local jsonl/parquet file; None for anything
-    else."""
+def _record_kind(spec: JobSpec, split: str) -> RecordKind | None:
+    """The kind of a local file's records (data/records/), from its first record; None when it
+    cannot be read here (a dataset the ranks read, a file the record checks report)."""
     data = spec["data"]
-    if data["format"] == "text":
-        return "text"
-    rows = _first_rows(spec, split, 1)
-    if rows is None:
+    try:
+        fmt = split_format(data, split)
+    except SpecError:
         return None
-    return record_checks.record_kind(data, rows[0][1].keys()) if rows else None
+    if not fmt.holds_records:
+        return RECORD_KINDS["text"]
+    rows = _first_rows(spec, split, 1)
+    return record_kind(spec, rows[0][1].keys()) if rows else None
 
 
 def _first_rows(spec: JobSpec, split: str, limit: int) -> list[tuple[int, dict]] | None:
-    """(0-based record index, record) of the file's first `limit` records; None: not a local
-    jsonl/parquet."""
+    """(0-based record index, record) of the file's first `limit` records; None: not a local file of
+    records."""
     data = spec["data"]
     source = split_source(data, split)
     try:
-        fmt = source_kind(source, data["format"])
-        if fmt == "jsonl":
-            with open(source, "rb") as fh:
-                lines = (line for line in fh if line.strip())
-                return [(i, json.loads(line))
-                        for i, line in enumerate(itertools.islice(lines, limit))]
-        if fmt == "parquet":
-            import pyarrow.parquet as pq
-
-            batch = next(pq.ParquetFile(source).iter_batches(batch_size=limit), None)
-            return list(enumerate(batch.to_pylist())) if batch is not None else []
-    except (OSError, ValueError, SpecError, StopIteration):
+        fmt = source_format(source, data["format"])
+        if not (fmt.local and fmt.holds_records):
+            return None
+        return list(enumerate(fmt.first_rows(Path(source), limit)))
+    except (OSError, ValueError, SpecError):
         return None   # the record checks report unreadable files with their line
-    return None
 
 
 def _template(spec: JobSpec, tokenizer) -> str | None:
@@ -130,29 +125,20 @@ def _template(spec: JobSpec, tokenizer) -> str | None:
     return getattr(tokenizer, "chat_template", None) or None
 
 
-def _render_problem(spec: JobSpec, split: str, kind: str, tokenizer,
+def _render_problem(spec: JobSpec, split: str, kind: RecordKind, tokenizer,
                     template: str) -> tuple[str, str] | None:
     """(message, hint) for the first record the template fails on, at its file:line."""
     data = spec["data"]
+    columns = replace(Columns.of(spec), records=kind.name)
+    checker = RecordChecker(columns, split)
     for index, row in _first_rows(spec, split, RENDER_ROWS) or []:
-        if kind == "chat":
-            written = row.get(data["messages_field"])
-            if not isinstance(written, list) \
-                    or record_checks.messages_problem(written, data["messages_field"]):
-                return None   # the record checks reported the record's shape
-            # parquet adds null keys
-            messages = [{"role": m["role"], "content": m["content"]} for m in written]
-        else:
-            prompt, completion = row.get(data["prompt_field"]), row.get(data["completion_field"])
-            if not isinstance(prompt, str) or not isinstance(completion, str):
-                return None
-            messages = [{"role": "user", "content": prompt},
-                        {"role": "assistant", "content": completion}]
+        if checker.problem(f"record {index + 1}", row) is not None:
+            return None   # the record checks reported the record's shape
         try:
-            _render_like_the_ranks(tokenizer, template, messages)
+            _render_like_the_ranks(tokenizer, template, kind.messages(columns, row))
         # jinja2's errors, TemplateError from raise_exception, TypeError
         except Exception as err:  # noqa: BLE001
-            where = record_checks.row_location(split_source(data, split), data["format"], index)
+            where = record_checks.row_location(spec, split, index)
             source = "data.chat_template" if data.get("chat_template") \
                 else "the tokenizer's chat template"
             return (f"{where}: the chat template failed on this record: {first_line(err)}",

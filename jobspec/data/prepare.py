@@ -4,15 +4,15 @@ the tokenised-data cache (jobspec/data/cache.py), which the ranks memory-map.
 `jobspec launch` runs it before any rank starts (`jobspec prepare JOB` ahead of time); a rank that
 finds no entry (a worker started by hand) builds it under a file lock while the other ranks wait.
 The pass is also the full data check: every record is read, checked (its fields, the chat messages'
-shape: data/record_checks.messages_problem), rendered with the chat template and tokenised; every
+shape: its record kind's check, data/records/), rendered with the chat template and tokenised; every
 bad record is reported at its file:line (MAX_REPORTED of them, then a count), exit 2, before any
 rank starts and before anything is written into the cache.
 
-The work is split into chunks (data/record_sources.py: byte ranges of a jsonl file, read and parsed
-by the worker; row ranges of a table `datasets` loads: csv, parquet, `hf:` names, saved datasets)
-over `data.num_proc` forked processes (default: the CPUs this process may use); each renders its
-records and tokenises them in one batched call of the fast tokenizer. The parent writes the chunks'
-arrays in order.
+The work is split into chunks (the source format's `records`, data/formats/: byte ranges of a jsonl
+file, read and parsed by the worker; row ranges of a table `datasets` loads: csv, parquet, `hf:`
+names, saved datasets) over `data.num_proc` forked processes (default: the CPUs this process may
+use); each renders its records and tokenises them in one batched call of the fast tokenizer. The
+parent writes the chunks' arrays in order.
 
 Records longer than `max_length` are truncated (one line: how many, and the longest). Every record
 stays a sample (the derived job counts a file's rows as its samples):
@@ -32,9 +32,11 @@ import numpy as np
 
 from jobspec.data import cache as data_cache
 from jobspec.data import chat_render, record_checks
-from jobspec.data.chat_render import RecordError, RecordText, chat_template, check_template, encode
-from jobspec.data.formats import source_kind, split_source
-from jobspec.data.record_sources import TABLE_KINDS, Source, source_for
+from jobspec.data.chat_render import RecordText, chat_template, check_template, encode
+from jobspec.data.formats import split_format, split_source
+from jobspec.data.formats.base import RecordSource
+from jobspec.data.records import RECORD_KINDS, Columns, record_kind
+from jobspec.data.records.base import RecordError
 from jobspec.data.tokenizer_files import tokenizer_name
 from jobspec.errors import SpecError, SpecIssue, spec_error
 from jobspec.memory.plan_cache import digest, path_state, read_entry, write_entry
@@ -48,25 +50,33 @@ PROMPT_CHECK_RECORDS = 8   # records whose answers are checked against the promp
 
 
 def cached_kind(spec: JobSpec, split: str) -> str | None:
-    """`chat` or `prompt_completion` when `data.<split>` goes through the cache; None otherwise
-    (synthetic data, text files, text records: tokenised by the ranks, data/loaders.py)."""
+    """The record kind's name when `data.<split>` goes through the cache (a kind that is `rendered`:
+    chat, prompt/completion); None otherwise (synthetic data, text corpora, text records: tokenised
+    by the ranks, data/loaders.py)."""
     data = spec["data"]
     if data.get("synthetic") is not None or not data.get(split) \
             or spec["model"]["task"] != "causal-lm":
         return None
     try:
-        kind = source_kind(split_source(data, split), data["format"])
+        fmt = split_format(data, split)
     except SpecError:
         return None
-    if kind not in ("jsonl", *TABLE_KINDS):
+    if not fmt.holds_records:
         return None
     if data["records"] != "auto":
-        return data["records"] if data["records"] in ("chat", "prompt_completion") else None
-    fields = source_for(spec, split, kind).fields()
-    if fields is None:
-        return None
-    records = record_checks.record_kind(data, fields)
-    return records if records in ("chat", "prompt_completion") else None
+        kind = RECORD_KINDS[data["records"]]
+    else:
+        fields = records_of(spec, split).fields()
+        if fields is None:
+            return None
+        kind = record_kind(spec, fields)
+    return kind.name if kind.rendered else None
+
+
+def records_of(spec: JobSpec, split: str) -> RecordSource:
+    """Where the pass reads `data.<split>`'s records: its format's chunks of work."""
+    return split_format(spec["data"],
+                        split).records(spec, split, lambda: record_checks.load_dataset(spec, split))
 
 
 def cached_splits(spec: JobSpec) -> list[str]:
@@ -81,7 +91,7 @@ class Entry:
     split: str
     kind: str
     key: str
-    source: "Source"
+    source: RecordSource
     data: data_cache.CachedData | None
     built: bool = False   # tokenised by this process (prepare_split), not found in the cache
 
@@ -97,21 +107,20 @@ def locate(spec: JobSpec, split: str, tokenizer_fingerprint: str, template: str 
     kind = cached_kind(spec, split)
     if kind is None:
         raise ValueError(f"data.{split} does not go through the data cache")
-    if kind == "chat" and template is None:
-        raise spec_error("chat records need a chat template, and the tokenizer has none",
+    records = RECORD_KINDS[kind]
+    if records.needs_template and template is None:
+        raise spec_error(f"{records.described} records need a chat template, and the tokenizer has "
+                         "none",
                          path=("data", "chat_template"),
                          hint="set data.chat_template to a Jinja template file, or use a tokenizer "
                               "with one")
     if template is not None:
         check_template(spec, template)
-    source = source_for(spec, split,
-                        source_kind(split_source(spec["data"], split), spec["data"]["format"]))
+    source = records_of(spec, split)
     data = spec["data"]
     fields = {"source": source.fingerprint(), "tokenizer": tokenizer_fingerprint,
               "template": template, "kind": kind, "loss_on": data["loss_on"],
-              "max_length": data["max_length"],
-              "fields": [data["messages_field"]] if kind == "chat" else
-              [data["prompt_field"], data["completion_field"]]}
+              "max_length": data["max_length"], "fields": list(records.fields(Columns.of(spec)))}
     key = data_cache.entry_key(fields)
     return Entry(split, kind, key, source, data_cache.open_entry(key))
 
@@ -514,7 +523,7 @@ def summary_line(entry: Entry) -> str:
     meta = entry.data.meta
     no_answer = f", {meta['no_answer']:,} with no answer token within data.max_length (no loss)" \
         if meta["no_answer"] else ""
-    what = entry.kind.replace("_", "/")
+    what = RECORD_KINDS[entry.kind].described
     return (f"data.{entry.split}: {meta['records']:,} {what} records -> {meta['samples']:,} "
             f"samples, {meta['tokens']:,} tokens{no_answer} (tokenised data "
             f"{entry.data.nbytes / MiB:,.1f} MiB, {entry.data.path})")

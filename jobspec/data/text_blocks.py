@@ -1,10 +1,10 @@
 """Text data (`data.format: text`, .txt/.md files, a directory of them) cut into language-model
 blocks.
 
-A document is a line of the file (`data.document: line`, blank lines skipped), the whole file
-(`document: file`), or each file of a directory. Each is tokenized with the tokenizer's own special
-tokens (a BOS where the tokenizer adds one, BERT's [CLS] ... [SEP]) and ends with its EOS (SEP for a
-tokenizer without one) unless it already does. Then, so that no token is thrown away:
+A document (data/formats/text.py: a line of the file, `data.document: line`, blank lines skipped;
+the whole file, `document: file`; or each file of a directory) is tokenized with the tokenizer's own
+special tokens (a BOS where the tokenizer adds one, BERT's [CLS] ... [SEP]) and ends with its EOS
+(SEP for a tokenizer without one) unless it already does. Then, so that no token is thrown away:
 
 - `chunking: concatenate`: all documents joined and cut into blocks of `max_length` (only the last
   block is shorter);
@@ -16,39 +16,13 @@ Causal LM trains on every token (labels = ids); masked LM masks the same blocks 
 from __future__ import annotations
 
 import warnings
-from pathlib import Path
 
 import torch
 
-from jobspec.data.formats import TEXT_SUFFIXES, source_kind, split_source, text_files
+from jobspec.data.formats import split_format, split_source
 from jobspec.errors import spec_error
 from jobspec.spec.types import JobSpec
 from jobspec.tasks.base import MASKED_TOKENS, NEXT_TOKENS
-
-
-def read_documents(source: str, fmt: str, document: str, split: str) -> list[str]:
-    """The documents of a text file or a directory of text files, in order."""
-    if source_kind(source, fmt) == "text_dir":
-        files = text_files(source, fmt)
-        if not files:
-            raise spec_error(f"{source} holds no {'/'.join(TEXT_SUFFIXES)} files",
-                             path=("data", split),
-                             hint="point it at a directory of text files, or at a data file")
-        return [doc for doc in (_read(path, split) for path in files) if doc.strip()]
-    text = _read(Path(source), split)
-    if document == "file":
-        return [text] if text.strip() else []
-    return [line for line in text.splitlines() if line.strip()]
-
-
-def _read(path: Path, split: str) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise ValueError(f"{path} is not UTF-8") from None   # located by line in data/loaders.py
-    except OSError as err:
-        raise spec_error(f"cannot read {path} ({err.strerror or err})", path=("data", split),
-                         hint="check the path and its permissions") from None
 
 
 def document_ids(tokenizer, documents: list[str]) -> list[list[int]]:
@@ -80,7 +54,8 @@ def text_columns(spec: JobSpec, tokenizer, split: str, shape: str) -> tuple[list
                          f"{data['label_field']!r}", path=("data", split),
                          hint="use a jsonl/csv/parquet file with text and label columns, or a "
                               "language-model task")
-    documents = read_documents(split_source(data, split), data["format"], data["document"], split)
+    documents = split_format(data, split).documents(split_source(data, split), data["format"],
+                                                    data["document"], split)
     if not documents:
         raise spec_error(f"{split_source(data, split)} has no text", path=("data", split),
                          hint="a text file needs at least one non-blank line")

@@ -245,9 +245,9 @@ class JobSpecLoggingMlflow(TypedDict):
 
 class JobSpecLoggingTensorboard(TypedDict):
     """TensorBoard event files, written beside MLflow (or instead of it) for `tensorboard --logdir`:
-    every metric row as scalars by step (rank 0's metrics.jsonl, the same points MLflow gets), the
-    resolved spec and the DeepSpeed config as text, and the run's settings and final status in the
-    HParams tab.
+    every metric row as scalars by step (rank 0's metrics.jsonl, the same points MLflow gets),
+    the resolved spec and the DeepSpeed config as text, and the run's settings and final status
+    in the HParams tab.
     """
     enabled: bool
 

@@ -42,8 +42,9 @@ from pathlib import Path
 
 from jobspec import rundir
 from jobspec.data.chat_render import generation_prompt_ids
-from jobspec.data.formats import source_kind
-from jobspec.data.record_checks import record_kind
+from jobspec.data.formats import split_format
+from jobspec.data.record_checks import load_dataset
+from jobspec.data.records import record_kind
 from jobspec.errors import first_line, spec_error
 from jobspec.spec.types import JobSpec, JobSpecData, JobSpecTrainingEvalGenerate
 from jobspec.train.metrics import any_rank
@@ -136,16 +137,13 @@ def source_records(spec: JobSpec) -> list:
     if data["eval"] is None:
         raise ValueError("training.eval_generate.prompts counts evaluation records, but data.eval "
                          "is not set")
-    kind = source_kind(data["eval"], data["format"])
-    if kind in ("text", "text_dir"):
+    if not split_format(data, "eval").holds_records:
         raise spec_error("text records have no prompt and answer to generate from",
                          path=(*FIELD, "prompts"),
                          hint="give a prompts file, or evaluate on chat or prompt/completion "
                               "records")
-    from jobspec.data.hf_datasets import load_table
-    table = load_table(spec, "eval", kind)
-    records = record_kind(data, table.column_names)
-    if records == "text":
+    table = load_dataset(spec, "eval")
+    if not record_kind(spec, table.column_names).rendered:
         raise spec_error(f"the evaluation records of {data['eval']} are text, with no prompt to "
                          "generate from",
                          path=(*FIELD, "prompts"),

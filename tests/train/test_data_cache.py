@@ -17,7 +17,7 @@ from jobspec.cli import main
 from jobspec.errors import SpecError
 from jobspec.data import cache as data_cache
 from jobspec.data import prepare as data_prep
-from jobspec.data import record_sources
+from jobspec.data.formats import jsonl as jsonl_format
 from jobspec.model.build import build_tokenizer
 from jobspec.spec.schema import fill_defaults
 from jobspec.data import sample_packing
@@ -166,7 +166,7 @@ def test_a_damaged_entry_is_rebuilt():
 
 
 def test_parallel_chunks_write_what_one_process_writes(monkeypatch):
-    monkeypatch.setattr(record_sources, "CHUNK_BYTES", 16 * 1024)   # several chunks of the sample file
+    monkeypatch.setattr(jsonl_format, "CHUNK_BYTES", 16 * 1024)   # several chunks of the sample file
     spec = make_spec(CHAT, records="chat")
     tokenizer = build_tokenizer(spec)
     serial = data_prep.prepare_split(spec, "train", tokenizer, num_proc=1)

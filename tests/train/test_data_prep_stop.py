@@ -14,7 +14,8 @@ import pytest
 import yaml
 from conftest import REPO_ROOT
 
-from jobspec.data import cache as data_cache, prepare as data_prep, record_sources
+from jobspec.data import cache as data_cache, prepare as data_prep
+from jobspec.data.formats import jsonl as jsonl_format
 from jobspec.spec.validation import load_and_validate
 
 CHAT = REPO_ROOT / "jobs" / "data" / "chat-sample.jsonl"
@@ -61,7 +62,7 @@ def arrays(entry) -> dict:
 
 def test_a_stopped_pass_keeps_its_chunks_and_the_next_goes_on_to_the_same_tokens(
         tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(record_sources, "CHUNK_BYTES", 16 * 1024)   # a dozen chunks of a small file
+    monkeypatch.setattr(jsonl_format, "CHUNK_BYTES", 16 * 1024)   # a dozen chunks of a small file
     spec = load_and_validate(write_job(tmp_path, 2)).spec
     whole = build(spec, tmp_path / "whole", monkeypatch)
     capsys.readouterr()

@@ -8,7 +8,7 @@ later (the ranks' loaders, the model build) or crash on:
   a packed sequence) or `data.synthetic.seq_len` longer than the model's learned position table
   (spec/model_dims.py; RoBERTa-style models lose `pad_token_id + 1` positions to their offset);
 - `data-format`: a data file whose format `data.format: auto` cannot tell from its extension
-  (data/formats.py); `hf:` datasets have none;
+  (data/formats/); `hf:` datasets have none;
 - `tokenizer-path`: a `data.tokenizer` written as a path that does not exist;
 - `tokenizer-files`: a local tokenizer whose tokenizer.json or tokenizer_config.json does not parse;
 - `tokenizer-vocab`: a tokenizer with more tokens than the model's vocabulary (`model.config`);
@@ -29,12 +29,12 @@ only when a template is checked.
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from jobspec.data.formats import data_format
+from jobspec.data.formats import file_format, is_hub_name, named_format, source_format
+from jobspec.data.records import RECORD_KINDS, record_kind
 from jobspec.data.tokenizer_files import (
     TokenizerFacts,
     TokenizerFileError,
@@ -50,9 +50,6 @@ from jobspec.spec.model_dims import PADDING_OFFSET_POSITIONS, ModelDims, model_d
 if TYPE_CHECKING:
     from jobspec.spec.validation import ResolvedSpec
 
-HF_PREFIX = "hf:"
-
-
 def data_rule_issues(r: ResolvedSpec) -> list[SpecIssue]:
     """Every data rule's problems, on the defaults-filled spec (one of
     validation.CROSS_FIELD_RULES)."""
@@ -67,29 +64,25 @@ def data_rule_issues(r: ResolvedSpec) -> list[SpecIssue]:
 
 def epochs_issues(r: ResolvedSpec) -> list[SpecIssue]:
     """`training.epochs` needs the number of training samples before anything starts (the schedule,
-    the steps): a jsonl/csv/parquet file's rows are counted (data/formats.count_rows); a dataset by
-    name, a saved dataset or text (cut into blocks only by the tokenizer) has no count to read
-    here."""
+    the steps): the rows of a file of a `counted` format are counted (data/formats.count_rows); a
+    dataset by name, a saved dataset or text (cut into blocks only by the tokenizer) has no count to
+    read here."""
     s = r.spec
     train = s["data"].get("train")
     if s["training"].get("max_steps") is not None or not isinstance(train, str) \
             or s["data"].get("synthetic"):
         return []
-    if train.startswith(HF_PREFIX):
-        what = f"{train} is a dataset by name"
-    elif s["data"].get("format") == "text" or _is_dir(local_path(r, ("data", "train"))):
-        what = (f"{train} is text (its samples are blocks of data.max_length tokens: counted only "
-                "when tokenized)")
-    else:
-        try:
-            if data_format(local_path(r, ("data", "train")), s["data"]["format"]) != "text":
-                return []
-        except SpecError:
-            return []   # the data-format rule says so
-        what = (f"{train} is text (its samples are blocks of data.max_length tokens: counted only "
-                "when tokenized)")
+    try:
+        fmt = source_format(train if is_hub_name(train) else local_path(r, ("data", "train")),
+                            s["data"]["format"])
+    except SpecError:
+        return []   # the data-format rule says so
+    if fmt.counted:
+        return []
     where = ("training", "epochs") if ("training", "epochs") in r.positions else ("training",)
-    return [r.issue(where, f"training.epochs needs the number of training samples, and {what}",
+    return [r.issue(where,
+                    f"training.epochs needs the number of training samples, and {train} is "
+                    f"{fmt.described}",
                     "set training.max_steps", code="epochs-sample-count")]
 
 
@@ -203,13 +196,13 @@ def format_issues(r: ResolvedSpec) -> list[SpecIssue]:
     issues = []
     for split in ("train", "eval"):
         value = data.get(split)
-        if not isinstance(value, str) or value.startswith(HF_PREFIX) or "\0" in value:
+        if not isinstance(value, str) or is_hub_name(value) or "\0" in value:
             continue
         file = local_path(r, ("data", split))
         if not _is_file(file):
             continue   # a missing file, a directory: the data-file rule says so
         try:
-            data_format(file, data["format"])
+            file_format(file, data["format"])
         except SpecError as err:
             for problem in err.issues:
                 issues.append(r.issue(("data", split) if data["format"] == "auto" else problem.path,
@@ -218,52 +211,47 @@ def format_issues(r: ResolvedSpec) -> list[SpecIssue]:
 
 
 def first_record(r: ResolvedSpec, split: str = "train") -> dict | None:
-    """The first record of a local jsonl data file (one line read), or None (another format, no
-    file, not JSON: the record checks at launch report those with their line)."""
-    data = r.spec["data"]
-    value = data.get(split)
-    if not isinstance(value, str) or value.startswith(HF_PREFIX) or "\0" in value:
+    """The first record of a local data file whose format reads it without a library (`light_rows`:
+    jsonl, csv), or None (another format, no file, not readable: the record checks report those with
+    their line)."""
+    value = r.spec["data"].get(split)
+    if not isinstance(value, str) or is_hub_name(value) or "\0" in value:
         return None
     file = local_path(r, ("data", split))
     if not _is_file(file):
         return None
     try:
-        if data_format(file, data["format"]) != "jsonl":
-            return None
-        with open(file, "rb") as fh:
-            for _, raw in zip(range(100), fh):
-                if raw.strip():
-                    row = json.loads(raw.decode("utf-8"))
-                    return row if isinstance(row, dict) else None
+        fmt = file_format(file, r.spec["data"]["format"])
+        rows = fmt.first_rows(file, 1) if fmt.light_rows else []
     except (SpecError, OSError, ValueError):
         return None
-    return None
+    return rows[0] if rows else None
 
 
 def chat_records(r: ResolvedSpec) -> bool | None:
-    """Whether the records are chat records: `data.records: chat`, or `auto` with a first jsonl
-    record holding `messages_field`; None when it cannot be told here (auto on parquet or an `hf:`
-    dataset)."""
+    """Whether the records need a chat template (chat records, data/records/): `data.records` says,
+    or with `auto` the kind that recognises the first record; None when it cannot be told here (auto
+    on a format whose first record validate does not read, a dataset the ranks read)."""
     data = r.spec["data"]
-    records = data["records"]
-    if data["synthetic"] is not None or records in ("text", "prompt_completion") \
-            or data["format"] == "text":
+    named = named_format(data["format"])
+    if data["synthetic"] is not None or (named is not None and not named.holds_records):
         return False
-    if records == "chat":
-        return True
+    if data["records"] != "auto":
+        return RECORD_KINDS[data["records"]].needs_template
     train = data.get("train")
     if not isinstance(train, str):
         return False
-    row = first_record(r)
-    if row is not None:
-        return data["messages_field"] in row
-    if train.startswith(HF_PREFIX):
-        return None
-    file = local_path(r, ("data", "train"))
     try:
-        return None if _is_file(file) and data_format(file, data["format"]) == "parquet" else False
+        fmt = source_format(train if is_hub_name(train) else local_path(r, ("data", "train")),
+                            data["format"])
     except SpecError:
         return False
+    if not (fmt.holds_records and fmt.nested):
+        return False   # text, or records that hold no lists of messages
+    row = first_record(r)
+    if row is not None:
+        return record_kind(r.spec, row).needs_template
+    return None if not (fmt.local and fmt.light_rows) else False
 
 
 # ---------------------------------------------------------------- vocabulary and special tokens

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from jobspec.data.formats import is_hub_name, is_saved_dataset, text_files
+from jobspec.data.formats import is_hub_name, source_format
 from jobspec.errors import SpecIssue
 from jobspec.spec.rules.base import exists, local_path
 
@@ -47,7 +47,8 @@ def data_source_issues(r: ResolvedSpec) -> list[SpecIssue]:
 def _file_issues(r: ResolvedSpec, key: str) -> list[SpecIssue]:
     file = local_path(r, ("data", key))
     if exists(file) and file.is_dir():
-        if is_saved_dataset(file) or text_files(file, r.spec["data"]["format"]):
+        setting = r.spec["data"]["format"]
+        if source_format(file, setting).files(str(file), setting):   # a saved dataset, text files
             return []
         return [r.issue(("data", key),
                         f"{file} is a directory, not a data file (it holds no text files "

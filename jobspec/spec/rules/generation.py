@@ -7,8 +7,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from jobspec import tasks
+from jobspec.data.formats import named_format
+from jobspec.data.records import RECORD_KINDS
 from jobspec.errors import SpecIssue
 from jobspec.spec.rules.base import exists, local_path
+from jobspec.spec.types import JobSpecData
 from jobspec.tasks.base import NEXT_TOKENS
 
 if TYPE_CHECKING:
@@ -61,7 +64,7 @@ def eval_generate_issues(r: ResolvedSpec) -> list[SpecIssue]:
                               "set data.eval, or give a prompts file "
                               "(training.eval_generate.prompts: prompts.jsonl)",
                               code="eval-generate-no-eval"))
-    elif data["records"] == "text" or data["format"] == "text":
+    elif text_records(data):
         issues.append(r.issue((*FIELD, "prompts"),
                               "text records have no prompt and answer to generate from",
                               "give a prompts file, or evaluate on chat or prompt/completion "
@@ -74,3 +77,11 @@ def eval_generate_issues(r: ResolvedSpec) -> list[SpecIssue]:
                               f"use fewer than {data['max_length']} (prompts keep their last "
                               "max_length - max_new_tokens tokens)", code="eval-generate-length"))
     return issues
+
+
+def text_records(data: JobSpecData) -> bool:
+    """Records with no prompt and answer, known from the spec alone: `data.records` names a kind
+    that is not rendered (text), or `data.format` one that holds documents (a text corpus)."""
+    named = named_format(data["format"])
+    return (data["records"] != "auto" and not RECORD_KINDS[data["records"]].rendered) or \
+        (named is not None and not named.holds_records)
