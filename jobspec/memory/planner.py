@@ -27,10 +27,10 @@ from jobspec.spec.rules.kernels import fused_loss
 from jobspec.spec.types import (
     JobSpec,
     JobSpecMemory,
-    JobSpecMemoryTiledLoss,
     JobSpecModelQuantization,
     JobSpecTrainingOptimizer,
 )
+from jobspec.techniques import tiled_loss
 from jobspec.units import MiB, fmt_mib_gib
 
 ALLOCATOR_BLOCK = 2 * MiB        # the caching allocator's large-segment granularity
@@ -306,7 +306,7 @@ def plan_memory(spec: JobSpec, job: DerivedJob, *, budget: int | None = None,
                 "optimizer": optimizer["name"], "checkpointed_layers": job.checkpointed_layers,
                 "layers": inventory.num_layers, "offload_optimizer": offload_opt, "offload_params": offload_params,
                 "attention": model["attention"], "trace": profile.method,
-                "tiled_loss": _tiled_loss_text(memory["tiled_loss"]), "tiled_mlp": bool(memory["tiled_mlp"]),
+                "tiled_loss": tiled_loss.plan_text(memory["tiled_loss"]), "tiled_mlp": bool(memory["tiled_mlp"]),
                 "kernels": model["kernels"],
                 "sequence_parallel": job.sequence_parallel,
                 "allocator": "expandable segments" if expandable_segments else "caching (no expandable segments)",
@@ -346,12 +346,6 @@ def kernels_note(spec: JobSpec) -> str:
         text += ("; the head's row is its fused linear cross-entropy: the hidden states' and the "
                  "head weight's gradients made in the forward, a chunk of tokens' logits at a time")
     return text
-
-
-def _tiled_loss_text(setting: bool | JobSpecMemoryTiledLoss) -> str:
-    if not setting:
-        return "off"
-    return f"{setting['tiles']} tiles" if isinstance(setting, dict) else "on"
 
 
 def weight_bytes(inventory: Inventory, lp: int, quantization: JobSpecModelQuantization | None) -> int:

@@ -137,7 +137,7 @@ def tiled_cross_entropy(head, hidden, targets, *, tiles: int | None, vocab: int,
     if tied and any(hasattr(p, "ds_id") for p in params):
         # a head tied to the input embeddings: the tiles' backward stores its gradient before the embeddings
         # add theirs, and ZeRO reduces the two apart: stage 3 loses one, stages 1-2 refuse the second
-        # ("Gradient computed twice"); measured on 2 CPU ranks, refused up front by spec/rules/tiling.py
+        # ("Gradient computed twice"); measured on 2 CPU ranks, refused up front by techniques/tiled_loss.py
         raise spec_error("the tiled loss cannot train a head tied to the input embeddings under ZeRO 1-3",
                          path=("memory", "tiled_loss"),
                          hint="memory.zero_stage: 0, or model.config.tie_word_embeddings: false")

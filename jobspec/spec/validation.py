@@ -46,7 +46,6 @@ from jobspec.spec.rules import (
     precision,
     quantized_base,
     sequence_parallel,
-    tiling,
     tracking,
 )
 from jobspec.spec.rules.base import (
@@ -70,6 +69,7 @@ from jobspec.spec.schema import (
     types_text,
 )
 from jobspec.spec.types import JobSpec
+from jobspec.techniques import tiled_loss
 
 _NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
@@ -331,7 +331,7 @@ CROSS_FIELD_RULES: tuple[Rule, ...] = (
     quantized_base.quantized_zero_issues,    # QLoRA: ZeRO 0-2 only (spec/rules/quantized_base)
     precision.auto_cast_issues,
     generation.eval_generate_issues,         # training.eval_generate: causal-lm, prompts, room
-    tiling.tiled_loss_issues,                # memory.tiled_loss: causal-lm only
+    tiled_loss.tiled_loss_issues,            # memory.tiled_loss: causal-lm only (jobspec/techniques)
     kernels.kernels_issues,                  # model.kernels: liger: model type, CUDA GPU, package
     model_compile.compile_issues,            # model.compile: ZeRO 0-2; no QLoRA, tiled MLP, offload
     export_rules.export_issues,
