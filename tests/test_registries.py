@@ -63,3 +63,27 @@ def test_tracker_registry_is_the_schema_logging_sections_with_a_switch():
         assert tracker.name == name and isinstance(tracker, Tracker), name
     # the default is on unless switched off; every other tracker is off unless switched on
     assert [n for n in switched if logging_fields[n]["properties"]["enabled"]["default"]] == [trackers.DEFAULT]
+
+
+def test_each_technique_declares_everything():
+    from jobspec import techniques
+    from jobspec.techniques.base import Technique
+    names = [t.name for t in techniques.TECHNIQUES]
+    assert len(names) == len(set(names)), names
+    for technique in techniques.TECHNIQUES:
+        assert isinstance(technique, Technique) and technique.summary, technique.name
+        if technique.apply is not None:   # a patch: the function is named as module:function
+            module, _, function = technique.apply.partition(":")
+            assert module.startswith("jobspec.") and function.isidentifier(), technique.apply
+        else:   # no model patch: it writes no patches.json entry
+            assert technique.trace_args is None and technique.fit is None, technique.name
+    assert all(t.trace_args and t.trace_value for t in techniques.TRACED)
+    keys = [step.key for step in techniques.fit_steps()]
+    assert len(keys) == len(set(keys)), keys
+
+
+def test_technique_registry_imports_no_torch():
+    code = ("import sys, jobspec.techniques, jobspec.compile.compiler; "
+            "print([m for m in ('torch', 'transformers', 'deepspeed') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -20,7 +20,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, cast
 
-from jobspec import optimizers
+from jobspec import optimizers, techniques
 from jobspec.data import datacheck
 from jobspec.data.data_format import HF_PREFIX, is_hub_name
 from jobspec.errors import SpecError, SpecIssue
@@ -69,7 +69,6 @@ from jobspec.spec.schema import (
     types_text,
 )
 from jobspec.spec.types import JobSpec
-from jobspec.techniques import tiled_loss
 
 _NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
@@ -331,7 +330,7 @@ CROSS_FIELD_RULES: tuple[Rule, ...] = (
     quantized_base.quantized_zero_issues,    # QLoRA: ZeRO 0-2 only (spec/rules/quantized_base)
     precision.auto_cast_issues,
     generation.eval_generate_issues,         # training.eval_generate: causal-lm, prompts, room
-    tiled_loss.tiled_loss_issues,            # memory.tiled_loss: causal-lm only (jobspec/techniques)
+    *techniques.own_rules(),                 # the technique modules' own (the tiled loss's)
     kernels.kernels_issues,                  # model.kernels: liger: model type, CUDA GPU, package
     model_compile.compile_issues,            # model.compile: ZeRO 0-2; no QLoRA, tiled MLP, offload
     export_rules.export_issues,

@@ -91,3 +91,9 @@ def fit_steps() -> list[FitStep]:
 def rules() -> list:
     """Every technique's cross-field rules, in the registry's order."""
     return [rule for t in TECHNIQUES for rule in t.rules]
+
+
+def own_rules() -> list:
+    """The rules the technique modules define themselves, which spec/validation.CROSS_FIELD_RULES runs
+    at one place; the rules a technique names from spec/rules/ keep their own places there."""
+    return [rule for rule in rules() if rule.__module__.startswith(__name__ + ".")]
