@@ -135,7 +135,8 @@ def header_lines(spec: JobSpec, job, memory, host, patches: list, *, style: bool
     described = [patch_text(p) for p in patches]
     if not optimizers.get(spec["training"]["optimizer"]["name"]).built_by_deepspeed:
         # the ranks build it (train/patches.client_optimizer): said where its patch used to be
-        later = [i for i, p in enumerate(patches) if techniques.get(p["name"]).after_base]
+        later = [i for i, p in enumerate(patches)
+                 if p["name"] in techniques.BY_NAME and techniques.get(p["name"]).after_base]
         described.insert(later[0] if later else len(described),
                          f"optimizer {spec['training']['optimizer']['name']}, built by jobspec")
     if described:
