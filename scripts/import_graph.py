@@ -18,7 +18,8 @@ function (it runs only when the function is called) or under `if TYPE_CHECKING:`
    (importing `a.b.c` also runs `a` and `a.b`), so `jobspec validate` stays light;
 6. a module imports only from its own layer or the layers below it (LAYERS, bottom up; the
    top-level modules not listed there, such as errors, rundir or units, are neutral ground below all;
-   MODULE_LAYERS places a single module in another layer than its package's, or on neutral ground);
+   MODULE_LAYERS places a single module (or a whole package) in another layer than its package's,
+   or on neutral ground);
 7. only tracking/ imports mlflow, at any level: every other module reaches MLflow through
    jobspec.tracking's functions (or the client a tracked run holds);
 8. a read-only command (READ_ONLY_COMMANDS) reaches nothing in launch/ through its imports, the ones
@@ -29,27 +30,30 @@ from __future__ import annotations
 import argparse
 import ast
 import sys
-from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 HEAVY = ("torch", "deepspeed", "transformers", "mlflow")
-LIGHT_PATH = ("optimizers", "tasks", "spec", "compile", "memory", "job", "errors", "cli", "commands")
+LIGHT_PATH = ("optimizers", "tasks", "spec", "techniques", "compile", "memory", "job", "errors", "cli",
+              "commands")
 # The data flow, bottom up: a file -> spec -> compiled plan; the model and its memory plan; the data
 # (loaders, checks, the preparation pass); the derived job; tracking; checkpoints (save/load, reshard);
 # exports (read checkpoints); launch; the ranks; reports; the commands.
-LAYERS = ("optimizers", "tasks", "spec", "compile", "model", "memory", "data", "job", "tracking", "checkpoint",
-          "export", "launch", "train", "report", "commands", "cli", "__main__")
-# Single modules (or subpackages) placed in another layer than their package's: pure modules on the
-# validate path (spec/validation, the planner, the pre-flight read them). export/ sits between tracking
-# and launch (below the ranks that export and the launcher that records the exports), but its pure
-# rules are read by validate; data/'s formats and record kinds (subpackages), record checks and
-# tokenizer files are validate's read of the data files; memory/'s model profile (the planner's data
-# types) is what spec/derived carries and model/'s trace produces. spec/types.py (the spec's generated
+LAYERS = ("optimizers", "tasks", "spec", "compile", "model", "memory", "data", "job", "tracking",
+          "checkpoint", "export", "launch", "train", "report", "commands", "cli", "__main__")
+# Single modules (or subpackages, or a whole package) placed in another layer than their package's:
+# pure modules on the validate path (spec/validation, the planner, the pre-flight read them). export/
+# sits between tracking and launch (below the ranks that export and the launcher that records the
+# exports), but its pure rules are read by validate; data/'s formats and record kinds (subpackages),
+# record checks and tokenizer files are validate's read of the data files; memory/'s model profile
+# (the planner's data types) is what spec/derived carries and model/'s trace produces; techniques/
+# (a package placed whole) sits in the spec layer: validation runs its rules, and the compiler, the
+# trace, the planner and the ranks above read its declarations. spec/types.py (the spec's generated
 # TypedDicts, pure typing) is neutral ground: every layer's signatures name the spec's sections,
 # optimizers/ and tasks/ below spec/ included.
-MODULE_LAYERS = {"export.rules": "spec", "data.formats": "spec", "data.records": "spec",
-                 "data.record_checks": "spec", "data.tokenizer_files": "spec", "memory.model_profile": "spec",
+MODULE_LAYERS = {"techniques": "spec", "export.rules": "spec", "data.formats": "spec",
+                 "data.records": "spec", "data.record_checks": "spec",
+                 "data.tokenizer_files": "spec", "memory.model_profile": "spec",
                  "spec.types": "neutral"}
 MLFLOW_LAYER = "tracking"   # the only subpackage that imports mlflow
 READ_ONLY_COMMANDS = ("validate", "compile", "plan", "report", "schema", "sync", "export")
@@ -233,7 +237,7 @@ def layer(name: str, modules: dict[str, Module]) -> int:
     if len(parts) == 1:
         return -1
     name_in_package = ".".join(parts[1:3])
-    placed = MODULE_LAYERS.get(name_in_package, parts[1])
+    placed = MODULE_LAYERS.get(name_in_package, MODULE_LAYERS.get(parts[1], parts[1]))
     return LAYERS.index(placed) if placed in LAYERS else -1
 
 

@@ -32,10 +32,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "architecture.md"
 BLOCK = re.compile(r"^```(\w+) example=(\S+) (\S+)(?: (\S+))?\n(.*?)^```$", re.M | re.S)
-EXAMPLES = ("optimizer", "task", "rule", "tracker", "format")
+EXAMPLES = ("optimizer", "task", "technique", "rule", "tracker")
 # the registry tests each example must keep passing (-k of tests/test_registries.py)
 REGISTRY_TESTS = {"optimizer": "optimizer or no_torch", "task": "task or no_torch", "tracker": "tracker",
-                  "rule": None, "format": "format or no_torch"}
+                  "technique": "technique or no_torch", "rule": None}
 
 
 def blocks(example: str) -> list[tuple[str, str, str | None, str]]:
@@ -144,6 +144,19 @@ CHECKS = {
         spec = load_and_validate(JOB).spec
         task = tasks.of(spec)
         assert task.name == "pos-tagging" and "accuracy" in task.metrics, task
+    """,
+    "technique": """
+        import torch
+        from jobspec.compile.compiler import compile_patches, patch_text
+        from jobspec.spec.validation import load_and_validate
+        from jobspec.train.patches import apply_patches
+        spec = load_and_validate(JOB).spec
+        patches = compile_patches(spec)
+        assert [p["name"] for p in patches] == ["attention_implementation", "no_dropout"], patches
+        assert patch_text(patches[-1]) == "dropout off"
+        model, notes = apply_patches(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5)),
+                                     patches[1:])
+        assert model[1].p == 0.0 and notes == ["dropout off in 1 modules"], notes
     """,
     "rule": """
         from jobspec.spec import validation

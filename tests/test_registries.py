@@ -65,41 +65,25 @@ def test_tracker_registry_is_the_schema_logging_sections_with_a_switch():
     assert [n for n in switched if logging_fields[n]["properties"]["enabled"]["default"]] == [trackers.DEFAULT]
 
 
-def test_format_registry_is_the_schema_enum():
-    """Every `data.format` value but `auto` is a module of jobspec/data/formats/ declaring a FORMAT,
-    and every such module a schema value or a source told by itself (`hf:` names, saved datasets)."""
-    from jobspec.data import formats
-    from jobspec.data.formats.base import DataFormat
-    schema = sorted(v for v in enum_values(("data", "format")) if v != "auto")
-    assert sorted(formats.schema_formats()) == schema
-    suffixes = [s for f in formats.FORMATS.values() if f.schema_value for s in f.suffixes]
-    # `auto` reads one format from an extension
-    assert len(suffixes) == len(set(suffixes)), suffixes
-    for name, declared in formats.FORMATS.items():
-        assert isinstance(declared, DataFormat) and declared.name == name, name
-        # told by its extension, or by itself
-        assert declared.schema_value == bool(declared.suffixes), name
-        if declared.holds_records and declared.local:   # validate reads its records
-            assert type(declared).rows is not DataFormat.rows, name
-        if declared.counted:
-            assert type(declared).count_rows is not DataFormat.count_rows, name
+def test_each_technique_declares_everything():
+    from jobspec import techniques
+    from jobspec.techniques.base import Technique
+    names = [t.name for t in techniques.TECHNIQUES]
+    assert len(names) == len(set(names)), names
+    for technique in techniques.TECHNIQUES:
+        assert isinstance(technique, Technique) and technique.summary, technique.name
+        if technique.apply is not None:   # a patch: the function is named as module:function
+            module, _, function = technique.apply.partition(":")
+            assert module.startswith("jobspec.") and function.isidentifier(), technique.apply
+        else:   # no model patch: it writes no patches.json entry
+            assert technique.trace_args is None and technique.fit is None, technique.name
+    assert all(t.trace_args and t.trace_value for t in techniques.TRACED)
+    keys = [step.key for step in techniques.fit_steps()]
+    assert len(keys) == len(set(keys)), keys
 
 
-def test_record_kind_registry_is_the_schema_enum():
-    from jobspec.data.records import RECORD_KINDS
-    from jobspec.data.records.base import RecordKind
-    assert sorted(RECORD_KINDS) == sorted(v for v in enum_values(("data", "records")) if v != "auto")
-    for name, kind in RECORD_KINDS.items():
-        assert isinstance(kind, RecordKind) and kind.name == name and kind.described, name
-    # `auto` falls back to the last kind: it recognises any record
-    last = list(RECORD_KINDS.values())[-1]
-    assert last.recognised(None, set()), last.name
-
-
-def test_data_declarations_import_no_torch_and_no_datasets():
-    code = ("import sys, jobspec.data.formats, jobspec.data.records, jobspec.data.record_checks; "
-            "print([m for m in ('torch', 'transformers', 'deepspeed', 'datasets', 'pyarrow') "
-            "if m in sys.modules])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True).stdout
+def test_technique_registry_imports_no_torch():
+    code = ("import sys, jobspec.techniques, jobspec.compile.compiler; "
+            "print([m for m in ('torch', 'transformers', 'deepspeed') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -59,13 +59,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_format_argument(parser, {"text": "aligned table", "json": "one object (errors too)"})
 
 
+def print_text(plan, spec, resolved, result, longest, *, show_fit: bool) -> None:
+    """The text output: the plan's table and advice, the data lines, the random-base note, `--fit`'s
+    lines (`show_fit`) and `--longest`'s (`result`: the fit's, whose overrides it names)."""
+    from jobspec.memory.planner import render_plan
+    from jobspec.memory.remedies import advice
+    from jobspec.spec.rules.lora import random_base_note
+
+    print(render_plan(plan, title=f"{spec['name']}: predicted memory per rank (as written)",
+                      advice=advice(plan, spec)))
+    for line in data_lines(resolved):   # the tokenised data's size: cached, else estimated
+        print(f"data: {line}")
+    base_note = random_base_note(spec)
+    if base_note:
+        print(f"note: {base_note}")
+    if result is not None and show_fit:
+        print()
+        print("\n".join(fit_lines(result)))
+    if longest is not None:
+        print()
+        for what, found in longest:
+            print(longest_line(what, found,
+                               result.overrides if result is not None and what != "as written"
+                               else []))
+
+
 def run(args: argparse.Namespace) -> int:
     from jobspec.hardware import Host
     from jobspec.job.prepare import AS_WRITTEN, prepare_job
     from jobspec.memory.fit import fit, longest_sequence
-    from jobspec.memory.planner import parse_bytes, render_plan
-    from jobspec.memory.remedies import advice
-    from jobspec.spec.rules.lora import random_base_note
+    from jobspec.memory.planner import parse_bytes
 
     cli_budget = (parse_bytes(args.gpu_mem, path=("--gpu-mem",)), "--gpu-mem") \
         if args.gpu_mem is not None else None
@@ -129,22 +152,7 @@ def run(args: argparse.Namespace) -> int:
                                          "overrides": result.overrides if result else []}}
         print(json.dumps(out, indent=2))
     else:
-        print(render_plan(plan, title=f"{spec['name']}: predicted memory per rank (as written)",
-                          advice=advice(plan, spec)))
-        for line in data_lines(resolved):   # the tokenised data's size: cached, else estimated
-            print(f"data: {line}")
-        base_note = random_base_note(spec)
-        if base_note:
-            print(f"note: {base_note}")
-        if result is not None and args.fit:
-            print()
-            print("\n".join(fit_lines(result)))
-        if longest is not None:
-            print()
-            for what, found in longest:
-                print(longest_line(what, found,
-                                   result.overrides if result is not None and what != "as written"
-                                   else []))
+        print_text(plan, spec, resolved, result, longest, show_fit=args.fit)
     if problem is not None:
         raise problem
     if args.fit:

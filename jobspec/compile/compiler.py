@@ -13,12 +13,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from jobspec import optimizers, tasks
+from jobspec import optimizers, techniques
 from jobspec.compile.launch_plan import DEFAULT_MASTER_PORT, LaunchPlan
 from jobspec.errors import spec_error
 from jobspec.spec.derived import DerivedJob, zero_bucket_sizes
 from jobspec.spec.model_dims import ModelDims
-from jobspec.spec.rules import kernels as kernel_rules
 from jobspec.spec.types import (
     JobSpec,
     JobSpecMemory,
@@ -251,66 +250,8 @@ def exports_during_training(spec: JobSpec) -> bool:
 
 def compile_patches(spec: JobSpec) -> list[dict]:
     """Model changes the worker applies in order (DeepSpeed's config cannot express them for HF
-    models)."""
-    model, memory, optimizer = spec["model"], spec["memory"], spec["training"]["optimizer"]
-    patches = [{"name": "attention_implementation", "args": {"implementation": model["attention"]}}]
-    if memory["tf32"]:
-        patches.append({"name": "tf32", "args": {"enabled": True}})
-    if model["freeze"]:
-        patches.append({"name": "freeze", "args": {"patterns": list(model["freeze"])}})
-    if model["kernels"] != "none":   # before the patches that wrap the layers' modules (tiled MLP)
-        patches.append({"name": "fused_kernels", "args": {
-            "kernels": model["kernels"], "fused_loss": kernel_rules.fused_loss(spec)}})
-    checkpointing = memory["activation_checkpointing"]
-    if checkpointing:
-        every, reentrant = ((checkpointing["every_n_layers"], checkpointing["use_reentrant"])
-                            if isinstance(checkpointing, dict) else (1, False))
-        # HF's gradient_checkpointing_enable, not DeepSpeed's activation_checkpointing block,
-        # which only affects models that call deepspeed.checkpointing themselves.
-        patches.append({"name": "gradient_checkpointing", "args": {
-            "every_n_layers": every, "use_reentrant": reentrant}})
-    if memory["tiled_mlp"]:
-        patches.append({"name": "tiled_mlp", "args": {}})
-    # DeepSpeed ALST tiling (model/tiling.py); tiles: null = as many as the bound needs
-    if memory["tiled_loss"]:
-        tiled = memory["tiled_loss"]
-        patches.append({"name": "tiled_loss",
-                        "args": {"tiles": tiled["tiles"] if isinstance(tiled, dict) else None}})
-    if isinstance(checkpointing, dict) and checkpointing["offload"] == "cpu":
-        patches.append({"name": "activation_offload",
-                        "args": {"every_n_layers": checkpointing["every_n_layers"]}})
-    if optimizer["weight_decay"] and optimizer["weight_decay_on"] == "matrices":
-        # the optimizer's parameter groups (DeepSpeed's config has no field for them): the decay on
-        # matrices only, as transformers' Trainer groups them (train/patches.parameter_groups)
-        patches.append({"name": "parameter_groups", "args": {
-            "weight_decay": optimizer["weight_decay"],
-            "no_decay": "biases and normalisation weights"}})
-    # PEFT's adapters on the patched model, before torch.compile (which must see them)
-    if model["lora"]:
-        patches.append({"name": "lora",
-                        "args": {**lora_patch_args(spec), "enable_input_require_grads":
-                                                 bool(checkpointing)}})
-    if model["compile"]:
-        patches.append({"name": "torch_compile", "args": {}})
-    return patches
-
-
-def lora_patch_args(spec: JobSpec) -> dict:
-    """`model.lora` as the `lora` patch gives it to PEFT's LoraConfig (model/lora.adapt): the
-    loader's defaults filled, `modules_to_save` resolved (null: the task's head modules, each kept
-    where the model has it: the head's name depends on the architecture). The target patterns stay
-    as written (`all-linear` is PEFT's own keyword): they are matched against the built model's
-    module names, which this pure step cannot see (job/checks refuses a pattern matching nothing
-    before launch)."""
-    lora = spec["model"]["lora"]
-    assert lora is not None, "lora_patch_args needs model.lora"
-    target = lora["target_modules"]
-    saved = lora["modules_to_save"]
-    return {"r": lora["r"], "alpha": lora["alpha"], "dropout": lora["dropout"],
-            "target_modules": target if isinstance(target, str) else list(target),
-            "modules_to_save": list(tasks.get(spec["model"]["task"]).head_modules if saved is None
-                                    else saved),
-            "bias": lora["bias"], "use_rslora": lora["use_rslora"], "use_dora": lora["use_dora"]}
+    models): each technique's (jobspec/techniques), in the registry's order."""
+    return techniques.patches(spec)
 
 
 def assert_deepspeed_accepts(ds_config: dict) -> None:
@@ -392,39 +333,4 @@ def assert_no_auto(ds_config: dict) -> None:
 
 def patch_text(patch: dict) -> str:
     """A compiled patch in a few words (the launch header's and `jobspec compile`'s patch lines)."""
-    name, args = patch.get("name"), patch.get("args") or {}
-    if name == "attention_implementation":
-        return f"attention {args.get('implementation')}"
-    if name == "gradient_checkpointing":
-        every = args.get("every_n_layers", 1)
-        return "activation checkpointing " \
-            + ("every layer" if every == 1 else f"one layer in {every}")
-    if name == "tf32":
-        return f"tf32 {'on' if args.get('enabled', True) else 'off'}"
-    if name == "freeze":
-        patterns = args.get("patterns") or []
-        return f"frozen: {', '.join(patterns)}"
-    if name == "lora":
-        target = args.get("target_modules")
-        variants = [v for v, on in (("rsLoRA", args.get("use_rslora")),
-                                    ("DoRA", args.get("use_dora"))) if on]
-        return (f"LoRA r {args.get('r')} alpha {args.get('alpha')} on "
-                f"{target if isinstance(target, str) else ', '.join(target or [])}"
-                + "".join(f" {v}" for v in variants))
-    if name == "parameter_groups":
-        return (f"weight decay {args.get('weight_decay')} on matrices, none on "
-                f"{args.get('no_decay')}")
-    if name == "torch_compile":
-        return "torch.compile of each layer (regional)"
-    if name == "tiled_loss":
-        tiles = args.get("tiles")
-        return "tiled loss " \
-            + (f"({tiles} tiles)" if tiles else "(tiles of at most 1 GiB of logits)")
-    if name == "tiled_mlp":
-        return "tiled MLP"
-    if name == "fused_kernels":
-        return (f"{args.get('kernels')} kernels (RMSNorm, gated MLP, rotary"
-                + (", fused linear cross-entropy)" if args.get("fused_loss") else ")"))
-    if name == "activation_offload":
-        return "checkpointed inputs offloaded to pinned host memory"
-    return str(name)
+    return techniques.patch_text(patch)

@@ -12,7 +12,7 @@ import os
 import re
 from urllib.parse import urlsplit
 
-from jobspec import optimizers
+from jobspec import optimizers, techniques
 from jobspec.compile.compiler import patch_text
 from jobspec.memory import plan_figures
 from jobspec.memory.plan_figures import GPU_TOTAL, HOST_RAM, PEAK_ALLOCATED
@@ -142,10 +142,9 @@ def header_lines(spec: JobSpec, job, memory, host, patches: list, *,
                      "memory.fit: auto refuses such a launch.")
     described = [patch_text(p) for p in patches]
     if not optimizers.get(spec["training"]["optimizer"]["name"]).built_by_deepspeed:
-        # the ranks build it (train/patches.client_optimizer): listed among the patches, before
-        # parameter_groups, lora and torch_compile
+        # the ranks build it (train/patches.client_optimizer): said where its patch used to be
         later = [i for i, p in enumerate(patches)
-                 if p["name"] in ("parameter_groups", "lora", "torch_compile")]
+                 if p["name"] in techniques.BY_NAME and techniques.get(p["name"]).after_base]
         described.insert(later[0] if later else len(described),
                          f"optimizer {spec['training']['optimizer']['name']}, built by jobspec")
     if described:

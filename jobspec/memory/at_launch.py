@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from jobspec.memory.fit import FitResult
     from jobspec.memory.planner import MemoryPlan
     from jobspec.spec.derived import DerivedJob
+    from jobspec.spec.types import JobSpec
     from jobspec.spec.validation import ResolvedSpec
 
 
@@ -75,27 +76,13 @@ def plan_at_launch(resolved: ResolvedSpec, job: DerivedJob, gpu_free: int | None
     """
     from jobspec.memory.fit import apply_changes, fit, host_refusal
     from jobspec.memory.gpu_overheads import cuda_context, torch_cuda_version
-    from jobspec.memory.planner import parse_bytes, plan_memory
+    from jobspec.memory.planner import plan_memory
 
     spec = resolved.spec
     memory = LaunchMemory()
     context = cuda_context(gpu_name, torch_cuda_version())   # the GPU's own figure, when measured
-    if host_budget is not None:
-        memory.host_budget, memory.host_budget_source = host_budget
-    elif spec["resources"]["host_mem"]:
-        memory.host_budget = parse_bytes(spec["resources"]["host_mem"],
-                                         path=("resources", "host_mem"))
-        memory.host_budget_source = "resources.host_mem"
-    elif host_ram is not None and job.nodes == 1:
-        memory.host_budget, memory.host_budget_source = host_ram, "this host's RAM"
-    if budget is not None:
-        memory.budget, memory.budget_source = budget
-    elif spec["memory"]["gpu_memory"]:
-        memory.budget = parse_bytes(spec["memory"]["gpu_memory"])
-        memory.budget_source = "memory.gpu_memory"
-    else:
-        if gpu_free is not None:
-            memory.budget, memory.budget_source = gpu_free, "free GPU memory"
+    _set_budgets(memory, spec, job, budget=budget, gpu_free=gpu_free, host_budget=host_budget,
+                 host_ram=host_ram)
     if apply_fit and spec["memory"]["fit"] == "auto":
         if memory.budget is None:
             memory.lines.append("fit: skipped (memory.fit is auto, but this host has no GPU and "
@@ -140,6 +127,32 @@ def plan_at_launch(resolved: ResolvedSpec, job: DerivedJob, gpu_free: int | None
         if apply_fit and spec["memory"]["fit"] == "auto":   # auto refuses what it cannot make fit
             raise memory.host_problem
     return resolved, job, memory
+
+
+def _set_budgets(memory: LaunchMemory, spec: JobSpec, job: DerivedJob, *,
+                 budget: tuple[int, str] | None,
+                 gpu_free: int | None, host_budget: tuple[int, str] | None,
+                 host_ram: int | None) -> None:
+    """The GPU and host budgets of `plan_at_launch` (its docstring says which wins), set on
+    `memory`."""
+    from jobspec.memory.planner import parse_bytes
+
+    if host_budget is not None:
+        memory.host_budget, memory.host_budget_source = host_budget
+    elif spec["resources"]["host_mem"]:
+        memory.host_budget = parse_bytes(spec["resources"]["host_mem"],
+                                         path=("resources", "host_mem"))
+        memory.host_budget_source = "resources.host_mem"
+    elif host_ram is not None and job.nodes == 1:
+        memory.host_budget, memory.host_budget_source = host_ram, "this host's RAM"
+    if budget is not None:
+        memory.budget, memory.budget_source = budget
+    elif spec["memory"]["gpu_memory"]:
+        memory.budget = parse_bytes(spec["memory"]["gpu_memory"])
+        memory.budget_source = "memory.gpu_memory"
+    else:
+        if gpu_free is not None:
+            memory.budget, memory.budget_source = gpu_free, "free GPU memory"
 
 
 def _rechecked(resolved: ResolvedSpec, overrides: list[str]) -> ResolvedSpec:

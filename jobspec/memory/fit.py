@@ -21,15 +21,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from jobspec import optimizers
+from jobspec import optimizers, techniques
 from jobspec.errors import SpecError, spec_error
 from jobspec.memory.gpu_overheads import ContextFigure
 from jobspec.memory.gpu_throughput import GpuReadings, precision_key, readings_for
 from jobspec.memory.planner import MemoryPlan, plan_memory
 from jobspec.optimizers.base import DEEPSPEED_CPU_ADAM
 from jobspec.spec.derived import DerivedJob
-from jobspec.spec.rules import kernels as kernel_rules
-from jobspec.spec.rules import tiling as tiling_rules
 from jobspec.spec.schema import filled_spec
 from jobspec.spec.types import JobSpec
 from jobspec.units import fmt_mib_gib
@@ -45,7 +43,8 @@ CPU_ADAM_PARAMS_PER_S = 0.5e9   # DeepSpeedCPUAdam on a typical host
 CHECKPOINT_EVERY = (8, 6, 4, 3, 2, 1)
 # The long-sequence techniques (docs/memory-planner.md), each level adding one: tried with every
 # layer checkpointed, the first thing a long sequence needs
-TECHNIQUES = ("memory.tiled_loss", "memory.tiled_mlp", "offload")
+# their registry's FitSteps, by cost
+TECHNIQUES = tuple(step.key for step in techniques.fit_steps())
 # DeepSpeed copies checkpoint inputs on a side stream: half hidden behind compute
 OFFLOAD_OVERLAP = 0.5
 # Achieved training FLOP/s of one CPU core (fp32 or bf16, one thread per core): 50-80 GFLOP/s
@@ -235,17 +234,15 @@ def candidate_changes(spec: JobSpec, job: DerivedJob,
                   "training.optimizer.name": optimizer,
                   "memory.zero_stage": stage, "memory.offload.optimizer": off_opt,
                   "memory.offload.params": off_params}
-        for technique in level:
-            if technique == "offload":
-                wanted["memory.activation_checkpointing"] = {"every_n_layers": 1, "offload": "cpu"}
-            else:
-                wanted[technique] = True
-        refused = stage == 3 or "memory.tiled_mlp" in level or "offload" in level
-        if spec["model"]["compile"] and refused:
-            continue   # validation refuses these under model.compile (spec/rules/model_compile.py)
-        if (wanted.get("memory.tiled_loss") or spec["memory"]["tiled_loss"]) and stage >= 1 \
-                and tiling_rules.trains_tied_head(spec["model"]):
-            continue   # validation refuses a tied head's tiled loss under ZeRO 1-3
+        steps = [step for step in techniques.fit_steps() if step.key in level]
+        for step in steps:
+            wanted.update(step.changes)
+        if spec["model"]["compile"] and stage == 3:
+            continue   # validation refuses ZeRO-3 under model.compile (spec/rules/model_compile.py)
+        if any(step.refused(spec, wanted) for step in techniques.fit_steps()
+               if step in steps or step.is_on(spec)):
+            # validation refuses the technique beside this candidate (its module says why)
+            continue
         changes = {k: v for k, v in wanted.items()
                    if _normal_ckpt(_get(spec, k)) != _normal_ckpt(v)}
         if "training.micro_batch_size" in changes and training["global_batch_size"] is None:
@@ -258,16 +255,12 @@ def technique_levels(spec: JobSpec) -> list[tuple]:
     whose head tiles); a technique the spec already has stays on."""
     if spec["model"]["task"] != "causal-lm":
         return [()]
-    memory = spec["memory"]
-    ckpt = memory["activation_checkpointing"]
-    on = {"memory.tiled_loss": bool(memory["tiled_loss"]),
-          "memory.tiled_mlp": bool(memory["tiled_mlp"]),
-          "offload": isinstance(ckpt, dict) and ckpt["offload"] == "cpu"}
-    levels = [TECHNIQUES[:n] for n in range(len(TECHNIQUES) + 1)]
-    if kernel_rules.fused_loss(spec):   # Liger's fused loss computes it: no tiled loss beside it
-        levels = [tuple(t for t in level if t != "memory.tiled_loss")
-                  for level in levels[:1] + levels[2:]]
-    return [level for level in levels if all(t in level for t, v in on.items() if v)]
+    steps = techniques.fit_steps()
+    on = [step.key for step in steps if step.is_on(spec)]
+    # a technique its module says fit may not try here (the tiled loss beside Liger's fused loss)
+    keys = [step.key for step in steps if step.available(spec)]
+    levels = [tuple(keys[:n]) for n in range(len(keys) + 1)]
+    return [level for level in levels if all(key in level for key in on)]
 
 
 def _normal_ckpt(value: Any) -> Any:
@@ -311,6 +304,9 @@ def to_overrides(changes: dict) -> list:
     return [f"{dotted}={text(value)}" for dotted, value in changes.items()]
 
 
+_STEP_WORDS = {step.key: step.words for step in techniques.fit_steps()}
+
+
 def describe(changes: dict) -> str:
     if not changes:
         return "as written"
@@ -329,10 +325,8 @@ def describe(changes: dict) -> str:
                          ("checkpoint every layer" if every == 1
                           else f"checkpoint every {every} layers") +
                          (", inputs offloaded to the host" if offload else ""))
-        elif dotted == "memory.tiled_loss":
-            words.append("tiled loss")
-        elif dotted == "memory.tiled_mlp":
-            words.append("tiled MLP")
+        elif dotted in _STEP_WORDS:
+            words.append(_STEP_WORDS[dotted])
         elif dotted == "training.optimizer.name":
             words.append(optimizers.get(value).label or value)
         elif dotted == "memory.zero_stage":

@@ -21,17 +21,17 @@ from jobspec.errors import spec_error
 from jobspec.export.rules import resolve_dtype
 from jobspec.memory import host_ram as host_memory
 from jobspec.memory.gpu_overheads import ContextFigure, cuda_context
-from jobspec.memory.model_profile import Inventory
+from jobspec.memory.model_profile import Inventory, UnitTrace
 from jobspec.memory.ulysses_buffers import all_to_all_bytes
 from jobspec.spec.derived import PRECISION_BYTES, DerivedJob, zero_bucket_sizes
 from jobspec.spec.rules.kernels import fused_loss
 from jobspec.spec.types import (
     JobSpec,
     JobSpecMemory,
-    JobSpecMemoryTiledLoss,
     JobSpecModelQuantization,
     JobSpecTrainingOptimizer,
 )
+from jobspec.techniques import tiled_loss
 from jobspec.units import MiB, fmt_mib_gib
 
 ALLOCATOR_BLOCK = 2 * MiB        # the caching allocator's large-segment granularity
@@ -179,14 +179,9 @@ def plan_memory(spec: JobSpec, job: DerivedJob, *, budget: int | None = None,
     memory, training, model = spec["memory"], spec["training"], spec["model"]
     world = job.world_size
     inventory = profile.inventory
-    psi, trainable, stage = inventory.total, inventory.trainable, memory["zero_stage"]
-    precision, lp = job.precision, job.precision_bytes
-    offload_opt, offload_params = memory["offload"]["optimizer"], memory["offload"]["params"]
+    stage, lp = memory["zero_stage"], job.precision_bytes
     optimizer = training["optimizer"]
     notes: list[str] = list(profile.notes)
-
-    def part(n: int) -> int:   # the ZeRO partition of n
-        return math.ceil(n / world) if stage >= 1 else n
 
     opt_states = optimizer_state_bytes(optimizer, inventory)
     gpu = dict.fromkeys(("parameters", "buffers", "gradients", "master_weights",
@@ -208,11 +203,124 @@ def plan_memory(spec: JobSpec, job: DerivedJob, *, budget: int | None = None,
                 inventory, stage, world, lp, gpu_ranks=not cpu_ranks,
                 pretrained=bool(model["name_or_path"]),
                 quantized_weights=weights if inventory.quantized else None)}
+    gpu["buffers"] = inventory.buffer_bytes(lp)
+    nvme = _model_state_terms(memory, job, inventory, opt_states, weights, gpu, host)
+
+    trace, grads_made = _activation_terms(spec, job, gpu, notes)
+    forward_backward = trace.peak + gpu["dequantized_weight"] + gpu["all_to_all_buffers"]
+    static = sum(gpu[k] for k in ("parameters", "buffers", "master_weights", "optimizer_states",
+                                  "zero_buffers", "gathered_parameters"))
+    held = 0 if grads_made else gpu["gradients"]   # the gradients through forward and backward
+    allocated = static + max(held + forward_backward, gpu["gradients"] + gpu["step_gradients"])
+    if grads_made:
+        notes.append(f"gradients are made during the backward (ZeRO-0, one micro-batch per step): "
+                     f"{fmt_mib_gib(gpu['gradients_at_peak'])} of them exist at the activations' "
+                     f"peak, all {fmt_mib_gib(gpu['gradients'])} at the optimizer step")
+    fragmentation = EXPANDABLE_FRAGMENTATION if expandable_segments else FRAGMENTATION
+    reserved = _round_up(allocated, ALLOCATOR_BLOCK) + int(fragmentation * allocated)
+    host["dataloader_workers"] = host_memory.worker_bytes(spec["data"]["num_workers"])
+    # the data's index on the rank (its records are memory-mapped): the samples a derived job
+    # counted
+    host["data_index"] = host_memory.data_bytes(job.num_train_samples or 0,
+                                                bool(spec["data"].get("packing")))
+    host["offloaded_activations"] = offloaded_activation_bytes(spec, job)
+    if cpu_ranks:
+        host["tensors"] = allocated
+    host_total = host_memory.host_peak(host)
+    figure = context if context is not None else cuda_context(None, None)
+    settings = _settings(spec, job, figure, expandable_segments=expandable_segments,
+                         grads_made=grads_made)
+    return MemoryPlan(breakdown=gpu, host=host, peak_allocated=allocated, peak_reserved=reserved,
+                      nvml_total=reserved + figure.bytes, host_total=host_total, nvme_total=nvme,
+                      budget=budget, settings=settings, notes=notes,
+                      compute={"model_flops_per_token": job.model_flops_per_token,
+                               "hardware_flops_per_token": job.hardware_flops_per_token},
+                      host_budget=host_budget, ranks_per_node=job.gpus_per_node,
+                      cpu_ranks=cpu_ranks)
+
+
+def _settings(spec: JobSpec, job: DerivedJob, figure: ContextFigure, *, expandable_segments: bool,
+              grads_made: bool) -> dict:
+    """The settings a plan was made for (`MemoryPlan.settings`: the plan's first line, `--fit`)."""
+    memory, model, profile = spec["memory"], spec["model"], job.profile
+    assert profile is not None, "plan_memory checks the profile first"
+    inventory = profile.inventory
+    world, stage, precision = job.world_size, memory["zero_stage"], job.precision
+    psi, trainable, optimizer = inventory.total, inventory.trainable, spec["training"]["optimizer"]
+    offload_opt, offload_params = memory["offload"]["optimizer"], memory["offload"]["params"]
+    return {"world_size": world, "zero_stage": stage, "precision": precision,
+                "micro_batch_size": job.micro_batch_size, "seq_len": job.seq_len, "parameters": psi,
+                "trainable_parameters": trainable,
+                "optimizer": optimizer["name"], "checkpointed_layers": job.checkpointed_layers,
+                "layers": inventory.num_layers, "offload_optimizer": offload_opt,
+            "offload_params": offload_params,
+                "attention": model["attention"], "trace": profile.method,
+                "tiled_loss": tiled_loss.plan_text(memory["tiled_loss"]),
+            "tiled_mlp": bool(memory["tiled_mlp"]),
+                "kernels": model["kernels"],
+                "sequence_parallel": job.sequence_parallel,
+                "allocator": "expandable segments" if expandable_segments
+            else "caching (no expandable segments)",
+                "cuda_context": f"{fmt_mib_gib(figure.bytes)}, {figure.source}",
+                "gradients_held": not grads_made}
+
+
+def _activation_terms(spec: JobSpec, job: DerivedJob, gpu: dict,
+                      notes: list[str]) -> tuple[UnitTrace, bool]:
+    """The traced activations' terms of `gpu` (set in place, with the dequantised weight and
+    Ulysses' buffers beside them); returns the trace of the step's peak and whether its gradients
+    are made during the backward rather than held through it."""
+    profile, model = job.profile, spec["model"]
+    assert profile is not None, "plan_memory checks the profile first"
+    inventory, stage, precision = profile.inventory, spec["memory"]["zero_stage"], job.precision
+    # ZeRO-0 sets every gradient to None after the step (engine.zero_grad / the optimizer's
+    # zero_grad(set_to_none=True)): a step of one micro-batch makes them during its backward, so its
+    # peak holds the gradients made by then, not all of them. With accumulation, or under ZeRO 1-3
+    # (gradient partitions and buckets), they are held through the forward. The composed trace of
+    # that peak is exact for a stack whose layers are alike (every layer checkpointed, or none);
+    # with one in k checkpointed the peak's place depends on which layers are where, so all are held
+    # (an upper bound).
+    alike = job.checkpointed_layers in (0, inventory.num_layers) or profile.method == "full"
+    grads_made = stage == 0 and job.gradient_accumulation_steps == 1 and alike
+    trace = profile.activations.with_gradients() if grads_made else profile.activations
+    regions = trace.regions
+    gpu.update(activations=regions["layers"], embeddings_activations=regions["embeddings"],
+               logits_and_loss=regions["logits_and_loss"], gradients_at_peak=regions["gradients"])
+    # The step-time fp32 gradient copy exists only while the activations are already freed.
+    if inventory.quantized:
+        # bitsandbytes dequantises one weight at a time to the compute dtype for its matmul (forward
+        # and backward): the largest such copy lives beside the traced activations
+        quant = model["quantization"]
+        assert quant is not None, "quantized weights come from model.quantization"
+        compute = PRECISION_BYTES[precision if quant["compute_dtype"] == "auto"
+                                  else quant["compute_dtype"]]
+        gpu["dequantized_weight"] = compute * max(math.prod(s)
+                                                  for s in inventory.quantized_shapes())
+        notes.append(f"{sum(math.prod(s) for s in inventory.quantized_shapes()) / 1e6:.1f}M base "
+                     f"weights in {quant['bits']}-bit with their quantisation constants")
+    if model["kernels"] != "none":
+        notes.append(kernels_note(spec))
+    # memory.sequence_parallel: the trace is one rank's shard (spec/derived); Ulysses' exchange
+    # comes on top
+    gpu["all_to_all_buffers"] = all_to_all_bytes(job)
+    return trace, grads_made
+
+
+def _model_state_terms(memory: JobSpecMemory, job: DerivedJob, inventory: Inventory,
+                       opt_states: int, weights: int, gpu: dict, host: dict) -> int:
+    """The model states' terms of `gpu` and `host` by ZeRO stage, offload and freezing (set in
+    place); returns the NVMe bytes per rank."""
+    world, lp, stage = job.world_size, job.precision_bytes, memory["zero_stage"]
+    psi, trainable = inventory.total, inventory.trainable
+    offload_opt, offload_params = memory["offload"]["optimizer"], memory["offload"]["params"]
+
+    def part(n: int) -> int:   # the ZeRO partition of n
+        return math.ceil(n / world) if stage >= 1 else n
+
     nvme = 0
     # the sizes compile_spec writes into zero_optimization (an explicit 0 stays 0)
-    sizes = zero_bucket_sizes(spec["memory"]["zero"], job.dims.hidden_size if job.dims else None)
+    sizes = zero_bucket_sizes(memory["zero"], job.dims.hidden_size if job.dims else None)
     bucket = sizes["reduce_bucket_size"]
-    gpu["buffers"] = inventory.buffer_bytes(lp)
     shrink = weights / (lp * psi) if psi else 1.0
     # ZeRO-3's share
     weights_part = math.ceil(weights / world) if inventory.quantized else lp * part(psi)
@@ -275,79 +383,7 @@ def plan_memory(spec: JobSpec, job: DerivedJob, *, budget: int | None = None,
                 buffers = memory["offload"]["buffer_count"] * memory["offload"]["buffer_size"]
                 host["offloaded_parameters"] = lp * buffers
 
-    micro, seq = job.micro_batch_size, job.seq_len
-    # ZeRO-0 sets every gradient to None after the step (engine.zero_grad / the optimizer's
-    # zero_grad(set_to_none=True)): a step of one micro-batch makes them during its backward, so its
-    # peak holds the gradients made by then, not all of them. With accumulation, or under ZeRO 1-3
-    # (gradient partitions and buckets), they are held through the forward. The composed trace of
-    # that peak is exact for a stack whose layers are alike (every layer checkpointed, or none);
-    # with one in k checkpointed the peak's place depends on which layers are where, so all are held
-    # (an upper bound).
-    alike = job.checkpointed_layers in (0, inventory.num_layers) or profile.method == "full"
-    grads_made = stage == 0 and job.gradient_accumulation_steps == 1 and alike
-    trace = profile.activations.with_gradients() if grads_made else profile.activations
-    regions = trace.regions
-    gpu.update(activations=regions["layers"], embeddings_activations=regions["embeddings"],
-               logits_and_loss=regions["logits_and_loss"], gradients_at_peak=regions["gradients"])
-    # The step-time fp32 gradient copy exists only while the activations are already freed.
-    if inventory.quantized:
-        # bitsandbytes dequantises one weight at a time to the compute dtype for its matmul (forward
-        # and backward): the largest such copy lives beside the traced activations
-        quant = model["quantization"]
-        assert quant is not None, "quantized weights come from model.quantization"
-        compute = PRECISION_BYTES[precision if quant["compute_dtype"] == "auto"
-                                  else quant["compute_dtype"]]
-        gpu["dequantized_weight"] = compute * max(math.prod(s)
-                                                  for s in inventory.quantized_shapes())
-        notes.append(f"{sum(math.prod(s) for s in inventory.quantized_shapes()) / 1e6:.1f}M base "
-                     f"weights in {quant['bits']}-bit with their quantisation constants")
-    if model["kernels"] != "none":
-        notes.append(kernels_note(spec))
-    # memory.sequence_parallel: the trace is one rank's shard (spec/derived); Ulysses' exchange
-    # comes on top
-    gpu["all_to_all_buffers"] = all_to_all_bytes(job)
-    forward_backward = trace.peak + gpu["dequantized_weight"] + gpu["all_to_all_buffers"]
-    static = sum(gpu[k] for k in ("parameters", "buffers", "master_weights", "optimizer_states",
-                                  "zero_buffers", "gathered_parameters"))
-    held = 0 if grads_made else gpu["gradients"]   # the gradients through forward and backward
-    allocated = static + max(held + forward_backward, gpu["gradients"] + gpu["step_gradients"])
-    if grads_made:
-        notes.append(f"gradients are made during the backward (ZeRO-0, one micro-batch per step): "
-                     f"{fmt_mib_gib(regions['gradients'])} of them exist at the activations' peak, "
-                     f"all {fmt_mib_gib(gpu['gradients'])} at the optimizer step")
-    fragmentation = EXPANDABLE_FRAGMENTATION if expandable_segments else FRAGMENTATION
-    reserved = _round_up(allocated, ALLOCATOR_BLOCK) + int(fragmentation * allocated)
-    host["dataloader_workers"] = host_memory.worker_bytes(spec["data"]["num_workers"])
-    # the data's index on the rank (its records are memory-mapped): the samples a derived job
-    # counted
-    host["data_index"] = host_memory.data_bytes(job.num_train_samples or 0,
-                                                bool(spec["data"].get("packing")))
-    host["offloaded_activations"] = offloaded_activation_bytes(spec, job)
-    if cpu_ranks:
-        host["tensors"] = allocated
-    host_total = host_memory.host_peak(host)
-    figure = context if context is not None else cuda_context(None, None)
-    settings = {"world_size": world, "zero_stage": stage, "precision": precision,
-                "micro_batch_size": micro,
-                "seq_len": seq, "parameters": psi, "trainable_parameters": trainable,
-                "optimizer": optimizer["name"], "checkpointed_layers": job.checkpointed_layers,
-                "layers": inventory.num_layers, "offload_optimizer": offload_opt,
-                "offload_params": offload_params,
-                "attention": model["attention"], "trace": profile.method,
-                "tiled_loss": _tiled_loss_text(memory["tiled_loss"]),
-                "tiled_mlp": bool(memory["tiled_mlp"]), "kernels": model["kernels"],
-                "sequence_parallel": job.sequence_parallel,
-                "allocator": "expandable segments" if expandable_segments
-                else "caching (no expandable segments)",
-                "cuda_context": f"{fmt_mib_gib(figure.bytes)}, {figure.source}",
-                "gradients_held": not grads_made}
-    return MemoryPlan(breakdown=gpu, host=host, peak_allocated=allocated, peak_reserved=reserved,
-                      nvml_total=reserved + figure.bytes, host_total=host_total, nvme_total=nvme,
-                      budget=budget, settings=settings, notes=notes,
-                      compute={"model_flops_per_token": job.model_flops_per_token,
-                               "hardware_flops_per_token": job.hardware_flops_per_token},
-                      host_budget=host_budget, ranks_per_node=job.gpus_per_node,
-                      cpu_ranks=cpu_ranks)
+    return nvme
 
 
 # DeepSpeed CheckpointHiddenStatesOffload's keep_last_count: the newest input stays on the GPU
@@ -377,12 +413,6 @@ def kernels_note(spec: JobSpec) -> str:
         text += ("; the head's row is its fused linear cross-entropy: the hidden states' and the "
                  "head weight's gradients made in the forward, a chunk of tokens' logits at a time")
     return text
-
-
-def _tiled_loss_text(setting: bool | JobSpecMemoryTiledLoss) -> str:
-    if not setting:
-        return "off"
-    return f"{setting['tiles']} tiles" if isinstance(setting, dict) else "on"
 
 
 def weight_bytes(inventory: Inventory, lp: int,

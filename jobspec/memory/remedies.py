@@ -14,12 +14,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from jobspec import optimizers
+from jobspec import optimizers, techniques
 from jobspec.memory.fit import to_overrides
 from jobspec.memory.planner import ROWS, MemoryPlan
 from jobspec.optimizers.base import DEEPSPEED_CPU_ADAM
-from jobspec.spec.rules import kernels as kernel_rules
-from jobspec.spec.rules import tiling as tiling_rules
 from jobspec.spec.types import JobSpec
 from jobspec.units import fmt_mib_gib
 
@@ -40,11 +38,11 @@ def _causal(spec: JobSpec, plan: MemoryPlan) -> bool:
     return spec["model"]["task"] == "causal-lm"
 
 
-def _tiled_loss(spec: JobSpec, plan: MemoryPlan) -> bool:
-    stage = plan.settings["zero_stage"]
-    return _causal(spec, plan) and not spec["memory"]["tiled_loss"] and not (
-        stage >= 1 and tiling_rules.trains_tied_head(spec["model"])) and not (
-        kernel_rules.fused_loss(spec))   # Liger's fused loss computes it: no tiled loss beside it
+def _technique_remedy(name: str, term: str) -> Remedy:
+    """A technique's remedy of a plan's term, offered where its module says (jobspec/techniques)."""
+    technique = techniques.get(name)
+    return Remedy(technique.remedy[term],
+                  lambda spec, plan: technique.offerable(spec, int(plan.settings["zero_stage"])))
 
 
 def _some_layers_kept(spec: JobSpec, plan: MemoryPlan) -> bool:
@@ -56,10 +54,6 @@ def _inputs_on_gpu(spec: JobSpec, plan: MemoryPlan) -> bool:
     offloaded = isinstance(checkpointing, dict) and checkpointing["offload"] == "cpu"
     return not _some_layers_kept(spec, plan) and plan.settings["layers"] > 0 and not offloaded \
         and not spec["model"]["compile"]
-
-
-def _tiled_mlp(spec: JobSpec, plan: MemoryPlan) -> bool:
-    return _causal(spec, plan) and not spec["memory"]["tiled_mlp"] and not spec["model"]["compile"]
 
 
 def _zero3_allowed(spec: JobSpec, plan: MemoryPlan) -> bool:
@@ -126,13 +120,11 @@ def _offload_optimizer_text(spec: JobSpec, plan: MemoryPlan) -> str:
 _OFFLOAD_OPTIMIZER = Remedy(_offload_optimizer_text, _optimizer_on_gpu)
 
 REMEDIES: dict[str, tuple[Remedy, ...]] = {
-    "logits_and_loss": (Remedy("--set memory.tiled_loss=true (the logits one tile at a time)",
-                               _tiled_loss),
-                        _SHORTER),
+    "logits_and_loss": (_technique_remedy("tiled_loss", "logits_and_loss"), _SHORTER),
     "activations": (_CHECKPOINT,
                     Remedy(f"{_OFFLOAD_INPUTS} (checkpointed inputs in host memory)",
                            _inputs_on_gpu),
-                    Remedy("--set memory.tiled_mlp=true (the MLP one tile at a time)", _tiled_mlp),
+                    _technique_remedy("tiled_mlp", "activations"),
                     _SEQUENCE_PARALLEL, _SHORTER),
     "embeddings_activations": (_SEQUENCE_PARALLEL, _SHORTER),
     "optimizer_states": (_ZERO, _OFFLOAD_OPTIMIZER),

@@ -31,8 +31,7 @@ from typing import Any, Callable, NamedTuple
 
 from jobspec.errors import spec_error
 from jobspec.spec.rules.kernels import FIELD, GPU_EXTRA, model_problem, reference_kernels
-
-IGNORE_INDEX = -100
+from jobspec.tasks.base import IGNORE_INDEX
 
 
 @dataclass(frozen=True)

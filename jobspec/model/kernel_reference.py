@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 
-IGNORE_INDEX = -100
+from jobspec.tasks.base import IGNORE_INDEX
 
 
 def _function(forward, backward):

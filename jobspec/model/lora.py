@@ -3,7 +3,7 @@ model, the target patterns checked against the model's real module names, bitsan
 config.
 
 One code path for everyone who needs the adapted model, `adapt(model, settings)` with the settings
-of patches.json's `lora` patch (compile/compiler.lora_patch_args): the ranks (train/lora_adapters,
+of patches.json's `lora` patch (techniques/lora.lora_patch_args): the ranks (train/lora_adapters,
 the patch in the compiler's order), the planner's trace (model/planner_trace.py wraps its meta model
 through `apply_lora`, so the plan counts exactly the adapters PEFT makes), the export, and the
 job-preparation check (`check_targets` on the meta model job/checks builds: compile, plan, launch
@@ -33,8 +33,8 @@ COMPUTE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def settings(spec: JobSpec) -> dict:
-    """`model.lora` as patches.json's `lora` patch carries it (compile/compiler.lora_patch_args)."""
-    from jobspec.compile.compiler import lora_patch_args
+    """`model.lora` as patches.json's `lora` patch carries it (techniques/lora.lora_patch_args)."""
+    from jobspec.techniques.lora import lora_patch_args
 
     return lora_patch_args(spec)
 

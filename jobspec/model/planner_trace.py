@@ -27,16 +27,18 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from jobspec import techniques
 from jobspec.errors import SpecError, first_line, spec_error
 from jobspec.memory.model_profile import Inventory, ModelProfile, UnitTrace, compose, layer_types
 from jobspec.model.lengths import LENGTH_QUANTUM, Interpolation, TileRules, basis_lengths
 from jobspec.model.step import extrapolate, mask_of, run_step, summarize
 from jobspec.spec.types import JobSpec, JobSpecMemory
+from jobspec.techniques.base import apply_function
 
 TRACE_VERSION = 6   # bump when what a trace measures changes: old cache entries are not read
 PRECISION_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
-# (tiled loss, tiled MLP, offloaded checkpoints): `tiling_setting`
-NO_TILING = (False, False, False)
+# (tiled loss, tiled MLP, offloaded checkpoints): `tiling_setting` of a job with none of them
+NO_TILING = tuple(False for _ in techniques.TRACED)
 # config attributes that mean tokens are routed to experts by their values
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
@@ -465,14 +467,10 @@ def checkpoint_setting(checkpointing) -> tuple[int, bool]:
 
 
 def tiling_setting(memory: JobSpecMemory) -> tuple:
-    """The long-sequence techniques of a `memory` section as the trace runs them: (tiled loss:
-    False, True (tiles by the bound) or a tile count; tiled MLP; the checkpointed layers' inputs
-    offloaded to the host)."""
-    loss = memory["tiled_loss"]
-    checkpointing = memory["activation_checkpointing"]
-    offload = isinstance(checkpointing, dict) and checkpointing["offload"] == "cpu"
-    return (int(loss["tiles"]) if isinstance(loss, dict) else bool(loss), memory["tiled_mlp"],
-            offload)
+    """The long-sequence techniques of a `memory` section as the trace runs them (techniques.TRACED:
+    tiled loss: False, True (tiles by the bound) or a tile count; tiled MLP; the checkpointed
+    layers' inputs offloaded to the host)."""
+    return techniques.trace_setting(memory)
 
 
 def _tiling_key(tiling: tuple) -> tuple:
@@ -482,20 +480,20 @@ def _tiling_key(tiling: tuple) -> tuple:
 
 
 def apply_tiling(model, tiling: tuple, checkpointed: list[int]) -> None:
-    """The ranks' patches of the techniques, in their order (compile/compiler.compile_patches)."""
-    from jobspec.model.activation_offload import offload_checkpoints
-    from jobspec.model.tiling import tiled_loss, tiled_mlp
+    """The ranks' patches of the traced techniques (`tiling`: `tiling_setting`'s), each technique's
+    own function in the registry's order (jobspec/techniques)."""
+    import importlib
 
-    loss, mlp, offload = tiling
-    if mlp or loss is not False:
-        # loaded now (the first tiled call would): the trace marks its loops (lengths.tile_loops)
-        import deepspeed.runtime.sequence_parallel.ulysses_sp  # noqa: F401
-    if mlp:
-        tiled_mlp(model)
-    if loss is not False:
-        tiled_loss(model, tiles=None if loss is True else int(loss))
-    if offload and checkpointed:
-        offload_checkpoints(model, indices=checkpointed, traced=True)
+    settings = dict(zip((t.name for t in techniques.TRACED), tiling))
+    for technique in techniques.PATCHED:
+        if technique.name not in settings or technique.trace_args is None:
+            continue
+        args = technique.trace_args(settings[technique.name], checkpointed)
+        if args is None:
+            continue
+        for module in technique.trace_imports:
+            importlib.import_module(module)
+        apply_function(technique)(model, **args)
 
 
 def _set_layer_count(config, n: int) -> None:

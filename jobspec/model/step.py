@@ -208,33 +208,42 @@ class _LiveStorages:
                 self.events.append((serial, -size, region, False))
 
             def settle(self, grad, *, gradient: bool = True) -> None:
-                """A gradient stored in `.grad`: from now on a model state, not a live temporary
-                (`gradient=False`: a tensor that leaves the GPU, an offloaded checkpoint input)."""
-                if grad is None:
-                    return
-                storage = grad.untyped_storage()
-                entry = self.seen.get(id(storage))
-                if entry is None or entry[0] < 0:
-                    return   # already settled (a shared weight's later contributions add in place)
-                serial, _ = entry
-                size, region = self.sizes[serial]
-                self.events.append((serial, -size, region, gradient))
-                self.seen[id(storage)] = (-1, storage)   # its real free, later, is not an event
+                """A gradient stored in `.grad`: from now on a model state (`_settle`)."""
+                _settle(self, grad, gradient=gradient)
 
             def timeline(self) -> dict:
-                """The step as allocations (+bytes) and frees (-bytes) in order, with their regions
-                (a gradient landing in `.grad`: its region's code in upper case)."""
-                codes = "".join(REGION_CODES[r].upper() if landed else REGION_CODES[r]
-                                for _, _, r, landed in self.events)
-                # for model/lengths.py: each event's storage (its allocation's serial), the shape of
-                # each allocation, the tile loops
-                serials = [serial for serial, _, _, _ in self.events]
-                return {"sizes": [size for _, size, _, _ in self.events], "regions": codes,
-                        "backward": self.backward_at, "flops": float(self.flops),
-                        "serials": serials, "loops": self.loops,
-                        "shapes": [self.shapes[s] if i == s else [] for i, s in enumerate(serials)]}
+                return _timeline(self)
 
         return Mode()
+
+
+def _settle(mode, grad, *, gradient: bool = True) -> None:
+    """A gradient stored in `.grad`: from now on a model state, not a live temporary
+    (`gradient=False`: a tensor that leaves the GPU, an offloaded checkpoint input)."""
+    if grad is None:
+        return
+    storage = grad.untyped_storage()
+    entry = mode.seen.get(id(storage))
+    if entry is None or entry[0] < 0:
+        return   # already settled (a shared weight's later contributions add in place)
+    serial, _ = entry
+    size, region = mode.sizes[serial]
+    mode.events.append((serial, -size, region, gradient))
+    mode.seen[id(storage)] = (-1, storage)   # its real free, later, is not an event
+
+
+def _timeline(mode) -> dict:
+    """The step as allocations (+bytes) and frees (-bytes) in order, with their regions (a
+    gradient landing in `.grad`: its region's code in upper case)."""
+    codes = "".join(REGION_CODES[r].upper() if landed else REGION_CODES[r]
+                    for _, _, r, landed in mode.events)
+    # for model/lengths.py: each event's storage (its allocation's serial), the shape of
+    # each allocation, the tile loops
+    serials = [serial for serial, _, _, _ in mode.events]
+    return {"sizes": [size for _, size, _, _ in mode.events], "regions": codes,
+            "backward": mode.backward_at, "flops": float(mode.flops),
+            "serials": serials, "loops": mode.loops,
+            "shapes": [mode.shapes[s] if i == s else [] for i, s in enumerate(serials)]}
 
 
 REGION_CODES = {"layers": "l", "embeddings": "e", "logits_and_loss": "o"}

@@ -147,7 +147,7 @@ def tiled_cross_entropy(head, hidden, targets, *, tiles: int | None, vocab: int,
         # a head tied to the input embeddings: the tiles' backward stores its gradient before the
         # embeddings add theirs, and ZeRO reduces the two apart: stage 3 loses one, stages 1-2
         # refuse the second ("Gradient computed twice"); measured on 2 CPU ranks, refused up front
-        # by spec/rules/tiling.py
+        # by techniques/tiled_loss.py
         raise spec_error("the tiled loss cannot train a head tied to the input embeddings under "
                          "ZeRO 1-3",
                          path=("memory", "tiled_loss"),

@@ -20,7 +20,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, cast
 
-from jobspec import optimizers
+from jobspec import optimizers, techniques
 from jobspec.data import record_checks
 from jobspec.data.formats import HF_PREFIX, is_hub_name
 from jobspec.errors import SpecError, SpecIssue, close_choices, did_you_mean
@@ -46,7 +46,6 @@ from jobspec.spec.rules import (
     precision,
     quantized_base,
     sequence_parallel,
-    tiling,
     tracking,
 )
 from jobspec.spec.rules.base import (
@@ -340,7 +339,7 @@ CROSS_FIELD_RULES: tuple[Rule, ...] = (
     quantized_base.quantized_zero_issues,    # QLoRA: ZeRO 0-2 only (spec/rules/quantized_base)
     precision.auto_cast_issues,
     generation.eval_generate_issues,         # training.eval_generate: causal-lm, prompts, room
-    tiling.tiled_loss_issues,                # memory.tiled_loss: causal-lm only
+    *techniques.own_rules(),                 # the technique modules' own (the tiled loss's)
     kernels.kernels_issues,                  # model.kernels: liger: model type, CUDA GPU, package
     model_compile.compile_issues,            # model.compile: ZeRO 0-2; no QLoRA, tiled MLP, offload
     export_rules.export_issues,

@@ -15,7 +15,7 @@ from jobspec.spec.types import JobSpec
 
 def lora(model, *, enable_input_require_grads: bool = False, **settings):
     """The `lora` patch: (the PEFT-wrapped model, a note), `settings` as the compiler writes them
-    (compile/compiler.lora_patch_args) given to model/lora.adapt, the call the planner's trace and
+    (techniques/lora.lora_patch_args) given to model/lora.adapt, the call the planner's trace and
     the export make too. With activation checkpointing and a frozen base the first layer's inputs
     carry no gradient, so a reentrant checkpoint would cut the adapters off from backward (and the
     non-reentrant one warns): `enable_input_require_grads` (the compiler sets it with checkpointing)

@@ -1,10 +1,10 @@
 """Model patches: the changes the compiler asks the worker to make to the model before DeepSpeed
 sees it.
 
-`PATCHES` maps each patch name the compiler emits (`Compiled.patches`: `[{"name", "args"}]`) to a
-function `fn(model, **args)` that changes the model in place and returns a note (or None). A patch
-that may replace the module (torch.compile of a model without a layer stack) returns
-`(model, note)` instead.
+`PATCHES` maps each patch name the compiler emits (`Compiled.patches`: `[{"name", "args"}]`) to the
+function its technique names (jobspec/techniques, `Technique.apply`): `fn(model, **args)`, which
+changes the model in place and returns a note (or None). A patch that may replace the module
+(torch.compile of a model without a layer stack) returns `(model, note)` instead.
 `parameter_groups` shapes the optimizer rather than the model: `apply_patches` skips it and the
 worker passes `optimizer_parameters(model, patches)` (the decayed matrices and the undecayed biases
 and norms) to a client optimizer or to `deepspeed.initialize`. The optimizer DeepSpeed cannot build
@@ -33,15 +33,10 @@ from __future__ import annotations
 import inspect
 from typing import Callable
 
-from jobspec import optimizers
+from jobspec import optimizers, techniques
 from jobspec.errors import spec_error
-from jobspec.model.activation_offload import offload_checkpoints
-from jobspec.model.fused_kernels import fused_kernels
-from jobspec.model.structure import attention_implementation, freeze, gradient_checkpointing
-from jobspec.model.tiling import tiled_loss, tiled_mlp
 from jobspec.spec.types import JobSpecTrainingOptimizer
-from jobspec.train.lora_adapters import lora
-from jobspec.train.regional_compile import regional_compile
+from jobspec.techniques.base import apply_function
 
 
 def tf32(model, enabled: bool = True) -> str:
@@ -58,19 +53,9 @@ def parameter_groups_note(model, weight_decay: float = 0.0, no_decay: str = "") 
     return f"weight decay {weight_decay} on matrices only (none on {no_decay})"
 
 
-PATCHES: dict[str, Callable] = {
-    "attention_implementation": attention_implementation,
-    "gradient_checkpointing": gradient_checkpointing,
-    "tf32": tf32,
-    "freeze": freeze,
-    "parameter_groups": parameter_groups_note,
-    "lora": lora,
-    "torch_compile": regional_compile,
-    "tiled_loss": tiled_loss,
-    "tiled_mlp": tiled_mlp,
-    "activation_offload": offload_checkpoints,
-    "fused_kernels": fused_kernels,
-}
+# each technique's function (jobspec/techniques: the registry's patches, in its order), by patch
+# name
+PATCHES: dict[str, Callable] = {t.name: apply_function(t) for t in techniques.PATCHED}
 
 
 def apply_patches(model, patches: list[dict]):

@@ -6,7 +6,7 @@ by step: on 2 data-parallel ranks, and on 2 sequence shards (the fused head take
 next-token labels, as the tiled one does). Under ZeRO-3 with the head tied to the input
 embeddings: the fused loss runs as the head module's forward, so ZeRO-3 gathers the weight it
 reads, and the tied weight's two gradients (the head's, made in the forward, and the embeddings')
-are summed into one, where the tiled loss is refused (spec/rules/tiling.py).
+are summed into one, where the tiled loss is refused (techniques/tiled_loss.py).
 
 The job is tests/train/test_sequence_parallel_launch.py's: chat records with the loss on the answers
 (micro-batches and shards of unequal labelled tokens), accumulation 4, SGD without momentum (a loss

@@ -12,10 +12,10 @@ import torch
 from fp_bounds import U_BF16, forward_bound
 from spec_builder import BARE, build_spec
 
-from jobspec.compile.compiler import lora_patch_args
-from jobspec.export import lora as lora_exports
+from jobspec.export import lora_export as lora_exports
 from jobspec.export.hf_dir import ExportInfo, write_model_dir
 from jobspec.model.build import build_model
+from jobspec.techniques.lora import lora_patch_args
 from jobspec.train import lora_adapters
 from jobspec.train.patches import apply_patches, build_client_optimizer
 

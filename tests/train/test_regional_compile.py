@@ -11,8 +11,8 @@ import pytest
 import torch
 from spec_builder import BARE, build_spec
 
-from jobspec.compile.compiler import lora_patch_args
 from jobspec.model.build import build_model
+from jobspec.techniques.lora import lora_patch_args
 from jobspec.train import regional_compile
 from jobspec.train.patches import apply_patches
 

@@ -1,0 +1,101 @@
+"""The techniques a spec can switch on: one module each, registered here in the order the ranks
+apply their patches.
+
+Each module declares a `Technique` (jobspec/techniques/base.py): its patches.json args for a spec
+and the patch in a few words, the function the ranks and the planner's trace call (`apply`, named,
+imported where it runs), its cross-field rules, its step in `--fit`'s search and the remedy it
+offers a plan. The compiler (`patches`, `patch_text`), the ranks (train/patches.PATCHES), the
+planner's trace (model/planner_trace.apply_tiling), `--fit` (memory/fit), the remedies and the
+console loop over `TECHNIQUES`; adding one: the schema's field, one module here, one line below
+(docs/architecture.md, "Adding a technique").
+
+Pure: no torch at import (`apply` names a function; base.apply_function imports it).
+"""
+from __future__ import annotations
+
+from jobspec.spec.types import JobSpec, JobSpecMemory
+from jobspec.techniques import (
+    activation_offload,
+    fused_kernels,
+    gradient_checkpointing,
+    lora,
+    model_settings,
+    packing,
+    quantization,
+    regional_compile,
+    sequence_parallel,
+    tiled_loss,
+    tiled_mlp,
+)
+from jobspec.techniques.base import FitStep, Technique
+
+# the patch order: the model set up, Liger's kernels before the patches that wrap the layers'
+# modules (the tiled MLP), the tiling and offload on the checkpointed layers, then on the finished
+# base the optimizer's groups, PEFT's adapters and torch.compile, which must see them; then the
+# techniques that are no model patch
+TECHNIQUES: tuple[Technique, ...] = (
+    model_settings.ATTENTION,
+    model_settings.TF32,
+    model_settings.FREEZE,
+    fused_kernels.TECHNIQUE,
+    gradient_checkpointing.TECHNIQUE,
+    tiled_mlp.TECHNIQUE,
+    tiled_loss.TECHNIQUE,
+    activation_offload.TECHNIQUE,
+    model_settings.PARAMETER_GROUPS,
+    lora.TECHNIQUE,
+    regional_compile.TECHNIQUE,
+    sequence_parallel.TECHNIQUE,
+    packing.TECHNIQUE,
+    quantization.TECHNIQUE,
+)
+BY_NAME: dict[str, Technique] = {t.name: t for t in TECHNIQUES}
+PATCHED: tuple[Technique, ...] = tuple(t for t in TECHNIQUES if t.apply is not None)
+# the planner's trace runs these as the ranks do; its cache key orders their settings so
+TRACED: tuple[Technique, ...] = (tiled_loss.TECHNIQUE, tiled_mlp.TECHNIQUE,
+                                 activation_offload.TECHNIQUE)
+
+
+def get(name: str) -> Technique:
+    return BY_NAME[name]
+
+
+def patches(spec: JobSpec) -> list[dict]:
+    """The model patches of a spec, in the registry's order (compile/compiler.compile_patches)."""
+    found = []
+    for technique in PATCHED:
+        args = technique.args(spec)
+        if args is not None:
+            found.append({"name": technique.name, "args": args})
+    return found
+
+
+def patch_text(patch: dict) -> str:
+    """A compiled patch in a few words (the launch header's and `jobspec compile`'s patch lines)."""
+    name = patch.get("name")
+    technique = BY_NAME.get(str(name))
+    if technique is None or technique.apply is None:
+        return str(name)
+    return technique.text(patch.get("args") or {})
+
+
+def trace_setting(memory: JobSpecMemory) -> tuple:
+    """The traced techniques' settings of a `memory` section, in `TRACED`'s order (the trace's
+    key)."""
+    return tuple(t.trace_value(memory) for t in TRACED if t.trace_value is not None)
+
+
+def fit_steps() -> list[FitStep]:
+    """The techniques `--fit` may switch on, cheapest first."""
+    return sorted((t.fit for t in TECHNIQUES if t.fit is not None), key=lambda step: step.cost)
+
+
+def rules() -> list:
+    """Every technique's cross-field rules, in the registry's order."""
+    return [rule for t in TECHNIQUES for rule in t.rules]
+
+
+def own_rules() -> list:
+    """The rules the technique modules define themselves, which spec/validation.CROSS_FIELD_RULES
+    runs at one place; the rules a technique names from spec/rules/ keep their own places there."""
+    return [rule for rule in rules() if rule.__module__.startswith(__name__ + ".")]
