@@ -157,10 +157,42 @@ def run(argv: list[str], env: dict, run_dir: Path, *, echo=None, kill_grace_s: f
     `echo_filter` (launch/quiet.TerminalFilter) picks what of the output reaches `echo`
     (launcher.log gets all of it); `started(pid)` is called once the runner runs (the launch tracks
     it meanwhile)."""
-    import subprocess
-
     rank_exit_grace_s = RANK_EXIT_GRACE_S if rank_exit_grace_s is None else rank_exit_grace_s
     echo = sys.stdout.buffer if echo is None else echo
+    tail: collections.deque = collections.deque(maxlen=TAIL_LINES)
+    seen: dict = {}
+    proc, relay = _spawn(argv, env, run_dir, echo, echo_filter, tail, seen)
+    if started is not None:
+        started(proc.pid)
+    stops = _StopForwarder(proc.pid, kill_grace_s, seen, echo, run_dir)
+    handled = (*STOP_SIGNALS, signal.SIGUSR1)
+    previous = {sig: signal.signal(sig, stops.forward) for sig in handled}
+    try:
+        reason = _watch(proc, stops, run_dir, rank_exit_grace_s, poll_s)
+        returncode = proc.returncode
+        # the runner is gone (DeepSpeed's launch.py may exit before its ranks): the ranks still get
+        # the stop's grace, which a second Ctrl-C meanwhile cuts short (kill_at is read each time)
+        leftover_deadline = time.monotonic() + leftover_grace_s
+        while group_members(proc.pid) \
+                and time.monotonic() < (stops.kill_at or leftover_deadline):
+            stops.tell()
+            time.sleep(poll_s)
+        _signal_group(proc.pid, signal.SIGKILL)
+        stops.tell()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    relay.join(timeout=10)
+    if seen.get("hung_up") and not seen.get("detached"):
+        detach_from_terminal(run_dir)
+    return _outcome(stops, returncode, reason, tail, seen)
+
+
+def _spawn(argv: list[str], env: dict, run_dir: Path, echo, echo_filter,
+           tail: collections.deque, seen: dict):
+    """The runner in a new session, its output through a pipe to the relay thread."""
+    import subprocess
+
     read_fd, write_fd = os.pipe()
     # inherited across exec: see module doc
     previous_usr1 = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
@@ -174,87 +206,87 @@ def run(argv: list[str], env: dict, run_dir: Path, *, echo=None, kill_grace_s: f
     finally:
         signal.signal(signal.SIGUSR1, previous_usr1)
         os.close(write_fd)
-    tail: collections.deque = collections.deque(maxlen=TAIL_LINES)
-    seen: dict = {}
     relay = threading.Thread(target=_relay, args=(read_fd, run_dir, tail, echo, seen, echo_filter),
                              daemon=True)
     relay.start()
-    if started is not None:
-        started(proc.pid)
+    return proc, relay
 
-    state: dict = {"user_signal": None, "kill_at": None, "at_once": False, "notice": None}
 
-    def forward(sig, _frame):
+class _StopForwarder:
+    """The signal handler of a supervised run: a stop signal goes to the runner's group (SIGTERM,
+    then SIGKILL at `kill_at`), a second Ctrl-C kills at once, Slurm's SIGUSR1 passes through.
+    The terminal is told in `tell`, from the main loop (a write may be under way in the handler)."""
+
+    def __init__(self, pid: int, kill_grace_s: float, seen: dict, echo, run_dir: Path):
+        self.pid, self.kill_grace_s, self.seen = pid, kill_grace_s, seen
+        self.echo, self.run_dir = echo, run_dir
+        self.user_signal: int | None = None
+        self.kill_at: float | None = None
+        self.at_once = False
+        self.notice: int | None = None
+
+    def forward(self, sig, _frame) -> None:
         # Slurm's warning: the ranks checkpoint and stop; nothing else changes
         if sig == signal.SIGUSR1:
-            _signal_group(proc.pid, sig)
+            _signal_group(self.pid, sig)
             return
         if sig == signal.SIGHUP:
-            seen["hung_up"] = True   # the relay stops writing to the terminal at once
-        if state["user_signal"] is None:
-            state["user_signal"] = sig
-            state["kill_at"] = time.monotonic() + kill_grace_s
-            state["notice"] = sig
-            _signal_group(proc.pid, signal.SIGTERM)
+            self.seen["hung_up"] = True   # the relay stops writing to the terminal at once
+        if self.user_signal is None:
+            self.user_signal = sig
+            self.kill_at = time.monotonic() + self.kill_grace_s
+            self.notice = sig
+            _signal_group(self.pid, signal.SIGTERM)
         # Ctrl-C again: do not wait for the checkpoint
-        elif sig == signal.SIGINT and not state["at_once"]:
-            state["at_once"] = True
-            state["kill_at"] = time.monotonic()
-            state["notice"] = sig
-            _signal_group(proc.pid, signal.SIGKILL)   # now, not at the loop's next tick
+        elif sig == signal.SIGINT and not self.at_once:
+            self.at_once = True
+            self.kill_at = time.monotonic()
+            self.notice = sig
+            _signal_group(self.pid, signal.SIGKILL)   # now, not at the loop's next tick
 
-    handled = (*STOP_SIGNALS, signal.SIGUSR1)
-    previous = {sig: signal.signal(sig, forward) for sig in handled}
+    def tell(self) -> None:
+        if self.seen.get("hung_up") and not self.seen.get("detached"):
+            detach_from_terminal(self.run_dir)
+            self.seen["detached"] = True
+        if self.notice is not None:
+            _notify(self.echo, self.seen, stop_notice(self.notice, self.at_once, self.kill_grace_s))
+            self.notice = None
+
+
+def _watch(proc, stops: _StopForwarder, run_dir: Path, rank_exit_grace_s: float,
+           poll_s: float) -> str | None:
+    """Until the runner exits: a stop's deadline kept, and a job whose ranks stopped exiting
+    together (one gone, the others blocked in a collective) killed; returns why, if it was."""
     reason = None
-    try:
-        seen_ranks: set[int] = set()
-        partial_since = None
-        next_watch = 0.0
-        def tell() -> None:   # in the main loop, not the handler: a write may be under way
-            if seen.get("hung_up") and not seen.get("detached"):
-                detach_from_terminal(run_dir)
-                seen["detached"] = True
-            if state["notice"] is not None:
-                _notify(echo, seen, stop_notice(state["notice"], state["at_once"], kill_grace_s))
-                state["notice"] = None
+    seen_ranks: set[int] = set()
+    partial_since = None
+    next_watch = 0.0
+    while proc.poll() is None:
+        now = time.monotonic()
+        stops.tell()
+        if stops.kill_at is not None and now >= stops.kill_at:
+            _signal_group(proc.pid, signal.SIGKILL)
+        elif now >= next_watch:
+            next_watch = now + 0.5
+            alive = rank_pids(group_members(proc.pid))
+            seen_ranks |= alive
+            if alive and len(alive) < len(seen_ranks):
+                partial_since = partial_since or now
+                if now - partial_since >= rank_exit_grace_s \
+                        and not rundir.summary_says_done(run_dir):
+                    reason = (f"a rank exited while {len(alive)} other(s) kept running for "
+                              f"{rank_exit_grace_s:.0f} s (likely blocked in a collective); "
+                              "killed the job")
+                    _signal_group(proc.pid, signal.SIGKILL)
+        time.sleep(poll_s)
+    return reason
 
-        while proc.poll() is None:
-            now = time.monotonic()
-            tell()
-            if state["kill_at"] is not None and now >= state["kill_at"]:
-                _signal_group(proc.pid, signal.SIGKILL)
-            elif now >= next_watch:
-                next_watch = now + 0.5
-                alive = rank_pids(group_members(proc.pid))
-                seen_ranks |= alive
-                if alive and len(alive) < len(seen_ranks):
-                    partial_since = partial_since or now
-                    if now - partial_since >= rank_exit_grace_s \
-                            and not rundir.summary_says_done(run_dir):
-                        reason = (f"a rank exited while {len(alive)} other(s) kept running for "
-                                  f"{rank_exit_grace_s:.0f} s (likely blocked in a collective); "
-                                  "killed the job")
-                        _signal_group(proc.pid, signal.SIGKILL)
-            time.sleep(poll_s)
-        returncode = proc.returncode
-        # the runner is gone (DeepSpeed's launch.py may exit before its ranks): the ranks still get
-        # the stop's grace, which a second Ctrl-C meanwhile cuts short (kill_at is read each time)
-        leftover_deadline = time.monotonic() + leftover_grace_s
-        while group_members(proc.pid) \
-                and time.monotonic() < (state["kill_at"] or leftover_deadline):
-            tell()
-            time.sleep(poll_s)
-        _signal_group(proc.pid, signal.SIGKILL)
-        tell()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    relay.join(timeout=10)
-    if seen.get("hung_up") and not seen.get("detached"):
-        detach_from_terminal(run_dir)
 
-    user_signal = state["user_signal"]
-    if state["at_once"]:   # what a shell reports for Ctrl-C: 130, whatever the first signal was
+def _outcome(stops: _StopForwarder, returncode, reason: str | None,
+             tail: collections.deque, seen: dict) -> Outcome:
+    """The run's exit code and reason, from how the runner ended and who stopped it."""
+    user_signal = stops.user_signal
+    if stops.at_once:   # what a shell reports for Ctrl-C: 130, whatever the first signal was
         exit_code = 128 + signal.SIGINT
     else:
         exit_code = 128 + user_signal if user_signal \
@@ -263,7 +295,7 @@ def run(argv: list[str], env: dict, run_dir: Path, *, echo=None, kill_grace_s: f
         reason = f"stopped by {signal.Signals(user_signal).name} from the user"
     elif exit_code != 0:
         reason = "\n".join([reason or f"runner exited with code {exit_code}", *list(tail)[-15:]])
-    return Outcome(exit_code, user_signal, reason, list(tail), at_once=state["at_once"])
+    return Outcome(exit_code, user_signal, reason, list(tail), at_once=stops.at_once)
 
 
 def stop_notice(sig: int, at_once: bool, kill_grace_s: float) -> str:
