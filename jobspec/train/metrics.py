@@ -161,6 +161,17 @@ def reduce_max(values: dict[str, float]) -> dict[str, float]:
     return dict(zip(keys, tensor.tolist()))
 
 
+def any_rank(flag: bool, group=None) -> bool:
+    """True on every rank of `group` if it is true on one (one all-reduce MAX): the ranks stop, or
+    redo a step, at the same step."""
+    import torch
+    import torch.distributed as dist
+
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value.item())
+
+
 def gather_rows(values) -> list[list[float]]:
     """Every rank's 1-D tensor `values` (same length everywhere), as host lists, in rank order: one
     all-gather, from which sums, maxima and minima are taken on the host (one collective instead of

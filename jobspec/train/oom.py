@@ -40,6 +40,7 @@ from jobspec import rundir
 from jobspec.compile.compiler import rebatched
 from jobspec.errors import RunFailure, first_line
 from jobspec.spec.derived import DerivedJob
+from jobspec.train.metrics import any_rank
 
 INJECT_AT_STEP_ENV = "JOBSPEC_INJECT_OOM_AT_STEP"
 INJECT_RANK_ENV = "JOBSPEC_INJECT_OOM_RANK"
@@ -92,7 +93,7 @@ class OomGuard:
             if self.policy != "halve_micro_batch":
                 raise self._failure(step, "forward", err, "training.on_oom is 'fail'") from None
             oom, loss = f"forward: {first_line(err)}", None
-        if self.policy == "halve_micro_batch" and self._vote(oom):
+        if self.policy == "halve_micro_batch" and any_rank(oom is not None, self.control):
             self.pending = oom or "forward: out of memory on another rank"
             return None
         return loss
@@ -110,7 +111,7 @@ class OomGuard:
             if self.policy != "halve_micro_batch":
                 raise self._failure(step, "backward", err, "training.on_oom is 'fail'") from None
             oom = f"backward: {first_line(err)}"
-        if self.policy == "halve_micro_batch" and self._vote(oom):
+        if self.policy == "halve_micro_batch" and any_rank(oom is not None, self.control):
             self.pending = oom or "backward: out of memory on another rank"
             return False
         return True
@@ -182,13 +183,6 @@ class OomGuard:
             import torch
             self._injected = True
             raise torch.OutOfMemoryError(f"CUDA out of memory (injected by {INJECT_AT_STEP_ENV}={self.inject_at})")
-
-    def _vote(self, oom: str | None) -> bool:
-        import torch
-        import torch.distributed as dist
-        flag = torch.tensor([0 if oom is None else 1], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control)
-        return bool(flag.item())
 
     def _failure(self, step: int, where: str | None, err, why: str) -> RunFailure:
         detail = f": {first_line(err)}" if err is not None else ""

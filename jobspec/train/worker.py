@@ -30,6 +30,7 @@ from jobspec.spec.derived import DerivedJob
 from jobspec.train import library_output
 from jobspec.train.engine import build_engine, reshard_plan, resume, share_cpu_threads
 from jobspec.train.faults import NanGuard, NonFiniteLoss
+from jobspec.train.metrics import any_rank
 from jobspec.train.oom import OomGuard
 from jobspec.train.progress import RunState, StepReporter, Window, summarize
 from jobspec.train.startup import StartupClock
@@ -115,7 +116,7 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
     state.parameters = lora_adapters.parameter_counts(engine.module)   # summary.json, MLflow: LoRA's share
     passed_over: list[str] = []  # corrupt checkpoints skipped on resume (reported below and as a tag)
     pending_rng = resume(engine, reshard.checkpoint_section if reshard else files.spec["checkpoint"], state,
-                         lambda flag: _any_rank(flag, control), passed_over)
+                         lambda flag: any_rank(flag, control), passed_over)
     job = DerivedJob.from_dict(files.derived)   # launch.json's derived job, typed
     rank, total_steps = dist.get_rank(), job.total_steps
     assert total_steps is not None   # rundir.read_run_files refuses a launch.json without it
@@ -143,7 +144,7 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
         if passed_over and sink is not None:
             sink.set_tags({"jobspec.resume_fallback": f"resumed from {state.resumed_from}; passed over: "
                                                       + " | ".join(passed_over)})
-        nan_guard = NanGuard(files.spec["training"]["on_nan"], lambda flag: _any_rank(flag, control),
+        nan_guard = NanGuard(files.spec["training"]["on_nan"], lambda flag: any_rank(flag, control),
                              sink, rank)
         telemetry = StepReporter(engine, files.spec, job, files.patches, sink, progress, rank, state)
         oom_guard = OomGuard(files, run_dir=run_dir, rank=rank, control_group=control, build_engine=build_engine,
@@ -405,15 +406,6 @@ def _print_spec_error(text: str) -> None:
     else:
         sys.stderr.write("".join(f"{launcher_log.LOG_ONLY}rank {rank}: {line}\n" for line in text.splitlines()))
     sys.stderr.flush()
-
-
-def _any_rank(flag: bool, group) -> bool:
-    """True on every rank if it is true on one: all ranks must stop at the same step."""
-    import torch
-    import torch.distributed as dist
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return bool(t.item())
 
 
 def _node_leader_says(text: str) -> None:

@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from jobspec.train.metrics import (count_tokens, device_row, gather_rows, memory_snapshot, peak_flops, reduce_max,
-                                   reset_peaks)
+from jobspec.train.metrics import (any_rank, count_tokens, device_row, gather_rows, memory_snapshot, peak_flops,
+                                   reduce_max, reset_peaks)
 from jobspec.train.stopping import StopFlag, StopVote
 
 
@@ -99,3 +99,24 @@ def test_reduce_max_gather_rows_and_the_stop_vote_over_two_ranks(tmp_path):
     for rank in range(2):
         assert (tmp_path / f"rank{rank}.txt").read_text() == repr(
             ([("x", 1.0), ("y", 10.0)], [[0.0, 10.0], [1.0, 9.0]], 4))
+
+
+def _any_rank_worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        votes = (any_rank(rank == 1), any_rank(False, dist.new_group(backend="gloo")))
+        with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as fh:
+            fh.write(repr(votes))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # spawns two gloo ranks
+def test_a_flag_raised_on_one_rank_is_raised_on_every_rank(tmp_path):
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_any_rank_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    assert [(tmp_path / f"rank{rank}.txt").read_text() for rank in range(2)] == ["(True, False)"] * 2
