@@ -236,7 +236,7 @@ def child(run_dir: Path, peak_out: Path, step: int, max_entries: int) -> int:
     recorder = PeakRecorder(step, max_entries)
     build_engine = assembly.build_engine   # the first engine's and an OOM recovery's
 
-    def build_and_watch(*args, **kwargs):   # DeepSpeed is imported by now, the way the worker imports it
+    def build_and_watch(*args, **kwargs):   # DeepSpeed is imported by now, as the worker imports it
         built = build_engine(*args, **kwargs)
         recorder.install(type(built[0]))
         return built

@@ -52,12 +52,14 @@ _STEP_DIR = re.compile(r"^step(\d+)$")
 
 
 class ModelExporter:
-    """The export policy: called by the Trainer's checkpointer after each checkpoint, by its evaluator
-    after each evaluation, and at the end of a finished run; records go to `state.exports`."""
+    """The export policy: called by the Trainer's checkpointer after each checkpoint, by its
+    evaluator after each evaluation, and at the end of a finished run; records go to
+    `state.exports`."""
 
     def __init__(self, spec: JobSpec, job: DerivedJob, run_dir: Path, rank: int, group, progress,
                  label_names: dict | None = None):
-        self.spec, self.run_dir, self.rank, self.group, self.progress = spec, Path(run_dir), rank, group, progress
+        self.spec, self.run_dir, self.rank = spec, Path(run_dir), rank
+        self.group, self.progress = group, progress
         self.settings = self.spec["export"]
         assert job.total_steps is not None   # rundir.read_run_files refuses a launch.json without it
         self.total_steps, self.world_size = job.total_steps, job.world_size
@@ -125,7 +127,8 @@ class ModelExporter:
                 self._export(engine, state, "best", "best evaluation")
 
     def _checkpoint_follows(self, step: int) -> bool:
-        """Whether a checkpoint is saved at `step` after its evaluation (train/checkpointer.Checkpointer.due)."""
+        """Whether a checkpoint is saved at `step` after its evaluation (the rule of
+        train/checkpointer.Checkpointer.due)."""
         ckpt = self.spec["checkpoint"]
         every = ckpt["every_n_steps"]
         periodic = step % every == 0 if every else False

@@ -16,10 +16,11 @@ from jobspec.spec.types import JobSpecCheckpoint
 
 
 class Checkpointer:
-    """Saves this rank's part of a checkpoint when the section says one is due (module docstring)."""
+    """Saves this rank's part of a checkpoint when the section says one is due (module doc)."""
 
-    def __init__(self, section: JobSpecCheckpoint, job: DerivedJob, *, job_name: str, zero_stage: int,
-                 nan, exporter, progress, in_compiled_units: Callable[[int], int]):
+    def __init__(self, section: JobSpecCheckpoint, job: DerivedJob, *, job_name: str,
+                 zero_stage: int, nan, exporter, progress,
+                 in_compiled_units: Callable[[int], int]):
         self.section, self.dir = section, section["dir"]
         self.job_name, self.zero_stage = job_name, zero_stage
         # the data position is counted in micro-batches of the compiled size (what a resume starts
@@ -35,7 +36,8 @@ class Checkpointer:
             return self.section["save_final"] or periodic
         return stopping or periodic
 
-    def save(self, engine, state, window, *, last_step: bool = False, stopping: bool = False) -> bool:
+    def save(self, engine, state, window, *, last_step: bool = False,
+             stopping: bool = False) -> bool:
         """A checkpoint of `state.step` when one is due (`due`); whether it was saved."""
         if not self.due(state.step, last_step=last_step, stopping=stopping):
             return False

@@ -282,10 +282,11 @@ class EvalGenerator:
                                if run_dir is not None and rank == 0 else set())
 
     @classmethod
-    def for_job(cls, spec: JobSpec, *, batch_size: int, zero3: bool, run_dir: Path, rank: int, world_size: int,
-                group, sink, progress) -> "EvalGenerator | NoGeneration":
-        """The generator of the job, a NoGeneration without `training.eval_generate`. `batch_size`: the
-        prompts per `generate` call (the derived micro-batch); `zero3`: the engine partitions its weights."""
+    def for_job(cls, spec: JobSpec, *, batch_size: int, zero3: bool, run_dir: Path, rank: int,
+                world_size: int, group, sink, progress) -> "EvalGenerator | NoGeneration":
+        """The generator of the job, a NoGeneration without `training.eval_generate`. `batch_size`:
+        the prompts per `generate` call (the derived micro-batch); `zero3`: the engine partitions
+        its weights."""
         if not spec["training"]["eval_generate"]:
             return NoGeneration()
         from jobspec.data.chat_render import chat_template
@@ -295,8 +296,9 @@ class EvalGenerator:
         tokenizer = build_tokenizer(spec)
         template = chat_template(spec, tokenizer)
         prompts = build_prompts(spec, tokenizer, template, source_records(spec))
-        return cls(spec, tokenizer, prompts, end_of_turn_ids(tokenizer, template), rank=rank, world_size=world_size,
-                   batch_size=batch_size, zero3=zero3, group=group, run_dir=run_dir, sink=sink, progress=progress)
+        return cls(spec, tokenizer, prompts, end_of_turn_ids(tokenizer, template), rank=rank,
+                   world_size=world_size, batch_size=batch_size, zero3=zero3, group=group,
+                   run_dir=run_dir, sink=sink, progress=progress)
 
     # --- generating ---------------------------------------------------------------------------------
 

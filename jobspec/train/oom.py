@@ -50,12 +50,12 @@ POLICIES = ("fail", "halve_micro_batch")
 
 
 class OomGuard:
-    """Runs one micro-batch under the OOM policy (`training.on_oom`; `fail` votes on nothing and turns
-    an OOM into a RunFailure); after an agreed OOM, saves the last completed step and restores it
-    into the engine the Trainer rebuilds with the split `next_split` gives."""
+    """Runs one micro-batch under the OOM policy (`training.on_oom`; `fail` votes on nothing and
+    turns an OOM into a RunFailure); after an agreed OOM, saves the last completed step and
+    restores it into the engine the Trainer rebuilds with the split `next_split` gives."""
 
-    def __init__(self, training: JobSpecTraining, job: DerivedJob, *, run_dir: Path, rank: int, group,
-                 progress, sink, environ=os.environ):
+    def __init__(self, training: JobSpecTraining, job: DerivedJob, *, run_dir: Path, rank: int,
+                 group, progress, sink, environ=os.environ):
         self.policy = training["on_oom"]
         self.run_dir = Path(run_dir)
         self.rank, self.control = rank, group
@@ -138,8 +138,9 @@ class OomGuard:
         return {"dir": save_dir, "rng": rng, "step": step}
 
     def next_split(self) -> tuple[int, int]:
-        """Every rank, once the old engine's last references are gone: its memory returned, and the
-        (micro-batch, accumulation) the engine is rebuilt with: half and twice, the global batch kept."""
+        """Every rank, once the old engine's last references are gone: its memory returned, and
+        the (micro-batch, accumulation) the engine is rebuilt with: half and twice (the global
+        batch as compiled)."""
         import torch
         gc.collect()
         if torch.cuda.is_available():
@@ -149,8 +150,8 @@ class OomGuard:
         return self.micro, self.accumulation
 
     def restore(self, engine, saved: dict, state):
-        """Every rank: the saved state loaded into the rebuilt `engine`, the data position rewound to
-        where the interrupted step began. Returns the window as it was at that step's start."""
+        """Every rank: the saved state loaded into the rebuilt `engine`, the data position rewound
+        to where the interrupted step began. Returns the window as it was at that step's start."""
         from jobspec.checkpoint import save_load
         save_load.load(engine, str(saved["dir"]), RECOVERY_TAG)
         engine.train()
@@ -166,8 +167,9 @@ class OomGuard:
         self.events += 1
         (old_micro, old_accumulation), step = self._split_before, saved["step"]
         self.progress.message(
-            f"out of memory in step {step} ({self.pending}): micro-batch {old_micro} -> {self.micro}, "
-            f"gradient accumulation {old_accumulation} -> {self.accumulation}; redoing step {step}")
+            f"out of memory in step {step} ({self.pending}): micro-batch {old_micro} -> "
+            f"{self.micro}, gradient accumulation {old_accumulation} -> {self.accumulation}; "
+            f"redoing step {step}")
         if self.sink is not None:
             self.sink.log({"oom/micro_batch_size": self.micro, "oom/gradient_accumulation_steps": self.accumulation,
                            "oom/events": self.events}, step=step)

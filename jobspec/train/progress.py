@@ -251,9 +251,9 @@ class StepReporter:
         self._perf = PerfWindow()
 
     def should_log(self, step: int, window: Window, *, last_step: bool) -> bool:
-        """Whether `window` is logged at `step`: every `logging.every_n_steps` steps and at the last step
-        (the run's, or before a stop's checkpoint), when it holds a loss (the steps `training.on_nan:
-        skip` dropped have none)."""
+        """Whether `window` is logged at `step`: every `logging.every_n_steps` steps and at the last
+        step (the run's, or before a stop's checkpoint), when it holds a loss (the steps
+        `training.on_nan: skip` dropped have none)."""
         return bool(window.micro_batches) and (last_step or step % self.every_n_steps == 0)
 
     def log_window(self, step: int, window: Window, nan_guard=None, final: bool = False) -> Window:

@@ -83,16 +83,16 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
     control = _start_process_group(run_dir, files, startup)
     import torch.distributed as dist
     rank = dist.get_rank()
-    job = DerivedJob.from_dict(files.derived)   # launch.json's derived job, typed: read once, passed on
+    job = DerivedJob.from_dict(files.derived)   # launch.json's derived job: read once, passed on
     built = assembly.build_and_resume(files, job, state, startup, control)
     outputs = assembly.RankOutputs.open(run_dir, files, job, built, state, startup, rank)
     try:
         assembly.announce(built, state, outputs, rank)
-        vote = StopVote(stop, control, dist.get_world_size())   # every rank stops after the same step
-        trainer = assembly.trainer_for(files, job, built, outputs, state, run_dir=run_dir, stop=vote,
-                                       control=control, startup=startup)
+        vote = StopVote(stop, control, dist.get_world_size())   # every rank stops at the same step
+        trainer = assembly.trainer_for(files, job, built, outputs, state, run_dir=run_dir,
+                                       stop=vote, control=control, startup=startup)
         startup.mark("loop")
-        del built   # the Trainer holds the only reference to the engine: an OOM recovery must free it
+        del built   # the Trainer holds the engine's only reference: an OOM recovery must free it
         status = trainer.train()
         if rank == 0:
             rundir.write_summary(run_dir, summarize(state, status, job.total_steps, started))
@@ -103,14 +103,15 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
 
 
 def _start_process_group(run_dir: Path, files: RunFiles, startup: StartupClock):
-    """The gloo control group of the ranks' votes and counts: DeepSpeed imported, the libraries' output routed, the ops
-    built, the process group started and the CPU threads shared between the node's ranks."""
+    """The gloo control group of the ranks' votes and counts, once DeepSpeed is imported, the
+    libraries' output routed, the ops built, the process group started and the CPU threads shared
+    between the node's ranks."""
     import torch.distributed as dist
 
     from jobspec import ops
     # without MLflow (DeepSpeed's autotuner imports it) on the ranks that never log to it
     deepspeed = ops.import_deepspeed(without_mlflow=int(os.environ.get("LOCAL_RANK", "0")) != 0)
-    # the libraries' records and bars to launcher.log (the quiet terminal): before they load anything
+    # the libraries' records and bars to launcher.log (the quiet terminal), before they load a thing
     library_output.route_library_logs(int(os.environ.get("RANK", "0")),
                                       transformers=files.spec["model"]["architecture"] != "mlp",
                                       datasets=bool(files.spec["data"]["train"]))
@@ -118,7 +119,7 @@ def _start_process_group(run_dir: Path, files: RunFiles, startup: StartupClock):
     ops.share_cpu_info(run_dir / rundir.CPU_INFO)
     # first-run op compiles happen here, announced, instead of in silence inside DeepSpeed
     ops.ensure_built(ops.needed_ops(files.ds_config), announce=_node_leader_says)
-    ops.skip_unused_ops()   # DeepSpeed's shm all-reduce op: built and loaded for nothing in training
+    ops.skip_unused_ops()   # DeepSpeed's shm all-reduce op: built and loaded for nothing here
     startup.mark("ops")
     deepspeed.init_distributed()
     startup.mark("distributed")

@@ -139,10 +139,11 @@ class ListSink:
         return [m[name] for _, m in self.rows if name in m]
 
 
-def trainer(files: RunFiles, engine, train_ds, state, sink, *, run_dir: Path, stop_after: int | None = None,
-            pending_rng: dict | None = None, environ: dict | None = None):
-    """The worker's Trainer of `engine` on `files` with the job's policies (no eval data; the job saves
-    no checkpoint and exports nothing), stopping after `stop_after` steps."""
+def trainer(files: RunFiles, engine, train_ds, state, sink, *, run_dir: Path,
+            stop_after: int | None = None, pending_rng: dict | None = None,
+            environ: dict | None = None):
+    """The worker's Trainer of `engine` on `files` with the job's policies (no eval data; the job
+    saves no checkpoint and exports nothing), stopping after `stop_after` steps."""
     import torch.distributed as dist
 
     from jobspec.spec.derived import DerivedJob
@@ -170,8 +171,8 @@ def train_case(files: RunFiles, *, stop_after: int | None = None, resume: bool =
     state = RunState()
     pending_rng = engine_module.resume(engine, files.spec["checkpoint"], state) if resume else None
     sink = ListSink()
-    trainer(files, engine, train_ds, state, sink, run_dir=Path(files.spec["output_dir"]), stop_after=stop_after,
-            pending_rng=pending_rng).train()
+    trainer(files, engine, train_ds, state, sink, run_dir=Path(files.spec["output_dir"]),
+            stop_after=stop_after, pending_rng=pending_rng).train()
     weights = {name: p.detach().float().cpu().clone() for name, p in engine.module.named_parameters()}
     return weights, sink, state, engine
 

@@ -247,7 +247,8 @@ def exporter(tmp_path: Path, export_dir: Path, **export):
     from jobspec.spec.derived import DerivedJob, derive
     # launch.json's derived job, as the ranks read it (DerivedJob.from_dict)
     derived = {**derive(spec).as_dict(), "total_steps": 8, "world_size": 1}
-    made = ModelExporter(spec, DerivedJob.from_dict(derived), tmp_path / "run", rank=0, group=None, progress=None)
+    made = ModelExporter(spec, DerivedJob.from_dict(derived), tmp_path / "run", rank=0, group=None,
+                         progress=None)
     made._broadcast = lambda obj: obj  # one rank: rank 0's outcome is everyone's
     return made
 

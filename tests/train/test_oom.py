@@ -43,8 +43,9 @@ class TinyEngine(OomEngine):
 
 def guard_for(tmp_path, overrides=None, environ=None) -> OomGuard:
     files = read_run_files(make_run_dir(tmp_path, overrides))
-    return OomGuard(files.spec["training"], DerivedJob.from_dict(files.derived), run_dir=tmp_path, rank=0,
-                    group=None, progress=None, sink=None, environ=environ or {})
+    job = DerivedJob.from_dict(files.derived)
+    return OomGuard(files.spec["training"], job, run_dir=tmp_path, rank=0, group=None,
+                    progress=None, sink=None, environ=environ or {})
 
 
 def loss_of(outputs):
