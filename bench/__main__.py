@@ -5,6 +5,8 @@
     python -m bench --full --out bench/results/gpu.md # bert-large guide + XLM-R rows (CUDA GPU)
     python -m bench gpu [--dry-run]                   # the GPU acceptance suite (bench/gpu.py)
     python -m bench gpu-calibrate [--dry-run]         # the memory planner against one GPU (bench/gpu_calibrate.py)
+    python -m bench gpu-throughput [--dry-run]        # tokens/s, MFU: model.compile on, off, liger
+                                                      # (bench/gpu_throughput.py)
     python -m bench packing [--gpu]                   # tokens/s with and without data.packing (bench/packing.py)
     python -m bench lora                              # full vs LoRA vs QLoRA: step time, memory (bench/lora.py)
     python -m bench qlora-gpu                         # the 8B QLoRA job on one GPU vs its plan (bench/qlora_gpu.py)
@@ -175,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["gpu-calibrate"]:
         from bench import gpu_calibrate
         return gpu_calibrate.main(argv[1:])
+    if argv[:1] == ["gpu-throughput"]:
+        from bench import gpu_throughput
+        return gpu_throughput.main(argv[1:])
     if argv[:1] == ["packing"]:
         from bench import packing
         return packing.main(argv[1:])

@@ -541,7 +541,9 @@ class Calibration:
     def write(self) -> None:
         document = {"gpu": self.gpu["name"], "gpu_memory_gib": self.gpu["memory_gib"],
                     "date": datetime.date.today().isoformat(), "versions": versions(), "source": self.source,
-                    "context": self.context, "jobs": self.records}
+                    "context": self.context, "jobs": self.records,
+                    # measured by `python -m bench gpu-throughput`, not here
+                    "matmul": None, "throughput": []}
         for path, data in ((self.out, document), (peaks_path(self.out), self.peaks)):
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{path.name}.tmp")

@@ -5,6 +5,7 @@
 #   scripts/gpu_session.sh [STEP...]     # steps: probe qlora packing zero3 suite (default: all, in order)
 #   scripts/gpu_session.sh probe calibrate  # the planner's calibration (6 min: a session of its own)
 #   scripts/gpu_session.sh startup          # time to the first step of 3 jobs (5 min: a session of its own)
+#   scripts/gpu_session.sh probe throughput # tokens/s, MFU, model.compile on and off (6 min, alone)
 #
 # Installs the carried wheels (only what the image lacks: pip resolves against what is there), then
 # runs each step under its own time limit, writing its output to $OUT/<step>.txt (or /tmp/gpu-out).
@@ -17,7 +18,7 @@ py=python3
 
 install() {
   "$py" -m pip install -q --no-index --find-links .whl --break-system-packages --no-warn-script-location \
-    deepspeed datasets jsonschema bitsandbytes nvidia-ml-py py-cpuinfo 2>&1 | tail -n 5
+    deepspeed datasets jsonschema bitsandbytes nvidia-ml-py py-cpuinfo liger-kernel 2>&1 | tail -n 5
 }
 
 step() {  # step NAME LIMIT_S COMMAND...
@@ -45,6 +46,10 @@ for s in "${steps[@]}"; do
     calibrate) step calibrate 420 "$py" -m bench gpu-calibrate --out "$out/calibration.json" --work /tmp/calibrate-work ;;
     # no job runs past 285 s (bench/gpu_startup.py's budget); startup.md and startup.json come back
     startup) step startup 300 "$py" -m bench gpu-startup --out "$out/startup.md" --work /tmp/startup-work ;;
-    *) echo "unknown step $s (probe packing qlora zero3 suite calibrate startup)"; exit 2 ;;
+    # no run starts unless its estimate ends it by 330 s; the table and its JSON (calibration-file
+    # shape: matmul, throughput) come back, the run dirs stay in /tmp
+    throughput) step throughput 390 "$py" -m bench gpu-throughput --out "$out/gpu-throughput.md" \
+                  --work /tmp/throughput-work ;;
+    *) echo "unknown step $s (probe packing qlora zero3 suite calibrate startup throughput)"; exit 2 ;;
   esac
 done

@@ -15,4 +15,6 @@ python -m pip download -q --no-deps -d .whl --python-version "$py" "${plat[@]}" 
   bitsandbytes==0.50.2 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 xxhash fsspec==2026.9.0 \
   jsonschema jsonschema-specifications referencing rpds-py attrs \
   hjson msgpack ninja einops py-cpuinfo nvidia-ml-py pydantic==2.14.4 pydantic-core==2.50.5 annotated-types typing-inspection
+# model.kernels: liger (the image's CUDA torch brings Triton)
+python -m pip download -q --no-deps -d .whl --python-version "$py" "${plat[@]}" --only-binary=:all: liger-kernel==0.8.5
 du -sh .whl

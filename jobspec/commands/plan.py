@@ -6,17 +6,20 @@ total including the CUDA context, host RAM per rank and per node, and whether th
 (--gpu-mem, else `memory.gpu_memory`; --host-mem, else `resources.host_mem`).
 With --fit it searches micro-batch / accumulation, bf16, checkpointing one
 layer in k, 8-bit AdamW, ZeRO stage and offload, keeping the global batch, and prints the cheapest
-configuration that fits as --set overrides with its estimated step-time cost (for causal LMs also the
-tiled loss, the tiled MLP and checkpoint inputs offloaded to the host). With --longest it prints the
-longest sequence that fits the budgets (GPU and host), for the job as written and for the configuration
---fit finds. The cost model is in docs/memory-planner.md. Exit code 2 on bad input and for a node whose
-RAM cannot hold its ranks' host memory (with what to change); 1 when the job does not fit its GPU budget
-(with --fit, or with `memory.fit: auto`, whose launch runs the fitted settings: when nothing fits), the
-advice naming the term over budget and the technique that moves it.
+configuration that fits as --set overrides with its estimated step-time cost and tokens/s
+(measured per GPU: --gpu H200; for causal LMs also the tiled loss, the tiled MLP and checkpoint
+inputs offloaded to the host), and when `model.compile` pays for the job. With --longest it prints
+the longest sequence that fits the budgets (GPU and host), for the job as written and for the
+configuration --fit finds. The cost model is in docs/memory-planner.md. Exit code 2 on bad input
+and for a node whose RAM cannot hold its ranks' host memory (with what to change); 1 when the job
+does not fit its GPU budget (with --fit, or with `memory.fit: auto`, whose launch runs the fitted
+settings: when nothing fits), the advice naming the term over budget and the technique that moves
+it.
 
 examples:
   jobspec plan jobs/xlmr-large.yaml --gpu-mem 24GiB
   jobspec plan jobs/gpt2-xl-12gb.yaml --fit --gpu-mem 12GiB
+  jobspec plan jobs/xlmr-large.yaml --fit --gpu-mem 139GiB --gpu H200
   jobspec plan jobs/llama-8b-qlora-32k-24gb.yaml --longest
   jobspec plan jobs/llama-70b-zero3.yaml --host-mem 1TiB
   jobspec plan jobs/quickstart.yaml --format json
@@ -46,6 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the longest sequence that fits the budgets, as written and with --fit's settings")
     parser.add_argument("--no-bf16", action="store_true",
                         help="with --fit: the GPU lacks bf16 (pre-Ampere), so try fp16 instead")
+    parser.add_argument("--gpu", metavar="NAME",
+                        help="with --fit: the GPU whose measured speed prices the candidates and "
+                             "gives the tokens/s, e.g. H200 (default: the reference formula; "
+                             "docs/memory-planner.md)")
     add_format_argument(parser, {"text": "aligned table", "json": "one object (errors too)"})
 
 
@@ -82,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         if args.fit or args.longest:
             assert budget is not None   # needs_budget refuses --fit and --longest without one
             result = fit(spec, job.derived, budget, bf16_supported=not args.no_bf16,
-                         host_budget=job.memory.host_budget)
+                         host_budget=job.memory.host_budget, gpu=args.gpu)
         if args.longest:
             assert budget is not None and result is not None
             longest = [("as written", longest_sequence(spec, job.derived, budget,
@@ -120,17 +127,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"note: {base_note}")
         if result is not None and args.fit:
             print()
-            if result.fits:
-                print(f"fit: {result.reason}")
-                if result.changes:
-                    print("  " + " ".join(f"--set {o}" for o in result.overrides))
-                    print()
-                    print(render_plan(result.plan, title="with these settings:"))
-            else:
-                print(f"fit: {result.reason}")
-            for note in result.notes:
-                print(f"note: {note}")
-            print(f"({result.considered} configurations considered)")
+            print("\n".join(fit_lines(result)))
         if longest is not None:
             print()
             for what, found in longest:
@@ -142,13 +139,28 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_NOTHING_FITS if result is not None and not result.fits else 0
     if plan.fits is False and spec["memory"]["fit"] == "auto" and budget is not None:
         # a launch runs what memory.fit: auto finds, not the spec as written: that is what must fit
-        fitted = result if result is not None else fit(spec, job.derived, budget, bf16_supported=not args.no_bf16,
-                                                       host_budget=job.memory.host_budget)
+        fitted = result if result is not None else fit(
+            spec, job.derived, budget, bf16_supported=not args.no_bf16,
+            host_budget=job.memory.host_budget, gpu=args.gpu)
         if args.format != "json":
             print(f"memory.fit: auto: {fitted.reason}" + ("" if not fitted.fits else
                   " (a launch applies: " + " ".join(f"--set {o}" for o in fitted.overrides) + ")"))
         return 0 if fitted.fits else EXIT_NOTHING_FITS
     return EXIT_NOTHING_FITS if plan.fits is False else 0
+
+
+def fit_lines(result) -> list[str]:
+    """--fit's text: the reason, the estimated speed, the overrides and their plan, the notes."""
+    from jobspec.memory.planner import render_plan
+
+    lines = [f"fit: {result.reason}"]
+    if result.fits and result.speed is not None:
+        lines.append(f"fit: {result.speed.text()}")
+    if result.fits and result.changes:
+        lines += ["  " + " ".join(f"--set {o}" for o in result.overrides), "",
+                  render_plan(result.plan, title="with these settings:")]
+    lines += [f"note: {note}" for note in result.notes]
+    return [*lines, f"({result.considered} configurations considered)"]
 
 
 def longest_line(what: str, found, overrides: list) -> str:

@@ -383,7 +383,7 @@ def patch_text(patch: dict) -> str:
     if name == "parameter_groups":
         return f"weight decay {args.get('weight_decay')} on matrices, none on {args.get('no_decay')}"
     if name == "torch_compile":
-        return "torch.compile"
+        return "torch.compile of each layer (regional)"
     if name == "tiled_loss":
         tiles = args.get("tiles")
         return "tiled loss " + (f"({tiles} tiles)" if tiles else "(tiles of at most 1 GiB of logits)")

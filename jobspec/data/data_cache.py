@@ -230,10 +230,16 @@ class EntryWriter:
                 shutil.rmtree(self.tmp, ignore_errors=True)
         return target
 
-    def keep(self) -> None:
-        """Stop here, keeping what the last checkpoint holds for the next writer of the key."""
+    def keep(self) -> dict | None:
+        """Stop here, keeping what the last checkpoint holds for the next writer of the key; returns
+        that checkpoint's state as it is on disk (None without one): an interrupt may land between
+        a checkpoint and the caller's own count of it, the file cannot."""
         for fh in self.files.values():
             fh.close()
+        try:
+            return dict(json.loads((self.tmp / PROGRESS).read_text(encoding="utf-8"))["state"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
 
     def abort(self) -> None:
         """Stop here, keeping nothing."""

@@ -213,8 +213,7 @@ def _build(spec: JobSpec, entry: Entry, tokenizer, num_proc: int, show: str | No
     # the chunks are the key's (the source's content): a kept pass of the same ones goes on
     writer = data_cache.EntryWriter(entry.key, resume=_chunking(chunks))
     done, totals = _restored(writer.resumed)
-    kept = totals.records   # the records of the chunks checkpointed
-    progress = Progress(f"data.{entry.split}", entry.source.total(), show, kept=kept)
+    progress = Progress(f"data.{entry.split}", entry.source.total(), show, kept=totals.records)
     started, cpu_started = time.time(), _cpu_seconds()
     try:
         with _results(chunks[done:], num_proc) as results:
@@ -225,7 +224,6 @@ def _build(spec: JobSpec, entry: Entry, tokenizer, num_proc: int, show: str | No
                     writer.append(result.ids, result.labels, result.lengths)
                     done += 1
                     writer.checkpoint({"chunks": done, "totals": _counts(totals)})
-                    kept = totals.records
         progress.close()
         if totals.bad:
             raise SpecError(_bad_record_issues(totals, entry.split))
@@ -238,8 +236,8 @@ def _build(spec: JobSpec, entry: Entry, tokenizer, num_proc: int, show: str | No
                 "num_proc": min(num_proc, len(chunks)) or 1, "prompt_note": note}
         path = writer.commit(meta)
     except KeyboardInterrupt:
-        writer.keep()
-        progress.stopped(kept)
+        saved = writer.keep()
+        progress.stopped(saved["totals"]["records"] if saved else 0)
         raise
     except BaseException:
         writer.abort()

@@ -2,13 +2,37 @@
 DeepSpeed imported through `jobspec.ops.import_deepspeed`: launch.py itself only spawns and watches
 the ranks, yet its `import deepspeed` imports MLflow (DeepSpeed's autotuner), ~1.7 s of CPU before any
 rank starts. `python -u -m jobspec.launch.ds_launch ARGS` takes exactly launch.py's arguments
-(jobspec/launch/runner.py builds them as DeepSpeed's runner would)."""
+(jobspec/launch/runner.py builds them as DeepSpeed's runner would).
+
+Two things differ from running launch.py directly, both at the end of a job: launch.py looks at its
+ranks once a second (`time.sleep(1)`, its only sleep), here every POLL_S; and once it exits, this
+process leaves without the interpreter's teardown of DeepSpeed and torch (jobspec/quick_exit.py).
+"""
 from __future__ import annotations
 
 import runpy
+import time
+from typing import SupportsIndex
 
 from jobspec.ops import import_deepspeed
+from jobspec.quick_exit import quick_exit
+
+POLL_S = 0.1   # how often the ranks' exits are noticed (launch.py: 1 s)
+
+
+def _run_launch_py() -> int:
+    sleep = time.sleep
+    def poll(seconds: float | SupportsIndex) -> None:   # launch.py's watch loop
+        sleep(min(float(seconds), POLL_S))
+
+    time.sleep = poll
+    try:
+        runpy.run_module("deepspeed.launcher.launch", run_name="__main__", alter_sys=True)
+    except SystemExit as stop:   # launch.py ends with sys.exit(code) on a rank's failure or a signal
+        return stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    return 0
+
 
 if __name__ == "__main__":
     import_deepspeed()
-    runpy.run_module("deepspeed.launcher.launch", run_name="__main__", alter_sys=True)
+    quick_exit(_run_launch_py())

@@ -49,7 +49,8 @@ def plan_at_launch(resolved: ResolvedSpec, job: DerivedJob, gpu_free: int | None
                    host_budget: tuple[int, str] | None = None, gpu_name: str | None = None,
                    cpu_ranks: bool = False) -> tuple[ResolvedSpec, DerivedJob, LaunchMemory]:
     """(resolved spec to run, its derived job, LaunchMemory): `memory.fit: auto` applied, the plan of the result.
-    `gpu_name`: this host's GPU (NVML's name), whose measured CUDA context the plan adds;
+    `gpu_name`: this host's GPU (NVML's name), whose measured CUDA context the plan adds and whose
+    measured speed prices the fit's candidates (memory/gpu_throughput.py);
     `cpu_ranks`: the ranks run on this host's CPUs, so the plan's host RAM holds their tensors (no
     GPU figure).
 
@@ -93,7 +94,7 @@ def plan_at_launch(resolved: ResolvedSpec, job: DerivedJob, gpu_free: int | None
                                 "memory.gpu_memory is not set): running the spec as written")
         else:
             result = fit(spec, job, memory.budget, bf16_supported=bf16_supported, host_budget=memory.host_budget,
-                         context=context)
+                         context=context, gpu=gpu_name)
             if result.host_limited:
                 raise resolved.locate(spec_error(
                     f"memory.fit is auto and {result.reason}", path=("resources", "host_mem"),

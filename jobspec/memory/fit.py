@@ -24,6 +24,7 @@ from typing import Any
 from jobspec import optimizers
 from jobspec.errors import SpecError, spec_error
 from jobspec.memory.gpu_overheads import ContextFigure
+from jobspec.memory.gpu_throughput import GpuReadings, precision_key, readings_for
 from jobspec.memory.planner import MemoryPlan, plan_memory
 from jobspec.optimizers.base import DEEPSPEED_CPU_ADAM
 from jobspec.spec.derived import DerivedJob
@@ -33,7 +34,8 @@ from jobspec.spec.schema import filled_spec
 from jobspec.spec.types import JobSpec
 from jobspec.units import fmt_mib_gib
 
-# Reference device for the slowdown model: only ratios between candidates are reported.
+# Reference device of the slowdown model for a GPU without readings (memory/gpu_throughput.py): it
+# ranks the candidates; the tokens/s it implies is an A100-class guess, said as such.
 EFFECTIVE_FLOPS = {"fp32": 15e12, "bf16": 40e12, "fp16": 40e12}   # achieved, not peak (A100-class)
 HALF_SATURATION_TOKENS = 1024   # tokens per micro-batch at which the GPU runs at half its best rate
 PCIE_BYTES_PER_S = 12e9         # host <-> GPU, pinned
@@ -62,19 +64,51 @@ class FitResult:
     considered: int = 0
     notes: list = field(default_factory=list)
     host_limited: bool = False   # configurations fit the GPU, none of them the host budget
+    speed: Speed | None = None   # the chosen configuration's estimated step time and tokens/s
 
     def as_dict(self) -> dict:
         return {"fits": self.fits, "overrides": self.overrides, "changes": self.changes,
                 "slowdown": round(self.slowdown, 3), "reason": self.reason, "considered": self.considered,
-                "notes": self.notes, "host_limited": self.host_limited, "plan": self.plan.as_dict()}
+                "notes": self.notes, "host_limited": self.host_limited, "plan": self.plan.as_dict(),
+                "speed": self.speed.as_dict() if self.speed is not None else None}
+
+
+@dataclass(frozen=True)
+class Speed:
+    """A configuration's estimated step time and the tokens/s it trains at (all ranks), and where
+    the GPU's speed comes from: its readings (memory/gpu_throughput.py) or the reference formula."""
+
+    step_s: float
+    tokens_per_s: float
+    source: str
+
+    def as_dict(self) -> dict:
+        return {"step_s": round(self.step_s, 4), "tokens_per_s": round(self.tokens_per_s),
+                "source": self.source}
+
+    def text(self) -> str:
+        tokens = f"{self.tokens_per_s:,.0f}"
+        return f"est. {tokens} tokens/s, {self.step_s:.3g} s per step, {self.source}"
 
 
 def fit(spec: JobSpec, job: DerivedJob, budget_bytes: int, *, bf16_supported: bool = True,
-        host_budget: int | None = None, context: ContextFigure | None = None) -> FitResult:
+        host_budget: int | None = None, context: ContextFigure | None = None,
+        gpu: str | None = None) -> FitResult:
     """The fastest configuration of `spec` predicted to fit `budget_bytes` per GPU (NVML-style total)
     and, when `host_budget` is known, a node's RAM with all its ranks; `context`: the GPU's CUDA
-    context (planner.plan_memory)."""
-    baseline = step_time(spec, job)
+    context (planner.plan_memory); `gpu`: its name, whose readings price the step (step_time)."""
+    result = _search(spec, job, budget_bytes, bf16_supported, host_budget, context, gpu)
+    if result.fits:
+        chosen = apply_changes(spec, result.changes)
+        result.speed = speed_of(chosen, job.with_spec(chosen), gpu)
+        result.notes.append(compile_note(chosen, job, result.speed, gpu))
+    return result
+
+
+def _search(spec: JobSpec, job: DerivedJob, budget_bytes: int, bf16_supported: bool,
+            host_budget: int | None, context: ContextFigure | None, gpu: str | None) -> FitResult:
+    """`fit`'s search over the candidates, priced relative to the spec as written."""
+    baseline = step_time(spec, job, gpu)
     best, gpu_best, smallest, host_least, considered = None, None, None, None, 0
     for changes in candidate_changes(spec, job, bf16_supported):
         candidate = apply_changes(spec, changes)
@@ -82,7 +116,7 @@ def fit(spec: JobSpec, job: DerivedJob, budget_bytes: int, *, bf16_supported: bo
         plan = plan_memory(candidate, candidate_job, budget=budget_bytes, host_budget=host_budget,
                            context=context)
         considered += 1
-        cost = step_time(candidate, candidate_job) / baseline
+        cost = step_time(candidate, candidate_job, gpu) / baseline
         if smallest is None or plan.nvml_total < smallest[1].nvml_total:
             smallest = (changes, plan, cost)
         entry = (changes, plan, cost)
@@ -133,6 +167,9 @@ def _what_else(spec: JobSpec) -> str:
         options = ["more GPUs (ZeRO 1-2 divide the adapters' states by the world size)"]
     else:
         options = ["more GPUs (ZeRO-3 divides the model states by the world size)"]
+    if spec["model"]["compile"]:
+        options.append("`model.compile: false` (ZeRO-3, the tiled MLP and offloaded inputs are "
+                       "refused with it)")
     if spec["model"]["task"] == "causal-lm":
         options.append("a shorter sequence (`jobspec plan --longest` finds the longest that fits)")
     if not spec["memory"]["offload"]["nvme_path"]:
@@ -188,6 +225,9 @@ def candidate_changes(spec: JobSpec, job: DerivedJob, bf16_supported: bool) -> I
                 wanted["memory.activation_checkpointing"] = {"every_n_layers": 1, "offload": "cpu"}
             else:
                 wanted[technique] = True
+        refused = stage == 3 or "memory.tiled_mlp" in level or "offload" in level
+        if spec["model"]["compile"] and refused:
+            continue   # validation refuses these under model.compile (spec/rules/model_compile.py)
         if (wanted.get("memory.tiled_loss") or spec["memory"]["tiled_loss"]) and stage >= 1 \
                 and tiling_rules.trains_tied_head(spec["model"]):
             continue   # validation refuses a tied head's tiled loss under ZeRO 1-3
@@ -322,8 +362,9 @@ def host_remedies(spec: JobSpec, job: DerivedJob, host_budget: int) -> list[str]
     return found
 
 
-def step_time(spec: JobSpec, job: DerivedJob) -> float:
-    """Estimated seconds per optimizer step on the reference device (docs: "Slowdown model")."""
+def step_time(spec: JobSpec, job: DerivedJob, gpu: str | None = None) -> float:
+    """Estimated seconds per optimizer step on the GPU named `gpu` where it has readings, else on
+    the reference device (docs/memory-planner.md, "Slowdown model")."""
     memory = spec["memory"]
     plan = plan_memory(spec, job)
     psi, world = plan.settings["parameters"], job.world_size
@@ -332,8 +373,7 @@ def step_time(spec: JobSpec, job: DerivedJob) -> float:
         # set whenever the job has a profile, which plan_memory above requires
         raise ValueError("step_time needs the model's traced FLOPs")
     flops = job.hardware_flops_per_token * tokens   # checkpoint recompute included (jobspec.spec.flops)
-    efficiency = tokens / (tokens + HALF_SATURATION_TOKENS)
-    compute = flops / (EFFECTIVE_FLOPS[memory["precision"]] * efficiency)
+    compute = flops / achieved_flops(spec, job, readings_for(gpu))
     lp = job.precision_bytes
     shard = psi / world
     per_micro = compute
@@ -352,6 +392,60 @@ def step_time(spec: JobSpec, job: DerivedJob) -> float:
             step += 2 * 16 * shard / NVME_BYTES_PER_S
     step *= 1 + optimizers.get(spec["training"]["optimizer"]["name"]).step_overhead
     return step
+
+
+def achieved_flops(spec: JobSpec, job: DerivedJob, measured: GpuReadings | None) -> float:
+    """Hardware FLOP/s of one micro-batch: the GPU's readings (memory/gpu_throughput.py), else the
+    reference formula (EFFECTIVE_FLOPS at tokens / (tokens + HALF_SATURATION_TOKENS))."""
+    memory, tokens = spec["memory"], job.tokens_per_micro_batch
+    hidden = job.profile.inventory.hidden_size if job.profile is not None else None
+    if measured is not None and hidden:
+        precision = precision_key(memory["precision"], memory["tf32"])
+        return measured.achieved_flops(precision, tokens, hidden)
+    return EFFECTIVE_FLOPS[memory["precision"]] * tokens / (tokens + HALF_SATURATION_TOKENS)
+
+
+def speed_of(spec: JobSpec, job: DerivedJob, gpu: str | None) -> Speed:
+    """The estimated step time of `spec` on the GPU named `gpu`, the tokens/s it trains at over
+    every rank (the global batch's tokens per step), and where the GPU's speed comes from."""
+    seconds = step_time(spec, job, gpu)
+    measured = readings_for(gpu)
+    if measured is not None:
+        source = f"measured on {measured.gpu} ({measured.source})"
+    elif gpu:
+        source = f"no readings for {gpu}: the reference formula (an A100-class guess)"
+    else:
+        source = "the reference formula (an A100-class guess; `--gpu H200` uses its readings)"
+    return Speed(seconds, job.global_batch_size * job.seq_len / seconds, source)
+
+
+def compile_note(spec: JobSpec, job: DerivedJob, speed: Speed, gpu: str | None) -> str:
+    """When `model.compile` pays for this job: its compile time against what faster steps save over
+    the job's steps (the GPU's measured compile time and speed-up where it has them)."""
+    said = f"model.compile ({'on' if spec['model']['compile'] else 'off'})"
+    steps = job.total_steps
+    if not steps:
+        return f"{said} pays when its compile time is less than what it saves over the job's steps"
+    run_s = steps * speed.step_s
+    measured = readings_for(gpu)
+    if measured is not None and measured.compile is not None:
+        compile_s, speedup = measured.compile
+        saved = run_s * (1 - 1 / speedup)
+        verdict = "pays" if saved > compile_s else "does not pay"
+        return (f"{said} {verdict} here: measured on {measured.gpu}, {compile_s:.0f} s of "
+                f"compilation in the first step and steps {speedup:.2f}x as fast, which saves est. "
+                f"{_duration(saved)} of the {steps} steps' {_duration(run_s)}")
+    where = measured.gpu if measured is not None else gpu or "this GPU"
+    return (f"{said} pays when its compile time (paid in the first step; launcher.log's "
+            f"`torch.compile` note says it) is less than it saves: the {steps} steps take est. "
+            f"{_duration(run_s)}, so a 10% faster step saves {_duration(run_s / 10)}; no measured "
+            f"compile time or speed-up for {where} (python -m bench gpu-throughput measures them)")
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
 
 
 def _offloaded_bytes(spec: JobSpec, job: DerivedJob) -> int:

@@ -3,9 +3,11 @@
 Each term has its remedies, in the order they cost step time; a remedy is offered only when its setting
 is not on already and validation accepts it for this job (a tiled loss for causal LMs only, and not for
 a head tied to the embeddings under ZeRO 1-3; no ZeRO-3 or parameter offload for a quantised base, whose
-packed weights ZeRO 0-2 keep whole; checkpointing every layer only when some layer is not, so a written
-`offload: cpu` is never dropped). A causal LM is always told that a shorter sequence fits, and where
-to find the longest (`jobspec plan --longest`). `jobspec plan --fit` searches all of them.
+packed weights ZeRO 0-2 keep whole; with `model.compile` no ZeRO-3, quantised base, tiled MLP or
+offloaded checkpoint inputs (spec/rules/model_compile.py); checkpointing every layer only when some
+layer is not, so a written `offload: cpu` is never dropped). A causal LM is always told that a
+shorter sequence fits, and where to find the longest (`jobspec plan --longest`). `jobspec plan
+--fit` searches all of them.
 """
 from __future__ import annotations
 
@@ -52,13 +54,26 @@ def _some_layers_kept(spec: JobSpec, plan: MemoryPlan) -> bool:
 def _inputs_on_gpu(spec: JobSpec, plan: MemoryPlan) -> bool:
     checkpointing = spec["memory"]["activation_checkpointing"]
     offloaded = isinstance(checkpointing, dict) and checkpointing["offload"] == "cpu"
-    return not _some_layers_kept(spec, plan) and plan.settings["layers"] > 0 and not offloaded
+    return not _some_layers_kept(spec, plan) and plan.settings["layers"] > 0 and not offloaded \
+        and not spec["model"]["compile"]
+
+
+def _tiled_mlp(spec: JobSpec, plan: MemoryPlan) -> bool:
+    return _causal(spec, plan) and not spec["memory"]["tiled_mlp"] and not spec["model"]["compile"]
+
+
+def _zero3_allowed(spec: JobSpec, plan: MemoryPlan) -> bool:
+    return _highest_zero(spec) == 3 and int(plan.settings["zero_stage"]) < 3
+
+
+def _highest_zero(spec: JobSpec) -> int:
+    """The highest ZeRO stage validation accepts: 2 for a quantised base and under model.compile."""
+    return 2 if spec["model"]["quantization"] is not None or spec["model"]["compile"] else 3
 
 
 def _zero_up_to(highest: int) -> Check:
     def check(spec: JobSpec, plan: MemoryPlan) -> bool:
-        limit = 2 if spec["model"]["quantization"] is not None else highest
-        return int(plan.settings["zero_stage"]) < limit
+        return int(plan.settings["zero_stage"]) < min(highest, _highest_zero(spec))
     return check
 
 
@@ -71,6 +86,10 @@ def _optimizer_on_gpu(spec: JobSpec, plan: MemoryPlan) -> bool:
 
 def _not_quantized(spec: JobSpec, plan: MemoryPlan) -> bool:
     return spec["model"]["quantization"] is None
+
+
+def _quantizable(spec: JobSpec, plan: MemoryPlan) -> bool:
+    return _not_quantized(spec, plan) and not spec["model"]["compile"]
 
 
 def _no_sequence_parallel(spec: JobSpec, plan: MemoryPlan) -> bool:
@@ -89,7 +108,7 @@ _SHORTER = Remedy("a shorter sequence (`jobspec plan --longest` finds the longes
 _SEQUENCE_PARALLEL = Remedy("memory.sequence_parallel with more GPUs (ranks share the sequence)",
                             _no_sequence_parallel)
 def _zero_text(spec: JobSpec, plan: MemoryPlan) -> str:
-    highest = 2 if spec["model"]["quantization"] is not None else 3   # a quantised base: ZeRO 0-2
+    highest = _highest_zero(spec)
     stages = " or ".join(str(n) for n in range(plan.settings["zero_stage"] + 1, highest + 1))
     return f"memory.zero_stage: {stages} over more GPUs (the states partitioned)"
 
@@ -107,17 +126,16 @@ REMEDIES: dict[str, tuple[Remedy, ...]] = {
                         _SHORTER),
     "activations": (_CHECKPOINT,
                     Remedy(f"{_OFFLOAD_INPUTS} (checkpointed inputs in host memory)", _inputs_on_gpu),
-                    Remedy("--set memory.tiled_mlp=true (the MLP one tile at a time)",
-                           lambda spec, plan: _causal(spec, plan) and not spec["memory"]["tiled_mlp"]),
+                    Remedy("--set memory.tiled_mlp=true (the MLP one tile at a time)", _tiled_mlp),
                     _SEQUENCE_PARALLEL, _SHORTER),
     "embeddings_activations": (_SEQUENCE_PARALLEL, _SHORTER),
     "optimizer_states": (_ZERO, _OFFLOAD_OPTIMIZER),
     "master_weights": (_ZERO, _OFFLOAD_OPTIMIZER),
     "step_gradients": (_ZERO, _OFFLOAD_OPTIMIZER),
     "gradients": (Remedy("memory.zero_stage: 2 over more GPUs (gradients partitioned)", _zero_up_to(2)),),
-    "parameters": (Remedy("memory.zero_stage: 3 over more GPUs",
-                          lambda spec, plan: _not_quantized(spec, plan) and _zero_up_to(3)(spec, plan)),
-                   Remedy("model.quantization with model.lora (QLoRA: a 4-bit base)", _not_quantized)),
+    "parameters": (Remedy("memory.zero_stage: 3 over more GPUs", _zero3_allowed),
+                   Remedy("model.quantization with model.lora (QLoRA: a 4-bit base)",
+                          _quantizable)),
     "gathered_parameters": (Remedy("a smaller memory.zero.stage3_prefetch_bucket_size", _always),),
     "zero_buffers": (Remedy("a smaller memory.zero.reduce_bucket_size", _always),),
 }

@@ -38,6 +38,7 @@ from jobspec.spec.rules import (
     generation,
     kernels,
     lora,
+    model_compile,
     model_type,
     offload,
     packing,
@@ -332,6 +333,7 @@ CROSS_FIELD_RULES: tuple[Rule, ...] = (
     generation.eval_generate_issues,         # training.eval_generate: causal-lm, prompts, room
     tiling.tiled_loss_issues,                # memory.tiled_loss: causal-lm only
     kernels.kernels_issues,                  # model.kernels: liger: model type, CUDA GPU, package
+    model_compile.compile_issues,            # model.compile: ZeRO 0-2; no QLoRA, tiled MLP, offload
     export_rules.export_issues,
     tracking.system_metrics_issues,
     tracking.tracking_uri_issues,

@@ -330,7 +330,9 @@ class EvalGenerator:
             options.update(temperature=self.temperature, top_k=0, top_p=1.0)
         engine.eval()
         try:
-            with training_rng_kept(engine.device), torch.no_grad():
+            # eager under model.compile: the KV cache's state would recompile each compiled layer
+            with (training_rng_kept(engine.device), torch.no_grad(),
+                  torch.compiler.set_stance("force_eager")):
                 torch.manual_seed(self.seed)
                 for batch in self.shares():
                     rows = [self.prompts[i if i >= 0 else -i - 1].ids for i in batch]

@@ -2,7 +2,8 @@
 
 `PATCHES` maps each patch name the compiler emits (`Compiled.patches`: `[{"name", "args"}]`) to a
 function `fn(model, **args)` that changes the model in place and returns a note (or None). A patch
-that has to replace the module (torch.compile) returns `(new_model, note)` instead.
+that may replace the module (torch.compile of a model without a layer stack) returns
+`(model, note)` instead.
 `parameter_groups` shapes the optimizer rather than the model: `apply_patches` skips it and the
 worker passes `optimizer_parameters(model, patches)` (the decayed matrices and the undecayed biases and
 norms) to a client optimizer or to `deepspeed.initialize`. The optimizer DeepSpeed cannot build from
@@ -16,7 +17,8 @@ Patch arguments, as the compiler writes them:
     parameter_groups        {weight_decay, no_decay}  (`training.optimizer.weight_decay_on: matrices`)
     lora                    {r, alpha, dropout, target_modules, modules_to_save, bias, use_rslora, use_dora,
                              enable_input_require_grads}  (PEFT's adapters: train/lora_adapters.lora)
-    torch_compile           {}  (any keyword is passed to torch.compile)
+    torch_compile           {}  (regional: each layer of the layer stack, train/regional_compile.py;
+                                 any keyword is passed to torch.compile)
     tiled_loss              {tiles}  (null: as many as keep one tile's logits within model/tiling.TILE_BYTES)
     tiled_mlp               {}
     activation_offload      {every_n_layers}
@@ -35,6 +37,7 @@ from jobspec.model.structure import attention_implementation, freeze, gradient_c
 from jobspec.model.tiling import tiled_loss, tiled_mlp
 from jobspec.spec.types import JobSpecTrainingOptimizer
 from jobspec.train.lora_adapters import lora
+from jobspec.train.regional_compile import regional_compile
 
 
 def tf32(model, enabled: bool = True) -> str:
@@ -51,13 +54,6 @@ def parameter_groups_note(model, weight_decay: float = 0.0, no_decay: str = "") 
     return f"weight decay {weight_decay} on matrices only (none on {no_decay})"
 
 
-def torch_compile(model, **compile_kwargs):
-    """Wrap the model in torch.compile; returns the compiled module, which replaces the model."""
-    import torch
-
-    return torch.compile(model, **compile_kwargs), "torch.compile: on (compiled at the first step)"
-
-
 PATCHES: dict[str, Callable] = {
     "attention_implementation": attention_implementation,
     "gradient_checkpointing": gradient_checkpointing,
@@ -65,7 +61,7 @@ PATCHES: dict[str, Callable] = {
     "freeze": freeze,
     "parameter_groups": parameter_groups_note,
     "lora": lora,
-    "torch_compile": torch_compile,
+    "torch_compile": regional_compile,
     "tiled_loss": tiled_loss,
     "tiled_mlp": tiled_mlp,
     "activation_offload": offload_checkpoints,

@@ -25,6 +25,7 @@ from pathlib import Path
 from jobspec import launcher_log, lifeline, rundir
 from jobspec.errors import EXIT_INVALID, EXIT_RUN_FAILED, RunFailure, SpecError
 from jobspec.export.hf_dir import ExportFailed
+from jobspec.quick_exit import quick_exit
 from jobspec.rundir import RunFiles
 from jobspec.spec.derived import DerivedJob
 from jobspec.train import assembly, library_output
@@ -172,4 +173,5 @@ def _destroy_process_group() -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # every file written and tracker closed by now: skip the interpreter's teardown
+    quick_exit(main())

@@ -20,6 +20,8 @@ line there), on a written spec and again on one `memory.fit: auto` changed (`val
   tracking                 system metrics without MLflow, the tracking URI's form
   paths                    NUL characters in paths
   checkpoint               `checkpoint.resume`: auto, never or an existing checkpoint
+  model_compile            `model.compile`: ZeRO 0-2, no quantized base, tiled MLP or offloaded
+                           checkpoint inputs
 
 Other concerns keep their rules in their own module, listed in the same place: each optimizer's
 (jobspec/optimizers, `rule_issues`) and the export section's (export/rules).
