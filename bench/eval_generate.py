@@ -4,7 +4,8 @@ A chat LoRA job (a Qwen2-architecture model built from a config: hidden 256, 4 l
 2048-token tokenizer; the shipped chat-sample records, 32 of them for evaluation, data.max_length 256)
 is built on 2 CPU ranks through DeepSpeed's runner (`deepspeed --num_gpus 2`), once per ZeRO stage
 asked for; each rank times, after one warm-up of each, the eval loss pass over the 32 records
-(worker.evaluate) and the generation (train/generation.EvalGenerator.run: 8 prompts, greedy) at each
+(train/evaluation.evaluate) and the generation (train/generation.EvalGenerator.run: 8 prompts,
+greedy) at each
 max_new_tokens, the median of --repeats. The generation is bounded by max_new_tokens: its time grows
 with it (an untrained model rarely stops early). Prints a markdown table (rank 0's wall times).
 
@@ -69,16 +70,14 @@ def write_run_dir(spec: dict, run_dir: Path) -> None:
 
 def rank_main(run_dir: Path, tokens: list[int], repeats: int) -> None:
     """On each rank: the engine as the worker builds it, then the timings (rank 0 prints them)."""
-    import dataclasses
-
     import torch.distributed as dist
 
     from jobspec import ops, rundir
     from jobspec.data.loaders import make_loader
     from jobspec.train.engine import build_engine, share_cpu_threads
+    from jobspec.train.evaluation import evaluate
     from jobspec.train.generation import EvalGenerator
     from jobspec.train.progress import RunState
-    from jobspec.train.worker import evaluate
 
     deepspeed = ops.import_deepspeed()
     deepspeed.init_distributed()
@@ -107,8 +106,10 @@ def rank_main(run_dir: Path, tokens: list[int], repeats: int) -> None:
     for count in tokens:
         spec = {**files.spec, "training": {**files.spec["training"], "eval_generate": {
             **files.spec["training"]["eval_generate"], "max_new_tokens": count}}}
-        generator = EvalGenerator.for_job(dataclasses.replace(files, spec=spec), run_dir, rank, world, group,
-                                          None, None)
+        zero3 = files.ds_config.get("zero_optimization", {}).get("stage", 0) == 3
+        generator = EvalGenerator.for_job(
+            spec, batch_size=files.launch["derived"]["micro_batch_size"], zero3=zero3,
+            run_dir=run_dir, rank=rank, world_size=world, group=group, sink=None, progress=None)
         state = RunState(step=1)
         seconds = timed(lambda g=generator: g.run(engine, state))
         rows = generator.run(engine, state)

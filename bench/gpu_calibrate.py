@@ -233,15 +233,15 @@ def compile_run(planned: Planned, run_dir: Path, rank_gpus: dict[str, str] | Non
 def child(run_dir: Path, peak_out: Path, step: int, max_entries: int) -> int:
     """The launch's worker on the compiled run directory, one rank (the environment says which), with the
     allocator's history recorded for optimizer step `step`; its breakdown written to `peak_out`."""
-    from jobspec.train import worker
+    from jobspec.train import assembly, worker
     recorder = PeakRecorder(step, max_entries)
-    build_engine = worker.build_engine
+    build_engine = assembly.build_engine   # the first engine's and an OOM recovery's
 
-    def build_and_watch(files):   # DeepSpeed is imported by now, the way the worker imports it
-        built = build_engine(files)
+    def build_and_watch(*args, **kwargs):   # DeepSpeed is imported by now, as the worker imports it
+        built = build_engine(*args, **kwargs)
         recorder.install(type(built[0]))
         return built
-    worker.build_engine = build_and_watch
+    assembly.build_engine = build_and_watch
     code = worker.main(["--run-dir", str(run_dir)])
     result = {"exit_code": code, "optimizer_steps": recorder.done, "skipped_steps": recorder.skipped, **recorder.result}
     peak_out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")

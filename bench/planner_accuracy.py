@@ -328,7 +328,7 @@ def memtracker_peak(spec: dict, precision: str, micro: int, seq: int, checkpoint
                     output = model(**batch)
                     loss = output.loss if hasattr(output, "loss") else output["loss"]
                     if not hold_output:
-                        del output   # as the ranks (train/worker: `loss_of(engine(**batch))`)
+                        del output   # as the ranks (train/oom.OomGuard.forward: `loss_of(engine(**batch))`)
                         output = None
                 # after the forward: MemTracker's own post-accumulate hooks (installed at each module's
                 # first forward) read p.grad, so they must run before this one drops it

@@ -61,17 +61,16 @@ _STEP_DIR = re.compile(r"^step(\d+)$")
 
 
 class ModelExporter:
-    """Called by the training loop at checkpoints, evaluations and the end; records go to
+    """The export policy: called by the Trainer's checkpointer after each checkpoint, by its
+    evaluator after each evaluation, and at the end of a finished run; records go to
     `state.exports`."""
 
-    def __init__(self, files, run_dir: Path, rank: int, group, progress,
+    def __init__(self, spec: JobSpec, job: DerivedJob, run_dir: Path, rank: int, group, progress,
                  label_names: dict | None = None):
-        self.spec, self.run_dir, self.rank = files.spec, Path(run_dir), rank
+        self.spec, self.run_dir, self.rank = spec, Path(run_dir), rank
         self.group, self.progress = group, progress
         self.settings = self.spec["export"]
-        job = DerivedJob.from_dict(files.derived)
-        # rundir.read_run_files refuses a launch.json without it
-        assert job.total_steps is not None
+        assert job.total_steps is not None   # rundir.read_run_files refuses a launch.json without it
         self.total_steps, self.world_size = job.total_steps, job.world_size
         self.base = rundir.export_dir(self.spec, self.run_dir)
         self.dtype = resolve_dtype(self.spec)
@@ -143,10 +142,11 @@ class ModelExporter:
                 self._export(engine, state, "best", "best evaluation")
 
     def _checkpoint_follows(self, step: int) -> bool:
-        """Whether the training loop saves a checkpoint at `step` after its evaluation
-        (worker.train_loop)."""
+        """Whether a checkpoint is saved at `step` after its evaluation (the rule of
+        train/checkpointer.Checkpointer.due)."""
         ckpt = self.spec["checkpoint"]
-        periodic = bool(ckpt["every_n_steps"]) and step % ckpt["every_n_steps"] == 0
+        every = ckpt["every_n_steps"]
+        periodic = step % every == 0 if every else False
         return periodic or (step >= self.total_steps and ckpt["save_final"])
 
     def final(self, engine, state) -> None:

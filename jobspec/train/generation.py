@@ -7,7 +7,8 @@ rendered with the job's chat template up to their last user turn with the assist
 template (prompt/completion records of a tokenizer that has none) the prompt text as training saw
 it. A prompt keeps its last `data.max_length - max_new_tokens` tokens.
 
-At each evaluation (worker.train_loop's run_eval, and at the end) every rank generates its share
+At each evaluation (train/evaluation.Evaluator: every `training.eval_every` steps and at the last
+step) every rank generates its share
 (prompt i on rank i mod world), `micro_batch_size` prompts per `generate` call, left-padded. Under
 ZeRO-3 each rank holds a slice of every weight: all ranks make the same number of calls (a rank
 without prompts of its own repeats one and drops the answer) with `synced_gpus=True`, so every
@@ -120,7 +121,7 @@ def prompt_parts(messages: list[dict]) -> dict:
 
 def settings(spec: JobSpec) -> JobSpecTrainingEvalGenerate:
     """`training.eval_generate`, of a job that has it: what every function here is given
-    (EvalGenerator.for_job returns None without it)."""
+    (EvalGenerator.for_job returns a NoGeneration without it)."""
     generate = spec["training"]["eval_generate"]
     if generate is None:
         raise ValueError("training.eval_generate is not set: the job generates nothing")
@@ -306,25 +307,23 @@ class EvalGenerator:
                                if run_dir is not None and rank == 0 else set())
 
     @classmethod
-    def for_job(cls, files, run_dir: Path, rank: int, world_size: int, group, sink, progress):
-        """The generator of the job in `files` (rundir.RunFiles), or None without
-        `training.eval_generate`."""
-        spec = files.spec
+    def for_job(cls, spec: JobSpec, *, batch_size: int, zero3: bool, run_dir: Path, rank: int,
+                world_size: int, group, sink, progress) -> "EvalGenerator | NoGeneration":
+        """The generator of the job, a NoGeneration without `training.eval_generate`. `batch_size`:
+        the prompts per `generate` call (the derived micro-batch); `zero3`: the engine partitions
+        its weights."""
         if not spec["training"]["eval_generate"]:
-            return None
+            return NoGeneration()
         from jobspec.data.chat_render import chat_template
         from jobspec.model.build import build_tokenizer
         from jobspec.model.chat_turns import end_of_turn_ids
-        from jobspec.spec.derived import DerivedJob
 
         tokenizer = build_tokenizer(spec)
         template = chat_template(spec, tokenizer)
         prompts = build_prompts(spec, tokenizer, template, source_records(spec))
-        zero3 = files.ds_config.get("zero_optimization", {}).get("stage", 0) == 3
         return cls(spec, tokenizer, prompts, end_of_turn_ids(tokenizer, template), rank=rank,
-                   world_size=world_size,
-                   batch_size=DerivedJob.from_dict(files.derived).micro_batch_size, zero3=zero3,
-                   group=group, run_dir=run_dir, sink=sink, progress=progress)
+                   world_size=world_size, batch_size=batch_size, zero3=zero3, group=group,
+                   run_dir=run_dir, sink=sink, progress=progress)
 
     # --- generating -------------------------------------------------------------------------------
 
@@ -441,6 +440,13 @@ class EvalGenerator:
             self.progress.message(f"step {step}: {len(rows)} answers generated in {seconds:.1f} s "
                                   f"({stops} ended their turn{said}); first: "
                                   f"{excerpt(first['generation'])}")
+
+
+class NoGeneration:
+    """The generation policy without `training.eval_generate`: an evaluation generates nothing."""
+
+    def run(self, engine, state) -> None:
+        return None
 
 
 def excerpt(text: str | None, limit: int = SHOWN_CHARS) -> str:

@@ -8,8 +8,8 @@ never leaves the others waiting in a collective it skipped. When any rank voted 
 1. save weights, optimizer and LR-scheduler state of the last completed optimizer step (the
    interrupted step's partial gradients are dropped: no update was applied yet) to
    `<run_dir>/.oom-recovery/`, and release the engine;
-2. rebuild the engine with micro-batch / 2 and accumulation x 2 (global batch, schedule and step
-   count unchanged) and load that state;
+2. the Trainer (jobspec.train.trainer) rebuilds its engine with micro-batch / 2 and accumulation x 2
+   (`next_split`: global batch, schedule and step count unchanged), and `restore` loads that state;
 3. rewind the data to where the step began and redo it from its first micro-batch: the same samples,
    re-split into halves (the sampler's order depends only on seed and epoch).
 
@@ -40,6 +40,7 @@ from jobspec import rundir
 from jobspec.compile.compiler import rebatched
 from jobspec.errors import RunFailure, first_line
 from jobspec.spec.derived import DerivedJob
+from jobspec.spec.types import JobSpecTraining
 from jobspec.train.metrics import any_rank
 
 INJECT_AT_STEP_ENV = "JOBSPEC_INJECT_OOM_AT_STEP"
@@ -49,21 +50,20 @@ POLICIES = ("fail", "halve_micro_batch")
 
 
 class OomGuard:
-    """Runs one micro-batch under the OOM policy and, after an agreed OOM, rebuilds the engine."""
+    """Runs one micro-batch under the OOM policy (`training.on_oom`; `fail` votes on nothing and
+    turns an OOM into a RunFailure); after an agreed OOM, saves the last completed step and
+    restores it into the engine the Trainer rebuilds with the split `next_split` gives."""
 
-    def __init__(self, files, *, run_dir: Path, rank: int, control_group, build_engine, progress,
-                 sink, telemetry, environ=os.environ):
-        self.files = files
-        self.policy = files.spec["training"]["on_oom"]
+    def __init__(self, training: JobSpecTraining, job: DerivedJob, *, run_dir: Path, rank: int,
+                 group, progress, sink, environ=os.environ):
+        self.policy = training["on_oom"]
         self.run_dir = Path(run_dir)
-        self.rank, self.control = rank, control_group
-        # engine.build_engine: same model, patches and seed path
-        self.build_engine = build_engine
-        self.progress, self.sink, self.telemetry = progress, sink, telemetry
-        job = DerivedJob.from_dict(files.derived)
+        self.rank, self.control = rank, group
+        self.progress, self.sink = progress, sink
         self.compiled_micro = job.micro_batch_size
         self.micro = self.compiled_micro
         self.accumulation = job.gradient_accumulation_steps
+        self._split_before: tuple[int, int] = (self.micro, self.accumulation)
         self.events = 0
         self.inject_at = int(environ.get(INJECT_AT_STEP_ENV) or 0)
         inject_rank = environ.get(INJECT_RANK_ENV)
@@ -137,25 +137,24 @@ class OomGuard:
         engine.save_checkpoint(str(save_dir), tag=RECOVERY_TAG, client_state={}, save_latest=False)
         _barrier()
         engine.destroy()
-        if self.telemetry is not None:
-            self.telemetry.engine = None
         return {"dir": save_dir, "rng": rng, "step": step}
 
-    def rebuild(self, saved: dict, state, loader_args: dict):
-        """Every rank: an engine with half the micro-batch and twice the accumulation, holding the
-        saved state; the data rewound to where the interrupted step began. Returns (engine,
-        window)."""
+    def next_split(self) -> tuple[int, int]:
+        """Every rank, once the old engine's last references are gone: its memory returned, and
+        the (micro-batch, accumulation) the engine is rebuilt with: half and twice (the global
+        batch as compiled)."""
         import torch
-
-        from jobspec.checkpoint import save_load
-        gc.collect()   # the old engine's last references went with save_and_release's caller
+        gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        old_micro, old_accumulation = self.micro, self.accumulation
-        self.micro, self.accumulation = old_micro // 2, old_accumulation * 2
-        self.files = halved_run_files(self.files, self.micro, self.accumulation)
-        # datasets rebuilt too: same content, unused
-        engine, _, _, _ = self.build_engine(self.files)
+        self._split_before = (self.micro, self.accumulation)
+        self.micro, self.accumulation = self.micro // 2, self.accumulation * 2
+        return self.micro, self.accumulation
+
+    def restore(self, engine, saved: dict, state):
+        """Every rank: the saved state loaded into the rebuilt `engine`, the data position rewound
+        to where the interrupted step began. Returns the window as it was at that step's start."""
+        from jobspec.checkpoint import save_load
         save_load.load(engine, str(saved["dir"]), RECOVERY_TAG)
         engine.train()
         # build_engine re-seeded: keep the run's stream
@@ -168,22 +167,18 @@ class OomGuard:
             raise RuntimeError("redo without a marked step")
         epoch, batches, window = self._step_start
         window.rewind()  # the copy shares the loss list: drop the interrupted step's losses
-        # counted in halved micro-batches now
-        state.epoch, state.batches_in_epoch = epoch, batches * 2
-        loader_args["micro_batch_size"] = self.micro
-        if self.telemetry is not None:
-            self.telemetry.engine = engine
+        state.epoch, state.batches_in_epoch = epoch, batches * 2   # counted in halved micro-batches now
         self.events += 1
+        (old_micro, old_accumulation), step = self._split_before, saved["step"]
         self.progress.message(
-            f"out of memory in step {saved['step']} ({self.pending}): micro-batch {old_micro} -> "
+            f"out of memory in step {step} ({self.pending}): micro-batch {old_micro} -> "
             f"{self.micro}, gradient accumulation {old_accumulation} -> {self.accumulation}; "
-            f"redoing step {saved['step']}")
+            f"redoing step {step}")
         if self.sink is not None:
-            self.sink.log({"oom/micro_batch_size": self.micro,
-                           "oom/gradient_accumulation_steps": self.accumulation,
-                           "oom/events": self.events}, step=saved["step"])
+            self.sink.log({"oom/micro_batch_size": self.micro, "oom/gradient_accumulation_steps": self.accumulation,
+                           "oom/events": self.events}, step=step)
         self.pending, self._marked_step = None, None
-        return engine, window
+        return window
 
     # --- helpers --------------------------------------------------------------------------------
 
@@ -192,8 +187,7 @@ class OomGuard:
                 and self.inject_rank in (None, self.rank)):
             import torch
             self._injected = True
-            raise torch.OutOfMemoryError("CUDA out of memory (injected by "
-                                         f"{INJECT_AT_STEP_ENV}={self.inject_at})")
+            raise torch.OutOfMemoryError(f"CUDA out of memory (injected by {INJECT_AT_STEP_ENV}={self.inject_at})")
 
     def _failure(self, step: int, where: str | None, err, why: str) -> RunFailure:
         detail = f": {first_line(err)}" if err is not None else ""

@@ -245,7 +245,9 @@ class RunState:
 
 
 class StepReporter:
-    """Turns windows of steps into the shared metric names; collectives run on every rank."""
+    """The logging policy: turns windows of steps into the shared metric names at the steps
+    `should_log` picks; collectives run on every rank. `engine`: the Trainer's (it sets it again
+    when an OOM recovery rebuilds it)."""
 
     def __init__(self, engine, spec: JobSpec, derived: DerivedJob, patches, sink, progress, rank,
                  state: RunState):
@@ -264,7 +266,14 @@ class StepReporter:
                                              spec["memory"]["precision"])
         self._rss = metrics.RssReader()  # made once: the RSS reading is per log step
         self.perf_window_s = spec["logging"]["perf_window_s"]
+        self.every_n_steps = spec["logging"]["every_n_steps"]
         self._perf = PerfWindow()
+
+    def should_log(self, step: int, window: Window, *, last_step: bool) -> bool:
+        """Whether `window` is logged at `step`: every `logging.every_n_steps` steps and at the last
+        step (the run's, or before a stop's checkpoint), when it holds a loss (the steps
+        `training.on_nan: skip` dropped have none)."""
+        return bool(window.micro_batches) and (last_step or step % self.every_n_steps == 0)
 
     def log_window(self, step: int, window: Window, nan_guard=None, final: bool = False) -> Window:
         """Log the window's metrics (rank 0); returns the next, empty window. Every rank calls it:

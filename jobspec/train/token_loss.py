@@ -110,3 +110,14 @@ def summed_loss(task: Task, outputs, labels, shift: int | None = None):
         logits, labels = logits[..., :-shift, :], labels[..., shift:]
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
                            ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def loss_inputs(task: Task, sp, batch: dict):
+    """(the model's inputs, the labels its summed loss is taken against, their shift) of one host
+    micro-batch; under sequence parallelism (`sp`: jobspec.train.sequence_parallel.active()) this
+    rank's 1/N of the sequence and its next-token labels, shifted already."""
+    from jobspec.model.padding_mask import model_inputs
+    if sp is not None:
+        inputs, next_labels = sp.shard(batch)
+        return inputs, next_labels, 0
+    return model_inputs(batch, causal=task.shift > 0), batch["labels"], task.shift

@@ -3,12 +3,15 @@
     deepspeed --num_gpus N --master_port P --module jobspec.train.worker --run-dir DIR
 
 It reads only the run directory (resolved.yaml, ds_config.json, patches.json, launch.json) and
-the environment the runner sets; builds tokenizer, model, patches and data (jobspec.train.engine);
-trains for `derived.total_steps` optimizer steps through `deepspeed.initialize`; logs metrics (rank
-0, via MetricSink), saves checkpoints, resumes from them, and stops cleanly on SIGUSR1/SIGTERM.
-Rank 0 writes `summary.json`. Env: JOBSPEC_PROGRESS=bar|lines|none, JOBSPEC_STOP_AFTER_STEPS=K
-(behave as if signalled after K steps: for tests and debugging), JOBSPEC_INJECT_NAN_AT_STEP=K
-(a NaN loss in step K, to test `training.on_nan`: see jobspec/train/faults.py).
+the environment the runner sets. This module is the process: the stop flag (SIGUSR1/SIGTERM), the
+launcher watch, the process group, and the failure summary and exit code of a run that fails; what
+the rank trains is assembled by jobspec.train.assembly (the engine resumed, rank 0's outputs) and
+trained by jobspec.train.trainer.Trainer for `derived.total_steps` optimizer steps with its policies
+(logging, evaluation, checkpoints, export, stop, OOM, NaN). Rank 0 writes `summary.json`.
+
+Env: JOBSPEC_PROGRESS=bar|lines|none, JOBSPEC_STOP_AFTER_STEPS=K (behave as if signalled after K
+steps: for tests and debugging), JOBSPEC_INJECT_NAN_AT_STEP=K (a NaN loss in step K, to test
+`training.on_nan`: see jobspec/train/faults.py).
 """
 from __future__ import annotations
 
@@ -18,26 +21,19 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
 
 from jobspec import launcher_log, lifeline, rundir
-from jobspec.checkpoint.reshard import replace_ds_config
 from jobspec.errors import EXIT_INVALID, EXIT_RUN_FAILED, RunFailure, SpecError
 from jobspec.export.hf_dir import ExportFailed
-from jobspec.model.padding_mask import model_inputs
 from jobspec.quick_exit import quick_exit
 from jobspec.rundir import RunFiles
 from jobspec.spec.derived import DerivedJob
-from jobspec.train import library_output
-from jobspec.train.engine import build_engine, reshard_plan, resume, share_cpu_threads
-from jobspec.train.faults import NanGuard, NonFiniteLoss
-from jobspec.train.metrics import any_rank
-from jobspec.train.oom import OomGuard
-from jobspec.train.progress import RunState, StepReporter, Window, summarize
+from jobspec.train import assembly, library_output
+from jobspec.train.engine import share_cpu_threads
+from jobspec.train.faults import NonFiniteLoss
+from jobspec.train.progress import RunState, summarize
 from jobspec.train.startup import StartupClock
 from jobspec.train.stopping import StopFlag, StopVote
-
-TRACKING_WAIT_S = 120.0  # then metrics.jsonl only (`jobspec sync` uploads it later)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def train(run_dir: Path, state: RunState, started: float) -> int:
+    """This rank's run: the process group, the engine resumed, the outputs, and the Trainer's steps
+    (jobspec.train.assembly, jobspec.train.trainer); rank 0 writes summary.json."""
     files = rundir.read_run_files(run_dir)
     stop = StopFlag()
     stop.install()
@@ -88,19 +86,38 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
     lifeline.watch_launcher(lambda record: lifeline.end_orphaned_job(record,
                                                                      os.environ.get("MASTER_PORT")))
     startup = StartupClock.for_rank(files.spec, files.launch, state.startup, started)
+    control = _start_process_group(run_dir, files, startup)
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    job = DerivedJob.from_dict(files.derived)   # launch.json's derived job: read once, passed on
+    built = assembly.build_and_resume(files, job, state, startup, control)
+    outputs = assembly.RankOutputs.open(run_dir, files, job, built, state, startup, rank)
+    try:
+        assembly.announce(built, state, outputs, rank)
+        vote = StopVote(stop, control, dist.get_world_size())   # every rank stops at the same step
+        trainer = assembly.trainer_for(files, job, built, outputs, state, run_dir=run_dir,
+                                       stop=vote, control=control, startup=startup)
+        startup.mark("loop")
+        del built   # the Trainer holds the engine's only reference: an OOM recovery must free it
+        status = trainer.train()
+        if rank == 0:
+            rundir.write_summary(run_dir, summarize(state, status, job.total_steps, started))
+    finally:
+        startup.stop()
+        outputs.close()
+    return 0
 
+
+def _start_process_group(run_dir: Path, files: RunFiles, startup: StartupClock):
+    """The gloo control group of the ranks' votes and counts, once DeepSpeed is imported, the
+    libraries' output routed, the ops built, the process group started and the CPU threads shared
+    between the node's ranks."""
     import torch.distributed as dist
 
     from jobspec import ops
     # without MLflow (DeepSpeed's autotuner imports it) on the ranks that never log to it
     deepspeed = ops.import_deepspeed(without_mlflow=int(os.environ.get("LOCAL_RANK", "0")) != 0)
-    from jobspec.export.exporter import ModelExporter
-    from jobspec.train import lora_adapters
-    from jobspec.train.generation import EvalGenerator
-    from jobspec.train.progress import NullProgress, Progress
-
-    # the libraries' records and bars to launcher.log (the quiet terminal): before they load
-    # anything
+    # the libraries' records and bars to launcher.log (the quiet terminal), before they load a thing
     library_output.route_library_logs(int(os.environ.get("RANK", "0")),
                                       transformers=files.spec["model"]["architecture"] != "mlp",
                                       datasets=bool(files.spec["data"]["train"]))
@@ -108,323 +125,13 @@ def train(run_dir: Path, state: RunState, started: float) -> int:
     ops.share_cpu_info(run_dir / rundir.CPU_INFO)
     # first-run op compiles happen here, announced, instead of in silence inside DeepSpeed
     ops.ensure_built(ops.needed_ops(files.ds_config), announce=_node_leader_says)
-    # DeepSpeed's shm all-reduce op: built and loaded for nothing in training
-    ops.skip_unused_ops()
+    ops.skip_unused_ops()   # DeepSpeed's shm all-reduce op: built and loaded for nothing here
     startup.mark("ops")
     deepspeed.init_distributed()
     startup.mark("distributed")
     share_cpu_threads()
     # Stop votes go over gloo on the host: an NCCL vote would sync the GPU at every step.
-    control = dist.new_group(backend="gloo")
-    # a checkpoint of another world size: converted (rank 0) and loaded via DeepSpeed's universal
-    # format
-    reshard = reshard_plan(files.spec["checkpoint"], dist.get_world_size(), control,
-                           files.spec["memory"]["sequence_parallel"])
-    engine, train_ds, eval_ds, patch_notes = build_engine(replace_ds_config(files, reshard),
-                                                          startup)
-    # summary.json, MLflow: LoRA's share
-    state.parameters = lora_adapters.parameter_counts(engine.module)
-    # corrupt checkpoints skipped on resume (reported below and as a tag)
-    passed_over: list[str] = []
-    pending_rng = resume(engine,
-                         reshard.checkpoint_section if reshard else files.spec["checkpoint"], state,
-                         lambda flag: _any_rank(flag, control), passed_over)
-    job = DerivedJob.from_dict(files.derived)   # launch.json's derived job, typed
-    rank, total_steps = dist.get_rank(), job.total_steps
-    assert total_steps is not None   # rundir.read_run_files refuses a launch.json without it
-    if reshard is not None:
-        pending_rng = reshard.adjust(state, job.micro_batch_size, files.spec["training"]["seed"],
-                                     rank)
-    startup.mark("resumed", f"from {state.resumed_from}" if state.resumed_from else "")
-    progress = Progress(total_steps, state.step) if rank == 0 else NullProgress()
-    sink = _open_sink(run_dir, files) if rank == 0 else None
-    startup.report_to(progress.message, sink)
-    if sink is not None:
-        sink.log_params(lora_adapters.params_for_mlflow(files.spec, state.parameters))
-        from jobspec.data.loaders import data_params
-        # data.<split>.records, tokens, ... (the data cache)
-        state.data = data_params(train_ds, eval_ds) or None
-        sink.log_params(state.data or {})
-    system_metrics = _start_system_metrics(run_dir, files, rank)
-    startup.mark("sink")
-    try:
-        # the launch header lists the patches; the details go to launcher.log
-        for note in patch_notes:
-            if rank == 0:
-                launcher_log.note(note)
-        if reshard is not None:
-            progress.message(reshard.message(state.step))
-        if state.resumed_from:
-            progress.message(f"resumed from {state.resumed_from} at step {state.step}")
-        if passed_over and sink is not None:
-            sink.set_tags({"jobspec.resume_fallback": f"resumed from {state.resumed_from}; passed "
-                                                      "over: "
-                                                      + " | ".join(passed_over)})
-        nan_guard = NanGuard(files.spec["training"]["on_nan"], lambda flag: any_rank(flag, control),
-                             sink, rank)
-        telemetry = StepReporter(engine, files.spec, job, files.patches, sink, progress, rank,
-                                 state)
-        oom_guard = OomGuard(files, run_dir=run_dir, rank=rank, control_group=control,
-                             build_engine=build_engine,
-                             progress=progress, sink=sink, telemetry=telemetry)
-        exporter = ModelExporter(files, run_dir, rank, control, progress,
-                                 label_names=getattr(train_ds, "label_names", None))
-        exporter.check_writable()
-        # training.eval_generate: answers to fixed prompts at every evaluation (train/generation.py)
-        generator = EvalGenerator.for_job(files, run_dir, rank, dist.get_world_size(), control,
-                                          sink, progress)
-        startup.mark("loop")
-        # train_loop holds the only reference: an OOM recovery (jobspec.train.oom) must free it
-        del engine
-        vote = StopVote(stop, control, dist.get_world_size())
-        try:
-            status = train_loop(telemetry.engine, files, train_ds, eval_ds, state, telemetry,
-                                progress,
-                                stop=vote, pending_rng=pending_rng, nan_guard=nan_guard,
-                                oom_guard=oom_guard,
-                                exporter=exporter, generator=generator, count_groups=(control,),
-                                startup=startup)
-        finally:
-            vote.close()
-        telemetry.finish(state.step)   # the launch's throughput, as summary.json states it
-        if status == "finished":  # after the final checkpoint: a failed export loses no training
-            exporter.final(telemetry.engine, state)
-        if rank == 0:
-            rundir.write_summary(run_dir, summarize(state, status, total_steps, started))
-    finally:
-        startup.stop()
-        progress.close()
-        if system_metrics is not None:
-            system_metrics.stop()
-        if sink is not None:
-            sink.close(timeout=30)
-    return 0
-
-
-def train_loop(engine, files: RunFiles, train_ds, eval_ds, state: RunState,
-               telemetry: "StepReporter", progress,
-               *, stop, pending_rng: dict | None, nan_guard: NanGuard | None = None,
-               oom_guard: OomGuard | None = None, exporter=None, generator=None, count_groups=(),
-               startup: StartupClock | None = None) -> str:
-    """Optimizer steps until `derived.total_steps` ("finished") or an agreed stop ("preempted").
-
-    Each step takes its micro-batches first and back-propagates their summed loss over the labelled
-    tokens of the whole global batch, counted over `count_groups` (none: every rank; the worker
-    passes its gloo control group, so the count never syncs a GPU): jobspec.train.token_loss.
-
-    `stop(step)` is asked after every optimizer step (jobspec.train.stopping.StopVote). Per
-    micro-batch the loop does only host-side bookkeeping (counts, the loss appended to the window):
-    what needs the device's values is read at log and checkpoint steps."""
-    from functools import partial
-
-    import torch.distributed as dist
-
-    from jobspec import tasks
-    from jobspec.checkpoint import save_load
-    from jobspec.data.loaders import make_loader
-    from jobspec.train import sequence_parallel, token_loss
-    from jobspec.train.step_batches import StepBatches
-    from jobspec.train.task_metrics import counter_for
-
-    spec, derived = files.spec, DerivedJob.from_dict(files.derived)
-    training, data, ckpt = spec["training"], spec["data"], spec["checkpoint"]
-    total_steps = derived.total_steps
-    every_log, every_ckpt = spec["logging"]["every_n_steps"], ckpt["every_n_steps"]
-    assert total_steps is not None   # rundir.read_run_files refuses a launch.json without it
-    # memory.sequence_parallel: the N ranks of a group load the same micro-batches
-    # (train/sequence_parallel)
-    sp = sequence_parallel.active()
-    # make_loader's keywords of this run (an OOM retry halves micro_batch_size in place:
-    # OomGuard.rebuild)
-    loader_args: dict[str, Any] = dict(
-        micro_batch_size=derived.micro_batch_size, rank=sp.data_rank if sp else dist.get_rank(),
-        world_size=sp.data_world if sp else dist.get_world_size(), seed=training["seed"],
-        num_workers=data["num_workers"], pin_memory=data["pin_memory"])
-
-    def save_checkpoint():
-        if nan_guard:
-            nan_guard.confirm(window)  # never save a state that followed a non-finite loss
-        state.last_checkpoint = save_load.save(
-            engine, ckpt["dir"], step=state.step, epoch=state.epoch,
-            batches_in_epoch=oom_guard.batches_in_compiled_units(state.batches_in_epoch)
-            if oom_guard
-            else state.batches_in_epoch,
-            job_name=spec["name"], keep_last=ckpt["keep_last"],
-            zero_stage=files.ds_config.get("zero_optimization", {}).get("stage", 0),
-            micro_batch_size=derived.micro_batch_size, sequence_parallel=sp.size if sp else 1)
-        progress.message(f"checkpoint {state.last_checkpoint} saved to {ckpt['dir']}")
-        if exporter is not None:
-            exporter.after_checkpoint(engine, state, ckpt["dir"])
-
-    def run_eval():
-        if eval_ds is not None:
-            loader = make_loader(eval_ds, epoch=0, shuffle=False, skip_batches=0, **loader_args)
-            counter = counter_for(spec, getattr(engine.module, "config", None),
-                                  getattr(train_ds, "label_names", None))
-            state.eval_loss, state.eval_metrics = evaluate(engine, loader, counter)
-            telemetry.log_eval(state.step, state.eval_loss, state.eval_metrics)
-            if exporter is not None:
-                exporter.after_eval(engine, state)
-        if generator is not None:   # at every evaluation, with or without eval data
-            generator.run(engine, state)
-
-    engine.train()
-    window = Window()
-    first_step = state.step + 1  # its end is the start-up's end (train/startup.py)
-    startup = startup or StartupClock.log_only()
-    task = tasks.of(spec)
-
-    # from the run's data position (after an OOM: rewound)
-    def step_batches(rng: dict | None) -> StepBatches:
-        # an epoch: whole global batches of the shuffled order, the same samples on every split
-        def loader(epoch, skip):
-            return make_loader(train_ds, epoch=epoch, shuffle=data["shuffle"], skip_batches=skip,
-                               **loader_args, global_batch_size=derived.global_batch_size)
-        return StepBatches(loader, state.epoch, state.batches_in_epoch,
-                           # after iter(): see checkpoint/save_load.rng_state_of_this_rank
-                           after_first_iter=None if rng is None
-                           else partial(save_load.restore_rng_state, rng))
-    stream = step_batches(pending_rng)
-    while state.step < total_steps:
-        if oom_guard:
-            # where this optimizer step began, to redo it after an OOM
-            oom_guard.mark(state, window)
-        # the step's micro-batches and their labelled tokens over every rank, before its first
-        # forward
-        micro_batches = stream.take(engine.gradient_accumulation_steps())
-        parts = [_loss_inputs(task, sp, micro.batch) for micro in micro_batches]
-        step_tokens = token_loss.global_count(sum(token_loss.labelled_count(task, labels, shift)
-                                                  for _, labels, shift in parts), count_groups)
-        # DeepSpeed averages the gradients over the data-parallel ranks: under Ulysses world / N
-        # (its engine.dp_world_size is None then; the N ranks of a group are summed)
-        scale = token_loss.backward_scale(step_tokens, engine.dp_world_size if sp is None
-                                          else sp.averaged_over(engine))
-        for micro, (inputs, labels, shift) in zip(micro_batches, parts):
-            if sp is None or sp.counts_data:   # a sequence-parallel group's samples count once
-                # on the host batch: no device sync
-                window.tokens += telemetry.count_tokens(micro.batch)
-                window.samples += int(micro.batch["input_ids"].shape[0])
-            inputs = {k: v.to(engine.device, non_blocking=True) for k, v in inputs.items()}
-            labels = labels.to(engine.device, non_blocking=True)
-            boundary = engine.is_gradient_accumulation_boundary()  # ask before step() advances it
-            if boundary:   # the rate this step runs at (step() moves the schedule on)
-                window.lr = float(engine.get_lr()[0])
-            summed = partial(token_loss.summed_loss, task, labels=labels, shift=shift)
-            if oom_guard is None:
-                loss = summed(engine(**inputs))
-            elif (loss := oom_guard.forward(engine, inputs, state.step + 1, summed)) is None:
-                # out of memory on some rank: every rank redoes the step below, micro-batch halved
-                break
-            if nan_guard:   # a test's injected NaN, where a real one would come from
-                loss = nan_guard.inject(loss, state.step + 1)
-            reported = loss.detach() / step_tokens if step_tokens else loss.detach() * 0.0
-            loss, nonfinite = nan_guard.check(loss * scale, state.step + 1) if nan_guard \
-                else (loss * scale, False)
-            if oom_guard is None:
-                token_loss.backward(engine, loss)
-            elif not oom_guard.backward(engine, loss, state.step + 1):
-                break  # as above
-            nan_guard.step(engine, boundary, state.step + 1) if nan_guard else engine.step()
-            state.epoch, state.batches_in_epoch = micro.epoch, micro.batches_in_epoch
-            if not nonfinite:  # a skipped micro-batch has no loss to report
-                window.add_loss(reported, state.step + 1)   # its share of the step's token mean
-        if oom_guard and oom_guard.pending:  # every rank agreed on an OOM in this optimizer step
-            saved = oom_guard.save_and_release(engine, state)
-            # the old engine's last references: free its memory first
-            engine = inputs = labels = loss = None
-            engine, window = oom_guard.rebuild(saved, state, loader_args)
-            sp = sequence_parallel.active()   # registered again by the rebuilt engine
-            stream = step_batches(None)
-            continue
-        state.step += 1
-        window.steps += 1
-        if state.step == first_step:
-            startup.first_step(state.step)
-            # throughput counts from here (docs/architecture.md, "Throughput")
-            if state.step < total_steps:
-                window.start_timing()
-        progress.update(state.step)
-        last = state.step >= total_steps
-        if (state.step % every_log == 0 or last) and window.micro_batches:
-            # also where training.on_nan: stop finds a non-finite loss of the window (any rank)
-            window = telemetry.log_window(state.step, window, nan_guard, final=last)
-        if (training["eval_every"] and state.step % training["eval_every"] == 0) or last:
-            with window.paused():
-                run_eval()
-        if last:
-            if ckpt["save_final"] or (every_ckpt and state.step % every_ckpt == 0):
-                save_checkpoint()
-            return "finished"
-        if stop(state.step):
-            if window.steps and window.micro_batches:
-                window = telemetry.log_window(state.step, window, nan_guard, final=True)
-            save_checkpoint()
-            return "preempted"
-        if every_ckpt and state.step % every_ckpt == 0:
-            with window.paused():
-                save_checkpoint()
-    return "finished"  # resumed from a checkpoint of the last step: nothing left to do
-
-
-def _loss_inputs(task, sp, batch: dict):
-    """(the model's inputs, the labels its summed loss is taken against, their shift) of one host
-    micro-batch; under sequence parallelism this rank's 1/N of the sequence and its next-token
-    labels (shifted already: jobspec.train.sequence_parallel)."""
-    if sp is not None:
-        inputs, next_labels = sp.shard(batch)
-        return inputs, next_labels, 0
-    return model_inputs(batch, causal=task.shift > 0), batch["labels"], task.shift
-
-
-def evaluate(engine, loader, counter=None, task=None) -> tuple[float, dict]:
-    """(the eval loss: per labelled token over every rank's batches, the task metrics of `counter`
-    by name).
-
-    The loss is the summed per-token loss of every rank's batches over their labelled tokens
-    (jobspec.train.token_loss: the training loss's definition), so a perplexity is exp of it
-    whatever the eval micro-batch and the ranks. The metrics come from counts summed over the ranks
-    (jobspec.train.task_metrics), never from a mean of the ranks' own metrics. With sequence
-    parallelism the group's ranks evaluate the same batches, each its shard of the tokens (counted
-    once in the loss; the task metrics count the group's batch once, by its rank 0)."""
-    import torch
-    import torch.distributed as dist
-
-    from jobspec import tasks
-    from jobspec.train import sequence_parallel, token_loss
-    from jobspec.train.task_metrics import logits_of, perplexity
-    sp = sequence_parallel.active()
-    task = tasks.get(counter.task if counter is not None else task)
-    # summed loss, labelled tokens
-    totals = torch.zeros(2, dtype=torch.float64, device=engine.device)
-    engine.eval()
-    with torch.no_grad():
-        for batch in loader:
-            inputs, labels, shift = _loss_inputs(task, sp, batch)
-            count = token_loss.labelled_count(task, labels, shift)
-            inputs = {k: v.to(engine.device, non_blocking=True) for k, v in inputs.items()}
-            outputs = engine(**inputs)
-            summed = token_loss.summed_loss(task, outputs,
-                                            labels.to(engine.device, non_blocking=True), shift)
-            totals += torch.stack([summed.double(), torch.tensor(float(count), dtype=torch.float64,
-                                                                 device=engine.device)])
-            if counter is not None and (sp is None or sp.counts_data):
-                # a shard's logits are not the batch's: under sequence parallelism only the loss
-                # counts
-                mean = summed / count if count else summed
-                counter.update(mean, logits_of(outputs) if sp is None else None,
-                               batch["labels"].to(engine.device, non_blocking=True))
-    engine.train()
-    dist.all_reduce(totals)
-    loss = float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")
-    if counter is None:
-        return loss, {}
-    counts = counter.vector(engine.device)
-    dist.all_reduce(counts)
-    metrics = counter.finish(counts.tolist())
-    # exp(eval/loss) exactly: the same sums (the counter's come back from means)
-    if "perplexity" in metrics:
-        metrics.update(perplexity(float(totals[0]), float(totals[1])))
-    return loss, metrics
+    return dist.new_group(backend="gloo")
 
 
 def _write_failure(run_dir: Path, state: RunState, started: float, error: str) -> None:
@@ -452,45 +159,10 @@ def _print_spec_error(text: str) -> None:
     sys.stderr.flush()
 
 
-def _any_rank(flag: bool, group) -> bool:
-    """True on every rank if it is true on one: all ranks must stop at the same step."""
-    import torch
-    import torch.distributed as dist
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return bool(t.item())
-
-
 def _node_leader_says(text: str) -> None:
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # once per node, not once per rank
         sys.stdout.write(f"jobspec: {text}\n")  # one write: the node's ranks share the pipe
         sys.stdout.flush()
-
-
-def _open_sink(run_dir: Path, files: RunFiles):
-    """metrics.jsonl and a writer for each tracker the spec enables
-    (jobspec/tracking/trackers.py)."""
-    from jobspec.tracking.sink import MetricSink
-    _wait_for_the_mlflow_run(run_dir, files.launch)
-    return MetricSink.open(run_dir, files.spec)
-
-
-def _wait_for_the_mlflow_run(run_dir: Path, launch: dict) -> None:
-    if launch.get("mlflow_run") == "pending":  # the launcher creates the run while the ranks start
-        rundir.wait_for_tracking(run_dir, timeout_s=TRACKING_WAIT_S)
-
-
-def _start_system_metrics(run_dir: Path, files: RunFiles, rank: int):
-    """MLflow's system-metrics monitor in each node's local rank 0, with
-    `logging.system_metrics`."""
-    if not files.spec["logging"]["system_metrics"] or int(os.environ.get("LOCAL_RANK", "0")) != 0:
-        return None
-    # rank 0 waited already; another node's leader may not have
-    _wait_for_the_mlflow_run(run_dir, files.launch)
-    from jobspec.tracking.system import SystemMetrics
-    derived = DerivedJob.from_dict(files.derived)
-    return SystemMetrics.start(run_dir, node_index=rank // derived.gpus_per_node,
-                               nodes=derived.nodes)
 
 
 def _destroy_process_group() -> None:

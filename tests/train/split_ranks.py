@@ -3,7 +3,7 @@
     deepspeed --num_gpus 2 --master_port P tests/train/split_ranks.py OUT_DIR
 
 Each rank trains every case of CASES in turn on the one process group (the worker's build_engine and
-train_loop, as tests/train/split_runs.py runs them), and rank 0 saves {case: (weights, train/loss)} to
+Trainer, as tests/train/split_runs.py runs them), and rank 0 saves {case: (weights, train/loss)} to
 OUT_DIR/ranks.pt.
 """
 from __future__ import annotations

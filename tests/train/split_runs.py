@@ -5,7 +5,7 @@ numbers of labelled tokens -- `chat`: a GPT-2 on 64 of the sample chat records w
 `mlm`: a BERT on synthetic masked-LM data (15% random masks). Global batch 16, fp32, no dropout, SGD
 without momentum (its update is the gradient itself: a loss scaled wrongly shows, which Adam's
 normalisation would hide), no shuffle, no checkpoint. `train_case(files)` runs the worker's own
-`build_engine` and `train_loop` on the process group already initialised (1 rank in the test process,
+`build_engine` and Trainer on the process group already initialised (1 rank in the test process,
 2 ranks under tests/train/split_ranks.py) and returns the trained weights and the logged metrics.
 """
 from __future__ import annotations
@@ -139,54 +139,59 @@ class ListSink:
         return [m[name] for _, m in self.rows if name in m]
 
 
-def train_case(files: RunFiles, *, stop_after: int | None = None, resume: bool = False):
-    """(weights by name as fp32 CPU tensors, the sink, the state, the engine) after the worker's train
-    loop on `files` (from the checkpoint `checkpoint.resume` names when `resume`)."""
+def trainer(files: RunFiles, engine, train_ds, state, sink, *, run_dir: Path,
+            stop_after: int | None = None, pending_rng: dict | None = None,
+            environ: dict | None = None):
+    """The worker's Trainer of `engine` on `files` with the job's policies (no eval data; the job
+    saves no checkpoint and exports nothing), stopping after `stop_after` steps."""
     import torch.distributed as dist
 
     from jobspec.spec.derived import DerivedJob
+    from jobspec.train import assembly
+    from jobspec.train.progress import Progress
+    from jobspec.train.stopping import STOP_AFTER_ENV, StopFlag, StopVote
+
+    job = DerivedJob.from_dict(files.derived)
+    progress = Progress(files.launch["derived"]["total_steps"], mode="none")
+    built = assembly.Built(engine, train_ds, None, [], pending_rng, None)
+    outputs = assembly.RankOutputs(progress, sink, None)
+    stop = StopVote(StopFlag(), None, dist.get_world_size(),
+                    environ={STOP_AFTER_ENV: str(stop_after)} if stop_after is not None else {})
+    return assembly.trainer_for(files, job, built, outputs, state, run_dir=run_dir, stop=stop,
+                                environ=environ or {})
+
+
+def train_case(files: RunFiles, *, stop_after: int | None = None, resume: bool = False):
+    """(weights by name as fp32 CPU tensors, the sink, the state, the engine) after the worker's
+    Trainer on `files` (from the checkpoint `checkpoint.resume` names when `resume`)."""
     from jobspec.train import engine as engine_module
-    from jobspec.train.progress import Progress, RunState, StepReporter
-    from jobspec.train.worker import train_loop
+    from jobspec.train.progress import RunState
 
     engine, train_ds, _, _ = engine_module.build_engine(files)
     state = RunState()
     pending_rng = engine_module.resume(engine, files.spec["checkpoint"], state) if resume else None
     sink = ListSink()
-    progress = Progress(files.launch["derived"]["total_steps"], mode="none")
-    telemetry = StepReporter(engine, files.spec, DerivedJob.from_dict(files.derived), files.patches, sink,
-                             progress, dist.get_rank(), state)
-    train_loop(engine, files, train_ds, None, state, telemetry, progress,
-               stop=lambda step: stop_after is not None and step >= stop_after, pending_rng=pending_rng)
+    trainer(files, engine, train_ds, state, sink, run_dir=Path(files.spec["output_dir"]),
+            stop_after=stop_after, pending_rng=pending_rng).train()
     weights = {name: p.detach().float().cpu().clone() for name, p in engine.module.named_parameters()}
     return weights, sink, state, engine
 
 
 def train_with_oom(files: RunFiles, run_dir, environ: dict):
-    """(weights, sink, the OomGuard) after the train loop under `training.on_oom` with its injection
+    """(weights, sink, the OomGuard) after the Trainer under `training.on_oom` with its injection
     env `environ` (jobspec.train.oom), the engine rebuilt in this process as the worker rebuilds it."""
-    import torch.distributed as dist
-
-    from jobspec.spec.derived import DerivedJob
     from jobspec.train.engine import build_engine
-    from jobspec.train.oom import OomGuard
-    from jobspec.train.progress import Progress, RunState, StepReporter
-    from jobspec.train.worker import train_loop
+    from jobspec.train.progress import RunState
 
     engine, train_ds, _, _ = build_engine(files)
     state, sink = RunState(), ListSink()
-    progress = Progress(files.launch["derived"]["total_steps"], mode="none")
-    telemetry = StepReporter(engine, files.spec, DerivedJob.from_dict(files.derived), files.patches, sink,
-                             progress, dist.get_rank(), state)
-    oom = OomGuard(files, run_dir=run_dir, rank=dist.get_rank(), control_group=None, build_engine=build_engine,
-                   progress=progress, sink=sink, telemetry=telemetry, environ=environ)
-    del engine   # train_loop holds the only reference: the recovery frees it
-    train_loop(telemetry.engine, files, train_ds, None, state, telemetry, progress, stop=lambda step: False,
-               pending_rng=None, oom_guard=oom)
-    engine = telemetry.engine
+    made = trainer(files, engine, train_ds, state, sink, run_dir=Path(run_dir), environ=environ)
+    del engine   # the Trainer holds the only reference: the recovery frees it
+    made.train()
+    engine = made.engine
     weights = {name: p.detach().float().cpu().clone() for name, p in engine.module.named_parameters()}
     engine.destroy()
-    return weights, sink, oom
+    return weights, sink, made.policies.oom
 
 
 def initial_weights(files: RunFiles) -> dict:

@@ -244,11 +244,11 @@ def exporter(tmp_path: Path, export_dir: Path, **export):
     from jobspec.export.exporter import ModelExporter
     spec = fill_defaults(deep_merge(TINY_SPEC, {"export": {"dir": str(export_dir), **export},
                                                 "checkpoint": {"dir": str(tmp_path / "ckpt")}}))
-    from jobspec.spec.derived import derive
+    from jobspec.spec.derived import DerivedJob, derive
     # launch.json's derived job, as the ranks read it (DerivedJob.from_dict)
     derived = {**derive(spec).as_dict(), "total_steps": 8, "world_size": 1}
-    files = SimpleNamespace(spec=spec, derived=derived)
-    made = ModelExporter(files, tmp_path / "run", rank=0, group=None, progress=None)
+    made = ModelExporter(spec, DerivedJob.from_dict(derived), tmp_path / "run", rank=0, group=None,
+                         progress=None)
     made._broadcast = lambda obj: obj  # one rank: rank 0's outcome is everyone's
     return made
 

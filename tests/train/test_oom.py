@@ -18,6 +18,7 @@ from jobspec.errors import RunFailure
 from jobspec.train.oom import INJECT_AT_STEP_ENV, INJECT_RANK_ENV, OomGuard, halved_run_files
 from jobspec.train.progress import RunState, Window
 from jobspec.rundir import read_run_files
+from jobspec.spec.derived import DerivedJob
 
 # No dropout (a step redone with half the micro-batch then computes the same gradients), global batch 16,
 # 8 steps: the OOM run is this spec, and its uninterrupted twin is worker_runs.plain_run (which
@@ -42,8 +43,9 @@ class TinyEngine(OomEngine):
 
 def guard_for(tmp_path, overrides=None, environ=None) -> OomGuard:
     files = read_run_files(make_run_dir(tmp_path, overrides))
-    return OomGuard(files, run_dir=tmp_path, rank=0, control_group=None, build_engine=None, progress=None,
-                    sink=None, telemetry=None, environ=environ or {})
+    job = DerivedJob.from_dict(files.derived)
+    return OomGuard(files.spec["training"], job, run_dir=tmp_path, rank=0, group=None,
+                    progress=None, sink=None, environ=environ or {})
 
 
 def loss_of(outputs):

@@ -2,7 +2,7 @@
 
 Data whose micro-batches hold different numbers of labelled tokens: chat records with the loss on the
 answers (a GPT-2), and masked LM (a BERT; 15% random masks). The 1-rank splits run in this process on a
-one-rank gloo group (the worker's own build_engine and train_loop: tests/train/split_runs.py); the
+one-rank gloo group (the worker's own build_engine and Trainer: tests/train/split_runs.py); the
 2-rank splits (2 x 8, 2 x 2 x 4, at ZeRO 0 and 2, both tasks) in ONE real launch
 (tests/train/split_ranks.py).
 
@@ -201,7 +201,7 @@ def eval_on_ranks(engine, dataset, counter_of, micro: int, world: int):
     import torch.distributed as dist
 
     from jobspec.data.loaders import make_loader
-    from jobspec.train.worker import evaluate
+    from jobspec.train.evaluation import evaluate
     real_all_reduce, others = dist.all_reduce, []
     forwards = []
     for rank in reversed(range(world)):

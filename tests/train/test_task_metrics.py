@@ -214,7 +214,7 @@ class FakeEngine:
 
 
 def test_evaluate_returns_the_loss_and_the_reduced_task_metrics(one_rank_group):
-    from jobspec.train.worker import evaluate
+    from jobspec.train.evaluation import evaluate
     batches = [{"input_ids": torch.tensor([[0, 9], [1, 9]]), "labels": torch.tensor([0, 0])},
                {"input_ids": torch.tensor([[1, 9], [1, 9]]), "labels": torch.tensor([1, 1])}]
     loss, metrics = evaluate(FakeEngine(), batches, TaskCounter("sequence-classification", 2))
@@ -242,7 +242,7 @@ def test_an_all_ignored_padding_batch_counts_nothing(task, names, labels):
 def test_evaluate_ignores_a_padding_batch(one_rank_group):
     """The sums of test_evaluate_returns_the_loss_and_the_reduced_task_metrics's batches, with a padding
     batch after them: the same loss and metrics (the model's loss on it is transformers' 0/0)."""
-    from jobspec.train.worker import evaluate
+    from jobspec.train.evaluation import evaluate
 
     class PaddedEngine(FakeEngine):
         def __call__(self, input_ids, attention_mask=None, labels=None):
