@@ -143,14 +143,7 @@ def run(args: argparse.Namespace) -> int:
     if args.format == "json":
         if problem is not None:
             raise problem
-        out = {"job": str(resolved.source), "plan": plan.as_dict()}
-        if result is not None and args.fit:
-            out["fit"] = result.as_dict()
-        if longest is not None:
-            out["longest"] = {"as_written": longest[0][1].as_dict(),
-                              "fitted": {**longest[1][1].as_dict(),
-                                         "overrides": result.overrides if result else []}}
-        print(json.dumps(out, indent=2))
+        print_json(plan, resolved, result, longest, show_fit=args.fit)
     else:
         print_text(plan, spec, resolved, result, longest, show_fit=args.fit)
     if problem is not None:
@@ -219,3 +212,16 @@ def data_lines(resolved) -> list[str]:
         return prepare_data(resolved.spec, build=False)[0]
     except SpecError as err:
         raise resolved.locate(err) from None
+
+
+def print_json(plan, resolved, result, longest, show_fit: bool) -> None:
+    """`plan --format json`: the plan, what --fit found (`result`, shown with `show_fit`), and
+    --longest's two answers (the second with --fit's settings)."""
+    out = {"job": str(resolved.source), "plan": plan.as_dict()}
+    if result is not None and show_fit:
+        out["fit"] = result.as_dict()
+    if longest is not None:
+        out["longest"] = {"as_written": longest[0][1].as_dict(),
+                          "fitted": {**longest[1][1].as_dict(),
+                                     "overrides": result.overrides if result else []}}
+    print(json.dumps(out, indent=2))

@@ -70,7 +70,8 @@ class ModelExporter:
         self.spec, self.run_dir, self.rank = spec, Path(run_dir), rank
         self.group, self.progress = group, progress
         self.settings = self.spec["export"]
-        assert job.total_steps is not None   # rundir.read_run_files refuses a launch.json without it
+        # rundir.read_run_files refuses a launch.json without it
+        assert job.total_steps is not None
         self.total_steps, self.world_size = job.total_steps, job.world_size
         self.base = rundir.export_dir(self.spec, self.run_dir)
         self.dtype = resolve_dtype(self.spec)

@@ -125,26 +125,8 @@ def launch(job: str, overrides: list[str], options: LaunchOptions = LaunchOption
     phases.append(("data", time.time(), launcher_log.cpu_seconds()))
 
     if options.dry_run:  # nothing is created: the run dir in the command is the name it would get
-        # a launch would refuse another job's checkpoints
-        _located(resolved, ownership.check_checkpoints, spec)
-        # ... and a running launch of it
-        _located(resolved, lease.check, chosen.checkpoint_dir, spec["name"])
-        what = intent.decide(spec, derived.total_steps)
-        run_dir = rundir.new_run_dir_path(spec["output_dir"])
-        compiled = prepared.compile(run_dir, port)
-        # the host checks a launch makes (port, ranks, disk, GPU memory, ops): refused here as there
-        host_checks(resolved, derived, run_dir, memory, gpu_free, compiled,
-                    options.ignore_preflight)
-        argv = backends.backend_for(compiled.plan).argv(compiled.plan)   # what a launch would run
-        _print_lines(header(spec, derived, memory, found, compiled.patches, style))
-        for line in chosen.lines:
-            print(f"jobspec: {line}")
-        print(f"jobspec: a launch would {what.describe()}")
-        print(json.dumps(compiled.ds_config, indent=2))
-        for note in compiled.notes:
-            print(f"note: {note}")
-        print(shlex.join(argv))
-        return 0
+        return _dry_run(resolved, prepared, chosen, memory, gpu_free, port, found, style,
+                        options)
     # another job's checkpoints: exit 2
     resume_run_id = _located(resolved, ownership.claim_checkpoints, spec)
     # a running launch: exit 2
@@ -335,6 +317,34 @@ def _located(resolved, function, *args):
         return function(*args)
     except SpecError as err:
         raise resolved.locate(err) from None
+
+
+
+def _dry_run(resolved, prepared, chosen, memory, gpu_free, port: int, found, style: bool,
+             options: LaunchOptions) -> int:
+    """`launch --dry-run`: what a launch would refuse, refused; what it would run, printed;
+    nothing created (the run dir it names is the one a launch would get)."""
+    spec, derived = resolved.spec, prepared.derived
+    # a launch would refuse another job's checkpoints
+    _located(resolved, ownership.check_checkpoints, spec)
+    # ... and a running launch of it
+    _located(resolved, lease.check, chosen.checkpoint_dir, spec["name"])
+    what = intent.decide(spec, derived.total_steps)
+    run_dir = rundir.new_run_dir_path(spec["output_dir"])
+    compiled = prepared.compile(run_dir, port)
+    # the host checks a launch makes (port, ranks, disk, GPU memory, ops): refused here as there
+    host_checks(resolved, derived, run_dir, memory, gpu_free, compiled,
+                options.ignore_preflight)
+    argv = backends.backend_for(compiled.plan).argv(compiled.plan)   # what a launch would run
+    _print_lines(header(spec, derived, memory, found, compiled.patches, style))
+    for line in chosen.lines:
+        print(f"jobspec: {line}")
+    print(f"jobspec: a launch would {what.describe()}")
+    print(json.dumps(compiled.ds_config, indent=2))
+    for note in compiled.notes:
+        print(f"note: {note}")
+    print(shlex.join(argv))
+    return 0
 
 
 def launch_checks(resolved) -> None:

@@ -1,5 +1,5 @@
 """How a rank constructs its model: in the training dtype, on its device, and partitioned under
-ZeRO-3 (issue 26).
+ZeRO-3.
 
 A model built whole in fp32 on the host and partitioned only in `deepspeed.initialize` would take
 280 GB of host memory per rank for a 70B model before the first step.

@@ -120,9 +120,9 @@ def _traced_step(model, spec, micro_batch, seq_len, tracker, counter, params) ->
 
 
 def forward_loss(model, batch: dict):
-    """The loss of one micro-batch, the model's output dropped before the backward: what the ranks run
-    (train/oom.OomGuard.forward: `loss_of(engine(**batch))`), so the trace holds the logits no longer
-    than they do (tests/model/test_tiling.py holds the two to the same peak)."""
+    """The loss of one micro-batch, the model's output dropped before the backward: what the ranks
+    run (train/oom.OomGuard.forward: `loss_of(engine(**batch))`), so the trace holds the logits no
+    longer than they do (tests/model/test_tiling.py holds the two to the same peak)."""
     return loss_of(model(**batch))
 
 

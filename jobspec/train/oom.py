@@ -167,7 +167,8 @@ class OomGuard:
             raise RuntimeError("redo without a marked step")
         epoch, batches, window = self._step_start
         window.rewind()  # the copy shares the loss list: drop the interrupted step's losses
-        state.epoch, state.batches_in_epoch = epoch, batches * 2   # counted in halved micro-batches now
+        # counted in halved micro-batches now
+        state.epoch, state.batches_in_epoch = epoch, batches * 2
         self.events += 1
         (old_micro, old_accumulation), step = self._split_before, saved["step"]
         self.progress.message(
@@ -175,7 +176,8 @@ class OomGuard:
             f"{self.micro}, gradient accumulation {old_accumulation} -> {self.accumulation}; "
             f"redoing step {step}")
         if self.sink is not None:
-            self.sink.log({"oom/micro_batch_size": self.micro, "oom/gradient_accumulation_steps": self.accumulation,
+            self.sink.log({"oom/micro_batch_size": self.micro,
+                           "oom/gradient_accumulation_steps": self.accumulation,
                            "oom/events": self.events}, step=step)
         self.pending, self._marked_step = None, None
         return window
@@ -187,7 +189,8 @@ class OomGuard:
                 and self.inject_rank in (None, self.rank)):
             import torch
             self._injected = True
-            raise torch.OutOfMemoryError(f"CUDA out of memory (injected by {INJECT_AT_STEP_ENV}={self.inject_at})")
+            raise torch.OutOfMemoryError("CUDA out of memory (injected by "
+                                         f"{INJECT_AT_STEP_ENV}={self.inject_at})")
 
     def _failure(self, step: int, where: str | None, err, why: str) -> RunFailure:
         detail = f": {first_line(err)}" if err is not None else ""
