@@ -43,7 +43,7 @@ def run_one(name: str, args) -> dict:
     """One variant in this process: the numbers as a dict."""
     import torch
 
-    from jobspec.compile.compiler import lora_patch_args
+    from jobspec.techniques.lora import lora_patch_args
     from jobspec.model.build import build_model
     from jobspec.train import lora_adapters
 

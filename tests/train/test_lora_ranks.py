@@ -12,7 +12,7 @@ import torch
 from fp_bounds import U_BF16, forward_bound
 from spec_builder import BARE, build_spec
 
-from jobspec.export import lora_export as lora_exports
+from jobspec.export import lora as lora_exports
 from jobspec.export.hf_dir import ExportInfo, write_model_dir
 from jobspec.model.build import build_model
 from jobspec.techniques.lora import lora_patch_args
