@@ -107,3 +107,21 @@ def resolve(base: dict = TINY_JOB, directory: str | os.PathLike | None = None, *
 def build_spec(base: dict = TINY_JOB, directory: str | os.PathLike | None = None, **sections: Any) -> JobSpec:
     """`resolve(...).spec`: the spec every stage after the loader takes."""
     return resolve(base, directory, **sections).spec
+
+
+def validate_errors(capsys, job: str, *overrides: str) -> dict[str, list[dict]]:
+    """{dotted path: the problems there} of what `jobspec validate --format json` reports (exit 2),
+    {} when it accepts."""
+    import json
+
+    from jobspec.cli import main
+
+    code = main(["validate", job, "--format", "json", *[x for o in overrides for x in ("--set", o)]])
+    out = capsys.readouterr().out
+    if code == 0:
+        return {}
+    assert code == 2, out
+    found: dict[str, list[dict]] = {}
+    for error in json.loads(out)["errors"]:
+        found.setdefault(error["dotted_path"], []).append(error)
+    return found

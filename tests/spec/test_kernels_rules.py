@@ -10,6 +10,7 @@ import json
 
 import pytest
 import yaml
+from spec_builder import validate_errors
 
 from jobspec.cli import main
 from jobspec.spec.rules import kernels as rules
@@ -30,18 +31,7 @@ def write(tmp_path, model=None, memory=None) -> str:
 
 def errors(capsys, job: str, *overrides: str) -> dict[str, list[dict]]:
     """{dotted path: the problems there} of what validate reports (exit 2), {} when it accepts."""
-    args = ["validate", job, "--format", "json"]
-    for override in overrides:
-        args += ["--set", override]
-    code = main(args)
-    out = capsys.readouterr().out
-    if code == 0:
-        return {}
-    assert code == 2, out
-    found: dict[str, list[dict]] = {}
-    for error in json.loads(out)["errors"]:
-        found.setdefault(error["dotted_path"], []).append(error)
-    return found
+    return validate_errors(capsys, job, *overrides)
 
 
 def codes(found: dict) -> dict[str, list[str]]:

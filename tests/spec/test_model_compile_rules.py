@@ -3,14 +3,11 @@ run under is refused at `model.compile` with its rule code, exit 2; what it runs
 `--fit` and the plan's advice offer nothing the rule refuses."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import yaml
 from conftest import PROFILER
-from spec_builder import BARE, build_spec
+from spec_builder import BARE, build_spec, validate_errors
 
-from jobspec.cli import main
 from jobspec.memory.fit import candidate_changes, fit
 from jobspec.memory.planner import plan_memory
 from jobspec.memory.remedies import remedies
@@ -34,16 +31,8 @@ def write(tmp_path, **sections) -> str:
 def errors(capsys, job: str, *overrides: str) -> dict[str, list[str]]:
     """{dotted path: the rule codes there} of every problem validate reports (exit 2), {} when it
     accepts."""
-    sets = [x for o in overrides for x in ("--set", o)]
-    code = main(["validate", job, "--format", "json", *sets])
-    out = capsys.readouterr().out
-    if code == 0:
-        return {}
-    assert code == 2, out
-    found: dict[str, list[str]] = {}
-    for error in json.loads(out)["errors"]:
-        found.setdefault(error["dotted_path"], []).append(error["code"])
-    return found
+    return {path: [e["code"] for e in found]
+            for path, found in validate_errors(capsys, job, *overrides).items()}
 
 
 @pytest.mark.parametrize("overrides", [

@@ -3,12 +3,10 @@ Ulysses cannot wrap is refused at its field with a rule code, exit 2; the derive
 data-parallel ranks; the compiled config tells DeepSpeed N."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import yaml
 from conftest import REPO_ROOT
-from spec_builder import BARE, build_spec
+from spec_builder import BARE, build_spec, validate_errors
 
 from jobspec.cli import main
 from jobspec.compile.compiler import compile_spec
@@ -32,19 +30,10 @@ def write(tmp_path, *, model=None, data=None, memory=None, gpus: int = 4) -> str
 
 
 def errors(capsys, job: str, *overrides: str) -> dict[str, list[str]]:
-    """{dotted path: the rule codes there} of every problem validate reports (exit 2), {} when it accepts."""
-    args = ["validate", job, "--format", "json"]
-    for override in overrides:
-        args += ["--set", override]
-    code = main(args)
-    out = capsys.readouterr().out
-    if code == 0:
-        return {}
-    assert code == 2, out
-    found: dict[str, list[str]] = {}
-    for error in json.loads(out)["errors"]:
-        found.setdefault(error["dotted_path"], []).append(error["code"])
-    return found
+    """{dotted path: the rule codes there} of every problem validate reports (exit 2), {} when it
+    accepts."""
+    return {path: [e["code"] for e in found]
+            for path, found in validate_errors(capsys, job, *overrides).items()}
 
 
 def test_a_job_ulysses_can_wrap_is_accepted(tmp_path, capsys):
