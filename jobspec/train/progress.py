@@ -82,8 +82,8 @@ class Progress:
         elif self._rate is not None:
             metrics = {**metrics, "perf/samples_per_s": self._rate}
         if self.mode == "lines":
-            print(format_line(step, self.total, metrics, self.eta_s(step)), file=self.stream,
-                  flush=True)
+            self.stream.write(format_line(step, self.total, metrics, self.eta_s(step)) + "\n")
+            self.stream.flush()
         elif self._bar is not None:
             if "train/loss" in metrics:
                 self._postfix["loss"] = f"{metrics['train/loss']:.4f}"
@@ -108,10 +108,13 @@ class Progress:
         if self._bar is not None and self._bar.n >= self.total:
             # training is done: lines after it (final checkpoint, export) go below the bar
             self.close()
+        # one write of the whole line: another process's output (the other ranks, a library's log
+        # on stderr) shares the terminal, and print() or tqdm's write put the newline apart
         if self._bar is not None:
-            self._bar.write(text, file=self.stream)
+            self._bar.write(text + "\n", file=self.stream, end="")
         else:
-            print(text, file=self.stream, flush=True)
+            self.stream.write(text + "\n")
+            self.stream.flush()
 
     def close(self) -> None:
         if self._bar is not None:
