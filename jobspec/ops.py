@@ -39,6 +39,9 @@ ALL_OPS = ("FusedAdamBuilder", "CPUAdamBuilder", "AsyncIOBuilder")
 # process group (gloo) either way (bench/optimizer_kernels.py --comm measures the step with and
 # without it). The worker turns it off (`skip_unused_ops`): no build, no /dev/shm buffers.
 UNUSED_IN_TRAINING = ("ShareMemCommBuilder",)
+# torch's build lock untouched for this long is left by a dead process (`wait_for_build_lock`): a
+# build writes an object file at least every minute or two, even on 2 loaded cores
+STALE_LOCK_S = 300.0
 
 
 def needed_ops(ds_config: dict) -> list[str]:
@@ -108,6 +111,8 @@ def ensure_built(builder_names, announce=print) -> list[OpState]:
         states.append(op)
         if op.name is None or op.why_not:
             continue
+        if op.build_dir is not None:
+            wait_for_build_lock(op.build_dir, op.short, announce)
         if not op.built:
             reason = f" for {OP_REASONS[builder_name]}" if builder_name in OP_REASONS else ""
             announce(f"building DeepSpeed op {op.short}{reason} (first run only, cached in "
@@ -117,6 +122,47 @@ def ensure_built(builder_names, announce=print) -> list[OpState]:
             announce(f"built DeepSpeed op {op.short} in {time.monotonic() - started:.1f} s")
             op.built = True
     return states
+
+
+def wait_for_build_lock(build_dir: Path, short: str, announce=print,
+                        stale_after_s: float = STALE_LOCK_S, poll_s: float = 1.0) -> None:
+    """Wait while another process builds or loads the op, and remove a lock nobody holds.
+
+    torch's JIT build lock (`<build_dir>/lock`) is a bare file created exclusively: it records no
+    owner, and `FileBaton.wait` has no timeout, so a process killed while holding it (a stopped
+    launch whose rank was building, a killed test) makes every later load of the op wait forever,
+    inside DeepSpeed. A lock is taken as stale when neither it nor anything in the build directory
+    changed for `stale_after_s`: a live build writes object files as it goes, and a load of a built
+    op holds the lock for about a second."""
+    lock = build_dir / "lock"
+    said = False
+    while True:
+        try:
+            idle = time.time() - _newest_change(build_dir, lock)
+        except FileNotFoundError:
+            return   # no lock: nothing to wait for
+        if idle >= stale_after_s:
+            with contextlib.suppress(FileNotFoundError):
+                lock.unlink()
+            announce(f"removed a stale build lock of DeepSpeed op {short} "
+                     f"({home_relative(lock)}, untouched for {idle:.0f} s: left by a process "
+                     "stopped while it built or loaded the op)")
+            return
+        if not said:
+            announce(f"waiting for another process's build of DeepSpeed op {short} "
+                     f"({home_relative(lock)})")
+            said = True
+        time.sleep(poll_s)
+
+
+def _newest_change(build_dir: Path, lock: Path) -> float:
+    """The latest mtime of the lock and the build directory's files; FileNotFoundError when there
+    is no lock."""
+    newest = lock.stat().st_mtime
+    for entry in build_dir.iterdir():
+        with contextlib.suppress(OSError):
+            newest = max(newest, entry.stat().st_mtime)
+    return newest
 
 
 # Why a job needs each op: said when the op is built.

@@ -121,3 +121,39 @@ def test_a_build_says_which_feature_needs_it(tmp_path, monkeypatch):
     ops.ensure_built(["CPUAdamBuilder"], announce=said.append)
     assert said[0].startswith("building DeepSpeed op cpu_adam for optimizer offload (DeepSpeed's CPU Adam) "
                               "(first run only")
+
+
+def _aged(path: Path, seconds: float) -> None:
+    import time
+    os.utime(path, (time.time() - seconds, time.time() - seconds))
+
+
+def test_a_build_lock_left_by_a_dead_process_is_removed_and_said(tmp_path):
+    """torch's JIT lock records no owner and its wait has no timeout: a lock and build directory
+    untouched for the stale time are a dead process's, removed before DeepSpeed would wait on it."""
+    (tmp_path / "op.o").write_bytes(b"")
+    (tmp_path / "lock").write_bytes(b"")
+    for name in ("op.o", "lock"):
+        _aged(tmp_path / name, 400)
+    said: list[str] = []
+    ops.wait_for_build_lock(tmp_path, "async_io", announce=said.append, stale_after_s=300)
+    assert not (tmp_path / "lock").exists()
+    assert len(said) == 1 and said[0].startswith("removed a stale build lock of DeepSpeed op async_io")
+    said.clear()
+    ops.wait_for_build_lock(tmp_path, "async_io", announce=said.append)   # no lock: no word
+    assert said == []
+
+
+def test_a_build_in_progress_is_waited_for_and_its_lock_left_to_it(tmp_path):
+    """An old lock beside a freshly written object file is a live build: waited for, not removed."""
+    import threading
+    (tmp_path / "lock").write_bytes(b"")
+    _aged(tmp_path / "lock", 400)
+    (tmp_path / "op.o").write_bytes(b"")   # the build wrote just now
+    removed_by_builder = threading.Timer(0.3, lambda: (tmp_path / "lock").unlink())
+    removed_by_builder.start()
+    said: list[str] = []
+    ops.wait_for_build_lock(tmp_path, "cpu_adam", announce=said.append, stale_after_s=300,
+                            poll_s=0.05)
+    removed_by_builder.join()
+    assert said == [f"waiting for another process's build of DeepSpeed op cpu_adam ({tmp_path / 'lock'})"]
