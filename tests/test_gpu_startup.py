@@ -150,4 +150,6 @@ def test_a_cpu_launch_is_timed_and_one_past_its_limit_stopped(tmp_path):
     stopped = gpu_startup.run_job(job, tmp_path / "stopped", 1.0)
     assert stopped["to_first_step_s"] is None and 1.0 <= stopped["stopped_at_s"] < 2.0
     assert stopped["exit_code"] != 0 and no_launch_left()
-    assert gpu_startup.verdict(job, stopped).startswith("no first step after 1 s (in launcher")
+    # where the second stopped depends on the machine: the plan cache makes the launcher's part short
+    assert stopped["in_phase"] and stopped["in_phase"] != "first step"
+    assert gpu_startup.verdict(job, stopped) == f"no first step after 1 s (in {stopped['in_phase']})"
