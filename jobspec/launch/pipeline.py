@@ -111,10 +111,12 @@ def launch(job: str, overrides: list[str], options: LaunchOptions = LaunchOption
     gpu_free = prepared.host.gpu_free
     for line in memory.lines:
         print(f"jobspec: {line}", flush=True)
-    # what this launch does with the checkpoints it finds (exit 2 for a refusal)
+    # what this launch does with the checkpoints it finds (exit 2 now when no directory fits: a
+    # changed spec; any other refusal once the launch would act on the directory)
     as_written = resolved
     first = _decided(as_written, derived.as_dict(), options)[1]
-    assert first.checkpoint_dir is not None   # no refusal
+    if first.checkpoint_dir is None:
+        raise as_written.locate(first.refusal)
     prepared = prepared.in_checkpoint_dir(first.checkpoint_dir)
     resolved, derived = prepared.resolved, prepared.derived
     spec = resolved.spec
@@ -129,12 +131,14 @@ def launch(job: str, overrides: list[str], options: LaunchOptions = LaunchOption
         return _dry_run(resolved, prepared, first, memory, gpu_free, port, found, style,
                         options)
     _located(resolved, rundir.ensure_writable, first.checkpoint_dir, ("checkpoint", "dir"))
-    # a running launch: exit 2
+    # another job's checkpoints, a running launch, ...: exit 2
+    _refuse(resolved, first)
     held = _located(resolved, lease.acquire, first.checkpoint_dir, spec["name"])
     try:
         # decided again under the lease: a launch that ended meanwhile may have moved the
         # checkpoints on
         on, again = _decided(as_written, derived.as_dict(), options, holding=held.record["token"])
+        _refuse(as_written, again)
         if again.checkpoint_dir != first.checkpoint_dir:
             raise spec_error(f"the checkpoints of {spec['name']!r} changed while this launch "
                              "started",
@@ -168,13 +172,16 @@ def _data_pass(resolved, options: LaunchOptions) -> str | None:
 def _decided(as_written, derived: dict, options: LaunchOptions,
              holding: str | None = None) -> tuple[CheckpointSnapshot, Decision]:
     """The checkpoint directories read now, and what a launch of the spec as written does with
-    them; a refusal raised (exit 2) at the spec's lines. `holding`: the lease this launch holds."""
+    them. `holding`: the token of the lease this launch holds."""
     found = snapshot.take(as_written.spec, derived)
-    made = decision.decide(found, as_written.spec, derived, new_run=options.new_run,
-                           continue_run=options.continue_run, holding=holding)
+    return found, decision.decide(found, as_written.spec, derived, new_run=options.new_run,
+                                  continue_run=options.continue_run, holding=holding)
+
+
+def _refuse(resolved, made: Decision) -> None:
+    """A refusing decision's SpecError raised (exit 2) at the spec's lines."""
     if made.refusal is not None:
-        raise as_written.locate(made.refusal)
-    return found, made
+        raise resolved.locate(made.refusal)
 
 
 def _launch_holding(ctx: LaunchContext) -> int:
@@ -351,10 +358,11 @@ def _located(resolved, function, *args):
 
 def _dry_run(resolved, prepared, made: Decision, memory, gpu_free, port: int, found,
              style: bool, options: LaunchOptions) -> int:
-    """`launch --dry-run`: what a launch would refuse, refused (the decision's refusals were raised
-    before); what it would run, printed; nothing created (the run dir it names is the one a launch
-    would get)."""
+    """`launch --dry-run`: what a launch would refuse, refused; what it would run, printed;
+    nothing created (the run dir it names is the one a launch would get)."""
     spec, derived = resolved.spec, prepared.derived
+    # another job's checkpoints, a running launch, ...
+    _refuse(resolved, made)
     assert made.lineage is not None and made.intent is not None   # no refusal
     run_dir = rundir.new_run_dir_path(spec["output_dir"])
     compiled = prepared.compile(run_dir, port)
