@@ -114,7 +114,7 @@ def resume_command(job: str, overrides: list[str], resume_setting: str,
                    checkpoint_dir: str | None = None) -> str:
     """The command that continues a stopped run: the same one, `checkpoint.resume=auto` if it was
     not, and `checkpoint.dir=DIR` when a plain relaunch would pick another of the spec's checkpoint
-    directories (`checkpoint_dir`: the one to continue; launch/lineage.choose decides which)."""
+    directories (`checkpoint_dir`: the one to continue; launch/decision.choose decides which)."""
     kept = [o for o in overrides if resume_setting == "auto"
             or not o.startswith("checkpoint.resume=")]
     if resume_setting != "auto":

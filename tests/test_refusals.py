@@ -258,11 +258,11 @@ REFUSALS: dict[str, Listed] = {
     "launch/preflight:refusal": Listed(2, ["ranks", "port", "disk"]),
     "launch/lease:acquire": Listed(1, [NotVisible("the lease keeps changing hands while this launch takes it: "
                                                   "launches racing for it")]),
-    "launch/lease:_refusal": Listed(1, ["lease"]),
-    "launch/lineage:_refusal": Listed(3, [Covered("tests/launch/test_lineage.py::"
-                                                  "test_dry_run_refuses_a_changed_spec_with_exit_2")]),
-    "launch/ownership:read_owner": Listed(1, ["owner-unreadable"]),
-    "launch/ownership:check_checkpoints": Listed(3, ["unclaimed", Covered(
+    "launch/lease:refusal": Listed(1, ["lease"]),
+    "launch/decision:_changed_spec": Listed(3, [Covered("tests/launch/test_lineage.py::"
+                                                         "test_dry_run_refuses_a_changed_spec_with_exit_2")]),
+    "launch/decision:unreadable_owner": Listed(1, ["owner-unreadable"]),
+    "launch/decision:claim": Listed(3, ["unclaimed", Covered(
         "tests/launch/test_launch_ux.py::test_dry_run_refuses_what_a_launch_would_refuse")]),
     "job/model_config:job_model_config_issues": Listed(2, [
         Covered("tests/spec/test_job_model_config.py::test_a_hub_config_that_cannot_be_read_is_a_positioned_error"),

@@ -1,9 +1,9 @@
 """What determines training, as a fingerprint stored with the checkpoints.
 
 A relaunch compares the fingerprint of the spec it would run with the one its checkpoints were
-trained under (launch/lineage.py). Equal: resume, or nothing to do. Different: refused, unless every
-difference is one that is safe to continue (`--continue`) or the user asks for a new run beside the
-old checkpoints (`--new-run`).
+trained under (launch/decision.py). Equal: resume, or nothing to do. Different: refused, unless
+every difference is one that is safe to continue (`--continue`) or the user asks for a new run
+beside the old checkpoints (`--new-run`).
 
 The fingerprint is the whole resolved spec minus the fields that do not change what is trained
 (FREE: memory techniques, resources, logging, checkpoint and export settings, names), so a field

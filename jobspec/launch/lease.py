@@ -20,13 +20,14 @@ import os
 import secrets
 import threading
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 from jobspec import lifeline
 from jobspec.errors import spec_error
-from jobspec.launch.ownership import LEASE_FILE
 
+LEASE_FILE = "jobspec_lease.json"
 HEARTBEAT_S = 10.0
 STALE_AFTER_S = 60.0
 log = logging.getLogger("jobspec.launch")
@@ -68,11 +69,33 @@ def describe(record: dict) -> str:
     return ", ".join(parts)
 
 
-def check(ckpt_dir: Path, job: str) -> None:
-    """Refuse (exit 2) when a live launch holds `ckpt_dir`; nothing is written (`--dry-run`)."""
+@dataclass(frozen=True)
+class Holder:
+    """Who holds a checkpoint directory's lease, as read now."""
+
+    record: dict
+    state: str        # holder_state
+    requeued: bool    # an earlier incarnation of this Slurm job: a launch waits for it to lapse
+
+    @property
+    def refuses(self) -> bool:
+        """Whether a launch is refused: the holder lives and is no requeued incarnation of it."""
+        return self.state == "live" and not self.requeued
+
+
+def holder(ckpt_dir: Path) -> Holder | None:
+    """The holder of `ckpt_dir`'s lease, or None when there is no lease."""
     record = read(ckpt_dir)
-    if record is not None and holder_state(record) == "live" and not _same_slurm_job(record):
-        raise _refusal(ckpt_dir, job, record)
+    return None if record is None else Holder(record, holder_state(record),
+                                               _same_slurm_job(record))
+
+
+def check(ckpt_dir: Path, job: str) -> None:
+    """Refuse (exit 2) when a live launch holds `ckpt_dir`; nothing is written. A launch decides
+    this with the rest (launch/decision.decide); this reads one directory now."""
+    held = holder(ckpt_dir)
+    if held is not None and held.refuses:
+        raise refusal(ckpt_dir, job, held.record)
 
 
 class Lease:
@@ -164,7 +187,7 @@ def acquire(ckpt_dir: Path, job: str, *, say=print,
                     announced_wait = True
                 time.sleep(min(HEARTBEAT_S, 2.0))
                 continue
-            raise _refusal(ckpt_dir, job, held)
+            raise refusal(ckpt_dir, job, held)
         if _take_over(ckpt_dir, held):
             why = {"dead": "its process is gone", "damaged": "the file was unreadable",
                    "silent": f"no heartbeat for over {STALE_AFTER_S:.0f} s"}[state]
@@ -223,7 +246,8 @@ def _same_slurm_job(record: dict) -> bool:
         record.get("slurm_restart_count") != os.environ.get("SLURM_RESTART_COUNT")
 
 
-def _refusal(ckpt_dir: Path, job: str, record: dict):
+def refusal(ckpt_dir: Path, job: str, record: dict):
+    """A live launch holds `ckpt_dir` (exit 2), naming it."""
     return spec_error(f"job {job!r} is already being launched into {ckpt_dir}: {describe(record)}",
                       path=("checkpoint", "dir"),
                       hint="wait for that launch to end (or stop it); to train a variant at the "

@@ -4,7 +4,11 @@ checkpoints the directory holds, so a launch never resumes, or overwrites, anoth
 The record also holds what the checkpoints were trained under: the fingerprint
 (launch/fingerprint.py), the flattened resolved spec of the latest launch, and the segments: the
 launches that trained into the directory with a changed spec, each with the step it started at, its
-run directory and its changes."""
+run directory and its changes.
+
+Whether a launch may use a directory (another job's, files no job claims, `resume: never` over
+checkpoints) is launch/decision.claim's; `claim_checkpoints` applies it to `checkpoint.dir` read
+now."""
 from __future__ import annotations
 
 import json
@@ -12,30 +16,17 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from jobspec import rundir
-from jobspec.errors import spec_error
+from jobspec.launch import decision, snapshot
+from jobspec.launch.snapshot import OWNER_FILE
 from jobspec.spec.types import JobSpec
-
-OWNER_FILE = "jobspec_job.json"
-LEASE_FILE = "jobspec_lease.json"   # launch/lease.py
-
-
-def is_checkpoint_entry(path: Path) -> bool:
-    """Whether a directory entry is (part of) a checkpoint, not jobspec's bookkeeping."""
-    name = path.name
-    return name not in (OWNER_FILE, LEASE_FILE) and not name.startswith((".jobspec-write-test",
-                                                                         f".{LEASE_FILE}",
-                                                                          f".{OWNER_FILE}"))
 
 
 def read_owner(ckpt_dir: Path) -> dict | None:
-    try:
-        return json.loads((ckpt_dir / OWNER_FILE).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as err:
-        raise spec_error(f"{ckpt_dir / OWNER_FILE} is unreadable ({err})",
-                         path=("checkpoint", "dir"),
-                         hint="fix or delete that file, or point checkpoint.dir elsewhere")
+    """The owner record of `ckpt_dir`, or None; an unreadable one refuses (exit 2)."""
+    owner, unreadable = snapshot.owner_record(Path(ckpt_dir))
+    if unreadable is not None:
+        raise decision.unreadable_owner(Path(ckpt_dir), unreadable)
+    return owner
 
 
 def claim_checkpoints(spec: JobSpec) -> str | None:
@@ -46,29 +37,9 @@ def claim_checkpoints(spec: JobSpec) -> str | None:
 
 
 def check_checkpoints(spec: JobSpec) -> str | None:
-    """claim_checkpoints without touching the disk (`launch --dry-run`): the same refusals, the same
-    run id. Checkpoints exist when the directory has anything besides the ownership file."""
-    ckpt_dir = Path(spec["checkpoint"]["dir"])
-    resume = spec["checkpoint"]["resume"]
-    if not ckpt_dir.is_dir():
-        return None
-    owner = read_owner(ckpt_dir)
-    has_checkpoints = any(is_checkpoint_entry(p) for p in ckpt_dir.iterdir())
-    where = ("checkpoint", "dir")
-    if owner is not None and owner.get("job") != spec["name"]:
-        raise spec_error(f"{ckpt_dir} belongs to job {owner.get('job')!r} (from "
-                         f"{owner.get('spec')}), not {spec['name']!r}", path=where,
-                         hint="set checkpoint.dir to a directory of this job, or rename the job")
-    if has_checkpoints and owner is None:
-        raise spec_error(f"{ckpt_dir} already holds files that no jobspec job claims", path=where,
-                         hint="point checkpoint.dir at an empty directory, or move those files "
-                              "away")
-    if has_checkpoints and resume == "never":
-        raise spec_error(f"{ckpt_dir} already holds checkpoints of job {spec['name']!r} and "
-                         "checkpoint.resume is 'never'", path=("checkpoint", "resume"),
-                         hint="use `--set checkpoint.resume=auto` to continue them, or delete the "
-                              "directory / set checkpoint.dir elsewhere to start over")
-    return owner.get("mlflow_run_id") if (owner and has_checkpoints) else None
+    """claim_checkpoints without touching the disk: launch/decision.claim on `checkpoint.dir` read
+    now."""
+    return decision.claim(snapshot.read_directory(Path(spec["checkpoint"]["dir"])), spec)
 
 
 def write_owner(spec: JobSpec, source: Path, mlflow_run_id: str | None, *, lineage=None,

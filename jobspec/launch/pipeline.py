@@ -13,8 +13,16 @@ summary.
                      read here)
       memory         memory/at_launch.plan_at_launch: `memory.fit: auto` rewrites the spec (every
                      rule runs again on it); the plan
-    claim          launch/ownership.claim_checkpoints: refuse another job's checkpoints; resume id
-    intent         launch/intent.decide: fresh, resume at step K, or complete (then nothing starts)
+    decide         launch/snapshot.take reads the checkpoint directories once (checkpoints, owner,
+                   latest step, lease, the run that wrote them); launch/decision.decide maps that
+                   and the spec to new, resume at step K, complete (then nothing starts) or a
+                   refusal, exit 2: a changed spec (--continue, --new-run), another job's
+                   checkpoints, files no job claims, resume: never over checkpoints, a running
+                   launch
+    data cache     data/prepare.prepare_data: chat and prompt/completion records tokenised once
+    lease          launch/lease.acquire on the chosen directory; under it the snapshot is taken
+                   and decided again: a decision for another directory refuses (a launch that ended
+                   meanwhile moved the checkpoints on)
     orphans        tracking/orphans: close runs of output_dir whose launcher died without closing
                    them
     run dir        rundir.create_run_dir, then compile/compiler.compile_spec into it
@@ -59,18 +67,20 @@ from jobspec.errors import SpecError, SpecIssue, spec_error
 from jobspec.launch import (
     backends,
     console,
+    decision,
     hub,
     intent,
     lease,
-    lineage,
-    ownership,
     preflight,
     quiet,
     runner,
+    snapshot,
     supervise,
 )
 from jobspec.launch import tracking as launch_tracking
 from jobspec.launch.context import LaunchContext, LaunchOptions
+from jobspec.launch.decision import Decision
+from jobspec.launch.snapshot import CheckpointSnapshot
 from jobspec.memory import at_launch as launch_memory
 from jobspec.memory import plan_figures
 from jobspec.memory.at_launch import LaunchMemory
@@ -101,42 +111,35 @@ def launch(job: str, overrides: list[str], options: LaunchOptions = LaunchOption
     gpu_free = prepared.host.gpu_free
     for line in memory.lines:
         print(f"jobspec: {line}", flush=True)
-    # which checkpoints this launch trains into, by what it trains (exit 2 for a changed spec)
+    # what this launch does with the checkpoints it finds (exit 2 now when no directory fits: a
+    # changed spec; any other refusal once the launch would act on the directory)
     as_written = resolved
-    chosen = lineage.choose(resolved, derived.as_dict(), new_run=options.new_run,
-                            continue_run=options.continue_run)
-    prepared = prepared.in_checkpoint_dir(chosen.checkpoint_dir)
+    first = _decided(as_written, derived.as_dict(), options)[1]
+    if first.checkpoint_dir is None:
+        raise as_written.locate(first.refusal)
+    prepared = prepared.in_checkpoint_dir(first.checkpoint_dir)
     resolved, derived = prepared.resolved, prepared.derived
     spec = resolved.spec
     port = spec["resources"]["master_port"] or runner.free_port()
     found = hardware.Host.probe(spec["resources"]["gpus_per_node"], gpu_free)
     style = progress_mode(spec["logging"]["progress"]) == "bar"
     phases.append(("planned", time.time(), launcher_log.cpu_seconds()))
-    # chat and prompt/completion records tokenised once into the data cache (data/prepare), before
-    # any rank: every record is checked (a bad one refuses the launch at its file:line); --dry-run
-    # says whether the cache is warm, else how long building it would take
-    built: list[str] = []
-    data_lines, _ = _located(resolved, lambda: data_prep.prepare_data(
-        spec, build=not options.dry_run, show=progress_mode(spec["logging"]["progress"]),
-        built=built))
-    data_how = "prepared" if built else "cached" if data_prep.cached_splits(spec) else None
-    for line in data_lines:
-        print(f"jobspec: {line}", flush=True)
+    data_how = _data_pass(resolved, options)
     phases.append(("data", time.time(), launcher_log.cpu_seconds()))
 
     if options.dry_run:  # nothing is created: the run dir in the command is the name it would get
-        return _dry_run(resolved, prepared, chosen, memory, gpu_free, port, found, style,
+        return _dry_run(resolved, prepared, first, memory, gpu_free, port, found, style,
                         options)
-    # another job's checkpoints: exit 2
-    resume_run_id = _located(resolved, ownership.claim_checkpoints, spec)
-    # a running launch: exit 2
-    held = _located(resolved, lease.acquire, chosen.checkpoint_dir, spec["name"])
+    _located(resolved, rundir.ensure_writable, first.checkpoint_dir, ("checkpoint", "dir"))
+    # another job's checkpoints, a running launch, ...: exit 2
+    _refuse(resolved, first)
+    held = _located(resolved, lease.acquire, first.checkpoint_dir, spec["name"])
     try:
         # decided again under the lease: a launch that ended meanwhile may have moved the
         # checkpoints on
-        again = lineage.choose(as_written, derived.as_dict(), new_run=options.new_run,
-                               continue_run=options.continue_run)
-        if again.checkpoint_dir != chosen.checkpoint_dir:
+        on, again = _decided(as_written, derived.as_dict(), options, holding=held.record["token"])
+        _refuse(as_written, again)
+        if again.checkpoint_dir != first.checkpoint_dir:
             raise spec_error(f"the checkpoints of {spec['name']!r} changed while this launch "
                              "started",
                              path=("checkpoint", "dir"), hint="run the same command again")
@@ -145,37 +148,64 @@ def launch(job: str, overrides: list[str], options: LaunchOptions = LaunchOption
         with supervise.HeldStops() as stops:
             return _launch_holding(LaunchContext(
                 job=job, overrides=tuple(overrides), options=options, as_written=as_written,
-                prepared=prepared,
-                chosen=again, held=held, stops=stops, resume_run_id=resume_run_id, port=port,
-                found=found, style=style, phases=phases, data_how=data_how))
+                prepared=prepared, decision=again, snapshot=on, held=held, stops=stops,
+                port=port, found=found, style=style, phases=phases, data_how=data_how))
     finally:
         held.release()
 
 
+def _data_pass(resolved, options: LaunchOptions) -> str | None:
+    """Chat and prompt/completion records tokenised once into the data cache (data/prepare), before
+    any rank: every record is checked (a bad one refuses the launch at its file:line); --dry-run
+    says whether the cache is warm, else how long building it would take. How the data came:
+    prepared, cached, or None (nothing to prepare)."""
+    spec = resolved.spec
+    built: list[str] = []
+    data_lines, _ = _located(resolved, lambda: data_prep.prepare_data(
+        spec, build=not options.dry_run, show=progress_mode(spec["logging"]["progress"]),
+        built=built))
+    for line in data_lines:
+        print(f"jobspec: {line}", flush=True)
+    return "prepared" if built else "cached" if data_prep.cached_splits(spec) else None
+
+
+def _decided(as_written, derived: dict, options: LaunchOptions,
+             holding: str | None = None) -> tuple[CheckpointSnapshot, Decision]:
+    """The checkpoint directories read now, and what a launch of the spec as written does with
+    them. `holding`: the token of the lease this launch holds."""
+    found = snapshot.take(as_written.spec, derived)
+    return found, decision.decide(found, as_written.spec, derived, new_run=options.new_run,
+                                  continue_run=options.continue_run, holding=holding)
+
+
+def _refuse(resolved, made: Decision) -> None:
+    """A refusing decision's SpecError raised (exit 2) at the spec's lines."""
+    if made.refusal is not None:
+        raise resolved.locate(made.refusal)
+
+
 def _launch_holding(ctx: LaunchContext) -> int:
-    """The launch, from the intent on, while it holds the checkpoint directory's lease."""
-    spec = ctx.spec
-    what = intent.decide(spec, ctx.prepared.derived.total_steps)
+    """The launch, from its decision on, while it holds the checkpoint directory's lease."""
+    spec, made = ctx.spec, ctx.decision
     for line in ctx.chosen.lines:
         print(f"jobspec: {line}", flush=True)
-    if what.action == "complete":  # training again would only overwrite the finished run's results
-        same_spec = lineage.unfinished_of_same_spec(ctx.as_written.spec,
-                                                    ctx.prepared.derived.as_dict())
-        unfinished = [(directory, step, ctx.resume_hint(directory)) for directory, step in same_spec
-                      if directory != ctx.chosen.checkpoint_dir]
-        _print_lines(intent.complete_lines(spec, what, unfinished))
+    if made.action == "complete":  # training again would only overwrite the finished run's results
+        assert made.intent is not None
+        unfinished = [(directory, step, ctx.resume_hint(directory, ctx.snapshot))
+                      for directory, step in made.unfinished]
+        _print_lines(intent.complete_lines(spec, made.intent, unfinished, made.state))
         return 0
 
     orphans.close_orphans_under(spec["output_dir"])  # runs a SIGKILLed launcher left RUNNING here
-    run_dir, compiled, launched = _create_run(ctx, what)
+    run_dir, compiled, launched = _create_run(ctx)
     ctx.held.update(run_dir=run_dir)
     _print_lines(header(spec, ctx.prepared.derived, ctx.prepared.memory, ctx.found,
                         compiled.patches, ctx.style) +
                  [console.label("run dir", ctx.style) + str(run_dir)])
-    return _run(ctx, what, run_dir, compiled, launched)
+    return _run(ctx, run_dir, compiled, launched)
 
 
-def _create_run(ctx: LaunchContext, what: intent.Intent) -> tuple[Path, Compiled, dict]:
+def _create_run(ctx: LaunchContext) -> tuple[Path, Compiled, dict]:
     """A new run directory holding what the ranks read, and the launch record (launch.json's launch
     fields: the argv that runs, written to command.txt too). Anything failing removes the
     directory."""
@@ -194,7 +224,7 @@ def _create_run(ctx: LaunchContext, what: intent.Intent) -> tuple[Path, Compiled
         hostfile = backend.hostfile_text(compiled.plan)
         if hostfile is not None:
             rundir.write_hostfile(run_dir, hostfile)
-        launched = _launched(ctx, what, memory)
+        launched = _launched(ctx, memory)
         # command.txt: `argv`, what runs
         rundir.write_compiled(run_dir, resolved, compiled, argv, launched)
         # who to ask whether this run still runs
@@ -205,7 +235,7 @@ def _create_run(ctx: LaunchContext, what: intent.Intent) -> tuple[Path, Compiled
     return run_dir, compiled, {**compiled.plan.record(argv), **launched}
 
 
-def _launched(ctx: LaunchContext, what: intent.Intent, memory: LaunchMemory) -> dict:
+def _launched(ctx: LaunchContext, memory: LaunchMemory) -> dict:
     """What the launcher adds to launch.json beside the plan: the memory plan (MiB) and fit, whether
     rank 0 waits for an MLflow run, the overrides (the MLflow run's name), a continued run's new
     segment."""
@@ -215,13 +245,12 @@ def _launched(ctx: LaunchContext, what: intent.Intent, memory: LaunchMemory) -> 
     launched["overrides"] = [mask_secrets(item) for item in ctx.overrides]
     launched["startup"] = startup_record(ctx.phases, ctx.data_how)
     if ctx.chosen.recorded:   # a continued run with a changed spec: a new segment of its MLflow run
-        launched["segment"] = {"number": ctx.chosen.segment, "start_step": what.step,
+        launched["segment"] = {"number": ctx.chosen.segment, "start_step": ctx.decision.step,
                                "changes": [c.describe() for c in ctx.chosen.recorded]}
     return launched
 
 
-def _run(ctx: LaunchContext, what: intent.Intent, run_dir: Path, compiled: Compiled,
-         launched: dict) -> int:
+def _run(ctx: LaunchContext, run_dir: Path, compiled: Compiled, launched: dict) -> int:
     """The ranks, supervised, with the MLflow run created meanwhile; then the run's ending, written
     whole."""
     spec, memory, options = ctx.spec, ctx.prepared.memory, ctx.options
@@ -235,10 +264,11 @@ def _run(ctx: LaunchContext, what: intent.Intent, run_dir: Path, compiled: Compi
         _print_lines(console.tracking_lines(info, experiment, style=ctx.style))
 
     tracking = launch_tracking.BackgroundTracking(
-        ctx.prepared.resolved, compiled, run_dir, ctx.resume_run_id,
+        ctx.prepared.resolved, compiled, run_dir, ctx.decision.mlflow_run_id,
         launch_memory.mlflow_params(memory, spec["memory"]["fit"]), launch=launched,
         verbose=options.verbose,
-        announce=announce, done=terminal.release, lineage=ctx.chosen, start_step=what.step)
+        announce=announce, done=terminal.release, lineage=ctx.chosen,
+        start_step=ctx.decision.step)
     ctx.phases.append(("runner", time.time(), launcher_log.cpu_seconds()))
     ctx.stops.running(run_dir)
     tracking.start()
@@ -282,16 +312,22 @@ def _close(ctx: LaunchContext, run_dir: Path, launched: dict, outcome: supervise
     _write_phases(run_dir, ctx.phases)
     _print_lines(closing)
     if end.label != "finished":   # a stop says it is not done and how to go on; a failure, why
-        checkpoint_dir = Path(spec["checkpoint"]["dir"])
-        resume_from = intent.decide({**spec,
-                                     "checkpoint": {**spec["checkpoint"], "resume": "auto"}},
-                                    ctx.prepared.derived.total_steps)
-        print(run_status.closing_line(end, run_dir, ctx.resume_hint(checkpoint_dir),
-                                      f"checkpoint {resume_from.checkpoint} (step "
-                                      f"{resume_from.step} of {resume_from.total_steps})"
-                                      if resume_from.action == "resume" else None),
-              flush=True)
+        print(_closing_line(ctx, end, run_dir), flush=True)
     return end.exit_code
+
+
+def _closing_line(ctx: LaunchContext, end: run_status.Ending, run_dir: Path) -> str:
+    """What a run that did not finish says last: the command that resumes it, and the checkpoint
+    it would resume from now."""
+    checkpoint_dir = Path(ctx.spec["checkpoint"]["dir"])
+    derived = ctx.prepared.derived
+    found = snapshot.take(ctx.as_written.spec, derived.as_dict())
+    resume_from = decision.intent("auto", found.directory(checkpoint_dir).latest, None,
+                                  derived.total_steps)
+    return run_status.closing_line(end, run_dir, ctx.resume_hint(checkpoint_dir, found),
+                                   f"checkpoint {resume_from.checkpoint} (step "
+                                   f"{resume_from.step} of {resume_from.total_steps})"
+                                   if resume_from.action == "resume" else None)
 
 
 def host_checks(resolved, derived, run_dir: Path, memory, gpu_free, compiled,
@@ -320,16 +356,14 @@ def _located(resolved, function, *args):
 
 
 
-def _dry_run(resolved, prepared, chosen, memory, gpu_free, port: int, found, style: bool,
-             options: LaunchOptions) -> int:
+def _dry_run(resolved, prepared, made: Decision, memory, gpu_free, port: int, found,
+             style: bool, options: LaunchOptions) -> int:
     """`launch --dry-run`: what a launch would refuse, refused; what it would run, printed;
     nothing created (the run dir it names is the one a launch would get)."""
     spec, derived = resolved.spec, prepared.derived
-    # a launch would refuse another job's checkpoints
-    _located(resolved, ownership.check_checkpoints, spec)
-    # ... and a running launch of it
-    _located(resolved, lease.check, chosen.checkpoint_dir, spec["name"])
-    what = intent.decide(spec, derived.total_steps)
+    # another job's checkpoints, a running launch, ...
+    _refuse(resolved, made)
+    assert made.lineage is not None and made.intent is not None   # no refusal
     run_dir = rundir.new_run_dir_path(spec["output_dir"])
     compiled = prepared.compile(run_dir, port)
     # the host checks a launch makes (port, ranks, disk, GPU memory, ops): refused here as there
@@ -337,9 +371,9 @@ def _dry_run(resolved, prepared, chosen, memory, gpu_free, port: int, found, sty
                 options.ignore_preflight)
     argv = backends.backend_for(compiled.plan).argv(compiled.plan)   # what a launch would run
     _print_lines(header(spec, derived, memory, found, compiled.patches, style))
-    for line in chosen.lines:
+    for line in made.lineage.lines:
         print(f"jobspec: {line}")
-    print(f"jobspec: a launch would {what.describe()}")
+    print(f"jobspec: a launch would {made.intent.describe()}")
     print(json.dumps(compiled.ds_config, indent=2))
     for note in compiled.notes:
         print(f"note: {note}")
