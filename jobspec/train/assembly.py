@@ -135,7 +135,7 @@ def trainer_for(files: RunFiles, job: DerivedJob, built: Built, outputs: RankOut
     rank, world = dist.get_rank(), dist.get_world_size()
     zero_stage = files.ds_config.get("zero_optimization", {}).get("stage", 0)
     label_names = getattr(built.train_ds, "label_names", None)
-    reporter = StepReporter(built.engine, spec, job, files.patches, sink, progress, rank, state)
+    reporter = StepReporter(built.engine, spec["logging"], job, sink, progress, rank, state)
     nan = NanGuard(spec["training"]["on_nan"], lambda flag: any_rank(flag, control), sink, rank)
     oom = OomGuard(spec["training"], job, run_dir=run_dir, rank=rank, group=control,
                    progress=progress, sink=sink, environ=environ)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from jobspec.rundir import RunSummary
 from jobspec.spec.derived import DerivedJob
-from jobspec.spec.types import JobSpec
+from jobspec.spec.types import JobSpecLogging
 
 MODES = ("bar", "lines", "none")
 
@@ -252,7 +252,7 @@ class StepReporter:
     `should_log` picks; collectives run on every rank. `engine`: the Trainer's (it sets it again
     when an OOM recovery rebuilds it)."""
 
-    def __init__(self, engine, spec: JobSpec, derived: DerivedJob, patches, sink, progress, rank,
+    def __init__(self, engine, logging: JobSpecLogging, derived: DerivedJob, sink, progress, rank,
                  state: RunState):
         from jobspec import hardware
         from jobspec.train import metrics
@@ -265,11 +265,10 @@ class StepReporter:
         # recompute included); MFU counts the model's FLOPs only (PaLM's definition)
         self.model_flops_per_token = derived.model_flops_per_token
         self.hardware_flops_per_token = derived.hardware_flops_per_token
-        self.peak_flops = metrics.peak_flops(hardware.cuda_device_name(),
-                                             spec["memory"]["precision"])
+        self.peak_flops = metrics.peak_flops(hardware.cuda_device_name(), derived.precision)
         self._rss = metrics.RssReader()  # made once: the RSS reading is per log step
-        self.perf_window_s = spec["logging"]["perf_window_s"]
-        self.every_n_steps = spec["logging"]["every_n_steps"]
+        self.perf_window_s = logging["perf_window_s"]
+        self.every_n_steps = logging["every_n_steps"]
         self._perf = PerfWindow()
 
     def should_log(self, step: int, window: Window, *, last_step: bool) -> bool:

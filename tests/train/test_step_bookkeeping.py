@@ -73,14 +73,13 @@ class Sink:
 
 
 def reporter(tmp_path, sink, perf_window_s=0.0):
-    spec = {"memory": {"precision": "fp32"},
-            "logging": {"perf_window_s": perf_window_s, "every_n_steps": 1}}
+    logging = {"perf_window_s": perf_window_s, "every_n_steps": 1}
     derived = DerivedJob(world_size=1, nodes=1, gpus_per_node=1, micro_batch_size=1, global_batch_size=1,
                          gradient_accumulation_steps=1, total_steps=10, warmup_steps=0, seq_len=8, precision="fp32",
                          precision_bytes=4, dims=None, num_parameters=None, num_layers=None, checkpointed_layers=0,
                          model_flops_per_token=1e6, hardware_flops_per_token=1e6)
     progress = Progress(10, mode="none")
-    return StepReporter(FakeEngine(), spec, derived, [], sink, progress, 0, RunState())
+    return StepReporter(FakeEngine(), logging, derived, sink, progress, 0, RunState())
 
 
 def test_log_window_reduces_once_and_logs_the_shared_metrics(tmp_path):
