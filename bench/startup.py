@@ -5,6 +5,8 @@
     python -m bench.startup --repeats 5 --job jobs/quickstart.yaml --set training.max_steps=10
     python -m bench.startup --empty-op-cache     # each launch with an empty TORCH_EXTENSIONS_DIR: a
                                                  # newcomer's first launch; prints the ops it built
+    python -m bench.startup --empty-plan-cache   # each launch with an empty JOBSPEC_CACHE_DIR: the
+                                                 # launcher traces the model (a new clone's first)
 
 Each launch runs in a new output directory with its own SQLite store (a launch that finds a new
 store pays for creating its tables: the `cold store` row). The phases are timestamps the launcher
@@ -66,7 +68,8 @@ def load_average() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def launch(job: str, work: Path, store: Path, sets: list[str], op_cache: Path | None = None) -> dict:
+def launch(job: str, work: Path, store: Path, sets: list[str], op_cache: Path | None = None,
+           plan_cache: Path | None = None) -> dict:
     import psutil
 
     out = work / "out"
@@ -75,7 +78,8 @@ def launch(job: str, work: Path, store: Path, sets: list[str], op_cache: Path | 
            *[x for s in sets for x in ("--set", s)]]
     load = load_average()
     started = time.time()
-    env = {**os.environ, **({"TORCH_EXTENSIONS_DIR": str(op_cache)} if op_cache else {})}
+    env = {**os.environ, **({"TORCH_EXTENSIONS_DIR": str(op_cache)} if op_cache else {}),
+           **({"JOBSPEC_CACHE_DIR": str(plan_cache)} if plan_cache else {})}
     proc = subprocess.Popen(cmd, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     # DeepSpeed's runner and launch.py write no timestamps of their own: their CPU time until the
     # ranks exist is their start-up (afterwards they only wait for the ranks)
@@ -133,6 +137,9 @@ def main(argv=None) -> int:
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--empty-op-cache", action="store_true",
                         help="every launch with a new, empty TORCH_EXTENSIONS_DIR (a fresh machine's first launch)")
+    parser.add_argument("--empty-plan-cache", action="store_true",
+                        help="every launch with a new, empty JOBSPEC_CACHE_DIR: no plan, trace or "
+                             "check cached (the launcher traces the model)")
     args = parser.parse_args(argv)
     runs = []
     with tempfile.TemporaryDirectory(prefix="jobspec-startup-") as tmp:
@@ -140,7 +147,9 @@ def main(argv=None) -> int:
         for i in range(args.repeats):
             work = Path(tmp) / f"launch-{i + 1}"
             work.mkdir()
-            runs.append(launch(args.job, work, store, args.sets, work / "op-cache" if args.empty_op_cache else None))
+            runs.append(launch(args.job, work, store, args.sets,
+                               work / "op-cache" if args.empty_op_cache else None,
+                               work / "plan-cache" if args.empty_plan_cache else None))
             marks = runs[-1]["marks"]
             built = (f"; ops built: {', '.join(runs[-1]['ops_built']) or 'none'}" if args.empty_op_cache else "")
             print(f"launch {i + 1}/{args.repeats} ({'cold' if i == 0 else 'warm'} store): command to first step "

@@ -288,17 +288,16 @@ def generating_module(engine):
 class EvalGenerator:
     """One rank's part of `training.eval_generate` (module docstring). `run` is collective."""
 
-    def __init__(self, spec: JobSpec, tokenizer, prompts: list[Prompt], end_ids: list[int], *,
-                 rank: int,
-                 world_size: int, batch_size: int, zero3: bool, group=None,
-                 run_dir: Path | None = None, sink=None, progress=None):
-        generate = settings(spec)
+    def __init__(self, generate: JobSpecTrainingEvalGenerate, training_seed: int, tokenizer,
+                 prompts: list[Prompt], end_ids: list[int], *, rank: int, world_size: int,
+                 batch_size: int, zero3: bool, group=None, run_dir: Path | None = None, sink=None,
+                 progress=None):
         self.tokenizer, self.prompts, self.end_ids = tokenizer, prompts, end_ids
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None \
             else (end_ids or [0])[0]
         self.max_new_tokens = generate["max_new_tokens"]
         self.temperature = float(generate["temperature"])
-        seed = generate["seed"] if generate["seed"] is not None else spec["training"]["seed"]
+        seed = generate["seed"] if generate["seed"] is not None else training_seed
         self.seed = seed + rank   # each rank samples its own prompts from its own stream
         self.rank, self.world, self.zero3 = rank, world_size, zero3
         self.batch_size = max(1, batch_size)
@@ -321,7 +320,8 @@ class EvalGenerator:
         tokenizer = build_tokenizer(spec)
         template = chat_template(spec, tokenizer)
         prompts = build_prompts(spec, tokenizer, template, source_records(spec))
-        return cls(spec, tokenizer, prompts, end_of_turn_ids(tokenizer, template), rank=rank,
+        return cls(settings(spec), spec["training"]["seed"], tokenizer, prompts,
+                   end_of_turn_ids(tokenizer, template), rank=rank,
                    world_size=world_size, batch_size=batch_size, zero3=zero3, group=group,
                    run_dir=run_dir, sink=sink, progress=progress)
 

@@ -63,8 +63,8 @@ def generator_of(spec, tokenizer, records, **kwargs):
     from jobspec.model.chat_turns import end_of_turn_ids
     prompts = generation.build_prompts(spec, tokenizer, tokenizer.chat_template, records)
     options = {"rank": 0, "world_size": 1, "batch_size": 2, "zero3": False, **kwargs}
-    return generation.EvalGenerator(spec, tokenizer, prompts, end_of_turn_ids(tokenizer, tokenizer.chat_template),
-                                    **options)
+    return generation.EvalGenerator(generation.settings(spec), spec["training"]["seed"], tokenizer, prompts,
+                                    end_of_turn_ids(tokenizer, tokenizer.chat_template), **options)
 
 
 def test_the_answer_ends_at_eos_or_the_templates_end_of_turn_token(tokenizer):
