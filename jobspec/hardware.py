@@ -12,13 +12,19 @@ free (the fit budget and the memory pre-flight of `jobspec launch`, on a CPU-onl
 from __future__ import annotations
 
 import atexit
+import contextlib
+import contextvars
 import math
 import os
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 FAKE_FREE_ENV = "JOBSPEC_FAKE_GPU_FREE_BYTES"
+# whether the nodes a job is checked for have GPUs, when they are not this host (`runs_elsewhere`)
+_ELSEWHERE_GPUS: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
+    "jobspec_elsewhere_gpus", default=None)
 
 
 class Nvml:
@@ -73,6 +79,24 @@ def gpu_names() -> list[str]:
 def gpu_count() -> int:
     """NVIDIA GPUs on this host (0 on a CPU-only one)."""
     return len([name for name in gpu_names() if name != "cpu"])
+
+
+@contextlib.contextmanager
+def runs_elsewhere(*, gpus: bool) -> Iterator[None]:
+    """Within: the job being checked runs on other machines, with or without NVIDIA GPUs
+    (`jobspec sbatch` on a login node), so a rule that asks whether the job's host has a GPU asks
+    that, not this host's devices (`job_host_has_gpu`)."""
+    token = _ELSEWHERE_GPUS.set(gpus)
+    try:
+        yield
+    finally:
+        _ELSEWHERE_GPUS.reset(token)
+
+
+def job_host_has_gpu() -> bool:
+    """Whether the host the job runs on has an NVIDIA GPU: this one, unless `runs_elsewhere`."""
+    elsewhere = _ELSEWHERE_GPUS.get()
+    return gpu_count() > 0 if elsewhere is None else elsewhere
 
 
 def gpu_free_bytes(num_devices: int, environ=os.environ) -> int | None:

@@ -38,10 +38,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from jobspec import hardware
     from jobspec.launch import slurm
     from jobspec.spec.validation import load_and_validate
 
-    resolved = load_and_validate(args.job, args.overrides)
+    # checked for the compute nodes the script asks for, not the login node that writes it
+    with hardware.runs_elsewhere(gpus=not args.cpu_ranks):
+        resolved = load_and_validate(args.job, args.overrides)
     script = slurm.render_sbatch(resolved, args.job, args.overrides, gpus=not args.cpu_ranks)
     if args.out is not None:
         args.out.write_text(script, encoding="utf-8")
