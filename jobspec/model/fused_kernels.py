@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
 from jobspec.errors import spec_error
-from jobspec.spec.rules.kernels import FIELD, GPU_EXTRA, model_problem, reference_kernels
 from jobspec.tasks.base import IGNORE_INDEX
+from jobspec.techniques.fused_kernels import FIELD, GPU_EXTRA, model_problem, reference_kernels
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class Family:
     in_place: bool = True            # Liger's RMSNorm backward may overwrite its incoming gradient
 
 
-# keys: spec/rules/kernels.LIGER_FAMILIES (tests/model/test_fused_kernels.py holds them equal)
+# keys: techniques/fused_kernels.LIGER_FAMILIES (tests/model/test_fused_kernels.py holds them equal)
 FAMILIES = {
     "llama": Family("swiglu"), "mistral": Family("swiglu"), "qwen2": Family("swiglu"),
     "qwen3": Family("swiglu"), "phi3": Family("gate_up"),

@@ -343,7 +343,7 @@ class ModelTracer:
         if self.spec["model"].get("kernels", "none") == "none":
             return
         from jobspec.model.fused_kernels import apply_kernels, stand_in_set
-        from jobspec.spec.rules.kernels import fused_loss
+        from jobspec.techniques.fused_kernels import fused_loss
 
         apply_kernels(model, stand_in_set(), fused_loss=fused_loss(self.spec))
 

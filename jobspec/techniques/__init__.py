@@ -95,7 +95,24 @@ def rules() -> list:
     return [rule for t in TECHNIQUES for rule in t.rules]
 
 
-def own_rules() -> list:
-    """The rules the technique modules define themselves, which spec/validation.CROSS_FIELD_RULES
-    runs at one place; the rules a technique names from spec/rules/ keep their own places there."""
-    return [rule for rule in rules() if rule.__module__.startswith(__name__ + ".")]
+# in `placed`'s order: every technique not named there, its rules in the registry's order
+OTHERS = "the other techniques"
+
+
+def placed(order: tuple) -> tuple:
+    """`order` (spec/validation.CROSS_FIELD_RULES: rules, technique names and `OTHERS`) as rules:
+    each name replaced by its technique's rules, `OTHERS` by the rules of the techniques `order`
+    does not name (a new technique's run there without a line of its own)."""
+    named = {item for item in order if isinstance(item, str) and item != OTHERS}
+    unknown = named - set(BY_NAME)
+    if unknown:
+        raise KeyError(f"no technique {sorted(unknown)}")
+    found: list = []
+    for item in order:
+        if item == OTHERS:
+            found += [rule for t in TECHNIQUES if t.name not in named for rule in t.rules]
+        elif isinstance(item, str):
+            found += BY_NAME[item].rules
+        else:
+            found.append(item)
+    return tuple(found)
