@@ -13,6 +13,8 @@ Pure: no torch at import (`apply` names a function; base.apply_function imports 
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from jobspec.spec.types import JobSpec, JobSpecMemory
 from jobspec.techniques import (
     activation_offload,
@@ -28,6 +30,9 @@ from jobspec.techniques import (
     tiled_mlp,
 )
 from jobspec.techniques.base import FitStep, Technique
+
+if TYPE_CHECKING:
+    from jobspec.spec.derived import DerivedJob
 
 # the patch order: the model set up, Liger's kernels before the patches that wrap the layers'
 # modules (the tiled MLP), the tiling and offload on the checkpointed layers, then on the finished
@@ -67,6 +72,15 @@ def patches(spec: JobSpec) -> list[dict]:
         args = technique.args(spec)
         if args is not None:
             found.append({"name": technique.name, "args": args})
+    return found
+
+
+def ds_config(spec: JobSpec, job: DerivedJob) -> dict:
+    """Every technique's ds_config.json fields for a spec, in the registry's order
+    (compile/compiler.compile_spec)."""
+    found: dict = {}
+    for technique in TECHNIQUES:
+        found.update(technique.ds_config(spec, job))
     return found
 
 

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from jobspec.spec.types import JobSpec, JobSpecMemory
+
+if TYPE_CHECKING:
+    from jobspec.spec.derived import DerivedJob
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,9 @@ class Technique:
     # console says a client optimizer where the first of them comes
     after_base: bool = False
     rules: tuple[Callable, ...] = ()     # its cross-field rules (spec/validation.CROSS_FIELD_RULES)
+    # its top-level ds_config.json fields for a spec and its derived job ({}: none), merged by
+    # compile/compiler.compile_spec after the ZeRO block
+    ds_config: Callable[[JobSpec, DerivedJob], dict] = lambda spec, job: {}
     fit: FitStep | None = None
     # a remedy of a plan's GPU term ({term: "--set ... (why)"}); offered where `offerable`
     remedy: dict[str, str] = field(default_factory=dict)

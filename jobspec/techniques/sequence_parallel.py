@@ -1,6 +1,6 @@
 """`memory.sequence_parallel`: DeepSpeed Ulysses for Hugging Face models (ALST), N ranks sharing
 each sequence (the ranks' groups: train/sequence_parallel.py; ds_config's `sequence_parallel_size`:
-compile/compiler; the exchange buffers the plan adds: memory/ulysses_buffers). Its rules below.
+`ds_config`; the exchange buffers the plan adds: memory/ulysses_buffers). Its rules below.
 
 Ulysses splits each sequence across N ranks and, around attention, swaps the split from the sequence
 to the attention heads with an all-to-all (deepspeed.runtime.sequence_parallel.ulysses_sp
@@ -33,6 +33,7 @@ from jobspec.spec.types import JobSpec
 from jobspec.techniques.base import Technique
 
 if TYPE_CHECKING:
+    from jobspec.spec.derived import DerivedJob
     from jobspec.spec.validation import ResolvedSpec
 
 # transformers model_type -> decoder families whose attention Ulysses wraps: attention through
@@ -144,6 +145,13 @@ def sequence_parallel_issues(r: ResolvedSpec) -> list[SpecIssue]:
                                                                         local_checkpoint_config(r))]
 
 
+def ds_config(spec: JobSpec, job: DerivedJob) -> dict:
+    """`sequence_parallel_size` where N > 1: DeepSpeed's batch arithmetic counts world / N
+    data-parallel ranks; the engine learns N from the Ulysses groups (train/sequence_parallel),
+    ZeRO-3's zero.Init, which runs before them, from here."""
+    return {"sequence_parallel_size": job.sequence_parallel} if job.sequence_parallel > 1 else {}
+
+
 TECHNIQUE = Technique(
     name="sequence_parallel", summary="Ulysses: N ranks share each sequence, attention by heads",
-    rules=(sequence_parallel_issues,))
+    rules=(sequence_parallel_issues,), ds_config=ds_config)
