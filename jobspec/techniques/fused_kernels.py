@@ -119,4 +119,5 @@ def _text(args: dict) -> str:
 TECHNIQUE = Technique(
     name="fused_kernels", summary="Liger's fused kernels (`model.kernels: liger`)",
     args=_args, text=_text, apply="jobspec.model.fused_kernels:fused_kernels",
+    trace="jobspec.model.fused_kernels:trace_kernels",
     rules=(kernels_issues,))

@@ -50,4 +50,5 @@ TECHNIQUE = Technique(
     name="gradient_checkpointing",
     summary="each checkpointed layer keeps only its input and recomputes the rest in the backward",
     args=_args, text=_text, apply="jobspec.model.structure:gradient_checkpointing",
+    trace="jobspec.model.structure:trace_checkpointing",
     rules=(every_n_layers_issues,))

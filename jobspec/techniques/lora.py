@@ -134,5 +134,6 @@ def _text(args: dict) -> str:
 
 TECHNIQUE = Technique(
     name="lora", summary="PEFT's low-rank adapters trained on a frozen base (`model.lora`)",
-    args=_args, text=_text, apply="jobspec.train.lora_adapters:lora", after_base=True,
+    args=_args, text=_text, apply="jobspec.train.lora_adapters:lora",
+    trace="jobspec.model.lora:trace_lora", after_base=True,
     rules=(lora_issues,))
