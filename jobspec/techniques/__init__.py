@@ -1,15 +1,16 @@
 """The techniques a spec can switch on: one module each, registered here in the order the ranks
-apply their patches.
+apply their patches and the planner's trace applies them.
 
 Each module declares a `Technique` (jobspec/techniques/base.py): its patches.json args for a spec
-and the patch in a few words, the function the ranks and the planner's trace call (`apply`, named,
-imported where it runs), its cross-field rules, its step in `--fit`'s search and the remedy it
-offers a plan. The compiler (`patches`, `patch_text`), the ranks (train/patches.PATCHES), the
-planner's trace (model/planner_trace.apply_tiling), `--fit` (memory/fit), the remedies and the
-console loop over `TECHNIQUES`; adding one: the schema's field, one module here, one line below
-(docs/architecture.md, "Adding a technique").
+and the patch in a few words, the function the ranks call (`apply`, named, imported where it runs)
+and the planner's trace's call or args, its cross-field rules, its ds_config.json fields, its step
+in `--fit`'s search and the remedy it offers a plan. The compiler (`patches`, `ds_config`,
+`patch_text`), the ranks (train/patches.PATCHES), the planner's trace
+(model/planner_trace.apply_techniques), validation (`placed`: spec/validation.CROSS_FIELD_RULES),
+`--fit` (memory/fit), the remedies and the console loop over `TECHNIQUES`; adding one: the
+schema's field, one module here, one line below (docs/architecture.md, "Adding a technique").
 
-Pure: no torch at import (`apply` names a function; base.apply_function imports it).
+Pure: no torch at import (`apply` and `trace` name functions; base.named_function imports them).
 """
 from __future__ import annotations
 
