@@ -133,7 +133,7 @@ def runs() -> list[Run]:
 def unsupported_kernels(spec: dict) -> str | None:
     """Why a `model.kernels: liger` variant of this job cannot exist (its model type has no fused
     modules in Liger: XLM-R's encoder, say); None for the other variants."""
-    from jobspec.spec.rules.kernels import model_problem
+    from jobspec.techniques.fused_kernels import model_problem
 
     model = spec.get("model", {})
     if model.get("kernels") != "liger":

@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-# a spec feature -> the distribution it imports (validate refuses the job without it: spec/rules/lora,
+# a spec feature -> the distribution it imports (validate refuses the job without it: techniques/lora,
 # optimizers/adamw_8bit)
 FEATURE_PACKAGES = {("model", "quantization"): "bitsandbytes", ("training", "optimizer", "name", "adamw_8bit"):
                     "bitsandbytes"}

@@ -78,6 +78,10 @@ def test_each_technique_declares_everything():
         else:   # no model patch: it writes no patches.json entry
             assert technique.trace_args is None and technique.fit is None, technique.name
     assert all(t.trace_args and t.trace_value for t in techniques.TRACED)
+    for technique in techniques.TECHNIQUES:   # the trace's own call, named as apply is
+        if technique.trace is not None:
+            module, _, function = technique.trace.partition(":")
+            assert technique.apply and module.startswith("jobspec.") and function.isidentifier()
     keys = [step.key for step in techniques.fit_steps()]
     assert len(keys) == len(set(keys)), keys
 
@@ -87,3 +91,13 @@ def test_technique_registry_imports_no_torch():
             "print([m for m in ('torch', 'transformers', 'deepspeed') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_each_technique_rule_runs_once_in_the_rule_order():
+    """Validation runs every technique's rules, each once: named at its place or among the others."""
+    from jobspec import techniques
+    from jobspec.spec import validation
+    rules = [rule for t in techniques.TECHNIQUES for rule in t.rules]
+    assert all(validation.CROSS_FIELD_RULES.count(rule) == 1 for rule in rules)
+    assert techniques.placed(("packing", techniques.OTHERS))[0] is techniques.get("packing").rules[0]
+    assert len(techniques.placed((techniques.OTHERS,))) == len(rules)

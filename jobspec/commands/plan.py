@@ -64,7 +64,7 @@ def print_text(plan, spec, resolved, result, longest, *, show_fit: bool) -> None
     lines (`show_fit`) and `--longest`'s (`result`: the fit's, whose overrides it names)."""
     from jobspec.memory.planner import render_plan
     from jobspec.memory.remedies import advice
-    from jobspec.spec.rules.lora import random_base_note
+    from jobspec.techniques.lora import random_base_note
 
     print(render_plan(plan, title=f"{spec['name']}: predicted memory per rank (as written)",
                       advice=advice(plan, spec)))

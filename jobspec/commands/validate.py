@@ -31,8 +31,8 @@ def run(args: argparse.Namespace) -> int:
     from jobspec.data import record_checks
     from jobspec.spec.derived import derive
     from jobspec.spec.freeform import unchecked_model_config
-    from jobspec.spec.rules.lora import random_base_note
     from jobspec.spec.validation import load_and_validate
+    from jobspec.techniques.lora import random_base_note
 
     reports, failed = [], False
     for job in args.jobs:

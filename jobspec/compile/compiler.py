@@ -71,11 +71,8 @@ def compile_spec(spec: JobSpec, job: DerivedJob, *, run_dir: str = "RUN_DIR",
     ds_config.update(precision_blocks(memory))
     ds_config["zero_optimization"] = zero_block(memory, job.dims,
                                                 gather_16bit=exports_during_training(spec))
-    if job.sequence_parallel > 1:
-        # DeepSpeed's batch arithmetic counts world / N data-parallel ranks: the engine learns N
-        # from the Ulysses groups (train/sequence_parallel), ZeRO-3's zero.Init, which runs before
-        # them, from here
-        ds_config["sequence_parallel_size"] = job.sequence_parallel
+    # each technique's own fields (Ulysses' sequence_parallel_size), in the registry's order
+    ds_config.update(techniques.ds_config(spec, job))
     if "nvme" in (memory["offload"]["optimizer"], memory["offload"]["params"]):
         ds_config["aio"] = aio_block(memory["offload"]["aio"])
     chosen = optimizers.get(optimizer["name"])

@@ -29,7 +29,7 @@ attention keeps them out of every real token's context, and their labels are -10
 turns the detection off), and for flash attention flattens the micro-batch into one row (each row
 starts with a sample whose first label is -100, so the loss is the same token mean). Batches without
 `position_ids` (evaluation, which is not packed) pass untouched. The model families whose forward
-honours this are `jobspec.spec.rules.packing.PACKED_FAMILIES`; validation refuses the others.
+honours this are `jobspec.techniques.packing.PACKED_FAMILIES`; validation refuses the others.
 """
 from __future__ import annotations
 
@@ -39,9 +39,9 @@ import torch
 
 from jobspec.data.loaders import TensorDictDataset
 from jobspec.errors import spec_error
-from jobspec.spec.rules import packing as packing_rules
 from jobspec.spec.types import JobSpec
 from jobspec.tasks.base import IGNORE_INDEX
+from jobspec.techniques import packing as packing_rules
 
 
 def pack_order(lengths: list[int], max_length: int, seed: int) -> list[list[int]]:

@@ -19,8 +19,8 @@ from jobspec.memory.plan_figures import GPU_TOTAL, HOST_RAM, PEAK_ALLOCATED
 from jobspec.memory.planner import ALLOCATOR_VARIABLE, allocator_conf, expandable
 from jobspec.rundir import RunSummary
 from jobspec.spec import eval_metrics
-from jobspec.spec.rules.lora import random_base_note
 from jobspec.spec.types import JobSpec, JobSpecModel
+from jobspec.techniques.lora import random_base_note
 from jobspec.units import MiB, fmt_mib_gib
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")

@@ -238,7 +238,8 @@ def candidate_changes(spec: JobSpec, job: DerivedJob,
         for step in steps:
             wanted.update(step.changes)
         if spec["model"]["compile"] and stage == 3:
-            continue   # validation refuses ZeRO-3 under model.compile (spec/rules/model_compile.py)
+            # validation refuses ZeRO-3 under model.compile (techniques/regional_compile.py)
+            continue
         if any(step.refused(spec, wanted) for step in techniques.fit_steps()
                if step in steps or step.is_on(spec)):
             # validation refuses the technique beside this candidate (its module says why)

@@ -24,7 +24,6 @@ from jobspec.memory.gpu_overheads import ContextFigure, cuda_context
 from jobspec.memory.model_profile import Inventory, UnitTrace
 from jobspec.memory.ulysses_buffers import all_to_all_bytes
 from jobspec.spec.derived import PRECISION_BYTES, DerivedJob, zero_bucket_sizes
-from jobspec.spec.rules.kernels import fused_loss
 from jobspec.spec.types import (
     JobSpec,
     JobSpecMemory,
@@ -32,6 +31,7 @@ from jobspec.spec.types import (
     JobSpecTrainingOptimizer,
 )
 from jobspec.techniques import tiled_loss
+from jobspec.techniques.fused_kernels import fused_loss
 from jobspec.units import MiB, fmt_mib_gib
 
 ALLOCATOR_BLOCK = 2 * MiB        # the caching allocator's large-segment granularity

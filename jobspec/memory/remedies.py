@@ -4,7 +4,7 @@ Each term has its remedies, in the order they cost step time; a remedy is offere
 setting is not on already and validation accepts it for this job (a tiled loss for causal LMs only,
 and not for a head tied to the embeddings under ZeRO 1-3; no ZeRO-3 or parameter offload for a
 quantised base, whose packed weights ZeRO 0-2 keep whole; with `model.compile` no ZeRO-3, quantised
-base, tiled MLP or offloaded checkpoint inputs (spec/rules/model_compile.py); checkpointing every
+base, tiled MLP or offloaded checkpoint inputs (techniques/regional_compile.py); checkpointing every
 layer only when some layer is not, so a written `offload: cpu` is never dropped). A causal LM is
 always told that a shorter sequence fits, and where to find the longest (`jobspec plan --longest`).
 `jobspec plan --fit` searches all of them.

@@ -27,11 +27,15 @@ from __future__ import annotations
 import importlib
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 from jobspec.errors import spec_error
-from jobspec.spec.rules.kernels import FIELD, GPU_EXTRA, model_problem, reference_kernels
 from jobspec.tasks.base import IGNORE_INDEX
+from jobspec.techniques.fused_kernels import FIELD, GPU_EXTRA, model_problem, reference_kernels
+from jobspec.techniques.fused_kernels import fused_loss as computes_fused_loss
+
+if TYPE_CHECKING:
+    from jobspec.model.planner_trace import TraceSetting
 
 
 @dataclass(frozen=True)
@@ -45,7 +49,7 @@ class Family:
     in_place: bool = True            # Liger's RMSNorm backward may overwrite its incoming gradient
 
 
-# keys: spec/rules/kernels.LIGER_FAMILIES (tests/model/test_fused_kernels.py holds them equal)
+# keys: techniques/fused_kernels.LIGER_FAMILIES (tests/model/test_fused_kernels.py holds them equal)
 FAMILIES = {
     "llama": Family("swiglu"), "mistral": Family("swiglu"), "qwen2": Family("swiglu"),
     "qwen3": Family("swiglu"), "phi3": Family("gate_up"),
@@ -130,6 +134,14 @@ def fused_kernels(model, kernels: str = "liger", fused_loss: bool = False) -> st
                              hint="launch on NVIDIA GPUs, or set `model.kernels: none`")
         chosen = liger_set()
     return apply_kernels(model, chosen, fused_loss=fused_loss)
+
+
+def trace_kernels(model, setting: TraceSetting):
+    """The planner's trace's `fused_kernels`: `model.kernels`' fused modules, Liger's kernels stood
+    in by what they allocate and keep for the backward (model/kernel_stand_ins.py)."""
+    if setting.spec["model"].get("kernels", "none") != "none":
+        apply_kernels(model, stand_in_set(), fused_loss=computes_fused_loss(setting.spec))
+    return model
 
 
 def apply_kernels(model, kernels: KernelSet, *, fused_loss: bool) -> str:

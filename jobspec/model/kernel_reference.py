@@ -13,9 +13,9 @@ modules compute, and keeps for the backward what the Triton kernel keeps (Liger 
                      forward one chunk of tokens' logits at a time (Liger's chunk size)
 
 They are the kernels of CPU ranks under the test hook JOBSPEC_KERNELS_REFERENCE=1
-(spec/rules/kernels.py), where the fused code path must give transformers' loss and gradients. Their
-temporaries are PyTorch's; the planner's trace uses model/kernel_stand_ins.py, which allocates what
-the kernels allocate.
+(techniques/fused_kernels.py), where the fused code path must give transformers' loss and gradients.
+Their temporaries are PyTorch's; the planner's trace uses model/kernel_stand_ins.py, which allocates
+what the kernels allocate.
 """
 from __future__ import annotations
 

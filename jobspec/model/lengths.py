@@ -54,7 +54,7 @@ class tile_loops:
     """Marks DeepSpeed's tile loops in a traced step (`counter.loops`: [kind, first event, end
     event, [[first event of a tile, its length], ...]]) by wrapping its tiled functions while
     tracing. Only when model/tiling.py's patches have loaded DeepSpeed
-    (planner_trace.apply_tiling)."""
+    (planner_trace.apply_techniques)."""
 
     def __init__(self, counter):
         self.counter = counter

@@ -17,11 +17,14 @@ Imports torch, peft and transformers inside the functions only: `jobspec validat
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jobspec import tasks
 from jobspec.errors import SpecError, SpecIssue, did_you_mean, spec_error
 from jobspec.spec.types import JobSpec
+
+if TYPE_CHECKING:
+    from jobspec.model.planner_trace import TraceSetting
 
 ALL_LINEAR = "all-linear"
 # PEFT's LoRA layer kinds by torch / transformers class name (peft.tuners.lora.model dispatchers):
@@ -166,6 +169,15 @@ def apply_lora(model, spec: JobSpec):
     if spec["model"]["lora"] is None:
         return model
     return adapt(model, settings(spec))
+
+
+def trace_lora(model, setting: TraceSetting):
+    """The planner's trace's `lora`: `apply_lora`, the ranks' own call, as a step of the model's
+    build (`setting.guard`: PEFT's failure is the spec's model's); the model as it is without
+    `model.lora`."""
+    if setting.spec["model"]["lora"] is None:
+        return model
+    return setting.guard(lambda: apply_lora(model, setting.spec))
 
 
 def compute_dtype(spec: JobSpec) -> str:

@@ -24,8 +24,9 @@ import hashlib
 import json
 import os
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from jobspec import techniques
 from jobspec.errors import SpecError, first_line, spec_error
@@ -33,12 +34,33 @@ from jobspec.memory.model_profile import Inventory, ModelProfile, UnitTrace, com
 from jobspec.model.lengths import LENGTH_QUANTUM, Interpolation, TileRules, basis_lengths
 from jobspec.model.step import extrapolate, mask_of, run_step, summarize
 from jobspec.spec.types import JobSpec, JobSpecMemory
-from jobspec.techniques.base import apply_function
+from jobspec.techniques.base import Technique, apply_function, named_function
 
 TRACE_VERSION = 6   # bump when what a trace measures changes: old cache entries are not read
 PRECISION_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 # (tiled loss, tiled MLP, offloaded checkpoints): `tiling_setting` of a job with none of them
 NO_TILING = tuple(False for _ in techniques.TRACED)
+
+
+@dataclass
+class TraceSetting:
+    """What one trace applies the techniques with (`apply_techniques`; each technique's `trace`
+    call reads it)."""
+
+    spec: JobSpec
+    tiling: tuple = NO_TILING         # `tiling_setting`'s
+    # a unit trace's layers, (kind, checkpointed) each; None: the whole model, checkpointed one
+    # layer in `every` (0: none)
+    types: tuple | None = None
+    every: int = 0
+    reentrant: bool = False
+    # the checkpointed layers' indices (the checkpointing's trace call sets them): the tiling and
+    # the offload act on them
+    checkpointed: list[int] = field(default_factory=list)
+    # runs a step of the model's build: a failure there is the spec's model's (the tracer's)
+    guard: Callable[[Callable], Any] = lambda make: make()
+
+
 # config attributes that mean tokens are routed to experts by their values
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
@@ -262,11 +284,9 @@ class ModelTracer:
         """`model.lora`'s adapters on `model` (model/lora.apply_lora, the ranks' own call): the plan
         counts exactly the adapters PEFT makes, the frozen base without gradients or optimizer
         states."""
-        if self.spec["model"]["lora"] is None:
-            return model
-        from jobspec.model.lora import apply_lora
+        from jobspec.model.lora import trace_lora
 
-        return self._build_step(lambda: apply_lora(model, self.spec))
+        return trace_lora(model, TraceSetting(self.spec, guard=self._build_step))
 
     def _build_step(self, make):
         from jobspec.model.build import loading_error
@@ -287,32 +307,20 @@ class ModelTracer:
         import torch
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        from jobspec.model.structure import (
-            checkpoint_layers,
-            find_layer_stack,
-            gradient_checkpointing,
-        )
+        from jobspec.model.structure import find_layer_stack
 
         kinds = tuple(kind for kind, _ in types) if types is not None else None
         model = self._build(layers=kinds)
         model.train()
         setting = f"{precision}, micro-batch {micro_batch}, seq {seq_len}"
         try:
-            self._fuse(model)   # as on the ranks: before the patches that wrap the layers' modules
-            if types is not None:
-                chosen = [i for i, (_, ckpt) in enumerate(types) if ckpt]
-                if chosen:
-                    checkpoint_layers(model, chosen, use_reentrant=reentrant)
-            else:
+            every = 0
+            if types is None:
                 every, reentrant = checkpoint_setting(checkpointing)
-                if every:
-                    gradient_checkpointing(model, every, reentrant)
-                stack = find_layer_stack(model)
-                chosen = [i for i in range(len(stack) if stack is not None else 0) if every
-                          and i % every == 0]
-            apply_tiling(model, tiling, chosen)
-            # as on the ranks: PEFT wraps the model after jobspec's patches
-            model = self._adapt(model)
+            # as on the ranks: the kernels, checkpointing, tiling, offload, then PEFT's wrap
+            model = apply_techniques(model, TraceSetting(
+                self.spec, tiling=tiling, types=types, every=every, reentrant=reentrant,
+                guard=self._build_step))
             model = model.to(getattr(torch, PRECISION_DTYPES[precision]))   # on meta: no memory
             with FakeTensorMode(allow_non_fake_inputs=True):
                 model = model.to_empty(device="cpu")
@@ -336,16 +344,6 @@ class ModelTracer:
                 from jobspec.model.fused_kernels import restore_rope
 
                 restore_rope()   # patched module-wide: the next trace may be unfused
-
-    def _fuse(self, model) -> None:
-        """`model.kernels`' fused modules, Liger's kernels stood in by what they allocate and keep
-        for the backward (model/kernel_stand_ins.py)."""
-        if self.spec["model"].get("kernels", "none") == "none":
-            return
-        from jobspec.model.fused_kernels import apply_kernels, stand_in_set
-        from jobspec.spec.rules.kernels import fused_loss
-
-        apply_kernels(model, stand_in_set(), fused_loss=fused_loss(self.spec))
 
     def _model_type(self) -> str:
         return str(self.spec["model"].get("architecture")
@@ -479,21 +477,39 @@ def _tiling_key(tiling: tuple) -> tuple:
     return () if tuple(tiling) == NO_TILING else ("tiling", *tiling)
 
 
+def apply_techniques(model, setting: TraceSetting):
+    """Every patched technique the trace runs, in the registry's order (jobspec/techniques), as the
+    ranks apply them: each by its trace call (`Technique.trace`), or by the ranks' own function
+    with its args from the setting (`Technique.trace_args`). Returns the model (PEFT wraps it)."""
+    tiled = dict(zip((t.name for t in techniques.TRACED), setting.tiling))
+    for technique in techniques.PATCHED:
+        if technique.trace is not None:
+            model = named_function(technique.trace)(model, setting)
+        elif technique.name in tiled:
+            _apply_traced(model, technique, tiled[technique.name], setting.checkpointed)
+    return model
+
+
 def apply_tiling(model, tiling: tuple, checkpointed: list[int]) -> None:
-    """The ranks' patches of the traced techniques (`tiling`: `tiling_setting`'s), each technique's
-    own function in the registry's order (jobspec/techniques)."""
+    """The traced techniques alone (`tiling`: `tiling_setting`'s), in the registry's order."""
+    tiled = dict(zip((t.name for t in techniques.TRACED), tiling))
+    for technique in techniques.PATCHED:
+        if technique.name in tiled:
+            _apply_traced(model, technique, tiled[technique.name], checkpointed)
+
+
+def _apply_traced(model, technique: Technique, value, checkpointed: list[int]) -> None:
+    """One traced technique by the ranks' own function, its args from its setting `value`."""
     import importlib
 
-    settings = dict(zip((t.name for t in techniques.TRACED), tiling))
-    for technique in techniques.PATCHED:
-        if technique.name not in settings or technique.trace_args is None:
-            continue
-        args = technique.trace_args(settings[technique.name], checkpointed)
-        if args is None:
-            continue
-        for module in technique.trace_imports:
-            importlib.import_module(module)
-        apply_function(technique)(model, **args)
+    if technique.trace_args is None:
+        return
+    args = technique.trace_args(value, checkpointed)
+    if args is None:
+        return
+    for module in technique.trace_imports:
+        importlib.import_module(module)
+    apply_function(technique)(model, **args)
 
 
 def _set_layer_count(config, n: int) -> None:

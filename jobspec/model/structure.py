@@ -10,8 +10,12 @@ import fnmatch
 import functools
 import inspect
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from jobspec.errors import spec_error
+
+if TYPE_CHECKING:
+    from jobspec.model.planner_trace import TraceSetting
 
 # Attribute paths where transformers models keep their stack of transformer layers.
 LAYER_STACK_PATHS = ("encoder.layer", "h", "layers", "decoder.layers", "encoder.layers", "block",
@@ -65,6 +69,24 @@ def gradient_checkpointing(model, every_n_layers: int = 1, use_reentrant: bool =
         model.config.use_cache = False
     return (f"activation checkpointing: one layer in {every_n_layers} "
             f"(use_reentrant={use_reentrant}) via {how}")
+
+
+def trace_checkpointing(model, setting: TraceSetting):
+    """The planner's trace's `gradient_checkpointing`: a unit trace's checkpointed layers
+    (`setting.types`), else one layer in `setting.every` as the ranks' patch; the checkpointed
+    layers' indices go to `setting.checkpointed` (the tiling and the offload act on them)."""
+    if setting.types is not None:
+        setting.checkpointed = [i for i, (_, ckpt) in enumerate(setting.types) if ckpt]
+        if setting.checkpointed:
+            checkpoint_layers(model, setting.checkpointed, use_reentrant=setting.reentrant)
+        return model
+    every = setting.every
+    if every:
+        gradient_checkpointing(model, every, setting.reentrant)
+    stack = find_layer_stack(model)
+    setting.checkpointed = [i for i in range(len(stack) if stack is not None else 0)
+                            if every and i % every == 0]
+    return model
 
 
 def checkpoint_every_nth_layer(model, every_n_layers: int, *, use_reentrant: bool = False) -> int:

@@ -1,7 +1,8 @@
 """Checking a loaded spec: JSON Schema (every error at once), cross-field rules, path resolution.
 
-The cross-field rules live in modules of their concern (jobspec/spec/rules/ and the few listed in
-`CROSS_FIELD_RULES`); this module runs the schema with its did-you-mean hints, then that one list.
+The cross-field rules live in modules of their concern (jobspec/spec/rules/, each technique's module
+in jobspec/techniques/ and the few listed in `CROSS_FIELD_RULES`); this module runs the schema with
+its did-you-mean hints, then that one list.
 
 `load_and_validate(path, overrides)` is the one entry point the other commands use; it returns a
 `ResolvedSpec` whose `.spec` has every default filled and every path absolute, or raises one
@@ -29,23 +30,16 @@ from jobspec.spec.freeform import freeform_issues
 from jobspec.spec.loader import LoadedSpec, Position, load_spec
 from jobspec.spec.overrides import apply_overrides
 from jobspec.spec.rules import (
-    activation_checkpointing,
     batch,
     checkpoint,
     choices,
     data,
     data_sources,
     generation,
-    kernels,
-    lora,
-    model_compile,
     model_type,
     offload,
-    packing,
     paths,
     precision,
-    quantized_base,
-    sequence_parallel,
     tracking,
 )
 from jobspec.spec.rules.base import (
@@ -319,7 +313,9 @@ def _first_sentence(node: dict) -> str | None:
 # list[SpecIssue], positioned and coded, in a module of its concern (jobspec/spec/rules/, the
 # optimizers', export/rules). Adding a rule: its function, and one
 # line here (docs/architecture.md, "Adding a cross-field rule").
-CROSS_FIELD_RULES: tuple[Rule, ...] = (
+# a technique's name stands for its rules (jobspec/techniques); `techniques.OTHERS` for those of
+# the techniques named nowhere here
+CROSS_FIELD_RULES: tuple[Rule, ...] = techniques.placed((
     choices.steps_or_epochs,
     choices.checkpoint_or_architecture,
     data_sources.data_source_issues,
@@ -327,27 +323,27 @@ CROSS_FIELD_RULES: tuple[Rule, ...] = (
     offload.offload_issues,
     # each optimizer's own: offload, Adam fields, `momentum`
     optimizers.rule_issues,
-    packing.packing_issues,
-    sequence_parallel.sequence_parallel_issues,   # memory.sequence_parallel: what Ulysses can wrap
+    "packing",                               # data.packing: task, data, a model family
+    "sequence_parallel",                     # memory.sequence_parallel: what Ulysses can wrap
     precision.flash_attention_issues,
     choices.warmup,
-    activation_checkpointing.every_n_layers_issues,
+    "gradient_checkpointing",                # every_n_layers against the layer count
     data.data_rule_issues,                   # positions, formats, tokenizer, chat template
-    lora.lora_issues,                        # model.lora / model.quantization / export.adapter
+    "lora",                                  # model.lora / model.quantization / export.adapter
     # the task's head, LoRA module names, token ids (spec/model_table)
     model_type.model_type_issues,
-    quantized_base.quantized_zero_issues,    # QLoRA: ZeRO 0-2 only (spec/rules/quantized_base)
+    "quantization",                          # QLoRA: ZeRO 0-2 only
     precision.auto_cast_issues,
     generation.eval_generate_issues,         # training.eval_generate: causal-lm, prompts, room
-    *techniques.own_rules(),                 # the technique modules' own (the tiled loss's)
-    kernels.kernels_issues,                  # model.kernels: liger: model type, CUDA GPU, package
-    model_compile.compile_issues,            # model.compile: ZeRO 0-2; no QLoRA, tiled MLP, offload
+    techniques.OTHERS,                       # the other techniques' (the tiled loss's)
+    "fused_kernels",                         # model.kernels: liger: model type, CUDA GPU, package
+    "torch_compile",                         # model.compile: ZeRO 0-2; no QLoRA, tiled MLP, offload
     export_rules.export_issues,
     tracking.system_metrics_issues,
     tracking.tracking_uri_issues,
     paths.nul_issues,
     checkpoint.resume_issues,
-)
+))
 
 
 def cross_field_issues(r: ResolvedSpec) -> list[SpecIssue]:

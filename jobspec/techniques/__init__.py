@@ -1,17 +1,20 @@
 """The techniques a spec can switch on: one module each, registered here in the order the ranks
-apply their patches.
+apply their patches and the planner's trace applies them.
 
 Each module declares a `Technique` (jobspec/techniques/base.py): its patches.json args for a spec
-and the patch in a few words, the function the ranks and the planner's trace call (`apply`, named,
-imported where it runs), its cross-field rules, its step in `--fit`'s search and the remedy it
-offers a plan. The compiler (`patches`, `patch_text`), the ranks (train/patches.PATCHES), the
-planner's trace (model/planner_trace.apply_tiling), `--fit` (memory/fit), the remedies and the
-console loop over `TECHNIQUES`; adding one: the schema's field, one module here, one line below
-(docs/architecture.md, "Adding a technique").
+and the patch in a few words, the function the ranks call (`apply`, named, imported where it runs)
+and the planner's trace's call or args, its cross-field rules, its ds_config.json fields, its step
+in `--fit`'s search and the remedy it offers a plan. The compiler (`patches`, `ds_config`,
+`patch_text`), the ranks (train/patches.PATCHES), the planner's trace
+(model/planner_trace.apply_techniques), validation (`placed`: spec/validation.CROSS_FIELD_RULES),
+`--fit` (memory/fit), the remedies and the console loop over `TECHNIQUES`; adding one: the
+schema's field, one module here, one line below (docs/architecture.md, "Adding a technique").
 
-Pure: no torch at import (`apply` names a function; base.apply_function imports it).
+Pure: no torch at import (`apply` and `trace` name functions; base.named_function imports them).
 """
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from jobspec.spec.types import JobSpec, JobSpecMemory
 from jobspec.techniques import (
@@ -28,6 +31,9 @@ from jobspec.techniques import (
     tiled_mlp,
 )
 from jobspec.techniques.base import FitStep, Technique
+
+if TYPE_CHECKING:
+    from jobspec.spec.derived import DerivedJob
 
 # the patch order: the model set up, Liger's kernels before the patches that wrap the layers'
 # modules (the tiled MLP), the tiling and offload on the checkpointed layers, then on the finished
@@ -70,6 +76,15 @@ def patches(spec: JobSpec) -> list[dict]:
     return found
 
 
+def ds_config(spec: JobSpec, job: DerivedJob) -> dict:
+    """Every technique's ds_config.json fields for a spec, in the registry's order
+    (compile/compiler.compile_spec)."""
+    found: dict = {}
+    for technique in TECHNIQUES:
+        found.update(technique.ds_config(spec, job))
+    return found
+
+
 def patch_text(patch: dict) -> str:
     """A compiled patch in a few words (the launch header's and `jobspec compile`'s patch lines)."""
     name = patch.get("name")
@@ -95,7 +110,24 @@ def rules() -> list:
     return [rule for t in TECHNIQUES for rule in t.rules]
 
 
-def own_rules() -> list:
-    """The rules the technique modules define themselves, which spec/validation.CROSS_FIELD_RULES
-    runs at one place; the rules a technique names from spec/rules/ keep their own places there."""
-    return [rule for rule in rules() if rule.__module__.startswith(__name__ + ".")]
+# in `placed`'s order: every technique not named there, its rules in the registry's order
+OTHERS = "the other techniques"
+
+
+def placed(order: tuple) -> tuple:
+    """`order` (spec/validation.CROSS_FIELD_RULES: rules, technique names and `OTHERS`) as rules:
+    each name replaced by its technique's rules, `OTHERS` by the rules of the techniques `order`
+    does not name (a new technique's run there without a line of its own)."""
+    named = {item for item in order if isinstance(item, str) and item != OTHERS}
+    unknown = named - set(BY_NAME)
+    if unknown:
+        raise KeyError(f"no technique {sorted(unknown)}")
+    found: list = []
+    for item in order:
+        if item == OTHERS:
+            found += [rule for t in TECHNIQUES if t.name not in named for rule in t.rules]
+        elif isinstance(item, str):
+            found += BY_NAME[item].rules
+        else:
+            found.append(item)
+    return tuple(found)

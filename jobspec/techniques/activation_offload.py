@@ -1,7 +1,7 @@
 """`memory.activation_checkpointing.offload: cpu`: the checkpointed layers' inputs kept in pinned
 host memory, copied on a side stream (model/activation_offload.offload_checkpoints, on the ranks
 and, as its stand-in, in the planner's trace). Refused beside `model.compile`
-(spec/rules/model_compile.py)."""
+(techniques/regional_compile.py)."""
 from __future__ import annotations
 
 from jobspec.spec.types import JobSpec, JobSpecMemory

@@ -1,12 +1,33 @@
 """`memory.activation_checkpointing`: Hugging Face's gradient checkpointing, every layer or one in
-`every_n_layers` (model/structure.gradient_checkpointing; the rule against the layer count:
-spec/rules/activation_checkpointing.py). `--fit` searches its every_n_layers itself
-(memory/fit.py)."""
+`every_n_layers` (model/structure.gradient_checkpointing). Its rule: `every_n_layers` against the
+model's layer count (the derived job's; unknown without a hidden size, or when the batch split is
+refused: then nothing to say). `--fit` searches its every_n_layers itself (memory/fit.py)."""
 from __future__ import annotations
 
-from jobspec.spec.rules import activation_checkpointing as checkpointing_rules
+from typing import TYPE_CHECKING
+
+from jobspec.errors import SpecIssue
+from jobspec.spec.rules.batch import derived_job
 from jobspec.spec.types import JobSpec
 from jobspec.techniques.base import Technique
+
+if TYPE_CHECKING:
+    from jobspec.spec.validation import ResolvedSpec
+
+
+def every_n_layers_issues(r: ResolvedSpec) -> list[SpecIssue]:
+    checkpointing = r.spec["memory"]["activation_checkpointing"]
+    if not isinstance(checkpointing, dict):
+        return []
+    # derived again, as its own rule: cheap (no profile, one config.json read)
+    derived, _ = derived_job(r)
+    layers = derived.num_layers if derived is not None else None
+    if layers is not None and checkpointing["every_n_layers"] > layers:
+        return [r.issue(("memory", "activation_checkpointing", "every_n_layers"),
+                        f"every_n_layers = {checkpointing['every_n_layers']} but the model has "
+                        f"{layers} layers",
+                        f"use a value between 1 and {layers}", code="checkpointing-layers")]
+    return []
 
 
 def _args(spec: JobSpec) -> dict | None:
@@ -29,4 +50,5 @@ TECHNIQUE = Technique(
     name="gradient_checkpointing",
     summary="each checkpointed layer keeps only its input and recomputes the rest in the backward",
     args=_args, text=_text, apply="jobspec.model.structure:gradient_checkpointing",
-    rules=(checkpointing_rules.every_n_layers_issues,))
+    trace="jobspec.model.structure:trace_checkpointing",
+    rules=(every_n_layers_issues,))

@@ -6,17 +6,17 @@ What it tiles must exist: a task whose loss is not a per-token cross-entropy ove
 outputs (one label per sequence) has nothing to tile, and the masked-LM and token-classification
 heads (a transform before the decoder, a classifier of a few classes) are not tiled: their logits
 are small or their head is not one projection. Liger's fused loss computes the loss itself: no tiled
-loss beside it (spec/rules/kernels.py)."""
+loss beside it (techniques/fused_kernels.py)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from jobspec import tasks
 from jobspec.errors import SpecIssue
-from jobspec.spec.rules import kernels as kernel_rules
 from jobspec.spec.types import JobSpec, JobSpecMemory, JobSpecModel
 from jobspec.tasks.base import CLASS
 from jobspec.techniques.base import FitStep, Technique
+from jobspec.techniques.fused_kernels import fused_loss
 
 if TYPE_CHECKING:
     from jobspec.spec.validation import ResolvedSpec
@@ -105,7 +105,7 @@ def plan_text(setting) -> str:
 def _offerable(spec: JobSpec, zero_stage: int) -> bool:
     return spec["model"]["task"] == "causal-lm" and not spec["memory"]["tiled_loss"] and not (
         zero_stage >= 1 and trains_tied_head(spec["model"])) and not (
-        kernel_rules.fused_loss(spec))   # Liger's fused loss computes it: no tiled loss beside it
+        fused_loss(spec))   # Liger's fused loss computes it: no tiled loss beside it
 
 
 def _fit_refused(spec: JobSpec, wanted: dict) -> bool:
@@ -121,6 +121,6 @@ TECHNIQUE = Technique(
     rules=(tiled_loss_issues,),
     fit=FitStep(key="memory.tiled_loss", changes={"memory.tiled_loss": True}, cost=1,
                 words="tiled loss", is_on=lambda spec: bool(spec["memory"]["tiled_loss"]),
-                available=lambda spec: not kernel_rules.fused_loss(spec), refused=_fit_refused),
+                available=lambda spec: not fused_loss(spec), refused=_fit_refused),
     remedy={"logits_and_loss": "--set memory.tiled_loss=true (the logits one tile at a time)"},
     offerable=_offerable)

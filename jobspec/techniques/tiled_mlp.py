@@ -1,6 +1,6 @@
 """`memory.tiled_mlp`: every layer's MLP through DeepSpeed's TiledMLP, one tile per hidden_size
 tokens (model/tiling.tiled_mlp, on the ranks and in the planner's trace). Refused beside
-`model.compile` (spec/rules/model_compile.py)."""
+`model.compile` (techniques/regional_compile.py)."""
 from __future__ import annotations
 
 from jobspec.spec.types import JobSpec, JobSpecMemory

@@ -39,10 +39,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from jobspec.errors import spec_error
-from jobspec.spec.rules import kernels as kernel_rules
-from jobspec.spec.rules import sequence_parallel as rules
 from jobspec.spec.types import JobSpec
 from jobspec.tasks.base import IGNORE_INDEX
+from jobspec.techniques import fused_kernels as kernel_rules
+from jobspec.techniques import sequence_parallel as rules
 
 # the attention functions Ulysses replaced in ALL_ATTENTION_FUNCTIONS, by implementation: a rebuilt
 # engine (training.on_oom) wraps the original again, never the wrapper

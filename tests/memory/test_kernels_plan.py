@@ -10,7 +10,7 @@ import re
 import yaml
 
 from jobspec.cli import main
-from jobspec.spec.rules.kernels import REFERENCE_ENV
+from jobspec.techniques.fused_kernels import REFERENCE_ENV
 
 JOB = {"model": {"architecture": "llama", "task": "causal-lm",
                  "config": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,

@@ -21,7 +21,7 @@ from jobspec.model.fused_kernels import (
     reference_set,
     restore_rope,
 )
-from jobspec.spec.rules.kernels import LIGER_FAMILIES, REFERENCE_ENV
+from jobspec.techniques.fused_kernels import LIGER_FAMILIES, REFERENCE_ENV
 
 CONFIG = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
           "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 64, "vocab_size": 500,

@@ -1,4 +1,4 @@
-"""`model.kernels: liger`'s rules (jobspec/spec/rules/kernels.py): a model type Liger's kernels are
+"""`model.kernels: liger`'s rules (jobspec/techniques/fused_kernels.py): a model type Liger's kernels are
 not mapped for, a host without a CUDA GPU, liger-kernel not installed and a tiled loss beside the
 fused one are each refused at the field to change (file:line:col, exit 2), with the supported list
 or the fix;
@@ -13,7 +13,7 @@ import yaml
 from spec_builder import validate_errors
 
 from jobspec.cli import main
-from jobspec.spec.rules import kernels as rules
+from jobspec.techniques import fused_kernels as rules
 
 TINY_LLAMA = {"architecture": "llama", "task": "causal-lm", "kernels": "liger",
               "config": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,

@@ -1,4 +1,4 @@
-"""`model.lora` / `model.quantization` / `export.adapter` in `jobspec validate` (jobspec/spec/rules/lora.py) and
+"""`model.lora` / `model.quantization` / `export.adapter` in `jobspec validate` (jobspec/techniques/lora.py) and
 the target-module check on the job-preparation path (compile): positioned issues, rule codes, exit 2."""
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ def test_a_hub_model_this_machine_cannot_read_still_compiles(tmp_path, capsys, m
 def test_lora_on_a_model_built_from_its_config_is_said_in_one_note(tmp_path, capsys):
     """The base is random and frozen: validate and plan say so in a note (the launch header too:
     tests/launch/test_console.py); a pretrained base or no LoRA: no note."""
-    from jobspec.spec.rules.lora import random_base_note
+    from jobspec.techniques.lora import random_base_note
 
     job = write(tmp_path, {**TINY_LLAMA, "lora": {"r": 4}})
     assert main(["validate", job]) == 0

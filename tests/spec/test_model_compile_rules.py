@@ -1,4 +1,4 @@
-"""`model.compile`'s rules (jobspec/spec/rules/model_compile.py): what regional compilation cannot
+"""`model.compile`'s rules (jobspec/techniques/regional_compile.py): what regional compilation cannot
 run under is refused at `model.compile` with its rule code, exit 2; what it runs with validates;
 `--fit` and the plan's advice offer nothing the rule refuses."""
 from __future__ import annotations

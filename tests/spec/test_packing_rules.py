@@ -1,4 +1,4 @@
-"""`data.packing`'s rules (jobspec/spec/rules/packing.py): refused where packed samples could not be
+"""`data.packing`'s rules (jobspec/techniques/packing.py): refused where packed samples could not be
 kept apart, positioned at `data.packing` with a rule code, exit 2; accepted for the families listed."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import yaml
 from conftest import REPO_ROOT
 
 from jobspec.cli import main
-from jobspec.spec.rules import packing as packing_rules
+from jobspec.techniques import packing as packing_rules
 
 TOKENIZER = REPO_ROOT / "jobs" / "data" / "tokenizer"
 TINY_LLAMA = {"architecture": "llama", "task": "causal-lm",

@@ -1,4 +1,4 @@
-"""QLoRA under DeepSpeed (spec/rules/quantized_base): ZeRO 0-2 validate, ZeRO-3 is refused at
+"""QLoRA under DeepSpeed (techniques/quantization): ZeRO 0-2 validate, ZeRO-3 is refused at
 model.quantization with its reason and what to change, exit 2, no traceback."""
 from __future__ import annotations
 

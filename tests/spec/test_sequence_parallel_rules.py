@@ -1,4 +1,4 @@
-"""`memory.sequence_parallel`'s rules (jobspec/spec/rules/sequence_parallel.py, spec/derived.py): what
+"""`memory.sequence_parallel`'s rules (jobspec/techniques/sequence_parallel.py, spec/derived.py): what
 Ulysses cannot wrap is refused at its field with a rule code, exit 2; the derived job counts world / N
 data-parallel ranks; the compiled config tells DeepSpeed N."""
 from __future__ import annotations

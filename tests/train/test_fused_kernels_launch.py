@@ -20,7 +20,7 @@ from conftest import deep_merge, read_metrics, run_worker
 from test_sequence_parallel_launch import FP32_STEP_TOLERANCE, SP_JOB
 
 from jobspec.cli import main
-from jobspec.spec.rules.kernels import REFERENCE_ENV
+from jobspec.techniques.fused_kernels import REFERENCE_ENV
 
 HOOK = {REFERENCE_ENV: "1"}
 TIED_ZERO3 = {"memory": {"zero_stage": 3}, "model": {"config": {"tie_word_embeddings": True}}}

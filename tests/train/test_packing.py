@@ -3,7 +3,7 @@
 The check that matters: a sample's logits packed between others (in a padded batch of packed rows, in
 training mode, through the forward pre-hook) equal its logits alone, for sdpa and eager; with the
 micro-batch flattened to one row (what flash attention gets) too; and for every family
-jobspec.spec.rules.packing lists, on the installed transformers. Tiny models built from configs, CPU.
+jobspec.techniques.packing lists, on the installed transformers. Tiny models built from configs, CPU.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 from fp_bounds import forward_bound, gamma
 
 from jobspec.errors import SpecError
-from jobspec.spec.rules import packing as packing_rules
+from jobspec.techniques import packing as packing_rules
 from jobspec.data import sample_packing
 from jobspec.data.loaders import PadCollator, TensorDictDataset
 from jobspec.tasks.base import IGNORE_INDEX

@@ -22,7 +22,7 @@ import pytest
 import torch
 from conftest import free_port
 
-from jobspec.spec.rules.sequence_parallel import ULYSSES_FAMILIES
+from jobspec.techniques.sequence_parallel import ULYSSES_FAMILIES
 
 FP32_TOLERANCE = 2e-5
 

@@ -12,20 +12,13 @@ line there), on a written spec and again on one `memory.fit: auto` changed (`val
   batch                    the batch split (the derived job's), positioned
   offload                  which ZeRO stage each offload needs, the NVMe path (also
                            `offload_problems`)
-  packing                  `data.packing`: task, data, a model family that keeps samples apart
   precision                flash attention in fp32, `fp16.auto_cast` without fp16
-  activation_checkpointing `every_n_layers` against the model's layer count
-  lora                     `model.lora`, `model.quantization` and `export.adapter` (quantisation
-                           needs LoRA, 4-bit-only fields, bitsandbytes installed: found, not
-                           imported)
-  quantized_base           `model.quantization` under DeepSpeed: ZeRO stages 0-2 only
   tracking                 system metrics without MLflow, the tracking URI's form
   paths                    NUL characters in paths
   checkpoint               `checkpoint.resume`: auto, never or an existing checkpoint
-  model_compile            `model.compile`: ZeRO 0-2, no quantized base, tiled MLP or offloaded
-                           checkpoint inputs
 
-Other concerns keep their rules in their own module, listed in the same place: each optimizer's
+Other concerns keep their rules in their own module, listed in the same place: each technique's
+(its module in jobspec/techniques, named there by the technique's name), each optimizer's
 (jobspec/optimizers, `rule_issues`) and the export section's (export/rules).
 `base` holds what they share: paths relative to the file that wrote them, did-you-mean.
 Pure: no torch, no transformers; a rule reads at most a file's metadata or a small JSON file (a
