@@ -93,6 +93,11 @@ def runs_elsewhere(*, gpus: bool) -> Iterator[None]:
         _ELSEWHERE_GPUS.reset(token)
 
 
+def checked_here() -> bool:
+    """Whether the job being checked runs on this host (not `runs_elsewhere`)."""
+    return _ELSEWHERE_GPUS.get() is None
+
+
 def job_host_has_gpu() -> bool:
     """Whether the host the job runs on has an NVIDIA GPU: this one, unless `runs_elsewhere`."""
     elsewhere = _ELSEWHERE_GPUS.get()

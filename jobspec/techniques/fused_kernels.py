@@ -79,9 +79,10 @@ def kernels_problems(spec: JobSpec, config_json: dict | None = None,
     if not reference_kernels(environ):
         from jobspec import hardware
 
-        if hardware.gpu_count() == 0:
-            problems.append((FIELD, "Liger's kernels are Triton programs for CUDA GPUs, and this "
-                             "host has none", "launch on a host with NVIDIA GPUs, or set "
+        if not hardware.job_host_has_gpu():
+            where = "this host has" if hardware.checked_here() else "the job's nodes have"
+            problems.append((FIELD, f"Liger's kernels are Triton programs for CUDA GPUs, and "
+                             f"{where} none", "launch on a host with NVIDIA GPUs, or set "
                              "`model.kernels: none`", "kernels-gpu"))
         missing = [name for name in ("liger_kernel", "triton")
                    if importlib.util.find_spec(name) is None]

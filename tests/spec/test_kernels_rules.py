@@ -109,6 +109,24 @@ def test_a_host_without_a_cuda_gpu_is_refused(tmp_path, capsys, gpu_host, monkey
     assert errors(capsys, job) == {}
 
 
+def test_sbatch_checks_the_gpus_of_the_nodes_it_asks_for(tmp_path, capsys, gpu_host, monkeypatch):
+    """A login node without GPUs writes the script of a liger job for GPU nodes; with --cpu-ranks
+    the nodes have none, which is refused at the field whatever the login node has."""
+    from jobspec import hardware
+
+    job = write(tmp_path)
+    monkeypatch.setattr(hardware, "gpu_count", lambda: 0)
+    assert main(["sbatch", job, "--out", str(tmp_path / "job.sbatch")]) == 0
+    assert f"launch.sh {job}" in (tmp_path / "job.sbatch").read_text()
+    assert main(["validate", job]) == 2   # run here, the same job is refused
+    capsys.readouterr()
+    monkeypatch.setattr(hardware, "gpu_count", lambda: 8)
+    assert main(["sbatch", job, "--cpu-ranks", "--out", str(tmp_path / "cpu.sbatch")]) == 2
+    err = capsys.readouterr().err
+    assert f"{job}:4:12: model.kernels: Liger's kernels are Triton programs for CUDA GPUs, and " \
+        "the job's nodes have none" in err
+
+
 @pytest.mark.parametrize("missing", ["liger_kernel", "triton"])
 def test_a_missing_package_names_the_extra(tmp_path, capsys, gpu_host, missing):
     gpu_host[missing] = False
