@@ -45,7 +45,7 @@ def test_each_task_module_declares_everything():
     import transformers
 
     from jobspec import tasks
-    from jobspec.spec import eval_metrics
+    from jobspec.tasks import metrics as eval_metrics
     for name, task in tasks.TASKS.items():
         assert task.name == name and hasattr(transformers, task.auto_class), name
         assert set(task.metrics) <= set(eval_metrics.DIRECTION), name

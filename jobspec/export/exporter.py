@@ -48,9 +48,9 @@ from jobspec.export.hf_dir import (
     write_model_dir,
 )
 from jobspec.export.rules import resolve_dtype
-from jobspec.spec import eval_metrics
 from jobspec.spec.derived import DerivedJob
 from jobspec.spec.types import JobSpec
+from jobspec.tasks import metrics as eval_metrics
 from jobspec.units import MiB
 
 CHECKPOINT_SPEC = "jobspec_resolved.yaml"

@@ -8,8 +8,8 @@ Pure (the export package's part on the validate path: no torch, nothing above jo
 from __future__ import annotations
 
 from jobspec.errors import did_you_mean
-from jobspec.spec import eval_metrics
 from jobspec.spec.types import JobSpec
+from jobspec.tasks import metrics as eval_metrics
 
 CODE = "export-best"   # the rule code of every rule below (`validate --format json`)
 
@@ -38,7 +38,7 @@ def export_issues(r) -> list:
 
 
 def best_metric_issues(r) -> list:
-    """`export.best_metric` must be a metric the job's task produces (jobspec.spec.eval_metrics),
+    """`export.best_metric` must be a metric the job's task produces (jobspec.tasks.metrics),
     and mean something: `best_eval` on. Whether token labels are BIO tags is known only once the
     ranks have read the data (jobspec.export.exporter.check_best_metric); synthetic labels never
     are."""

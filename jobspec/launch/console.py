@@ -18,8 +18,8 @@ from jobspec.memory import plan_figures
 from jobspec.memory.plan_figures import GPU_TOTAL, HOST_RAM, PEAK_ALLOCATED
 from jobspec.memory.planner import ALLOCATOR_VARIABLE, allocator_conf, expandable
 from jobspec.rundir import RunSummary
-from jobspec.spec import eval_metrics
 from jobspec.spec.types import JobSpec, JobSpecModel
+from jobspec.tasks import metrics as eval_metrics
 from jobspec.techniques.lora import random_base_note
 from jobspec.units import MiB, fmt_mib_gib
 

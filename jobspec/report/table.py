@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 from jobspec import rundir
 from jobspec.errors import first_line, spec_error
 from jobspec.memory import plan_figures
-from jobspec.spec import eval_metrics
+from jobspec.tasks import metrics as eval_metrics
 from jobspec.train import startup
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"  # the schema's logging.mlflow.tracking_uri default

@@ -1,4 +1,4 @@
-"""The task metrics of an evaluation (jobspec/spec/eval_metrics.py names them): counts per batch,
+"""The task metrics of an evaluation (jobspec/tasks/metrics.py names them): counts per batch,
 summed over ranks, turned into numbers once.
 
 Every rank evaluates its own shard of the eval data, so a rank's accuracy or perplexity is not the
@@ -15,9 +15,9 @@ import math
 from typing import Any
 
 from jobspec import tasks
-from jobspec.spec.eval_metrics import BIO_ONLY, is_bio
 from jobspec.spec.types import JobSpec
 from jobspec.tasks.base import CONFUSION, IGNORE_INDEX, TOKENS
+from jobspec.tasks.metrics import BIO_ONLY, is_bio
 
 # --- metrics from summed counts (pure) ------------------------------------------------------------
 
@@ -69,7 +69,7 @@ def sum_vectors(vectors: list[list[float]]) -> list[float]:
 
 # --- BIO tags -------------------------------------------------------------------------------------
 
-# is_bio (label names that are BIO tags) lives in jobspec/spec/eval_metrics.py, beside BIO_ONLY.
+# is_bio (label names that are BIO tags) lives in jobspec/tasks/metrics.py, beside BIO_ONLY.
 
 
 def bio_spans(tags: list[str]) -> set[tuple[str, int, int]]:

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from jobspec.errors import SpecError
-from jobspec.spec import eval_metrics
+from jobspec.tasks import metrics as eval_metrics
 from jobspec.spec.schema import enum_values
 from jobspec.spec.validation import load_and_validate
 
