@@ -149,7 +149,7 @@ def wait_for_build_lock(build_dir: Path, short: str, announce=print,
                      "stopped while it built or loaded the op)")
             return
         if not said:
-            announce(f"waiting for another process's build of DeepSpeed op {short} "
+            announce(f"waiting while another process builds or loads DeepSpeed op {short} "
                      f"({home_relative(lock)})")
             said = True
         time.sleep(poll_s)

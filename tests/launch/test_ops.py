@@ -156,4 +156,4 @@ def test_a_build_in_progress_is_waited_for_and_its_lock_left_to_it(tmp_path):
     ops.wait_for_build_lock(tmp_path, "cpu_adam", announce=said.append, stale_after_s=300,
                             poll_s=0.05)
     removed_by_builder.join()
-    assert said == [f"waiting for another process's build of DeepSpeed op cpu_adam ({tmp_path / 'lock'})"]
+    assert said == [f"waiting while another process builds or loads DeepSpeed op cpu_adam ({tmp_path / 'lock'})"]
