@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from jobspec.compile.compiler import Compiled, compile_spec
-from jobspec.errors import SpecError
 from jobspec.hardware import Host
 from jobspec.memory import at_launch
 from jobspec.memory.at_launch import LaunchMemory
@@ -143,14 +142,14 @@ def prepare_job(source: str | os.PathLike | ResolvedSpec, overrides: Iterable[st
     if plan or spec_fits(spec, how.apply_fit, how.budget):
         from jobspec.memory.plan_cache import CachedProfiler
         host = host or Host.probe(spec["resources"]["gpus_per_node"])
-        derived = _located(resolved, lambda: derive_job(spec, profiler=CachedProfiler()))
-        resolved, derived, memory = _located(resolved, lambda: at_launch.plan_at_launch(
+        derived = resolved.located(lambda: derive_job(spec, profiler=CachedProfiler()))
+        resolved, derived, memory = resolved.located(lambda: at_launch.plan_at_launch(
             resolved, derived, host.gpu_free, bf16_supported=host.bf16_supported,
             apply_fit=how.apply_fit,
             budget=how.budget, host_ram=host.ram_total, host_budget=how.host_budget,
             gpu_name=host.gpu_name, cpu_ranks=host.cpu_ranks))
     else:
-        derived = _located(resolved, lambda: derive_job(spec))
+        derived = resolved.located(lambda: derive_job(spec))
     prepared = PreparedJob(resolved, derived, memory, host=host)
     if how.run_dir is not None:
         prepared.compiled = prepared.compile(how.run_dir, how.master_port)
@@ -164,10 +163,3 @@ def spec_fits(spec: JobSpec, apply_fit: bool, budget) -> bool:
         and bool(budget or spec["memory"]["gpu_memory"])
 
 
-def _located(resolved: ResolvedSpec, function: Callable):
-    """`function()`, its SpecError at the spec's lines (the data file's row count, read when
-    deriving)."""
-    try:
-        return function()
-    except SpecError as err:
-        raise resolved.locate(err) from None

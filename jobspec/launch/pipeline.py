@@ -104,8 +104,7 @@ def launch(job: str, overrides: list[str], options: LaunchOptions = LaunchOption
     # memory.fit: auto rewrites the spec (and its derived job) here, so everything below sees what
     # runs; every refusal of preparing it is at its field's line (a fit that finds nothing, a row
     # count)
-    prepared = _located(resolved,
-                        lambda: prepare_job(resolved, how=PLANNED, checks=[launch_checks]))
+    prepared = resolved.located(lambda: prepare_job(resolved, how=PLANNED, checks=[launch_checks]))
     assert prepared.memory is not None and prepared.host is not None   # PLANNED decides both
     resolved, derived, memory = prepared.resolved, prepared.derived, prepared.memory
     gpu_free = prepared.host.gpu_free
@@ -115,7 +114,8 @@ def launch(job: str, overrides: list[str], options: LaunchOptions = LaunchOption
     # changed spec; any other refusal once the launch would act on the directory)
     as_written = resolved
     first = _decided(as_written, derived.as_dict(), options)[1]
-    if first.checkpoint_dir is None:
+    if first.checkpoint_dir is None:   # no directory fits: decide's refusal says why
+        assert first.refusal is not None
         raise as_written.locate(first.refusal)
     prepared = prepared.in_checkpoint_dir(first.checkpoint_dir)
     resolved, derived = prepared.resolved, prepared.derived
@@ -130,10 +130,10 @@ def launch(job: str, overrides: list[str], options: LaunchOptions = LaunchOption
     if options.dry_run:  # nothing is created: the run dir in the command is the name it would get
         return _dry_run(resolved, prepared, first, memory, gpu_free, port, found, style,
                         options)
-    _located(resolved, rundir.ensure_writable, first.checkpoint_dir, ("checkpoint", "dir"))
+    resolved.located(rundir.ensure_writable, first.checkpoint_dir, ("checkpoint", "dir"))
     # another job's checkpoints, a running launch, ...: exit 2
     _refuse(resolved, first)
-    held = _located(resolved, lease.acquire, first.checkpoint_dir, spec["name"])
+    held = resolved.located(lease.acquire, first.checkpoint_dir, spec["name"])
     try:
         # decided again under the lease: a launch that ended meanwhile may have moved the
         # checkpoints on
@@ -161,7 +161,7 @@ def _data_pass(resolved, options: LaunchOptions) -> str | None:
     prepared, cached, or None (nothing to prepare)."""
     spec = resolved.spec
     built: list[str] = []
-    data_lines, _ = _located(resolved, lambda: data_prep.prepare_data(
+    data_lines, _ = resolved.located(lambda: data_prep.prepare_data(
         spec, build=not options.dry_run, show=progress_mode(spec["logging"]["progress"]),
         built=built))
     for line in data_lines:
@@ -348,11 +348,6 @@ def host_checks(resolved, derived, run_dir: Path, memory, gpu_free, compiled,
         log.warning("preflight (ignored): %s (%s)", problem.message, problem.dotted_path)
 
 
-def _located(resolved, function, *args):
-    try:
-        return function(*args)
-    except SpecError as err:
-        raise resolved.locate(err) from None
 
 
 

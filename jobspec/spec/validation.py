@@ -15,11 +15,11 @@ import copy
 import dataclasses
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from jobspec import optimizers, techniques
 from jobspec.data import record_checks
@@ -61,6 +61,8 @@ from jobspec.spec.schema import (
     types_text,
 )
 from jobspec.spec.types import JobSpec
+
+T = TypeVar("T")
 
 _NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
@@ -105,6 +107,15 @@ class ResolvedSpec:
                    self.issue(issue.path, issue.message, issue.hint, code=issue.code)
                    for issue in error.issues]
         return SpecError(located)
+
+    def located(self, function: Callable[..., T], *args: Any) -> T:
+        """`function(*args)`, a SpecError it raises placed at the spec's lines (`locate`): for a
+        step after validation (deriving, planning, the launch's checks) whose refusals carry only
+        their field's path."""
+        try:
+            return function(*args)
+        except SpecError as err:
+            raise self.locate(err) from None
 
 
 def load_and_validate(path: str | os.PathLike, overrides: Iterable[str] = ()) -> ResolvedSpec:
