@@ -371,13 +371,24 @@ def _results(chunks: list, num_proc: int):
     previous = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
-        with multiprocessing.get_context("fork").Pool(min(num_proc, len(chunks))) as pool:
+        with multiprocessing.get_context("fork").Pool(min(num_proc, len(chunks)),
+                                                      initializer=_leave_ctrl_c_to_the_parent
+                                                      ) as pool:
             yield pool.imap(_encode_chunk, chunks)
     finally:
         if previous is None:
             os.environ.pop("TOKENIZERS_PARALLELISM", None)
         else:
             os.environ["TOKENIZERS_PARALLELISM"] = previous
+
+
+def _leave_ctrl_c_to_the_parent() -> None:
+    """A pool worker ignores SIGINT: a terminal's Ctrl-C reaches the whole process group, and the
+    parent alone stops the pass (keeping what is done) and ends its workers, which would otherwise
+    each print a KeyboardInterrupt traceback."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _add(totals: _Chunk, result: _Chunk) -> None:
