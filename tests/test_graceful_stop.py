@@ -135,6 +135,12 @@ class Terminal:
     def text(self) -> str:
         return self.output.decode("utf-8", "replace")
 
+    def wait_for(self, shown: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while shown not in self.text():
+            assert not self.done() and time.monotonic() < deadline, self.text()[-3000:]
+            time.sleep(0.01)
+
 
 def assert_no_traceback(text: str) -> None:
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-4000:]
@@ -165,7 +171,9 @@ def test_ctrl_c_in_a_terminal_at_zero3_checkpoints_and_a_second_ctrl_c_ends_at_o
     again = Terminal(resume_command(shown), tmp_path)
     second = wait_for_new_run(tmp_path, {first}, again.done, stopped + 2)
     again.ctrl_c()
-    time.sleep(0.05)   # pressed again at once: before the ranks (one step apart in their vote) checkpoint
+    # pressed again once the first is seen (two SIGINTs that reach the launcher before it runs are
+    # one pending signal), and before the ranks, one step apart in their vote, checkpoint
+    again.wait_for("jobspec: SIGINT: the ranks finish the current step")
     again.ctrl_c()
     assert again.wait() == 130, again.text()[-4000:]
     shown = again.text()

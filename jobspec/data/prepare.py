@@ -243,9 +243,10 @@ def _build(spec: JobSpec, entry: Entry, tokenizer, num_proc: int,
                 progress.update(result.records)
                 _add(totals, result)
                 if not totals.bad:
-                    writer.append(result.ids, result.labels, result.lengths)
-                    done += 1
-                    writer.checkpoint({"chunks": done, "totals": _counts(totals)})
+                    with _ctrl_c_waits():
+                        writer.append(result.ids, result.labels, result.lengths)
+                        done += 1
+                        writer.checkpoint({"chunks": done, "totals": _counts(totals)})
         progress.close()
         if totals.bad:
             raise SpecError(_bad_record_issues(totals, entry.split))
@@ -380,6 +381,29 @@ def _results(chunks: list, num_proc: int):
             os.environ.pop("TOKENIZERS_PARALLELISM", None)
         else:
             os.environ["TOKENIZERS_PARALLELISM"] = previous
+
+
+@contextmanager
+def _ctrl_c_waits():
+    """A Ctrl-C in the block is raised when it ends: a chunk is appended and checkpointed whole,
+    and the KeyboardInterrupt is not raised inside numpy (whose `tofile` can turn one into a
+    TypeError). Only where Python's own handler is set, in the main thread (a background job's
+    ignored SIGINT stays ignored)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() \
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    pressed: list[int] = []
+    signal.signal(signal.SIGINT, lambda sig, _frame: pressed.append(sig))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if pressed:
+        raise KeyboardInterrupt
 
 
 def _leave_ctrl_c_to_the_parent() -> None:

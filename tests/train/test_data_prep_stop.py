@@ -94,6 +94,32 @@ def test_a_pass_stopped_before_its_first_chunk_says_nothing_was_kept(tmp_path, m
     assert "stopped (Ctrl-C) at 0 of 300 records: nothing was tokenised yet" in err
 
 
+def test_ctrl_c_while_a_chunk_is_written_stops_after_it_is_written_and_kept(tmp_path, monkeypatch, capsys):
+    """A real SIGINT to this process as chunk 3 is appended: the append and its checkpoint finish,
+    then the pass stops, keeping 3 chunks (raised inside numpy, a KeyboardInterrupt can come out as
+    a TypeError, and a chunk cut halfway is lost)."""
+    monkeypatch.setattr(jsonl_format, "CHUNK_BYTES", 16 * 1024)
+    spec = load_and_validate(write_job(tmp_path, 2)).spec
+    append, appended = data_cache.EntryWriter.append, []
+
+    def ctrl_c_on_the_third(self, *arrays):
+        appended.append(1)
+        if len(appended) == 3:
+            os.kill(os.getpid(), signal.SIGINT)   # its handler runs at the next bytecode: here
+        return append(self, *arrays)
+    monkeypatch.setattr(data_cache.EntryWriter, "append", ctrl_c_on_the_third)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)   # as a terminal's job
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            build(spec, tmp_path / "cache", monkeypatch)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    (partial,) = (tmp_path / "cache" / "data").glob(f"{data_cache.PARTIAL_PREFIX}*")
+    kept = json.loads((partial / data_cache.PROGRESS).read_text())["state"]
+    assert kept["chunks"] == 3 and len(appended) == 3
+    assert f"stopped (Ctrl-C) at {kept['totals']['records']:,} of 600 records" in capsys.readouterr().err
+
+
 def test_ctrl_c_during_prepare_exits_130_with_the_message(tmp_path):
     """A real SIGINT to the command's process group, as a terminal's Ctrl-C: the pool's workers and
     the parent stop, the parent says so, exit 130."""
