@@ -7,6 +7,9 @@ reads a command line back. The argv a launch runs is the argv command.txt and la
     several nodes                 runner.DeepSpeedRunner  DeepSpeed's runner (its hostfile, pdsh)
     several nodes, inside Slurm   slurm.SrunPerNode     srun: one runner per node, `--no_ssh`
     JOBSPEC_DEEPSPEED_RUNNER=1    the runner for one node too (to compare, or to rule jobspec out)
+
+On one node with CPU ranks, launch.py's ranks are forked from it once it has imported what they
+import (launch/rank_forks.py); JOBSPEC_FORK_RANKS=0 starts each as its own `python -m` instead.
 """
 from __future__ import annotations
 
@@ -31,13 +34,16 @@ class Backend(Protocol):
         ...
 
 
-def backend_for(plan: LaunchPlan, environ: Mapping[str, str] = os.environ) -> Backend:
+def backend_for(plan: LaunchPlan, environ: Mapping[str, str] = os.environ, *,
+                cpu_ranks: bool = False) -> Backend:
     """The backend for `plan` on this host, in this environment (a Slurm allocation,
-    CUDA_VISIBLE_DEVICES, JOBSPEC_DEEPSPEED_RUNNER). A multi-node plan in an allocation too small
-    for it is refused (SpecError)."""
+    CUDA_VISIBLE_DEVICES, JOBSPEC_DEEPSPEED_RUNNER, JOBSPEC_FORK_RANKS); `cpu_ranks`: the ranks run
+    on this host's CPUs. A multi-node plan in an allocation too small for it is refused
+    (SpecError)."""
     if plan.nodes > 1:
         in_slurm = slurm.allocation_backend(plan, runner.runner_prefix(), environ)
         return in_slurm if in_slurm is not None else runner.DeepSpeedRunner()
     if environ.get("JOBSPEC_DEEPSPEED_RUNNER") == "1":
         return runner.DeepSpeedRunner()
-    return runner.NodeLauncher.for_plan(plan, environ)
+    fork = cpu_ranks and environ.get("JOBSPEC_FORK_RANKS") != "0"
+    return runner.NodeLauncher.for_plan(plan, environ, fork_ranks=fork)

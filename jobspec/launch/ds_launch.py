@@ -11,9 +11,11 @@ process leaves without the interpreter's teardown of DeepSpeed and torch (jobspe
 from __future__ import annotations
 
 import runpy
+import sys
 import time
 from typing import SupportsIndex
 
+from jobspec.launch import rank_forks
 from jobspec.ops import import_deepspeed
 from jobspec.quick_exit import quick_exit
 
@@ -34,6 +36,18 @@ def _run_launch_py() -> int:
     return 0
 
 
+def _fork_ranks_if_asked() -> None:
+    """With FORK_FLAG (removed from the arguments launch.py parses): the rank module, imported
+    here by the name launch.py runs it by, imports what its ranks import (its `preload(run_dir)`),
+    and launch.py's rank processes are forked from here (launch/rank_forks.py)."""
+    if rank_forks.FORK_FLAG not in sys.argv:
+        return
+    sys.argv.remove(rank_forks.FORK_FLAG)
+    rank_forks.preload(rank_forks.rank_module_name(sys.argv[1:]), rank_forks.spec_of(sys.argv[1:]))
+    rank_forks.install()
+
+
 if __name__ == "__main__":
     import_deepspeed()
+    _fork_ranks_if_asked()
     quick_exit(_run_launch_py())

@@ -219,7 +219,7 @@ def _create_run(ctx: LaunchContext) -> tuple[Path, Compiled, dict]:
                     ctx.options.ignore_preflight)
         # one node: DeepSpeed's launch.py; several: its runner, or inside Slurm one runner per node
         # (docs/slurm.md)
-        backend = backends.backend_for(compiled.plan)
+        backend = backends.backend_for(compiled.plan, cpu_ranks=ctx.found.cpu_ranks)
         argv = backend.argv(compiled.plan)
         hostfile = backend.hostfile_text(compiled.plan)
         if hostfile is not None:
@@ -364,7 +364,8 @@ def _dry_run(resolved, prepared, made: Decision, memory, gpu_free, port: int, fo
     # the host checks a launch makes (port, ranks, disk, GPU memory, ops): refused here as there
     host_checks(resolved, derived, run_dir, memory, gpu_free, compiled,
                 options.ignore_preflight)
-    argv = backends.backend_for(compiled.plan).argv(compiled.plan)   # what a launch would run
+    # what a launch would run
+    argv = backends.backend_for(compiled.plan, cpu_ranks=found.cpu_ranks).argv(compiled.plan)
     _print_lines(header(spec, derived, memory, found, compiled.patches, style))
     for line in made.lineage.lines:
         print(f"jobspec: {line}")

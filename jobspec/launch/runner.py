@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from jobspec.compile.launch_plan import LaunchPlan
+from jobspec.launch import rank_forks
 
 # DeepSpeed's launch.py, run unchanged, with DeepSpeed imported without MLflow
 # (jobspec/launch/ds_launch.py)
@@ -81,15 +82,18 @@ class NodeLauncher:
     runner would give it (tests/launch/test_runner.py compares them with the runner's own)."""
 
     devices: tuple[int, ...]   # the device ids of the node's ranks (`local_devices`)
+    fork_ranks: bool = False   # CPU ranks forked from launch.py's process (launch/rank_forks.py)
 
     @classmethod
-    def for_plan(cls, plan: LaunchPlan, environ: Mapping[str, str] = os.environ) -> NodeLauncher:
-        return cls(tuple(local_devices(plan.gpus_per_node, environ)))
+    def for_plan(cls, plan: LaunchPlan, environ: Mapping[str, str] = os.environ,
+                 fork_ranks: bool = False) -> NodeLauncher:
+        return cls(tuple(local_devices(plan.gpus_per_node, environ)), fork_ranks)
 
     def argv(self, plan: LaunchPlan) -> list[str]:
         world_info = {"localhost": list(self.devices)}
         encoded = base64.urlsafe_b64encode(json.dumps(world_info).encode()).decode()
-        return [sys.executable, "-u", "-m", NODE_LAUNCHER, f"--world_info={encoded}",
+        fork = [rank_forks.FORK_FLAG] if self.fork_ranks else []
+        return [sys.executable, "-u", "-m", NODE_LAUNCHER, *fork, f"--world_info={encoded}",
                 "--master_addr=127.0.0.1", f"--master_port={plan.master_port}",
                 "--module", "--enable_each_rank_log=None", "--log_level=info", plan.module,
                 *plan.worker_args]

@@ -41,6 +41,7 @@ from pathlib import Path
 import psutil
 
 from jobspec import lifeline, rundir
+from jobspec.launch import rank_forks
 
 # after SIGINT/SIGTERM: DeepSpeed's launch.py waits 30 s for ranks, plus margin
 KILL_GRACE_S = 45.0
@@ -91,12 +92,13 @@ def group_members(pgid: int) -> list[psutil.Process]:
 
 
 def rank_pids(members: list[psutil.Process]) -> set[int]:
-    """Ranks: the topmost processes with LOCAL_RANK in their environment (children are DataLoader
-    workers)."""
+    """Ranks: the topmost processes with LOCAL_RANK in their environment or a forked rank's name
+    (launch/rank_forks.py; children are DataLoader workers)."""
     has_rank = {}
     for proc in members:
         try:
-            has_rank[proc.pid] = ("LOCAL_RANK" in proc.environ(), proc.ppid())
+            ranked = proc.name() == rank_forks.FORKED_RANK_NAME or "LOCAL_RANK" in proc.environ()
+            has_rank[proc.pid] = (ranked, proc.ppid())
         except psutil.Error:
             continue
     return {pid for pid, (ranked, ppid) in has_rank.items() if ranked

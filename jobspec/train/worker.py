@@ -8,6 +8,8 @@ launcher watch, the process group, and the failure summary and exit code of a ru
 the rank trains is assembled by jobspec.train.assembly (the engine resumed, rank 0's outputs) and
 trained by jobspec.train.trainer.Trainer for `derived.total_steps` optimizer steps with its policies
 (logging, evaluation, checkpoints, export, stop, OOM, NaN). Rank 0 writes `summary.json`.
+`preload(run_dir)` imports what a rank of the run imports, for a node launcher that forks its ranks
+(jobspec/train/preload.py, jobspec/launch/rank_forks.py).
 
 Env: JOBSPEC_PROGRESS=bar|lines|none, JOBSPEC_STOP_AFTER_STEPS=K (behave as if signalled after K
 steps: for tests and debugging), JOBSPEC_INJECT_NAN_AT_STEP=K (a NaN loss in step K, to test
@@ -31,6 +33,7 @@ from jobspec.spec.derived import DerivedJob
 from jobspec.train import assembly, library_output
 from jobspec.train.engine import share_cpu_threads
 from jobspec.train.faults import NonFiniteLoss
+from jobspec.train.preload import rank_imports as preload  # noqa: F401 -- the node launcher's hook
 from jobspec.train.progress import RunState, summarize
 from jobspec.train.startup import StartupClock
 from jobspec.train.stopping import StopFlag, StopVote

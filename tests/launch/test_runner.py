@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from jobspec.compile.launch_plan import LaunchPlan
-from jobspec.launch import backends, runner, slurm
+from jobspec.launch import backends, rank_forks, runner, slurm
 
 PLAN = LaunchPlan(nodes=1, gpus_per_node=2, world_size=2, master_port=29517, run_dir="/runs/job/run-1")
 COMPILED = ["deepspeed", "--num_gpus", "2", "--master_port", "29517", "--module", "jobspec.train.worker",
@@ -72,6 +72,17 @@ def test_ds_launch_is_launch_py_imported_without_mlflow():
     check = run("-c", "import sys; from jobspec.ops import import_deepspeed; import_deepspeed(); "
                       "print('mlflow' in sys.modules); import mlflow; print(mlflow.__name__)")
     assert check.stdout.split()[-2:] == ["False", "mlflow"], check.stderr[-2000:]   # later imports still work
+
+
+def test_cpu_ranks_are_forked_from_launch_py_unless_turned_off():
+    """CPU ranks on one node: ds_launch's own flag, first, so launch.py's arguments stay the
+    runner's; not for GPU ranks, several nodes or JOBSPEC_FORK_RANKS=0."""
+    plain = launched(PLAN, {})
+    forked = backends.backend_for(PLAN, {}, cpu_ranks=True).argv(PLAN)
+    assert forked == [*plain[:4], rank_forks.FORK_FLAG, *plain[4:]]
+    assert backends.backend_for(PLAN, {"JOBSPEC_FORK_RANKS": "0"}, cpu_ranks=True).argv(PLAN) == plain
+    two = LaunchPlan(nodes=2, gpus_per_node=2, world_size=4, master_port=29500, run_dir="/r")
+    assert rank_forks.FORK_FLAG not in backends.backend_for(two, {}, cpu_ranks=True).argv(two)
 
 
 def test_visible_devices_are_the_ones_used():

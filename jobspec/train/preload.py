@@ -1,0 +1,80 @@
+"""What a rank of a run imports before its first step, imported ahead of it: DeepSpeed's node
+launcher calls the rank module's `preload` (jobspec.train.worker.preload: `rank_imports`) once and
+forks its ranks from there (jobspec/launch/rank_forks.py), so each starts with torch, DeepSpeed,
+jobspec's training side, the model's transformers code and, where the run logs to it, MLflow
+already imported.
+
+Only imports: nothing here creates a thread, a tensor or a process group (a fork would not carry a
+thread over, and a pool started before it is broken in the child). A failure here changes nothing
+but the time: the rank imports the module again itself, and reports the error where it always
+does.
+"""
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+from jobspec.spec.types import JobSpec
+from jobspec.train import library_output
+
+# every rank's own modules, and what they import at the top (torch, DeepSpeed, numpy)
+RANK_MODULES = ("jobspec.train.worker", "jobspec.train.assembly", "jobspec.train.engine",
+                "jobspec.train.trainer", "jobspec.train.patches", "jobspec.model.build",
+                "jobspec.data.loaders")
+
+
+def rank_imports(spec: JobSpec) -> list[str]:
+    """Import what a rank of a run of `spec` imports; the modules that failed to import."""
+    library_output.before_imports(0)   # progress bars off before transformers & co. are imported
+    failed = []
+    for name in (*RANK_MODULES, *_run_modules(spec)):
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 -- see the module doc
+            failed.append(name)
+    if spec["logging"]["mlflow"]["enabled"]:   # rank 0's metric sink
+        try:
+            from jobspec.tracking.run import import_mlflow
+            import_mlflow()
+        except Exception:  # noqa: BLE001 -- see the module doc
+            failed.append("mlflow")
+    try:
+        _import_model_code(spec)
+    except Exception:  # noqa: BLE001 -- see the module doc
+        failed.append("model code")
+    return failed
+
+
+def _run_modules(spec) -> list[str]:
+    names = []
+    if spec["logging"]["mlflow"]["enabled"]:
+        names.append("jobspec.tracking.mlflow_tracker")
+    if spec["data"]["train"]:
+        names.append("datasets")
+    if spec["model"]["lora"]:
+        names.append("peft")
+    return names
+
+
+def _import_model_code(spec) -> None:
+    """The transformers module of the model's class for the job's task (what `from_config` or
+    `from_pretrained` imports), found from the architecture or a local directory's config.json."""
+    model = spec["model"]
+    model_type = model.get("architecture") or _local_model_type(model.get("name_or_path"))
+    if not model_type or model_type == "mlp":
+        return
+    import transformers
+
+    from jobspec import tasks
+
+    auto_class = getattr(transformers, tasks.get(model["task"]).auto_class)
+    auto_class._model_mapping[transformers.CONFIG_MAPPING[model_type]]
+
+
+def _local_model_type(name_or_path: str | None) -> str | None:
+    import json
+
+    config = Path(name_or_path or "") / "config.json"
+    if not name_or_path or not config.is_file():
+        return None
+    return json.loads(config.read_text(encoding="utf-8")).get("model_type")
