@@ -76,6 +76,12 @@ def gpu_names() -> list[str]:
     return names or ["cpu"]
 
 
+def ranks_on_cpus() -> bool:
+    """Whether a job's ranks here run on CPUs: no NVIDIA GPU, and no GPU memory faked for a test
+    (`Host.probe`'s `cpu_ranks`, without reading the rest of the host)."""
+    return gpu_count() == 0 and not os.environ.get(FAKE_FREE_ENV)
+
+
 def gpu_count() -> int:
     """NVIDIA GPUs on this host (0 on a CPU-only one)."""
     return len([name for name in gpu_names() if name != "cpu"])

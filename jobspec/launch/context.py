@@ -12,6 +12,7 @@ from jobspec.hardware import Host
 from jobspec.launch import decision, lease, snapshot, supervise
 from jobspec.launch.decision import Decision, Lineage
 from jobspec.launch.snapshot import CheckpointSnapshot
+from jobspec.launch.standby import Standby
 from jobspec.spec.types import JobSpec
 
 if TYPE_CHECKING:
@@ -54,6 +55,7 @@ class LaunchContext:
     # start-up timestamps, appended as it goes (launcher.log)
     phases: list[tuple[str, float, float]]
     data_how: str | None = None       # the data pass: prepared | cached | None (no data to prepare)
+    waiting: Standby | None = None    # a node launcher importing what the ranks import
 
     @property
     def spec(self) -> JobSpec:

@@ -10,12 +10,13 @@ process leaves without the interpreter's teardown of DeepSpeed and torch (jobspe
 """
 from __future__ import annotations
 
+import os
 import runpy
 import sys
 import time
 from typing import SupportsIndex
 
-from jobspec.launch import rank_forks
+from jobspec.launch import rank_forks, standby
 from jobspec.ops import import_deepspeed
 from jobspec.quick_exit import quick_exit
 
@@ -47,7 +48,29 @@ def _fork_ranks_if_asked() -> None:
     rank_forks.install()
 
 
+def _standby_if_asked() -> None:
+    """With STANDBY_FLAG: what the ranks import, imported while the launcher plans, then launch.py's
+    arguments and the ranks' environment read from stdin (launch/standby.py); the launch
+    abandoned meanwhile (stdin closed): exit at once."""
+    if standby.STANDBY_FLAG not in sys.argv:
+        return
+    first = standby.read_message()
+    if first is None:
+        quick_exit(0)
+    rank_forks.preload(first.get("module"), first.get("spec"))
+    launch = standby.read_message()
+    if launch is None:
+        quick_exit(0)
+    os.environ.clear()
+    os.environ.update(launch["env"])
+    sys.argv = [sys.argv[0], *launch["args"]]
+    devnull = os.open(os.devnull, os.O_RDONLY)   # the ranks get no stdin, as ever
+    os.dup2(devnull, 0)
+    os.close(devnull)
+
+
 if __name__ == "__main__":
     import_deepspeed()
+    _standby_if_asked()
     _fork_ranks_if_asked()
     quick_exit(_run_launch_py())

@@ -75,6 +75,7 @@ from jobspec.launch import (
     quiet,
     runner,
     snapshot,
+    standby,
     supervise,
 )
 from jobspec.launch import tracking as launch_tracking
@@ -96,11 +97,25 @@ log = logging.getLogger("jobspec.launch")
 def launch(job: str, overrides: list[str], options: LaunchOptions = LaunchOptions()) -> int:
     """Run the job; its exit status (jobspec/status.py: 0 finished, 75 stopped with a checkpoint,
     128+N stopped or killed by signal N, else the ranks')."""
-    from jobspec.job.prepare import PLANNED, prepare_job
     from jobspec.spec.validation import load_and_validate
 
     phases = [("start", launcher_log.process_start(), 0.0)]
     resolved = load_and_validate(job, overrides)
+    # ranks forked from a node launcher: it imports what they import while this process plans
+    waiting = standby.Standby.start(resolved.spec) \
+        if not options.dry_run and standby.wanted(resolved.spec) else None
+    try:
+        return _launch_validated(job, overrides, options, resolved, phases, waiting)
+    finally:
+        if waiting is not None:
+            waiting.abandon()   # unless the runner took it over
+
+
+def _launch_validated(job: str, overrides: list[str], options: LaunchOptions, resolved,
+                      phases: list, waiting: standby.Standby | None) -> int:
+    """The launch of a validated spec (see `launch`)."""
+    from jobspec.job.prepare import PLANNED, prepare_job
+
     # memory.fit: auto rewrites the spec (and its derived job) here, so everything below sees what
     # runs; every refusal of preparing it is at its field's line (a fit that finds nothing, a row
     # count)
@@ -149,7 +164,8 @@ def launch(job: str, overrides: list[str], options: LaunchOptions = LaunchOption
             return _launch_holding(LaunchContext(
                 job=job, overrides=tuple(overrides), options=options, as_written=as_written,
                 prepared=prepared, decision=again, snapshot=on, held=held, stops=stops,
-                port=port, found=found, style=style, phases=phases, data_how=data_how))
+                port=port, found=found, style=style, phases=phases, data_how=data_how,
+                waiting=waiting))
     finally:
         held.release()
 
@@ -279,7 +295,7 @@ def _run(ctx: LaunchContext, run_dir: Path, compiled: Compiled, launched: dict) 
                             child_env(spec, compiled.plan, options.stop_after_steps), run_dir,
                             kill_grace_s=options.kill_grace_s, echo=terminal,
                             echo_filter=None if options.verbose else quiet.TerminalFilter(),
-                            started=tracking.runner_started)
+                            started=tracking.runner_started, waiting=ctx.waiting)
     shm.remove_shared_memory_buffers(compiled.plan.master_port)  # every rank is gone now
     try:
         tracking.wait()

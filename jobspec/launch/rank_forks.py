@@ -122,6 +122,9 @@ def _run_rank(module: str, args: list[str], env: dict) -> None:
         if callable(signal.getsignal(signal.SIGINT)):
             signal.signal(signal.SIGINT, signal.default_int_handler)
         sys.argv = [module, *args]
+        # run as `python -m` runs it: a fresh `__main__`, not the module the preload imported
+        # (runpy warns of one found in sys.modules)
+        sys.modules.pop(module, None)
         runpy.run_module(module, run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as stop:

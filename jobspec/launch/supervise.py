@@ -40,8 +40,9 @@ from pathlib import Path
 
 import psutil
 
-from jobspec import lifeline, rundir
+from jobspec import rundir
 from jobspec.launch import rank_forks
+from jobspec.launch import standby as standby_launcher
 
 # after SIGINT/SIGTERM: DeepSpeed's launch.py waits 30 s for ranks, plus margin
 KILL_GRACE_S = 45.0
@@ -152,18 +153,20 @@ def _relay(fd: int, run_dir: Path, tail: collections.deque, echo, seen: dict,
 
 def run(argv: list[str], env: dict, run_dir: Path, *, echo=None, kill_grace_s: float = KILL_GRACE_S,
               rank_exit_grace_s: float | None = None, leftover_grace_s: float = LEFTOVER_GRACE_S,
-              poll_s: float = 0.2, echo_filter=None, started=None) -> Outcome:
+              poll_s: float = 0.2, echo_filter=None, started=None,
+              waiting: standby_launcher.Standby | None = None) -> Outcome:
     """Run `argv` in its own process group, relay its output, forward signals; no process outlives
     it.
 
     `echo_filter` (launch/quiet.TerminalFilter) picks what of the output reaches `echo`
     (launcher.log gets all of it); `started(pid)` is called once the runner runs (the launch tracks
-    it meanwhile)."""
+    it meanwhile); `waiting`: a standby node launcher (launch/standby.py) that runs `argv` if it
+    takes it."""
     rank_exit_grace_s = RANK_EXIT_GRACE_S if rank_exit_grace_s is None else rank_exit_grace_s
     echo = sys.stdout.buffer if echo is None else echo
     tail: collections.deque = collections.deque(maxlen=TAIL_LINES)
     seen: dict = {}
-    proc, relay = _spawn(argv, env, run_dir, echo, echo_filter, tail, seen)
+    proc, relay = _spawn(argv, env, run_dir, echo, echo_filter, tail, seen, waiting)
     if started is not None:
         started(proc.pid)
     stops = _StopForwarder(proc.pid, kill_grace_s, seen, echo, run_dir)
@@ -191,23 +194,15 @@ def run(argv: list[str], env: dict, run_dir: Path, *, echo=None, kill_grace_s: f
 
 
 def _spawn(argv: list[str], env: dict, run_dir: Path, echo, echo_filter,
-           tail: collections.deque, seen: dict):
-    """The runner in a new session, its output through a pipe to the relay thread."""
-    import subprocess
-
-    read_fd, write_fd = os.pipe()
-    # inherited across exec: see module doc
-    previous_usr1 = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    try:
-        # the runner dies with us, even of SIGKILL; the ranks watch us themselves
-        # (jobspec/lifeline.py)
-        proc = subprocess.Popen(argv, env={**env, **lifeline.launcher_env()},
-                                stdin=subprocess.DEVNULL,
-                                stdout=write_fd, stderr=write_fd, start_new_session=True,
-                                close_fds=True, preexec_fn=lifeline.die_with_parent)
-    finally:
-        signal.signal(signal.SIGUSR1, previous_usr1)
-        os.close(write_fd)
+           tail: collections.deque, seen: dict, waiting: standby_launcher.Standby | None = None):
+    """The runner in a new session (the `waiting` standby node launcher when it takes `argv`), its
+    output through a pipe to the relay thread."""
+    if waiting is not None and waiting.takes(argv):
+        proc, read_fd = waiting.hand_over(argv, env)
+    else:
+        if waiting is not None:
+            waiting.abandon()
+        proc, read_fd = standby_launcher.start_runner(argv, env)
     relay = threading.Thread(target=_relay, args=(read_fd, run_dir, tail, echo, seen, echo_filter),
                              daemon=True)
     relay.start()
