@@ -131,8 +131,14 @@ def test_a_job_stopped_short_names_the_phase_it_was_in():
 
 
 def no_launch_left() -> bool:
-    return not [p for p in psutil.Process().children(recursive=True)
-                if "jobspec" in " ".join(p.cmdline())]
+    """No process of a launch still runs under this one (an exited one its parent has not reaped
+    yet holds nothing)."""
+    def running_launch(proc) -> bool:
+        try:
+            return proc.status() != psutil.STATUS_ZOMBIE and "jobspec" in " ".join(proc.cmdline())
+        except psutil.Error:   # gone meanwhile
+            return False
+    return not [p for p in psutil.Process().children(recursive=True) if running_launch(p)]
 
 
 @pytest.mark.slow
