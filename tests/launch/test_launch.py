@@ -339,7 +339,8 @@ class ScriptedBackend:
 
 
 def use_fake_runner(monkeypatch, fake_runner, mode):
-    monkeypatch.setattr(backends, "backend_for", lambda plan: ScriptedBackend(fake_runner(plan.run_dir, mode)))
+    monkeypatch.setattr(backends, "backend_for", lambda plan, **_: ScriptedBackend(fake_runner(plan.run_dir, mode)))
+    monkeypatch.setenv("JOBSPEC_FORK_RANKS", "0")   # no standby node launcher for a scripted runner
 
 
 def mlflow_run_of(run_dir: Path):

@@ -54,7 +54,8 @@ def job(tmp_path, monkeypatch):
     script = tmp_path / "fake_deepspeed.py"
     script.write_text(FAKE_DEEPSPEED)
     monkeypatch.setattr(backends, "backend_for",
-                        lambda plan: ScriptedBackend([sys.executable, str(script), plan.run_dir]))
+                        lambda plan, **_: ScriptedBackend([sys.executable, str(script), plan.run_dir]))
+    monkeypatch.setenv("JOBSPEC_FORK_RANKS", "0")   # no standby node launcher for a scripted runner
     monkeypatch.chdir(tmp_path)
     spec = yaml.safe_load((REPO_ROOT / "jobs" / "quickstart.yaml").read_text())
     spec.update(output_dir=str(tmp_path / "out"))
