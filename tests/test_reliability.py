@@ -275,8 +275,10 @@ def test_kill_9_of_a_real_rank_fails_the_run_fast_and_leaves_no_orphans(tmp_path
         assert proc.poll() is None and time.monotonic() < deadline
         time.sleep(0.3)
     run_dir = only_run_dir(tmp_path, "killed")
-    rank1 = [p for p in psutil.process_iter(["cmdline"]) if "--local_rank=1" in (p.info["cmdline"] or [])
-             and str(run_dir) in p.info["cmdline"]]
+    # a forked rank's command line is one title (launch/rank_forks.py): read as a string
+    rank1 = [p for p in psutil.process_iter(["cmdline"])
+             if "--local_rank=1 " in " ".join(p.info["cmdline"] or []) + " "
+             and str(run_dir) in " ".join(p.info["cmdline"] or [])]
     assert len(rank1) == 1
     killed_at = time.monotonic()
     os.kill(rank1[0].pid, signal.SIGKILL)

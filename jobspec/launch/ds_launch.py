@@ -16,7 +16,7 @@ import sys
 import time
 from typing import SupportsIndex
 
-from jobspec.launch import rank_forks, standby
+from jobspec.launch import rank_forks, runner, standby
 from jobspec.ops import import_deepspeed
 from jobspec.quick_exit import quick_exit
 
@@ -64,12 +64,14 @@ def _standby_if_asked() -> None:
     os.environ.clear()
     os.environ.update(launch["env"])
     sys.argv = [sys.argv[0], *launch["args"]]
+    rank_forks.show_command([sys.executable, "-u", "-m", runner.NODE_LAUNCHER, *launch["args"]])
     devnull = os.open(os.devnull, os.O_RDONLY)   # the ranks get no stdin, as ever
     os.dup2(devnull, 0)
     os.close(devnull)
 
 
 if __name__ == "__main__":
+    rank_forks.prepare_titles()
     import_deepspeed()
     _standby_if_asked()
     _fork_ranks_if_asked()

@@ -11,9 +11,10 @@ MODULE as `__main__` with the environment launch.py gives it. Anything else laun
 real `Popen`.
 
 A forked rank is a real child of launch.py: its pid, exit status and signals are as launch.py
-expects; it is in the runner's process group, so the launcher's stop signals reach it. Its
-/proc/PID/environ is the node launcher's (a fork keeps the environment block it started with), so
-the launcher recognises it by its process name, `FORKED_RANK_NAME`, not by LOCAL_RANK there.
+expects; it is in the runner's process group, so the launcher's stop signals reach it. Its command
+line, as `ps` shows it, is the rank command it runs (setproctitle); its /proc/PID/environ is not its
+environment (a fork keeps the block it started with), so the launcher recognises it by its process
+name, `FORKED_RANK_NAME`, not by LOCAL_RANK there.
 
 Only for CPU ranks (launch/runner.NodeLauncher decides): a process that has touched CUDA cannot be
 forked safely, and on a GPU host that is not yet measured to be safe after DeepSpeed's import.
@@ -53,7 +54,7 @@ class ForkedRank:
             stream.flush()
         pid = os.fork()
         if pid == 0:
-            _run_rank(module, args, env)   # never returns
+            _run_rank(self.args, module, args, env)   # never returns
         self.pid = pid
 
     def poll(self) -> int | None:
@@ -106,14 +107,14 @@ def install() -> None:
     subprocess.Popen = popen  # type: ignore[misc, assignment]
 
 
-def _run_rank(module: str, args: list[str], env: dict) -> None:
+def _run_rank(cmd: list[str], module: str, args: list[str], env: dict) -> None:
     """In the forked child: become the rank `python -u -m MODULE ARGS` with `env`, and exit as
     that process would (its exit code; an uncaught exception: the traceback and 1)."""
     code = 1
     try:
         subprocess.Popen = _REAL_POPEN  # type: ignore[misc]
         time.sleep = _REAL_SLEEP
-        _set_process_name(FORKED_RANK_NAME)
+        show_command(cmd, FORKED_RANK_NAME)
         os.environ.clear()
         os.environ.update(env)
         for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):   # as a new process has them
@@ -157,6 +158,24 @@ def _flush() -> None:
             stream.flush()
         except (OSError, ValueError):
             pass
+
+
+def prepare_titles() -> None:
+    """Call before this process changes its environment: setproctitle finds the memory it rewrites
+    (the command line's and the environment's, side by side) when first used, and finds none once
+    the environment has moved."""
+    import setproctitle
+
+    setproctitle.getproctitle()
+
+
+def show_command(cmd: Sequence[str], name: str = "python") -> None:
+    """`cmd` as this process's command line in `ps` and /proc/PID/cmdline (see `prepare_titles`),
+    `name` as its process name (setproctitle sets the title's start there)."""
+    import setproctitle
+
+    setproctitle.setproctitle(" ".join(str(part) for part in cmd))
+    _set_process_name(name)
 
 
 def _set_process_name(name: str) -> None:
