@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import importlib
+import logging
 import os
 import runpy
 import signal
@@ -47,14 +48,15 @@ class ForkedRank:
     """The part of `subprocess.Popen` DeepSpeed's launch.py uses (pid, poll, wait, returncode,
     signals), for a rank forked from this process."""
 
-    def __init__(self, cmd: Sequence[str], env: dict, module: str, args: list[str]):
+    def __init__(self, cmd: Sequence[str], env: dict, module: str, args: list[str],
+                 levels: dict | None = None):
         self.args = list(cmd)
         self.returncode: int | None = None
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         pid = os.fork()
         if pid == 0:
-            _run_rank(self.args, module, args, env)   # never returns
+            _run_rank(self.args, module, args, env, levels or {})   # never returns
         self.pid = pid
 
     def poll(self) -> int | None:
@@ -98,16 +100,34 @@ def rank_module(cmd: Sequence[str]) -> tuple[str, list[str]] | None:
 
 
 def install() -> None:
-    """From now on `subprocess.Popen` of a rank command, with its output inherited, forks."""
+    """From now on `subprocess.Popen` of a rank command, with its output inherited, forks. The
+    log levels of the moment are what each rank starts with (launch.py then sets DeepSpeed's
+    logger to its --log_level, which a new process would not have)."""
+    levels = _log_levels()
+
     def popen(cmd, *args, **kwargs):
         ranked = rank_module(cmd) if not args and set(kwargs) <= {"env"} else None
         if ranked is None:
             return _REAL_POPEN(cmd, *args, **kwargs)
-        return ForkedRank(cmd, dict(kwargs.get("env") or os.environ), *ranked)
+        return ForkedRank(cmd, dict(kwargs.get("env") or os.environ), *ranked, levels=levels)
     subprocess.Popen = popen  # type: ignore[misc, assignment]
 
 
-def _run_rank(cmd: list[str], module: str, args: list[str], env: dict) -> None:
+def _log_levels() -> dict:
+    """Every logger's level and its handlers' levels."""
+    loggers = [logging.getLogger(), *(item for item in logging.root.manager.loggerDict.values()
+                                      if isinstance(item, logging.Logger))]
+    return {logger: (logger.level, [(h, h.level) for h in logger.handlers]) for logger in loggers}
+
+
+def _restore_log_levels(levels: dict) -> None:
+    for logger, (level, handlers) in levels.items():
+        logger.setLevel(level)
+        for handler, handler_level in handlers:
+            handler.setLevel(handler_level)
+
+
+def _run_rank(cmd: list[str], module: str, args: list[str], env: dict, levels: dict) -> None:
     """In the forked child: become the rank `python -u -m MODULE ARGS` with `env`, and exit as
     that process would (its exit code; an uncaught exception: the traceback and 1)."""
     code = 1
@@ -115,6 +135,7 @@ def _run_rank(cmd: list[str], module: str, args: list[str], env: dict) -> None:
         subprocess.Popen = _REAL_POPEN  # type: ignore[misc]
         time.sleep = _REAL_SLEEP
         show_command(cmd, FORKED_RANK_NAME)
+        _restore_log_levels(levels)
         os.environ.clear()
         os.environ.update(env)
         for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):   # as a new process has them

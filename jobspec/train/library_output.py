@@ -82,8 +82,10 @@ def before_imports(rank: int) -> None:
 
 
 def route_library_logs(rank: int, *, transformers: bool = True, datasets: bool = False) -> None:
-    """The library loggers' own stderr handlers replaced by one LogOnlyHandler. Call once the rank
-    is about to use them (each installs its handler when imported, so they are imported here)."""
+    """The library loggers' own stderr handlers (and a LogOnlyHandler an earlier call installed,
+    as a node launcher's preload does before forking the ranks) replaced by one LogOnlyHandler.
+    Call once the rank is about to use them (each installs its handler when imported, so they are
+    imported here)."""
     handler = LogOnlyHandler(rank)
     # installs transformers' and huggingface_hub's handlers (a lazy one: configured now)
     if transformers:
@@ -94,8 +96,9 @@ def route_library_logs(rank: int, *, transformers: bool = True, datasets: bool =
         importlib.import_module("datasets.utils.logging").disable_progress_bar()
     for name in LIBRARY_LOGGERS:
         logger = logging.getLogger(name)
-        for old in [h for h in logger.handlers if isinstance(h, logging.StreamHandler)
-                    and getattr(h, "stream", None) in (sys.stderr, sys.stdout)]:
+        for old in [h for h in logger.handlers if isinstance(h, LogOnlyHandler)
+                    or (isinstance(h, logging.StreamHandler)
+                        and getattr(h, "stream", None) in (sys.stderr, sys.stdout))]:
             logger.removeHandler(old)
         if handler not in logger.handlers:
             logger.addHandler(handler)

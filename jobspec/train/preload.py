@@ -27,6 +27,11 @@ def rank_imports(spec: JobSpec) -> list[str]:
     """Import what a rank of a run of `spec` imports; the modules that failed to import."""
     library_output.before_imports(0)   # progress bars off before transformers & co. are imported
     failed = []
+    try:   # what the libraries log as they are imported goes where rank 0's would (launcher.log)
+        library_output.route_library_logs(0, transformers=spec["model"]["architecture"] != "mlp",
+                                          datasets=bool(spec["data"]["train"]))
+    except Exception:  # noqa: BLE001 -- see the module doc
+        failed.append("library logs")
     for name in (*RANK_MODULES, *_run_modules(spec)):
         try:
             importlib.import_module(name)
