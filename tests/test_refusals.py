@@ -250,7 +250,7 @@ REFUSALS: dict[str, Listed] = {
         "tests/spec/test_job_model_config.py::test_an_unknown_model_type_is_refused_before_anything_is_derived")]),
     "launch/pipeline:quantization_check": Listed(2, ["bnb-backend"]),
     "launch/pipeline:host_checks": Listed(2, ["ranks", "op-build"]),
-    "launch/pipeline:launch": Listed(1, [NotVisible(
+    "launch/pipeline:_launch_validated": Listed(1, [NotVisible(
         "the checkpoints changed between the lineage choice and the lease: a race between two launches")]),
     "launch/preflight:preflight_issues": Listed(2, ["ranks", "port"]),
     "launch/preflight:op_build_issues": Listed(1, ["op-build"]),

@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from jobspec.launcher_log import LOG_ONLY
+from jobspec.spec.types import JobSpec
 
 FORK_FLAG = "--fork-ranks"          # ds_launch's own option (removed before launch.py parses)
 FORKED_RANK_NAME = "jobspec-rank"   # a forked rank's process name (prctl PR_SET_NAME, < 16 bytes)
@@ -212,7 +213,7 @@ def rank_module_name(launch_args: Sequence[str]) -> str | None:
     return next((arg for arg in launch_args if not arg.startswith("-")), None)
 
 
-def preload(module: str | None, spec: dict | None) -> None:
+def preload(module: str | None, spec: JobSpec | None) -> None:
     """Import the rank module and call its `preload(spec)`, if it has one: the node launcher runs
     the ranks' code by the name launch.py runs it by, never by an import of the training side. A
     failure costs only time: each rank imports what it needs itself and reports what fails."""
@@ -227,14 +228,14 @@ def preload(module: str | None, spec: dict | None) -> None:
               file=sys.stderr, flush=True)
 
 
-def spec_of(launch_args: Sequence[str]) -> dict | None:
+def spec_of(launch_args: Sequence[str]) -> JobSpec | None:
     """The resolved spec in the run directory among launch.py's arguments (the worker's
     `--run-dir DIR`); None without one."""
     from jobspec import rundir
 
     run_dir = run_dir_of(launch_args)
     try:
-        return dict(rundir.read_resolved(run_dir)) if run_dir is not None else None
+        return rundir.read_resolved(run_dir) if run_dir is not None else None
     except Exception:  # noqa: BLE001 -- the rank reports a bad run directory itself
         return None
 
