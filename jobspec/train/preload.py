@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
+from jobspec import ops
 from jobspec.spec.types import JobSpec
 from jobspec.train import library_output
 
@@ -47,6 +48,11 @@ def rank_imports(spec: JobSpec) -> list[str]:
         _import_model_code(spec)
     except Exception:  # noqa: BLE001 -- see the module doc
         failed.append("model code")
+    try:   # read once here (a subprocess of py-cpuinfo's), not by each rank's op loads
+        ops.share_cpu_info(None)
+        importlib.import_module("cpuinfo").get_cpu_info()
+    except Exception:  # noqa: BLE001 -- see the module doc
+        failed.append("cpu info")
     return failed
 
 
