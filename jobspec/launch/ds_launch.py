@@ -7,6 +7,11 @@ any rank starts. `python -u -m jobspec.launch.ds_launch ARGS` takes exactly laun
 Two things differ from running launch.py directly, both at the end of a job: launch.py looks at its
 ranks once a second (`time.sleep(1)`, its only sleep), here every POLL_S; and once it exits, this
 process leaves without the interpreter's teardown of DeepSpeed and torch (jobspec/quick_exit.py).
+
+Two options of its own, removed before launch.py parses its arguments: `--fork-ranks` (CPU ranks
+forked from this process once it has imported what they import: launch/rank_forks.py) and
+`--standby` (started before the launch has decided, its arguments read from stdin:
+launch/standby.py).
 """
 from __future__ import annotations
 
@@ -71,7 +76,8 @@ def _standby_if_asked() -> None:
 
 
 if __name__ == "__main__":
-    rank_forks.prepare_titles()
+    if standby.STANDBY_FLAG in sys.argv or rank_forks.FORK_FLAG in sys.argv:
+        rank_forks.prepare_titles()   # ranks forked from here show their own command lines
     import_deepspeed()
     _standby_if_asked()
     _fork_ranks_if_asked()
