@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import gc
 import importlib
 import logging
 import os
@@ -55,6 +56,9 @@ class ForkedRank:
         self.returncode: int | None = None
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
+        # what is imported by now stays out of the ranks' garbage collections: a collection would
+        # walk (and so copy, page by page) every object the fork shares
+        gc.freeze()
         pid = os.fork()
         if pid == 0:
             _run_rank(self.args, module, args, env, levels or {})   # never returns
