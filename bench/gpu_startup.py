@@ -4,11 +4,14 @@
     python -m bench gpu-startup --dry-run                        # any machine: the jobs checked
     python -m bench gpu-startup --jobs llama-1b-64k --budget-s 120
 
-Three jobs, each launched as a user launches it (`jobspec launch JOB --set ...`, one rank, random
+Four jobs, each launched as a user launches it (`jobspec launch JOB --set ...`, one rank, random
 weights built from the model's config, synthetic tokens, MLflow off):
 
 - llama-1b-64k: Llama-3.2-1B's shape at 64K tokens per sequence, checkpointed, tiled loss, bf16
   (bench/calibration/h200-2026-11-28.json's llama-1b-64k-ckpt-tiled-loss); target <= 20 s;
+- llama-1b-64k-forked: the same with JOBSPEC_FORK_RANKS=1, its rank forked from a node launcher
+  that imported beside the plan (the CPU ranks' default): whether that works on a GPU, and what
+  it saves;
 - tinyllama-2x2048: TinyLlama's shape, 2 sequences of 2048 tokens, bf16 (the same file's
   tinyllama-bf16-sdpa-b2-s2048); no target;
 - llama-8b-qlora-32k: jobs/llama-8b-qlora-32k-24gb.yaml, Llama-3-8B's shape quantised to 4-bit NF4
@@ -65,13 +68,18 @@ class StartupJob:
     target_s: float | None      # command to first step, at most
     limit_s: float              # stopped after this many seconds
     before: str                 # the H200 reading of BEFORE_DATE (torch 2.11, transformers 5.17)
+    env: tuple[tuple[str, str], ...] = ()   # set for this launch only
 
 
 JOBS = [
     StartupJob("llama-1b-64k", "llama-1b-64k-ckpt-tiled-loss", 20, 60, "60-75 s"),
-    StartupJob("tinyllama-2x2048", "tinyllama-bf16-sdpa-b2-s2048", None, 60, "~54 s"),
-    StartupJob("llama-8b-qlora-32k", "jobs/llama-8b-qlora-32k-24gb.yaml", 60, 150,
+    StartupJob("llama-8b-qlora-32k", "jobs/llama-8b-qlora-32k-24gb.yaml", 60, 120,
                "no first step after 280 s"),
+    # the same launch with its rank forked from a node launcher started beside the plan (the CPU
+    # ranks' default, launch/rank_forks.py): whether a GPU rank works so, and what it saves
+    StartupJob("llama-1b-64k-forked", "llama-1b-64k-ckpt-tiled-loss", 20, 45, "-",
+               env=(("JOBSPEC_FORK_RANKS", "1"),)),
+    StartupJob("tinyllama-2x2048", "tinyllama-bf16-sdpa-b2-s2048", None, 60, "~54 s"),
 ]
 
 # The table's groups: each a list of (from mark, to mark); together they cover the command to the
@@ -137,6 +145,11 @@ def set_args(job: StartupJob, work: Path) -> list[str]:
 def command(job: StartupJob, work: Path) -> list[str]:
     return [sys.executable, "-m", "jobspec", "launch", str(job_file(job, work)),
             "--kill-grace", str(KILL_GRACE_S), *set_args(job, work)]
+
+
+def shown_command(job: StartupJob, argv: list[str]) -> str:
+    """The launch as a user would type it: the job's environment, then `python ...`."""
+    return " ".join([*(f"{k}={v}" for k, v in job.env), "python", *argv[1:]])
 
 
 def settings(spec: dict) -> str:
@@ -218,7 +231,7 @@ def run_job(job: StartupJob, work: Path, limit_s: float) -> dict:
     out_dir = work / job.name / "out"
     out_dir.mkdir(parents=True, exist_ok=True)
     output = work / job.name / "launch-output.txt"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **dict(job.env)}
     with open(output, "w", encoding="utf-8") as sink:
         started = time.time()
         proc = subprocess.Popen(argv, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, env=env)
@@ -232,7 +245,7 @@ def run_job(job: StartupJob, work: Path, limit_s: float) -> dict:
     marks, cpu = read_phases(log.read_text(errors="replace")) if log and log.is_file() else ({}, {})
     marks["cmd"] = started
     summary = read_json(run_dir / "summary.json") if run_dir else {}
-    return {"name": job.name, "command": " ".join(["python", *argv[1:]]),
+    return {"name": job.name, "command": shown_command(job, argv),
             "exit_code": proc.returncode, "stopped_at_s": stopped_at and round(stopped_at, 1),
             "limit_s": round(limit_s, 1), "seconds": round(ended - started, 2),
             "to_first_step_s": span(marks, "cmd", FIRST_STEP), "phases": phases(marks),
@@ -406,7 +419,7 @@ def dry_run(jobs: list[StartupJob], args: argparse.Namespace) -> int:
               f"({shown['trainable_parameters'] / 1e6:.0f} M trained); plan: peak allocated "
               f"{shown['peak_allocated_gib']:.2f} GiB; limit {job.limit_s:.0f} s, {target}; "
               f"before ({BEFORE_DATE}, H200): {job.before}\n"
-              f"  python {' '.join(command(job, work)[1:])}")
+              f"  {shown_command(job, command(job, work))}")
     print(f"\nlimits {sum(j.limit_s for j in jobs):.0f} s in all (+ up to {STOP_S} s per stop); "
           f"no job runs past --budget-s {args.budget_s:.0f} s\n")
     versions = installed_versions()

@@ -18,8 +18,10 @@ def test_jobs_are_the_brief_and_validate_as_they_run(tmp_path):
     from jobspec.spec.validation import load_and_validate
 
     jobs = {j.name: j for j in gpu_startup.JOBS}
-    assert list(jobs) == ["llama-1b-64k", "tinyllama-2x2048", "llama-8b-qlora-32k"]
-    assert [j.target_s for j in gpu_startup.JOBS] == [20, None, 60]
+    assert list(jobs) == ["llama-1b-64k", "llama-8b-qlora-32k", "llama-1b-64k-forked",
+                          "tinyllama-2x2048"]
+    assert [j.target_s for j in gpu_startup.JOBS] == [20, 60, 20, None]
+    assert dict(jobs["llama-1b-64k-forked"].env) == {"JOBSPEC_FORK_RANKS": "1"}
     # every limit and stop fits the session's budget, and that fits a 5-minute call
     assert sum(j.limit_s for j in gpu_startup.JOBS) <= gpu_startup.BUDGET_S <= 300
     for job in gpu_startup.JOBS:
@@ -127,7 +129,8 @@ def test_a_job_stopped_short_names_the_phase_it_was_in():
         "failed: exit 130 after 12 s, no first step")
     assert gpu_startup.verdict(job, {"to_first_step_s": 19.5}) == "met (<= 20 s)"
     assert gpu_startup.verdict(job, {"to_first_step_s": 31.0}) == "missed by 11 s (target <= 20 s)"
-    assert gpu_startup.verdict(gpu_startup.JOBS[1], {"to_first_step_s": 31.0}) == "no target"
+    tiny = next(j for j in gpu_startup.JOBS if j.name == "tinyllama-2x2048")
+    assert gpu_startup.verdict(tiny, {"to_first_step_s": 31.0}) == "no target"
 
 
 def no_launch_left() -> bool:

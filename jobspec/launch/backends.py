@@ -9,7 +9,8 @@ reads a command line back. The argv a launch runs is the argv command.txt and la
     JOBSPEC_DEEPSPEED_RUNNER=1    the runner for one node too (to compare, or to rule jobspec out)
 
 On one node with CPU ranks, launch.py's ranks are forked from it once it has imported what they
-import (launch/rank_forks.py); JOBSPEC_FORK_RANKS=0 starts each as its own `python -m` instead.
+import (launch/rank_forks.py); JOBSPEC_FORK_RANKS=0 starts each as its own `python -m` instead, and
+JOBSPEC_FORK_RANKS=1 forks GPU ranks too (to measure it on a GPU host: not the default there yet).
 """
 from __future__ import annotations
 
@@ -45,5 +46,12 @@ def backend_for(plan: LaunchPlan, environ: Mapping[str, str] = os.environ, *,
         return in_slurm if in_slurm is not None else runner.DeepSpeedRunner()
     if environ.get("JOBSPEC_DEEPSPEED_RUNNER") == "1":
         return runner.DeepSpeedRunner()
-    fork = cpu_ranks and environ.get("JOBSPEC_FORK_RANKS") != "0"
+    fork = forks_ranks(environ, cpu_ranks)
     return runner.NodeLauncher.for_plan(plan, environ, fork_ranks=fork)
+
+
+def forks_ranks(environ: Mapping[str, str], cpu_ranks: bool) -> bool:
+    """Whether one node's ranks are forked from its node launcher: CPU ranks unless
+    JOBSPEC_FORK_RANKS=0, GPU ranks only with JOBSPEC_FORK_RANKS=1."""
+    asked = environ.get("JOBSPEC_FORK_RANKS")
+    return asked == "1" or (cpu_ranks and asked != "0")

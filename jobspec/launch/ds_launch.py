@@ -78,6 +78,8 @@ def _standby_if_asked() -> None:
 if __name__ == "__main__":
     if standby.STANDBY_FLAG in sys.argv or rank_forks.FORK_FLAG in sys.argv:
         rank_forks.prepare_titles()   # ranks forked from here show their own command lines
+        # torch.cuda.is_available() through NVML, not the CUDA driver a fork could not share
+        os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     import_deepspeed()
     _standby_if_asked()
     _fork_ranks_if_asked()

@@ -16,8 +16,11 @@ line, as `ps` shows it, is the rank command it runs (setproctitle); its /proc/PI
 environment (a fork keeps the block it started with), so the launcher recognises it by its process
 name, `FORKED_RANK_NAME`, not by LOCAL_RANK there.
 
-Only for CPU ranks (launch/runner.NodeLauncher decides): a process that has touched CUDA cannot be
-forked safely, and on a GPU host that is not yet measured to be safe after DeepSpeed's import.
+Only for CPU ranks by default (launch/backends.forks_ranks decides): a process that has initialised
+CUDA cannot be forked safely, and on a GPU host that is not yet measured after DeepSpeed's import.
+JOBSPEC_FORK_RANKS=1 forks GPU ranks too, to measure it (bench/gpu_startup.py): the node launcher
+then asks NVML, not the CUDA driver, whether there is a GPU, and a node launcher that has
+initialised CUDA all the same starts its ranks as their own processes.
 """
 from __future__ import annotations
 
@@ -112,10 +115,21 @@ def install() -> None:
 
     def popen(cmd, *args, **kwargs):
         ranked = rank_module(cmd) if not args and set(kwargs) <= {"env"} else None
+        if ranked is not None and cuda_initialized():
+            print(f"{LOG_ONLY}CUDA is initialised in the node launcher: the ranks start as their "
+                  "own processes, not forked", file=sys.stderr, flush=True)
+            ranked = None
         if ranked is None:
             return _REAL_POPEN(cmd, *args, **kwargs)
         return ForkedRank(cmd, dict(kwargs.get("env") or os.environ), *ranked, levels=levels)
     subprocess.Popen = popen  # type: ignore[misc, assignment]
+
+
+def cuda_initialized() -> bool:
+    """Whether this process has initialised CUDA (torch's lazy init): a fork of it could not use
+    the GPU."""
+    torch = sys.modules.get("torch")
+    return torch is not None and bool(torch.cuda.is_initialized())
 
 
 def _log_levels() -> dict:

@@ -27,6 +27,7 @@ import sys
 from jobspec import hardware, lifeline
 from jobspec.compile.launch_plan import RANK_ENVIRONMENT, WORKER_MODULE
 from jobspec.launch import rank_forks, runner
+from jobspec.launch.backends import forks_ranks
 from jobspec.spec.types import JobSpec
 
 STANDBY_FLAG = "--standby"
@@ -34,9 +35,10 @@ STANDBY_FLAG = "--standby"
 
 def wanted(spec: JobSpec, environ=os.environ) -> bool:
     """Whether a launch of `spec` on this host forks its ranks from a node launcher started now:
-    one node, CPU ranks (launch/backends.backend_for decides the same from the plan)."""
+    one node whose ranks are forked (launch/backends.forks_ranks, which backend_for asks of the
+    plan)."""
     return (spec["resources"]["nodes"] == 1 and environ.get("JOBSPEC_DEEPSPEED_RUNNER") != "1"
-            and environ.get("JOBSPEC_FORK_RANKS") != "0" and hardware.ranks_on_cpus())
+            and forks_ranks(environ, hardware.ranks_on_cpus()))
 
 
 def start_runner(argv: list[str], env: dict, stdin=subprocess.DEVNULL):

@@ -121,3 +121,15 @@ def test_preload_calls_the_rank_modules_hook_with_the_spec(tmp_path, monkeypatch
     for module in ("hooked_rank", "broken_rank", "no_such_rank"):   # a failure costs only time
         rank_forks.preload(module, {"out": str(tmp_path)})
     assert (tmp_path / "preloaded").is_file()
+
+
+def test_a_node_launcher_that_initialised_cuda_starts_its_ranks_as_processes(rank_module, tmp_path,
+                                                                            monkeypatch, capfd):
+    import torch
+    monkeypatch.setattr(subprocess, "Popen", subprocess.Popen)   # restored after the test
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    rank_forks.install()
+    env = {**os.environ, "RANK": "0", "PYTHONPATH": str(tmp_path)}
+    rank = subprocess.Popen([sys.executable, "-u", "-m", rank_module], env=env)
+    assert isinstance(rank, rank_forks._REAL_POPEN) and rank.wait(timeout=60) == 0
+    assert "CUDA is initialised in the node launcher" in capfd.readouterr().err

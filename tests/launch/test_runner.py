@@ -83,6 +83,9 @@ def test_cpu_ranks_are_forked_from_launch_py_unless_turned_off():
     assert backends.backend_for(PLAN, {"JOBSPEC_FORK_RANKS": "0"}, cpu_ranks=True).argv(PLAN) == plain
     two = LaunchPlan(nodes=2, gpus_per_node=2, world_size=4, master_port=29500, run_dir="/r")
     assert rank_forks.FORK_FLAG not in backends.backend_for(two, {}, cpu_ranks=True).argv(two)
+    # GPU ranks: only when asked, to measure it on a GPU host
+    assert backends.backend_for(PLAN, {}, cpu_ranks=False).argv(PLAN) == plain
+    assert backends.backend_for(PLAN, {"JOBSPEC_FORK_RANKS": "1"}, cpu_ranks=False).argv(PLAN) == forked
 
 
 def test_visible_devices_are_the_ones_used():

@@ -61,6 +61,7 @@ def test_wanted_for_one_node_of_cpu_ranks_only(spec, monkeypatch):
     assert not standby.wanted({**spec, "resources": {**spec["resources"], "nodes": 2}}, {})
     monkeypatch.setenv("JOBSPEC_FAKE_GPU_FREE_BYTES", str(80 << 30))   # GPU ranks, as planned
     assert not standby.wanted(spec, {})
+    assert standby.wanted(spec, {"JOBSPEC_FORK_RANKS": "1"})   # asked for, to measure on a GPU
 
 
 def test_a_launch_refused_after_validation_abandons_its_standby(tmp_path):
