@@ -42,23 +42,26 @@ def _run_launch_py() -> int:
     return 0
 
 
-def _fork_ranks_if_asked() -> None:
-    """With FORK_FLAG (removed from the arguments launch.py parses): the rank module, imported
-    here by the name launch.py runs it by, imports what its ranks import (its `preload(run_dir)`),
-    and launch.py's rank processes are forked from here (launch/rank_forks.py)."""
+def _fork_ranks_if_asked(preloaded: bool) -> None:
+    """With FORK_FLAG (removed from the arguments launch.py parses): unless a standby has done it
+    already, the rank module, imported here by the name launch.py runs it by, imports what its
+    ranks import (its `preload(spec)`, the run directory's spec); then launch.py's rank processes
+    are forked from here (launch/rank_forks.py)."""
     if rank_forks.FORK_FLAG not in sys.argv:
         return
     sys.argv.remove(rank_forks.FORK_FLAG)
-    rank_forks.preload(rank_forks.rank_module_name(sys.argv[1:]), rank_forks.spec_of(sys.argv[1:]))
+    if not preloaded:
+        rank_forks.preload(rank_forks.rank_module_name(sys.argv[1:]),
+                           rank_forks.spec_of(sys.argv[1:]))
     rank_forks.install()
 
 
-def _standby_if_asked() -> None:
+def _standby_if_asked() -> bool:
     """With STANDBY_FLAG: what the ranks import, imported while the launcher plans, then launch.py's
     arguments and the ranks' environment read from stdin (launch/standby.py); the launch
-    abandoned meanwhile (stdin closed): exit at once."""
+    abandoned meanwhile (stdin closed): exit at once. Whether it preloaded."""
     if standby.STANDBY_FLAG not in sys.argv:
-        return
+        return False
     first = standby.read_message()
     if first is None:
         quick_exit(0)
@@ -73,6 +76,7 @@ def _standby_if_asked() -> None:
     devnull = os.open(os.devnull, os.O_RDONLY)   # the ranks get no stdin, as ever
     os.dup2(devnull, 0)
     os.close(devnull)
+    return True
 
 
 if __name__ == "__main__":
@@ -81,6 +85,5 @@ if __name__ == "__main__":
         # torch.cuda.is_available() through NVML, not the CUDA driver a fork could not share
         os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     import_deepspeed()
-    _standby_if_asked()
-    _fork_ranks_if_asked()
+    _fork_ranks_if_asked(preloaded=_standby_if_asked())
     quick_exit(_run_launch_py())

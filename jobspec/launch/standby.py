@@ -103,13 +103,12 @@ class Standby:
         except (ProcessLookupError, PermissionError):
             pass
         self.proc.wait()
-        for close in (self.proc.stdin.close if self.proc.stdin else None,
-                      lambda: os.close(self.read_fd)):
-            try:
-                if close is not None:
-                    close()
-            except OSError:
-                pass
+        try:
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+        except OSError:   # a line it never read: nothing to flush it to
+            pass
+        os.close(self.read_fd)
 
     def _send(self, message: dict) -> None:
         assert self.proc.stdin is not None
